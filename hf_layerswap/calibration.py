@@ -1,0 +1,273 @@
+"""Calibration sets: text sources -> right-padded ``(input_ids, attention_mask)`` prompts.
+
+Accepted sources (:func:`build_calibration`):
+
+- ``None`` or ``"embedded"``: real English prose that ships with Python itself (the
+  documentation topics of ``pydoc_data``), so a machine with no Hub access still has a
+  default. Topics are split deterministically into a calibration part and an evaluation
+  part that never overlap (:func:`embedded_text`).
+- a path to a text file (e.g. WikiText-2 ``valid.txt``): split into paragraphs.
+- a list of strings: one prompt per string.
+- a ``datasets.Dataset``: its ``text`` column (or its only string column).
+- a mapping with ``input_ids`` and ``attention_mask`` long tensors of shape ``(B, T)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["CalibrationSet", "build_calibration", "embedded_text", "split_paragraphs"]
+
+EMBEDDED_SOURCE = "pydoc_data.topics"
+#: Every ``EVAL_EVERY``-th documentation topic (sorted by name) is evaluation text.
+EVAL_EVERY = 4
+
+
+def embedded_text(split: str = "calibration") -> str:
+    """Real prose shipped with CPython (``pydoc_data.topics``), split without overlap.
+
+    Topics are sorted by name; topic number k goes to ``"evaluation"`` when
+    ``k % 4 == 3`` and to ``"calibration"`` otherwise.
+
+    Raises:
+        ValueError: ``split`` is not ``"calibration"`` or ``"evaluation"``.
+    """
+    if split not in ("calibration", "evaluation"):
+        raise ValueError(f"split={split!r}: allowed 'calibration' or 'evaluation'")
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    chosen = [k for n, k in enumerate(keys) if (n % EVAL_EVERY == EVAL_EVERY - 1) == (split == "evaluation")]
+    return "\n\n".join(topics[k] for k in chosen)
+
+
+def split_paragraphs(text: str, *, min_chars: int = 50) -> list[str]:
+    """Split text at blank lines; drop WikiText-style headings (``= Title =``) and
+    paragraphs shorter than ``min_chars`` characters; join wrapped lines with spaces."""
+    paragraphs = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        lines = [ln.strip() for ln in block.split("\n") if ln.strip()]
+        if not lines:
+            continue
+        para = " ".join(lines)
+        if para.startswith("=") and para.endswith("="):
+            continue
+        if len(para) >= min_chars:
+            paragraphs.append(para)
+    return paragraphs
+
+
+@dataclass
+class CalibrationSet:
+    """A calibration set of right-padded prompts.
+
+    Attributes:
+        input_ids: ``(N, T)`` long tensor.
+        attention_mask: ``(N, T)`` long tensor of 0/1, 1 = real token; every row has at
+            least 2 real tokens and all its real tokens before its padding.
+        description: where the text came from (source, split, selection rule).
+        add_special_tokens: whether the tokenizer added BOS/EOS (None for given tensors).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    description: str
+    add_special_tokens: bool | None = None
+    texts: list[str] | None = field(default=None, repr=False)
+
+    @property
+    def num_prompts(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens."""
+        return int(self.attention_mask.sum())
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 over the token ids at real positions and the mask (hex)."""
+        h = hashlib.sha256()
+        ids = (self.input_ids * self.attention_mask).to(torch.int64).contiguous()
+        h.update(str(tuple(ids.shape)).encode())
+        h.update(ids.numpy().tobytes())
+        h.update(self.attention_mask.to(torch.int64).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield ``(input_ids, attention_mask)`` batches of at most ``batch_size`` prompts,
+        with trailing all-padding columns trimmed (this changes no result)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        for start in range(0, self.num_prompts, batch_size):
+            ids = self.input_ids[start : start + batch_size]
+            mask = self.attention_mask[start : start + batch_size]
+            width = int(mask.sum(dim=1).max())
+            yield ids[:, :width], mask[:, :width]
+
+    def spec(self) -> dict:
+        """JSON-able description for reports and cards."""
+        return {
+            "description": self.description,
+            "content_hash": self.content_hash,
+            "num_prompts": self.num_prompts,
+            "num_tokens": self.num_tokens,
+            "seq_len": self.seq_len,
+            "add_special_tokens": self.add_special_tokens,
+        }
+
+
+def _validate_tensors(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(input_ids, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            "calibration mapping needs torch tensors 'input_ids' and 'attention_mask', got "
+            f"{type(input_ids).__name__} and {type(attention_mask).__name__}"
+        )
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids shape {tuple(input_ids.shape)} and attention_mask shape {tuple(attention_mask.shape)} "
+            "must be equal and 2-D (B, T)"
+        )
+    if input_ids.dtype != torch.long or attention_mask.dtype not in (torch.long, torch.int32, torch.bool, torch.int64):
+        raise TypeError(f"input_ids must be torch.long (got {input_ids.dtype}); attention_mask long/int/bool")
+    mask = attention_mask.to(torch.long)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must contain only 0 and 1")
+    if input_ids.shape[0] == 0:
+        raise ValueError("empty calibration set: input_ids has 0 rows")
+    real = mask.sum(dim=1)
+    for row, n in enumerate(real.tolist()):
+        if n < 2:
+            kind = "all padding" if n == 0 else "1 real token"
+            raise ValueError(f"calibration prompt {row} is {kind}: every prompt needs at least 2 real tokens")
+    # every real token must precede every pad (right padding): positions are shared with the model
+    cum = mask.flip(1).cummax(dim=1).values.flip(1)
+    if not bool((cum == mask).all()):
+        raise ValueError("attention_mask must be right-padded (ones, then zeros) in every row")
+    return input_ids, mask
+
+
+def _texts_from_source(calibration, *, num_prompts: int, seed: int) -> tuple[list[str], str]:
+    if calibration is None or (isinstance(calibration, str) and calibration == "embedded"):
+        paras = split_paragraphs(embedded_text("calibration"))
+        desc = f"embedded:{EMBEDDED_SOURCE} (calibration split: topics k % {EVAL_EVERY} != {EVAL_EVERY - 1})"
+        return _sample(paras, num_prompts, seed), f"{desc}, {len(paras)} paragraphs >= 50 chars, seed {seed}"
+    if isinstance(calibration, (str, os.PathLike)):
+        path = Path(calibration)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"calibration={str(calibration)!r} is not a file; pass a text file path, 'embedded', a list of "
+                "strings, a datasets.Dataset or a mapping with input_ids/attention_mask"
+            )
+        text = path.read_text(encoding="utf-8", errors="replace")
+        paras = split_paragraphs(text)
+        return _sample(paras, num_prompts, seed), (
+            f"file:{path.name} ({len(paras)} paragraphs >= 50 chars, headings dropped, seed {seed})"
+        )
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        datasets = None
+    if datasets is not None and isinstance(calibration, datasets.Dataset):
+        columns = [c for c, f in calibration.features.items() if getattr(f, "dtype", None) == "string"]
+        column = "text" if "text" in calibration.column_names else (columns[0] if len(columns) == 1 else None)
+        if column is None:
+            raise ValueError(
+                f"datasets.Dataset has no 'text' column and not exactly one string column: {calibration.column_names}"
+            )
+        rows = [t for t in calibration[column] if isinstance(t, str) and t.strip()]
+        paras = [p for p in rows if len(p.strip()) >= 1]
+        name = getattr(calibration.info, "dataset_name", None) or "dataset"
+        return _sample(paras, num_prompts, seed), f"datasets:{name} column {column!r} ({len(paras)} rows, seed {seed})"
+    if isinstance(calibration, Sequence) and all(isinstance(t, str) for t in calibration):
+        texts = list(calibration)[:num_prompts]
+        return texts, f"list of {len(calibration)} strings (first {len(texts)} used, in order)"
+    raise TypeError(
+        f"unsupported calibration of type {type(calibration).__name__}: allowed None/'embedded', a text file path, "
+        "a list of strings, a datasets.Dataset, or a mapping with input_ids and attention_mask (B, T) long tensors"
+    )
+
+
+def _sample(paras: list[str], num_prompts: int, seed: int) -> list[str]:
+    order = list(range(len(paras)))
+    random.Random(seed).shuffle(order)
+    return [paras[i] for i in order[:num_prompts]]
+
+
+def build_calibration(
+    calibration=None,
+    tokenizer=None,
+    *,
+    num_prompts: int = 64,
+    seq_len: int = 128,
+    seed: int = 0,
+) -> CalibrationSet:
+    """Turn a calibration source into right-padded prompts.
+
+    Args:
+        calibration: see the module docstring. A :class:`CalibrationSet` is returned as is.
+        tokenizer: a transformers tokenizer; needed for every text source. A tokenizer with
+            no pad token is fine (padding positions are masked out).
+        num_prompts: at most this many prompts (paragraphs are drawn by a seeded shuffle;
+            a list of strings or given tensors are used in order).
+        seq_len: prompts are truncated to this many tokens.
+        seed: shuffle seed for paragraph sources.
+
+    Raises:
+        ValueError: ``num_prompts``/``seq_len`` below their minimum (1 and 2), an empty
+            set, a prompt with fewer than 2 real tokens, mismatched tensor shapes.
+        TypeError: an unsupported source or a text source without a tokenizer.
+    """
+    if isinstance(calibration, CalibrationSet):
+        return calibration
+    if not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts!r}: must be an int >= 1")
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r}: must be an int >= 2 (a KL needs at least 2 tokens)")
+    if isinstance(calibration, Mapping):
+        missing = {"input_ids", "attention_mask"} - set(calibration)
+        if missing:
+            raise ValueError(f"calibration mapping is missing {sorted(missing)}; it needs input_ids and attention_mask")
+        ids, mask = _validate_tensors(calibration["input_ids"], calibration["attention_mask"])
+        ids, mask = ids[:num_prompts], mask[:num_prompts]
+        return CalibrationSet(ids.clone(), mask.clone(), f"tensors ({ids.shape[0]} x {ids.shape[1]}, given)")
+    texts, description = _texts_from_source(calibration, num_prompts=num_prompts, seed=seed)
+    if not texts:
+        raise ValueError(f"empty calibration set: {description} yields no prompt")
+    if tokenizer is None:
+        raise TypeError("a text calibration source needs a tokenizer (pass tokenizer=...)")
+    encoded = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]
+    for row, ids in enumerate(encoded):
+        if len(ids) < 2:
+            raise ValueError(
+                f"calibration prompt {row} ({texts[row][:40]!r}) has {len(ids)} token(s): every prompt needs at least 2"
+            )
+    width = max(len(ids) for ids in encoded)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    input_ids = torch.full((len(encoded), width), int(pad_id), dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+    bos = getattr(tokenizer, "bos_token_id", None)
+    adds_bos = bos is not None and all(ids[0] == bos for ids in encoded)
+    return CalibrationSet(
+        input_ids,
+        attention_mask,
+        f"{description}; truncated to {seq_len} tokens" + ("; BOS prepended" if adds_bos else "; no BOS"),
+        add_special_tokens=True,
+        texts=texts,
+    )

