@@ -1,4 +1,38 @@
 """hf_layerswap: protocol-aware layer redundancy (replacement and interchange swap-KL),
-decoder-layer removal at ``from_pretrained`` time, and publishing with the evidence."""
+decoder-layer removal at ``from_pretrained`` time, and publishing with the evidence.
+
+Data flow: calibration text -> token batches (:func:`build_calibration`) -> probes (layer
+plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
+:func:`select_layers` -> :func:`remove_layers` -> checkpoint + card.
+"""
 
 __version__ = "0.1.0"
+
+from .calibration import CalibrationSet, build_calibration, embedded_text
+from .integration import LayerSwapConfig, LayerSwapQuantizer, prune_loaded_model
+from .plan import apply_plan, capture_residual_stream, decoder_blocks, num_blocks
+from .report import PairResult, SwapReport
+from .scoring import masked_kl, removal_kl, score_layers
+from .selection import select_layers
+from .surgery import check_surgery_invariants, remove_layers
+
+__all__ = [
+    "CalibrationSet",
+    "LayerSwapConfig",
+    "LayerSwapQuantizer",
+    "PairResult",
+    "SwapReport",
+    "apply_plan",
+    "build_calibration",
+    "capture_residual_stream",
+    "check_surgery_invariants",
+    "decoder_blocks",
+    "embedded_text",
+    "masked_kl",
+    "num_blocks",
+    "prune_loaded_model",
+    "remove_layers",
+    "removal_kl",
+    "score_layers",
+    "select_layers",
+]

@@ -1,0 +1,329 @@
+"""Result dataclasses: per-pair swap-KL values and the :class:`SwapReport`, with an exact
+JSON round trip (non-finite values are kept as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``).
+
+Definitions (No Free Swap, arXiv 2605.16234, Def. 1 and Remark 1), all in nats:
+
+- ``replacement_ij`` = E_x KL(p_M || p_{M[i<-j]}) (slot i runs block j)
+- ``replacement_ji`` = E_x KL(p_M || p_{M[j<-i]})
+- ``replacement`` = max(replacement_ij, replacement_ji)
+- ``interchange`` = E_x KL(p_M || p_{M[i<->j]})
+
+E_x is the mean over real tokens of each prompt, then the mean over prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+__all__ = ["PROTOCOLS", "PairResult", "SwapReport", "decode_float", "encode_float", "set_key", "write_json_atomic"]
+
+PROTOCOLS = ("replacement", "interchange")
+_PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")
+
+
+def encode_float(x):
+    """JSON-safe float: non-finite values become the strings 'NaN', 'Infinity', '-Infinity'."""
+    if x is None or isinstance(x, str):
+        return x
+    x = float(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
+
+
+def decode_float(x):
+    """Inverse of :func:`encode_float`."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[x])
+    return float(x)
+
+
+def _max_kl(a: float | None, b: float | None) -> float | None:
+    """Max of the two replacement directions; NaN if either is NaN (never dropped)."""
+    if a is None or b is None:
+        return None
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b)
+
+
+def write_json_atomic(data, path: str | os.PathLike) -> Path:
+    """Write JSON to ``path`` through a temporary file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, allow_nan=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+@dataclass
+class PairResult:
+    """Swap-KL of one block pair ``(i, j)``, ``i < j``, in nats.
+
+    A value is ``None`` when its protocol was not scored; NaN/inf are real results
+    (e.g. an overflow on a boundary pair) and are kept. ``*_se`` are standard errors of
+    the prompt mean (sample std over prompts / sqrt(prompts)).
+    """
+
+    i: int
+    j: int
+    replacement_ij: float | None = None
+    replacement_ji: float | None = None
+    interchange: float | None = None
+    replacement_ij_se: float | None = None
+    replacement_ji_se: float | None = None
+    interchange_se: float | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.i, int) and isinstance(self.j, int) and 0 <= self.i < self.j):
+            raise ValueError(f"pair ({self.i!r}, {self.j!r}) must satisfy 0 <= i < j")
+
+    @property
+    def gap(self) -> int:
+        return self.j - self.i
+
+    @property
+    def replacement(self) -> float | None:
+        """max(replacement_ij, replacement_ji): the paper's bidirectional d_repl."""
+        return _max_kl(self.replacement_ij, self.replacement_ji)
+
+    @property
+    def ratio(self) -> float | None:
+        """I/R = interchange / max(replacement, 1e-10); None if either is missing or non-finite."""
+        r, x = self.replacement, self.interchange
+        if r is None or x is None or not (math.isfinite(r) and math.isfinite(x)):
+            return None
+        return x / max(r, 1e-10)
+
+    def value(self, protocol: str) -> float | None:
+        if protocol == "replacement":
+            return self.replacement
+        if protocol in _PAIR_VALUE_FIELDS:
+            return getattr(self, protocol)
+        raise ValueError(f"protocol={protocol!r}: allowed {list(PROTOCOLS) + ['replacement_ij', 'replacement_ji']}")
+
+    def to_dict(self) -> dict:
+        out = {"i": self.i, "j": self.j, "replacement": encode_float(self.replacement)}
+        for f in fields(self):
+            if f.name not in ("i", "j"):
+                out[f.name] = encode_float(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PairResult:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: (decode_float(v) if k not in ("i", "j") else int(v)) for k, v in d.items() if k in names})
+
+
+def _score_key(value: float | None) -> tuple[int, float]:
+    """Sort key: finite ascending, then +inf, then NaN/None."""
+    if value is None or math.isnan(value):
+        return (2, 0.0)
+    if math.isinf(value):
+        return (1 if value > 0 else 0, value)
+    return (0, value)
+
+
+@dataclass
+class SwapReport:
+    """Swap-KL results for every scored pair of a model, plus provenance.
+
+    Attributes:
+        num_layers: L, the number of decoder blocks scored.
+        pairs: one :class:`PairResult` per scored pair, sorted by ``(i, j)``.
+        protocols: the protocols that were scored.
+        max_gap: pairs have ``1 <= j - i <= max_gap``.
+        metadata: model name/revision, calibration (description, content hash, prompts,
+            tokens, seq_len), dtype, forward passes, seconds, library versions.
+        removal_kl: joint removal KL d_skip(S) in nats keyed by ``"i,j,..."`` (0-based,
+            ascending), for sets evaluated on the calibration prompts.
+        selections: records of :func:`~hf_layerswap.select_layers` calls that evaluated
+            candidates (``protocol="auto"``).
+    """
+
+    num_layers: int
+    pairs: list[PairResult]
+    protocols: tuple[str, ...] = PROTOCOLS
+    max_gap: int = 1
+    metadata: dict = field(default_factory=dict)
+    removal_kl: dict[str, float] = field(default_factory=dict)
+    selections: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.protocols = tuple(self.protocols)
+        for p in self.protocols:
+            if p not in PROTOCOLS:
+                raise ValueError(f"protocol {p!r} is not one of {list(PROTOCOLS)}")
+        self.pairs = sorted(self.pairs, key=lambda r: (r.i, r.j))
+        for r in self.pairs:
+            if r.j >= self.num_layers:
+                raise ValueError(f"pair ({r.i}, {r.j}) is out of range for num_layers={self.num_layers}")
+
+    # ------------------------------------------------------------------ queries
+    def pair(self, i: int, j: int) -> PairResult:
+        """The result for pair ``{i, j}`` (order-free). Raises KeyError if not scored."""
+        a, b = min(i, j), max(i, j)
+        for r in self.pairs:
+            if (r.i, r.j) == (a, b):
+                return r
+        raise KeyError(f"pair ({a}, {b}) was not scored (max_gap={self.max_gap})")
+
+    def _require(self, protocol: str) -> None:
+        base = "replacement" if protocol.startswith("replacement") else protocol
+        if base not in PROTOCOLS:
+            raise ValueError(f"protocol={protocol!r}: allowed {list(PROTOCOLS)}")
+        if base not in self.protocols:
+            raise ValueError(f"protocol {protocol!r} was not scored in this report (scored: {list(self.protocols)})")
+
+    def layer_scores(self, protocol: str = "interchange") -> list[float]:
+        """s(i) = min over scored partners j of d(i, j), length L (nats). Low = removable.
+
+        NaN partner values are skipped; a layer whose every partner value is NaN gets NaN
+        (it sorts last and is never selected).
+        """
+        self._require(protocol)
+        scores: list[float] = []
+        for layer in range(self.num_layers):
+            values = [r.value(protocol) for r in self.pairs if layer in (r.i, r.j)]
+            values = [v for v in values if v is not None]
+            known = [v for v in values if not math.isnan(v)]
+            scores.append(min(known) if known else math.nan)
+        return scores
+
+    def protocol_gap(self) -> dict:
+        """Per-pair I/R = interchange / replacement and a summary.
+
+        Returns:
+            ``{"pairs": [{"i","j","gap","replacement","interchange","ratio"}...],
+            "summary": {"pairs", "finite_pairs", "mean_ratio", "median_ratio",
+            "fraction_interchange_le_replacement", "mean_ratio_by_gap": {gap: mean}}}``.
+        """
+        self._require("replacement")
+        self._require("interchange")
+        rows = []
+        for r in self.pairs:
+            rows.append(
+                {
+                    "i": r.i,
+                    "j": r.j,
+                    "gap": r.gap,
+                    "replacement": r.replacement,
+                    "interchange": r.interchange,
+                    "ratio": r.ratio,
+                }
+            )
+        ratios = [row["ratio"] for row in rows if row["ratio"] is not None]
+        finite = [r for r in self.pairs if r.ratio is not None]
+        by_gap: dict[int, list[float]] = {}
+        for r in finite:
+            by_gap.setdefault(r.gap, []).append(r.ratio)
+        summary = {
+            "pairs": len(rows),
+            "finite_pairs": len(ratios),
+            "mean_ratio": statistics.fmean(ratios) if ratios else None,
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "fraction_interchange_le_replacement": (
+                sum(r.interchange <= r.replacement for r in finite) / len(finite) if finite else None
+            ),
+            "mean_ratio_by_gap": {g: statistics.fmean(v) for g, v in sorted(by_gap.items())},
+        }
+        return {"pairs": rows, "summary": summary}
+
+    def ranking(self, protocol: str = "interchange") -> list[int]:
+        """Layer indices sorted by score ascending (non-finite last, ties by index)."""
+        scores = self.layer_scores(protocol)
+        return sorted(range(self.num_layers), key=lambda i: (_score_key(scores[i]), i))
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "format": "hf_layerswap.SwapReport/1",
+            "num_layers": self.num_layers,
+            "protocols": list(self.protocols),
+            "max_gap": self.max_gap,
+            "pairs": [r.to_dict() for r in self.pairs],
+            "removal_kl": {k: encode_float(v) for k, v in self.removal_kl.items()},
+            "selections": _encode_tree(self.selections),
+            "metadata": _encode_tree(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SwapReport:
+        if d.get("format") != "hf_layerswap.SwapReport/1":
+            raise ValueError(f"not a SwapReport dict (format={d.get('format')!r})")
+        return cls(
+            num_layers=int(d["num_layers"]),
+            pairs=[PairResult.from_dict(p) for p in d["pairs"]],
+            protocols=tuple(d["protocols"]),
+            max_gap=int(d["max_gap"]),
+            metadata=_decode_tree(d.get("metadata", {})),
+            removal_kl={k: decode_float(v) for k, v in d.get("removal_kl", {}).items()},
+            selections=_decode_tree(d.get("selections", [])),
+        )
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Write the report as JSON (atomically). Floats round-trip exactly."""
+        return write_json_atomic(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> SwapReport:
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, SwapReport):
+            return NotImplemented
+        return json.dumps(self.to_dict(), sort_keys=True) == json.dumps(other.to_dict(), sort_keys=True)
+
+    def summary_dict(self) -> dict:
+        """Short JSON-able summary for provenance (config.json, cards)."""
+        out = {"num_layers": self.num_layers, "protocols": list(self.protocols), "max_gap": self.max_gap}
+        for p in self.protocols:
+            out[f"{p}_layer_scores"] = [encode_float(v) for v in self.layer_scores(p)]
+        cal = self.metadata.get("calibration", {})
+        out["calibration"] = {k: cal.get(k) for k in ("description", "content_hash", "num_prompts", "num_tokens")}
+        return out
+
+
+def set_key(layers) -> str:
+    """Canonical key of a removal set: ``"i,j,..."`` ascending."""
+    return ",".join(str(i) for i in sorted(layers))
+
+
+def _encode_tree(x):
+    if isinstance(x, float):
+        return encode_float(x)
+    if isinstance(x, dict):
+        return {str(k): _encode_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_encode_tree(v) for v in x]
+    return x
+
+
+def _decode_tree(x):
+    if isinstance(x, str) and x in ("NaN", "Infinity", "-Infinity"):
+        return decode_float(x)
+    if isinstance(x, dict):
+        return {k: _decode_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_decode_tree(v) for v in x]
+    return x
+

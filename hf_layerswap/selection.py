@@ -1,0 +1,161 @@
+"""Choosing which blocks to remove from a :class:`~hf_layerswap.report.SwapReport`.
+
+The paper's rule (No Free Swap, arXiv 2605.16234, Table 17 / App. G): score each layer by
+s(i) = min over scored partners of d(i, j), sort ascending, and take layers greedily
+while every two selected layers stay more than ``spacing`` apart. Protected layers (by
+default the first and the last block) and layers with a non-finite score are never taken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .report import PROTOCOLS, SwapReport, _score_key, set_key
+
+__all__ = ["SELECTION_PROTOCOLS", "greedy_select", "resolve_protect", "select_layers"]
+
+SELECTION_PROTOCOLS = PROTOCOLS + ("auto",)
+
+
+def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
+    """Resolve protected indices (negative = from the end).
+
+    Raises:
+        ValueError: an index outside ``-L..L-1``.
+    """
+    out = set()
+    for p in protect or ():
+        if isinstance(p, bool) or not isinstance(p, int) or not -num_layers <= p < num_layers:
+            raise ValueError(f"protect entry {p!r} is out of range: allowed ints in -{num_layers}..{num_layers - 1}")
+        out.add(p % num_layers)
+    return out
+
+
+def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1, protect: Sequence[int] = (0, -1)) -> list[int]:
+    """The paper's greedy rule on per-layer scores (low = removable).
+
+    Args:
+        scores: length-L per-layer scores.
+        num_layers: how many layers to select (n).
+        spacing: every two selected layers satisfy ``|a - b| > spacing`` (0 allows
+            neighbours; 1 = no two adjacent).
+        protect: indices never selected (negative = from the end).
+
+    Returns:
+        n 0-based indices, ascending.
+
+    Raises:
+        ValueError: n outside ``1..L-1``, a negative spacing, or a budget the rules cannot
+            meet (the message says how many layers could be taken).
+    """
+    total = len(scores)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total - 1:
+        raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
+    if isinstance(spacing, bool) or not isinstance(spacing, int) or spacing < 0:
+        raise ValueError(f"spacing={spacing!r}: must be an int >= 0 (0 allows adjacent layers)")
+    protected = resolve_protect(protect, total)
+    order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
+    chosen: list[int] = []
+    for i in order:
+        if len(chosen) == num_layers:
+            break
+        if i in protected or scores[i] is None or not math.isfinite(scores[i]):
+            continue
+        if all(abs(i - k) > spacing for k in chosen):
+            chosen.append(i)
+    if len(chosen) < num_layers:
+        raise ValueError(
+            f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
+            f"the rule found only {len(chosen)} ({sorted(chosen)}); lower num_layers or spacing, or protect fewer layers"
+        )
+    return sorted(chosen)
+
+
+def select_layers(
+    report: SwapReport,
+    num_layers: int,
+    *,
+    protocol: str = "interchange",
+    spacing: int = 1,
+    protect: Sequence[int] = (0, -1),
+    model=None,
+    calibration=None,
+    tokenizer=None,
+    batch_size: int = 8,
+) -> list[int]:
+    """Select ``num_layers`` blocks to remove (0-based, ascending).
+
+    Args:
+        report: swap-KL scores of the model.
+        num_layers: the budget n.
+        protocol: ``"interchange"``, ``"replacement"`` or ``"auto"``. ``"auto"`` takes
+            the candidate set of each protocol, evaluates both by their joint removal KL
+            d_skip(S) on the calibration prompts and keeps the lower (ties go to
+            interchange); both values are recorded in ``report.removal_kl`` and the
+            decision in ``report.selections``.
+        spacing, protect: see :func:`greedy_select`.
+        model, calibration, tokenizer, batch_size: needed by ``"auto"`` when the two
+            candidate sets differ and ``report.removal_kl`` lacks them. Pass the same
+            calibration source as for scoring (the report keeps its content hash, not
+            the prompts); ``num_prompts``, ``seq_len`` and ``seed`` come from the report.
+
+    Raises:
+        ValueError: an unknown protocol, a protocol the report did not score, a model
+            whose block count differs from the report's, or an unmeetable budget.
+    """
+    if protocol not in SELECTION_PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}: allowed {list(SELECTION_PROTOCOLS)}")
+    if model is not None:
+        from .plan import num_blocks
+
+        if num_blocks(model) != report.num_layers:
+            raise ValueError(
+                f"the report was computed on a model with {report.num_layers} blocks but this model has "
+                f"{num_blocks(model)}: score the model you select for"
+            )
+    if protocol != "auto":
+        return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
+    candidates = {
+        p: greedy_select(report.layer_scores(p), num_layers, spacing=spacing, protect=protect) for p in PROTOCOLS
+    }
+    keys = {p: set_key(s) for p, s in candidates.items()}
+    missing = [k for k in dict.fromkeys(keys.values()) if k not in report.removal_kl]
+    if len(set(keys.values())) > 1 and missing:
+        if model is None:
+            raise ValueError(
+                "protocol='auto' needs the joint removal KL of both candidate sets "
+                f"{candidates}: pass model= and calibration= (the same prompts used for scoring)"
+            )
+        from .scoring import removal_kl
+
+        values = removal_kl(
+            model, calibration, [candidates_set(k) for k in missing], tokenizer=tokenizer, batch_size=batch_size,
+            num_prompts=report.metadata.get("num_prompts", 64), seq_len=report.metadata.get("seq_len", 128),
+            seed=report.metadata.get("seed", 0),
+        )
+        report.removal_kl.update(dict(zip(missing, values)))
+    if len(set(keys.values())) == 1:
+        chosen_protocol = "interchange"
+        reason = "both protocols select the same set"
+    else:
+        ki, kr = report.removal_kl[keys["interchange"]], report.removal_kl[keys["replacement"]]
+        chosen_protocol = "replacement" if _score_key(kr) < _score_key(ki) else "interchange"
+        reason = "lower joint removal KL on the calibration prompts"
+    record = {
+        "num_layers": num_layers,
+        "spacing": spacing,
+        "protect": sorted(resolve_protect(protect, report.num_layers)),
+        "candidates": {p: candidates[p] for p in PROTOCOLS},
+        "removal_kl": {p: report.removal_kl.get(keys[p]) for p in PROTOCOLS},
+        "chosen_protocol": chosen_protocol,
+        "selected": candidates[chosen_protocol],
+        "reason": reason,
+    }
+    report.selections.append(record)
+    return list(candidates[chosen_protocol])
+
+
+def candidates_set(key: str) -> list[int]:
+    """Inverse of :func:`~hf_layerswap.report.set_key`."""
+    return [int(x) for x in key.split(",")] if key else []

@@ -1,0 +1,207 @@
+"""Permanent block removal: the removal plan made real, with per-layer config surgery.
+
+Invariants after :func:`remove_layers` (see DESIGN.md, "Surgery invariants"):
+
+- the decoder's ``nn.ModuleList`` holds the kept blocks in order;
+- every ``layer_idx`` inside them is renumbered ``0..L'-1`` (the KV cache is indexed by it);
+- per-layer config lists (``layer_types``, ``no_rope_layers``) are filtered by kept index
+  *before* ``num_hidden_layers`` is set, and index-valued fields are remapped (or the call
+  is refused, naming the field);
+- ``num_hidden_layers == len(blocks)`` (on the text sub-config of multimodal models);
+- provenance is recorded in ``model.config.layerswap`` (0-based, original indices).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+
+from torch import nn
+
+from .plan import PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
+
+__all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
+
+
+def _remap_prefix_count(value: int, kept: Sequence[int]) -> int:
+    """A "first k layers are special" count, after removal: kept layers with index < k."""
+    return sum(1 for k in kept if k < value)
+
+
+def _qwen_moe_fields(cfg, kept: Sequence[int], num_layers: int) -> dict:
+    """Qwen2/3-MoE: ``mlp_only_layers`` (indices) + ``decoder_sparse_step`` decide which
+    blocks are sparse at construction. Rewrite them so the kept blocks keep their kind."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    num_experts = getattr(cfg, "num_experts", 0) or 0
+    sparse = [(i not in only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    return {
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [new for new, old in enumerate(kept) if not sparse[old]],
+    }
+
+
+#: Index-valued config fields and how they are remapped. Each entry maps a field name to a
+#: function ``(cfg, kept, num_layers) -> {field: new_value}``.
+INDEX_FIELDS = {
+    "max_window_layers": lambda cfg, kept, n: {"max_window_layers": _remap_prefix_count(cfg.max_window_layers, kept)},
+    "first_k_dense_replace": lambda cfg, kept, n: {
+        "first_k_dense_replace": _remap_prefix_count(cfg.first_k_dense_replace, kept)
+    },
+    "mlp_only_layers": _qwen_moe_fields,
+    "decoder_sparse_step": _qwen_moe_fields,
+}
+
+#: Fields that cannot be remapped: a model that sets them is refused.
+UNMAPPABLE_FIELDS = ("num_kv_shared_layers", "layers_block_type", "attn_layer_indices")
+
+
+def _refusals(model: nn.Module, cfg, num_layers: int) -> list[str]:
+    problems = []
+    if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+        problems.append(
+            "scale_attn_by_inverse_layer_idx=True (GPT-2 fixes each block's attention scale from its layer index at "
+            "construction, so a pruned checkpoint would change on reload)"
+        )
+    if getattr(cfg, "is_heterogeneous", False):
+        problems.append("per_layer_config (heterogeneous per-layer overrides keyed by layer index)")
+    for name in UNMAPPABLE_FIELDS:
+        value = getattr(cfg, name, None)
+        if value not in (None, 0, [], {}, ()):
+            problems.append(f"{name}={value!r} (per-layer field that cannot be remapped)")
+    known = set(PER_LAYER_LIST_FIELDS) | set(INDEX_FIELDS) | set(UNMAPPABLE_FIELDS) | {"per_layer_config"}
+    for name, value in vars(cfg).items():
+        if name in known or "layer" not in name or name.startswith("_"):
+            continue
+        if isinstance(value, (list, tuple)) and len(value) == num_layers:
+            problems.append(f"{name} (a per-layer list of length {num_layers} this library does not know how to filter)")
+    return problems
+
+
+def kept_after(num_layers: int, removed: Sequence[int]) -> list[int]:
+    """0-based indices kept after removing ``removed`` from ``num_layers`` blocks."""
+    drop = set(resolve_layer_indices(removed, num_layers))
+    return [i for i in range(num_layers) if i not in drop]
+
+
+def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict | None = None) -> nn.Module:
+    """Remove decoder blocks in place and keep the model and its config consistent.
+
+    Args:
+        model: a transformers causal LM (decoder-only, or a multimodal model's text tower).
+        layers: 0-based indices of the blocks to remove (negative = from the end).
+        provenance: extra JSON-able facts for this step (protocol, scores summary,
+            calibration spec) stored in ``model.config.layerswap["steps"]``.
+
+    Returns:
+        The same ``model`` object.
+
+    Raises:
+        ValueError: out-of-range or duplicate indices, an empty set, removal of every
+            block, a model with no decoder block list, or a config field that cannot be
+            remapped (the message names it). Nothing is changed when it raises.
+    """
+    from .scoring import library_versions
+
+    owner, name, blocks = decoder_blocks(model)
+    cfg = decoder_config(model)
+    num_layers = len(blocks)
+    removed = resolve_layer_indices(layers, num_layers)
+    kept = [i for i in range(num_layers) if i not in set(removed)]
+    if not kept:
+        raise ValueError(f"removing {removed} would leave no block: at most {num_layers - 1} of {num_layers} can go")
+    problems = _refusals(model, cfg, num_layers)
+    if problems:
+        raise ValueError(f"cannot remove blocks from {type(model).__name__}: " + "; ".join(problems))
+
+    # compute every change first, then apply (nothing half-done on error)
+    updates: dict = {}
+    for field in PER_LAYER_LIST_FIELDS:
+        value = getattr(cfg, field, None)
+        if value is None:
+            continue
+        if len(value) != num_layers:
+            raise ValueError(f"config.{field} has {len(value)} entries but the model has {num_layers} blocks")
+        updates[field] = type(value)(value[i] for i in kept)
+    for field, remap in INDEX_FIELDS.items():
+        if getattr(cfg, field, None) is not None and field not in updates:
+            updates.update(remap(cfg, kept, num_layers))
+
+    setattr(owner, name, nn.ModuleList([blocks[i] for i in kept]))
+    for new_idx, block in enumerate(getattr(owner, name)):
+        for module in block.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = new_idx
+    for field, value in updates.items():  # per-layer lists BEFORE num_hidden_layers
+        setattr(cfg, field, value)
+    cfg.num_hidden_layers = len(kept)
+    _remap_device_map(model, owner, name, kept)
+
+    top = model.config
+    previous = copy.deepcopy(getattr(top, "layerswap", None) or {})
+    original_kept = previous.get("kept_layers", list(range(num_layers)))
+    step = {
+        "removed_layers": removed,
+        "num_layers_before": num_layers,
+        "num_layers_after": len(kept),
+        "removed_original_layers": [original_kept[i] for i in removed],
+        "library_versions": library_versions(),
+        **(provenance or {}),
+    }
+    top.layerswap = {
+        "original_num_hidden_layers": previous.get("original_num_hidden_layers", num_layers),
+        "removed_layers": sorted(previous.get("removed_layers", []) + step["removed_original_layers"]),
+        "kept_layers": [original_kept[i] for i in kept],
+        "steps": previous.get("steps", []) + [step],
+    }
+    return model
+
+
+def _remap_device_map(model, owner, name, kept):
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return
+    prefix = next((n for n, m in model.named_modules() if m is owner), "")
+    pattern = re.compile(rf"^{re.escape((prefix + '.' if prefix else '') + name)}\.(\d+)(.*)$")
+    new_index = {old: new for new, old in enumerate(kept)}
+    remapped = {}
+    for key, dev in device_map.items():
+        m = pattern.match(key)
+        if m is None:
+            remapped[key] = dev
+        elif int(m.group(1)) in new_index:
+            remapped[f"{key[: m.start(1)]}{new_index[int(m.group(1))]}{m.group(2)}"] = dev
+    model.hf_device_map = remapped
+
+
+def check_surgery_invariants(model: nn.Module) -> list[str]:
+    """Return the violated surgery invariants (empty list = consistent).
+
+    Checks: ``num_hidden_layers == len(blocks)``, contiguous ``layer_idx`` 0..L-1, per-layer
+    config lists of length L, and provenance consistency when ``config.layerswap`` exists.
+    """
+    problems = []
+    _, _, blocks = decoder_blocks(model)
+    cfg = decoder_config(model)
+    n = len(blocks)
+    if cfg.num_hidden_layers != n:
+        problems.append(f"config.num_hidden_layers={cfg.num_hidden_layers} but the decoder has {n} blocks")
+    for pos, block in enumerate(blocks):
+        for mod_name, module in block.named_modules():
+            idx = getattr(module, "layer_idx", None)
+            if isinstance(idx, int) and idx != pos:
+                problems.append(f"block {pos} ({mod_name or 'block'}) has layer_idx={idx}")
+    for field in PER_LAYER_LIST_FIELDS:
+        value = getattr(cfg, field, None)
+        if value is not None and len(value) != n:
+            problems.append(f"config.{field} has {len(value)} entries for {n} blocks")
+    record = getattr(model.config, "layerswap", None)
+    if record:
+        if len(record.get("kept_layers", [])) != n:
+            problems.append(f"config.layerswap.kept_layers has {len(record.get('kept_layers', []))} entries for {n} blocks")
+        if len(record.get("kept_layers", [])) + len(record.get("removed_layers", [])) != record.get(
+            "original_num_hidden_layers"
+        ):
+            problems.append("config.layerswap kept + removed != original_num_hidden_layers")
+    return problems
