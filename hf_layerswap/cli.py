@@ -1,0 +1,332 @@
+"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune`` (and ``push``).
+
+Every verb takes the same options as the Python API (0-based layer indices everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("model", help="local checkpoint dir, GGUF file, Hub id, or a bundled name (smollm2-135m, gemma3-270m)")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside MODEL (dequantized on load)")
+    p.add_argument("--revision", default=None, help="Hub revision")
+
+
+def _add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64") -> None:
+    p.add_argument(
+        "--calibration", default="embedded",
+        help="calibration text: a text file (e.g. WikiText-2 valid.txt) or 'embedded' (prose shipped with Python)",
+    )
+    p.add_argument("--num-prompts", default=num_prompts_default, help="calibration prompts (an int)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per prompt (truncation)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass")
+    p.add_argument("--seed", type=int, default=0, help="paragraph shuffle seed")
+
+
+def _add_scoring_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--protocols", nargs="+", default=["replacement", "interchange"], choices=["replacement", "interchange"])
+    p.add_argument("--max-gap", type=int, default=1, help="pair distance bound: 1 = adjacent pairs")
+
+
+def _add_selection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--protocol", default="interchange", choices=["interchange", "replacement", "auto"])
+    p.add_argument("--spacing", type=int, default=1, help="selected layers stay more than this apart (0 allows neighbours)")
+    p.add_argument("--protect", type=int, nargs="*", default=[0, -1], help="layers never removed (negative = from the end)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-layerswap`` argument parser (shared with ``optimum-cli layerswap``)."""
+    parser = argparse.ArgumentParser(
+        prog="hf-layerswap",
+        description="Swap-KL layer redundancy (replacement vs interchange), layer removal and publishing.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="score a real model with both protocols, compare removals, save a pruned copy")
+    demo.add_argument("--model", default=DEFAULT_MODEL, help=f"model to load (default: bundled {DEFAULT_MODEL})")
+    _add_model_args(demo, positional=False)
+    _add_calibration_args(demo, num_prompts_default="auto")
+    demo.add_argument("--eval-text", default="embedded", help="held-out text file for perplexity, or 'embedded'")
+    demo.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
+    demo.add_argument("--final-layers", type=int, default=2, help="layers removed from the saved checkpoint")
+    demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"])
+    demo.add_argument("--output", default="layerswap-demo", help="where the pruned checkpoint and report go")
+    demo.add_argument("--scoring-seconds", type=float, default=240.0, help="time budget that --num-prompts auto fits")
+    demo.set_defaults(func=run_demo)
+
+    score = sub.add_parser("score", help="score block pairs and write the SwapReport JSON")
+    _add_model_args(score)
+    _add_calibration_args(score)
+    _add_scoring_args(score)
+    score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
+    score.set_defaults(func=run_score)
+
+    prune = sub.add_parser("prune", help="remove layers (scored or explicit) and save a plain transformers checkpoint")
+    _add_model_args(prune)
+    prune.add_argument("output", help="directory for the pruned checkpoint (must not exist)")
+    group = prune.add_mutually_exclusive_group(required=True)
+    group.add_argument("--num-layers", type=int, help="remove this many layers chosen by swap-KL")
+    group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
+    prune.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
+    _add_calibration_args(prune)
+    _add_scoring_args(prune)
+    _add_selection_args(prune)
+    prune.set_defaults(func=run_prune)
+
+    try:
+        from .hub import add_push_arguments, run_push
+    except ImportError:  # pragma: no cover - hub module always ships
+        add_push_arguments = None
+    if add_push_arguments is not None:
+        push = sub.add_parser("push", help="upload a pruned checkpoint with its card to the Hub")
+        add_push_arguments(push)
+        push.set_defaults(func=run_push)
+    return parser
+
+
+def _num_prompts(value) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise SystemExit(f"--num-prompts={value!r}: expected a positive int") from None
+    if n < 1:
+        raise SystemExit(f"--num-prompts={value!r}: expected a positive int")
+    return n
+
+
+def _load(args):
+    from .models import load_model
+
+    name = getattr(args, "model", None)
+    print(f"loading {name} ...", file=sys.stderr, flush=True)
+    return load_model(name, gguf_file=args.gguf_file, revision=args.revision)
+
+
+def _write_dir_atomic(final: Path, writer) -> Path:
+    """Run ``writer(tmp_dir)`` then move the folder into place (nothing half-written)."""
+    final = Path(final)
+    if final.exists() and any(final.iterdir()):
+        raise SystemExit(f"output directory {final} exists and is not empty; choose another or remove it")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        writer(tmp)
+        if final.exists():
+            final.rmdir()
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _save_pruned(model, tokenizer, report, output: Path, extra: dict | None = None) -> Path:
+    def writer(tmp: Path):
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if report is not None:
+            report.to_json(tmp / "layerswap_report.json")
+        if extra:
+            (tmp / "layerswap_evaluation.json").write_text(json.dumps(extra, indent=2) + "\n")
+
+    return _write_dir_atomic(output, writer)
+
+
+def run_score(args) -> int:
+    from . import score_layers
+
+    model, tokenizer = _load(args)
+    report = score_layers(
+        model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
+        num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+    )
+    path = report.to_json(args.output)
+    print(format_scores_table(report))
+    print(f"report written to {path}")
+    return 0
+
+
+def run_prune(args) -> int:
+    from . import SwapReport, remove_layers, score_layers, select_layers
+    from .calibration import build_calibration
+
+    model, tokenizer = _load(args)
+    report = None
+    provenance: dict = {}
+    if args.layers is not None:
+        layers = list(args.layers)
+        provenance["selection"] = "explicit layers"
+    else:
+        calib = build_calibration(
+            args.calibration, tokenizer, num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, seed=args.seed
+        )
+        if args.report:
+            report = SwapReport.from_json(args.report)
+        else:
+            protocols = ["replacement", "interchange"] if args.protocol == "auto" else args.protocols
+            report = score_layers(model, calib, protocols=protocols, max_gap=args.max_gap, batch_size=args.batch_size)
+        layers = select_layers(
+            report, args.num_layers, protocol=args.protocol, spacing=args.spacing, protect=args.protect,
+            model=model, calibration=calib, batch_size=args.batch_size,
+        )
+        provenance.update(protocol=args.protocol, scores=report.summary_dict(), calibration=calib.spec())
+    remove_layers(model, layers, provenance=provenance)
+    out = _save_pruned(model, tokenizer, report, Path(args.output))
+    print(f"removed layers {layers} (0-based); pruned checkpoint written to {out}")
+    return 0
+
+
+def format_scores_table(report) -> str:
+    """Per-layer scores of both protocols side by side (nats), with ranks."""
+    protocols = list(report.protocols)
+    scores = {p: report.layer_scores(p) for p in protocols}
+    ranks = {p: {layer: r + 1 for r, layer in enumerate(report.ranking(p))} for p in protocols}
+    header = "| layer | " + " | ".join(f"{p} s(i) | rank" for p in protocols) + " |"
+    sep = "|---:|" + "---:|---:|" * len(protocols)
+    lines = [header, sep]
+    for layer in range(report.num_layers):
+        cells = " | ".join(f"{_fmt(scores[p][layer])} | {ranks[p][layer]}" for p in protocols)
+        lines.append(f"| {layer} | {cells} |")
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.4f}" if abs(x) >= 1e-3 else f"{x:.2e}"
+
+
+def _auto_num_prompts(model, calibration, tokenizer, seq_len, batch_size, seconds, num_probes, seed) -> int:
+    """Largest prompt count (multiple of batch_size, 8..64) whose scoring fits ``seconds``."""
+    from .calibration import build_calibration
+    from .plan import interchange_plan, num_blocks
+    from .scoring import plan_kl
+
+    probe = build_calibration(calibration, tokenizer, num_prompts=batch_size, seq_len=seq_len, seed=seed)
+    mid = num_blocks(model) // 2
+    t0 = time.perf_counter()
+    plan_kl(model, probe, {"p": interchange_plan(num_blocks(model), mid - 1, mid)}, batch_size=batch_size)
+    per_batch_probe = (time.perf_counter() - t0) / 2  # reference + one probe, averaged
+    batches = int(seconds / max(per_batch_probe * (num_probes + 1), 1e-9))
+    return max(8, min(64, batches * batch_size))
+
+
+def run_demo(args) -> int:
+    from . import remove_layers, score_layers, select_layers
+    from .calibration import build_calibration
+    from .evaluation import delta_ppl_percent, evaluate_perplexity
+
+    t_start = time.perf_counter()
+    model, tokenizer = _load(args)
+    num_layers = len(__import__("hf_layerswap").decoder_blocks(model)[2])
+    num_probes = 3 * (num_layers - 1)
+    if args.num_prompts == "auto":
+        n_prompts = _auto_num_prompts(
+            model, args.calibration, tokenizer, args.seq_len, args.batch_size, args.scoring_seconds, num_probes, args.seed
+        )
+        how = f"chosen to fit about {args.scoring_seconds:.0f} s of scoring on this machine"
+    else:
+        n_prompts = _num_prompts(args.num_prompts)
+        how = "as requested"
+    calib = build_calibration(args.calibration, tokenizer, num_prompts=n_prompts, seq_len=args.seq_len, seed=args.seed)
+    print(
+        f"calibration budget: {calib.num_prompts} prompts x up to {args.seq_len} tokens "
+        f"({calib.num_tokens} real tokens), {num_probes} probes + 1 reference pass per batch ({how})\n"
+        f"calibration source: {calib.description}",
+        flush=True,
+    )
+    report = score_layers(model, calib, batch_size=args.batch_size, progress=True)
+    print(f"\nper-layer swap-KL scores, s(i) = min over adjacent partners (nats; low = removable), "
+          f"{model.config.num_hidden_layers} blocks, 0-based:\n")
+    print(format_scores_table(report))
+    gap = report.protocol_gap()["summary"]
+    print(
+        f"\nprotocol gap: mean I/R = {gap['mean_ratio']:.3f}, median {gap['median_ratio']:.3f}; "
+        f"interchange <= replacement on {gap['fraction_interchange_le_replacement'] * 100:.0f}% of pairs"
+    )
+
+    eval_text = None if args.eval_text == "embedded" else args.eval_text
+    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract ...", flush=True)
+    base = evaluate_perplexity(model, eval_text, tokenizer=tokenizer)
+    rows = []
+    cache: dict[tuple, object] = {}
+    for n in args.budgets:
+        for protocol in ("replacement", "interchange"):
+            try:
+                layers = select_layers(report, n, protocol=protocol)
+            except ValueError as err:
+                rows.append((n, protocol, None, None, str(err)))
+                continue
+            key = tuple(layers)
+            if key not in cache:
+                pruned = remove_layers(copy.deepcopy(model), layers)
+                cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer)
+                del pruned
+            rows.append((n, protocol, layers, cache[key], None))
+    print(f"\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
+    print(f"| 0 | (base) | - | {base.ppl:.3f} | [{base.ci_low:.3f}, {base.ci_high:.3f}] | 0.0 |")
+    for n, protocol, layers, res, err in rows:
+        if res is None:
+            print(f"| {n} | {protocol} | ({err}) | - | - | - |")
+        else:
+            print(
+                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | [{res.ci_low:.3f}, {res.ci_high:.3f}] | "
+                f"{delta_ppl_percent(base.ppl, res.ppl):+.1f} |"
+            )
+    contract = base.contract
+    print(f"\ncontract: {json.dumps(contract, default=str)}")
+
+    final = select_layers(
+        report, args.final_layers, protocol=args.final_protocol, model=model, calibration=calib,
+        batch_size=args.batch_size,
+    )
+    decision = report.selections[-1] if report.selections else {"selected": final}
+    provenance = {"protocol": args.final_protocol, "scores": report.summary_dict(), "calibration": calib.spec()}
+    if report.selections:
+        provenance["auto"] = decision
+    pruned = remove_layers(model, final, provenance=provenance)
+    key = tuple(final)
+    after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer)
+    evaluation = {"base": base.to_dict(), "pruned": after.to_dict()}
+    out = _save_pruned(pruned, tokenizer, report, Path(args.output), extra=evaluation)
+    print(
+        f"\nfinal: removed {final} (protocol {args.final_protocol}: {decision.get('reason', 'as selected')}); "
+        f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
+        f"pruned checkpoint + layerswap_report.json written to {out}/ "
+        f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"
+        f"total time {time.perf_counter() - t_start:.0f} s"
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
