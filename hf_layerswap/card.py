@@ -1,0 +1,1048 @@
+"""Model cards for layer-pruned checkpoints, with both swap-KL protocols side by side.
+
+:func:`render_card` fills the Jinja template shipped in ``hf_layerswap/templates/``
+(``modelcard_template.md``) through :meth:`huggingface_hub.ModelCard.from_template`. The
+card carries what a reviewer needs to trust a pruned checkpoint:
+
+- front matter: ``base_model``, ``library_name: transformers``, tags (``layerswap``,
+  ``layer-pruning``, the protocol), ``model-index`` perplexity of the pruned and the base
+  model under one contract, and the base model's license when it is known;
+- what was removed (0-based indices in the original numbering, count, parameters before
+  and after), the per-layer scores and the pair table of both protocols (replacement in
+  both directions, interchange, I/R = d_inter / d_repl), the set each protocol would remove
+  at the same budget, the set actually removed and why;
+- evaluation (perplexity with its CI, dPPL%, the contract), calibration (source, content
+  hash, prompts x tokens, BOS handling, dtype), scoring cost, library versions, a
+  reproduction snippet and the plain-transformers loading snippet;
+- PNG plots (matplotlib, Agg canvas): per-layer scores of both protocols with the removed
+  layers marked, I/R per pair, and the pair heatmap when ``max_gap > 1``.
+
+:func:`write_card_files` writes the card, the plots and the JSON sidecars
+(``layerswap_report.json`` loads back with :meth:`SwapReport.from_json`) into a folder.
+Method: No Free Swap (arXiv 2605.16234).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .report import PROTOCOLS, SwapReport, encode_float, set_key
+
+__all__ = [
+    "CARD_TEMPLATE",
+    "EVALUATION_FILE",
+    "PLOT_FILES",
+    "REPORT_FILE",
+    "check_card",
+    "normalize_evaluation",
+    "planned_plots",
+    "render_card",
+    "report_mismatches",
+    "write_card_files",
+    "write_plots",
+]
+
+logger = logging.getLogger(__name__)
+
+CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "modelcard_template.md"
+REPORT_FILE = "layerswap_report.json"
+EVALUATION_FILE = "layerswap_evaluation.json"
+PLOT_FILES = {
+    "layer_scores": "layerswap_layer_scores.png",
+    "protocol_gap": "layerswap_protocol_gap.png",
+    "pair_heatmap": "layerswap_pair_heatmap.png",
+}
+#: Above this many scored pairs the card lists adjacent pairs and the lowest-scoring ones
+#: (the sidecar JSON always has every pair).
+MAX_PAIR_ROWS = 200
+_DEFAULT_SPACING, _DEFAULT_PROTECT = 1, [0, -1]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DASH = "—"
+
+
+# ---------------------------------------------------------------------- formatting
+def _kl(v) -> str:
+    """A KL value (nats) for a table: 4 significant digits; NaN/inf kept visible."""
+    if v is None:
+        return _DASH
+    return f"{v:.4g}" if math.isfinite(v) else encode_float(v)
+
+
+def _ratio(v) -> str:
+    return _DASH if v is None else f"{v:.3f}"
+
+
+def _indices(layers: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in layers) if layers else "none"
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.1f}%"
+
+
+def _cell(value) -> str:
+    """A markdown table cell for an arbitrary JSON-able value."""
+    if isinstance(value, float):
+        return _kl(value)
+    if isinstance(value, (dict, list, tuple)):
+        value = json.dumps(value, sort_keys=True)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+# ---------------------------------------------------------------------- inputs
+def _split_model(model_or_config):
+    """(model or None, top-level config)."""
+    if hasattr(model_or_config, "config") and hasattr(model_or_config, "parameters"):
+        return model_or_config, model_or_config.config
+    if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):
+        return None, model_or_config
+    raise TypeError(
+        f"render_card needs a transformers model or its config (PreTrainedConfig), got {type(model_or_config).__name__}"
+    )
+
+
+def _text_config(config):
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def _current_blocks(model, config) -> int:
+    if model is not None:
+        from .plan import num_blocks
+
+        return num_blocks(model)
+    return int(_text_config(config).num_hidden_layers)
+
+
+def _record(config) -> dict:
+    record = getattr(config, "layerswap", None)
+    return dict(record) if isinstance(record, Mapping) else {}
+
+
+def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
+    """Reasons why ``report`` does not describe ``model_or_config`` (empty list = it does).
+
+    A report belongs to a model when it scored the blocks the model was pruned from:
+    ``report.num_layers`` equals ``config.layerswap["original_num_hidden_layers"]`` for a
+    pruned model (the current block count otherwise), every removed index is in range,
+    and, when the removal step recorded a score summary, the report's per-layer scores are
+    the recorded ones.
+    """
+    if not isinstance(report, SwapReport):
+        return [f"report must be a SwapReport, got {type(report).__name__}"]
+    model, config = _split_model(model_or_config)
+    record = _record(config)
+    current = _current_blocks(model, config)
+    expected = int(record.get("original_num_hidden_layers", current))
+    problems = []
+    if report.num_layers != expected:
+        what = "the model was pruned from" if record else "the model has"
+        problems.append(f"the report scored {report.num_layers} blocks but {what} {expected} blocks")
+        return problems
+    removed = list(record.get("removed_layers", []))
+    outside = [i for i in removed if not 0 <= i < report.num_layers]
+    if outside:
+        problems.append(f"removed layers {outside} are outside the report's 0..{report.num_layers - 1}")
+    for k, step in enumerate(record.get("steps", [])):
+        summary = step.get("scores")
+        if not isinstance(summary, Mapping) or summary.get("num_layers") != report.num_layers:
+            continue
+        for protocol in report.protocols:
+            recorded = summary.get(f"{protocol}_layer_scores")
+            if recorded is None:
+                continue
+            mine = [encode_float(v) for v in report.layer_scores(protocol)]
+            if list(recorded) != mine:
+                problems.append(
+                    f"the report's {protocol} layer scores differ from those recorded in config.layerswap "
+                    f"(step {k}): this is not the report the removal was selected from"
+                )
+    return problems
+
+
+def normalize_evaluation(evaluation) -> dict[str, dict] | None:
+    """``{"base": ..., "pruned": ...}`` of perplexity results -> plain dicts.
+
+    Each value may be a :class:`hf_layerswap.evaluation.PerplexityResult` (anything with
+    ``to_dict()``) or its dict (keys ``ppl``, ``nll``, ``tokens``, ``windows``,
+    ``ci_low``, ``ci_high``, ``contract``). Either key may be missing.
+
+    Raises:
+        TypeError: ``evaluation`` is not a mapping, or a value is neither a result nor a dict.
+        ValueError: an unknown key, or a value without a finite positive ``ppl``.
+    """
+    if evaluation is None:
+        return None
+    if not isinstance(evaluation, Mapping):
+        raise TypeError(f"evaluation must be a dict {{'base': ..., 'pruned': ...}}, got {type(evaluation).__name__}")
+    unknown = sorted(set(evaluation) - {"base", "pruned"})
+    if unknown:
+        raise ValueError(f"evaluation has unknown keys {unknown}: allowed 'base' and 'pruned'")
+    out = {}
+    for key, value in evaluation.items():
+        if value is None:
+            continue
+        if hasattr(value, "to_dict"):
+            value = value.to_dict()
+        if not isinstance(value, Mapping):
+            raise TypeError(f"evaluation[{key!r}] must be a PerplexityResult or its dict, got {type(value).__name__}")
+        ppl = value.get("ppl")
+        if not isinstance(ppl, (int, float)) or isinstance(ppl, bool) or not math.isfinite(ppl) or ppl <= 0:
+            raise ValueError(f"evaluation[{key!r}]['ppl'] must be a finite positive number, got {ppl!r}")
+        out[key] = json.loads(json.dumps(dict(value), default=str))
+    return out or None
+
+
+def _is_hub_id(name) -> bool:
+    return isinstance(name, str) and bool(_HUB_ID.match(name)) and not name.endswith(".gguf") and not os.path.exists(name)
+
+
+def _identity(model, report) -> dict:
+    """What is known about the weights the model came from (see hf_layerswap.models)."""
+    ident = {}
+    if report is not None:
+        ident.update({k: v for k, v in (report.metadata.get("model") or {}).items() if v})
+    if model is not None:
+        recorded = getattr(model, "layerswap_identity", None)
+        if not isinstance(recorded, Mapping):
+            try:
+                from .models import model_identity
+
+                recorded = model_identity(model)
+            except Exception:  # the loader module is optional here; identity is best effort
+                recorded = None
+        if isinstance(recorded, Mapping):
+            ident.update({k: v for k, v in recorded.items() if v})
+    return ident
+
+
+def _resolve_base_model(explicit, config, record, ident) -> str | None:
+    recorded = record.get("base_model")
+    if isinstance(recorded, Mapping):
+        recorded = recorded.get("name")
+    for candidate in (explicit, recorded, ident.get("base_model"), ident.get("name"), getattr(config, "_name_or_path", None)):
+        if _is_hub_id(candidate):
+            return candidate
+    if explicit is not None:
+        raise ValueError(f"base_model={explicit!r} is not a Hub model id of the form 'owner/name'")
+    return None
+
+
+def _resolve_license(explicit, base_model, config) -> str | None:
+    """The license given, else the base model's (its card in the local Hub cache or its folder)."""
+    if explicit:
+        return explicit
+    candidates = []
+    if base_model:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(base_model, "README.md")
+            if isinstance(cached, str):
+                candidates.append(cached)
+        except Exception:  # an unreadable cache only means "unknown"
+            pass
+    local = getattr(config, "_name_or_path", None)
+    if local and os.path.isfile(os.path.join(str(local), "README.md")):
+        candidates.append(os.path.join(str(local), "README.md"))
+    for path in candidates:
+        try:
+            from huggingface_hub import ModelCard
+
+            license_ = ModelCard.load(path, ignore_metadata_errors=True).data.license
+        except Exception:
+            continue
+        if license_:
+            return license_
+    return None
+
+
+def _parameter_counts(model, config, removed: int, steps) -> tuple[int | None, int | None]:
+    """(parameters before removal, after). Before = after + recorded/derived removed block sizes."""
+    import torch
+
+    from .plan import decoder_blocks
+
+    owner = model
+    if owner is None:
+        try:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                owner = AutoModelForCausalLM.from_config(config)
+        except Exception:  # a config transformers cannot instantiate: counts unknown
+            return None, None
+    after = sum(p.numel() for p in owner.parameters())
+    recorded = [s.get("removed_parameters") for s in steps]
+    if steps and all(isinstance(r, int) for r in recorded):
+        return after + sum(recorded), after
+    if removed == 0:
+        return after, after
+    sizes = {sum(p.numel() for p in block.parameters()) for block in decoder_blocks(owner)[2]}
+    if len(sizes) != 1:  # blocks differ in size: the removed ones cannot be inferred
+        return None, after
+    return after + removed * sizes.pop(), after
+
+
+def _step_config(steps) -> dict:
+    for step in reversed(steps):
+        if isinstance(step.get("config"), Mapping):
+            return dict(step["config"])
+    return {}
+
+
+def _selection_rule(steps, report) -> tuple[int, list[int], str]:
+    cfg = _step_config(steps)
+    if "spacing" in cfg and "protect" in cfg:
+        return int(cfg["spacing"]), list(cfg["protect"]), f"spacing={cfg['spacing']}, protect={list(cfg['protect'])}"
+    if report is not None and report.selections:
+        last = report.selections[-1]
+        return int(last["spacing"]), list(last["protect"]), f"spacing={last['spacing']}, protect={list(last['protect'])}"
+    return (
+        _DEFAULT_SPACING,
+        list(_DEFAULT_PROTECT),
+        f"spacing={_DEFAULT_SPACING}, protect={_DEFAULT_PROTECT}: the library defaults, the removal record names none",
+    )
+
+
+def _protocol_of(steps) -> str | None:
+    for step in reversed(steps):
+        auto = step.get("auto")
+        if isinstance(auto, Mapping) and auto.get("chosen_protocol") in PROTOCOLS:
+            return auto["chosen_protocol"]
+        if step.get("protocol") in PROTOCOLS:
+            return step["protocol"]
+    return None
+
+
+# ---------------------------------------------------------------------- sections
+def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
+    from .selection import resolve_protect
+
+    protected = resolve_protect(protect, report.num_layers)
+    scores = {p: report.layer_scores(p) for p in report.protocols}
+    ranks = {p: {layer: n + 1 for n, layer in enumerate(report.ranking(p))} for p in report.protocols}
+    layer_rows = []
+    for layer in range(report.num_layers):
+        status = "**removed**" if layer in removed else ("protected" if layer in protected else "")
+        layer_rows.append(
+            {
+                "layer": layer,
+                "scores": [_kl(scores[p][layer]) for p in report.protocols],
+                "ranks": [ranks[p][layer] for p in report.protocols],
+                "status": status,
+            }
+        )
+    pairs, note = report.pairs, None
+    if len(pairs) > MAX_PAIR_ROWS:
+        key = "interchange" if "interchange" in report.protocols else "replacement"
+        adjacent = [r for r in pairs if r.gap == 1]
+        rest = sorted((r for r in pairs if r.gap > 1), key=lambda r: (_nan_last(r.value(key)), r.i, r.j))
+        pairs = sorted(adjacent + rest[: max(0, MAX_PAIR_ROWS - len(adjacent))], key=lambda r: (r.i, r.j))
+        note = (
+            f"{len(report.pairs)} pairs were scored; the table lists the {len(adjacent)} adjacent pairs and the "
+            f"lowest-{key} pairs further apart ({len(pairs)} rows). Every pair is in `{REPORT_FILE}`."
+        )
+    pair_rows = [
+        {
+            "i": r.i,
+            "j": r.j,
+            "repl_ij": _kl(r.replacement_ij),
+            "repl_ji": _kl(r.replacement_ji),
+            "repl": _kl(r.replacement),
+            "inter": _kl(r.interchange),
+            "ratio": _ratio(r.ratio),
+        }
+        for r in pairs
+    ]
+    gap_summary = None
+    if set(PROTOCOLS) <= set(report.protocols):
+        s = report.protocol_gap()["summary"]
+        if s["finite_pairs"]:
+            gap_summary = (
+                f"mean I/R = {s['mean_ratio']:.3f}, median {s['median_ratio']:.3f} over {s['finite_pairs']} pairs "
+                f"with finite values; interchange ≤ replacement on "
+                f"{100 * s['fraction_interchange_le_replacement']:.0f}% of them (the paper reports "
+                "d_inter ≤ d_repl on every model and pair it measured)."
+            )
+            if len(s["mean_ratio_by_gap"]) > 1:
+                by_gap = ", ".join(f"{g}: {v:.3f}" for g, v in s["mean_ratio_by_gap"].items())
+                gap_summary += f" Mean I/R by pair distance j − i: {by_gap}."
+        nonfinite = s["pairs"] - s["finite_pairs"]
+        if nonfinite:
+            gap_summary = (gap_summary or "") + (
+                f" {nonfinite} pair(s) have a non-finite value (shown as NaN/inf: a result, not dropped)."
+            )
+    return {
+        "protocols": list(report.protocols),
+        "max_gap": report.max_gap,
+        "layer_rows": layer_rows,
+        "pair_rows": pair_rows,
+        "pair_note": note,
+        "gap_summary": gap_summary,
+    }
+
+
+def _nan_last(v):
+    return (1, 0.0) if v is None or not math.isfinite(v) else (0, v)
+
+
+def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
+    from .selection import greedy_select
+
+    rows, sets = [], {}
+    for p in report.protocols:
+        try:
+            chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
+        except ValueError as err:
+            rows.append({"protocol": p, "layers": f"not possible under these rules ({err})", "removal_kl": _DASH})
+            continue
+        sets[p] = chosen
+        rows.append(
+            {
+                "protocol": p,
+                "layers": _indices(chosen),
+                "removal_kl": _kl(report.removal_kl.get(set_key(chosen))),
+            }
+        )
+    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    return rows, _why(steps, removed, sets), removed_kl
+
+
+def _why(steps, removed, sets) -> str:
+    step = steps[-1] if steps else {}
+    auto = step.get("auto") if isinstance(step.get("auto"), Mapping) else None
+    if len(steps) > 1:
+        reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: "
+    else:
+        reason = ""
+    if auto:
+        kl = auto.get("removal_kl", {})
+        reason += (
+            "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
+            f"calibration prompts (interchange {_kl(kl.get('interchange'))}, replacement "
+            f"{_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
+            f"({auto.get('reason')})."
+        )
+    elif step.get("selection") == "explicit layers":
+        reason += "the blocks were given explicitly (`LayerSwapConfig(layers=...)` or `remove_layers`)."
+    elif step.get("protocol") in PROTOCOLS:
+        reason += f"greedy selection on the **{step['protocol']}** scores ({step.get('selection', 'greedy')})."
+    elif steps:
+        reason += "`remove_layers` was called without a selection record."
+    else:
+        reason += "the model carries no removal record (`config.layerswap`)."
+    matching = [p for p, s in sets.items() if list(s) == list(removed)]
+    if len(matching) == len(sets) and sets:
+        reason += " Both protocols pick this same set at this budget."
+    elif matching:
+        reason += f" It is the set the {matching[0]} protocol picks; the other protocol picks a different one."
+    elif sets:
+        reason += " It is neither protocol's greedy set under the rule shown."
+    return reason
+
+
+def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
+    rows = []
+    for key, label in (("base", "base"), ("pruned", "pruned (this model)")):
+        r = evaluation.get(key)
+        if r is None:
+            continue
+        lo, hi = r.get("ci_low"), r.get("ci_high")
+        rows.append(
+            {
+                "name": label,
+                "ppl": f"{r['ppl']:.3f}",
+                "ci": f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else _DASH,
+                "nll": _kl(r.get("nll")),
+                "tokens": f"{r['tokens']:,}" if isinstance(r.get("tokens"), int) else _DASH,
+                "windows": f"{r['windows']:,}" if isinstance(r.get("windows"), int) else _DASH,
+            }
+        )
+    base, pruned = evaluation.get("base"), evaluation.get("pruned")
+    delta = _pct(100 * (pruned["ppl"] / base["ppl"] - 1)) if base and pruned else None
+    contracts = [r.get("contract") or {} for r in (base, pruned) if r]
+    contract = contracts[-1]
+    warning = None
+    if len(contracts) == 2 and contracts[0] != contracts[1]:
+        keys = sorted(k for k in set(contracts[0]) | set(contracts[1]) if contracts[0].get(k) != contracts[1].get(k))
+        if [k for k in keys if k != "library_versions"]:
+            warning = (
+                "the base and pruned perplexities were measured under different contracts (differing: "
+                f"{', '.join(keys)}); the ΔPPL is not a like-for-like comparison."
+            )
+    section = {
+        "rows": rows,
+        "delta": delta,
+        "warning": warning,
+        "contract": [(k, _cell(v)) for k, v in contract.items() if k != "library_versions"] or [("contract", "not recorded")],
+    }
+    return section, _eval_results(evaluation, contract)
+
+
+def _eval_results(evaluation: dict, contract: Mapping) -> list:
+    from huggingface_hub import EvalResult
+
+    dataset_type = contract.get("dataset_id") or "wikitext"
+    common = dict(
+        task_type="text-generation",
+        task_name="Causal language modeling",
+        dataset_type=dataset_type,
+        dataset_name=str(contract.get("dataset_name") or contract.get("dataset") or "WikiText-2 (raw)"),
+        dataset_config=contract.get("dataset_config") or ("wikitext-2-raw-v1" if dataset_type == "wikitext" else None),
+        dataset_split=str(contract.get("split") or "test"),
+        metric_type="perplexity",
+    )
+    args = {
+        k: v
+        for k, v in contract.items()
+        if isinstance(v, (int, float, str, bool)) and k not in ("dataset_id", "dataset_name", "dataset", "dataset_config", "split")
+    }
+    results = []
+    for key, name in (("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")):
+        if key in evaluation:
+            results.append(
+                EvalResult(
+                    **common,
+                    metric_value=round(float(evaluation[key]["ppl"]), 4),
+                    metric_name=name,
+                    metric_args=args or None,
+                )
+            )
+    return results
+
+
+def _calibration_rows(report, steps) -> list:
+    meta = report.metadata if report is not None else {}
+    cal = dict(meta.get("calibration") or {})
+    if not cal:
+        for step in reversed(steps):
+            if isinstance(step.get("calibration"), Mapping):
+                cal = dict(step["calibration"])
+                break
+    if not cal and not meta:
+        return []
+    rows = [
+        ("Source", cal.get("description", "not recorded")),
+        ("Content hash", f"`{cal['content_hash']}`" if cal.get("content_hash") else "not recorded"),
+    ]
+    n, seq, tokens = cal.get("num_prompts", meta.get("num_prompts")), cal.get("seq_len", meta.get("seq_len")), cal.get(
+        "num_tokens", meta.get("num_tokens")
+    )
+    if n is not None:
+        rows.append(("Prompts × tokens", f"{n} prompts × up to {seq} tokens ({tokens:,} real tokens)" if isinstance(tokens, int) else f"{n} × {seq}"))
+    if "add_special_tokens" in cal:
+        rows.append(
+            (
+                "BOS / special tokens",
+                "added by the tokenizer (as the model expects)" if cal["add_special_tokens"] else "not added",
+            )
+        )
+    for key, label in (
+        ("dtype", "Model dtype while scoring"),
+        ("softmax_dtype", "Softmax dtype"),
+        ("seed", "Paragraph shuffle seed"),
+        ("batch_size", "Batch size"),
+        ("token_averaging", "Averaging"),
+        ("kl_direction", "KL direction"),
+    ):
+        if key in meta:
+            rows.append((label, _cell(meta[key])))
+    model = meta.get("model") or {}
+    if model.get("name"):
+        revision = f" @ {model['revision']}" if model.get("revision") else ""
+        rows.append(("Scored model", f"{model['name']}{revision}"))
+    return rows
+
+
+def _cost_rows(report) -> list:
+    if report is None:
+        return []
+    m = report.metadata
+    rows = []
+    if "forward_passes" in m:
+        rows.append(("Forward passes", f"{m['forward_passes']} sweeps over the calibration set (1 reference + 1 per probe)"))
+    if "block_evaluations" in m:
+        rows.append(("Block evaluations", f"{m['block_evaluations']:,}" + (" (unchanged prefixes reused)" if m.get("prefix_reuse") else "")))
+    if "seconds" in m:
+        rows.append(("Wall time", f"{m['seconds']:.1f} s"))
+    rows.append(("Hardware", _cell(m.get("hardware", "not recorded"))))
+    return rows
+
+
+def _versions(report, steps, evaluation) -> dict:
+    import huggingface_hub
+
+    from .scoring import library_versions
+
+    columns = {}
+    if report is not None and isinstance(report.metadata.get("library_versions"), Mapping):
+        columns["scoring"] = report.metadata["library_versions"]
+    if steps and isinstance(steps[-1].get("library_versions"), Mapping):
+        columns["removal"] = steps[-1]["library_versions"]
+    pruned = (evaluation or {}).get("pruned") or {}
+    if isinstance((pruned.get("contract") or {}).get("library_versions"), Mapping):
+        columns["evaluation"] = pruned["contract"]["library_versions"]
+    columns["card"] = {**library_versions(), "huggingface_hub": huggingface_hub.__version__}
+    names = list(dict.fromkeys(k for col in columns.values() for k in col))
+    return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
+
+
+def _load_snippet(repo: str, tokenizer_repo: str | None) -> str:
+    lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "", f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
+    if tokenizer_repo:
+        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer_repo}")')
+        lines += [
+            'inputs = tokenizer("The capital of France is", return_tensors="pt")',
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))",
+        ]
+    return "\n".join(lines)
+
+
+def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | None]:
+    from .integration import LayerSwapConfig
+
+    cfg = _step_config(steps)
+    defaults = LayerSwapConfig().to_dict()
+    if cfg and len(steps) == 1:
+        keep = ("num_layers", "layers", "protocol")
+        args = {k: v for k, v in cfg.items() if k != "quant_method" and (k in keep or v != defaults.get(k)) and v is not None}
+        args.pop("progress", None)
+    else:
+        args = {"layers": list(removed)}
+    call = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    source = base_model or "<base model id or folder>"
+    lines = [
+        "from transformers import AutoModelForCausalLM",
+        "from hf_layerswap import LayerSwapConfig",
+        "",
+        "model = AutoModelForCausalLM.from_pretrained(",
+        f'    "{source}",',
+        f"    quantization_config=LayerSwapConfig({call}),",
+        ")",
+    ]
+    cal = (report.metadata.get("calibration") if report is not None else None) or {}
+    if "layers" not in args and cal.get("description"):
+        lines.insert(3, f"# calibration used for the scores: {cal['description']} (content hash {cal.get('content_hash')})")
+    notes = []
+    if "layers" in args and report is not None:
+        notes.append(
+            "This removes the same blocks without rescoring. To recompute the scores, run "
+            f"`hf_layerswap.score_layers(model, calibration, max_gap={report.max_gap}, "
+            f"num_prompts={report.metadata.get('num_prompts')}, seq_len={report.metadata.get('seq_len')}, "
+            f"seed={report.metadata.get('seed')})` on the base model with the calibration source above."
+        )
+    source_record = ident.get("source") if isinstance(ident.get("source"), Mapping) else None
+    if source_record and source_record.get("bundled_name"):
+        notes.append(
+            f"The scores were computed on the dequantized GGUF weights ({ident.get('revision')}), not on the "
+            f"original release of `{source_record.get('upstream')}`. To reproduce them exactly: "
+            f"`model, tokenizer = hf_layerswap.models.load_model(\"{source_record['bundled_name']}\")`, then "
+            f"`hf_layerswap.prune_loaded_model(model, LayerSwapConfig({call}))`."
+        )
+    return "\n".join(lines), " ".join(notes) or None
+
+
+# ---------------------------------------------------------------------- plots
+def planned_plots(report: SwapReport | None) -> list[str]:
+    """Keys of :data:`PLOT_FILES` that :func:`write_plots` writes for ``report``."""
+    if report is None:
+        return []
+    keys = ["layer_scores"]
+    if set(PROTOCOLS) <= set(report.protocols):
+        keys.append("protocol_gap")
+    if report.max_gap > 1:
+        keys.append("pair_heatmap")
+    return keys
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"Software": None})  # byte-stable across runs
+
+
+def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Sequence[int] = ()) -> dict[str, Path]:
+    """Write the card's PNG plots (matplotlib, Agg canvas) into ``directory``.
+
+    - ``layer_scores``: per-layer s(i) of each scored protocol (log scale, nats), removed
+      layers shaded, non-finite scores marked at the top;
+    - ``protocol_gap``: I/R = d_inter / d_repl per pair, with the line I/R = 1;
+    - ``pair_heatmap`` (``max_gap > 1``): replacement above the diagonal, interchange below.
+
+    Returns:
+        ``{key: path}`` for the files written (see :func:`planned_plots`).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    import matplotlib
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = planned_plots(report)
+    written = {}
+    L = report.num_layers
+    x = np.arange(L)
+    colors = {"replacement": "#d95f02", "interchange": "#1b9e77"}
+
+    fig = _figure(max(6.0, 0.28 * L + 2), 3.6)
+    ax = fig.add_subplot()
+    width = 0.8 / len(report.protocols)
+    finite_all = [v for p in report.protocols for v in report.layer_scores(p) if math.isfinite(v) and v > 0]
+    top = max(finite_all) * 3 if finite_all else 1.0
+    for k, p in enumerate(report.protocols):
+        scores = np.array(report.layer_scores(p), dtype=float)
+        ok = np.isfinite(scores)
+        offset = (k - (len(report.protocols) - 1) / 2) * width
+        ax.bar(x[ok] + offset, scores[ok], width=width, color=colors[p], label=f"{p} s(i)")
+        if (~ok).any():
+            ax.scatter(x[~ok] + offset, np.full((~ok).sum(), top), marker="x", color=colors[p], label=f"{p}: non-finite")
+    for layer in removed:
+        ax.axvspan(layer - 0.5, layer + 0.5, color="#999999", alpha=0.25, lw=0)
+    if finite_all:
+        ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(i) for i in x], fontsize=7)
+    for tick, layer in zip(ax.get_xticklabels(), x):
+        if layer in removed:
+            tick.set_color("#b2182b")
+            tick.set_fontweight("bold")
+    ax.set_xlim(-0.6, L - 0.4)
+    ax.set_xlabel("layer (0-based); shaded = removed")
+    ax.set_ylabel("s(i) = min_j d(i, j)  [nats]")
+    ax.set_title("Per-layer swap-KL scores (low = removable)")
+    ax.legend(fontsize=8)
+    _save(fig, directory / PLOT_FILES["layer_scores"])
+    written["layer_scores"] = directory / PLOT_FILES["layer_scores"]
+
+    if "protocol_gap" in keys:
+        rows = report.protocol_gap()["pairs"]
+        fig = _figure(max(6.0, 0.22 * len(rows) + 2), 3.4)
+        ax = fig.add_subplot()
+        ratios = np.array([np.nan if r["ratio"] is None else r["ratio"] for r in rows], dtype=float)
+        gaps = np.array([r["gap"] for r in rows])
+        pos = np.arange(len(rows))
+        shades = matplotlib.colormaps["viridis"]((gaps - 1) / max(1, gaps.max() - 1)) if len(rows) else []
+        ok = np.isfinite(ratios)
+        ax.bar(pos[ok], ratios[ok], color=np.asarray(shades)[ok] if len(rows) else None)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        finite = ratios[ok]
+        if finite.size and finite.max() / max(finite.min(), 1e-12) > 30:
+            ax.set_yscale("log")
+        step = max(1, len(rows) // 40)
+        ax.set_xticks(pos[::step])
+        ax.set_xticklabels([f"{r['i']}-{r['j']}" for r in rows][::step], rotation=90, fontsize=7)
+        ax.set_xlabel("pair i-j" + (" (colour = distance j - i)" if report.max_gap > 1 else ""))
+        ax.set_ylabel("I/R = d_inter / d_repl")
+        ax.set_title("Protocol gap per pair (below 1: interchange is the gentler probe)")
+        _save(fig, directory / PLOT_FILES["protocol_gap"])
+        written["protocol_gap"] = directory / PLOT_FILES["protocol_gap"]
+
+    if "pair_heatmap" in keys:
+        grid = np.full((L, L), np.nan)
+        for r in report.pairs:
+            if r.replacement is not None:
+                grid[r.i, r.j] = r.replacement
+            if r.interchange is not None:
+                grid[r.j, r.i] = r.interchange
+        positive = grid[np.isfinite(grid) & (grid > 0)]
+        fig = _figure(6.0, 5.2)
+        ax = fig.add_subplot()
+        norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+        image = ax.imshow(np.where(np.isfinite(grid) & (grid > 0), grid, np.nan), norm=norm, cmap="magma_r")
+        fig.colorbar(image, ax=ax, label="swap-KL [nats]")
+        ax.set_xlabel("j")
+        ax.set_ylabel("i")
+        ax.set_title("Pair swap-KL: replacement above, interchange below the diagonal", fontsize=9)
+        _save(fig, directory / PLOT_FILES["pair_heatmap"])
+        written["pair_heatmap"] = directory / PLOT_FILES["pair_heatmap"]
+    return written
+
+
+# ---------------------------------------------------------------------- the card
+def render_card(
+    model_or_config,
+    *,
+    report: SwapReport | None = None,
+    evaluation=None,
+    base_model: str | None = None,
+    license: str | None = None,
+    repo_id: str | None = None,
+    plots: Sequence[str] | None = None,
+    tokenizer_included: bool = True,
+):
+    """Render the model card of a (pruned) model.
+
+    Args:
+        model_or_config: the model (parameter counts from its weights) or its config
+            (counts from a meta-device instance). Removal provenance is read from
+            ``config.layerswap`` (written by :func:`~hf_layerswap.remove_layers`).
+        report: the :class:`SwapReport` the removal was selected from (it must belong to
+            the model, see :func:`report_mismatches`); ``None`` = no diagnostics section.
+        evaluation: ``{"base": ..., "pruned": ...}`` perplexity results
+            (:class:`~hf_layerswap.evaluation.PerplexityResult` or their dicts).
+        base_model: Hub id of the base model; default: from the removal record, the
+            loader's identity, the report, or ``config._name_or_path`` when it is a Hub id.
+        license: license id; default: the base model's, when its card is in the local Hub
+            cache or its folder (otherwise omitted).
+        repo_id: where the card will live (used in the loading snippet and as the
+            ``model-index`` name).
+        plots: keys of :data:`PLOT_FILES` the card references; default
+            :func:`planned_plots` (write them with :func:`write_plots`).
+        tokenizer_included: whether tokenizer files sit next to the card (else the
+            snippet loads the base model's tokenizer).
+
+    Returns:
+        A :class:`huggingface_hub.ModelCard`.
+
+    Raises:
+        TypeError: ``model_or_config`` is neither a model nor a config; bad ``evaluation`` types.
+        ValueError: the report does not belong to the model, a bad ``evaluation`` value,
+            or a ``base_model`` that is not a Hub id.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from . import __version__
+
+    model, config = _split_model(model_or_config)
+    if report is not None:
+        problems = report_mismatches(model_or_config, report)
+        if problems:
+            raise ValueError("the report does not belong to this model: " + "; ".join(problems))
+    evaluation = normalize_evaluation(evaluation)
+    record = _record(config)
+    steps = [dict(s) for s in record.get("steps", [])]
+    current = _current_blocks(model, config)
+    original = int(record.get("original_num_hidden_layers", current))
+    removed = sorted(record.get("removed_layers", []))
+    kept = list(record.get("kept_layers", range(current)))
+    ident = _identity(model, report)
+    base = _resolve_base_model(base_model, config, record, ident)
+    license_ = _resolve_license(license, base, config)
+    protocol = _protocol_of(steps)
+    spacing, protect, rule = _selection_rule(steps, report)
+    before, after = _parameter_counts(model, config, len(removed), steps)
+    plot_keys = planned_plots(report) if plots is None else list(plots)
+    unknown = [k for k in plot_keys if k not in PLOT_FILES]
+    if unknown:
+        raise ValueError(f"plots={unknown}: allowed {sorted(PLOT_FILES)}")
+    name = repo_id or (f"{base.split('/')[-1]}-layerswap-{current}L" if base else f"layerswap-{current}L")
+
+    # --- front matter
+    tags = ["layerswap", "layer-pruning"] + ([protocol] if protocol else [])
+    eval_section, eval_results = _evaluation_section(evaluation) if evaluation else (None, None)
+    card_data = ModelCardData(
+        base_model=base,
+        library_name="transformers",
+        license=license_,
+        pipeline_tag="text-generation",
+        tags=tags,
+        model_name=name if eval_results else None,
+        eval_results=eval_results or None,
+        layerswap={
+            "original_num_hidden_layers": original,
+            "num_hidden_layers": current,
+            "removed_layers": removed,
+            "protocol": protocol,
+            "report": REPORT_FILE if report is not None else None,
+        },
+    )
+
+    # --- body
+    base_label = f"[{base}](https://huggingface.co/{base})" if base else "the original model"
+    if removed:
+        title = f"{name}: {len(removed)} of {original} decoder blocks removed"
+        params = ""
+        if before and after:
+            params = f", {100 * (before - after) / before:.1f}% of the parameters"
+        summary = (
+            f"This checkpoint is {base_label} with decoder blocks **{_indices(removed)}** removed "
+            f"({len(removed)} of {original} blocks, {100 * len(removed) / original:.1f}% of the depth{params}), "
+            f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else ".")
+        )
+    else:
+        title = f"{name}: swap-KL layer-redundancy scores"
+        summary = f"No blocks were removed from {base_label}; this card records its swap-KL diagnostics."
+    if evaluation and "base" in evaluation and "pruned" in evaluation:
+        summary += (
+            f" Perplexity {evaluation['base']['ppl']:.2f} → {evaluation['pruned']['ppl']:.2f} "
+            f"({eval_section['delta']}) under the contract below."
+        )
+    ident_revision = ident.get("revision") if isinstance(ident.get("source"), Mapping) else None
+    removal_rows = [
+        ("Base model", base_label + (f" (weights: {ident_revision})" if ident_revision else "")),
+        ("Decoder blocks", f"{original} → {current}" + (f" ({len(removed)} removed)" if removed else "")),
+        ("Removed blocks (0-based, original numbering)", _indices(removed)),
+        ("Kept blocks (0-based, original numbering)", _indices(kept)),
+    ]
+    if before is not None and after is not None:
+        change = f" ({after - before:+,}, {_pct(100 * (after - before) / before)})" if before != after else ""
+        removal_rows.append(("Parameters", f"{before:,} → {after:,}{change}"))
+    elif after is not None:
+        removal_rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
+    if removed:
+        removal_rows.append(("Protocol guiding the removal", protocol or "none recorded"))
+    step_rows = [
+        {
+            "before": s.get("num_layers_before", _DASH),
+            "removed_local": _indices(s.get("removed_layers", [])),
+            "removed_original": _indices(s.get("removed_original_layers", [])),
+            "selection": _cell(s.get("selection", "not recorded")),
+        }
+        for s in steps
+    ]
+    candidates, why, removed_kl = ([], None, None)
+    if report is not None and removed:
+        candidates, why, removed_kl = _candidates(report, removed, spacing, protect, steps)
+    reproduce, reproduce_note = _reproduce(base, removed, steps, report, ident) if removed else (
+        "# nothing was removed: see the diagnostics above", None
+    )
+    files = [("README.md", "this card"), ("config.json", "model config; `layerswap` holds the removal record (0-based)"),
+             ("*.safetensors", "weights of the kept blocks")]
+    if report is not None:
+        files.append((REPORT_FILE, "every swap-KL value: `hf_layerswap.SwapReport.from_json(path)`"))
+    if evaluation:
+        files.append((EVALUATION_FILE, "perplexity results with their contracts"))
+    files += [(PLOT_FILES[k], "plot") for k in plot_keys]
+    tokenizer_repo = (repo_id or "path/to/this/checkpoint") if tokenizer_included else base
+    plot_alt = {
+        "layer_scores": "Per-layer swap-KL scores of both protocols; removed layers shaded",
+        "protocol_gap": "I/R = interchange / replacement per pair",
+        "pair_heatmap": "Pair swap-KL heatmap: replacement above, interchange below the diagonal",
+    }
+    context = dict(
+        title=title,
+        summary=summary,
+        base_model=base,
+        removal_rows=removal_rows,
+        steps=step_rows,
+        report=_report_section(report, removed, protect) if report is not None else None,
+        plots={k: ([{"file": PLOT_FILES[k], "alt": plot_alt[k]}] if k in plot_keys else []) for k in PLOT_FILES},
+        candidates=candidates,
+        budget=f"{len(removed)} block{'s' if len(removed) != 1 else ''}",
+        rule=rule,
+        removed_layers=_indices(removed),
+        removed_kl=removed_kl,
+        why=why,
+        evaluation=eval_section,
+        calibration=_calibration_rows(report, steps),
+        cost=_cost_rows(report),
+        load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo),
+        reproduce_snippet=reproduce,
+        reproduce_note=reproduce_note,
+        files=files,
+        versions=_versions(report, steps, evaluation),
+        library_version=__version__,
+    )
+    card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
+    return ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n")
+
+
+def check_card(card, directory: str | os.PathLike | None = None) -> list[str]:
+    """Offline checks equivalent to the Hub's card validation (empty list = valid).
+
+    Parses the front matter back (:class:`huggingface_hub.ModelCard`), requires
+    ``library_name``, a ``base_model`` of the form ``owner/name`` when present, a
+    ``model-index`` that huggingface_hub reads back into eval results, and, when
+    ``directory`` is given, that every image the card references exists there.
+    """
+    from huggingface_hub import ModelCard
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    problems = []
+    try:
+        parsed = ModelCard(str(card))
+    except Exception as err:  # any parse failure is a validation failure
+        return [f"the card does not parse: {err}"]
+    data = parsed.data.to_dict()
+    if data.get("library_name") != "transformers":
+        problems.append(f"library_name is {data.get('library_name')!r}, expected 'transformers'")
+    base = data.get("base_model")
+    if base is not None and not (isinstance(base, str) and _HUB_ID.match(base)):
+        problems.append(f"base_model {base!r} is not a Hub model id")
+    if "model-index" in data:
+        try:
+            _, results = model_index_to_eval_results(data["model-index"])
+            if not results:
+                problems.append("model-index has no results")
+        except Exception as err:
+            problems.append(f"model-index does not parse: {err}")
+    if directory is not None:
+        for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", parsed.text):
+            if "://" not in target and not (Path(directory) / target).is_file():
+                problems.append(f"the card shows {target} but the folder has no such file")
+    return problems
+
+
+def write_card_files(
+    directory: str | os.PathLike,
+    model_or_config,
+    *,
+    report: SwapReport | None = None,
+    evaluation=None,
+    base_model: str | None = None,
+    license: str | None = None,
+    repo_id: str | None = None,
+    tokenizer_included: bool = True,
+) -> dict[str, Path]:
+    """Write ``README.md`` (the card), the plots and the JSON sidecars into ``directory``.
+
+    Writes ``layerswap_report.json`` (when ``report`` is given; it loads back into an equal
+    :class:`SwapReport`) and ``layerswap_evaluation.json`` (when ``evaluation`` is given).
+    Without matplotlib the card is written without plots (a warning is logged).
+
+    Returns:
+        ``{file name: path}`` of everything written.
+
+    Raises:
+        ValueError: the card fails :func:`check_card`, or see :func:`render_card`.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(report=report, evaluation=evaluation, base_model=base_model, license=license, repo_id=repo_id,
+                  tokenizer_included=tokenizer_included)
+    written: dict[str, Path] = {}
+    plot_keys: list[str] = []
+    if report is not None:
+        _, config = _split_model(model_or_config)
+        try:
+            paths = write_plots(report, directory, removed=_record(config).get("removed_layers", []))
+            plot_keys = list(paths)
+            written.update({p.name: p for p in paths.values()})
+        except ImportError as err:
+            logger.warning("matplotlib is not installed (%s): the card is written without plots", err)
+    card = render_card(model_or_config, plots=plot_keys, **kwargs)
+    problems = check_card(card, directory)
+    if problems:
+        raise ValueError("the rendered card is not valid: " + "; ".join(problems))
+    card.save(directory / "README.md")
+    written["README.md"] = directory / "README.md"
+    if report is not None:
+        written[REPORT_FILE] = report.to_json(directory / REPORT_FILE)
+    evaluation = normalize_evaluation(evaluation)
+    if evaluation:
+        from .report import write_json_atomic
+
+        base, pruned = evaluation.get("base"), evaluation.get("pruned")
+        payload = dict(evaluation)
+        if base and pruned:
+            payload["delta_ppl_percent"] = 100 * (pruned["ppl"] / base["ppl"] - 1)
+        written[EVALUATION_FILE] = write_json_atomic(payload, directory / EVALUATION_FILE)
+    return written

@@ -1,0 +1,423 @@
+"""Publishing a (pruned) checkpoint with its evidence: one Hub commit, or a local folder.
+
+:func:`push_to_hub` writes the checkpoint (``save_pretrained``, safetensors), the model
+card (``README.md``, see :mod:`hf_layerswap.card`), the swap report sidecar
+(``layerswap_report.json``), the perplexity sidecar and the plots into a temporary folder,
+then calls ``HfApi.create_repo(exist_ok=True)`` and ONE ``HfApi.upload_folder`` commit.
+It never calls transformers' ``model.push_to_hub`` (that writes its own generic
+``README.md`` over the card).
+
+Guarantees:
+
+- refusal before any network call: a model whose surgery invariants fail
+  (:func:`~hf_layerswap.check_surgery_invariants`), a report that does not belong to the
+  model (:func:`~hf_layerswap.card.report_mismatches`), bad evaluation input, a bad repo id;
+- one commit or none: the commit names the head it was prepared against
+  (``parent_commit``), so a concurrent writer or a replayed request cannot stack a second
+  commit; transient server errors (408, 429, 5xx, dropped connections) are retried by
+  huggingface_hub's own backoff; a request whose answer was lost but whose commit landed
+  is recognised by comparing the repository head with the pushed files;
+- the token is passed to ``HfApi`` only: it is never written to a file or a log line.
+
+:func:`save_for_hub` writes the same folder locally (atomically: a temporary sibling folder
+moved into place), for the CLI and for publishing by other means. The ``push`` verb of
+``hf-layerswap`` is :func:`add_push_arguments` + :func:`run_push`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .card import EVALUATION_FILE, REPORT_FILE, normalize_evaluation, report_mismatches, write_card_files
+from .report import SwapReport
+
+__all__ = [
+    "OWNED_PATTERNS",
+    "HubPushError",
+    "PushRefusedError",
+    "add_push_arguments",
+    "push_to_hub",
+    "read_evaluation_file",
+    "run_push",
+    "save_for_hub",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Remote files a push replaces as a set: stale ones matching these patterns (older weight
+#: shards, sidecars, plots) are deleted in the same commit. Other files are left alone.
+OWNED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "layerswap_*"]
+
+
+class PushRefusedError(ValueError):
+    """The model, report or arguments cannot be published; raised before any network call."""
+
+
+class HubPushError(RuntimeError):
+    """The upload failed after huggingface_hub's retries.
+
+    Attributes:
+        repo_id, revision: the target.
+        committed: ``False`` = the repository is unchanged; ``None`` = unknown (the head
+            moved for another reason, or it could not be read back).
+    """
+
+    def __init__(self, message: str, *, repo_id: str, revision: str, committed: bool | None):
+        super().__init__(message)
+        self.repo_id, self.revision, self.committed = repo_id, revision, committed
+
+
+# ---------------------------------------------------------------------- checks
+def _preflight(model, repo_id, report, evaluation, revision, commit_message) -> dict | None:
+    """Every local check; raises PushRefusedError (or TypeError) and returns the evaluation."""
+    from .surgery import check_surgery_invariants
+
+    if not (hasattr(model, "save_pretrained") and hasattr(model, "config")):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if repo_id is not None:
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as err:
+            raise PushRefusedError(f"repo_id={repo_id!r} is not a valid Hub repository id: {err}") from None
+        if "/" not in repo_id:
+            raise PushRefusedError(f"repo_id={repo_id!r}: give the namespace too, as 'owner/name'")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise PushRefusedError(f"revision={revision!r}: a branch name, or None for 'main'")
+    if commit_message is not None and (not isinstance(commit_message, str) or not commit_message.strip()):
+        raise PushRefusedError(f"commit_message={commit_message!r}: must be a non-empty string")
+    problems = check_surgery_invariants(model)
+    if problems:
+        raise PushRefusedError("the model's surgery invariants do not hold: " + "; ".join(problems))
+    if report is not None:
+        if not isinstance(report, SwapReport):
+            raise TypeError(f"report must be a SwapReport, got {type(report).__name__}")
+        problems = report_mismatches(model, report)
+        if problems:
+            raise PushRefusedError("the report does not belong to this model: " + "; ".join(problems))
+    try:
+        return normalize_evaluation(evaluation)
+    except ValueError as err:
+        raise PushRefusedError(str(err)) from None
+
+
+def _write_folder(folder: Path, model, *, tokenizer, report, evaluation, base_model, license, repo_id) -> list[str]:
+    """save_pretrained + tokenizer + card, plots and sidecars; returns the file names."""
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    stray = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if stray:
+        raise PushRefusedError(f"save_pretrained wrote non-safetensors weights {stray}; only safetensors are published")
+    write_card_files(
+        folder, model, report=report, evaluation=evaluation, base_model=base_model, license=license,
+        repo_id=repo_id, tokenizer_included=tokenizer is not None,
+    )
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _default_message(model) -> str:
+    record = getattr(model.config, "layerswap", None) or {}
+    if record.get("removed_layers"):
+        return (
+            f"Upload layer-pruned model: blocks {record['removed_layers']} of "
+            f"{record['original_num_hidden_layers']} removed (hf_layerswap)"
+        )
+    return "Upload model with swap-KL diagnostics (hf_layerswap)"
+
+
+# ---------------------------------------------------------------------- push
+def push_to_hub(
+    model,
+    repo_id: str,
+    *,
+    tokenizer=None,
+    report: SwapReport | None = None,
+    evaluation=None,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
+):
+    """Publish a (pruned) model with its model card and diagnostics in one Hub commit.
+
+    Args:
+        model: a transformers causal LM, usually pruned by :func:`~hf_layerswap.remove_layers`
+            or ``from_pretrained(..., quantization_config=LayerSwapConfig(...))``.
+        repo_id: ``"owner/name"``; created if missing (``private`` applies then).
+        tokenizer: saved next to the weights when given.
+        report: the :class:`SwapReport` the removal was selected from; written to
+            ``layerswap_report.json`` and shown on the card.
+        evaluation: ``{"base": ..., "pruned": ...}`` perplexity results
+            (``PerplexityResult`` or their dicts), shown on the card and in ``model-index``.
+        private: create the repository as private (an existing one keeps its visibility).
+        token: Hub token; default: huggingface_hub's (``HF_TOKEN`` or ``hf auth login``).
+            It is handed to ``HfApi`` and never written or logged.
+        revision: branch to commit to (created from ``main`` if missing); default ``main``.
+        commit_message: default names the removed blocks.
+        endpoint: Hub URL; default huggingface_hub's (``HF_ENDPOINT``).
+        base_model, license: override what the card infers (see :func:`~hf_layerswap.card.render_card`).
+
+    Returns:
+        The ``huggingface_hub.CommitInfo`` of the commit (``.oid``, ``.commit_url``). When
+        nothing changed since the last push, huggingface_hub makes no commit and the
+        current head is returned.
+
+    Raises:
+        PushRefusedError: failed surgery invariants, a report of another model, a bad
+            ``repo_id``/``revision``/``commit_message``/``evaluation``; raised before any
+            network call, nothing is written.
+        TypeError: ``model`` or ``report`` of the wrong type.
+        HubPushError: the Hub refused or kept failing after huggingface_hub's retries;
+            ``.committed`` says whether the repository is unchanged.
+    """
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from . import __version__
+
+    evaluation = _preflight(model, repo_id, report, evaluation, revision, commit_message)
+    message = commit_message or _default_message(model)
+    branch = revision or "main"
+    with tempfile.TemporaryDirectory(prefix="hf_layerswap_push_") as tmp:
+        folder = Path(tmp)
+        files = _write_folder(
+            folder, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
+            license=license, repo_id=repo_id,
+        )
+        api = HfApi(endpoint=endpoint, token=token, library_name="hf_layerswap", library_version=__version__)
+        logger.info("pushing %d files to %s/%s@%s", len(files), api.endpoint, repo_id, branch)
+        network_errors = (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if branch != "main":
+                api.create_branch(repo_id, branch=branch, exist_ok=True)
+            parent = api.repo_info(repo_id, revision=branch).sha
+        except network_errors as err:
+            raise HubPushError(
+                f"could not prepare {repo_id}@{branch} on {api.endpoint}: {err}. Nothing was committed.",
+                repo_id=repo_id, revision=branch, committed=False,
+            ) from err
+        try:
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=folder, commit_message=message, revision=branch,
+                parent_commit=parent, delete_patterns=OWNED_PATTERNS,
+            )
+        except network_errors as err:
+            landed, state = _state_after_failure(api, repo_id, branch, parent, folder)
+            if landed is not None:
+                logger.warning("the answer to the commit request was lost, but %s@%s holds the pushed files", repo_id, branch)
+                return landed
+            committed = False if state.startswith("no commit") else None
+            raise HubPushError(
+                f"pushing to {repo_id}@{branch} on {api.endpoint} failed after huggingface_hub's retries: {err}. "
+                f"{state}. Re-running push_to_hub is safe.",
+                repo_id=repo_id, revision=branch, committed=committed,
+            ) from err
+
+
+def _state_after_failure(api, repo_id, branch, parent, folder):
+    """(CommitInfo if our commit landed else None, a sentence on the repository state)."""
+    from huggingface_hub import CommitInfo
+
+    try:
+        head = api.repo_info(repo_id, revision=branch).sha
+    except Exception as err:  # the state cannot be read back; say so instead of guessing
+        return None, f"The repository state could not be read back ({type(err).__name__})"
+    if head == parent:
+        return None, f"no commit was made: {repo_id}@{branch} is unchanged (head {head[:12]})"
+    try:
+        matches = _head_matches_folder(api, repo_id, head, folder)
+    except Exception:  # listing failed: the head moved, the cause is unknown
+        matches = False
+    if matches:
+        info = CommitInfo(
+            commit_url=f"{api.endpoint}/{repo_id}/commit/{head}", commit_message="", commit_description="",
+            oid=head, _endpoint=api.endpoint,
+        )
+        return info, "the commit landed"
+    return None, f"The head of {repo_id}@{branch} moved from {parent[:12]} to {head[:12]} and does not hold the pushed files"
+
+
+def _head_matches_folder(api, repo_id, head, folder: Path) -> bool:
+    """Whether every local file is at ``head`` with the same content (git sha1 or LFS sha256)."""
+    from huggingface_hub.hf_api import RepoFile
+
+    remote = {
+        entry.path: entry
+        for entry in api.list_repo_tree(repo_id, revision=head, recursive=True)
+        if isinstance(entry, RepoFile)
+    }
+    for path in folder.rglob("*"):
+        if not path.is_file():
+            continue
+        entry = remote.get(str(path.relative_to(folder)))
+        if entry is None:
+            return False
+        if entry.lfs is not None:
+            if _file_digest(path, hashlib.sha256()) != entry.lfs.sha256:
+                return False
+        elif _file_digest(path, hashlib.sha1(b"blob %d\0" % path.stat().st_size)) != entry.blob_id:
+            return False
+    return True
+
+
+def _file_digest(path: Path, digest) -> str:
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------- local folder
+def save_for_hub(
+    model,
+    directory: str | os.PathLike,
+    *,
+    tokenizer=None,
+    report: SwapReport | None = None,
+    evaluation=None,
+    base_model: str | None = None,
+    license: str | None = None,
+    repo_id: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the folder :func:`push_to_hub` would upload into ``directory``, atomically.
+
+    The files are written into a temporary sibling folder that is moved into place in
+    one rename, so ``directory`` never holds a half-written checkpoint.
+
+    Args:
+        directory: target folder; it must not exist or be empty unless ``overwrite``.
+        repo_id: the Hub id the folder is meant for (used in the card's loading snippet).
+        others: as in :func:`push_to_hub`.
+
+    Returns:
+        The folder path.
+
+    Raises:
+        PushRefusedError, TypeError: as in :func:`push_to_hub`.
+        FileExistsError: ``directory`` is a non-empty folder (or a file) and ``overwrite`` is False.
+    """
+    target = Path(directory).resolve()
+    evaluation = _preflight(model, repo_id, report, evaluation, None, None)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise FileExistsError(f"{target} exists and is not an empty folder: pass overwrite=True to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_folder(
+            tmp, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
+            license=license, repo_id=repo_id,
+        )
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "previous")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def read_evaluation_file(path: str | os.PathLike) -> dict:
+    """Read ``layerswap_evaluation.json`` back into ``{"base": dict, "pruned": dict}``."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object with 'base'/'pruned' perplexity results")
+    return {k: v for k, v in data.items() if k in ("base", "pruned")}
+
+
+# ---------------------------------------------------------------------- CLI verb
+PUSH_HELP = "publish a pruned checkpoint folder to the Hub with its model card and diagnostics (one commit)"
+PUSH_EXAMPLES = """examples:
+  hf-layerswap push out/smollm2-pruned me/SmolLM2-135M-layerswap-26L
+  hf-layerswap push out/smollm2-pruned me/SmolLM2-135M-layerswap-26L --private --license apache-2.0
+  hf-layerswap push out/smollm2-pruned me/SmolLM2-135M-layerswap-26L --output-dir publish/  # no upload
+
+The token comes from HF_TOKEN or `hf auth login`; prefer those to --token (shell history).
+"""
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``push`` verb's arguments to ``parser`` (an ``add_subparsers`` child)."""
+    parser.description = PUSH_HELP
+    parser.epilog = PUSH_EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("directory", help="checkpoint folder (config.json + safetensors), e.g. written by `prune`")
+    parser.add_argument("repo_id", help="Hub repository id, owner/name")
+    parser.add_argument("--report", help=f"SwapReport JSON (default: DIRECTORY/{REPORT_FILE} if present)")
+    parser.add_argument("--evaluation", help=f"perplexity JSON {{base, pruned}} (default: DIRECTORY/{EVALUATION_FILE} if present)")
+    parser.add_argument("--base-model", help="Hub id of the base model, for the card (default: from the removal record)")
+    parser.add_argument("--license", help="license id for the card (default: the base model's when known)")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--revision", help="branch to commit to (default: main)")
+    parser.add_argument("--commit-message", help="commit message (default names the removed blocks)")
+    parser.add_argument("--endpoint", help="Hub endpoint URL (default: HF_ENDPOINT or https://huggingface.co)")
+    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the stored login)")
+    parser.add_argument("--no-tokenizer", action="store_true", help="do not publish the folder's tokenizer files")
+    parser.add_argument("--output-dir", help="write the folder that would be uploaded here, and do not contact the Hub")
+    return parser
+
+
+def _load_folder(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(args.directory)
+    if not (directory / "config.json").is_file():
+        raise PushRefusedError(f"{directory} is not a checkpoint folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
+    tokenizer = None
+    if not args.no_tokenizer and any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    report_path = Path(args.report) if args.report else directory / REPORT_FILE
+    if args.report and not report_path.is_file():
+        raise PushRefusedError(f"--report {report_path} does not exist")
+    report = SwapReport.from_json(report_path) if report_path.is_file() else None
+    eval_path = Path(args.evaluation) if args.evaluation else directory / EVALUATION_FILE
+    if args.evaluation and not eval_path.is_file():
+        raise PushRefusedError(f"--evaluation {eval_path} does not exist")
+    evaluation = read_evaluation_file(eval_path) if eval_path.is_file() else None
+    return model, tokenizer, report, evaluation
+
+
+def run_push(args: argparse.Namespace) -> int:
+    """Run the ``push`` verb. Returns the exit status (0 ok, 1 upload failed, 2 refused)."""
+    try:
+        model, tokenizer, report, evaluation = _load_folder(args)
+        common = dict(tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=args.base_model,
+                      license=args.license)
+        if args.output_dir:
+            path = save_for_hub(model, args.output_dir, repo_id=args.repo_id, **common)
+            print(f"wrote {path} (nothing uploaded)")
+            return 0
+        info = push_to_hub(
+            model, args.repo_id, private=args.private, token=args.token, revision=args.revision,
+            commit_message=args.commit_message, endpoint=args.endpoint, **common,
+        )
+    except (PushRefusedError, FileExistsError, TypeError) as err:
+        print(f"hf-layerswap push: refused: {err}", file=sys.stderr)
+        return 2
+    except HubPushError as err:
+        print(f"hf-layerswap push: failed: {err}", file=sys.stderr)
+        return 1
+    print(info.commit_url)
+    return 0

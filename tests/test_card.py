@@ -1,0 +1,198 @@
+"""Model card content: front matter, both protocol tables with the report's own numbers,
+the candidate sets, evaluation, calibration, plots and the offline validity checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from huggingface_hub import ModelCard
+from huggingface_hub.repocard_data import model_index_to_eval_results
+from publish_helpers import (
+    BASE_MODEL,
+    CONTENT_HASH,
+    EVALUATION,
+    INTERCHANGE_SET,
+    REPLACEMENT_SET,
+    hand_report,
+    pruned,  # noqa: F401 (fixture)
+    report,  # noqa: F401 (fixture)
+)
+
+from conftest import tiny_model
+from hf_layerswap import SwapReport, remove_layers
+from hf_layerswap.card import (
+    EVALUATION_FILE,
+    PLOT_FILES,
+    REPORT_FILE,
+    check_card,
+    normalize_evaluation,
+    planned_plots,
+    render_card,
+    report_mismatches,
+    write_card_files,
+)
+
+
+@pytest.fixture(scope="module")
+def card(pruned, report):
+    return render_card(pruned, report=report, evaluation=EVALUATION, base_model=BASE_MODEL, license="apache-2.0",
+                       repo_id="user/tiny-pruned")
+
+
+def test_hand_report_picks_differ_by_protocol(report):
+    from hf_layerswap import select_layers
+
+    assert select_layers(report, 2, protocol="replacement") == REPLACEMENT_SET
+    assert select_layers(report, 2, protocol="interchange") == INTERCHANGE_SET
+
+
+def test_front_matter(card):
+    data = card.data.to_dict()
+    assert data["base_model"] == BASE_MODEL
+    assert data["library_name"] == "transformers"
+    assert data["license"] == "apache-2.0"
+    assert data["tags"] == ["layerswap", "layer-pruning", "interchange"]
+    assert data["layerswap"] == {
+        "original_num_hidden_layers": 6, "num_hidden_layers": 4, "removed_layers": [1, 3],
+        "protocol": "interchange", "report": REPORT_FILE,
+    }
+    name, results = model_index_to_eval_results(data["model-index"])
+    assert name == "user/tiny-pruned"
+    values = {r.metric_name: r.metric_value for r in results}
+    assert values == {"Perplexity (this model)": 25.0, "Perplexity (base model, same contract)": 20.0}
+    for r in results:
+        assert (r.dataset_type, r.dataset_config, r.dataset_split, r.metric_type) == (
+            "wikitext", "wikitext-2-raw-v1", "test", "perplexity")
+        assert r.metric_args == {"words": 5000, "window": 512, "stride": 256, "bos": True, "dtype": "float32"}
+
+
+def test_removed_blocks_and_parameters(card, pruned):
+    text = card.text
+    assert "| Removed blocks (0-based, original numbering) | 1, 3 |" in text
+    assert "| Kept blocks (0-based, original numbering) | 0, 2, 4, 5 |" in text
+    assert "| Decoder blocks | 6 → 4 (2 removed) |" in text
+    before = sum(p.numel() for p in tiny_model("llama", 6).parameters())
+    after = sum(p.numel() for p in pruned.parameters())
+    assert before > after
+    pct = 100 * (after - before) / before
+    assert f"| Parameters | {before:,} → {after:,} ({after - before:+,}, {pct:+.1f}%) |" in text
+
+
+def test_both_protocol_tables_carry_the_report_numbers(card):
+    text = card.text
+    # per-layer scores (hand-computed in publish_helpers), ranks, status
+    assert "| 1 | 0.25 | 0.05 | 3 | 4 | **removed** |" in text
+    assert "| 3 | 0.12 | 0.02 | 2 | 1 | **removed** |" in text
+    assert "| 0 | 0.5 | 0.3 | 5 | 6 | protected |" in text
+    assert "| 2 | 0.12 | 0.05 | 1 | 5 |  |" in text
+    # pair table: both replacement directions, their max, interchange, I/R
+    assert "| 3 | 4 | 0.3 | 0.35 | 0.35 | 0.02 | 0.057 |" in text
+    assert "| 0 | 1 | 0.5 | 0.4 | 0.5 | 0.3 | 0.600 |" in text
+    assert "| 2 | 3 | 0.1 | 0.12 | 0.12 | 0.08 | 0.667 |" in text
+    assert "interchange ≤ replacement on 100% of them" in text
+    # what each protocol would remove, what was removed and why
+    assert "| replacement | 2, 4 | 0.027 |" in text
+    assert "| interchange | 1, 3 | 0.011 |" in text
+    assert "| **removed** | **1, 3** | 0.011 |" in text
+    assert "It is the set the interchange protocol picks; the other protocol picks a different one." in text
+
+
+def test_evaluation_calibration_cost_and_snippets(card):
+    text = card.text
+    assert "| base | 20.000 | [19.500, 20.600] | 2.996 | 6,000 | 24 |" in text
+    assert "| pruned (this model) | 25.000 | [24.100, 25.900] | 3.219 | 6,000 | 24 |" in text
+    assert "ΔPPL = +25.0%" in text
+    assert "| window | 512 |" in text and "| stride | 256 |" in text
+    assert f"| Content hash | `{CONTENT_HASH}` |" in text
+    assert "| Prompts × tokens | 8 prompts × up to 32 tokens (250 real tokens) |" in text
+    assert "| BOS / special tokens | added by the tokenizer (as the model expects) |" in text
+    assert "| Forward passes | 16 sweeps" in text
+    assert 'AutoModelForCausalLM.from_pretrained("user/tiny-pruned")' in text
+    assert f'"{BASE_MODEL}",\n    quantization_config=LayerSwapConfig(num_layers=2, protocol=\'interchange\'' in text
+    assert "trust_remote_code" in text  # the card says it is not needed
+
+
+def test_contract_mismatch_is_flagged(pruned, report):
+    other = json.loads(json.dumps(EVALUATION))
+    other["base"]["contract"]["window"] = 1024
+    text = render_card(pruned, report=report, evaluation=other, base_model=BASE_MODEL).text
+    assert "different contracts (differing: window)" in text
+
+
+def test_card_validates_offline_and_loads_back(card, tmp_path):
+    assert check_card(card) == []
+    card.save(tmp_path / "README.md")
+    loaded = ModelCard.load(tmp_path / "README.md")
+    assert loaded.data.to_dict() == card.data.to_dict()
+    assert loaded.text == card.text
+    broken = ModelCard(str(card).replace("library_name: transformers", "library_name: other"))
+    assert check_card(broken) == ["library_name is 'other', expected 'transformers'"]
+
+
+def test_write_card_files_plots_and_sidecars(pruned, report, tmp_path):
+    written = write_card_files(tmp_path, pruned, report=report, evaluation=EVALUATION, base_model=BASE_MODEL)
+    assert set(written) == {"README.md", REPORT_FILE, EVALUATION_FILE, PLOT_FILES["layer_scores"], PLOT_FILES["protocol_gap"]}
+    for key in ("layer_scores", "protocol_gap"):
+        data = (tmp_path / PLOT_FILES[key]).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"]({PLOT_FILES[key]})" in (tmp_path / "README.md").read_text()
+    assert SwapReport.from_json(tmp_path / REPORT_FILE) == report
+    ev = json.loads((tmp_path / EVALUATION_FILE).read_text())
+    assert ev["pruned"]["ppl"] == 25.0 and ev["delta_ppl_percent"] == pytest.approx(25.0)
+    assert check_card((tmp_path / "README.md").read_text(), tmp_path) == []
+    (tmp_path / PLOT_FILES["protocol_gap"]).unlink()
+    assert check_card((tmp_path / "README.md").read_text(), tmp_path) == [
+        f"the card shows {PLOT_FILES['protocol_gap']} but the folder has no such file"
+    ]
+
+
+def test_planned_plots_follow_the_report():
+    report = hand_report()
+    assert planned_plots(report) == ["layer_scores", "protocol_gap"]
+    wide = SwapReport(6, list(report.pairs), max_gap=2)
+    assert planned_plots(wide) == ["layer_scores", "protocol_gap", "pair_heatmap"]
+    one = SwapReport(6, list(report.pairs), protocols=("interchange",))
+    assert planned_plots(one) == ["layer_scores"]
+    assert planned_plots(None) == []
+
+
+def test_report_must_belong_to_the_model(pruned, report):
+    assert report_mismatches(pruned, report) == []
+    short = SwapReport(5, [p for p in report.pairs if p.j < 5])
+    assert report_mismatches(pruned, short) == ["the report scored 5 blocks but the model was pruned from 6 blocks"]
+    changed = hand_report()
+    changed.pairs[0].interchange = 0.31
+    (problem,) = report_mismatches(pruned, changed)
+    assert "interchange layer scores differ from those recorded in config.layerswap (step 0)" in problem
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        render_card(pruned, report=short)
+    unpruned = tiny_model("llama", 5)
+    assert report_mismatches(unpruned, short) == []
+
+
+def test_normalize_evaluation_accepts_objects_and_dicts():
+    class Result:
+        def to_dict(self):
+            return {"ppl": 12.5, "contract": {"split": "test"}}
+
+    assert normalize_evaluation({"pruned": Result()}) == {"pruned": {"ppl": 12.5, "contract": {"split": "test"}}}
+    with pytest.raises(ValueError, match=r"unknown keys \['after'\]"):
+        normalize_evaluation({"after": {"ppl": 1.0}})
+    with pytest.raises(ValueError, match=r"evaluation\['base'\]\['ppl'\] must be a finite positive number, got nan"):
+        normalize_evaluation({"base": {"ppl": float("nan")}})
+    with pytest.raises(TypeError, match="PerplexityResult or its dict, got int"):
+        normalize_evaluation({"base": 3})
+
+
+def test_config_only_card_and_explicit_removal(report):
+    model = tiny_model("llama", 6)
+    remove_layers(model, [2, 4])  # no provenance: explicit removal without a selection record
+    card = render_card(model.config, report=report, base_model=BASE_MODEL)
+    text = card.text
+    before = sum(p.numel() for p in tiny_model("llama", 6).parameters())
+    assert f"| Parameters | {before:,} → " in text  # counted on a meta-device instance of the config
+    assert "| **removed** | **2, 4** | 0.027 |" in text
+    assert "`remove_layers` was called without a selection record. It is the set the replacement protocol picks" in text
+    assert "LayerSwapConfig(layers=[2, 4])" in text
+    assert card.data.to_dict()["tags"] == ["layerswap", "layer-pruning"]

@@ -1,0 +1,305 @@
+"""Publishing against a real HTTP server: the loopback Hub stand-in of ``hub_server.py``.
+
+Why this layout is robust:
+
+- The pushes run in this process with an explicit ``endpoint=`` (``HfApi(endpoint=...)``
+  carries it through create_repo, preupload, commit and the tree listing), so they do not
+  depend on when ``HF_ENDPOINT`` was read. The fixture also points huggingface_hub's global
+  ``constants.ENDPOINT`` at the stand-in (a call that forgot the endpoint still stays on
+  loopback) and lifts the suite-wide ``HF_HUB_OFFLINE=1`` only for the duration of a test.
+- Downloads go through code that reads the endpoint at import time (``ModelCard.load``,
+  ``hf_hub_download``, ``from_pretrained("user/repo")``), so they run in a fresh
+  subprocess whose environment sets ``HF_ENDPOINT`` before anything is imported, with its
+  own ``HF_HOME``. That client never imports hf_layerswap: the checkpoint must load in
+  plain transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hub_server import HubStandIn
+from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
+    BASE_MODEL,
+    EVALUATION,
+    hand_report,
+    pruned,
+    pruned_tiny,
+    report,
+)
+
+from hf_layerswap import SwapReport
+from hf_layerswap.card import PLOT_FILES, REPORT_FILE
+from hf_layerswap.hub import (
+    HubPushError,
+    PushRefusedError,
+    add_push_arguments,
+    push_to_hub,
+    run_push,
+    save_for_hub,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "hf_layerswapTestTokenABCDEFGH012345"
+IDS = [[5, 17, 99, 3, 64, 7, 12, 88], [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    from huggingface_hub import constants
+
+    with HubStandIn() as server:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", server.url)
+        yield server
+
+
+def _download(hub: HubStandIn, repo_id: str, out: Path, token: str) -> dict:
+    """Load ``repo_id`` back through the stand-in in a subprocess that never imports hf_layerswap."""
+    script = textwrap.dedent(
+        """
+        import json, shutil, sys
+        import torch
+        from huggingface_hub import ModelCard, hf_hub_download
+        from transformers import AutoModelForCausalLM
+
+        repo, out, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+        # eager attention, as the in-process reference model uses
+        model = AutoModelForCausalLM.from_pretrained(repo, attn_implementation="eager")
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(ids)).logits
+        torch.save({"logits": logits, "layers": model.config.num_hidden_layers,
+                    "layerswap": model.config.layerswap}, out + "/client.pt")
+        open(out + "/README.md", "w", encoding="utf-8").write(str(ModelCard.load(repo)))
+        shutil.copy(hf_hub_download(repo, "layerswap_report.json"), out + "/report.json")
+        assert "hf_layerswap" not in sys.modules, "the client imported hf_layerswap"
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(
+        HF_ENDPOINT=hub.url, HF_HOME=str(out / "hf_home"), HF_TOKEN=token, HF_HUB_OFFLINE="0",
+        HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, repo_id, str(out), json.dumps(IDS)],
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out / "client.pt")
+
+
+def test_push_then_plain_transformers_download(hub, pruned, report, tmp_path, caplog, capfd):
+    caplog.set_level(logging.DEBUG)
+    info = push_to_hub(
+        pruned, "user/tiny-pruned", report=report, evaluation=EVALUATION, private=True, token=TOKEN,
+        endpoint=hub.url, base_model=BASE_MODEL, license="apache-2.0",
+    )
+    commits = hub.commits("user/tiny-pruned")
+    assert len(commits) == 1 and info.oid == commits[0].oid
+    files = hub.files("user/tiny-pruned")
+    assert {"README.md", "config.json", "model.safetensors", REPORT_FILE, "layerswap_evaluation.json",
+            PLOT_FILES["layer_scores"], PLOT_FILES["protocol_gap"]} <= set(files)
+    assert not [name for name in files if name.endswith((".bin", ".pt"))]
+
+    # the private flag and the token reached the server ...
+    assert hub.repos["user/tiny-pruned"].private is True
+    assert json.loads(hub.requests_to("create")[0].body)["visibility"] == "private"
+    assert {r.headers["authorization"] for r in hub.requests} == {f"Bearer {TOKEN}"}
+    # ... and the token is in no uploaded file, log record or console line
+    assert not [name for name, data in files.items() if TOKEN.encode() in data]
+    out, err = capfd.readouterr()
+    assert TOKEN not in caplog.text and TOKEN not in out and TOKEN not in err
+
+    client = _download(hub, "user/tiny-pruned", tmp_path, TOKEN)
+    with torch.no_grad():
+        reference = pruned(input_ids=torch.tensor(IDS)).logits
+    assert torch.equal(client["logits"], reference)
+    assert client["layers"] == 4
+    assert client["layerswap"]["removed_layers"] == [1, 3]
+    assert (tmp_path / "README.md").read_bytes() == files["README.md"]
+    assert "| 3 | 4 | 0.3 | 0.35 | 0.35 | 0.02 | 0.057 |" in (tmp_path / "README.md").read_text()
+    assert SwapReport.from_json(tmp_path / "report.json") == report
+
+
+def test_second_push_is_a_second_commit(hub, pruned, report):
+    first = push_to_hub(pruned, "user/twice", report=report, token=TOKEN, endpoint=hub.url)
+    second = push_to_hub(pruned, "user/twice", token=TOKEN, endpoint=hub.url, commit_message="without the report")
+    commits = hub.commits("user/twice")
+    assert [c.oid for c in commits] == [first.oid, second.oid]
+    assert commits[1].parent == first.oid and commits[1].title == "without the report"
+    # files this library owns and no longer writes go away in the same commit
+    assert sorted(commits[1].deleted) == sorted([REPORT_FILE, PLOT_FILES["layer_scores"], PLOT_FILES["protocol_gap"]])
+    assert REPORT_FILE not in hub.files("user/twice")
+    # an identical push changes nothing: no third commit, the head is returned
+    third = push_to_hub(pruned, "user/twice", token=TOKEN, endpoint=hub.url, commit_message="without the report")
+    assert len(hub.commits("user/twice")) == 2 and third.oid == second.oid
+
+
+def test_default_endpoint_and_branch(hub, pruned):
+    info = push_to_hub(pruned, "user/branchy", token=TOKEN, revision="v1")  # endpoint from huggingface_hub
+    assert hub.commits("user/branchy", "main") == []
+    (commit,) = hub.commits("user/branchy", "v1")
+    assert commit.oid == info.oid and "README.md" in commit.files
+
+
+@pytest.mark.parametrize("mode", [500, 503, "drop"])
+def test_transient_failure_is_retried_into_one_commit(hub, pruned, mode):
+    hub.fail("commit", mode, times=1)
+    info = push_to_hub(pruned, "user/flaky", token=TOKEN, endpoint=hub.url)
+    assert [c.oid for c in hub.commits("user/flaky")] == [info.oid]
+    assert [r.status for r in hub.requests_to("commit")] == [mode if isinstance(mode, int) else None, 200]
+
+
+def test_lost_answer_after_the_commit_landed(hub, pruned):
+    hub.fail("commit", "drop_after_apply", times=1)
+    info = push_to_hub(pruned, "user/lost", token=TOKEN, endpoint=hub.url)
+    (commit,) = hub.commits("user/lost")
+    assert info.oid == commit.oid
+    # the replay was refused by the parent-commit check (412): no second commit
+    assert [r.status for r in hub.requests_to("commit")] == [None, 412]
+
+
+def test_permanent_failure_is_one_clear_error_and_no_commit(hub, pruned):
+    hub.fail("commit", 500, times=None)
+    with pytest.raises(HubPushError) as caught:
+        push_to_hub(pruned, "user/down", token=TOKEN, endpoint=hub.url)
+    err = caught.value
+    assert err.committed is False and err.repo_id == "user/down" and err.revision == "main"
+    assert "failed after huggingface_hub's retries" in str(err) and "500" in str(err)
+    assert "no commit was made: user/down@main is unchanged" in str(err)
+    assert TOKEN not in str(err)
+    assert hub.commits("user/down") == []
+    assert len(hub.requests_to("commit")) == 6  # the first try and huggingface_hub's 5 retries
+
+
+def _broken_invariants():
+    model = pruned_tiny()
+    model.config.num_hidden_layers = 5
+    return model
+
+
+def _foreign_scores():
+    other = hand_report()
+    other.pairs[2].replacement_ji = 0.11  # pair 2-3: d_repl 0.12 -> 0.11, so s(2) and s(3) change
+    return other
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("invariants", "surgery invariants do not hold: config.num_hidden_layers=5 but the decoder has 4 blocks"),
+        ("short report", "the report scored 5 blocks but the model was pruned from 6 blocks"),
+        ("foreign report", "replacement layer scores differ from those recorded"),
+        ("repo id", "repo_id='not a repo' is not a valid Hub repository id"),
+        ("no namespace", "give the namespace too"),
+        ("evaluation", r"evaluation\['pruned'\]\['ppl'\] must be a finite positive number"),
+    ],
+)
+def test_refusals_happen_before_any_request(hub, pruned, report, case, match):
+    kwargs = dict(model=pruned, repo_id="user/refused", token=TOKEN, endpoint=hub.url)
+    if case == "invariants":
+        kwargs["model"] = _broken_invariants()
+    elif case == "short report":
+        kwargs["report"] = SwapReport(5, [p for p in report.pairs if p.j < 5])
+    elif case == "foreign report":
+        kwargs["report"] = _foreign_scores()
+    elif case == "repo id":
+        kwargs["repo_id"] = "not a repo"
+    elif case == "no namespace":
+        kwargs["repo_id"] = "tiny"
+    elif case == "evaluation":
+        kwargs["evaluation"] = {"pruned": {"ppl": -1.0}}
+    model = kwargs.pop("model")
+    with pytest.raises(PushRefusedError, match=match):
+        push_to_hub(model, kwargs.pop("repo_id"), **kwargs)
+    assert hub.requests == []
+
+
+def test_save_for_hub_is_atomic_and_complete(pruned, report, tmp_path):
+    target = tmp_path / "out"
+    save_for_hub(pruned, target, report=report, evaluation=EVALUATION, repo_id="user/tiny-pruned")
+    names = {p.name for p in target.iterdir()}
+    assert {"README.md", "config.json", "model.safetensors", REPORT_FILE, "layerswap_evaluation.json"} <= names
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary sibling left behind
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        save_for_hub(pruned, target)
+    save_for_hub(pruned, target, overwrite=True)
+    assert REPORT_FILE not in {p.name for p in target.iterdir()}
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(PushRefusedError, match="surgery invariants"):
+        save_for_hub(_broken_invariants(), tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_cli_push_verb(hub, pruned, report, tmp_path, capsys):
+    folder = save_for_hub(pruned, tmp_path / "ckpt", report=report, evaluation=EVALUATION)
+    parser = argparse.ArgumentParser(prog="hf-layerswap push")
+    add_push_arguments(parser)
+    args = parser.parse_args([str(folder), "user/from-cli", "--endpoint", hub.url, "--token", TOKEN,
+                              "--base-model", BASE_MODEL, "--private"])
+    assert run_push(args) == 0
+    (commit,) = hub.commits("user/from-cli")
+    assert capsys.readouterr().out.strip() == f"{hub.url}/user/from-cli/commit/{commit.oid}"
+    card = commit.files["README.md"].decode()
+    assert "| **removed** | **1, 3** | 0.011 |" in card and "ΔPPL = +25.0%" in card
+    assert SwapReport.from_dict(json.loads(commit.files[REPORT_FILE])) == report
+    bad = parser.parse_args([str(tmp_path / "missing"), "user/x", "--endpoint", hub.url])
+    assert run_push(bad) == 2
+    assert "is not a checkpoint folder (no config.json)" in capsys.readouterr().err
+
+
+def _optimum_env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_optimum_cli_registers_layerswap():
+    pytest.importorskip("optimum.commands.optimum_cli", reason="optimum is an optional extra")
+    cli = Path(sys.executable).with_name("optimum-cli")
+    command = [str(cli)] if cli.exists() else [sys.executable, "-m", "optimum.commands.optimum_cli"]
+    result = subprocess.run(command + ["--help"], env=_optimum_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "layerswap" in result.stdout
+
+
+def test_optimum_command_delegates_to_the_hf_layerswap_parser(monkeypatch, capsys):
+    pytest.importorskip("optimum.commands.base", reason="optimum is an optional extra")
+    import types
+
+    calls = []
+
+    def build_parser():
+        parser = argparse.ArgumentParser(prog="hf-layerswap")
+        sub = parser.add_subparsers(dest="verb")
+        add_push_arguments(sub.add_parser("push"))
+        return parser
+
+    fake = types.ModuleType("hf_layerswap.cli")
+    fake.build_parser = build_parser
+    fake.main = lambda argv: calls.append(list(argv)) or 0
+    monkeypatch.setitem(sys.modules, "hf_layerswap.cli", fake)
+    path = REPO_ROOT / "optimum" / "commands" / "register" / "layerswap_cli.py"
+    spec = importlib.util.spec_from_file_location("layerswap_cli_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.REGISTER_COMMANDS == [module.LayerSwapCommand]
+
+    parser = argparse.ArgumentParser(prog="optimum-cli")
+    command = module.LayerSwapCommand(parser.add_subparsers(), command=module.LayerSwapCommand.COMMAND)
+    args = parser.parse_args(["layerswap", "push", "DIR", "me/repo", "--private"])
+    with pytest.raises(SystemExit) as done:
+        args.func(args).run()
+    assert done.value.code == 0 and calls == [["push", "DIR", "me/repo", "--private"]]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["layerswap", "-h"])
+    assert "usage: optimum-cli layerswap" in capsys.readouterr().out
+    assert command.COMMAND.name == "layerswap"
