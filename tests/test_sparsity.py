@@ -32,6 +32,7 @@ from hf_layerswap.sparsity import (
     wanda_prune,
 )
 from hf_layerswap.sparsity.engine import prunable_linears
+from hf_layerswap.sparsity.pruners import lowest_k_mask
 
 
 def _weighted_mean(values, weights):
@@ -189,6 +190,15 @@ def test_wanda_hand_computed_example():
     assert torch.equal(mask, pruned == 0)
     # magnitude alone would keep the large weights instead
     assert torch.equal(magnitude_prune(w, 0.5)[0], torch.tensor([[0.0, 0.0, 3.0, -4.0], [4.0, 3.0, 0.0, 0.0]]))
+
+
+def test_lowest_k_mask_equals_stable_sort_with_ties():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (40, 24), generator=g).float()  # many ties
+    for k in (0, 1, 7, 12, 23, 24):
+        expected = torch.zeros_like(scores, dtype=torch.bool)
+        expected.scatter_(1, torch.sort(scores, dim=1, stable=True).indices[:, :k], True)
+        assert torch.equal(lowest_k_mask(scores, k), expected), k
 
 
 def _correlated_inputs(n_tokens, dim, seed):

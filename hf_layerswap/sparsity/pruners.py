@@ -19,7 +19,15 @@ import re
 
 import torch
 
-__all__ = ["METHODS", "magnitude_prune", "parse_pattern", "sparsegpt_prune", "wanda_prune", "wanda_scores"]
+__all__ = [
+    "METHODS",
+    "lowest_k_mask",
+    "magnitude_prune",
+    "parse_pattern",
+    "sparsegpt_prune",
+    "wanda_prune",
+    "wanda_scores",
+]
 
 METHODS = ("wanda", "sparsegpt", "magnitude")
 
@@ -46,20 +54,31 @@ def _check_nm(in_features: int, nm: tuple[int, int] | None) -> None:
         raise ValueError(f"pattern {nm[0]}:{nm[1]} needs in_features divisible by {nm[1]}, got {in_features}")
 
 
+def lowest_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the ``k`` lowest entries of each row of a 2-D tensor; ties at the
+    k-th value go to the lower column index first (what a stable sort gives), found with
+    ``kthvalue`` instead of a full sort."""
+    rows, cols = scores.shape
+    if k <= 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    if k >= cols:
+        return torch.ones_like(scores, dtype=torch.bool)
+    kth = torch.kthvalue(scores, k, dim=1, keepdim=True).values
+    below = scores < kth
+    ties = scores == kth
+    if int(ties.sum()) == rows:  # the k-th value itself is each row's only tie
+        return below | ties
+    need = k - below.sum(dim=1, keepdim=True)
+    return below | (ties & (ties.cumsum(dim=1) <= need))
+
+
 def _row_mask(scores: torch.Tensor, sparsity: float, nm: tuple[int, int] | None) -> torch.Tensor:
     """Prune the lowest scores per row (ties: lower column index first)."""
     rows, cols = scores.shape
-    mask = torch.zeros_like(scores, dtype=torch.bool)
     if nm is not None:
         n, m = nm
-        groups = scores.reshape(rows, cols // m, m)
-        idx = torch.sort(groups, dim=-1, stable=True).indices[..., :n]
-        return mask.reshape(rows, cols // m, m).scatter_(-1, idx, True).reshape(rows, cols)
-    k = int(round(cols * sparsity))
-    if k:
-        idx = torch.sort(scores, dim=1, stable=True).indices[:, :k]
-        mask.scatter_(1, idx, True)
-    return mask
+        return lowest_k_mask(scores.reshape(-1, m), n).reshape(rows, cols)
+    return lowest_k_mask(scores, int(round(cols * sparsity)))
 
 
 def wanda_scores(weight: torch.Tensor, row_norm_sq: torch.Tensor) -> torch.Tensor:
@@ -169,19 +188,15 @@ def sparsegpt_prune(
         if mask is not None:
             mask1 = mask[:, i1:i2].to(W.device).clone()
         elif nm is None:
-            mask1 = torch.zeros_like(W1, dtype=torch.bool)
-            k = int(round(W1.numel() * sparsity))
-            if k:
-                scores = (W1 * W1) / (d1 * d1).unsqueeze(0)
-                mask1.view(-1)[torch.sort(scores.reshape(-1), stable=True).indices[:k]] = True
+            scores = (W1 * W1) / (d1 * d1).unsqueeze(0)
+            mask1 = lowest_k_mask(scores.reshape(1, -1), int(round(W1.numel() * sparsity))).reshape(W1.shape)
         else:
             mask1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(i2 - i1):
             if mask is None and nm is not None and i % nm[1] == 0:
                 n, m = nm
                 scores = W1[:, i : i + m] ** 2 / (d1[i : i + m] ** 2).unsqueeze(0)
-                idx = torch.sort(scores, dim=1, stable=True).indices[:, :n]
-                mask1[:, i : i + m].scatter_(1, idx, True)
+                mask1[:, i : i + m] = lowest_k_mask(scores, n)
             w = W1[:, i]
             q = w.masked_fill(mask1[:, i], 0.0)
             Q1[:, i] = q

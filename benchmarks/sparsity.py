@@ -1,0 +1,318 @@
+"""Sparsity benchmark: one-shot pruning with uniform, PALS, OWL, random (and gradient)
+layerwise sparsity, with Wanda (or SparseGPT), unstructured and N:M.
+
+For every configuration the dense weights are restored, :func:`hf_layerswap.sparsity.sparsify`
+prunes the model on a calibration set drawn from WikiText-2 validation
+(``../shared/data/wikitext-2/valid.txt``; paragraphs shuffled with the calibration seed), and
+perplexity is measured with :func:`hf_layerswap.evaluation.evaluate_perplexity` under the
+matched contract on WikiText-2 raw test (``../shared/data/wikitext-2-raw/wiki.test.raw``).
+Each allocator is compared with uniform allocation on the same calibration set and the
+same evaluation windows (paired bootstrap over windows, :func:`delta_ppl_ci`); with several
+calibration seeds, the across-seed mean, a t-based 95% interval and an exact sign-flip
+(permutation) test of the paired per-seed differences are reported.
+
+Results are cached per configuration in the JSON file, so an interrupted run resumes.
+
+Usage (from the repository root)::
+
+    python benchmarks/sparsity.py --model smollm2-135m --sparsity 0.5 \\
+        --allocations uniform pals owl random --patterns unstructured 2:4 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hf_layerswap.calibration import build_calibration, split_paragraphs  # noqa: E402
+from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
+from hf_layerswap.models import load_model, model_identity  # noqa: E402
+from hf_layerswap.report import write_json_atomic  # noqa: E402
+from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
+
+CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+RESULTS = REPO / "benchmarks" / "results"
+
+# two-sided 97.5% Student t quantiles for small samples (df -> t)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def calibration_prompts(seed: int, num_prompts: int) -> list[str]:
+    """WikiText-2 validation paragraphs (headings dropped), shuffled with ``seed``.
+
+    The tokenized release separates paragraphs by lines holding a single space; they are
+    normalised to blank lines before splitting."""
+    text = re.sub(r"\n[ \t]+(?=\n)", "\n", CALIBRATION.read_text(encoding="utf-8"))
+    paragraphs = split_paragraphs(text)
+    random.Random(seed).shuffle(paragraphs)
+    return paragraphs[:num_prompts]
+
+
+def config_key(pattern, allocation, method, seed, settings) -> str:
+    """Cache key: everything that changes a result."""
+    return (
+        f"{pattern or 'unstructured'}|{allocation}|{method}|seed{seed}|s{settings['sparsity']:g}"
+        f"|{settings['num_prompts']}x{settings['seq_len']}|words{settings['eval_words']}"
+    )
+
+
+def mean_ci(values: list[float]) -> tuple[float, float | None]:
+    """Mean and half-width of the t-based 95% interval (None for one value)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, None
+    return m, T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided sign-flip permutation p-value of the mean paired difference."""
+    observed = abs(statistics.fmean(diffs))
+    flips = list(itertools.product((1, -1), repeat=len(diffs)))
+    extreme = sum(abs(statistics.fmean([s * d for s, d in zip(signs, diffs)])) >= observed - 1e-12 for signs in flips)
+    return extreme / len(flips)
+
+
+def without_local_paths(data):
+    """Drop ``path`` entries (this machine's cache location) from nested records."""
+    if isinstance(data, dict):
+        return {k: without_local_paths(v) for k, v in data.items() if k != "path"}
+    if isinstance(data, list):
+        return [without_local_paths(v) for v in data]
+    return data
+
+
+def describe_model(identity: dict) -> str:
+    source = identity.get("source") or {}
+    if source.get("bundled_name"):
+        return (
+            f"{identity['name']} (bundled `{source['bundled_name']}`: GGUF {source.get('quantization')} from "
+            f"{source.get('package')} {source.get('package_version')}, dequantized to {source.get('dequantized_dtype')})"
+        )
+    return f"{identity.get('name')} (revision {identity.get('revision')})"
+
+
+def bos_text(bos) -> str:
+    if not isinstance(bos, dict):
+        return str(bos)
+    return f"{'added' if bos.get('add_bos') else 'none'} ({bos.get('bos_choice')})"
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    out_json = Path(args.json)
+    store = json.loads(out_json.read_text()) if out_json.is_file() and not args.fresh else {}
+    store.setdefault("runs", {})
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    dense_state = {k: v.clone() for k, v in model.state_dict().items()}
+    store["model"] = without_local_paths(model_identity(model))
+
+    def evaluate():
+        return evaluate_perplexity(
+            model, str(EVALUATION), tokenizer=tokenizer, contract="matched", max_words=args.eval_words, batch_size=4
+        )
+
+    dense_key = f"dense|words{args.eval_words}"
+    if dense_key not in store:
+        t = time.perf_counter()
+        store[dense_key] = {"ppl": without_local_paths(evaluate().to_dict()), "eval_s": time.perf_counter() - t}
+        write_json_atomic(store, out_json)
+    print(f"dense PPL {store[dense_key]['ppl']['ppl']:.3f}", flush=True)
+
+    configs = []
+    for pattern in args.patterns:
+        pattern = None if pattern == "unstructured" else pattern
+        for allocation in args.allocations if pattern is None else ["uniform"]:
+            for method in args.methods:
+                for seed in args.seeds:
+                    configs.append((pattern, allocation, method, seed))
+    for pattern, allocation, method, seed in configs:
+        key = config_key(pattern, allocation, method, seed, vars(args))
+        if key in store["runs"]:
+            print(f"{key}: cached PPL {store['runs'][key]['ppl']['ppl']:.3f}", flush=True)
+            continue
+        model.load_state_dict(dense_state)
+        calib = build_calibration(
+            calibration_prompts(seed, args.num_prompts), tokenizer, num_prompts=args.num_prompts, seq_len=args.seq_len
+        )
+        t = time.perf_counter()
+        report = sparsify(
+            model,
+            calib,
+            sparsity=args.sparsity,
+            allocation=allocation,
+            method=method,
+            pattern=pattern,
+            batch_size=args.batch_size,
+        )
+        sparsify_s = time.perf_counter() - t
+        t = time.perf_counter()
+        ppl = evaluate()
+        store["runs"][key] = {
+            "pattern": pattern,
+            "allocation": allocation,
+            "method": method,
+            "seed": seed,
+            "report": report.to_dict(),
+            "ppl": without_local_paths(ppl.to_dict()),
+            "sparsify_s": sparsify_s,
+            "eval_s": time.perf_counter() - t,
+        }
+        write_json_atomic(store, out_json)
+        print(f"{key}: sparsity {report.achieved_sparsity:.4f} PPL {ppl.ppl:.3f} ({sparsify_s:.0f} s)", flush=True)
+    model.load_state_dict(dense_state)
+    store["settings"] = {k: v for k, v in vars(args).items() if k not in ("fresh",)}
+    write_json_atomic(store, out_json)
+    return store
+
+
+def render(store: dict, command: str) -> str:
+    settings = store["settings"]
+    dense = PerplexityResult.from_dict(store[f"dense|words{settings['eval_words']}"]["ppl"])
+    runs = {
+        key: r
+        for key, r in store["runs"].items()
+        if key == config_key(r["pattern"], r["allocation"], r["method"], r["seed"], settings)
+        and r["allocation"] in settings["allocations"]
+        and r["method"] in settings["methods"]
+        and r["seed"] in settings["seeds"]
+    }
+    lines = [
+        "# Sparsity benchmark: layerwise allocation for one-shot pruning",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Model: {describe_model(store['model'])}. Target sparsity {settings['sparsity']:g} of every "
+        "`nn.Linear` weight inside the decoder blocks (embeddings, norms and LM head dense).",
+        "",
+    ]
+    any_run = next(iter(runs.values()))
+    calib = any_run["report"]["calibration"]
+    opts = any_run["report"]["options"]
+    contract = dense.contract
+    lines += [
+        f"Calibration: WikiText-2 validation paragraphs shuffled with the seed, {calib['num_prompts']} prompts "
+        f"truncated to {settings['seq_len']} tokens ({calib['num_tokens']} real tokens for seed "
+        f"{any_run['seed']}); statistics for the allocators from the dense model, pruning block by block "
+        "on the outputs of the already-pruned blocks.",
+        "",
+        f"Evaluation: matched contract, {contract.get('source', 'wiki.test.raw')} first {contract.get('max_words')} "
+        f"words, window {contract.get('window')} / stride {contract.get('stride')}, {dense.tokens} scored tokens "
+        f"in {dense.windows} windows, BOS {bos_text(contract.get('bos'))}, dtype {contract.get('dtype')}. "
+        "PPL 95% interval: bootstrap over windows (1,000 resamples, seed 42).",
+        "",
+        f"Dense PPL: **{dense.ppl:.3f}** [{dense.ci_low:.3f}, {dense.ci_high:.3f}].",
+        "",
+        f"Allocator options: PALS percentile {opts['percentile']:g} of |activation| (source {opts['source']}, "
+        f"pool {opts['pool']}, estimator {opts['estimator']} with {opts['bins_per_octave']} bins per octave), "
+        f"{opts['mapping']} mapping, delta {opts['delta']:g}, scale {opts['scale'] or opts['delta']:g}, exact "
+        f"parameter-weighted budget; OWL M = {opts['owl_m']:g}, lambda = {opts['owl_lambda']:g} (reference "
+        f"mapping); random U(-delta, delta) offsets, seed {opts['seed']}, exact budget. Per-block statistics: "
+        "see the JSON file.",
+        "",
+        "| pattern | allocation | method | calib seed | achieved sparsity | block targets min-max | PPL [95% CI] "
+        "| dPPL% vs dense | vs uniform, same seed: dPPL% [paired 95% CI] | sparsify s |",
+        "|---|---|---|---:|---:|---|---|---:|---|---:|",
+    ]
+    for key, r in runs.items():
+        ppl = PerplexityResult.from_dict(r["ppl"])
+        rep = SparsityReport.from_dict(r["report"])
+        ukey = config_key(r["pattern"], "uniform", r["method"], r["seed"], settings)
+        versus = ""
+        if r["allocation"] != "uniform" and ukey in runs:
+            base = PerplexityResult.from_dict(runs[ukey]["ppl"])
+            lo, hi = delta_ppl_ci(base, ppl)
+            versus = f"{delta_ppl_percent(base, ppl):+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        lines.append(
+            f"| {r['pattern'] or 'unstructured'} | {r['allocation']} | {r['method']} | {r['seed']} "
+            f"| {rep.achieved_sparsity:.4f} | {min(rep.block_targets):.3f}-{max(rep.block_targets):.3f} "
+            f"| {ppl.ppl:.3f} [{ppl.ci_low:.3f}, {ppl.ci_high:.3f}] | {delta_ppl_percent(dense, ppl):+.1f} "
+            f"| {versus} | {r['sparsify_s']:.0f} |"
+        )
+    # across seeds
+    groups: dict = {}
+    for r in runs.values():
+        groups.setdefault((r["pattern"] or "unstructured", r["allocation"], r["method"]), {})[r["seed"]] = r["ppl"]["ppl"]
+    if any(len(v) > 1 for v in groups.values()):
+        lines += [
+            "",
+            "Across calibration seeds (mean, t-based 95% interval; paired test vs uniform on the seeds both have: "
+            "exact sign-flip permutation p-value, two-sided):",
+            "",
+            "| pattern | allocation | method | seeds | mean PPL +- 95% | mean paired diff vs uniform | p |",
+            "|---|---|---|---:|---|---:|---:|",
+        ]
+        for (pattern, allocation, method), by_seed in groups.items():
+            m, h = mean_ci(list(by_seed.values()))
+            diff, p = "", ""
+            uni = groups.get((pattern, "uniform", method), {})
+            common = sorted(set(by_seed) & set(uni))
+            if allocation != "uniform" and len(common) >= 2:
+                d = [by_seed[s] - uni[s] for s in common]
+                diff, p = f"{statistics.fmean(d):+.3f}", f"{sign_flip_p(d):.3f}"
+            ci = "" if h is None else f" +- {h:.3f}"
+            lines.append(f"| {pattern} | {allocation} | {method} | {len(by_seed)} | {m:.3f}{ci} | {diff} | {p} |")
+    # per-block allocations
+    lines += ["", "Per-block targets (0-based blocks; first calibration seed):", ""]
+    shown = set()
+    for r in runs.values():
+        if r["allocation"] in shown or r["pattern"] is not None or r["allocation"] == "uniform":
+            continue
+        shown.add(r["allocation"])
+        rep = SparsityReport.from_dict(r["report"])
+        lines.append(f"- {r['allocation']}: " + ", ".join(f"{t:.3f}" for t in rep.block_targets))
+        if rep.blocks[0].statistic is not None:
+            lines.append(
+                f"  - statistic ({rep.allocator.get('statistic')}): "
+                + ", ".join(f"{b.statistic:.4g}" for b in rep.blocks)
+            )
+    lines += [""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--allocations", nargs="+", default=["uniform", "pals", "owl", "random"])
+    parser.add_argument("--methods", nargs="+", default=["wanda"])
+    parser.add_argument("--patterns", nargs="+", default=["unstructured"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eval-words", type=int, default=None, help="override the contract's 5,000 words (smoke runs)")
+    parser.add_argument("--json", default=str(RESULTS / "sparsity.json"))
+    parser.add_argument("--output", default=str(RESULTS / "sparsity.md"))
+    parser.add_argument("--fresh", action="store_true", help="ignore cached results in --json")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/sparsity.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    store = run(args)
+    text = render(store, command)
+    out = Path(args.output)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
