@@ -64,6 +64,9 @@ MAX_PAIR_ROWS = 200
 _DEFAULT_SPACING, _DEFAULT_PROTECT = 1, [0, -1]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DASH = "—"
+#: Contract entries that describe the run rather than the measurement (not compared, not
+#: listed in the contract table; versions have their own table).
+_NOT_CONTRACT = ("model", "versions", "library_versions", "device")
 
 
 # ---------------------------------------------------------------------- formatting
@@ -467,21 +470,20 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
         )
     base, pruned = evaluation.get("base"), evaluation.get("pruned")
     delta = _pct(100 * (pruned["ppl"] / base["ppl"] - 1)) if base and pruned else None
-    contracts = [r.get("contract") or {} for r in (base, pruned) if r]
+    contracts = [{k: v for k, v in (r.get("contract") or {}).items() if k not in _NOT_CONTRACT} for r in (base, pruned) if r]
     contract = contracts[-1]
     warning = None
     if len(contracts) == 2 and contracts[0] != contracts[1]:
         keys = sorted(k for k in set(contracts[0]) | set(contracts[1]) if contracts[0].get(k) != contracts[1].get(k))
-        if [k for k in keys if k != "library_versions"]:
-            warning = (
-                "the base and pruned perplexities were measured under different contracts (differing: "
-                f"{', '.join(keys)}); the ΔPPL is not a like-for-like comparison."
-            )
+        warning = (
+            "the base and pruned perplexities were measured under different contracts (differing: "
+            f"{', '.join(keys)}); the ΔPPL is not a like-for-like comparison."
+        )
     section = {
         "rows": rows,
         "delta": delta,
         "warning": warning,
-        "contract": [(k, _cell(v)) for k, v in contract.items() if k != "library_versions"] or [("contract", "not recorded")],
+        "contract": [(k, _cell(v)) for k, v in contract.items()] or [("contract", "not recorded")],
     }
     return section, _eval_results(evaluation, contract)
 
@@ -489,20 +491,23 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
 def _eval_results(evaluation: dict, contract: Mapping) -> list:
     from huggingface_hub import EvalResult
 
-    dataset_type = contract.get("dataset_id") or "wikitext"
+    dataset = str(contract.get("dataset") or "")
+    if dataset.startswith("wikitext-"):  # hf_layerswap.evaluation names WikiText files by their config
+        dataset_fields = dict(dataset_type="wikitext", dataset_name="WikiText-2 (raw)", dataset_config=dataset)
+    else:  # text that is not a Hub dataset: name its source
+        source = contract.get("source") or dataset or "text of unrecorded origin (no contract)"
+        dataset_fields = dict(dataset_type="text", dataset_name=str(source))
     common = dict(
         task_type="text-generation",
         task_name="Causal language modeling",
-        dataset_type=dataset_type,
-        dataset_name=str(contract.get("dataset_name") or contract.get("dataset") or "WikiText-2 (raw)"),
-        dataset_config=contract.get("dataset_config") or ("wikitext-2-raw-v1" if dataset_type == "wikitext" else None),
         dataset_split=str(contract.get("split") or "test"),
         metric_type="perplexity",
+        **dataset_fields,
     )
     args = {
         k: v
         for k, v in contract.items()
-        if isinstance(v, (int, float, str, bool)) and k not in ("dataset_id", "dataset_name", "dataset", "dataset_config", "split")
+        if isinstance(v, (int, float, str, bool)) and k not in ("dataset", "split", "source")
     }
     results = []
     for key, name in (("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")):
@@ -518,7 +523,7 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
     return results
 
 
-def _calibration_rows(report, steps) -> list:
+def _calibration_rows(report, steps, ident) -> list:
     meta = report.metadata if report is not None else {}
     cal = dict(meta.get("calibration") or {})
     if not cal:
@@ -554,11 +559,21 @@ def _calibration_rows(report, steps) -> list:
     ):
         if key in meta:
             rows.append((label, _cell(meta[key])))
-    model = meta.get("model") or {}
-    if model.get("name"):
-        revision = f" @ {model['revision']}" if model.get("revision") else ""
-        rows.append(("Scored model", f"{model['name']}{revision}"))
+    if ident.get("name"):
+        rows.append(("Scored model", _display_identity(ident)))
     return rows
+
+
+def _display_identity(ident: Mapping) -> str:
+    """A model identity for the card: Hub id and revision, never a local path."""
+    source = ident.get("source") if isinstance(ident.get("source"), Mapping) else {}
+    name = str(source.get("upstream") or ident["name"])
+    revision = f" @ {ident['revision']}" if ident.get("revision") else ""
+    if _HUB_ID.match(name):
+        return f"{name}{revision}"
+    if os.sep in name or name.startswith((".", "~")):
+        return f"local checkpoint `{Path(name).name}`{revision}"
+    return f"{name}{revision}"
 
 
 def _cost_rows(report) -> list:
@@ -587,8 +602,10 @@ def _versions(report, steps, evaluation) -> dict:
     if steps and isinstance(steps[-1].get("library_versions"), Mapping):
         columns["removal"] = steps[-1]["library_versions"]
     pruned = (evaluation or {}).get("pruned") or {}
-    if isinstance((pruned.get("contract") or {}).get("library_versions"), Mapping):
-        columns["evaluation"] = pruned["contract"]["library_versions"]
+    contract = pruned.get("contract") or {}
+    evaluated = contract.get("library_versions") or contract.get("versions")
+    if isinstance(evaluated, Mapping):
+        columns["evaluation"] = evaluated
     columns["card"] = {**library_versions(), "huggingface_hub": huggingface_hub.__version__}
     names = list(dict.fromkeys(k for col in columns.values() for k in col))
     return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
@@ -702,7 +719,7 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
     x = np.arange(L)
     colors = {"replacement": "#d95f02", "interchange": "#1b9e77"}
 
-    fig = _figure(max(6.0, 0.28 * L + 2), 3.6)
+    fig = _figure(min(14.0, max(6.0, 0.28 * L + 2)), 3.6)
     ax = fig.add_subplot()
     width = 0.8 / len(report.protocols)
     finite_all = [v for p in report.protocols for v in report.layer_scores(p) if math.isfinite(v) and v > 0]
@@ -718,9 +735,10 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
         ax.axvspan(layer - 0.5, layer + 0.5, color="#999999", alpha=0.25, lw=0)
     if finite_all:
         ax.set_yscale("log")
-    ax.set_xticks(x)
-    ax.set_xticklabels([str(i) for i in x], fontsize=7)
-    for tick, layer in zip(ax.get_xticklabels(), x):
+    shown = x[:: max(1, L // 48)]
+    ax.set_xticks(shown)
+    ax.set_xticklabels([str(i) for i in shown], fontsize=7)
+    for tick, layer in zip(ax.get_xticklabels(), shown):
         if layer in removed:
             tick.set_color("#b2182b")
             tick.set_fontweight("bold")
@@ -728,30 +746,41 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
     ax.set_xlabel("layer (0-based); shaded = removed")
     ax.set_ylabel("s(i) = min_j d(i, j)  [nats]")
     ax.set_title("Per-layer swap-KL scores (low = removable)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", ncol=2, framealpha=0.9)
     _save(fig, directory / PLOT_FILES["layer_scores"])
     written["layer_scores"] = directory / PLOT_FILES["layer_scores"]
 
     if "protocol_gap" in keys:
         rows = report.protocol_gap()["pairs"]
-        fig = _figure(max(6.0, 0.22 * len(rows) + 2), 3.4)
+        fig = _figure(min(12.0, max(6.0, 0.22 * L + 2)), 3.4)
         ax = fig.add_subplot()
         ratios = np.array([np.nan if r["ratio"] is None else r["ratio"] for r in rows], dtype=float)
         gaps = np.array([r["gap"] for r in rows])
-        pos = np.arange(len(rows))
-        shades = matplotlib.colormaps["viridis"]((gaps - 1) / max(1, gaps.max() - 1)) if len(rows) else []
+        midpoints = np.array([(r["i"] + r["j"]) / 2 for r in rows])
         ok = np.isfinite(ratios)
-        ax.bar(pos[ok], ratios[ok], color=np.asarray(shades)[ok] if len(rows) else None)
+        if report.max_gap == 1:
+            ax.bar(midpoints[ok], ratios[ok], width=0.8, color=colors["interchange"])
+            step = max(1, len(rows) // 40)
+            ax.set_xticks(midpoints[::step])
+            ax.set_xticklabels([f"{r['i']}-{r['j']}" for r in rows][::step], rotation=90, fontsize=7)
+            ax.set_xlabel("adjacent pair i-j")
+        else:
+            cmap = matplotlib.colormaps["viridis"]
+            for g in sorted(set(gaps.tolist())):
+                sel = ok & (gaps == g)
+                ax.plot(midpoints[sel], ratios[sel], "o-", ms=3, lw=1, color=cmap((g - 1) / max(1, gaps.max() - 1)),
+                        label=f"j - i = {g}")
+            ax.legend(fontsize=7, ncol=min(4, int(gaps.max())))
+            ax.set_xlabel("pair midpoint (i + j) / 2")
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         finite = ratios[ok]
         if finite.size and finite.max() / max(finite.min(), 1e-12) > 30:
             ax.set_yscale("log")
-        step = max(1, len(rows) // 40)
-        ax.set_xticks(pos[::step])
-        ax.set_xticklabels([f"{r['i']}-{r['j']}" for r in rows][::step], rotation=90, fontsize=7)
-        ax.set_xlabel("pair i-j" + (" (colour = distance j - i)" if report.max_gap > 1 else ""))
         ax.set_ylabel("I/R = d_inter / d_repl")
-        ax.set_title("Protocol gap per pair (below 1: interchange is the gentler probe)")
+        title = "Protocol gap per pair (below 1: interchange is the gentler probe)"
+        if (~ok).any():
+            title += f"; {int((~ok).sum())} non-finite pair(s) not drawn"
+        ax.set_title(title, fontsize=10)
         _save(fig, directory / PLOT_FILES["protocol_gap"])
         written["protocol_gap"] = directory / PLOT_FILES["protocol_gap"]
 
@@ -942,7 +971,7 @@ def render_card(
         removed_kl=removed_kl,
         why=why,
         evaluation=eval_section,
-        calibration=_calibration_rows(report, steps),
+        calibration=_calibration_rows(report, steps, ident),
         cost=_cost_rows(report),
         load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo),
         reproduce_snippet=reproduce,
@@ -975,7 +1004,7 @@ def check_card(card, directory: str | os.PathLike | None = None) -> list[str]:
     if data.get("library_name") != "transformers":
         problems.append(f"library_name is {data.get('library_name')!r}, expected 'transformers'")
     base = data.get("base_model")
-    if base is not None and not (isinstance(base, str) and _HUB_ID.match(base)):
+    if base is not None and not (isinstance(base, str) and re.match(r"^[\w.-]+(/[\w.-]+)?$", base)):
         problems.append(f"base_model {base!r} is not a Hub model id")
     if "model-index" in data:
         try:

@@ -16,7 +16,11 @@ Guarantees:
   (``parent_commit``), so a concurrent writer or a replayed request cannot stack a second
   commit; transient server errors (408, 429, 5xx, dropped connections) are retried by
   huggingface_hub's own backoff; a request whose answer was lost but whose commit landed
-  is recognised by comparing the repository head with the pushed files;
+  is recognised by comparing the repository head with the pushed files. (With
+  ``HF_HUB_DISABLE_XET=1`` huggingface_hub 2.4 commits through ``create_commit``, which
+  retries the preupload call but not the commit call: a failing commit then surfaces at
+  once, still as one error and no commit.) The folder is a dozen files, far below the
+  size at which huggingface_hub's pipelined upload splits a commit;
 - the token is passed to ``HfApi`` only: it is never written to a file or a log line.
 
 :func:`save_for_hub` writes the same folder locally (atomically: a temporary sibling folder

@@ -35,14 +35,20 @@ REPLACEMENT_SET, INTERCHANGE_SET = [2, 4], [1, 3]
 REMOVAL_KL = {"1,3": 0.011, "2,4": 0.027}
 CONTENT_HASH = "0123456789abcdef" * 4
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: The shape of hf_layerswap.evaluation's contract (identity and versions are not compared).
+CONTRACT = {
+    "name": "matched", "source": "file:wiki.test.raw", "split": "test", "dataset": "wikitext-2-raw-v1",
+    "words": 5000, "window": 512, "stride": 256, "bos": {"added": False}, "dtype": "float32",
+    "versions": {"transformers": "5.24.0"},
+}
 EVALUATION = {
     "base": {
         "ppl": 20.0, "nll": 2.995732, "tokens": 6000, "windows": 24, "ci_low": 19.5, "ci_high": 20.6,
-        "contract": {"split": "test", "words": 5000, "window": 512, "stride": 256, "bos": True, "dtype": "float32"},
+        "contract": dict(CONTRACT),
     },
     "pruned": {
         "ppl": 25.0, "nll": 3.218876, "tokens": 6000, "windows": 24, "ci_low": 24.1, "ci_high": 25.9,
-        "contract": {"split": "test", "words": 5000, "window": 512, "stride": 256, "bos": True, "dtype": "float32"},
+        "contract": dict(CONTRACT),
     },
 }
 

@@ -64,7 +64,7 @@ def test_front_matter(card):
     for r in results:
         assert (r.dataset_type, r.dataset_config, r.dataset_split, r.metric_type) == (
             "wikitext", "wikitext-2-raw-v1", "test", "perplexity")
-        assert r.metric_args == {"words": 5000, "window": 512, "stride": 256, "bos": True, "dtype": "float32"}
+        assert r.metric_args == {"name": "matched", "words": 5000, "window": 512, "stride": 256, "dtype": "float32"}
 
 
 def test_removed_blocks_and_parameters(card, pruned):
@@ -103,7 +103,13 @@ def test_evaluation_calibration_cost_and_snippets(card):
     assert "| base | 20.000 | [19.500, 20.600] | 2.996 | 6,000 | 24 |" in text
     assert "| pruned (this model) | 25.000 | [24.100, 25.900] | 3.219 | 6,000 | 24 |" in text
     assert "ΔPPL = +25.0%" in text
-    assert "| window | 512 |" in text and "| stride | 256 |" in text
+    assert "| window | 512 |" in text and "| stride | 256 |" in text and '| bos | {"added": false} |' in text
+    assert "| source | file:wiki.test.raw |" in text and "versions" not in text.split("## Evaluation")[1].split("## Calibration")[0]
+    import transformers
+
+    live = transformers.__version__  # removal ran in this process, the card is rendered now
+    assert "| Library | scoring | removal | evaluation | card |" in text
+    assert f"| transformers | 5.24.0 | {live} | 5.24.0 | {live} |" in text
     assert f"| Content hash | `{CONTENT_HASH}` |" in text
     assert "| Prompts × tokens | 8 prompts × up to 32 tokens (250 real tokens) |" in text
     assert "| BOS / special tokens | added by the tokenizer (as the model expects) |" in text
@@ -116,8 +122,18 @@ def test_evaluation_calibration_cost_and_snippets(card):
 def test_contract_mismatch_is_flagged(pruned, report):
     other = json.loads(json.dumps(EVALUATION))
     other["base"]["contract"]["window"] = 1024
+    other["pruned"]["contract"]["model"] = {"name": "another identity"}  # identities are not compared
     text = render_card(pruned, report=report, evaluation=other, base_model=BASE_MODEL).text
     assert "different contracts (differing: window)" in text
+
+
+def test_text_that_is_not_a_hub_dataset_is_named_by_its_source(pruned, report):
+    embedded = {"pruned": {"ppl": 30.0, "contract": {"source": "embedded:pydoc_data.topics", "split": "evaluation"}}}
+    card = render_card(pruned, report=report, evaluation=embedded, base_model=BASE_MODEL)
+    _, (result,) = model_index_to_eval_results(card.data.to_dict()["model-index"])
+    assert (result.dataset_type, result.dataset_name, result.dataset_split) == (
+        "text", "embedded:pydoc_data.topics", "evaluation")
+    assert "ΔPPL" not in card.text
 
 
 def test_card_validates_offline_and_loads_back(card, tmp_path):

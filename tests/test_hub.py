@@ -182,6 +182,26 @@ def test_permanent_failure_is_one_clear_error_and_no_commit(hub, pruned):
     assert len(hub.requests_to("commit")) == 6  # the first try and huggingface_hub's 5 retries
 
 
+def test_without_xet_the_single_commit_path_behaves_the_same(hub, pruned, monkeypatch):
+    """HF_HUB_DISABLE_XET=1: upload_folder falls back to create_commit (always one commit).
+
+    huggingface_hub 2.4 retries the preupload call there but not the commit call itself, so a
+    commit-endpoint failure surfaces at once, still as one clear error with no commit.
+    """
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    hub.fail("preupload", 503, times=1)
+    info = push_to_hub(pruned, "user/noxet", token=TOKEN, endpoint=hub.url)
+    assert [c.oid for c in hub.commits("user/noxet")] == [info.oid]
+    assert [r.status for r in hub.requests_to("preupload")] == [503, 200]
+    hub.fail("commit", 500, times=None)
+    with pytest.raises(HubPushError, match="no commit was made") as caught:
+        push_to_hub(pruned, "user/noxet", token=TOKEN, endpoint=hub.url, evaluation=EVALUATION)
+    assert caught.value.committed is False
+    assert len(hub.commits("user/noxet")) == 1 and len(hub.requests_to("commit")) == 2
+
+
 def _broken_invariants():
     model = pruned_tiny()
     model.config.num_hidden_layers = 5
@@ -262,13 +282,17 @@ def _optimum_env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
-def test_optimum_cli_registers_layerswap():
+def test_optimum_cli_exposes_the_hf_layerswap_verbs():
     pytest.importorskip("optimum.commands.optimum_cli", reason="optimum is an optional extra")
     cli = Path(sys.executable).with_name("optimum-cli")
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "optimum.commands.optimum_cli"]
-    result = subprocess.run(command + ["--help"], env=_optimum_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "layerswap" in result.stdout
+    listed = subprocess.run(command + ["--help"], env=_optimum_env(), capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "layerswap" in listed.stdout
+    push = subprocess.run(command + ["layerswap", "push", "--help"], env=_optimum_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert push.returncode == 0, push.stderr
+    assert "directory" in push.stdout and "repo_id" in push.stdout and "--output-dir" in push.stdout
 
 
 def test_optimum_command_delegates_to_the_hf_layerswap_parser(monkeypatch, capsys):

@@ -1,0 +1,90 @@
+"""Regenerate the example model cards in this folder from real runs.
+
+For each model: load the bundled real checkpoint (dequantized GGUF from the package
+index), measure the base perplexity on WikiText-2 (raw test split, the "matched"
+contract), score both swap-KL protocols on WikiText-2 validation text, remove blocks with
+``protocol="auto"`` (each protocol's greedy set, kept by joint removal KL), measure the
+pruned perplexity under the same contract, and write the card, its plots and the JSON
+sidecars into ``model_cards/<name>/`` (no weights).
+
+Run from the repository root (the shared data lives at ``../shared/data``)::
+
+    python model_cards/regenerate.py                 # both models
+    python model_cards/regenerate.py smollm2-135m    # one of them
+
+The template the cards are rendered from is ``hf_layerswap/templates/modelcard_template.md``
+(``modelcard_template.md`` here points at it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = Path("..") / "shared" / "data"  # relative to the repository root, as the card shows it
+CALIBRATION = DATA / "wikitext-2" / "valid.txt"
+EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
+
+#: name -> (blocks to remove, license of the upstream release, calibration prompts)
+RUNS = {
+    "smollm2-135m": (4, "apache-2.0", 64),
+    "gemma3-270m": (2, "gemma", 32),
+}
+
+
+def regenerate(name: str, *, num_prompts: int | None = None) -> Path:
+    from hf_layerswap import LayerSwapConfig, prune_loaded_model
+    from hf_layerswap.card import write_card_files
+    from hf_layerswap.evaluation import evaluate_perplexity
+    from hf_layerswap.models import load_model
+
+    budget, license_, default_prompts = RUNS[name]
+    for path in (CALIBRATION, EVALUATION):
+        if not path.is_file():
+            sys.exit(f"{path} is missing: run from the repository root with the shared data next to it")
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(name)
+    # name the weights by their upstream id and exact revision, not by this machine's cache path
+    identity = {k: v for k, v in model.layerswap_identity.items() if k != "path"}
+    model.layerswap_identity = identity
+    model.config._name_or_path = identity["name"]
+    print(f"[{name}] loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    base = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer)
+    print(f"[{name}] base PPL {base.ppl:.3f}", flush=True)
+    config = LayerSwapConfig(
+        num_layers=budget, protocol="auto", calibration=str(CALIBRATION), tokenizer=tokenizer,
+        num_prompts=num_prompts or default_prompts, seq_len=128, progress=False,
+    )
+    prune_loaded_model(model, config)
+    print(f"[{name}] removed {model.config.layerswap['removed_layers']} in {time.perf_counter() - t0:.0f} s", flush=True)
+    pruned = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer)
+    print(f"[{name}] pruned PPL {pruned.ppl:.3f}", flush=True)
+
+    out = HERE / name
+    tmp = HERE / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_card_files(
+        tmp, model, report=model.layerswap_report, evaluation={"base": base, "pruned": pruned}, license=license_,
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"[{name}] card written to {out.relative_to(HERE.parent)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--num-prompts", type=int, default=None, help="calibration prompts (default per model)")
+    args = parser.parse_args(argv)
+    for name in args.models:
+        regenerate(name, num_prompts=args.num_prompts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
