@@ -53,12 +53,37 @@ INDEX_FIELDS = {
     "decoder_sparse_step": _qwen_moe_fields,
 }
 
-#: Fields that cannot be remapped: a model that sets them is refused.
-UNMAPPABLE_FIELDS = ("num_kv_shared_layers", "layers_block_type", "attn_layer_indices")
+#: Fields that cannot be remapped: a model that sets them is refused. (Gemma3n's
+#: ``hidden_size_per_layer_input`` sizes a per-layer input embedding tensor whose width is
+#: ``num_hidden_layers * hidden_size_per_layer_input``.)
+UNMAPPABLE_FIELDS = ("num_kv_shared_layers", "layers_block_type", "attn_layer_indices", "hidden_size_per_layer_input")
+
+#: Config fields that name the decoder depth of encoder-decoder style configs; when one is
+#: present and ``num_hidden_layers`` is not an alias of it, setting ``num_hidden_layers``
+#: would change the wrong count (BART maps it to ``encoder_layers``).
+DECODER_DEPTH_FIELDS = ("decoder_layers", "num_decoder_layers")
+
+
+def _is_token_list(name: str) -> bool:
+    return name == "architectures" or name.endswith(("_token_id", "_token_ids"))
 
 
 def _refusals(model: nn.Module, cfg, num_layers: int) -> list[str]:
     problems = []
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        problems.append("is_encoder_decoder=True (encoder-decoder models are not supported; decoder-only causal LMs are)")
+    alias = getattr(type(cfg), "attribute_map", {}).get("num_hidden_layers")
+    for name in DECODER_DEPTH_FIELDS:
+        if name in vars(cfg) and alias != name:
+            problems.append(
+                f"{name}={vars(cfg)[name]!r} (the decoder depth lives in {name}, but config.num_hidden_layers "
+                f"{'is an alias of ' + alias if alias else 'is a separate field'})"
+            )
+    if getattr(cfg, "num_hidden_layers", None) != num_layers:
+        problems.append(
+            f"num_hidden_layers={getattr(cfg, 'num_hidden_layers', None)!r} but the decoder has {num_layers} blocks "
+            "(the config does not describe this block list)"
+        )
     if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
         problems.append(
             "scale_attn_by_inverse_layer_idx=True (GPT-2 fixes each block's attention scale from its layer index at "
@@ -72,7 +97,7 @@ def _refusals(model: nn.Module, cfg, num_layers: int) -> list[str]:
             problems.append(f"{name}={value!r} (per-layer field that cannot be remapped)")
     known = set(PER_LAYER_LIST_FIELDS) | set(INDEX_FIELDS) | set(UNMAPPABLE_FIELDS) | {"per_layer_config"}
     for name, value in vars(cfg).items():
-        if name in known or "layer" not in name or name.startswith("_"):
+        if name in known or _is_token_list(name) or name.startswith("_"):
             continue
         if isinstance(value, (list, tuple)) and len(value) == num_layers:
             problems.append(f"{name} (a per-layer list of length {num_layers} this library does not know how to filter)")

@@ -151,14 +151,26 @@ def _smollm3(n):
     return SmolLM3Config(num_hidden_layers=n, no_rope_layer_interval=3, pad_token_id=0, **_COMMON)
 
 
-def _gemma3n(n):
+def _gemma3n(n, num_kv_shared_layers=2):
     from transformers import Gemma3nTextConfig
 
     return Gemma3nTextConfig(
-        num_hidden_layers=n, head_dim=8, sliding_window=WINDOW, num_kv_shared_layers=2, hidden_size_per_layer_input=4,
+        num_hidden_layers=n, head_dim=8, sliding_window=WINDOW, num_kv_shared_layers=num_kv_shared_layers,
+        hidden_size_per_layer_input=4,
         vocab_size_per_layer_input=VOCAB, laurel_rank=4, altup_num_inputs=2, intermediate_size=[64] * n,
         layer_types=_TYPES_ALT[:n], activation_sparsity_pattern=[0.0] * n,
         **{k: v for k, v in _COMMON.items() if k != "intermediate_size"},
+    )
+
+
+def _bart(n, causal=True):
+    from transformers import BartConfig
+
+    # default-style config: encoder and decoder of equal depth, so a wrong field goes unnoticed
+    return BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=n, decoder_layers=n, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        is_encoder_decoder=not causal,
     )
 
 
@@ -238,8 +250,21 @@ REFUSED: tuple[RefusedFamily, ...] = (
         "attention scale fixed from the layer index at construction",
     ),
     RefusedFamily(
-        "gemma3n", "Gemma3n (text)", _gemma3n, ("num_kv_shared_layers",),
+        "gemma3n", "Gemma3n (text)", _gemma3n, ("num_kv_shared_layers", "hidden_size_per_layer_input"),
         "KV sharing between layers and per-layer input embeddings are indexed by layer",
+    ),
+    RefusedFamily(
+        "gemma3n_no_kv_sharing", "Gemma3n (text, no KV sharing)", lambda n: _gemma3n(n, num_kv_shared_layers=0),
+        ("hidden_size_per_layer_input", "intermediate_size", "activation_sparsity_pattern"),
+        "per-layer input embeddings and per-layer lists this library does not filter",
+    ),
+    RefusedFamily(
+        "bart_causal", "BART decoder (BartForCausalLM)", _bart, ("decoder_layers",),
+        "num_hidden_layers is an alias of encoder_layers, not the decoder depth",
+    ),
+    RefusedFamily(
+        "bart", "BART (encoder-decoder)", lambda n: _bart(n, causal=False), ("is_encoder_decoder",),
+        "encoder-decoder models are not supported",
     ),
 )
 
@@ -259,13 +284,14 @@ def single_thread() -> Iterator[None]:
 
 def build(family: Family | RefusedFamily | str, num_layers: int = NUM_LAYERS, seed: int = 0):
     """A tiny random model of ``family`` in eval mode, fp32, eager attention."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if isinstance(family, str):
         family = FAMILY_BY_NAME.get(family) or next(f for f in REFUSED if f.name == family)
     torch.manual_seed(seed)
     cfg = family.config(num_layers)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    auto = AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else AutoModelForCausalLM
+    model = auto.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     return model.eval()
 
 
@@ -279,6 +305,26 @@ def prompts(batch: int = 2, length: int = 10, seed: int = 1, pad_last: int = 2) 
         mask[-1, length - pad_last :] = 0
         ids[-1, length - pad_last :] = 0
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_tokenizer(pad_token: bool = True):
+    """A character-level fast tokenizer over printable ASCII (ids 4..98 < :data:`VOCAB`), built
+    in memory. No BOS/EOS is added, so ``"a"`` is exactly one token. ``pad_token=False``
+    gives a tokenizer with no pad token (like many causal LM tokenizers)."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    if pad_token:
+        special["pad_token"] = "<pad>"
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
 
 
 _SIMPLE = (bool, int, float, str, type(None))
@@ -303,25 +349,28 @@ def block_signature(block: torch.nn.Module) -> list[tuple]:
     return out
 
 
-def support_table(families=FAMILIES, refused=REFUSED) -> str:
-    """Markdown table of the families and checks that ``tests/test_architectures.py`` runs."""
-    checks = [
-        "score restores",
-        "layer_idx / lists",
-        "cache = static = none",
-        "plain reload",
-        "params",
-        "plans keep block type",
-    ]
-    rows = ["| Family | Decoder blocks | Per-layer config handled | " + " | ".join(checks) + " |"]
-    rows.append("|" + "---|" * (3 + len(checks)))
+#: The checks of ``tests/test_architectures.py`` run on every family: (test function, column).
+CHECKS: tuple[tuple[str, str], ...] = (
+    ("test_scoring_restores_model_exactly", "scoring restores exactly"),
+    ("test_removal_keeps_model_and_config_consistent", "layer_idx, per-layer lists, index fields, params"),
+    ("test_generate_dynamic_static_and_no_cache_agree", "generate: dynamic = static = no cache"),
+    ("test_plain_transformers_reload_gives_identical_logits", "plain-transformers reload"),
+    ("test_block_keeps_its_attention_type_under_a_plan", "moved blocks keep their type"),
+)
+
+
+def support_table(families=FAMILIES, refused=REFUSED, checks=CHECKS) -> str:
+    """Markdown table of the families and the checks ``tests/test_architectures.py`` runs on
+    each (removal sets {1, 3} and {2, 3} of 6 blocks), then the configurations it refuses."""
+    header = ["Family", "Decoder blocks", "Per-layer config handled"] + [label for _, label in checks]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for fam in families:
         fields = ", ".join(f"`{x}`" for x in fam.per_layer_fields + fam.index_fields) or "none"
-        cells = ["yes"] * len(checks)
-        rows.append(f"| {fam.label} | `{fam.block_list}` | {fields} | " + " | ".join(cells) + " |")
+        rows.append(f"| {fam.label} | `{fam.block_list}` | {fields} | " + " | ".join(["yes"] * len(checks)) + " |")
     for ref in refused:
         names = ", ".join(f"`{x}`" for x in ref.error_names)
-        rows.append(f"| {ref.label} | refused | {names}: {ref.reason} | " + " | ".join(["n/a"] * len(checks)) + " |")
+        cells = ["refused"] + [f"error names {names}: {ref.reason}"] + ["-"] * len(checks)
+        rows.append(f"| {ref.label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from arch_matrix import (
+    CHECKS,
     FAMILIES,
     FAMILY_BY_NAME,
     NUM_LAYERS,
@@ -27,6 +28,7 @@ from arch_matrix import (
     check_block_list,
     prompts,
     single_thread,
+    support_table,
 )
 from hf_layerswap import apply_plan, remove_layers, score_layers
 from hf_layerswap.plan import decoder_blocks, decoder_config
@@ -367,3 +369,16 @@ def test_unknown_per_layer_list_is_refused_by_name():
     with pytest.raises(ValueError, match="layer_head_scales"):
         remove_layers(model, [2])
     assert len(decoder_blocks(model)[2]) == NUM_LAYERS and cfg.num_hidden_layers == NUM_LAYERS
+
+
+def test_support_table_lists_what_these_tests_run():
+    module = sys.modules[__name__]
+    for function, _ in CHECKS:
+        marks = getattr(getattr(module, function), "pytestmark", [])
+        params = [m.args for m in marks if m.name == "parametrize" and m.args[0] in ("name", ("name", "set_name"))]
+        covered = {v if isinstance(v, str) else v[0] for args in params for v in args[1]}
+        assert covered == set(FAMILY_IDS), function
+    table = support_table().splitlines()
+    assert len(table) == 2 + len(FAMILIES) + len(REFUSED)
+    for fam, row in zip(FAMILIES, table[2:]):
+        assert row.startswith(f"| {fam.label} |") and row.count("| yes ") == len(CHECKS)
