@@ -9,10 +9,7 @@ import argparse
 import copy
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(demo, positional=False)
     _add_calibration_args(demo, num_prompts_default="auto")
     demo.add_argument("--eval-text", default="embedded", help="held-out text file for perplexity, or 'embedded'")
+    demo.add_argument("--eval-max-words", type=int, default=None, help="override the matched contract's 5,000 words")
     demo.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
     demo.add_argument("--final-layers", type=int, default=2, help="layers removed from the saved checkpoint")
     demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"])
@@ -118,35 +116,18 @@ def _load(args):
     return load_model(name, gguf_file=args.gguf_file, revision=args.revision)
 
 
-def _write_dir_atomic(final: Path, writer) -> Path:
-    """Run ``writer(tmp_dir)`` then move the folder into place (nothing half-written)."""
-    final = Path(final)
-    if final.exists() and any(final.iterdir()):
-        raise SystemExit(f"output directory {final} exists and is not empty; choose another or remove it")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        writer(tmp)
-        if final.exists():
-            final.rmdir()
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+def _check_output(output) -> None:
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise FileExistsError(f"output {output} exists and is not an empty folder; choose another or remove it")
 
 
-def _save_pruned(model, tokenizer, report, output: Path, extra: dict | None = None) -> Path:
-    def writer(tmp: Path):
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if report is not None:
-            report.to_json(tmp / "layerswap_report.json")
-        if extra:
-            (tmp / "layerswap_evaluation.json").write_text(json.dumps(extra, indent=2) + "\n")
+def _save_pruned(model, tokenizer, report, output: Path, evaluation: dict | None = None) -> Path:
+    """The checkpoint, tokenizer, card, report sidecar and plots, written atomically."""
+    from .hub import save_for_hub
 
-    return _write_dir_atomic(output, writer)
+    _check_output(output)
+    return save_for_hub(model, output, tokenizer=tokenizer, report=report, evaluation=evaluation)
 
 
 def run_score(args) -> int:
@@ -167,6 +148,7 @@ def run_prune(args) -> int:
     from . import SwapReport, remove_layers, score_layers, select_layers
     from .calibration import build_calibration
 
+    _check_output(args.output)
     model, tokenizer = _load(args)
     report = None
     provenance: dict = {}
@@ -236,6 +218,7 @@ def run_demo(args) -> int:
     from .evaluation import delta_ppl_percent, evaluate_perplexity
 
     t_start = time.perf_counter()
+    _check_output(args.output)
     model, tokenizer = _load(args)
     num_layers = len(__import__("hf_layerswap").decoder_blocks(model)[2])
     num_probes = 3 * (num_layers - 1)
@@ -266,7 +249,7 @@ def run_demo(args) -> int:
 
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     print(f"\nperplexity on held-out text ({args.eval_text}), matched contract ...", flush=True)
-    base = evaluate_perplexity(model, eval_text, tokenizer=tokenizer)
+    base = evaluate_perplexity(model, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
     rows = []
     cache: dict[tuple, object] = {}
     for n in args.budgets:
@@ -279,10 +262,10 @@ def run_demo(args) -> int:
             key = tuple(layers)
             if key not in cache:
                 pruned = remove_layers(copy.deepcopy(model), layers)
-                cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer)
+                cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
                 del pruned
             rows.append((n, protocol, layers, cache[key], None))
-    print(f"\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
+    print("\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
     print(f"| 0 | (base) | - | {base.ppl:.3f} | [{base.ci_low:.3f}, {base.ci_high:.3f}] | 0.0 |")
     for n, protocol, layers, res, err in rows:
         if res is None:
@@ -305,13 +288,13 @@ def run_demo(args) -> int:
         provenance["auto"] = decision
     pruned = remove_layers(model, final, provenance=provenance)
     key = tuple(final)
-    after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer)
-    evaluation = {"base": base.to_dict(), "pruned": after.to_dict()}
-    out = _save_pruned(pruned, tokenizer, report, Path(args.output), extra=evaluation)
+    after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
+    evaluation = {"base": base, "pruned": after}
+    out = _save_pruned(pruned, tokenizer, report, Path(args.output), evaluation=evaluation)
     print(
         f"\nfinal: removed {final} (protocol {args.final_protocol}: {decision.get('reason', 'as selected')}); "
         f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
-        f"pruned checkpoint + layerswap_report.json written to {out}/ "
+        f"pruned checkpoint, model card (README.md), layerswap_report.json and plots written to {out}/ "
         f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"
         f"total time {time.perf_counter() - t_start:.0f} s"
     )
@@ -323,7 +306,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
