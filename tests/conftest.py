@@ -18,7 +18,20 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 WIKITEXT_VALID = SHARED_DATA / "wikitext-2" / "valid.txt"
 WIKITEXT_TEST_RAW = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny-model forwards are dominated by threading overhead (and on a busy CPU, spin-waits
+# make them far slower), so unit tests run on one thread; real-model tests (``slow``)
+# use up to two cores.
+REAL_MODEL_THREADS = max(1, min(2, os.cpu_count() or 1))
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _threads_per_test_kind(request):
+    threads = REAL_MODEL_THREADS if request.node.get_closest_marker("slow") else 1
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _need_shared(path: Path) -> Path:
