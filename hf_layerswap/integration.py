@@ -42,6 +42,16 @@ def _check_int(name: str, value, minimum: int, allow_none: bool = False):
         raise ValueError(f"LayerSwapConfig({name}={value!r}): must be an int >= {minimum}")
 
 
+def _int_list(name: str, value) -> list[int]:
+    if isinstance(value, (int, str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"LayerSwapConfig({name}={value!r}): must be a list of 0-based block indices (ints)")
+    out = list(value)
+    bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int)]
+    if bad:
+        raise ValueError(f"LayerSwapConfig({name}={out!r}): entries {bad!r} are not ints; indices are 0-based ints")
+    return out
+
+
 class LayerSwapConfig(QuantizationConfigMixin):
     """Configuration for removing decoder blocks at load time.
 
@@ -96,11 +106,11 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         _check_int("num_layers", num_layers, 1, allow_none=True)
         if layers is not None:
-            if isinstance(layers, (int, str)):
-                raise ValueError(f"LayerSwapConfig(layers={layers!r}): must be a list of 0-based block indices")
-            layers = list(layers)
+            layers = _int_list("layers", layers)
             if not layers:
                 raise ValueError("LayerSwapConfig(layers=[]): give at least one block index, or use num_layers")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"LayerSwapConfig(layers={layers}): duplicate block indices")
             if num_layers is not None and num_layers != len(layers):
                 raise ValueError(
                     f"LayerSwapConfig(num_layers={num_layers}, layers={layers}) is contradictory: "
@@ -124,7 +134,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.protocol = protocol
         self.max_gap = max_gap
         self.spacing = spacing
-        self.protect = list(protect)
+        self.protect = _int_list("protect", protect)
         self.calibration = calibration
         self.num_prompts = num_prompts
         self.seq_len = seq_len

@@ -31,6 +31,7 @@ __all__ = [
     "decoder_config",
     "identity_plan",
     "interchange_plan",
+    "model_fingerprint",
     "num_blocks",
     "removal_plan",
     "replacement_plan",
@@ -251,6 +252,30 @@ def apply_plan(
         for field, value in saved_fields.items():
             setattr(cfg, field, value)
         cfg.num_hidden_layers = saved_count
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A cheap identity of a model's current weights and shape (sha256 hex).
+
+    Hashes the decoder config's ``model_type``, hidden size, vocabulary size and block
+    count, and the first 16 values of every parameter tensor. Two different checkpoints
+    of the same architecture and depth get different fingerprints; the same weights get
+    the same one on any device or dtype-preserving reload. Removing blocks changes it.
+    """
+    import hashlib
+
+    cfg = decoder_config(model)
+    h = hashlib.sha256()
+    shape = (getattr(cfg, "model_type", None), getattr(cfg, "hidden_size", None), getattr(cfg, "vocab_size", None))
+    h.update(repr((shape, num_blocks(model))).encode())
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        head = param.detach().reshape(-1)[:16].to("cpu", torch.float64)
+        h.update(name.encode())
+        h.update(repr(tuple(param.shape)).encode())
+        h.update(head.numpy().tobytes())
+    return h.hexdigest()
 
 
 class _StopForward(Exception):

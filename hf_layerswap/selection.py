@@ -107,13 +107,7 @@ def select_layers(
     if protocol not in SELECTION_PROTOCOLS:
         raise ValueError(f"protocol={protocol!r}: allowed {list(SELECTION_PROTOCOLS)}")
     if model is not None:
-        from .plan import num_blocks
-
-        if num_blocks(model) != report.num_layers:
-            raise ValueError(
-                f"the report was computed on a model with {report.num_layers} blocks but this model has "
-                f"{num_blocks(model)}: score the model you select for"
-            )
+        check_report_matches(report, model)
     if protocol != "auto":
         return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
     candidates = {
@@ -154,6 +148,26 @@ def select_layers(
     }
     report.selections.append(record)
     return list(candidates[chosen_protocol])
+
+
+def check_report_matches(report: SwapReport, model) -> None:
+    """Raise ValueError if ``report`` was not computed on ``model`` (block count, and the
+    weight fingerprint when the report carries one)."""
+    from .plan import model_fingerprint, num_blocks
+
+    if num_blocks(model) != report.num_layers:
+        raise ValueError(
+            f"the report was computed on a model with {report.num_layers} blocks but this model has "
+            f"{num_blocks(model)}: score the model you select for"
+        )
+    expected = (report.metadata.get("model") or {}).get("fingerprint")
+    if expected:
+        actual = model_fingerprint(model)
+        if actual != expected:
+            raise ValueError(
+                f"the report belongs to a different model: its fingerprint is {expected[:16]}..., this model's is "
+                f"{actual[:16]}... (same depth, different weights or architecture); score this model"
+            )
 
 
 def candidates_set(key: str) -> list[int]:
