@@ -67,6 +67,8 @@ _DASH = "—"
 #: Contract entries that describe the run rather than the measurement (not compared, not
 #: listed in the contract table; versions have their own table).
 _NOT_CONTRACT = ("model", "versions", "library_versions", "device")
+#: Contract entries repeated as ``model-index`` metric args (the card body has the rest).
+_METRIC_ARGS = ("name", "words", "window", "stride", "scored_tokens", "dtype", "text_sha256")
 
 
 # ---------------------------------------------------------------------- formatting
@@ -134,8 +136,10 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     A report belongs to a model when it scored the blocks the model was pruned from:
     ``report.num_layers`` equals ``config.layerswap["original_num_hidden_layers"]`` for a
     pruned model (the current block count otherwise), every removed index is in range,
-    and, when the removal step recorded a score summary, the report's per-layer scores are
-    the recorded ones.
+    when the report carries a weight fingerprint (:func:`~hf_layerswap.plan.model_fingerprint`)
+    it matches the model's (an unpruned model's current one, or the
+    ``fingerprint_before`` of the first removal step), and, when the removal step recorded
+    a score summary, the report's per-layer scores are the recorded ones.
     """
     if not isinstance(report, SwapReport):
         return [f"report must be a SwapReport, got {type(report).__name__}"]
@@ -148,6 +152,20 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
         what = "the model was pruned from" if record else "the model has"
         problems.append(f"the report scored {report.num_layers} blocks but {what} {expected} blocks")
         return problems
+    expected_fp = (report.metadata.get("model") or {}).get("fingerprint")
+    if expected_fp:
+        steps = record.get("steps") or [{}]
+        actual_fp = steps[0].get("fingerprint_before") if record else None
+        if not record and model is not None:
+            from .plan import model_fingerprint
+
+            actual_fp = model_fingerprint(model)
+        if actual_fp and actual_fp != expected_fp:
+            when = "before removal" if record else "now"
+            problems.append(
+                f"the report's weight fingerprint {expected_fp[:16]}... differs from the model's "
+                f"{actual_fp[:16]}... ({when}): it was computed on other weights"
+            )
     removed = list(record.get("removed_layers", []))
     outside = [i for i in removed if not 0 <= i < report.num_layers]
     if outside:
@@ -463,7 +481,7 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
                 "name": label,
                 "ppl": f"{r['ppl']:.3f}",
                 "ci": f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else _DASH,
-                "nll": _kl(r.get("nll")),
+                "nll": _kl(r["nll"] / r["tokens"]) if r.get("nll") is not None and r.get("tokens") else _DASH,
                 "tokens": f"{r['tokens']:,}" if isinstance(r.get("tokens"), int) else _DASH,
                 "windows": f"{r['windows']:,}" if isinstance(r.get("windows"), int) else _DASH,
             }
@@ -504,11 +522,7 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
         metric_type="perplexity",
         **dataset_fields,
     )
-    args = {
-        k: v
-        for k, v in contract.items()
-        if isinstance(v, (int, float, str, bool)) and k not in ("dataset", "split", "source")
-    }
+    args = {k: contract[k] for k in _METRIC_ARGS if isinstance(contract.get(k), (int, float, str, bool))}
     results = []
     for key, name in (("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")):
         if key in evaluation:
@@ -542,11 +556,13 @@ def _calibration_rows(report, steps, ident) -> list:
     )
     if n is not None:
         rows.append(("Prompts × tokens", f"{n} prompts × up to {seq} tokens ({tokens:,} real tokens)" if isinstance(tokens, int) else f"{n} × {seq}"))
-    if "add_special_tokens" in cal:
+    if cal.get("add_special_tokens") is not None:
         rows.append(
             (
-                "BOS / special tokens",
-                "added by the tokenizer (as the model expects)" if cal["add_special_tokens"] else "not added",
+                "Tokenizer special tokens",
+                "`add_special_tokens=True`: the tokenizer's own BOS policy (the source line says whether a BOS was added)"
+                if cal["add_special_tokens"]
+                else "`add_special_tokens=False`: no BOS/EOS added",
             )
         )
     for key, label in (
@@ -735,6 +751,7 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
         ax.axvspan(layer - 0.5, layer + 0.5, color="#999999", alpha=0.25, lw=0)
     if finite_all:
         ax.set_yscale("log")
+        ax.set_ylim(top=top * 4)  # room for the legend above the tallest bar
     shown = x[:: max(1, L // 48)]
     ax.set_xticks(shown)
     ax.set_xticklabels([str(i) for i in shown], fontsize=7)
@@ -1074,4 +1091,6 @@ def write_card_files(
         if base and pruned:
             payload["delta_ppl_percent"] = 100 * (pruned["ppl"] / base["ppl"] - 1)
         written[EVALUATION_FILE] = write_json_atomic(payload, directory / EVALUATION_FILE)
+    for path in written.values():  # temporary-file writers leave 0600; these are for publishing
+        os.chmod(path, 0o644)
     return written

@@ -11,6 +11,7 @@ Run from the repository root (the shared data lives at ``../shared/data``)::
 
     python model_cards/regenerate.py                 # both models
     python model_cards/regenerate.py smollm2-135m    # one of them
+    python model_cards/regenerate.py --num-prompts 8 --eval-words 500 --output-dir /tmp/cards  # a quick look
 
 The template the cards are rendered from is ``hf_layerswap/templates/modelcard_template.md``
 (``modelcard_template.md`` here points at it).
@@ -36,14 +37,22 @@ RUNS = {
 }
 
 
-def regenerate(name: str, *, num_prompts: int | None = None) -> Path:
+def regenerate(
+    name: str,
+    *,
+    num_prompts: int | None = None,
+    seq_len: int = 128,
+    calibration: str = str(CALIBRATION),
+    eval_words: int | None = None,
+    output_dir: Path = HERE,
+) -> Path:
     from hf_layerswap import LayerSwapConfig, prune_loaded_model
     from hf_layerswap.card import write_card_files
     from hf_layerswap.evaluation import evaluate_perplexity
     from hf_layerswap.models import load_model
 
     budget, license_, default_prompts = RUNS[name]
-    for path in (CALIBRATION, EVALUATION):
+    for path in ([Path(calibration)] if calibration != "embedded" else []) + [EVALUATION]:
         if not path.is_file():
             sys.exit(f"{path} is missing: run from the repository root with the shared data next to it")
     t0 = time.perf_counter()
@@ -53,26 +62,27 @@ def regenerate(name: str, *, num_prompts: int | None = None) -> Path:
     model.layerswap_identity = identity
     model.config._name_or_path = identity["name"]
     print(f"[{name}] loaded in {time.perf_counter() - t0:.0f} s", flush=True)
-    base = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer)
+    base = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, max_words=eval_words)
     print(f"[{name}] base PPL {base.ppl:.3f}", flush=True)
     config = LayerSwapConfig(
-        num_layers=budget, protocol="auto", calibration=str(CALIBRATION), tokenizer=tokenizer,
-        num_prompts=num_prompts or default_prompts, seq_len=128, progress=False,
+        num_layers=budget, protocol="auto", calibration=None if calibration == "embedded" else calibration,
+        tokenizer=tokenizer, num_prompts=num_prompts or default_prompts, seq_len=seq_len, progress=False,
     )
     prune_loaded_model(model, config)
     print(f"[{name}] removed {model.config.layerswap['removed_layers']} in {time.perf_counter() - t0:.0f} s", flush=True)
-    pruned = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer)
+    pruned = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, max_words=eval_words)
     print(f"[{name}] pruned PPL {pruned.ppl:.3f}", flush=True)
 
-    out = HERE / name
-    tmp = HERE / f".{name}.tmp"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    out = output_dir / name
+    tmp = output_dir / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     write_card_files(
         tmp, model, report=model.layerswap_report, evaluation={"base": base, "pruned": pruned}, license=license_,
     )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    print(f"[{name}] card written to {out.relative_to(HERE.parent)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"[{name}] card written to {out} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return out
 
 
@@ -80,9 +90,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--num-prompts", type=int, default=None, help="calibration prompts (default per model)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration prompt")
+    parser.add_argument("--calibration", default=str(CALIBRATION), help="calibration text file, or 'embedded'")
+    parser.add_argument("--eval-words", type=int, default=None, help="evaluation words (default: the contract's 5,000)")
+    parser.add_argument("--output-dir", type=Path, default=HERE, help="where the card folders go (default: here)")
     args = parser.parse_args(argv)
     for name in args.models:
-        regenerate(name, num_prompts=args.num_prompts)
+        regenerate(name, num_prompts=args.num_prompts, seq_len=args.seq_len, calibration=args.calibration,
+                   eval_words=args.eval_words, output_dir=args.output_dir)
     return 0
 
 

@@ -112,7 +112,7 @@ def test_evaluation_calibration_cost_and_snippets(card):
     assert f"| transformers | 5.24.0 | {live} | 5.24.0 | {live} |" in text
     assert f"| Content hash | `{CONTENT_HASH}` |" in text
     assert "| Prompts × tokens | 8 prompts × up to 32 tokens (250 real tokens) |" in text
-    assert "| BOS / special tokens | added by the tokenizer (as the model expects) |" in text
+    assert "| Tokenizer special tokens | `add_special_tokens=True`: the tokenizer's own BOS policy" in text
     assert "| Forward passes | 16 sweeps" in text
     assert 'AutoModelForCausalLM.from_pretrained("user/tiny-pruned")' in text
     assert f'"{BASE_MODEL}",\n    quantization_config=LayerSwapConfig(num_layers=2, protocol=\'interchange\'' in text
@@ -185,6 +185,21 @@ def test_report_must_belong_to_the_model(pruned, report):
         render_card(pruned, report=short)
     unpruned = tiny_model("llama", 5)
     assert report_mismatches(unpruned, short) == []
+
+
+def test_weight_fingerprint_ties_a_report_to_its_model(report):
+    from hf_layerswap.plan import model_fingerprint
+
+    scored = tiny_model("llama", 6, seed=0)
+    stamped = SwapReport.from_dict(report.to_dict())
+    stamped.metadata["model"] = {"fingerprint": model_fingerprint(scored)}
+    assert report_mismatches(scored, stamped) == []
+    (problem,) = report_mismatches(tiny_model("llama", 6, seed=1), stamped)
+    assert "fingerprint" in problem and "(now): it was computed on other weights" in problem
+    pruned = remove_layers(tiny_model("llama", 6, seed=1), [1, 3])
+    pruned.config.layerswap["steps"][0]["fingerprint_before"] = model_fingerprint(tiny_model("llama", 6, seed=1))
+    (problem,) = report_mismatches(pruned, stamped)
+    assert "(before removal)" in problem
 
 
 def test_normalize_evaluation_accepts_objects_and_dicts():
