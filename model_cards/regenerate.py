@@ -32,8 +32,8 @@ EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 #: name -> (blocks to remove, license of the upstream release, calibration prompts)
 RUNS = {
-    "smollm2-135m": (4, "apache-2.0", 64),
-    "gemma3-270m": (2, "gemma", 32),
+    "smollm2-135m": (4, "apache-2.0", 32),
+    "gemma3-270m": (2, "gemma", 16),
 }
 
 
