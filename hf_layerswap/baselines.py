@@ -1003,6 +1003,11 @@ class CriterionComparison:
             :func:`~hf_layerswap.surgery.remove_layers`) or ``"plan"`` (a removal plan).
         results: ``{criterion: {n: CriterionResult dict}}``.
         model: the model's identity.
+        params: budgets, criteria, options, batch size.
+        reports: the swap-KL reports the swap-guided criteria and the beam used
+            (``{name: SwapReport dict}``).
+        evaluation_seconds: wall-clock seconds of each perplexity evaluation, by removed
+            set (``"i,j,..."``; ``""`` = the unpruned model).
     """
 
     rows: list[dict]
@@ -1013,6 +1018,8 @@ class CriterionComparison:
     results: dict
     model: dict
     params: dict = field(default_factory=dict)
+    reports: dict = field(default_factory=dict)
+    evaluation_seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
@@ -1064,6 +1071,18 @@ class CriterionComparison:
                 f"{r['forward_passes']} | {calls} | {r['seconds']:.0f} |"
             )
         return "\n".join(lines) + "\n"
+
+
+def _public_identity(identity: Mapping | None) -> dict:
+    """A model identity without the local path it was read from (results get published)."""
+    return {k: v for k, v in dict(identity or {}).items() if k != "path"}
+
+
+def _public_contract(contract: dict) -> dict:
+    out = dict(contract)
+    if isinstance(out.get("model"), Mapping):
+        out["model"] = _public_identity(out["model"])
+    return out
 
 
 def _fmt(x) -> str:
@@ -1208,6 +1227,7 @@ def compare_criteria(
             else:
                 log(f"scoring {proto} swap-KL (adjacent pairs)")
                 reports[proto] = _score(model, calib, (proto,), batch_size)
+                reports[proto].metadata["model"] = _public_identity(model_identity(model))
                 state["reports"][proto] = reports[proto].to_dict()
                 save()
 
@@ -1251,8 +1271,11 @@ def compare_criteria(
         if key in state["ppl"]:
             continue
         log(f"perplexity with removed = [{key}]")
+        t0 = time.perf_counter()
         res = _evaluate_removed(model, s, eval_text, tokenizer, contract, evaluation_method, eval_kwargs)
+        res.contract = _public_contract(res.contract)
         state["ppl"][key] = _encode(res.to_dict())
+        state.setdefault("ppl_seconds", {})[key] = time.perf_counter() - t0
         save()
     ppl = {k: PerplexityResult.from_dict(_decode(v)) for k, v in state["ppl"].items()}
     if joint_kl:
@@ -1291,6 +1314,8 @@ def compare_criteria(
         calibration=calib.spec(),
         evaluation_method=evaluation_method,
         results={name: {b: r.to_dict() for b, r in per_n.items()} for name, per_n in results.items()},
-        model=model_identity(model),
+        model=_public_identity(model_identity(model)),
         params={"budgets": budgets, "criteria": list(criteria), "options": _encode(options), "batch_size": batch_size},
+        reports={"shared": report.to_dict()} if report is not None else {k: r.to_dict() for k, r in reports.items()},
+        evaluation_seconds={k: state.get("ppl_seconds", {}).get(k) for k in all_sets},
     )

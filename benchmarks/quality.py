@@ -1,0 +1,393 @@
+"""Quality benchmark: every layer-removal criterion, ours and the field's, on real models,
+measured with one calibration set and one perplexity contract.
+
+    python benchmarks/quality.py --model smollm2-135m --budgets 1 2 3
+    python benchmarks/quality.py --model gemma3-270m --budgets 1 2 3
+
+For the model (:func:`hf_layerswap.models.load_model`: the dequantized GGUF checkpoints
+that install from the package index):
+
+1. calibration: WikiText-2 validation paragraphs (``../shared/data/wikitext-2/valid.txt``,
+   seeded shuffle); every criterion sees exactly these prompts;
+2. :func:`hf_layerswap.baselines.compare_criteria` runs every criterion at every budget n
+   (Block Influence, angular distance, single-removal KL, SLEB, random x5, tail,
+   replacement-, interchange- and auto-guided selection, interchange-seeded beam scored
+   by calibration removal KL) and evaluates each removed set on WikiText-2 raw *test*
+   (``../shared/data/wikitext-2-raw/wiki.test.raw``) under the matched contract (first
+   5,000 words, window 512, stride 256), plus its joint removal KL on the calibration
+   prompts;
+3. the protocol gap: interchange vs replacement swap-KL on every pair with gap <= 3;
+4. one removed set is evaluated both by a pruned deep copy and by a removal plan (the
+   numbers must agree).
+
+Writes ``benchmarks/results/quality-<model>.md`` (command, contract, table, winners,
+protocol gap), ``quality-<model>.png`` (dPPL% vs n per criterion) and
+``quality-<model>.json`` (every number; also the resumable state: a crashed run restarts
+where it stopped, and extra budgets reuse what is done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from hf_layerswap.baselines import (  # noqa: E402
+    DEFAULT_CRITERIA,
+    CriterionComparison,
+    compare_criteria,
+    merge_reports,
+    protocol_gap_quartiles,
+)
+from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
+from hf_layerswap.models import BUNDLED_MODELS, load_model, model_identity  # noqa: E402
+from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
+from hf_layerswap.report import PairResult, SwapReport, write_json_atomic  # noqa: E402
+from hf_layerswap.scoring import library_versions, plan_kl  # noqa: E402
+
+DATA = REPO.parent / "shared" / "data"
+CALIBRATION = DATA / "wikitext-2" / "valid.txt"
+EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
+RESULTS = REPO / "benchmarks" / "results"
+
+LABELS = {
+    "block_influence": "Block Influence (ShortGPT)",
+    "angular_distance": "angular distance (Gromov et al.)",
+    "single_removal_kl": "single-removal KL (one-shot)",
+    "sleb": "SLEB (iterative NLL)",
+    "random": "random (5 draws)",
+    "tail": "tail (last n before the final)",
+    "replacement": "replacement-guided (ours)",
+    "interchange": "interchange-guided (ours)",
+    "auto": "auto (ours)",
+    "interchange_beam": "interchange-seeded beam (ours)",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def wikitext_calibration(tokenizer, num_prompts: int, seq_len: int, seed: int = 0) -> CalibrationSet:
+    """WikiText-2 validation paragraphs, seeded shuffle. The file's blank lines hold a single
+    space, so lines are stripped before the paragraph split (headings dropped, paragraphs
+    of at least 50 characters), then shuffled as ``build_calibration`` shuffles a file."""
+    text = "\n".join(line.strip() for line in CALIBRATION.read_text(encoding="utf-8").split("\n"))
+    paragraphs = split_paragraphs(text)
+    order = list(range(len(paragraphs)))
+    random.Random(seed).shuffle(order)
+    chosen = [paragraphs[i] for i in order[:num_prompts]]
+    calib = build_calibration(chosen, tokenizer, num_prompts=num_prompts, seq_len=seq_len)
+    tail = calib.description.split(";", 1)[1] if ";" in calib.description else ""
+    calib.description = (
+        f"file:wikitext-2/valid.txt (WikiText-2 validation, {len(paragraphs)} paragraphs >= 50 chars, headings "
+        f"dropped, random.Random({seed}) shuffle, first {len(chosen)});{tail}"
+    )
+    return calib
+
+
+def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
+    mean = float(values.mean())
+    if values.numel() < 2:
+        return mean, None
+    return mean, float(values.std(unbiased=True) / values.numel() ** 0.5)
+
+
+def gap_extension(model, calib: CalibrationSet, max_gap: int, batch_size: int) -> SwapReport:
+    """Both protocols on the pairs with 2 <= gap <= max_gap (gap 1 comes from the harness)."""
+    num_layers = num_blocks(model)
+    pairs = [(i, i + g) for g in range(2, max_gap + 1) for i in range(num_layers - g)]
+    plans = {}
+    for i, j in pairs:
+        plans[("replacement_ij", i, j)] = replacement_plan(num_layers, i, j)
+        plans[("replacement_ji", i, j)] = replacement_plan(num_layers, j, i)
+        plans[("interchange", i, j)] = interchange_plan(num_layers, i, j)
+    values, stats = plan_kl(model, calib, plans, batch_size=batch_size, progress=True, desc=f"gap 2..{max_gap}")
+    results = []
+    for i, j in pairs:
+        kw = {}
+        for kind in ("replacement_ij", "replacement_ji", "interchange"):
+            kw[kind], kw[f"{kind}_se"] = _mean_se(values[(kind, i, j)])
+        results.append(PairResult(i, j, **kw))
+    metadata = {"calibration": calib.spec(), "forward_passes": stats["forward_passes"], "seconds": stats["seconds"],
+                "block_evaluations": stats.get("block_evaluations"), "pairs": "2 <= gap <= max_gap"}
+    return SwapReport(num_layers, results, max_gap=max_gap, metadata=metadata)
+
+
+def fmt_set(s) -> str:
+    return "{" + ",".join(map(str, s)) + "}"
+
+
+def protocol_section(table: CriterionComparison, gap: dict, budgets) -> list[str]:
+    rows = {(r["criterion"], r["n"]): r for r in table.rows}
+    out = ["## Interchange vs replacement (the paper's central claim)", ""]
+    out.append("| n | interchange set | dPPL % | replacement set | dPPL % | repl/inter dPPL | removal KL inter / repl (nats) | auto picks |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for n in budgets:
+        i, r, a = rows.get(("interchange", n)), rows.get(("replacement", n)), rows.get(("auto", n))
+        if not (i and r):
+            continue
+        ratio = r["dppl"] / i["dppl"] if i["dppl"] > 0 else float("nan")
+        auto = "-"
+        if a:
+            det = table.results["auto"][n]["details"]
+            auto = f"{det['chosen_protocol']} ({det['reason']})"
+        out.append(
+            f"| {n} | {fmt_set(i['removed'])} | {i['dppl']:+.1f} | {fmt_set(r['removed'])} | {r['dppl']:+.1f} | "
+            f"{ratio:.2f} | {i['removal_kl']:.4f} / {r['removal_kl']:.4f} | {auto} |"
+        )
+    out += ["", "Protocol gap on the calibration prompts, I/R = d_inter / d_repl per pair (both in nats):", ""]
+    out.append("| gap | pairs | fraction with interchange <= replacement | I/R 25% | median | 75% | min | max |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for g, s in list(gap["by_gap"].items()) + [("all", gap["all"])]:
+        out.append(
+            f"| {g} | {s['pairs']} | {s['fraction_interchange_le_replacement']:.2f} | {s['ratio_q25']:.3f} | "
+            f"{s['ratio_median']:.3f} | {s['ratio_q75']:.3f} | {s['ratio_min']:.3f} | {s['ratio_max']:.3f} |"
+        )
+    if gap.get("non_finite_pairs"):
+        out.append(f"\n{gap['non_finite_pairs']} pair(s) with a non-finite value are left out of the ratios.")
+    return out
+
+
+def layer_section(table: CriterionComparison, num_layers: int) -> list[str]:
+    res = table.results
+
+    def scores(name):
+        first = next(iter(res.get(name, {}).values()), None)
+        return first["scores"] if first else None
+
+    cols = [("interchange s(i)", scores("interchange")), ("replacement s(i)", scores("replacement")),
+            ("BI", scores("block_influence")), ("single-removal KL", scores("single_removal_kl")),
+            ("SLEB step-1 NLL", scores("sleb"))]
+    cols = [(h, v) for h, v in cols if v]
+    out = ["## Per-layer scores (calibration prompts; low = removable)", "",
+           "| layer | " + " | ".join(h for h, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for layer in range(num_layers):
+        cells = []
+        for _, v in cols:
+            x = v[layer]
+            cells.append("-" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x)))
+        out.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return out
+
+
+def winners(table: CriterionComparison, budgets) -> list[str]:
+    out = ["## Which criterion wins", "",
+           "Lowest dPPL% per n (random excluded); the rank of each of ours among the deterministic criteria:", ""]
+    ours = ("interchange", "replacement", "auto", "interchange_beam")
+    for n in budgets:
+        rows = sorted((r for r in table.rows if r["n"] == n and r["criterion"] != "random"), key=lambda r: r["dppl"])
+        if not rows:
+            continue
+        best = rows[0]
+        ranks = {r["criterion"]: k + 1 for k, r in enumerate(rows)}
+        ranked = ", ".join(f"{c} #{ranks[c]}" for c in ours if c in ranks)
+        rand = next((r for r in table.rows if r["n"] == n and r["criterion"] == "random"), None)
+        rtxt = f"; random mean {rand['dppl']:+.1f} (draws {rand['dppl_min']:+.1f} .. {rand['dppl_max']:+.1f})" if rand else ""
+        out.append(f"- n={n}: best **{best['criterion']}** {fmt_set(best['removed'])} {best['dppl']:+.1f}% "
+                   f"(CI {best['dppl_ci'][0]:+.1f} .. {best['dppl_ci'][1]:+.1f}); {ranked}{rtxt}.")
+    return out
+
+
+def plot(table: CriterionComparison, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    markers = "os^vD<>ph*"
+    for k, name in enumerate(dict.fromkeys(r["criterion"] for r in table.rows)):
+        rows = sorted((r for r in table.rows if r["criterion"] == name), key=lambda r: r["n"])
+        ns = [r["n"] for r in rows]
+        ys = [r["dppl"] for r in rows]
+        style = {"marker": markers[k % len(markers)], "label": LABELS.get(name, name)}
+        if name in ("interchange", "replacement", "auto", "interchange_beam"):
+            style["linewidth"] = 2.2
+        else:
+            style["linestyle"] = "--"
+        if name == "random":
+            lo = [r["dppl"] - r["dppl_min"] for r in rows]
+            hi = [r["dppl_max"] - r["dppl"] for r in rows]
+            ax.errorbar(ns, ys, yerr=[lo, hi], capsize=3, color="grey", **style)
+        else:
+            ax.plot(ns, ys, **style)
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_xlabel("blocks removed (n)")
+    ax.set_ylabel("dPPL % (WikiText-2 test, matched contract)")
+    ax.set_xticks(sorted({r["n"] for r in table.rows}))
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=sorted(BUNDLED_MODELS))
+    p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--criteria", nargs="+", default=list(DEFAULT_CRITERIA), choices=list(DEFAULT_CRITERIA))
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-gap", type=int, default=3, help="protocol-gap summary over pairs with gap <= this")
+    p.add_argument("--beam-evaluator", default="removal_kl", choices=["removal_kl", "nll"])
+    p.add_argument("--random-draws", type=int, default=5)
+    p.add_argument("--max-words", type=int, default=None, help="override the contract's 5,000 words (smoke tests only)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core machine)")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    log(f"loading {args.model}")
+    model, tok = load_model(args.model)
+    num_layers = num_blocks(model)
+    calib = wikitext_calibration(tok, args.num_prompts, args.seq_len)
+    log(f"{num_layers} blocks; calibration {calib.num_prompts} prompts, {calib.num_tokens} tokens")
+
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.results / f"quality-{args.model}"
+    state_path = stem.with_suffix(".json")
+    options = {"random": {"draws": args.random_draws, "seed": 0},
+               "interchange_beam": {"evaluator": args.beam_evaluator, "width": 3, "seed_size": 12}}
+    table = compare_criteria(
+        model, calib, args.budgets, criteria=args.criteria, eval_text=EVALUATION, tokenizer=tok,
+        contract="matched", evaluation_method="copy", options=options, batch_size=args.batch_size,
+        evaluation_options={"max_words": args.max_words} if args.max_words else None,
+        state_path=state_path, log=log,
+    )
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+
+    # protocol gap over gap <= max_gap, and the copy-vs-plan check (kept in the same state file)
+    extras = state.get("extras", {})
+    if args.max_gap > 1 and "gap_extension" not in extras:
+        log(f"protocol gap: pairs with 2 <= gap <= {args.max_gap}")
+        extras["gap_extension"] = gap_extension(model, calib, args.max_gap, args.batch_size).to_dict()
+        state["extras"] = extras
+        write_json_atomic(state, state_path)
+    parts = [SwapReport.from_dict(table.reports[p]) for p in ("replacement", "interchange") if p in table.reports]
+    if "gap_extension" in extras:
+        parts.append(SwapReport.from_dict(extras["gap_extension"]))
+    gap = protocol_gap_quartiles(merge_reports(*parts)) if len(parts) >= 2 else None
+    check_set = next((r["removed"] for r in table.rows if r["criterion"] == "interchange"), None)
+    if check_set and "plan_check" not in extras:
+        from hf_layerswap.baselines import _evaluate_removed
+
+        log(f"copy-vs-plan check on {check_set}")
+        opts = {"batch_size": 2, **({"max_words": args.max_words} if args.max_words else {})}
+        by_plan = _evaluate_removed(model, check_set, EVALUATION, tok, "matched", "plan", opts)
+        key = ",".join(map(str, sorted(check_set)))
+        extras["plan_check"] = {"removed": check_set, "ppl_by_plan": by_plan.ppl,
+                                "ppl_by_copy": state["ppl"][key]["ppl"]}
+        state["extras"] = extras
+        write_json_atomic(state, state_path)
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    state["comparison"] = table.to_dict()
+    state["protocol_gap"] = gap
+    state["command"] = command(argv)
+    state["environment"] = environment(args)
+    write_json_atomic(state, state_path)
+
+    title = f"{model_identity(model)['name']} ({num_layers} blocks)"
+    plot(table, stem.with_suffix(".png"), title)
+    write_markdown(stem.with_suffix(".md"), table, gap, extras, args, num_layers, title, argv, state)
+    log(f"done in {time.time() - t_start:.0f} s; wrote {stem.with_suffix('.md').name}")
+    return 0
+
+
+def command(argv) -> str:
+    args = sys.argv[1:] if argv is None else list(argv)
+    return "python benchmarks/quality.py " + " ".join(shlex.quote(a) for a in args)
+
+
+def environment(args) -> dict:
+    return {"platform": platform.platform(), "processor": platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": args.threads, **library_versions()}
+
+
+def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv, state) -> None:
+    ident = table.model
+    env = environment(args)
+    budgets = table.params["budgets"]
+    eval_total = sum(v for v in (state.get("ppl_seconds") or {}).values() if v)
+    lines = [
+        f"# Quality benchmark: {title}",
+        "",
+        "Command (from the repository root):",
+        "",
+        "```",
+        command(argv),
+        "```",
+        "",
+        f"- Model: `{ident.get('name')}`, weights {ident.get('revision')} (dequantized to fp32), {num_layers} "
+        "decoder blocks, layers 0-based.",
+        f"- Machine: {env['platform']}, {env['cpu_count']} CPU cores, torch threads {env['torch_threads']}; "
+        f"torch {env['torch']}, transformers {env['transformers']}, hf_layerswap {env['hf_layerswap']}.",
+        f"- Calibration (every criterion, same prompts): {table.calibration['description']}; "
+        f"{table.calibration['num_prompts']} prompts, {table.calibration['num_tokens']} real tokens, sha256 "
+        f"{table.calibration['content_hash'][:12]}.",
+        "- Evaluation: `evaluate_perplexity(contract=\"matched\")` on WikiText-2 raw test "
+        "(`../shared/data/wikitext-2-raw/wiki.test.raw`); the text is never seen by any criterion "
+        "(the beam is scored by calibration removal KL, not by the evaluation text as in the paper).",
+        "- Costs: forward passes = sweeps of the model over the calibration prompts (a probe starting mid-stack "
+        "counts as one); evaluator calls = candidate sets scored by a search; seconds = wall clock of selection "
+        f"on this shared machine (evaluation not included: {eval_total:.0f} s for "
+        f"{len(state.get('ppl_seconds') or {})} perplexity runs).",
+        "- Protection: the first and last block are never removed by single-removal KL, SLEB, random, tail and "
+        "ours (spacing 1 for the guided rule, none for the beam); Block Influence and angular distance follow "
+        "their papers and may remove any block.",
+        "",
+        "## Results",
+        "",
+        table.to_markdown(),
+        f"![dPPL% vs n]({path.with_suffix('.png').name})",
+        "",
+    ]
+    lines += winners(table, budgets) + [""]
+    if gap:
+        lines += protocol_section(table, gap, budgets) + [""]
+    check = extras.get("plan_check")
+    if check:
+        lines += [
+            "## Evaluation path check",
+            "",
+            f"Removed set {fmt_set(check['removed'])}: PPL {check['ppl_by_copy']:.6f} by pruning a deep copy "
+            f"(`remove_layers`) vs {check['ppl_by_plan']:.6f} by a removal plan on the unpruned model.",
+            "",
+        ]
+    lines += layer_section(table, num_layers) + [""]
+    lines += [
+        "## Contract (as recorded with every number)",
+        "",
+        "```json",
+        json.dumps({k: v for k, v in table.contract.items() if k != "model"}, indent=1, sort_keys=True),
+        "```",
+        "",
+        "All numbers, per-window NLLs and per-criterion details: "
+        f"[`{path.with_suffix('.json').name}`]({path.with_suffix('.json').name}).",
+    ]
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
