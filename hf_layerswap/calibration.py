@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ def embedded_text(split: str = "calibration") -> str:
     """Real prose shipped with CPython (``pydoc_data.topics``), split without overlap.
 
     Topics are sorted by name; topic number k goes to ``"evaluation"`` when
-    ``k % 4 == 3`` and to ``"calibration"`` otherwise.
+    ``k % 4 == 3`` and to ``"calibration"`` otherwise. Paragraphs (blank-line separated,
+    wrapped lines joined) that occur in both parts are kept in calibration only.
 
     Raises:
         ValueError: ``split`` is not ``"calibration"`` or ``"evaluation"``.
@@ -44,15 +46,22 @@ def embedded_text(split: str = "calibration") -> str:
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
-    chosen = [k for n, k in enumerate(keys) if (n % EVAL_EVERY == EVAL_EVERY - 1) == (split == "evaluation")]
-    return "\n\n".join(topics[k] for k in chosen)
+    is_eval = [n % EVAL_EVERY == EVAL_EVERY - 1 for n in range(len(keys))]
+    calibration = [p for k, e in zip(keys, is_eval) if not e for p in split_paragraphs(topics[k], min_chars=1)]
+    if split == "calibration":
+        return "\n\n".join(calibration)
+    # some paragraphs repeat across topics: evaluation keeps only those calibration lacks
+    seen = set(calibration)
+    evaluation = [p for k, e in zip(keys, is_eval) if e for p in split_paragraphs(topics[k], min_chars=1)]
+    return "\n\n".join(p for p in evaluation if p not in seen)
 
 
 def split_paragraphs(text: str, *, min_chars: int = 50) -> list[str]:
-    """Split text at blank lines; drop WikiText-style headings (``= Title =``) and
+    """Split text at blank lines (lines of only spaces/tabs count as blank, as in
+    WikiText-2's `` \n`` separators); drop WikiText-style headings (``= Title =``) and
     paragraphs shorter than ``min_chars`` characters; join wrapped lines with spaces."""
     paragraphs = []
-    for block in text.replace("\r\n", "\n").split("\n\n"):
+    for block in re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n")):
         lines = [ln.strip() for ln in block.split("\n") if ln.strip()]
         if not lines:
             continue
