@@ -1,0 +1,409 @@
+"""Recovery of the cut: Ghosted Layers' closed-form operator and the fused (ReplaceMe-style)
+variant folded into down_proj. Tiny random models, plus one real-model test on SmolLM2-135M."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_batch, tiny_model
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import hf_layerswap  # noqa: F401  (registers the layerswap plugin, as a user would)
+from hf_layerswap.calibration import build_calibration
+from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.recovery import (
+    RECOVERY_FILE,
+    RecoveryReport,
+    attach_saved_recovery,
+    attached_operators,
+    cut_boundaries,
+    detach_recovery,
+    recover,
+    ridge_toward_identity,
+)
+from hf_layerswap.scoring import masked_kl
+
+
+def random_prompts(num: int, length: int, seed: int, pad_last: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (num, length), generator=g)
+    mask = torch.ones(num, length, dtype=torch.long)
+    mask[-1, length - pad_last :] = 0
+    ids[-1, length - pad_last :] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def calib():
+    """32 x 24 random prompts: 763 real tokens, far more than the tiny hidden size 32."""
+    return build_calibration(random_prompts(32, 24, seed=3), num_prompts=32)
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    return random_prompts(16, 24, seed=9)
+
+
+def logits_of(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch, use_cache=False).logits
+
+
+def mean_kl(dense, pruned, batch) -> float:
+    ref = torch.log_softmax(logits_of(dense, batch).float(), -1)
+    return masked_kl(ref, logits_of(pruned, batch), batch["attention_mask"]).mean().item()
+
+
+# --------------------------------------------------------------------------- algebra
+
+
+def test_closed_form_equals_lstsq_on_random_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(300, 8, generator=g, dtype=torch.float64)
+    w, lam, cond = ridge_toward_identity(x.T @ x, x.T @ y, 0.0)
+    assert lam == 0.0
+    assert torch.allclose(w, torch.linalg.lstsq(x, y).solution, atol=1e-10)
+    assert cond == pytest.approx(float(torch.linalg.cond(x.T @ x)), rel=1e-8)
+    # ridge toward the identity = least squares on X stacked over sqrt(lambda) I, target Y over sqrt(lambda) I
+    w, lam, _ = ridge_toward_identity(x.T @ x, x.T @ y, 0.1)
+    assert lam == pytest.approx(0.1 * float(torch.trace(x.T @ x)) / 8)
+    root = lam**0.5 * torch.eye(8, dtype=torch.float64)
+    expected = torch.linalg.lstsq(torch.cat([x, root]), torch.cat([y, root])).solution
+    assert torch.allclose(w, expected, atol=1e-10)
+
+
+def test_exactly_linear_data_is_recovered_exactly():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 16, generator=g, dtype=torch.float64)
+    a = torch.eye(16, dtype=torch.float64) + 0.3 * torch.randn(16, 16, generator=g, dtype=torch.float64)
+    w, _, _ = ridge_toward_identity(x.T @ x, x.T @ (x @ a), 0.0)
+    assert torch.allclose(w, a, atol=1e-10)
+
+
+def test_singular_system_is_refused():
+    x = torch.randn(4, 8, dtype=torch.float64)  # 4 tokens cannot span 8 dimensions
+    with pytest.raises(ValueError, match="singular"):
+        ridge_toward_identity(x.T @ x, x.T @ x, 0.0)
+
+
+def test_cut_boundaries():
+    cuts = cut_boundaries(8, [5, 0, 1, 4])
+    assert [(c["removed"], c["host"], c["boundary"], c["end"]) for c in cuts] == [
+        ([0, 1], None, 0, 2),
+        ([4, 5], 3, 2, 6),
+    ]
+    assert cut_boundaries(8, [-1])[0] == {"removed": [7], "start": 7, "end": 8, "host": 6, "boundary": 7}
+
+
+# --------------------------------------------------------------------------- exact recovery of linear blocks
+
+
+class LinearBlock(nn.Module):
+    """A decoder block whose update is a known linear map of the residual stream: h -> h A."""
+
+    def __init__(self, a: torch.Tensor):
+        super().__init__()
+        self.register_buffer("a", a)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states @ self.a
+
+
+def _near_identity(size: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.eye(size) + 0.2 * torch.randn(size, size, generator=g) / size**0.5
+
+
+def test_ghosted_recovers_linear_blocks_and_multiplies_at_shared_boundary(calib, held_out):
+    dense = tiny_model("llama")
+    blocks = decoder_blocks(dense)[2]
+    a2, a3, a5 = _near_identity(32, 2), _near_identity(32, 3), _near_identity(32, 5)
+    blocks[2], blocks[3], blocks[5] = LinearBlock(a2), LinearBlock(a3), LinearBlock(a5)
+    pruned = copy.deepcopy(dense)
+    report = recover(pruned, [2, 3, 5], calib, method="ghosted", epsilon=0.0)
+    ops = dict(attached_operators(pruned))
+    assert sorted(ops) == [2, 3]  # cut 2..3 acts after pruned block 1, cut 5 after the new last block
+    assert torch.allclose(ops[2].weight, a2 @ a3, atol=2e-5)
+    assert torch.allclose(ops[3].weight, a5, atol=2e-5)
+    assert [f.residual_after for f in report.boundaries] == pytest.approx([0, 0], abs=1e-5)
+    assert all(f.residual_before > 0.05 for f in report.boundaries)
+    assert torch.allclose(logits_of(pruned, held_out), logits_of(dense, held_out), atol=1e-4)
+
+
+class MlpLinearBlock(nn.Module):
+    """A block whose update is a known linear map of the previous block's MLP output:
+    h -> h + m K (m read from a hook on the previous block's down_proj)."""
+
+    def __init__(self, k: torch.Tensor, stash: dict):
+        super().__init__()
+        self.register_buffer("k", k)
+        self.stash = stash
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states + self.stash["m"] @ self.k
+
+
+def test_fused_recovers_a_map_on_the_mlp_output_exactly(calib, held_out):
+    dense = tiny_model("llama")
+    blocks = decoder_blocks(dense)[2]
+    stash = {}
+    blocks[2].mlp.down_proj.register_forward_hook(lambda mod, args, out: stash.__setitem__("m", out))
+    k = _near_identity(32, 7) - torch.eye(32)
+    blocks[3] = MlpLinearBlock(k, stash)
+    expected = logits_of(dense, held_out)
+    pruned = dense  # no deepcopy: the hook and the block share ``stash``
+    before = pruned.model.layers[2].mlp.down_proj.weight.detach().clone()
+    report = recover(pruned, [3], calib, method="fused", epsilon=0.0)
+    (fit,) = report.boundaries
+    assert fit.folded_into == "layers.2.mlp.down_proj" and fit.residual_after == pytest.approx(0, abs=1e-5)
+    t = torch.eye(32) + k
+    assert torch.allclose(pruned.model.layers[2].mlp.down_proj.weight, t.T @ before, atol=2e-5)
+    assert attached_operators(pruned) == [] and pruned.config.num_hidden_layers == 5
+    assert torch.allclose(logits_of(pruned, held_out), expected, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- behaviour on real (random) blocks
+
+
+@pytest.mark.parametrize("method", ["ghosted", "fused"])
+def test_removing_zero_layers_changes_nothing(calib, method):
+    model = tiny_model("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    report = recover(model, [], calib, method=method)
+    assert report.boundaries == [] and report.num_tokens == 0
+    assert model.config.to_dict() == config and attached_operators(model) == []
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert "save_pretrained" not in vars(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_ghosted_beats_plain_removal_on_held_out_kl(family, calib, held_out):
+    dense = tiny_model(family)
+    results = {}
+    for method in ("none", "ghosted"):
+        model = copy.deepcopy(dense)
+        report = recover(model, [1, 4], calib, method=method)
+        results[method] = (mean_kl(dense, model, held_out), report)
+    (kl_none, plain), (kl_ghosted, ghosted) = results["none"], results["ghosted"]
+    assert kl_ghosted < 0.9 * kl_none
+    assert [f.residual_before for f in ghosted.boundaries] == pytest.approx([f.residual_before for f in plain.boundaries])
+    for fit in ghosted.boundaries:  # W = I is feasible, so the fit never does worse than removal
+        assert fit.residual_after < fit.residual_before
+        assert fit.condition_number >= 1.0 and len(fit.ridge) == 1
+    assert ghosted.num_tokens == calib.num_tokens == 763
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_fit_and_config_record(family, calib):
+    model = tiny_model(family)
+    report = recover(model, [2, 3], calib, method="fused")
+    (fit,) = report.boundaries
+    assert fit.residual_after < fit.residual_before
+    record = model.config.layerswap["recovery"]
+    assert record["method"] == "fused" and record["boundaries"] == [2] and record["removed_layers"] == [2, 3]
+    assert record["folded_into"] == ["layers.1.mlp.down_proj"] and record["num_tokens"] == 763
+    assert model.config.num_hidden_layers == 4 and attached_operators(model) == []
+
+
+def test_token_budget_truncates_in_prompt_order(calib):
+    model = tiny_model("llama")
+    report = recover(model, [2], calib, method="ghosted", num_tokens=100)
+    assert report.num_tokens == 100
+    assert model.config.layerswap["recovery"]["num_tokens"] == 100
+
+
+def test_bad_arguments_are_refused_and_change_nothing(calib):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="method='shadow'"):
+        recover(model, [2], calib, method="shadow")
+    with pytest.raises(ValueError, match="epsilon=-1"):
+        recover(model, [2], calib, epsilon=-1)
+    with pytest.raises(ValueError, match="out of range"):
+        recover(model, [6], calib)
+    assert model.config.num_hidden_layers == 6 and "layerswap" not in model.config.to_dict()
+    recover(model, [2], calib)
+    with pytest.raises(ValueError, match="already carries ghosted"):
+        recover(model, [1], calib)
+
+
+def test_fused_refuses_post_norm_and_no_down_proj(calib):
+    gemma = tiny_model("gemma3")
+    with pytest.raises(ValueError, match=r"gemma3_text block 1 .*post-norm"):
+        recover(gemma, [2], calib, method="fused")
+    assert gemma.config.num_hidden_layers == 6
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=128)).eval()
+    with pytest.raises(ValueError, match="gpt2 block 1 .*no mlp.down_proj"):
+        recover(gpt2, [2], calib, method="fused")
+    assert len(gpt2.transformer.h) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_generation_with_cache_equals_without_cache(family, calib):
+    model = tiny_model(family)
+    recover(model, [0, 3], calib, method="ghosted")  # a pre-hook on block 0 and a hook after block 1
+    assert [b for b, _ in attached_operators(model)] == [0, 2]
+    prompt = tiny_batch()["input_ids"][:1, :5]
+    with_cache = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+    without = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(with_cache, without)
+    # the incremental (cached) logits equal the full-sequence logits
+    full = logits_of(model, {"input_ids": with_cache})
+    with torch.no_grad():
+        out = model(input_ids=with_cache[:, :-1], use_cache=True)
+        step = model(input_ids=with_cache[:, -1:], cache=out.cache, use_cache=True).logits
+    assert torch.allclose(step[:, -1], full[:, -1], atol=1e-5)
+
+
+def test_operator_stays_float32_and_detach_gives_plain_removal(calib, held_out):
+    dense = tiny_model("llama")
+    plain = copy.deepcopy(dense)
+    recover(plain, [2], calib, method="none")
+    model = copy.deepcopy(dense)
+    recover(model, [2], calib, method="ghosted")
+    assert model.config.layerswap["recovery"]["boundaries"] == [2]
+    copied = copy.deepcopy(model)  # hooks travel with the copy
+    assert torch.equal(logits_of(copied, held_out), logits_of(model, held_out))
+    copied.to(torch.bfloat16)
+    ((_, op),) = attached_operators(copied)
+    assert op.weight.dtype == torch.float32 and logits_of(copied, held_out).dtype == torch.bfloat16
+    assert detach_recovery(model) == 1
+    assert "recovery" not in model.config.layerswap and "save_pretrained" not in vars(model)
+    assert torch.equal(logits_of(model, held_out), logits_of(plain, held_out))
+
+
+def test_report_round_trip(calib, tmp_path):
+    model = tiny_model("llama")
+    report = recover(model, [0, 3, 4], calib, method="ghosted")
+    assert [f.boundary for f in report.boundaries] == [0, 2]
+    assert len(report.boundaries[1].ridge) == 2  # one solve per removed block, product at the boundary
+    again = RecoveryReport.from_json(report.to_json(tmp_path / "r.json"))
+    assert again == report and again.to_dict() == report.to_dict()
+
+
+# --------------------------------------------------------------------------- save / reload
+
+
+def test_ghosted_save_and_reload_with_hf_layerswap(calib, held_out, tmp_path):
+    model = tiny_model("qwen3")
+    recover(model, [1, 4], calib, method="ghosted")
+    expected = logits_of(model, held_out)
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert (tmp_path / "ckpt" / RECOVERY_FILE).is_file()
+    assert saved["layerswap"]["recovery"]["boundaries"] == [1, 3]
+    assert saved["quantization_config"] == {"quant_method": "layerswap", "recovery": "ghosted", "layers": [1, 4]}
+    assert len(saved["layerswap"]["recovery"]["sha256"]) == 64
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", attn_implementation="eager")
+    assert attach_saved_recovery(reloaded) == [1, 3]  # idempotent if the plugin attached them already
+    assert reloaded.config.num_hidden_layers == 4 and not getattr(reloaded, "is_quantized", False)
+    assert torch.equal(logits_of(reloaded, held_out), expected)
+    # a second save of the reloaded model writes the same operators
+    reloaded.save_pretrained(tmp_path / "again")
+    first, second = (load_file(tmp_path / d / RECOVERY_FILE) for d in ("ckpt", "again"))
+    assert sorted(first) == ["boundary_1", "boundary_3"]
+    assert all(torch.equal(first[k], second[k]) and first[k].dtype == torch.float32 for k in first)
+
+
+def test_reload_without_the_operator_file_is_refused(calib, tmp_path):
+    model = tiny_model("llama")
+    recover(model, [2], calib, method="ghosted")
+    model.save_pretrained(tmp_path)
+    (tmp_path / RECOVERY_FILE).unlink()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=RECOVERY_FILE):
+        attach_saved_recovery(reloaded, tmp_path)
+
+
+_PLAIN_RELOAD = textwrap.dedent(
+    """
+    import json, logging, sys
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    transformers.logging.set_verbosity_warning()
+    cases = json.load(open(sys.argv[1]))
+    batch = torch.load(sys.argv[2])
+    out = {}
+    for name, directory in cases.items():
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+        with torch.no_grad():
+            out[name] = model(**batch, use_cache=False).logits
+    torch.save(out, sys.argv[3])
+    assert not any(m.startswith("hf_layerswap") for m in sys.modules), "hf_layerswap was imported"
+    """
+)
+
+
+def test_plain_transformers_reload(calib, held_out, tmp_path):
+    """Fused checkpoints reload in plain transformers with identical logits (also the
+    embedding fold of a cut at block 0, which unties Gemma-3's tied embeddings); a ghosted
+    checkpoint loads as the plainly pruned model, with transformers' warning."""
+    expected, cases = {}, {}
+    for name, family, removed, method in [
+        ("fused-llama", "llama", [2, 3], "fused"),
+        ("fused-gemma3-first", "gemma3", [0], "fused"),
+        ("ghosted-llama", "llama", [2, 5], "ghosted"),
+    ]:
+        model = tiny_model(family)
+        recover(model, removed, calib, method=method)
+        model.save_pretrained(tmp_path / name)
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        if method == "fused":
+            assert "quantization_config" not in saved and not (tmp_path / name / RECOVERY_FILE).exists()
+            expected[name] = logits_of(model, held_out)
+        else:
+            detach_recovery(model)
+            expected[name] = logits_of(model, held_out)  # the plainly pruned model
+        cases[name] = str(tmp_path / name)
+    assert json.loads((tmp_path / "fused-gemma3-first" / "config.json").read_text())["tie_word_embeddings"] is False
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    torch.save(held_out, tmp_path / "batch.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAIN_RELOAD, str(tmp_path / "cases.json"), str(tmp_path / "batch.pt"),
+         str(tmp_path / "out.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Unknown quantization type, got layerswap" in proc.stderr
+    out = torch.load(tmp_path / "out.pt")
+    for name in cases:
+        assert torch.equal(out[name], expected[name]), name
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+def test_smollm2_recovery_on_wikitext(smollm2, wikitext_valid):
+    model, tokenizer = smollm2
+    calib = build_calibration(wikitext_valid, tokenizer, num_prompts=16, seq_len=128, seed=0)
+    held = build_calibration(wikitext_valid, tokenizer, num_prompts=4, seq_len=64, seed=1)
+    batch = {"input_ids": held.input_ids, "attention_mask": held.attention_mask}
+    removed = [13, 20]
+    kls = {}
+    for method in ("none", "ghosted", "fused"):
+        pruned = copy.deepcopy(model)
+        report = recover(pruned, removed, calib, method=method, num_tokens=1536)
+        assert report.num_tokens == 1536 and report.hidden_size == 576
+        for fit in report.boundaries:
+            assert (fit.residual_after < fit.residual_before) if method != "none" else (
+                fit.residual_after == fit.residual_before
+            )
+        kls[method] = mean_kl(model, pruned, batch)
+        del pruned
+    assert kls["ghosted"] < kls["none"]
+    assert kls["fused"] < kls["none"]
