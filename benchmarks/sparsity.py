@@ -17,6 +17,9 @@ Usage (from the repository root)::
 
     python benchmarks/sparsity.py --model smollm2-135m --sparsity 0.5 \\
         --allocations uniform pals owl random --patterns unstructured 2:4 --seeds 0
+
+An allocation may carry extra options, e.g. ``pals/source=block_input`` (PALS on the
+residual stream entering each block instead of the linears' inputs).
 """
 
 from __future__ import annotations
@@ -61,6 +64,23 @@ def calibration_prompts(seed: int, num_prompts: int) -> list[str]:
     paragraphs = split_paragraphs(text)
     random.Random(seed).shuffle(paragraphs)
     return paragraphs[:num_prompts]
+
+
+def parse_allocation(spec: str) -> tuple[str, dict]:
+    """``"pals"`` -> ``("pals", {})``; ``"pals/source=block_input/percentile=0.999"`` -> the
+    allocation and extra :func:`sparsify` options (numbers parsed as floats, true/false as bools)."""
+    name, *pairs = spec.split("/")
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+            continue
+        try:
+            options[key] = float(value)
+        except ValueError:
+            options[key] = value
+    return name, options
 
 
 def config_key(pattern, allocation, method, seed, settings) -> str:
@@ -151,14 +171,16 @@ def run(args) -> dict:
             calibration_prompts(seed, args.num_prompts), tokenizer, num_prompts=args.num_prompts, seq_len=args.seq_len
         )
         t = time.perf_counter()
+        name, extra = parse_allocation(allocation)
         report = sparsify(
             model,
             calib,
             sparsity=args.sparsity,
-            allocation=allocation,
+            allocation=name,
             method=method,
             pattern=pattern,
             batch_size=args.batch_size,
+            **extra,
         )
         sparsify_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -188,16 +210,24 @@ def render(store: dict, command: str) -> str:
         key: r
         for key, r in store["runs"].items()
         if key == config_key(r["pattern"], r["allocation"], r["method"], r["seed"], settings)
-        and r["allocation"] in settings["allocations"]
-        and r["method"] in settings["methods"]
-        and r["seed"] in settings["seeds"]
     }
+    order = ["uniform", "pals", "owl", "random", "gradient"]
+
+    def row_order(item):
+        r = item[1]
+        name = parse_allocation(r["allocation"])[0]
+        return (r["pattern"] is not None, r["pattern"] or "", order.index(name), r["allocation"], r["method"], r["seed"])
+
+    runs = dict(sorted(runs.items(), key=row_order))
     lines = [
         "# Sparsity benchmark: layerwise allocation for one-shot pruning",
         "",
         "```",
-        command,
+        *store.get("commands", [command]),
         "```",
+        "",
+        "(Each command adds configurations; results are cached per configuration in `sparsity.json`, and this "
+        "file shows every cached run with the same sparsity, calibration size and evaluation contract.)",
         "",
         f"Model: {describe_model(store['model'])}. Target sparsity {settings['sparsity']:g} of every "
         "`nn.Linear` weight inside the decoder blocks (embeddings, norms and LM head dense).",
@@ -306,6 +336,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     command = "python benchmarks/sparsity.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     store = run(args)
+    if command not in store.setdefault("commands", []):
+        store["commands"].append(command)
+        write_json_atomic(store, Path(args.json))
     text = render(store, command)
     out = Path(args.output)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -79,7 +79,7 @@ class LogHistogramQuantile:
         if nonzero.numel():
             idx = torch.floor((torch.log2(nonzero) - self.min_exp) * self.bins_per_octave)
             idx = idx.clamp_(0, self.num_bins - 1).to(torch.int64)
-            self.counts += torch.bincount(idx.cpu(), minlength=self.num_bins)
+            self.counts += torch.bincount(idx, minlength=self.num_bins).cpu()
 
     def merge(self, other: LogHistogramQuantile) -> None:
         """Add another histogram on the same grid."""
