@@ -408,6 +408,8 @@ def test_per_linear_sparsity_and_report_round_trip(tmp_path):
     report.to_json(path)
     assert SparsityReport.from_json(path) == report
     assert "| 5 |" in report.to_markdown()
+    png = report.plot(tmp_path / "blocks.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_save_reload_identical_logits_and_zero_count(tmp_path):
