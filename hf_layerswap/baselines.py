@@ -501,6 +501,7 @@ def sleb(
     tokenizer=None,
     protect: Sequence[int] = (0, -1),
     batch_size: int = 8,
+    resume: CriterionResult | None = None,
 ):
     """SLEB (Song et al., ICML 2024): iterative greedy block removal by calibration NLL.
 
@@ -514,6 +515,8 @@ def sleb(
     Args:
         n: budget or list of budgets; the search runs once to the largest, and each
             budget's result is the prefix of that run with the cost spent up to it.
+        resume: a SLEB result for a smaller budget on the same model, prompts and
+            ``protect``: the search continues from it (same sets and costs as one run).
 
     Returns:
         :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
@@ -533,7 +536,13 @@ def sleb(
     seconds = 0.0
     first_scores: list[float | None] = [None] * num_layers
     base_nll = None
-    for k in range(1, budgets[-1] + 1):
+    first_step = 1
+    if resume is not None:
+        _check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
+        passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
+        first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
+    for k in range(first_step, budgets[-1] + 1):
         candidates = [b for b in allowed if b not in removed]
         sets = [sorted(removed + [b]) for b in candidates]
         nll, stats = _removal_nll_values(model, calib, sets, batch_size)
@@ -556,6 +565,16 @@ def sleb(
                          "unit": "nats per token", "steps": copy.deepcopy(steps)},
             )
     return _out(results, single)
+
+
+def _check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **expected) -> None:
+    if resume.name != name or resume.n >= min(budgets):
+        raise ValueError(
+            f"resume must be a {name!r} result for a budget below {min(budgets)}; got {resume.name!r} at n={resume.n}"
+        )
+    for key, value in expected.items():
+        if resume.details.get(key) != value:
+            raise ValueError(f"resume was run with {key}={resume.details.get(key)!r}, not {value!r}")
 
 
 def _num_targets(calib: CalibrationSet) -> int:
@@ -819,6 +838,7 @@ def interchange_beam(
     protect: Sequence[int] = (0, -1),
     include_greedy: bool = True,
     batch_size: int = 8,
+    resume: CriterionResult | None = None,
 ):
     """The paper's interchange-seeded beam search (No Free Swap, App. G/K), scored on the
     calibration prompts only.
@@ -842,6 +862,9 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
+        resume: a beam result for a smaller budget with the same settings: the search
+            continues from its last level's beams (level k+1 only scores sets of size
+            k+1, so the sets and costs equal those of one run).
 
     Returns:
         :class:`CriterionResult` with ``evaluator_calls`` (distinct sets scored up to this
@@ -875,7 +898,15 @@ def interchange_beam(
     beams: list[list[int]] = []
     levels, results = [], {}
     calls = 0
-    for level in range(1, budgets[-1] + 1):
+    first_level = 1
+    if resume is not None:
+        _check_resume(resume, "interchange_beam", budgets, evaluator=evaluator, width=width, seed_size=seed_size,
+                      seeds=seeds, include_greedy=include_greedy, protect=sorted(resolve_protect(protect, num_layers)))
+        levels = copy.deepcopy(resume.details["levels"])
+        beams = [list(b["set"]) for b in levels[-1]["beams"]]
+        passes, blocks, seconds, calls = resume.forward_passes, resume.block_passes, resume.seconds, resume.evaluator_calls
+        first_level = resume.n + 1
+    for level in range(first_level, budgets[-1] + 1):
         if level == 1:
             pool = [[s] for s in seeds]
         else:
@@ -1250,6 +1281,9 @@ def compare_criteria(
                 kwargs["report"] = report_for(name)
             if name not in ("random", "tail"):
                 kwargs.setdefault("batch_size", batch_size)
+            earlier = [b for b in done if b < min(todo)]
+            if name in ("sleb", "interchange_beam") and earlier:
+                kwargs["resume"] = done[max(earlier)]  # iterative searches continue, not restart
             out = CRITERIA[name](model, calib, todo, **kwargs)
             out = out if isinstance(out, dict) else {todo[0]: out}
             done.update(out)

@@ -186,6 +186,11 @@ def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():
     assert step2[second] == pytest.approx(hf_nll(pruned_copy(model, res[2].removed), calib), rel=1e-5)
     assert (res[1].evaluator_calls, res[2].evaluator_calls) == (4, 7)
     assert res[2].forward_passes == (1 + 4) + (1 + 3)
+    resumed = B.sleb(model, calib, 2, resume=res[1])  # continues from n=1, same as one run
+    assert resumed.removed == res[2].removed and resumed.details["steps"] == res[2].details["steps"]
+    assert (resumed.evaluator_calls, resumed.forward_passes) == (res[2].evaluator_calls, res[2].forward_passes)
+    with pytest.raises(ValueError, match="resume"):
+        B.sleb(model, calib, [1], resume=res[2])
 
 
 # ----------------------------------------------------------------------------- controls
@@ -265,6 +270,11 @@ def test_beam_never_worse_than_greedy_and_counts_calls():
     assert levels[0]["new_calls"] == 4  # the 4 seeds (the size-1 greedy set is the best seed)
     assert out[3].evaluator_calls == sum(lv["new_calls"] for lv in levels)
     assert out[1].evaluator_calls == levels[0]["new_calls"]
+    resumed = B.interchange_beam(model, calib, 3, report=report, seed_size=4, width=2, resume=out[2])
+    assert resumed.removed == out[3].removed and resumed.details["levels"] == levels
+    assert (resumed.evaluator_calls, resumed.forward_passes) == (out[3].evaluator_calls, out[3].forward_passes)
+    with pytest.raises(ValueError, match="width"):
+        B.interchange_beam(model, calib, [3], report=report, seed_size=4, width=3, resume=out[2])
     seeds = out[1].details["seeds"]
     scores = report.layer_scores("interchange")
     assert seeds == sorted(range(1, 7), key=lambda i: (scores[i], i))[:4]
