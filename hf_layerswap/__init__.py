@@ -9,8 +9,12 @@ plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
 __version__ = "0.1.0"
 
 from .calibration import CalibrationSet, build_calibration, embedded_text
+from .card import render_card, write_card_files
+from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
+from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 from .integration import LayerSwapConfig, LayerSwapQuantizer, prune_loaded_model
-from .plan import apply_plan, capture_residual_stream, decoder_blocks, num_blocks
+from .models import load_model
+from .plan import apply_plan, capture_residual_stream, decoder_blocks, model_fingerprint, num_blocks
 from .report import PairResult, SwapReport
 from .scoring import masked_kl, removal_kl, score_layers
 from .selection import select_layers
@@ -18,6 +22,18 @@ from .surgery import check_surgery_invariants, remove_layers
 
 __all__ = [
     "CalibrationSet",
+    "HubPushError",
+    "PerplexityResult",
+    "PushRefusedError",
+    "delta_ppl_percent",
+    "evaluate_perplexity",
+    "generation_check",
+    "load_model",
+    "model_fingerprint",
+    "push_to_hub",
+    "render_card",
+    "save_for_hub",
+    "write_card_files",
     "LayerSwapConfig",
     "LayerSwapQuantizer",
     "PairResult",

@@ -14,6 +14,7 @@ Invariants after :func:`remove_layers` (see DESIGN.md, "Surgery invariants"):
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Sequence
 
@@ -140,6 +141,15 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     if problems:
         raise ValueError(f"cannot remove blocks from {type(model).__name__}: " + "; ".join(problems))
 
+    from .models import model_identity
+    from .plan import model_fingerprint
+
+    fingerprint_before = model_fingerprint(model)
+    removed_parameters = sum(p.numel() for i in removed for p in blocks[i].parameters())
+    base_name = model_identity(model).get("name")
+    if not (isinstance(base_name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", base_name) and not os.path.exists(base_name)):
+        base_name = None  # only Hub ids are recorded, never local paths
+
     # compute every change first, then apply (nothing half-done on error)
     updates: dict = {}
     for field in PER_LAYER_LIST_FIELDS:
@@ -171,10 +181,13 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         "num_layers_before": num_layers,
         "num_layers_after": len(kept),
         "removed_original_layers": [original_kept[i] for i in removed],
+        "fingerprint_before": fingerprint_before,
+        "removed_parameters": removed_parameters,
         "library_versions": library_versions(),
         **(provenance or {}),
     }
     top.layerswap = {
+        "base_model": previous.get("base_model", base_name),
         "original_num_hidden_layers": previous.get("original_num_hidden_layers", num_layers),
         "removed_layers": sorted(previous.get("removed_layers", []) + step["removed_original_layers"]),
         "kept_layers": [original_kept[i] for i in kept],
