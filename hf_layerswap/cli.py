@@ -47,10 +47,10 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protect", type=int, nargs="*", default=[0, -1], help="layers never removed (negative = from the end)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     """The ``hf-layerswap`` argument parser (shared with ``optimum-cli layerswap``)."""
     parser = argparse.ArgumentParser(
-        prog="hf-layerswap",
+        prog=prog,
         description="Swap-KL layer redundancy (replacement vs interchange), layer removal and publishing.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,14 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection_args(prune)
     prune.set_defaults(func=run_prune)
 
-    try:
-        from .hub import add_push_arguments, run_push
-    except ImportError:  # pragma: no cover - hub module always ships
-        add_push_arguments = None
-    if add_push_arguments is not None:
-        push = sub.add_parser("push", help="upload a pruned checkpoint with its card to the Hub")
-        add_push_arguments(push)
-        push.set_defaults(func=run_push)
+    from .hub import add_push_arguments, run_push
+    from .peeling import add_peel_arguments, run_peel
+
+    push = sub.add_parser("push", help="upload a pruned checkpoint with its card to the Hub")
+    add_push_arguments(push)
+    push.set_defaults(func=run_push)
+    peel = sub.add_parser("peel", help="per-layer peeling reference bounds (linear reference vs the trained blocks)")
+    add_peel_arguments(peel)
+    peel.set_defaults(func=run_peel)
     return parser
 
 
@@ -301,8 +302,8 @@ def run_demo(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, prog: str = "hf-layerswap") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -23,9 +23,7 @@ PROG = "optimum-cli layerswap"
 def _layerswap_parser() -> argparse.ArgumentParser:
     from hf_layerswap.cli import build_parser
 
-    parser = build_parser()
-    parser.prog = PROG
-    return parser
+    return build_parser(PROG)
 
 
 def _print_layerswap_help(file=None) -> None:
@@ -39,14 +37,7 @@ def run_layerswap(argv: list[str]) -> int:
     if not argv:
         _print_layerswap_help()
         return 0
-    main = getattr(cli, "main", None)
-    if callable(main):
-        return int(main(argv) or 0)
-    args = _layerswap_parser().parse_args(argv)
-    func = getattr(args, "func", None)
-    if not callable(func):
-        raise RuntimeError("hf_layerswap.cli offers neither main(argv) nor a parser with func defaults")
-    return int(func(args) or 0)
+    return int(cli.main(argv, prog=PROG) or 0)
 
 
 class LayerSwapCommand(BaseOptimumCLICommand):
