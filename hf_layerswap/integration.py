@@ -109,8 +109,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
             layers = _int_list("layers", layers)
             if not layers:
                 raise ValueError("LayerSwapConfig(layers=[]): give at least one block index, or use num_layers")
-            if len(set(layers)) != len(layers):
-                raise ValueError(f"LayerSwapConfig(layers={layers}): duplicate block indices")
+            dupes = sorted({i for i in layers if layers.count(i) > 1})
+            if dupes:  # same wording as remove_layers, which also catches -1 vs L-1 once L is known
+                raise ValueError(f"duplicate layer indices {dupes} in {layers} (after resolving negative indices)")
             if num_layers is not None and num_layers != len(layers):
                 raise ValueError(
                     f"LayerSwapConfig(num_layers={num_layers}, layers={layers}) is contradictory: "
