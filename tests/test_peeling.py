@@ -357,12 +357,14 @@ def test_cli_verb_single_checkpoint(checkpoints, tmp_path):
 def test_smollm2_linear_references_on_wikitext(smollm2, wikitext_valid, wikitext_test_raw):
     model, tokenizer = smollm2
     report = peel(model, wikitext_valid, wikitext_test_raw, tokenizer=tokenizer, spans=(1,), targets="own",
-                  reference=("linear", "deletion"), sites=[20, 28], num_prompts=24, seq_len=64,
-                  eval_prompts=6, eval_seq_len=64, batch_size=6, bootstrap=300)
+                  reference=("linear", "deletion"), sites=[28, 29], num_prompts=16, seq_len=64,
+                  eval_prompts=4, eval_seq_len=64, batch_size=4, bootstrap=300)
     assert 1.5 < report.base_ce < 6.0
-    for k in (20, 28):
+    for k in (28, 29):  # site 29 replaces the last block: the output-hook path on a real model
         lin, dele = report.probe(k, 1, "linear"), report.probe(k, 1, "deletion")
-        # the fitted map explains part of the block's update and beats deletion in stream space
-        assert 0 < lin.explained_variance <= 1 and lin.nmse < dele.nmse == pytest.approx(1.0)
+        # the last blocks' updates are largely linear: the map explains most of them held out and
+        # its hybrid is closer to the model than plain removal, in the stream and in CE
+        assert 0.5 < lin.explained_variance <= 1 and lin.nmse < dele.nmse == pytest.approx(1.0)
         assert math.isfinite(lin.dce) and lin.ci_low <= lin.dce <= lin.ci_high
+        assert lin.dce < dele.dce
     assert report.metadata["calibration_tokens_used"] > 577
