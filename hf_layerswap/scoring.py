@@ -931,9 +931,10 @@ class _Engine:
 
     def _run_batch(self, b: int, bar) -> None:
         todo = [p for p in self.my_probes if (b, p.key) not in self.done]
-        bar.update(1 + len(self.my_probes) - len(todo))
         if not todo:
+            bar.update(1 + len(self.my_probes))
             return
+        bar.update(len(self.my_probes) - len(todo))
         ids, mask = self._batch(b)
         bsz, seqlen = ids.shape
         ids, mask = ids.to(self.input_device), mask.to(self.input_device)
