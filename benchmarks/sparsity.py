@@ -190,7 +190,7 @@ def run(args) -> dict:
             "allocation": allocation,
             "method": method,
             "seed": seed,
-            "report": report.to_dict(),
+            "report": {**report.to_dict(), "linears": []},  # per-linear rows dropped to keep the file small
             "ppl": without_local_paths(ppl.to_dict()),
             "sparsify_s": sparsify_s,
             "eval_s": time.perf_counter() - t,
@@ -284,7 +284,8 @@ def render(store: dict, command: str) -> str:
         lines += [
             "",
             "Across calibration seeds (mean, t-based 95% interval; paired test vs uniform on the seeds both have: "
-            "exact sign-flip permutation p-value, two-sided):",
+            "exact sign-flip permutation p-value, two-sided; with n seeds the smallest possible p is 2/2^n, "
+            "i.e. 0.25 for 3):",
             "",
             "| pattern | allocation | method | seeds | mean PPL +- 95% | mean paired diff vs uniform | p |",
             "|---|---|---|---:|---|---:|---:|",
@@ -299,6 +300,7 @@ def render(store: dict, command: str) -> str:
                 diff, p = f"{statistics.fmean(d):+.3f}", f"{sign_flip_p(d):.3f}"
             ci = "" if h is None else f" +- {h:.3f}"
             lines.append(f"| {pattern} | {allocation} | {method} | {len(by_seed)} | {m:.3f}{ci} | {diff} | {p} |")
+    lines += ["", *findings(runs, groups, settings), ""]
     # per-block allocations
     lines += ["", "Per-block targets (0-based blocks; first calibration seed):", ""]
     shown = set()
@@ -317,6 +319,82 @@ def render(store: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
+    """Plain statements computed from the runs: does PALS beat uniform, and what was not run."""
+    out = ["## Findings", ""]
+    for (pattern, allocation, method), by_seed in groups.items():
+        uni = groups.get((pattern, "uniform", method), {})
+        common = sorted(set(by_seed) & set(uni))
+        if allocation == "uniform" or not common:
+            continue
+        per_seed = []
+        worse = excluded = 0
+        for seed in common:
+            key = config_key(None if pattern == "unstructured" else pattern, allocation, method, seed, settings)
+            ukey = config_key(None if pattern == "unstructured" else pattern, "uniform", method, seed, settings)
+            base, pruned = PerplexityResult.from_dict(runs[ukey]["ppl"]), PerplexityResult.from_dict(runs[key]["ppl"])
+            d = delta_ppl_percent(base, pruned)
+            lo, hi = delta_ppl_ci(base, pruned)
+            per_seed.append(f"{d:+.2f}%")
+            worse += d > 0
+            excluded += lo > 0 or hi < 0
+        n = len(common)
+        verdict = (
+            f"worse than uniform on {'every' if n > 1 else 'the'} seed"
+            if worse == n
+            else f"better than uniform on {'every' if n > 1 else 'the'} seed"
+            if worse == 0
+            else f"worse on {worse} of {n} seeds"
+        )
+        out.append(
+            f"- {pattern} {method}, **{allocation}** vs uniform: PPL change {', '.join(per_seed)} on calibration "
+            f"seed(s) {common}; {verdict}; the paired window-bootstrap 95% interval excludes 0 on {excluded} of {n}."
+        )
+    pals = [k for k in groups if k[1] == "pals"]
+    if pals:
+        rows = [r for r in runs.values() if r["allocation"] == "pals" and r["pattern"] is None]
+        ukeys = [config_key(None, "uniform", r["method"], r["seed"], settings) for r in rows]
+        wins = sum(runs[u]["ppl"]["ppl"] > r["ppl"]["ppl"] for r, u in zip(rows, ukeys) if u in runs)
+        total = sum(u in runs for u in ukeys)
+        out += [
+            "",
+            f"The PALS paper's direction (PALS below uniform Wanda) {'reproduces' if wins == total else 'does not reproduce'} "
+            f"on this model at sparsity {settings['sparsity']:g}: PALS is better on {wins} of {total} "
+            "(method, calibration seed) runs (default options: p99 of the linears' inputs, z-score, +-0.05).",
+        ]
+    pairs = [
+        (r, runs.get(config_key(None, "random", r["method"], r["seed"], settings)))
+        for r in runs.values()
+        if r["allocation"] == "gradient" and r["pattern"] is None
+    ]
+    pairs = [(g, r) for g, r in pairs if r is not None]
+    if pairs:
+        below = sum(g["ppl"]["ppl"] > r["ppl"]["ppl"] for g, r in pairs)
+        out += [
+            "",
+            f"The paper's ablation claim (gradient allocation worse than random) "
+            f"{'holds' if below == len(pairs) else 'does not hold'} here: gradient is worse than random on {below} "
+            f"of {len(pairs)} run(s) ("
+            + "; ".join(f"{g['method']} seed {g['seed']}: {g['ppl']['ppl']:.3f} vs {r['ppl']['ppl']:.3f}" for g, r in pairs)
+            + ").",
+        ]
+    methods = {r["method"] for r in runs.values()}
+    patterns = {r["pattern"] or "unstructured" for r in runs.values()}
+    names = {parse_allocation(r["allocation"])[0] for r in runs.values()}
+    missing = [m for m in ("sparsegpt",) if m not in methods]
+    missing += [f"{a} allocation" for a in ("gradient",) if a not in names]
+    missing += [f"{p} pattern" for p in ("2:4",) if p not in patterns]
+    seeds = sorted({r["seed"] for r in runs.values()})
+    out += [
+        "",
+        f"Scope: one model, sparsity {settings['sparsity']:g}, calibration seeds {seeds} (not every cell has all of "
+        "them: see the tables). Not run here (shared 2-core CPU): "
+        + ", ".join(missing + ["other models and sparsities (separate runs of this script)", "9 seeds per cell"])
+        + ".",
+    ]
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -333,7 +411,14 @@ def main(argv=None):
     parser.add_argument("--json", default=str(RESULTS / "sparsity.json"))
     parser.add_argument("--output", default=str(RESULTS / "sparsity.md"))
     parser.add_argument("--fresh", action="store_true", help="ignore cached results in --json")
+    parser.add_argument("--render-only", action="store_true", help="rewrite --output from --json, run nothing")
     args = parser.parse_args(argv)
+    if args.render_only:
+        store = json.loads(Path(args.json).read_text())
+        text = render(store, "")
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(text)
+        return
     command = "python benchmarks/sparsity.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     store = run(args)
     if command not in store.setdefault("commands", []):

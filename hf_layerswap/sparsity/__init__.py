@@ -358,7 +358,8 @@ def _dense_observers(allocation: str, opts: SparsifyOptions, block_linears):
             def make(acc):
                 return lambda module, args: acc.update(real_rows(args[0], mask_ref[0]))
 
-            return [lin.register_forward_pre_hook(make(acc)) for (_, lin), acc in zip(block_linears[index], norms[index])]
+            pairs = zip(block_linears[index], norms[index])
+            return [lin.register_forward_pre_hook(make(acc)) for (_, lin), acc in pairs]
 
         return None, linear_hooks, collectors
     return None, None, collectors
@@ -374,7 +375,8 @@ def _allocate(allocation, opts, sparsity, num_params, block_linears, collectors,
             estimators = collectors["estimators"]
             statistic_values = [est.quantile(opts.percentile) for est in estimators]
             info.update(
-                statistic=f"quantile {opts.percentile:g} of |activation| ({opts.source}, pool={opts.pool}), dense model",
+                statistic=f"quantile {opts.percentile:g} of |activation| ({opts.source}, pool={opts.pool}), "
+                "dense model",
                 percentile=opts.percentile,
                 source=opts.source,
                 pool=opts.pool,
@@ -383,7 +385,9 @@ def _allocate(allocation, opts, sparsity, num_params, block_linears, collectors,
             )
             targets = pals_allocation(statistic_values, num_params, sparsity, **mapping)
         else:
-            info["statistic"] = "mean |dL/dW| over the block's prunable weights (calibration next-token loss), dense model"
+            info["statistic"] = (
+                "mean |dL/dW| over the block's prunable weights (calibration next-token loss), dense model"
+            )
             targets = gradient_allocation(statistic_values, num_params, sparsity, **mapping)
         info.update(
             mapping,

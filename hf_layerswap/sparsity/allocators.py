@@ -202,7 +202,9 @@ def pals_allocation(
     return fit_budget(offsets, num_params, sparsity, delta)
 
 
-def gradient_allocation(gradient_means: Sequence[float], num_params: Sequence[int], sparsity: float, **mapping) -> list[float]:
+def gradient_allocation(
+    gradient_means: Sequence[float], num_params: Sequence[int], sparsity: float, **mapping
+) -> list[float]:
     """Gradient baseline: the PALS mapping (:func:`pals_allocation`, same keyword options
     ``delta``, ``mapping``, ``scale``, ``invert`` and the same guarantees) applied to mean
     ``|dL/dW|`` per block: a larger gradient gives a lower sparsity."""

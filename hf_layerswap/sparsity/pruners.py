@@ -176,7 +176,9 @@ def sparsegpt_prune(
     try:
         U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     except RuntimeError as exc:  # torch.linalg.LinAlgError subclasses RuntimeError
-        raise ValueError(f"the damped Hessian is not positive definite (percdamp={percdamp}); increase percdamp") from exc
+        raise ValueError(
+            f"the damped Hessian is not positive definite (percdamp={percdamp}); increase percdamp"
+        ) from exc
     full_mask = torch.zeros(rows, cols, dtype=torch.bool, device=W.device)
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
