@@ -68,7 +68,7 @@ LABELS = {
     "angular_distance": "angular distance (Gromov et al.)",
     "single_removal_kl": "single-removal KL (one-shot)",
     "sleb": "SLEB (iterative NLL)",
-    "random": "random (5 draws)",
+    "random": "random (mean of seeded draws)",
     "tail": "tail (last n before the final)",
     "replacement": "replacement-guided (ours)",
     "interchange": "interchange-guided (ours)",
@@ -241,7 +241,8 @@ def plot(table: CriterionComparison, path: Path, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, choices=sorted(BUNDLED_MODELS))
+    p.add_argument("--model", choices=sorted(BUNDLED_MODELS), help="required unless --index-only")
+    p.add_argument("--index-only", action="store_true", help="only rewrite quality.md from the existing results")
     p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--criteria", nargs="+", default=list(DEFAULT_CRITERIA), choices=list(DEFAULT_CRITERIA))
     p.add_argument("--num-prompts", type=int, default=16)
@@ -254,6 +255,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core machine)")
     p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.index_only:
+        write_index(args.results)
+        return 0
+    if args.model is None:
+        p.error("--model is required (or pass --index-only)")
 
     torch.set_num_threads(args.threads)
     t_start = time.time()
@@ -309,7 +315,8 @@ def main(argv=None) -> int:
     title = f"{model_identity(model)['name']} ({num_layers} blocks)"
     plot(table, stem.with_suffix(".png"), title)
     write_markdown(stem.with_suffix(".md"), table, gap, extras, args, num_layers, title, argv, state)
-    log(f"done in {time.time() - t_start:.0f} s; wrote {stem.with_suffix('.md').name}")
+    write_index(args.results)
+    log(f"done in {time.time() - t_start:.0f} s; wrote {stem.with_suffix('.md').name} and quality.md")
     return 0
 
 
@@ -387,6 +394,48 @@ def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_index(results: Path) -> None:
+    """``quality.md``: the headline dPPL% of every criterion on every benchmarked model."""
+    lines = [
+        "# Quality benchmark: headline numbers",
+        "",
+        "dPPL % on WikiText-2 raw test (matched contract: first 5,000 words, window 512, stride 256) after "
+        "removing n blocks, every criterion selected on the same WikiText-2 validation calibration prompts. "
+        "Random: mean of 5 seeded draws. Full tables, intervals, costs and contracts in the per-model files.",
+        "",
+    ]
+    for path in sorted(results.glob("quality-*.json")):
+        state = json.loads(path.read_text(encoding="utf-8"))
+        comp = state.get("comparison")
+        if not comp:
+            continue
+        budgets = comp["params"]["budgets"]
+        rows = {(r["criterion"], r["n"]): r for r in comp["rows"]}
+        name = comp["model"].get("name")
+        lines += [
+            f"## {name}", "",
+            f"Base PPL {comp['base']['ppl']:.3f}. Command: `{state.get('command')}`. "
+            f"Details: [{path.with_suffix('.md').name}]({path.with_suffix('.md').name}).", "",
+            "| criterion | " + " | ".join(f"n={n}" for n in budgets) + " |",
+            "|---" * (len(budgets) + 1) + "|",
+        ]
+        for crit in comp["params"]["criteria"]:
+            cells = []
+            for n in budgets:
+                r = rows.get((crit, n))
+                if r is None:
+                    cells.append("-")
+                elif crit == "random":
+                    cells.append(f"{r['dppl']:+.1f} ({r['dppl_min']:+.1f} .. {r['dppl_max']:+.1f})")
+                else:
+                    cells.append(f"{r['dppl']:+.1f} {fmt_set(r['removed'])}")
+            lines.append(f"| {LABELS.get(crit, crit)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    tmp = results / "quality.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, results / "quality.md")
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def run_model(name: str, args) -> dict:
     for n in args.budgets:
         sets = {
             "interchange": select_layers(report, n, protocol="interchange"),
-            "block-influence": greedy_select(bi, num_layers, spacing=0, protect=()),
+            "block-influence": greedy_select(bi, n, spacing=0, protect=()),
         }
         for selection, removed in sets.items():
             key = tuple(removed)

@@ -198,7 +198,7 @@ def run(args) -> dict:
         write_json_atomic(store, out_json)
         print(f"{key}: sparsity {report.achieved_sparsity:.4f} PPL {ppl.ppl:.3f} ({sparsify_s:.0f} s)", flush=True)
     model.load_state_dict(dense_state)
-    store["settings"] = {k: v for k, v in vars(args).items() if k not in ("fresh",)}
+    store["settings"] = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "json", "output")}
     write_json_atomic(store, out_json)
     return store
 

@@ -301,15 +301,15 @@ def test_optimum_command_delegates_to_the_hf_layerswap_parser(monkeypatch, capsy
 
     calls = []
 
-    def build_parser():
-        parser = argparse.ArgumentParser(prog="hf-layerswap")
+    def build_parser(prog="hf-layerswap"):
+        parser = argparse.ArgumentParser(prog=prog)
         sub = parser.add_subparsers(dest="verb")
         add_push_arguments(sub.add_parser("push"))
         return parser
 
     fake = types.ModuleType("hf_layerswap.cli")
     fake.build_parser = build_parser
-    fake.main = lambda argv: calls.append(list(argv)) or 0
+    fake.main = lambda argv, prog=None: calls.append((list(argv), prog)) or 0
     monkeypatch.setitem(sys.modules, "hf_layerswap.cli", fake)
     path = REPO_ROOT / "optimum" / "commands" / "register" / "layerswap_cli.py"
     spec = importlib.util.spec_from_file_location("layerswap_cli_under_test", path)
@@ -322,7 +322,7 @@ def test_optimum_command_delegates_to_the_hf_layerswap_parser(monkeypatch, capsy
     args = parser.parse_args(["layerswap", "push", "DIR", "me/repo", "--private"])
     with pytest.raises(SystemExit) as done:
         args.func(args).run()
-    assert done.value.code == 0 and calls == [["push", "DIR", "me/repo", "--private"]]
+    assert done.value.code == 0 and calls == [(["push", "DIR", "me/repo", "--private"], "optimum-cli layerswap")]
     with pytest.raises(SystemExit):
         parser.parse_args(["layerswap", "-h"])
     assert "usage: optimum-cli layerswap" in capsys.readouterr().out

@@ -32,12 +32,12 @@ def _print_layerswap_help(file=None) -> None:
 
 def run_layerswap(argv: list[str]) -> int:
     """Parse ``argv`` with hf-layerswap's parser and run the chosen verb; returns the exit status."""
-    from hf_layerswap import cli
+    from hf_layerswap.cli import main
 
     if not argv:
         _print_layerswap_help()
         return 0
-    return int(cli.main(argv, prog=PROG) or 0)
+    return int(main(argv, prog=PROG) or 0)
 
 
 class LayerSwapCommand(BaseOptimumCLICommand):
