@@ -25,8 +25,6 @@ import argparse
 import copy
 import json
 import os
-import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -36,49 +34,24 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hf_layerswap.calibration import build_calibration, split_paragraphs  # noqa: E402
-from hf_layerswap.evaluation import delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
+from hf_layerswap.baselines import block_influence  # noqa: E402
+from hf_layerswap.calibration import build_calibration  # noqa: E402
+from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model, model_identity  # noqa: E402
-from hf_layerswap.plan import capture_residual_stream, num_blocks  # noqa: E402
+from hf_layerswap.plan import num_blocks  # noqa: E402
 from hf_layerswap.recovery import DEFAULT_EPSILON, recover  # noqa: E402
 from hf_layerswap.report import SwapReport, write_json_atomic  # noqa: E402
 from hf_layerswap.scoring import library_versions, score_layers  # noqa: E402
-from hf_layerswap.selection import greedy_select, select_layers  # noqa: E402
+from hf_layerswap.selection import select_layers  # noqa: E402
 
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 METHODS = ("none", "fused", "ghosted")
 
 
-@torch.no_grad()
-def block_influence(model, calib, batch_size: int) -> list[float]:
-    """ShortGPT Block Influence per block: 1 - mean per-token cos(h_i, h_{i+1})."""
-    num_layers = num_blocks(model)
-    sums = torch.zeros(num_layers, dtype=torch.float64)
-    count = 0
-    for ids, mask in calib.batches(batch_size):
-        streams, _ = capture_residual_stream(model, ids, mask)
-        keep = mask.bool()
-        for i in range(num_layers):
-            cos = torch.nn.functional.cosine_similarity(streams[i][keep].double(), streams[i + 1][keep].double(), dim=-1)
-            sums[i] += cos.sum()
-        count += int(keep.sum())
-    return [1.0 - float(s) / count for s in sums]
-
-
 def calibration_set(tokenizer, num_prompts: int, seq_len: int):
-    """WikiText-2 validation paragraphs (seeded shuffle, seed 0). Its blank lines hold a
-    space; if the library's paragraph splitter does not treat them as blank, they are
-    normalised first (the same paragraphs and the same shuffle either way)."""
-    try:
-        return build_calibration(str(CALIBRATION), tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=0)
-    except ValueError as err:
-        if "empty calibration set" not in str(err):
-            raise
-    text = re.sub(r"\n[ \t]+(?=\n)", "\n", CALIBRATION.read_text(encoding="utf-8"))
-    paragraphs = split_paragraphs(text)
-    random.Random(0).shuffle(paragraphs)
-    return build_calibration(paragraphs[:num_prompts], tokenizer, num_prompts=num_prompts, seq_len=seq_len)
+    """WikiText-2 validation paragraphs (seeded shuffle, seed 0), truncated to ``seq_len``."""
+    return build_calibration(str(CALIBRATION), tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=0)
 
 
 def swap_report(model, calib, args, cache: Path) -> SwapReport:
@@ -97,70 +70,91 @@ def evaluate(model, tokenizer):
     return evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, contract="matched")
 
 
-def run_model(name: str, args) -> dict:
+def run_model(name: str, args, store: Path, header: dict) -> dict:
+    """Every number for one model; written to ``store`` after each evaluation, so an
+    interrupted run resumes where it stopped (same settings) and a partial run renders."""
     t0 = time.time()
+    previous = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else None
+    done = {}
+    if previous and previous.get("settings") == header["settings"]:
+        done = {tuple(e["removed"]): e["results"] for e in previous["result"].get("evaluated", [])}
+        print(f"[{name}] resuming: {sum(len(v) for v in done.values())} evaluations stored", flush=True)
     model, tokenizer = load_model(name)
     model.eval()
     calib = calibration_set(tokenizer, args.num_prompts, args.seq_len)
     score_calib = calibration_set(tokenizer, args.score_prompts, args.seq_len)  # the first prompts of ``calib``
-    base = evaluate(model, tokenizer)
+    if done:
+        base = PerplexityResult.from_dict({k: v for k, v in previous["result"]["base"].items() if k != "ci"})
+    else:
+        base = evaluate(model, tokenizer)
     print(f"[{name}] base PPL {base.ppl:.3f} ({time.time() - t0:.0f}s)", flush=True)
-    cache = Path(args.out).with_name(f"recovery_swap_report_{name}.json")
+    cache = store.with_name(f"recovery_swap_report_{name}.json")
     report = swap_report(model, score_calib, args, cache)
     inter = report.layer_scores("interchange")
-    bi = block_influence(model, calib, args.batch_size)
+    bi = block_influence(model, calib, args.budgets, batch_size=args.batch_size)
     num_layers = num_blocks(model)
-    rows, evaluated = [], {}
-    for n in args.budgets:
-        sets = {
-            "interchange": select_layers(report, n, protocol="interchange"),
-            "block-influence": greedy_select(bi, n, spacing=0, protect=()),
-        }
-        for selection, removed in sets.items():
-            key = tuple(removed)
-            if key not in evaluated:
-                evaluated[key] = {}
-                for method in METHODS:
-                    pruned = copy.deepcopy(model)
-                    try:
-                        rec = recover(
-                            pruned, removed, calib, method=method, num_tokens=args.num_tokens,
-                            epsilon=args.epsilon, batch_size=args.batch_size,
-                        )
-                    except ValueError as err:
-                        evaluated[key][method] = {"refused": str(err)}
-                        print(f"[{name}] {removed} {method}: refused ({err})", flush=True)
-                        continue
-                    result = evaluate(pruned, tokenizer)
-                    evaluated[key][method] = {
-                        "ppl": result.ppl,
-                        "ci": [result.ci_low, result.ci_high],
-                        "dppl_percent": delta_ppl_percent(base, result),
-                        "dppl_ci": list(delta_ppl_ci(base, result)),
-                        "recovery": rec.to_dict(),
-                    }
-                    print(
-                        f"[{name}] n={n} {selection} {removed} {method}: PPL {result.ppl:.3f} "
-                        f"dPPL {evaluated[key][method]['dppl_percent']:+.1f}% "
-                        f"residuals {[(round(b.residual_before, 3), round(b.residual_after, 3)) for b in rec.boundaries]} "
-                        f"({time.time() - t0:.0f}s)",
-                        flush=True,
-                    )
-                    del pruned
-            rows.append({"n": n, "selection": selection, "removed": removed, "results": evaluated[key]})
-    return {
+    out = {
         "model": name,
-        "identity": model_identity(model),
+        "identity": {k: v for k, v in model_identity(model).items() if k != "path"},
         "num_layers": num_layers,
         "hidden_size": model.get_input_embeddings().weight.shape[1],
-        "base": {"ppl": base.ppl, "ci": [base.ci_low, base.ci_high], "contract": base.contract},
+        "base": {**base.to_dict(), "ci": [base.ci_low, base.ci_high]},
         "calibration": calib.spec(),
         "score_calibration": score_calib.spec(),
         "interchange_scores": inter,
-        "block_influence": bi,
-        "rows": rows,
-        "seconds": time.time() - t0,
+        "block_influence": bi[args.budgets[0]].scores,
+        "rows": [],
+        "evaluated": [],
+        "seconds": (previous or {}).get("result", {}).get("seconds", 0.0) if done else 0.0,
+        "complete": False,
     }
+    started = time.time() - out["seconds"]
+
+    def save():
+        out["evaluated"] = [{"removed": list(k), "results": v} for k, v in done.items()]
+        out["seconds"] = time.time() - started
+        write_json_atomic({**header, "result": out}, store)
+
+    for n in args.budgets:
+        sets = {"interchange": select_layers(report, n, protocol="interchange"), "block-influence": bi[n].removed}
+        for selection, removed in sets.items():
+            key = tuple(removed)
+            results = done.setdefault(key, {})
+            for method in METHODS:
+                if method in results:
+                    continue
+                pruned = copy.deepcopy(model)
+                try:
+                    rec = recover(
+                        pruned, removed, calib, method=method, num_tokens=args.num_tokens,
+                        epsilon=args.epsilon, batch_size=args.batch_size,
+                    )
+                except ValueError as err:
+                    results[method] = {"refused": str(err)}
+                    print(f"[{name}] {removed} {method}: refused ({err})", flush=True)
+                    save()
+                    continue
+                result = evaluate(pruned, tokenizer)
+                results[method] = {
+                    "ppl": result.ppl,
+                    "ci": [result.ci_low, result.ci_high],
+                    "dppl_percent": delta_ppl_percent(base, result),
+                    "dppl_ci": list(delta_ppl_ci(base, result)),
+                    "recovery": rec.to_dict(),
+                }
+                print(
+                    f"[{name}] n={n} {selection} {removed} {method}: PPL {result.ppl:.3f} "
+                    f"dPPL {results[method]['dppl_percent']:+.1f}% "
+                    f"residuals {[(round(b.residual_before, 3), round(b.residual_after, 3)) for b in rec.boundaries]} "
+                    f"({time.time() - t0:.0f}s)",
+                    flush=True,
+                )
+                del pruned
+                save()
+            out["rows"].append({"n": n, "selection": selection, "removed": removed, "results": results})
+    out["complete"] = True
+    save()
+    return out
 
 
 def _fmt_method(entry: dict) -> str:
@@ -247,7 +241,9 @@ def write_markdown(results: list[dict], args, path: Path, command: str) -> None:
             f"Base PPL {base['ppl']:.3f} (95% CI {base['ci'][0]:.3f}–{base['ci'][1]:.3f}); "
             f"{res['base']['contract'].get('scored_tokens', '?')} scored tokens; calibration "
             f"{res['calibration']['num_tokens']} real tokens, sha256 {res['calibration']['content_hash'][:12]}; "
-            f"run time {res['seconds'] / 60:.0f} min.",
+            f"run time {res['seconds'] / 60:.0f} min."
+            + ("" if res.get("complete", True) else
+               f" **Partial run**: stopped after the rows below (budgets requested: {', '.join(map(str, args.budgets))})."),
             "",
             "| n | selection | removed (0-based) | dPPL% none | dPPL% fused | dPPL% ghosted | "
             "fit residual before | after fused | after ghosted |",
@@ -281,22 +277,35 @@ def main(argv=None) -> None:
     parser.add_argument("--num-tokens", type=int, default=8192)
     parser.add_argument("--epsilon", type=float, default=None, help="relative ridge (default: per method)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: up to 2)")
+    parser.add_argument("--render-only", action="store_true", help="only rewrite the Markdown from the stored JSON")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recovery.md"))
     args = parser.parse_args(argv)
     for path in (CALIBRATION, EVALUATION):
         if not path.is_file():
             raise SystemExit(f"{path} is missing: this benchmark needs the shared WikiText-2 files")
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads or max(1, min(2, os.cpu_count() or 1)))
     command = "python benchmarks/recovery.py " + " ".join(
         [f"--models {' '.join(args.models)}", f"--budgets {' '.join(map(str, args.budgets))}",
          f"--num-prompts {args.num_prompts}", f"--score-prompts {args.score_prompts}", f"--seq-len {args.seq_len}", f"--num-tokens {args.num_tokens}",
          *([f"--epsilon {args.epsilon:g}"] if args.epsilon is not None else [])]
     )
-    results = [run_model(name, args) for name in args.models]
     out = Path(args.out)
-    write_json_atomic({"command": command, "args": vars(args), "results": results}, out.with_suffix(".json"))
-    write_markdown(results, args, out, command)
-    print(f"wrote {out} and {out.with_suffix('.json')}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("models", "out", "threads", "render_only")}
+    if not args.render_only:
+        for name in args.models:
+            # one file per model, so models run in separate processes and render together
+            run_model(name, args, out.with_name(f"recovery-{name}.json"), {"command": command, "settings": settings})
+    results, commands = [], []
+    for path in sorted(out.parent.glob("recovery-*.json")):
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if stored["settings"] != settings:
+            print(f"{path.name}: other settings than this run ({stored['command']}); not rendered", flush=True)
+            continue
+        results.append(stored["result"])
+        commands.append(stored["command"])
+    write_markdown(results, args, out, "`; `".join(dict.fromkeys(commands)))
+    print(f"wrote {out} from {', '.join(r['model'] for r in results)}")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import sys
 import time
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 __all__ = ["build_parser", "main"]
 
@@ -121,6 +122,20 @@ def _check_output(output) -> None:
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise FileExistsError(f"output {output} exists and is not an empty folder; choose another or remove it")
+
+
+def _contract_summary(contract: dict) -> str:
+    """One line naming the evaluation contract a perplexity was measured under (no local paths)."""
+    bos = contract.get("bos") or {}
+    boot = contract.get("bootstrap") or {}
+    words = f"first {contract['max_words']} words of " if contract.get("max_words") else ""
+    return (
+        f"{contract.get('name')}: {words}{contract.get('source')} (text sha256 {str(contract.get('text_sha256'))[:12]}), "
+        f"window {contract.get('window')}, stride {contract.get('stride')}, {contract.get('scored_tokens')} scored tokens "
+        f"in {contract.get('windows')} windows, BOS {'added' if bos.get('add_bos') else 'not added'} "
+        f"({bos.get('bos_choice')}), {contract.get('dtype')}; 95% CI: bootstrap over windows "
+        f"({boot.get('resamples')} resamples, seed {boot.get('seed')})"
+    )
 
 
 def _save_pruned(model, tokenizer, report, output: Path, evaluation: dict | None = None) -> Path:
@@ -249,23 +264,24 @@ def run_demo(args) -> int:
     )
 
     eval_text = None if args.eval_text == "embedded" else args.eval_text
-    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract ...", flush=True)
-    base = evaluate_perplexity(model, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
-    rows = []
-    cache: dict[tuple, object] = {}
+    selected: list[tuple[int, str, list[int] | None, str | None]] = []
     for n in args.budgets:
         for protocol in ("replacement", "interchange"):
             try:
-                layers = select_layers(report, n, protocol=protocol)
+                selected.append((n, protocol, select_layers(report, n, protocol=protocol), None))
             except ValueError as err:
-                rows.append((n, protocol, None, None, str(err)))
-                continue
-            key = tuple(layers)
-            if key not in cache:
-                pruned = remove_layers(copy.deepcopy(model), layers)
-                cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
-                del pruned
-            rows.append((n, protocol, layers, cache[key], None))
+                selected.append((n, protocol, None, str(err)))
+    to_evaluate = [()] + list(dict.fromkeys(tuple(layers) for _, _, layers, _ in selected if layers is not None))
+    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract: the base model and "
+          f"{len(to_evaluate) - 1} distinct removal sets", flush=True)
+    cache: dict[tuple, object] = {}
+    for key in tqdm(to_evaluate, desc="perplexity evaluations", unit="model"):
+        pruned = remove_layers(copy.deepcopy(model), list(key)) if key else model
+        cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
+        del pruned
+    base = cache[()]
+    rows = [(n, protocol, layers, None if layers is None else cache[tuple(layers)], err)
+            for n, protocol, layers, err in selected]
     print("\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
     print(f"| 0 | (base) | - | {base.ppl:.3f} | [{base.ci_low:.3f}, {base.ci_high:.3f}] | 0.0 |")
     for n, protocol, layers, res, err in rows:
@@ -276,8 +292,7 @@ def run_demo(args) -> int:
                 f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | [{res.ci_low:.3f}, {res.ci_high:.3f}] | "
                 f"{delta_ppl_percent(base.ppl, res.ppl):+.1f} |"
             )
-    contract = base.contract
-    print(f"\ncontract: {json.dumps(contract, default=str)}")
+    print(f"\ncontract: {_contract_summary(base.contract)}")
 
     final = select_layers(
         report, args.final_layers, protocol=args.final_protocol, model=model, calibration=calib,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,8 +77,13 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     rc = main(["demo", "--num-prompts", "8", "--seq-len", "32", "--budgets", "1", "--eval-max-words", "400",
                "--output", str(out)])
     assert rc == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "calibration budget: 8 prompts" in text
+    assert "perplexity evaluations" in captured.err  # progress bar over the base model and each removal set
+    contract = next(line for line in text.splitlines() if line.startswith("contract: "))
+    assert contract.startswith("contract: matched: first 400 words of ") and "window 512, stride 256" in contract
+    assert str(Path.home()) not in text
     assert "| 1 | replacement |" in text and "| 1 | interchange |" in text
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 28 and len(config["layerswap"]["removed_layers"]) == 2
