@@ -32,7 +32,7 @@ EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 #: name -> (blocks to remove, license of the upstream release, calibration prompts)
 RUNS = {
-    "smollm2-135m": (4, "apache-2.0", 32),
+    "smollm2-135m": (2, "apache-2.0", 8),
     "gemma3-270m": (2, "gemma", 16),
 }
 

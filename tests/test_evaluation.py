@@ -318,7 +318,7 @@ def test_smollm2_matched_wikitext(smollm2, wikitext_test_raw):
           f"{res.tokens} tokens / {res.windows} windows in {elapsed:.1f}s")
     c = res.contract
     assert c["words"] == CONTRACTS["matched"]["max_words"] and c["bos"]["add_bos"] is False
-    assert c["model"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert c["model"]["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "path" not in c["model"]
     assert res.windows == len(sliding_windows(c["num_input_tokens"], 512, 256))
     assert res.tokens == c["num_input_tokens"] - 1
     assert 5000 < res.tokens < 7000
