@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CalibrationSet", "build_calibration", "embedded_text", "split_paragraphs"]
+__all__ = ["CalibrationSet", "build_calibration", "check_token_ids", "embedded_text", "split_paragraphs"]
 
 EMBEDDED_SOURCE = "pydoc_data.topics"
 #: Every ``EVAL_EVERY``-th documentation topic (sorted by name) is evaluation text.
@@ -137,6 +137,21 @@ class CalibrationSet:
         }
 
 
+def check_token_ids(input_ids: torch.Tensor, model, what: str) -> None:
+    """Raise ValueError if ``input_ids`` (padding positions included: the model embeds
+    them too) hold an id outside the model's input embedding."""
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if rows is None or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{what} hold token id {bad}, but the model's input embedding has {rows} rows: allowed ids "
+            f"0..{rows - 1} (is the tokenizer the model's own? padding positions count too)"
+        )
+
+
 def _validate_tensors(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(input_ids, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
         raise TypeError(
@@ -148,8 +163,10 @@ def _validate_tensors(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Te
             f"input_ids shape {tuple(input_ids.shape)} and attention_mask shape {tuple(attention_mask.shape)} "
             "must be equal and 2-D (B, T)"
         )
-    if input_ids.dtype != torch.long or attention_mask.dtype not in (torch.long, torch.int32, torch.bool, torch.int64):
-        raise TypeError(f"input_ids must be torch.long (got {input_ids.dtype}); attention_mask long/int/bool")
+    if input_ids.dtype != torch.long:
+        raise TypeError(f"input_ids must be torch.long, got {input_ids.dtype}")
+    if attention_mask.dtype not in (torch.long, torch.int32, torch.bool):
+        raise TypeError(f"attention_mask must be torch.long, torch.int32 or torch.bool, got {attention_mask.dtype}")
     mask = attention_mask.to(torch.long)
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must contain only 0 and 1")
@@ -202,6 +219,12 @@ def _texts_from_source(calibration, *, num_prompts: int, seed: int) -> tuple[lis
     if isinstance(calibration, Sequence) and all(isinstance(t, str) for t in calibration):
         texts = list(calibration)[:num_prompts]
         return texts, f"list of {len(calibration)} strings (first {len(texts)} used, in order)"
+    if isinstance(calibration, (list, tuple)):
+        row, bad = next((k, t) for k, t in enumerate(calibration) if not isinstance(t, str))
+        raise TypeError(
+            f"calibration list entry {row} is {type(bad).__name__} ({bad!r:.40}): a list calibration holds strings, "
+            "one prompt each (token ids go in a mapping with input_ids and attention_mask tensors)"
+        )
     raise TypeError(
         f"unsupported calibration of type {type(calibration).__name__}: allowed None/'embedded', a text file path, "
         "a list of strings, a datasets.Dataset, or a mapping with input_ids and attention_mask (B, T) long tensors"
@@ -240,14 +263,17 @@ def build_calibration(
     """
     if isinstance(calibration, CalibrationSet):
         return calibration
-    if not isinstance(num_prompts, int) or num_prompts < 1:
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts!r}: must be an int >= 1")
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r}: must be an int >= 2 (a KL needs at least 2 tokens)")
     if isinstance(calibration, Mapping):
         missing = {"input_ids", "attention_mask"} - set(calibration)
         if missing:
-            raise ValueError(f"calibration mapping is missing {sorted(missing)}; it needs input_ids and attention_mask")
+            raise ValueError(
+                f"calibration mapping ({type(calibration).__name__} with keys {sorted(map(str, calibration))}) is missing "
+                f"{sorted(missing)}; it needs input_ids and attention_mask"
+            )
         ids, mask = _validate_tensors(calibration["input_ids"], calibration["attention_mask"])
         ids, mask = ids[:num_prompts], mask[:num_prompts]
         return CalibrationSet(ids.clone(), mask.clone(), f"tensors ({ids.shape[0]} x {ids.shape[1]}, given)")

@@ -149,6 +149,9 @@ def _save_pruned(model, tokenizer, report, output: Path, evaluation: dict | None
 def run_score(args) -> int:
     from . import score_layers
 
+    if Path(args.output).is_dir():  # found out before loading and scoring, not after
+        example = Path(args.output) / "layerswap_report.json"
+        raise FileExistsError(f"--output {args.output} is a folder; give the report's file path, e.g. {example}")
     model, tokenizer = _load(args)
     report = score_layers(
         model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,

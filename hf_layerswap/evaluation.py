@@ -230,6 +230,10 @@ def sliding_windows(
 
 
 def _bootstrap_ci(window_nll: np.ndarray, window_tokens: np.ndarray, resamples: int, seed: int):
+    # a window that scores no token (a one-token tail with stride == window, or with
+    # paper_token_count) carries no information; resampling it could give exp(0 / 0) = 1
+    keep = window_tokens > 0
+    window_nll, window_tokens = window_nll[keep], window_tokens[keep]
     if resamples <= 0 or len(window_nll) == 0:
         return None, None
     rng = np.random.RandomState(seed)
@@ -285,8 +289,11 @@ def perplexity_from_ids(
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"input_ids must have shape (N,) or (1, N); got {tuple(ids.shape)}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: must be at least 1")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+    from .calibration import check_token_ids
+
+    check_token_ids(ids, model, "input_ids")
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and window > max_pos:
         raise ValueError(f"window={window} exceeds the model's max_position_embeddings={max_pos}")
@@ -496,8 +503,10 @@ def delta_ppl_ci(
     if not base.window_nll or len(base.window_nll) != len(pruned.window_nll):
         raise ValueError("both results need per-window NLLs over the same windows")
     tokens = np.asarray(base.window_tokens, dtype=np.float64)
-    a = np.asarray(base.window_nll)
-    b = np.asarray(pruned.window_nll)
+    keep = tokens > 0  # windows that score no token carry no information (see _bootstrap_ci)
+    tokens = tokens[keep]
+    a = np.asarray(base.window_nll)[keep]
+    b = np.asarray(pruned.window_nll)[keep]
     rng = np.random.RandomState(seed)
     idx = rng.randint(0, len(a), size=(resamples, len(a)))
     t = tokens[idx].sum(axis=1)
@@ -581,9 +590,14 @@ def generation_check(
     Raises:
         ValueError: no prompts, or ``max_new_tokens < 1``.
     """
+    if isinstance(prompts, str):
+        raise TypeError(f"prompts={prompts[:40]!r}: give a list of strings, e.g. [{prompts[:40]!r}]")
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     if not prompts:
         raise ValueError("prompts is empty")
+    for k, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not tokenizer(prompt)["input_ids"]:
+            raise ValueError(f"prompt {k} ({prompt!r}) gives no token: every prompt needs at least one")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be at least 1")
     device = next(model.parameters()).device

@@ -344,7 +344,11 @@ def save_for_hub(
 def read_evaluation_file(path: str | os.PathLike) -> dict:
     """Read ``layerswap_evaluation.json`` back into ``{"base": dict, "pruned": dict}``."""
     with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
+        text = fh.read()
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'base'/'pruned' perplexity results")
     return {k: v for k, v in data.items() if k in ("base", "pruned")}

@@ -17,12 +17,13 @@ checkpoint reloads in plain transformers without this library. Provenance lives 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .plan import as_index
 from .report import PROTOCOLS
 
 __all__ = ["LayerSwapConfig", "LayerSwapQuantizer", "QUANT_METHOD"]
@@ -46,10 +47,10 @@ def _int_list(name: str, value) -> list[int]:
     if isinstance(value, (int, str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"LayerSwapConfig({name}={value!r}): must be a list of 0-based block indices (ints)")
     out = list(value)
-    bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int)]
+    bad = [v for v in out if as_index(v) is None]
     if bad:
         raise ValueError(f"LayerSwapConfig({name}={out!r}): entries {bad!r} are not ints; indices are 0-based ints")
-    return out
+    return [as_index(v) for v in out]
 
 
 class LayerSwapConfig(QuantizationConfigMixin):
@@ -130,6 +131,13 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(recovery={recovery!r}) needs num_layers or layers: nothing is removed")
         if sparsity is not None and not (isinstance(sparsity, (int, float)) and 0.0 <= float(sparsity) < 1.0):
             raise ValueError(f"LayerSwapConfig(sparsity={sparsity!r}): must be a float in [0, 1)")
+        if sparsity is not None:  # checked now: after loading, blocks would already be gone
+            from .sparsity import check_arguments
+
+            try:
+                check_arguments(float(sparsity), allocation, method, sparsity_pattern)
+            except ValueError as err:
+                raise ValueError(f"LayerSwapConfig: {err}") from None
         self.num_layers = num_layers
         self.layers = layers
         self.protocol = protocol
@@ -219,7 +227,7 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
     loaded any other way. Returns the model (modified in place); the report, if scoring
     ran, is on ``model.layerswap_report``.
     """
-    from .calibration import build_calibration
+    from .calibration import CalibrationSet, build_calibration
     from .plan import num_blocks
     from .scoring import score_layers
     from .selection import select_layers
@@ -229,7 +237,7 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
     calib = None
     if needs_text:
         tokenizer = None
-        if not isinstance(cfg.calibration, dict):
+        if not isinstance(cfg.calibration, (Mapping, CalibrationSet)):  # text sources need one
             tokenizer = _tokenizer_for(model, cfg)
         calib = build_calibration(
             cfg.calibration, tokenizer, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed

@@ -17,6 +17,7 @@ moves. Everything is restored exactly on exit, also when the forward raises.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -122,6 +123,14 @@ def interchange_plan(num_layers: int, i: int, j: int) -> list[int]:
     return plan
 
 
+def as_index(value) -> int | None:
+    """``value`` as a Python int if it is an integer (``int`` or a NumPy integer), else
+    ``None``. Booleans are not indices."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def resolve_layer_indices(layers: Sequence[int], num_layers: int, *, allow_empty: bool = False) -> list[int]:
     """Validate a set of block indices and return it sorted, 0-based.
 
@@ -132,12 +141,14 @@ def resolve_layer_indices(layers: Sequence[int], num_layers: int, *, allow_empty
         ValueError: an index outside ``-L..L-1``, a duplicate (after resolving negatives),
             or an empty set when ``allow_empty`` is False.
     """
-    if isinstance(layers, (int, str)) or layers is None:
+    if isinstance(layers, (numbers.Integral, str)) or layers is None:
         raise TypeError(f"layers must be a sequence of ints, got {layers!r}")
+    layers = list(layers)  # a generator is read once; messages show what was given
     resolved = []
     for raw in layers:
-        if isinstance(raw, bool) or not isinstance(raw, int):
+        if as_index(raw) is None:
             raise TypeError(f"layer index {raw!r} is not an int; layer indices are 0-based ints")
+        raw = as_index(raw)
         if not -num_layers <= raw < num_layers:
             raise ValueError(
                 f"layer index {raw} is out of range for a model with {num_layers} blocks: "

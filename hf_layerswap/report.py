@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import statistics
 import tempfile
@@ -44,7 +45,11 @@ def decode_float(x):
     if x is None:
         return None
     if isinstance(x, str):
+        if x not in ("NaN", "Infinity", "-Infinity"):
+            raise ValueError(f"value {x!r} is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'")
         return float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[x])
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"value {x!r} is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'")
     return float(x)
 
 
@@ -176,6 +181,9 @@ class SwapReport:
         for r in self.pairs:
             if r.j >= self.num_layers:
                 raise ValueError(f"pair ({r.i}, {r.j}) is out of range for num_layers={self.num_layers}")
+        dupes = sorted({(r.i, r.j) for r, q in zip(self.pairs, self.pairs[1:]) if (r.i, r.j) == (q.i, q.j)})
+        if dupes:
+            raise ValueError(f"pairs {dupes} occur more than once: each pair (i, j) has one result")
 
     # ------------------------------------------------------------------ queries
     def pair(self, i: int, j: int) -> PairResult:
@@ -267,8 +275,13 @@ class SwapReport:
 
     @classmethod
     def from_dict(cls, d: dict) -> SwapReport:
+        if not isinstance(d, dict):
+            raise ValueError(f"not a SwapReport dict: got {type(d).__name__}")
         if d.get("format") != "hf_layerswap.SwapReport/1":
             raise ValueError(f"not a SwapReport dict (format={d.get('format')!r})")
+        missing = [k for k in ("num_layers", "pairs", "protocols", "max_gap") if k not in d]
+        if missing:
+            raise ValueError(f"SwapReport dict is missing {missing}")
         return cls(
             num_layers=int(d["num_layers"]),
             pairs=[PairResult.from_dict(p) for p in d["pairs"]],
@@ -285,8 +298,22 @@ class SwapReport:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SwapReport:
+        """Read a report written by :meth:`to_json`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not valid JSON (e.g. truncated) or not a valid report;
+                the message names the file.
+        """
         with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+            text = fh.read()
+        try:
+            return cls.from_dict(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            detail = str(err) if type(err) is ValueError or isinstance(err, json.JSONDecodeError) else (
+                f"{type(err).__name__}: {err}"
+            )
+            raise ValueError(f"{os.fspath(path)} is not a valid SwapReport JSON file: {detail}") from None
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, SwapReport):

@@ -56,14 +56,14 @@ import re
 import tempfile
 import time
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .calibration import CalibrationSet, build_calibration
+from .calibration import CalibrationSet, build_calibration, check_token_ids
 from .plan import (
     _StopForward,
     apply_plan,
@@ -606,6 +606,7 @@ class _Engine:
         self.compute_dtype = self.autocast or self.param_dtype
         self.budget = DEFAULT_MAX_MEMORY if max_memory is None else parse_memory(max_memory)
         self.input_device = _module_device(model.get_input_embeddings())
+        check_token_ids(calibration.input_ids, model, "calibration input_ids")
         self.head = _Head(model)
         owner, _, _ = decoder_blocks(model)
         self.decoder = owner if owner is not model else None
@@ -1387,6 +1388,8 @@ def score_layers(
             bad engine setting.
         CheckpointMismatchError: ``checkpoint_path`` belongs to a different run.
     """
+    if isinstance(protocols, str):
+        raise ValueError(f"protocols={protocols!r}: give a list, e.g. [{protocols!r}], a non-empty subset of {list(PROTOCOLS)}")
     protocols = tuple(dict.fromkeys(protocols))
     if not protocols or any(p not in PROTOCOLS for p in protocols):
         raise ValueError(f"protocols={protocols!r}: allowed a non-empty subset of {list(PROTOCOLS)}")
@@ -1493,7 +1496,7 @@ def removal_kl(
         ValueError: bad indices (out of range, duplicates) or a set leaving no block.
     """
     num_layers = num_blocks(model)
-    single = len(removed) == 0 or all(isinstance(x, int) for x in removed)
+    single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
     sets = [list(removed)] if single else [list(s) for s in removed]
     plans = {n: removal_plan(num_layers, s) for n, s in enumerate(sets)}
     calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from .plan import as_index
 from .report import PROTOCOLS, SwapReport, _score_key, set_key
 
 __all__ = ["SELECTION_PROTOCOLS", "greedy_select", "resolve_protect", "select_layers"]
@@ -24,11 +25,15 @@ def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
     Raises:
         ValueError: an index outside ``-L..L-1``.
     """
+    if isinstance(protect, (int, str)) or (protect is not None and not hasattr(protect, "__iter__")):
+        raise ValueError(f"protect={protect!r}: must be a list of 0-based block indices, e.g. [0, -1] (or [] for none)")
     out = set()
     for p in protect or ():
-        if isinstance(p, bool) or not isinstance(p, int) or not -num_layers <= p < num_layers:
+        if as_index(p) is None:
+            raise ValueError(f"protect entry {p!r} is not an int: allowed ints in -{num_layers}..{num_layers - 1}")
+        if not -num_layers <= as_index(p) < num_layers:
             raise ValueError(f"protect entry {p!r} is out of range: allowed ints in -{num_layers}..{num_layers - 1}")
-        out.add(p % num_layers)
+        out.add(as_index(p) % num_layers)
     return out
 
 
@@ -50,10 +55,11 @@ def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1,
             meet (the message says how many layers could be taken).
     """
     total = len(scores)
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total - 1:
+    if as_index(num_layers) is None or not 1 <= as_index(num_layers) <= total - 1:
         raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
-    if isinstance(spacing, bool) or not isinstance(spacing, int) or spacing < 0:
+    if as_index(spacing) is None or as_index(spacing) < 0:
         raise ValueError(f"spacing={spacing!r}: must be an int >= 0 (0 allows adjacent layers)")
+    num_layers, spacing = as_index(num_layers), as_index(spacing)
     protected = resolve_protect(protect, total)
     order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
     chosen: list[int] = []
@@ -137,8 +143,8 @@ def select_layers(
         chosen_protocol = "replacement" if _score_key(kr) < _score_key(ki) else "interchange"
         reason = "lower joint removal KL on the calibration prompts"
     record = {
-        "num_layers": num_layers,
-        "spacing": spacing,
+        "num_layers": as_index(num_layers),
+        "spacing": as_index(spacing),
         "protect": sorted(resolve_protect(protect, report.num_layers)),
         "candidates": {p: candidates[p] for p in PROTOCOLS},
         "removal_kl": {p: report.removal_kl.get(keys[p]) for p in PROTOCOLS},

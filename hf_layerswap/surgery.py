@@ -14,6 +14,7 @@ Invariants after :func:`remove_layers` (see DESIGN.md, "Surgery invariants"):
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -126,7 +127,9 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     Raises:
         ValueError: out-of-range or duplicate indices, an empty set, removal of every
             block, a model with no decoder block list, or a config field that cannot be
-            remapped (the message names it). Nothing is changed when it raises.
+            remapped (the message names it), or ``provenance`` keys that name a computed
+            field. TypeError: non-integer indices, or ``provenance`` that is not a dict
+            of JSON-able values. Nothing is changed when it raises.
     """
     from .scoring import library_versions
 
@@ -140,6 +143,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     problems = _refusals(model, cfg, num_layers)
     if problems:
         raise ValueError(f"cannot remove blocks from {type(model).__name__}: " + "; ".join(problems))
+    _check_provenance(provenance)
 
     from .models import model_identity
     from .plan import model_fingerprint
@@ -194,6 +198,29 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         "steps": previous.get("steps", []) + [step],
     }
     return model
+
+
+#: Fields of a removal step that the library computes; ``provenance`` may not set them.
+STEP_FIELDS = (
+    "removed_layers", "num_layers_before", "num_layers_after", "removed_original_layers", "fingerprint_before",
+    "removed_parameters", "library_versions",
+)
+
+
+def _check_provenance(provenance) -> None:
+    """Refuse, before anything changes, provenance that config.json could not hold or
+    that would overwrite the step's computed fields."""
+    if provenance is None:
+        return
+    if not isinstance(provenance, dict):
+        raise TypeError(f"provenance must be a dict of JSON-able facts, got {type(provenance).__name__}")
+    reserved = sorted(set(provenance) & set(STEP_FIELDS))
+    if reserved:
+        raise ValueError(f"provenance keys {reserved} are computed by remove_layers and cannot be given")
+    try:
+        json.dumps(provenance, allow_nan=True)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"provenance must be JSON-able (it is saved in config.json): {err}") from None
 
 
 def _remap_device_map(model, owner, name, kept):

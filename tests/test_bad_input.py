@@ -454,3 +454,228 @@ def test_non_finite_scores_sort_after_inf_and_never_enter_a_selection():
     assert select_layers(report, 2, spacing=0, protect=()) == [0, 1]
     with pytest.raises(ValueError, match=r"found only 2"):
         select_layers(report, 3, spacing=0, protect=())
+
+
+# --------------------------------------------------------------------------- adversarial inputs
+
+
+def test_token_ids_outside_the_embedding_are_named(llama):
+    batch = prompts()
+    ids = batch["input_ids"].clone()
+    ids[1, 3] = 128  # one past the tiny vocabulary
+    message = (
+        "calibration input_ids hold token id 128, but the model's input embedding has 128 rows: allowed ids 0..127 "
+        "(is the tokenizer the model's own? padding positions count too)"
+    )
+    for call in (lambda c: score_layers(llama, c, progress=False), lambda c: removal_kl(llama, c, [1])):
+        with pytest.raises(ValueError) as err:
+            call({"input_ids": ids, "attention_mask": batch["attention_mask"]})
+        assert str(err.value) == message
+    padded = batch["input_ids"].clone()
+    padded[1, -1] = -100  # a collator's label padding at a masked position is still embedded
+    with pytest.raises(ValueError, match=r"^calibration input_ids hold token id -100, "):
+        score_layers(llama, {"input_ids": padded, "attention_mask": batch["attention_mask"]}, progress=False)
+
+
+def test_calibration_type_errors_name_the_offending_part():
+    tok = tiny_tokenizer()
+    batch = prompts()
+    with pytest.raises(TypeError) as err:
+        build_calibration({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"].float()})
+    assert str(err.value) == "attention_mask must be torch.long, torch.int32 or torch.bool, got torch.float32"
+    with pytest.raises(TypeError) as err:
+        build_calibration({"input_ids": batch["input_ids"].int(), "attention_mask": batch["attention_mask"]})
+    assert str(err.value) == "input_ids must be torch.long, got torch.int32"
+    with pytest.raises(TypeError) as err:
+        build_calibration([TEXTS[0], 7, TEXTS[1]], tok)
+    assert str(err.value) == (
+        "calibration list entry 1 is int (7): a list calibration holds strings, one prompt each "
+        "(token ids go in a mapping with input_ids and attention_mask tensors)"
+    )
+    with pytest.raises(ValueError, match=r"^num_prompts=True: must be an int >= 1$"):
+        build_calibration(TEXTS, tok, num_prompts=True)
+    import datasets
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS})})
+    with pytest.raises(ValueError) as err:
+        build_calibration(splits, tok)
+    assert str(err.value) == (
+        "calibration mapping (DatasetDict with keys ['train']) is missing ['attention_mask', 'input_ids']; "
+        "it needs input_ids and attention_mask"
+    )
+
+
+def test_protocols_given_as_one_string_is_refused_by_name(llama):
+    with pytest.raises(ValueError) as err:
+        score_layers(llama, prompts(), protocols="interchange", progress=False)
+    assert str(err.value) == (
+        "protocols='interchange': give a list, e.g. ['interchange'], a non-empty subset of ['replacement', 'interchange']"
+    )
+
+
+def test_protect_as_a_bare_int_is_refused(report):
+    # protect=0 used to mean "protect nothing" (0 is falsy); protect=5 raised "'int' object is not iterable"
+    for protect in (0, 5, "0"):
+        with pytest.raises(ValueError) as err:
+            select_layers(report, 1, protect=protect)
+        assert str(err.value) == f"protect={protect!r}: must be a list of 0-based block indices, e.g. [0, -1] (or [] for none)"
+    with pytest.raises(ValueError, match=r"^protect entry 1.0 is not an int: allowed ints in -6..5$"):
+        select_layers(report, 1, protect=[1.0])
+
+
+def test_numpy_integers_are_indices_everywhere(llama, report):
+    import json
+
+    np = pytest.importorskip("numpy")
+    n = np.int64
+    assert select_layers(report, n(2), spacing=n(0), protect=[n(0), n(-1)]) == select_layers(report, 2, spacing=0)
+    batch = prompts()
+    assert removal_kl(llama, batch, [n(1), n(3)]) == removal_kl(llama, batch, [1, 3])
+    assert removal_kl(llama, batch, [np.array([1, 3]), [2]]) == removal_kl(llama, batch, [[1, 3], [2]])
+    model = build("llama")
+    remove_layers(model, np.array([1, -2]))
+    assert model.config.layerswap["removed_layers"] == [1, 4]
+    assert all(type(i) is int for i in model.config.layerswap["steps"][0]["removed_layers"])
+    json.dumps(model.config.to_dict())  # plain ints: config.json can hold them
+    cfg = LayerSwapConfig(layers=np.array([1, 3]), protect=np.array([0, -1]))
+    assert cfg.layers == [1, 3] and cfg.protect == [0, -1] and all(type(i) is int for i in cfg.layers + cfg.protect)
+    # still refused: booleans, floats and tensors
+    for bad in ([np.True_], [n(1), 2.0], [torch.tensor(1)]):
+        with pytest.raises(TypeError, match=r"is not an int; layer indices are 0-based ints"):
+            remove_layers(build("llama"), bad)
+
+
+def test_a_generator_of_indices_is_reported_as_given():
+    with pytest.raises(ValueError) as err:
+        remove_layers(build("llama"), (i for i in (2, 2)))
+    assert str(err.value) == "duplicate layer indices [2] in [2, 2] (after resolving negative indices)"
+
+
+@pytest.mark.parametrize(
+    ("provenance", "kind", "message"),
+    [
+        ("by hand", TypeError, "provenance must be a dict of JSON-able facts, got str"),
+        ({"removed_layers": [4]}, ValueError,
+         "provenance keys ['removed_layers'] are computed by remove_layers and cannot be given"),
+        ({"note": {1, 2}}, TypeError,
+         "provenance must be JSON-able (it is saved in config.json): Object of type set is not JSON serializable"),
+    ],
+    ids=["str", "reserved", "not-json"],
+)
+def test_bad_provenance_is_refused_before_the_model_changes(provenance, kind, message):
+    model = build("llama")
+    snap = _snapshot(model)
+    with pytest.raises(kind) as err:
+        remove_layers(model, [1], provenance=provenance)
+    assert str(err.value) == message
+    _assert_unchanged(model, snap)
+    assert getattr(model.config, "layerswap", None) is None
+
+
+SPARSITY_CONFLICTS = [
+    (dict(method="bogus"), "LayerSwapConfig: method='bogus': allowed ['wanda', 'sparsegpt', 'magnitude']"),
+    (dict(allocation="even"), "LayerSwapConfig: allocation='even': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']"),
+    (dict(sparsity_pattern="2-4"), "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
+    (dict(sparsity_pattern="2:4"),  # the default allocation is pals
+     "LayerSwapConfig: pattern='2:4' gives every block sparsity 0.5; use allocation='uniform' (got 'pals')"),
+    (dict(sparsity_pattern="1:4", allocation="uniform"),
+     "LayerSwapConfig: pattern='1:4' fixes the sparsity at 0.25, but sparsity=0.5"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), SPARSITY_CONFLICTS, ids=[m.split(":")[1] for _, m in SPARSITY_CONFLICTS])
+def test_sparsity_settings_are_checked_with_the_config_not_after_removal(kwargs, message):
+    # these used to pass the config and fail in sparsify, after the blocks were removed
+    with pytest.raises(ValueError) as err:
+        LayerSwapConfig(layers=[1], sparsity=0.5, **kwargs)
+    assert str(err.value) == message
+    assert LayerSwapConfig(layers=[1], method="bogus").method == "bogus"  # not used without sparsity
+
+
+def test_tokenized_batch_encoding_needs_no_tokenizer_at_load_time():
+    # a BatchEncoding is a Mapping but not a dict: the loader used to look for a tokenizer
+    from transformers import BatchEncoding
+
+    batch = prompts()
+    by_dict, by_encoding = build("llama"), build("llama")
+    prune_loaded_model(by_dict, LayerSwapConfig(num_layers=1, calibration=dict(batch), progress=False, batch_size=2))
+    prune_loaded_model(by_encoding, LayerSwapConfig(num_layers=1, calibration=BatchEncoding(batch), progress=False,
+                                                    batch_size=2))
+    assert by_encoding.config.layerswap["removed_layers"] == by_dict.config.layerswap["removed_layers"]
+    assert by_encoding.layerswap_report.pairs == by_dict.layerswap_report.pairs
+
+
+def _edited_report(tmp_path, report, edit):
+    import json
+
+    data = report.to_dict()
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_truncated_or_hand_edited_report_files_name_the_file(report, tmp_path):
+    good = report.to_json(tmp_path / "good.json").read_text()
+    cases = {
+        "truncated": good[: len(good) // 2],
+        "empty": "",
+        "a list": "[]",
+    }
+    expected = {
+        "truncated": "is not a valid SwapReport JSON file: Unterminated string starting at",
+        "empty": "is not a valid SwapReport JSON file: Expecting value: line 1 column 1 (char 0)",
+        "a list": "is not a valid SwapReport JSON file: not a SwapReport dict: got list",
+    }
+    for name, text in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError) as err:
+            SwapReport.from_json(path)
+        assert str(err.value).startswith(f"{path} {expected[name]}")
+    edits = [
+        (lambda d: d.pop("pairs"), "SwapReport dict is missing ['pairs']"),
+        (lambda d: d["pairs"][0].update(interchange="nan"),
+         "value 'nan' is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'"),
+        (lambda d: d["pairs"].append(d["pairs"][0]), "pairs [(0, 1)] occur more than once: each pair (i, j) has one result"),
+        (lambda d: d["pairs"][0].pop("i"),
+         "TypeError: PairResult.__init__() missing 1 required positional argument: 'i'"),
+    ]
+    for edit, message in edits:
+        path = _edited_report(tmp_path, report, edit)
+        with pytest.raises(ValueError) as err:
+            SwapReport.from_json(path)
+        assert str(err.value) == f"{path} is not a valid SwapReport JSON file: {message}"
+
+
+def test_cli_refuses_bad_report_files_and_a_folder_as_report_output(report, tmp_path, capsys):
+    from hf_layerswap.cli import main
+
+    ckpt = tmp_path / "six"
+    build("llama").save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    (tmp_path / "calib.txt").write_text("\n\n".join(t + " " + t for t in TEXTS))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    capsys.readouterr()
+    out = tmp_path / "out"
+    code = main(["prune", str(ckpt), str(out), "--num-layers", "1", "--report", str(bad),
+                 "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2"])
+    assert code == 2 and not out.exists()
+    assert f"error: {bad} is not a valid SwapReport JSON file: not a SwapReport dict: got list" in capsys.readouterr().err
+    # push: the sidecar is read before anything else happens (no network: the endpoint is a closed port)
+    code = main(["push", str(ckpt), "me/six", "--report", str(bad), "--endpoint", "http://127.0.0.1:9"])
+    assert code == 2
+    assert f"{bad} is not a valid SwapReport JSON file" in capsys.readouterr().err
+    (tmp_path / "ev.json").write_text('{"base": ')
+    code = main(["push", str(ckpt), "me/six", "--evaluation", str(tmp_path / "ev.json"), "--endpoint", "http://127.0.0.1:9"])
+    assert code == 2
+    assert f"error: {tmp_path / 'ev.json'} is not valid JSON: Expecting value" in capsys.readouterr().err
+    # score -o FOLDER: refused before the model loads (it used to fail after scoring, with a traceback)
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    code = main(["score", str(ckpt), "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2", "-o", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "loading" not in err
+    assert f"error: --output {folder} is a folder; give the report's file path, e.g. {folder / 'layerswap_report.json'}" in err
+    assert list(folder.iterdir()) == []

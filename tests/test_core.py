@@ -21,7 +21,6 @@ from hf_layerswap.plan import (
     identity_plan,
     interchange_plan,
     model_fingerprint,
-    removal_plan,
     replacement_plan,
 )
 from hf_layerswap.report import PairResult, SwapReport

@@ -184,6 +184,55 @@ def test_bootstrap_deterministic_and_correct(tiny_lm):
     }
 
 
+def test_windows_that_score_no_token_stay_out_of_the_bootstrap(tiny_lm):
+    # N=9, window 4, stride 4: the tail window [8, 9) scores nothing (its one token has no
+    # context); resampling it alone once gave exp(0 / 0 -> 1) = PPL 1.0 as the lower bound
+    ids = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(11))
+    res = perplexity_from_ids(tiny_lm, ids, window=4, stride=4, bootstrap=200, seed=42)
+    assert res.windows == 3 and res.window_tokens == [3, 3, 0] and res.window_nll[2] == 0.0
+    rng = np.random.RandomState(42)
+    nll, tok = np.array(res.window_nll[:2]), np.array(res.window_tokens[:2])
+    ppls = []
+    for _ in range(200):
+        idx = rng.randint(0, 2, size=2)
+        ppls.append(math.exp(nll[idx].sum() / tok[idx].sum()))
+    assert res.ci_low == pytest.approx(np.percentile(ppls, 2.5), rel=1e-12)
+    assert res.ci_high == pytest.approx(np.percentile(ppls, 97.5), rel=1e-12)
+    assert min(math.exp(x / 3) for x in nll) == pytest.approx(res.ci_low, rel=1e-12) and res.ci_low > 1.0
+    # the released script's count leaves a one-token tail window empty too: (6, 8, 8)
+    paper = perplexity_from_ids(tiny_lm, ids[:8], window=4, stride=3, paper_token_count=True, bootstrap=50)
+    assert paper.window_tokens == [3, 2, 0] and paper.ci_low > 1.0
+    # the paired dPPL interval ignores such windows as well (it used to divide by zero)
+    worse = PerplexityResult.from_dict({**res.to_dict(), "window_nll": [x * 1.1 for x in res.window_nll]})
+    low, high = delta_ppl_ci(res, worse, resamples=100)
+    assert math.isfinite(low) and 0 < low <= high
+
+
+def test_token_ids_outside_the_vocabulary_and_bad_batch_size_are_named(tiny_lm):
+    with pytest.raises(ValueError) as err:
+        perplexity_from_ids(tiny_lm, [5, 9, 300, 4], window=8, stride=4)
+    assert str(err.value) == (
+        "input_ids hold token id 300, but the model's input embedding has 300 rows: allowed ids 0..299 "
+        "(is the tokenizer the model's own? padding positions count too)"
+    )
+    with pytest.raises(ValueError, match=r"hold token id -1,"):
+        perplexity_from_ids(tiny_lm, [5, -1, 4], window=8, stride=4)
+    with pytest.raises(ValueError, match=r"^batch_size=1.5: must be an int >= 1$"):
+        perplexity_from_ids(tiny_lm, [5, 9, 4], window=8, stride=4, batch_size=1.5)
+
+
+def test_generation_check_refuses_a_bare_string_and_empty_prompts(tiny_lm, byte_tokenizer):
+    # a str is a sequence of characters: it used to run one prompt per character
+    with pytest.raises(TypeError, match=r"^prompts='The quick': give a list of strings, e.g. \['The quick'\]$"):
+        generation_check(tiny_lm, byte_tokenizer, "The quick", max_new_tokens=2)
+    plain = byte_tokenizer.__class__(tokenizer_object=byte_tokenizer.backend_tokenizer, pad_token="<pad>")
+    plain.backend_tokenizer.post_processor = None  # no BOS: an empty prompt has no token at all
+    with pytest.raises(ValueError, match=r"^prompt 1 \(''\) gives no token: every prompt needs at least one$"):
+        generation_check(tiny_lm, plain, ["Rivers", ""], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^prompt 0 \(3\) gives no token"):
+        generation_check(tiny_lm, byte_tokenizer, [3], max_new_tokens=2)
+
+
 # ----------------------------------------------------------------------------- text API
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..calibration import CalibrationSet, build_calibration
+from ..calibration import build_calibration
 from ..plan import decoder_blocks
 from .allocators import (
     ALLOCATIONS,
@@ -48,6 +48,7 @@ __all__ = [
     "LogHistogramQuantile",
     "SparsifyOptions",
     "SparsityReport",
+    "check_arguments",
     "fit_budget",
     "gradient_allocation",
     "magnitude_prune",
@@ -176,6 +177,31 @@ def _versions() -> dict:
     return out
 
 
+def check_arguments(sparsity, allocation: str, method: str, pattern: str | None) -> tuple[int, int] | None:
+    """Validate :func:`sparsify`'s target, allocation, method and pattern together;
+    returns the parsed ``(N, M)`` pattern or ``None``.
+
+    Raises:
+        ValueError: the message names the value and what is allowed.
+    """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation={allocation!r}: allowed {list(ALLOCATIONS)}")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: allowed {list(METHODS)}")
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity={sparsity!r}: must be a number in [0, 1)")
+    nm = parse_pattern(pattern)
+    if nm is not None:
+        if abs(sparsity - nm[0] / nm[1]) > 1e-9:
+            raise ValueError(f"pattern={pattern!r} fixes the sparsity at {nm[0] / nm[1]:g}, but sparsity={sparsity!r}")
+        if allocation != "uniform":
+            raise ValueError(
+                f"pattern={pattern!r} gives every block sparsity {nm[0] / nm[1]:g}; use allocation='uniform' "
+                f"(got {allocation!r})"
+            )
+    return nm
+
+
 def sparsify(
     model: nn.Module,
     calibration=None,
@@ -216,21 +242,8 @@ def sparsify(
         TypeError: unknown options or a text calibration without tokenizer.
     """
     t0 = time.perf_counter()
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation={allocation!r}: allowed {list(ALLOCATIONS)}")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: allowed {list(METHODS)}")
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity={sparsity!r}: must be a number in [0, 1)")
-    nm = parse_pattern(pattern)
+    nm = check_arguments(sparsity, allocation, method, pattern)
     if nm is not None:
-        if abs(sparsity - nm[0] / nm[1]) > 1e-9:
-            raise ValueError(f"pattern={pattern!r} fixes the sparsity at {nm[0] / nm[1]:g}, but sparsity={sparsity!r}")
-        if allocation != "uniform":
-            raise ValueError(
-                f"pattern={pattern!r} gives every block sparsity {nm[0] / nm[1]:g}; use allocation='uniform' "
-                f"(got {allocation!r})"
-            )
         pattern = f"{nm[0]}:{nm[1]}"
     opts = _parse_options(options, allocation, method)
     calib = build_calibration(

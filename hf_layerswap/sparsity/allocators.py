@@ -28,7 +28,6 @@ import math
 import random
 from collections.abc import Sequence
 
-import torch
 
 __all__ = [
     "ALLOCATIONS",
