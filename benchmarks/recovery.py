@@ -152,6 +152,7 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
                 del pruned
                 save()
             out["rows"].append({"n": n, "selection": selection, "removed": removed, "results": results})
+            save()
     out["complete"] = True
     save()
     return out

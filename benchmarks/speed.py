@@ -1,0 +1,590 @@
+"""Speed benchmark: naive full-forward swap-KL scoring vs the hf_layerswap engine.
+
+For each model the adjacent sweep with both protocols (3 (L-1) probes) is scored on the
+same calibration prompts (WikiText-2 validation paragraphs, ``../shared/data``) in two ways,
+batch by batch and alternating which goes first (so both see the same machine load):
+
+- **naive** (the reference scheme of the paper's scripts, written out below): for every
+  probe a full forward of the model under the layer plan, the whole ``(B, T, V)``
+  log-softmax kept, KL(p_M || p_probe) per real position, mean per prompt;
+- **ours**: :func:`hf_layerswap.scoring.plan_kl` (prefix reuse with shared prefixes,
+  vocabulary-streamed KL).
+
+Measured in the same run: wall time, scored tokens per second, peak resident memory of
+each phase (sampled every 5 ms), model calls / block forward calls / head positions, the
+largest difference between the two methods' KL values, a float64 recomputation of the
+naive KL on the first batch, and per-block and head timings from which the lower bound
+(reference pass + every probe's suffix blocks + head) is computed. A second part measures
+how the cost grows with depth L, prompts, sequence length and vocabulary size.
+
+Usage (from the repository root; fp32 on the CPU)::
+
+    python benchmarks/speed.py                      # both models, 64 prompts x 128 tokens
+    python benchmarks/speed.py --smoke              # a tiny random model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
+from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
+from hf_layerswap.scoring import _Head, library_versions, plan_kl, swap_plans  # noqa: E402
+
+VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: CPU seconds of the work: the main thread's with one torch thread (the RSS sampler's own
+#: time excluded), the whole process's with more. Set in main().
+cpu_clock = time.process_time
+
+
+# ----------------------------------------------------------------------------- measurement
+class PeakRSS:
+    """Peak resident set size of this process while the context is active (sampled)."""
+
+    def __init__(self, every: float = 0.005):
+        self.every = every
+        self.peak = 0
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * PAGE
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def adjacent_plans(num_layers: int) -> dict:
+    return swap_plans(num_layers, 1)
+
+
+@torch.no_grad()
+def naive_scores(model, ids, mask, plans, *, float64_check: bool = False):
+    """The naive scheme: a full forward per probe and the whole log-softmax in memory.
+
+    Returns ``({name: (B,) float64}, model_calls, {name: (B,) float64 recomputation})``.
+    """
+    counts = mask.sum(dim=1).double()
+    maskf = mask.double()
+    ref = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(), dim=-1)
+    p = ref.exp()
+    out, exact = {}, {"seconds": 0.0, "cpu_seconds": 0.0}
+    for name, plan in plans.items():
+        with apply_plan(model, plan):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        lq = torch.log_softmax(logits.float(), dim=-1)
+        if float64_check:  # not part of the scheme: its time is reported and subtracted
+            t, c = time.perf_counter(), cpu_clock()
+            exact[name] = _float64_kl(ref, logits, maskf, counts)
+            exact["seconds"] += time.perf_counter() - t
+            exact["cpu_seconds"] += cpu_clock() - c
+        del logits
+        kl = lq.neg_().add_(ref).mul_(p).sum(dim=-1).clamp_min(0.0)  # sum_v p (log p - log q), fp32
+        del lq
+        out[name] = (kl.double() * maskf).sum(dim=1) / counts
+    return out, 1 + len(plans), exact
+
+
+def _float64_kl(ref_lp, logits, maskf, counts):
+    """KL from the same fp32 logits, in float64 (position chunks to bound memory)."""
+    bsz, seq, _ = logits.shape
+    per = torch.zeros(bsz, seq, dtype=torch.float64)
+    for t0 in range(0, seq, 16):
+        lp = ref_lp[:, t0 : t0 + 16].double()
+        lq = torch.log_softmax(logits[:, t0 : t0 + 16].double(), dim=-1)
+        per[:, t0 : t0 + 16] = (lp.exp() * (lp - lq)).sum(dim=-1)
+    return (per * maskf).sum(dim=1) / counts
+
+
+@torch.no_grad()
+def block_and_head_times(model, ids, mask, reps: int = 2):
+    """Mean CPU seconds of every block's forward (identity plan, this batch) and of the
+    output head (final norm excluded: it is inside the decoder) over the batch's real
+    positions."""
+    _, _, blocks = decoder_blocks(model)
+    times = [[] for _ in blocks]
+    starts = {}
+    handles = []
+    for k, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(lambda m, a, k=k: starts.__setitem__(k, cpu_clock())))
+        handles.append(block.register_forward_hook(lambda m, a, o, k=k: times[k].append(cpu_clock() - starts[k])))
+    decoder = decoder_blocks(model)[0]
+    final = {}
+
+    def grab(module, args, output):
+        final["h"] = output.last_hidden_state
+
+    handles.append(decoder.register_forward_hook(grab))
+    head = _Head(model)
+    head_times = []
+    try:
+        for _ in range(reps):
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+            rows = final["h"][mask.bool()]
+            t = cpu_clock()
+            head(rows)
+            head_times.append(cpu_clock() - t)
+    finally:
+        for h in handles:
+            h.remove()
+    return [statistics.fmean(t) for t in times], statistics.fmean(head_times)
+
+
+def lower_bound(plans, block_t, head_t, *, shared: bool) -> float:
+    """Reference pass + for every probe the blocks of its suffix (from its first changed
+    slot) and the head; ``shared``: blocks run once for probes sharing a prefix."""
+    from hf_layerswap.scoring import _make_probes, _schedule
+
+    _, probes, _ = _make_probes(plans, len(block_t))
+    total = sum(block_t) + head_t
+    for probe, depth0, _ in _schedule(list(probes.values()), "shared" if shared else "start"):
+        total += sum(block_t[b] for b in probe.run[depth0:]) + head_t
+    return total
+
+
+def subset(calib: CalibrationSet, lo: int, hi: int) -> CalibrationSet:
+    return CalibrationSet(calib.input_ids[lo:hi], calib.attention_mask[lo:hi], f"{calib.description} [{lo}:{hi}]")
+
+
+def wikitext_calibration(tokenizer, num_prompts: int, seq_len: int, seed: int = 0) -> CalibrationSet:
+    # valid.txt separates paragraphs by lines holding one space: normalise them to blank lines
+    text = re.sub(r"\n[ \t]+(?=\n)", "\n", VALID.read_text(encoding="utf-8"))
+    paragraphs = split_paragraphs(text)
+    random.Random(seed).shuffle(paragraphs)
+    calib = build_calibration(paragraphs[:num_prompts], tokenizer, num_prompts=num_prompts, seq_len=seq_len)
+    calib.description = (
+        f"WikiText-2 valid.txt paragraphs (>= 50 chars, headings dropped), shuffled with seed {seed}, "
+        f"first {num_prompts}, truncated to {seq_len} tokens"
+    )
+    return calib
+
+
+def model_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def log(*args):
+    print(time.strftime("%H:%M:%S"), *args, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- main comparison
+def run_model(name, model, calib, batch_size, num_batches, publish, sharing_check=True):
+    num_layers = len(decoder_blocks(model)[2])
+    plans = adjacent_plans(num_layers)
+    starts = list(range(0, calib.num_prompts, batch_size))
+    rec = {
+        "model": name, "num_layers": num_layers, "vocab": _Head(model).vocab, "probes": len(plans),
+        "model_bytes": model_bytes(model), "rss_before": PeakRSS.now(), "num_prompts": calib.num_prompts,
+        "seq_len": calib.seq_len, "real_tokens_all": calib.num_tokens, "batch_size": batch_size,
+        "batches_total": len(starts), "batches_done": 0, "real_tokens": 0, "prompts_done": 0,
+        "naive": {"seconds": 0.0, "cpu_seconds": 0.0, "peak_rss": 0, "model_calls": 0, "block_evaluations": 0,
+                  "head_positions": 0},
+        "ours": {"seconds": 0.0, "cpu_seconds": 0.0, "peak_rss": 0, "model_calls": 0, "block_evaluations": 0,
+                 "head_positions": 0},
+        "lower_bound": 0.0, "lower_bound_shared": 0.0, "block_seconds": [], "head_seconds": [],
+    }
+    naive_vals = {k: [] for k in plans}
+    ours_vals = {k: [] for k in plans}
+    for n, lo in enumerate(starts[:num_batches]):
+        part = subset(calib, lo, lo + batch_size)
+        ids, mask = next(part.batches(batch_size))
+
+        def ours():
+            with PeakRSS() as rss:
+                t, c = time.perf_counter(), cpu_clock()
+                values, stats = plan_kl(model, part, plans, batch_size=batch_size)
+                seconds, cpu = time.perf_counter() - t, cpu_clock() - c
+            r = rec["ours"]
+            r["seconds"] += seconds
+            r["cpu_seconds"] += cpu
+            r["peak_rss"] = max(r["peak_rss"], rss.peak)
+            r["model_calls"] += stats["model_calls"]
+            r["block_evaluations"] += stats["block_evaluations"]
+            r["head_positions"] += stats["head_rows"]
+            r.setdefault("settings", {k: stats[k] for k in ("kl_chunk_positions", "kl_chunk_vocab", "kl_streaming",
+                                                              "prefix_reuse", "max_memory", "compute_dtype")})
+            for k in plans:
+                ours_vals[k].append(values[k])
+            if n == 0:
+                rec["ours_batch0_seconds"] = cpu
+                rec["ours_batch0_blocks"] = stats["block_evaluations"]
+            log(name, f"batch {n}: ours {seconds:.1f}s peak {rss.peak / 2**30:.2f} GiB")
+
+        def naive():
+            with PeakRSS() as rss:
+                t, c = time.perf_counter(), cpu_clock()
+                values, calls, exact = naive_scores(model, ids, mask, plans, float64_check=n == 0)
+                seconds = time.perf_counter() - t - exact["seconds"]
+                cpu = cpu_clock() - c - exact["cpu_seconds"]
+            r = rec["naive"]
+            r["seconds"] += seconds
+            r["cpu_seconds"] += cpu
+            r["peak_rss"] = max(r["peak_rss"], rss.peak)
+            r["model_calls"] += calls
+            r["block_evaluations"] += calls * num_layers
+            r["head_positions"] += calls * ids.numel()
+            for k in plans:
+                naive_vals[k].append(values[k])
+            if n == 0:
+                rec["float64"] = exact
+            log(name, f"batch {n}: naive {seconds:.1f}s peak {rss.peak / 2**30:.2f} GiB")
+
+        for step in ((ours, naive) if n % 2 == 0 else (naive, ours)):
+            step()
+        block_t, head_t = block_and_head_times(model, ids, mask)
+        rec["block_seconds"].append(block_t)
+        rec["head_seconds"].append(head_t)
+        rec["lower_bound"] += lower_bound(plans, block_t, head_t, shared=False)
+        rec["lower_bound_shared"] += lower_bound(plans, block_t, head_t, shared=True)
+        rec["batches_done"] = n + 1
+        rec["prompts_done"] += ids.shape[0]
+        rec["real_tokens"] += int(mask.sum())
+        if n == 0:
+            exact = rec.pop("float64")
+            seconds = exact.pop("seconds")
+            exact.pop("cpu_seconds")
+            rec["float64_check"] = {
+                "seconds": seconds,
+                "naive": max(float(((naive_vals[k][0] - exact[k]).abs() / exact[k]).max()) for k in plans),
+                "ours": max(float(((ours_vals[k][0] - exact[k]).abs() / exact[k]).max()) for k in plans),
+            }
+            rec["sharing"] = {"predicted_saving_seconds": sum(block_t[i + 1] for i in range(num_layers - 1))}
+            if sharing_check:
+                c = cpu_clock()
+                _, stats = plan_kl(model, part, plans, batch_size=batch_size, prefix_reuse="start")
+                rec["sharing"]["start_seconds"] = cpu_clock() - c
+                rec["sharing"]["start_block_evaluations"] = stats["block_evaluations"]
+                log(name, f"sharing check: first-slot reuse only {rec['sharing']['start_seconds']:.1f}s")
+        naive_all = {k: torch.cat(v) for k, v in naive_vals.items()}
+        ours_all = {k: torch.cat(v) for k, v in ours_vals.items()}
+        rec["max_rel_diff_pair"] = max(
+            abs(float(ours_all[k].mean() - naive_all[k].mean())) / float(naive_all[k].mean()) for k in plans
+        )
+        rec["max_rel_diff_prompt"] = max(float(((ours_all[k] - naive_all[k]).abs() / naive_all[k]).max()) for k in plans)
+        rec["kl_range"] = [min(float(v.mean()) for v in ours_all.values()), max(float(v.mean()) for v in ours_all.values())]
+        publish(rec)
+    return rec
+
+
+# ----------------------------------------------------------------------------- growth
+def growth_row(label, model, calib, plans, batch_size, *, naive=True):
+    row = {"label": label, "probes": len(plans), "num_prompts": calib.num_prompts, "seq_len": calib.seq_len,
+           "num_layers": len(decoder_blocks(model)[2]), "vocab": _Head(model).vocab}
+    with PeakRSS() as rss:
+        c = cpu_clock()
+        _, stats = plan_kl(model, calib, plans, batch_size=batch_size)
+        row["ours_seconds"] = cpu_clock() - c
+    row["ours_peak_rss"] = rss.peak
+    row["ours_block_evaluations"] = stats["block_evaluations"]
+    if naive:
+        c = cpu_clock()
+        for ids, mask in calib.batches(batch_size):
+            naive_scores(model, ids, mask, plans)
+        row["naive_seconds"] = cpu_clock() - c
+    block_t, head_t = block_and_head_times(model, *next(calib.batches(batch_size)))
+    row["block_seconds_mean"] = statistics.fmean(block_t)
+    row["head_seconds"] = head_t
+    log("growth", label, f"ours {row['ours_seconds']:.1f}s", f"naive {row.get('naive_seconds', float('nan')):.1f}s")
+    return row
+
+
+def random_llama(vocab, num_layers, like):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    c = like.config
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      num_hidden_layers=num_layers, tie_word_embeddings=True, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def run_growth(model, tokenizer, batch_size, seq_len, save):
+    """Cost as L, prompts, sequence length and vocabulary change (one batch unless noted)."""
+    from hf_layerswap.surgery import remove_layers
+
+    rows = []
+    full_layers = len(decoder_blocks(model)[2])
+    calib = wikitext_calibration(tokenizer, batch_size, seq_len)
+    small = remove_layers(copy.deepcopy(model), list(range(10, full_layers)))
+    rows.append(growth_row("L = 10 (first 10 blocks)", small, calib, adjacent_plans(10), batch_size))
+    del small
+    gc.collect()
+    save(rows)
+    sample = {k: v for k, v in adjacent_plans(full_layers).items() if k[1] in (full_layers // 2, full_layers // 2 + 1)}
+    for prompts in (batch_size, 4 * batch_size):
+        part = wikitext_calibration(tokenizer, prompts, seq_len)
+        rows.append(growth_row(f"prompts = {prompts} (6 probes)", model, part, sample, batch_size, naive=False))
+        save(rows)
+    part = wikitext_calibration(tokenizer, batch_size, seq_len // 4)
+    rows.append(growth_row(f"T = {seq_len // 4}", model, part, adjacent_plans(full_layers), batch_size))
+    save(rows)
+    for vocab in (8192, 65536):
+        rnd = random_llama(vocab, 8, model)
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+        part = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        rows.append(growth_row(f"V = {vocab} (random weights, L = 8)", rnd, part, adjacent_plans(8), batch_size))
+        del rnd
+        gc.collect()
+        save(rows)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+def gib(x):
+    return f"{x / 2**30:.2f} GiB"
+
+
+def write_markdown(path: Path, command: str, results: dict) -> None:
+    models = [r for r in results["models"] if r.get("batches_done")]
+    lines = [
+        "# Scoring speed: naive full-forward vs hf_layerswap",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Machine: {results['machine']}; {results['threads']} torch threads, fp32. Libraries: {results['libraries']}. "
+        f"Started {results['started']}; this file was written after {results['total_seconds'] / 3600:.2f} h.",
+        "",
+        "Noise: the machine is shared with other jobs running at the same time (load average "
+        f"{results['load_before']} at the start, {results['load_after']} at the last write, on 2 cores). Wall "
+        "times are therefore several times what an idle machine gives and vary from batch to batch. Times "
+        "below are CPU seconds of the scoring thread (one torch thread), which depend much less on the other "
+        "jobs (they still share caches and memory bandwidth); naive and ours run on the same batch back to "
+        "back, alternating which goes first, and the lower bound is timed on the same batch right after.",
+        "",
+        "Calibration: " + results.get("calibration", "?") + ".",
+        "",
+        "## Adjacent sweep, both protocols (3 (L-1) probes)",
+        "",
+        "| | " + " | ".join(r["model"] for r in models) + " |",
+        "|---|" + "---|" * len(models),
+    ]
+
+    def row(label, fn):
+        lines.append(f"| {label} | " + " | ".join(fn(r) for r in models) + " |")
+
+    def blk(r):
+        return statistics.fmean(statistics.fmean(b) for b in r["block_seconds"])
+
+    row("blocks L / vocabulary V / probes", lambda r: f"{r['num_layers']} / {r['vocab']:,} / {r['probes']}")
+    row("calibration set: prompts x tokens (real tokens)",
+        lambda r: f"{r['num_prompts']} x {r['seq_len']} ({r['real_tokens_all']:,})")
+    row("compared on (real tokens)", lambda r: f"{r['batches_done']} of {r['batches_total']} batches of "
+        f"{r['batch_size']}: the first {r['prompts_done']} prompts ({r['real_tokens']:,})")
+    row("naive: CPU time (wall time)", lambda r: f"{r['naive']['cpu_seconds']:.0f} s ({r['naive']['seconds']:.0f} s)")
+    row("ours: CPU time (wall time)", lambda r: f"{r['ours']['cpu_seconds']:.0f} s ({r['ours']['seconds']:.0f} s)")
+    row("**speed-up, naive / ours, CPU time** (target >= 1.6)",
+        lambda r: f"**{r['naive']['cpu_seconds'] / r['ours']['cpu_seconds']:.2f}x**")
+    row("speed-up, wall time", lambda r: f"{r['naive']['seconds'] / r['ours']['seconds']:.2f}x")
+    row("scored tokens per CPU second (real tokens x probes / s), naive",
+        lambda r: f"{r['real_tokens'] * r['probes'] / r['naive']['cpu_seconds']:,.0f}")
+    row("scored tokens per CPU second, ours", lambda r: f"{r['real_tokens'] * r['probes'] / r['ours']['cpu_seconds']:,.0f}")
+    row("lower bound: reference + per probe its suffix blocks + head (CPU)", lambda r: f"{r['lower_bound']:.0f} s")
+    row("**ours / lower bound** (target <= 1.2)", lambda r: f"**{r['ours']['cpu_seconds'] / r['lower_bound']:.2f}**")
+    row("lower bound with shared prefixes", lambda r: f"{r['lower_bound_shared']:.0f} s")
+    row("naive / lower bound: the most any prefix reuse can gain",
+        lambda r: f"{r['naive']['cpu_seconds'] / r['lower_bound']:.2f}x")
+    row("mean block / head CPU time per batch", lambda r: f"{blk(r):.3f} s / {statistics.fmean(r['head_seconds']):.3f} s")
+    row("head / block", lambda r: f"{statistics.fmean(r['head_seconds']) / blk(r):.1f}")
+    row("model size (fp32 weights)", lambda r: gib(r["model_bytes"]))
+    row("RSS before scoring", lambda r: gib(r["rss_before"]))
+    row("peak RSS, naive", lambda r: gib(r["naive"]["peak_rss"]))
+    row("**peak RSS, ours** (target: under model + 1.5 GiB)",
+        lambda r: f"**{gib(r['ours']['peak_rss'])}** (< {gib(r['model_bytes'] + 1.5 * 2**30)})")
+    row("model calls, naive / ours", lambda r: f"{r['naive']['model_calls']} / {r['ours']['model_calls']}")
+    row("block forward calls, naive / ours",
+        lambda r: f"{r['naive']['block_evaluations']:,} / {r['ours']['block_evaluations']:,}")
+    row("head positions, naive / ours", lambda r: f"{r['naive']['head_positions']:,} / {r['ours']['head_positions']:,}")
+    row("max rel. KL difference naive vs ours, probe means (target <= 1e-5)", lambda r: f"{r['max_rel_diff_pair']:.1e}")
+    row("max rel. KL difference naive vs ours, single prompts", lambda r: f"{r['max_rel_diff_prompt']:.1e}")
+    row("batch 0: max rel. error vs float64 KL of the naive logits, naive / ours",
+        lambda r: f"{r['float64_check']['naive']:.1e} / {r['float64_check']['ours']:.1e}")
+    row("probe KL range (nats)", lambda r: f"{r['kl_range'][0]:.3g} .. {r['kl_range'][1]:.3g}")
+    row("our settings", lambda r: ", ".join(f"{k}={v}" for k, v in r["ours"]["settings"].items()))
+
+    lines += ["", "### Sharing prefixes beyond the first changed slot (batch 0)", "",
+              "| model | blocks run: first-slot reuse / shared | ours, shared (CPU s) | first-slot reuse only (CPU s) | "
+              "saving predicted from block timings (CPU s) |", "|---|---|---|---|---|"]
+    for r in models:
+        sh = r["sharing"]
+        start_blocks = sh.get("start_block_evaluations", r["ours_batch0_blocks"] + r["num_layers"] - 1)
+        start_seconds = f"{sh['start_seconds']:.1f}" if "start_seconds" in sh else "not run"
+        lines.append(
+            f"| {r['model']} | {start_blocks} / {r['ours_batch0_blocks']} | "
+            f"{r['ours_batch0_seconds']:.1f} | {start_seconds} | {sh['predicted_saving_seconds']:.2f} |"
+        )
+    if results.get("growth"):
+        lines += ["", f"## How the cost grows ({results.get('growth_model')} unless noted; one batch of "
+                  f"{results['batch_size']} prompts unless noted)", "",
+                  "| setting | L | V | prompts x T | probes | ours (CPU s) | naive (CPU s) | naive / ours | block (CPU s) | "
+                  "head (CPU s) | ours peak RSS |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for g in results["growth"]:
+            naive = g.get("naive_seconds")
+            cells = [g["label"], str(g["num_layers"]), f"{g['vocab']:,}", f"{g['num_prompts']} x {g['seq_len']}",
+                     str(g["probes"]), f"{g['ours_seconds']:.1f}", f"{naive:.1f}" if naive else "-",
+                     f"{naive / g['ours_seconds']:.2f}x" if naive else "-", f"{g['block_seconds_mean']:.3f}",
+                     f"{g['head_seconds']:.3f}", gib(g["ours_peak_rss"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Findings", "", *findings(results, models), ""]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
+
+
+def findings(results: dict, models: list[dict]) -> list[str]:
+    """Each target of the benchmark, met or missed and by how much, computed from the numbers."""
+    out = []
+    for r in models:
+        naive, ours = r["naive"]["cpu_seconds"], r["ours"]["cpu_seconds"]
+        speedup, bound, best = naive / ours, ours / r["lower_bound"], naive / r["lower_bound"]
+        head_blocks = statistics.fmean(r["head_seconds"]) / statistics.fmean(
+            statistics.fmean(b) for b in r["block_seconds"])
+        limit = r["model_bytes"] + 1.5 * 2**30
+
+        def verdict(ok, miss):
+            return "met" if ok else f"missed by {miss:.0%}"
+
+        out.append(
+            f"- **{r['model']}** (compared on {r['batches_done']} of {r['batches_total']} batches, "
+            f"{r['real_tokens']:,} real tokens): ours is **{speedup:.2f}x** faster than naive in CPU time "
+            f"(target 1.6x: {verdict(speedup >= 1.6, 1 - speedup / 1.6)}). The most any prefix reuse can gain on "
+            f"this model is naive / lower bound = {best:.2f}x: every probe still runs the blocks after its first "
+            f"changed slot and the LM head on every position, and the head alone costs {head_blocks:.1f} blocks "
+            f"(vocabulary {r['vocab']:,}). Ours / lower bound = **{bound:.2f}** (target 1.2: "
+            f"{verdict(bound <= 1.2, bound / 1.2 - 1)}). Peak RSS {gib(r['ours']['peak_rss'])} against "
+            f"model + 1.5 GiB = {gib(limit)} ({verdict(r['ours']['peak_rss'] <= limit, r['ours']['peak_rss'] / limit - 1)}). "
+            f"Largest relative KL difference from naive: {r['max_rel_diff_prompt']:.1e} per prompt "
+            f"(target 1e-5: {verdict(r['max_rel_diff_prompt'] <= 1e-5, r['max_rel_diff_prompt'] / 1e-5 - 1)})."
+        )
+    missing = [m for m in results.get("requested", []) if m not in {r["model"] for r in models}]
+    if missing:
+        out.append(f"- Not measured in this run (stopped before they finished a batch): {', '.join(missing)}.")
+    if not results.get("growth"):
+        out.append("- The cost-growth table was not run (it runs after all models).")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batches", type=int, default=None,
+                    help="compare on the first N batches of the calibration set only (default: all)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: CPU time is the main thread's, robust to other jobs on the machine)")
+    ap.add_argument("--no-growth", action="store_true", help="skip the cost-growth table")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model, few prompts (checks the script)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "speed.md"))
+    ap.add_argument("--render-only", action="store_true", help="rewrite the Markdown from the stored JSON")
+    args = ap.parse_args(argv)
+    if args.render_only:
+        out = Path(args.out)
+        stored = json.loads(out.with_suffix(".json").read_text())
+        write_markdown(out, stored["command"], stored)
+        log("wrote", out)
+        return
+    torch.set_num_threads(args.threads)
+    global cpu_clock
+    cpu_clock = time.thread_time if args.threads == 1 else time.process_time
+    args.batches = args.batches or -(-args.num_prompts // args.batch_size)
+    command = "python benchmarks/speed.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    results = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "libraries": ", ".join(f"{k} {v}" for k, v in library_versions().items()),
+        "started": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads, "batch_size": args.batch_size,
+        "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "models": [],
+        "requested": ["tiny-gemma3"] if args.smoke else list(args.models), "command": command,
+    }
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(growth=None):
+        if growth is not None:
+            results["growth"] = growth
+        results["total_seconds"] = time.perf_counter() - t0
+        results["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        write_markdown(out, command, results)
+
+    def publish(rec):
+        results["models"][-1] = rec
+        save()
+
+    if args.smoke:
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import tiny_model
+
+        model = tiny_model("gemma3", num_layers=4)
+        ids = torch.randint(1, 128, (args.num_prompts, args.seq_len), generator=torch.Generator().manual_seed(0))
+        calib = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        results["calibration"] = "random token ids (smoke run)"
+        results["models"].append({})
+        run_model("tiny-gemma3", model, calib, args.batch_size, args.batches, publish)
+    else:
+        from hf_layerswap.models import load_model
+
+        for name in args.models:
+            model, tokenizer = load_model(name)
+            torch.set_num_threads(args.threads)
+            calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len)
+            results["calibration"] = calib.description
+            log("start", name, calib.num_tokens, "real tokens")
+            results["models"].append({})
+            run_model(name, model, calib, args.batch_size, args.batches, publish,
+                      sharing_check=name == args.models[0])
+            del model
+            gc.collect()
+        if not args.no_growth:
+            results["growth_model"] = args.models[0]
+            model, tokenizer = load_model(args.models[0])
+            torch.set_num_threads(args.threads)
+            run_growth(model, tokenizer, args.batch_size, args.seq_len, save)
+    save()
+    log("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
