@@ -337,35 +337,58 @@ def random_llama(vocab, num_layers, like):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def run_growth(model, tokenizer, batch_size, seq_len, save):
-    """Cost as L, prompts, sequence length and vocabulary change (one batch unless noted)."""
+def run_growth(model, tokenizer, batch_size, seq_len, save, done=()):
+    """Cost as L, prompts, sequence length and vocabulary change (one batch unless noted).
+    Rows in ``done`` (from an interrupted run with the same settings) are kept, not rerun."""
     from hf_layerswap.surgery import remove_layers
 
-    rows = []
+    rows = list(done)
+    have = {r["label"] for r in rows}
     full_layers = len(decoder_blocks(model)[2])
-    calib = wikitext_calibration(tokenizer, batch_size, seq_len)
-    small = remove_layers(copy.deepcopy(model), list(range(10, full_layers)))
-    rows.append(growth_row("L = 10 (first 10 blocks)", small, calib, adjacent_plans(10), batch_size))
-    del small
-    gc.collect()
-    save(rows)
+
+    def add(label, make):
+        if label not in have:
+            rows.append(make(label))
+            gc.collect()
+            save(rows)
+
+    def first_blocks(label):
+        small = remove_layers(copy.deepcopy(model), list(range(10, full_layers)))
+        return growth_row(label, small, wikitext_calibration(tokenizer, batch_size, seq_len), adjacent_plans(10),
+                          batch_size)
+
+    add("L = 10 (first 10 blocks)", first_blocks)
     sample = {k: v for k, v in adjacent_plans(full_layers).items() if k[1] in (full_layers // 2, full_layers // 2 + 1)}
     for prompts in (batch_size, 4 * batch_size):
-        part = wikitext_calibration(tokenizer, prompts, seq_len)
-        rows.append(growth_row(f"prompts = {prompts} (6 probes)", model, part, sample, batch_size, naive=False))
-        save(rows)
-    part = wikitext_calibration(tokenizer, batch_size, seq_len // 4)
-    rows.append(growth_row(f"T = {seq_len // 4}", model, part, adjacent_plans(full_layers), batch_size))
-    save(rows)
+        add(f"prompts = {prompts} (6 probes)", lambda label, p=prompts: growth_row(
+            label, model, wikitext_calibration(tokenizer, p, seq_len), sample, batch_size, naive=False))
+    add(f"T = {seq_len // 4}", lambda label: growth_row(
+        label, model, wikitext_calibration(tokenizer, batch_size, seq_len // 4), adjacent_plans(full_layers), batch_size))
     for vocab in (8192, 65536):
-        rnd = random_llama(vocab, 8, model)
-        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
-        part = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-        rows.append(growth_row(f"V = {vocab} (random weights, L = 8)", rnd, part, adjacent_plans(8), batch_size))
-        del rnd
-        gc.collect()
-        save(rows)
+        def random_weights(label, vocab=vocab):
+            ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+            part = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            return growth_row(label, random_llama(vocab, 8, model), part, adjacent_plans(8), batch_size)
+
+        add(f"V = {vocab} (random weights, L = 8)", random_weights)
     return rows
+
+
+def resumable(stored: dict, args) -> tuple[dict, list, float]:
+    """What an earlier run with the same settings finished: complete model records by name,
+    growth rows, and its elapsed seconds. Nothing is reused when a setting differs."""
+    same = (stored.get("threads") == args.threads and stored.get("batch_size") == args.batch_size
+            and stored.get("requested", [None])[:1] == args.models[:1]
+            and all(r.get("seq_len") == args.seq_len for r in stored.get("models", [])))
+    if not same:
+        return {}, [], 0.0
+    models = {
+        r["model"]: r for r in stored.get("models", [])
+        if r.get("num_prompts") == args.num_prompts and r.get("seq_len") == args.seq_len
+        and r.get("batches_done") == min(args.batches, r.get("batches_total", 0)) and r["model"] in args.models
+    }
+    growth = stored.get("growth", []) if stored.get("growth_model") == args.models[0] else []
+    return models, growth, float(stored.get("total_seconds", 0.0))
 
 
 # ----------------------------------------------------------------------------- report
@@ -537,9 +560,15 @@ def main(argv=None):
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "models": [],
         "requested": ["tiny-gemma3"] if args.smoke else list(args.models), "command": command,
     }
-    t0 = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    stored_models, stored_growth, earlier_seconds = {}, [], 0.0
+    if not args.smoke and out.with_suffix(".json").is_file():
+        stored_models, stored_growth, earlier_seconds = resumable(json.loads(out.with_suffix(".json").read_text()), args)
+        if stored_models or stored_growth:
+            log("resuming: stored", ", ".join(stored_models) or "no model", f"and {len(stored_growth)} growth rows")
+            results["started"] = json.loads(out.with_suffix(".json").read_text())["started"]
+    t0 = time.perf_counter() - earlier_seconds
 
     def save(growth=None):
         if growth is not None:
@@ -567,6 +596,9 @@ def main(argv=None):
         from hf_layerswap.models import load_model
 
         for name in args.models:
+            if name in stored_models:
+                results["models"].append(stored_models[name])
+                continue
             model, tokenizer = load_model(name)
             torch.set_num_threads(args.threads)
             calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len)
@@ -581,7 +613,7 @@ def main(argv=None):
             results["growth_model"] = args.models[0]
             model, tokenizer = load_model(args.models[0])
             torch.set_num_threads(args.threads)
-            run_growth(model, tokenizer, args.batch_size, args.seq_len, save)
+            run_growth(model, tokenizer, args.batch_size, args.seq_len, save, done=stored_growth)
     save()
     log("wrote", out)
 

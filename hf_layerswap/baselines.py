@@ -56,6 +56,7 @@ import json
 import logging
 import math
 import random as _random
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -736,10 +737,11 @@ def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int
     return passes, blocks, seconds, estimated
 
 
-def _score(model, calib, protocols, batch_size) -> SwapReport:
+def _score(model, calib, protocols, batch_size, checkpoint_path=None) -> SwapReport:
     from .scoring import score_layers
 
-    return score_layers(model, calib, protocols=protocols, max_gap=1, batch_size=batch_size, progress=False)
+    return score_layers(model, calib, protocols=protocols, max_gap=1, batch_size=batch_size, progress=False,
+                        checkpoint_path=checkpoint_path)
 
 
 def swap_guided(
@@ -1198,6 +1200,9 @@ def compare_criteria(
         state_path: JSON file to resume from and to save progress to (written atomically
             after every step). A state recorded for another model, calibration set,
             evaluation text, contract or options raises instead of mixing results.
+            While a protocol is scored, its completed probes are kept in the folder
+            ``<state stem>.<protocol>-probes`` beside it (removed once the report is in
+            the state), so a run killed mid-scoring loses no finished probe.
         log: progress callback (default: this module's logger at INFO).
 
     Returns:
@@ -1257,10 +1262,14 @@ def compare_criteria(
                 reports[proto] = SwapReport.from_dict(state["reports"][proto])
             else:
                 log(f"scoring {proto} swap-KL (adjacent pairs)")
-                reports[proto] = _score(model, calib, (proto,), batch_size)
+                # completed probes survive a killed run next to the state file until the report is in it
+                probes = None if state_path is None else Path(state_path).with_name(f"{Path(state_path).stem}.{proto}-probes")
+                reports[proto] = _score(model, calib, (proto,), batch_size, checkpoint_path=probes)
                 reports[proto].metadata["model"] = _public_identity(model_identity(model))
                 state["reports"][proto] = reports[proto].to_dict()
                 save()
+                if probes is not None:
+                    shutil.rmtree(probes, ignore_errors=True)
 
     def report_for(name: str) -> SwapReport:
         if report is not None:

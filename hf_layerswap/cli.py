@@ -166,6 +166,8 @@ def run_score(args) -> int:
 def run_prune(args) -> int:
     from . import SwapReport, remove_layers, score_layers, select_layers
     from .calibration import build_calibration
+    from .plan import num_blocks
+    from .selection import check_budget
 
     _check_output(args.output)
     model, tokenizer = _load(args)
@@ -175,6 +177,8 @@ def run_prune(args) -> int:
         layers = list(args.layers)
         provenance["selection"] = "explicit layers"
     else:
+        # an impossible budget is refused before any scoring is spent on it
+        check_budget(args.num_layers, num_blocks(model), spacing=args.spacing, protect=args.protect)
         calib = build_calibration(
             args.calibration, tokenizer, num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, seed=args.seed
         )

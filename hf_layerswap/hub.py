@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 
 from .card import EVALUATION_FILE, REPORT_FILE, normalize_evaluation, report_mismatches, write_card_files
-from .report import SwapReport
+from .report import SwapReport, default_mode
 
 __all__ = [
     "OWNED_PATTERNS",
@@ -324,6 +324,7 @@ def save_for_hub(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        default_mode(tmp)
         _write_folder(
             tmp, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
             license=license, repo_id=repo_id,

@@ -230,9 +230,11 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
     from .calibration import CalibrationSet, build_calibration
     from .plan import num_blocks
     from .scoring import score_layers
-    from .selection import select_layers
+    from .selection import check_budget, select_layers
     from .surgery import remove_layers
 
+    if cfg.layers is None and cfg.num_layers is not None:  # an impossible budget costs no scoring
+        check_budget(cfg.num_layers, num_blocks(model), spacing=cfg.spacing, protect=cfg.protect)
     needs_text = cfg.layers is None or cfg.recovery is not None or cfg.sparsity is not None
     calib = None
     if needs_text:

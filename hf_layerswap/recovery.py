@@ -70,7 +70,7 @@ from torch import nn
 
 from .calibration import CalibrationSet, build_calibration
 from .plan import capture_residual_stream, decoder_blocks, resolve_layer_indices
-from .report import decode_float, encode_float, write_json_atomic
+from .report import decode_float, default_mode, encode_float, write_json_atomic
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -654,6 +654,7 @@ def save_recovery(model: nn.Module, directory: str | os.PathLike) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{RECOVERY_FILE}.", suffix=".tmp", dir=directory)
     os.close(fd)
     try:
+        default_mode(tmp)
         save_file(tensors, tmp, metadata=metadata)
         digest = _sha256(Path(tmp))
         os.replace(tmp, target)

@@ -62,12 +62,22 @@ def _max_kl(a: float | None, b: float | None) -> float | None:
     return max(a, b)
 
 
+def default_mode(path: str | os.PathLike) -> None:
+    """Give a file or folder made by ``tempfile`` (mode 0600/0700) the permissions an
+    ordinary ``open``/``mkdir`` would have given it (0666/0777 less the umask), so
+    atomically written results are as readable as any other file the user writes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
 def write_json_atomic(data, path: str | os.PathLike) -> Path:
     """Write JSON to ``path`` through a temporary file in the same folder, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        default_mode(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=2, allow_nan=False)
             fh.write("\n")

@@ -75,7 +75,7 @@ from .plan import (
     removal_plan,
     replacement_plan,
 )
-from .report import PROTOCOLS, PairResult, SwapReport, write_json_atomic
+from .report import PROTOCOLS, PairResult, SwapReport, default_mode, write_json_atomic
 
 __all__ = [
     "AdaptiveBudget",
@@ -543,6 +543,7 @@ class _Checkpoint:
         name = f"part-b{batch:06d}-r{rank:04d}-g{group:05d}.pt"
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.path)
         try:
+            default_mode(tmp)
             with os.fdopen(fd, "wb") as fh:
                 torch.save({"batch": batch, "plans": [list(k) for k in keys], "values": values.cpu()}, fh)
                 fh.flush()

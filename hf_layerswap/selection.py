@@ -37,6 +37,37 @@ def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
     return out
 
 
+def check_budget(num_layers, total: int, *, spacing=1, protect: Sequence[int] | None = (0, -1)) -> int:
+    """Refuse a budget no selection can meet, before any scoring is spent on it.
+
+    The most layers the rules allow is the left-to-right count of unprotected blocks kept
+    more than ``spacing`` apart; a budget within it may still be refused after scoring
+    when the score order leaves gaps (:func:`greedy_select` says so).
+
+    Returns:
+        the budget as an int.
+
+    Raises:
+        ValueError: ``num_layers`` outside ``1..L-1``, a negative ``spacing``, a bad
+            ``protect`` entry, or more layers than the rules allow (the message says how
+            many).
+    """
+    if as_index(num_layers) is None or not 1 <= as_index(num_layers) <= total - 1:
+        raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
+    if as_index(spacing) is None or as_index(spacing) < 0:
+        raise ValueError(f"spacing={spacing!r}: must be an int >= 0 (0 allows adjacent layers)")
+    protected, most, last = resolve_protect(protect, total), 0, None
+    for i in range(total):
+        if i not in protected and (last is None or i - last > as_index(spacing)):
+            most, last = most + 1, i
+    if as_index(num_layers) > most:
+        raise ValueError(
+            f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
+            f"the rules allow at most {most}; lower num_layers or spacing, or protect fewer layers"
+        )
+    return as_index(num_layers)
+
+
 def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1, protect: Sequence[int] = (0, -1)) -> list[int]:
     """The paper's greedy rule on per-layer scores (low = removable).
 
@@ -51,15 +82,11 @@ def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1,
         n 0-based indices, ascending.
 
     Raises:
-        ValueError: n outside ``1..L-1``, a negative spacing, or a budget the rules cannot
-            meet (the message says how many layers could be taken).
+        ValueError: as :func:`check_budget`, or a budget the score order cannot meet
+            (non-finite scores, gaps; the message says how many layers could be taken).
     """
     total = len(scores)
-    if as_index(num_layers) is None or not 1 <= as_index(num_layers) <= total - 1:
-        raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
-    if as_index(spacing) is None or as_index(spacing) < 0:
-        raise ValueError(f"spacing={spacing!r}: must be an int >= 0 (0 allows adjacent layers)")
-    num_layers, spacing = as_index(num_layers), as_index(spacing)
+    num_layers, spacing = check_budget(num_layers, total, spacing=spacing, protect=protect), as_index(spacing)
     protected = resolve_protect(protect, total)
     order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
     chosen: list[int] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,18 +143,19 @@ def test_negative_indices_resolve_the_same_everywhere(llama, report):
 def test_unmeetable_budgets_name_the_rule(llama, report):
     with pytest.raises(ValueError) as err:
         select_layers(report, 3, spacing=1, protect=(0, -1))
-    assert "cannot select 3 layers of 6 with spacing=1 and protect=[0, 5]: the rule found only 2" in str(err.value)
+    assert "cannot select 3 layers of 6 with spacing=1 and protect=[0, 5]: the rules allow at most 2" in str(err.value)
     for n in (0, NUM_LAYERS):
         with pytest.raises(ValueError, match=rf"num_layers={n}: allowed 1..5 for a model with 6 blocks"):
             select_layers(report, n)
     with pytest.raises(ValueError, match=r"spacing=-1: must be an int >= 0"):
         select_layers(report, 1, spacing=-1)
-    # at load time: scoring runs, selection refuses, the model is left as it was
+    # at load time: refused before scoring (no report is left), the model is left as it was
     model = build("llama")
     snap = _snapshot(model)
     cfg = LayerSwapConfig(num_layers=3, calibration=prompts(), progress=False, batch_size=2)
     with pytest.raises(ValueError, match="cannot select 3 layers of 6"):
         prune_loaded_model(model, cfg)
+    assert not hasattr(model, "layerswap_report")
     _assert_unchanged(model, snap)
 
 
@@ -227,7 +229,7 @@ def test_report_from_a_model_of_another_depth_is_refused(report):
         select_layers(report, 1, model=other)
 
 
-def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys):
+def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys, monkeypatch):
     from hf_layerswap.cli import main
 
     ckpt = tmp_path / "four"
@@ -244,8 +246,31 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys
     code = main(["prune", str(ckpt), str(out), "--layers", "4"])
     assert code == 2 and not out.exists()
     assert "layer index 4 is out of range for a model with 4 blocks" in capsys.readouterr().err
+    # a budget the rules cannot meet is refused before any scoring is spent on it
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scored although the budget was impossible")
+
+    monkeypatch.setattr("hf_layerswap.score_layers", no_scoring)
+    code = main(["prune", str(ckpt), str(out), "--num-layers", "2", "--calibration", str(tmp_path / "calib.txt"),
+                 "--num-prompts", "2"])
+    assert code == 2 and not out.exists()
+    assert "cannot select 2 layers of 4 with spacing=1 and protect=[0, 3]: the rules allow at most 1" in capsys.readouterr().err
     # no output and no temporary folder left behind
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "four", "six.json"]
+
+
+def test_check_budget_counts_what_the_rules_allow():
+    from hf_layerswap.selection import check_budget
+
+    assert check_budget(2, 6) == 2  # blocks 1..4 unprotected, no two adjacent: {1, 3} or {2, 4}
+    with pytest.raises(ValueError, match=r"cannot select 3 layers of 6 with spacing=1 and protect=\[0, 5\]: the rules allow at most 2"):
+        check_budget(3, 6)
+    assert check_budget(4, 6, spacing=0) == 4
+    assert check_budget(np.int64(5), 6, spacing=0, protect=[]) == 5
+    with pytest.raises(ValueError, match=r"cannot select 3 layers of 6 with spacing=2 and protect=\[\]: the rules allow at most 2"):
+        check_budget(3, 6, spacing=2, protect=[])  # {0, 3} is the most
+    with pytest.raises(ValueError, match=r"num_layers=6: allowed 1..5"):
+        check_budget(6, 6, spacing=0, protect=[])
 
 
 def test_models_without_a_decoder_block_list_are_refused():

@@ -376,6 +376,38 @@ def test_compare_criteria_table_resume_and_eval_text_isolation(harness_setup, tm
                            evaluation_options=EVAL_OPTS, state_path=state)
 
 
+def test_compare_criteria_killed_while_scoring_keeps_finished_probes(harness_setup, tmp_path, monkeypatch):
+    """A run killed in the middle of a protocol's scoring resumes from the probes it
+    finished (kept beside the state file) and ends with the uninterrupted report."""
+    from hf_layerswap.scoring import _Checkpoint
+
+    model, tok, calib, text = harness_setup
+    state = tmp_path / "state.json"
+    probes = tmp_path / "state.interchange-probes"
+    real_save, saved = _Checkpoint.save, []
+
+    def killed_after_one(self, *args, **kwargs):
+        if saved:
+            raise KeyboardInterrupt("killed")
+        real_save(self, *args, **kwargs)
+        saved.append(args[0])
+
+    monkeypatch.setattr(_Checkpoint, "save", killed_after_one)
+    kwargs = dict(criteria=("interchange",), eval_text=text, tokenizer=tok, evaluation_options=EVAL_OPTS,
+                  batch_size=2, joint_kl=False)
+    with pytest.raises(KeyboardInterrupt):
+        B.compare_criteria(model, calib, [1], state_path=state, **kwargs)
+    assert len(list(probes.glob("part-*.pt"))) == 1 and not state.exists()  # nothing else was recorded
+    monkeypatch.undo()
+    resumed = B.compare_criteria(model, calib, [1], state_path=state, **kwargs)
+    assert not probes.exists()  # removed once the report is in the state
+    fresh = B.compare_criteria(model, calib, [1], **kwargs)
+    got, want = SwapReport.from_dict(resumed.reports["interchange"]), SwapReport.from_dict(fresh.reports["interchange"])
+    assert got.metadata["checkpoint"]["resumed_values"] > 0
+    assert [(p.i, p.j, p.interchange) for p in got.pairs] == [(p.i, p.j, p.interchange) for p in want.pairs]
+    assert resumed.rows[0]["removed"] == fresh.rows[0]["removed"]
+
+
 def test_criterion_result_round_trip_and_bad_input():
     res = B.CriterionResult("sleb", 2, [1, 3], [float("nan"), 0.5], 3, 12, 1.5, evaluator_calls=4,
                             details={"x": float("inf")})

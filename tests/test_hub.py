@@ -21,6 +21,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -251,6 +252,12 @@ def test_save_for_hub_is_atomic_and_complete(pruned, report, tmp_path):
     names = {p.name for p in target.iterdir()}
     assert {"README.md", "config.json", "model.safetensors", REPORT_FILE, "layerswap_evaluation.json"} <= names
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary sibling left behind
+    # the folder and the report written through a temporary file get the modes plain writes get
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "file").write_text("x")
+    assert target.stat().st_mode == (tmp_path / "plain").stat().st_mode
+    assert (target / REPORT_FILE).stat().st_mode == (tmp_path / "plain" / "file").stat().st_mode
+    shutil.rmtree(tmp_path / "plain")
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
         save_for_hub(pruned, target)
     save_for_hub(pruned, target, overwrite=True)

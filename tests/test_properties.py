@@ -146,6 +146,15 @@ def test_selection_respects_spacing_protection_and_the_greedy_order(scores, data
         # cannot be extended (fewer than n layers can be taken greedily)
         text = str(err)
         assert f"cannot select {n} layers of {total} with spacing={spacing}" in text
+        if "the rules allow at most" in text:
+            # refused before looking at scores: the stated maximum is the largest spaced
+            # set of unprotected blocks (checked by brute force) and it is below n
+            free = [i for i in range(total) if i not in protected]
+            most = max(len(c) for c in (
+                [b for k, b in enumerate(free) if mask >> k & 1] for mask in range(1 << len(free)))
+                if all(b - a > spacing for a, b in zip(c, c[1:])))
+            assert f"the rules allow at most {most};" in text and most < n
+            return
         found = text[text.index("found only") :]
         partial = ast.literal_eval(found[found.index("(") + 1 : found.index(")")])
         assert len(partial) < n and set(partial) <= eligible
