@@ -18,6 +18,9 @@ Usage (from the repository root)::
     python benchmarks/sparsity.py --model smollm2-135m --sparsity 0.5 \\
         --allocations uniform pals owl random --patterns unstructured 2:4 --seeds 0
 
+Each model has its own cache and page (``results/sparsity-<model>.{json,md}``; a cache
+recorded for another model is refused); ``results/sparsity.md`` indexes the pages.
+
 An allocation may carry extra options, e.g. ``pals/source=block_input`` (PALS on the
 residual stream entering each block instead of the linears' inputs).
 """
@@ -139,8 +142,14 @@ def run(args) -> dict:
     store.setdefault("runs", {})
     model, tokenizer = load_model(args.model)
     model.eval()
+    identity = without_local_paths(model_identity(model))
+    if store.get("model", identity) != identity:  # cached runs of another model must never be reused
+        raise SystemExit(
+            f"{out_json} holds runs of {store['model'].get('name')!r}, not of {identity.get('name')!r} "
+            f"(--model {args.model}): pass another --json, or --fresh to start it over"
+        )
     dense_state = {k: v.clone() for k, v in model.state_dict().items()}
-    store["model"] = without_local_paths(model_identity(model))
+    store["model"] = identity
 
     def evaluate():
         return evaluate_perplexity(
@@ -203,7 +212,7 @@ def run(args) -> dict:
     return store
 
 
-def render(store: dict, command: str) -> str:
+def render(store: dict, command: str, json_name: str) -> str:
     settings = store["settings"]
     dense = PerplexityResult.from_dict(store[f"dense|words{settings['eval_words']}"]["ppl"])
     runs = {
@@ -226,7 +235,7 @@ def render(store: dict, command: str) -> str:
         *store.get("commands", [command]),
         "```",
         "",
-        "(Each command adds configurations; results are cached per configuration in `sparsity.json`, and this "
+        f"(Each command adds configurations; results are cached per configuration in `{json_name}`, and this "
         "file shows every cached run with the same sparsity, calibration size and evaluation contract.)",
         "",
         f"Model: {describe_model(store['model'])}. Target sparsity {settings['sparsity']:g} of every "
@@ -408,15 +417,18 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eval-words", type=int, default=None, help="override the contract's 5,000 words (smoke runs)")
-    parser.add_argument("--json", default=str(RESULTS / "sparsity.json"))
-    parser.add_argument("--output", default=str(RESULTS / "sparsity.md"))
+    parser.add_argument("--json", default=None, help="result cache (default: results/sparsity-<model>.json)")
+    parser.add_argument("--output", default=None, help="Markdown (default: results/sparsity-<model>.md)")
     parser.add_argument("--fresh", action="store_true", help="ignore cached results in --json")
     parser.add_argument("--render-only", action="store_true", help="rewrite --output from --json, run nothing")
     args = parser.parse_args(argv)
+    args.json = args.json or str(RESULTS / f"sparsity-{args.model}.json")
+    args.output = args.output or str(RESULTS / f"sparsity-{args.model}.md")
     if args.render_only:
         store = json.loads(Path(args.json).read_text())
-        text = render(store, "")
+        text = render(store, "", Path(args.json).name)
         Path(args.output).write_text(text, encoding="utf-8")
+        write_index(Path(args.output).parent)
         print(text)
         return
     command = "python benchmarks/sparsity.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -424,12 +436,27 @@ def main(argv=None):
     if command not in store.setdefault("commands", []):
         store["commands"].append(command)
         write_json_atomic(store, Path(args.json))
-    text = render(store, command)
+    text = render(store, command, Path(args.json).name)
     out = Path(args.output)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)
+    write_index(out.parent)
     print(text)
+
+
+def write_index(results: Path) -> None:
+    """``sparsity.md``: one line per model page (``sparsity-<model>.md``) with its verdict."""
+    lines = ["# Sparsity benchmark: index", "",
+             "One page per model, each with its commands, tables and findings "
+             "(`python benchmarks/sparsity.py --model <name>` writes `sparsity-<name>.md`).", ""]
+    for page in sorted(results.glob("sparsity-*.md")):
+        text = page.read_text(encoding="utf-8")
+        verdict = next((ln for ln in text.splitlines() if ln.startswith("The PALS paper's direction")), "no PALS run yet")
+        lines.append(f"- [{page.stem.removeprefix('sparsity-')}]({page.name}): {verdict}")
+    tmp = results / ".sparsity.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(results / "sparsity.md")
 
 
 if __name__ == "__main__":

@@ -359,7 +359,7 @@ def run_growth(model, tokenizer, batch_size, seq_len, save, done=()):
 
     add("L = 10 (first 10 blocks)", first_blocks)
     sample = {k: v for k, v in adjacent_plans(full_layers).items() if k[1] in (full_layers // 2, full_layers // 2 + 1)}
-    for prompts in (batch_size, 4 * batch_size):
+    for prompts in (batch_size, 4 * batch_size, 8 * batch_size):
         add(f"prompts = {prompts} (6 probes)", lambda label, p=prompts: growth_row(
             label, model, wikitext_calibration(tokenizer, p, seq_len), sample, batch_size, naive=False))
     add(f"T = {seq_len // 4}", lambda label: growth_row(
