@@ -101,6 +101,10 @@ DEFAULT_MAX_MEMORY = 1 << 30
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
 
+#: Fewest positions per head/KL block for which the whole vocabulary is kept in one slice
+#: when the default block does not fit the budget; below it the vocabulary is sliced.
+MIN_WHOLE_VOCAB_CHUNK = 128
+
 #: Bytes of one row-block of log-softmax temporaries in the KL (kept cache-sized).
 _KL_SUB_BYTES = 1 << 21
 
@@ -672,8 +676,13 @@ class _Engine:
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
         if self.head.sliceable:
             if vocab_chunk is None:
+                fit = head_budget // (8 * vocab)  # positions whose whole-vocabulary block fits
                 if 8 * rows * vocab <= head_budget:
                     vocab_chunk = vocab
+                elif kl_chunk is None and fit >= MIN_WHOLE_VOCAB_CHUNK:
+                    # fewer positions, whole vocabulary: one head GEMM and one fp32 log-softmax per
+                    # block, the arithmetic of the naive computation, instead of two passes over slices
+                    rows, vocab_chunk = fit, vocab
                 else:
                     width = max(1, head_budget // (16 * rows))
                     vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
@@ -1103,11 +1112,13 @@ def plan_kl(
             and KL in blocks of real positions x vocabulary entries; ``False``: take the
             model's own full ``(B, T, V)`` logits and :func:`masked_kl` (more memory).
         kl_chunk: real positions per head/KL block. Default: ``min(1024, batch_size *
-            seq_len)``, for a head that cannot be sliced (not a plain ``nn.Linear`` in
-            memory) also at most ``0.6 * max_memory / (12 * vocab)``.
+            seq_len)``; when that block of the whole vocabulary (8 bytes per position and
+            entry) exceeds ``0.6 * max_memory``, the most positions that fit, if at least
+            :data:`MIN_WHOLE_VOCAB_CHUNK` (always, for a head that cannot be sliced).
         vocab_chunk: vocabulary entries per block (sliceable heads only). Default: the
-            vocabulary split into the fewest equal slices with
-            ``12 * kl_chunk * vocab_chunk <= 0.6 * max_memory`` bytes.
+            whole vocabulary, unless even :data:`MIN_WHOLE_VOCAB_CHUNK` positions of it do
+            not fit (or ``kl_chunk`` is given); then the vocabulary split into the fewest
+            equal slices with ``16 * kl_chunk * vocab_chunk <= 0.6 * max_memory`` bytes.
         max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights;
             default :data:`DEFAULT_MAX_MEMORY` (1 GiB).
         dtype: ``None`` (the model's dtype) or ``torch.bfloat16``/``torch.float16`` to run

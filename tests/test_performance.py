@@ -183,6 +183,35 @@ def test_memory_budget_sets_chunk_and_batch():
         plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)}, batch_size=0)
 
 
+def test_large_vocabulary_keeps_whole_vocabulary_blocks_of_fewer_positions(monkeypatch):
+    """When a block of the default positions x the whole vocabulary exceeds the budget,
+    fewer positions keep the whole vocabulary (the naive fp32 arithmetic, one head pass);
+    the vocabulary is sliced only when even the minimum of positions does not fit."""
+    from conftest import tiny_config
+
+    cfg = tiny_config("llama", 4)
+    cfg.vocab_size = 8192
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(0, 8192, (8, 12), generator=torch.Generator().manual_seed(0))
+    calib = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1)}
+    whole, stats = plan_kl(model, calib, plans, batch_size=8)
+    assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] == 8192
+    # 4 MiB: 0.6 x budget / (8 bytes x 8192 entries) = 38 positions fit with the whole vocabulary
+    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 32)
+    fewer, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
+    assert stats["kl_chunk_positions"] == int(0.6 * 4 * 2**20) // (8 * 8192) == 38
+    assert stats["kl_chunk_vocab"] == 8192 and "whole vocabulary, fp32" in stats["kl_streaming"]
+    assert stats["head_rows"] == 96 * (1 + len(plans))  # one head pass per probe and the reference
+    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 64)  # 38 < 64: slices instead
+    sliced, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
+    assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] < 8192
+    assert "vocabulary slices" in stats["kl_streaming"] and set(sliced) == set(plans)
+    for name in plans:  # same arithmetic on fewer positions per block
+        assert torch.allclose(fewer[name], whole[name], rtol=1e-6, atol=0), name
+
+
 def test_bf16_autocast_keeps_weights_and_fp32_softmax():
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
