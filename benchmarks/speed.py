@@ -506,7 +506,7 @@ def findings(results: dict, models: list[dict]) -> list[str]:
         limit = r["model_bytes"] + 1.5 * 2**30
 
         def verdict(ok, miss):
-            return "met" if ok else f"missed by {miss:.0%}"
+            return "met" if ok else f"missed by {miss:.0%}" if miss >= 0.01 else f"missed by {miss:.1%}"
 
         out.append(
             f"- **{r['model']}** (compared on {r['batches_done']} of {r['batches_total']} batches, "

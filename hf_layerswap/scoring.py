@@ -895,6 +895,7 @@ class _Engine:
                 for a, b in _row_blocks(*logits.shape):
                     kl[a:b] = _kl_rows(ref_lp[a:b], logits[a:b])
                 out.append(kl)
+                del logits  # else the next probe's logits are made while these are still held
             return out
         self.stats["head_rows"] += ref_rows.shape[0] * (2 + len(rows))
         # pass 1: the reference log-sum-exp over the whole vocabulary
