@@ -101,6 +101,10 @@ DEFAULT_MAX_MEMORY = 1 << 30
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
 
+#: Share of ``max_memory`` a head/KL block (logits, log-probabilities) may take; the rest
+#: covers the held final hidden states of probe groups, activations and allocator slack.
+HEAD_BUDGET_FRACTION = 0.4
+
 #: Fewest positions per head/KL block for which the whole vocabulary is kept in one slice
 #: when the default block does not fit the budget; below it the vocabulary is sliced.
 MIN_WHOLE_VOCAB_CHUNK = 128
@@ -664,7 +668,8 @@ class _Engine:
         return batch_size
 
     def _kl_chunks(self, kl_chunk, vocab_chunk) -> tuple[int, int]:
-        """(positions, vocabulary entries) per head/KL block, kept under 0.6 x the budget:
+        """(positions, vocabulary entries) per head/KL block, kept under
+        :data:`HEAD_BUDGET_FRACTION` of the budget:
         one slice (the whole vocabulary) holds reference log-probs and probe logits, 8
         bytes per position and entry; several hold fp32 reference logits, float64
         reference probabilities and fp32 probe logits, 16 bytes."""
@@ -672,7 +677,7 @@ class _Engine:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: must be an int >= 1")
         vocab = self.head.vocab
-        head_budget = int(0.6 * self.budget)
+        head_budget = int(HEAD_BUDGET_FRACTION * self.budget)
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
         if self.head.sliceable:
             if vocab_chunk is None:
@@ -1114,12 +1119,13 @@ def plan_kl(
             model's own full ``(B, T, V)`` logits and :func:`masked_kl` (more memory).
         kl_chunk: real positions per head/KL block. Default: ``min(1024, batch_size *
             seq_len)``; when that block of the whole vocabulary (8 bytes per position and
-            entry) exceeds ``0.6 * max_memory``, the most positions that fit, if at least
+            entry) exceeds ``0.4 * max_memory``, the most positions that fit, if at least
             :data:`MIN_WHOLE_VOCAB_CHUNK` (always, for a head that cannot be sliced).
         vocab_chunk: vocabulary entries per block (sliceable heads only). Default: the
             whole vocabulary, unless even :data:`MIN_WHOLE_VOCAB_CHUNK` positions of it do
             not fit (or ``kl_chunk`` is given); then the vocabulary split into the fewest
-            equal slices with ``16 * kl_chunk * vocab_chunk <= 0.6 * max_memory`` bytes.
+            equal slices with ``16 * kl_chunk * vocab_chunk <= 0.4 * max_memory`` bytes
+            (:data:`HEAD_BUDGET_FRACTION`).
         max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights;
             default :data:`DEFAULT_MAX_MEMORY` (1 GiB).
         dtype: ``None`` (the model's dtype) or ``torch.bfloat16``/``torch.float16`` to run

@@ -169,10 +169,11 @@ def test_memory_budget_sets_chunk_and_batch():
     model = tiny_model("llama")  # vocab 128
     calib = build_calibration(tiny_batch(batch=6, length=12))
     _, stats = plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)}, max_memory="1MiB", kl_chunk=1024)
-    # the whole vocabulary needs 8 * 1024 * 128 bytes = 1 MiB > 0.6 MiB; sliced: fp32 reference logits,
+    # the whole vocabulary needs 8 * 1024 * 128 bytes = 1 MiB > 0.4 MiB; sliced: fp32 reference logits,
     # float64 probabilities, fp32 probe logits = 16 bytes per position and vocabulary entry:
-    # floor(0.6 * 2**20 / (16 * 1024)) = 38 entries -> 4 slices of the 128 -> 32 per slice
-    assert stats["kl_chunk_vocab"] == 32 and stats["kl_chunk_positions"] == 1024
+    # floor(0.4 * 2**20 / (16 * 1024)) = 25 entries -> 6 slices of the 128 -> 22 per slice
+    assert scoring.HEAD_BUDGET_FRACTION == 0.4
+    assert stats["kl_chunk_vocab"] == 22 and stats["kl_chunk_positions"] == 1024
     assert stats["max_memory"] == 2**20
     _, stats = plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)})
     assert stats["kl_chunk_positions"] == 8 * 12  # one chunk holds a whole batch (8 prompts x 12 tokens)
@@ -198,13 +199,13 @@ def test_large_vocabulary_keeps_whole_vocabulary_blocks_of_fewer_positions(monke
     plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1)}
     whole, stats = plan_kl(model, calib, plans, batch_size=8)
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] == 8192
-    # 4 MiB: 0.6 x budget / (8 bytes x 8192 entries) = 38 positions fit with the whole vocabulary
-    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 32)
+    # 4 MiB: 0.4 x budget / (8 bytes x 8192 entries) = 25 positions fit with the whole vocabulary
+    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 16)
     fewer, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
-    assert stats["kl_chunk_positions"] == int(0.6 * 4 * 2**20) // (8 * 8192) == 38
+    assert stats["kl_chunk_positions"] == int(0.4 * 4 * 2**20) // (8 * 8192) == 25
     assert stats["kl_chunk_vocab"] == 8192 and "whole vocabulary, fp32" in stats["kl_streaming"]
     assert stats["head_rows"] == 96 * (1 + len(plans))  # one head pass per probe and the reference
-    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 64)  # 38 < 64: slices instead
+    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 32)  # 25 < 32: slices instead
     sliced, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] < 8192
     assert "vocabulary slices" in stats["kl_streaming"] and set(sliced) == set(plans)
