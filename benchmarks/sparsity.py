@@ -396,9 +396,9 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     seeds = sorted({r["seed"] for r in runs.values()})
     out += [
         "",
-        f"Scope: one model, sparsity {settings['sparsity']:g}, calibration seeds {seeds} (not every cell has all of "
+        f"Scope: this model at sparsity {settings['sparsity']:g}, calibration seeds {seeds} (not every cell has all of "
         "them: see the tables). Not run here (shared 2-core CPU): "
-        + ", ".join(missing + ["other models and sparsities (separate runs of this script)", "9 seeds per cell"])
+        + ", ".join(missing + ["other sparsities (separate runs of this script)", "9 seeds per cell"])
         + ".",
     ]
     return out
