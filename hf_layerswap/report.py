@@ -66,8 +66,12 @@ def default_mode(path: str | os.PathLike) -> None:
     """Give a file or folder made by ``tempfile`` (mode 0600/0700) the permissions an
     ordinary ``open``/``mkdir`` would have given it (0666/0777 less the umask), so
     atomically written results are as readable as any other file the user writes."""
-    mask = os.umask(0)
-    os.umask(mask)
+    try:  # Linux: read the umask without changing it (other threads may be creating files)
+        with open("/proc/self/status", encoding="ascii") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
     os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
 
 
