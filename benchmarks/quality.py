@@ -24,6 +24,11 @@ Writes ``benchmarks/results/quality-<model>.md`` (command, contract, table, winn
 protocol gap), ``quality-<model>.png`` (dPPL% vs n per criterion) and
 ``quality-<model>.json`` (every number; also the resumable state: a crashed run restarts
 where it stopped, and extra budgets reuse what is done).
+
+A long run splits over processes: run disjoint ``--criteria`` with their own ``--results``
+folders (only one of them with ``--max-gap`` above 1), then run once more with every
+criterion and ``--merge-from`` their ``quality-<model>.json`` files; that run recomputes
+nothing the pieces finished.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from hf_layerswap.baselines import (  # noqa: E402
     DEFAULT_CRITERIA,
     CriterionComparison,
     compare_criteria,
+    merge_criteria_states,
     merge_reports,
     protocol_gap_quartiles,
 )
@@ -254,6 +260,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-words", type=int, default=None, help="override the contract's 5,000 words (smoke tests only)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core machine)")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--merge-from", type=Path, nargs="+", default=[], metavar="STATE",
+                   help="first merge these state files (runs of disjoint --criteria, e.g. in parallel processes "
+                        "with their own --results) into this run's state")
     args = p.parse_args(argv)
     if args.index_only:
         write_index(args.results)
@@ -272,6 +281,12 @@ def main(argv=None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"quality-{args.model}"
     state_path = stem.with_suffix(".json")
+    if args.merge_from:
+        sources = ([state_path] if state_path.is_file() else []) + list(args.merge_from)
+        merged = merge_criteria_states(sources, state_path)
+        merged["merged_runs"] = len(sources)
+        write_json_atomic(merged, state_path)
+        log(f"merged {len(sources)} state files into {state_path.name}")
     options = {"random": {"draws": args.random_draws, "seed": 0},
                "interchange_beam": {"evaluator": args.beam_evaluator, "width": 3, "seed_size": 12}}
     table = compare_criteria(
@@ -321,8 +336,18 @@ def main(argv=None) -> int:
 
 
 def command(argv) -> str:
-    args = sys.argv[1:] if argv is None else list(argv)
-    return "python benchmarks/quality.py " + " ".join(shlex.quote(a) for a in args)
+    """The command line, less ``--merge-from`` and its local state paths: the single-process
+    command that gives the same results."""
+    args, kept, skipping = sys.argv[1:] if argv is None else list(argv), [], False
+    for a in args:
+        if a == "--merge-from" or a.startswith("--merge-from="):
+            skipping = a == "--merge-from"
+            continue
+        if skipping and not a.startswith("-"):
+            continue
+        skipping = False
+        kept.append(a)
+    return "python benchmarks/quality.py " + " ".join(shlex.quote(a) for a in kept)
 
 
 def environment(args) -> dict:
@@ -344,6 +369,9 @@ def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv
         command(argv),
         "```",
         "",
+        *([f"(Run as {state['merged_runs']} processes over disjoint criteria, their states merged with "
+           "`--merge-from`; the pieces are cached, so the command above reproduces the same numbers.)", ""]
+          if state.get("merged_runs") else []),
         f"- Model: `{ident.get('name')}`, weights {ident.get('revision')} (dequantized to fp32), {num_layers} "
         "decoder blocks, layers 0-based.",
         f"- Machine: {env['platform']}, {env['cpu_count']} CPU cores, torch threads {env['torch_threads']}; "

@@ -54,6 +54,9 @@ CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 RESULTS = REPO / "benchmarks" / "results"
 
+#: The target sparsities the benchmark covers (a page names those without runs).
+ISSUE_LEVELS = (0.5, 0.6)
+
 # two-sided 97.5% Student t quantiles for small samples (df -> t)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -212,22 +215,30 @@ def run(args) -> dict:
     return store
 
 
+def levels(store: dict) -> list[float]:
+    """The target sparsities with cached runs under the last run's calibration size and
+    evaluation contract, ascending."""
+    settings = store["settings"]
+    found = set()
+    for key, r in store["runs"].items():
+        level = float(key.split("|")[4].removeprefix("s"))
+        if key == config_key(r["pattern"], r["allocation"], r["method"], r["seed"], {**settings, "sparsity": level}):
+            found.add(level)
+    return sorted(found)
+
+
 def render(store: dict, command: str, json_name: str) -> str:
+    """The model's page: one header, then one section per target sparsity."""
     settings = store["settings"]
     dense = PerplexityResult.from_dict(store[f"dense|words{settings['eval_words']}"]["ppl"])
-    runs = {
-        key: r
-        for key, r in store["runs"].items()
-        if key == config_key(r["pattern"], r["allocation"], r["method"], r["seed"], settings)
-    }
-    order = ["uniform", "pals", "owl", "random", "gradient"]
-
-    def row_order(item):
-        r = item[1]
-        name = parse_allocation(r["allocation"])[0]
-        return (r["pattern"] is not None, r["pattern"] or "", order.index(name), r["allocation"], r["method"], r["seed"])
-
-    runs = dict(sorted(runs.items(), key=row_order))
+    done = levels(store)
+    sections = [level_section(store, {**settings, "sparsity": level}, dense) for level in done]
+    not_run = [f"{level:g}" for level in ISSUE_LEVELS if level not in done]
+    any_run = next(r for r in store["runs"].values()
+                   if r["report"]["calibration"]["num_prompts"] == settings["num_prompts"])
+    calib = any_run["report"]["calibration"]
+    opts = any_run["report"]["options"]
+    contract = dense.contract
     lines = [
         "# Sparsity benchmark: layerwise allocation for one-shot pruning",
         "",
@@ -236,17 +247,14 @@ def render(store: dict, command: str, json_name: str) -> str:
         "```",
         "",
         f"(Each command adds configurations; results are cached per configuration in `{json_name}`, and this "
-        "file shows every cached run with the same sparsity, calibration size and evaluation contract.)",
+        "file shows every cached run with the same calibration size and evaluation contract, one section per "
+        "target sparsity.)",
         "",
-        f"Model: {describe_model(store['model'])}. Target sparsity {settings['sparsity']:g} of every "
-        "`nn.Linear` weight inside the decoder blocks (embeddings, norms and LM head dense).",
+        f"Model: {describe_model(store['model'])}. The target sparsity applies to every "
+        "`nn.Linear` weight inside the decoder blocks (embeddings, norms and LM head dense). Target sparsities "
+        f"run: {', '.join(f'{level:g}' for level in done)}"
+        + (f" (not yet: {', '.join(not_run)})." if not_run else "."),
         "",
-    ]
-    any_run = next(iter(runs.values()))
-    calib = any_run["report"]["calibration"]
-    opts = any_run["report"]["options"]
-    contract = dense.contract
-    lines += [
         f"Calibration: WikiText-2 validation paragraphs shuffled with the seed, {calib['num_prompts']} prompts "
         f"truncated to {settings['seq_len']} tokens ({calib['num_tokens']} real tokens for seed "
         f"{any_run['seed']}); statistics for the allocators from the dense model, pruning block by block "
@@ -265,6 +273,28 @@ def render(store: dict, command: str, json_name: str) -> str:
         f"parameter-weighted budget; OWL M = {opts['owl_m']:g}, lambda = {opts['owl_lambda']:g} (reference "
         f"mapping); random U(-delta, delta) offsets, seed {opts['seed']}, exact budget. Per-block statistics: "
         "see the JSON file.",
+        "",
+    ]
+    return "\n".join(lines + [line for section in sections for line in section])
+
+
+def level_section(store: dict, settings: dict, dense: PerplexityResult) -> list[str]:
+    """Tables, findings and per-block targets of the runs at ``settings['sparsity']``."""
+    runs = {
+        key: r
+        for key, r in store["runs"].items()
+        if key == config_key(r["pattern"], r["allocation"], r["method"], r["seed"], settings)
+    }
+    order = ["uniform", "pals", "owl", "random", "gradient"]
+
+    def row_order(item):
+        r = item[1]
+        name = parse_allocation(r["allocation"])[0]
+        return (r["pattern"] is not None, r["pattern"] or "", order.index(name), r["allocation"], r["method"], r["seed"])
+
+    runs = dict(sorted(runs.items(), key=row_order))
+    lines = [
+        f"## Sparsity {settings['sparsity']:g}",
         "",
         "| pattern | allocation | method | calib seed | achieved sparsity | block targets min-max | PPL [95% CI] "
         "| dPPL% vs dense | vs uniform, same seed: dPPL% [paired 95% CI] | sparsify s |",
@@ -325,12 +355,12 @@ def render(store: dict, command: str, json_name: str) -> str:
                 + ", ".join(f"{b.statistic:.4g}" for b in rep.blocks)
             )
     lines += [""]
-    return "\n".join(lines)
+    return lines
 
 
 def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     """Plain statements computed from the runs: does PALS beat uniform, and what was not run."""
-    out = ["## Findings", ""]
+    out = [f"### Findings at sparsity {settings['sparsity']:g}", ""]
     for (pattern, allocation, method), by_seed in groups.items():
         uni = groups.get((pattern, "uniform", method), {})
         common = sorted(set(by_seed) & set(uni))
@@ -398,7 +428,7 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
         "",
         f"Scope: this model at sparsity {settings['sparsity']:g}, calibration seeds {seeds} (not every cell has all of "
         "them: see the tables). Not run here (shared 2-core CPU): "
-        + ", ".join(missing + ["other sparsities (separate runs of this script)", "9 seeds per cell"])
+        + ", ".join(missing + ["9 seeds per cell"])
         + ".",
     ]
     return out
@@ -452,7 +482,8 @@ def write_index(results: Path) -> None:
              "(`python benchmarks/sparsity.py --model <name>` writes `sparsity-<name>.md`).", ""]
     for page in sorted(results.glob("sparsity-*.md")):
         text = page.read_text(encoding="utf-8")
-        verdict = next((ln for ln in text.splitlines() if ln.startswith("The PALS paper's direction")), "no PALS run yet")
+        verdicts = [ln for ln in text.splitlines() if ln.startswith("The PALS paper's direction")]
+        verdict = " ".join(verdicts) if verdicts else "no PALS run yet"
         lines.append(f"- [{page.stem.removeprefix('sparsity-')}]({page.name}): {verdict}")
     tmp = results / ".sparsity.md.tmp"
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")

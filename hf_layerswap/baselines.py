@@ -91,6 +91,7 @@ __all__ = [
     "block_influence",
     "compare_criteria",
     "interchange_beam",
+    "merge_criteria_states",
     "merge_reports",
     "plan_nll",
     "protocol_gap_quartiles",
@@ -1362,3 +1363,62 @@ def compare_criteria(
         reports={"shared": report.to_dict()} if report is not None else {k: r.to_dict() for k, r in reports.items()},
         evaluation_seconds={k: state.get("ppl_seconds", {}).get(k) for k in all_sets},
     )
+
+
+#: Parts of a :func:`compare_criteria` state that several runs can fill independently.
+_MERGED_STATE_PARTS = ("ppl", "ppl_seconds", "removal_kl", "reports", "extras")
+
+
+def merge_criteria_states(sources: Sequence, destination) -> dict:
+    """Merge :func:`compare_criteria` state files written by separate runs of the same
+    comparison (same model, calibration, evaluation text, contract and options), e.g.
+    disjoint ``criteria`` run in parallel processes, into one state file that a final
+    ``compare_criteria`` call with every criterion resumes from.
+
+    Selections merge per criterion and budget; perplexities, removal KLs, swap-KL reports
+    and any ``extras`` merge per key. Where two sources hold the same entry, the first
+    source's is kept (every entry is a deterministic function of the fingerprint).
+    Run-level summaries (``comparison``, ``command``, ...) are not carried over.
+
+    Args:
+        sources: paths of state files (at least one); ``destination`` may be one of them.
+        destination: path of the merged state, written atomically.
+
+    Returns:
+        The merged state (the JSON object written).
+
+    Raises:
+        ValueError: no sources, a file that is not a compare_criteria state, or states
+            recorded for different fingerprints.
+        FileNotFoundError: a missing source.
+    """
+    paths = [Path(s) for s in sources]
+    if not paths:
+        raise ValueError("merge_criteria_states needs at least one source state file")
+    merged = None
+    for path in paths:
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not a compare_criteria state file: {err}") from err
+        if not isinstance(state, dict) or state.get("format") != "hf_layerswap.compare_criteria/1":
+            raise ValueError(f"{path} is not a compare_criteria state file (format hf_layerswap.compare_criteria/1)")
+        if merged is None:
+            merged = {"format": state["format"], "fingerprint": state["fingerprint"], "criteria": {},
+                      **{part: {} for part in _MERGED_STATE_PARTS}}
+        elif state.get("fingerprint") != merged["fingerprint"]:
+            raise ValueError(
+                f"{path} was recorded for {state.get('fingerprint')}, not {merged['fingerprint']} "
+                f"(from {paths[0]}): only states of the same comparison merge"
+            )
+        for name, per_n in state.get("criteria", {}).items():
+            target = merged["criteria"].setdefault(name, {})
+            for n, result in per_n.items():
+                target.setdefault(n, result)
+        for part in _MERGED_STATE_PARTS:
+            for key, value in state.get(part, {}).items():
+                merged[part].setdefault(key, value)
+    merged["criteria"] = {name: dict(sorted(per_n.items(), key=lambda kv: int(kv[0])))
+                          for name, per_n in merged["criteria"].items()}
+    write_json_atomic(merged, destination)
+    return merged

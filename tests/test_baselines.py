@@ -376,6 +376,48 @@ def test_compare_criteria_table_resume_and_eval_text_isolation(harness_setup, tm
                            evaluation_options=EVAL_OPTS, state_path=state)
 
 
+def test_states_of_parallel_runs_merge_into_one_comparison(harness_setup, tmp_path, monkeypatch):
+    """Disjoint criteria run in separate processes (separate state files) merge into a
+    state from which the full comparison resumes without recomputing, with the rows a
+    single run produces."""
+    model, tok, calib, text = harness_setup
+    kwargs = dict(eval_text=text, tokenizer=tok, evaluation_options=EVAL_OPTS, batch_size=2,
+                  options={"random": {"draws": 2, "seed": 0}})
+    first, second = ("block_influence", "random"), ("tail", "interchange")
+    B.compare_criteria(model, calib, [1, 2], criteria=first, state_path=tmp_path / "a.json", **kwargs)
+    B.compare_criteria(model, calib, [1], criteria=second, state_path=tmp_path / "b.json", **kwargs)
+    B.compare_criteria(model, calib, [2], criteria=second, state_path=tmp_path / "c.json", **kwargs)
+    merged = B.merge_criteria_states([tmp_path / n for n in ("a.json", "b.json", "c.json")], tmp_path / "m.json")
+    assert sorted(merged["criteria"]) == sorted(first + second)
+    assert list(merged["criteria"]["tail"]) == ["1", "2"]  # both budgets, in order
+    assert sorted(merged["reports"]) == ["interchange"]
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed although the merged state has it")
+
+    monkeypatch.setattr("hf_layerswap.evaluation.evaluate_perplexity", boom)
+    monkeypatch.setattr(B, "_removal_kl_values", boom)
+    monkeypatch.setattr(B, "_score", boom)
+    resumed = B.compare_criteria(model, calib, [1, 2], criteria=first + second, state_path=tmp_path / "m.json",
+                                 **kwargs)
+    monkeypatch.undo()
+    single = B.compare_criteria(model, calib, [1, 2], criteria=first + second, **kwargs)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(resumed.rows) == strip(single.rows)
+
+    # states of another comparison, or files that are not states, are refused by name
+    B.compare_criteria(model, calib, [1], criteria=("tail",), eval_text=text[::-1], tokenizer=tok,
+                       evaluation_options=EVAL_OPTS, state_path=tmp_path / "other.json")
+    with pytest.raises(ValueError, match="other.json was recorded for"):
+        B.merge_criteria_states([tmp_path / "a.json", tmp_path / "other.json"], tmp_path / "x.json")
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="junk.json is not a compare_criteria state"):
+        B.merge_criteria_states([tmp_path / "junk.json"], tmp_path / "x.json")
+    with pytest.raises(ValueError, match="at least one"):
+        B.merge_criteria_states([], tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_compare_criteria_killed_while_scoring_keeps_finished_probes(harness_setup, tmp_path, monkeypatch):
     """A run killed in the middle of a protocol's scoring resumes from the probes it
     finished (kept beside the state file) and ends with the uninterrupted report."""
