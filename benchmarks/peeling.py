@@ -59,6 +59,8 @@ import torch  # noqa: E402
 
 from train_tiny import sample_paragraphs, split_data, train, wikitext_articles  # noqa: E402
 
+from hf_layerswap.report import write_text_atomic  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 DATA = REPO.parent / "shared" / "data"
 VALID = DATA / "wikitext-2" / "valid.txt"
@@ -118,19 +120,6 @@ def merged(linear, deletion):
         metadata["timings_deletion"] = dict(deletion.metadata["timings"])
     return PeelReport(linear.num_layers, linear.base_ce, linear.base_ce_ci, linear.probes + deletion.probes,
                       settings, metadata)
-
-
-def write_text_atomic(text: str, path: Path) -> Path:
-    """Write ``text`` through a temporary file in the same folder, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
 
 
 def shown(path: Path) -> str:

@@ -61,7 +61,7 @@ from hf_layerswap.baselines import (  # noqa: E402
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model, model_identity  # noqa: E402
 from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
-from hf_layerswap.report import PairResult, SwapReport, write_json_atomic  # noqa: E402
+from hf_layerswap.report import PairResult, SwapReport, atomic_path, write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.scoring import library_versions, plan_kl  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -239,10 +239,9 @@ def plot(table: CriterionComparison, path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -419,9 +418,7 @@ def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv
         "All numbers, per-window NLLs and per-criterion details: "
         f"[`{path.with_suffix('.json').name}`]({path.with_suffix('.json').name}).",
     ]
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic("\n".join(lines) + "\n", path)
 
 
 def write_index(results: Path) -> None:
@@ -461,9 +458,7 @@ def write_index(results: Path) -> None:
                     cells.append(f"{r['dppl']:+.1f} {fmt_set(r['removed'])}")
             lines.append(f"| {LABELS.get(crit, crit)} | " + " | ".join(cells) + " |")
         lines.append("")
-    tmp = results / "quality.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, results / "quality.md")
+    write_text_atomic("\n".join(lines) + "\n", results / "quality.md")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_pe
 from hf_layerswap.models import load_model, model_identity  # noqa: E402
 from hf_layerswap.plan import num_blocks  # noqa: E402
 from hf_layerswap.recovery import DEFAULT_EPSILON, recover  # noqa: E402
-from hf_layerswap.report import SwapReport, write_json_atomic  # noqa: E402
+from hf_layerswap.report import SwapReport, write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.scoring import library_versions, score_layers  # noqa: E402
 from hf_layerswap.selection import select_layers  # noqa: E402
 
@@ -262,10 +262,7 @@ def write_markdown(results: list[dict], args, path: Path, command: str) -> None:
         lines += ["", "Where recovery does not help (or not clearly):", ""]
         lines += [f"- {note}" for note in notes] or ["- recovery lowered dPPL in every row, outside the overlap of intervals."]
         lines.append("")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic("\n".join(lines), path)
 
 
 def main(argv=None) -> None:
@@ -305,6 +302,8 @@ def main(argv=None) -> None:
             continue
         results.append(stored["result"])
         commands.append(stored["command"])
+    if not results:  # never replace a page with an empty one
+        raise SystemExit(f"no recovery-*.json beside {out} was run with these settings {settings}: nothing rendered")
     write_markdown(results, args, out, "`; `".join(dict.fromkeys(commands)))
     print(f"wrote {out} from {', '.join(r['model'] for r in results)}")
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from hf_layerswap.calibration import build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model, model_identity  # noqa: E402
-from hf_layerswap.report import write_json_atomic  # noqa: E402
+from hf_layerswap.report import write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -457,7 +457,7 @@ def main(argv=None):
     if args.render_only:
         store = json.loads(Path(args.json).read_text())
         text = render(store, "", Path(args.json).name)
-        Path(args.output).write_text(text, encoding="utf-8")
+        write_text_atomic(text, args.output)
         write_index(Path(args.output).parent)
         print(text)
         return
@@ -467,11 +467,7 @@ def main(argv=None):
         store["commands"].append(command)
         write_json_atomic(store, Path(args.json))
     text = render(store, command, Path(args.json).name)
-    out = Path(args.output)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)
-    write_index(out.parent)
+    write_index(write_text_atomic(text, args.output).parent)
     print(text)
 
 
@@ -485,9 +481,7 @@ def write_index(results: Path) -> None:
         verdicts = [ln for ln in text.splitlines() if ln.startswith("The PALS paper's direction")]
         verdict = " ".join(verdicts) if verdicts else "no PALS run yet"
         lines.append(f"- [{page.stem.removeprefix('sparsity-')}]({page.name}): {verdict}")
-    tmp = results / ".sparsity.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tmp.replace(results / "sparsity.md")
+    write_text_atomic("\n".join(lines) + "\n", results / "sparsity.md")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
+from hf_layerswap.report import write_text_atomic  # noqa: E402
 from hf_layerswap.scoring import _Head, library_versions, plan_kl, swap_plans  # noqa: E402
 
 VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -495,9 +496,7 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
                      f"{g['head_seconds']:.3f}", gib(g["ours_peak_rss"])]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Findings", "", *findings(results, models), ""]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
+    write_text_atomic("\n".join(lines), path)
 
 
 def findings(results: dict, models: list[dict]) -> list[str]:
@@ -581,7 +580,7 @@ def main(argv=None):
             results["growth"] = growth
         results["total_seconds"] = time.perf_counter() - t0
         results["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        write_text_atomic(json.dumps(results, indent=1, default=str), out.with_suffix(".json"))
         write_markdown(out, command, results)
 
     def publish(rec):

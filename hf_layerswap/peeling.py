@@ -64,7 +64,16 @@ from torch import nn
 from .calibration import CalibrationSet, build_calibration, embedded_text, split_paragraphs
 from .plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
 from .recovery import _Moments, ridge_toward_identity
-from .report import SwapReport, _decode_tree, _encode_tree, decode_float, encode_float, write_json_atomic
+from .report import (
+    SwapReport,
+    _decode_tree,
+    _encode_tree,
+    atomic_path,
+    decode_float,
+    encode_float,
+    write_json_atomic,
+    write_text_atomic,
+)
 from .scoring import library_versions, model_identity
 
 __all__ = [
@@ -929,16 +938,9 @@ def _write_png(fig, path: str | os.PathLike) -> Path:
     """Save through a temporary file in the same folder, then rename."""
     from .card import _save
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
+    with atomic_path(path, suffix=".png") as tmp:
         _save(fig, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return Path(path)
 
 
 def peel_plot(report: PeelReport, path: str | os.PathLike, *, reference: str = "linear") -> Path:
@@ -1353,11 +1355,7 @@ def run_peel(args) -> int:
         if args.plot:
             trajectory_plot(traj, args.plot)
     if args.table:
-        path = Path(args.table)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(table, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(table, args.table)
     print(table)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

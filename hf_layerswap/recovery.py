@@ -58,7 +58,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import types
 import warnings
 from collections.abc import Sequence
@@ -70,7 +69,7 @@ from torch import nn
 
 from .calibration import CalibrationSet, build_calibration
 from .plan import capture_residual_stream, decoder_blocks, resolve_layer_indices
-from .report import decode_float, default_mode, encode_float, write_json_atomic
+from .report import atomic_path, decode_float, encode_float, write_json_atomic
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -651,17 +650,9 @@ def save_recovery(model: nn.Module, directory: str | os.PathLike) -> Path:
     tensors = {f"boundary_{b}": op.weight.detach().to("cpu", torch.float32).contiguous() for b, op in ops}
     metadata = {"format": _FILE_FORMAT, "method": "ghosted", "boundaries": json.dumps([b for b, _ in ops])}
     target = directory / RECOVERY_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{RECOVERY_FILE}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        default_mode(tmp)
-        save_file(tensors, tmp, metadata=metadata)
-        digest = _sha256(Path(tmp))
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(target) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        digest = _sha256(tmp)
     record["sha256"] = digest
     model.config.layerswap["recovery"]["sha256"] = digest
     config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -13,16 +13,28 @@ E_x is the mean over real tokens of each prompt, then the mean over prompts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
 import os
 import statistics
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-__all__ = ["PROTOCOLS", "PairResult", "SwapReport", "decode_float", "encode_float", "set_key", "write_json_atomic"]
+__all__ = [
+    "PROTOCOLS",
+    "PairResult",
+    "SwapReport",
+    "atomic_path",
+    "decode_float",
+    "encode_float",
+    "set_key",
+    "write_json_atomic",
+    "write_text_atomic",
+]
 
 PROTOCOLS = ("replacement", "interchange")
 _PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")
@@ -75,22 +87,37 @@ def default_mode(path: str | os.PathLike) -> None:
     os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
 
 
-def write_json_atomic(data, path: str | os.PathLike) -> Path:
-    """Write JSON to ``path`` through a temporary file in the same folder, then rename."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = ".tmp") -> Iterator[Path]:
+    """Context manager for an all-or-nothing write of ``path``: yields a temporary file in
+    the same folder (name ending in ``suffix``, e.g. ``".png"`` for writers that read the
+    format from it) for the caller to write; on a normal exit it replaces ``path`` with
+    one ``os.replace``, on any exception (including KeyboardInterrupt) it is removed and
+    ``path`` is left as it was. The file gets ordinary permissions (:func:`default_mode`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
     try:
         default_mode(tmp)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, allow_nan=False)
-            fh.write("\n")
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` all or nothing (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json_atomic(data, path: str | os.PathLike) -> Path:
+    """Write ``data`` as indented JSON (no NaN/Infinity literals: ValueError) all or nothing."""
+    return write_text_atomic(json.dumps(data, indent=2, allow_nan=False) + "\n", path)
 
 
 @dataclass

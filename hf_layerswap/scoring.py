@@ -53,7 +53,6 @@ import math
 import os
 import platform
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -75,7 +74,7 @@ from .plan import (
     removal_plan,
     replacement_plan,
 )
-from .report import PROTOCOLS, PairResult, SwapReport, default_mode, write_json_atomic
+from .report import PROTOCOLS, PairResult, SwapReport, atomic_path, write_json_atomic
 
 __all__ = [
     "AdaptiveBudget",
@@ -549,18 +548,10 @@ class _Checkpoint:
 
     def save(self, batch: int, rank: int, group: int, keys: list[tuple[int, ...]], values: torch.Tensor) -> None:
         name = f"part-b{batch:06d}-r{rank:04d}-g{group:05d}.pt"
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.path)
-        try:
-            default_mode(tmp)
-            with os.fdopen(fd, "wb") as fh:
-                torch.save({"batch": batch, "plans": [list(k) for k in keys], "values": values.cpu()}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path / name)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_path(self.path / name) as tmp, open(tmp, "wb") as fh:
+            torch.save({"batch": batch, "plans": [list(k) for k in keys], "values": values.cpu()}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 # ----------------------------------------------------------------------------- engine

@@ -20,7 +20,7 @@ from conftest import tiny_batch, tiny_model
 from hf_layerswap import baselines as B
 from hf_layerswap.calibration import build_calibration, embedded_text
 from hf_layerswap.plan import decoder_blocks
-from hf_layerswap.report import PairResult, SwapReport, set_key
+from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.scoring import removal_kl, score_layers
 from hf_layerswap.selection import select_layers
 from hf_layerswap.surgery import remove_layers

@@ -23,7 +23,7 @@ from hf_layerswap.plan import (
     model_fingerprint,
     replacement_plan,
 )
-from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.report import PairResult, SwapReport, atomic_path, write_json_atomic, write_text_atomic
 from hf_layerswap.scoring import plan_kl
 
 
@@ -197,6 +197,26 @@ def test_report_definitions_and_json_round_trip(tmp_path):
     assert again == report
     assert math.isinf(again.pair(3, 4).interchange)
     assert json.loads(path.read_text())["pairs"][3]["interchange"] == "Infinity"
+
+
+def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
+    target = tmp_path / "sub" / "result.md"
+    assert write_text_atomic("first\n", target) == target  # the folder is made
+    with pytest.raises(KeyboardInterrupt), atomic_path(target) as tmp:
+        tmp.write_text("half-written")
+        raise KeyboardInterrupt
+    assert target.read_text() == "first\n" and sorted(p.name for p in target.parent.iterdir()) == ["result.md"]
+    with pytest.raises(ValueError):  # NaN is not JSON: nothing is written
+        write_json_atomic({"x": math.nan}, tmp_path / "nan.json")
+    assert not (tmp_path / "nan.json").exists()
+    write_json_atomic({"x": [1, 2]}, target.with_suffix(".json"))
+    assert json.loads(target.with_suffix(".json").read_text()) == {"x": [1, 2]}
+    with atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
+        assert tmp.suffix == ".png" and tmp.parent == tmp_path  # writers that read the format from the name
+        tmp.write_bytes(b"png")
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert target.stat().st_mode == plain.stat().st_mode == (tmp_path / "plot.png").stat().st_mode
 
 
 def test_selection_rule_spacing_protect_and_nonfinite():
