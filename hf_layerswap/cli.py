@@ -1,4 +1,5 @@
-"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune`` (and ``push``).
+"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune``, ``push`` and ``peel``
+(``--help`` of each verb shows its defaults).
 
 Every verb takes the same options as the Python API (0-based layer indices everywhere).
 """
@@ -31,7 +32,10 @@ def _add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64
         "--calibration", default="embedded",
         help="calibration text: a text file (e.g. WikiText-2 valid.txt) or 'embedded' (prose shipped with Python)",
     )
-    p.add_argument("--num-prompts", default=num_prompts_default, help="calibration prompts (an int)")
+    p.add_argument(
+        "--num-prompts", default=num_prompts_default,
+        help="calibration prompts: an int" + (", or 'auto' to fit --scoring-seconds" if num_prompts_default == "auto" else ""),
+    )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per prompt (truncation)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass")
     p.add_argument("--seed", type=int, default=0, help="paragraph shuffle seed")
@@ -48,6 +52,9 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protect", type=int, nargs="*", default=[0, -1], help="layers never removed (negative = from the end)")
 
 
+_HELP = argparse.ArgumentDefaultsHelpFormatter
+
+
 def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     """The ``hf-layerswap`` argument parser (shared with ``optimum-cli layerswap``)."""
     parser = argparse.ArgumentParser(
@@ -56,8 +63,8 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="score a real model with both protocols, compare removals, save a pruned copy")
-    demo.add_argument("--model", default=DEFAULT_MODEL, help=f"model to load (default: bundled {DEFAULT_MODEL})")
+    demo = sub.add_parser("demo", formatter_class=_HELP, help="score a real model with both protocols, compare removals, save a pruned copy")
+    demo.add_argument("--model", default=DEFAULT_MODEL, help="model to load (a bundled name, checkpoint dir, GGUF file or Hub id)")
     _add_model_args(demo, positional=False)
     _add_calibration_args(demo, num_prompts_default="auto")
     demo.add_argument("--eval-text", default="embedded", help="held-out text file for perplexity, or 'embedded'")
@@ -69,14 +76,14 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     demo.add_argument("--scoring-seconds", type=float, default=240.0, help="time budget that --num-prompts auto fits")
     demo.set_defaults(func=run_demo)
 
-    score = sub.add_parser("score", help="score block pairs and write the SwapReport JSON")
+    score = sub.add_parser("score", formatter_class=_HELP, help="score block pairs and write the SwapReport JSON")
     _add_model_args(score)
     _add_calibration_args(score)
     _add_scoring_args(score)
     score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
     score.set_defaults(func=run_score)
 
-    prune = sub.add_parser("prune", help="remove layers (scored or explicit) and save a plain transformers checkpoint")
+    prune = sub.add_parser("prune", formatter_class=_HELP, help="remove layers (scored or explicit) and save a plain transformers checkpoint")
     _add_model_args(prune)
     prune.add_argument("output", help="directory for the pruned checkpoint (must not exist)")
     group = prune.add_mutually_exclusive_group(required=True)
@@ -91,10 +98,10 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     from .hub import add_push_arguments, run_push
     from .peeling import add_peel_arguments, run_peel
 
-    push = sub.add_parser("push", help="upload a pruned checkpoint with its card to the Hub")
+    push = sub.add_parser("push", formatter_class=_HELP, help="upload a pruned checkpoint with its card to the Hub")
     add_push_arguments(push)
     push.set_defaults(func=run_push)
-    peel = sub.add_parser("peel", help="per-layer peeling reference bounds (linear reference vs the trained blocks)")
+    peel = sub.add_parser("peel", formatter_class=_HELP, help="per-layer peeling reference bounds (linear reference vs the trained blocks)")
     add_peel_arguments(peel)
     peel.set_defaults(func=run_peel)
     return parser

