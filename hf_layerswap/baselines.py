@@ -470,6 +470,7 @@ def single_removal_kl(
     tokenizer=None,
     protect: Sequence[int] = (0, -1),
     batch_size: int = 8,
+    resume: CriterionResult | None = None,
 ):
     """One-shot ranking by the single-block removal KL d_skip({l}) = E_x KL(p_M || p_{M-{l}})
     (nats; mean over real tokens per prompt, then over prompts; fp32 log-softmax).
@@ -477,14 +478,24 @@ def single_removal_kl(
     Every block is scored (L removal probes sharing one reference sweep, with prefix
     reuse); the ``n`` unprotected blocks with the lowest values are removed (no spacing).
 
+    Args:
+        resume: a result of this criterion for a smaller budget with the same ``protect``:
+            its per-block scores (and their cost) are reused, nothing is scored again.
+
     Returns:
         :class:`CriterionResult` (``scores`` = d_skip per block). Cost: L+1 forward passes.
 
     Raises:
-        ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
+        ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks, or a
+            ``resume`` of another criterion, budget or protection.
     """
     calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_layers)], batch_size)
+    if resume is not None:
+        _check_resume(resume, "single_removal_kl", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        values = list(resume.scores)
+        stats = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
+    else:
+        values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_layers)], batch_size)
     results = {}
     for b in budgets:
         removed = greedy_select(values, b, spacing=0, protect=protect)
@@ -1292,8 +1303,9 @@ def compare_criteria(
             if name not in ("random", "tail"):
                 kwargs.setdefault("batch_size", batch_size)
             earlier = [b for b in done if b < min(todo)]
-            if name in ("sleb", "interchange_beam") and earlier:
-                kwargs["resume"] = done[max(earlier)]  # iterative searches continue, not restart
+            if name in ("sleb", "interchange_beam", "single_removal_kl") and earlier:
+                # iterative searches continue, not restart; a one-shot ranking reuses its scores
+                kwargs["resume"] = done[max(earlier)]
             out = CRITERIA[name](model, calib, todo, **kwargs)
             out = out if isinstance(out, dict) else {todo[0]: out}
             done.update(out)

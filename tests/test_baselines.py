@@ -157,6 +157,25 @@ def test_single_removal_kl_equals_kl_of_pruned_copies():
     assert res.removed == sorted(chosen)
 
 
+def test_single_removal_kl_extends_budgets_from_its_scores(monkeypatch):
+    model = make_identity(tiny_model("llama", 6), [3])
+    calib = calib_set()
+    one, direct = B.single_removal_kl(model, calib, 1), B.single_removal_kl(model, calib, [2, 3])
+
+    def boom(*a, **k):
+        raise AssertionError("scored again although resume holds the scores")
+
+    monkeypatch.setattr(B, "_removal_kl_values", boom)
+    more = B.single_removal_kl(model, calib, [2, 3], resume=one)
+    for n in (2, 3):
+        assert (more[n].removed, more[n].scores, more[n].forward_passes) == (
+            direct[n].removed, direct[n].scores, direct[n].forward_passes)
+    with pytest.raises(ValueError, match="protect"):
+        B.single_removal_kl(model, calib, [2], resume=one, protect=(0,))
+    with pytest.raises(ValueError, match="budget below 1"):
+        B.single_removal_kl(model, calib, [1], resume=one)
+
+
 def test_plan_nll_matches_transformers_loss_on_pruned_copies():
     model = tiny_model("llama", 6)
     calib = calib_set()
