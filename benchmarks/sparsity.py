@@ -221,7 +221,7 @@ def levels(store: dict) -> list[float]:
     settings = store["settings"]
     found = set()
     for key, r in store["runs"].items():
-        level = float(key.split("|")[4].removeprefix("s"))
+        level = float(r["report"]["target_sparsity"])
         if key == config_key(r["pattern"], r["allocation"], r["method"], r["seed"], {**settings, "sparsity": level}):
             found.add(level)
     return sorted(found)
