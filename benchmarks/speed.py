@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -48,8 +49,12 @@ sys.path.insert(0, str(REPO))
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
 from hf_layerswap.report import write_text_atomic  # noqa: E402
+from hf_layerswap import scoring  # noqa: E402
 from hf_layerswap.scoring import _Head, library_versions, plan_kl, swap_plans  # noqa: E402
 
+#: The engine measured: a digest of the scoring module's source. Batches measured with
+#: another version are not resumed (their times would mix two engines).
+ENGINE = hashlib.sha256(Path(scoring.__file__).read_bytes()).hexdigest()[:12]
 VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 #: CPU seconds of the work: the main thread's with one torch thread (the RSS sampler's own
@@ -207,15 +212,17 @@ def log(*args):
 
 
 # ----------------------------------------------------------------------------- main comparison
-def run_model(name, model, calib, batch_size, num_batches, publish, checks=True):
+def run_model(name, model, calib, batch_size, num_batches, publish, checks=True, resume=None):
     """Naive vs ours on the first ``num_batches`` batches. ``checks``: also the float64
     recomputation of the naive KL and the first-slot-reuse timing on batch 0 (run on the
-    first model only: they cost as much again and do not depend on the model)."""
+    first model only: they cost as much again and do not depend on the model). ``resume``:
+    the record of an interrupted run with the same settings and engine; its batches are
+    kept and the run goes on from the next one."""
     num_layers = len(decoder_blocks(model)[2])
     plans = adjacent_plans(num_layers)
     starts = list(range(0, calib.num_prompts, batch_size))
-    rec = {
-        "model": name, "num_layers": num_layers, "vocab": _Head(model).vocab, "probes": len(plans),
+    rec = resume or {
+        "model": name, "engine": ENGINE, "num_layers": num_layers, "vocab": _Head(model).vocab, "probes": len(plans),
         "model_bytes": model_bytes(model), "rss_before": PeakRSS.now(), "num_prompts": calib.num_prompts,
         "seq_len": calib.seq_len, "real_tokens_all": calib.num_tokens, "batch_size": batch_size,
         "batches_total": len(starts), "batches_done": 0, "real_tokens": 0, "prompts_done": 0,
@@ -224,10 +231,16 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True)
         "ours": {"seconds": 0.0, "cpu_seconds": 0.0, "peak_rss": 0, "model_calls": 0, "block_evaluations": 0,
                  "head_positions": 0},
         "lower_bound": 0.0, "lower_bound_shared": 0.0, "block_seconds": [], "head_seconds": [],
+        "values": {"naive": [], "ours": []},  # per batch: per probe (plan order), per prompt KL
     }
-    naive_vals = {k: [] for k in plans}
-    ours_vals = {k: [] for k in plans}
+    keys = list(plans)
+    if resume:
+        log("resuming", name, "after", rec["batches_done"], "batches")
+    naive_vals = {k: [torch.tensor(b[i], dtype=torch.float64) for b in rec["values"]["naive"]] for i, k in enumerate(keys)}
+    ours_vals = {k: [torch.tensor(b[i], dtype=torch.float64) for b in rec["values"]["ours"]] for i, k in enumerate(keys)}
     for n, lo in enumerate(starts[:num_batches]):
+        if n < rec["batches_done"]:
+            continue
         part = subset(calib, lo, lo + batch_size)
         ids, mask = next(part.batches(batch_size))
 
@@ -278,6 +291,8 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True)
         rec["head_seconds"].append(head_t)
         rec["lower_bound"] += lower_bound(plans, block_t, head_t, shared=False)
         rec["lower_bound_shared"] += lower_bound(plans, block_t, head_t, shared=True)
+        rec["values"]["naive"].append([naive_vals[k][n].tolist() for k in keys])
+        rec["values"]["ours"].append([ours_vals[k][n].tolist() for k in keys])
         rec["batches_done"] = n + 1
         rec["prompts_done"] += ids.shape[0]
         rec["real_tokens"] += int(mask.sum())
@@ -380,17 +395,18 @@ def run_growth(model, tokenizer, batch_size, seq_len, save, done=()):
 
 
 def resumable(stored: dict, args) -> tuple[dict, list, float]:
-    """What an earlier run with the same settings finished: complete model records by name,
-    growth rows, and its elapsed seconds. Nothing is reused when a setting differs."""
+    """What an earlier run with the same settings and engine measured: model records by name
+    (complete, or with their finished batches, which the new run continues), growth rows,
+    and its elapsed seconds. Nothing is reused when a setting or the engine differs."""
     same = (stored.get("threads") == args.threads and stored.get("batch_size") == args.batch_size
-            and stored.get("requested", [None])[:1] == args.models[:1]
+            and stored.get("engine") == ENGINE and stored.get("requested", [None])[:1] == args.models[:1]
             and all(r.get("seq_len") == args.seq_len for r in stored.get("models", [])))
     if not same:
         return {}, [], 0.0
     models = {
         r["model"]: r for r in stored.get("models", [])
         if r.get("num_prompts") == args.num_prompts and r.get("seq_len") == args.seq_len
-        and r.get("batches_done") == min(args.batches, r.get("batches_total", 0)) and r["model"] in args.models
+        and r.get("engine") == ENGINE and r.get("batches_done", 0) >= 1 and "values" in r and r["model"] in args.models
     }
     growth = stored.get("growth", []) if stored.get("growth_model") == args.models[0] else []
     return models, growth, float(stored.get("total_seconds", 0.0))
@@ -543,10 +559,17 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: CPU time is the main thread's, robust to other jobs on the machine)")
     ap.add_argument("--no-growth", action="store_true", help="skip the cost-growth table")
-    ap.add_argument("--smoke", action="store_true", help="tiny random model, few prompts (checks the script)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "speed.md"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny random model, few prompts (checks the script); needs --out")
+    ap.add_argument("--out", default=None, help="Markdown page; its JSON goes beside it "
+                    "(default: benchmarks/results/speed.md; a smoke run must name another)")
     ap.add_argument("--render-only", action="store_true", help="rewrite the Markdown from the stored JSON")
     args = ap.parse_args(argv)
+    if args.smoke and args.out is None:
+        ap.error("--smoke needs --out (a smoke run must not replace the measured results page)")
+    args.out = args.out or str(REPO / "benchmarks" / "results" / "speed.md")
+    if args.smoke:
+        args.models = ["tiny-gemma3"]
     if args.render_only:
         out = Path(args.out)
         stored = json.loads(out.with_suffix(".json").read_text())
@@ -562,13 +585,14 @@ def main(argv=None):
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "libraries": ", ".join(f"{k} {v}" for k, v in library_versions().items()),
         "started": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads, "batch_size": args.batch_size,
+        "engine": ENGINE,
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "models": [],
-        "requested": ["tiny-gemma3"] if args.smoke else list(args.models), "command": command,
+        "requested": list(args.models), "command": command,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stored_models, stored_growth, earlier_seconds = {}, [], 0.0
-    if not args.smoke and out.with_suffix(".json").is_file():
+    if out.with_suffix(".json").is_file():
         stored_models, stored_growth, earlier_seconds = resumable(json.loads(out.with_suffix(".json").read_text()), args)
         if stored_models or stored_growth:
             log("resuming: stored", ", ".join(stored_models) or "no model", f"and {len(stored_growth)} growth rows")
@@ -596,13 +620,15 @@ def main(argv=None):
         calib = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         results["calibration"] = "random token ids (smoke run)"
         results["models"].append({})
-        run_model("tiny-gemma3", model, calib, args.batch_size, args.batches, publish)
+        run_model("tiny-gemma3", model, calib, args.batch_size, args.batches, publish,
+                  resume=stored_models.get("tiny-gemma3"))
     else:
         from hf_layerswap.models import load_model
 
         for name in args.models:
-            if name in stored_models:
-                results["models"].append(stored_models[name])
+            stored = stored_models.get(name)
+            if stored is not None and stored["batches_done"] >= min(args.batches, stored["batches_total"]):
+                results["models"].append(stored)
                 continue
             model, tokenizer = load_model(name)
             torch.set_num_threads(args.threads)
@@ -611,7 +637,7 @@ def main(argv=None):
             log("start", name, calib.num_tokens, "real tokens")
             results["models"].append({})
             run_model(name, model, calib, args.batch_size, args.batches, publish,
-                      checks=name == args.models[0])
+                      checks=name == args.models[0], resume=stored)
             del model
             gc.collect()
         if not args.no_growth:

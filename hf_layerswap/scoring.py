@@ -157,8 +157,10 @@ def model_identity(model: nn.Module) -> dict:
 # ----------------------------------------------------------------------------- KL
 def _kl_rows(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-row KL(p_ref || softmax(logits)) in fp32, clamped at 0. Shapes ``(C, V)`` -> ``(C,)``."""
-    lq = torch.log_softmax(logits.float(), dim=-1)
-    return (ref_logprobs.exp() * (ref_logprobs - lq)).sum(dim=-1).clamp_min(0.0)
+    lq = torch.log_softmax(logits.float(), dim=-1)  # a new tensor: the in-place steps below are safe
+    # in place, (log p - log q) * p summed: the same values as the out-of-place expression, bit
+    # for bit, without three more (C, V) temporaries
+    return lq.neg_().add_(ref_logprobs).mul_(ref_logprobs.exp()).sum(dim=-1).clamp_min_(0.0)
 
 
 def _row_blocks(rows: int, width: int) -> list[tuple[int, int]]:
@@ -361,14 +363,25 @@ class _Head:
         )
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Soft-capping in place (``logits`` is always the head's own fresh output)."""
         if self.softcap is not None:
-            logits = logits / self.softcap
-            logits = torch.tanh(logits)
-            logits = logits * self.softcap
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._cap(self.module(hidden))
+
+    def into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The whole head written into ``out`` ``(R, V)`` (a reused buffer: a fresh
+        position x 262k-entry tensor per probe costs its page faults again); the same
+        GEMM as the module's own forward, so the same values bit for bit. Plain
+        sliceable fp32 heads only."""
+        w, b = self.module.weight, self.module.bias
+        if b is None:
+            torch.matmul(hidden, w.t(), out=out)
+        else:
+            torch.addmm(b, hidden, w.t(), out=out)
+        return self._cap(out)
 
     def vocab_slice(self, hidden: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
         """Logits of vocabulary entries ``v0:v1`` only: ``(R, v1 - v0)``."""
@@ -634,6 +647,7 @@ class _Engine:
         self.seconds = 0.0
         self.batches = list(range(math.ceil(calibration.num_prompts / self.batch_size)))
         self.verified_head = False
+        self._logit_buf: torch.Tensor | None = None
 
     # -- sizing -----------------------------------------------------------------------
     def _activation_bytes(self, bsz: int, cfg) -> int:
@@ -869,10 +883,22 @@ class _Engine:
     def _logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
         """fp32 logits of vocabulary entries ``v0:v1`` (the model's own head module when
         that is the whole vocabulary)."""
+        whole = v0 == 0 and v1 == self.head.vocab
+        if whole and self._buffered_head(hidden):
+            rows = hidden.shape[0]
+            if self._logit_buf is None or self._logit_buf.shape[0] < rows:
+                self._logit_buf = torch.empty(max(rows, self.kl_chunk), self.head.vocab, device=hidden.device)
+            return self.head.into(hidden, self._logit_buf[:rows])
         with self._autocast():
-            whole = v0 == 0 and v1 == self.head.vocab
             out = self.head(hidden) if whole else self.head.vocab_slice(hidden, v0, v1)
         return out.float()
+
+    def _buffered_head(self, hidden) -> bool:
+        """Whole-vocabulary fp32 logits can go to one reused buffer (each result is consumed
+        before the next is made)."""
+        w = getattr(self.head.module, "weight", None)
+        return (self.head.sliceable and self.autocast is None and hidden.dtype == torch.float32
+                and w.dtype == torch.float32 and w.device == hidden.device)
 
     def _kl_block(self, ref_rows, rows) -> list[torch.Tensor]:
         """Per-position KL of each probe over a block of positions.

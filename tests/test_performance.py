@@ -146,6 +146,31 @@ def test_streamed_kl_equals_the_models_full_logits(family):
         assert torch.allclose(sliced[name], truth[name], rtol=1e-6, atol=0), name
 
 
+@pytest.mark.parametrize("bias,softcap", [(False, None), (True, 3.0)])
+def test_reused_logit_buffer_gives_the_heads_own_values_bit_for_bit(bias, softcap):
+    """The streamed head writes whole-vocabulary logits into one reused buffer; the values
+    are those of the model's own head (plus soft-capping), exactly, and the in-place KL
+    arithmetic equals the out-of-place definition exactly."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    head_module = model.get_output_embeddings()
+    if bias:
+        head_module.bias = torch.nn.Parameter(torch.randn(head_module.out_features))
+    model.config.final_logit_softcapping = softcap
+    head = scoring._Head(model)
+    hidden = torch.randn(7, head_module.in_features)
+    buf = torch.full((9, head.vocab), float("nan"))
+    with torch.no_grad():
+        own = head_module(hidden)
+        if softcap is not None:
+            own = torch.tanh(own / softcap) * softcap
+        out = head.into(hidden, buf[:7])
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, own)
+    ref_lp = torch.log_softmax(torch.randn(7, head.vocab) * 3, -1)
+    lq = torch.log_softmax(own, -1)
+    assert torch.equal(scoring._kl_rows(ref_lp, own), (ref_lp.exp() * (ref_lp - lq)).sum(-1).clamp_min(0.0))
+
+
 def test_head_mismatch_falls_back_to_the_models_logits(monkeypatch):
     model = tiny_model("llama")
     calib = build_calibration(tiny_batch())
@@ -435,3 +460,36 @@ def test_adaptive_budget_rounds_and_stop_reasons():
     assert quick.metadata["num_prompts"] == 4 and record["rounds"][0]["selected"] == hl.select_layers(quick, 1)
     with pytest.raises(ValueError, match="not among the scored protocols"):
         hl.score_layers(model, batch, progress=False, protocols=("replacement",), adaptive=AdaptiveBudget(1))
+
+
+# ---------------------------------------------------------------- speed benchmark script
+def _speed(tmp_path, *extra):
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "speed.py"), "--smoke", "--num-prompts", "8",
+           "--seq-len", "16", "--batch-size", "2", "--no-growth", *extra]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_speed_benchmark_resumes_batch_by_batch(tmp_path):
+    """An interrupted comparison (2 of 4 batches) continues from its stored batches and
+    ends with the KL values and counts of an uninterrupted run; a smoke run must not
+    write over the measured results page."""
+    refused = _speed(tmp_path)
+    assert refused.returncode == 2 and "--smoke needs --out" in refused.stderr
+    first = _speed(tmp_path, "--batches", "2", "--out", str(tmp_path / "a.md"))
+    assert first.returncode == 0, first.stderr
+    assert json.loads((tmp_path / "a.json").read_text())["models"][0]["batches_done"] == 2
+    resumed = _speed(tmp_path, "--out", str(tmp_path / "a.md"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming tiny-gemma3 after 2 batches" in resumed.stderr
+    whole = _speed(tmp_path, "--out", str(tmp_path / "b.md"))
+    assert whole.returncode == 0, whole.stderr
+    a = json.loads((tmp_path / "a.json").read_text())["models"][0]
+    b = json.loads((tmp_path / "b.json").read_text())["models"][0]
+    assert a["batches_done"] == b["batches_done"] == 4
+    assert a["values"] == b["values"] and len(a["values"]["ours"]) == 4
+    for part in ("naive", "ours"):
+        for count in ("model_calls", "block_evaluations", "head_positions"):
+            assert a[part][count] == b[part][count], (part, count)
+    assert a["max_rel_diff_prompt"] == 0.0
+    assert "4 of 4 batches of 2" in (tmp_path / "a.md").read_text()
