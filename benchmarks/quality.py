@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from _cmdline import command_line  # noqa: E402
 from hf_layerswap.baselines import (  # noqa: E402
     DEFAULT_CRITERIA,
     CriterionComparison,
@@ -337,16 +337,7 @@ def main(argv=None) -> int:
 def command(argv) -> str:
     """The command line, less ``--merge-from`` and its local state paths: the single-process
     command that gives the same results."""
-    args, kept, skipping = sys.argv[1:] if argv is None else list(argv), [], False
-    for a in args:
-        if a == "--merge-from" or a.startswith("--merge-from="):
-            skipping = a == "--merge-from"
-            continue
-        if skipping and not a.startswith("-"):
-            continue
-        skipping = False
-        kept.append(a)
-    return "python benchmarks/quality.py " + " ".join(shlex.quote(a) for a in kept)
+    return command_line("quality.py", argv)
 
 
 def environment(args) -> dict:

@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import re
-import shlex
 import statistics
 import sys
 import threading
@@ -49,8 +48,9 @@ sys.path.insert(0, str(REPO))
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
 from hf_layerswap.report import write_text_atomic  # noqa: E402
+from _cmdline import command_line  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
-from hf_layerswap.scoring import _Head, library_versions, plan_kl, swap_plans  # noqa: E402
+from hf_layerswap.scoring import _Head, _kl_rows, _row_blocks, library_versions, plan_kl, swap_plans  # noqa: E402
 
 #: The engine measured: a digest of the scoring module's source. Batches measured with
 #: another version are not resumed (their times would mix two engines).
@@ -135,11 +135,17 @@ def _float64_kl(ref_lp, logits, maskf, counts):
     return (per * maskf).sum(dim=1) / counts
 
 
+#: Positions on which the per-probe KL arithmetic is timed (scaled to the batch's).
+KL_TIMING_ROWS = 256
+
+
 @torch.no_grad()
 def block_and_head_times(model, ids, mask, reps: int = 2):
-    """Mean CPU seconds of every block's forward (identity plan, this batch) and of the
-    output head (final norm excluded: it is inside the decoder) over the batch's real
-    positions."""
+    """Mean CPU seconds of every block's forward (identity plan, this batch), of the output
+    head (final norm excluded: it is inside the decoder) over the batch's real positions, and
+    of one probe's KL arithmetic over those positions (the engine's whole-vocabulary KL of
+    fp32 logits against reference log-probs, head excluded; timed on up to
+    :data:`KL_TIMING_ROWS` positions and scaled)."""
     _, _, blocks = decoder_blocks(model)
     times = [[] for _ in blocks]
     starts = {}
@@ -155,18 +161,26 @@ def block_and_head_times(model, ids, mask, reps: int = 2):
 
     handles.append(decoder.register_forward_hook(grab))
     head = _Head(model)
-    head_times = []
+    head_times, kl_times = [], []
     try:
         for _ in range(reps):
             model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
             rows = final["h"][mask.bool()]
             t = cpu_clock()
-            head(rows)
+            logits = head(rows)
             head_times.append(cpu_clock() - t)
+            part = logits[:KL_TIMING_ROWS].float()
+            del logits
+            ref_lp = torch.log_softmax(part, dim=-1)
+            t = cpu_clock()
+            for a, b in _row_blocks(*part.shape):
+                _kl_rows(ref_lp[a:b], part[a:b])
+            kl_times.append((cpu_clock() - t) * rows.shape[0] / part.shape[0])
+            del part, ref_lp
     finally:
         for h in handles:
             h.remove()
-    return [statistics.fmean(t) for t in times], statistics.fmean(head_times)
+    return [statistics.fmean(t) for t in times], statistics.fmean(head_times), statistics.fmean(kl_times)
 
 
 def lower_bound(plans, block_t, head_t, *, shared: bool) -> float:
@@ -286,9 +300,10 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
 
         for step in ((ours, naive) if n % 2 == 0 else (naive, ours)):
             step()
-        block_t, head_t = block_and_head_times(model, ids, mask)
+        block_t, head_t, kl_t = block_and_head_times(model, ids, mask)
         rec["block_seconds"].append(block_t)
         rec["head_seconds"].append(head_t)
+        rec.setdefault("kl_seconds", []).append(kl_t)
         rec["lower_bound"] += lower_bound(plans, block_t, head_t, shared=False)
         rec["lower_bound_shared"] += lower_bound(plans, block_t, head_t, shared=True)
         rec["values"]["naive"].append([naive_vals[k][n].tolist() for k in keys])
@@ -321,6 +336,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
         rec["max_rel_diff_prompt"] = max(float(((ours_all[k] - naive_all[k]).abs() / naive_all[k]).max()) for k in plans)
         rec["kl_range"] = [min(float(v.mean()) for v in ours_all.values()), max(float(v.mean()) for v in ours_all.values())]
         publish(rec)
+    publish(rec)  # also when every batch was stored already
     return rec
 
 
@@ -339,7 +355,7 @@ def growth_row(label, model, calib, plans, batch_size, *, naive=True):
         for ids, mask in calib.batches(batch_size):
             naive_scores(model, ids, mask, plans)
         row["naive_seconds"] = cpu_clock() - c
-    block_t, head_t = block_and_head_times(model, *next(calib.batches(batch_size)))
+    block_t, head_t, _ = block_and_head_times(model, *next(calib.batches(batch_size)))
     row["block_seconds_mean"] = statistics.fmean(block_t)
     row["head_seconds"] = head_t
     log("growth", label, f"ours {row['ours_seconds']:.1f}s", f"naive {row.get('naive_seconds', float('nan')):.1f}s")
@@ -399,8 +415,7 @@ def resumable(stored: dict, args) -> tuple[dict, list, float]:
     (complete, or with their finished batches, which the new run continues), growth rows,
     and its elapsed seconds. Nothing is reused when a setting or the engine differs."""
     same = (stored.get("threads") == args.threads and stored.get("batch_size") == args.batch_size
-            and stored.get("engine") == ENGINE and stored.get("requested", [None])[:1] == args.models[:1]
-            and all(r.get("seq_len") == args.seq_len for r in stored.get("models", [])))
+            and stored.get("engine") == ENGINE)
     if not same:
         return {}, [], 0.0
     models = {
@@ -427,7 +442,10 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
         "```",
         "",
         f"Machine: {results['machine']}; {results['threads']} torch threads, fp32. Libraries: {results['libraries']}. "
-        f"Started {results['started']}; this file was written after {results['total_seconds'] / 3600:.2f} h.",
+        f"Started {results['started']}; this file was written after {results['total_seconds'] / 3600:.2f} h"
+        + (f" of the last of {results['merged_runs']} processes (one per model or growth table, their records "
+           "merged with `--merge-from`; every record is cached, so the command above reproduces this page)."
+           if results.get("merged_runs") else "."),
         "",
         "Noise: the machine is shared with other jobs running at the same time (load average "
         f"{results['load_before']} at the start, {results['load_after']} at the last write, on 2 cores). Wall "
@@ -466,6 +484,10 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
     row("lower bound: reference + per probe its suffix blocks + head (CPU)", lambda r: f"{r['lower_bound']:.0f} s")
     row("**ours / lower bound** (target <= 1.2)", lambda r: f"**{r['ours']['cpu_seconds'] / r['lower_bound']:.2f}**")
     row("lower bound with shared prefixes", lambda r: f"{r['lower_bound_shared']:.0f} s")
+    row("KL arithmetic of one probe per batch, head excluded (CPU)",
+        lambda r: f"{statistics.fmean(r['kl_seconds']):.3f} s" if "kl_seconds" in r else "not measured")
+    row("ours / (lower bound + every probe's KL arithmetic)", lambda r: f"{r['ours']['cpu_seconds'] / kl_bound(r):.2f}"
+        if "kl_seconds" in r else "not measured")
     row("naive / lower bound: the most any prefix reuse can gain",
         lambda r: f"{r['naive']['cpu_seconds'] / r['lower_bound']:.2f}x")
     row("mean block / head CPU time per batch", lambda r: f"{blk(r):.3f} s / {statistics.fmean(r['head_seconds']):.3f} s")
@@ -515,6 +537,11 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
     write_text_atomic("\n".join(lines), path)
 
 
+def kl_bound(r: dict) -> float:
+    """The lower bound plus the KL arithmetic every probe does on every batch (CPU s)."""
+    return r["lower_bound"] + r["probes"] * sum(r["kl_seconds"])
+
+
 def findings(results: dict, models: list[dict]) -> list[str]:
     """Each target of the benchmark, met or missed and by how much, computed from the numbers."""
     out = []
@@ -540,6 +567,13 @@ def findings(results: dict, models: list[dict]) -> list[str]:
             f"Largest relative KL difference from naive: {r['max_rel_diff_prompt']:.1e} per prompt "
             f"(target 1e-5: {verdict(r['max_rel_diff_prompt'] <= 1e-5, r['max_rel_diff_prompt'] / 1e-5 - 1)})."
         )
+        if "kl_seconds" in r and ours > r["lower_bound"]:
+            kl = r["probes"] * sum(r["kl_seconds"])
+            out[-1] += (
+                f" The bound leaves out the KL arithmetic each probe does over the whole vocabulary (naive does it "
+                f"too): {kl:.0f} s of ours' {ours - r['lower_bound']:.0f} s above the bound; ours / (bound + KL "
+                f"arithmetic) = {ours / kl_bound(r):.2f}."
+            )
     missing = [m for m in results.get("requested", []) if m not in {r["model"] for r in models}]
     if missing:
         out.append(f"- Not measured in this run (stopped before they finished a batch): {', '.join(missing)}.")
@@ -564,6 +598,12 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="Markdown page; its JSON goes beside it "
                     "(default: benchmarks/results/speed.md; a smoke run must name another)")
     ap.add_argument("--render-only", action="store_true", help="rewrite the Markdown from the stored JSON")
+    ap.add_argument("--no-checks", action="store_true",
+                    help="skip the batch-0 float64 recomputation and first-slot-reuse timing (default: run them "
+                         "on the first model)")
+    ap.add_argument("--merge-from", nargs="+", type=Path, default=[], metavar="JSON",
+                    help="first take the model records and growth rows of these runs (same settings and engine; "
+                         "e.g. one process per model, each with its own --out) into this run")
     args = ap.parse_args(argv)
     if args.smoke and args.out is None:
         ap.error("--smoke needs --out (a smoke run must not replace the measured results page)")
@@ -580,7 +620,7 @@ def main(argv=None):
     global cpu_clock
     cpu_clock = time.thread_time if args.threads == 1 else time.process_time
     args.batches = args.batches or -(-args.num_prompts // args.batch_size)
-    command = "python benchmarks/speed.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_line("speed.py", argv)
     results = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "libraries": ", ".join(f"{k} {v}" for k, v in library_versions().items()),
@@ -597,6 +637,22 @@ def main(argv=None):
         if stored_models or stored_growth:
             log("resuming: stored", ", ".join(stored_models) or "no model", f"and {len(stored_growth)} growth rows")
             results["started"] = json.loads(out.with_suffix(".json").read_text())["started"]
+    for source in args.merge_from:
+        if not source.is_file():
+            raise SystemExit(f"--merge-from {source}: no such file (the JSON beside another run's --out page)")
+        models, growth, _ = resumable(json.loads(source.read_text()), args)
+        if not models and not growth:
+            raise SystemExit(f"--merge-from {source}: no model record or growth row with these settings "
+                             f"(threads {args.threads}, batch size {args.batch_size}, engine {ENGINE}, "
+                             f"{args.num_prompts} x {args.seq_len})")
+        for name, rec in models.items():
+            if rec["batches_done"] > stored_models.get(name, {}).get("batches_done", 0):
+                stored_models[name] = rec
+        have = {g["label"] for g in stored_growth}
+        stored_growth = stored_growth + [g for g in growth if g["label"] not in have]
+        log("merged from", source, ":", ", ".join(models) or "no model", f"and {len(growth)} growth rows")
+    if args.merge_from:
+        results["merged_runs"] = 1 + len(args.merge_from)
     t0 = time.perf_counter() - earlier_seconds
 
     def save(growth=None):
@@ -637,7 +693,7 @@ def main(argv=None):
             log("start", name, calib.num_tokens, "real tokens")
             results["models"].append({})
             run_model(name, model, calib, args.batch_size, args.batches, publish,
-                      checks=name == args.models[0], resume=stored)
+                      checks=name == args.models[0] and not args.no_checks, resume=stored)
             del model
             gc.collect()
         if not args.no_growth:

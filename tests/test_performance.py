@@ -493,3 +493,12 @@ def test_speed_benchmark_resumes_batch_by_batch(tmp_path):
             assert a[part][count] == b[part][count], (part, count)
     assert a["max_rel_diff_prompt"] == 0.0
     assert "4 of 4 batches of 2" in (tmp_path / "a.md").read_text()
+    # a run in another process merges in: nothing is measured again, the recorded command omits the piece
+    merged = _speed(tmp_path, "--out", str(tmp_path / "c.md"), "--merge-from", str(tmp_path / "a.json"))
+    assert merged.returncode == 0, merged.stderr
+    assert "batch" not in merged.stderr.replace("batches", "")
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert c["merged_runs"] == 2 and c["models"][0]["values"] == a["values"]
+    assert "--merge-from" not in c["command"] and "of the last of 2 processes" in (tmp_path / "c.md").read_text()
+    missing = _speed(tmp_path, "--out", str(tmp_path / "d.md"), "--merge-from", str(tmp_path / "none.json"))
+    assert missing.returncode == 1 and "none.json: no such file" in missing.stderr
