@@ -20,7 +20,7 @@ how the cost grows with depth L, prompts, sequence length and vocabulary size.
 Usage (from the repository root; fp32 on the CPU)::
 
     python benchmarks/speed.py                      # both models, 64 prompts x 128 tokens
-    python benchmarks/speed.py --smoke              # a tiny random model, seconds
+    python benchmarks/speed.py --smoke --out /tmp/speed-smoke.md   # a tiny random model, seconds
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
@@ -169,7 +170,7 @@ def block_and_head_times(model, ids, mask, reps: int = 2):
             t = cpu_clock()
             logits = head(rows)
             head_times.append(cpu_clock() - t)
-            part = logits[:KL_TIMING_ROWS].float()
+            part = logits[:KL_TIMING_ROWS].float().clone()
             del logits
             ref_lp = torch.log_softmax(part, dim=-1)
             t = cpu_clock()
@@ -236,7 +237,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
     plans = adjacent_plans(num_layers)
     starts = list(range(0, calib.num_prompts, batch_size))
     rec = resume or {
-        "model": name, "engine": ENGINE, "num_layers": num_layers, "vocab": _Head(model).vocab, "probes": len(plans),
+        "model": name, "engine": ENGINE, "calibration": calib.description, "num_layers": num_layers, "vocab": _Head(model).vocab, "probes": len(plans),
         "model_bytes": model_bytes(model), "rss_before": PeakRSS.now(), "num_prompts": calib.num_prompts,
         "seq_len": calib.seq_len, "real_tokens_all": calib.num_tokens, "batch_size": batch_size,
         "batches_total": len(starts), "batches_done": 0, "real_tokens": 0, "prompts_done": 0,
@@ -423,8 +424,9 @@ def resumable(stored: dict, args) -> tuple[dict, list, float]:
         if r.get("num_prompts") == args.num_prompts and r.get("seq_len") == args.seq_len
         and r.get("engine") == ENGINE and r.get("batches_done", 0) >= 1 and "values" in r and r["model"] in args.models
     }
-    growth = stored.get("growth", []) if stored.get("growth_model") == args.models[0] else []
-    return models, growth, float(stored.get("total_seconds", 0.0))
+    growth = stored.get("growth", []) if (stored.get("growth_model") == args.models[0]
+                                          and stored.get("seq_len") == args.seq_len) else []
+    return models, growth, float(stored.get("total_seconds", 0.0)) if models or growth else 0.0
 
 
 # ----------------------------------------------------------------------------- report
@@ -454,7 +456,8 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
         "jobs (they still share caches and memory bandwidth); naive and ours run on the same batch back to "
         "back, alternating which goes first, and the lower bound is timed on the same batch right after.",
         "",
-        "Calibration: " + results.get("calibration", "?") + ".",
+        "Calibration: " + (results.get("calibration") or next((r["calibration"] for r in models if r.get("calibration")), "?"))
+        + ".",
         "",
         "## Adjacent sweep, both protocols (3 (L-1) probes)",
         "",
@@ -485,9 +488,9 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
     row("**ours / lower bound** (target <= 1.2)", lambda r: f"**{r['ours']['cpu_seconds'] / r['lower_bound']:.2f}**")
     row("lower bound with shared prefixes", lambda r: f"{r['lower_bound_shared']:.0f} s")
     row("KL arithmetic of one probe per batch, head excluded (CPU)",
-        lambda r: f"{statistics.fmean(r['kl_seconds']):.3f} s" if "kl_seconds" in r else "not measured")
+        lambda r: f"{statistics.fmean(r['kl_seconds']):.3f} s" if kl_measured(r) else "not measured")
     row("ours / (lower bound + every probe's KL arithmetic)", lambda r: f"{r['ours']['cpu_seconds'] / kl_bound(r):.2f}"
-        if "kl_seconds" in r else "not measured")
+        if kl_measured(r) else "not measured")
     row("naive / lower bound: the most any prefix reuse can gain",
         lambda r: f"{r['naive']['cpu_seconds'] / r['lower_bound']:.2f}x")
     row("mean block / head CPU time per batch", lambda r: f"{blk(r):.3f} s / {statistics.fmean(r['head_seconds']):.3f} s")
@@ -506,7 +509,7 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
     row("max rel. KL difference naive vs ours, single prompts", lambda r: f"{r['max_rel_diff_prompt']:.1e}")
     row("batch 0: max rel. error vs float64 KL of the naive logits, naive / ours",
         lambda r: f"{r['float64_check']['naive']:.1e} / {r['float64_check']['ours']:.1e}" if "float64_check" in r
-        else "not run (first model only)")
+        else "not run (first model only, or --no-checks)")
     row("probe KL range (nats)", lambda r: f"{r['kl_range'][0]:.3g} .. {r['kl_range'][1]:.3g}")
     row("our settings", lambda r: ", ".join(f"{k}={v}" for k, v in r["ours"]["settings"].items()))
 
@@ -535,6 +538,11 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Findings", "", *findings(results, models), ""]
     write_text_atomic("\n".join(lines), path)
+
+
+def kl_measured(r: dict) -> bool:
+    """The KL arithmetic was timed on every batch of the record."""
+    return len(r.get("kl_seconds", [])) == r["batches_done"]
 
 
 def kl_bound(r: dict) -> float:
@@ -567,12 +575,12 @@ def findings(results: dict, models: list[dict]) -> list[str]:
             f"Largest relative KL difference from naive: {r['max_rel_diff_prompt']:.1e} per prompt "
             f"(target 1e-5: {verdict(r['max_rel_diff_prompt'] <= 1e-5, r['max_rel_diff_prompt'] / 1e-5 - 1)})."
         )
-        if "kl_seconds" in r and ours > r["lower_bound"]:
+        if kl_measured(r) and ours > r["lower_bound"]:
             kl = r["probes"] * sum(r["kl_seconds"])
             out[-1] += (
                 f" The bound leaves out the KL arithmetic each probe does over the whole vocabulary (naive does it "
-                f"too): {kl:.0f} s of ours' {ours - r['lower_bound']:.0f} s above the bound; ours / (bound + KL "
-                f"arithmetic) = {ours / kl_bound(r):.2f}."
+                f"too): {kl:.0f} s of CPU time, against ours' {ours - r['lower_bound']:.0f} s above the bound; "
+                f"ours / (bound + KL arithmetic) = {ours / kl_bound(r):.2f}."
             )
     missing = [m for m in results.get("requested", []) if m not in {r["model"] for r in models}]
     if missing:
@@ -625,7 +633,7 @@ def main(argv=None):
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "libraries": ", ".join(f"{k} {v}" for k, v in library_versions().items()),
         "started": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads, "batch_size": args.batch_size,
-        "engine": ENGINE,
+        "engine": ENGINE, "num_prompts": args.num_prompts, "seq_len": args.seq_len,
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "models": [],
         "requested": list(args.models), "command": command,
     }
@@ -675,6 +683,8 @@ def main(argv=None):
         ids = torch.randint(1, 128, (args.num_prompts, args.seq_len), generator=torch.Generator().manual_seed(0))
         calib = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         results["calibration"] = "random token ids (smoke run)"
+        if stored_models.get("tiny-gemma3"):
+            stored_models["tiny-gemma3"]["calibration"] = results["calibration"]
         results["models"].append({})
         run_model("tiny-gemma3", model, calib, args.batch_size, args.batches, publish,
                   resume=stored_models.get("tiny-gemma3"))
@@ -690,12 +700,16 @@ def main(argv=None):
             torch.set_num_threads(args.threads)
             calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len)
             results["calibration"] = calib.description
+            if stored is not None:
+                stored["calibration"] = calib.description
             log("start", name, calib.num_tokens, "real tokens")
             results["models"].append({})
             run_model(name, model, calib, args.batch_size, args.batches, publish,
                       checks=name == args.models[0] and not args.no_checks, resume=stored)
             del model
             gc.collect()
+        if args.no_growth and stored_growth:  # keep what earlier runs measured
+            results["growth_model"], results["growth"] = args.models[0], stored_growth
         if not args.no_growth:
             results["growth_model"] = args.models[0]
             model, tokenizer = load_model(args.models[0])

@@ -159,7 +159,7 @@ def _kl_rows(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-row KL(p_ref || softmax(logits)) in fp32, clamped at 0. Shapes ``(C, V)`` -> ``(C,)``."""
     lq = torch.log_softmax(logits.float(), dim=-1)  # a new tensor: the in-place steps below are safe
     # in place, (log p - log q) * p summed: the same values as the out-of-place expression, bit
-    # for bit, without three more (C, V) temporaries
+    # for bit, without two more (C, V) temporaries
     return lq.neg_().add_(ref_logprobs).mul_(ref_logprobs.exp()).sum(dim=-1).clamp_min_(0.0)
 
 
@@ -828,6 +828,7 @@ class _Engine:
                 "using the model's own full logits instead (more memory)"
             )
             warnings.warn(f"hf_layerswap scoring: {self.fallback_reason}", stacklevel=3)
+        self._logit_buf = None
         self.verified_head = True
 
     def _probe_pass(self, probe: _Probe, depth0: int, start_hidden, ids, mask, captures: list[int]):
@@ -878,16 +879,20 @@ class _Engine:
             idx = prompt_of_row[a:b]
             for n, kl in enumerate(kls):
                 sums[n].index_add_(0, idx, kl.double().cpu())
+        self._logit_buf = None  # reused within the head phase only: the probe forwards need the memory
         return [s / counts for s in sums]
 
     def _logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
-        """fp32 logits of vocabulary entries ``v0:v1`` (the model's own head module when
-        that is the whole vocabulary)."""
+        """fp32 logits of vocabulary entries ``v0:v1``: for the whole vocabulary of a plain
+        fp32 head, the same GEMM as the head module's, written into the engine's reused
+        buffer (the result is valid until the next call); otherwise the model's own head
+        module (or its weight slice)."""
         whole = v0 == 0 and v1 == self.head.vocab
         if whole and self._buffered_head(hidden):
             rows = hidden.shape[0]
             if self._logit_buf is None or self._logit_buf.shape[0] < rows:
-                self._logit_buf = torch.empty(max(rows, self.kl_chunk), self.head.vocab, device=hidden.device)
+                self._logit_buf = None  # free the smaller one first
+                self._logit_buf = torch.empty(rows, self.head.vocab, dtype=torch.float32, device=hidden.device)
             return self.head.into(hidden, self._logit_buf[:rows])
         with self._autocast():
             out = self.head(hidden) if whole else self.head.vocab_slice(hidden, v0, v1)
@@ -895,10 +900,13 @@ class _Engine:
 
     def _buffered_head(self, hidden) -> bool:
         """Whole-vocabulary fp32 logits can go to one reused buffer (each result is consumed
-        before the next is made)."""
-        w = getattr(self.head.module, "weight", None)
+        before the next is made): a plain fp32 ``nn.Linear`` head on the hidden states'
+        device, with no forward hooks and a plain tensor weight, and no autocast."""
+        m = self.head.module
+        w = getattr(m, "weight", None)
         return (self.head.sliceable and self.autocast is None and hidden.dtype == torch.float32
-                and w.dtype == torch.float32 and w.device == hidden.device)
+                and type(w.data) is torch.Tensor and w.dtype == torch.float32 and w.device == hidden.device
+                and not m._forward_hooks and not m._forward_pre_hooks)
 
     def _kl_block(self, ref_rows, rows) -> list[torch.Tensor]:
         """Per-position KL of each probe over a block of positions.
