@@ -193,18 +193,20 @@ def layer_section(table: CriterionComparison, num_layers: int) -> list[str]:
 
 def winners(table: CriterionComparison, budgets) -> list[str]:
     out = ["## Which criterion wins", "",
-           "Lowest dPPL% per n (random excluded); the rank of each of ours among the deterministic criteria:", ""]
+           "Lowest dPPL% per n (random excluded; criteria that remove the same set tie and are all named); the "
+           "rank of each of ours among the deterministic criteria (ties share a rank):", ""]
     ours = ("interchange", "replacement", "auto", "interchange_beam")
     for n in budgets:
         rows = sorted((r for r in table.rows if r["n"] == n and r["criterion"] != "random"), key=lambda r: r["dppl"])
         if not rows:
             continue
         best = rows[0]
-        ranks = {r["criterion"]: k + 1 for k, r in enumerate(rows)}
+        ranks = {r["criterion"]: 1 + sum(o["dppl"] < r["dppl"] for o in rows) for r in rows}  # competition ranking
         ranked = ", ".join(f"{c} #{ranks[c]}" for c in ours if c in ranks)
+        tied = " = ".join(f"**{r['criterion']}**" for r in rows if r["dppl"] == best["dppl"])
         rand = next((r for r in table.rows if r["n"] == n and r["criterion"] == "random"), None)
         rtxt = f"; random mean {rand['dppl']:+.1f} (draws {rand['dppl_min']:+.1f} .. {rand['dppl_max']:+.1f})" if rand else ""
-        out.append(f"- n={n}: best **{best['criterion']}** {fmt_set(best['removed'])} {best['dppl']:+.1f}% "
+        out.append(f"- n={n}: best {tied} {fmt_set(best['removed'])} {best['dppl']:+.1f}% "
                    f"(CI {best['dppl_ci'][0]:+.1f} .. {best['dppl_ci'][1]:+.1f}); {ranked}{rtxt}.")
     return out
 
