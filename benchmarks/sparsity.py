@@ -358,6 +358,32 @@ def level_section(store: dict, settings: dict, dense: PerplexityResult) -> list[
     return lines
 
 
+def pals_verdict(groups: dict, method: str, sparsity: float) -> str:
+    """The PALS paper's claim (PALS below uniform) judged by the paired sign-flip test over calibration seeds.
+
+    It reproduces when the mean paired PPL difference is negative at p < 0.05, is reversed when it is
+    positive at p < 0.05, and is otherwise undecided (including a single seed, where no test exists).
+    """
+    pals, uni = groups[("unstructured", "pals", method)], groups.get(("unstructured", "uniform", method), {})
+    common = sorted(set(pals) & set(uni))
+    head = f"The PALS paper's direction (PALS below uniform {method}) "
+    tail = f"on this model at sparsity {sparsity:g} (default options: p99 of the linears' inputs, z-score, +-0.05)"
+    if len(common) < 2:
+        better = sum(pals[s] < uni[s] for s in common)
+        return head + f"is undecided {tail}: {len(common)} calibration seed (PALS better on {better}), no paired test."
+    diffs = [pals[s] - uni[s] for s in common]
+    mean, p = statistics.fmean(diffs), sign_flip_p(diffs)
+    better = sum(d < 0 for d in diffs)
+    if p < 0.05:
+        verdict = "reproduces" if mean < 0 else "is reversed"
+    else:
+        verdict = "is undecided (no reliable direction)"
+    return head + (
+        f"{verdict} {tail}: PALS better on {better} of {len(common)} calibration seeds, "
+        f"mean paired PPL difference {mean:+.3f}, sign-flip p = {p:.3f}."
+    )
+
+
 def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     """Plain statements computed from the runs: does PALS beat uniform, and what was not run."""
     out = [f"### Findings at sparsity {settings['sparsity']:g}", ""]
@@ -389,18 +415,8 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
             f"- {pattern} {method}, **{allocation}** vs uniform: PPL change {', '.join(per_seed)} on calibration "
             f"seed(s) {common}; {verdict}; the paired window-bootstrap 95% interval excludes 0 on {excluded} of {n}."
         )
-    pals = [k for k in groups if k[1] == "pals"]
-    if pals:
-        rows = [r for r in runs.values() if r["allocation"] == "pals" and r["pattern"] is None]
-        ukeys = [config_key(None, "uniform", r["method"], r["seed"], settings) for r in rows]
-        wins = sum(runs[u]["ppl"]["ppl"] > r["ppl"]["ppl"] for r, u in zip(rows, ukeys) if u in runs)
-        total = sum(u in runs for u in ukeys)
-        out += [
-            "",
-            f"The PALS paper's direction (PALS below uniform Wanda) {'reproduces' if wins == total else 'does not reproduce'} "
-            f"on this model at sparsity {settings['sparsity']:g}: PALS is better on {wins} of {total} "
-            "(method, calibration seed) runs (default options: p99 of the linears' inputs, z-score, +-0.05).",
-        ]
+    for method in sorted({k[2] for k in groups if k[0] == "unstructured" and k[1] == "pals"}):
+        out += ["", pals_verdict(groups, method, settings["sparsity"])]
     pairs = [
         (r, runs.get(config_key(None, "random", r["method"], r["seed"], settings)))
         for r in runs.values()

@@ -471,3 +471,38 @@ def test_smollm2_pals_wanda_meets_target(smollm2, wikitext_valid):
         ids = calib.input_ids[:2]
         logits = model(input_ids=ids, attention_mask=calib.attention_mask[:2]).logits
     assert torch.isfinite(logits).all()
+
+
+def _sparsity_benchmark():
+    import importlib.util
+
+    from conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("sparsity_benchmark", REPO_ROOT / "benchmarks" / "sparsity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_pals_verdict_rests_on_the_paired_sign_flip_test():
+    """The benchmark's verdict on the PALS paper's direction: reproduced or reversed only at an
+    exact sign-flip p < 0.05 (2/2^n when every seed agrees), undecided otherwise."""
+    bench = _sparsity_benchmark()
+    uniform = {s: 100.0 for s in range(9)}
+
+    def verdict(pals, method="wanda"):
+        groups = {("unstructured", "uniform", method): uniform, ("unstructured", "pals", method): pals}
+        return bench.pals_verdict(groups, method, 0.6)
+
+    assert bench.sign_flip_p([1.0] * 9) == 2 / 2**9
+    worse = verdict({s: 110.0 + s for s in range(9)})
+    assert " is reversed " in worse and "better on 0 of 9" in worse and "p = 0.004" in worse
+    assert "+14.000" in worse  # mean of 10..18
+    better6 = verdict({s: 90.0 for s in range(6)})
+    assert " reproduces " in better6 and "p = 0.031" in better6  # 2/64
+    better5 = verdict({s: 90.0 for s in range(5)})
+    assert "is undecided (no reliable direction)" in better5 and "p = 0.062" in better5  # 2/32: never below 0.05
+    mixed = verdict({s: 100.0 + (1 if s % 2 else -1) for s in range(9)})
+    assert "undecided" in mixed and "better on 5 of 9" in mixed
+    one = verdict({0: 90.0}, method="sparsegpt")
+    assert "below uniform sparsegpt" in one and "1 calibration seed (PALS better on 1), no paired test" in one
