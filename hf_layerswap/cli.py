@@ -249,6 +249,8 @@ def run_demo(args) -> int:
 
     t_start = time.perf_counter()
     _check_output(args.output)
+    if args.eval_text != "embedded" and not Path(args.eval_text).is_file():  # found out before scoring, not after
+        raise FileNotFoundError(f"--eval-text {args.eval_text!r} is not a file; give a text file or 'embedded'")
     model, tokenizer = _load(args)
     num_layers = len(__import__("hf_layerswap").decoder_blocks(model)[2])
     num_probes = 3 * (num_layers - 1)

@@ -90,3 +90,15 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     report = SwapReport.from_json(out / "layerswap_report.json")
     assert report.num_layers == 30 and report.selections[-1]["selected"] == config["layerswap"]["removed_layers"]
     assert (out / "README.md").is_file()
+
+
+def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):
+    """A misspelt --eval-text fails at once (exit 2, the value named), not after minutes of scoring;
+    nothing is written."""
+    missing = tmp_path / "wiki.test.raw"
+    code = main(["demo", "--model", str(tmp_path / "no-such-model"), "--eval-text", str(missing),
+                 "--output", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--eval-text {str(missing)!r} is not a file" in err and "loading" not in err
+    assert not (tmp_path / "out").exists()
