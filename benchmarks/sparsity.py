@@ -11,7 +11,9 @@ same evaluation windows (paired bootstrap over windows, :func:`delta_ppl_ci`); w
 calibration seeds, the across-seed mean, a t-based 95% interval and an exact sign-flip
 (permutation) test of the paired per-seed differences are reported.
 
-Results are cached per configuration in the JSON file, so an interrupted run resumes.
+Results are cached per configuration in the JSON file, so an interrupted run resumes. Several
+processes may share one model's cache (e.g. one per core, each with its own ``--seeds``): every
+write merges under a file lock, and a configuration another process has stored is not run again.
 
 Usage (from the repository root)::
 
@@ -28,6 +30,7 @@ residual stream entering each block instead of the linears' inputs).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import itertools
 import json
 import math
@@ -138,21 +141,41 @@ def bos_text(bos) -> str:
     return f"{'added' if bos.get('add_bos') else 'none'} ({bos.get('bos_choice')})"
 
 
+def update_store(path: Path, change=None) -> dict:
+    """Read the result cache, apply ``change(store)`` and write it back atomically, all under an
+    exclusive lock (``<json>.lock``), so processes sharing one cache never lose each other's runs.
+    Returns the store as written (or as read, with no change)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        store = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        store.setdefault("runs", {})
+        if change is not None:
+            change(store)
+            write_json_atomic(store, path)
+        return store
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     out_json = Path(args.json)
-    store = json.loads(out_json.read_text()) if out_json.is_file() and not args.fresh else {}
-    store.setdefault("runs", {})
     model, tokenizer = load_model(args.model)
     model.eval()
     identity = without_local_paths(model_identity(model))
-    if store.get("model", identity) != identity:  # cached runs of another model must never be reused
-        raise SystemExit(
-            f"{out_json} holds runs of {store['model'].get('name')!r}, not of {identity.get('name')!r} "
-            f"(--model {args.model}): pass another --json, or --fresh to start it over"
-        )
+
+    def claim(store):
+        if args.fresh:
+            store.clear()
+            store["runs"] = {}
+        if store.get("model", identity) != identity:  # cached runs of another model must never be reused
+            raise SystemExit(
+                f"{out_json} holds runs of {store['model'].get('name')!r}, not of {identity.get('name')!r} "
+                f"(--model {args.model}): pass another --json, or --fresh to start it over"
+            )
+        store["model"] = identity
+
+    store = update_store(out_json, claim)
     dense_state = {k: v.clone() for k, v in model.state_dict().items()}
-    store["model"] = identity
 
     def evaluate():
         return evaluate_perplexity(
@@ -162,8 +185,8 @@ def run(args) -> dict:
     dense_key = f"dense|words{args.eval_words}"
     if dense_key not in store:
         t = time.perf_counter()
-        store[dense_key] = {"ppl": without_local_paths(evaluate().to_dict()), "eval_s": time.perf_counter() - t}
-        write_json_atomic(store, out_json)
+        record = {"ppl": without_local_paths(evaluate().to_dict()), "eval_s": time.perf_counter() - t}
+        store = update_store(out_json, lambda s: s.setdefault(dense_key, record))
     print(f"dense PPL {store[dense_key]['ppl']['ppl']:.3f}", flush=True)
 
     configs = []
@@ -175,6 +198,7 @@ def run(args) -> dict:
                     configs.append((pattern, allocation, method, seed))
     for pattern, allocation, method, seed in configs:
         key = config_key(pattern, allocation, method, seed, vars(args))
+        store = update_store(out_json)  # another process sharing the cache may have run it meanwhile
         if key in store["runs"]:
             print(f"{key}: cached PPL {store['runs'][key]['ppl']['ppl']:.3f}", flush=True)
             continue
@@ -197,7 +221,7 @@ def run(args) -> dict:
         sparsify_s = time.perf_counter() - t
         t = time.perf_counter()
         ppl = evaluate()
-        store["runs"][key] = {
+        record = {
             "pattern": pattern,
             "allocation": allocation,
             "method": method,
@@ -207,12 +231,11 @@ def run(args) -> dict:
             "sparsify_s": sparsify_s,
             "eval_s": time.perf_counter() - t,
         }
-        write_json_atomic(store, out_json)
+        store = update_store(out_json, lambda s: s["runs"].__setitem__(key, record))
         print(f"{key}: sparsity {report.achieved_sparsity:.4f} PPL {ppl.ppl:.3f} ({sparsify_s:.0f} s)", flush=True)
     model.load_state_dict(dense_state)
-    store["settings"] = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "json", "output")}
-    write_json_atomic(store, out_json)
-    return store
+    settings = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "json", "output")}
+    return update_store(out_json, lambda s: s.__setitem__("settings", settings))
 
 
 def levels(store: dict) -> list[float]:
@@ -465,7 +488,7 @@ def main(argv=None):
     parser.add_argument("--eval-words", type=int, default=None, help="override the contract's 5,000 words (smoke runs)")
     parser.add_argument("--json", default=None, help="result cache (default: results/sparsity-<model>.json)")
     parser.add_argument("--output", default=None, help="Markdown (default: results/sparsity-<model>.md)")
-    parser.add_argument("--fresh", action="store_true", help="ignore cached results in --json")
+    parser.add_argument("--fresh", action="store_true", help="start --json over: its stored runs are discarded")
     parser.add_argument("--render-only", action="store_true", help="rewrite --output from --json, run nothing")
     args = parser.parse_args(argv)
     args.json = args.json or str(RESULTS / f"sparsity-{args.model}.json")
@@ -478,10 +501,13 @@ def main(argv=None):
         print(text)
         return
     command = "python benchmarks/sparsity.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    store = run(args)
-    if command not in store.setdefault("commands", []):
-        store["commands"].append(command)
-        write_json_atomic(store, Path(args.json))
+    run(args)
+
+    def record_command(store):
+        if command not in store.setdefault("commands", []):
+            store["commands"].append(command)
+
+    store = update_store(Path(args.json), record_command)
     text = render(store, command, Path(args.json).name)
     write_index(write_text_atomic(text, args.output).parent)
     print(text)

@@ -4,6 +4,7 @@ estimator, Wanda/SparseGPT masks and updates, block-by-block propagation, save/r
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 import re
@@ -506,3 +507,27 @@ def test_benchmark_pals_verdict_rests_on_the_paired_sign_flip_test():
     assert "undecided" in mixed and "better on 5 of 9" in mixed
     one = verdict({0: 90.0}, method="sparsegpt")
     assert "below uniform sparsegpt" in one and "1 calibration seed (PALS better on 1), no paired test" in one
+
+
+def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
+    """Two processes writing one result cache at once (each read-modify-write under the lock)
+    keep every run of both."""
+    import multiprocessing
+
+    bench = _sparsity_benchmark()
+    path = tmp_path / "cache.json"
+
+    def add(prefix):
+        for i in range(25):
+            bench.update_store(path, lambda s, k=f"{prefix}{i}": s["runs"].__setitem__(k, {"i": i}))
+
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=add, args=(p,)) for p in "ab"]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0]
+    runs = bench.update_store(path)["runs"]
+    assert sorted(runs) == sorted(f"{p}{i}" for p in "ab" for i in range(25))
+    assert bench.update_store(path) == json.loads(path.read_text())
