@@ -276,7 +276,8 @@ def render(store: dict, command: str, json_name: str) -> str:
         f"Model: {describe_model(store['model'])}. The target sparsity applies to every "
         "`nn.Linear` weight inside the decoder blocks (embeddings, norms and LM head dense). Target sparsities "
         f"run: {', '.join(f'{level:g}' for level in done)}"
-        + (f" (not yet: {', '.join(not_run)})." if not_run else "."),
+        + (f" (not yet: {', '.join(not_run)})." if not_run else ".")
+        + " An N:M pattern fixes every block's sparsity at N/M, so 2:4 runs at 0.5 with uniform allocation only.",
         "",
         f"Calibration: WikiText-2 validation paragraphs shuffled with the seed, {calib['num_prompts']} prompts "
         f"truncated to {settings['seq_len']} tokens ({calib['num_tokens']} real tokens for seed "

@@ -132,12 +132,19 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if sparsity is not None and not (isinstance(sparsity, (int, float)) and 0.0 <= float(sparsity) < 1.0):
             raise ValueError(f"LayerSwapConfig(sparsity={sparsity!r}): must be a float in [0, 1)")
         if sparsity is not None:  # checked now: after loading, blocks would already be gone
-            from .sparsity import check_arguments
+            from .sparsity import check_arguments, check_bound
 
             try:
                 check_arguments(float(sparsity), allocation, method, sparsity_pattern)
             except ValueError as err:
                 raise ValueError(f"LayerSwapConfig: {err}") from None
+            try:
+                check_bound(float(sparsity), allocation)
+            except ValueError as err:
+                raise ValueError(
+                    f"LayerSwapConfig(allocation={allocation!r}): {err} (the default delta here; choose "
+                    "allocation='uniform' or 'owl', or call hf_layerswap.sparsity.sparsify with a smaller delta)"
+                ) from None
         self.num_layers = num_layers
         self.layers = layers
         self.protocol = protocol

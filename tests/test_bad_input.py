@@ -298,6 +298,9 @@ CONTRADICTORY = [
     (dict(max_gap=0), "LayerSwapConfig(max_gap=0): must be an int >= 1"),
     (dict(seq_len=1), "LayerSwapConfig(seq_len=1): must be an int >= 2"),
     (dict(sparsity=1.5), "LayerSwapConfig(sparsity=1.5): must be a float in [0, 1)"),
+    (dict(sparsity=0.96, allocation="pals"), "LayerSwapConfig(allocation='pals'): sparsity=0.96 with delta=0.05 lets a "
+     "block reach sparsity 1 (every weight zero); use delta < 1 - sparsity = 0.04 (the default delta here; choose "
+     "allocation='uniform' or 'owl'"),
 ]
 
 

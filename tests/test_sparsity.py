@@ -56,12 +56,12 @@ def _random_case(seed):
 def test_pals_budget_exact_and_bounded_on_random_statistics(sparsity, mapping):
     for seed in range(40):
         params, stats, rng = _random_case(seed)
-        delta = rng.choice([0.01, 0.05, 0.1])
+        delta = rng.choice([d for d in (0.01, 0.05, 0.1) if sparsity + d < 1])  # 0.98: only 0.01 (see bad input)
         out = pals_allocation(stats, params, sparsity, delta=delta, mapping=mapping)
         assert len(out) == len(params)
         assert _weighted_mean(out, params) == pytest.approx(sparsity, abs=1e-12)
-        lo, hi = max(sparsity - delta, 0.0), min(sparsity + delta, 1.0)
-        assert all(lo - 1e-15 <= s <= hi + 1e-15 for s in out)
+        lo, hi = max(sparsity - delta, 0.0), sparsity + delta
+        assert all(lo - 1e-15 <= s <= hi + 1e-15 for s in out) and max(out) < 1
         # larger percentile -> never a larger sparsity
         order = sorted(range(len(stats)), key=lambda i: stats[i])
         assert all(out[a] >= out[b] - 1e-15 for a, b in zip(order, order[1:]))
@@ -111,6 +111,15 @@ def test_fit_budget_rejects_bad_input():
         pals_allocation([1.0, float("nan")], [1, 1], 0.5)
     with pytest.raises(ValueError, match="mapping='rank'"):
         pals_allocation([1.0, 2.0], [1, 1], 0.5, mapping="rank")
+    # a bound reaching sparsity 1 would zero a whole block: refused for every bounded allocator
+    for call in (
+        lambda: fit_budget([0.0, 0.1], [1, 1], 0.96, 0.05),
+        lambda: pals_allocation([1.0, 2.0], [1, 1], 0.95),
+        lambda: random_allocation([1, 1], 0.99, seed=3),
+    ):
+        with pytest.raises(ValueError, match=r"lets a block reach sparsity 1 .*use delta < 1 - sparsity"):
+            call()
+    assert max(pals_allocation([1.0, 2.0, 5.0], [1, 1, 1], 0.94)) < 0.99
 
 
 def test_owl_outlier_ratio_and_mapping_by_hand():
@@ -449,6 +458,8 @@ def test_bad_arguments_change_nothing():
         sparsify(model, batch, allocation="owl", lamda=0.1)
     with pytest.raises(ValueError, match="percentile=99"):
         sparsify(model, batch, percentile=99)
+    with pytest.raises(ValueError, match="sparsity=0.97 with delta=0.05 lets a block reach sparsity 1"):
+        sparsify(model, batch, sparsity=0.97, allocation="random")
     with pytest.warns(UserWarning, match="no effect"):
         sparsify(model, batch, sparsity=0.0, allocation="uniform", method="magnitude", owl_m=3)
     after = model.state_dict()

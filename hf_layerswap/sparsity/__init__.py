@@ -148,7 +148,7 @@ class SparsifyOptions:
         return dataclasses.asdict(self)
 
 
-def _parse_options(options: dict, allocation: str, method: str) -> SparsifyOptions:
+def _parse_options(options: dict, allocation: str, method: str, sparsity: float) -> SparsifyOptions:
     allowed = {f.name for f in dataclasses.fields(SparsifyOptions)}
     unknown = sorted(set(options) - allowed)
     if unknown:
@@ -160,7 +160,20 @@ def _parse_options(options: dict, allocation: str, method: str) -> SparsifyOptio
         warnings.warn(
             f"options {unused} have no effect with allocation={allocation!r}, method={method!r}", stacklevel=3
         )
-    return SparsifyOptions(**options)
+    opts = SparsifyOptions(**options)
+    check_bound(sparsity, allocation, opts.delta)
+    return opts
+
+
+def check_bound(sparsity: float, allocation: str, delta: float = SparsifyOptions.delta) -> None:
+    """Refuse, before any forward pass, a bounded allocation (``pals``, ``random``,
+    ``gradient``) whose bound ``sparsity + delta`` reaches 1 (a block with every weight zero).
+
+    Raises:
+        ValueError: ``sparsity + delta >= 1`` with ``delta > 0`` for a bounded allocation.
+    """
+    if "delta" in SparsifyOptions.USED_BY.get(allocation, ()):
+        fit_budget([0.0], [1], sparsity, delta)
 
 
 def _pool(x: torch.Tensor, pool: str) -> torch.Tensor:
@@ -237,15 +250,16 @@ def sparsify(
 
     Raises:
         ValueError: an unknown allocation/method/pattern, a sparsity outside [0, 1), an N:M
-            pattern with another sparsity or a non-uniform allocation, a linear whose input
-            width is not divisible by M (checked before any weight changes).
+            pattern with another sparsity or a non-uniform allocation, ``sparsity + delta >= 1``
+            for a bounded allocation (pals, random, gradient), a linear whose input width is not
+            divisible by M (all checked before any forward pass or weight change).
         TypeError: unknown options or a text calibration without tokenizer.
     """
     t0 = time.perf_counter()
     nm = check_arguments(sparsity, allocation, method, pattern)
     if nm is not None:
         pattern = f"{nm[0]}:{nm[1]}"
-    opts = _parse_options(options, allocation, method)
+    opts = _parse_options(options, allocation, method, sparsity)
     calib = build_calibration(
         calibration, tokenizer, num_prompts=opts.num_prompts, seq_len=opts.seq_len, seed=opts.calibration_seed
     )

@@ -89,7 +89,7 @@ def fit_budget(offsets: Sequence[float], num_params: Sequence[int], sparsity: fl
     """Exact budget with a hard per-block bound.
 
     Finds the shift ``tau`` with ``sum_l N_l clip(s + d_l + tau, lo, hi) = s sum_l N_l``,
-    ``lo = max(s - delta, 0)``, ``hi = min(s + delta, 1)``, and returns the clipped values.
+    ``lo = max(s - delta, 0)``, ``hi = s + delta < 1``, and returns the clipped values.
     The left side is piecewise linear and non-decreasing in ``tau``; it is solved exactly
     on the segment between breakpoints where it crosses the target (no iteration), so the
     parameter-weighted mean equals ``s`` to float rounding and every block is inside
@@ -102,12 +102,18 @@ def fit_budget(offsets: Sequence[float], num_params: Sequence[int], sparsity: fl
         delta: half-width of the bound, in [0, 1).
 
     Raises:
-        ValueError: bad arguments or mismatched lengths.
+        ValueError: bad arguments or mismatched lengths, or ``s + delta >= 1`` with ``delta > 0``
+            (a block could reach sparsity 1, every weight zero).
     """
     sparsity, delta = _check_sparsity(sparsity), _check_delta(delta)
     d = _check_stats(offsets, "offsets")
     n = _check_params(num_params, len(d))
-    lo, hi = max(sparsity - delta, 0.0), min(sparsity + delta, 1.0)
+    if delta > 0.0 and sparsity + delta >= 1.0:
+        raise ValueError(
+            f"sparsity={sparsity!r} with delta={delta!r} lets a block reach sparsity 1 (every weight zero); "
+            f"use delta < 1 - sparsity = {1.0 - sparsity:.6g}"
+        )
+    lo, hi = max(sparsity - delta, 0.0), sparsity + delta
     if delta == 0.0 or sparsity == 0.0:
         return [sparsity] * len(d)
     total = float(sum(n))

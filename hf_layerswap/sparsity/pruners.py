@@ -97,8 +97,9 @@ def wanda_prune(
     Args:
         weight: ``(out_features, in_features)``.
         row_norm_sq: ``(in_features,)``, ``sum_t x_t[j]**2`` over calibration tokens.
-        sparsity: fraction per row in [0, 1) (unstructured: ``round(s in_features)`` per row;
-            ignored for N:M, where it is N/M).
+        sparsity: fraction per row in [0, 1) (unstructured: ``round(s in_features)`` per row,
+            the count nearest the target, where Wanda's reference code floors it; ignored for
+            N:M, where it is N/M).
         pattern: ``None`` or ``"N:M"``.
 
     Returns:
