@@ -478,10 +478,18 @@ def test_speed_benchmark_resumes_batch_by_batch(tmp_path):
     assert refused.returncode == 2 and "--smoke needs --out" in refused.stderr
     first = _speed(tmp_path, "--batches", "2", "--out", str(tmp_path / "a.md"))
     assert first.returncode == 0, first.stderr
-    assert json.loads((tmp_path / "a.json").read_text())["models"][0]["batches_done"] == 2
+    stored = json.loads((tmp_path / "a.json").read_text())["models"][0]
+    assert stored["batches_done"] == 2
+    # ours' peak memory measured alone in a child process, once; the memory target is judged on it
+    assert stored["fresh_peak"]["ours"] >= stored["fresh_peak"]["rss_before"] > 0
+    assert first.stderr.count("peak RSS of ours alone in a fresh process") == 1
     resumed = _speed(tmp_path, "--out", str(tmp_path / "a.md"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming tiny-gemma3 after 2 batches" in resumed.stderr
+    assert "peak RSS of ours alone" not in resumed.stderr
+    page = (tmp_path / "a.md").read_text()
+    gib = f"{stored['fresh_peak']['ours'] / 2**30:.2f} GiB"
+    assert f"| **peak RSS, ours alone in a fresh process, first batch** (target: under model + 1.5 GiB) | **{gib}**" in page
     whole = _speed(tmp_path, "--out", str(tmp_path / "b.md"))
     assert whole.returncode == 0, whole.stderr
     a = json.loads((tmp_path / "a.json").read_text())["models"][0]
