@@ -455,6 +455,7 @@ def run_growth(model, tokenizer, batch_size, seq_len, save, done=()):
             return growth_row(label, random_llama(vocab, 8, model), part, adjacent_plans(8), batch_size)
 
         add(f"V = {vocab} (random weights, L = 8)", random_weights)
+    save(rows)  # also when every row was done before (a resumed or merged run)
     return rows
 
 
@@ -491,10 +492,12 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
         "```",
         "",
         f"Machine: {results['machine']}; {results['threads']} torch threads, fp32. Libraries: {results['libraries']}. "
-        f"Started {results['started']}; this file was written after {results['total_seconds'] / 3600:.2f} h"
-        + (f" of the last of {results['merged_runs']} processes (one per model or growth table, their records "
-           "merged with `--merge-from`; every record is cached, so the command above reproduces this page)."
-           if results.get("merged_runs") else "."),
+        + (f"Measured in {results['merged_runs'] - 1} separate run(s) (one per model or growth table; the first "
+         f"started {results['started']}, the longest ran {results.get('longest_run_seconds', 0.0) / 3600:.2f} h), "
+         "their records merged with `--merge-from` by a run that measures only what they lack; every record is "
+         "cached, so the command above reproduces this page."
+         if results.get("merged_runs") else
+         f"Started {results['started']}; this file was written after {results['total_seconds'] / 3600:.2f} h."),
         "",
         "Noise: the machine is shared with other jobs running at the same time (load average "
         f"{results['load_before']} at the start, {results['load_after']} at the last write, on 2 cores). Wall "
@@ -645,6 +648,18 @@ def findings(results: dict, models: list[dict]) -> list[str]:
         out.append(f"- Not measured in this run (stopped before they finished a batch): {', '.join(missing)}.")
     if not results.get("growth"):
         out.append("- The cost-growth table was not run (it runs after all models).")
+    prompts = sorted((g for g in results.get("growth", []) if g["label"].startswith("prompts =")),
+                     key=lambda g: g["num_prompts"])
+    if len(prompts) >= 2:
+        first, last = prompts[0], prompts[-1]
+        peaks = [g["ours_peak_rss"] for g in prompts]
+        out.append(
+            f"- Growth with the calibration set ({results.get('growth_model')}, same 6 probes): "
+            f"{last['num_prompts'] // first['num_prompts']}x the prompts ({first['num_prompts']} -> "
+            f"{last['num_prompts']}) costs {last['ours_seconds'] / first['ours_seconds']:.1f}x the CPU time, while "
+            f"ours' peak RSS stays within {gib(min(peaks))} - {gib(max(peaks))}: memory does not grow with the "
+            "number of prompts beyond one batch."
+        )
     return out
 
 
@@ -710,7 +725,8 @@ def main(argv=None):
     for source in args.merge_from:
         if not source.is_file():
             raise SystemExit(f"--merge-from {source}: no such file (the JSON beside another run's --out page)")
-        models, growth, _ = resumable(json.loads(source.read_text()), args)
+        source_results = json.loads(source.read_text())
+        models, growth, source_seconds = resumable(source_results, args)
         if not models and not growth:
             raise SystemExit(f"--merge-from {source}: no model record or growth row with these settings "
                              f"(threads {args.threads}, batch size {args.batch_size}, engine {ENGINE}, "
@@ -721,6 +737,8 @@ def main(argv=None):
         have = {g["label"] for g in stored_growth}
         stored_growth = stored_growth + [g for g in growth if g["label"] not in have]
         log("merged from", source, ":", ", ".join(models) or "no model", f"and {len(growth)} growth rows")
+        results["started"] = min(results["started"], source_results["started"])
+        results["longest_run_seconds"] = max(results.get("longest_run_seconds", 0.0), source_seconds)
     if args.merge_from:
         results["merged_runs"] = 1 + len(args.merge_from)
     t0 = time.perf_counter() - earlier_seconds

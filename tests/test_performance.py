@@ -507,6 +507,29 @@ def test_speed_benchmark_resumes_batch_by_batch(tmp_path):
     assert "batch" not in merged.stderr.replace("batches", "")
     c = json.loads((tmp_path / "c.json").read_text())
     assert c["merged_runs"] == 2 and c["models"][0]["values"] == a["values"]
-    assert "--merge-from" not in c["command"] and "of the last of 2 processes" in (tmp_path / "c.md").read_text()
+    assert "--merge-from" not in c["command"] and "Measured in 1 separate run(s)" in (tmp_path / "c.md").read_text()
     missing = _speed(tmp_path, "--out", str(tmp_path / "d.md"), "--merge-from", str(tmp_path / "none.json"))
     assert missing.returncode == 1 and "none.json: no such file" in missing.stderr
+
+
+def test_speed_growth_rows_done_before_reach_the_page(monkeypatch):
+    """A run whose growth rows were all measured earlier (resumed, or merged from another
+    process) keeps them in its results and measures none again."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("speed_benchmark", REPO_ROOT / "benchmarks" / "speed.py")
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    model = tiny_model()
+    labels = ["L = 10 (first 10 blocks)", "prompts = 2 (6 probes)", "prompts = 8 (6 probes)",
+              "prompts = 16 (6 probes)", "T = 4", "V = 8192 (random weights, L = 8)",
+              "V = 65536 (random weights, L = 8)"]
+    done = [{"label": label, "ours_seconds": float(k)} for k, label in enumerate(labels)]
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("a growth row was measured again")
+
+    monkeypatch.setattr(speed, "growth_row", measured_again)
+    saved = []
+    rows = speed.run_growth(model, tokenizer=None, batch_size=2, seq_len=16, save=saved.append, done=done)
+    assert rows == done and saved == [done]
