@@ -11,14 +11,21 @@ card carries what a reviewer needs to trust a pruned checkpoint:
   and after), the per-layer scores and the pair table of both protocols (replacement in
   both directions, interchange, I/R = d_inter / d_repl), the set each protocol would remove
   at the same budget, the set actually removed and why;
+- after one-shot pruning (:func:`hf_layerswap.sparsity.sparsify`): method, pattern,
+  allocation and its options, target and achieved sparsity, and a per-block table in the
+  original numbering (from the ``SparsityReport``, or from ``config.layerswap_sparsity``);
+- the repair of the cut when ``config.layerswap["recovery"]`` records one, and for Ghosted
+  Layers operators that ``hf_layerswap`` must be imported to apply them;
 - evaluation (perplexity with its CI, dPPL%, the contract), calibration (source, content
   hash, prompts x tokens, BOS handling, dtype), scoring cost, library versions, a
-  reproduction snippet and the plain-transformers loading snippet;
+  reproduction snippet and the loading snippet;
 - PNG plots (matplotlib, Agg canvas): per-layer scores of both protocols with the removed
-  layers marked, I/R per pair, and the pair heatmap when ``max_gap > 1``.
+  layers marked, I/R per pair, the pair heatmap when ``max_gap > 1``, and per-block
+  sparsity.
 
 :func:`write_card_files` writes the card, the plots and the JSON sidecars
-(``layerswap_report.json`` loads back with :meth:`SwapReport.from_json`) into a folder.
+(``layerswap_report.json`` loads back with :meth:`SwapReport.from_json`,
+``layerswap_sparsity.json`` with ``SparsityReport.from_json``) into a folder.
 Method: No Free Swap (arXiv 2605.16234).
 """
 
@@ -39,11 +46,13 @@ __all__ = [
     "EVALUATION_FILE",
     "PLOT_FILES",
     "REPORT_FILE",
+    "SPARSITY_FILE",
     "check_card",
     "normalize_evaluation",
     "planned_plots",
     "render_card",
     "report_mismatches",
+    "sparsity_mismatches",
     "write_card_files",
     "write_plots",
 ]
@@ -53,10 +62,24 @@ logger = logging.getLogger(__name__)
 CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "modelcard_template.md"
 REPORT_FILE = "layerswap_report.json"
 EVALUATION_FILE = "layerswap_evaluation.json"
+SPARSITY_FILE = "layerswap_sparsity.json"
 PLOT_FILES = {
     "layer_scores": "layerswap_layer_scores.png",
     "protocol_gap": "layerswap_protocol_gap.png",
     "pair_heatmap": "layerswap_pair_heatmap.png",
+    "sparsity": "layerswap_sparsity.png",
+}
+_METHODS = {
+    "wanda": "Wanda (Sun et al., 2023): lowest |W| x ||X||_2 per output row",
+    "sparsegpt": "SparseGPT (Frantar and Alistarh, 2023): OBS mask and weight update, column blocks",
+    "magnitude": "magnitude: lowest |W| per output row",
+}
+_ALLOCATIONS = {
+    "uniform": "uniform: every block at the target",
+    "pals": "PALS: percentile-aware layerwise sparsity (larger activation percentile, lower sparsity)",
+    "owl": "OWL: outlier-weighted layerwise sparsity (Yin et al., 2024)",
+    "random": "random per-block offsets (ablation)",
+    "gradient": "gradient-based per-block sparsity (ablation)",
 }
 #: Above this many scored pairs the card lists adjacent pairs and the lowest-scoring ones
 #: (the sidecar JSON always has every pair).
@@ -185,6 +208,146 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
                     f"(step {k}): this is not the report the removal was selected from"
                 )
     return problems
+
+
+def _sparsity_summary(config, sparsity) -> dict | None:
+    """The sparsity summary to show: :func:`~hf_layerswap.sparsity.config_record` of the
+    report when given, else ``config.layerswap_sparsity`` (written by ``sparsify``)."""
+    if sparsity is not None:
+        from .sparsity import config_record
+
+        return config_record(sparsity)
+    record = getattr(config, "layerswap_sparsity", None)
+    return dict(record) if isinstance(record, Mapping) else None
+
+
+def _current_original_blocks(config, current: int) -> list[int]:
+    kept = _record(config).get("kept_layers")
+    return [int(i) for i in kept] if isinstance(kept, list) and len(kept) == current else list(range(current))
+
+
+def sparsity_mismatches(model_or_config, sparsity) -> list[str]:
+    """Reasons why a :class:`~hf_layerswap.sparsity.SparsityReport` does not describe
+    ``model_or_config`` (empty list = it does).
+
+    Checks that the report agrees with ``config.layerswap_sparsity`` when the config has
+    one, that every current block was sparsified by it (blocks are matched in the original,
+    pre-removal numbering, so removal after pruning is allowed), and, for a model, that each
+    current block holds exactly the report's number of zero weights in its ``nn.Linear``
+    layers (weights changed after pruning are caught).
+
+    Raises:
+        TypeError: ``sparsity`` is not a ``SparsityReport``.
+    """
+    from .sparsity import SparsityReport, config_record
+    from .sparsity.engine import prunable_linears
+
+    if not isinstance(sparsity, SparsityReport):
+        raise TypeError(f"sparsity must be a SparsityReport, got {type(sparsity).__name__}")
+    model, config = _split_model(model_or_config)
+    problems = []
+    mine = config_record(sparsity)
+    recorded = getattr(config, "layerswap_sparsity", None)
+    if isinstance(recorded, Mapping):
+        keys = ("method", "allocation", "pattern", "target_sparsity", "num_params", "num_zeros", "original_blocks",
+                "block_achieved")
+        differ = [k for k in keys if recorded.get(k) != mine[k]]
+        if differ:
+            problems.append(f"the sparsity report differs from config.layerswap_sparsity in {differ}")
+    original = mine["original_blocks"]
+    current = _current_original_blocks(config, _current_blocks(model, config))
+    missing = [i for i in current if i not in original]
+    if missing:
+        problems.append(
+            f"the sparsity report covers blocks {original} (original numbering) but the model also has blocks {missing}"
+        )
+    elif model is not None:
+        from .plan import decoder_blocks
+
+        _, _, blocks = decoder_blocks(model)
+        for block, index in zip(blocks, current):
+            zeros = sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(block))
+            expected = sparsity.blocks[original.index(index)].num_zeros
+            if zeros != expected:
+                problems.append(
+                    f"block {index} (original numbering) has {zeros} zero weights, the sparsity report {expected}: "
+                    "its weights changed after pruning"
+                )
+    return problems
+
+
+def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
+    """Rows of the card's sparsity section (original block numbering)."""
+    kept = set(_current_original_blocks(config, current))
+    allocator = dict(summary.get("allocator") or {})
+    statistics = [b.statistic for b in sparsity.blocks] if sparsity is not None else [None] * len(summary["block_targets"])
+    blocks = [
+        {
+            "block": index,
+            "target": f"{target:.4f}",
+            "achieved": f"{achieved:.4f}",
+            "statistic": _DASH if stat is None else f"{stat:.4g}",
+            "status": "kept" if index in kept else "removed after pruning",
+        }
+        for index, target, achieved, stat in zip(
+            summary["original_blocks"], summary["block_targets"], summary["block_achieved"], statistics
+        )
+    ]
+    allocation = summary["allocation"]
+    options = []
+    if allocation in ("pals", "random", "gradient") and "delta" in allocator:
+        options.append(f"bound ±{allocator['delta']:g} around the target")
+    if allocation in ("pals", "gradient") and "mapping" in allocator:
+        options.append(f"{allocator['mapping']} mapping")
+    if allocation == "pals" and "percentile" in allocator:
+        options.append(f"percentile {allocator['percentile']:g} of |activation| ({allocator.get('source')}, "
+                       f"pool={allocator.get('pool')})")
+    if allocation == "owl" and "owl_m" in allocator:
+        options.append(f"M = {allocator['owl_m']:g}, lambda = {allocator['owl_lambda']:g}")
+    rows = [
+        ("Method", _METHODS.get(summary["method"], summary["method"])),
+        ("Pattern", summary["pattern"] + " (N:M semi-structured)" if summary["pattern"] else "unstructured"),
+        ("Layerwise allocation", _ALLOCATIONS.get(allocation, allocation) + (f"; {', '.join(options)}" if options else "")),
+    ]
+    if allocator.get("statistic"):
+        rows.append(("Allocator statistic", allocator["statistic"]))
+    if allocator.get("budget"):
+        rows.append(("Budget rule", allocator["budget"]))
+    rows += [
+        ("Target sparsity", _pct_plain(summary["target_sparsity"])),
+        ("Achieved sparsity", f"{_pct_plain(summary['achieved_sparsity'], 4)} ({summary['num_zeros']:,} of "
+         f"{summary['num_params']:,} weights of the blocks' linear layers are zero)"),
+        ("Kept dense", "embeddings, norms, LM head"),
+    ]
+    params = summary.get("block_params")
+    if params and any(b not in kept for b in summary["original_blocks"]):
+        in_model = [(n, a) for b, n, a in zip(summary["original_blocks"], params, summary["block_achieved"]) if b in kept]
+        total = sum(n for n, _ in in_model)
+        if total:
+            rows.insert(-1, ("Achieved sparsity, blocks still in the model",
+                             _pct_plain(sum(n * a for n, a in in_model) / total, 4) + " (some blocks were removed after pruning)"))
+    cal = summary.get("calibration") or {}
+    if cal.get("description"):
+        rows.append(("Calibration", f"{cal['description']} (content hash {str(cal.get('content_hash'))[:12]})"))
+    return {"rows": [(key, _cell(value)) for key, value in rows], "blocks": blocks}
+
+
+def _pct_plain(fraction: float, digits: int = 2) -> str:
+    return f"{100 * fraction:.{digits}f}%"
+
+
+def _recovery_row(record: Mapping) -> tuple[str, str] | None:
+    recovery = record.get("recovery")
+    if not isinstance(recovery, Mapping) or not recovery.get("method"):
+        return None
+    boundaries = _indices(recovery.get("boundaries", []))
+    if recovery["method"] == "ghosted":
+        return ("Repair of the cut", f"Ghosted Layers closed-form operator I + M at boundaries {boundaries} "
+                f"(pruned numbering), stored in `{recovery.get('file')}`")
+    if recovery["method"] == "fused":
+        return ("Repair of the cut", f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
+                f"{boundaries} (pruned numbering): plain transformers weights")
+    return ("Repair of the cut", _cell(recovery["method"]))
 
 
 def normalize_evaluation(evaluation) -> dict[str, dict] | None:
@@ -627,8 +790,11 @@ def _versions(report, steps, evaluation) -> dict:
     return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
 
 
-def _load_snippet(repo: str, tokenizer_repo: str | None) -> str:
-    lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "", f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
+def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
+    lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    if ghosted:
+        lines = ["import hf_layerswap  # registers the loader that re-attaches the repair operators", *lines]
+    lines.append(f'model = AutoModelForCausalLM.from_pretrained("{repo}")')
     if tokenizer_repo:
         lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer_repo}")')
         lines += [
@@ -683,16 +849,17 @@ def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | No
 
 
 # ---------------------------------------------------------------------- plots
-def planned_plots(report: SwapReport | None) -> list[str]:
-    """Keys of :data:`PLOT_FILES` that :func:`write_plots` writes for ``report``."""
+def planned_plots(report: SwapReport | None, *, sparsity: bool = False) -> list[str]:
+    """Keys of :data:`PLOT_FILES` that :func:`write_plots` writes for ``report``, plus
+    ``"sparsity"`` (:func:`write_sparsity_plot`) when ``sparsity`` is true."""
     if report is None:
-        return []
+        return ["sparsity"] if sparsity else []
     keys = ["layer_scores"]
     if set(PROTOCOLS) <= set(report.protocols):
         keys.append("protocol_gap")
     if report.max_gap > 1:
         keys.append("pair_heatmap")
-    return keys
+    return keys + (["sparsity"] if sparsity else [])
 
 
 def _figure(width: float, height: float):
@@ -822,6 +989,58 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
     return written
 
 
+def write_sparsity_plot(summary: Mapping, path: str | os.PathLike, *, kept: Sequence[int] | None = None) -> Path:
+    """Per-block target and achieved sparsity as a PNG (matplotlib, Agg canvas).
+
+    Args:
+        summary: :func:`~hf_layerswap.sparsity.config_record` of a sparsity report (or
+            ``config.layerswap_sparsity``): ``original_blocks``, ``block_targets``,
+            ``block_achieved`` (fractions), ``target_sparsity``, ``method``, ``allocation``.
+        path: the PNG to write (through a temporary file and a rename).
+        kept: original indices of the blocks still in the model; the others are hatched
+            as removed after pruning. ``None`` = all kept.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import numpy as np
+
+    path = Path(path)
+    blocks = list(summary["original_blocks"])
+    x = np.arange(len(blocks))
+    fig = _figure(min(14.0, max(6.0, 0.28 * len(blocks) + 2)), 3.4)
+    ax = fig.add_subplot()
+    gone = [k for k, b in enumerate(blocks) if kept is not None and b not in kept]
+    bars = ax.bar(x, summary["block_achieved"], width=0.8, color="#7570b3", label="achieved")
+    for k in gone:
+        bars[k].set_hatch("//")
+        bars[k].set_alpha(0.4)
+    ax.plot(x, summary["block_targets"], "k_", ms=12, mew=2, label="allocated target")
+    ax.axhline(summary["target_sparsity"], color="#d95f02", lw=1, ls="--",
+               label=f"overall target {summary['target_sparsity']:g}")
+    step = max(1, len(blocks) // 48)
+    ax.set_xticks(x[::step])
+    ax.set_xticklabels([str(b) for b in blocks][::step], fontsize=7)
+    ax.set_xlim(-0.6, len(blocks) - 0.4)
+    ax.set_ylim(0, min(1.0, max(max(summary["block_achieved"]), max(summary["block_targets"])) * 1.25 + 0.02))
+    ax.set_xlabel("block (0-based, original numbering)" + ("; hatched = removed after pruning" if gone else ""))
+    ax.set_ylabel("sparsity (fraction of zeros)")
+    ax.set_title(f"Per-block sparsity: {summary['method']}, {summary.get('pattern') or 'unstructured'}, "
+                 f"{summary['allocation']} allocation", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        _save(fig, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 # ---------------------------------------------------------------------- the card
 def render_card(
     model_or_config,
@@ -833,8 +1052,9 @@ def render_card(
     repo_id: str | None = None,
     plots: Sequence[str] | None = None,
     tokenizer_included: bool = True,
+    sparsity_report=None,
 ):
-    """Render the model card of a (pruned) model.
+    """Render the model card of a (pruned, sparsified, repaired) model.
 
     Args:
         model_or_config: the model (parameter counts from its weights) or its config
@@ -854,14 +1074,25 @@ def render_card(
             :func:`planned_plots` (write them with :func:`write_plots`).
         tokenizer_included: whether tokenizer files sit next to the card (else the
             snippet loads the base model's tokenizer).
+        sparsity_report: the :class:`~hf_layerswap.sparsity.SparsityReport` of one-shot pruning
+            (checked with :func:`sparsity_mismatches`); ``None`` = the summary
+            ``sparsify`` stored in ``config.layerswap_sparsity``, if any. Either gives a
+            sparsity section (method, pattern, allocation, target and achieved sparsity,
+            per-block table in the original numbering); the report adds the allocator's
+            per-block statistic.
+
+    A repair of the cut recorded in ``config.layerswap["recovery"]`` (see
+    :mod:`hf_layerswap.recovery`) is named in the removal table; for Ghosted Layers
+    operators the loading section says that ``hf_layerswap`` must be imported to apply them.
 
     Returns:
         A :class:`huggingface_hub.ModelCard`.
 
     Raises:
-        TypeError: ``model_or_config`` is neither a model nor a config; bad ``evaluation`` types.
-        ValueError: the report does not belong to the model, a bad ``evaluation`` value,
-            or a ``base_model`` that is not a Hub id.
+        TypeError: ``model_or_config`` is neither a model nor a config; bad ``evaluation``
+            or ``sparsity_report`` types.
+        ValueError: the report or the sparsity report does not belong to the model, a bad
+            ``evaluation`` value, or a ``base_model`` that is not a Hub id.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -872,6 +1103,10 @@ def render_card(
         problems = report_mismatches(model_or_config, report)
         if problems:
             raise ValueError("the report does not belong to this model: " + "; ".join(problems))
+    if sparsity_report is not None:
+        problems = sparsity_mismatches(model_or_config, sparsity_report)
+        if problems:
+            raise ValueError("the sparsity report does not belong to this model: " + "; ".join(problems))
     evaluation = normalize_evaluation(evaluation)
     record = _record(config)
     steps = [dict(s) for s in record.get("steps", [])]
@@ -885,7 +1120,10 @@ def render_card(
     protocol = _protocol_of(steps)
     spacing, protect, rule = _selection_rule(steps, report)
     before, after = _parameter_counts(model, config, len(removed), steps)
-    plot_keys = planned_plots(report) if plots is None else list(plots)
+    sparse = _sparsity_summary(config, sparsity_report)
+    recovery = record.get("recovery") if isinstance(record.get("recovery"), Mapping) else {}
+    ghosted = recovery.get("method") == "ghosted"
+    plot_keys = planned_plots(report, sparsity=sparse is not None) if plots is None else list(plots)
     unknown = [k for k in plot_keys if k not in PLOT_FILES]
     if unknown:
         raise ValueError(f"plots={unknown}: allowed {sorted(PLOT_FILES)}")
@@ -893,6 +1131,20 @@ def render_card(
 
     # --- front matter
     tags = ["layerswap", "layer-pruning"] + ([protocol] if protocol else [])
+    if sparse is not None:
+        tags += ["sparsity", sparse["method"]]
+    front = {
+        "original_num_hidden_layers": original,
+        "num_hidden_layers": current,
+        "removed_layers": removed,
+        "protocol": protocol,
+        "report": REPORT_FILE if report is not None else None,
+    }
+    if recovery.get("method"):
+        front["recovery"] = recovery["method"]
+    if sparse is not None:
+        front["sparsity"] = {k: sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity", "achieved_sparsity")}
+        front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
     eval_section, eval_results = _evaluation_section(evaluation) if evaluation else (None, None)
     card_data = ModelCardData(
         base_model=base,
@@ -902,13 +1154,7 @@ def render_card(
         tags=tags,
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
-        layerswap={
-            "original_num_hidden_layers": original,
-            "num_hidden_layers": current,
-            "removed_layers": removed,
-            "protocol": protocol,
-            "report": REPORT_FILE if report is not None else None,
-        },
+        layerswap=front,
     )
 
     # --- body
@@ -923,9 +1169,22 @@ def render_card(
             f"({len(removed)} of {original} blocks, {100 * len(removed) / original:.1f}% of the depth{params}), "
             f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else ".")
         )
+    elif sparse is not None:
+        title = f"{name}: {_pct_plain(sparse['achieved_sparsity'], 1)} sparse decoder blocks"
+        summary = f"No blocks were removed from {base_label}."
     else:
         title = f"{name}: swap-KL layer-redundancy scores"
         summary = f"No blocks were removed from {base_label}; this card records its swap-KL diagnostics."
+    if ghosted:
+        summary += " The cut is repaired with Ghosted Layers operators (load with `import hf_layerswap`, see below)."
+    elif recovery.get("method") == "fused":
+        summary += " The cut is repaired with a least-squares map folded into the weights."
+    if sparse is not None:
+        summary += (
+            f" The linear layers of its decoder blocks were pruned one-shot to "
+            f"{_pct_plain(sparse['achieved_sparsity'], 2)} sparsity ({sparse['method']}, "
+            f"{sparse['pattern'] or 'unstructured'}, {sparse['allocation']} allocation)."
+        )
     if evaluation and "base" in evaluation and "pruned" in evaluation:
         summary += (
             f" Perplexity {evaluation['base']['ppl']:.2f} → {evaluation['pruned']['ppl']:.2f} "
@@ -945,6 +1204,9 @@ def render_card(
         removal_rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
     if removed:
         removal_rows.append(("Protocol guiding the removal", protocol or "none recorded"))
+    repair = _recovery_row(record)
+    if repair is not None:
+        removal_rows.append(repair)
     step_rows = [
         {
             "before": s.get("num_layers_before", _DASH),
@@ -966,12 +1228,17 @@ def render_card(
         files.append((REPORT_FILE, "every swap-KL value: `hf_layerswap.SwapReport.from_json(path)`"))
     if evaluation:
         files.append((EVALUATION_FILE, "perplexity results with their contracts"))
+    if sparsity_report is not None:
+        files.append((SPARSITY_FILE, "per-block and per-linear sparsity: `hf_layerswap.sparsity.SparsityReport.from_json(path)`"))
+    if ghosted:
+        files.append((str(recovery.get("file")), "Ghosted Layers operators (float32 (H, H) per boundary), applied by `hf_layerswap`"))
     files += [(PLOT_FILES[k], "plot") for k in plot_keys]
     tokenizer_repo = (repo_id or "path/to/this/checkpoint") if tokenizer_included else base
     plot_alt = {
         "layer_scores": "Per-layer swap-KL scores of both protocols; removed layers shaded",
         "protocol_gap": "I/R = interchange / replacement per pair",
         "pair_heatmap": "Pair swap-KL heatmap: replacement above, interchange below the diagonal",
+        "sparsity": "Per-block target and achieved sparsity",
     }
     context = dict(
         title=title,
@@ -990,7 +1257,9 @@ def render_card(
         evaluation=eval_section,
         calibration=_calibration_rows(report, steps, ident),
         cost=_cost_rows(report),
-        load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo),
+        sparsity=_sparsity_section(sparse, sparsity_report, config, current) if sparse is not None else None,
+        ghosted=ghosted,
+        load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo, ghosted=ghosted),
         reproduce_snippet=reproduce,
         reproduce_note=reproduce_note,
         files=files,
@@ -1047,11 +1316,15 @@ def write_card_files(
     license: str | None = None,
     repo_id: str | None = None,
     tokenizer_included: bool = True,
+    sparsity_report=None,
 ) -> dict[str, Path]:
     """Write ``README.md`` (the card), the plots and the JSON sidecars into ``directory``.
 
     Writes ``layerswap_report.json`` (when ``report`` is given; it loads back into an equal
-    :class:`SwapReport`) and ``layerswap_evaluation.json`` (when ``evaluation`` is given).
+    :class:`SwapReport`), ``layerswap_evaluation.json`` (when ``evaluation`` is given) and
+    ``layerswap_sparsity.json`` (when ``sparsity_report``, a ``SparsityReport``, is given; it loads
+    back with ``SparsityReport.from_json``). The per-block sparsity plot is drawn whenever
+    the card has a sparsity section (see :func:`render_card`).
     Without matplotlib the card is written without plots (a warning is logged).
 
     Returns:
@@ -1063,17 +1336,23 @@ def write_card_files(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     kwargs = dict(report=report, evaluation=evaluation, base_model=base_model, license=license, repo_id=repo_id,
-                  tokenizer_included=tokenizer_included)
+                  tokenizer_included=tokenizer_included, sparsity_report=sparsity_report)
     written: dict[str, Path] = {}
     plot_keys: list[str] = []
-    if report is not None:
-        _, config = _split_model(model_or_config)
-        try:
+    model, config = _split_model(model_or_config)
+    sparse = _sparsity_summary(config, sparsity_report)
+    try:
+        if report is not None:
             paths = write_plots(report, directory, removed=_record(config).get("removed_layers", []))
             plot_keys = list(paths)
             written.update({p.name: p for p in paths.values()})
-        except ImportError as err:
-            logger.warning("matplotlib is not installed (%s): the card is written without plots", err)
+        if sparse is not None:
+            kept = _current_original_blocks(config, _current_blocks(model, config))
+            path = write_sparsity_plot(sparse, directory / PLOT_FILES["sparsity"], kept=kept)
+            plot_keys.append("sparsity")
+            written[path.name] = path
+    except ImportError as err:
+        logger.warning("matplotlib is not installed (%s): the card is written without plots", err)
     card = render_card(model_or_config, plots=plot_keys, **kwargs)
     problems = check_card(card, directory)
     if problems:
@@ -1082,6 +1361,9 @@ def write_card_files(
     written["README.md"] = directory / "README.md"
     if report is not None:
         written[REPORT_FILE] = report.to_json(directory / REPORT_FILE)
+    if sparsity_report is not None:
+        sparsity_report.to_json(directory / SPARSITY_FILE)
+        written[SPARSITY_FILE] = directory / SPARSITY_FILE
     evaluation = normalize_evaluation(evaluation)
     if evaluation:
         from .report import write_json_atomic

@@ -2,7 +2,8 @@
 
 :func:`push_to_hub` writes the checkpoint (``save_pretrained``, safetensors), the model
 card (``README.md``, see :mod:`hf_layerswap.card`), the swap report sidecar
-(``layerswap_report.json``), the perplexity sidecar and the plots into a temporary folder,
+(``layerswap_report.json``), the perplexity sidecar, the sparsity report sidecar
+(``layerswap_sparsity.json``, after one-shot pruning) and the plots into a temporary folder,
 then calls ``HfApi.create_repo(exist_ok=True)`` and ONE ``HfApi.upload_folder`` commit.
 It never calls transformers' ``model.push_to_hub`` (that writes its own generic
 ``README.md`` over the card).
@@ -40,7 +41,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .card import EVALUATION_FILE, REPORT_FILE, normalize_evaluation, report_mismatches, write_card_files
+from .card import (
+    EVALUATION_FILE,
+    REPORT_FILE,
+    SPARSITY_FILE,
+    normalize_evaluation,
+    report_mismatches,
+    sparsity_mismatches,
+    write_card_files,
+)
 from .report import SwapReport, default_mode
 
 __all__ = [
@@ -80,8 +89,9 @@ class HubPushError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- checks
-def _preflight(model, repo_id, report, evaluation, revision, commit_message) -> dict | None:
-    """Every local check; raises PushRefusedError (or TypeError) and returns the evaluation."""
+def _preflight(model, repo_id, report, evaluation, revision, commit_message, sparsity_report=None):
+    """Every local check; raises PushRefusedError (or TypeError) and returns
+    ``(evaluation, sparsity_report)`` (the latter defaulting to the model's own)."""
     from .surgery import check_surgery_invariants
 
     if not (hasattr(model, "save_pretrained") and hasattr(model, "config")):
@@ -109,13 +119,21 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message) -> 
         problems = report_mismatches(model, report)
         if problems:
             raise PushRefusedError("the report does not belong to this model: " + "; ".join(problems))
+    if sparsity_report is None:
+        sparsity_report = getattr(model, "layerswap_sparsity_report", None)
+    if sparsity_report is not None:
+        problems = sparsity_mismatches(model, sparsity_report)
+        if problems:
+            raise PushRefusedError("the sparsity report does not belong to this model: " + "; ".join(problems))
     try:
-        return normalize_evaluation(evaluation)
+        return normalize_evaluation(evaluation), sparsity_report
     except ValueError as err:
         raise PushRefusedError(str(err)) from None
 
 
-def _write_folder(folder: Path, model, *, tokenizer, report, evaluation, base_model, license, repo_id) -> list[str]:
+def _write_folder(
+    folder: Path, model, *, tokenizer, report, evaluation, base_model, license, repo_id, sparsity_report
+) -> list[str]:
     """save_pretrained + tokenizer + card, plots and sidecars; returns the file names."""
     model.save_pretrained(folder)
     if tokenizer is not None:
@@ -125,18 +143,22 @@ def _write_folder(folder: Path, model, *, tokenizer, report, evaluation, base_mo
         raise PushRefusedError(f"save_pretrained wrote non-safetensors weights {stray}; only safetensors are published")
     write_card_files(
         folder, model, report=report, evaluation=evaluation, base_model=base_model, license=license,
-        repo_id=repo_id, tokenizer_included=tokenizer is not None,
+        repo_id=repo_id, tokenizer_included=tokenizer is not None, sparsity_report=sparsity_report,
     )
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
 def _default_message(model) -> str:
     record = getattr(model.config, "layerswap", None) or {}
+    sparse = getattr(model.config, "layerswap_sparsity", None) or {}
+    sparsity = f", {100 * sparse['achieved_sparsity']:.1f}% sparse ({sparse['method']})" if sparse else ""
     if record.get("removed_layers"):
         return (
             f"Upload layer-pruned model: blocks {record['removed_layers']} of "
-            f"{record['original_num_hidden_layers']} removed (hf_layerswap)"
+            f"{record['original_num_hidden_layers']} removed{sparsity} (hf_layerswap)"
         )
+    if sparse:
+        return f"Upload sparsified model{sparsity} (hf_layerswap)"
     return "Upload model with swap-KL diagnostics (hf_layerswap)"
 
 
@@ -155,6 +177,7 @@ def push_to_hub(
     endpoint: str | None = None,
     base_model: str | None = None,
     license: str | None = None,
+    sparsity_report=None,
 ):
     """Publish a (pruned) model with its model card and diagnostics in one Hub commit.
 
@@ -174,6 +197,11 @@ def push_to_hub(
         commit_message: default names the removed blocks.
         endpoint: Hub URL; default huggingface_hub's (``HF_ENDPOINT``).
         base_model, license: override what the card infers (see :func:`~hf_layerswap.card.render_card`).
+        sparsity_report: the :class:`~hf_layerswap.sparsity.SparsityReport` of one-shot
+            pruning; default ``model.layerswap_sparsity_report`` (set by
+            ``LayerSwapConfig(sparsity=...)``). Written to ``layerswap_sparsity.json`` and
+            shown on the card; without one the card still shows the summary ``sparsify``
+            left in ``config.layerswap_sparsity``.
 
     Returns:
         The ``huggingface_hub.CommitInfo`` of the commit (``.oid``, ``.commit_url``). When
@@ -181,10 +209,11 @@ def push_to_hub(
         current head is returned.
 
     Raises:
-        PushRefusedError: failed surgery invariants, a report of another model, a bad
+        PushRefusedError: failed surgery invariants, a report or sparsity report of
+            another model (or of weights changed since), a bad
             ``repo_id``/``revision``/``commit_message``/``evaluation``; raised before any
             network call, nothing is written.
-        TypeError: ``model`` or ``report`` of the wrong type.
+        TypeError: ``model``, ``report`` or ``sparsity_report`` of the wrong type.
         HubPushError: the Hub refused or kept failing after huggingface_hub's retries;
             ``.committed`` says whether the repository is unchanged.
     """
@@ -194,14 +223,16 @@ def push_to_hub(
 
     from . import __version__
 
-    evaluation = _preflight(model, repo_id, report, evaluation, revision, commit_message)
+    evaluation, sparsity_report = _preflight(
+        model, repo_id, report, evaluation, revision, commit_message, sparsity_report
+    )
     message = commit_message or _default_message(model)
     branch = revision or "main"
     with tempfile.TemporaryDirectory(prefix="hf_layerswap_push_") as tmp:
         folder = Path(tmp)
         files = _write_folder(
             folder, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
-            license=license, repo_id=repo_id,
+            license=license, repo_id=repo_id, sparsity_report=sparsity_report,
         )
         api = HfApi(endpoint=endpoint, token=token, library_name="hf_layerswap", library_version=__version__)
         logger.info("pushing %d files to %s/%s@%s", len(files), api.endpoint, repo_id, branch)
@@ -299,6 +330,7 @@ def save_for_hub(
     license: str | None = None,
     repo_id: str | None = None,
     overwrite: bool = False,
+    sparsity_report=None,
 ) -> Path:
     """Write the folder :func:`push_to_hub` would upload into ``directory``, atomically.
 
@@ -318,7 +350,7 @@ def save_for_hub(
         FileExistsError: ``directory`` is a non-empty folder (or a file) and ``overwrite`` is False.
     """
     target = Path(directory).resolve()
-    evaluation = _preflight(model, repo_id, report, evaluation, None, None)
+    evaluation, sparsity_report = _preflight(model, repo_id, report, evaluation, None, None, sparsity_report)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(f"{target} exists and is not an empty folder: pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -327,7 +359,7 @@ def save_for_hub(
         default_mode(tmp)
         _write_folder(
             tmp, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
-            license=license, repo_id=repo_id,
+            license=license, repo_id=repo_id, sparsity_report=sparsity_report,
         )
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -375,6 +407,7 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("repo_id", help="Hub repository id, owner/name")
     parser.add_argument("--report", help=f"SwapReport JSON (default: DIRECTORY/{REPORT_FILE} if present)")
     parser.add_argument("--evaluation", help=f"perplexity JSON {{base, pruned}} (default: DIRECTORY/{EVALUATION_FILE} if present)")
+    parser.add_argument("--sparsity-report", help=f"SparsityReport JSON (default: DIRECTORY/{SPARSITY_FILE} if present)")
     parser.add_argument("--base-model", help="Hub id of the base model, for the card (default: from the removal record)")
     parser.add_argument("--license", help="license id for the card (default: the base model's when known)")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
@@ -405,15 +438,23 @@ def _load_folder(args):
     if args.evaluation and not eval_path.is_file():
         raise PushRefusedError(f"--evaluation {eval_path} does not exist")
     evaluation = read_evaluation_file(eval_path) if eval_path.is_file() else None
-    return model, tokenizer, report, evaluation
+    sparsity_path = Path(args.sparsity_report) if args.sparsity_report else directory / SPARSITY_FILE
+    if args.sparsity_report and not sparsity_path.is_file():
+        raise PushRefusedError(f"--sparsity-report {sparsity_path} does not exist")
+    sparsity_report = None
+    if sparsity_path.is_file():
+        from .sparsity import SparsityReport
+
+        sparsity_report = SparsityReport.from_json(sparsity_path)
+    return model, tokenizer, report, evaluation, sparsity_report
 
 
 def run_push(args: argparse.Namespace) -> int:
     """Run the ``push`` verb. Returns the exit status (0 ok, 1 upload failed, 2 refused)."""
     try:
-        model, tokenizer, report, evaluation = _load_folder(args)
+        model, tokenizer, report, evaluation, sparsity_report = _load_folder(args)
         common = dict(tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=args.base_model,
-                      license=args.license)
+                      license=args.license, sparsity_report=sparsity_report)
         if args.output_dir:
             path = save_for_hub(model, args.output_dir, repo_id=args.repo_id, **common)
             print(f"wrote {path} (nothing uploaded)")

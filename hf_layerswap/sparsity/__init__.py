@@ -41,6 +41,7 @@ from .stats import ESTIMATORS, ExactQuantile, HessianAccumulator, LogHistogramQu
 
 __all__ = [
     "ALLOCATIONS",
+    "CONFIG_ATTRIBUTE",
     "METHODS",
     "BlockSparsity",
     "ExactQuantile",
@@ -49,6 +50,7 @@ __all__ = [
     "SparsifyOptions",
     "SparsityReport",
     "check_arguments",
+    "config_record",
     "fit_budget",
     "gradient_allocation",
     "magnitude_prune",
@@ -246,7 +248,9 @@ def sparsify(
 
     Returns:
         :class:`SparsityReport` with per-block and per-linear targets and achieved
-        sparsity, allocator statistics and every option.
+        sparsity, allocator statistics and every option. A compact summary
+        (:func:`config_record`) is also stored in ``model.config.layerswap_sparsity``, so
+        it travels with ``save_pretrained`` and the model card can show it.
 
     Raises:
         ValueError: an unknown allocation/method/pattern, a sparsity outside [0, 1), an N:M
@@ -323,7 +327,7 @@ def sparsify(
             )
         )
     timings["total_s"] = time.perf_counter() - t0
-    return SparsityReport(
+    report = SparsityReport(
         target_sparsity=float(sparsity),
         allocation=allocation,
         method=method,
@@ -343,10 +347,63 @@ def sparsify(
             "model_class": type(model).__name__,
             "dtype": str(next(model.parameters()).dtype),
             "num_blocks": len(blocks),
+            "original_blocks": _original_blocks(model, len(blocks)),
             "seconds": timings,
             "versions": _versions(),
         },
     )
+    model.config.layerswap_sparsity = config_record(report)
+    return report
+
+
+#: ``config.json`` attribute holding what :func:`sparsify` did (it survives
+#: ``save_pretrained`` and a plain-transformers reload, so a card can show it later).
+CONFIG_ATTRIBUTE = "layerswap_sparsity"
+
+
+def _original_blocks(model: nn.Module, num_blocks: int) -> list[int]:
+    """0-based indices of the current blocks in the model before any layer removal
+    (``config.layerswap["kept_layers"]``), or ``0..num_blocks-1`` when nothing was removed."""
+    kept = (getattr(model.config, "layerswap", None) or {}).get("kept_layers")
+    if isinstance(kept, list) and len(kept) == num_blocks:
+        return [int(i) for i in kept]
+    return list(range(num_blocks))
+
+
+#: Allocator entries kept in the config record (the report has every one).
+_ALLOCATOR_SUMMARY = ("statistic", "percentile", "source", "pool", "delta", "mapping", "owl_m", "owl_lambda", "budget")
+
+
+def config_record(report: SparsityReport) -> dict:
+    """The compact summary :func:`sparsify` stores in ``model.config.layerswap_sparsity``.
+
+    Keys: ``method``, ``allocation``, ``pattern`` (``None`` = unstructured),
+    ``target_sparsity``, ``achieved_sparsity`` (zeros / prunable block weights),
+    ``num_params``, ``num_zeros``, ``original_blocks`` (0-based indices of the sparsified
+    blocks before any layer removal), ``block_params`` (prunable weights), ``block_targets``
+    and ``block_achieved`` (fractions), one per block in the same order, ``allocator`` (its statistic, main options and budget
+    rule), ``calibration`` (description and content hash) and
+    ``hf_layerswap`` (the version that pruned). Every value is JSON (config.json) safe.
+    """
+    from .. import __version__
+
+    blocks = report.metadata.get("original_blocks") or [b.index for b in report.blocks]
+    return {
+        "method": report.method,
+        "allocation": report.allocation,
+        "pattern": report.pattern,
+        "target_sparsity": report.target_sparsity,
+        "achieved_sparsity": report.achieved_sparsity,
+        "num_params": report.num_params,
+        "num_zeros": report.num_zeros,
+        "original_blocks": [int(i) for i in blocks],
+        "block_params": [int(b.num_params) for b in report.blocks],
+        "block_targets": [float(b.target) for b in report.blocks],
+        "block_achieved": [float(b.achieved) for b in report.blocks],
+        "allocator": {k: report.allocator[k] for k in _ALLOCATOR_SUMMARY if k in report.allocator},
+        "calibration": {k: report.calibration.get(k) for k in ("description", "content_hash") if k in report.calibration},
+        "hf_layerswap": __version__,
+    }
 
 
 def _dense_observers(allocation: str, opts: SparsifyOptions, block_linears):

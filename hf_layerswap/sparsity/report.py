@@ -185,26 +185,9 @@ class SparsityReport:
         return "\n".join(lines) + "\n"
 
     def plot(self, path: str | os.PathLike) -> Path:
-        """Per-block target and achieved sparsity as a PNG (needs matplotlib)."""
-        import matplotlib
+        """Per-block target and achieved sparsity as a PNG (needs matplotlib; the model
+        card's plot, see :func:`hf_layerswap.card.write_sparsity_plot`)."""
+        from ..card import write_sparsity_plot
+        from . import config_record
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        path = Path(path)
-        fig, ax = plt.subplots(figsize=(7, 3))
-        idx = [b.index for b in self.blocks]
-        ax.bar(idx, self.block_sparsities, color="tab:blue", alpha=0.6, label="achieved")
-        ax.plot(idx, self.block_targets, "k.", label="target")
-        ax.axhline(self.target_sparsity, color="tab:red", lw=1, label=f"overall target {self.target_sparsity:g}")
-        ax.set_xlabel("block (0-based)")
-        ax.set_ylabel("sparsity")
-        ax.set_title(f"{self.method} / {self.allocation}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=120)
-        plt.close(fig)
-        os.replace(tmp, path)
-        return path
+        return write_sparsity_plot(config_record(self), path)

@@ -1,0 +1,233 @@
+"""The model card, the Hub folder and the push verb after width compression (one-shot
+sparsity) and after a repair of the cut (Ghosted Layers / fused recovery)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from publish_helpers import BASE_MODEL, EVALUATION, hand_report, pruned_tiny
+
+from conftest import tiny_batch, tiny_model
+from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
+from hf_layerswap.card import PLOT_FILES, SPARSITY_FILE, check_card, render_card, sparsity_mismatches
+from hf_layerswap.hub import PushRefusedError, add_push_arguments, run_push
+from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.recovery import RECOVERY_FILE, recover
+from hf_layerswap.sparsity import SparsityReport, config_record, sparsify
+from hf_layerswap.sparsity.engine import prunable_linears
+
+
+@pytest.fixture(scope="module")
+def sparse_pruned():
+    """The hand-report tiny model (blocks 1, 3 removed), then PALS Wanda at 50%."""
+    model = pruned_tiny()
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="pals", method="wanda")
+    return model, report
+
+
+def _section(text: str) -> str:
+    """The card's sparsity section, up to the next section heading."""
+    start = text.index("## Sparsity")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_sparsify_records_its_summary_in_the_config(sparse_pruned):
+    model, report = sparse_pruned
+    record = model.config.layerswap_sparsity
+    assert record == config_record(report)
+    assert record["original_blocks"] == [0, 2, 4, 5]  # numbering before the removal of 1 and 3
+    assert record["num_zeros"] == sum(
+        int((lin.weight == 0).sum()) for block in decoder_blocks(model)[2] for _, lin in prunable_linears(block)
+    )
+    assert record["block_params"] == [b.num_params for b in report.blocks]
+    assert record["block_achieved"] == [b.num_zeros / b.num_params for b in report.blocks]
+    assert json.loads(json.dumps(record)) == record  # config.json safe, floats exact
+    assert record["allocator"]["percentile"] == 0.99 and record["allocator"]["delta"] == 0.05
+
+
+def test_card_sparsity_section_carries_the_report_numbers(sparse_pruned):
+    model, report = sparse_pruned
+    card = render_card(model, report=hand_report(), evaluation=EVALUATION, base_model=BASE_MODEL,
+                       sparsity_report=report, plots=[])
+    data = card.data.to_dict()
+    assert data["tags"] == ["layerswap", "layer-pruning", "interchange", "sparsity", "wanda"]
+    assert data["layerswap"]["sparsity"] == {
+        "method": "wanda", "allocation": "pals", "pattern": None, "target_sparsity": 0.5,
+        "achieved_sparsity": report.achieved_sparsity, "report": SPARSITY_FILE,
+    }
+    section = _section(card.text)
+    for block, original in zip(report.blocks, [0, 2, 4, 5]):
+        row = f"| {original} | {block.target:.4f} | {block.achieved:.4f} | {block.statistic:.4g} | kept |"
+        assert row in section, row
+    assert f"({report.num_zeros:,} of {report.num_params:,} weights of the blocks' linear layers are zero)" in section
+    assert "| Layerwise allocation | PALS: percentile-aware" in section
+    assert "percentile 0.99 of \\|activation\\| (linear_inputs, pool=all)" in section  # pipes escaped in the table
+    assert "| Pattern | unstructured |" in section and "| Target sparsity | 50.00% |" in section
+    assert "blocks still in the model" not in section  # nothing was removed after pruning
+    assert "pruned one-shot to 50.00% sparsity (wanda, unstructured, pals allocation)" in card.text
+    assert f"| `{SPARSITY_FILE}` |" in card.text
+    assert check_card(card) == []
+
+
+def test_card_from_the_config_record_alone_after_a_plain_reload(sparse_pruned, tmp_path):
+    """save_pretrained + plain transformers from_pretrained keep the summary; the card
+    shows the same per-block numbers (no allocator statistic without the report)."""
+    from transformers import AutoModelForCausalLM
+
+    model, report = sparse_pruned
+    model.save_pretrained(tmp_path)
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "print(json.dumps(m.config.layerswap_sparsity))\n"
+        "assert 'hf_layerswap' not in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == config_record(report)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    section = _section(render_card(reloaded, plots=[]).text)
+    for block, original in zip(report.blocks, [0, 2, 4, 5]):
+        assert f"| {original} | {block.target:.4f} | {block.achieved:.4f} | — | kept |" in section
+    assert f"{SPARSITY_FILE}" not in render_card(reloaded, plots=[]).text  # no sidecar without the report
+
+
+def test_sparsity_report_must_belong_to_the_model(sparse_pruned):
+    model, report = sparse_pruned
+    assert sparsity_mismatches(model, report) == []
+    assert sparsity_mismatches(model.config, report) == []
+    # one weight changed after pruning
+    changed = pruned_tiny()
+    changed_report = sparsify(changed, tiny_batch(), sparsity=0.5, allocation="pals", method="wanda")
+    weight = dict(prunable_linears(decoder_blocks(changed)[2][1]))["mlp.down_proj"].weight
+    flat = weight.data.view(-1)
+    flat[int((flat == 0).nonzero()[0])] = 1.0
+    (problem,) = sparsity_mismatches(changed, changed_report)
+    zeros = changed_report.blocks[1].num_zeros
+    assert problem == (
+        f"block 2 (original numbering) has {zeros - 1} zero weights, the sparsity report {zeros}: "
+        "its weights changed after pruning"
+    )
+    # a report of another pruning run disagrees with the config record
+    other = SparsityReport.from_dict(report.to_dict())
+    other.allocation = "uniform"
+    assert sparsity_mismatches(model, other) == [
+        "the sparsity report differs from config.layerswap_sparsity in ['allocation']"
+    ]
+    # a report covering blocks the model does not have
+    dense = tiny_model("llama", 6)
+    problems = sparsity_mismatches(dense, report)
+    assert problems == [
+        "the sparsity report covers blocks [0, 2, 4, 5] (original numbering) but the model also has blocks [1, 3]"
+    ]
+    with pytest.raises(ValueError, match="the sparsity report does not belong to this model"):
+        render_card(dense, sparsity_report=report)
+    with pytest.raises(TypeError, match="sparsity must be a SparsityReport, got dict"):
+        sparsity_mismatches(model, report.to_dict())
+
+
+def test_save_for_hub_refuses_a_foreign_sparsity_report_and_writes_nothing(sparse_pruned, tmp_path):
+    _, report = sparse_pruned
+    with pytest.raises(PushRefusedError, match="the sparsity report does not belong to this model"):
+        save_for_hub(tiny_model("llama", 6), tmp_path / "never", sparsity_report=report)
+    assert not (tmp_path / "never").exists()
+
+
+def test_removal_after_pruning_is_shown_in_the_original_numbering(tmp_path):
+    model = tiny_model("llama", 6)
+    report = sparsify(model, tiny_batch(), sparsity=0.6, allocation="owl", method="sparsegpt")
+    remove_layers(model, [2])
+    assert sparsity_mismatches(model, report) == []
+    written = save_for_hub(model, tmp_path / "out", sparsity_report=report)
+    text = (written / "README.md").read_text()
+    section = _section(text)
+    assert f"| 2 | {report.blocks[2].target:.4f} | {report.blocks[2].achieved:.4f} |" in section
+    assert "| removed after pruning |" in section
+    kept = [b for b in report.blocks if b.index != 2]
+    in_model = sum(b.num_zeros for b in kept) / sum(b.num_params for b in kept)
+    assert f"| Achieved sparsity, blocks still in the model | {100 * in_model:.4f}% " in section
+    assert "| Layerwise allocation | OWL: outlier-weighted layerwise sparsity (Yin et al., 2024); M = 5, lambda = 0.08 |" in section
+
+
+def test_from_pretrained_with_sparsity_publishes_its_evidence(tmp_path):
+    """LayerSwapConfig(sparsity=...) -> save_for_hub picks the model's own sparsity report:
+    sidecar (loads back equal), per-block plot, card section; the CLI push reads the sidecar."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama", 6).save_pretrained(tmp_path / "base")
+    batch = tiny_batch()
+    cfg = LayerSwapConfig(layers=[1, 3], calibration=batch, sparsity=0.5, allocation="uniform", method="wanda",
+                          progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
+    report = model.layerswap_sparsity_report
+    assert report.achieved_sparsity == 0.5 and model.config.layerswap_sparsity == config_record(report)
+    folder = save_for_hub(model, tmp_path / "folder", repo_id="user/tiny-sparse")
+    names = {p.name for p in folder.iterdir()}
+    assert {SPARSITY_FILE, PLOT_FILES["sparsity"], "README.md", "model.safetensors"} <= names
+    assert SparsityReport.from_json(folder / SPARSITY_FILE) == report
+    png = (folder / PLOT_FILES["sparsity"]).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    text = (folder / "README.md").read_text()
+    assert f"]({PLOT_FILES['sparsity']})" in text and check_card(text, folder) == []
+    assert "| 0 | 0.5000 | 0.5000 | — | kept |" in _section(text)
+
+    parser = add_push_arguments(argparse.ArgumentParser(prog="hf-layerswap push"))
+    args = parser.parse_args([str(folder), "user/tiny-sparse", "--output-dir", str(tmp_path / "again")])
+    assert run_push(args) == 0
+    assert SparsityReport.from_json(tmp_path / "again" / SPARSITY_FILE) == report
+    assert _section((tmp_path / "again" / "README.md").read_text()) == _section(text)
+    missing = parser.parse_args([str(folder), "user/x", "--sparsity-report", str(tmp_path / "none.json"),
+                                 "--output-dir", str(tmp_path / "x")])
+    assert run_push(missing) == 2
+
+
+def test_sparsity_report_plot_is_the_card_plot(sparse_pruned, tmp_path):
+    _, report = sparse_pruned
+    a = report.plot(tmp_path / "a.png")
+    from hf_layerswap.card import write_sparsity_plot
+
+    b = write_sparsity_plot(config_record(report), tmp_path / "b.png")
+    assert a.read_bytes() == b.read_bytes() and a.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.png"]  # no temporary file left
+
+
+@pytest.mark.parametrize("method", ["ghosted", "fused"])
+def test_card_names_the_repair_and_how_to_load_it(method, tmp_path):
+    model = tiny_model("llama", 6)
+    calib = tiny_batch(batch=6, length=16, pad_last=0)
+    recover(model, [2, 3], calib, method=method)
+    folder = save_for_hub(model, tmp_path / method)
+    text = (folder / "README.md").read_text()
+    card = render_card(model)
+    assert card.data.to_dict()["layerswap"]["recovery"] == method
+    if method == "ghosted":
+        assert "| Repair of the cut | Ghosted Layers closed-form operator I + M at boundaries 2 (pruned numbering), " \
+               f"stored in `{RECOVERY_FILE}` |" in text
+        assert "import hf_layerswap  # registers the loader" in text
+        assert "import\n`hf_layerswap` before `from_pretrained` to apply them" in text
+        assert "`hf_layerswap` is not needed to load it" not in text
+        assert f"| `{RECOVERY_FILE}` |" in text and (folder / RECOVERY_FILE).is_file()
+    else:
+        assert "| Repair of the cut | ReplaceMe-style least-squares map folded into `down_proj`" in text
+        assert "`hf_layerswap` is not needed to load it" in text
+        assert "import hf_layerswap" not in text.split("## How to use this model")[1].split("## How to reproduce")[0]
+    assert check_card(text, folder) == []
+
+
+def test_sparse_reload_gives_the_same_logits_through_the_folder(sparse_pruned, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, report = sparse_pruned
+    folder = save_for_hub(model, tmp_path / "f", sparsity_report=report)
+    again = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    batch = tiny_batch()
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, model(**batch).logits)
+    assert sparsity_mismatches(again, report) == []
