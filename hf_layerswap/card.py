@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .report import PROTOCOLS, SwapReport, encode_float, set_key
+from .sparsity import sparsity_in_model
 
 __all__ = [
     "CARD_TEMPLATE",
@@ -226,54 +227,79 @@ def _current_original_blocks(config, current: int) -> list[int]:
     return [int(i) for i in kept] if isinstance(kept, list) and len(kept) == current else list(range(current))
 
 
-def sparsity_mismatches(model_or_config, sparsity) -> list[str]:
-    """Reasons why a :class:`~hf_layerswap.sparsity.SparsityReport` does not describe
-    ``model_or_config`` (empty list = it does).
-
-    Checks that the report agrees with ``config.layerswap_sparsity`` when the config has
-    one, that every current block was sparsified by it (blocks are matched in the original,
-    pre-removal numbering, so removal after pruning is allowed), and, for a model, that each
-    current block holds exactly the report's number of zero weights in its ``nn.Linear``
-    layers (weights changed after pruning are caught).
-
-    Raises:
-        TypeError: ``sparsity`` is not a ``SparsityReport``.
-    """
-    from .sparsity import SparsityReport, config_record
+def _weight_mismatches(model_or_config, record: Mapping, what: str) -> list[str]:
+    """Block coverage and, for a model, per-block zero counts against ``record``."""
     from .sparsity.engine import prunable_linears
 
+    model, config = _split_model(model_or_config)
+    original = [int(i) for i in record["original_blocks"]]
+    current = _current_original_blocks(config, _current_blocks(model, config))
+    missing = [i for i in current if i not in original]
+    if missing:
+        return [f"{what} covers blocks {original} (original numbering) but the model also has blocks {missing}"]
+    if model is None:
+        return []
+    from .plan import decoder_blocks
+
+    problems = []
+    expected_zeros = record.get("block_zeros") or [
+        round(n * a) for n, a in zip(record["block_params"], record["block_achieved"])
+    ]
+    _, _, blocks = decoder_blocks(model)
+    for block, index in zip(blocks, current):
+        zeros = sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(block))
+        expected = expected_zeros[original.index(index)]
+        if zeros != expected:
+            problems.append(
+                f"block {index} (original numbering) has {zeros} zero weights, {what} {expected}: "
+                "its weights changed after pruning"
+            )
+    return problems
+
+
+def sparsity_mismatches(model_or_config, sparsity=None) -> list[str]:
+    """Reasons why the sparsity evidence does not describe ``model_or_config`` (empty
+    list = it does).
+
+    With a :class:`~hf_layerswap.sparsity.SparsityReport`: it must agree with
+    ``config.layerswap_sparsity`` when the config has one. The report (or, with
+    ``sparsity=None``, the config's own summary) must cover every current block (blocks are
+    matched in the original, pre-removal numbering, so removal after pruning is allowed),
+    and for a model each current block must hold exactly the recorded number of zero
+    weights in its ``nn.Linear`` layers (weights changed after pruning, e.g. by training
+    or a fused repair, are caught). No sparsity evidence at all: ``[]``.
+
+    Raises:
+        TypeError: ``sparsity`` is neither ``None`` nor a ``SparsityReport``.
+    """
+    from .sparsity import SparsityReport, config_record
+
+    model, config = _split_model(model_or_config)
+    recorded = getattr(config, "layerswap_sparsity", None)
+    recorded = recorded if isinstance(recorded, Mapping) else None
+    if sparsity is None:
+        return _weight_mismatches(model_or_config, recorded, "config.layerswap_sparsity") if recorded else []
     if not isinstance(sparsity, SparsityReport):
         raise TypeError(f"sparsity must be a SparsityReport, got {type(sparsity).__name__}")
-    model, config = _split_model(model_or_config)
     problems = []
     mine = config_record(sparsity)
-    recorded = getattr(config, "layerswap_sparsity", None)
-    if isinstance(recorded, Mapping):
+    if recorded is not None:
         keys = ("method", "allocation", "pattern", "target_sparsity", "num_params", "num_zeros", "original_blocks",
                 "block_achieved")
         differ = [k for k in keys if recorded.get(k) != mine[k]]
         if differ:
             problems.append(f"the sparsity report differs from config.layerswap_sparsity in {differ}")
-    original = mine["original_blocks"]
-    current = _current_original_blocks(config, _current_blocks(model, config))
-    missing = [i for i in current if i not in original]
-    if missing:
-        problems.append(
-            f"the sparsity report covers blocks {original} (original numbering) but the model also has blocks {missing}"
-        )
-    elif model is not None:
-        from .plan import decoder_blocks
+    return problems + _weight_mismatches(model_or_config, mine, "the sparsity report")
 
-        _, _, blocks = decoder_blocks(model)
-        for block, index in zip(blocks, current):
-            zeros = sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(block))
-            expected = sparsity.blocks[original.index(index)].num_zeros
-            if zeros != expected:
-                problems.append(
-                    f"block {index} (original numbering) has {zeros} zero weights, the sparsity report {expected}: "
-                    "its weights changed after pruning"
-                )
-    return problems
+
+def sparsity_refusal(problems: Sequence[str], sparsity_report) -> str:
+    """The error message for :func:`sparsity_mismatches` problems."""
+    if sparsity_report is not None:
+        return "the sparsity report does not belong to this model: " + "; ".join(problems)
+    return (
+        "the sparsity summary in config.layerswap_sparsity no longer describes this model: " + "; ".join(problems)
+        + " (run sparsify again, or delete model.config.layerswap_sparsity if the model is no longer the pruned one)"
+    )
 
 
 def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
@@ -317,28 +343,51 @@ def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
         ("Target sparsity", _pct_plain(summary["target_sparsity"])),
         ("Achieved sparsity", f"{_pct_plain(summary['achieved_sparsity'], 4)} ({summary['num_zeros']:,} of "
          f"{summary['num_params']:,} weights of the blocks' linear layers are zero)"),
-        ("Kept dense", "embeddings, norms, LM head"),
+        ("Kept dense", _dense_note(summary.get("dense_block_params"))),
     ]
-    params = summary.get("block_params")
-    if params and any(b not in kept for b in summary["original_blocks"]):
-        in_model = [(n, a) for b, n, a in zip(summary["original_blocks"], params, summary["block_achieved"]) if b in kept]
-        total = sum(n for n, _ in in_model)
-        if total:
-            rows.insert(-1, ("Achieved sparsity, blocks still in the model",
-                             _pct_plain(sum(n * a for n, a in in_model) / total, 4) + " (some blocks were removed after pruning)"))
+    if any(b not in kept for b in summary["original_blocks"]):
+        rows.insert(-1, ("Achieved sparsity, blocks still in the model",
+                         _pct_plain(sparsity_in_model(summary, kept), 4) + " (some blocks were removed after pruning)"))
+    earlier = summary.get("previous") or []
+    if earlier:
+        rows.append(("Earlier pruning passes (oldest first)", "; ".join(
+            f"{e.get('method')}, {e.get('pattern') or 'unstructured'}, {e.get('allocation')} allocation, target "
+            f"{_pct_plain(e.get('target_sparsity', 0.0))}, achieved {_pct_plain(e.get('achieved_sparsity', 0.0), 4)}"
+            for e in earlier
+        ) + " (the zeros they left count in the achieved sparsity above)"))
     cal = summary.get("calibration") or {}
     if cal.get("description"):
         rows.append(("Calibration", f"{cal['description']} (content hash {str(cal.get('content_hash'))[:12]})"))
     return {"rows": [(key, _cell(value)) for key, value in rows], "blocks": blocks}
 
 
+def _dense_note(dense_block_params) -> str:
+    note = "everything outside the linear layers of the decoder blocks (embeddings, LM head, any other tower)"
+    if isinstance(dense_block_params, int) and dense_block_params > 0:
+        note += (f", and {dense_block_params:,} weights inside the blocks that are not in an `nn.Linear` "
+                 "(norms, fused MoE expert tensors and the like)")
+    return note
+
+
 def _pct_plain(fraction: float, digits: int = 2) -> str:
     return f"{100 * fraction:.{digits}f}%"
 
 
-def _recovery_row(record: Mapping) -> tuple[str, str] | None:
-    recovery = record.get("recovery")
-    if not isinstance(recovery, Mapping) or not recovery.get("method"):
+def _recovery_record(model, record: Mapping) -> dict:
+    """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the ghosted
+    operators actually attached (the record can lag behind a later removal)."""
+    recovery = dict(record.get("recovery")) if isinstance(record.get("recovery"), Mapping) else {}
+    if model is not None:
+        from .recovery import RECOVERY_FILE, attached_operators
+
+        ops = attached_operators(model)
+        if ops:
+            recovery.update(method="ghosted", boundaries=[b for b, _ in ops], file=recovery.get("file", RECOVERY_FILE))
+    return recovery
+
+
+def _recovery_row(recovery: Mapping) -> tuple[str, str] | None:
+    if not recovery.get("method"):
         return None
     boundaries = _indices(recovery.get("boundaries", []))
     if recovery["method"] == "ghosted":
@@ -1103,10 +1152,9 @@ def render_card(
         problems = report_mismatches(model_or_config, report)
         if problems:
             raise ValueError("the report does not belong to this model: " + "; ".join(problems))
-    if sparsity_report is not None:
-        problems = sparsity_mismatches(model_or_config, sparsity_report)
-        if problems:
-            raise ValueError("the sparsity report does not belong to this model: " + "; ".join(problems))
+    problems = sparsity_mismatches(model_or_config, sparsity_report)
+    if problems:
+        raise ValueError(sparsity_refusal(problems, sparsity_report))
     evaluation = normalize_evaluation(evaluation)
     record = _record(config)
     steps = [dict(s) for s in record.get("steps", [])]
@@ -1121,7 +1169,7 @@ def render_card(
     spacing, protect, rule = _selection_rule(steps, report)
     before, after = _parameter_counts(model, config, len(removed), steps)
     sparse = _sparsity_summary(config, sparsity_report)
-    recovery = record.get("recovery") if isinstance(record.get("recovery"), Mapping) else {}
+    recovery = _recovery_record(model, record)
     ghosted = recovery.get("method") == "ghosted"
     plot_keys = planned_plots(report, sparsity=sparse is not None) if plots is None else list(plots)
     unknown = [k for k in plot_keys if k not in PLOT_FILES]
@@ -1143,7 +1191,9 @@ def render_card(
     if recovery.get("method"):
         front["recovery"] = recovery["method"]
     if sparse is not None:
-        front["sparsity"] = {k: sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity", "achieved_sparsity")}
+        in_model = sparsity_in_model(sparse, _current_original_blocks(config, current))
+        front["sparsity"] = {k: sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity")}
+        front["sparsity"]["achieved_sparsity"] = in_model
         front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
     eval_section, eval_results = _evaluation_section(evaluation) if evaluation else (None, None)
     card_data = ModelCardData(
@@ -1170,7 +1220,7 @@ def render_card(
             f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else ".")
         )
     elif sparse is not None:
-        title = f"{name}: {_pct_plain(sparse['achieved_sparsity'], 1)} sparse decoder blocks"
+        title = f"{name}: {_pct_plain(sparse['achieved_sparsity'], 1)} sparse decoder blocks"  # nothing removed
         summary = f"No blocks were removed from {base_label}."
     else:
         title = f"{name}: swap-KL layer-redundancy scores"
@@ -1181,9 +1231,8 @@ def render_card(
         summary += " The cut is repaired with a least-squares map folded into the weights."
     if sparse is not None:
         summary += (
-            f" The linear layers of its decoder blocks were pruned one-shot to "
-            f"{_pct_plain(sparse['achieved_sparsity'], 2)} sparsity ({sparse['method']}, "
-            f"{sparse['pattern'] or 'unstructured'}, {sparse['allocation']} allocation)."
+            f" The linear layers of its decoder blocks are {_pct_plain(in_model, 2)} sparse (one-shot "
+            f"{sparse['method']}, {sparse['pattern'] or 'unstructured'}, {sparse['allocation']} allocation)."
         )
     if evaluation and "base" in evaluation and "pruned" in evaluation:
         summary += (
@@ -1204,7 +1253,7 @@ def render_card(
         removal_rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
     if removed:
         removal_rows.append(("Protocol guiding the removal", protocol or "none recorded"))
-    repair = _recovery_row(record)
+    repair = _recovery_row(recovery)
     if repair is not None:
         removal_rows.append(repair)
     step_rows = [
@@ -1333,11 +1382,27 @@ def write_card_files(
     Raises:
         ValueError: the card fails :func:`check_card`, or see :func:`render_card`.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     kwargs = dict(report=report, evaluation=evaluation, base_model=base_model, license=license, repo_id=repo_id,
                   tokenizer_included=tokenizer_included, sparsity_report=sparsity_report)
+    render_card(model_or_config, plots=[], **kwargs)  # every input check, before anything is written
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
+    # sidecars first: JSON that cannot be written stops here, before the card
+    if report is not None:
+        written[REPORT_FILE] = report.to_json(directory / REPORT_FILE)
+    if sparsity_report is not None:
+        sparsity_report.to_json(directory / SPARSITY_FILE)
+        written[SPARSITY_FILE] = directory / SPARSITY_FILE
+    evaluation = normalize_evaluation(evaluation)
+    if evaluation:
+        from .report import write_json_atomic
+
+        base, pruned = evaluation.get("base"), evaluation.get("pruned")
+        payload = dict(evaluation)
+        if base and pruned:
+            payload["delta_ppl_percent"] = 100 * (pruned["ppl"] / base["ppl"] - 1)
+        written[EVALUATION_FILE] = write_json_atomic(payload, directory / EVALUATION_FILE)
     plot_keys: list[str] = []
     model, config = _split_model(model_or_config)
     sparse = _sparsity_summary(config, sparsity_report)
@@ -1359,20 +1424,6 @@ def write_card_files(
         raise ValueError("the rendered card is not valid: " + "; ".join(problems))
     card.save(directory / "README.md")
     written["README.md"] = directory / "README.md"
-    if report is not None:
-        written[REPORT_FILE] = report.to_json(directory / REPORT_FILE)
-    if sparsity_report is not None:
-        sparsity_report.to_json(directory / SPARSITY_FILE)
-        written[SPARSITY_FILE] = directory / SPARSITY_FILE
-    evaluation = normalize_evaluation(evaluation)
-    if evaluation:
-        from .report import write_json_atomic
-
-        base, pruned = evaluation.get("base"), evaluation.get("pruned")
-        payload = dict(evaluation)
-        if base and pruned:
-            payload["delta_ppl_percent"] = 100 * (pruned["ppl"] / base["ppl"] - 1)
-        written[EVALUATION_FILE] = write_json_atomic(payload, directory / EVALUATION_FILE)
     for path in written.values():  # temporary-file writers leave 0600; these are for publishing
         os.chmod(path, 0o644)
     return written

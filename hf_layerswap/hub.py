@@ -48,8 +48,11 @@ from .card import (
     normalize_evaluation,
     report_mismatches,
     sparsity_mismatches,
+    sparsity_refusal,
     write_card_files,
 )
+from .recovery import attached_operators
+from .sparsity import sparsity_in_model
 from .report import SwapReport, default_mode
 
 __all__ = [
@@ -121,10 +124,17 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
             raise PushRefusedError("the report does not belong to this model: " + "; ".join(problems))
     if sparsity_report is None:
         sparsity_report = getattr(model, "layerswap_sparsity_report", None)
-    if sparsity_report is not None:
-        problems = sparsity_mismatches(model, sparsity_report)
-        if problems:
-            raise PushRefusedError("the sparsity report does not belong to this model: " + "; ".join(problems))
+    problems = sparsity_mismatches(model, sparsity_report)
+    if problems:
+        raise PushRefusedError(sparsity_refusal(problems, sparsity_report))
+    recovery = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
+    if recovery.get("method") == "ghosted" and not attached_operators(model):
+        raise PushRefusedError(
+            f"config.layerswap records ghosted recovery operators at boundaries {recovery.get('boundaries')} but none "
+            "is attached, so the published folder would lack them: load the checkpoint with hf_layerswap imported "
+            "(or call hf_layerswap.recovery.attach_saved_recovery(model, path)), or detach_recovery(model) to publish "
+            "the plainly pruned model"
+        )
     try:
         return normalize_evaluation(evaluation), sparsity_report
     except ValueError as err:
@@ -151,7 +161,10 @@ def _write_folder(
 def _default_message(model) -> str:
     record = getattr(model.config, "layerswap", None) or {}
     sparse = getattr(model.config, "layerswap_sparsity", None) or {}
-    sparsity = f", {100 * sparse['achieved_sparsity']:.1f}% sparse ({sparse['method']})" if sparse else ""
+    sparsity = ""
+    if sparse:
+        kept = record.get("kept_layers") or sparse["original_blocks"]
+        sparsity = f", {100 * sparsity_in_model(sparse, kept):.1f}% sparse ({sparse['method']})"
     if record.get("removed_layers"):
         return (
             f"Upload layer-pruned model: blocks {record['removed_layers']} of "
@@ -445,7 +458,10 @@ def _load_folder(args):
     if sparsity_path.is_file():
         from .sparsity import SparsityReport
 
-        sparsity_report = SparsityReport.from_json(sparsity_path)
+        try:
+            sparsity_report = SparsityReport.from_json(sparsity_path)
+        except (ValueError, KeyError, TypeError) as err:
+            raise PushRefusedError(f"{sparsity_path} is not a SparsityReport JSON file: {err!r}") from None
     return model, tokenizer, report, evaluation, sparsity_report
 
 

@@ -194,6 +194,10 @@ class LayerSwapQuantizer(HfQuantizer):
         try:
             if not self.pre_quantized:
                 prune_loaded_model(model, cfg)
+            else:  # a saved layerswap checkpoint: re-attach its ghosted operators, prune nothing
+                from .recovery import attach_saved_recovery
+
+                attach_saved_recovery(model)
         finally:
             self._strip(model)
         return model

@@ -69,7 +69,9 @@ def test_card_sparsity_section_carries_the_report_numbers(sparse_pruned):
     assert "percentile 0.99 of \\|activation\\| (linear_inputs, pool=all)" in section  # pipes escaped in the table
     assert "| Pattern | unstructured |" in section and "| Target sparsity | 50.00% |" in section
     assert "blocks still in the model" not in section  # nothing was removed after pruning
-    assert "pruned one-shot to 50.00% sparsity (wanda, unstructured, pals allocation)" in card.text
+    assert "are 50.00% sparse (one-shot wanda, unstructured, pals allocation)" in card.text
+    norms = 4 * 2 * model.config.hidden_size  # 4 blocks, two RMSNorm weights each: all that is not nn.Linear
+    assert f"and {norms:,} weights inside the blocks that are not in an `nn.Linear`" in section
     assert f"| `{SPARSITY_FILE}` |" in card.text
     assert check_card(card) == []
 
@@ -153,6 +155,16 @@ def test_removal_after_pruning_is_shown_in_the_original_numbering(tmp_path):
     kept = [b for b in report.blocks if b.index != 2]
     in_model = sum(b.num_zeros for b in kept) / sum(b.num_params for b in kept)
     assert f"| Achieved sparsity, blocks still in the model | {100 * in_model:.4f}% " in section
+    # the headline, the front matter and the commit message give the blocks still there
+    assert f"are {100 * in_model:.2f}% sparse (one-shot sparsegpt" in text
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(written / "README.md").data.to_dict()["layerswap"]["sparsity"]["achieved_sparsity"] == in_model
+    from hf_layerswap.hub import _default_message
+
+    assert _default_message(model) == (
+        f"Upload layer-pruned model: blocks [2] of 6 removed, {100 * in_model:.1f}% sparse (sparsegpt) (hf_layerswap)"
+    )
     assert "| Layerwise allocation | OWL: outlier-weighted layerwise sparsity (Yin et al., 2024); M = 5, lambda = 0.08 |" in section
 
 
@@ -231,3 +243,97 @@ def test_sparse_reload_gives_the_same_logits_through_the_folder(sparse_pruned, t
     with torch.no_grad():
         assert torch.equal(again(**batch).logits, model(**batch).logits)
     assert sparsity_mismatches(again, report) == []
+
+
+def test_weights_changed_after_pruning_are_refused_without_a_report(tmp_path):
+    """The config summary alone is checked against the weights too: a model trained (or
+    repaired with a fused map) after pruning cannot publish the old sparsity numbers."""
+    model = tiny_model("llama", 6)
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="wanda")
+    model.layerswap_sparsity_report = None  # as after a plain-transformers reload
+    assert sparsity_mismatches(model) == []
+    weight = decoder_blocks(model)[2][4].mlp.up_proj.weight
+    weight.data.add_(1e-3)  # one optimizer-like step: no zero left in that linear
+    zeros_now = sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(decoder_blocks(model)[2][4]))
+    (problem,) = sparsity_mismatches(model)
+    assert problem == (
+        f"block 4 (original numbering) has {zeros_now} zero weights, config.layerswap_sparsity "
+        f"{report.blocks[4].num_zeros}: its weights changed after pruning"
+    )
+    with pytest.raises(ValueError, match="no longer describes this model.*delete model.config.layerswap_sparsity"):
+        render_card(model)
+    with pytest.raises(PushRefusedError, match="config.layerswap_sparsity no longer describes this model"):
+        save_for_hub(model, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_second_pass_keeps_the_first_and_updates_the_models_report():
+    model = pruned_tiny()
+    first = sparsify(model, tiny_batch(), sparsity=0.5, allocation="pals", method="wanda")
+    second = sparsify(model, tiny_batch(), sparsity=0.6, allocation="uniform", method="magnitude")
+    assert model.layerswap_sparsity_report is second
+    record = model.config.layerswap_sparsity
+    assert record["method"] == "magnitude" and record["previous"] == [config_record(first)]
+    assert second.num_zeros >= first.num_zeros  # zeros of the first pass stay zero
+    section = _section(render_card(model, plots=[]).text)
+    assert (
+        "| Earlier pruning passes (oldest first) | wanda, unstructured, pals allocation, target 50.00%, achieved "
+        f"{100 * first.achieved_sparsity:.4f}% (the zeros they left count in the achieved sparsity above) |"
+    ) in section
+    assert sparsity_mismatches(model) == [] and sparsity_mismatches(model, second) == []
+
+
+def test_moe_expert_tensors_are_named_as_kept_dense():
+    import arch_matrix
+
+    model = arch_matrix.build("qwen3_moe")
+    report = sparsify(model, arch_matrix.prompts(), sparsity=0.5, allocation="uniform", method="wanda")
+    blocks = decoder_blocks(model)[2]
+    dense = sum(p.numel() for b in blocks for p in b.parameters()) - report.num_params
+    assert dense > 0 and model.config.layerswap_sparsity["dense_block_params"] == dense
+    assert f"and {dense:,} weights inside the blocks that are not in an `nn.Linear`" in _section(
+        render_card(model, plots=[]).text
+    )
+
+
+def test_refused_inputs_leave_no_file_and_a_corrupt_sidecar_is_refused(sparse_pruned, tmp_path):
+    from hf_layerswap.card import write_card_files
+
+    _, report = sparse_pruned
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        write_card_files(tmp_path / "cards", tiny_model("llama", 6), sparsity_report=report)
+    assert not (tmp_path / "cards").exists() or list((tmp_path / "cards").iterdir()) == []
+    folder = save_for_hub(sparse_pruned[0], tmp_path / "folder", sparsity_report=report)
+    (folder / SPARSITY_FILE).write_text("{not json")
+    parser = add_push_arguments(argparse.ArgumentParser(prog="hf-layerswap push"))
+    assert run_push(parser.parse_args([str(folder), "user/x", "--output-dir", str(tmp_path / "x")])) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_ghosted_checkpoint_reloads_repaired_and_a_detached_one_is_refused(tmp_path):
+    """The card's snippet (import hf_layerswap, then from_pretrained) re-attaches the
+    operators; a model that carries the record but no operator is not published."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_layerswap.recovery import attached_operators
+
+    model = tiny_model("llama", 6)
+    recover(model, [2, 3], tiny_batch(batch=6, length=16, pad_last=0), method="ghosted")
+    folder = save_for_hub(model, tmp_path / "ghosted")
+    again = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    assert [b for b, _ in attached_operators(again)] == [2]
+    batch = tiny_batch()
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, model(**batch).logits)
+    # without the loader marker (as after editing config.json) the record stays, the operator does not
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    bare = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    assert attached_operators(bare) == [] and bare.config.layerswap["recovery"]["method"] == "ghosted"
+    with pytest.raises(PushRefusedError, match=r"records ghosted recovery operators at boundaries \[2\] but none is attached"):
+        save_for_hub(bare, tmp_path / "never")
+    # a later removal drops the record, but the card still sees the attached operator
+    remove_layers(again, [0])
+    text = render_card(again).text
+    assert "import hf_layerswap  # registers the loader" in text and "`hf_layerswap` is not needed" not in text

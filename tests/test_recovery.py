@@ -307,7 +307,8 @@ def test_ghosted_save_and_reload_with_hf_layerswap(calib, held_out, tmp_path):
     assert len(saved["layerswap"]["recovery"]["sha256"]) == 64
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", attn_implementation="eager")
-    assert attach_saved_recovery(reloaded) == [1, 3]  # idempotent if the plugin attached them already
+    assert [b for b, _ in attached_operators(reloaded)] == [1, 3]  # the plugin re-attached them on load
+    assert attach_saved_recovery(reloaded) == [1, 3]  # idempotent
     assert reloaded.config.num_hidden_layers == 4 and not getattr(reloaded, "is_quantized", False)
     assert torch.equal(logits_of(reloaded, held_out), expected)
     # a second save of the reloaded model writes the same operators
@@ -322,6 +323,11 @@ def test_reload_without_the_operator_file_is_refused(calib, tmp_path):
     recover(model, [2], calib, method="ghosted")
     model.save_pretrained(tmp_path)
     (tmp_path / RECOVERY_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=RECOVERY_FILE):  # the plugin re-attaches on load
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]  # without the loader marker the plugin does not run
+    (tmp_path / "config.json").write_text(json.dumps(config))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=RECOVERY_FILE):
         attach_saved_recovery(reloaded, tmp_path)

@@ -51,6 +51,7 @@ __all__ = [
     "SparsityReport",
     "check_arguments",
     "config_record",
+    "sparsity_in_model",
     "fit_budget",
     "gradient_allocation",
     "magnitude_prune",
@@ -248,9 +249,11 @@ def sparsify(
 
     Returns:
         :class:`SparsityReport` with per-block and per-linear targets and achieved
-        sparsity, allocator statistics and every option. A compact summary
-        (:func:`config_record`) is also stored in ``model.config.layerswap_sparsity``, so
-        it travels with ``save_pretrained`` and the model card can show it.
+        sparsity, allocator statistics and every option. The report is also left on
+        ``model.layerswap_sparsity_report``, and a compact summary (:func:`config_record`)
+        in ``model.config.layerswap_sparsity``, so it travels with ``save_pretrained`` and
+        the model card can show it; a summary already there (an earlier pass) moves to its
+        ``previous`` list.
 
     Raises:
         ValueError: an unknown allocation/method/pattern, a sparsity outside [0, 1), an N:M
@@ -348,11 +351,18 @@ def sparsify(
             "dtype": str(next(model.parameters()).dtype),
             "num_blocks": len(blocks),
             "original_blocks": _original_blocks(model, len(blocks)),
+            "dense_block_params": sum(p.numel() for b in blocks for p in b.parameters()) - sum(num_params),
             "seconds": timings,
             "versions": _versions(),
         },
     )
-    model.config.layerswap_sparsity = config_record(report)
+    record = config_record(report)
+    previous = getattr(model.config, CONFIG_ATTRIBUTE, None)
+    if isinstance(previous, dict) and previous.get("method"):
+        earlier = {k: v for k, v in previous.items() if k != "previous"}
+        record["previous"] = list(previous.get("previous") or []) + [earlier]
+    setattr(model.config, CONFIG_ATTRIBUTE, record)
+    model.layerswap_sparsity_report = report
     return report
 
 
@@ -370,6 +380,16 @@ def _original_blocks(model: nn.Module, num_blocks: int) -> list[int]:
     return list(range(num_blocks))
 
 
+def sparsity_in_model(record: dict, kept_original_blocks) -> float:
+    """Zeros / prunable weights over the sparsified blocks still in the model (``record`` as
+    :func:`config_record` returns it; ``kept_original_blocks`` in the original numbering)."""
+    kept = set(kept_original_blocks)
+    zeros = record.get("block_zeros") or [round(n * a) for n, a in zip(record["block_params"], record["block_achieved"])]
+    pairs = [(n, z) for b, n, z in zip(record["original_blocks"], record["block_params"], zeros) if b in kept]
+    total = sum(n for n, _ in pairs)
+    return sum(z for _, z in pairs) / total if total else 0.0
+
+
 #: Allocator entries kept in the config record (the report has every one).
 _ALLOCATOR_SUMMARY = ("statistic", "percentile", "source", "pool", "delta", "mapping", "owl_m", "owl_lambda", "budget")
 
@@ -380,8 +400,10 @@ def config_record(report: SparsityReport) -> dict:
     Keys: ``method``, ``allocation``, ``pattern`` (``None`` = unstructured),
     ``target_sparsity``, ``achieved_sparsity`` (zeros / prunable block weights),
     ``num_params``, ``num_zeros``, ``original_blocks`` (0-based indices of the sparsified
-    blocks before any layer removal), ``block_params`` (prunable weights), ``block_targets``
-    and ``block_achieved`` (fractions), one per block in the same order, ``allocator`` (its statistic, main options and budget
+    blocks before any layer removal), ``block_params`` (prunable weights), ``block_zeros``,
+    ``block_targets`` and ``block_achieved`` (fractions), one per block in the same order,
+    ``dense_block_params`` (block weights outside ``nn.Linear``, left dense: norms, fused
+    MoE expert tensors), ``allocator`` (its statistic, main options and budget
     rule), ``calibration`` (description and content hash) and
     ``hf_layerswap`` (the version that pruned). Every value is JSON (config.json) safe.
     """
@@ -398,6 +420,8 @@ def config_record(report: SparsityReport) -> dict:
         "num_zeros": report.num_zeros,
         "original_blocks": [int(i) for i in blocks],
         "block_params": [int(b.num_params) for b in report.blocks],
+        "block_zeros": [int(b.num_zeros) for b in report.blocks],
+        "dense_block_params": report.metadata.get("dense_block_params"),
         "block_targets": [float(b.target) for b in report.blocks],
         "block_achieved": [float(b.achieved) for b in report.blocks],
         "allocator": {k: report.allocator[k] for k in _ALLOCATOR_SUMMARY if k in report.allocator},
