@@ -483,6 +483,13 @@ def test_smollm2_pals_wanda_meets_target(smollm2, wikitext_valid):
         ids = calib.input_ids[:2]
         logits = model(input_ids=ids, attention_mask=calib.attention_mask[:2]).logits
     assert torch.isfinite(logits).all()
+    # the model card's sparsity section matches the real weights block by block
+    from hf_layerswap.card import render_card, sparsity_mismatches
+
+    assert sparsity_mismatches(model, report) == [] and sparsity_mismatches(model) == []
+    text = render_card(model, sparsity_report=report, plots=[]).text
+    for b in report.blocks:
+        assert f"| {b.index} | {b.target:.4f} | {b.achieved:.4f} | {b.statistic:.4g} | kept |" in text
 
 
 def _sparsity_benchmark():
