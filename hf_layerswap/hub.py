@@ -123,7 +123,7 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
         if problems:
             raise PushRefusedError("the report does not belong to this model: " + "; ".join(problems))
     if sparsity_report is None:
-        sparsity_report = getattr(model, "layerswap_sparsity_report", None)
+        sparsity_report = _attached_sparsity_report(model)
     problems = sparsity_mismatches(model, sparsity_report)
     if problems:
         raise PushRefusedError(sparsity_refusal(problems, sparsity_report))
@@ -139,6 +139,20 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
         return normalize_evaluation(evaluation), sparsity_report
     except ValueError as err:
         raise PushRefusedError(str(err)) from None
+
+
+def _attached_sparsity_report(model):
+    """``model.layerswap_sparsity_report`` when the config's summary still describes it
+    (the summary is what ``sparsify`` keeps up to date; a report it no longer matches, or
+    one whose summary was deleted, is not published by default)."""
+    from .sparsity import SparsityReport, config_record
+
+    report = getattr(model, "layerswap_sparsity_report", None)
+    recorded = getattr(model.config, "layerswap_sparsity", None)
+    if not isinstance(report, SparsityReport) or not isinstance(recorded, dict):
+        return None
+    mine = config_record(report)
+    return report if all(recorded.get(k) == v for k, v in mine.items()) else None
 
 
 def _write_folder(
@@ -211,8 +225,9 @@ def push_to_hub(
         endpoint: Hub URL; default huggingface_hub's (``HF_ENDPOINT``).
         base_model, license: override what the card infers (see :func:`~hf_layerswap.card.render_card`).
         sparsity_report: the :class:`~hf_layerswap.sparsity.SparsityReport` of one-shot
-            pruning; default ``model.layerswap_sparsity_report`` (set by
-            ``LayerSwapConfig(sparsity=...)``). Written to ``layerswap_sparsity.json`` and
+            pruning; default ``model.layerswap_sparsity_report`` (left by ``sparsify``, e.g.
+            through ``LayerSwapConfig(sparsity=...)``) while ``config.layerswap_sparsity``
+            still summarises it. Written to ``layerswap_sparsity.json`` and
             shown on the card; without one the card still shows the summary ``sparsify``
             left in ``config.layerswap_sparsity``.
 

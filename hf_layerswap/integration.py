@@ -12,6 +12,11 @@ weights load. The quantizer then detaches itself ("strip mode"): the model is a 
 transformers model, ``save_pretrained`` writes no ``quantization_config``, and the saved
 checkpoint reloads in plain transformers without this library. Provenance lives in
 ``model.config.layerswap``; the swap report is on ``model.layerswap_report``.
+
+A checkpoint saved with Ghosted Layers recovery carries a ``quant_method="layerswap"``
+marker instead: loading it with ``hf_layerswap`` imported prunes nothing and re-attaches its
+operators (:func:`hf_layerswap.recovery.attach_saved_recovery`); when their file cannot be
+found there, a warning says so and the plainly pruned model loads.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
 
     Args:
         num_layers: remove this many blocks, chosen by swap-KL scoring. ``None`` with
-            ``layers=None`` scores only (the report is attached; nothing is removed).
+            ``layers=None`` scores only (the report is attached; nothing is removed, a
+            requested ``sparsity`` is still applied).
         layers: explicit 0-based block indices to remove (no scoring).
         protocol: ``"interchange"`` (default), ``"replacement"`` or ``"auto"`` (both
             candidate sets evaluated by joint removal KL; the lower is kept).
@@ -197,7 +203,14 @@ class LayerSwapQuantizer(HfQuantizer):
             else:  # a saved layerswap checkpoint: re-attach its ghosted operators, prune nothing
                 from .recovery import attach_saved_recovery
 
-                attach_saved_recovery(model)
+                try:
+                    attach_saved_recovery(model)
+                except (FileNotFoundError, ValueError) as err:  # the weights loaded; say what is missing
+                    logger.warning(
+                        "%s. The model is loaded as the plainly pruned model, without the repair operators; attach "
+                        "them with hf_layerswap.recovery.attach_saved_recovery(model, <checkpoint folder or Hub id>, "
+                        "revision=...)", err,
+                    )
         finally:
             self._strip(model)
         return model
@@ -267,8 +280,8 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
             batch_size=cfg.batch_size, progress=cfg.progress, seed=cfg.seed,
         )
         model.layerswap_report = report
-        if cfg.num_layers is None:
-            return model
+        if cfg.num_layers is None:  # score only; a requested sparsity still applies
+            return _sparsify(model, cfg, calib)
         layers = select_layers(
             report, cfg.num_layers, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
             model=model, calibration=calib, batch_size=cfg.batch_size,
@@ -286,10 +299,14 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
         _annotate_last_step(model, provenance)
     else:
         remove_layers(model, layers, provenance=provenance)
+    return _sparsify(model, cfg, calib)
+
+
+def _sparsify(model, cfg: LayerSwapConfig, calib):
     if cfg.sparsity is not None:
         from .sparsity import sparsify
 
-        model.layerswap_sparsity_report = sparsify(
+        sparsify(  # leaves its report on model.layerswap_sparsity_report
             model, calib, sparsity=cfg.sparsity, allocation=cfg.allocation, method=cfg.method,
             pattern=cfg.sparsity_pattern,
         )

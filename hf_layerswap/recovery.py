@@ -707,7 +707,8 @@ def attach_saved_recovery(model: nn.Module, source: str | os.PathLike | None = N
     if path is None:
         raise FileNotFoundError(
             f"the checkpoint records ghosted recovery operators in {name}, but {source!r} has no such file "
-            "(a checkpoint re-saved by plain transformers loses it). To use the plainly pruned model, load it "
+            "(a checkpoint re-saved by plain transformers loses it; a checkpoint loaded from a subfolder, cache_dir "
+            "or revision needs them passed as source/revision). To use the plainly pruned model, load it "
             "without hf_layerswap imported, or delete 'quantization_config' and 'layerswap.recovery' from its "
             "config.json"
         )

@@ -68,10 +68,10 @@ def test_card_sparsity_section_carries_the_report_numbers(sparse_pruned):
     assert "| Layerwise allocation | PALS: percentile-aware" in section
     assert "percentile 0.99 of \\|activation\\| (linear_inputs, pool=all)" in section  # pipes escaped in the table
     assert "| Pattern | unstructured |" in section and "| Target sparsity | 50.00% |" in section
-    assert "blocks still in the model" not in section  # nothing was removed after pruning
+    assert "Achieved sparsity, blocks still in the model" not in section  # nothing was removed after pruning
     assert "are 50.00% sparse (one-shot wanda, unstructured, pals allocation)" in card.text
     norms = 4 * 2 * model.config.hidden_size  # 4 blocks, two RMSNorm weights each: all that is not nn.Linear
-    assert f"and {norms:,} weights inside the blocks that are not in an `nn.Linear`" in section
+    assert f"and the {norms:,} parameters of the blocks still in the model that are not `nn.Linear` weight" in section
     assert f"| `{SPARSITY_FILE}` |" in card.text
     assert check_card(card) == []
 
@@ -114,8 +114,8 @@ def test_sparsity_report_must_belong_to_the_model(sparse_pruned):
     (problem,) = sparsity_mismatches(changed, changed_report)
     zeros = changed_report.blocks[1].num_zeros
     assert problem == (
-        f"block 2 (original numbering) has {zeros - 1} zero weights, the sparsity report {zeros}: "
-        "its weights changed after pruning"
+        f"block 2 (original numbering) has {zeros - 1} zero weights, fewer than the {zeros} the sparsity report "
+        "records: its weights changed after pruning"
     )
     # a report of another pruning run disagrees with the config record
     other = SparsityReport.from_dict(report.to_dict())
@@ -257,8 +257,8 @@ def test_weights_changed_after_pruning_are_refused_without_a_report(tmp_path):
     zeros_now = sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(decoder_blocks(model)[2][4]))
     (problem,) = sparsity_mismatches(model)
     assert problem == (
-        f"block 4 (original numbering) has {zeros_now} zero weights, config.layerswap_sparsity "
-        f"{report.blocks[4].num_zeros}: its weights changed after pruning"
+        f"block 4 (original numbering) has {zeros_now} zero weights, fewer than the {report.blocks[4].num_zeros} "
+        "config.layerswap_sparsity records: its weights changed after pruning"
     )
     with pytest.raises(ValueError, match="no longer describes this model.*delete model.config.layerswap_sparsity"):
         render_card(model)
@@ -290,10 +290,10 @@ def test_moe_expert_tensors_are_named_as_kept_dense():
     report = sparsify(model, arch_matrix.prompts(), sparsity=0.5, allocation="uniform", method="wanda")
     blocks = decoder_blocks(model)[2]
     dense = sum(p.numel() for b in blocks for p in b.parameters()) - report.num_params
-    assert dense > 0 and model.config.layerswap_sparsity["dense_block_params"] == dense
-    assert f"and {dense:,} weights inside the blocks that are not in an `nn.Linear`" in _section(
-        render_card(model, plots=[]).text
-    )
+    assert dense > 0 and sum(model.config.layerswap_sparsity["block_dense_params"]) == dense
+    text = render_card(model, plots=[]).text
+    assert f"and the {dense:,} parameters of the blocks still in the model that are not `nn.Linear`" in _section(text)
+    assert ": 50.0% sparse linear layers" in text.splitlines()[1]  # the title claims the linears, not the blocks
 
 
 def test_refused_inputs_leave_no_file_and_a_corrupt_sidecar_is_refused(sparse_pruned, tmp_path):
@@ -337,3 +337,70 @@ def test_ghosted_checkpoint_reloads_repaired_and_a_detached_one_is_refused(tmp_p
     remove_layers(again, [0])
     text = render_card(again).text
     assert "import hf_layerswap  # registers the loader" in text and "`hf_layerswap` is not needed" not in text
+
+
+def test_fp16_conversion_flushing_tiny_survivors_is_not_a_change():
+    model = tiny_model("llama", 6)
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="sparsegpt")
+    weight = decoder_blocks(model)[2][0].self_attn.q_proj.weight
+    survivor = int((weight.data.view(-1) != 0).nonzero()[0])
+    weight.data.view(-1)[survivor] = 2e-8  # below fp16's smallest subnormal: it becomes 0 in half precision
+    model.half()
+    assert sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(decoder_blocks(model)[2][0])) == (
+        report.blocks[0].num_zeros + 1
+    )
+    assert sparsity_mismatches(model, report) == [] and sparsity_mismatches(model) == []
+
+
+def test_sparsity_only_config_scores_and_sparsifies_without_removal(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama", 4).save_pretrained(tmp_path / "base")
+    cfg = LayerSwapConfig(calibration=tiny_batch(), sparsity=0.5, allocation="uniform", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
+    assert model.config.num_hidden_layers == 4 and model.layerswap_report.num_layers == 4
+    assert model.layerswap_sparsity_report.achieved_sparsity == 0.5
+    assert model.config.layerswap_sparsity["original_blocks"] == [0, 1, 2, 3]
+
+
+def test_a_report_keeps_the_earlier_passes_and_a_stale_attached_report_is_not_published(tmp_path):
+    model = tiny_model("llama", 6)
+    sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="wanda")
+    second = sparsify(model, tiny_batch(), sparsity=0.6, allocation="uniform", method="wanda")
+    section = _section(render_card(model, sparsity_report=second, plots=[]).text)
+    assert "| Earlier pruning passes (oldest first) | wanda, unstructured, uniform allocation, target 50.00%" in section
+    # the user drops the summary: the report the model still carries is not published by default
+    del model.config.layerswap_sparsity
+    folder = save_for_hub(model, tmp_path / "plain")
+    assert SPARSITY_FILE not in {p.name for p in folder.iterdir()}
+    assert "## Sparsity" not in (folder / "README.md").read_text()
+
+
+def test_magnitude_card_does_not_claim_calibration(tmp_path):
+    model = tiny_model("llama", 6)
+    sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="magnitude")
+    section = _section(render_card(model, plots=[]).text)
+    assert "pruned one-shot by weight magnitude." in section
+    assert "calibrated" not in section and "| Calibration |" not in section
+
+
+def test_ghosted_checkpoint_in_a_subfolder_loads_plainly_with_a_warning(tmp_path, caplog):
+    """The plugin looks for the operator file where the model was named; where it cannot
+    see it (a subfolder), the weights still load, with a warning, and attaching by hand works."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_layerswap.recovery import attach_saved_recovery, attached_operators
+
+    model = tiny_model("llama", 6)
+    recover(model, [2, 3], tiny_batch(batch=6, length=16, pad_last=0), method="ghosted")
+    model.save_pretrained(tmp_path / "repo" / "sub")
+    with caplog.at_level(logging.WARNING, logger="hf_layerswap.integration"):
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder="sub", attn_implementation="eager")
+    assert attached_operators(again) == []
+    assert "loaded as the plainly pruned model, without the repair operators" in caplog.text
+    assert attach_saved_recovery(again, tmp_path / "repo" / "sub") == [2]
+    batch = tiny_batch()
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, model(**batch).logits)

@@ -351,7 +351,7 @@ def sparsify(
             "dtype": str(next(model.parameters()).dtype),
             "num_blocks": len(blocks),
             "original_blocks": _original_blocks(model, len(blocks)),
-            "dense_block_params": sum(p.numel() for b in blocks for p in b.parameters()) - sum(num_params),
+            "block_dense_params": [sum(p.numel() for p in b.parameters()) - n for b, n in zip(blocks, num_params)],
             "seconds": timings,
             "versions": _versions(),
         },
@@ -401,9 +401,9 @@ def config_record(report: SparsityReport) -> dict:
     ``target_sparsity``, ``achieved_sparsity`` (zeros / prunable block weights),
     ``num_params``, ``num_zeros``, ``original_blocks`` (0-based indices of the sparsified
     blocks before any layer removal), ``block_params`` (prunable weights), ``block_zeros``,
-    ``block_targets`` and ``block_achieved`` (fractions), one per block in the same order,
-    ``dense_block_params`` (block weights outside ``nn.Linear``, left dense: norms, fused
-    MoE expert tensors), ``allocator`` (its statistic, main options and budget
+    ``block_targets`` and ``block_achieved`` (fractions), ``block_dense_params`` (block
+    parameters that are not ``nn.Linear`` weight matrices, left dense: biases, norms, fused
+    MoE expert tensors), one per block in the same order, ``allocator`` (its statistic, main options and budget
     rule), ``calibration`` (description and content hash) and
     ``hf_layerswap`` (the version that pruned). Every value is JSON (config.json) safe.
     """
@@ -421,7 +421,7 @@ def config_record(report: SparsityReport) -> dict:
         "original_blocks": [int(i) for i in blocks],
         "block_params": [int(b.num_params) for b in report.blocks],
         "block_zeros": [int(b.num_zeros) for b in report.blocks],
-        "dense_block_params": report.metadata.get("dense_block_params"),
+        "block_dense_params": report.metadata.get("block_dense_params"),
         "block_targets": [float(b.target) for b in report.blocks],
         "block_achieved": [float(b.achieved) for b in report.blocks],
         "allocator": {k: report.allocator[k] for k in _ALLOCATOR_SUMMARY if k in report.allocator},
