@@ -41,6 +41,7 @@ from pathlib import Path
 
 from .report import PROTOCOLS, SwapReport, encode_float, set_key
 from .sparsity import sparsity_in_model
+from .surgery import original_indices
 
 __all__ = [
     "CARD_TEMPLATE",
@@ -226,18 +227,13 @@ def _sparsity_summary(config, sparsity) -> dict | None:
     return record
 
 
-def _current_original_blocks(config, current: int) -> list[int]:
-    kept = _record(config).get("kept_layers")
-    return [int(i) for i in kept] if isinstance(kept, list) and len(kept) == current else list(range(current))
-
-
 def _weight_mismatches(model_or_config, record: Mapping, what: str) -> list[str]:
     """Block coverage and, for a model, per-block zero counts against ``record``."""
     from .sparsity.engine import prunable_linears
 
     model, config = _split_model(model_or_config)
     original = [int(i) for i in record["original_blocks"]]
-    current = _current_original_blocks(config, _current_blocks(model, config))
+    current = original_indices(config, _current_blocks(model, config))
     missing = [i for i in current if i not in original]
     if missing:
         return [f"{what} covers blocks {original} (original numbering) but the model also has blocks {missing}"]
@@ -310,7 +306,7 @@ def sparsity_refusal(problems: Sequence[str], sparsity_report) -> str:
 
 def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
     """Rows of the card's sparsity section (original block numbering)."""
-    kept = set(_current_original_blocks(config, current))
+    kept = set(original_indices(config, current))
     allocator = dict(summary.get("allocator") or {})
     statistics = [b.statistic for b in sparsity.blocks] if sparsity is not None else [None] * len(summary["block_targets"])
     blocks = [
@@ -1212,7 +1208,7 @@ def render_card(
     if recovery.get("method"):
         front["recovery"] = recovery["method"]
     if sparse is not None:
-        in_model = sparsity_in_model(sparse, _current_original_blocks(config, current))
+        in_model = sparsity_in_model(sparse, original_indices(config, current))
         front["sparsity"] = {k: sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity")}
         front["sparsity"]["achieved_sparsity"] = in_model
         front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
@@ -1433,7 +1429,7 @@ def write_card_files(
             plot_keys = list(paths)
             written.update({p.name: p for p in paths.values()})
         if sparse is not None:
-            kept = _current_original_blocks(config, _current_blocks(model, config))
+            kept = original_indices(config, _current_blocks(model, config))
             path = write_sparsity_plot(sparse, directory / PLOT_FILES["sparsity"], kept=kept)
             plot_keys.append("sparsity")
             written[path.name] = path

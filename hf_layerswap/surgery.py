@@ -240,6 +240,15 @@ def _remap_device_map(model, owner, name, kept):
     model.hf_device_map = remapped
 
 
+def original_indices(config, num_blocks: int) -> list[int]:
+    """0-based indices, in the model before any removal, of its current ``num_blocks``
+    blocks: ``config.layerswap["kept_layers"]`` when it matches, else ``0..num_blocks-1``."""
+    kept = (getattr(config, "layerswap", None) or {}).get("kept_layers")
+    if isinstance(kept, list) and len(kept) == num_blocks:
+        return [int(i) for i in kept]
+    return list(range(num_blocks))
+
+
 def check_surgery_invariants(model: nn.Module) -> list[str]:
     """Return the violated surgery invariants (empty list = consistent).
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..calibration import build_calibration
 from ..plan import decoder_blocks
+from ..surgery import original_indices
 from .allocators import (
     ALLOCATIONS,
     MAPPINGS,
@@ -350,7 +351,7 @@ def sparsify(
             "model_class": type(model).__name__,
             "dtype": str(next(model.parameters()).dtype),
             "num_blocks": len(blocks),
-            "original_blocks": _original_blocks(model, len(blocks)),
+            "original_blocks": original_indices(model.config, len(blocks)),
             "block_dense_params": [sum(p.numel() for p in b.parameters()) - n for b, n in zip(blocks, num_params)],
             "seconds": timings,
             "versions": _versions(),
@@ -369,15 +370,6 @@ def sparsify(
 #: ``config.json`` attribute holding what :func:`sparsify` did (it survives
 #: ``save_pretrained`` and a plain-transformers reload, so a card can show it later).
 CONFIG_ATTRIBUTE = "layerswap_sparsity"
-
-
-def _original_blocks(model: nn.Module, num_blocks: int) -> list[int]:
-    """0-based indices of the current blocks in the model before any layer removal
-    (``config.layerswap["kept_layers"]``), or ``0..num_blocks-1`` when nothing was removed."""
-    kept = (getattr(model.config, "layerswap", None) or {}).get("kept_layers")
-    if isinstance(kept, list) and len(kept) == num_blocks:
-        return [int(i) for i in kept]
-    return list(range(num_blocks))
 
 
 def sparsity_in_model(record: dict, kept_original_blocks) -> float:
