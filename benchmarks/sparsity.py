@@ -507,13 +507,39 @@ def main(argv=None):
     run(args)
 
     def record_command(store):
-        if command not in store.setdefault("commands", []):
-            store["commands"].append(command)
+        store["commands"] = merge_command(store.get("commands", []), command)
 
     store = update_store(Path(args.json), record_command)
     text = render(store, command, Path(args.json).name)
     write_index(write_text_atomic(text, args.output).parent)
     print(text)
+
+
+def merge_command(commands: list[str], command: str) -> list[str]:
+    """``commands`` with ``command`` added; a command that differs from a recorded one only in
+    its ``--seeds`` list extends that one's seeds instead of adding a line."""
+
+    def split(text):
+        words = shlex.split(text)
+        if "--seeds" not in words:
+            return words, None
+        start = end = words.index("--seeds") + 1
+        while end < len(words) and words[end].lstrip("-").isdigit():
+            end += 1
+        return words[: start - 1] + words[end:], [int(w) for w in words[start:end]]
+
+    rest, seeds = split(command)
+    for i, known in enumerate(commands):
+        known_rest, known_seeds = split(known)
+        if known == command:
+            return commands
+        if seeds is not None and known_seeds is not None and known_rest == rest:
+            words = shlex.split(known)
+            at = words.index("--seeds") + 1
+            merged = [str(s) for s in sorted(set(known_seeds) | set(seeds))]
+            words[at : at + len(known_seeds)] = merged
+            return [*commands[:i], " ".join(shlex.quote(w) for w in words), *commands[i + 1 :]]
+    return [*commands, command]
 
 
 def write_index(results: Path) -> None:

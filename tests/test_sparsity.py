@@ -549,3 +549,19 @@ def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
     runs = bench.update_store(path)["runs"]
     assert sorted(runs) == sorted(f"{p}{i}" for p in "ab" for i in range(25))
     assert bench.update_store(path) == json.loads(path.read_text())
+
+
+def test_benchmark_commands_differing_only_in_seeds_share_one_line():
+    """The page's command list: a rerun with other ``--seeds`` extends the matching line's
+    seeds (sorted, no repeats); any other difference, or an exact repeat, is kept apart or once."""
+    bench = _sparsity_benchmark()
+    line = "python benchmarks/sparsity.py --model m --allocations owl --patterns 2:4 --seeds {} --threads 1"
+    commands = bench.merge_command([], line.format(5))
+    commands = bench.merge_command(commands, line.format("3 4"))
+    commands = bench.merge_command(commands, line.format(4))
+    assert commands == [line.format("3 4 5")]
+    other = line.replace("owl", "random").format(4)
+    no_seeds = "python benchmarks/sparsity.py --model m --render-only"
+    commands = bench.merge_command(bench.merge_command(commands, other), no_seeds)
+    assert commands == [line.format("3 4 5"), other, no_seeds]
+    assert bench.merge_command(commands, no_seeds) == commands
