@@ -408,6 +408,26 @@ def pals_verdict(groups: dict, method: str, sparsity: float) -> str:
     )
 
 
+def ablation_verdict(groups: dict, method: str) -> str:
+    """The PALS paper's ablation claim (gradient allocation worse than random), per method,
+    judged like :func:`pals_verdict`: holds when the mean paired PPL difference gradient - random
+    is positive at sign-flip p < 0.05, is reversed when negative at p < 0.05, else undecided."""
+    grad, rand = groups[("unstructured", "gradient", method)], groups[("unstructured", "random", method)]
+    common = sorted(set(grad) & set(rand))
+    diffs = [grad[s] - rand[s] for s in common]
+    worse = sum(d > 0 for d in diffs)
+    head = f"The paper's ablation claim (gradient allocation worse than random, {method}) "
+    runs = "; ".join(f"seed {s}: {grad[s]:.3f} vs {rand[s]:.3f}" for s in common)
+    if len(common) < 2:
+        return head + f"is undecided: {len(common)} paired seed, no test ({runs})."
+    mean, p = statistics.fmean(diffs), sign_flip_p(diffs)
+    verdict = ("holds" if mean > 0 else "is reversed") if p < 0.05 else "is undecided (no reliable direction)"
+    return head + (
+        f"{verdict} here: gradient worse on {worse} of {len(common)} calibration seeds, mean paired PPL "
+        f"difference {mean:+.3f}, sign-flip p = {p:.3f} ({runs})."
+    )
+
+
 def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     """Plain statements computed from the runs: does PALS beat uniform, and what was not run."""
     out = [f"### Findings at sparsity {settings['sparsity']:g}", ""]
@@ -441,22 +461,9 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
         )
     for method in sorted({k[2] for k in groups if k[0] == "unstructured" and k[1] == "pals"}):
         out += ["", pals_verdict(groups, method, settings["sparsity"])]
-    pairs = [
-        (r, runs.get(config_key(None, "random", r["method"], r["seed"], settings)))
-        for r in runs.values()
-        if r["allocation"] == "gradient" and r["pattern"] is None
-    ]
-    pairs = [(g, r) for g, r in pairs if r is not None]
-    if pairs:
-        below = sum(g["ppl"]["ppl"] > r["ppl"]["ppl"] for g, r in pairs)
-        out += [
-            "",
-            f"The paper's ablation claim (gradient allocation worse than random) "
-            f"{'holds' if below == len(pairs) else 'does not hold'} here: gradient is worse than random on {below} "
-            f"of {len(pairs)} run(s) ("
-            + "; ".join(f"{g['method']} seed {g['seed']}: {g['ppl']['ppl']:.3f} vs {r['ppl']['ppl']:.3f}" for g, r in pairs)
-            + ").",
-        ]
+    for method in sorted({k[2] for k in groups if k[:2] == ("unstructured", "gradient")}):
+        if ("unstructured", "random", method) in groups:
+            out += ["", ablation_verdict(groups, method)]
     methods = {r["method"] for r in runs.values()}
     patterns = {r["pattern"] or "unstructured" for r in runs.values()}
     names = {parse_allocation(r["allocation"])[0] for r in runs.values()}

@@ -565,3 +565,20 @@ def test_benchmark_commands_differing_only_in_seeds_share_one_line():
     commands = bench.merge_command(bench.merge_command(commands, other), no_seeds)
     assert commands == [line.format("3 4 5"), other, no_seeds]
     assert bench.merge_command(commands, no_seeds) == commands
+
+
+def test_benchmark_ablation_verdict_is_a_paired_test_per_method():
+    """Gradient vs random: holds / reversed only at sign-flip p < 0.05, per method."""
+    bench = _sparsity_benchmark()
+    random_ = {s: 100.0 for s in range(9)}
+
+    def verdict(gradient):
+        groups = {("unstructured", "gradient", "wanda"): gradient, ("unstructured", "random", "wanda"): random_}
+        return bench.ablation_verdict(groups, "wanda")
+
+    better = verdict({s: 95.0 for s in range(9)})
+    assert "wanda) is reversed here: gradient worse on 0 of 9" in better and "-5.000" in better and "p = 0.004" in better
+    assert " holds here: gradient worse on 9 of 9" in verdict({s: 101.0 for s in range(9)})
+    mixed = verdict({s: 100.0 + (1 if s < 7 else -1) for s in range(9)})
+    assert "is undecided (no reliable direction)" in mixed and "worse on 7 of 9" in mixed
+    assert "1 paired seed, no test" in verdict({0: 90.0})
