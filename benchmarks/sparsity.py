@@ -52,6 +52,7 @@ from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_pe
 from hf_layerswap.models import load_model, model_identity  # noqa: E402
 from hf_layerswap.report import write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
+from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
 
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -59,6 +60,7 @@ RESULTS = REPO / "benchmarks" / "results"
 
 #: The target sparsities the benchmark covers (a page names those without runs).
 ISSUE_LEVELS = (0.5, 0.6)
+ISSUE_SEEDS = 9  # calibration seeds per cell the grid asks for
 
 # two-sided 97.5% Student t quantiles for small samples (df -> t)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -428,6 +430,34 @@ def ablation_verdict(groups: dict, method: str) -> str:
     )
 
 
+def scope_statement(groups: dict, sparsity: float) -> str:
+    """What a page at ``sparsity`` covers and what of the grid (both methods, every allocator,
+    2:4 at 0.5, ``ISSUE_SEEDS`` calibration seeds per cell) it lacks. ``groups`` maps
+    ``(pattern, allocation, method)`` to ``{seed: PPL}``; allocations with options are variants
+    outside the grid, listed with their seed counts."""
+    methods = {k[2] for k in groups}
+    patterns = {k[0] for k in groups}
+    names = {parse_allocation(k[1])[0] for k in groups}
+    missing = [m for m in ("wanda", "sparsegpt") if m not in methods]
+    missing += [f"{a} allocation" for a in ALLOCATIONS if a not in names]
+    # an N:M pattern fixes the sparsity at N/M: 2:4 belongs to the 0.5 section only
+    missing += [f"{p} pattern" for p in ("2:4",) if p not in patterns and math.isclose(sparsity, 0.5)]
+    seeds = sorted({seed for by_seed in groups.values() for seed in by_seed})
+    grid = {k: s for k, s in groups.items() if k[1] in ALLOCATIONS}  # option variants are extra, not grid cells
+    short = sorted(f"{p} {a} {m} ({len(s)})" for (p, a, m), s in grid.items() if len(s) < ISSUE_SEEDS)
+    if short:
+        missing.append(f"{ISSUE_SEEDS} seeds in " + ", ".join(short))
+    uneven = any(set(s) != set(seeds) for s in grid.values())
+    variants = sorted(f"{p} {a} {m} ({len(s)})" for (p, a, m), s in groups.items() if (p, a, m) not in grid)
+    return (
+        f"Scope: this model at sparsity {sparsity:g}, calibration seeds {seeds}"
+        + (" (not every cell has all of them: see the tables)." if uneven else " in every cell.")
+        + (" Not run here (shared 2-core CPU): " + ", ".join(missing) + "." if missing else "")
+        + ("" if math.isclose(sparsity, 0.5) else " (2:4 fixes the sparsity at 0.5: it is in that section.)")
+        + (" Option variants outside the grid (seeds): " + ", ".join(variants) + "." if variants else "")
+    )
+
+
 def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     """Plain statements computed from the runs: does PALS beat uniform, and what was not run."""
     out = [f"### Findings at sparsity {settings['sparsity']:g}", ""]
@@ -464,22 +494,7 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     for method in sorted({k[2] for k in groups if k[:2] == ("unstructured", "gradient")}):
         if ("unstructured", "random", method) in groups:
             out += ["", ablation_verdict(groups, method)]
-    methods = {r["method"] for r in runs.values()}
-    patterns = {r["pattern"] or "unstructured" for r in runs.values()}
-    names = {parse_allocation(r["allocation"])[0] for r in runs.values()}
-    missing = [m for m in ("sparsegpt",) if m not in methods]
-    missing += [f"{a} allocation" for a in ("gradient",) if a not in names]
-    # an N:M pattern fixes the sparsity at N/M: 2:4 belongs to the 0.5 section only
-    missing += [f"{p} pattern" for p in ("2:4",) if p not in patterns and math.isclose(settings["sparsity"], 0.5)]
-    seeds = sorted({r["seed"] for r in runs.values()})
-    out += [
-        "",
-        f"Scope: this model at sparsity {settings['sparsity']:g}, calibration seeds {seeds} (not every cell has all of "
-        "them: see the tables). Not run here (shared 2-core CPU): "
-        + ", ".join(missing + ["9 seeds per cell"])
-        + "."
-        + ("" if math.isclose(settings["sparsity"], 0.5) else " (2:4 fixes the sparsity at 0.5: it is in that section.)"),
-    ]
+    out += ["", scope_statement(groups, settings["sparsity"])]
     return out
 
 

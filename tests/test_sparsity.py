@@ -582,3 +582,25 @@ def test_benchmark_ablation_verdict_is_a_paired_test_per_method():
     mixed = verdict({s: 100.0 + (1 if s < 7 else -1) for s in range(9)})
     assert "is undecided (no reliable direction)" in mixed and "worse on 7 of 9" in mixed
     assert "1 paired seed, no test" in verdict({0: 90.0})
+
+
+def test_benchmark_scope_names_what_the_grid_lacks():
+    """The page's scope line: cells short of the grid's seed count are named with their count,
+    option variants are listed apart, and a complete grid says so."""
+    bench = _sparsity_benchmark()
+    full = {s: 100.0 for s in range(bench.ISSUE_SEEDS)}
+    groups = {("unstructured", a, m): dict(full) for a in bench.ALLOCATIONS for m in ("wanda", "sparsegpt")}
+    assert bench.scope_statement(groups, 0.6) == (
+        f"Scope: this model at sparsity 0.6, calibration seeds {list(range(9))} in every cell. "
+        "(2:4 fixes the sparsity at 0.5: it is in that section.)"
+    )
+    at_half = bench.scope_statement(groups, 0.5)
+    assert at_half.endswith("in every cell. Not run here (shared 2-core CPU): 2:4 pattern.")
+    groups[("2:4", "uniform", "wanda")] = dict(full)
+    groups[("unstructured", "gradient", "sparsegpt")] = {0: 1.0, 1: 2.0}
+    groups[("unstructured", "pals/invert=true", "wanda")] = {0: 1.0}
+    del groups[("unstructured", "owl", "wanda")], groups[("unstructured", "owl", "sparsegpt")]
+    text = bench.scope_statement(groups, 0.5)
+    assert "(not every cell has all of them: see the tables)." in text
+    assert "Not run here (shared 2-core CPU): owl allocation, 9 seeds in unstructured gradient sparsegpt (2)." in text
+    assert text.endswith("Option variants outside the grid (seeds): unstructured pals/invert=true wanda (1).")
