@@ -358,11 +358,9 @@ def level_section(store: dict, settings: dict, dense: PerplexityResult) -> list[
         for (pattern, allocation, method), by_seed in groups.items():
             m, h = mean_ci(list(by_seed.values()))
             diff, p = "", ""
-            uni = groups.get((pattern, "uniform", method), {})
-            common = sorted(set(by_seed) & set(uni))
-            if allocation != "uniform" and len(common) >= 2:
-                d = [by_seed[s] - uni[s] for s in common]
-                diff, p = f"{statistics.fmean(d):+.3f}", f"{sign_flip_p(d):.3f}"
+            _, _, mean_diff, p_value = paired_difference(by_seed, groups.get((pattern, "uniform", method), {}))
+            if allocation != "uniform" and p_value is not None:
+                diff, p = f"{mean_diff:+.3f}", f"{p_value:.3f}"
             ci = "" if h is None else f" +- {h:.3f}"
             lines.append(f"| {pattern} | {allocation} | {method} | {len(by_seed)} | {m:.3f}{ci} | {diff} | {p} |")
     lines += ["", *findings(runs, groups, settings), ""]
@@ -384,6 +382,16 @@ def level_section(store: dict, settings: dict, dense: PerplexityResult) -> list[
     return lines
 
 
+def paired_difference(a: dict, b: dict) -> tuple[list, list[float], float | None, float | None]:
+    """Paired comparison of ``{seed: PPL}`` maps on the seeds both have: ``(seeds, a - b per seed,
+    mean difference, exact sign-flip p)``; mean and p are None below two paired seeds."""
+    common = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in common]
+    if len(common) < 2:
+        return common, diffs, None, None
+    return common, diffs, statistics.fmean(diffs), sign_flip_p(diffs)
+
+
 def pals_verdict(groups: dict, method: str, sparsity: float) -> str:
     """The PALS paper's claim (PALS below uniform) judged by the paired sign-flip test over calibration seeds.
 
@@ -391,15 +399,12 @@ def pals_verdict(groups: dict, method: str, sparsity: float) -> str:
     positive at p < 0.05, and is otherwise undecided (including a single seed, where no test exists).
     """
     pals, uni = groups[("unstructured", "pals", method)], groups.get(("unstructured", "uniform", method), {})
-    common = sorted(set(pals) & set(uni))
+    common, diffs, mean, p = paired_difference(pals, uni)
+    better = sum(d < 0 for d in diffs)
     head = f"The PALS paper's direction (PALS below uniform {method}) "
     tail = f"on this model at sparsity {sparsity:g} (default options: p99 of the linears' inputs, z-score, +-0.05)"
-    if len(common) < 2:
-        better = sum(pals[s] < uni[s] for s in common)
+    if p is None:
         return head + f"is undecided {tail}: {len(common)} calibration seed (PALS better on {better}), no paired test."
-    diffs = [pals[s] - uni[s] for s in common]
-    mean, p = statistics.fmean(diffs), sign_flip_p(diffs)
-    better = sum(d < 0 for d in diffs)
     if p < 0.05:
         verdict = "reproduces" if mean < 0 else "is reversed"
     else:
@@ -415,14 +420,12 @@ def ablation_verdict(groups: dict, method: str) -> str:
     judged like :func:`pals_verdict`: holds when the mean paired PPL difference gradient - random
     is positive at sign-flip p < 0.05, is reversed when negative at p < 0.05, else undecided."""
     grad, rand = groups[("unstructured", "gradient", method)], groups[("unstructured", "random", method)]
-    common = sorted(set(grad) & set(rand))
-    diffs = [grad[s] - rand[s] for s in common]
+    common, diffs, mean, p = paired_difference(grad, rand)
     worse = sum(d > 0 for d in diffs)
     head = f"The paper's ablation claim (gradient allocation worse than random, {method}) "
     runs = "; ".join(f"seed {s}: {grad[s]:.3f} vs {rand[s]:.3f}" for s in common)
-    if len(common) < 2:
+    if p is None:
         return head + f"is undecided: {len(common)} paired seed, no test ({runs})."
-    mean, p = statistics.fmean(diffs), sign_flip_p(diffs)
     verdict = ("holds" if mean > 0 else "is reversed") if p < 0.05 else "is undecided (no reliable direction)"
     return head + (
         f"{verdict} here: gradient worse on {worse} of {len(common)} calibration seeds, mean paired PPL "
