@@ -17,7 +17,8 @@ from .models import load_model
 from .plan import apply_plan, capture_residual_stream, decoder_blocks, model_fingerprint, num_blocks
 from .report import PairResult, SwapReport
 from .scoring import masked_kl, removal_kl, score_layers
-from .selection import select_layers
+from .search import search_select
+from .selection import STRATEGIES, select_layers
 from .surgery import check_surgery_invariants, remove_layers
 
 __all__ = [
@@ -37,7 +38,9 @@ __all__ = [
     "LayerSwapConfig",
     "LayerSwapQuantizer",
     "PairResult",
+    "STRATEGIES",
     "SwapReport",
+    "search_select",
     "apply_plan",
     "build_calibration",
     "capture_residual_stream",

@@ -562,6 +562,8 @@ def _selection_rule(steps, report) -> tuple[int, list[int], str]:
 
 
 def _protocol_of(steps) -> str | None:
+    if _search_record(steps) is not None:
+        return None
     for step in reversed(steps):
         auto = step.get("auto")
         if isinstance(auto, Mapping) and auto.get("chosen_protocol") in PROTOCOLS:
@@ -647,6 +649,9 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
     from .selection import greedy_select
 
     rows, sets = [], {}
+    search = _search_record(steps)
+    if search is not None and list(search.get("selected", [])) == list(removed):
+        return _search_candidates(search, report, removed, steps)
     for p in report.protocols:
         try:
             chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
@@ -663,6 +668,51 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
         )
     removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
     return rows, _why(steps, removed, sets), removed_kl
+
+
+def _search_record(steps) -> Mapping | None:
+    step = steps[-1] if steps else {}
+    rec = step.get("search")
+    return rec if isinstance(rec, Mapping) and rec.get("strategy") == "search" else None
+
+
+def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str, str]:
+    """Rows for each protocol's greedy set (paper's rule, spacing >= 1) as the search scored them."""
+    rows, sets = [], {}
+    objective = search.get("objective", "removal_kl")
+    for p in report.protocols:
+        entry = (search.get("protocol_sets") or {}).get(p)
+        if entry is None:
+            rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
+                         "removal_kl": _DASH})
+            continue
+        sets[p] = list(entry["set"])
+        value = entry.get("value")
+        if objective != "removal_kl":
+            value = report.removal_kl.get(set_key(entry["set"]))
+        rows.append({"protocol": p, "layers": _indices(entry["set"]), "removal_kl": _kl(value)})
+    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    cost = search.get("cost") or {}
+    values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
+    unit = search.get("unit", "nats")
+    reason = (
+        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
+        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
+        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
+        f"{_kl(search.get('value'))} {unit}"
+    )
+    if values:
+        reason += " against " + ", ".join(f"{p} {_kl(v)}" for p, v in values.items())
+    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
+               "passes). It has the lowest value of every set scored.")
+    if len(steps) > 1:
+        reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: " + reason
+    matching = [p for p, s in sets.items() if s == list(removed)]
+    if matching:
+        reason += f" It is also the set the {' and '.join(matching)} rule picks."
+    else:
+        reason += " Neither protocol's greedy rule picks it."
+    return rows, reason, removed_kl
 
 
 def _why(steps, removed, sets) -> str:
@@ -1234,7 +1284,8 @@ def render_card(
         summary = (
             f"This checkpoint is {base_label} with decoder blocks **{_indices(removed)}** removed "
             f"({len(removed)} of {original} blocks, {100 * len(removed) / original:.1f}% of the depth{params}), "
-            f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else ".")
+            f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else (
+                " by a search over candidate sets guided by both swap-KL protocols." if _search_record(steps) else "."))
         )
     elif sparse is not None:
         title = f"{name}: {_pct_plain(sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed

@@ -47,8 +47,19 @@ def _add_scoring_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--protocol", default="interchange", choices=["interchange", "replacement", "auto"])
-    p.add_argument("--spacing", type=int, default=1, help="selected layers stay more than this apart (0 allows neighbours)")
+    from .selection import STRATEGIES
+
+    p.add_argument("--strategy", default="search", choices=sorted(STRATEGIES),
+                   help="how the set is chosen: search = candidate sets from both protocols scored on the calibration "
+                        "prompts and refined by local moves; greedy = the paper's rule on --protocol; auto = the better "
+                        "protocol's greedy set")
+    p.add_argument("--objective", default=None, choices=["removal_kl", "nll", "ghosted"],
+                   help="what --strategy search minimises on the calibration prompts (default removal_kl)")
+    p.add_argument("--max-evaluations", type=int, default=None, help="most candidate sets search scores (default 5 x blocks)")
+    p.add_argument("--protocol", default="interchange", choices=["interchange", "replacement", "auto"],
+                   help="protocol of --strategy greedy")
+    p.add_argument("--spacing", type=int, default=None,
+                   help="selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)")
     p.add_argument("--protect", type=int, nargs="*", default=[0, -1], help="layers never removed (negative = from the end)")
 
 
@@ -71,7 +82,10 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     demo.add_argument("--eval-max-words", type=int, default=None, help="override the matched contract's 5,000 words")
     demo.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
     demo.add_argument("--final-layers", type=int, default=2, help="layers removed from the saved checkpoint")
-    demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"])
+    demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"],
+                      help="with --final-strategy greedy: the protocol whose set is removed")
+    demo.add_argument("--final-strategy", default="search", choices=["search", "greedy"],
+                      help="search: the searched set (removal KL on the calibration prompts); greedy: --final-protocol's set")
     demo.add_argument("--output", default="layerswap-demo", help="where the pruned checkpoint and report go")
     demo.add_argument("--scoring-seconds", type=float, default=240.0, help="time budget that --num-prompts auto fits")
     demo.set_defaults(func=run_demo)
@@ -185,20 +199,27 @@ def run_prune(args) -> int:
         provenance["selection"] = "explicit layers"
     else:
         # an impossible budget is refused before any scoring is spent on it
-        check_budget(args.num_layers, num_blocks(model), spacing=args.spacing, protect=args.protect)
+        strategy_kw = _strategy_kwargs(args)
+        check_budget(args.num_layers, num_blocks(model), spacing=strategy_kw["spacing"], protect=args.protect)
         calib = build_calibration(
             args.calibration, tokenizer, num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, seed=args.seed
         )
         if args.report:
             report = SwapReport.from_json(args.report)
         else:
-            protocols = ["replacement", "interchange"] if args.protocol == "auto" else args.protocols
+            one = args.strategy == "greedy" and args.protocol != "auto"
+            protocols = args.protocols if one else ["replacement", "interchange"]
             report = score_layers(model, calib, protocols=protocols, max_gap=args.max_gap, batch_size=args.batch_size)
         layers = select_layers(
-            report, args.num_layers, protocol=args.protocol, spacing=args.spacing, protect=args.protect,
-            model=model, calibration=calib, batch_size=args.batch_size,
+            report, args.num_layers, protocol=args.protocol, protect=args.protect,
+            model=model, calibration=calib, batch_size=args.batch_size, **strategy_kw,
         )
-        provenance.update(protocol=args.protocol, scores=report.summary_dict(), calibration=calib.spec())
+        provenance.update(protocol=args.protocol, strategy=args.strategy, scores=report.summary_dict(),
+                          calibration=calib.spec())
+        if report.selections and report.selections[-1].get("strategy") == "search":
+            provenance["search"] = report.selections[-1]
+        elif report.selections:
+            provenance["auto"] = report.selections[-1]
     remove_layers(model, layers, provenance=provenance)
     out = _save_pruned(model, tokenizer, report, Path(args.output))
     print(f"removed layers {layers} (0-based); pruned checkpoint written to {out}")
@@ -242,10 +263,24 @@ def _auto_num_prompts(model, calibration, tokenizer, seq_len, batch_size, second
     return max(8, min(64, batches * batch_size))
 
 
+def _strategy_kwargs(args) -> dict:
+    """``select_layers`` keywords of the prune verb's --strategy/--objective/--max-evaluations/--spacing."""
+    spacing = args.spacing if args.spacing is not None else (1 if args.strategy in ("greedy", "auto") else 0)
+    out = {"strategy": args.strategy, "spacing": spacing}
+    if args.objective is not None:
+        out["objective"] = args.objective
+    if args.max_evaluations is not None:
+        if args.strategy != "search":
+            raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
+        out["max_evaluations"] = args.max_evaluations
+    return out
+
+
 def run_demo(args) -> int:
     from . import remove_layers, score_layers, select_layers
     from .calibration import build_calibration
     from .evaluation import delta_ppl_percent, evaluate_perplexity
+    from .search import search_select
 
     t_start = time.perf_counter()
     _check_output(args.output)
@@ -287,6 +322,19 @@ def run_demo(args) -> int:
                 selected.append((n, protocol, select_layers(report, n, protocol=protocol), None))
             except ValueError as err:
                 selected.append((n, protocol, None, str(err)))
+    search_budgets = sorted(set(args.budgets) | ({args.final_layers} if args.final_strategy == "search" else set()))
+    searched = search_select(report, search_budgets, model=model, calibration=calib, batch_size=args.batch_size,
+                             progress=True)
+    for n in args.budgets:
+        selected.append((n, "search", searched[n]["selected"], None))
+    cost = searched[search_budgets[-1]]["total_cost"]
+    print(f"\nsearch (removal KL on the calibration prompts, budgets {search_budgets} in one call): "
+          f"{cost['evaluator_calls']} candidate sets, {cost['forward_passes']} forward passes, {cost['seconds']:.0f} s")
+    for n in args.budgets:
+        rec = searched[n]
+        others = "; ".join(f"{p} greedy {e['set']} {_kl_text(e['value'])}" for p, e in rec["protocol_sets"].items()
+                           if e is not None)
+        print(f"  n = {n}: search {rec['selected']} {_kl_text(rec['value'])}; {others}")
     to_evaluate = [()] + list(dict.fromkeys(tuple(layers) for _, _, layers, _ in selected if layers is not None))
     print(f"\nperplexity on held-out text ({args.eval_text}), matched contract: the base model and "
           f"{len(to_evaluate) - 1} distinct removal sets", flush=True)
@@ -310,27 +358,43 @@ def run_demo(args) -> int:
             )
     print(f"\ncontract: {_contract_summary(base.contract)}")
 
-    final = select_layers(
-        report, args.final_layers, protocol=args.final_protocol, model=model, calibration=calib,
-        batch_size=args.batch_size,
-    )
-    decision = report.selections[-1] if report.selections else {"selected": final}
-    provenance = {"protocol": args.final_protocol, "scores": report.summary_dict(), "calibration": calib.spec()}
-    if report.selections:
-        provenance["auto"] = decision
+    provenance = {"protocol": args.final_protocol, "strategy": args.final_strategy, "scores": report.summary_dict(),
+                  "calibration": calib.spec()}
+    if args.final_strategy == "search":
+        decision = dict(searched[args.final_layers])
+        final = list(decision["selected"])
+        decision["reason"] = "lowest joint removal KL on the calibration prompts of the candidate sets searched"
+        report.selections.append(decision)
+        provenance["search"] = decision
+    else:
+        final = select_layers(
+            report, args.final_layers, protocol=args.final_protocol, model=model, calibration=calib,
+            batch_size=args.batch_size,
+        )
+        decision = report.selections[-1] if report.selections else {"selected": final}
+        if report.selections:
+            provenance["auto"] = decision
     pruned = remove_layers(model, final, provenance=provenance)
     key = tuple(final)
     after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
     evaluation = {"base": base, "pruned": after}
     out = _save_pruned(pruned, tokenizer, report, Path(args.output), evaluation=evaluation)
     print(
-        f"\nfinal: removed {final} (protocol {args.final_protocol}: {decision.get('reason', 'as selected')}); "
+        f"\nfinal: removed {final} ({_final_how(args)}: {decision.get('reason', 'as selected')}); "
         f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
         f"pruned checkpoint, model card (README.md), layerswap_report.json and plots written to {out}/ "
         f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"
         f"total time {time.perf_counter() - t_start:.0f} s"
     )
     return 0
+
+
+def _kl_text(value) -> str:
+    return "(KL -)" if value is None else f"(KL {value:.4f})"
+
+
+def _final_how(args) -> str:
+    return "strategy search" if args.final_strategy == "search" else f"protocol {args.final_protocol}"
 
 
 def main(argv=None, prog: str = "hf-layerswap") -> int:

@@ -66,6 +66,18 @@ class LayerSwapConfig(QuantizationConfigMixin):
             ``layers=None`` scores only (the report is attached; nothing is removed, a
             requested ``sparsity`` is still applied).
         layers: explicit 0-based block indices to remove (no scoring).
+        strategy: how the set is chosen, a name in
+            :data:`hf_layerswap.selection.STRATEGIES`. Default ``"search"``: whole
+            candidate sets from both protocols (each protocol's greedy set, lowest-scored
+            layers, low-score contiguous runs, single-removal ranking) scored on the
+            calibration prompts and refined by local moves
+            (:func:`hf_layerswap.search.search_select`); ``"greedy"``: the paper's rule on
+            ``protocol``; ``"auto"``: the better of the two protocols' greedy sets.
+        objective: what ``"search"`` minimises on the calibration prompts:
+            ``"removal_kl"``, ``"nll"`` or ``"ghosted"`` (the removal KL after the Ghosted
+            Layers repair). ``None``: ``"ghosted"`` when ``recovery="ghosted"``, else
+            ``"removal_kl"``.
+        max_evaluations: most candidate sets ``"search"`` scores (default ``5 * L``).
         protocol: ``"interchange"`` (default), ``"replacement"`` or ``"auto"`` (both
             candidate sets evaluated by joint removal KL; the lower is kept).
         max_gap, spacing, protect: scoring and selection rules, see
@@ -91,7 +103,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         layers: Sequence[int] | None = None,
         protocol: str = "interchange",
         max_gap: int = 1,
-        spacing: int = 1,
+        spacing: int | None = None,
         protect: Sequence[int] = (0, -1),
         calibration=None,
         num_prompts: int = 64,
@@ -105,6 +117,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
         sparsity_pattern: str | None = None,
         tokenizer=None,
         progress: bool = True,
+        strategy: str = "search",
+        objective: str | None = None,
+        max_evaluations: int | None = None,
         **kwargs,
     ):
         kwargs.pop("quant_method", None)
@@ -127,7 +142,14 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if protocol not in PROTOCOLS + ("auto",):
             raise ValueError(f"LayerSwapConfig(protocol={protocol!r}): allowed {list(PROTOCOLS) + ['auto']}")
         _check_int("max_gap", max_gap, 1)
-        _check_int("spacing", spacing, 0)
+        _check_int("spacing", spacing, 0, allow_none=True)
+        from .selection import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            raise ValueError(f"LayerSwapConfig(strategy={strategy!r}): allowed {sorted(STRATEGIES)}")
+        if objective is not None and objective not in ("removal_kl", "nll", "ghosted"):
+            raise ValueError(f"LayerSwapConfig(objective={objective!r}): allowed ['removal_kl', 'nll', 'ghosted'] or None")
+        _check_int("max_evaluations", max_evaluations, 1, allow_none=True)
         _check_int("num_prompts", num_prompts, 1)
         _check_int("seq_len", seq_len, 2)
         _check_int("batch_size", batch_size, 1)
@@ -155,7 +177,10 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.layers = layers
         self.protocol = protocol
         self.max_gap = max_gap
-        self.spacing = spacing
+        self.spacing = (1 if strategy in ("greedy", "auto") else 0) if spacing is None else spacing
+        self.strategy = strategy
+        self.objective = objective
+        self.max_evaluations = max_evaluations
         self.protect = _int_list("protect", protect)
         self.calibration = calibration
         self.num_prompts = num_prompts
@@ -274,7 +299,8 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
         layers = list(cfg.layers)
         provenance["selection"] = "explicit layers"
     else:
-        protocols = PROTOCOLS if cfg.protocol == "auto" else (cfg.protocol,)
+        one_protocol = cfg.strategy == "greedy" and cfg.protocol != "auto"
+        protocols = (cfg.protocol,) if one_protocol else PROTOCOLS
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, num_blocks(model) - 1),
             batch_size=cfg.batch_size, progress=cfg.progress, seed=cfg.seed,
@@ -284,11 +310,14 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
             return _sparsify(model, cfg, calib)
         layers = select_layers(
             report, cfg.num_layers, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
-            model=model, calibration=calib, batch_size=cfg.batch_size,
+            model=model, calibration=calib, batch_size=cfg.batch_size, **_strategy_options(cfg),
         )
-        provenance["selection"] = f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
+        provenance["strategy"] = cfg.strategy
+        provenance["selection"] = _selection_text(cfg)
         provenance["scores"] = report.summary_dict()
-        if report.selections:
+        if report.selections and report.selections[-1].get("strategy") == "search":
+            provenance["search"] = report.selections[-1]
+        elif report.selections:
             provenance["auto"] = report.selections[-1]
     if calib is not None:
         provenance["calibration"] = calib.spec()
@@ -300,6 +329,28 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
     else:
         remove_layers(model, layers, provenance=provenance)
     return _sparsify(model, cfg, calib)
+
+
+def _strategy_options(cfg: LayerSwapConfig) -> dict:
+    """``select_layers`` keywords for the config's strategy."""
+    if cfg.strategy == "search":
+        objective = cfg.objective or ("ghosted" if cfg.recovery == "ghosted" else "removal_kl")
+        out = {"strategy": "search", "objective": objective}
+        if cfg.max_evaluations is not None:
+            out["max_evaluations"] = cfg.max_evaluations
+        return out
+    if cfg.strategy == "auto":
+        return {"strategy": "auto"}
+    return {"strategy": cfg.strategy, **({"objective": cfg.objective} if cfg.objective else {})}
+
+
+def _selection_text(cfg: LayerSwapConfig) -> str:
+    if cfg.strategy == "search":
+        return (f"search over candidate sets ({_strategy_options(cfg)['objective']} on the calibration prompts), "
+                f"spacing={cfg.spacing}, protect={cfg.protect}")
+    if cfg.strategy in ("greedy", "auto"):
+        return f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
+    return f"{cfg.strategy}, protect={cfg.protect}"
 
 
 def _sparsify(model, cfg: LayerSwapConfig, calib):

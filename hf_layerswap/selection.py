@@ -9,14 +9,62 @@ default the first and the last block) and layers with a non-finite score are nev
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .plan import as_index
 from .report import PROTOCOLS, SwapReport, _score_key, set_key
 
-__all__ = ["SELECTION_PROTOCOLS", "greedy_select", "resolve_protect", "select_layers"]
+__all__ = [
+    "SELECTION_PROTOCOLS",
+    "STRATEGIES",
+    "get_strategy",
+    "greedy_select",
+    "register_strategy",
+    "resolve_protect",
+    "select_layers",
+]
 
 SELECTION_PROTOCOLS = PROTOCOLS + ("auto",)
+
+#: Selection strategy name -> function ``(report, n, **context) -> list[int]``; see
+#: :func:`register_strategy`. ``greedy`` and ``auto`` live here; ``search`` in
+#: :mod:`hf_layerswap.search`; the field's criteria (``beam``, ``block_influence``,
+#: ``angular_distance``, ``single_removal_kl``, ``sleb``) in :mod:`hf_layerswap.baselines`.
+STRATEGIES: dict[str, Callable] = {}
+#: Strategies that read the model and calibration prompts (not only the report).
+MODEL_STRATEGIES: set[str] = set()
+
+
+def register_strategy(name: str, *, needs_model: bool = False):
+    """Decorator: register ``fn(report, num_layers, **context) -> list[int]`` as a selection
+    strategy. ``context`` holds ``protocol``, ``spacing``, ``protect``, ``model``,
+    ``calibration`` (a :class:`~hf_layerswap.calibration.CalibrationSet` when
+    ``needs_model``), ``batch_size``, ``objective`` and ``options`` (a dict).
+
+    Raises:
+        ValueError: the name is already registered.
+    """
+
+    def wrap(fn):
+        if name in STRATEGIES:
+            raise ValueError(f"selection strategy {name!r} is already registered")
+        STRATEGIES[name] = fn
+        if needs_model:
+            MODEL_STRATEGIES.add(name)
+        return fn
+
+    return wrap
+
+
+def get_strategy(name: str) -> Callable:
+    """The registered strategy ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the allowed ones).
+    """
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"strategy={name!r}: allowed {sorted(STRATEGIES)}")
+    return STRATEGIES[name]
 
 
 def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
@@ -110,18 +158,36 @@ def select_layers(
     num_layers: int,
     *,
     protocol: str = "interchange",
-    spacing: int = 1,
+    spacing: int | None = None,
     protect: Sequence[int] = (0, -1),
     model=None,
     calibration=None,
     tokenizer=None,
     batch_size: int = 8,
+    strategy: str | None = None,
+    objective: str | None = None,
+    **options,
 ) -> list[int]:
     """Select ``num_layers`` blocks to remove (0-based, ascending).
 
     Args:
         report: swap-KL scores of the model.
         num_layers: the budget n.
+        strategy: a name in :data:`STRATEGIES`. ``None``: ``"auto"`` when
+            ``protocol="auto"``, else ``"greedy"`` (the paper's rule on ``protocol``).
+            ``"search"`` (:func:`hf_layerswap.search.search_select`, the default of
+            :class:`~hf_layerswap.LayerSwapConfig` and the CLI) scores whole candidate
+            sets from both protocols on the calibration prompts and refines them by local
+            moves; it, ``"beam"`` and the field's criteria need ``model=`` and
+            ``calibration=``. Each model-reading strategy appends its record (chosen set,
+            objective value, each protocol's greedy set with its value, trace, cost) to
+            ``report.selections``.
+        objective: for ``"search"``: ``"removal_kl"`` (default), ``"nll"`` or
+            ``"ghosted"`` (removal KL after the Ghosted Layers repair); for ``"beam"``:
+            ``"removal_kl"`` or ``"nll"``.
+        options: strategy options (e.g. ``max_evaluations`` for ``"search"``).
+        spacing: ``None`` = the strategy's default (1 for the paper's greedy rule and
+            ``auto``, 0 for the searches).
         protocol: ``"interchange"``, ``"replacement"`` or ``"auto"``. ``"auto"`` takes
             the candidate set of each protocol, evaluates both by their joint removal KL
             d_skip(S) on the calibration prompts and keeps the lower (ties go to
@@ -139,10 +205,45 @@ def select_layers(
     """
     if protocol not in SELECTION_PROTOCOLS:
         raise ValueError(f"protocol={protocol!r}: allowed {list(SELECTION_PROTOCOLS)}")
+    if strategy is None:
+        strategy = "auto" if protocol == "auto" else "greedy"
+    fn = get_strategy(strategy)
     if model is not None:
         check_report_matches(report, model)
-    if protocol != "auto":
-        return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
+    if spacing is None:
+        spacing = 1 if strategy in ("greedy", "auto") else 0
+    if strategy in MODEL_STRATEGIES:
+        if model is None:
+            raise ValueError(f"strategy={strategy!r} scores candidate sets on the calibration prompts: pass model= and calibration=")
+        from .scoring import _calibration_from_args
+
+        calibration = _calibration_from_args(
+            model, calibration, tokenizer, report.metadata.get("num_prompts", 64), report.metadata.get("seq_len", 128),
+            report.metadata.get("seed", 0),
+        )
+    return fn(report, num_layers, protocol=protocol, spacing=spacing, protect=protect, model=model,
+              calibration=calibration, tokenizer=tokenizer, batch_size=batch_size, objective=objective,
+              options=options)
+
+
+@register_strategy("greedy")
+def _greedy(report, num_layers, *, protocol, spacing, protect, options, **_):
+    """The paper's rule on one protocol's layer scores."""
+    if protocol == "auto":
+        raise ValueError("strategy='greedy' needs protocol='interchange' or 'replacement' (or use strategy='auto')")
+    _no_options("greedy", options)
+    return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
+
+
+def _no_options(strategy, options):
+    if options:
+        raise TypeError(f"strategy={strategy!r} takes no options; got {sorted(options)}")
+
+
+@register_strategy("auto")
+def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
+    """Each protocol's greedy set; the one with the lower joint removal KL is kept."""
+    _no_options("auto", options)
     candidates = {
         p: greedy_select(report.layer_scores(p), num_layers, spacing=spacing, protect=protect) for p in PROTOCOLS
     }

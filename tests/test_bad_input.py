@@ -152,7 +152,7 @@ def test_unmeetable_budgets_name_the_rule(llama, report):
     # at load time: refused before scoring (no report is left), the model is left as it was
     model = build("llama")
     snap = _snapshot(model)
-    cfg = LayerSwapConfig(num_layers=3, calibration=prompts(), progress=False, batch_size=2)
+    cfg = LayerSwapConfig(num_layers=3, calibration=prompts(), progress=False, batch_size=2, spacing=1)
     with pytest.raises(ValueError, match="cannot select 3 layers of 6"):
         prune_loaded_model(model, cfg)
     assert not hasattr(model, "layerswap_report")
@@ -251,7 +251,7 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys
         raise AssertionError("scored although the budget was impossible")
 
     monkeypatch.setattr("hf_layerswap.score_layers", no_scoring)
-    code = main(["prune", str(ckpt), str(out), "--num-layers", "2", "--calibration", str(tmp_path / "calib.txt"),
+    code = main(["prune", str(ckpt), str(out), "--num-layers", "2", "--spacing", "1", "--calibration", str(tmp_path / "calib.txt"),
                  "--num-prompts", "2"])
     assert code == 2 and not out.exists()
     assert "cannot select 2 layers of 4 with spacing=1 and protect=[0, 3]: the rules allow at most 1" in capsys.readouterr().err

@@ -304,10 +304,17 @@ def test_from_pretrained_removes_what_select_layers_picks(tmp_path):
     base.save_pretrained(tmp_path / "base")
     batch = tiny_batch()
     report = hl.score_layers(base, batch, progress=False)
-    expected = hl.select_layers(report, 2)
+    # the default strategy is the search; the paper's greedy rule stays one option away
+    expected = hl.select_layers(report, 2, strategy="search", model=base, calibration=batch)
     cfg = hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
     assert model.config.layerswap["removed_layers"] == expected
+    step = model.config.layerswap["steps"][0]
+    assert step["strategy"] == "search" and step["search"]["selected"] == expected
+    assert step["search"]["value"] == report.selections[-1]["value"]
+    greedy = hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, strategy="greedy")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=greedy, attn_implementation="eager")
+    assert plain.config.layerswap["removed_layers"] == hl.select_layers(report, 2)
     assert [p.interchange for p in model.layerswap_report.pairs] == [p.interchange for p in report.pairs]
     assert not model.is_quantized and not hasattr(model, "hf_quantizer")
     model.save_pretrained(tmp_path / "pruned")

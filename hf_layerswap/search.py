@@ -1,0 +1,492 @@
+"""Protocol-guided search for the removal set, with the repair of the cut in the loop.
+
+The paper's greedy rule (:func:`~hf_layerswap.selection.greedy_select`) reads one number
+per layer and never looks at a set as a whole; two blocks that are each cheap to remove
+can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
+which the rule's spacing forbids. :func:`search_select` scores whole candidate sets S on
+the calibration prompts by an *objective* and refines the best ones by local moves:
+
+Candidates at budget n (each scored once, cached across levels and budgets):
+    - each protocol's greedy set (the paper's rule, spacing 1) and its n lowest-scored
+      layers (no spacing),
+    - the n lowest single-removal values d_skip({i}),
+    - per score source (each protocol, single removal) the contiguous run of n unprotected
+      blocks with the lowest summed score,
+    - the best set of budget n-1 plus each of the most removable blocks not in it.
+
+Local search from the best candidate: a move swaps one removed block for a kept one
+(the kept block's neighbours of the set and the most removable blocks by single-removal
+value); each round scores the ``moves_per_round`` moves with the lowest additive
+prediction f(S) - d({r}) + d({c}) and takes the best if it improves. Rounds stop when no
+move improves, after ``max_rounds``, or when ``max_evaluations`` is spent. When a budget
+has at most ``exhaustive_below`` sets in all, every set is scored instead. Budget n only
+depends on the work for budgets 1..n, so one call for 1..N returns what N separate calls
+would. Everything is deterministic (ties: the lexicographically smallest set).
+
+Objectives (:data:`OBJECTIVES`, all on the calibration prompts only, never on
+evaluation text; lower is better):
+
+``"removal_kl"``
+    Joint removal KL d_skip(S) = E_x KL(p_M || p_{M-S}) in nats, through the scoring
+    engine (:func:`~hf_layerswap.scoring.plan_kl`: one reference sweep per batch of
+    candidates, each candidate starting at its first removed block from the cached
+    stream).
+``"nll"``
+    Calibration next-token NLL per token of M-S (nats; log perplexity).
+``"ghosted"``
+    The removal KL *after* the Ghosted Layers repair (arXiv 2605.15491): each removed
+    block p gets the closed-form operator W_p = I + M_p fitted on the dense model's
+    residual stream (X = stream entering p, Y = stream entering p+1, ridge toward the
+    identity, :func:`~hf_layerswap.recovery.ridge_toward_identity` with the default
+    epsilon); a cut s..e-1 applies W_s ... W_{e-1} to the stream entering block e, as
+    :func:`~hf_layerswap.recovery.recover` does. The operators of every block are fitted
+    once from one sweep, so a candidate costs one partial forward pass, like the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .calibration import CalibrationSet
+from .plan import apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan
+from .report import SwapReport, _score_key, set_key
+from .selection import check_budget, greedy_select, register_strategy, resolve_protect
+
+__all__ = ["OBJECTIVES", "SetObjective", "search_select"]
+
+#: Search objectives (calibration prompts only); units: nats, nats per token, nats.
+OBJECTIVES = ("removal_kl", "nll", "ghosted")
+
+
+class SetObjective:
+    """A cached objective f(S) over removal sets on one calibration set.
+
+    Args:
+        model: the dense causal LM (left unchanged).
+        calibration: the calibration prompts.
+        objective: one of :data:`OBJECTIVES`.
+        batch_size: prompts per forward pass.
+        prefix_reuse: start each candidate at its first removed block from the cached
+            identity stream (``False`` runs every candidate from the embeddings; the
+            values are the same up to float rounding of the same operations).
+
+    Attributes:
+        calls: distinct sets scored; ``forward_passes`` (calibration sweeps, a candidate
+        starting mid-stack counts as one, plus one reference sweep per batch),
+        ``block_passes`` (block forward calls over the calibration set) and ``seconds``.
+    """
+
+    def __init__(self, model: nn.Module, calibration: CalibrationSet, objective: str = "removal_kl", *,
+                 batch_size: int = 8, prefix_reuse: bool = True, progress=None):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
+        self.model, self.calibration, self.objective = model, calibration, objective
+        self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
+        self.num_layers = num_blocks(model)
+        self.cache: dict[str, float] = {}
+        self.calls = self.forward_passes = self.block_passes = 0
+        self.seconds = 0.0
+        self._operators: dict[int, torch.Tensor] | None = None
+
+    def cost(self) -> dict:
+        return {"evaluator_calls": self.calls, "forward_passes": self.forward_passes,
+                "block_passes": self.block_passes, "seconds": round(self.seconds, 3)}
+
+    def value(self, s: Sequence[int]) -> float:
+        return self.cache[set_key(sorted(s))]
+
+    def __call__(self, sets: Sequence[Sequence[int]]) -> list[float]:
+        """Values of ``sets`` (each a list of 0-based blocks); uncached ones are scored in one batch."""
+        sets = [sorted(int(i) for i in s) for s in sets]
+        todo = list({set_key(s): s for s in sets if set_key(s) not in self.cache}.values())
+        if todo:
+            t0 = time.perf_counter()
+            if self.objective == "removal_kl":
+                values, passes, blocks = self._engine_kl(todo)
+            elif self.objective == "nll":
+                values, passes, blocks = self._nll(todo)
+            else:
+                values, passes, blocks = self._ghosted(todo)
+            self.cache.update({set_key(s): float(v) for s, v in zip(todo, values)})
+            self.calls += len(todo)
+            self.forward_passes += passes
+            self.block_passes += blocks
+            self.seconds += time.perf_counter() - t0
+            if self.progress is not None:
+                self.progress.update(len(todo))
+        return [self.cache[set_key(s)] for s in sets]
+
+    # -- objectives
+    def _plans(self, sets):
+        return {k: removal_plan(self.num_layers, s) for k, s in enumerate(sets)}
+
+    def _engine_kl(self, sets):
+        from .baselines import _plans_cost
+        from .scoring import plan_kl
+
+        plans = self._plans(sets)
+        values, _ = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
+                            prefix_reuse=self.prefix_reuse)
+        passes, blocks = _plans_cost(plans, self.num_layers)
+        return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
+
+    def _nll(self, sets):
+        from .baselines import plan_nll
+
+        values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size)
+        total = float(counts.sum())
+        return [float(values[k].sum()) / total for k in range(len(sets))], stats["forward_passes"], stats["block_passes"]
+
+    @torch.no_grad()
+    def _fit_operators(self) -> dict[int, torch.Tensor]:
+        """W_p = I + M_p for every block p from one stream-capture sweep (float64 moments)."""
+        from .recovery import DEFAULT_EPSILON, ridge_toward_identity
+
+        grams: dict[int, torch.Tensor] = {}
+        crosses: dict[int, torch.Tensor] = {}
+        device = next(self.model.parameters()).device
+        for ids, mask in self.calibration.batches(self.batch_size):
+            ids, mask = ids.to(device), mask.to(device)
+            streams, _ = capture_residual_stream(self.model, ids, mask)
+            keep = mask.bool()
+            rows = {s: streams[s][keep].double() for s in streams}
+            for p in range(self.num_layers):
+                x, y = rows[p], rows[p + 1]
+                grams[p] = grams.get(p, 0) + x.T @ x
+                crosses[p] = crosses.get(p, 0) + x.T @ y
+        self.forward_passes += 1
+        self.block_passes += self.num_layers
+        return {p: ridge_toward_identity(grams[p], crosses[p], DEFAULT_EPSILON["ghosted"])[0].float()
+                for p in range(self.num_layers)}
+
+    def _cut_operators(self, s: Sequence[int]) -> list[tuple[int, int, torch.Tensor]]:
+        """[(s, e, W)] per cut s..e-1: W = W_s ... W_{e-1} acts on the stream entering block e
+        (e = L: the stream leaving block s-1, the last kept one)."""
+        out, removed = [], sorted(s)
+        k = 0
+        while k < len(removed):
+            start = k
+            while k + 1 < len(removed) and removed[k + 1] == removed[k] + 1:
+                k += 1
+            w = self._operators[removed[start]]
+            for p in removed[start + 1 : k + 1]:
+                w = w @ self._operators[p]
+            out.append((removed[start], removed[k] + 1, w))
+            k += 1
+        return out
+
+    @torch.no_grad()
+    def _ghosted(self, sets):
+        from .recovery import GhostedOperator
+        from .scoring import masked_kl
+
+        if self._operators is None:
+            self._operators = self._fit_operators()
+        _, _, blocks = decoder_blocks(self.model)
+        plans = self._plans(sets)
+        sums = [torch.zeros((), dtype=torch.float64) for _ in sets]
+        starts = {}
+        for k, s in enumerate(sets):
+            start = first_difference(plans[k], self.num_layers)
+            tail_cut = max(s) == self.num_layers - 1
+            starts[k] = 0 if (not self.prefix_reuse or tail_cut) else min(start, len(plans[k]) - 1)
+        slots = sorted({v for v in starts.values() if v > 0}) or [0]
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        passes, block_count = 1, self.num_layers
+        try:
+            for ids, mask in self.calibration.batches(self.batch_size):
+                ids, mask = ids.to(device), mask.to(device)
+                streams, logits = capture_residual_stream(self.model, ids, mask, slots=slots, compute_logits=True)
+                ref = torch.log_softmax(logits.float(), dim=-1)
+                del logits
+                for k, s in enumerate(sets):
+                    cuts = self._cut_operators(s)
+                    handles, kwargs = [], {}
+                    for a, e, w in cuts:
+                        op = GhostedOperator(w, e).to(device)
+                        if starts[k] > 0 and a == cuts[0][0]:  # the first cut acts on the cached stream
+                            kwargs = {"start": starts[k], "start_hidden": op(streams[starts[k]])}
+                        elif e == self.num_layers:  # cut through the last block: after the last kept one
+                            handles.append(blocks[a - 1].register_forward_hook(op.output_hook))
+                        else:
+                            handles.append(blocks[e].register_forward_pre_hook(op.input_hook, with_kwargs=True))
+                    try:
+                        with apply_plan(self.model, plans[k], **kwargs):
+                            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    sums[k] = sums[k] + masked_kl(ref, out, mask).sum()
+                    del out
+                del streams, ref
+        finally:
+            self.model.train(was_training)
+        for k in range(len(sets)):
+            passes += 1
+            block_count += len(plans[k]) - starts[k]
+        n = self.calibration.num_prompts
+        return [float(v) / n for v in sums], passes, block_count
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
+    finite = [i for i in allowed if scores[i] is not None and math.isfinite(scores[i])]
+    return sorted(sorted(finite, key=lambda i: (_score_key(scores[i]), i))[:n])
+
+
+def _best_run(scores: Sequence[float], allowed: set[int], num_layers: int, n: int) -> list[int] | None:
+    best = None
+    for a in range(num_layers - n + 1):
+        run = list(range(a, a + n))
+        if not all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
+            continue
+        total = sum(scores[i] for i in run)
+        if best is None or total < best[0]:
+            best = (total, run)
+    return None if best is None else best[1]
+
+
+def search_select(
+    report: SwapReport | None,
+    budgets: int | Sequence[int],
+    *,
+    model: nn.Module,
+    calibration: CalibrationSet,
+    objective: str = "removal_kl",
+    protect: Sequence[int] = (0, -1),
+    spacing: int = 0,
+    max_evaluations: int | None = None,
+    moves_per_round: int = 6,
+    max_rounds: int = 4,
+    exhaustive_below: int | None = None,
+    batch_size: int = 8,
+    prefix_reuse: bool = True,
+    progress: bool = False,
+    evaluator: SetObjective | None = None,
+) -> dict[int, dict]:
+    """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
+
+    Args:
+        report: swap-KL scores of ``model`` on these prompts (candidates from each protocol
+            it scored); ``None`` uses single-removal values only.
+        budgets: n or a list of n; the search runs every budget up to the largest (each
+            seeds the next) and returns the requested ones.
+        model: the dense model (left unchanged).
+        calibration: the calibration prompts (the only text the search reads).
+        objective: see :data:`OBJECTIVES`.
+        protect: blocks never removed (negative = from the end; default first and last).
+        spacing: every two removed blocks satisfy ``|a - b| > spacing`` (default 0: none).
+        max_evaluations: most distinct sets to score in all (default ``5 * L``); the
+            single-removal sweep (L - |protect| sets) counts.
+        moves_per_round, max_rounds: local-search breadth and depth per budget.
+        exhaustive_below: score every set of a budget when there are at most this many
+            (default ``moves_per_round * max_rounds``, what the local search may spend).
+        evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
+
+    Returns:
+        ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
+        objective of it), ``objective``, ``strategy="search"``, ``protocol_sets``
+        (per protocol in the report: the paper's greedy set with spacing 1 and its
+        value, or ``None`` where the rule cannot fill the budget), ``trace`` (the
+        candidates scored, the best seed and its value, each local-search round),
+        ``cost`` (cumulative evaluator calls, forward passes, block passes, seconds up to
+        this budget) and ``total_cost`` (the whole call).
+
+    Raises:
+        ValueError: an unknown objective, a budget above the unprotected blocks the
+            spacing allows, or a report of another block count.
+    """
+    num_layers = num_blocks(model)
+    single_budget = isinstance(budgets, int)
+    wanted = sorted({budgets} if single_budget else set(budgets))
+    if not wanted:
+        raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
+    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
+    if report is not None and report.num_layers != num_layers:
+        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    protected = resolve_protect(protect, num_layers)
+    allowed = [i for i in range(num_layers) if i not in protected]
+    allowed_set = set(allowed)
+    if exhaustive_below is None:
+        exhaustive_below = moves_per_round * max_rounds
+    budget_total = 5 * num_layers if max_evaluations is None else int(max_evaluations)
+    if budget_total < len(allowed):
+        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
+    bar = None
+    if progress and evaluator is None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=budget_total, desc=f"removal-set search ({objective})", unit="set", dynamic_ncols=True)
+    f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
+                                  progress=bar)
+
+    def ok(s) -> bool:
+        s = sorted(set(s))
+        return all(i in allowed_set for i in s) and all(b - a > spacing for a, b in zip(s, s[1:]))
+
+    def left() -> int:
+        return budget_total - f.calls
+
+    def score(pool):
+        pool = [sorted(set(s)) for s in pool if s and ok(s)]
+        pool = list({set_key(s): s for s in pool}.values())
+        new = [s for s in pool if set_key(s) not in f.cache]
+        cached = [s for s in pool if set_key(s) in f.cache]
+        limit = max(left(), 0 if cached else 1)  # a budget always gets at least one scored set
+        if len(new) > limit:
+            new = new[:limit]
+            pool = cached + new
+        f(new)
+        return sorted(pool, key=lambda s: (_score_key(f.value(s)), s))
+
+    singles_pool = score([[i] for i in allowed])
+    single = [None] * num_layers
+    for s in singles_pool:
+        single[s[0]] = f.value(s)
+    rank = sorted(allowed, key=lambda i: (_score_key(single[i]), i))
+    sources = {"single_removal": single}
+    protocols = list(report.protocols) if report is not None else []
+    for p in protocols:
+        sources[p] = report.layer_scores(p)
+
+    best: dict[int, list[int]] = {}
+    ranked_by_n: dict[int, list[list[int]]] = {}
+    trace: dict[int, dict] = {}
+    protocol_sets: dict[int, dict] = {}
+    costs: dict[int, dict] = {}
+    for n in range(1, top + 1):
+        pool, greedy = [], {}
+        for p in protocols:
+            try:
+                greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
+                pool.append(greedy[p])
+            except ValueError:
+                greedy[p] = None
+            pool.append(_lowest(sources[p], allowed, n))
+        pool.append(rank[:n] if n <= len(rank) else [])
+        for name, scores in sources.items():
+            run = _best_run(scores, allowed_set, num_layers, n)
+            if run is not None:
+                pool.append(run)
+        if n > 1:
+            for prev in ranked_by_n[n - 1][:2]:
+                extra = [c for c in rank if c not in prev][: n + 2]
+                pool.extend(prev + [c] for c in extra)
+        if math.comb(len(allowed), n) <= exhaustive_below:  # cheaper than the local search: score every set
+            pool.extend(list(c) for c in itertools.combinations(allowed, n))
+        ranked = score(pool)
+        if not ranked:  # the spacing left nothing from the seeds: fall back to the greedy order of singles
+            ranked = score([greedy_select(single, n, spacing=spacing, protect=protect)])
+        current, rounds = ranked[0], []
+        for _ in range(max_rounds):
+            if left() <= 0:
+                break
+            shortlist = [c for c in dict.fromkeys(
+                [x for r in current for x in (r - 1, r + 1)] + rank[: n + 4]) if c in allowed_set and c not in current]
+            moves = []
+            for r in current:
+                for c in shortlist:
+                    cand = sorted([x for x in current if x != r] + [c])
+                    if ok(cand) and set_key(cand) not in f.cache:
+                        pred = f.value(current) - single[r] + single[c]
+                        moves.append((_score_key(pred), cand))
+            if not moves:
+                break
+            moves.sort()
+            tried = score([m for _, m in moves[:moves_per_round]])
+            improved = bool(tried) and _score_key(f.value(tried[0])) < _score_key(f.value(current))
+            if improved:
+                current = tried[0]
+            rounds.append({"moves": len(tried), "best": current, "value": f.value(current), "improved": improved})
+            if not improved:
+                break
+        ranked_by_n[n] = sorted({set_key(s): s for s in [current] + ranked}.values(),
+                                key=lambda s: (_score_key(f.value(s)), s))
+        best[n] = current
+        protocol_sets[n] = {p: (None if g is None else {"set": g, "value": f.value(g) if set_key(g) in f.cache else None})
+                            for p, g in greedy.items()}
+        trace[n] = {"candidates": len(ranked), "seed_best": ranked[0], "seed_value": f.value(ranked[0]),
+                    "rounds": rounds}
+        costs[n] = f.cost()
+    if bar is not None:
+        bar.close()
+    final_cost = f.cost()
+    out = {}
+    for n in wanted:
+        out[n] = {
+            "strategy": "search", "objective": objective, "num_layers": n, "selected": list(best[n]),
+            "value": f.value(best[n]), "spacing": spacing, "protect": sorted(protected),
+            "protocol_sets": copy.deepcopy(protocol_sets[n]), "trace": copy.deepcopy(trace[n]),
+            "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": budget_total,
+            "unit": "nats per token" if objective == "nll" else "nats",
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def _default_objective(objective):
+    return "removal_kl" if objective is None else objective
+
+
+@register_strategy("search", needs_model=True)
+def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
+    """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
+    objective = _default_objective(objective)
+    record = search_select(report, num_layers, model=model, calibration=calibration, objective=objective,
+                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_layers]
+    _record(report, record)
+    return list(record["selected"])
+
+
+def _record(report: SwapReport, record: dict) -> None:
+    if record["objective"] == "removal_kl":
+        report.removal_kl[set_key(record["selected"])] = record["value"]
+        for entry in record["protocol_sets"].values():
+            if entry is not None and entry["value"] is not None:
+                report.removal_kl[set_key(entry["set"])] = entry["value"]
+    report.selections.append(record)
+
+
+def _criterion_strategy(name: str, **fixed):
+    """A criterion of :mod:`hf_layerswap.baselines` as a selection strategy."""
+
+    def run(report, num_layers, *, protect, model, calibration, batch_size, objective, options, **_):
+        from . import baselines
+
+        kwargs = dict(fixed, **options)
+        if name == "interchange_beam":
+            kwargs.setdefault("report", report)
+            if objective is not None:
+                kwargs["evaluator"] = objective
+        elif objective is not None:
+            raise TypeError(f"strategy {name!r} takes no objective")
+        result = baselines.CRITERIA[name](model, calibration, num_layers, protect=protect, batch_size=batch_size,
+                                          **kwargs)
+        report.selections.append({
+            "strategy": name, "num_layers": num_layers, "selected": list(result.removed),
+            "cost": {"evaluator_calls": result.evaluator_calls, "forward_passes": result.forward_passes,
+                     "block_passes": result.block_passes, "seconds": round(result.seconds, 3)},
+        })
+        return list(result.removed)
+
+    run.__doc__ = f"The ``{name}`` criterion of :mod:`hf_layerswap.baselines`."
+    return run
+
+
+for _name, _criterion in (("beam", "interchange_beam"), ("block_influence", "block_influence"),
+                          ("angular_distance", "angular_distance"), ("single_removal_kl", "single_removal_kl"),
+                          ("sleb", "sleb")):
+    register_strategy(_name, needs_model=True)(_criterion_strategy(_criterion))

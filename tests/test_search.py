@@ -1,0 +1,149 @@
+"""The protocol-guided removal-set search (``strategy="search"``) against brute force."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import hf_layerswap as hl
+from hf_layerswap.calibration import CalibrationSet
+from hf_layerswap.cli import main
+from hf_layerswap.recovery import recover
+from hf_layerswap.scoring import masked_kl
+from hf_layerswap.search import OBJECTIVES, SetObjective, search_select
+from hf_layerswap.selection import STRATEGIES, greedy_select
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """An 8-block random Llama on which the paper's greedy rule misses the best pair."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (6, 16))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    calib = CalibrationSet(ids, mask, "random tokens")
+    report = hl.score_layers(model, {"input_ids": ids, "attention_mask": mask}, progress=False)
+    return model, calib, report
+
+
+def _brute_force(objective: SetObjective, n: int, allowed=range(1, 7)):
+    sets = [list(c) for c in itertools.combinations(allowed, n)]
+    values = objective(sets)
+    k = min(range(len(sets)), key=lambda k: (values[k], sets[k]))
+    return sets[k], values[k]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_search_finds_the_exhaustive_optimum_at_every_budget(setup, objective):
+    model, calib, report = setup
+    found = search_select(report, [1, 2, 3, 4, 5], model=model, calibration=calib, objective=objective,
+                          max_evaluations=100)
+    brute = SetObjective(model, calib, objective)
+    for n in range(1, 6):
+        best, value = _brute_force(brute, n)
+        assert found[n]["selected"] == best, (objective, n)
+        assert found[n]["value"] == value
+        assert found[n]["strategy"] == "search" and found[n]["objective"] == objective
+
+
+def test_greedy_rule_misses_the_best_pair_that_search_finds(setup):
+    model, calib, report = setup
+    f = SetObjective(model, calib, "removal_kl")
+    best, value = _brute_force(f, 2)
+    greedy = {p: greedy_select(report.layer_scores(p), 2) for p in report.protocols}
+    assert all(g != best for g in greedy.values())
+    assert all(f([g])[0] > value for g in greedy.values())
+    chosen = hl.select_layers(report, 2, strategy="search", model=model, calibration=calib)
+    assert chosen == best
+    record = report.selections[-1]
+    assert record["value"] == value and report.removal_kl["3,5"] == value
+    for p, g in greedy.items():  # the record keeps each protocol's set and its value
+        assert record["protocol_sets"][p] == {"set": g, "value": f([g])[0]}
+
+
+def test_local_search_alone_reaches_the_optimum_here(setup):
+    """With exhaustive scoring switched off, seeds + local moves still find the optimum."""
+    model, calib, report = setup
+    found = search_select(report, [1, 2, 3], model=model, calibration=calib, exhaustive_below=0)
+    brute = SetObjective(model, calib, "removal_kl")
+    for n in (1, 2, 3):
+        assert found[n]["selected"] == _brute_force(brute, n)[0]
+    assert found[3]["total_cost"]["evaluator_calls"] < 6 + 15 + 20  # fewer than all sets
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_prefix_cache_changes_no_value(setup, objective):
+    model, calib, _ = setup
+    sets = [[2, 3], [5], [3, 5, 6], [1, 6]]
+    assert SetObjective(model, calib, objective)(sets) == SetObjective(model, calib, objective, prefix_reuse=False)(sets)
+
+
+def test_budgets_in_one_call_equal_separate_calls(setup):
+    model, calib, report = setup
+    together = search_select(report, [1, 2, 3, 4], model=model, calibration=calib, exhaustive_below=0)
+    for n in (1, 2, 3, 4):
+        alone = search_select(report, n, model=model, calibration=calib, exhaustive_below=0)[n]
+        assert alone["selected"] == together[n]["selected"] and alone["value"] == together[n]["value"]
+        assert alone["cost"]["evaluator_calls"] == together[n]["cost"]["evaluator_calls"]
+
+
+def test_ghosted_objective_equals_the_repaired_model(setup):
+    """The objective's repaired KL is the KL of the model recover() builds for that set."""
+    model, calib, _ = setup
+    removed = [3, 4, 6]
+    value = SetObjective(model, calib, "ghosted")([removed])[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=calib.input_ids, attention_mask=calib.attention_mask).logits, -1)
+        repaired = copy.deepcopy(model)
+        recover(repaired, removed, calib, method="ghosted")
+        out = repaired(input_ids=calib.input_ids, attention_mask=calib.attention_mask).logits
+    expected = float(masked_kl(ref, out, calib.attention_mask).mean())
+    assert value == pytest.approx(expected, rel=1e-4, abs=1e-9)
+    plain = SetObjective(model, calib, "removal_kl")([removed])[0]
+    assert value < plain  # the repair lowers the KL of this cut
+
+
+def test_search_never_reads_evaluation_text(setup, monkeypatch):
+    model, calib, report = setup
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the search evaluated perplexity")
+
+    monkeypatch.setattr(hl.evaluation, "evaluate_perplexity", refuse)
+    monkeypatch.setattr(hl, "evaluate_perplexity", refuse)
+    assert hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, objective="nll")
+
+
+def test_registry_refuses_unknown_names(setup, tmp_path):
+    model, calib, report = setup
+    with pytest.raises(ValueError, match=r"strategy='nope': allowed \[.*'search'.*\]"):
+        hl.select_layers(report, 1, strategy="nope")
+    with pytest.raises(ValueError, match=r"LayerSwapConfig\(strategy='nope'\): allowed"):
+        hl.LayerSwapConfig(num_layers=1, strategy="nope")
+    with pytest.raises(ValueError, match="objective='bad'"):
+        hl.select_layers(report, 1, strategy="search", model=model, calibration=calib, objective="bad")
+    with pytest.raises(ValueError, match="pass model= and calibration="):
+        hl.select_layers(report, 1, strategy="search")
+    assert {"greedy", "auto", "search", "beam", "block_influence", "angular_distance", "single_removal_kl",
+            "sleb"} <= set(STRATEGIES)
+    with pytest.raises(SystemExit) as err:
+        main(["prune", "x", str(tmp_path / "out"), "--num-layers", "1", "--strategy", "nope"])
+    assert err.value.code == 2
+
+
+def test_baseline_strategies_share_the_interface(setup):
+    model, calib, report = setup
+    for name in ("block_influence", "single_removal_kl", "sleb", "angular_distance", "beam"):
+        chosen = hl.select_layers(report, 2, strategy=name, model=model, calibration=calib)
+        assert len(chosen) == 2 and all(1 <= i <= 6 for i in chosen)
+        assert report.selections[-1]["strategy"] in (name, "interchange_beam")
+    single = SetObjective(model, calib, "removal_kl")([[i] for i in range(1, 7)])
+    order = sorted(range(1, 7), key=lambda i: (single[i - 1], i))
+    assert hl.select_layers(report, 2, strategy="single_removal_kl", model=model, calibration=calib) == sorted(order[:2])
