@@ -986,12 +986,22 @@ CRITERIA: dict[str, Callable] = {
     "interchange": _interchange,
     "auto": _auto,
     "interchange_beam": interchange_beam,
+    "search": lambda model, calib, n, **kw: _search_criterion(model, calib, n, objective="removal_kl", **kw),
+    "search_ghosted": lambda model, calib, n, **kw: _search_criterion(model, calib, n, objective="ghosted", **kw),
 }
+
+
+def _search_criterion(model, calib, n, **kw):
+    from .search import search_criterion
+
+    return search_criterion(model, calib, n, **kw)
 
 DEFAULT_CRITERIA = tuple(CRITERIA)
 
 #: Criteria that can reuse a shared SwapReport (``report=``).
-_REPORT_CRITERIA = {"replacement", "interchange", "auto", "interchange_beam"}
+_REPORT_CRITERIA = {"replacement", "interchange", "auto", "interchange_beam", "search", "search_ghosted"}
+#: Criteria that read both protocols' scores.
+_BOTH_PROTOCOLS = {"auto", "search", "search_ghosted"}
 
 
 # ----------------------------------------------------------------------------- protocol-gap summary
@@ -1265,9 +1275,9 @@ def compare_criteria(
     wanted = set(criteria) & _REPORT_CRITERIA
     if wanted and report is None:
         protos = set()
-        if wanted & {"interchange", "auto", "interchange_beam"}:
+        if wanted & ({"interchange", "interchange_beam"} | _BOTH_PROTOCOLS):
             protos.add("interchange")
-        if wanted & {"replacement", "auto"}:
+        if wanted & ({"replacement"} | _BOTH_PROTOCOLS):
             protos.add("replacement")
         for proto in sorted(protos):
             if proto in state["reports"]:
@@ -1286,7 +1296,7 @@ def compare_criteria(
     def report_for(name: str) -> SwapReport:
         if report is not None:
             return report
-        if name == "auto":
+        if name in _BOTH_PROTOCOLS:
             return merge_reports(reports["replacement"], reports["interchange"])
         return reports["interchange" if name in ("interchange", "interchange_beam") else "replacement"]
 

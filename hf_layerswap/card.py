@@ -1234,6 +1234,9 @@ def render_card(
     license_ = _resolve_license(license, base, config)
     protocol = _protocol_of(steps)
     spacing, protect, rule = _selection_rule(steps, report)
+    if _search_record(steps) is not None:
+        rule = (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; the search itself used "
+                f"spacing={spacing}")
     before, after = _parameter_counts(model, config, len(removed), steps)
     sparse = _sparsity_summary(config, sparsity_report)
     recovery = _recovery_record(model, record)

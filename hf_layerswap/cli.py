@@ -86,6 +86,8 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
                       help="with --final-strategy greedy: the protocol whose set is removed")
     demo.add_argument("--final-strategy", default="search", choices=["search", "greedy"],
                       help="search: the searched set (removal KL on the calibration prompts); greedy: --final-protocol's set")
+    demo.add_argument("--max-evaluations", type=int, default=None,
+                      help="most candidate sets the search scores (default 3 x blocks, to keep the demo short)")
     demo.add_argument("--output", default="layerswap-demo", help="where the pruned checkpoint and report go")
     demo.add_argument("--scoring-seconds", type=float, default=240.0, help="time budget that --num-prompts auto fits")
     demo.set_defaults(func=run_demo)
@@ -324,7 +326,7 @@ def run_demo(args) -> int:
                 selected.append((n, protocol, None, str(err)))
     search_budgets = sorted(set(args.budgets) | ({args.final_layers} if args.final_strategy == "search" else set()))
     searched = search_select(report, search_budgets, model=model, calibration=calib, batch_size=args.batch_size,
-                             progress=True)
+                             max_evaluations=args.max_evaluations or 3 * num_layers, progress=True)
     for n in args.budgets:
         selected.append((n, "search", searched[n]["selected"], None))
     cost = searched[search_budgets[-1]]["total_cost"]

@@ -490,3 +490,35 @@ for _name, _criterion in (("beam", "interchange_beam"), ("block_influence", "blo
                           ("angular_distance", "angular_distance"), ("single_removal_kl", "single_removal_kl"),
                           ("sleb", "sleb")):
     register_strategy(_name, needs_model=True)(_criterion_strategy(_criterion))
+
+
+def search_criterion(model: nn.Module, calibration, n, *, report: SwapReport, objective: str = "removal_kl",
+                     protect: Sequence[int] = (0, -1), batch_size: int = 8, **options):
+    """:func:`search_select` as a criterion of :func:`hf_layerswap.baselines.compare_criteria`.
+
+    Returns ``{n: CriterionResult}`` (or one result for an int ``n``); the cost includes
+    the scoring of both protocols (adjacent pairs) plus the search, and
+    ``details["search_cost"]`` gives the search alone (cumulative up to that budget).
+    """
+    from .baselines import CriterionResult, _calibration, _gap1, _report_cost
+
+    calib = _calibration(model, calibration, None)
+    budgets = [n] if isinstance(n, int) else sorted(set(n))
+    sub = _gap1(report)
+    passes, blocks, seconds, estimated = _report_cost(report, tuple(report.protocols))
+    found = search_select(sub, budgets, model=model, calibration=calib, objective=objective, protect=protect,
+                          batch_size=batch_size, **options)
+    out = {}
+    for b, rec in found.items():
+        cost = rec["cost"]
+        out[b] = CriterionResult(
+            "search" if objective == "removal_kl" else f"search_{objective}", b, rec["selected"], None,
+            passes + cost["forward_passes"], blocks + cost["block_passes"], seconds + cost["seconds"],
+            evaluator_calls=cost["evaluator_calls"],
+            details={"objective": objective, "value": rec["value"], "unit": rec["unit"],
+                     "protocol_sets": rec["protocol_sets"], "trace": rec["trace"], "search_cost": cost,
+                     "scoring_cost": {"forward_passes": passes, "block_passes": blocks, "seconds": seconds,
+                                      "seconds_estimated": estimated},
+                     "protect": rec["protect"]},
+        )
+    return out[n] if isinstance(n, int) else out

@@ -84,11 +84,16 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     contract = next(line for line in text.splitlines() if line.startswith("contract: "))
     assert contract.startswith("contract: matched: first 400 words of ") and "window 512, stride 256" in contract
     assert str(Path.home()) not in text
-    assert "| 1 | replacement |" in text and "| 1 | interchange |" in text
+    assert "| 1 | replacement |" in text and "| 1 | interchange |" in text and "| 1 | search |" in text
+    assert "final: removed" in text and "(strategy search:" in text
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 28 and len(config["layerswap"]["removed_layers"]) == 2
     report = SwapReport.from_json(out / "layerswap_report.json")
     assert report.num_layers == 30 and report.selections[-1]["selected"] == config["layerswap"]["removed_layers"]
+    decision = report.selections[-1]
+    assert decision["strategy"] == "search" and decision["total_cost"]["evaluator_calls"] <= 90
+    for entry in decision["protocol_sets"].values():  # the searched set is never worse than a protocol's set
+        assert entry is None or decision["value"] <= entry["value"]
     assert (out / "README.md").is_file()
 
 
