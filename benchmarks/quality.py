@@ -81,7 +81,11 @@ LABELS = {
     "interchange": "interchange-guided (ours)",
     "auto": "auto (ours)",
     "interchange_beam": "interchange-seeded beam (ours)",
+    "search": "search, removal KL (ours, default)",
+    "search_ghosted": "search, ghosted objective (ours)",
 }
+#: Our criteria (the paper's rules and the searches); the rest are the field's and controls.
+OURS = ("interchange", "replacement", "auto", "interchange_beam", "search", "search_ghosted")
 
 
 def log(msg: str) -> None:
@@ -195,7 +199,7 @@ def winners(table: CriterionComparison, budgets) -> list[str]:
     out = ["## Which criterion wins", "",
            "Lowest dPPL% per n (random excluded; criteria that remove the same set tie and are all named); the "
            "rank of each of ours among the deterministic criteria (ties share a rank):", ""]
-    ours = ("interchange", "replacement", "auto", "interchange_beam")
+    ours = OURS
     for n in budgets:
         rows = sorted((r for r in table.rows if r["n"] == n and r["criterion"] != "random"), key=lambda r: r["dppl"])
         if not rows:
@@ -208,6 +212,51 @@ def winners(table: CriterionComparison, budgets) -> list[str]:
         rtxt = f"; random mean {rand['dppl']:+.1f} (draws {rand['dppl_min']:+.1f} .. {rand['dppl_max']:+.1f})" if rand else ""
         out.append(f"- n={n}: best {tied} {fmt_set(best['removed'])} {best['dppl']:+.1f}% "
                    f"(CI {best['dppl_ci'][0]:+.1f} .. {best['dppl_ci'][1]:+.1f}); {ranked}{rtxt}.")
+    return out
+
+
+def search_targets(table: CriterionComparison, budgets) -> list[str]:
+    """Met or missed, per cell: the default search against the lowest dPPL of every criterion,
+    and its cost for all budgets together against SLEB's for the largest budget alone."""
+    rows = {(r["criterion"], r["n"]): r for r in table.rows}
+    if not any(c == "search" for c, _ in rows):
+        return []
+    out = ["## Targets of the default search", "",
+           "Per n: is `search` (removal KL objective, the default) the lowest dPPL% of all deterministic criteria, "
+           "or inside the 95% CI (paired bootstrap over windows) of the lowest?", "",
+           "| n | search | dPPL % | lowest (criterion) | dPPL % | its 95% CI | target | by |",
+           "|---|---|---|---|---|---|---|---|"]
+    met = 0
+    for n in budgets:
+        mine = rows.get(("search", n))
+        others = [r for (c, m), r in rows.items() if m == n and c not in ("random", "search")]
+        if mine is None or not others:
+            continue
+        best = min(others, key=lambda r: r["dppl"])
+        ok = mine["dppl"] <= best["dppl"] or mine["dppl"] <= best["dppl_ci"][1]
+        met += ok
+        gap = mine["dppl"] - best["dppl"]
+        by = "lowest" if mine["dppl"] <= best["dppl"] else (f"{gap:+.1f} points, inside" if ok else f"{gap:+.1f} points")
+        out.append(f"| {n} | {fmt_set(mine['removed'])} | {mine['dppl']:+.1f} | {fmt_set(best['removed'])} "
+                   f"({best['criterion']}) | {best['dppl']:+.1f} | [{best['dppl_ci'][0]:+.1f}, {best['dppl_ci'][1]:+.1f}] | "
+                   f"{'met' if ok else 'missed'} | {by} |")
+    out += ["", f"Met in {met} of {len(budgets)} budgets.", ""]
+    top = max(budgets)
+    mine, sleb = rows.get(("search", top)), rows.get(("sleb", top))
+    if mine is not None and sleb is not None:
+        search_cost = table.results["search"][top]["details"]["search_cost"]
+        scoring = table.results["search"][top]["details"]["scoring_cost"]
+        out += [
+            f"Cost of `search` for n = 1..{top} in one call: {search_cost['forward_passes']} forward passes "
+            f"({search_cost['evaluator_calls']} candidate sets), {search_cost['seconds']:.0f} s; with the scoring of "
+            f"both protocols it needs, {mine['forward_passes']} forward passes, {mine['seconds']:.0f} s. SLEB for "
+            f"n = {top} alone: {sleb['forward_passes']} forward passes, {sleb['seconds']:.0f} s. Target (search at most "
+            f"SLEB's cost): search alone {'met' if search_cost['forward_passes'] <= sleb['forward_passes'] else 'missed'} "
+            f"in forward passes ({search_cost['forward_passes'] / sleb['forward_passes']:.2f}x SLEB), "
+            f"{'met' if search_cost['seconds'] <= sleb['seconds'] else 'missed'} in seconds "
+            f"({search_cost['seconds'] / max(sleb['seconds'], 1e-9):.2f}x); with scoring "
+            f"{mine['forward_passes'] / sleb['forward_passes']:.2f}x and {mine['seconds'] / max(sleb['seconds'], 1e-9):.2f}x "
+            f"(scoring: {scoring['forward_passes']} forward passes).", ""]
     return out
 
 
@@ -224,7 +273,7 @@ def plot(table: CriterionComparison, path: Path, title: str) -> None:
         ns = [r["n"] for r in rows]
         ys = [r["dppl"] for r in rows]
         style = {"marker": markers[k % len(markers)], "label": LABELS.get(name, name)}
-        if name in ("interchange", "replacement", "auto", "interchange_beam"):
+        if name in OURS:
             style["linewidth"] = 2.2
         else:
             style["linestyle"] = "--"
@@ -389,7 +438,7 @@ def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv
         f"![dPPL% vs n]({path.with_suffix('.png').name})",
         "",
     ]
-    lines += winners(table, budgets) + [""]
+    lines += winners(table, budgets) + [""] + search_targets(table, budgets)
     if gap:
         lines += protocol_section(table, gap, budgets) + [""]
     check = extras.get("plan_check")

@@ -268,7 +268,7 @@ def _auto_num_prompts(model, calibration, tokenizer, seq_len, batch_size, second
 def _strategy_kwargs(args) -> dict:
     """``select_layers`` keywords of the prune verb's --strategy/--objective/--max-evaluations/--spacing."""
     spacing = args.spacing if args.spacing is not None else (1 if args.strategy in ("greedy", "auto") else 0)
-    out = {"strategy": args.strategy, "spacing": spacing}
+    out = {"strategy": args.strategy, "spacing": spacing, **({"progress": True} if args.strategy == "search" else {})}
     if args.objective is not None:
         out["objective"] = args.objective
     if args.max_evaluations is not None:

@@ -335,7 +335,7 @@ def _strategy_options(cfg: LayerSwapConfig) -> dict:
     """``select_layers`` keywords for the config's strategy."""
     if cfg.strategy == "search":
         objective = cfg.objective or ("ghosted" if cfg.recovery == "ghosted" else "removal_kl")
-        out = {"strategy": "search", "objective": objective}
+        out = {"strategy": "search", "objective": objective, "progress": cfg.progress}
         if cfg.max_evaluations is not None:
             out["max_evaluations"] = cfg.max_evaluations
         return out
