@@ -168,3 +168,18 @@ def test_card_shows_the_searched_set_next_to_each_protocols_set():
     assert removed == record["selected"]
     assert f"| **removed** | **{', '.join(map(str, removed))}** | {record['value']:.4g} |" in card
     assert "spacing=1, protect=[0, -1] for each protocol's rule; the search itself used spacing=0" in card
+
+
+def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
+    from tests.conftest import tiny_batch, tiny_model
+
+    model = tiny_model("llama", num_layers=6)
+    batch = tiny_batch()
+    dense = copy.deepcopy(model)
+    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, recovery="ghosted"))
+    record = model.layerswap_report.selections[-1]
+    assert record["strategy"] == "search" and record["objective"] == "ghosted"
+    assert model.config.layerswap["removed_layers"] == record["selected"]
+    calib = CalibrationSet(batch["input_ids"], batch["attention_mask"], "tensors")
+    best, value = _brute_force(SetObjective(dense, calib, "ghosted"), 2, allowed=range(1, 5))
+    assert record["selected"] == best and record["value"] == value
