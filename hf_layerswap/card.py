@@ -1310,6 +1310,12 @@ def render_card(
             f" Perplexity {evaluation['base']['ppl']:.2f} → {evaluation['pruned']['ppl']:.2f} "
             f"({eval_section['delta']}) under the contract below."
         )
+    from .history import card_notice, history_status
+
+    if history_status(config) == "unverified":
+        front["history"] = "unverified"
+    if card_notice(record):
+        summary += " " + card_notice(record)
     ident_revision = ident.get("revision") if isinstance(ident.get("source"), Mapping) else None
     removal_rows = [
         ("Base model", base_label + (f" (weights: {ident_revision})" if ident_revision else "")),

@@ -116,6 +116,15 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
     problems = check_surgery_invariants(model)
     if problems:
         raise PushRefusedError("the model's surgery invariants do not hold: " + "; ".join(problems))
+    from .history import history_problems, probable_cause
+
+    problems = history_problems(model)
+    if problems:
+        raise PushRefusedError(
+            "config.layerswap does not describe this model, so its removal history cannot be published as verified ("
+            + "; ".join(problems) + f"; probable cause: {probable_cause(problems)}); call "
+            "hf_layerswap.history.mark_history_unverified(model) to publish it as unverified history"
+        )
     if report is not None:
         if not isinstance(report, SwapReport):
             raise TypeError(f"report must be a SwapReport, got {type(report).__name__}")

@@ -223,6 +223,9 @@ class LayerSwapQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config
         try:
+            from .history import verify_history
+
+            verify_history(model)  # a loaded config.layerswap record is checked before anything extends it
             if not self.pre_quantized:
                 prune_loaded_model(model, cfg)
             else:  # a saved layerswap checkpoint: re-attach its ghosted operators, prune nothing

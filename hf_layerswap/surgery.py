@@ -148,6 +148,9 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     from .models import model_identity
     from .plan import model_fingerprint
 
+    from .history import record_fingerprint, verify_history
+
+    verify_history(model)  # a record that does not describe the model is marked unverified, never extended
     fingerprint_before = model_fingerprint(model)
     removed_parameters = sum(p.numel() for i in removed for p in blocks[i].parameters())
     base_name = model_identity(model).get("name")
@@ -196,14 +199,20 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         "removed_layers": sorted(previous.get("removed_layers", []) + step["removed_original_layers"]),
         "kept_layers": [original_kept[i] for i in kept],
         "steps": previous.get("steps", []) + [step],
+        **{k: previous[k] for k in HISTORY_FIELDS if k in previous},
     }
+    record_fingerprint(model, step)
     return model
+
+
+#: Keys of an unverified history (see :mod:`hf_layerswap.history`) that later steps keep.
+HISTORY_FIELDS = ("history", "unverified_reasons", "probable_cause", "unverified_record")
 
 
 #: Fields of a removal step that the library computes; ``provenance`` may not set them.
 STEP_FIELDS = (
     "removed_layers", "num_layers_before", "num_layers_after", "removed_original_layers", "fingerprint_before",
-    "removed_parameters", "library_versions",
+    "removed_parameters", "library_versions", "fingerprint_after", "dtype_after",
 )
 
 

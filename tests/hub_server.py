@@ -241,7 +241,7 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
-        if body and not head_only:
+        if body and not head_only and self.command != "HEAD":  # a HEAD answer has no body, errors included
             self.wfile.write(body)
 
     def _json(self, status: int, obj, headers: dict | None = None):

@@ -1,0 +1,242 @@
+"""Removal history you can trust: the ``config.layerswap`` record checked against the model.
+
+:func:`~hf_layerswap.remove_layers` writes a record into ``model.config.layerswap``
+(original block count, kept and removed blocks in the original 0-based numbering, one
+entry per removal step, and a weight fingerprint after each step). Other tools that edit a
+checkpoint (a mergekit passthrough that drops or reorders blocks, a hand-edited
+``config.json``, a conversion that rewrote the weights) carry that record along unchanged,
+and it then describes a model that no longer exists.
+
+:func:`verify_history` compares the record with the model: block count, the kept/removed
+lists (sorted, disjoint, covering the original depth), the last step's block count, and
+the fingerprint recorded after the last step where one is present and comparable (same
+parameter dtype, and no later step of this library that changed the weights on purpose:
+sparsification or a repair of the cut). On a mismatch it warns once, naming the probable
+cause, and rewrites the record as **unverified**: what is known (the blocks the model has
+now, the claimed base model) is kept, the old record is kept verbatim under
+``unverified_record`` as evidence, and block numbering restarts at the checkpoint as
+loaded. A later removal then extends the unverified record, never the wrong one; the
+model card says the history is unverified; :func:`~hf_layerswap.push_to_hub` refuses a
+record that fails the check unless it has been marked unverified.
+
+The check runs when the quantizer plugin loads a checkpoint (``from_pretrained`` with a
+:class:`~hf_layerswap.LayerSwapConfig`) and at the start of every
+:func:`~hf_layerswap.remove_layers`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+
+from torch import nn
+
+__all__ = [
+    "HistoryWarning",
+    "history_problems",
+    "history_status",
+    "mark_history_unverified",
+    "probable_cause",
+    "verify_history",
+]
+
+UNVERIFIED = "unverified"
+VERIFIED = "verified"
+
+
+class HistoryWarning(UserWarning):
+    """``config.layerswap`` does not describe the loaded model; its history is now unverified."""
+
+
+def _record(model) -> dict | None:
+    record = getattr(getattr(model, "config", None), "layerswap", None)
+    return record if isinstance(record, Mapping) and record else None
+
+
+def param_dtype(model: nn.Module) -> str | None:
+    """The dtype of the first floating-point parameter (``"torch.float32"``), or ``None``."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return str(param.dtype)
+    return None
+
+
+def weights_changed_later(config) -> bool:
+    """True when a step of this library changed the weights after the last removal on
+    purpose (one-shot sparsification, a repair of the cut), so the fingerprint recorded at
+    removal time no longer applies."""
+    record = getattr(config, "layerswap", None) or {}
+    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery"))
+
+
+def _index_list(value) -> list[int] | None:
+    if not isinstance(value, (list, tuple)):
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        return None
+    return list(value)
+
+
+def history_problems(model: nn.Module, *, fingerprint: bool = True) -> list[str]:
+    """What in ``model.config.layerswap`` disagrees with ``model`` (empty list = consistent,
+    or no record).
+
+    Args:
+        model: a transformers causal LM.
+        fingerprint: also compare the weight fingerprint recorded after the last removal
+            step (where present and comparable, see the module docstring).
+
+    A record already marked unverified is checked only for its own consistency.
+    """
+    from .plan import model_fingerprint, num_blocks
+
+    record = _record(model)
+    if record is None:
+        return []
+    n = num_blocks(model)
+    problems: list[str] = []
+    kept = _index_list(record.get("kept_layers"))
+    removed = _index_list(record.get("removed_layers"))
+    original = record.get("original_num_hidden_layers")
+    if kept is None or removed is None or isinstance(original, bool) or not isinstance(original, int):
+        return ["config.layerswap lacks kept_layers / removed_layers / original_num_hidden_layers as 0-based ints"]
+    if len(kept) != n:
+        problems.append(f"config.layerswap lists {len(kept)} kept blocks but the model has {n}")
+    if kept != sorted(set(kept)) or removed != sorted(set(removed)):
+        problems.append("config.layerswap kept_layers / removed_layers are not sorted, distinct indices")
+    if set(kept) & set(removed):
+        problems.append(f"config.layerswap lists blocks {sorted(set(kept) & set(removed))} as both kept and removed")
+    if sorted(set(kept) | set(removed)) != list(range(original)):
+        problems.append(
+            f"config.layerswap kept + removed blocks do not make up the original {original} blocks 0..{original - 1}"
+        )
+    steps = record.get("steps") or []
+    last = steps[-1] if steps and isinstance(steps[-1], Mapping) else {}
+    if "num_layers_after" in last and last["num_layers_after"] != n:
+        problems.append(f"the last removal step left {last['num_layers_after']} blocks but the model has {n}")
+    recorded = last.get("fingerprint_after")
+    if (
+        fingerprint
+        and not problems
+        and recorded
+        and record.get("history") != UNVERIFIED
+        and last.get("dtype_after") == param_dtype(model)
+        and not weights_changed_later(model.config)
+        and model_fingerprint(model) != recorded
+    ):
+        problems.append(
+            "the weights differ from those recorded after the last removal step (fingerprint "
+            f"{recorded[:12]} recorded, {model_fingerprint(model)[:12]} now)"
+        )
+    return problems
+
+
+def probable_cause(problems: list[str]) -> str:
+    """One sentence naming the most likely reason for ``problems`` (from :func:`history_problems`)."""
+    text = " ".join(problems)
+    if "kept blocks but the model has" in text or "the last removal step left" in text:
+        return (
+            "the block count changed outside hf_layerswap, most likely a merge or pruning tool (e.g. a mergekit "
+            "passthrough merge) that copied config.layerswap unchanged, or a hand-edited config.json"
+        )
+    if "weights differ" in text:
+        return (
+            "the weights changed after the removal was recorded: blocks reordered or replaced by a merge tool "
+            "(e.g. mergekit), fine-tuning, or a conversion that rewrote the tensors"
+        )
+    return "config.layerswap was edited by hand or copied from another checkpoint"
+
+
+def history_status(model_or_config) -> str | None:
+    """``"verified"`` / ``"unverified"`` for a model (or config) with a record, else ``None``.
+
+    ``"verified"`` means the record has not been marked unverified; call
+    :func:`verify_history` first to check it against the model."""
+    config = getattr(model_or_config, "config", model_or_config)
+    record = getattr(config, "layerswap", None)
+    if not isinstance(record, Mapping) or not record:
+        return None
+    return UNVERIFIED if record.get("history") == UNVERIFIED else VERIFIED
+
+
+def mark_history_unverified(model: nn.Module, problems: list[str] | None = None, *, cause: str | None = None) -> dict:
+    """Rewrite ``model.config.layerswap`` as an unverified history and return it.
+
+    Kept: the claimed ``base_model``, the reasons, the probable cause and the old record
+    verbatim under ``unverified_record``. Block numbering restarts at the model as it is
+    now (``kept_layers = 0..L-1``, nothing removed), so a later
+    :func:`~hf_layerswap.remove_layers` records its removals against blocks that exist.
+    """
+    from .plan import num_blocks
+
+    record = _record(model) or {}
+    if record.get("history") == UNVERIFIED:
+        return record
+    problems = list(problems if problems is not None else history_problems(model))
+    n = num_blocks(model)
+    new = {
+        "history": UNVERIFIED,
+        "unverified_reasons": problems,
+        "probable_cause": cause or probable_cause(problems),
+        "base_model": record.get("base_model"),
+        "original_num_hidden_layers": n,
+        "removed_layers": [],
+        "kept_layers": list(range(n)),
+        "steps": [],
+        "unverified_record": copy.deepcopy(dict(record)),
+    }
+    model.config.layerswap = new
+    return new
+
+
+def verify_history(model: nn.Module, *, warn: bool = True) -> bool:
+    """Check ``model.config.layerswap`` against ``model``; on a mismatch warn once
+    (:class:`HistoryWarning`, naming the probable cause) and mark the history unverified.
+
+    Returns:
+        ``True`` when there is no record or it matches the model; ``False`` when the
+        history is (now) unverified. A record already marked unverified returns
+        ``False`` without warning again.
+    """
+    record = _record(model)
+    if record is None:
+        return True
+    if record.get("history") == UNVERIFIED:
+        return False
+    problems = history_problems(model)
+    if not problems:
+        return True
+    cause = probable_cause(problems)
+    mark_history_unverified(model, problems, cause=cause)
+    if warn:
+        warnings.warn(
+            f"config.layerswap does not describe this model ({'; '.join(problems)}). Probable cause: {cause}. "
+            "The removal history is now marked unverified: block numbers restart at this checkpoint as loaded, "
+            "and the old record is kept under config.layerswap['unverified_record'].",
+            HistoryWarning,
+            stacklevel=2,
+        )
+    return False
+
+
+def record_fingerprint(model: nn.Module, step: dict) -> None:
+    """Store the weight fingerprint and parameter dtype after a removal step in ``step``."""
+    from .plan import model_fingerprint
+
+    step["fingerprint_after"] = model_fingerprint(model)
+    step["dtype_after"] = param_dtype(model)
+
+
+def card_notice(record: Mapping) -> str | None:
+    """The model card's sentence for an unverified history (``None`` for a verified one)."""
+    if not isinstance(record, Mapping) or record.get("history") != UNVERIFIED:
+        return None
+    claimed = (record.get("unverified_record") or {}).get("removed_layers")
+    return (
+        "**Removal history unverified.** The `config.layerswap` record this checkpoint carried did not match its "
+        f"weights ({'; '.join(record.get('unverified_reasons') or ['no reason recorded'])}); probable cause: "
+        f"{record.get('probable_cause') or 'unknown'}. Only what is known is listed: block numbers below count "
+        "from the checkpoint as it was loaded, not from the original model"
+        + (f", and the earlier claim (blocks {claimed} removed) is not repeated as fact." if claimed else ".")
+    )
