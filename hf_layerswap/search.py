@@ -10,14 +10,15 @@ Candidates at budget n (each scored once, cached across levels and budgets):
     - each protocol's greedy set (the paper's rule, spacing 1) and its n lowest-scored
       layers (no spacing),
     - the n lowest single-removal values d_skip({i}),
-    - per score source (each protocol, single removal) the contiguous run of n unprotected
-      blocks with the lowest summed score,
+    - per score source (each protocol, single removal) the two contiguous runs of n
+      unprotected blocks with the lowest summed score,
     - the best set of budget n-1 plus each of the most removable blocks not in it.
 
 Local search from the best candidate: a move swaps one removed block for a kept one
-(the kept block's neighbours of the set and the most removable blocks by single-removal
-value); each round scores the ``moves_per_round`` moves with the lowest additive
-prediction f(S) - d({r}) + d({c}) and takes the best if it improves. Rounds stop when no
+(the neighbours of the set and the most removable blocks by single-removal value); each
+round scores, up to ``moves_per_round`` sets, first the shifts of each contiguous run of
+the set by one block, then the swaps with the lowest additive prediction
+f(S) - d({r}) + d({c}), and takes the best if it improves. Rounds stop when no
 move improves, after ``max_rounds``, or when ``max_evaluations`` is spent. When a budget
 has at most ``exhaustive_below`` sets in all, every set is scored instead. Budget n only
 depends on the work for budgets 1..n, so one call for 1..N returns what N separate calls
@@ -245,16 +246,27 @@ def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int
     return sorted(sorted(finite, key=lambda i: (_score_key(scores[i]), i))[:n])
 
 
-def _best_run(scores: Sequence[float], allowed: set[int], num_layers: int, n: int) -> list[int] | None:
-    best = None
+def _best_runs(scores: Sequence[float], allowed: set[int], num_layers: int, n: int, k: int = 2) -> list[list[int]]:
+    """The ``k`` contiguous runs of ``n`` allowed blocks with the lowest summed score (ties: earliest)."""
+    runs = []
     for a in range(num_layers - n + 1):
         run = list(range(a, a + n))
-        if not all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
-            continue
-        total = sum(scores[i] for i in run)
-        if best is None or total < best[0]:
-            best = (total, run)
-    return None if best is None else best[1]
+        if all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
+            runs.append((sum(scores[i] for i in run), a, run))
+    return [run for _, _, run in sorted(runs)[:k]]
+
+
+def _shifts(current: Sequence[int], allowed: set[int]) -> list[list[int]]:
+    """Each maximal contiguous run of ``current`` moved by one block either way."""
+    out, members = [], set(current)
+    for start in sorted(x for x in members if x - 1 not in members):
+        end = start
+        while end + 1 in members:
+            end += 1
+        for drop, add in ((start, end + 1), (end, start - 1)):
+            if add in allowed and add not in members:
+                out.append(sorted((members - {drop}) | {add}))
+    return out
 
 
 def search_select(
@@ -375,10 +387,8 @@ def search_select(
                 greedy[p] = None
             pool.append(_lowest(sources[p], allowed, n))
         pool.append(rank[:n] if n <= len(rank) else [])
-        for name, scores in sources.items():
-            run = _best_run(scores, allowed_set, num_layers, n)
-            if run is not None:
-                pool.append(run)
+        for scores in sources.values():
+            pool.extend(_best_runs(scores, allowed_set, num_layers, n))
         if n > 1:
             for prev in ranked_by_n[n - 1][:2]:
                 extra = [c for c in rank if c not in prev][: n + 2]
@@ -401,10 +411,12 @@ def search_select(
                     if ok(cand) and set_key(cand) not in f.cache:
                         pred = f.value(current) - single[r] + single[c]
                         moves.append((_score_key(pred), cand))
-            if not moves:
+            shifts = [m for m in _shifts(current, allowed_set) if ok(m) and set_key(m) not in f.cache]
+            if not moves and not shifts:
                 break
             moves.sort()
-            tried = score([m for _, m in moves[:moves_per_round]])
+            picked = list({set_key(m): m for m in shifts + [m for _, m in moves]}.values())[:moves_per_round]
+            tried = score(picked)
             improved = bool(tried) and _score_key(f.value(tried[0])) < _score_key(f.value(current))
             if improved:
                 current = tried[0]
