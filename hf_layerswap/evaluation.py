@@ -432,6 +432,7 @@ def evaluate_perplexity(
     ids, bos = _tokenize(tokenizer, prepared, add_bos)
 
     from .models import model_identity
+    from .plan import model_fingerprint
 
     record = {
         "name": contract,
@@ -445,7 +446,8 @@ def evaluate_perplexity(
         "bos": bos,
         "tokenizer": type(tokenizer).__name__,
         # the local folder the weights were read from stays out: contracts get published
-        "model": {k: v for k, v in model_identity(model).items() if k != "path"},
+        "model": {**{k: v for k, v in model_identity(model).items() if k != "path"},
+                  "fingerprint": model_fingerprint(model)},
     }
     return perplexity_from_ids(
         model,

@@ -379,6 +379,11 @@ def search_select(
     costs: dict[int, dict] = {}
     for n in range(1, top + 1):
         pool, greedy = [], {}
+        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
+            prev = ranked_by_n[n - 1][0]
+            extra = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
+                     if c in allowed_set and c not in prev]
+            pool.extend(sorted(prev + [c]) for c in extra[: n + 2])
         for p in protocols:
             try:
                 greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
@@ -389,10 +394,9 @@ def search_select(
         pool.append(rank[:n] if n <= len(rank) else [])
         for scores in sources.values():
             pool.extend(_best_runs(scores, allowed_set, num_layers, n))
-        if n > 1:
-            for prev in ranked_by_n[n - 1][:2]:
-                extra = [c for c in rank if c not in prev][: n + 2]
-                pool.extend(prev + [c] for c in extra)
+        if n > 1 and len(ranked_by_n[n - 1]) > 1:
+            prev = ranked_by_n[n - 1][1]
+            pool.extend(prev + [c] for c in [c for c in rank if c not in prev][: n + 2])
         if math.comb(len(allowed), n) <= exhaustive_below:  # cheaper than the local search: score every set
             pool.extend(list(c) for c in itertools.combinations(allowed, n))
         ranked = score(pool)

@@ -183,3 +183,12 @@ def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
     calib = CalibrationSet(batch["input_ids"], batch["attention_mask"], "tensors")
     best, value = _brute_force(SetObjective(dense, calib, "ghosted"), 2, allowed=range(1, 5))
     assert record["selected"] == best and record["value"] == value
+
+
+def test_a_spent_budget_extends_the_best_smaller_set(setup):
+    """When max_evaluations runs out, budget n still grows the best set of n - 1 by one block."""
+    model, calib, report = setup
+    found = search_select(report, [1, 2, 3], model=model, calibration=calib, max_evaluations=6, exhaustive_below=0)
+    assert found[1]["total_cost"]["evaluator_calls"] >= 6
+    for n in (2, 3):
+        assert set(found[n - 1]["selected"]) < set(found[n]["selected"])
