@@ -197,8 +197,11 @@ class LayerSwapConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict:
         """Serializable fields only: calibration data and tokenizers never enter config.json."""
+        from .models import public_name
+
         out = {k: v for k, v in self.__dict__.items() if k not in RUNTIME_ONLY}
-        out["calibration"] = self.calibration if isinstance(self.calibration, str) else None
+        # a calibration file is recorded by its name: config.json gets published
+        out["calibration"] = public_name(self.calibration) if isinstance(self.calibration, str) else None
         return out
 
     def __repr__(self) -> str:

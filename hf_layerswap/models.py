@@ -55,6 +55,7 @@ __all__ = [
     "cache_root",
     "load_model",
     "model_identity",
+    "public_name",
 ]
 
 #: Sidecar written next to a bundled checkpoint: where its weights came from.
@@ -267,21 +268,44 @@ def model_identity(model) -> dict:
       resolved by the Hub (``config._commit_hash``);
     - other models: ``model.name_or_path`` and ``config._commit_hash`` (``None`` if unknown).
 
-    ``path`` is the local directory or id the weights were read from.
+    ``path`` is the local directory or id the weights were read from; it stays on this
+    machine. ``name`` is safe to publish: a Hub id as is, a local directory or file by its
+    last component only (:func:`public_name`), never a parent folder, user name or
+    temporary folder.
     """
     recorded = getattr(model, "layerswap_identity", None)
     if isinstance(recorded, dict):
-        return dict(recorded)
+        return {**recorded, "name": public_name(recorded.get("name"))}
     path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     source = _read_source(path) if path and Path(str(path)).is_dir() else None
     if source is not None:
         return _identity_from_source(source, str(path))
     return {
-        "name": str(path) if path else None,
+        "name": public_name(path),
         "revision": getattr(model.config, "_commit_hash", None),
         "path": str(path) if path else None,
         "source": None,
     }
+
+
+def public_name(name_or_path) -> str | None:
+    """What may be published about where weights came from: a Hub id (``"owner/name"``,
+    optionally ``"owner/name/file.gguf"``) unchanged; anything that names a local file or
+    folder (it exists here, or it is absolute, or starts with ``.`` or ``~``, or holds a
+    backslash) by its last path component only (``"/home/alice/ckpt"`` -> ``"ckpt"``).
+    ``None`` and ``""`` give ``None``."""
+    if name_or_path is None or not str(name_or_path):
+        return None
+    text = os.fspath(name_or_path) if isinstance(name_or_path, os.PathLike) else str(name_or_path)
+    local = (
+        isinstance(name_or_path, os.PathLike)
+        or os.path.isabs(text)
+        or text.startswith((".", "~"))
+        or "\\" in text
+        or os.path.exists(text)
+        or text.count("/") > 2
+    )
+    return Path(text.replace("\\", "/")).name if local else text
 
 
 def _identity_from_source(source: dict, path: str) -> dict:
