@@ -20,6 +20,7 @@ from .scoring import masked_kl, removal_kl, score_layers
 from .search import search_select
 from .selection import STRATEGIES, select_layers
 from .surgery import check_surgery_invariants, remove_layers
+from .tasks import TaskResults, evaluate_tasks
 
 __all__ = [
     "CalibrationSet",
@@ -28,6 +29,7 @@ __all__ = [
     "PushRefusedError",
     "delta_ppl_percent",
     "evaluate_perplexity",
+    "evaluate_tasks",
     "generation_check",
     "load_model",
     "model_fingerprint",
@@ -40,6 +42,7 @@ __all__ = [
     "PairResult",
     "STRATEGIES",
     "SwapReport",
+    "TaskResults",
     "search_select",
     "apply_plan",
     "build_calibration",

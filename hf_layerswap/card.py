@@ -1169,6 +1169,7 @@ def render_card(
     plots: Sequence[str] | None = None,
     tokenizer_included: bool = True,
     sparsity_report=None,
+    tasks=None,
 ):
     """Render the model card of a (pruned, sparsified, repaired) model.
 
@@ -1196,6 +1197,10 @@ def render_card(
             sparsity section (method, pattern, allocation, target and achieved sparsity,
             per-block table in the original numbering); the report adds the allocator's
             per-block statistic.
+        tasks: ``{"base": ..., "pruned": ...}`` lm-eval results
+            (:class:`~hf_layerswap.tasks.TaskResults` from :func:`~hf_layerswap.evaluate_tasks`,
+            or their dicts), rendered as a table and ``model-index`` entries; both must be
+            measured under the same settings.
 
     A repair of the cut recorded in ``config.layerswap["recovery"]`` (see
     :mod:`hf_layerswap.recovery`) is named in the removal table; for Ghosted Layers
@@ -1266,6 +1271,10 @@ def render_card(
         front["sparsity"]["achieved_sparsity"] = in_model
         front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
     eval_section, eval_results = _evaluation_section(evaluation) if evaluation else (None, None)
+    from .tasks import task_card_section
+
+    task_md, task_evals = task_card_section(tasks) if tasks else (None, [])
+    eval_results = (eval_results or []) + task_evals
     card_data = ModelCardData(
         base_model=base,
         library_name="transformers",
@@ -1393,7 +1402,10 @@ def render_card(
         library_version=__version__,
     )
     card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
-    return ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n")
+    text = re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n"
+    if task_md:
+        text += "\n## Task evaluation (lm-evaluation-harness)\n\n" + task_md + "\n"
+    return ModelCard(text)
 
 
 def check_card(card, directory: str | os.PathLike | None = None) -> list[str]:
@@ -1443,6 +1455,7 @@ def write_card_files(
     repo_id: str | None = None,
     tokenizer_included: bool = True,
     sparsity_report=None,
+    tasks=None,
 ) -> dict[str, Path]:
     """Write ``README.md`` (the card), the plots and the JSON sidecars into ``directory``.
 
@@ -1460,7 +1473,7 @@ def write_card_files(
         ValueError: the card fails :func:`check_card`, or see :func:`render_card`.
     """
     kwargs = dict(report=report, evaluation=evaluation, base_model=base_model, license=license, repo_id=repo_id,
-                  tokenizer_included=tokenizer_included, sparsity_report=sparsity_report)
+                  tokenizer_included=tokenizer_included, sparsity_report=sparsity_report, tasks=tasks)
     render_card(model_or_config, plots=[], **kwargs)  # every input check, before anything is written
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

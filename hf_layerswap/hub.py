@@ -165,7 +165,7 @@ def _attached_sparsity_report(model):
 
 
 def _write_folder(
-    folder: Path, model, *, tokenizer, report, evaluation, base_model, license, repo_id, sparsity_report
+    folder: Path, model, *, tokenizer, report, evaluation, base_model, license, repo_id, sparsity_report, tasks=None
 ) -> list[str]:
     """save_pretrained + tokenizer + card, plots and sidecars; returns the file names."""
     model.save_pretrained(folder)
@@ -176,7 +176,7 @@ def _write_folder(
         raise PushRefusedError(f"save_pretrained wrote non-safetensors weights {stray}; only safetensors are published")
     write_card_files(
         folder, model, report=report, evaluation=evaluation, base_model=base_model, license=license,
-        repo_id=repo_id, tokenizer_included=tokenizer is not None, sparsity_report=sparsity_report,
+        repo_id=repo_id, tokenizer_included=tokenizer is not None, sparsity_report=sparsity_report, tasks=tasks,
     )
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
@@ -214,6 +214,7 @@ def push_to_hub(
     base_model: str | None = None,
     license: str | None = None,
     sparsity_report=None,
+    tasks=None,
 ):
     """Publish a (pruned) model with its model card and diagnostics in one Hub commit.
 
@@ -239,6 +240,8 @@ def push_to_hub(
             still summarises it. Written to ``layerswap_sparsity.json`` and
             shown on the card; without one the card still shows the summary ``sparsify``
             left in ``config.layerswap_sparsity``.
+        tasks: ``{"base": ..., "pruned": ...}`` lm-eval results from
+            :func:`~hf_layerswap.evaluate_tasks`, shown as a table and in ``model-index``.
 
     Returns:
         The ``huggingface_hub.CommitInfo`` of the commit (``.oid``, ``.commit_url``). When
@@ -269,7 +272,7 @@ def push_to_hub(
         folder = Path(tmp)
         files = _write_folder(
             folder, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
-            license=license, repo_id=repo_id, sparsity_report=sparsity_report,
+            license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
         api = HfApi(endpoint=endpoint, token=token, library_name="hf_layerswap", library_version=__version__)
         logger.info("pushing %d files to %s/%s@%s", len(files), api.endpoint, repo_id, branch)
@@ -368,6 +371,7 @@ def save_for_hub(
     repo_id: str | None = None,
     overwrite: bool = False,
     sparsity_report=None,
+    tasks=None,
 ) -> Path:
     """Write the folder :func:`push_to_hub` would upload into ``directory``, atomically.
 
@@ -396,7 +400,7 @@ def save_for_hub(
         default_mode(tmp)
         _write_folder(
             tmp, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
-            license=license, repo_id=repo_id, sparsity_report=sparsity_report,
+            license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
