@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CalibrationSet", "build_calibration", "check_token_ids", "embedded_text", "split_paragraphs"]
+__all__ = [
+    "CalibrationSet",
+    "build_calibration",
+    "check_token_ids",
+    "embedded_text",
+    "looks_like_path",
+    "read_text_file",
+    "split_paragraphs",
+]
 
 EMBEDDED_SOURCE = "pydoc_data.topics"
 #: Every ``EVAL_EVERY``-th documentation topic (sorted by name) is evaluation text.
@@ -54,6 +62,52 @@ def embedded_text(split: str = "calibration") -> str:
     seen = set(calibration)
     evaluation = [p for k, e in zip(keys, is_eval) if e for p in split_paragraphs(topics[k], min_chars=1)]
     return "\n\n".join(p for p in evaluation if p not in seen)
+
+
+#: File endings that make a one-line string a file path (see :func:`looks_like_path`).
+PATH_SUFFIXES = (".txt", ".raw", ".text", ".tokens", ".md", ".rst", ".csv", ".tsv", ".json", ".jsonl", ".bin")
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether the string ``value`` is read as a file path rather than as text: it is one
+    line and it holds a path separator (``/``, or the platform's) or ends in one of
+    :data:`PATH_SUFFIXES` (case-insensitive). Such a string that names no file is an
+    error, never scored as text; literal text that looks like this goes in a list of
+    strings."""
+    if "\n" in value:
+        return False
+    return "/" in value or os.sep in value or value.lower().endswith(PATH_SUFFIXES)
+
+
+def read_text_file(path: str | os.PathLike, what: str) -> str:
+    """The contents of a UTF-8 text file, refused before any model sees it when it is not text.
+
+    Args:
+        path: the file.
+        what: the argument it was given as (``"calibration"``, ``"text"``), for the messages.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the bytes are not UTF-8 (a binary file, or text in another encoding) or
+            hold a NUL byte; the message names the file, the offset and the encoding expected.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}={str(path)!r}: " + ("a folder, not a text file" if path.is_dir() else "no such file"))
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")  # strict: a replacement character would turn bytes into "text"
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{what}={str(path)!r} is not a text file: byte {err.start} ({data[err.start:err.start + 1]!r}) is not "
+            "valid UTF-8; allowed: UTF-8 text (convert other encodings first)"
+        ) from None
+    nul = text.find("\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{what}={str(path)!r} is not a text file: it holds a NUL byte at offset {nul}; allowed: UTF-8 text"
+        )
+    return text
 
 
 def split_paragraphs(text: str, *, min_chars: int = 50) -> list[str]:
@@ -196,7 +250,7 @@ def _texts_from_source(calibration, *, num_prompts: int, seed: int) -> tuple[lis
                 f"calibration={str(calibration)!r} is not a file; pass a text file path, 'embedded', a list of "
                 "strings, a datasets.Dataset or a mapping with input_ids/attention_mask"
             )
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text_file(path, "calibration")
         paras = split_paragraphs(text)
         return _sample(paras, num_prompts, seed), (
             f"file:{path.name} ({len(paras)} paragraphs >= 50 chars, headings dropped, seed {seed})"

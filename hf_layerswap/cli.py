@@ -133,8 +133,23 @@ def _num_prompts(value) -> int:
     return n
 
 
+def _check_text_files(args) -> None:
+    """Refuse a --calibration or --eval-text that is missing or not UTF-8 text before the model loads."""
+    from .calibration import read_text_file
+
+    for flag in ("calibration", "eval_text"):
+        value = getattr(args, flag, "embedded")
+        if value != "embedded":
+            option = "--" + flag.replace("_", "-")
+            if not Path(value).is_file():
+                raise FileNotFoundError(f"{option} {value!r} is not a file; give a text file or 'embedded'")
+            read_text_file(value, option)
+
+
 def _load(args):
     from .models import load_model
+
+    _check_text_files(args)
 
     name = getattr(args, "model", None)
     print(f"loading {name} ...", file=sys.stderr, flush=True)
@@ -286,8 +301,6 @@ def run_demo(args) -> int:
 
     t_start = time.perf_counter()
     _check_output(args.output)
-    if args.eval_text != "embedded" and not Path(args.eval_text).is_file():  # found out before scoring, not after
-        raise FileNotFoundError(f"--eval-text {args.eval_text!r} is not a file; give a text file or 'embedded'")
     model, tokenizer = _load(args)
     num_layers = len(__import__("hf_layerswap").decoder_blocks(model)[2])
     num_probes = 3 * (num_layers - 1)

@@ -54,6 +54,7 @@ __all__ = [
     "PerplexityResult",
     "delta_ppl_ci",
     "delta_ppl_percent",
+    "check_causal_lm",
     "distinct_n",
     "evaluate_perplexity",
     "generation_check",
@@ -141,24 +142,46 @@ def _read_source(text) -> tuple[str, dict]:
         from .calibration import EMBEDDED_SOURCE, embedded_text
 
         return embedded_text("evaluation"), {"source": f"embedded:{EMBEDDED_SOURCE}", "split": "evaluation"}
+    from .calibration import looks_like_path, read_text_file
+
     if isinstance(text, os.PathLike) or (
-        isinstance(text, str) and "\n" not in text and len(text) < 4096 and Path(text).is_file()
+        isinstance(text, str) and "\n" not in text and len(text) < 4096 and (looks_like_path(text) or Path(text).is_file())
     ):
         path = Path(text)
         if not path.is_file():
-            raise ValueError(f"evaluation text file {str(path)!r} does not exist")
+            raise FileNotFoundError(
+                f"text={str(path)!r}: no such file (a one-line string with a path separator or a text-file suffix "
+                "is read as a path); pass literal text as a list of strings, e.g. [text]"
+            )
         dataset, split = KNOWN_SOURCES.get(path.name, (None, None))
         record = {"source": f"file:{path.name}", "split": split}
         if dataset:
             record["dataset"] = dataset
-        return path.read_text(encoding="utf-8"), record
+        return read_text_file(path, "text"), record
     if isinstance(text, str):
-        if not any(ch.isspace() for ch in text) and ("/" in text or os.sep in text or Path(text).suffix):
-            raise ValueError(f"evaluation text file {text!r} does not exist (a path-like string without spaces)")
         return text, {"source": "string", "split": None}
     if isinstance(text, Sequence) and all(isinstance(t, str) for t in text):
         return "\n\n".join(text), {"source": f"list of {len(text)} strings", "split": None}
     raise TypeError(f"text must be None, a path, a string or a list of strings; got {type(text).__name__}")
+
+
+def check_causal_lm(model, what: str = "perplexity") -> None:
+    """Refuse, before any forward pass, a model that cannot score next tokens: one with no
+    language-model head (``get_output_embeddings()`` is ``None``, e.g. ``BertModel``) or an
+    encoder-decoder model.
+
+    Raises:
+        ValueError: naming the model class and what is needed.
+    """
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model: {what} needs a decoder-only causal LM "
+                         "(AutoModelForCausalLM)")
+    head = getattr(model, "get_output_embeddings", None)
+    if config is None or head is None or head() is None:
+        raise ValueError(f"{name} has no language-model head (get_output_embeddings() is None): {what} needs a causal "
+                         "LM that returns next-token logits, e.g. one loaded with AutoModelForCausalLM")
 
 
 def _sha256_text(text: str) -> str:
@@ -281,9 +304,11 @@ def perplexity_from_ids(
         contract: extra fields merged into the result's ``contract``.
 
     Raises:
-        ValueError: bad ``window``/``stride``/``batch_size``, fewer than 2 tokens, or a
-            window longer than the model's ``max_position_embeddings``.
+        ValueError: bad ``window``/``stride``/``batch_size``, fewer than 2 tokens, a
+            window longer than the model's ``max_position_embeddings``, or a model that is
+            not a causal LM (:func:`check_causal_lm`).
     """
+    check_causal_lm(model)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
@@ -396,8 +421,11 @@ def evaluate_perplexity(
     Args:
         model: a causal LM (any dtype/device; evaluated in eval mode, no grad).
         text: ``None`` (the embedded evaluation split, :func:`~hf_layerswap.calibration.embedded_text`),
-            a path to a text file (e.g. WikiText-2 ``wiki.test.raw``), a string, or a list
-            of strings (joined with ``"\\n\\n"``).
+            a path to a UTF-8 text file (e.g. WikiText-2 ``wiki.test.raw``), a string, or a
+            list of strings (joined with ``"\\n\\n"``). A one-line string that holds a path
+            separator or ends in a file suffix (:func:`~hf_layerswap.calibration.looks_like_path`)
+            is a path: if no such file exists it is an error, never scored as text; give
+            such literal text as a list of strings.
         tokenizer: defaults to ``AutoTokenizer.from_pretrained(model.name_or_path)``.
         contract: ``"matched"`` (5,000 words, window 512, stride 256), ``"full"`` (all
             of the text, window 2048, stride 2048) or ``"rolling"`` (lm-eval's rolling
@@ -416,9 +444,12 @@ def evaluate_perplexity(
 
     Raises:
         ValueError: unknown ``contract``, bad window/stride/max_words, fewer than 2 tokens,
-            or no tokenizer available.
+            no tokenizer available, a file that is not UTF-8 text, or a model that is not a
+            causal LM.
+        FileNotFoundError: ``text`` names a file that does not exist.
         TypeError: ``text`` of an unsupported type.
     """
+    check_causal_lm(model)
     if contract == "rolling":  # lm-eval's loglikelihood_rolling, see hf_layerswap.rolling
         if stride is not None or max_words is not None or paper_token_count:
             raise ValueError("contract='rolling' takes window= (lm-eval's max_length) only, not stride/max_words")

@@ -272,7 +272,7 @@ def test_evaluate_perplexity_errors(tiny_lm, byte_tokenizer):
         evaluate_perplexity(tiny_lm, CORPUS, tokenizer=byte_tokenizer, contract="paper")
     with pytest.raises(ValueError, match="max_position_embeddings=256"):
         evaluate_perplexity(tiny_lm, CORPUS, tokenizer=byte_tokenizer, contract="full")
-    with pytest.raises(ValueError, match="wiki.tst.raw.*does not exist"):
+    with pytest.raises(FileNotFoundError, match="wiki.tst.raw.*no such file"):
         evaluate_perplexity(tiny_lm, "data/wiki.tst.raw", tokenizer=byte_tokenizer)
     with pytest.raises(TypeError, match="int"):
         evaluate_perplexity(tiny_lm, 5, tokenizer=byte_tokenizer)

@@ -18,6 +18,7 @@ from arch_matrix import build, prompts, single_thread, tiny_tokenizer
 from test_hub import TOKEN, hub  # noqa: F401 (hub: the loopback Hub fixture)
 
 import hf_layerswap as hl
+from hf_layerswap.evaluation import perplexity_from_ids
 
 PARAGRAPHS = [
     "Layer removal keeps the kept blocks in order, and the cache is renumbered after the cut.",
@@ -100,3 +101,135 @@ def test_published_files_carry_no_local_path_component(hub, tmp_path):  # noqa: 
         behind_separator = [name for name, data in files.items() if re.search(rb"[/\\]" + re.escape(bare.encode()), data)]
         assert behind_separator == []
     assert b'"ckpt-final"' in files["layerswap_report.json"]
+
+
+# --------------------------------------------------------------------------- 2. missing files
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def _count_forwards(model) -> list:
+    calls: list = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("name", ["my data/wiki.test.raw", "wiki.test.raw", "notes.TXT", "corpus/held-out"])
+def test_a_missing_file_is_refused_not_scored_as_text(llama, tokenizer, tmp_path, name):
+    missing = str(tmp_path / name) if "/" in name else name
+    calls, handle = _count_forwards(llama)
+    try:
+        with pytest.raises(FileNotFoundError) as err:
+            hl.evaluate_perplexity(llama, missing, tokenizer=tokenizer, bootstrap=0)
+        assert repr(missing) in str(err.value) and "no such file" in str(err.value)
+        assert "list of strings" in str(err.value)
+        for call in (lambda: hl.score_layers(llama, missing, tokenizer=tokenizer, progress=False),
+                     lambda: hl.build_calibration(missing, tokenizer)):
+            with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
+                call()
+        with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
+            hl.prune_loaded_model(llama, hl.LayerSwapConfig(num_layers=1, calibration=missing, tokenizer=tokenizer,
+                                                            progress=False))
+    finally:
+        handle.remove()
+    assert calls == []
+    assert hl.num_blocks(llama) == 6
+
+
+def test_literal_text_that_looks_like_a_path_goes_in_a_list(llama, tokenizer):
+    path_like = "see docs/usage.txt"
+    as_list = hl.evaluate_perplexity(llama, [path_like], tokenizer=tokenizer, window=16, stride=8, bootstrap=0)
+    assert as_list.contract["source"] == "list of 1 strings"
+    assert as_list.tokens == len(path_like) - 1  # one token per character, the first is context only
+    # prose with no separator and no file suffix stays text, and so does several lines of it
+    prose = hl.evaluate_perplexity(llama, "A plain sentence, no path.", tokenizer=tokenizer, window=16, stride=8,
+                                   bootstrap=0)
+    assert prose.contract["source"] == "string" and prose.tokens == 25
+    lines = hl.evaluate_perplexity(llama, "first line with a/b\nsecond line.txt", tokenizer=tokenizer, window=16,
+                                   stride=8, bootstrap=0)
+    assert lines.contract["source"] == "string"
+
+
+# --------------------------------------------------------------------------- 3. binary files
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "utf-16", "nul bytes"])
+def test_a_file_that_is_not_text_is_refused_before_any_forward_pass(llama, tokenizer, tmp_path, kind):
+    path = tmp_path / "b.bin"
+    if kind == "random bytes":
+        path.write_bytes(bytes(np_random_bytes(4096)))
+    elif kind == "utf-16":
+        path.write_bytes("\n\n".join(PARAGRAPHS).encode("utf-16"))
+    else:
+        path.write_bytes(("\n\n".join(PARAGRAPHS) + "\0\0\0").encode("utf-8"))
+    calls, handle = _count_forwards(llama)
+    try:
+        for what, call in (
+            ("calibration", lambda: hl.score_layers(llama, str(path), tokenizer=tokenizer, progress=False)),
+            ("calibration", lambda: hl.score_layers(llama, path, tokenizer=tokenizer, progress=False)),
+            ("text", lambda: hl.evaluate_perplexity(llama, str(path), tokenizer=tokenizer, bootstrap=0)),
+            ("text", lambda: hl.evaluate_perplexity(llama, path, tokenizer=tokenizer, bootstrap=0)),
+        ):
+            with pytest.raises(ValueError) as err:
+                call()
+            assert type(err.value) is ValueError  # not a bare UnicodeDecodeError
+            message = str(err.value)
+            assert message.startswith(f"{what}={str(path)!r} is not a text file"), message
+            assert "allowed: UTF-8 text" in message
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def np_random_bytes(n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_cli_refuses_a_binary_calibration_file_before_loading(tmp_path, capsys):
+    from hf_layerswap.cli import main
+
+    path = tmp_path / "b.bin"
+    path.write_bytes(bytes(np_random_bytes(4096)))
+    checkpoint = tmp_path / "ckpt"
+    build("llama").save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    capsys.readouterr()
+    for argv in (["score", str(checkpoint), "--calibration", str(path), "-o", str(tmp_path / "r.json")],
+                 ["prune", str(checkpoint), str(tmp_path / "out"), "--num-layers", "1", "--calibration", str(path)],
+                 ["demo", "--model", str(checkpoint), "--eval-text", str(path), "--output", str(tmp_path / "demo")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and f"{str(path)!r} is not a text file" in err and "UTF-8" in err
+        assert "loading" not in err
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- 5. non-causal models
+
+
+def test_perplexity_refuses_a_model_without_a_language_model_head(tokenizer):
+    from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
+
+    bert = BertModel(BertConfig(vocab_size=128, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32)).eval()
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                             num_heads=2)).eval()
+    for model, message in ((bert, "BertModel has no language-model head (get_output_embeddings() is None)"),
+                           (t5, "T5ForConditionalGeneration is an encoder-decoder model")):
+        calls, handle = _count_forwards(model)
+        try:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                hl.evaluate_perplexity(model, PARAGRAPHS, tokenizer=tokenizer, bootstrap=0)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                perplexity_from_ids(model, torch.arange(4, 40), window=16, stride=8, bootstrap=0)
+        finally:
+            handle.remove()
+        assert calls == []
