@@ -82,6 +82,10 @@ class LayerSwapConfig(QuantizationConfigMixin):
             candidate sets evaluated by joint removal KL; the lower is kept).
         max_gap, spacing, protect: scoring and selection rules, see
             :func:`~hf_layerswap.score_layers` and :func:`~hf_layerswap.select_layers`.
+            ``protect`` defaults to ``(0, -1)`` (first and last block) for a scored
+            selection; explicit ``layers`` are taken as given unless ``protect`` is given
+            too, and then a block in both is a contradiction (``ValueError``, at once or,
+            for negative indices, when the model's depth is known).
         calibration: calibration source (runtime only, never serialized); default: the
             embedded prose shipped with Python.
         tokenizer: tokenizer for text calibration (runtime only); default: loaded from
@@ -104,7 +108,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         protocol: str = "interchange",
         max_gap: int = 1,
         spacing: int | None = None,
-        protect: Sequence[int] = (0, -1),
+        protect: Sequence[int] | None = None,
         calibration=None,
         num_prompts: int = 64,
         seq_len: int = 128,
@@ -181,7 +185,12 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.strategy = strategy
         self.objective = objective
         self.max_evaluations = max_evaluations
-        self.protect = _int_list("protect", protect)
+        self._protect_given = protect is not None  # runtime only: explicit layers are checked against it
+        self.protect = _int_list("protect", (0, -1) if protect is None else protect)
+        if layers is not None and self._protect_given:
+            clash = sorted(set(layers) & set(self.protect))
+            if clash:
+                raise ValueError(_protect_clash(layers, self.protect, clash))
         self.calibration = calibration
         self.num_prompts = num_prompts
         self.seq_len = seq_len
@@ -199,7 +208,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         """Serializable fields only: calibration data and tokenizers never enter config.json."""
         from .models import public_name
 
-        out = {k: v for k, v in self.__dict__.items() if k not in RUNTIME_ONLY}
+        out = {k: v for k, v in self.__dict__.items() if k not in RUNTIME_ONLY and not k.startswith("_")}
         # a calibration file is recorded by its name: config.json gets published
         out["calibration"] = public_name(self.calibration) if isinstance(self.calibration, str) else None
         return out
@@ -207,6 +216,11 @@ class LayerSwapConfig(QuantizationConfigMixin):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "quant_method")
         return f"LayerSwapConfig({fields})"
+
+
+def _protect_clash(layers, protect, clash) -> str:
+    return (f"LayerSwapConfig(layers={list(layers)}, protect={list(protect)}) is contradictory: block(s) {clash} "
+            "would be removed and protected; drop them from layers or from protect")
 
 
 class LayerSwapQuantizer(HfQuantizer):
@@ -290,6 +304,12 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
 
     if cfg.layers is None and cfg.num_layers is not None:  # an impossible budget costs no scoring
         check_budget(cfg.num_layers, num_blocks(model), spacing=cfg.spacing, protect=cfg.protect)
+    if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
+        total = num_blocks(model)
+        clash = sorted({i % total for i in cfg.layers if -total <= i < total}
+                       & {i % total for i in cfg.protect if -total <= i < total})
+        if clash:
+            raise ValueError(_protect_clash(cfg.layers, cfg.protect, clash))
     needs_text = cfg.layers is None or cfg.recovery is not None or cfg.sparsity is not None
     calib = None
     if needs_text:

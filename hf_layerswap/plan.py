@@ -87,6 +87,10 @@ def decoder_config(model: nn.Module):
     return cfg
 
 
+#: Why a one-block model cannot lose a block (selection, removal and the config say the same).
+ONE_BLOCK = "a model with one block has nothing removable (at least one block must stay)"
+
+
 def num_blocks(model: nn.Module) -> int:
     """Number of decoder blocks L currently in the model."""
     return len(decoder_blocks(model)[2])

@@ -64,6 +64,7 @@ from torch import nn
 
 from .calibration import CalibrationSet, build_calibration, check_token_ids
 from .plan import (
+    ONE_BLOCK,
     _StopForward,
     apply_plan,
     decoder_blocks,
@@ -1439,7 +1440,7 @@ def score_layers(
         raise ValueError(f"protocols={protocols!r}: allowed a non-empty subset of {list(PROTOCOLS)}")
     num_layers = num_blocks(model)
     if num_layers < 2:
-        raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2")
+        raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2, and {ONE_BLOCK}")
     pairs = _pair_list(num_layers, max_gap)
     if adaptive is not None:
         if not isinstance(adaptive, AdaptiveBudget):

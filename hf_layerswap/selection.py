@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from .plan import as_index
+from .plan import ONE_BLOCK, as_index
 from .report import PROTOCOLS, SwapReport, _score_key, set_key
 
 __all__ = [
@@ -100,6 +100,8 @@ def check_budget(num_layers, total: int, *, spacing=1, protect: Sequence[int] | 
             ``protect`` entry, or more layers than the rules allow (the message says how
             many).
     """
+    if total < 2:
+        raise ValueError(f"num_layers={num_layers!r}: {ONE_BLOCK}")
     if as_index(num_layers) is None or not 1 <= as_index(num_layers) <= total - 1:
         raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
     if as_index(spacing) is None or as_index(spacing) < 0:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .plan import PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
+from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
 
@@ -139,7 +139,8 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     removed = resolve_layer_indices(layers, num_layers)
     kept = [i for i in range(num_layers) if i not in set(removed)]
     if not kept:
-        raise ValueError(f"removing {removed} would leave no block: at most {num_layers - 1} of {num_layers} can go")
+        most = ONE_BLOCK if num_layers == 1 else f"at most {num_layers - 1} of {num_layers} can go"
+        raise ValueError(f"removing {removed} would leave no block: {most}")
     problems = _refusals(model, cfg, num_layers)
     if problems:
         raise ValueError(f"cannot remove blocks from {type(model).__name__}: " + "; ".join(problems))

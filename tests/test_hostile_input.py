@@ -233,3 +233,54 @@ def test_perplexity_refuses_a_model_without_a_language_model_head(tokenizer):
         finally:
             handle.remove()
         assert calls == []
+
+
+# --------------------------------------------------------------------------- 6. one-block models
+
+ONE_BLOCK = "a model with one block has nothing removable (at least one block must stay)"
+
+
+def test_a_one_block_model_has_nothing_removable():
+    from hf_layerswap.selection import check_budget
+
+    model = build("llama", num_layers=1)
+    calls = [
+        ("num_layers=1: ", lambda: hl.prune_loaded_model(model, hl.LayerSwapConfig(
+            num_layers=1, calibration=prompts(), progress=False))),
+        ("num_layers=1: ", lambda: check_budget(1, 1)),
+        ("removing [0] would leave no block: ", lambda: hl.remove_layers(model, [0])),
+        ("removing [0] would leave no block: ", lambda: hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[-1]))),
+        ("the model has 1 block(s); swap tests need at least 2, and ",
+         lambda: hl.score_layers(model, prompts(), progress=False)),
+    ]
+    for prefix, call in calls:
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == prefix + ONE_BLOCK
+        assert "1..0" not in str(err.value)
+    assert hl.num_blocks(model) == 1
+
+
+# --------------------------------------------------------------------------- 8. contradictory config
+
+
+@pytest.mark.parametrize(("layers", "protect", "clash"), [([0], [0], [0]), ([2, -1], [1, -1], [-1]), ([1, 3], [3], [3])])
+def test_layers_that_are_also_protected_are_contradictory(layers, protect, clash):
+    with pytest.raises(ValueError) as err:
+        hl.LayerSwapConfig(layers=layers, protect=protect)
+    assert str(err.value) == (f"LayerSwapConfig(layers={layers}, protect={protect}) is contradictory: block(s) {clash} "
+                              "would be removed and protected; drop them from layers or from protect")
+
+
+def test_a_protected_block_named_from_the_other_end_is_caught_with_the_model():
+    model = build("llama")  # 6 blocks: -1 is block 5
+    config = hl.LayerSwapConfig(layers=[5], protect=[-1])
+    with pytest.raises(ValueError, match=re.escape("layers=[5], protect=[-1]) is contradictory: block(s) [5]")):
+        hl.prune_loaded_model(model, config)
+    assert hl.num_blocks(model) == 6
+    # explicit layers without an explicit protect are taken as given (block 0 included), and the
+    # hidden flag never reaches the serialized config
+    hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[0, 5]))
+    assert hl.num_blocks(model) == 4 and model.config.layerswap["removed_layers"] == [0, 5]
+    assert "_protect_given" not in hl.LayerSwapConfig(layers=[0]).to_dict()
+    assert hl.LayerSwapConfig().protect == [0, -1]
