@@ -1,5 +1,10 @@
 """Layer-removal criteria, ours and the field's, measured in one harness.
 
+The criteria that read the model are selection strategies, one module each in
+:mod:`hf_layerswap.selection` (and importable from here under their old names); this module
+holds the comparison harness (:func:`compare_criteria`), the controls (``random``,
+``tail``), report merging and the protocol-gap summary.
+
 Every criterion reads the same calibration prompts (a
 :class:`~hf_layerswap.calibration.CalibrationSet`), takes the same budget ``n`` (blocks to
 remove) and returns a :class:`CriterionResult`: the removed blocks (0-based, ascending),
@@ -8,39 +13,16 @@ and seconds. :func:`compare_criteria` then evaluates every removed set with one
 perplexity contract (:func:`~hf_layerswap.evaluation.evaluate_perplexity`) and one joint
 removal KL on the calibration prompts, so the numbers are comparable.
 
-Criteria (:data:`CRITERIA`):
-
-``block_influence``
-    ShortGPT (Men et al., arXiv 2403.03853): BI(l) = 1 - cos(x_l, x_{l+1}) between the raw
-    residual stream entering and leaving block l, per real token, averaged (mean over the
-    real tokens of a prompt, then over prompts); the n lowest go. Captured with forward
-    hooks on the blocks (:func:`~hf_layerswap.plan.capture_residual_stream`), not
-    ``output_hidden_states``, whose last entry is after the final norm.
-``angular_distance``
-    Gromov et al., "The Unreasonable Ineffectiveness of the Deeper Layers" (arXiv
-    2403.17887): d(l, n) = arccos(cos(x_l, x_{l+n})) / pi between the stream entering block
-    l and the stream leaving block l+n-1, at the last real token of each prompt, averaged
-    over prompts; the contiguous run ``l..l+n-1`` with the smallest d goes.
-``single_removal_kl``
-    d_skip({l}) = E_x KL(p_M || p_{M-{l}}) for every block, one-shot ranking: the n lowest go.
-``sleb``
-    SLEB (Song et al., ICML 2024): iterative greedy removal; at each step every remaining
-    block is removed tentatively and the one whose removal gives the lowest calibration
-    NLL goes, then all remaining blocks are re-scored.
-``random``
-    n blocks drawn uniformly (seeded), ``draws`` independent draws (mean and spread).
-``tail``
-    The last n blocks before the final one: ``L-1-n .. L-2``.
-``replacement`` / ``interchange`` / ``auto``
-    No Free Swap (arXiv 2605.16234): the paper's greedy rule on the replacement or
-    interchange swap-KL layer scores (:func:`~hf_layerswap.selection.select_layers`);
-    ``auto`` keeps whichever protocol's set has the lower joint removal KL.
-``interchange_beam``
-    The paper's interchange-seeded beam search (App. G/K): the first level scores the
-    ``seed_size`` layers with the lowest gap-1 interchange score, each later level expands
-    every beam by every allowed block, ``width`` beams survive. Candidates are scored by
-    an evaluator on the calibration prompts only (joint removal KL or NLL), never on the
-    evaluation text; the number of evaluator calls is reported.
+Criteria (:data:`CRITERIA`): ``block_influence`` (ShortGPT) and ``angular_distance``
+(Gromov et al.) in :mod:`hf_layerswap.selection.geometry`; ``single_removal_kl``
+(:mod:`~hf_layerswap.selection.single_removal`); ``sleb`` (:mod:`~hf_layerswap.selection.sleb`);
+``replacement`` / ``interchange`` / ``auto``, the paper's rule per protocol and the better of
+the two (:mod:`~hf_layerswap.selection.greedy`); ``interchange_beam``, the paper's beam
+(:mod:`~hf_layerswap.selection.beam`); ``search`` / ``search_ghosted``, the default
+protocol-guided search (:mod:`~hf_layerswap.selection.search`); and two controls defined
+here: ``random`` (n blocks drawn uniformly, seeded, ``draws`` draws) and ``tail`` (the last
+n blocks before the final one, ``L-1-n .. L-2``). Every searching criterion scores its
+candidates on the calibration prompts only, never on the evaluation text.
 
 Cost units: a *forward pass* is one sweep of the model over every calibration prompt
 (possibly starting at a later block by prefix reuse, see :mod:`hf_layerswap.scoring`);
@@ -59,30 +41,32 @@ import random as _random
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .calibration import CalibrationSet, build_calibration
-from .plan import (
-    apply_plan,
-    capture_residual_stream,
-    first_difference,
-    interchange_plan,
-    num_blocks,
-    removal_plan,
-    replacement_plan,
-)
-from .report import PairResult, SwapReport, _score_key, set_key, write_json_atomic
+from .evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity
+from .models import model_identity
+from .plan import apply_plan, num_blocks, removal_plan
+from .report import PairResult, SwapReport, set_key, write_json_atomic
 from .report import _decode_tree as _decode
 from .report import _encode_tree as _encode
-from .selection import greedy_select, resolve_protect, select_layers
+from .rule import resolve_protect
+from .selection.beam import BEAM_EVALUATORS, interchange_beam
+from .selection.common import CriterionResult, _allowed, _budgets, _out, _score, _setup
+from .selection.geometry import angular_distance, block_influence
+from .selection.greedy import swap_guided
+from .selection.objectives import plan_nll
+from .selection.objectives import _removal_kl_values
+from .selection.search import search_criterion
+from .selection.single_removal import single_removal_kl
+from .selection.sleb import sleb
+from .surgery import remove_layers
 
 __all__ = [
+    "BEAM_EVALUATORS",
     "CRITERIA",
     "DEFAULT_CRITERIA",
     "CriterionComparison",
@@ -104,495 +88,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Beam evaluators: joint removal KL (nats) or calibration NLL (nats per token).
-BEAM_EVALUATORS = ("removal_kl", "nll")
-
-
-# ----------------------------------------------------------------------------- result type
-
-
-@dataclass
-class CriterionResult:
-    """What a criterion chose for budget ``n`` and what it cost.
-
-    Attributes:
-        name: criterion name (a key of :data:`CRITERIA`).
-        n: the budget (number of blocks removed).
-        removed: removed blocks, 0-based, ascending (for ``random``: the first draw; all
-            draws are in ``details["draws"]``).
-        scores: per-layer scores (length L, low = removable) when the method has them,
-            else ``None`` (angular distance is per run: ``details["distance_by_start"]``).
-        forward_passes: calibration-set sweeps spent to obtain this set.
-        block_passes: block forward calls over the calibration set (a full forward = L).
-        seconds: wall-clock seconds spent (measured; for iterative methods cumulative up
-            to this ``n``).
-        evaluator_calls: candidate sets scored by a search (SLEB, beam); ``None`` for
-            one-shot methods.
-        details: method-specific facts (parameters, per-step tables, beams, draws).
-    """
-
-    name: str
-    n: int
-    removed: list[int]
-    scores: list[float] | None
-    forward_passes: int
-    block_passes: int
-    seconds: float
-    evaluator_calls: int | None = None
-    details: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> CriterionResult:
-        data = _decode(dict(data))
-        return cls(**data)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _calibration(model, calibration, tokenizer) -> CalibrationSet:
-    if isinstance(calibration, CalibrationSet):
-        return calibration
-    if tokenizer is None:
-        tokenizer = getattr(model, "layerswap_tokenizer", None)
-    return build_calibration(calibration, tokenizer)
-
-
-def _budgets(n, num_layers: int) -> tuple[list[int], bool]:
-    """(sorted unique budgets, whether a single int was given)."""
-    single = isinstance(n, int) and not isinstance(n, bool)
-    values = [n] if single else list(n)
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= num_layers - 1:
-            raise ValueError(f"budget n={v!r}: allowed ints 1..{num_layers - 1} for a model with {num_layers} blocks")
-    if not values:
-        raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
-    return sorted(set(values)), single
-
-
-def _out(results: dict[int, CriterionResult], single: bool):
-    return next(iter(results.values())) if single else results
-
-
-def _allowed(num_layers: int, protect) -> list[int]:
-    protected = resolve_protect(protect, num_layers)
-    return [i for i in range(num_layers) if i not in protected]
-
-
-def _plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int) -> tuple[int, int]:
-    """(forward passes, block passes) of one reference sweep plus one sweep per plan with
-    prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
-    blocks = num_layers
-    for plan in plans.values():
-        start = first_difference(plan, num_layers)
-        if start >= len(plan) and len(plan) == num_layers:
-            continue
-        blocks += len(plan) - min(start, len(plan) - 1)
-    return 1 + len(plans), blocks
-
-
-def _setup(model, calibration, tokenizer, n) -> tuple[CalibrationSet, int, list[int], bool]:
-    """(calibration set, L, sorted budgets, whether one int budget was given)."""
-    calib = _calibration(model, calibration, tokenizer)
-    num_layers = num_blocks(model)
-    if num_layers < 2:
-        raise ValueError(f"the model has {num_layers} block(s); layer removal needs at least 2")
-    budgets, single = _budgets(n, num_layers)
-    return calib, num_layers, budgets, single
-
-
-# ----------------------------------------------------------------------------- NLL engine
-
-
-def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-prompt summed next-token NLL (nats) over real targets: position t predicts t+1
-    where both are real. Returns ``(B,)`` float64; fp32 log-softmax, chunked."""
-    bsz, seqlen, vocab = logits.shape
-    target_mask = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
-    rows = target_mask.reshape(-1).nonzero().squeeze(1)
-    flat_logits = logits[:, :-1].reshape(-1, vocab)
-    flat_targets = input_ids[:, 1:].reshape(-1)
-    prompt_of_row = rows // (seqlen - 1)
-    sums = torch.zeros(bsz, dtype=torch.float64)
-    for start in range(0, rows.numel(), 256):
-        idx = rows[start : start + 256]
-        nll = F.cross_entropy(flat_logits.index_select(0, idx).float(), flat_targets.index_select(0, idx), reduction="none")
-        sums.index_add_(0, prompt_of_row[start : start + 256].cpu(), nll.double().cpu())
-    return sums
-
-
-@torch.no_grad()
-def plan_nll(
-    model: nn.Module,
-    calibration: CalibrationSet,
-    plans: Mapping[Hashable, Sequence[int]],
-    *,
-    batch_size: int = 8,
-) -> tuple[dict[Hashable, torch.Tensor], torch.Tensor, dict]:
-    """Calibration next-token NLL of the model under every plan, with prefix reuse.
-
-    The identity plan runs once per batch (it gives the reference NLL and the residual
-    stream entering every slot); a plan that first differs from identity at slot s starts
-    from the cached stream entering s.
-
-    Args:
-        model: a causal LM with L decoder blocks.
-        calibration: ``N`` right-padded prompts.
-        plans: name -> block plan (see :mod:`hf_layerswap.plan`).
-        batch_size: prompts per forward pass.
-
-    Returns:
-        ``(values, counts, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of
-        per-prompt summed NLL in nats (targets: every real token after the first);
-        ``counts`` the ``(N,)`` number of predicted tokens per prompt; ``stats`` has
-        ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
-        ``block_passes`` and ``seconds``. Calibration NLL per token of a plan is
-        ``values[name].sum() / counts.sum()``.
-
-    The model is left exactly as it was.
-    """
-    num_layers = num_blocks(model)
-    plans = {name: list(plan) for name, plan in plans.items()}
-    starts = {name: first_difference(plan, num_layers) for name, plan in plans.items()}
-    needed = sorted({min(s, len(plans[k]) - 1) for k, s in starts.items() if 0 < min(s, len(plans[k]) - 1)})
-    values: dict[Hashable, list[torch.Tensor]] = {name: [] for name in plans}
-    base, counts = [], []
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    t0 = time.perf_counter()
-    try:
-        for ids, mask in calibration.batches(batch_size):
-            ids, mask = ids.to(device), mask.to(device)
-            streams, logits = capture_residual_stream(model, ids, mask, slots=needed or [0], compute_logits=True)
-            ref = _masked_nll(logits, ids, mask)
-            del logits
-            base.append(ref)
-            counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
-            for name, plan in plans.items():
-                start = starts[name]
-                if start >= len(plan) and len(plan) == num_layers:
-                    values[name].append(ref.clone())
-                    continue
-                start = min(start, len(plan) - 1)
-                kwargs = {"start": start, "start_hidden": streams[start]} if start > 0 else {}
-                with apply_plan(model, plan, **kwargs):
-                    out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                values[name].append(_masked_nll(out, ids, mask))
-                del out
-            del streams
-    finally:
-        model.train(was_training)
-    passes, blocks = _plans_cost(plans, num_layers)
-    stats = {
-        "base": torch.cat(base),
-        "forward_passes": passes,
-        "block_passes": blocks,
-        "seconds": time.perf_counter() - t0,
-    }
-    return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
-
-
-def _removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
-    """Joint removal KL (nats) of each set, one shared reference sweep (plan_kl)."""
-    from .scoring import plan_kl
-
-    num_layers = num_blocks(model)
-    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
-    values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
-    passes, blocks = _plans_cost(plans, num_layers)
-    return [float(values[k].mean()) for k in range(len(sets))], {
-        "forward_passes": passes,
-        "block_passes": blocks,
-        "seconds": stats["seconds"],
-    }
-
-
-def _removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
-    """Calibration NLL per token (nats) with each set removed, one shared reference sweep."""
-    num_layers = num_blocks(model)
-    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
-    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size)
-    total = float(counts.sum())
-    return [float(values[k].sum()) / total for k in range(len(sets))], stats
-
-
-# ----------------------------------------------------------------------------- geometry criteria
-
-
-@torch.no_grad()
-def _stream_geometry(model, calibration: CalibrationSet, batch_size: int):
-    """One stream-capture sweep: per-prompt BI per block ``(N, L)`` (float64) and the
-    residual stream at each prompt's last real token for every slot ``(N, L+1, H)``."""
-    num_layers = num_blocks(model)
-    bi_rows, last_rows = [], []
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        for ids, mask in calibration.batches(batch_size):
-            ids, mask = ids.to(device), mask.to(device)
-            streams, _ = capture_residual_stream(model, ids, mask)
-            real = mask.bool()
-            per_prompt = mask.sum(dim=1).double()
-            bi = torch.empty(ids.shape[0], num_layers, dtype=torch.float64)
-            for layer in range(num_layers):
-                cos = F.cosine_similarity(streams[layer].double(), streams[layer + 1].double(), dim=-1)
-                bi[:, layer] = ((1.0 - cos) * real).sum(dim=1).cpu() / per_prompt.cpu()
-            last = mask.sum(dim=1) - 1
-            rows = torch.arange(ids.shape[0], device=ids.device)
-            stacked = torch.stack([streams[s][rows, last] for s in range(num_layers + 1)], dim=1)
-            bi_rows.append(bi)
-            last_rows.append(stacked.double().cpu())
-            del streams
-    finally:
-        model.train(was_training)
-    return torch.cat(bi_rows), torch.cat(last_rows)
-
-
-def block_influence(
-    model: nn.Module,
-    calibration,
-    n: int | Sequence[int],
-    *,
-    tokenizer=None,
-    protect: Sequence[int] = (),
-    batch_size: int = 8,
-):
-    """ShortGPT's Block Influence: remove the ``n`` blocks with the lowest BI.
-
-    BI(l) = 1 - cos(x_l, x_{l+1}), where x_l ``(B, T, H)`` is the raw residual stream
-    entering block l and x_{l+1} the stream leaving it (both captured by forward hooks, so
-    the last block's output is taken before the final norm). Per token, cosine over the
-    hidden dimension in float64; averaged over the real tokens of each prompt, then over
-    prompts. Dimensionless, in [0, 2]; low = the block barely turns the stream.
-
-    Args:
-        model: a transformers causal LM.
-        calibration: a :class:`~hf_layerswap.calibration.CalibrationSet` or any source
-            :func:`~hf_layerswap.calibration.build_calibration` accepts (with ``tokenizer``).
-        n: budget, or a list of budgets (then a dict ``{n: CriterionResult}`` is returned,
-            all from one sweep).
-        protect: blocks never removed (ShortGPT protects none; negative = from the end).
-        batch_size: prompts per forward pass.
-
-    Returns:
-        :class:`CriterionResult` (``scores`` = BI per block). Cost: one forward pass (no
-        logits).
-
-    Raises:
-        ValueError: a budget outside ``1..L-1`` or larger than the unprotected blocks.
-    """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    t0 = time.perf_counter()
-    bi, _ = _stream_geometry(model, calib, batch_size)
-    seconds = time.perf_counter() - t0
-    scores = [float(v) for v in bi.mean(dim=0)]
-    results = {}
-    for b in budgets:
-        removed = greedy_select(scores, b, spacing=0, protect=protect)
-        results[b] = CriterionResult(
-            "block_influence", b, removed, scores, 1, num_layers, seconds,
-            details={"protect": sorted(resolve_protect(protect, num_layers)), "token_averaging": "per prompt, then prompts",
-                     "capture": "forward hooks on the blocks (raw residual stream, before the final norm)"},
-        )
-    return _out(results, single)
-
-
-def angular_distance(
-    model: nn.Module,
-    calibration,
-    n: int | Sequence[int],
-    *,
-    tokenizer=None,
-    protect: Sequence[int] = (),
-    batch_size: int = 8,
-):
-    """Gromov et al. (arXiv 2403.17887): remove the contiguous run of ``n`` blocks whose
-    input and output are closest in angle.
-
-    d(l, n) = arccos(cos(x_l, x_{l+n})) / pi, where x_l ``(H,)`` is the raw residual
-    stream entering block l and x_{l+n} the stream leaving block l+n-1, both at the last
-    real token of a prompt; averaged over prompts. In [0, 1]. The run ``l*..l*+n-1`` with
-    the smallest d is removed (ties: the earliest start); runs touching a protected block
-    are skipped.
-
-    Args:
-        n: budget or list of budgets (one sweep serves all).
-        protect: blocks a run may not contain (the paper scans every start: default none).
-        Others as in :func:`block_influence`.
-
-    Returns:
-        :class:`CriterionResult` with ``scores=None`` and ``details["distance_by_start"]``
-        (length L-n+1; ``None`` for runs touching a protected block). Cost: one forward
-        pass (no logits).
-
-    Raises:
-        ValueError: a budget outside ``1..L-1``, or no run of ``n`` unprotected blocks.
-    """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    protected = resolve_protect(protect, num_layers)
-    t0 = time.perf_counter()
-    _, last = _stream_geometry(model, calib, batch_size)
-    seconds = time.perf_counter() - t0
-    results = {}
-    for b in budgets:
-        distances: list[float | None] = []
-        for start in range(num_layers - b + 1):
-            if protected & set(range(start, start + b)):
-                distances.append(None)
-                continue
-            cos = F.cosine_similarity(last[:, start], last[:, start + b], dim=-1).clamp(-1.0, 1.0)
-            distances.append(float((torch.arccos(cos) / math.pi).mean()))
-        valid = [(d, s) for s, d in enumerate(distances) if d is not None]
-        if not valid:
-            raise ValueError(f"no run of {b} consecutive blocks avoids protect={sorted(protected)}")
-        best = min(valid, key=lambda t: (_score_key(t[0]), t[1]))[1]
-        results[b] = CriterionResult(
-            "angular_distance", b, list(range(best, best + b)), None, 1, num_layers, seconds,
-            details={"distance_by_start": distances, "best_start": best, "protect": sorted(protected),
-                     "token": "last real token of each prompt"},
-        )
-    return _out(results, single)
-
-
-# ----------------------------------------------------------------------------- output-grounded baselines
-
-
-def single_removal_kl(
-    model: nn.Module,
-    calibration,
-    n: int | Sequence[int],
-    *,
-    tokenizer=None,
-    protect: Sequence[int] = (0, -1),
-    batch_size: int = 8,
-    resume: CriterionResult | None = None,
-):
-    """One-shot ranking by the single-block removal KL d_skip({l}) = E_x KL(p_M || p_{M-{l}})
-    (nats; mean over real tokens per prompt, then over prompts; fp32 log-softmax).
-
-    Every block is scored (L removal probes sharing one reference sweep, with prefix
-    reuse); the ``n`` unprotected blocks with the lowest values are removed (no spacing).
-
-    Args:
-        resume: a result of this criterion for a smaller budget with the same ``protect``:
-            its per-block scores (and their cost) are reused, nothing is scored again.
-
-    Returns:
-        :class:`CriterionResult` (``scores`` = d_skip per block). Cost: L+1 forward passes.
-
-    Raises:
-        ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks, or a
-            ``resume`` of another criterion, budget or protection.
-    """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    if resume is not None:
-        _check_resume(resume, "single_removal_kl", budgets, protect=sorted(resolve_protect(protect, num_layers)))
-        values = list(resume.scores)
-        stats = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
-    else:
-        values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_layers)], batch_size)
-    results = {}
-    for b in budgets:
-        removed = greedy_select(values, b, spacing=0, protect=protect)
-        results[b] = CriterionResult(
-            "single_removal_kl", b, removed, values, stats["forward_passes"], stats["block_passes"], stats["seconds"],
-            details={"protect": sorted(resolve_protect(protect, num_layers)), "unit": "nats"},
-        )
-    return _out(results, single)
-
-
-def sleb(
-    model: nn.Module,
-    calibration,
-    n: int | Sequence[int],
-    *,
-    tokenizer=None,
-    protect: Sequence[int] = (0, -1),
-    batch_size: int = 8,
-    resume: CriterionResult | None = None,
-):
-    """SLEB (Song et al., ICML 2024): iterative greedy block removal by calibration NLL.
-
-    Step k tentatively removes each remaining unprotected block from the current set
-    (a removal plan, no weight copies), computes the calibration NLL per token
-    (:func:`plan_nll`; nats, pooled over all predicted tokens, i.e. log PPL), and removes
-    the block with the lowest NLL (ties: lowest index). All remaining blocks are
-    re-scored after each removal. SLEB's first and last blocks are never removed
-    (``protect=(0, -1)``, its ``early_barrier``/``latter_barrier`` of 1).
-
-    Args:
-        n: budget or list of budgets; the search runs once to the largest, and each
-            budget's result is the prefix of that run with the cost spent up to it.
-        resume: a SLEB result for a smaller budget on the same model, prompts and
-            ``protect``: the search continues from it (same sets and costs as one run).
-
-    Returns:
-        :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
-        for protected blocks); ``details["steps"]`` = per step the chosen block and every
-        candidate's NLL. ``evaluator_calls`` = candidate sets scored.
-
-    Raises:
-        ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
-    """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    allowed = _allowed(num_layers, protect)
-    if budgets[-1] > len(allowed):
-        raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
-    removed: list[int] = []
-    steps, results = [], {}
-    passes = blocks = calls = 0
-    seconds = 0.0
-    first_scores: list[float | None] = [None] * num_layers
-    base_nll = None
-    first_step = 1
-    if resume is not None:
-        _check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_layers)))
-        removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
-        passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
-        first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
-    for k in range(first_step, budgets[-1] + 1):
-        candidates = [b for b in allowed if b not in removed]
-        sets = [sorted(removed + [b]) for b in candidates]
-        nll, stats = _removal_nll_values(model, calib, sets, batch_size)
-        if base_nll is None:
-            base_nll = float(stats["base"].sum()) / float(_num_targets(calib))
-        passes += stats["forward_passes"]
-        blocks += stats["block_passes"]
-        seconds += stats["seconds"]
-        calls += len(sets)
-        best = min(range(len(candidates)), key=lambda c: (_score_key(nll[c]), candidates[c]))
-        if k == 1:
-            for b, v in zip(candidates, nll):
-                first_scores[b] = v
-        removed = sets[best]
-        steps.append({"removed": candidates[best], "nll": nll[best], "candidates": dict(zip(map(str, candidates), nll))})
-        if k in budgets:
-            results[k] = CriterionResult(
-                "sleb", k, list(removed), first_scores, passes, blocks, seconds, evaluator_calls=calls,
-                details={"protect": sorted(resolve_protect(protect, num_layers)), "base_nll": base_nll,
-                         "unit": "nats per token", "steps": copy.deepcopy(steps)},
-            )
-    return _out(results, single)
-
-
-def _check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **expected) -> None:
-    if resume.name != name or resume.n >= min(budgets):
-        raise ValueError(
-            f"resume must be a {name!r} result for a budget below {min(budgets)}; got {resume.name!r} at n={resume.n}"
-        )
-    for key, value in expected.items():
-        if resume.details.get(key) != value:
-            raise ValueError(f"resume was run with {key}={resume.details.get(key)!r}, not {value!r}")
-
-
-def _num_targets(calib: CalibrationSet) -> int:
-    m = calib.attention_mask
-    return int((m[:, 1:] * m[:, :-1]).sum())
+# ----------------------------------------------------------------------------- controls
 
 
 def random_removal(
@@ -711,254 +207,6 @@ def merge_reports(*reports: SwapReport) -> SwapReport:
     return merged
 
 
-def _gap1(report: SwapReport) -> SwapReport:
-    """The adjacent-pair part of a report (the paper's selection uses gap-1 scores)."""
-    if report.max_gap == 1:
-        return report
-    sub = SwapReport(report.num_layers, [p for p in report.pairs if p.gap == 1], protocols=report.protocols,
-                     max_gap=1, metadata=report.metadata)
-    sub.removal_kl = report.removal_kl
-    return sub
-
-
-def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int, float, bool]:
-    """(forward passes, block passes, seconds, estimated) of scoring the adjacent pairs of
-    ``protocols`` with prefix reuse.
-
-    Passes are exact counts of the probes. Seconds are the report's measured time when it
-    scored exactly these probes; otherwise that time scaled by the share of block passes,
-    and ``estimated`` is True."""
-    num_layers = report.num_layers
-
-    def plans_for(pairs, protos):
-        plans = {}
-        for p in pairs:
-            if "interchange" in protos:
-                plans[("interchange", p.i, p.j)] = interchange_plan(num_layers, p.i, p.j)
-            if "replacement" in protos:
-                plans[("replacement_ij", p.i, p.j)] = replacement_plan(num_layers, p.i, p.j)
-                plans[("replacement_ji", p.i, p.j)] = replacement_plan(num_layers, p.j, p.i)
-        return plans
-
-    passes, blocks = _plans_cost(plans_for([p for p in report.pairs if p.gap == 1], protocols), num_layers)
-    all_passes, all_blocks = _plans_cost(plans_for(report.pairs, report.protocols), num_layers)
-    seconds = float(report.metadata.get("seconds", 0.0))
-    estimated = (passes, blocks) != (all_passes, all_blocks)
-    if estimated:
-        seconds *= blocks / all_blocks
-    return passes, blocks, seconds, estimated
-
-
-def _score(model, calib, protocols, batch_size, checkpoint_path=None) -> SwapReport:
-    from .scoring import score_layers
-
-    return score_layers(model, calib, protocols=protocols, max_gap=1, batch_size=batch_size, progress=False,
-                        checkpoint_path=checkpoint_path)
-
-
-def swap_guided(
-    model: nn.Module,
-    calibration,
-    n: int | Sequence[int],
-    *,
-    protocol: str = "interchange",
-    report: SwapReport | None = None,
-    tokenizer=None,
-    spacing: int = 1,
-    protect: Sequence[int] = (0, -1),
-    batch_size: int = 8,
-):
-    """No Free Swap's guided selection (arXiv 2605.16234, Table 17 rule).
-
-    Layer scores s(i) = min over adjacent partners of the replacement or interchange
-    swap-KL (nats); :func:`~hf_layerswap.selection.select_layers` takes them greedily in
-    ascending order keeping selected blocks more than ``spacing`` apart. ``"auto"`` selects
-    with both protocols and keeps the set with the lower joint removal KL on the
-    calibration prompts.
-
-    Args:
-        protocol: ``"replacement"``, ``"interchange"`` or ``"auto"``.
-        report: a :class:`~hf_layerswap.report.SwapReport` of this model on these
-            calibration prompts (any ``max_gap``; its adjacent pairs are used). Without
-            one, the needed protocols are scored here (``max_gap=1``).
-
-    Returns:
-        :class:`CriterionResult` (``scores`` = s(i) of the protocol; for ``"auto"`` those
-        of the chosen protocol). Cost: the scoring probes of the protocols used (1 +
-        (L-1) forward passes for interchange, 1 + 2(L-1) for replacement), plus for
-        ``"auto"`` the removal-KL sweeps of the two candidate sets when they differ.
-        ``details["seconds_estimated"]`` is True when the report scored more than the
-        protocol needs and its time was apportioned by block passes.
-
-    Raises:
-        ValueError: an unknown protocol, a report lacking the protocol, or an unmeetable budget.
-    """
-    if protocol not in ("replacement", "interchange", "auto"):
-        raise ValueError(f"protocol={protocol!r}: allowed 'replacement', 'interchange' or 'auto'")
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    needed = ("replacement", "interchange") if protocol == "auto" else (protocol,)
-    if report is None:
-        report = _score(model, calib, needed, batch_size)
-    missing = [p for p in needed if p not in report.protocols]
-    if missing:
-        raise ValueError(f"the report did not score {missing} (scored: {list(report.protocols)})")
-    if report.num_layers != num_layers:
-        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
-    sub = _gap1(report)
-    passes, blocks, seconds, estimated = _report_cost(report, needed)
-    results = {}
-    for b in budgets:
-        extra_passes = extra_blocks = 0
-        extra_seconds = 0.0
-        details = {"protocol": protocol, "spacing": spacing, "protect": sorted(resolve_protect(protect, num_layers)),
-                   "score_pairs": "adjacent (gap 1)", "seconds_estimated": estimated, "unit": "nats"}
-        if protocol == "auto":
-            candidates = {p: greedy_select(sub.layer_scores(p), b, spacing=spacing, protect=protect) for p in needed}
-            distinct = {set_key(s): s for s in candidates.values()}
-            todo = [s for k, s in distinct.items() if k not in sub.removal_kl]
-            if len(distinct) > 1:
-                extra_passes, extra_blocks = _plans_cost(
-                    {k: removal_plan(num_layers, s) for k, s in distinct.items()}, num_layers)
-                if todo:
-                    values, stats = _removal_kl_values(model, calib, todo, batch_size)
-                    sub.removal_kl.update({set_key(s): v for s, v in zip(todo, values)})
-                    extra_seconds = stats["seconds"]
-            removed = select_layers(sub, b, protocol="auto", spacing=spacing, protect=protect)
-            record = sub.selections[-1]
-            chosen = record["chosen_protocol"]
-            details.update({"candidates": record["candidates"], "removal_kl": record["removal_kl"],
-                            "chosen_protocol": chosen, "reason": record["reason"]})
-            scores = sub.layer_scores(chosen)
-        else:
-            removed = select_layers(sub, b, protocol=protocol, spacing=spacing, protect=protect)
-            scores = sub.layer_scores(protocol)
-        results[b] = CriterionResult(
-            protocol, b, removed, scores, passes + extra_passes, blocks + extra_blocks, seconds + extra_seconds,
-            details=details,
-        )
-    return _out(results, single)
-
-
-def interchange_beam(
-    model: nn.Module,
-    calibration,
-    n: int | Sequence[int],
-    *,
-    report: SwapReport | None = None,
-    tokenizer=None,
-    evaluator: str = "removal_kl",
-    width: int = 3,
-    seed_size: int = 12,
-    protect: Sequence[int] = (0, -1),
-    include_greedy: bool = True,
-    batch_size: int = 8,
-    resume: CriterionResult | None = None,
-):
-    """The paper's interchange-seeded beam search (No Free Swap, App. G/K), scored on the
-    calibration prompts only.
-
-    Level 1 scores the single-block sets of the ``seed_size`` unprotected blocks with the
-    lowest gap-1 interchange score s(i); level k > 1 expands each of the ``width`` best
-    sets of level k-1 by every unprotected block not in it. Candidates are scored by the
-    evaluator and cached (a set is never scored twice); the ``width`` lowest survive
-    (ties: lexicographically smallest set). With ``include_greedy`` the interchange-guided
-    greedy set of size k (Table 17 rule, spacing 1) also enters level k's pool, so the
-    returned set never scores worse than it under the same evaluator. The paper scored
-    candidates with the evaluation perplexity itself; here the evaluator only ever sees
-    the calibration prompts, so the evaluation text stays held out.
-
-    Args:
-        evaluator: ``"removal_kl"`` (joint removal KL d_skip(S), nats) or ``"nll"``
-            (calibration NLL per token, nats).
-        width: beam width (paper: 3). seed_size: level-1 seeds (paper: 12; capped at the
-            unprotected blocks).
-        report: a SwapReport with the interchange protocol (adjacent pairs used); scored
-            here when ``None``.
-        n: budget or list of budgets; the search runs to the largest and reports each
-            level's best set with the cost spent up to it.
-        resume: a beam result for a smaller budget with the same settings: the search
-            continues from its last level's beams (level k+1 only scores sets of size
-            k+1, so the sets and costs equal those of one run).
-
-    Returns:
-        :class:`CriterionResult` with ``evaluator_calls`` (distinct sets scored up to this
-        level), ``details["levels"]`` (per level: calls, the surviving beams and their
-        scores, the greedy set's score) and ``details["score"]`` (the evaluator's value
-        of the returned set). Cost includes the interchange scoring.
-
-    Raises:
-        ValueError: an unknown evaluator, ``width``/``seed_size`` < 1, a report without
-            interchange scores, or a budget above the unprotected blocks.
-    """
-    if evaluator not in BEAM_EVALUATORS:
-        raise ValueError(f"evaluator={evaluator!r}: allowed {list(BEAM_EVALUATORS)} (calibration prompts only)")
-    for name, value in (("width", width), ("seed_size", seed_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    allowed = _allowed(num_layers, protect)
-    if budgets[-1] > len(allowed):
-        raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
-    if report is None:
-        report = _score(model, calib, ("interchange",), batch_size)
-    if "interchange" not in report.protocols:
-        raise ValueError(f"the beam is seeded by interchange scores; the report scored {list(report.protocols)}")
-    sub = _gap1(report)
-    passes, blocks, seconds, estimated = _report_cost(report, ("interchange",))
-    scores = sub.layer_scores("interchange")
-    seeds = sorted(allowed, key=lambda i: (_score_key(scores[i]), i))[:seed_size]
-    score_fn = _removal_kl_values if evaluator == "removal_kl" else _removal_nll_values
-    cache: dict[str, float] = {}
-    beams: list[list[int]] = []
-    levels, results = [], {}
-    calls = 0
-    first_level = 1
-    if resume is not None:
-        _check_resume(resume, "interchange_beam", budgets, evaluator=evaluator, width=width, seed_size=seed_size,
-                      seeds=seeds, include_greedy=include_greedy, protect=sorted(resolve_protect(protect, num_layers)))
-        levels = copy.deepcopy(resume.details["levels"])
-        beams = [list(b["set"]) for b in levels[-1]["beams"]]
-        passes, blocks, seconds, calls = resume.forward_passes, resume.block_passes, resume.seconds, resume.evaluator_calls
-        first_level = resume.n + 1
-    for level in range(first_level, budgets[-1] + 1):
-        if level == 1:
-            pool = [[s] for s in seeds]
-        else:
-            pool = [sorted(beam + [b]) for beam in beams for b in allowed if b not in beam]
-        greedy = None
-        if include_greedy:
-            try:
-                greedy = greedy_select(scores, level, spacing=1, protect=protect)
-                pool.append(greedy)
-            except ValueError:
-                greedy = None
-        pool = list({set_key(s): s for s in pool}.values())
-        todo = [s for s in pool if set_key(s) not in cache]
-        if todo:
-            values, stats = score_fn(model, calib, todo, batch_size)
-            cache.update({set_key(s): v for s, v in zip(todo, values)})
-            passes += stats["forward_passes"]
-            blocks += stats["block_passes"]
-            seconds += stats["seconds"]
-            calls += len(todo)
-        ranked = sorted(pool, key=lambda s: (_score_key(cache[set_key(s)]), s))
-        beams = ranked[:width]
-        levels.append({
-            "level": level, "new_calls": len(todo), "pool": len(pool),
-            "beams": [{"set": s, "score": cache[set_key(s)]} for s in beams],
-            "greedy": None if greedy is None else {"set": greedy, "score": cache[set_key(greedy)]},
-        })
-        if level in budgets:
-            results[level] = CriterionResult(
-                "interchange_beam", level, list(beams[0]), scores, passes, blocks, seconds, evaluator_calls=calls,
-                details={"evaluator": evaluator, "width": width, "seconds_estimated": estimated, "seed_size": seed_size, "seeds": seeds,
-                         "protect": sorted(resolve_protect(protect, num_layers)), "include_greedy": include_greedy,
-                         "score": cache[set_key(beams[0])], "levels": copy.deepcopy(levels),
-                         "unit": "nats" if evaluator == "removal_kl" else "nats per token"},
-            )
-    return _out(results, single)
-
-
 # ----------------------------------------------------------------------------- registry
 
 
@@ -986,15 +234,9 @@ CRITERIA: dict[str, Callable] = {
     "interchange": _interchange,
     "auto": _auto,
     "interchange_beam": interchange_beam,
-    "search": lambda model, calib, n, **kw: _search_criterion(model, calib, n, objective="removal_kl", **kw),
-    "search_ghosted": lambda model, calib, n, **kw: _search_criterion(model, calib, n, objective="ghosted", **kw),
+    "search": lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
+    "search_ghosted": lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw),
 }
-
-
-def _search_criterion(model, calib, n, **kw):
-    from .search import search_criterion
-
-    return search_criterion(model, calib, n, **kw)
 
 DEFAULT_CRITERIA = tuple(CRITERIA)
 
@@ -1153,15 +395,11 @@ def _text_fingerprint(text) -> str:
 
 
 def _evaluate_removed(model, removed, eval_text, tokenizer, contract, method, eval_kwargs):
-    from .evaluation import evaluate_perplexity
-
     if not removed:
         return evaluate_perplexity(model, eval_text, tokenizer=tokenizer, contract=contract, **eval_kwargs)
     if method == "plan":
         with apply_plan(model, removal_plan(num_blocks(model), removed)):
             return evaluate_perplexity(model, eval_text, tokenizer=tokenizer, contract=contract, **eval_kwargs)
-    from .surgery import remove_layers
-
     pruned = copy.deepcopy(model)
     try:
         remove_layers(pruned, removed)
@@ -1234,8 +472,6 @@ def compare_criteria(
         ValueError: an unknown criterion or evaluation method, a bad budget, or a
             mismatching state file.
     """
-    from .evaluation import delta_ppl_ci, delta_ppl_percent, PerplexityResult
-    from .models import model_identity
 
     log = log or logger.info
     unknown = [c for c in criteria if c not in CRITERIA]

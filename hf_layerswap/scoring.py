@@ -76,6 +76,7 @@ from .plan import (
     replacement_plan,
 )
 from .report import PROTOCOLS, PairResult, SwapReport, atomic_path, write_json_atomic
+from .rule import greedy_select, resolve_protect
 
 __all__ = [
     "AdaptiveBudget",
@@ -1316,8 +1317,6 @@ def selection_stability(
         Stable means every such exchange has ``margin > z * se``. With fewer than 2
         prompts nothing is stable.
     """
-    from .selection import greedy_select, resolve_protect
-
     scores = report.layer_scores(protocol)
     selected = greedy_select(scores, num_layers, spacing=spacing, protect=protect)
     protected = resolve_protect(protect, report.num_layers)

@@ -1,0 +1,109 @@
+"""The paper's selection rule on per-layer scores, and the budget checks every selection shares.
+
+No Free Swap (arXiv 2605.16234, Table 17 / App. G): score each layer by
+s(i) = min over scored partners of d(i, j), sort ascending, and take layers greedily
+while every two selected layers stay more than ``spacing`` apart. Protected layers (by
+default the first and the last block) and layers with a non-finite score are never taken.
+
+Pure functions of lists of numbers: the scoring engine's stopping test
+(:func:`~hf_layerswap.scoring.selection_stability`) and every selection strategy
+(:mod:`hf_layerswap.selection`) use them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .plan import ONE_BLOCK, as_index
+from .report import _score_key
+
+__all__ = ["check_budget", "greedy_select", "resolve_protect"]
+
+
+def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
+    """Resolve protected indices (negative = from the end).
+
+    Raises:
+        ValueError: an index outside ``-L..L-1``.
+    """
+    if isinstance(protect, (int, str)) or (protect is not None and not hasattr(protect, "__iter__")):
+        raise ValueError(f"protect={protect!r}: must be a list of 0-based block indices, e.g. [0, -1] (or [] for none)")
+    out = set()
+    for p in protect or ():
+        if as_index(p) is None:
+            raise ValueError(f"protect entry {p!r} is not an int: allowed ints in -{num_layers}..{num_layers - 1}")
+        if not -num_layers <= as_index(p) < num_layers:
+            raise ValueError(f"protect entry {p!r} is out of range: allowed ints in -{num_layers}..{num_layers - 1}")
+        out.add(as_index(p) % num_layers)
+    return out
+
+
+def check_budget(num_layers, total: int, *, spacing=1, protect: Sequence[int] | None = (0, -1)) -> int:
+    """Refuse a budget no selection can meet, before any scoring is spent on it.
+
+    The most layers the rules allow is the left-to-right count of unprotected blocks kept
+    more than ``spacing`` apart; a budget within it may still be refused after scoring
+    when the score order leaves gaps (:func:`greedy_select` says so).
+
+    Returns:
+        the budget as an int.
+
+    Raises:
+        ValueError: ``num_layers`` outside ``1..L-1``, a negative ``spacing``, a bad
+            ``protect`` entry, or more layers than the rules allow (the message says how
+            many).
+    """
+    if total < 2:
+        raise ValueError(f"num_layers={num_layers!r}: {ONE_BLOCK}")
+    if as_index(num_layers) is None or not 1 <= as_index(num_layers) <= total - 1:
+        raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
+    if as_index(spacing) is None or as_index(spacing) < 0:
+        raise ValueError(f"spacing={spacing!r}: must be an int >= 0 (0 allows adjacent layers)")
+    protected, most, last = resolve_protect(protect, total), 0, None
+    for i in range(total):
+        if i not in protected and (last is None or i - last > as_index(spacing)):
+            most, last = most + 1, i
+    if as_index(num_layers) > most:
+        raise ValueError(
+            f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
+            f"the rules allow at most {most}; lower num_layers or spacing, or protect fewer layers"
+        )
+    return as_index(num_layers)
+
+
+def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1, protect: Sequence[int] = (0, -1)) -> list[int]:
+    """The paper's greedy rule on per-layer scores (low = removable).
+
+    Args:
+        scores: length-L per-layer scores.
+        num_layers: how many layers to select (n).
+        spacing: every two selected layers satisfy ``|a - b| > spacing`` (0 allows
+            neighbours; 1 = no two adjacent).
+        protect: indices never selected (negative = from the end).
+
+    Returns:
+        n 0-based indices, ascending.
+
+    Raises:
+        ValueError: as :func:`check_budget`, or a budget the score order cannot meet
+            (non-finite scores, gaps; the message says how many layers could be taken).
+    """
+    total = len(scores)
+    num_layers, spacing = check_budget(num_layers, total, spacing=spacing, protect=protect), as_index(spacing)
+    protected = resolve_protect(protect, total)
+    order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
+    chosen: list[int] = []
+    for i in order:
+        if len(chosen) == num_layers:
+            break
+        if i in protected or scores[i] is None or not math.isfinite(scores[i]):
+            continue
+        if all(abs(i - k) > spacing for k in chosen):
+            chosen.append(i)
+    if len(chosen) < num_layers:
+        raise ValueError(
+            f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
+            f"the rule found only {len(chosen)} ({sorted(chosen)}); lower num_layers or spacing, or protect fewer layers"
+        )
+    return sorted(chosen)

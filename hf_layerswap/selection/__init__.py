@@ -1,0 +1,64 @@
+"""Choosing which blocks to remove: one entry point, a registry of strategies, one module each.
+
+:func:`select_layers` dispatches to a strategy by name (:data:`STRATEGIES`):
+
+========================  =====================================================  =============
+strategy                  what it removes                                        module
+========================  =====================================================  =============
+``greedy``                the paper's rule on one protocol's layer scores        ``greedy``
+``auto``                  the better (joint removal KL) of both protocols' sets  ``greedy``
+``search`` (the default   protocol-guided search over whole candidate sets,      ``search``
+of the config and CLI)    optionally with the Ghosted Layers repair in the loop
+``beam``                  the paper's interchange-seeded beam search             ``beam``
+``block_influence``       ShortGPT's Block Influence                             ``geometry``
+``angular_distance``      Gromov et al.'s angular distance (contiguous runs)     ``geometry``
+``single_removal_kl``     one-shot single-block removal KL ranking               ``single_removal``
+``sleb``                  SLEB's iterative calibration-NLL removal               ``sleb``
+========================  =====================================================  =============
+
+The rule itself (:func:`greedy_select`, :func:`check_budget`, :func:`resolve_protect`)
+lives in :mod:`hf_layerswap.rule`; the set objectives and their engine in
+:mod:`.objectives`; the result type every criterion returns in :mod:`.common`. A new
+strategy is one module with one ``@register_strategy("name")``.
+"""
+
+from __future__ import annotations
+
+from ..rule import check_budget, greedy_select, resolve_protect
+from . import beam, geometry, greedy, search, single_removal, sleb  # noqa: F401  (registers the strategies)
+from .beam import BEAM_EVALUATORS, interchange_beam
+from .common import CriterionResult, as_strategy
+from .core import SELECTION_PROTOCOLS, candidates_set, check_report_matches, select_layers
+from .geometry import angular_distance, block_influence
+from .greedy import swap_guided
+from .objectives import OBJECTIVES, SetObjective, plan_nll
+from .registry import MODEL_STRATEGIES, STRATEGIES, get_strategy, register_strategy
+from .search import search_criterion, search_select
+from .single_removal import single_removal_kl
+
+__all__ = [
+    "BEAM_EVALUATORS",
+    "MODEL_STRATEGIES",
+    "OBJECTIVES",
+    "SELECTION_PROTOCOLS",
+    "STRATEGIES",
+    "CriterionResult",
+    "SetObjective",
+    "angular_distance",
+    "as_strategy",
+    "block_influence",
+    "candidates_set",
+    "check_budget",
+    "check_report_matches",
+    "get_strategy",
+    "greedy_select",
+    "interchange_beam",
+    "plan_nll",
+    "register_strategy",
+    "resolve_protect",
+    "search_criterion",
+    "search_select",
+    "select_layers",
+    "single_removal_kl",
+    "swap_guided",
+]

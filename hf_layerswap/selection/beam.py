@@ -1,0 +1,143 @@
+"""The paper's interchange-seeded beam search (No Free Swap, App. G/K), scored on the
+calibration prompts only (strategy ``beam``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..report import SwapReport, _score_key, set_key
+from ..rule import greedy_select, resolve_protect
+from .common import CriterionResult, _allowed, _check_resume, _gap1, _out, _report_cost, _score, _setup, as_strategy
+from .objectives import _removal_kl_values, _removal_nll_values
+from .registry import register_strategy
+
+__all__ = ["BEAM_EVALUATORS", "interchange_beam"]
+
+#: Beam evaluators: joint removal KL (nats) or calibration NLL (nats per token).
+BEAM_EVALUATORS = ("removal_kl", "nll")
+
+
+def interchange_beam(
+    model: nn.Module,
+    calibration,
+    n: int | Sequence[int],
+    *,
+    report: SwapReport | None = None,
+    tokenizer=None,
+    evaluator: str = "removal_kl",
+    width: int = 3,
+    seed_size: int = 12,
+    protect: Sequence[int] = (0, -1),
+    include_greedy: bool = True,
+    batch_size: int = 8,
+    resume: CriterionResult | None = None,
+):
+    """The paper's interchange-seeded beam search (No Free Swap, App. G/K), scored on the
+    calibration prompts only.
+
+    Level 1 scores the single-block sets of the ``seed_size`` unprotected blocks with the
+    lowest gap-1 interchange score s(i); level k > 1 expands each of the ``width`` best
+    sets of level k-1 by every unprotected block not in it. Candidates are scored by the
+    evaluator and cached (a set is never scored twice); the ``width`` lowest survive
+    (ties: lexicographically smallest set). With ``include_greedy`` the interchange-guided
+    greedy set of size k (Table 17 rule, spacing 1) also enters level k's pool, so the
+    returned set never scores worse than it under the same evaluator. The paper scored
+    candidates with the evaluation perplexity itself; here the evaluator only ever sees
+    the calibration prompts, so the evaluation text stays held out.
+
+    Args:
+        evaluator: ``"removal_kl"`` (joint removal KL d_skip(S), nats) or ``"nll"``
+            (calibration NLL per token, nats).
+        width: beam width (paper: 3). seed_size: level-1 seeds (paper: 12; capped at the
+            unprotected blocks).
+        report: a SwapReport with the interchange protocol (adjacent pairs used); scored
+            here when ``None``.
+        n: budget or list of budgets; the search runs to the largest and reports each
+            level's best set with the cost spent up to it.
+        resume: a beam result for a smaller budget with the same settings: the search
+            continues from its last level's beams (level k+1 only scores sets of size
+            k+1, so the sets and costs equal those of one run).
+
+    Returns:
+        :class:`CriterionResult` with ``evaluator_calls`` (distinct sets scored up to this
+        level), ``details["levels"]`` (per level: calls, the surviving beams and their
+        scores, the greedy set's score) and ``details["score"]`` (the evaluator's value
+        of the returned set). Cost includes the interchange scoring.
+
+    Raises:
+        ValueError: an unknown evaluator, ``width``/``seed_size`` < 1, a report without
+            interchange scores, or a budget above the unprotected blocks.
+    """
+    if evaluator not in BEAM_EVALUATORS:
+        raise ValueError(f"evaluator={evaluator!r}: allowed {list(BEAM_EVALUATORS)} (calibration prompts only)")
+    for name, value in (("width", width), ("seed_size", seed_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an int >= 1")
+    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    allowed = _allowed(num_layers, protect)
+    if budgets[-1] > len(allowed):
+        raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
+    if report is None:
+        report = _score(model, calib, ("interchange",), batch_size)
+    if "interchange" not in report.protocols:
+        raise ValueError(f"the beam is seeded by interchange scores; the report scored {list(report.protocols)}")
+    sub = _gap1(report)
+    passes, blocks, seconds, estimated = _report_cost(report, ("interchange",))
+    scores = sub.layer_scores("interchange")
+    seeds = sorted(allowed, key=lambda i: (_score_key(scores[i]), i))[:seed_size]
+    score_fn = _removal_kl_values if evaluator == "removal_kl" else _removal_nll_values
+    cache: dict[str, float] = {}
+    beams: list[list[int]] = []
+    levels, results = [], {}
+    calls = 0
+    first_level = 1
+    if resume is not None:
+        _check_resume(resume, "interchange_beam", budgets, evaluator=evaluator, width=width, seed_size=seed_size,
+                      seeds=seeds, include_greedy=include_greedy, protect=sorted(resolve_protect(protect, num_layers)))
+        levels = copy.deepcopy(resume.details["levels"])
+        beams = [list(b["set"]) for b in levels[-1]["beams"]]
+        passes, blocks, seconds, calls = resume.forward_passes, resume.block_passes, resume.seconds, resume.evaluator_calls
+        first_level = resume.n + 1
+    for level in range(first_level, budgets[-1] + 1):
+        if level == 1:
+            pool = [[s] for s in seeds]
+        else:
+            pool = [sorted(beam + [b]) for beam in beams for b in allowed if b not in beam]
+        greedy = None
+        if include_greedy:
+            try:
+                greedy = greedy_select(scores, level, spacing=1, protect=protect)
+                pool.append(greedy)
+            except ValueError:
+                greedy = None
+        pool = list({set_key(s): s for s in pool}.values())
+        todo = [s for s in pool if set_key(s) not in cache]
+        if todo:
+            values, stats = score_fn(model, calib, todo, batch_size)
+            cache.update({set_key(s): v for s, v in zip(todo, values)})
+            passes += stats["forward_passes"]
+            blocks += stats["block_passes"]
+            seconds += stats["seconds"]
+            calls += len(todo)
+        ranked = sorted(pool, key=lambda s: (_score_key(cache[set_key(s)]), s))
+        beams = ranked[:width]
+        levels.append({
+            "level": level, "new_calls": len(todo), "pool": len(pool),
+            "beams": [{"set": s, "score": cache[set_key(s)]} for s in beams],
+            "greedy": None if greedy is None else {"set": greedy, "score": cache[set_key(greedy)]},
+        })
+        if level in budgets:
+            results[level] = CriterionResult(
+                "interchange_beam", level, list(beams[0]), scores, passes, blocks, seconds, evaluator_calls=calls,
+                details={"evaluator": evaluator, "width": width, "seconds_estimated": estimated, "seed_size": seed_size, "seeds": seeds,
+                         "protect": sorted(resolve_protect(protect, num_layers)), "include_greedy": include_greedy,
+                         "score": cache[set_key(beams[0])], "levels": copy.deepcopy(levels),
+                         "unit": "nats" if evaluator == "removal_kl" else "nats per token"},
+            )
+    return _out(results, single)
+
+
+register_strategy("beam", needs_model=True)(as_strategy("beam", interchange_beam, reads_report=True))

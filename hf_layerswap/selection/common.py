@@ -1,0 +1,185 @@
+"""What every model-reading criterion shares: its result type, budgets, protection and the
+cost of the swap-KL scoring it builds on.
+
+Every criterion reads the same calibration prompts (a
+:class:`~hf_layerswap.calibration.CalibrationSet`), takes a budget ``n`` (blocks to remove,
+or a list of budgets served by one run) and returns a :class:`CriterionResult`: the
+removed blocks (0-based, ascending), per-layer scores where the method has them, and its
+cost in calibration forward passes, block passes and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from ..calibration import CalibrationSet, build_calibration
+from ..plan import interchange_plan, num_blocks, replacement_plan
+from ..report import SwapReport
+from ..report import _decode_tree as _decode
+from ..report import _encode_tree as _encode
+from ..rule import resolve_protect
+from ..scoring import score_layers
+from .objectives import _plans_cost
+
+__all__ = ["CriterionResult", "as_strategy"]
+
+
+@dataclass
+class CriterionResult:
+    """What a criterion chose for budget ``n`` and what it cost.
+
+    Attributes:
+        name: criterion name (a key of :data:`CRITERIA`).
+        n: the budget (number of blocks removed).
+        removed: removed blocks, 0-based, ascending (for ``random``: the first draw; all
+            draws are in ``details["draws"]``).
+        scores: per-layer scores (length L, low = removable) when the method has them,
+            else ``None`` (angular distance is per run: ``details["distance_by_start"]``).
+        forward_passes: calibration-set sweeps spent to obtain this set.
+        block_passes: block forward calls over the calibration set (a full forward = L).
+        seconds: wall-clock seconds spent (measured; for iterative methods cumulative up
+            to this ``n``).
+        evaluator_calls: candidate sets scored by a search (SLEB, beam); ``None`` for
+            one-shot methods.
+        details: method-specific facts (parameters, per-step tables, beams, draws).
+    """
+
+    name: str
+    n: int
+    removed: list[int]
+    scores: list[float] | None
+    forward_passes: int
+    block_passes: int
+    seconds: float
+    evaluator_calls: int | None = None
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> CriterionResult:
+        data = _decode(dict(data))
+        return cls(**data)
+
+
+def _calibration(model, calibration, tokenizer) -> CalibrationSet:
+    if isinstance(calibration, CalibrationSet):
+        return calibration
+    if tokenizer is None:
+        tokenizer = getattr(model, "layerswap_tokenizer", None)
+    return build_calibration(calibration, tokenizer)
+
+
+def _budgets(n, num_layers: int) -> tuple[list[int], bool]:
+    """(sorted unique budgets, whether a single int was given)."""
+    single = isinstance(n, int) and not isinstance(n, bool)
+    values = [n] if single else list(n)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= num_layers - 1:
+            raise ValueError(f"budget n={v!r}: allowed ints 1..{num_layers - 1} for a model with {num_layers} blocks")
+    if not values:
+        raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
+    return sorted(set(values)), single
+
+
+def _out(results: dict[int, CriterionResult], single: bool):
+    return next(iter(results.values())) if single else results
+
+
+def _allowed(num_layers: int, protect) -> list[int]:
+    protected = resolve_protect(protect, num_layers)
+    return [i for i in range(num_layers) if i not in protected]
+
+
+def _setup(model, calibration, tokenizer, n) -> tuple[CalibrationSet, int, list[int], bool]:
+    """(calibration set, L, sorted budgets, whether one int budget was given)."""
+    calib = _calibration(model, calibration, tokenizer)
+    num_layers = num_blocks(model)
+    if num_layers < 2:
+        raise ValueError(f"the model has {num_layers} block(s); layer removal needs at least 2")
+    budgets, single = _budgets(n, num_layers)
+    return calib, num_layers, budgets, single
+
+
+def _check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **expected) -> None:
+    if resume.name != name or resume.n >= min(budgets):
+        raise ValueError(
+            f"resume must be a {name!r} result for a budget below {min(budgets)}; got {resume.name!r} at n={resume.n}"
+        )
+    for key, value in expected.items():
+        if resume.details.get(key) != value:
+            raise ValueError(f"resume was run with {key}={resume.details.get(key)!r}, not {value!r}")
+
+
+def _gap1(report: SwapReport) -> SwapReport:
+    """The adjacent-pair part of a report (the paper's selection uses gap-1 scores)."""
+    if report.max_gap == 1:
+        return report
+    sub = SwapReport(report.num_layers, [p for p in report.pairs if p.gap == 1], protocols=report.protocols,
+                     max_gap=1, metadata=report.metadata)
+    sub.removal_kl = report.removal_kl
+    return sub
+
+
+def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int, float, bool]:
+    """(forward passes, block passes, seconds, estimated) of scoring the adjacent pairs of
+    ``protocols`` with prefix reuse.
+
+    Passes are exact counts of the probes. Seconds are the report's measured time when it
+    scored exactly these probes; otherwise that time scaled by the share of block passes,
+    and ``estimated`` is True."""
+    num_layers = report.num_layers
+
+    def plans_for(pairs, protos):
+        plans = {}
+        for p in pairs:
+            if "interchange" in protos:
+                plans[("interchange", p.i, p.j)] = interchange_plan(num_layers, p.i, p.j)
+            if "replacement" in protos:
+                plans[("replacement_ij", p.i, p.j)] = replacement_plan(num_layers, p.i, p.j)
+                plans[("replacement_ji", p.i, p.j)] = replacement_plan(num_layers, p.j, p.i)
+        return plans
+
+    passes, blocks = _plans_cost(plans_for([p for p in report.pairs if p.gap == 1], protocols), num_layers)
+    all_passes, all_blocks = _plans_cost(plans_for(report.pairs, report.protocols), num_layers)
+    seconds = float(report.metadata.get("seconds", 0.0))
+    estimated = (passes, blocks) != (all_passes, all_blocks)
+    if estimated:
+        seconds *= blocks / all_blocks
+    return passes, blocks, seconds, estimated
+
+
+def _score(model, calib, protocols, batch_size, checkpoint_path=None) -> SwapReport:
+    return score_layers(model, calib, protocols=protocols, max_gap=1, batch_size=batch_size, progress=False,
+                        checkpoint_path=checkpoint_path)
+
+
+def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -> Callable:
+    """A criterion ``(model, calibration, n, **kw) -> CriterionResult`` as a selection
+    strategy (see :func:`~hf_layerswap.selection.register_strategy`): it returns the
+    removed blocks and appends ``{"strategy", "num_layers", "selected", "cost"}`` to
+    ``report.selections``. With ``reads_report`` the criterion gets the report
+    (``report=``) and the objective as its ``evaluator``; otherwise an objective is refused.
+    """
+
+    def run(report, num_layers, *, protect, model, calibration, batch_size, objective, options, **_):
+        kwargs = dict(options)
+        if reads_report:
+            kwargs.setdefault("report", report)
+            if objective is not None:
+                kwargs["evaluator"] = objective
+        elif objective is not None:
+            raise TypeError(f"strategy {name!r} takes no objective")
+        result = criterion(model, calibration, num_layers, protect=protect, batch_size=batch_size, **kwargs)
+        report.selections.append({
+            "strategy": name, "num_layers": num_layers, "selected": list(result.removed),
+            "cost": {"evaluator_calls": result.evaluator_calls, "forward_passes": result.forward_passes,
+                     "block_passes": result.block_passes, "seconds": round(result.seconds, 3)},
+        })
+        return list(result.removed)
+
+    run.__doc__ = f"The ``{name}`` criterion (:func:`{criterion.__module__}.{criterion.__name__}`) as a strategy."
+    return run

@@ -1,0 +1,109 @@
+"""``select_layers``: one entry point that dispatches to the registered strategies, and the
+check that a report belongs to the model it is applied to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..plan import model_fingerprint, num_blocks
+from ..report import PROTOCOLS, SwapReport
+from ..scoring import _calibration_from_args
+from .registry import MODEL_STRATEGIES, get_strategy
+
+__all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers"]
+
+SELECTION_PROTOCOLS = PROTOCOLS + ("auto",)
+
+
+def select_layers(
+    report: SwapReport,
+    num_layers: int,
+    *,
+    protocol: str = "interchange",
+    spacing: int | None = None,
+    protect: Sequence[int] = (0, -1),
+    model=None,
+    calibration=None,
+    tokenizer=None,
+    batch_size: int = 8,
+    strategy: str | None = None,
+    objective: str | None = None,
+    **options,
+) -> list[int]:
+    """Select ``num_layers`` blocks to remove (0-based, ascending).
+
+    Args:
+        report: swap-KL scores of the model.
+        num_layers: the budget n.
+        strategy: a name in :data:`STRATEGIES`. ``None``: ``"auto"`` when
+            ``protocol="auto"``, else ``"greedy"`` (the paper's rule on ``protocol``).
+            ``"search"`` (:func:`hf_layerswap.search.search_select`, the default of
+            :class:`~hf_layerswap.LayerSwapConfig` and the CLI) scores whole candidate
+            sets from both protocols on the calibration prompts and refines them by local
+            moves; it, ``"beam"`` and the field's criteria need ``model=`` and
+            ``calibration=``. Each model-reading strategy appends its record (chosen set,
+            objective value, each protocol's greedy set with its value, trace, cost) to
+            ``report.selections``.
+        objective: for ``"search"``: ``"removal_kl"`` (default), ``"nll"`` or
+            ``"ghosted"`` (removal KL after the Ghosted Layers repair); for ``"beam"``:
+            ``"removal_kl"`` or ``"nll"``.
+        options: strategy options (e.g. ``max_evaluations`` for ``"search"``).
+        spacing: ``None`` = the strategy's default (1 for the paper's greedy rule and
+            ``auto``, 0 for the searches).
+        protocol: ``"interchange"``, ``"replacement"`` or ``"auto"``. ``"auto"`` takes
+            the candidate set of each protocol, evaluates both by their joint removal KL
+            d_skip(S) on the calibration prompts and keeps the lower (ties go to
+            interchange); both values are recorded in ``report.removal_kl`` and the
+            decision in ``report.selections``.
+        spacing, protect: see :func:`greedy_select`.
+        model, calibration, tokenizer, batch_size: needed by ``"auto"`` when the two
+            candidate sets differ and ``report.removal_kl`` lacks them. Pass the same
+            calibration source as for scoring (the report keeps its content hash, not
+            the prompts); ``num_prompts``, ``seq_len`` and ``seed`` come from the report.
+
+    Raises:
+        ValueError: an unknown protocol, a protocol the report did not score, a model
+            whose block count differs from the report's, or an unmeetable budget.
+    """
+    if protocol not in SELECTION_PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}: allowed {list(SELECTION_PROTOCOLS)}")
+    if strategy is None:
+        strategy = "auto" if protocol == "auto" else "greedy"
+    fn = get_strategy(strategy)
+    if model is not None:
+        check_report_matches(report, model)
+    if spacing is None:
+        spacing = 1 if strategy in ("greedy", "auto") else 0
+    if strategy in MODEL_STRATEGIES:
+        if model is None:
+            raise ValueError(f"strategy={strategy!r} scores candidate sets on the calibration prompts: pass model= and calibration=")
+        calibration = _calibration_from_args(
+            model, calibration, tokenizer, report.metadata.get("num_prompts", 64), report.metadata.get("seq_len", 128),
+            report.metadata.get("seed", 0),
+        )
+    return fn(report, num_layers, protocol=protocol, spacing=spacing, protect=protect, model=model,
+              calibration=calibration, tokenizer=tokenizer, batch_size=batch_size, objective=objective,
+              options=options)
+
+
+def check_report_matches(report: SwapReport, model) -> None:
+    """Raise ValueError if ``report`` was not computed on ``model`` (block count, and the
+    weight fingerprint when the report carries one)."""
+    if num_blocks(model) != report.num_layers:
+        raise ValueError(
+            f"the report was computed on a model with {report.num_layers} blocks but this model has "
+            f"{num_blocks(model)}: score the model you select for"
+        )
+    expected = (report.metadata.get("model") or {}).get("fingerprint")
+    if expected:
+        actual = model_fingerprint(model)
+        if actual != expected:
+            raise ValueError(
+                f"the report belongs to a different model: its fingerprint is {expected[:16]}..., this model's is "
+                f"{actual[:16]}... (same depth, different weights or architecture); score this model"
+            )
+
+
+def candidates_set(key: str) -> list[int]:
+    """Inverse of :func:`~hf_layerswap.report.set_key`."""
+    return [int(x) for x in key.split(",")] if key else []

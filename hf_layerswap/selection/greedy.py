@@ -1,0 +1,165 @@
+"""The paper's rule per protocol (``greedy``), the better of the two protocols' sets
+(``auto``), and both as criteria of the comparison harness (:func:`swap_guided`).
+
+No Free Swap (arXiv 2605.16234): layer scores s(i) = min over adjacent partners of the
+replacement or interchange swap-KL (nats), taken greedily in ascending order
+(:func:`~hf_layerswap.rule.greedy_select`); ``auto`` evaluates each protocol's set by its
+joint removal KL d_skip(S) on the calibration prompts and keeps the lower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..plan import removal_plan
+from ..report import PROTOCOLS, SwapReport, _score_key, set_key
+from ..rule import greedy_select, resolve_protect
+from ..plan import as_index
+from ..scoring import removal_kl
+from .common import CriterionResult, _gap1, _out, _report_cost, _score, _setup
+from .core import candidates_set, select_layers
+from .objectives import _plans_cost, _removal_kl_values
+from .registry import register_strategy
+
+__all__ = ["swap_guided"]
+
+
+@register_strategy("greedy")
+def _greedy(report, num_layers, *, protocol, spacing, protect, options, **_):
+    """The paper's rule on one protocol's layer scores."""
+    if protocol == "auto":
+        raise ValueError("strategy='greedy' needs protocol='interchange' or 'replacement' (or use strategy='auto')")
+    _no_options("greedy", options)
+    return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
+
+
+def _no_options(strategy, options):
+    if options:
+        raise TypeError(f"strategy={strategy!r} takes no options; got {sorted(options)}")
+
+
+@register_strategy("auto")
+def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
+    """Each protocol's greedy set; the one with the lower joint removal KL is kept."""
+    _no_options("auto", options)
+    candidates = {
+        p: greedy_select(report.layer_scores(p), num_layers, spacing=spacing, protect=protect) for p in PROTOCOLS
+    }
+    keys = {p: set_key(s) for p, s in candidates.items()}
+    missing = [k for k in dict.fromkeys(keys.values()) if k not in report.removal_kl]
+    if len(set(keys.values())) > 1 and missing:
+        if model is None:
+            raise ValueError(
+                "protocol='auto' needs the joint removal KL of both candidate sets "
+                f"{candidates}: pass model= and calibration= (the same prompts used for scoring)"
+            )
+        values = removal_kl(
+            model, calibration, [candidates_set(k) for k in missing], tokenizer=tokenizer, batch_size=batch_size,
+            num_prompts=report.metadata.get("num_prompts", 64), seq_len=report.metadata.get("seq_len", 128),
+            seed=report.metadata.get("seed", 0),
+        )
+        report.removal_kl.update(dict(zip(missing, values)))
+    if len(set(keys.values())) == 1:
+        chosen_protocol = "interchange"
+        reason = "both protocols select the same set"
+    else:
+        ki, kr = report.removal_kl[keys["interchange"]], report.removal_kl[keys["replacement"]]
+        chosen_protocol = "replacement" if _score_key(kr) < _score_key(ki) else "interchange"
+        reason = "lower joint removal KL on the calibration prompts"
+    record = {
+        "num_layers": as_index(num_layers),
+        "spacing": as_index(spacing),
+        "protect": sorted(resolve_protect(protect, report.num_layers)),
+        "candidates": {p: candidates[p] for p in PROTOCOLS},
+        "removal_kl": {p: report.removal_kl.get(keys[p]) for p in PROTOCOLS},
+        "chosen_protocol": chosen_protocol,
+        "selected": candidates[chosen_protocol],
+        "reason": reason,
+    }
+    report.selections.append(record)
+    return list(candidates[chosen_protocol])
+
+
+def swap_guided(
+    model: nn.Module,
+    calibration,
+    n: int | Sequence[int],
+    *,
+    protocol: str = "interchange",
+    report: SwapReport | None = None,
+    tokenizer=None,
+    spacing: int = 1,
+    protect: Sequence[int] = (0, -1),
+    batch_size: int = 8,
+):
+    """No Free Swap's guided selection (arXiv 2605.16234, Table 17 rule).
+
+    Layer scores s(i) = min over adjacent partners of the replacement or interchange
+    swap-KL (nats); :func:`~hf_layerswap.selection.select_layers` takes them greedily in
+    ascending order keeping selected blocks more than ``spacing`` apart. ``"auto"`` selects
+    with both protocols and keeps the set with the lower joint removal KL on the
+    calibration prompts.
+
+    Args:
+        protocol: ``"replacement"``, ``"interchange"`` or ``"auto"``.
+        report: a :class:`~hf_layerswap.report.SwapReport` of this model on these
+            calibration prompts (any ``max_gap``; its adjacent pairs are used). Without
+            one, the needed protocols are scored here (``max_gap=1``).
+
+    Returns:
+        :class:`CriterionResult` (``scores`` = s(i) of the protocol; for ``"auto"`` those
+        of the chosen protocol). Cost: the scoring probes of the protocols used (1 +
+        (L-1) forward passes for interchange, 1 + 2(L-1) for replacement), plus for
+        ``"auto"`` the removal-KL sweeps of the two candidate sets when they differ.
+        ``details["seconds_estimated"]`` is True when the report scored more than the
+        protocol needs and its time was apportioned by block passes.
+
+    Raises:
+        ValueError: an unknown protocol, a report lacking the protocol, or an unmeetable budget.
+    """
+    if protocol not in ("replacement", "interchange", "auto"):
+        raise ValueError(f"protocol={protocol!r}: allowed 'replacement', 'interchange' or 'auto'")
+    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    needed = ("replacement", "interchange") if protocol == "auto" else (protocol,)
+    if report is None:
+        report = _score(model, calib, needed, batch_size)
+    missing = [p for p in needed if p not in report.protocols]
+    if missing:
+        raise ValueError(f"the report did not score {missing} (scored: {list(report.protocols)})")
+    if report.num_layers != num_layers:
+        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    sub = _gap1(report)
+    passes, blocks, seconds, estimated = _report_cost(report, needed)
+    results = {}
+    for b in budgets:
+        extra_passes = extra_blocks = 0
+        extra_seconds = 0.0
+        details = {"protocol": protocol, "spacing": spacing, "protect": sorted(resolve_protect(protect, num_layers)),
+                   "score_pairs": "adjacent (gap 1)", "seconds_estimated": estimated, "unit": "nats"}
+        if protocol == "auto":
+            candidates = {p: greedy_select(sub.layer_scores(p), b, spacing=spacing, protect=protect) for p in needed}
+            distinct = {set_key(s): s for s in candidates.values()}
+            todo = [s for k, s in distinct.items() if k not in sub.removal_kl]
+            if len(distinct) > 1:
+                extra_passes, extra_blocks = _plans_cost(
+                    {k: removal_plan(num_layers, s) for k, s in distinct.items()}, num_layers)
+                if todo:
+                    values, stats = _removal_kl_values(model, calib, todo, batch_size)
+                    sub.removal_kl.update({set_key(s): v for s, v in zip(todo, values)})
+                    extra_seconds = stats["seconds"]
+            removed = select_layers(sub, b, protocol="auto", spacing=spacing, protect=protect)
+            record = sub.selections[-1]
+            chosen = record["chosen_protocol"]
+            details.update({"candidates": record["candidates"], "removal_kl": record["removal_kl"],
+                            "chosen_protocol": chosen, "reason": record["reason"]})
+            scores = sub.layer_scores(chosen)
+        else:
+            removed = select_layers(sub, b, protocol=protocol, spacing=spacing, protect=protect)
+            scores = sub.layer_scores(protocol)
+        results[b] = CriterionResult(
+            protocol, b, removed, scores, passes + extra_passes, blocks + extra_blocks, seconds + extra_seconds,
+            details=details,
+        )
+    return _out(results, single)

@@ -1,0 +1,333 @@
+"""Objectives over removal sets on the calibration prompts, each through a prefix-reusing engine.
+
+A candidate removal set S is scored by one partial forward pass per calibration batch: the
+identity plan runs once per batch and caches the residual stream entering every needed
+slot; a set whose first removed block is s starts there (:mod:`hf_layerswap.plan`).
+
+Objectives (:data:`OBJECTIVES`, all on the calibration prompts only, never on
+evaluation text; lower is better):
+
+``"removal_kl"``
+    Joint removal KL d_skip(S) = E_x KL(p_M || p_{M-S}) in nats, through the scoring
+    engine (:func:`~hf_layerswap.scoring.plan_kl`: one reference sweep per batch of
+    candidates, each candidate starting at its first removed block from the cached
+    stream).
+``"nll"``
+    Calibration next-token NLL per token of M-S (nats; log perplexity).
+``"ghosted"``
+    The removal KL *after* the Ghosted Layers repair (arXiv 2605.15491): each removed
+    block p gets the closed-form operator W_p = I + M_p fitted on the dense model's
+    residual stream (X = stream entering p, Y = stream entering p+1, ridge toward the
+    identity, :func:`~hf_layerswap.recovery.ridge_toward_identity` with the default
+    epsilon); a cut s..e-1 applies W_s ... W_{e-1} to the stream entering block e, as
+    :func:`~hf_layerswap.recovery.recover` does. The operators of every block are fitted
+    once from one sweep, so a candidate costs one partial forward pass, like the others.
+
+Cost units: a *forward pass* is one sweep of the model over every calibration prompt
+(possibly starting at a later block by prefix reuse); *block passes* count block forward
+calls over the calibration set (a full forward of an L-block model is L block passes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..calibration import CalibrationSet
+from ..plan import apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan
+from ..recovery import DEFAULT_EPSILON, GhostedOperator, ridge_toward_identity
+from ..report import set_key
+from ..scoring import masked_kl, plan_kl
+
+__all__ = ["OBJECTIVES", "SetObjective", "plan_nll"]
+
+OBJECTIVES = ("removal_kl", "nll", "ghosted")
+
+
+def _plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int) -> tuple[int, int]:
+    """(forward passes, block passes) of one reference sweep plus one sweep per plan with
+    prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
+    blocks = num_layers
+    for plan in plans.values():
+        start = first_difference(plan, num_layers)
+        if start >= len(plan) and len(plan) == num_layers:
+            continue
+        blocks += len(plan) - min(start, len(plan) - 1)
+    return 1 + len(plans), blocks
+
+
+def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-prompt summed next-token NLL (nats) over real targets: position t predicts t+1
+    where both are real. Returns ``(B,)`` float64; fp32 log-softmax, chunked."""
+    bsz, seqlen, vocab = logits.shape
+    target_mask = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
+    rows = target_mask.reshape(-1).nonzero().squeeze(1)
+    flat_logits = logits[:, :-1].reshape(-1, vocab)
+    flat_targets = input_ids[:, 1:].reshape(-1)
+    prompt_of_row = rows // (seqlen - 1)
+    sums = torch.zeros(bsz, dtype=torch.float64)
+    for start in range(0, rows.numel(), 256):
+        idx = rows[start : start + 256]
+        nll = F.cross_entropy(flat_logits.index_select(0, idx).float(), flat_targets.index_select(0, idx), reduction="none")
+        sums.index_add_(0, prompt_of_row[start : start + 256].cpu(), nll.double().cpu())
+    return sums
+
+
+@torch.no_grad()
+def plan_nll(
+    model: nn.Module,
+    calibration: CalibrationSet,
+    plans: Mapping[Hashable, Sequence[int]],
+    *,
+    batch_size: int = 8,
+) -> tuple[dict[Hashable, torch.Tensor], torch.Tensor, dict]:
+    """Calibration next-token NLL of the model under every plan, with prefix reuse.
+
+    The identity plan runs once per batch (it gives the reference NLL and the residual
+    stream entering every slot); a plan that first differs from identity at slot s starts
+    from the cached stream entering s.
+
+    Args:
+        model: a causal LM with L decoder blocks.
+        calibration: ``N`` right-padded prompts.
+        plans: name -> block plan (see :mod:`hf_layerswap.plan`).
+        batch_size: prompts per forward pass.
+
+    Returns:
+        ``(values, counts, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of
+        per-prompt summed NLL in nats (targets: every real token after the first);
+        ``counts`` the ``(N,)`` number of predicted tokens per prompt; ``stats`` has
+        ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
+        ``block_passes`` and ``seconds``. Calibration NLL per token of a plan is
+        ``values[name].sum() / counts.sum()``.
+
+    The model is left exactly as it was.
+    """
+    num_layers = num_blocks(model)
+    plans = {name: list(plan) for name, plan in plans.items()}
+    starts = {name: first_difference(plan, num_layers) for name, plan in plans.items()}
+    needed = sorted({min(s, len(plans[k]) - 1) for k, s in starts.items() if 0 < min(s, len(plans[k]) - 1)})
+    values: dict[Hashable, list[torch.Tensor]] = {name: [] for name in plans}
+    base, counts = [], []
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    try:
+        for ids, mask in calibration.batches(batch_size):
+            ids, mask = ids.to(device), mask.to(device)
+            streams, logits = capture_residual_stream(model, ids, mask, slots=needed or [0], compute_logits=True)
+            ref = _masked_nll(logits, ids, mask)
+            del logits
+            base.append(ref)
+            counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
+            for name, plan in plans.items():
+                start = starts[name]
+                if start >= len(plan) and len(plan) == num_layers:
+                    values[name].append(ref.clone())
+                    continue
+                start = min(start, len(plan) - 1)
+                kwargs = {"start": start, "start_hidden": streams[start]} if start > 0 else {}
+                with apply_plan(model, plan, **kwargs):
+                    out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                values[name].append(_masked_nll(out, ids, mask))
+                del out
+            del streams
+    finally:
+        model.train(was_training)
+    passes, blocks = _plans_cost(plans, num_layers)
+    stats = {
+        "base": torch.cat(base),
+        "forward_passes": passes,
+        "block_passes": blocks,
+        "seconds": time.perf_counter() - t0,
+    }
+    return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
+
+
+def _removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
+    """Joint removal KL (nats) of each set, one shared reference sweep (plan_kl)."""
+    num_layers = num_blocks(model)
+    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
+    values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
+    passes, blocks = _plans_cost(plans, num_layers)
+    return [float(values[k].mean()) for k in range(len(sets))], {
+        "forward_passes": passes,
+        "block_passes": blocks,
+        "seconds": stats["seconds"],
+    }
+
+
+def _removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
+    """Calibration NLL per token (nats) with each set removed, one shared reference sweep."""
+    num_layers = num_blocks(model)
+    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
+    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size)
+    total = float(counts.sum())
+    return [float(values[k].sum()) / total for k in range(len(sets))], stats
+
+
+class SetObjective:
+    """A cached objective f(S) over removal sets on one calibration set.
+
+    Args:
+        model: the dense causal LM (left unchanged).
+        calibration: the calibration prompts.
+        objective: one of :data:`OBJECTIVES`.
+        batch_size: prompts per forward pass.
+        prefix_reuse: start each candidate at its first removed block from the cached
+            identity stream (``False`` runs every candidate from the embeddings; the
+            values are the same up to float rounding of the same operations).
+
+    Attributes:
+        calls: distinct sets scored; ``forward_passes`` (calibration sweeps, a candidate
+        starting mid-stack counts as one, plus one reference sweep per batch),
+        ``block_passes`` (block forward calls over the calibration set) and ``seconds``.
+    """
+
+    def __init__(self, model: nn.Module, calibration: CalibrationSet, objective: str = "removal_kl", *,
+                 batch_size: int = 8, prefix_reuse: bool = True, progress=None):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
+        self.model, self.calibration, self.objective = model, calibration, objective
+        self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
+        self.num_layers = num_blocks(model)
+        self.cache: dict[str, float] = {}
+        self.calls = self.forward_passes = self.block_passes = 0
+        self.seconds = 0.0
+        self._operators: dict[int, torch.Tensor] | None = None
+
+    def cost(self) -> dict:
+        return {"evaluator_calls": self.calls, "forward_passes": self.forward_passes,
+                "block_passes": self.block_passes, "seconds": round(self.seconds, 3)}
+
+    def value(self, s: Sequence[int]) -> float:
+        return self.cache[set_key(sorted(s))]
+
+    def __call__(self, sets: Sequence[Sequence[int]]) -> list[float]:
+        """Values of ``sets`` (each a list of 0-based blocks); uncached ones are scored in one batch."""
+        sets = [sorted(int(i) for i in s) for s in sets]
+        todo = list({set_key(s): s for s in sets if set_key(s) not in self.cache}.values())
+        if todo:
+            t0 = time.perf_counter()
+            if self.objective == "removal_kl":
+                values, passes, blocks = self._engine_kl(todo)
+            elif self.objective == "nll":
+                values, passes, blocks = self._nll(todo)
+            else:
+                values, passes, blocks = self._ghosted(todo)
+            self.cache.update({set_key(s): float(v) for s, v in zip(todo, values)})
+            self.calls += len(todo)
+            self.forward_passes += passes
+            self.block_passes += blocks
+            self.seconds += time.perf_counter() - t0
+            if self.progress is not None:
+                self.progress.update(len(todo))
+        return [self.cache[set_key(s)] for s in sets]
+
+    # -- objectives
+    def _plans(self, sets):
+        return {k: removal_plan(self.num_layers, s) for k, s in enumerate(sets)}
+
+    def _engine_kl(self, sets):
+        plans = self._plans(sets)
+        values, _ = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
+                            prefix_reuse=self.prefix_reuse)
+        passes, blocks = _plans_cost(plans, self.num_layers)
+        return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
+
+    def _nll(self, sets):
+        values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size)
+        total = float(counts.sum())
+        return [float(values[k].sum()) / total for k in range(len(sets))], stats["forward_passes"], stats["block_passes"]
+
+    @torch.no_grad()
+    def _fit_operators(self) -> dict[int, torch.Tensor]:
+        """W_p = I + M_p for every block p from one stream-capture sweep (float64 moments)."""
+        grams: dict[int, torch.Tensor] = {}
+        crosses: dict[int, torch.Tensor] = {}
+        device = next(self.model.parameters()).device
+        for ids, mask in self.calibration.batches(self.batch_size):
+            ids, mask = ids.to(device), mask.to(device)
+            streams, _ = capture_residual_stream(self.model, ids, mask)
+            keep = mask.bool()
+            rows = {s: streams[s][keep].double() for s in streams}
+            for p in range(self.num_layers):
+                x, y = rows[p], rows[p + 1]
+                grams[p] = grams.get(p, 0) + x.T @ x
+                crosses[p] = crosses.get(p, 0) + x.T @ y
+        self.forward_passes += 1
+        self.block_passes += self.num_layers
+        return {p: ridge_toward_identity(grams[p], crosses[p], DEFAULT_EPSILON["ghosted"])[0].float()
+                for p in range(self.num_layers)}
+
+    def _cut_operators(self, s: Sequence[int]) -> list[tuple[int, int, torch.Tensor]]:
+        """[(s, e, W)] per cut s..e-1: W = W_s ... W_{e-1} acts on the stream entering block e
+        (e = L: the stream leaving block s-1, the last kept one)."""
+        out, removed = [], sorted(s)
+        k = 0
+        while k < len(removed):
+            start = k
+            while k + 1 < len(removed) and removed[k + 1] == removed[k] + 1:
+                k += 1
+            w = self._operators[removed[start]]
+            for p in removed[start + 1 : k + 1]:
+                w = w @ self._operators[p]
+            out.append((removed[start], removed[k] + 1, w))
+            k += 1
+        return out
+
+    @torch.no_grad()
+    def _ghosted(self, sets):
+        if self._operators is None:
+            self._operators = self._fit_operators()
+        _, _, blocks = decoder_blocks(self.model)
+        plans = self._plans(sets)
+        sums = [torch.zeros((), dtype=torch.float64) for _ in sets]
+        starts = {}
+        for k, s in enumerate(sets):
+            start = first_difference(plans[k], self.num_layers)
+            tail_cut = max(s) == self.num_layers - 1
+            starts[k] = 0 if (not self.prefix_reuse or tail_cut) else min(start, len(plans[k]) - 1)
+        slots = sorted({v for v in starts.values() if v > 0}) or [0]
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        passes, block_count = 1, self.num_layers
+        try:
+            for ids, mask in self.calibration.batches(self.batch_size):
+                ids, mask = ids.to(device), mask.to(device)
+                streams, logits = capture_residual_stream(self.model, ids, mask, slots=slots, compute_logits=True)
+                ref = torch.log_softmax(logits.float(), dim=-1)
+                del logits
+                for k, s in enumerate(sets):
+                    cuts = self._cut_operators(s)
+                    handles, kwargs = [], {}
+                    for a, e, w in cuts:
+                        op = GhostedOperator(w, e).to(device)
+                        if starts[k] > 0 and a == cuts[0][0]:  # the first cut acts on the cached stream
+                            kwargs = {"start": starts[k], "start_hidden": op(streams[starts[k]])}
+                        elif e == self.num_layers:  # cut through the last block: after the last kept one
+                            handles.append(blocks[a - 1].register_forward_hook(op.output_hook))
+                        else:
+                            handles.append(blocks[e].register_forward_pre_hook(op.input_hook, with_kwargs=True))
+                    try:
+                        with apply_plan(self.model, plans[k], **kwargs):
+                            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    sums[k] = sums[k] + masked_kl(ref, out, mask).sum()
+                    del out
+                del streams, ref
+        finally:
+            self.model.train(was_training)
+        for k in range(len(sets)):
+            passes += 1
+            block_count += len(plans[k]) - starts[k]
+        n = self.calibration.num_prompts
+        return [float(v) / n for v in sums], passes, block_count

@@ -1,0 +1,309 @@
+"""Protocol-guided search for the removal set, with the repair of the cut in the loop.
+
+The paper's greedy rule (:func:`~hf_layerswap.selection.greedy_select`) reads one number
+per layer and never looks at a set as a whole; two blocks that are each cheap to remove
+can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
+which the rule's spacing forbids. :func:`search_select` scores whole candidate sets S on
+the calibration prompts by an *objective* and refines the best ones by local moves:
+
+Candidates at budget n (each scored once, cached across levels and budgets):
+    - each protocol's greedy set (the paper's rule, spacing 1) and its n lowest-scored
+      layers (no spacing),
+    - the n lowest single-removal values d_skip({i}),
+    - per score source (each protocol, single removal) the two contiguous runs of n
+      unprotected blocks with the lowest summed score,
+    - the best set of budget n-1 plus each of the most removable blocks not in it.
+
+Local search from the best candidate: a move swaps one removed block for a kept one
+(the neighbours of the set and the most removable blocks by single-removal value); each
+round scores, up to ``moves_per_round`` sets, first the shifts of each contiguous run of
+the set by one block, then the swaps with the lowest additive prediction
+f(S) - d({r}) + d({c}), and takes the best if it improves. Rounds stop when no
+move improves, after ``max_rounds``, or when ``max_evaluations`` is spent. When a budget
+has at most ``exhaustive_below`` sets in all, every set is scored instead. Budget n only
+depends on the work for budgets 1..n, so one call for 1..N returns what N separate calls
+would. Everything is deterministic (ties: the lexicographically smallest set).
+
+Objectives: :data:`~hf_layerswap.selection.objectives.OBJECTIVES` (removal KL, calibration
+NLL, removal KL after the Ghosted Layers repair), all on the calibration prompts only.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Sequence
+
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..calibration import CalibrationSet
+from ..plan import num_blocks
+from ..report import SwapReport, _score_key, set_key
+from ..rule import check_budget, greedy_select, resolve_protect
+from .common import CriterionResult, _calibration, _gap1, _report_cost
+from .objectives import OBJECTIVES, SetObjective
+from .registry import register_strategy
+
+__all__ = ["OBJECTIVES", "SetObjective", "search_criterion", "search_select"]
+
+
+def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
+    finite = [i for i in allowed if scores[i] is not None and math.isfinite(scores[i])]
+    return sorted(sorted(finite, key=lambda i: (_score_key(scores[i]), i))[:n])
+
+
+def _best_runs(scores: Sequence[float], allowed: set[int], num_layers: int, n: int, k: int = 2) -> list[list[int]]:
+    """The ``k`` contiguous runs of ``n`` allowed blocks with the lowest summed score (ties: earliest)."""
+    runs = []
+    for a in range(num_layers - n + 1):
+        run = list(range(a, a + n))
+        if all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
+            runs.append((sum(scores[i] for i in run), a, run))
+    return [run for _, _, run in sorted(runs)[:k]]
+
+
+def _shifts(current: Sequence[int], allowed: set[int]) -> list[list[int]]:
+    """Each maximal contiguous run of ``current`` moved by one block either way."""
+    out, members = [], set(current)
+    for start in sorted(x for x in members if x - 1 not in members):
+        end = start
+        while end + 1 in members:
+            end += 1
+        for drop, add in ((start, end + 1), (end, start - 1)):
+            if add in allowed and add not in members:
+                out.append(sorted((members - {drop}) | {add}))
+    return out
+
+
+def search_select(
+    report: SwapReport | None,
+    budgets: int | Sequence[int],
+    *,
+    model: nn.Module,
+    calibration: CalibrationSet,
+    objective: str = "removal_kl",
+    protect: Sequence[int] = (0, -1),
+    spacing: int = 0,
+    max_evaluations: int | None = None,
+    moves_per_round: int = 6,
+    max_rounds: int = 4,
+    exhaustive_below: int | None = None,
+    batch_size: int = 8,
+    prefix_reuse: bool = True,
+    progress: bool = False,
+    evaluator: SetObjective | None = None,
+) -> dict[int, dict]:
+    """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
+
+    Args:
+        report: swap-KL scores of ``model`` on these prompts (candidates from each protocol
+            it scored); ``None`` uses single-removal values only.
+        budgets: n or a list of n; the search runs every budget up to the largest (each
+            seeds the next) and returns the requested ones.
+        model: the dense model (left unchanged).
+        calibration: the calibration prompts (the only text the search reads).
+        objective: see :data:`OBJECTIVES`.
+        protect: blocks never removed (negative = from the end; default first and last).
+        spacing: every two removed blocks satisfy ``|a - b| > spacing`` (default 0: none).
+        max_evaluations: most distinct sets to score in all (default ``5 * L``); the
+            single-removal sweep (L - |protect| sets) counts.
+        moves_per_round, max_rounds: local-search breadth and depth per budget.
+        exhaustive_below: score every set of a budget when there are at most this many
+            (default ``moves_per_round * max_rounds``, what the local search may spend).
+        evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
+
+    Returns:
+        ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
+        objective of it), ``objective``, ``strategy="search"``, ``protocol_sets``
+        (per protocol in the report: the paper's greedy set with spacing 1 and its
+        value, or ``None`` where the rule cannot fill the budget), ``trace`` (the
+        candidates scored, the best seed and its value, each local-search round),
+        ``cost`` (cumulative evaluator calls, forward passes, block passes, seconds up to
+        this budget) and ``total_cost`` (the whole call).
+
+    Raises:
+        ValueError: an unknown objective, a budget above the unprotected blocks the
+            spacing allows, or a report of another block count.
+    """
+    num_layers = num_blocks(model)
+    single_budget = isinstance(budgets, int)
+    wanted = sorted({budgets} if single_budget else set(budgets))
+    if not wanted:
+        raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
+    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
+    if report is not None and report.num_layers != num_layers:
+        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    protected = resolve_protect(protect, num_layers)
+    allowed = [i for i in range(num_layers) if i not in protected]
+    allowed_set = set(allowed)
+    if exhaustive_below is None:
+        exhaustive_below = moves_per_round * max_rounds
+    budget_total = 5 * num_layers if max_evaluations is None else int(max_evaluations)
+    if budget_total < len(allowed):
+        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
+    bar = None
+    if progress and evaluator is None:
+        bar = tqdm(total=budget_total, desc=f"removal-set search ({objective})", unit="set", dynamic_ncols=True)
+    f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
+                                  progress=bar)
+
+    def ok(s) -> bool:
+        s = sorted(set(s))
+        return all(i in allowed_set for i in s) and all(b - a > spacing for a, b in zip(s, s[1:]))
+
+    def left() -> int:
+        return budget_total - f.calls
+
+    def score(pool):
+        pool = [sorted(set(s)) for s in pool if s and ok(s)]
+        pool = list({set_key(s): s for s in pool}.values())
+        new = [s for s in pool if set_key(s) not in f.cache]
+        cached = [s for s in pool if set_key(s) in f.cache]
+        limit = max(left(), 0 if cached else 1)  # a budget always gets at least one scored set
+        if len(new) > limit:
+            new = new[:limit]
+            pool = cached + new
+        f(new)
+        return sorted(pool, key=lambda s: (_score_key(f.value(s)), s))
+
+    singles_pool = score([[i] for i in allowed])
+    single = [None] * num_layers
+    for s in singles_pool:
+        single[s[0]] = f.value(s)
+    rank = sorted(allowed, key=lambda i: (_score_key(single[i]), i))
+    sources = {"single_removal": single}
+    protocols = list(report.protocols) if report is not None else []
+    for p in protocols:
+        sources[p] = report.layer_scores(p)
+
+    best: dict[int, list[int]] = {}
+    ranked_by_n: dict[int, list[list[int]]] = {}
+    trace: dict[int, dict] = {}
+    protocol_sets: dict[int, dict] = {}
+    costs: dict[int, dict] = {}
+    for n in range(1, top + 1):
+        pool, greedy = [], {}
+        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
+            prev = ranked_by_n[n - 1][0]
+            extra = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
+                     if c in allowed_set and c not in prev]
+            pool.extend(sorted(prev + [c]) for c in extra[: n + 2])
+        for p in protocols:
+            try:
+                greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
+                pool.append(greedy[p])
+            except ValueError:
+                greedy[p] = None
+            pool.append(_lowest(sources[p], allowed, n))
+        pool.append(rank[:n] if n <= len(rank) else [])
+        for scores in sources.values():
+            pool.extend(_best_runs(scores, allowed_set, num_layers, n))
+        if n > 1 and len(ranked_by_n[n - 1]) > 1:
+            prev = ranked_by_n[n - 1][1]
+            pool.extend(prev + [c] for c in [c for c in rank if c not in prev][: n + 2])
+        if math.comb(len(allowed), n) <= exhaustive_below:  # cheaper than the local search: score every set
+            pool.extend(list(c) for c in itertools.combinations(allowed, n))
+        ranked = score(pool)
+        if not ranked:  # the spacing left nothing from the seeds: fall back to the greedy order of singles
+            ranked = score([greedy_select(single, n, spacing=spacing, protect=protect)])
+        current, rounds = ranked[0], []
+        for _ in range(max_rounds):
+            if left() <= 0:
+                break
+            shortlist = [c for c in dict.fromkeys(
+                [x for r in current for x in (r - 1, r + 1)] + rank[: n + 4]) if c in allowed_set and c not in current]
+            moves = []
+            for r in current:
+                for c in shortlist:
+                    cand = sorted([x for x in current if x != r] + [c])
+                    if ok(cand) and set_key(cand) not in f.cache:
+                        pred = f.value(current) - single[r] + single[c]
+                        moves.append((_score_key(pred), cand))
+            shifts = [m for m in _shifts(current, allowed_set) if ok(m) and set_key(m) not in f.cache]
+            if not moves and not shifts:
+                break
+            moves.sort()
+            picked = list({set_key(m): m for m in shifts + [m for _, m in moves]}.values())[:moves_per_round]
+            tried = score(picked)
+            improved = bool(tried) and _score_key(f.value(tried[0])) < _score_key(f.value(current))
+            if improved:
+                current = tried[0]
+            rounds.append({"moves": len(tried), "best": current, "value": f.value(current), "improved": improved})
+            if not improved:
+                break
+        ranked_by_n[n] = sorted({set_key(s): s for s in [current] + ranked}.values(),
+                                key=lambda s: (_score_key(f.value(s)), s))
+        best[n] = current
+        protocol_sets[n] = {p: (None if g is None else {"set": g, "value": f.value(g) if set_key(g) in f.cache else None})
+                            for p, g in greedy.items()}
+        trace[n] = {"candidates": len(ranked), "seed_best": ranked[0], "seed_value": f.value(ranked[0]),
+                    "rounds": rounds}
+        costs[n] = f.cost()
+    if bar is not None:
+        bar.close()
+    final_cost = f.cost()
+    out = {}
+    for n in wanted:
+        out[n] = {
+            "strategy": "search", "objective": objective, "num_layers": n, "selected": list(best[n]),
+            "value": f.value(best[n]), "spacing": spacing, "protect": sorted(protected),
+            "protocol_sets": copy.deepcopy(protocol_sets[n]), "trace": copy.deepcopy(trace[n]),
+            "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": budget_total,
+            "unit": "nats per token" if objective == "nll" else "nats",
+        }
+    return out
+
+
+def _default_objective(objective):
+    return "removal_kl" if objective is None else objective
+
+
+@register_strategy("search", needs_model=True)
+def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
+    """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
+    objective = _default_objective(objective)
+    record = search_select(report, num_layers, model=model, calibration=calibration, objective=objective,
+                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_layers]
+    _record(report, record)
+    return list(record["selected"])
+
+
+def _record(report: SwapReport, record: dict) -> None:
+    if record["objective"] == "removal_kl":
+        report.removal_kl[set_key(record["selected"])] = record["value"]
+        for entry in record["protocol_sets"].values():
+            if entry is not None and entry["value"] is not None:
+                report.removal_kl[set_key(entry["set"])] = entry["value"]
+    report.selections.append(record)
+
+
+def search_criterion(model: nn.Module, calibration, n, *, report: SwapReport, objective: str = "removal_kl",
+                     protect: Sequence[int] = (0, -1), batch_size: int = 8, **options):
+    """:func:`search_select` as a criterion of :func:`hf_layerswap.baselines.compare_criteria`.
+
+    Returns ``{n: CriterionResult}`` (or one result for an int ``n``); the cost includes
+    the scoring of both protocols (adjacent pairs) plus the search, and
+    ``details["search_cost"]`` gives the search alone (cumulative up to that budget).
+    """
+    calib = _calibration(model, calibration, None)
+    budgets = [n] if isinstance(n, int) else sorted(set(n))
+    sub = _gap1(report)
+    passes, blocks, seconds, estimated = _report_cost(report, tuple(report.protocols))
+    found = search_select(sub, budgets, model=model, calibration=calib, objective=objective, protect=protect,
+                          batch_size=batch_size, **options)
+    out = {}
+    for b, rec in found.items():
+        cost = rec["cost"]
+        out[b] = CriterionResult(
+            "search" if objective == "removal_kl" else f"search_{objective}", b, rec["selected"], None,
+            passes + cost["forward_passes"], blocks + cost["block_passes"], seconds + cost["seconds"],
+            evaluator_calls=cost["evaluator_calls"],
+            details={"objective": objective, "value": rec["value"], "unit": rec["unit"],
+                     "protocol_sets": rec["protocol_sets"], "trace": rec["trace"], "search_cost": cost,
+                     "scoring_cost": {"forward_passes": passes, "block_passes": blocks, "seconds": seconds,
+                                      "seconds_estimated": estimated},
+                     "protect": rec["protect"]},
+        )
+    return out[n] if isinstance(n, int) else out

@@ -1,0 +1,61 @@
+"""One-shot ranking by the single-block removal KL d_skip({l}) (the output-grounded baseline)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..rule import greedy_select, resolve_protect
+from .common import CriterionResult, _check_resume, _out, _setup, as_strategy
+from .objectives import _removal_kl_values
+from .registry import register_strategy
+
+__all__ = ["single_removal_kl"]
+
+
+def single_removal_kl(
+    model: nn.Module,
+    calibration,
+    n: int | Sequence[int],
+    *,
+    tokenizer=None,
+    protect: Sequence[int] = (0, -1),
+    batch_size: int = 8,
+    resume: CriterionResult | None = None,
+):
+    """One-shot ranking by the single-block removal KL d_skip({l}) = E_x KL(p_M || p_{M-{l}})
+    (nats; mean over real tokens per prompt, then over prompts; fp32 log-softmax).
+
+    Every block is scored (L removal probes sharing one reference sweep, with prefix
+    reuse); the ``n`` unprotected blocks with the lowest values are removed (no spacing).
+
+    Args:
+        resume: a result of this criterion for a smaller budget with the same ``protect``:
+            its per-block scores (and their cost) are reused, nothing is scored again.
+
+    Returns:
+        :class:`CriterionResult` (``scores`` = d_skip per block). Cost: L+1 forward passes.
+
+    Raises:
+        ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks, or a
+            ``resume`` of another criterion, budget or protection.
+    """
+    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    if resume is not None:
+        _check_resume(resume, "single_removal_kl", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        values = list(resume.scores)
+        stats = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
+    else:
+        values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_layers)], batch_size)
+    results = {}
+    for b in budgets:
+        removed = greedy_select(values, b, spacing=0, protect=protect)
+        results[b] = CriterionResult(
+            "single_removal_kl", b, removed, values, stats["forward_passes"], stats["block_passes"], stats["seconds"],
+            details={"protect": sorted(resolve_protect(protect, num_layers)), "unit": "nats"},
+        )
+    return _out(results, single)
+
+
+register_strategy("single_removal_kl", needs_model=True)(as_strategy("single_removal_kl", single_removal_kl))

@@ -1,0 +1,99 @@
+"""SLEB (Song et al., ICML 2024): iterative greedy block removal by calibration NLL."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..calibration import CalibrationSet
+from ..report import _score_key
+from ..rule import resolve_protect
+from .common import CriterionResult, _allowed, _check_resume, _out, _setup, as_strategy
+from .objectives import _removal_nll_values
+from .registry import register_strategy
+
+__all__ = ["sleb"]
+
+
+def sleb(
+    model: nn.Module,
+    calibration,
+    n: int | Sequence[int],
+    *,
+    tokenizer=None,
+    protect: Sequence[int] = (0, -1),
+    batch_size: int = 8,
+    resume: CriterionResult | None = None,
+):
+    """SLEB (Song et al., ICML 2024): iterative greedy block removal by calibration NLL.
+
+    Step k tentatively removes each remaining unprotected block from the current set
+    (a removal plan, no weight copies), computes the calibration NLL per token
+    (:func:`plan_nll`; nats, pooled over all predicted tokens, i.e. log PPL), and removes
+    the block with the lowest NLL (ties: lowest index). All remaining blocks are
+    re-scored after each removal. SLEB's first and last blocks are never removed
+    (``protect=(0, -1)``, its ``early_barrier``/``latter_barrier`` of 1).
+
+    Args:
+        n: budget or list of budgets; the search runs once to the largest, and each
+            budget's result is the prefix of that run with the cost spent up to it.
+        resume: a SLEB result for a smaller budget on the same model, prompts and
+            ``protect``: the search continues from it (same sets and costs as one run).
+
+    Returns:
+        :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
+        for protected blocks); ``details["steps"]`` = per step the chosen block and every
+        candidate's NLL. ``evaluator_calls`` = candidate sets scored.
+
+    Raises:
+        ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
+    """
+    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    allowed = _allowed(num_layers, protect)
+    if budgets[-1] > len(allowed):
+        raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
+    removed: list[int] = []
+    steps, results = [], {}
+    passes = blocks = calls = 0
+    seconds = 0.0
+    first_scores: list[float | None] = [None] * num_layers
+    base_nll = None
+    first_step = 1
+    if resume is not None:
+        _check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
+        passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
+        first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
+    for k in range(first_step, budgets[-1] + 1):
+        candidates = [b for b in allowed if b not in removed]
+        sets = [sorted(removed + [b]) for b in candidates]
+        nll, stats = _removal_nll_values(model, calib, sets, batch_size)
+        if base_nll is None:
+            base_nll = float(stats["base"].sum()) / float(_num_targets(calib))
+        passes += stats["forward_passes"]
+        blocks += stats["block_passes"]
+        seconds += stats["seconds"]
+        calls += len(sets)
+        best = min(range(len(candidates)), key=lambda c: (_score_key(nll[c]), candidates[c]))
+        if k == 1:
+            for b, v in zip(candidates, nll):
+                first_scores[b] = v
+        removed = sets[best]
+        steps.append({"removed": candidates[best], "nll": nll[best], "candidates": dict(zip(map(str, candidates), nll))})
+        if k in budgets:
+            results[k] = CriterionResult(
+                "sleb", k, list(removed), first_scores, passes, blocks, seconds, evaluator_calls=calls,
+                details={"protect": sorted(resolve_protect(protect, num_layers)), "base_nll": base_nll,
+                         "unit": "nats per token", "steps": copy.deepcopy(steps)},
+            )
+    return _out(results, single)
+
+
+def _num_targets(calib: CalibrationSet) -> int:
+    m = calib.attention_mask
+    return int((m[:, 1:] * m[:, :-1]).sum())
+
+
+register_strategy("sleb", needs_model=True)(as_strategy("sleb", sleb))
