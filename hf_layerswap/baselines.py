@@ -50,6 +50,7 @@ from torch import nn
 from .evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity
 from .models import model_identity
 from .plan import apply_plan, num_blocks, removal_plan
+from .recovery import recover
 from .report import PairResult, SwapReport, set_key, write_json_atomic
 from .report import _decode_tree as _decode
 from .report import _encode_tree as _encode
@@ -305,6 +306,8 @@ class CriterionComparison:
             (``{name: SwapReport dict}``).
         evaluation_seconds: wall-clock seconds of each perplexity evaluation, by removed
             set (``"i,j,..."``; ``""`` = the unpruned model).
+        recovery: the repair every set was also evaluated after (rows then carry
+            ``ppl_recovered``, ``dppl_recovered``, ``dppl_recovered_ci``), or ``None``.
     """
 
     rows: list[dict]
@@ -317,6 +320,7 @@ class CriterionComparison:
     params: dict = field(default_factory=dict)
     reports: dict = field(default_factory=dict)
     evaluation_seconds: dict = field(default_factory=dict)
+    recovery: str | None = None
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
@@ -408,6 +412,16 @@ def _evaluate_removed(model, removed, eval_text, tokenizer, contract, method, ev
         del pruned
 
 
+def _evaluate_recovered(model, removed, method, calib, eval_text, tokenizer, contract, eval_kwargs, batch_size):
+    """Perplexity of a deep copy of the dense model with ``removed`` cut and repaired by ``method``."""
+    pruned = copy.deepcopy(model)
+    try:
+        recover(pruned, removed, calib, method=method, batch_size=batch_size)
+        return evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, contract=contract, **eval_kwargs)
+    finally:
+        del pruned
+
+
 def compare_criteria(
     model: nn.Module,
     calibration,
@@ -422,6 +436,7 @@ def compare_criteria(
     report: SwapReport | None = None,
     options: Mapping[str, Mapping] | None = None,
     joint_kl: bool = True,
+    recovery: str | None = None,
     batch_size: int = 8,
     eval_batch_size: int = 2,
     state_path=None,
@@ -455,6 +470,14 @@ def compare_criteria(
         options: per-criterion keyword options, e.g. ``{"random": {"draws": 5, "seed": 0},
             "interchange_beam": {"evaluator": "nll"}}``.
         joint_kl: also compute every set's joint removal KL on the calibration prompts.
+        recovery: also evaluate every removed set after the same repair of the cut,
+            ``"ghosted"`` or ``"fused"`` (:func:`~hf_layerswap.recovery.recover` on a deep
+            copy of the dense model, fitted on ``calibration`` with the method's default
+            ridge), so criteria are compared after repair as well as without; rows gain
+            ``ppl_recovered``, ``dppl_recovered`` and ``dppl_recovered_ci``. ``random``
+            is not repaired (its draws are a control of the plain cut). A method that
+            cannot repair the model (``"fused"`` on post-norm blocks) raises before any
+            evaluation.
         batch_size: calibration prompts per forward pass. eval_batch_size: windows per
             forward pass in evaluation.
         state_path: JSON file to resume from and to save progress to (written atomically
@@ -479,6 +502,8 @@ def compare_criteria(
         raise ValueError(f"unknown criteria {unknown}: allowed {list(CRITERIA)}")
     if evaluation_method not in ("copy", "plan"):
         raise ValueError(f"evaluation_method={evaluation_method!r}: allowed 'copy' or 'plan'")
+    if recovery is not None and recovery not in ("ghosted", "fused"):
+        raise ValueError(f"recovery={recovery!r}: allowed None, 'ghosted' or 'fused'")
     calib, num_layers, budgets, _ = _setup(model, calibration, tokenizer, list(budgets))
     options = {k: dict(v) for k, v in (options or {}).items()}
     fingerprint = {
@@ -588,6 +613,22 @@ def compare_criteria(
             state["removal_kl"].update(dict(zip(todo, _encode(values))))
             save()
     kl = {k: _decode(v) for k, v in state["removal_kl"].items()}
+    repaired: dict[str, PerplexityResult] = {}
+    if recovery is not None:
+        done = state.setdefault("ppl_recovered", {}).setdefault(recovery, {})
+        keys = {set_key(r.removed): list(r.removed) for name, per_n in results.items() if name != "random"
+                for r in per_n.values()}
+        for key, s in keys.items():
+            if key in done:
+                continue
+            log(f"perplexity with removed = [{key}] after {recovery} recovery")
+            t0 = time.perf_counter()
+            res = _evaluate_recovered(model, s, recovery, calib, eval_text, tokenizer, contract, eval_kwargs, batch_size)
+            res.contract = _public_contract(res.contract)
+            done[key] = {**_encode(res.to_dict()), "seconds": time.perf_counter() - t0}
+            save()
+        repaired = {k: PerplexityResult.from_dict(_decode({f: x for f, x in v.items() if f != "seconds"}))
+                    for k, v in done.items()}
 
     base = ppl[""]
     rows = []
@@ -608,6 +649,9 @@ def compare_criteria(
                 row.update({"ppl": ppl[k].ppl, "dppl": delta_ppl_percent(base, ppl[k]),
                             "dppl_ci": list(delta_ppl_ci(base, ppl[k])), "ppl_ci": [ppl[k].ci_low, ppl[k].ci_high],
                             "removal_kl": kl.get(k) if joint_kl else None})
+                if k in repaired:
+                    row.update({"ppl_recovered": repaired[k].ppl, "dppl_recovered": delta_ppl_percent(base, repaired[k]),
+                                "dppl_recovered_ci": list(delta_ppl_ci(base, repaired[k]))})
             rows.append(row)
     return CriterionComparison(
         rows=rows,
@@ -620,6 +664,7 @@ def compare_criteria(
         params={"budgets": budgets, "criteria": list(criteria), "options": _encode(options), "batch_size": batch_size},
         reports={"shared": report.to_dict()} if report is not None else {k: r.to_dict() for k, r in reports.items()},
         evaluation_seconds={k: state.get("ppl_seconds", {}).get(k) for k in all_sets},
+        recovery=recovery,
     )
 
 

@@ -377,7 +377,7 @@ def test_compare_criteria_table_resume_and_eval_text_isolation(harness_setup, tm
     def boom(*a, **k):
         raise AssertionError("recomputed although the state file has it")
 
-    monkeypatch.setattr("hf_layerswap.evaluation.evaluate_perplexity", boom)
+    monkeypatch.setattr(B, "evaluate_perplexity", boom)
     monkeypatch.setattr(B, "_removal_kl_values", boom)
     again = B.compare_criteria(model, calib, [1, 2], criteria=crit, eval_text=text, tokenizer=tok,
                                evaluation_options=EVAL_OPTS, options=opts, state_path=state)
@@ -393,6 +393,44 @@ def test_compare_criteria_table_resume_and_eval_text_isolation(harness_setup, tm
     with pytest.raises(ValueError, match="state file"):
         B.compare_criteria(model, calib, [1], criteria=("tail",), eval_text=text[::-1], tokenizer=tok,
                            evaluation_options=EVAL_OPTS, state_path=state)
+
+
+def test_compare_criteria_after_the_same_repair(harness_setup, tmp_path, monkeypatch):
+    """``recovery="ghosted"``: every non-random set is also evaluated after the repair, and
+    the number equals recovering a copy and evaluating it directly; a resumed run reuses it."""
+    from hf_layerswap.evaluation import delta_ppl_percent, evaluate_perplexity
+    from hf_layerswap.recovery import recover
+
+    model, tok, calib, text = harness_setup
+    crit = ("block_influence", "tail", "random")
+    kwargs = dict(criteria=crit, eval_text=text, tokenizer=tok, evaluation_options=EVAL_OPTS,
+                  options={"random": {"draws": 2, "seed": 0}}, joint_kl=False)
+    state = tmp_path / "state.json"
+    table = B.compare_criteria(model, calib, [1, 2], recovery="ghosted", state_path=state, **kwargs)
+    rows = {(r["criterion"], r["n"]): r for r in table.rows}
+    base = evaluate_perplexity(model, text, tokenizer=tok, **EVAL_OPTS)
+    for n in (1, 2):
+        row = rows[("tail", n)]
+        repaired = copy.deepcopy(model)
+        recover(repaired, row["removed"], calib, method="ghosted")
+        direct = evaluate_perplexity(repaired, text, tokenizer=tok, **EVAL_OPTS)
+        assert row["ppl_recovered"] == direct.ppl
+        assert row["dppl_recovered"] == delta_ppl_percent(base, direct)
+        lo, hi = row["dppl_recovered_ci"]
+        assert lo <= row["dppl_recovered"] <= hi
+        assert "ppl_recovered" not in rows[("random", n)]  # the control of the plain cut is not repaired
+    assert table.recovery == "ghosted"
+    plain = B.compare_criteria(model, calib, [1, 2], **kwargs)  # same selections and plain numbers without it
+    assert [r["dppl"] for r in plain.rows] == [r["dppl"] for r in table.rows]
+    assert all("ppl_recovered" not in r for r in plain.rows)
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed although the state file has it")
+
+    monkeypatch.setattr(B, "evaluate_perplexity", boom)
+    assert B.compare_criteria(model, calib, [1, 2], recovery="ghosted", state_path=state, **kwargs).rows == table.rows
+    with pytest.raises(ValueError, match=r"recovery='ridge': allowed None, 'ghosted' or 'fused'"):
+        B.compare_criteria(model, calib, [1], recovery="ridge", **kwargs)
 
 
 def test_states_of_parallel_runs_merge_into_one_comparison(harness_setup, tmp_path, monkeypatch):
