@@ -8,7 +8,7 @@ plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
 
 __version__ = "0.1.0"
 
-from .calibration import CalibrationSet, build_calibration, embedded_text
+from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, embedded_text
 from .card import render_card, write_card_files
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
 from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
@@ -24,6 +24,7 @@ from .tasks import TaskResults, evaluate_tasks
 
 __all__ = [
     "CalibrationSet",
+    "CalibrationShortfallWarning",
     "HubPushError",
     "PerplexityResult",
     "PushRefusedError",

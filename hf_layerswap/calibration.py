@@ -18,6 +18,7 @@ import hashlib
 import os
 import random
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 __all__ = [
     "CalibrationSet",
+    "CalibrationShortfallWarning",
     "build_calibration",
     "check_token_ids",
     "embedded_text",
@@ -35,6 +37,13 @@ __all__ = [
 ]
 
 EMBEDDED_SOURCE = "pydoc_data.topics"
+
+
+class CalibrationShortfallWarning(UserWarning):
+    """The calibration source gave fewer prompts or tokens than were asked for. The message
+    has both numbers; the set's :meth:`CalibrationSet.spec` (and so the report metadata and
+    the model card) records them under ``"shortfall"``."""
+
 #: Every ``EVAL_EVERY``-th documentation topic (sorted by name) is evaluation text.
 EVAL_EVERY = 4
 
@@ -137,6 +146,10 @@ class CalibrationSet:
             least 2 real tokens and all its real tokens before its padding.
         description: where the text came from (source, split, selection rule).
         add_special_tokens: whether the tokenizer added BOS/EOS (None for given tensors).
+        texts: the texts the prompts were tokenized from (text sources only).
+        shortfall: ``None``, or what the source could not give when the set was built:
+            ``{"requested_prompts": N, "prompts": n, "max_tokens": N * seq_len,
+            "tokens": t}`` (``n < N``); kept when a prefix of the set is taken.
     """
 
     input_ids: torch.Tensor
@@ -144,6 +157,7 @@ class CalibrationSet:
     description: str
     add_special_tokens: bool | None = None
     texts: list[str] | None = field(default=None, repr=False)
+    shortfall: dict | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -180,8 +194,9 @@ class CalibrationSet:
             yield ids[:, :width], mask[:, :width]
 
     def spec(self) -> dict:
-        """JSON-able description for reports and cards."""
-        return {
+        """JSON-able description for reports and cards (``"shortfall"`` only when the source
+        gave fewer prompts than requested, see the attribute)."""
+        out = {
             "description": self.description,
             "content_hash": self.content_hash,
             "num_prompts": self.num_prompts,
@@ -189,6 +204,33 @@ class CalibrationSet:
             "seq_len": self.seq_len,
             "add_special_tokens": self.add_special_tokens,
         }
+        if self.shortfall:
+            out["shortfall"] = dict(self.shortfall)
+        return out
+
+
+def shortfall_text(shortfall: Mapping) -> str:
+    """One sentence with both numbers of a :attr:`CalibrationSet.shortfall` record."""
+    asked, got = shortfall["requested_prompts"], shortfall["prompts"]
+    return (
+        f"{asked} prompt(s) requested, the source gave {got} ({shortfall['tokens']:,} real tokens of the "
+        f"{shortfall['max_tokens']:,} that {asked} x {shortfall['max_tokens'] // max(asked, 1)} could hold)"
+    )
+
+
+def _note_shortfall(calib: CalibrationSet, requested: int, seq_len: int, stacklevel: int = 3) -> CalibrationSet:
+    if calib.num_prompts < requested:
+        calib.shortfall = {"requested_prompts": requested, "prompts": calib.num_prompts,
+                           "max_tokens": requested * seq_len, "tokens": calib.num_tokens}
+        warnings.warn(
+            CalibrationShortfallWarning(
+                f"calibration set smaller than requested: {shortfall_text(calib.shortfall)}; source: "
+                f"{calib.description}. Scores rest on fewer prompts than asked (wider error bars): give a larger source "
+                "(a text file is split at blank lines) or lower num_prompts"
+            ),
+            stacklevel=stacklevel,
+        )
+    return calib
 
 
 def check_token_ids(input_ids: torch.Tensor, model, what: str) -> None:
@@ -307,8 +349,14 @@ def build_calibration(
             no pad token is fine (padding positions are masked out).
         num_prompts: at most this many prompts (paragraphs are drawn by a seeded shuffle;
             a list of strings or given tensors are used in order).
-        seq_len: prompts are truncated to this many tokens.
+        seq_len: prompts are truncated to this many tokens; only the prefix of each text that
+            the budget needs is tokenized (:func:`encode_prefixes`).
         seed: shuffle seed for paragraph sources.
+
+    Warns:
+        CalibrationShortfallWarning: the source gives fewer than ``num_prompts`` prompts
+            (e.g. a one-line file is one paragraph); the message has both numbers and the
+            real-token count, and :attr:`CalibrationSet.shortfall` records them.
 
     Raises:
         ValueError: ``num_prompts``/``seq_len`` below their minimum (1 and 2), an empty
@@ -330,13 +378,14 @@ def build_calibration(
             )
         ids, mask = _validate_tensors(calibration["input_ids"], calibration["attention_mask"])
         ids, mask = ids[:num_prompts], mask[:num_prompts]
-        return CalibrationSet(ids.clone(), mask.clone(), f"tensors ({ids.shape[0]} x {ids.shape[1]}, given)")
+        given = CalibrationSet(ids.clone(), mask.clone(), f"tensors ({ids.shape[0]} x {ids.shape[1]}, given)")
+        return _note_shortfall(given, num_prompts, int(ids.shape[1]))
     texts, description = _texts_from_source(calibration, num_prompts=num_prompts, seed=seed)
     if not texts:
         raise ValueError(f"empty calibration set: {description} yields no prompt")
     if tokenizer is None:
         raise TypeError("a text calibration source needs a tokenizer (pass tokenizer=...)")
-    encoded = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]
+    encoded = encode_prefixes(tokenizer, texts, seq_len)
     for row, ids in enumerate(encoded):
         if len(ids) < 2:
             raise ValueError(
@@ -353,10 +402,44 @@ def build_calibration(
         attention_mask[row, : len(ids)] = 1
     bos = getattr(tokenizer, "bos_token_id", None)
     adds_bos = bos is not None and all(ids[0] == bos for ids in encoded)
-    return CalibrationSet(
+    built = CalibrationSet(
         input_ids,
         attention_mask,
         f"{description}; truncated to {seq_len} tokens" + ("; BOS prepended" if adds_bos else "; no BOS"),
         add_special_tokens=True,
         texts=texts,
     )
+    return _note_shortfall(built, num_prompts, seq_len)
+
+
+#: Characters per wanted token of the first prefix :func:`encode_prefixes` tokenizes (it
+#: doubles the prefix until the tokens reach past the budget).
+CHARS_PER_TOKEN_GUESS = 8
+#: Tokens beyond ``seq_len`` a prefix must give before its first ``seq_len`` are trusted to
+#: be those of the whole text (the cut falls at a blank, a word boundary of the tokenizer).
+PREFIX_MARGIN = 8
+
+
+def encode_prefixes(tokenizer, texts: Sequence[str], seq_len: int) -> list[list[int]]:
+    """Token ids of each text truncated to ``seq_len`` (``add_special_tokens=True``), as
+    ``tokenizer(texts, truncation=True, max_length=seq_len)`` gives, tokenizing only a
+    prefix of each text: ``CHARS_PER_TOKEN_GUESS * (seq_len + PREFIX_MARGIN)`` characters cut
+    at the last blank, doubled until it gives more than ``seq_len + PREFIX_MARGIN`` tokens
+    or is the whole text. A 10 MB one-line file costs a few kB of tokenizing, not all of it."""
+    want = seq_len + PREFIX_MARGIN
+    chars = CHARS_PER_TOKEN_GUESS * want
+    prefixes = list(texts)
+    todo = [k for k, t in enumerate(texts) if len(t) > chars]
+    while todo:
+        for k in todo:
+            text = texts[k]
+            cut = max(text.rfind(" ", 0, chars), text.rfind("\n", 0, chars), text.rfind("\t", 0, chars))
+            prefixes[k] = text[: cut if cut > chars // 2 else chars]
+        counts = [len(ids) for ids in tokenizer([prefixes[k] for k in todo], add_special_tokens=True)["input_ids"]]
+        chars *= 2
+        todo = [k for k, n in zip(todo, counts) if n <= want and len(texts[k]) > len(prefixes[k])]
+        for k in todo:
+            if len(texts[k]) <= chars:
+                prefixes[k] = texts[k]
+        todo = [k for k in todo if len(texts[k]) > chars]
+    return tokenizer(prefixes, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]

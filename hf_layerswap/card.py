@@ -835,6 +835,10 @@ def _calibration_rows(report, steps, ident) -> list:
     )
     if n is not None:
         rows.append(("Prompts × tokens", f"{n} prompts × up to {seq} tokens ({tokens:,} real tokens)" if isinstance(tokens, int) else f"{n} × {seq}"))
+    if isinstance(cal.get("shortfall"), Mapping):
+        from .calibration import shortfall_text
+
+        rows.append(("Shortfall", f"**fewer prompts than requested**: {shortfall_text(cal['shortfall'])}"))
     if cal.get("add_special_tokens") is not None:
         rows.append(
             (

@@ -24,8 +24,13 @@ Guarantees:
   size at which huggingface_hub's pipelined upload splits a commit;
 - the token is passed to ``HfApi`` only: it is never written to a file or a log line.
 
-:func:`save_for_hub` writes the same folder locally (atomically: a temporary sibling folder
-moved into place), for the CLI and for publishing by other means. The ``push`` verb of
+:func:`save_for_hub` writes the same folder locally (atomically: a staging sibling folder
+moved into place), for the CLI and for publishing by other means. Staging folders are named
+:data:`STAGING_PREFIX` ``+ <target name>.<kind>-<random>``, hold ``config.json`` only once
+every other file is written (until then it waits as :data:`HELD_CONFIG`, so an interrupted
+save is never loadable as a checkpoint), and are locked (``flock``) while their save runs; a
+killed save's folder is removed by the next save into the same parent
+(:func:`remove_stale_staging`; only names with our exact prefix, only unlocked ones). The ``push`` verb of
 ``hf-layerswap`` is :func:`add_push_arguments` + :func:`run_push`.
 """
 
@@ -56,12 +61,15 @@ from .sparsity import sparsity_in_model
 from .report import SwapReport, default_mode
 
 __all__ = [
+    "HELD_CONFIG",
     "OWNED_PATTERNS",
+    "STAGING_PREFIX",
     "HubPushError",
     "PushRefusedError",
     "add_push_arguments",
     "push_to_hub",
     "read_evaluation_file",
+    "remove_stale_staging",
     "run_push",
     "save_for_hub",
 ]
@@ -71,6 +79,14 @@ logger = logging.getLogger(__name__)
 #: Remote files a push replaces as a set: stale ones matching these patterns (older weight
 #: shards, sidecars, plots) are deleted in the same commit. Other files are left alone.
 OWNED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "layerswap_*"]
+
+
+#: Name prefix of the staging folders :func:`save_for_hub` makes next to its target. Only
+#: folders starting with exactly this are ever removed as stale.
+STAGING_PREFIX = ".hf_layerswap-staging-"
+#: What ``config.json`` is called inside a folder being written, until every other file is
+#: there: without ``config.json`` no loader takes the folder for a checkpoint.
+HELD_CONFIG = "config.json.held-until-complete"
 
 
 class PushRefusedError(ValueError):
@@ -167,8 +183,10 @@ def _attached_sparsity_report(model):
 def _write_folder(
     folder: Path, model, *, tokenizer, report, evaluation, base_model, license, repo_id, sparsity_report, tasks=None
 ) -> list[str]:
-    """save_pretrained + tokenizer + card, plots and sidecars; returns the file names."""
+    """save_pretrained + tokenizer + card, plots and sidecars; returns the file names.
+    ``config.json`` is held back under :data:`HELD_CONFIG` until the last step."""
     model.save_pretrained(folder)
+    os.replace(folder / "config.json", folder / HELD_CONFIG)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     stray = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
@@ -178,6 +196,7 @@ def _write_folder(
         folder, model, report=report, evaluation=evaluation, base_model=base_model, license=license,
         repo_id=repo_id, tokenizer_included=tokenizer is not None, sparsity_report=sparsity_report, tasks=tasks,
     )
+    os.replace(folder / HELD_CONFIG, folder / "config.json")  # last: now the folder is a checkpoint
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
@@ -395,7 +414,9 @@ def save_for_hub(
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(f"{target} exists and is not an empty folder: pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    remove_stale_staging(target.parent)
+    tmp, lock = _staging_folder(target, "new")
+    old = old_lock = None
     try:
         default_mode(tmp)
         _write_folder(
@@ -403,7 +424,7 @@ def save_for_hub(
             license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            old, old_lock = _staging_folder(target, "previous")
             os.replace(target, old / "previous")
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -412,7 +433,81 @@ def save_for_hub(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _unlock(lock)
+        _unlock(old_lock)
     return target
+
+
+def _lock_folder(path: Path, *, wait: bool) -> int | None:
+    """An exclusive ``flock`` on the folder ``path`` (released by the kernel when the process
+    dies, however it dies): the descriptor, or ``None`` when another process holds it (or the
+    platform has no ``flock``: then nothing counts as stale)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _staging_folder(target: Path, kind: str) -> tuple[Path, int | None]:
+    """A new locked staging folder next to ``target``: ``STAGING_PREFIX + name.kind-XXXX``."""
+    while True:
+        path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target.name}.{kind}-", dir=target.parent))
+        fd = _lock_folder(path, wait=True)
+        try:  # a cleaner that saw it before the lock may have removed it: then make another
+            if os.path.samestat(os.fstat(fd), path.stat()) if fd is not None else True:
+                return path, fd
+        except FileNotFoundError:
+            pass
+        _unlock(fd)
+
+
+def remove_stale_staging(parent: str | os.PathLike) -> list[str]:
+    """Remove the staging folders of interrupted saves (a killed process) in ``parent``.
+
+    Only folders whose name starts with :data:`STAGING_PREFIX` and whose lock no live
+    process holds are touched; every other file and folder is left alone. A stale
+    ``<name>.previous-*`` folder (a save killed between its two renames) is moved back to
+    ``<name>`` when nothing is there, else removed.
+
+    Returns:
+        The names removed (or restored), sorted; also logged at INFO level.
+    """
+    parent = Path(parent)
+    done = []
+    for entry in sorted(os.scandir(parent), key=lambda e: e.name):
+        if not entry.name.startswith(STAGING_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = _lock_folder(Path(entry.path), wait=False)
+        except OSError:  # gone meanwhile, or unreadable: not ours to judge
+            continue
+        if fd is None:
+            continue  # a save in progress (or no flock on this platform)
+        try:
+            name, _, kind = entry.name[len(STAGING_PREFIX):].rpartition(".")
+            previous = Path(entry.path) / "previous"
+            if kind.startswith("previous-") and name and previous.is_dir() and not (parent / name).exists():
+                os.replace(previous, parent / name)
+            shutil.rmtree(entry.path, ignore_errors=True)
+            done.append(entry.name)
+        finally:
+            _unlock(fd)
+    if done:
+        logger.info("removed %d stale staging folder(s) of interrupted saves in %s: %s", len(done), parent, done)
+    return done
 
 
 def read_evaluation_file(path: str | os.PathLike) -> dict:

@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .calibration import CalibrationSet, build_calibration
+from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
 from .plan import capture_residual_stream, decoder_blocks, resolve_layer_indices
 from .report import atomic_path, decode_float, encode_float, write_json_atomic
 
@@ -766,7 +766,9 @@ def recover(
         method: ``"ghosted"`` (Ghosted Layers), ``"fused"`` (ReplaceMe-style, folded into
             ``down_proj``) or ``"none"`` (plain removal; fit residuals still reported).
         num_tokens: use at most this many real calibration tokens (Ghosted Layers uses
-            65,536); the report records how many were used.
+            65,536); the report records how many were used. A set holding fewer warns
+            :class:`~hf_layerswap.calibration.CalibrationShortfallWarning` with both numbers
+            and the record keeps ``requested_tokens``.
         tokenizer: needed for text calibration sources.
         epsilon: relative ridge toward the identity, ``λ = epsilon · trace(XᵀX) / H``
             (>= 0; recorded); ``None`` = :data:`DEFAULT_EPSILON` of the method.
@@ -829,6 +831,15 @@ def recover(
         moments, used, hidden = _collect(model, blocks, cuts, method, calibration, num_tokens, batch_size)
     finally:
         model.train(was_training)
+    if used < num_tokens and method != "none":
+        warnings.warn(
+            CalibrationShortfallWarning(
+                f"recovery fitted on {used:,} calibration tokens, fewer than the {num_tokens:,} requested "
+                f"(num_tokens): the calibration set holds no more ({calibration.num_prompts} prompts); pass a larger "
+                "source or num_prompts"
+            ),
+            stacklevel=2,
+        )
     if hidden is not None and used < hidden and method != "none":
         warnings.warn(
             f"recovery fitted on {used} calibration tokens, fewer than the hidden size {hidden}: XᵀX is rank "
@@ -857,6 +868,7 @@ def recover(
             "epsilon": float(epsilon),
             "epsilon_rule": "lambda = epsilon * trace(X^T X) / H, ridge toward the identity",
             "num_tokens": used,
+            **({"requested_tokens": num_tokens} if used < num_tokens else {}),
             "residual_before": [encode_float(f.residual_before) for f in fits],
             "residual_after": [encode_float(f.residual_after) for f in fits],
             "calibration": calibration.spec(),

@@ -368,6 +368,8 @@ class SwapReport:
             out[f"{p}_layer_scores"] = [encode_float(v) for v in self.layer_scores(p)]
         cal = self.metadata.get("calibration", {})
         out["calibration"] = {k: cal.get(k) for k in ("description", "content_hash", "num_prompts", "num_tokens")}
+        if cal.get("shortfall"):
+            out["calibration"]["shortfall"] = dict(cal["shortfall"])
         return out
 
 

@@ -1362,6 +1362,7 @@ def _prefix_calibration(calib: CalibrationSet, n: int) -> CalibrationSet:
         f"{calib.description}; first {n} of {calib.num_prompts} prompts (adaptive budget)",
         calib.add_special_tokens,
         calib.texts[:n] if calib.texts is not None else None,
+        shortfall=calib.shortfall,
     )
 
 

@@ -284,3 +284,168 @@ def test_a_protected_block_named_from_the_other_end_is_caught_with_the_model():
     assert hl.num_blocks(model) == 4 and model.config.layerswap["removed_layers"] == [0, 5]
     assert "_protect_given" not in hl.LayerSwapConfig(layers=[0]).to_dict()
     assert hl.LayerSwapConfig().protect == [0, -1]
+
+
+# --------------------------------------------------------------------------- 4. calibration shortfall
+
+
+def test_a_one_line_file_warns_of_the_shortfall_and_tokenizes_only_the_budget(tokenizer, tmp_path):
+    import time
+
+    words = ("layer", "block", "swap", "probe", "removal", "prompt")
+    line = " ".join(words[k % 6] + str(k % 97) for k in range(1_400_000))  # one line, about 10 MB
+    path = tmp_path / "one-line.txt"
+    path.write_text(line, encoding="utf-8")
+    assert path.stat().st_size > 10_000_000
+    t0 = time.perf_counter()
+    with pytest.warns(hl.CalibrationShortfallWarning) as caught:
+        calib = hl.build_calibration(str(path), tokenizer, num_prompts=4, seq_len=16)
+    seconds = time.perf_counter() - t0
+    # the character tokenizer would make 10 million tokens of the whole line; 16 are needed
+    assert seconds < 3.0, seconds
+    assert (calib.num_prompts, calib.num_tokens) == (1, 16)
+    assert calib.input_ids[0].tolist() == tokenizer(line[:16])["input_ids"]
+    message = str(caught[0].message)
+    assert "4 prompt(s) requested, the source gave 1 (16 real tokens of the 64 that 4 x 16 could hold)" in message
+    assert "file:one-line.txt" in message
+    assert calib.spec()["shortfall"] == {"requested_prompts": 4, "prompts": 1, "max_tokens": 64, "tokens": 16}
+
+
+def test_prefix_tokenizing_gives_the_whole_text_tokens(tokenizer):
+    from hf_layerswap.calibration import encode_prefixes
+
+    texts = [" ".join(PARAGRAPHS * 40), "x" * 5000, "short", PARAGRAPHS[0], "\n".join(PARAGRAPHS * 30)]
+    for seq_len in (2, 16, 100, 400):
+        assert encode_prefixes(tokenizer, texts, seq_len) == tokenizer(
+            texts, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]
+
+
+@pytest.mark.slow
+def test_prefix_tokenizing_matches_a_real_tokenizer(smollm2, wikitext_test_raw):
+    from hf_layerswap.calibration import encode_prefixes, split_paragraphs
+
+    _, real = smollm2
+    paras = split_paragraphs(wikitext_test_raw.read_text(encoding="utf-8"))
+    texts = [" ".join(paras[k:k + 40]) for k in range(0, 200, 40)] + paras[:60] + ["\n".join(paras[:30])]
+    for seq_len in (2, 16, 512):
+        assert encode_prefixes(real, texts, seq_len) == real(
+            texts, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]
+
+
+def test_a_calibration_shortfall_is_recorded_in_the_report_and_the_card(tokenizer, tmp_path):
+    path = _write_text(tmp_path / "two.txt", PARAGRAPHS[:2])
+    model = build("llama")
+    config = hl.LayerSwapConfig(num_layers=1, strategy="greedy", calibration=str(path), tokenizer=tokenizer,
+                                num_prompts=5, seq_len=24, batch_size=2, progress=False)
+    with pytest.warns(hl.CalibrationShortfallWarning, match=re.escape(
+            "5 prompt(s) requested, the source gave 2 (48 real tokens of the 120 that 5 x 24 could hold)")):
+        hl.prune_loaded_model(model, config)
+    record = {"requested_prompts": 5, "prompts": 2, "max_tokens": 120, "tokens": 48}
+    report = model.layerswap_report
+    assert report.metadata["calibration"]["shortfall"] == record
+    assert report.summary_dict()["calibration"]["shortfall"] == record
+    assert hl.SwapReport.from_dict(report.to_dict()).metadata["calibration"]["shortfall"] == record
+    card = str(hl.render_card(model, report=report))
+    assert ("| Shortfall | **fewer prompts than requested**: 5 prompt(s) requested, the source gave 2 (48 real "
+            "tokens of the 120 that 5 x 24 could hold) |") in card
+    # a set that fills the request records nothing and warns nothing
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hl.CalibrationShortfallWarning)
+        full = hl.build_calibration(PARAGRAPHS, tokenizer, num_prompts=6, seq_len=24)
+    assert "shortfall" not in full.spec() and full.shortfall is None
+
+
+def test_recovery_warns_when_the_calibration_holds_fewer_tokens_than_requested(tokenizer):
+    from hf_layerswap.recovery import recover
+
+    model = build("llama")
+    calib = hl.build_calibration(PARAGRAPHS, tokenizer, num_prompts=6, seq_len=24)
+    with pytest.warns(hl.CalibrationShortfallWarning, match=re.escape(
+            "recovery fitted on 144 calibration tokens, fewer than the 1,000 requested (num_tokens)")):
+        recover(model, [2], calib, method="ghosted", num_tokens=1000)
+    assert model.config.layerswap["recovery"]["num_tokens"] == 144
+    assert model.config.layerswap["recovery"]["requested_tokens"] == 1000
+
+
+# --------------------------------------------------------------------------- 9. killed saves
+
+_SAVE_AND_BLOCK = """
+import sys, time
+from pathlib import Path
+import hf_layerswap.hub as hub
+from transformers import AutoModelForCausalLM
+
+def block(folder, *args, **kwargs):  # the card step: weights and tokenizer are written by now
+    Path(sys.argv[3]).write_text(str(folder))
+    time.sleep(600)
+
+hub.write_card_files = block
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+hub.save_for_hub(model, sys.argv[2])
+"""
+
+
+def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tmp_path):
+    import signal
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_layerswap.hub import HELD_CONFIG, STAGING_PREFIX, _staging_folder
+
+    checkpoint = tmp_path / "ckpt"
+    model = build("llama")
+    model.save_pretrained(checkpoint)
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    # look-alikes that are not ours, and a save of ours that is still running (its lock is held)
+    (parent / ".out.tmp-abc").mkdir()
+    (parent / ".hf_layerswap-stagingX").mkdir()
+    (parent / f"{STAGING_PREFIX}a-file").write_text("not a folder")
+    live, lock = _staging_folder(parent / "other", "new")
+
+    marker = tmp_path / "reached"
+    env = {**os.environ, "PYTHONPATH": str(Path(hl.__file__).parent.parent)}
+    child = subprocess.Popen([sys.executable, "-c", _SAVE_AND_BLOCK, str(checkpoint), str(parent / "out"), str(marker)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the child never reached the card step"
+            time.sleep(0.2)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    staging = Path(marker.read_text())
+    assert child.returncode == -signal.SIGKILL
+    assert staging.parent == parent and staging.name.startswith(f"{STAGING_PREFIX}out.new-")
+    assert (staging / "model.safetensors").is_file() and (staging / HELD_CONFIG).is_file()
+    assert not (staging / "config.json").exists() and not (parent / "out").exists()
+    with pytest.raises((OSError, ValueError), match="config.json"):
+        AutoModelForCausalLM.from_pretrained(staging)
+
+    # the next save into the same parent removes the killed save's folder, and nothing else
+    hl.save_for_hub(model, parent / "second")
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [".out.tmp-abc", ".hf_layerswap-stagingX", f"{STAGING_PREFIX}a-file", live.name, "second"])
+    assert live.is_dir()
+    reloaded = AutoModelForCausalLM.from_pretrained(parent / "second")
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+    os.close(lock)
+    assert hl.hub.remove_stale_staging(parent) == [live.name] and not live.exists()
+
+
+def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):
+    from hf_layerswap.hub import STAGING_PREFIX, remove_stale_staging
+
+    stale = tmp_path / f"{STAGING_PREFIX}run.v2.previous-x1y2z3"
+    (stale / "previous").mkdir(parents=True)
+    (stale / "previous" / "config.json").write_text("{}")
+    assert remove_stale_staging(tmp_path) == [stale.name]
+    assert (tmp_path / "run.v2" / "config.json").read_text() == "{}" and not stale.exists()
