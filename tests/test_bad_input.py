@@ -229,6 +229,37 @@ def test_report_from_a_model_of_another_depth_is_refused(report):
         select_layers(report, 1, model=other)
 
 
+def test_a_report_of_another_model_of_the_same_depth_is_refused_wherever_it_is_applied(report, tmp_path, capsys):
+    """Same block count, other weights: the report's fingerprint differs. Selecting for the
+    model, pruning with --report and publishing with the report all refuse it."""
+    from hf_layerswap import save_for_hub
+    from hf_layerswap.cli import main
+    from hf_layerswap.hub import PushRefusedError
+
+    other = build("llama")  # 6 blocks, like the scored model; then other weights
+    with torch.no_grad():
+        decoder_blocks(other)[2][3].mlp.down_proj.weight.mul_(0.5)
+    assert num_blocks(other) == report.num_layers
+    message = "the report belongs to a different model: its fingerprint is"
+    with pytest.raises(ValueError, match=message):
+        select_layers(report, 1, model=other)
+    with pytest.raises(ValueError, match=message):
+        select_layers(report, 1, model=other, strategy="search", calibration=prompts())
+    ckpt, out = tmp_path / "other", tmp_path / "out"
+    other.save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    report.to_json(tmp_path / "report.json")
+    capsys.readouterr()
+    code = main(["prune", str(ckpt), str(out), "--num-layers", "1", "--report", str(tmp_path / "report.json"),
+                 "--calibration", str(tmp_path / "report.json"), "--num-prompts", "2"])
+    assert code == 2 and not out.exists()
+    assert message in capsys.readouterr().err
+    pruned = remove_layers(copy.deepcopy(other), [2])
+    with pytest.raises(PushRefusedError, match="the report does not belong to this model"):
+        save_for_hub(pruned, tmp_path / "pub", report=report)
+    assert not (tmp_path / "pub").exists()
+
+
 def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys, monkeypatch):
     from hf_layerswap.cli import main
 

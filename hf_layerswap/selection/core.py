@@ -61,9 +61,16 @@ def select_layers(
             calibration source as for scoring (the report keeps its content hash, not
             the prompts); ``num_prompts``, ``seq_len`` and ``seed`` come from the report.
 
+    With ``model=``, the report must belong to it (same block count, and the same weight
+    fingerprint when the report records one); without it the report is taken as given,
+    since there is nothing to check it against. Every path of the library that applies a
+    selection to a model (``LayerSwapConfig``, ``hf-layerswap prune --report``, publishing
+    with :func:`~hf_layerswap.save_for_hub`) checks the report against that model.
+
     Raises:
         ValueError: an unknown protocol, a protocol the report did not score, a model
-            whose block count differs from the report's, or an unmeetable budget.
+            whose block count or fingerprint differs from the report's, or an unmeetable
+            budget.
     """
     if protocol not in SELECTION_PROTOCOLS:
         raise ValueError(f"protocol={protocol!r}: allowed {list(SELECTION_PROTOCOLS)}")
