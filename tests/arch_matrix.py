@@ -2,8 +2,9 @@
 configs (no download), plus the families that layer removal must refuse.
 
 One table (:data:`FAMILIES`) feeds the parametrized tests in ``tests/test_architectures.py``
-and the README support table (``python tests/arch_matrix.py`` prints it as markdown), so
-the table lists exactly what the tests exercise.
+and the support table of ``docs/architectures.md`` (``python tests/arch_matrix.py`` prints
+it as markdown; ``tests/test_docs.py`` checks the page shows it), so the table lists exactly
+what the tests exercise.
 
 Every model has :data:`NUM_LAYERS` blocks, hidden size 32, vocabulary 128, fp32, eager
 attention. Per-layer settings are chosen so that removal and plans have something to get
@@ -180,13 +181,13 @@ class Family:
 
     Attributes:
         name: short id used in test ids.
-        label: the README name.
+        label: the name in the support table.
         config: ``num_layers -> config`` builder.
         per_layer_fields: per-layer config lists this family has (filtered on removal,
             permuted under a plan).
         index_fields: index-valued config fields remapped on removal.
         block_list: dotted path of the decoder's ``nn.ModuleList`` (documentation and a check).
-        notes: what is special about the family (README column).
+        notes: what is special about the family (support table column).
     """
 
     name: str
@@ -388,6 +389,6 @@ def check_block_list(model, family: Family) -> bool:
     return _dotted(model, family.block_list) is decoder_blocks(model)[2]
 
 
-if __name__ == "__main__":  # print the README support table
+if __name__ == "__main__":  # print the support table of docs/architectures.md
     print(support_table())
     assert all(re.fullmatch(r"[a-z0-9_]+", f.name) for f in FAMILIES)

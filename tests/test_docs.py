@@ -1,0 +1,103 @@
+"""The documentation holds together: every relative link in README.md and docs/*.md points
+to a file (and, for a ``#fragment`` into a Markdown page, to one of its headings), the
+README's first screen is the quickstart, the README shows the exact test command CI runs,
+and the supported-architectures page shows the table the architecture tests generate."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Lines of the README that count as its first screen.
+FIRST_SCREEN = 40
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks and inline code spans (links there are not links)."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def links(text: str) -> list[str]:
+    """Targets of the inline Markdown links and images in ``text``, in order."""
+    return _LINK.findall(_prose(text))
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page (lowercase, punctuation
+    dropped, spaces to hyphens; repeats get -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in _FENCE.sub("", text).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        title = re.sub(r"`|\*|_(?=\W)|(?<=\W)_", "", m.group(1))
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _relative(target: str) -> bool:
+    return not re.match(r"[a-z][a-z0-9+.-]*:", target, re.I) and not target.startswith("//")
+
+
+def test_link_and_anchor_helpers():
+    text = (
+        "# How it works\n## Choosing the set: the paper's rule\n## Notes\n## Notes\n"
+        "[a](docs/x.md) ![p](img.png) `[not](code.md)` [web](https://example.org) [frag](#notes)\n"
+        "```\n[also not](fenced.md)\n```\n"
+    )
+    assert links(text) == ["docs/x.md", "img.png", "https://example.org", "#notes"]
+    assert heading_anchors(text) == {"how-it-works", "choosing-the-set-the-papers-rule", "notes", "notes-1"}
+    assert [t for t in links(text) if _relative(t)] == ["docs/x.md", "img.png", "#notes"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_relative_links_point_to_existing_files(page):
+    broken = []
+    for target in links(page.read_text(encoding="utf-8")):
+        if not _relative(target):
+            continue
+        path_part, _, fragment = target.partition("#")
+        dest = (page.parent / path_part).resolve() if path_part else page
+        if not dest.exists():
+            broken.append(f"{target} (no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest})")
+        elif fragment and dest.suffix == ".md" and fragment not in heading_anchors(dest.read_text(encoding="utf-8")):
+            broken.append(f"{target} (no heading #{fragment} in {dest.name})")
+    assert broken == [], f"{page.relative_to(ROOT)}: broken links {broken}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme_links = {(ROOT / t.partition("#")[0]).resolve() for t in links((ROOT / "README.md").read_text()) if _relative(t)}
+    unlinked = [p.name for p in PAGES[1:] if p.resolve() not in readme_links]
+    assert unlinked == []
+
+
+def test_readme_first_screen_is_the_quickstart():
+    first = "\n".join((ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:FIRST_SCREEN])
+    for needle in ("LayerSwapConfig(", "from_pretrained", "save_pretrained", "bash scripts/install.sh", "hf-layerswap prune"):
+        assert needle in first, needle
+
+
+def test_readme_shows_the_test_command_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    command = [line for line in ci if "pytest" in line]
+    assert command == ["bash scripts/install.sh && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider"]
+    readme = [line.strip() for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()]
+    assert command[0] in readme
+
+
+def test_architectures_page_shows_the_generated_support_table():
+    from arch_matrix import support_table
+
+    assert support_table() in (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
