@@ -287,6 +287,7 @@ def perplexity_from_ids(
     batch_size: int = 2,
     paper_token_count: bool = False,
     contract: dict | None = None,
+    progress: bool = False,
 ) -> PerplexityResult:
     """Sliding-window perplexity of one token sequence (the core of :func:`evaluate_perplexity`).
 
@@ -302,6 +303,8 @@ def perplexity_from_ids(
             ``batch_size * window * vocab * 4`` bytes (logits).
         paper_token_count: reproduce the released script's per-window count (see module doc).
         contract: extra fields merged into the result's ``contract``.
+        progress: show a progress bar counted in tokens run through the model (the sum of
+            the window lengths), advanced after every batch of windows.
 
     Raises:
         ValueError: bad ``window``/``stride``/``batch_size``, fewer than 2 tokens, a
@@ -333,6 +336,10 @@ def perplexity_from_ids(
     groups: dict[tuple[int, int], list[int]] = {}
     for k, (begin, end, score_from) in enumerate(spans):
         groups.setdefault((end - begin, end - score_from + 1), []).append(k)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(end - begin for begin, end, _ in spans), desc="perplexity windows", unit=" token",
+               disable=not progress, dynamic_ncols=True, leave=None)
     try:
         for (length, keep), members in groups.items():
             for start in range(0, len(members), batch_size):
@@ -345,7 +352,9 @@ def perplexity_from_ids(
                 for row, k in enumerate(chunk):
                     token_nll = F.cross_entropy(logits[row].float(), targets[row], reduction="none")
                     nll[k] = token_nll.double().sum().item()
+                bar.update(length * len(chunk))
     finally:
+        bar.close()
         model.train(was_training)
 
     total_nll = float(nll.sum())
@@ -415,6 +424,7 @@ def evaluate_perplexity(
     batch_size: int = 2,
     add_bos: bool | None = None,
     paper_token_count: bool = False,
+    progress: bool = True,
 ) -> PerplexityResult:
     """Perplexity of ``model`` on ``text`` under a named contract (see module doc).
 
@@ -436,6 +446,9 @@ def evaluate_perplexity(
         batch_size: windows per forward pass.
         add_bos: ``None`` = the tokenizer's default; ``True``/``False`` force it.
         paper_token_count: the released script's token count (see module doc).
+        progress: a progress bar (tqdm) in tokens run through the model, moving after every
+            batch of windows; inside another bar it vanishes when done. Not used by the
+            ``"rolling"`` contract.
 
     Returns:
         :class:`PerplexityResult`; ``contract`` records source, split, sha256 of the raw and
@@ -499,6 +512,7 @@ def evaluate_perplexity(
         batch_size=batch_size,
         paper_token_count=paper_token_count,
         contract=record,
+        progress=progress,
     )
 
 

@@ -65,7 +65,12 @@ class LayerSwapConfig(QuantizationConfigMixin):
         num_layers: remove this many blocks, chosen by swap-KL scoring. ``None`` with
             ``layers=None`` scores only (the report is attached; nothing is removed, a
             requested ``sparsity`` is still applied).
-        layers: explicit 0-based block indices to remove (no scoring).
+        layers: explicit 0-based block indices to remove (no scoring). They index the
+            blocks of the checkpoint being loaded: on a checkpoint that is already pruned
+            (``config.layerswap`` records an earlier removal) ``layers=[2]`` removes its
+            *current* block 2, which may be another block of the original model (after
+            removing original blocks 1 and 4 of 8, current block 2 is original block 3).
+            ``config.layerswap`` and the card record every step in both numberings.
         strategy: how the set is chosen, a name in
             :data:`hf_layerswap.selection.STRATEGIES`. Default ``"search"``: whole
             candidate sets from both protocols (each protocol's greedy set, lowest-scored

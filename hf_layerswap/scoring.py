@@ -873,11 +873,13 @@ class _Engine:
         self.stats["block_evaluations"] += len(probe.key) - slot
         return (final["hidden"] if self.stream_logits else out), captured
 
-    def _head_phase(self, ref_hidden, hiddens: list[torch.Tensor], prompt_of_row, counts, bsz) -> list[torch.Tensor]:
-        """Per-prompt mean KL for each probe's final hidden rows ``(R, H)``."""
+    def _head_phase(self, ref_hidden, hiddens: list[torch.Tensor], prompt_of_row, counts, bsz,
+                    done=None) -> list[torch.Tensor]:
+        """Per-prompt mean KL for each probe's final hidden rows ``(R, H)``; ``done(n)`` is
+        told the head rows each chunk ran (for the progress bar)."""
         sums = [torch.zeros(bsz, dtype=torch.float64) for _ in hiddens]
         for a, b in _chunk_bounds(ref_hidden.shape[0], self.kl_chunk):
-            kls = self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens])
+            kls = self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens], done or (lambda n: None))
             idx = prompt_of_row[a:b]
             for n, kl in enumerate(kls):
                 sums[n].index_add_(0, idx, kl.double().cpu())
@@ -910,8 +912,9 @@ class _Engine:
                 and type(w.data) is torch.Tensor and w.dtype == torch.float32 and w.device == hidden.device
                 and not m._forward_hooks and not m._forward_pre_hooks)
 
-    def _kl_block(self, ref_rows, rows) -> list[torch.Tensor]:
-        """Per-position KL of each probe over a block of positions.
+    def _kl_block(self, ref_rows, rows, done) -> list[torch.Tensor]:
+        """Per-position KL of each probe over a block of positions; ``done(n)`` is told
+        after each head GEMM how many whole-vocabulary head rows it was worth.
 
         With the whole vocabulary in one slice this is :func:`masked_kl`'s arithmetic (fp32
         log-softmax); with several slices, :class:`_VocabKL` (float64 accumulation, equal
@@ -920,6 +923,7 @@ class _Engine:
         if len(bounds) == 1:
             self.stats["head_rows"] += ref_rows.shape[0] * (1 + len(rows))
             ref_lp = torch.log_softmax(self._logits(ref_rows, 0, self.head.vocab), dim=-1)
+            done(ref_rows.shape[0])
             out = []
             for h in rows:
                 logits = self._logits(h, 0, self.head.vocab)
@@ -927,32 +931,70 @@ class _Engine:
                 for a, b in _row_blocks(*logits.shape):
                     kl[a:b] = _kl_rows(ref_lp[a:b], logits[a:b])
                 out.append(kl)
+                done(ref_rows.shape[0])
                 del logits  # else the next probe's logits are made while these are still held
             return out
         self.stats["head_rows"] += ref_rows.shape[0] * (2 + len(rows))
         # pass 1: the reference log-sum-exp over the whole vocabulary
         ref_lse = torch.logsumexp(torch.stack([_lse64(self._logits(ref_rows, v0, v1)) for v0, v1 in bounds]), dim=0)
+        done(ref_rows.shape[0])
         mass = torch.zeros_like(ref_lse)
         acc = [_VocabKL(ref_rows.shape[0], ref_rows.device) for _ in rows]
         for v0, v1 in bounds:  # pass 2: every probe against the same reference slice
+            share = ref_rows.shape[0] * (v1 - v0) / self.head.vocab
             z_ref = self._logits(ref_rows, v0, v1)
             probs = torch.empty(z_ref.shape, dtype=torch.float64, device=z_ref.device)
             for a, b in _row_blocks(*z_ref.shape):
                 probs[a:b] = (z_ref[a:b].double() - ref_lse[a:b].unsqueeze(-1)).exp_()
             mass += probs.sum(dim=-1)
+            done(share)
             for n, h in enumerate(rows):
                 acc[n].add(z_ref, probs, self._logits(h, v0, v1))
+                done(share)
             del z_ref, probs
         return [a.result(ref_lse, mass) for a in acc]
 
     # -- main loop ----------------------------------------------------------------------
+    # -- progress, in the units of the work -------------------------------------------
+    def _head_blocks(self) -> float:
+        """What one output-head pass over a batch's positions costs in block passes:
+        ``V * H`` multiply-adds per position against a block's parameter count (its
+        multiply-adds per position, attention scores aside)."""
+        if not hasattr(self, "_head_ratio"):
+            _, _, blocks = decoder_blocks(self.model)
+            params = sum(p.numel() for p in blocks[0].parameters())
+            self._head_ratio = self.head.vocab * self.hidden / max(params, 1)
+        return self._head_ratio
+
+    def _batch_work(self, b: int, probes: Sequence[_Probe]) -> float:
+        """Block passes (a block over the batch; head work converted, :meth:`_head_blocks`)
+        that ``probes`` and the reference pass cost on batch ``b``: what the bar counts."""
+        ids, mask = self._batch(b)
+        positions = ids.numel()
+        cache = self.__dict__.setdefault("_blocks_of", {})
+        key = tuple(p.key for p in probes)
+        if key not in cache:  # the schedule is the same for every batch
+            cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
+                             for p, depth0, _ in _schedule(list(probes), self.mode))
+        work = float(self.num_layers + cache[key])
+        if not self.stream_logits:
+            return work + self._head_blocks() * (1 + len(probes))
+        rows = int(mask.sum())
+        passes = 1 if len(_chunk_bounds(self.head.vocab, self.vocab_chunk)) == 1 else 2
+        refs = math.ceil(len(probes) / self._group_size(rows)) * passes
+        return work + self._head_blocks() * rows / positions * (refs + len(probes))
+
     def run_batches(self, batch_indices: Sequence[int]) -> None:
-        """Compute (or take from the checkpoint) every probe of this rank on those batches."""
+        """Compute (or take from the checkpoint) every probe of this rank on those batches.
+
+        The progress bar counts block passes (one decoder block over one batch; output-head
+        work converted by :meth:`_head_blocks`) and moves after every forward pass and every
+        head/KL chunk, so its rate and ETA follow the work actually done."""
         was_training = self.model.training
         self.model.eval()
         t0 = time.perf_counter()
-        total = sum(1 + len(self.my_probes) for _ in batch_indices)
-        bar = _progress_bar(total, self.desc, self.progress)
+        total = sum(self._batch_work(b, self.my_probes) for b in batch_indices)
+        bar = _WorkBar(total, self.desc, self.progress)
         try:
             with torch.no_grad():
                 for b in batch_indices:
@@ -971,10 +1013,11 @@ class _Engine:
 
     def _run_batch(self, b: int, bar) -> None:
         todo = [p for p in self.my_probes if (b, p.key) not in self.done]
+        end = bar.pos + self._batch_work(b, self.my_probes)
         if not todo:
-            bar.update(1 + len(self.my_probes))
+            bar.reach(end)
             return
-        bar.update(len(self.my_probes) - len(todo))
+        bar.advance(self._batch_work(b, self.my_probes) - self._batch_work(b, todo))  # resumed from the checkpoint
         ids, mask = self._batch(b)
         bsz, seqlen = ids.shape
         ids, mask = ids.to(self.input_device), mask.to(self.input_device)
@@ -985,7 +1028,8 @@ class _Engine:
         slots = {p.start for p in todo} if self.mode != "none" else set()
         slots.discard(0)
         streams, ref = self._reference_pass(ids, mask, slots, rows)
-        bar.update(1)
+        head = self._head_blocks()
+        bar.advance(self.num_layers + (0 if self.stream_logits else head))
         schedule = _schedule(todo, self.mode)
         group = self._group_size(rows.numel()) if self.stream_logits else len(schedule)
         nodes: dict[tuple, torch.Tensor] = {}
@@ -997,7 +1041,8 @@ class _Engine:
             if not pending:
                 return
             if self.stream_logits:
-                values = self._head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz)
+                values = self._head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
+                                          lambda n: bar.advance(head * n / (bsz * seqlen)))
             else:
                 values = [h for _, h in pending]
             keys = [p.key for p, _ in pending]
@@ -1005,7 +1050,6 @@ class _Engine:
                 self.computed[(b, key)] = v
             if self.checkpoint is not None:
                 self.checkpoint.save(b, self.rank, group_no, keys, torch.stack(values))
-            bar.update(len(pending))
             group_no += 1
             pending.clear()
 
@@ -1020,6 +1064,8 @@ class _Engine:
                 out, captured = self._probe_pass(_Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
             else:
                 out, captured = self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
+            bar.advance(len(probe.key) - (0 if self.mode == "none" else probe.start + depth0)
+                        + (0 if self.stream_logits else head))
             for d, stream in captured.items():
                 nodes[(probe.start, probe.run[:d])] = stream
             # keep only the tree nodes the next probe can start from (sorted order: no later one needs others)
@@ -1036,6 +1082,7 @@ class _Engine:
             if len(pending) >= group:
                 flush()
         flush()
+        bar.reach(end)  # float rounding aside, this is where the batch's work took it already
 
     # -- results -------------------------------------------------------------------------
     def gather(self) -> None:
@@ -1104,10 +1151,29 @@ def _chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(edges[k], edges[k + 1]) for k in range(n) if edges[k + 1] > edges[k]]
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+class _WorkBar:
+    """A tqdm bar over a float amount of work shown in whole units: fractions (head/KL
+    chunks) are carried until they add up to a unit."""
 
-    return tqdm(total=total, desc=desc, unit="probe", disable=not enabled, dynamic_ncols=True)
+    def __init__(self, total: float, desc: str, enabled: bool, unit: str = "block pass"):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=round(total), desc=desc, unit=f" {unit}", disable=not enabled, dynamic_ncols=True,
+                        leave=None)
+        self.pos = 0.0
+
+    def advance(self, amount: float) -> None:
+        new = self.pos + amount
+        step = min(round(new), self.bar.total) - round(self.pos)
+        self.pos = new
+        if step > 0:
+            self.bar.update(step)
+
+    def reach(self, pos: float) -> None:
+        self.advance(pos - self.pos)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 @torch.no_grad()

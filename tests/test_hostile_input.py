@@ -449,3 +449,122 @@ def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_pat
     (stale / "previous" / "config.json").write_text("{}")
     assert remove_stale_staging(tmp_path) == [stale.name]
     assert (tmp_path / "run.v2" / "config.json").read_text() == "{}" and not stale.exists()
+
+
+# --------------------------------------------------------------------------- 11. progress bars
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """Every tqdm bar opened through ``tqdm.auto`` while the test runs: its description,
+    total and each update, in order."""
+    import tqdm.auto
+
+    opened: list = []
+
+    class Recording(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.updates: list = []
+            opened.append(self)
+
+        def update(self, n=1):
+            self.updates.append(n)
+            return super().update(n)
+
+    for name, module in list(sys.modules.items()):  # modules that imported the class itself
+        if name.startswith("hf_layerswap") and getattr(module, "tqdm", None) is tqdm.auto.tqdm:
+            monkeypatch.setattr(module, "tqdm", Recording)
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+    return opened
+
+
+def _equal_length_prompts(n: int = 4, length: int = 12) -> dict:
+    ids = torch.randint(4, 128, (n, length), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _head_blocks(model) -> float:
+    """Output-head multiply-adds per position over a block's parameters (the bar's exchange rate)."""
+    block = hl.decoder_blocks(model)[2][0]
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    return vocab * hidden / sum(p.numel() for p in block.parameters())
+
+
+@pytest.mark.parametrize("vocab_chunk", [None, 40])
+def test_the_scoring_bar_counts_block_passes_as_they_run(bars, vocab_chunk):
+    model = build("llama")  # 6 blocks
+    report = hl.score_layers(model, _equal_length_prompts(), num_prompts=4, batch_size=2, progress=True,
+                             vocab_chunk=vocab_chunk)
+    (bar,) = [b for b in bars if b.desc == "swap-KL probes"]
+    meta = report.metadata
+    probes, batches, positions = meta["distinct_probes"], 2, 2 * 12
+    # the total is the engine's own work: block passes plus the head rows at the head's exchange rate
+    assert bar.total == round(meta["block_evaluations"] + _head_blocks(model) * meta["head_rows"] / positions)
+    assert sum(bar.updates) == bar.n == bar.total
+    # one move per forward pass at least (the reference and every probe, each batch), none bigger
+    # than a whole-model pass: no batch arrives in one jump at its end
+    assert len(bar.updates) >= batches * (1 + probes)
+    assert max(bar.updates) <= 6
+    assert bar.unit == " block pass"
+
+
+def test_the_perplexity_bar_counts_tokens_per_batch_of_windows(bars, llama, tokenizer):
+    result = hl.evaluate_perplexity(llama, PARAGRAPHS, tokenizer=tokenizer, window=32, stride=16, batch_size=2,
+                                    bootstrap=0, progress=True)
+    (bar,) = [b for b in bars if b.desc == "perplexity windows"]
+    windows = result.windows
+    fed = sum(min(begin + 32, result.contract["num_input_tokens"]) - begin
+              for begin in range(0, result.contract["num_input_tokens"] - 16, 16))
+    assert bar.total == fed and sum(bar.updates) == fed
+    assert len(bar.updates) >= windows // 2
+    assert max(bar.updates) == 2 * 32
+    hl.evaluate_perplexity(llama, PARAGRAPHS, tokenizer=tokenizer, window=32, stride=16, bootstrap=0, progress=False)
+    assert all(b.disable for b in bars[1:])
+
+
+def test_the_search_bar_shows_the_block_passes_of_each_batch_of_sets(bars, llama, tokenizer):
+    calib = hl.build_calibration(PARAGRAPHS, tokenizer, num_prompts=6, seq_len=24)
+    hl.search_select(None, 2, model=llama, calibration=calib, max_evaluations=12, batch_size=2, progress=True)
+    sets = [b for b in bars if b.desc.startswith("removal-set search")]
+    inner = [b for b in bars if b.desc == "removal KL of the candidate sets"]
+    assert len(sets) == 1 and inner
+    for bar in inner:  # each call of the objective: its own bar, moving per forward pass
+        assert sum(bar.updates) == bar.total and max(bar.updates) <= 6
+    assert sum(len(b.updates) for b in inner) > 3 * len(sets[0].updates)
+
+
+# --------------------------------------------------------------------------- 12. re-pruning numbering
+
+
+def test_layers_on_a_pruned_checkpoint_name_its_current_blocks_and_the_card_shows_both(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build("llama", num_layers=8)
+    first = tmp_path / "first"
+    hl.save_for_hub(hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[1, 4])), first)  # 6 blocks left
+    again = AutoModelForCausalLM.from_pretrained(first, quantization_config=hl.LayerSwapConfig(layers=[2]))
+    steps = again.config.layerswap["steps"]
+    # current block 2 of the 6 is original block 3 (0, 2, 3, 5, 6, 7 were left)
+    assert [(s["num_layers_before"], s["removed_layers"], s["removed_original_layers"]) for s in steps] == [
+        (8, [1, 4], [1, 4]), (6, [2], [3])]
+    assert again.config.layerswap["removed_layers"] == [1, 3, 4]
+    assert again.config.layerswap["kept_layers"] == [0, 2, 5, 6, 7]
+    second = tmp_path / "second"
+    hl.save_for_hub(again, second)
+    third = AutoModelForCausalLM.from_pretrained(second, quantization_config=hl.LayerSwapConfig(layers=[-1, 0]))
+    assert third.config.layerswap["kept_layers"] == [2, 5, 6]
+    card = str(hl.render_card(third))
+    assert ("Removal ran in 3 steps. Each step numbered the blocks of the checkpoint it\nstarted from (what "
+            "`layers=` named then); the original numbering is the base model's:") in card
+    table = card[card.index("| Step | Blocks before"):].split("\n\n")[0].splitlines()
+    assert table == [
+        "| Step | Blocks before | Removed (numbering at that step) | Removed (original numbering) | Selection |",
+        "|---|---|---|---|---|",
+        "| 0 | 8 | 1, 4 | 1, 4 | explicit layers |",
+        "| 1 | 6 | 2 | 3 | explicit layers |",
+        "| 2 | 5 | 0, 4 | 0, 7 | explicit layers |",
+    ]
+    assert "| Removed blocks (0-based, original numbering) | 0, 1, 3, 4, 7 |" in card
+    doc = hl.LayerSwapConfig.__doc__ or hl.LayerSwapConfig.__init__.__doc__
+    assert "*current* block 2" in doc

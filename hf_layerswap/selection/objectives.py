@@ -236,7 +236,8 @@ class SetObjective:
     def _engine_kl(self, sets):
         plans = self._plans(sets)
         values, _ = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
-                            prefix_reuse=self.prefix_reuse)
+                            prefix_reuse=self.prefix_reuse, progress=self.progress is not None,
+                            desc="removal KL of the candidate sets")  # block passes, under the set bar
         passes, blocks = _plans_cost(plans, self.num_layers)
         return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
 
