@@ -56,7 +56,8 @@ from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
 from hf_layerswap.report import write_text_atomic  # noqa: E402
 from _cmdline import command_line  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
-from hf_layerswap.scoring import _Head, _kl_rows, _row_blocks, library_versions, plan_kl, swap_plans  # noqa: E402
+from hf_layerswap.provenance import library_versions  # noqa: E402
+from hf_layerswap.scoring import Head, kl_rows, make_probes, plan_kl, row_blocks, schedule, swap_plans  # noqa: E402
 
 #: The engine measured: a digest of the scoring module's source. Batches measured with
 #: another version are not resumed (their times would mix two engines).
@@ -166,7 +167,7 @@ def block_and_head_times(model, ids, mask, reps: int = 2):
         final["h"] = output.last_hidden_state
 
     handles.append(decoder.register_forward_hook(grab))
-    head = _Head(model)
+    head = Head(model)
     head_times, kl_times = [], []
     try:
         for _ in range(reps):
@@ -179,8 +180,8 @@ def block_and_head_times(model, ids, mask, reps: int = 2):
             del logits
             ref_lp = torch.log_softmax(part, dim=-1)
             t = cpu_clock()
-            for a, b in _row_blocks(*part.shape):
-                _kl_rows(ref_lp[a:b], part[a:b])
+            for a, b in row_blocks(*part.shape):
+                kl_rows(ref_lp[a:b], part[a:b])
             kl_times.append((cpu_clock() - t) * rows.shape[0] / part.shape[0])
             del part, ref_lp
     finally:
@@ -192,11 +193,9 @@ def block_and_head_times(model, ids, mask, reps: int = 2):
 def lower_bound(plans, block_t, head_t, *, shared: bool) -> float:
     """Reference pass + for every probe the blocks of its suffix (from its first changed
     slot) and the head; ``shared``: blocks run once for probes sharing a prefix."""
-    from hf_layerswap.scoring import _make_probes, _schedule
-
-    _, probes, _ = _make_probes(plans, len(block_t))
+    _, probes, _ = make_probes(plans, len(block_t))
     total = sum(block_t) + head_t
-    for probe, depth0, _ in _schedule(list(probes.values()), "shared" if shared else "start"):
+    for probe, depth0, _ in schedule(list(probes.values()), "shared" if shared else "start"):
         total += sum(block_t[b] for b in probe.run[depth0:]) + head_t
     return total
 
@@ -284,7 +283,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
     plans = adjacent_plans(num_layers)
     starts = list(range(0, calib.num_prompts, batch_size))
     rec = resume or {
-        "model": name, "engine": ENGINE, "calibration": calib.description, "num_layers": num_layers, "vocab": _Head(model).vocab, "probes": len(plans),
+        "model": name, "engine": ENGINE, "calibration": calib.description, "num_layers": num_layers, "vocab": Head(model).vocab, "probes": len(plans),
         "model_bytes": model_bytes(model), "rss_before": PeakRSS.now(), "num_prompts": calib.num_prompts,
         "seq_len": calib.seq_len, "real_tokens_all": calib.num_tokens, "batch_size": batch_size,
         "batches_total": len(starts), "batches_done": 0, "real_tokens": 0, "prompts_done": 0,
@@ -391,7 +390,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
 # ----------------------------------------------------------------------------- growth
 def growth_row(label, model, calib, plans, batch_size, *, naive=True):
     row = {"label": label, "probes": len(plans), "num_prompts": calib.num_prompts, "seq_len": calib.seq_len,
-           "num_layers": len(decoder_blocks(model)[2]), "vocab": _Head(model).vocab}
+           "num_layers": len(decoder_blocks(model)[2]), "vocab": Head(model).vocab}
     with PeakRSS() as rss:
         c = cpu_clock()
         _, stats = plan_kl(model, calib, plans, batch_size=batch_size)

@@ -6,14 +6,13 @@ plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
 :func:`select_layers` -> :func:`remove_layers` -> checkpoint + card.
 """
 
-__version__ = "0.1.0"
-
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, embedded_text
 from .card import render_card, write_card_files
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
 from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 from .integration import LayerSwapConfig, LayerSwapQuantizer, prune_loaded_model
 from .models import load_model
+from .provenance import __version__
 from .plan import apply_plan, capture_residual_stream, decoder_blocks, model_fingerprint, num_blocks
 from .report import PairResult, SwapReport
 from .scoring import masked_kl, removal_kl, score_layers
@@ -23,6 +22,7 @@ from .surgery import check_surgery_invariants, remove_layers
 from .tasks import TaskResults, evaluate_tasks
 
 __all__ = [
+    "__version__",
     "CalibrationSet",
     "CalibrationShortfallWarning",
     "HubPushError",

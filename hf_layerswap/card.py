@@ -39,9 +39,25 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import huggingface_hub
+import torch
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
+from huggingface_hub.repocard_data import model_index_to_eval_results
+from transformers import AutoModelForCausalLM
+
+from .calibration import shortfall_text
+from .history import card_notice, history_status
+from .jsonio import write_json_atomic
+from .plan import decoder_blocks, model_fingerprint, num_blocks
+from .plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
+from .provenance import __version__, library_versions, model_identity
+from .recovery import RECOVERY_FILE, attached_operators
 from .report import PROTOCOLS, SwapReport, encode_float, set_key
-from .sparsity import sparsity_in_model
+from .selection import greedy_select, resolve_protect
+from .sparsity import ALLOCATORS, PRUNERS, SparsityReport, config_record, sparsity_in_model
+from .sparsity.engine import prunable_linears
 from .surgery import original_indices
+from .tasks import task_card_section
 
 __all__ = [
     "CARD_TEMPLATE",
@@ -65,24 +81,6 @@ CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "modelcard_templ
 REPORT_FILE = "layerswap_report.json"
 EVALUATION_FILE = "layerswap_evaluation.json"
 SPARSITY_FILE = "layerswap_sparsity.json"
-PLOT_FILES = {
-    "layer_scores": "layerswap_layer_scores.png",
-    "protocol_gap": "layerswap_protocol_gap.png",
-    "pair_heatmap": "layerswap_pair_heatmap.png",
-    "sparsity": "layerswap_sparsity.png",
-}
-_METHODS = {
-    "wanda": "Wanda (Sun et al., 2023): lowest |W| x ||X||_2 per output row",
-    "sparsegpt": "SparseGPT (Frantar and Alistarh, 2023): OBS mask and weight update, column blocks",
-    "magnitude": "magnitude: lowest |W| per output row",
-}
-_ALLOCATIONS = {
-    "uniform": "uniform: every block at the target",
-    "pals": "PALS: percentile-aware layerwise sparsity (larger activation percentile, lower sparsity)",
-    "owl": "OWL: outlier-weighted layerwise sparsity (Yin et al., 2024)",
-    "random": "random per-block offsets (ablation)",
-    "gradient": "gradient-based per-block sparsity (ablation)",
-}
 #: Above this many scored pairs the card lists adjacent pairs and the lowest-scoring ones
 #: (the sidecar JSON always has every pair).
 MAX_PAIR_ROWS = 200
@@ -144,8 +142,6 @@ def _text_config(config):
 
 def _current_blocks(model, config) -> int:
     if model is not None:
-        from .plan import num_blocks
-
         return num_blocks(model)
     return int(_text_config(config).num_hidden_layers)
 
@@ -182,8 +178,6 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
         steps = record.get("steps") or [{}]
         actual_fp = steps[0].get("fingerprint_before") if record else None
         if not record and model is not None:
-            from .plan import model_fingerprint
-
             actual_fp = model_fingerprint(model)
         if actual_fp and actual_fp != expected_fp:
             when = "before removal" if record else "now"
@@ -218,8 +212,6 @@ def _sparsity_summary(config, sparsity) -> dict | None:
     record = getattr(config, "layerswap_sparsity", None)
     record = dict(record) if isinstance(record, Mapping) else None
     if sparsity is not None:
-        from .sparsity import config_record
-
         summary = config_record(sparsity)
         if record and record.get("previous"):  # the report matches the record (checked): keep its history
             summary["previous"] = record["previous"]
@@ -229,8 +221,6 @@ def _sparsity_summary(config, sparsity) -> dict | None:
 
 def _weight_mismatches(model_or_config, record: Mapping, what: str) -> list[str]:
     """Block coverage and, for a model, per-block zero counts against ``record``."""
-    from .sparsity.engine import prunable_linears
-
     model, config = _split_model(model_or_config)
     original = [int(i) for i in record["original_blocks"]]
     current = original_indices(config, _current_blocks(model, config))
@@ -239,7 +229,6 @@ def _weight_mismatches(model_or_config, record: Mapping, what: str) -> list[str]
         return [f"{what} covers blocks {original} (original numbering) but the model also has blocks {missing}"]
     if model is None:
         return []
-    from .plan import decoder_blocks
 
     problems = []
     expected_zeros = record.get("block_zeros") or [
@@ -274,8 +263,6 @@ def sparsity_mismatches(model_or_config, sparsity=None) -> list[str]:
     Raises:
         TypeError: ``sparsity`` is neither ``None`` nor a ``SparsityReport``.
     """
-    from .sparsity import SparsityReport, config_record
-
     model, config = _split_model(model_or_config)
     recorded = getattr(config, "layerswap_sparsity", None)
     recorded = recorded if isinstance(recorded, Mapping) else None
@@ -322,20 +309,14 @@ def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
         )
     ]
     allocation = summary["allocation"]
-    options = []
-    if allocation in ("pals", "random", "gradient") and "delta" in allocator:
-        options.append(f"bound ±{allocator['delta']:g} around the target")
-    if allocation in ("pals", "gradient") and "mapping" in allocator:
-        options.append(f"{allocator['mapping']} mapping")
-    if allocation == "pals" and "percentile" in allocator:
-        options.append(f"percentile {allocator['percentile']:g} of |activation| ({allocator.get('source')}, "
-                       f"pool={allocator.get('pool')})")
-    if allocation == "owl" and "owl_m" in allocator:
-        options.append(f"M = {allocator['owl_m']:g}, lambda = {allocator['owl_lambda']:g}")
+    entry = ALLOCATORS.get(allocation)  # a record from a method this install does not have: its name only
+    options = entry.card_options(allocator) if entry is not None and entry.card_options is not None else []
+    pruner = PRUNERS.get(summary["method"])
     rows = [
-        ("Method", _METHODS.get(summary["method"], summary["method"])),
+        ("Method", pruner.label if pruner is not None else summary["method"]),
         ("Pattern", summary["pattern"] + " (N:M semi-structured)" if summary["pattern"] else "unstructured"),
-        ("Layerwise allocation", _ALLOCATIONS.get(allocation, allocation) + (f"; {', '.join(options)}" if options else "")),
+        ("Layerwise allocation", (entry.label if entry is not None else allocation)
+         + (f"; {', '.join(options)}" if options else "")),
     ]
     if allocator.get("statistic"):
         rows.append(("Allocator statistic", allocator["statistic"]))
@@ -395,8 +376,6 @@ def _recovery_record(model, record: Mapping) -> dict:
     operators actually attached (the record can lag behind a later removal)."""
     recovery = dict(record.get("recovery")) if isinstance(record.get("recovery"), Mapping) else {}
     if model is not None:
-        from .recovery import RECOVERY_FILE, attached_operators
-
         ops = attached_operators(model)
         if ops:
             recovery.update(method="ghosted", boundaries=[b for b, _ in ops], file=recovery.get("file", RECOVERY_FILE))
@@ -462,10 +441,8 @@ def _identity(model, report) -> dict:
         recorded = getattr(model, "layerswap_identity", None)
         if not isinstance(recorded, Mapping):
             try:
-                from .models import model_identity
-
                 recorded = model_identity(model)
-            except Exception:  # the loader module is optional here; identity is best effort
+            except Exception:  # identity is best effort (a model without a usable config)
                 recorded = None
         if isinstance(recorded, Mapping):
             ident.update({k: v for k, v in recorded.items() if v})
@@ -491,8 +468,6 @@ def _resolve_license(explicit, base_model, config) -> str | None:
     candidates = []
     if base_model:
         try:
-            from huggingface_hub import try_to_load_from_cache
-
             cached = try_to_load_from_cache(base_model, "README.md")
             if isinstance(cached, str):
                 candidates.append(cached)
@@ -503,8 +478,6 @@ def _resolve_license(explicit, base_model, config) -> str | None:
         candidates.append(os.path.join(str(local), "README.md"))
     for path in candidates:
         try:
-            from huggingface_hub import ModelCard
-
             license_ = ModelCard.load(path, ignore_metadata_errors=True).data.license
         except Exception:
             continue
@@ -515,15 +488,9 @@ def _resolve_license(explicit, base_model, config) -> str | None:
 
 def _parameter_counts(model, config, removed: int, steps) -> tuple[int | None, int | None]:
     """(parameters before removal, after). Before = after + recorded/derived removed block sizes."""
-    import torch
-
-    from .plan import decoder_blocks
-
     owner = model
     if owner is None:
         try:
-            from transformers import AutoModelForCausalLM
-
             with torch.device("meta"):
                 owner = AutoModelForCausalLM.from_config(config)
         except Exception:  # a config transformers cannot instantiate: counts unknown
@@ -575,8 +542,6 @@ def _protocol_of(steps) -> str | None:
 
 # ---------------------------------------------------------------------- sections
 def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
-    from .selection import resolve_protect
-
     protected = resolve_protect(protect, report.num_layers)
     scores = {p: report.layer_scores(p) for p in report.protocols}
     ranks = {p: {layer: n + 1 for n, layer in enumerate(report.ranking(p))} for p in report.protocols}
@@ -646,8 +611,6 @@ def _nan_last(v):
 
 
 def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
-    from .selection import greedy_select
-
     rows, sets = [], {}
     search = _search_record(steps)
     if search is not None and list(search.get("selected", [])) == list(removed):
@@ -786,8 +749,6 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
 
 
 def _eval_results(evaluation: dict, contract: Mapping) -> list:
-    from huggingface_hub import EvalResult
-
     dataset = str(contract.get("dataset") or "")
     if dataset.startswith("wikitext-"):  # hf_layerswap.evaluation names WikiText files by their config
         dataset_fields = dict(dataset_type="wikitext", dataset_name="WikiText-2 (raw)", dataset_config=dataset)
@@ -836,8 +797,6 @@ def _calibration_rows(report, steps, ident) -> list:
     if n is not None:
         rows.append(("Prompts × tokens", f"{n} prompts × up to {seq} tokens ({tokens:,} real tokens)" if isinstance(tokens, int) else f"{n} × {seq}"))
     if isinstance(cal.get("shortfall"), Mapping):
-        from .calibration import shortfall_text
-
         rows.append(("Shortfall", f"**fewer prompts than requested**: {shortfall_text(cal['shortfall'])}"))
     if cal.get("add_special_tokens") is not None:
         rows.append(
@@ -891,10 +850,6 @@ def _cost_rows(report) -> list:
 
 
 def _versions(report, steps, evaluation) -> dict:
-    import huggingface_hub
-
-    from .scoring import library_versions
-
     columns = {}
     if report is not None and isinstance(report.metadata.get("library_versions"), Mapping):
         columns["scoring"] = report.metadata["library_versions"]
@@ -968,199 +923,6 @@ def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | No
     return "\n".join(lines), " ".join(notes) or None
 
 
-# ---------------------------------------------------------------------- plots
-def planned_plots(report: SwapReport | None, *, sparsity: bool = False) -> list[str]:
-    """Keys of :data:`PLOT_FILES` that :func:`write_plots` writes for ``report``, plus
-    ``"sparsity"`` (:func:`write_sparsity_plot`) when ``sparsity`` is true."""
-    if report is None:
-        return ["sparsity"] if sparsity else []
-    keys = ["layer_scores"]
-    if set(PROTOCOLS) <= set(report.protocols):
-        keys.append("protocol_gap")
-    if report.max_gap > 1:
-        keys.append("pair_heatmap")
-    return keys + (["sparsity"] if sparsity else [])
-
-
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=110)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, format="png", metadata={"Software": None})  # byte-stable across runs
-
-
-def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Sequence[int] = ()) -> dict[str, Path]:
-    """Write the card's PNG plots (matplotlib, Agg canvas) into ``directory``.
-
-    - ``layer_scores``: per-layer s(i) of each scored protocol (log scale, nats), removed
-      layers shaded, non-finite scores marked at the top;
-    - ``protocol_gap``: I/R = d_inter / d_repl per pair, with the line I/R = 1;
-    - ``pair_heatmap`` (``max_gap > 1``): replacement above the diagonal, interchange below.
-
-    Returns:
-        ``{key: path}`` for the files written (see :func:`planned_plots`).
-
-    Raises:
-        ImportError: matplotlib is not installed (``pip install matplotlib``).
-    """
-    import matplotlib
-    import numpy as np
-    from matplotlib.colors import LogNorm
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    keys = planned_plots(report)
-    written = {}
-    L = report.num_layers
-    x = np.arange(L)
-    colors = {"replacement": "#d95f02", "interchange": "#1b9e77"}
-
-    fig = _figure(min(14.0, max(6.0, 0.28 * L + 2)), 3.6)
-    ax = fig.add_subplot()
-    width = 0.8 / len(report.protocols)
-    finite_all = [v for p in report.protocols for v in report.layer_scores(p) if math.isfinite(v) and v > 0]
-    top = max(finite_all) * 3 if finite_all else 1.0
-    for k, p in enumerate(report.protocols):
-        scores = np.array(report.layer_scores(p), dtype=float)
-        ok = np.isfinite(scores)
-        offset = (k - (len(report.protocols) - 1) / 2) * width
-        ax.bar(x[ok] + offset, scores[ok], width=width, color=colors[p], label=f"{p} s(i)")
-        if (~ok).any():
-            ax.scatter(x[~ok] + offset, np.full((~ok).sum(), top), marker="x", color=colors[p], label=f"{p}: non-finite")
-    for layer in removed:
-        ax.axvspan(layer - 0.5, layer + 0.5, color="#999999", alpha=0.25, lw=0)
-    if finite_all:
-        ax.set_yscale("log")
-        ax.set_ylim(top=top * 4)  # room for the legend above the tallest bar
-    shown = x[:: max(1, L // 48)]
-    ax.set_xticks(shown)
-    ax.set_xticklabels([str(i) for i in shown], fontsize=7)
-    for tick, layer in zip(ax.get_xticklabels(), shown):
-        if layer in removed:
-            tick.set_color("#b2182b")
-            tick.set_fontweight("bold")
-    ax.set_xlim(-0.6, L - 0.4)
-    ax.set_xlabel("layer (0-based); shaded = removed")
-    ax.set_ylabel("s(i) = min_j d(i, j)  [nats]")
-    ax.set_title("Per-layer swap-KL scores (low = removable)")
-    ax.legend(fontsize=8, loc="upper center", ncol=2, framealpha=0.9)
-    _save(fig, directory / PLOT_FILES["layer_scores"])
-    written["layer_scores"] = directory / PLOT_FILES["layer_scores"]
-
-    if "protocol_gap" in keys:
-        rows = report.protocol_gap()["pairs"]
-        fig = _figure(min(12.0, max(6.0, 0.22 * L + 2)), 3.4)
-        ax = fig.add_subplot()
-        ratios = np.array([np.nan if r["ratio"] is None else r["ratio"] for r in rows], dtype=float)
-        gaps = np.array([r["gap"] for r in rows])
-        midpoints = np.array([(r["i"] + r["j"]) / 2 for r in rows])
-        ok = np.isfinite(ratios)
-        if report.max_gap == 1:
-            ax.bar(midpoints[ok], ratios[ok], width=0.8, color=colors["interchange"])
-            step = max(1, len(rows) // 40)
-            ax.set_xticks(midpoints[::step])
-            ax.set_xticklabels([f"{r['i']}-{r['j']}" for r in rows][::step], rotation=90, fontsize=7)
-            ax.set_xlabel("adjacent pair i-j")
-        else:
-            cmap = matplotlib.colormaps["viridis"]
-            for g in sorted(set(gaps.tolist())):
-                sel = ok & (gaps == g)
-                ax.plot(midpoints[sel], ratios[sel], "o-", ms=3, lw=1, color=cmap((g - 1) / max(1, gaps.max() - 1)),
-                        label=f"j - i = {g}")
-            ax.legend(fontsize=7, ncol=min(4, int(gaps.max())))
-            ax.set_xlabel("pair midpoint (i + j) / 2")
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        finite = ratios[ok]
-        if finite.size and finite.max() / max(finite.min(), 1e-12) > 30:
-            ax.set_yscale("log")
-        ax.set_ylabel("I/R = d_inter / d_repl")
-        title = "Protocol gap per pair (below 1: interchange is the gentler probe)"
-        if (~ok).any():
-            title += f"; {int((~ok).sum())} non-finite pair(s) not drawn"
-        ax.set_title(title, fontsize=10)
-        _save(fig, directory / PLOT_FILES["protocol_gap"])
-        written["protocol_gap"] = directory / PLOT_FILES["protocol_gap"]
-
-    if "pair_heatmap" in keys:
-        grid = np.full((L, L), np.nan)
-        for r in report.pairs:
-            if r.replacement is not None:
-                grid[r.i, r.j] = r.replacement
-            if r.interchange is not None:
-                grid[r.j, r.i] = r.interchange
-        positive = grid[np.isfinite(grid) & (grid > 0)]
-        fig = _figure(6.0, 5.2)
-        ax = fig.add_subplot()
-        norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
-        image = ax.imshow(np.where(np.isfinite(grid) & (grid > 0), grid, np.nan), norm=norm, cmap="magma_r")
-        fig.colorbar(image, ax=ax, label="swap-KL [nats]")
-        ax.set_xlabel("j")
-        ax.set_ylabel("i")
-        ax.set_title("Pair swap-KL: replacement above, interchange below the diagonal", fontsize=9)
-        _save(fig, directory / PLOT_FILES["pair_heatmap"])
-        written["pair_heatmap"] = directory / PLOT_FILES["pair_heatmap"]
-    return written
-
-
-def write_sparsity_plot(summary: Mapping, path: str | os.PathLike, *, kept: Sequence[int] | None = None) -> Path:
-    """Per-block target and achieved sparsity as a PNG (matplotlib, Agg canvas).
-
-    Args:
-        summary: :func:`~hf_layerswap.sparsity.config_record` of a sparsity report (or
-            ``config.layerswap_sparsity``): ``original_blocks``, ``block_targets``,
-            ``block_achieved`` (fractions), ``target_sparsity``, ``method``, ``allocation``.
-        path: the PNG to write (through a temporary file and a rename).
-        kept: original indices of the blocks still in the model; the others are hatched
-            as removed after pruning. ``None`` = all kept.
-
-    Returns:
-        ``path``.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-    """
-    import numpy as np
-
-    path = Path(path)
-    blocks = list(summary["original_blocks"])
-    x = np.arange(len(blocks))
-    fig = _figure(min(14.0, max(6.0, 0.28 * len(blocks) + 2)), 3.4)
-    ax = fig.add_subplot()
-    gone = [k for k, b in enumerate(blocks) if kept is not None and b not in kept]
-    bars = ax.bar(x, summary["block_achieved"], width=0.8, color="#7570b3", label="achieved")
-    for k in gone:
-        bars[k].set_hatch("//")
-        bars[k].set_alpha(0.4)
-    ax.plot(x, summary["block_targets"], "k_", ms=12, mew=2, label="allocated target")
-    ax.axhline(summary["target_sparsity"], color="#d95f02", lw=1, ls="--",
-               label=f"overall target {summary['target_sparsity']:g}")
-    step = max(1, len(blocks) // 48)
-    ax.set_xticks(x[::step])
-    ax.set_xticklabels([str(b) for b in blocks][::step], fontsize=7)
-    ax.set_xlim(-0.6, len(blocks) - 0.4)
-    ax.set_ylim(0, min(1.0, max(max(summary["block_achieved"]), max(summary["block_targets"])) * 1.25 + 0.02))
-    ax.set_xlabel("block (0-based, original numbering)" + ("; hatched = removed after pruning" if gone else ""))
-    ax.set_ylabel("sparsity (fraction of zeros)")
-    ax.set_title(f"Per-block sparsity: {summary['method']}, {summary.get('pattern') or 'unstructured'}, "
-                 f"{summary['allocation']} allocation", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        _save(fig, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 # ---------------------------------------------------------------------- the card
 def render_card(
     model_or_config,
@@ -1219,10 +981,6 @@ def render_card(
         ValueError: the report or the sparsity report does not belong to the model, a bad
             ``evaluation`` value, or a ``base_model`` that is not a Hub id.
     """
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from . import __version__
-
     model, config = _split_model(model_or_config)
     if report is not None:
         problems = report_mismatches(model_or_config, report)
@@ -1275,7 +1033,6 @@ def render_card(
         front["sparsity"]["achieved_sparsity"] = in_model
         front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
     eval_section, eval_results = _evaluation_section(evaluation) if evaluation else (None, None)
-    from .tasks import task_card_section
 
     task_md, task_evals = task_card_section(tasks) if tasks else (None, [])
     eval_results = (eval_results or []) + task_evals
@@ -1323,7 +1080,6 @@ def render_card(
             f" Perplexity {evaluation['base']['ppl']:.2f} → {evaluation['pruned']['ppl']:.2f} "
             f"({eval_section['delta']}) under the contract below."
         )
-    from .history import card_notice, history_status
 
     if history_status(config) == "unverified":
         front["history"] = "unverified"
@@ -1420,9 +1176,6 @@ def check_card(card, directory: str | os.PathLike | None = None) -> list[str]:
     ``model-index`` that huggingface_hub reads back into eval results, and, when
     ``directory`` is given, that every image the card references exists there.
     """
-    from huggingface_hub import ModelCard
-    from huggingface_hub.repocard_data import model_index_to_eval_results
-
     problems = []
     try:
         parsed = ModelCard(str(card))
@@ -1490,8 +1243,6 @@ def write_card_files(
         written[SPARSITY_FILE] = directory / SPARSITY_FILE
     evaluation = normalize_evaluation(evaluation)
     if evaluation:
-        from .report import write_json_atomic
-
         base, pruned = evaluation.get("base"), evaluation.get("pruned")
         payload = dict(evaluation)
         if base and pruned:

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .provenance import library_versions, model_fingerprint, public_identity
+
 __all__ = [
     "CONTRACTS",
     "DEFAULT_PROMPTS",
@@ -267,14 +269,6 @@ def _bootstrap_ci(window_nll: np.ndarray, window_tokens: np.ndarray, resamples: 
     return float(low), float(high)
 
 
-def _library_versions() -> dict:
-    import transformers
-
-    from . import __version__
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "hf_layerswap": __version__}
-
-
 @torch.no_grad()
 def perplexity_from_ids(
     model,
@@ -379,7 +373,7 @@ def perplexity_from_ids(
         "log_softmax_dtype": "float32",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "device": str(device),
-        "versions": _library_versions(),
+        "versions": library_versions(),
     }
     record.update(contract or {})
     return PerplexityResult(
@@ -484,9 +478,6 @@ def evaluate_perplexity(
     prepared, words = prepare_text(raw, words_limit)
     ids, bos = _tokenize(tokenizer, prepared, add_bos)
 
-    from .models import model_identity
-    from .plan import model_fingerprint
-
     record = {
         "name": contract,
         **source,
@@ -499,8 +490,7 @@ def evaluate_perplexity(
         "bos": bos,
         "tokenizer": type(tokenizer).__name__,
         # the local folder the weights were read from stays out: contracts get published
-        "model": {**{k: v for k, v in model_identity(model).items() if k != "path"},
-                  "fingerprint": model_fingerprint(model)},
+        "model": {**public_identity(model), "fingerprint": model_fingerprint(model)},
     }
     return perplexity_from_ids(
         model,

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from .plan import model_fingerprint, num_blocks
+
 __all__ = [
     "HistoryWarning",
     "history_problems",
@@ -89,8 +91,6 @@ def history_problems(model: nn.Module, *, fingerprint: bool = True) -> list[str]
 
     A record already marked unverified is checked only for its own consistency.
     """
-    from .plan import model_fingerprint, num_blocks
-
     record = _record(model)
     if record is None:
         return []
@@ -168,8 +168,6 @@ def mark_history_unverified(model: nn.Module, problems: list[str] | None = None,
     now (``kept_layers = 0..L-1``, nothing removed), so a later
     :func:`~hf_layerswap.remove_layers` records its removals against blocks that exist.
     """
-    from .plan import num_blocks
-
     record = _record(model) or {}
     if record.get("history") == UNVERIFIED:
         return record
@@ -222,8 +220,6 @@ def verify_history(model: nn.Module, *, warn: bool = True) -> bool:
 
 def record_fingerprint(model: nn.Module, step: dict) -> None:
     """Store the weight fingerprint and parameter dtype after a removal step in ``step``."""
-    from .plan import model_fingerprint
-
     step["fingerprint_after"] = model_fingerprint(model)
     step["dtype_after"] = param_dtype(model)
 

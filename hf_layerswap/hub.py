@@ -46,6 +46,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx2
+from huggingface_hub import CommitInfo, HfApi
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from .card import (
     EVALUATION_FILE,
     REPORT_FILE,
@@ -56,9 +63,12 @@ from .card import (
     sparsity_refusal,
     write_card_files,
 )
+from .history import history_problems, probable_cause
+from .provenance import __version__
 from .recovery import attached_operators
-from .sparsity import sparsity_in_model
 from .report import SwapReport, default_mode
+from .sparsity import SparsityReport, config_record, sparsity_in_model
+from .surgery import check_surgery_invariants
 
 __all__ = [
     "HELD_CONFIG",
@@ -111,14 +121,9 @@ class HubPushError(RuntimeError):
 def _preflight(model, repo_id, report, evaluation, revision, commit_message, sparsity_report=None):
     """Every local check; raises PushRefusedError (or TypeError) and returns
     ``(evaluation, sparsity_report)`` (the latter defaulting to the model's own)."""
-    from .surgery import check_surgery_invariants
-
     if not (hasattr(model, "save_pretrained") and hasattr(model, "config")):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if repo_id is not None:
-        from huggingface_hub.errors import HFValidationError
-        from huggingface_hub.utils import validate_repo_id
-
         try:
             validate_repo_id(repo_id)
         except HFValidationError as err:
@@ -132,7 +137,6 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
     problems = check_surgery_invariants(model)
     if problems:
         raise PushRefusedError("the model's surgery invariants do not hold: " + "; ".join(problems))
-    from .history import history_problems, probable_cause
 
     problems = history_problems(model)
     if problems:
@@ -170,8 +174,6 @@ def _attached_sparsity_report(model):
     """``model.layerswap_sparsity_report`` when the config's summary still describes it
     (the summary is what ``sparsify`` keeps up to date; a report it no longer matches, or
     one whose summary was deleted, is not published by default)."""
-    from .sparsity import SparsityReport, config_record
-
     report = getattr(model, "layerswap_sparsity_report", None)
     recorded = getattr(model.config, "layerswap_sparsity", None)
     if not isinstance(report, SparsityReport) or not isinstance(recorded, dict):
@@ -200,7 +202,9 @@ def _write_folder(
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def _default_message(model) -> str:
+def default_commit_message(model) -> str:
+    """The commit message :func:`push_to_hub` uses when none is given: what was removed
+    (0-based blocks of the original count) and how sparse the model is."""
     record = getattr(model.config, "layerswap", None) or {}
     sparse = getattr(model.config, "layerswap_sparsity", None) or {}
     sparsity = ""
@@ -215,6 +219,9 @@ def _default_message(model) -> str:
     if sparse:
         return f"Upload sparsified model{sparsity} (hf_layerswap)"
     return "Upload model with swap-KL diagnostics (hf_layerswap)"
+
+
+_default_message = default_commit_message
 
 
 # ---------------------------------------------------------------------- push
@@ -276,12 +283,6 @@ def push_to_hub(
         HubPushError: the Hub refused or kept failing after huggingface_hub's retries;
             ``.committed`` says whether the repository is unchanged.
     """
-    import httpx2
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
-    from . import __version__
-
     evaluation, sparsity_report = _preflight(
         model, repo_id, report, evaluation, revision, commit_message, sparsity_report
     )
@@ -326,8 +327,6 @@ def push_to_hub(
 
 def _state_after_failure(api, repo_id, branch, parent, folder):
     """(CommitInfo if our commit landed else None, a sentence on the repository state)."""
-    from huggingface_hub import CommitInfo
-
     try:
         head = api.repo_info(repo_id, revision=branch).sha
     except Exception as err:  # the state cannot be read back; say so instead of guessing
@@ -349,8 +348,6 @@ def _state_after_failure(api, repo_id, branch, parent, folder):
 
 def _head_matches_folder(api, repo_id, head, folder: Path) -> bool:
     """Whether every local file is at ``head`` with the same content (git sha1 or LFS sha256)."""
-    from huggingface_hub.hf_api import RepoFile
-
     remote = {
         entry.path: entry
         for entry in api.list_repo_tree(repo_id, revision=head, recursive=True)
@@ -557,8 +554,6 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def _load_folder(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     directory = Path(args.directory)
     if not (directory / "config.json").is_file():
         raise PushRefusedError(f"{directory} is not a checkpoint folder (no config.json)")
@@ -579,8 +574,6 @@ def _load_folder(args):
         raise PushRefusedError(f"--sparsity-report {sparsity_path} does not exist")
     sparsity_report = None
     if sparsity_path.is_file():
-        from .sparsity import SparsityReport
-
         try:
             sparsity_report = SparsityReport.from_json(sparsity_path)
         except (ValueError, KeyError, TypeError) as err:

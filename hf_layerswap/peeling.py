@@ -57,24 +57,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration, embedded_text, split_paragraphs
-from .plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
-from .recovery import _Moments, ridge_toward_identity
-from .report import (
-    SwapReport,
-    _decode_tree,
-    _encode_tree,
+from .jsonio import (
+    JsonResult,
     atomic_path,
     decode_float,
+    decode_tree,
     encode_float,
-    write_json_atomic,
+    encode_tree,
     write_text_atomic,
 )
-from .scoring import library_versions, model_identity
+from .models import load_model
+from .plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
+from .plots import figure, save_png
+from .provenance import library_versions, report_identity
+from .recovery import _Moments, ridge_toward_identity
+from .report import SwapReport
+from .scoring import score_layers
 
 __all__ = [
     "DEFAULT_RIDGE",
@@ -189,7 +195,7 @@ def _fmt(x: float | None, digits: int = 4) -> str:
 
 
 @dataclass
-class PeelReport:
+class PeelReport(JsonResult):
     """Result of :func:`peel` (all CE values in nats per predicted token).
 
     Attributes:
@@ -272,8 +278,8 @@ class PeelReport:
             "base_ce": encode_float(self.base_ce),
             "base_ce_ci": [encode_float(x) for x in self.base_ce_ci],
             "probes": [p.to_dict(timings=timings) for p in self.probes],
-            "settings": _encode_tree(self.settings),
-            "metadata": _encode_tree(meta),
+            "settings": encode_tree(self.settings),
+            "metadata": encode_tree(meta),
         }
 
     @classmethod
@@ -285,17 +291,9 @@ class PeelReport:
             base_ce=decode_float(d["base_ce"]),
             base_ce_ci=tuple(decode_float(x) for x in d["base_ce_ci"]),
             probes=[PeelProbe.from_dict(p) for p in d["probes"]],
-            settings=_decode_tree(d.get("settings", {})),
-            metadata=_decode_tree(d.get("metadata", {})),
+            settings=decode_tree(d.get("settings", {})),
+            metadata=decode_tree(d.get("metadata", {})),
         )
-
-    def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the report as JSON (atomically, through a temporary file)."""
-        return write_json_atomic(self.to_dict(), path)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> PeelReport:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, PeelReport):
@@ -744,7 +742,7 @@ def peel(
     if trained:
         settings.update({"gradient_steps": gradient_steps, "gradient_lr": gradient_lr, "gradient_init": "fresh"})
     metadata = {
-        "model": model_identity(model),
+        "model": report_identity(model),
         "calibration": calib.spec(),
         "calibration_tokens_used": cal_tokens,
         "evaluation": evalset.spec(),
@@ -804,8 +802,6 @@ def _fit_pass(model, blocks, calib, fitted, trained, batch_size, bias, ridge, ma
 
 def _eval_pass(model, blocks, evalset, probes, maps, batch_size, device, progress):
     """Score every probe on the evaluation set; returns per-probe accumulators and base NLL."""
-    from tqdm.auto import tqdm
-
     results = {
         (k, m, ref): {"nll": [], "sse": 0.0, "u_sq": 0.0, "u_sum": None, "tokens": 0, "seconds": 0.0}
         for k, m, ref, _ in probes
@@ -927,19 +923,15 @@ def peel_table_markdown(report: PeelReport, *, reference: str = "linear") -> str
 
 
 def _plot_canvas(width: float, height: float, rows: int = 1, cols: int = 1):
-    from .card import _figure
-
-    fig = _figure(width, height)
+    fig = figure(width, height)
     axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]
     return fig, axes
 
 
 def _write_png(fig, path: str | os.PathLike) -> Path:
     """Save through a temporary file in the same folder, then rename."""
-    from .card import _save
-
     with atomic_path(path, suffix=".png") as tmp:
-        _save(fig, tmp)
+        save_png(fig, tmp)
     return Path(path)
 
 
@@ -953,8 +945,6 @@ def peel_plot(report: PeelReport, path: str | os.PathLike, *, reference: str = "
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import numpy as np
-
     L = report.num_layers
     fig, (ax, ax2) = _plot_canvas(max(6.0, 0.3 * L + 2.5), 5.6, rows=2)
     series = [(f"span {m}", [report.probe(k, m, reference) for k in range(L)]) for m in report.settings.get("spans", [1])]
@@ -1034,7 +1024,7 @@ class TrajectoryPoint:
 
 
 @dataclass
-class PeelTrajectory:
+class PeelTrajectory(JsonResult):
     """Peeling gaps and swap-KL summaries over training checkpoints, in the given order."""
 
     points: list[TrajectoryPoint]
@@ -1068,22 +1058,14 @@ class PeelTrajectory:
         return {
             "format": _TRAJECTORY_FORMAT,
             "points": [p.to_dict(timings=timings) for p in self.points],
-            "metadata": _encode_tree({k: v for k, v in self.metadata.items() if timings or k != "timings"}),
+            "metadata": encode_tree({k: v for k, v in self.metadata.items() if timings or k != "timings"}),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> PeelTrajectory:
         if d.get("format") != _TRAJECTORY_FORMAT:
             raise ValueError(f"not a PeelTrajectory dict (format={d.get('format')!r}, expected {_TRAJECTORY_FORMAT!r})")
-        return cls([TrajectoryPoint.from_dict(p) for p in d["points"]], _decode_tree(d.get("metadata", {})))
-
-    def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the trajectory as JSON (atomically)."""
-        return write_json_atomic(self.to_dict(), path)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> PeelTrajectory:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        return cls([TrajectoryPoint.from_dict(p) for p in d["points"]], decode_tree(d.get("metadata", {})))
 
 
 def _checkpoint_step(path: Path) -> int | None:
@@ -1099,8 +1081,6 @@ def _checkpoint_step(path: Path) -> int | None:
 
 def _load_checkpoint(spec):
     """``spec`` -> ``(model, tokenizer or None, label, step)``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(spec, tuple):
         if len(spec) != 2:
             raise ValueError(f"checkpoint {spec!r}: a tuple must be (name_or_path, revision)")
@@ -1164,8 +1144,6 @@ def peel_trajectory(
         ValueError: an empty list, a missing directory, or any error of :func:`peel` or
             :func:`score_layers`.
     """
-    from .scoring import score_layers
-
     if not checkpoints:
         raise ValueError("checkpoints is empty: pass at least one checkpoint directory")
     if isinstance(checkpoints, (str, os.PathLike)):
@@ -1229,8 +1207,6 @@ def trajectory_plot(trajectory: PeelTrajectory, path: str | os.PathLike, *, refe
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import numpy as np
-
     pts = trajectory.points
     x = np.array([p.step if p.step is not None else n for n, p in enumerate(pts)], dtype=float)
     L = pts[0].peel.num_layers
@@ -1335,8 +1311,6 @@ def run_peel(args) -> int:
     """Run the ``peel`` verb (see :func:`add_peel_arguments`); returns the exit code."""
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     if len(args.model) == 1:
-        from .models import load_model
-
         model, tokenizer = load_model(args.model[0], gguf_file=args.gguf_file, revision=args.revision)
         report = peel(model, args.calibration, eval_text, tokenizer=tokenizer, batch_size=args.batch_size,
                       seed=args.seed, progress=args.progress, **_peel_kwargs(args))

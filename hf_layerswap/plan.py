@@ -17,6 +17,7 @@ moves. Everything is restored exactly on exit, also when the forward raises.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import numbers
 from collections.abc import Iterator, Sequence
 
@@ -277,8 +278,6 @@ def model_fingerprint(model: nn.Module) -> str:
     of the same architecture and depth get different fingerprints; the same weights get
     the same one on any device or dtype-preserving reload. Removing blocks changes it.
     """
-    import hashlib
-
     cfg = decoder_config(model)
     h = hashlib.sha256()
     shape = (getattr(cfg, "model_type", None), getattr(cfg, "hidden_size", None), getattr(cfg, "vocab_size", None))

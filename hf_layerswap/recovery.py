@@ -65,11 +65,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from transformers.utils import cached_file
 
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
+from .jsonio import JsonResult, atomic_path, decode_float, encode_float, write_json_atomic
 from .plan import capture_residual_stream, decoder_blocks, resolve_layer_indices
-from .report import atomic_path, decode_float, encode_float, write_json_atomic
+from .surgery import remove_layers
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -206,7 +210,7 @@ class BoundaryFit:
 
 
 @dataclass
-class RecoveryReport:
+class RecoveryReport(JsonResult):
     """What :func:`recover` fitted.
 
     Attributes:
@@ -243,14 +247,6 @@ class RecoveryReport:
         d = dict(d)
         d["boundaries"] = [BoundaryFit.from_dict(b) for b in d.get("boundaries", [])]
         return cls(**d)
-
-    def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the report as JSON (atomically)."""
-        return write_json_atomic(self.to_dict(), path)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> RecoveryReport:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 # ----------------------------------------------------------------------------- cuts
@@ -637,8 +633,6 @@ def save_recovery(model: nn.Module, directory: str | os.PathLike) -> Path:
         ValueError: no operator is attached.
         FileNotFoundError: ``directory`` has no ``config.json`` (save the model first).
     """
-    from safetensors.torch import save_file
-
     ops = attached_operators(model)
     if not ops:
         raise ValueError("no ghosted recovery operator is attached to this model; nothing to save")
@@ -679,9 +673,6 @@ def attach_saved_recovery(model: nn.Module, source: str | os.PathLike | None = N
             checkpoint was re-saved by plain transformers, which drops it).
         ValueError: the file does not match the record (boundaries, sha256, hidden size).
     """
-    from safetensors import safe_open
-    from transformers.utils import cached_file
-
     record = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
     if record.get("method") != "ghosted":
         return []
@@ -787,8 +778,6 @@ def recover(
             model :func:`remove_layers` refuses. The model is unchanged when it raises.
         TypeError: a text calibration source without a tokenizer.
     """
-    from .surgery import remove_layers
-
     if method is None:
         method = "none"
     if method not in METHODS:

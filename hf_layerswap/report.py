@@ -13,23 +13,35 @@ E_x is the mean over real tokens of each prompt, then the mean over prompts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import numbers
-import os
 import statistics
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+
+from .jsonio import (
+    JsonResult,
+    atomic_path,
+    decode_float,
+    decode_tree,
+    default_mode,
+    encode_float,
+    encode_tree,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+# Former private names of the tree codecs (kept as aliases).
+_encode_tree = encode_tree
+_decode_tree = decode_tree
 
 __all__ = [
+    "JsonResult",
     "PROTOCOLS",
     "PairResult",
     "SwapReport",
     "atomic_path",
     "decode_float",
+    "default_mode",
     "encode_float",
     "set_key",
     "write_json_atomic",
@@ -40,31 +52,6 @@ PROTOCOLS = ("replacement", "interchange")
 _PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 
 
-def encode_float(x):
-    """JSON-safe float: non-finite values become the strings 'NaN', 'Infinity', '-Infinity'."""
-    if x is None or isinstance(x, str):
-        return x
-    x = float(x)
-    if math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "Infinity" if x > 0 else "-Infinity"
-    return x
-
-
-def decode_float(x):
-    """Inverse of :func:`encode_float`."""
-    if x is None:
-        return None
-    if isinstance(x, str):
-        if x not in ("NaN", "Infinity", "-Infinity"):
-            raise ValueError(f"value {x!r} is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'")
-        return float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[x])
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise ValueError(f"value {x!r} is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'")
-    return float(x)
-
-
 def _max_kl(a: float | None, b: float | None) -> float | None:
     """Max of the two replacement directions; NaN if either is NaN (never dropped)."""
     if a is None or b is None:
@@ -72,52 +59,6 @@ def _max_kl(a: float | None, b: float | None) -> float | None:
     if math.isnan(a) or math.isnan(b):
         return math.nan
     return max(a, b)
-
-
-def default_mode(path: str | os.PathLike) -> None:
-    """Give a file or folder made by ``tempfile`` (mode 0600/0700) the permissions an
-    ordinary ``open``/``mkdir`` would have given it (0666/0777 less the umask), so
-    atomically written results are as readable as any other file the user writes."""
-    try:  # Linux: read the umask without changing it (other threads may be creating files)
-        with open("/proc/self/status", encoding="ascii") as fh:
-            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, suffix: str = ".tmp") -> Iterator[Path]:
-    """Context manager for an all-or-nothing write of ``path``: yields a temporary file in
-    the same folder (name ending in ``suffix``, e.g. ``".png"`` for writers that read the
-    format from it) for the caller to write; on a normal exit it replaces ``path`` with
-    one ``os.replace``, on any exception (including KeyboardInterrupt) it is removed and
-    ``path`` is left as it was. The file gets ordinary permissions (:func:`default_mode`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        default_mode(tmp)
-        yield Path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    """Write UTF-8 ``text`` to ``path`` all or nothing (:func:`atomic_path`)."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    return Path(path)
-
-
-def write_json_atomic(data, path: str | os.PathLike) -> Path:
-    """Write ``data`` as indented JSON (no NaN/Infinity literals: ValueError) all or nothing."""
-    return write_text_atomic(json.dumps(data, indent=2, allow_nan=False) + "\n", path)
 
 
 @dataclass
@@ -189,7 +130,7 @@ def _score_key(value: float | None) -> tuple[int, float]:
 
 
 @dataclass
-class SwapReport:
+class SwapReport(JsonResult):
     """Swap-KL results for every scored pair of a model, plus provenance.
 
     Attributes:
@@ -310,8 +251,8 @@ class SwapReport:
             "max_gap": self.max_gap,
             "pairs": [r.to_dict() for r in self.pairs],
             "removal_kl": {k: encode_float(v) for k, v in self.removal_kl.items()},
-            "selections": _encode_tree(self.selections),
-            "metadata": _encode_tree(self.metadata),
+            "selections": encode_tree(self.selections),
+            "metadata": encode_tree(self.metadata),
         }
 
     @classmethod
@@ -328,33 +269,10 @@ class SwapReport:
             pairs=[PairResult.from_dict(p) for p in d["pairs"]],
             protocols=tuple(d["protocols"]),
             max_gap=int(d["max_gap"]),
-            metadata=_decode_tree(d.get("metadata", {})),
+            metadata=decode_tree(d.get("metadata", {})),
             removal_kl={k: decode_float(v) for k, v in d.get("removal_kl", {}).items()},
-            selections=_decode_tree(d.get("selections", [])),
+            selections=decode_tree(d.get("selections", [])),
         )
-
-    def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the report as JSON (atomically). Floats round-trip exactly."""
-        return write_json_atomic(self.to_dict(), path)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> SwapReport:
-        """Read a report written by :meth:`to_json`.
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: the file is not valid JSON (e.g. truncated) or not a valid report;
-                the message names the file.
-        """
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-        try:
-            return cls.from_dict(json.loads(text))
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            detail = str(err) if type(err) is ValueError or isinstance(err, json.JSONDecodeError) else (
-                f"{type(err).__name__}: {err}"
-            )
-            raise ValueError(f"{os.fspath(path)} is not a valid SwapReport JSON file: {detail}") from None
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, SwapReport):
@@ -376,24 +294,3 @@ class SwapReport:
 def set_key(layers) -> str:
     """Canonical key of a removal set: ``"i,j,..."`` ascending."""
     return ",".join(str(i) for i in sorted(layers))
-
-
-def _encode_tree(x):
-    if isinstance(x, float):
-        return encode_float(x)
-    if isinstance(x, dict):
-        return {str(k): _encode_tree(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_encode_tree(v) for v in x]
-    return x
-
-
-def _decode_tree(x):
-    if isinstance(x, str) and x in ("NaN", "Infinity", "-Infinity"):
-        return decode_float(x)
-    if isinstance(x, dict):
-        return {k: _decode_tree(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_decode_tree(v) for v in x]
-    return x
-

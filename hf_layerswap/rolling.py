@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .provenance import library_versions, public_identity
+
 __all__ = ["DEFAULT_ROLLING_WINDOW", "evaluate_rolling", "rolling_windows"]
 
 #: lm-eval's fallback ``max_length`` when a model states none.
@@ -111,12 +113,10 @@ def evaluate_rolling(
         BOOTSTRAP_RNG,
         PerplexityResult,
         _bootstrap_ci,
-        _library_versions,
         _resolve_tokenizer,
         _sha256_text,
         _tokenizer_adds_bos,
     )
-    from .models import model_identity
 
     tokenizer = _resolve_tokenizer(model, tokenizer)
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -181,7 +181,7 @@ def evaluate_rolling(
             "prefix_token": "bos" if prefix == tokenizer.bos_token_id else "eos",
         },
         "tokenizer": type(tokenizer).__name__,
-        "model": {k: v for k, v in model_identity(model).items() if k != "path"},
+        "model": public_identity(model),
         "window": window,
         "stride": window,
         "num_input_tokens": int(sum(len(s) - 1 for s in sequences)),
@@ -195,7 +195,7 @@ def evaluate_rolling(
         "log_softmax_dtype": "float32",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "device": str(device),
-        "versions": _library_versions(),
+        "versions": library_versions(),
     }
     return PerplexityResult(
         ppl=math.exp(total_nll / total_tokens), nll=total_nll, tokens=total_tokens, windows=len(jobs),

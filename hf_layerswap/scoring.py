@@ -51,7 +51,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import re
 import time
 import warnings
@@ -75,8 +74,12 @@ from .plan import (
     removal_plan,
     replacement_plan,
 )
+from .provenance import library_versions, report_identity
 from .report import PROTOCOLS, PairResult, SwapReport, atomic_path, write_json_atomic
 from .rule import greedy_select, resolve_protect
+
+#: Former name of :func:`hf_layerswap.provenance.report_identity` (kept as an alias).
+model_identity = report_identity
 
 __all__ = [
     "AdaptiveBudget",
@@ -120,40 +123,6 @@ PREFIX_REUSE_MODES = ("shared", "start", "none")
 
 class CheckpointMismatchError(ValueError):
     """A scoring checkpoint was written by a different run (model, calibration or settings)."""
-
-
-def library_versions() -> dict:
-    """Versions of the libraries that determine the numbers (for provenance)."""
-    import transformers
-
-    from . import __version__
-
-    return {
-        "hf_layerswap": __version__,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def model_identity(model: nn.Module) -> dict:
-    """``{"name", "revision", "class"[, "base_model"]}`` of a model, for report metadata.
-
-    ``name`` and ``revision`` come from :func:`hf_layerswap.models.model_identity` (the
-    upstream name and exact weights of a bundled checkpoint, otherwise ``name_or_path`` and
-    the Hub commit); the local path is left out because reports get published.
-    ``base_model`` is the model a pruned checkpoint was cut from, when recorded.
-    """
-    from .models import model_identity as loaded_identity
-
-    ident = loaded_identity(model)
-    out = {"name": ident.get("name") or type(model).__name__, "revision": ident.get("revision"),
-           "class": type(model).__name__}
-    record = getattr(getattr(model, "config", None), "layerswap", None)
-    base = record.get("base_model") if isinstance(record, dict) else None
-    if base:
-        out["base_model"] = base
-    return out
 
 
 # ----------------------------------------------------------------------------- KL
@@ -1617,3 +1586,23 @@ def removal_kl(
     )
     out = [float(values[n].mean()) for n in range(len(sets))]
     return out[0] if single else out
+
+
+# ----------------------------------------------------------------------------- engine names
+# The engine's building blocks under documented names, for benchmarks and tests that
+# measure or check them directly; the verbs above are the user-facing API.
+
+#: The output head as a function of the decoder output (``lm_head`` + logit soft-capping).
+Head = _Head
+#: Per-row KL(p_ref || softmax(logits)) in fp32: ``(C, V), (C, V) -> (C,)``.
+kl_rows = _kl_rows
+#: Row blocks ``[(start, stop), ...]`` of a ``(rows, width)`` fp32 array kept cache-sized.
+row_blocks = _row_blocks
+#: Deduplicated probes of a set of plans: ``(name -> key, {key: probe}, identity keys)``.
+make_probes = _make_probes
+#: Execution order of probes with prefix sharing (``mode`` one of :data:`PREFIX_REUSE_MODES`).
+schedule = _schedule
+#: Deterministic, cost-balanced share of the probes for one rank.
+shard = _shard
+#: The folder of completed (batch, probe) values behind ``checkpoint_path``.
+ScoringCheckpoint = _Checkpoint

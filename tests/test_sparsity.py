@@ -604,3 +604,68 @@ def test_benchmark_scope_names_what_the_grid_lacks():
     assert "(not every cell has all of them: see the tables)." in text
     assert "Not run here (shared 2-core CPU): owl allocation, 9 seeds in unstructured gradient sparsegpt (2)." in text
     assert text.endswith("Option variants outside the grid (seeds): unstructured pals/invert=true wanda (1).")
+
+
+# ----------------------------------------------------------------------------- registries
+def test_unknown_allocation_or_method_lists_the_registered_ones():
+    from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, get_allocator, get_pruner
+
+    assert list(ALLOCATORS) == ["uniform", "pals", "gradient", "random", "owl"]
+    assert list(PRUNERS) == ["wanda", "sparsegpt", "magnitude"]
+    model = tiny_model("llama", num_layers=2)
+    with pytest.raises(ValueError, match=re.escape("allocation='best': allowed ['uniform', 'pals', 'gradient', 'random', 'owl']")):
+        sparsify(model, build_calibration(tiny_batch()), allocation="best")
+    with pytest.raises(ValueError, match=re.escape("method='obc': allowed ['wanda', 'sparsegpt', 'magnitude']")):
+        get_pruner("obc")
+    with pytest.raises(ValueError, match=r"allocation=\['pals'\]: allowed"):
+        get_allocator(["pals"])
+
+
+class _RowCount:
+    """A toy per-linear statistic: how many real input rows the pruning pass saw."""
+
+    def __init__(self, in_features, device):
+        self.rows = 0
+
+    def update(self, rows):
+        self.rows += rows.shape[0]
+
+
+def test_a_registered_toy_allocator_and_pruner_run_end_to_end():
+    """One decorator each: the toy method is accepted by sparsify, its options are
+    checked, its statistics are fed, and the card names it."""
+    from hf_layerswap.card import render_card
+    from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, register_allocator, register_pruner
+
+    seen_rows = []
+
+    @register_allocator("toy_front", label="toy: the first block dense", options=("seed",),
+                        card_options=lambda info: [f"dense block {info['dense_block']}"], record_keys=("dense_block",))
+    def toy_front(inputs):
+        n = inputs.num_params
+        rest = inputs.sparsity * sum(n) / sum(n[1:])  # same parameter-weighted budget
+        return [0.0] + [rest] * (len(n) - 1), None, {"statistic": "none", "dense_block": 0}
+
+    @register_pruner("toy_magnitude", label="toy: magnitude after counting rows", statistics=_RowCount)
+    def toy_magnitude(weight, counts, target, pattern, opts):
+        seen_rows.append(counts.rows)
+        return magnitude_prune(weight, target, pattern)[0]
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_pruner("toy_magnitude", label="again")(toy_magnitude)
+        model = tiny_model("llama", num_layers=3)
+        calib = build_calibration(tiny_batch())
+        with pytest.warns(UserWarning, match=r"options \['delta'\] have no effect with allocation='toy_front'"):
+            sparsify(copy.deepcopy(model), calib, sparsity=0.25, allocation="toy_front", method="toy_magnitude", delta=0.1)
+        report = sparsify(model, calib, sparsity=0.25, allocation="toy_front", method="toy_magnitude", seed=3)
+        assert report.allocator["name"] == "toy_front" and report.allocator["dense_block"] == 0
+        assert report.blocks[0].num_zeros == 0 and report.blocks[0].target == 0.0
+        assert abs(report.achieved_sparsity - 0.25) < 0.02
+        real_tokens = int(calib.attention_mask.sum())
+        assert seen_rows and set(seen_rows) == {real_tokens}  # every linear saw every real token once
+        text = render_card(model, sparsity_report=report, plots=[]).text
+        assert "| Method | toy: magnitude after counting rows |" in text
+        assert "| Layerwise allocation | toy: the first block dense; dense block 0 |" in text
+    finally:
+        del ALLOCATORS["toy_front"], PRUNERS["toy_magnitude"]

@@ -12,16 +12,17 @@ plain safetensors with explicit zeros.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..calibration import build_calibration
 from ..plan import decoder_blocks
+from ..provenance import library_versions
 from ..surgery import original_indices
 from .allocators import (
     ALLOCATIONS,
@@ -37,11 +38,32 @@ from .allocators import (
 )
 from .engine import capture_block_calls, gradient_statistics, prunable_linears, real_rows, run_block
 from .pruners import METHODS, magnitude_prune, parse_pattern, sparsegpt_prune, wanda_prune, wanda_scores
-from .report import BlockSparsity, LinearSparsity, SparsityReport
-from .stats import ESTIMATORS, ExactQuantile, HessianAccumulator, LogHistogramQuantile, RowNormSq, make_estimator
+from . import methods  # noqa: F401  (registers the built-in allocators and pruners)
+from .registry import (
+    ALLOCATORS,
+    PRUNERS,
+    AllocationInputs,
+    Allocator,
+    Pruner,
+    get_allocator,
+    get_pruner,
+    register_allocator,
+    register_pruner,
+)
+from .report import BlockSparsity, LinearSparsity, SparsityReport, config_record
+from .stats import ESTIMATORS, ExactQuantile, LogHistogramQuantile
 
 __all__ = [
     "ALLOCATIONS",
+    "ALLOCATORS",
+    "AllocationInputs",
+    "Allocator",
+    "PRUNERS",
+    "Pruner",
+    "get_allocator",
+    "get_pruner",
+    "register_allocator",
+    "register_pruner",
     "CONFIG_ATTRIBUTE",
     "METHODS",
     "BlockSparsity",
@@ -137,15 +159,8 @@ class SparsifyOptions:
         if not 0.0 <= self.delta < 1.0:
             raise ValueError(f"delta={self.delta!r}: must be in [0, 1)")
 
-    #: which options each allocation / method reads (others are recorded but unused)
-    USED_BY = {
-        "pals": ("percentile", "delta", "mapping", "scale", "invert", "source", "pool", "estimator", "bins_per_octave"),
-        "gradient": ("delta", "mapping", "scale", "invert"),
-        "random": ("delta", "seed"),
-        "owl": ("owl_m", "owl_lambda"),
-        "uniform": (),
-        "sparsegpt": ("blocksize", "percdamp"),
-    }
+    #: options every allocation and method reads (the others: ``Allocator.options``,
+    #: ``Pruner.options`` of the registered entries)
     GENERAL = ("num_prompts", "seq_len", "calibration_seed", "batch_size", "progress")
 
     def to_dict(self) -> dict:
@@ -157,8 +172,7 @@ def _parse_options(options: dict, allocation: str, method: str, sparsity: float)
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"sparsify() got unknown options {unknown}; allowed: {sorted(allowed)}")
-    used = set(SparsifyOptions.GENERAL) | set(SparsifyOptions.USED_BY[allocation])
-    used |= set(SparsifyOptions.USED_BY.get(method, ()))
+    used = set(SparsifyOptions.GENERAL) | set(get_allocator(allocation).options) | set(get_pruner(method).options)
     unused = sorted(set(options) - used)
     if unused:
         warnings.warn(
@@ -176,22 +190,8 @@ def check_bound(sparsity: float, allocation: str, delta: float = SparsifyOptions
     Raises:
         ValueError: ``sparsity + delta >= 1`` with ``delta > 0`` for a bounded allocation.
     """
-    if "delta" in SparsifyOptions.USED_BY.get(allocation, ()):
+    if "delta" in get_allocator(allocation).options:
         fit_budget([0.0], [1], sparsity, delta)
-
-
-def _pool(x: torch.Tensor, pool: str) -> torch.Tensor:
-    return x.abs() if pool == "all" else x.float().abs().mean(-1)
-
-
-def _versions() -> dict:
-    out = {}
-    for pkg in ("torch", "transformers"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:  # pragma: no cover
-            out[pkg] = None
-    return out
 
 
 def check_arguments(sparsity, allocation: str, method: str, pattern: str | None) -> tuple[int, int] | None:
@@ -201,10 +201,8 @@ def check_arguments(sparsity, allocation: str, method: str, pattern: str | None)
     Raises:
         ValueError: the message names the value and what is allowed.
     """
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation={allocation!r}: allowed {list(ALLOCATIONS)}")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: allowed {list(METHODS)}")
+    get_allocator(allocation)
+    get_pruner(method)
     if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity={sparsity!r}: must be a number in [0, 1)")
     nm = parse_pattern(pattern)
@@ -292,21 +290,25 @@ def sparsify(
     timings = {}
     try:
         # ---- pass 1: dense statistics (and every block's call arguments)
-        statistic_values, allocator_info = None, {"name": allocation}
-        if allocation == "gradient":
+        allocator = get_allocator(allocation)
+        gradients = None
+        if allocator.needs_gradients:
             t = time.perf_counter()
             weights = [[lin.weight for _, lin in lins] for lins in block_linears]
-            statistic_values = gradient_statistics(model, batches, weights)
+            gradients = gradient_statistics(model, batches, weights)
             timings["gradient_pass_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        on_block_input, linear_hooks, collectors = _dense_observers(allocation, opts, block_linears)
+        on_block_input, linear_hooks, collectors = (
+            allocator.observe(opts, block_linears) if allocator.observe is not None else (None, None, {})
+        )
         cache = capture_block_calls(model, batches, on_block_input=on_block_input, linear_hooks=linear_hooks)
         timings["dense_pass_s"] = time.perf_counter() - t
 
         # ---- allocation
-        targets, statistic_values, allocator_info = _allocate(
-            allocation, opts, sparsity, num_params, block_linears, collectors, statistic_values
+        targets, statistic_values, info = allocator.allocate(
+            AllocationInputs(sparsity, num_params, opts, block_linears, collectors, gradients)
         )
+        allocator_info = {"name": allocation, **info}
         allocator_info["targets_weighted_mean"] = sum(n * s for n, s in zip(num_params, targets)) / sum(num_params)
         allocator_info["targets_min"], allocator_info["targets_max"] = min(targets), max(targets)
 
@@ -354,7 +356,7 @@ def sparsify(
             "original_blocks": original_indices(model.config, len(blocks)),
             "block_dense_params": [sum(p.numel() for p in b.parameters()) - n for b, n in zip(blocks, num_params)],
             "seconds": timings,
-            "versions": _versions(),
+            "versions": library_versions(),
         },
     )
     record = config_record(report)
@@ -382,159 +384,18 @@ def sparsity_in_model(record: dict, kept_original_blocks) -> float:
     return sum(z for _, z in pairs) / total if total else 0.0
 
 
-#: Allocator entries kept in the config record (the report has every one).
-_ALLOCATOR_SUMMARY = ("statistic", "percentile", "source", "pool", "delta", "mapping", "owl_m", "owl_lambda", "budget")
-
-
-def config_record(report: SparsityReport) -> dict:
-    """The compact summary :func:`sparsify` stores in ``model.config.layerswap_sparsity``.
-
-    Keys: ``method``, ``allocation``, ``pattern`` (``None`` = unstructured),
-    ``target_sparsity``, ``achieved_sparsity`` (zeros / prunable block weights),
-    ``num_params``, ``num_zeros``, ``original_blocks`` (0-based indices of the sparsified
-    blocks before any layer removal), ``block_params`` (prunable weights), ``block_zeros``,
-    ``block_targets`` and ``block_achieved`` (fractions), ``block_dense_params`` (block
-    parameters that are not ``nn.Linear`` weight matrices, left dense: biases, norms, fused
-    MoE expert tensors), one per block in the same order, ``allocator`` (its statistic, main options and budget
-    rule), ``calibration`` (description and content hash) and
-    ``hf_layerswap`` (the version that pruned). Every value is JSON (config.json) safe.
-    """
-    from .. import __version__
-
-    blocks = report.metadata.get("original_blocks") or [b.index for b in report.blocks]
-    return {
-        "method": report.method,
-        "allocation": report.allocation,
-        "pattern": report.pattern,
-        "target_sparsity": report.target_sparsity,
-        "achieved_sparsity": report.achieved_sparsity,
-        "num_params": report.num_params,
-        "num_zeros": report.num_zeros,
-        "original_blocks": [int(i) for i in blocks],
-        "block_params": [int(b.num_params) for b in report.blocks],
-        "block_zeros": [int(b.num_zeros) for b in report.blocks],
-        "block_dense_params": report.metadata.get("block_dense_params"),
-        "block_targets": [float(b.target) for b in report.blocks],
-        "block_achieved": [float(b.achieved) for b in report.blocks],
-        "allocator": {k: report.allocator[k] for k in _ALLOCATOR_SUMMARY if k in report.allocator},
-        "calibration": {k: report.calibration.get(k) for k in ("description", "content_hash") if k in report.calibration},
-        "hf_layerswap": __version__,
-    }
-
-
-def _dense_observers(allocation: str, opts: SparsifyOptions, block_linears):
-    """Hooks for the dense pass: PALS percentile estimators or OWL's Wanda row norms."""
-    collectors: dict = {}
-    if allocation == "pals":
-        estimators = [make_estimator(opts.estimator, bins_per_octave=opts.bins_per_octave) for _ in block_linears]
-        collectors["estimators"] = estimators
-        if opts.source == "block_input":
-
-            def on_block_input(index, hidden, token_mask):
-                estimators[index].update(_pool(real_rows(hidden, token_mask), opts.pool))
-
-            return on_block_input, None, collectors
-        seen: list = []
-
-        def reset_seen(index, hidden, token_mask):
-            seen.clear()
-
-        def linear_hooks(index, mask_ref):
-            def hook(module, args):
-                x = args[0]
-                if any(x is y for y in seen):
-                    return
-                seen.append(x)
-                estimators[index].update(_pool(real_rows(x, mask_ref[0]), opts.pool))
-
-            return [lin.register_forward_pre_hook(hook) for _, lin in block_linears[index]]
-
-        return reset_seen, linear_hooks, collectors
-    if allocation == "owl":
-        norms = [[RowNormSq(lin.in_features, lin.weight.device) for _, lin in lins] for lins in block_linears]
-        collectors["norms"] = norms
-
-        def linear_hooks(index, mask_ref):
-            def make(acc):
-                return lambda module, args: acc.update(real_rows(args[0], mask_ref[0]))
-
-            pairs = zip(block_linears[index], norms[index])
-            return [lin.register_forward_pre_hook(make(acc)) for (_, lin), acc in pairs]
-
-        return None, linear_hooks, collectors
-    return None, None, collectors
-
-
-def _allocate(allocation, opts, sparsity, num_params, block_linears, collectors, statistic_values):
-    info: dict = {"name": allocation}
-    if allocation == "uniform":
-        return uniform_allocation(num_params, sparsity), None, info
-    if allocation in ("pals", "gradient"):
-        mapping = {"delta": opts.delta, "mapping": opts.mapping, "scale": opts.scale, "invert": opts.invert}
-        if allocation == "pals":
-            estimators = collectors["estimators"]
-            statistic_values = [est.quantile(opts.percentile) for est in estimators]
-            info.update(
-                statistic=f"quantile {opts.percentile:g} of |activation| ({opts.source}, pool={opts.pool}), "
-                "dense model",
-                percentile=opts.percentile,
-                source=opts.source,
-                pool=opts.pool,
-                estimator=estimators[0].spec(),
-                values_per_block=[est.count for est in estimators],
-            )
-            targets = pals_allocation(statistic_values, num_params, sparsity, **mapping)
-        else:
-            info["statistic"] = (
-                "mean |dL/dW| over the block's prunable weights (calibration next-token loss), dense model"
-            )
-            targets = gradient_allocation(statistic_values, num_params, sparsity, **mapping)
-        info.update(
-            mapping,
-            scale=opts.delta if opts.scale is None else opts.scale,
-            budget="parameter-weighted mean = target exactly, every block within +-delta",
-        )
-        return targets, statistic_values, info
-    if allocation == "random":
-        targets = random_allocation(num_params, sparsity, delta=opts.delta, seed=opts.seed)
-        info.update(
-            statistic="target - s (the seeded uniform offset after the exact budget fit)",
-            delta=opts.delta,
-            seed=opts.seed,
-            budget="parameter-weighted mean = target exactly, every block within +-delta",
-        )
-        return targets, [t - sparsity for t in targets], info
-    # owl
-    norms = collectors["norms"]
-    lods = []
-    for lins, accs in zip(block_linears, norms):
-
-        def scores(lins=lins, accs=accs):
-            return (wanda_scores(lin.weight, acc.sum_sq) for (_, lin), acc in zip(lins, accs))
-
-        lods.append(outlier_ratio(scores, opts.owl_m))
-    info.update(
-        statistic=f"layerwise outlier distribution (% of Wanda scores > M x block mean, M={opts.owl_m:g}), dense model",
-        owl_m=opts.owl_m,
-        owl_lambda=opts.owl_lambda,
-        budget="unweighted mean = target (OWL reference mapping); spread max-min = 2 lambda; no per-block bound",
-    )
-    return owl_allocation(lods, sparsity, lam=opts.owl_lambda), lods, info
-
-
 @torch.no_grad()
 def _prune_blocks(blocks, block_linears, cache, targets, method, pattern, opts, module_names) -> list[LinearSparsity]:
     inputs = list(cache.hidden)
     rows: list[LinearSparsity] = []
     progress = None
     if opts.progress:
-        from tqdm.auto import tqdm
-
         progress = tqdm(total=len(blocks), desc=f"{method} pruning", unit="block")
+    pruner = get_pruner(method)
     for index, (block, lins) in enumerate(zip(blocks, block_linears)):
         accumulators = {}
-        if method != "magnitude":
-            factory = RowNormSq if method == "wanda" else HessianAccumulator
+        if pruner.statistics is not None:
+            factory = pruner.statistics
             mask_ref: list = [None]
             handles = []
             for name, lin in lins:
@@ -551,20 +412,7 @@ def _prune_blocks(blocks, block_linears, cache, targets, method, pattern, opts, 
                     h.remove()
         for name, lin in lins:
             w = lin.weight
-            if method == "wanda":
-                new, _ = wanda_prune(w, accumulators[name].sum_sq, targets[index], pattern)
-            elif method == "sparsegpt":
-                new, _ = sparsegpt_prune(
-                    w,
-                    accumulators.pop(name).hessian,
-                    targets[index],
-                    pattern,
-                    blocksize=opts.blocksize,
-                    percdamp=opts.percdamp,
-                )
-            else:
-                new, _ = magnitude_prune(w, targets[index], pattern)
-            w.copy_(new)
+            w.copy_(pruner.prune(w, accumulators.pop(name, None), targets[index], pattern, opts))
             rows.append(
                 LinearSparsity(
                     name=module_names[id(lin)],

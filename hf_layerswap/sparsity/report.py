@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..report import decode_float, encode_float, write_json_atomic
+from ..jsonio import JsonResult, decode_float, encode_float
+from ..plots import write_sparsity_plot
+from ..provenance import __version__
+from .registry import ALLOCATORS
 
-__all__ = ["BlockSparsity", "LinearSparsity", "SparsityReport"]
+__all__ = ["BlockSparsity", "LinearSparsity", "SparsityReport", "config_record"]
 
 
 @dataclass
@@ -53,7 +55,7 @@ class LinearSparsity:
 
 
 @dataclass
-class SparsityReport:
+class SparsityReport(JsonResult):
     """Result of one-shot pruning.
 
     Attributes:
@@ -149,21 +151,6 @@ class SparsityReport:
             metadata=data.get("metadata", {}),
         )
 
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """JSON text; also written atomically to ``path`` when given."""
-        data = self.to_dict()
-        if path is not None:
-            write_json_atomic(data, path)
-        return json.dumps(data, indent=2, allow_nan=False)
-
-    @classmethod
-    def from_json(cls, source: str | os.PathLike) -> SparsityReport:
-        """From JSON text or a path to a JSON file."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            text = Path(source).read_text(encoding="utf-8")
-        return cls.from_dict(json.loads(text))
-
     # ------------------------------------------------------------------ presentation
     def to_markdown(self) -> str:
         """A model-card section: settings, overall sparsity and a per-block table."""
@@ -187,7 +174,48 @@ class SparsityReport:
     def plot(self, path: str | os.PathLike) -> Path:
         """Per-block target and achieved sparsity as a PNG (needs matplotlib; the model
         card's plot, see :func:`hf_layerswap.card.write_sparsity_plot`)."""
-        from ..card import write_sparsity_plot
-        from . import config_record
-
         return write_sparsity_plot(config_record(self), path)
+
+
+#: Allocator entries kept in the config record (the report has every one).
+_ALLOCATOR_SUMMARY = ("statistic", "percentile", "source", "pool", "delta", "mapping", "owl_m", "owl_lambda", "budget")
+
+
+def _record_keys(allocation: str) -> tuple[str, ...]:
+    entry = ALLOCATORS.get(allocation)
+    extra = tuple(k for k in entry.record_keys if k not in _ALLOCATOR_SUMMARY) if entry is not None else ()
+    return _ALLOCATOR_SUMMARY + extra
+
+
+def config_record(report: SparsityReport) -> dict:
+    """The compact summary :func:`sparsify` stores in ``model.config.layerswap_sparsity``.
+
+    Keys: ``method``, ``allocation``, ``pattern`` (``None`` = unstructured),
+    ``target_sparsity``, ``achieved_sparsity`` (zeros / prunable block weights),
+    ``num_params``, ``num_zeros``, ``original_blocks`` (0-based indices of the sparsified
+    blocks before any layer removal), ``block_params`` (prunable weights), ``block_zeros``,
+    ``block_targets`` and ``block_achieved`` (fractions), ``block_dense_params`` (block
+    parameters that are not ``nn.Linear`` weight matrices, left dense: biases, norms, fused
+    MoE expert tensors), one per block in the same order, ``allocator`` (its statistic, main options and budget
+    rule), ``calibration`` (description and content hash) and
+    ``hf_layerswap`` (the version that pruned). Every value is JSON (config.json) safe.
+    """
+    blocks = report.metadata.get("original_blocks") or [b.index for b in report.blocks]
+    return {
+        "method": report.method,
+        "allocation": report.allocation,
+        "pattern": report.pattern,
+        "target_sparsity": report.target_sparsity,
+        "achieved_sparsity": report.achieved_sparsity,
+        "num_params": report.num_params,
+        "num_zeros": report.num_zeros,
+        "original_blocks": [int(i) for i in blocks],
+        "block_params": [int(b.num_params) for b in report.blocks],
+        "block_zeros": [int(b.num_zeros) for b in report.blocks],
+        "block_dense_params": report.metadata.get("block_dense_params"),
+        "block_targets": [float(b.target) for b in report.blocks],
+        "block_achieved": [float(b.achieved) for b in report.blocks],
+        "allocator": {k: report.allocator[k] for k in _record_keys(report.allocation) if k in report.allocator},
+        "calibration": {k: report.calibration.get(k) for k in ("description", "content_hash") if k in report.calibration},
+        "hf_layerswap": __version__,
+    }

@@ -18,6 +18,7 @@ import datasets
 import evaluate
 
 from hf_layerswap.evaluation import evaluate_perplexity
+from hf_layerswap.models import load_model
 
 _DESCRIPTION = (
     "Token-weighted corpus perplexity with sliding windows (matched contract by default: "
@@ -63,8 +64,6 @@ class Perplexity(evaluate.Metric):
         if predictions is not None and text is not None:
             raise ValueError("give either predictions or text, not both")
         if isinstance(model, str):
-            from hf_layerswap.models import load_model
-
             model, loaded_tokenizer = load_model(model)
             tokenizer = tokenizer or loaded_tokenizer
         if predictions is not None:

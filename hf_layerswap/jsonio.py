@@ -1,0 +1,174 @@
+"""JSON results and all-or-nothing files: the one owner of how results reach the disk.
+
+- :func:`encode_float` / :func:`decode_float` (and :func:`encode_tree` /
+  :func:`decode_tree` for nested records): non-finite values are kept as the strings
+  ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, so JSON holds them without NaN literals and
+  floats round-trip exactly;
+- :func:`atomic_path`, :func:`write_text_atomic`, :func:`write_json_atomic`: a file is
+  written completely or not at all (temporary file in the same folder + ``os.replace``),
+  with the permissions an ordinary ``open`` would give (:func:`default_mode`);
+- :class:`JsonResult`: the mixin every report class uses for ``to_json``/``from_json``,
+  on top of its own ``to_dict``/``from_dict``, with one contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import numbers
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "JsonResult",
+    "atomic_path",
+    "decode_float",
+    "decode_tree",
+    "default_mode",
+    "encode_float",
+    "encode_tree",
+    "write_json_atomic",
+    "write_text_atomic",
+]
+
+
+def encode_float(x):
+    """JSON-safe float: non-finite values become the strings 'NaN', 'Infinity', '-Infinity'."""
+    if x is None or isinstance(x, str):
+        return x
+    x = float(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
+
+
+def decode_float(x):
+    """Inverse of :func:`encode_float`."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        if x not in ("NaN", "Infinity", "-Infinity"):
+            raise ValueError(f"value {x!r} is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'")
+        return float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[x])
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"value {x!r} is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'")
+    return float(x)
+
+
+def default_mode(path: str | os.PathLike) -> None:
+    """Give a file or folder made by ``tempfile`` (mode 0600/0700) the permissions an
+    ordinary ``open``/``mkdir`` would have given it (0666/0777 less the umask), so
+    atomically written results are as readable as any other file the user writes."""
+    try:  # Linux: read the umask without changing it (other threads may be creating files)
+        with open("/proc/self/status", encoding="ascii") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = ".tmp") -> Iterator[Path]:
+    """Context manager for an all-or-nothing write of ``path``: yields a temporary file in
+    the same folder (name ending in ``suffix``, e.g. ``".png"`` for writers that read the
+    format from it) for the caller to write; on a normal exit it replaces ``path`` with
+    one ``os.replace``, on any exception (including KeyboardInterrupt) it is removed and
+    ``path`` is left as it was. The file gets ordinary permissions (:func:`default_mode`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        default_mode(tmp)
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` all or nothing (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json_atomic(data, path: str | os.PathLike) -> Path:
+    """Write ``data`` as indented JSON (no NaN/Infinity literals: ValueError) all or nothing."""
+    return write_text_atomic(json.dumps(data, indent=2, allow_nan=False) + "\n", path)
+
+
+def encode_tree(x):
+    """:func:`encode_float` applied to every float inside nested dicts/lists/tuples
+    (tuples become lists, keys become strings)."""
+    if isinstance(x, float):
+        return encode_float(x)
+    if isinstance(x, dict):
+        return {str(k): encode_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [encode_tree(v) for v in x]
+    return x
+
+
+def decode_tree(x):
+    """Inverse of :func:`encode_tree`: the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` inside nested dicts/lists become floats again."""
+    if isinstance(x, str) and x in ("NaN", "Infinity", "-Infinity"):
+        return decode_float(x)
+    if isinstance(x, dict):
+        return {k: decode_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [decode_tree(v) for v in x]
+    return x
+
+
+def _json_text(data) -> str:
+    return json.dumps(encode_tree(data), indent=2, allow_nan=False) + "\n"
+
+
+class JsonResult:
+    """``to_json`` / ``from_json`` for a result class that defines ``to_dict()`` (a
+    JSON-able dict) and the classmethod ``from_dict(dict)``. One contract for every report:
+
+    - ``to_json(path=None)``: with ``path``, writes indented JSON all or nothing
+      (:func:`write_json_atomic`) and returns the :class:`~pathlib.Path`; without it,
+      returns the same JSON text as a ``str``. Non-finite floats are written as
+      ``"NaN"``/``"Infinity"``/``"-Infinity"`` strings, never as NaN literals.
+    - ``from_json(source)``: ``source`` is a path (``str`` or ``os.PathLike``) to a file
+      written by ``to_json``, or the JSON text itself (a ``str`` starting with ``{``).
+
+    Raises (``from_json``):
+        FileNotFoundError: ``source`` names no file.
+        ValueError: invalid JSON (e.g. a truncated file) or content ``from_dict`` refuses;
+            the message names the file (or "JSON text") and the class.
+    """
+
+    def to_json(self, path: str | os.PathLike | None = None):
+        text = _json_text(self.to_dict())
+        if path is None:
+            return text
+        return write_text_atomic(text, path)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike):
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            where, text = "JSON text", source
+        else:
+            where = os.fspath(source)
+            with open(source, encoding="utf-8") as fh:
+                text = fh.read()
+        try:
+            return cls.from_dict(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            detail = str(err) if type(err) is ValueError or isinstance(err, json.JSONDecodeError) else (
+                f"{type(err).__name__}: {err}"
+            )
+            raise ValueError(f"{where} is not a valid {cls.__name__} JSON file: {detail}") from None

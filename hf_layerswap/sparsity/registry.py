@@ -1,0 +1,188 @@
+"""Registries of the per-block sparsity allocators and the per-matrix pruners.
+
+:func:`~hf_layerswap.sparsity.sparsify` looks ``allocation=`` up in :data:`ALLOCATORS`
+and ``method=`` in :data:`PRUNERS`; everything that depends on the name (which options it
+reads, the statistics it needs during the dense pass, how the model card describes it)
+comes from the registered entry. Adding a method is one module with one decorator::
+
+    from hf_layerswap.sparsity import register_allocator, uniform_allocation
+
+    @register_allocator("flat", label="flat: every block at the target")
+    def flat(inputs):
+        return uniform_allocation(inputs.num_params, inputs.sparsity), None, {}
+
+The built-in entries are registered in :mod:`hf_layerswap.sparsity.methods`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ALLOCATORS",
+    "PRUNERS",
+    "AllocationInputs",
+    "Allocator",
+    "Pruner",
+    "get_allocator",
+    "get_pruner",
+    "register_allocator",
+    "register_pruner",
+]
+
+
+@dataclass
+class AllocationInputs:
+    """What an allocator gets after the dense pass.
+
+    Attributes:
+        sparsity: the overall target ``s`` in [0, 1).
+        num_params: prunable weights per block (the budget weights), 0-based blocks.
+        options: the :class:`~hf_layerswap.sparsity.SparsifyOptions` of the call.
+        block_linears: per block, the ``(name, nn.Linear)`` pairs that will be pruned.
+        collectors: what the allocator's ``observe`` hooks gathered (empty without one).
+        gradients: per-block mean ``|dL/dW|`` when the allocator asked for them, else ``None``.
+    """
+
+    sparsity: float
+    num_params: list[int]
+    options: object
+    block_linears: list
+    collectors: dict = field(default_factory=dict)
+    gradients: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class Allocator:
+    """A per-block sparsity rule.
+
+    Attributes:
+        name: the ``allocation=`` value.
+        label: how the model card names it.
+        allocate: ``(AllocationInputs) -> (targets, statistic per block or None, info)``;
+            ``targets`` are per-block sparsities whose parameter-weighted mean is the target
+            (or the rule's own budget, stated in ``info["budget"]``); ``info`` is recorded
+            in the report's ``allocator`` entry.
+        observe: ``(options, block_linears) -> (on_block_input, linear_hooks, collectors)``
+            for statistics of the dense model (see
+            :func:`~hf_layerswap.sparsity.engine.capture_block_calls`), or ``None``.
+        needs_gradients: run a gradient pass first (``AllocationInputs.gradients``).
+        options: the :class:`~hf_layerswap.sparsity.SparsifyOptions` fields it reads
+            (others given with it are warned about); ``"delta"`` among them makes it a
+            bounded allocation (``sparsity + delta < 1`` is checked up front).
+        card_options: ``(allocator record) -> [phrases]`` shown next to the label; the
+            record is the compact one in ``config.json`` (:func:`config_record`): the common
+            entries (``statistic``, ``budget``, the built-ins' options) plus ``record_keys``.
+        record_keys: further ``info`` entries kept in that compact record.
+    """
+
+    name: str
+    label: str
+    allocate: Callable
+    observe: Callable | None = None
+    needs_gradients: bool = False
+    options: tuple[str, ...] = ()
+    card_options: Callable[[Mapping], list[str]] | None = None
+    record_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Pruner:
+    """A per-matrix pruning method.
+
+    Attributes:
+        name: the ``method=`` value.
+        label: how the model card names it.
+        prune: ``(weight, statistics or None, target, pattern, options) -> new weight``
+            (same shape; ``pattern`` is ``None`` or ``"N:M"``).
+        statistics: a class built as ``statistics(in_features, device)`` with an
+            ``update(rows)`` method, fed the real input rows of each linear during the
+            pruning pass (e.g. row norms, a Hessian), or ``None`` for data-free methods.
+        options: the :class:`~hf_layerswap.sparsity.SparsifyOptions` fields it reads.
+    """
+
+    name: str
+    label: str
+    prune: Callable
+    statistics: type | None = None
+    options: tuple[str, ...] = ()
+
+
+#: ``allocation=`` name -> :class:`Allocator`, in registration order.
+ALLOCATORS: dict[str, Allocator] = {}
+
+#: ``method=`` name -> :class:`Pruner`, in registration order.
+PRUNERS: dict[str, Pruner] = {}
+
+
+def _check_name(name, registry: dict, what: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name {name!r}: must be a non-empty string")
+    if name in registry:
+        raise ValueError(f"{what} {name!r} is already registered (registered: {list(registry)})")
+
+
+def register_allocator(
+    name: str,
+    *,
+    label: str,
+    observe: Callable | None = None,
+    needs_gradients: bool = False,
+    options: tuple[str, ...] = (),
+    card_options: Callable[[Mapping], list[str]] | None = None,
+    record_keys: tuple[str, ...] = (),
+):
+    """Decorator registering ``allocate`` as the allocator ``name`` (see :class:`Allocator`).
+
+    Raises:
+        ValueError: ``name`` is empty or already registered.
+    """
+    _check_name(name, ALLOCATORS, "allocator")
+
+    def decorate(allocate):
+        ALLOCATORS[name] = Allocator(
+            name, label, allocate, observe, needs_gradients, tuple(options), card_options, tuple(record_keys)
+        )
+        return allocate
+
+    return decorate
+
+
+def register_pruner(name: str, *, label: str, statistics: type | None = None, options: tuple[str, ...] = ()):
+    """Decorator registering ``prune`` as the pruning method ``name`` (see :class:`Pruner`).
+
+    Raises:
+        ValueError: ``name`` is empty or already registered.
+    """
+    _check_name(name, PRUNERS, "pruning method")
+
+    def decorate(prune):
+        PRUNERS[name] = Pruner(name, label, prune, statistics, tuple(options))
+        return prune
+
+    return decorate
+
+
+def _lookup(registry: dict, name, argument: str):
+    if not isinstance(name, str) or name not in registry:
+        raise ValueError(f"{argument}={name!r}: allowed {list(registry)}")
+    return registry[name]
+
+
+def get_allocator(name) -> Allocator:
+    """The registered allocator ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the registered ones.
+    """
+    return _lookup(ALLOCATORS, name, "allocation")
+
+
+def get_pruner(name) -> Pruner:
+    """The registered pruning method ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the registered ones.
+    """
+    return _lookup(PRUNERS, name, "method")

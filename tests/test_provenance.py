@@ -1,0 +1,110 @@
+"""Shared infrastructure with one owner: provenance (library versions, model identity,
+fingerprint) and the JSON-result contract every report class follows."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+
+import pytest
+import torch
+import transformers
+
+import hf_layerswap
+from hf_layerswap import evaluation, models, peeling, plan, provenance, scoring, surgery
+from hf_layerswap.jsonio import JsonResult
+from hf_layerswap.peeling import PeelProbe, PeelReport, PeelTrajectory, TrajectoryPoint
+from hf_layerswap.recovery import BoundaryFit, RecoveryReport
+from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.sparsity import SparsityReport
+from hf_layerswap.sparsity.report import BlockSparsity, LinearSparsity
+from hf_layerswap.tasks import TaskResults
+
+
+def test_library_versions_one_collector():
+    assert provenance.library_versions() == {
+        "hf_layerswap": hf_layerswap.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    assert hf_layerswap.__version__ == provenance.__version__ == "0.1.0"
+    # the old import paths are the same function, so every record agrees
+    assert scoring.library_versions is provenance.library_versions
+    assert evaluation.library_versions is provenance.library_versions
+
+
+def test_identity_has_one_owner_and_old_names_still_import():
+    assert models.model_identity is provenance.model_identity
+    assert models.public_name is provenance.public_name
+    assert models.SOURCE_FILE == provenance.SOURCE_FILE == "layerswap_source.json"
+    assert scoring.model_identity is provenance.report_identity
+    assert peeling.report_identity is provenance.report_identity
+    assert plan.model_fingerprint is provenance.model_fingerprint
+    assert surgery.model_fingerprint is provenance.model_fingerprint
+
+
+def test_identity_records(tiny_llama):
+    model = tiny_llama
+    model.layerswap_identity = {"name": "/home/someone/ckpt", "revision": "abc", "path": "/home/someone/ckpt", "source": None}
+    try:
+        assert provenance.model_identity(model) == {"name": "ckpt", "revision": "abc", "path": "/home/someone/ckpt", "source": None}
+        assert provenance.public_identity(model) == {"name": "ckpt", "revision": "abc", "source": None}
+        assert provenance.report_identity(model) == {"name": "ckpt", "revision": "abc", "class": type(model).__name__}
+    finally:
+        del model.layerswap_identity
+
+
+# ----------------------------------------------------------------------------- JSON contract
+def _examples() -> list[JsonResult]:
+    swap = SwapReport(
+        num_layers=3,
+        pairs=[PairResult(0, 1, 0.5, 0.25, 0.125), PairResult(1, 2, math.inf, 0.5, math.nan)],
+        metadata={"note": [1.5, math.nan]},
+    )
+    probe = PeelProbe(site=1, span=1, reference="linear", kind="probe", dce=0.1, ci_low=0.05, ci_high=0.2,
+                      ce=2.0, explained_variance=0.9, nmse=0.1)
+    peel = PeelReport(num_layers=3, base_ce=1.9, base_ce_ci=(1.8, 2.0), probes=[probe], settings={"spans": [1]})
+    return [
+        swap,
+        RecoveryReport(method="ghosted", removed_layers=[1], epsilon=1e-4, num_tokens=10, hidden_size=4,
+                       boundaries=[BoundaryFit(boundary=1, removed=[1], host=0, residual_before=0.5,
+                                               residual_after=0.25, condition_number=math.inf, ridge=[0.001])]),
+        SparsityReport(
+            target_sparsity=0.5, allocation="uniform", method="magnitude", pattern=None,
+            blocks=[BlockSparsity(index=0, target=0.5, achieved=0.5, num_params=8, num_zeros=4, statistic=None)],
+            linears=[LinearSparsity(name="model.layers.0.mlp.up_proj", block=0, shape=[2, 4], target=0.5, num_zeros=4)],
+        ),
+        TaskResults(results={"t": {"acc": 0.5, "acc_stderr": math.nan}}, settings={}, versions={}, task_hashes={},
+                    n_samples={"t": 2}),
+        peel,
+        PeelTrajectory([TrajectoryPoint(checkpoint="ckpt", step=1, peel=peel, swap=swap)]),
+    ]
+
+
+@pytest.mark.parametrize("result", _examples(), ids=lambda r: type(r).__name__)
+def test_json_result_contract(result, tmp_path):
+    cls = type(result)
+    text = result.to_json()
+    assert isinstance(text, str)
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} literal in JSON"))  # non-finite values are strings
+    path = result.to_json(tmp_path / "r.json")
+    assert path == tmp_path / "r.json" and path.read_text(encoding="utf-8") == text
+    back_from_file, back_from_text = cls.from_json(path), cls.from_json(text)
+    assert back_from_file.to_json() == back_from_text.to_json() == text
+    assert cls.from_json(str(path)).to_json() == text
+
+    path.write_text(text[: len(text) // 2], encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"r\.json is not a valid {cls.__name__} JSON file"):
+        cls.from_json(path)
+    with pytest.raises(FileNotFoundError):
+        cls.from_json(tmp_path / "missing.json")
+
+
+def test_swap_report_json_text_is_unchanged(tmp_path):
+    """The mixin writes exactly what the report wrote before (stored runs re-render)."""
+    report = _examples()[0]
+    expected = json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
+    assert report.to_json() == expected
+    assert report.to_json(tmp_path / "a.json").read_text(encoding="utf-8") == expected
