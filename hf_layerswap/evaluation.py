@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from .provenance import library_versions, model_fingerprint, public_identity
 
@@ -330,7 +331,6 @@ def perplexity_from_ids(
     groups: dict[tuple[int, int], list[int]] = {}
     for k, (begin, end, score_from) in enumerate(spans):
         groups.setdefault((end - begin, end - score_from + 1), []).append(k)
-    from tqdm.auto import tqdm
 
     bar = tqdm(total=sum(end - begin for begin, end, _ in spans), desc="perplexity windows", unit=" token",
                disable=not progress, dynamic_ncols=True, leave=None)

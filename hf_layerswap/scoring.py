@@ -59,7 +59,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 from .calibration import CalibrationSet, build_calibration, check_token_ids
 from .plan import (
@@ -544,8 +546,6 @@ def _dist_state(distributed) -> tuple[int, int]:
     disabled by ``distributed=False``), else (0, 1)."""
     if distributed is False:
         return 0, 1
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if distributed:
@@ -724,8 +724,6 @@ class _Engine:
 
     def _barrier(self):
         if self.world > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def _autocast(self):
@@ -1058,8 +1056,6 @@ class _Engine:
         """Share computed values between ranks (every rank ends with all of them)."""
         if self.world <= 1:
             return
-        import torch.distributed as dist
-
         local = {k: v.cpu() for k, v in self.computed.items()}
         parts: list = [None] * self.world
         dist.all_gather_object(parts, (local, self.stats, self.seconds))
@@ -1125,8 +1121,6 @@ class _WorkBar:
     chunks) are carried until they add up to a unit."""
 
     def __init__(self, total: float, desc: str, enabled: bool, unit: str = "block pass"):
-        from tqdm.auto import tqdm
-
         self.bar = tqdm(total=round(total), desc=desc, unit=f" {unit}", disable=not enabled, dynamic_ncols=True,
                         leave=None)
         self.pos = 0.0

@@ -58,7 +58,6 @@ NOT_YET_MOVED = {
                                  "hf_layerswap.selection", "hf_layerswap.sparsity", "hf_layerswap.surgery",
                                  "transformers"},
     "hf_layerswap.rolling": {"hf_layerswap.calibration", "hf_layerswap.evaluation"},
-    "hf_layerswap.scoring": {"torch.distributed", "tqdm.auto"},
 }
 
 #: Modules over :data:`MAX_LINES` still to be split (or to state why they stay whole).
