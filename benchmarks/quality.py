@@ -392,6 +392,8 @@ def main(argv=None) -> int:
     p.add_argument("--random-draws", type=int, default=5)
     p.add_argument("--recovery", choices=["ghosted", "fused"], default=None,
                    help="also evaluate every criterion's set after this repair of the cut (fitted on the calibration prompts)")
+    p.add_argument("--recovery-criteria", nargs="+", default=None, choices=list(DEFAULT_CRITERIA),
+                   help="only these criteria's sets are repaired (default: all but random)")
     p.add_argument("--max-words", type=int, default=None, help="override the contract's 5,000 words (smoke tests only)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core machine)")
     p.add_argument("--results", type=Path, default=RESULTS)
@@ -428,7 +430,7 @@ def main(argv=None) -> int:
         model, calib, args.budgets, criteria=args.criteria, eval_text=EVALUATION, tokenizer=tok,
         contract="matched", evaluation_method="copy", options=options, batch_size=args.batch_size,
         evaluation_options={"max_words": args.max_words} if args.max_words else None,
-        state_path=state_path, log=log, recovery=args.recovery,
+        state_path=state_path, log=log, recovery=args.recovery, recovery_criteria=args.recovery_criteria,
     )
     state = json.loads(state_path.read_text(encoding="utf-8"))
 

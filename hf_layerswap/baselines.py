@@ -437,6 +437,7 @@ def compare_criteria(
     options: Mapping[str, Mapping] | None = None,
     joint_kl: bool = True,
     recovery: str | None = None,
+    recovery_criteria: Sequence[str] | None = None,
     batch_size: int = 8,
     eval_batch_size: int = 2,
     state_path=None,
@@ -478,6 +479,8 @@ def compare_criteria(
             is not repaired (its draws are a control of the plain cut). A method that
             cannot repair the model (``"fused"`` on post-norm blocks) raises before any
             evaluation.
+        recovery_criteria: the criteria whose sets are repaired (default: every one but
+            ``random``); rows of the others carry no repaired numbers.
         batch_size: calibration prompts per forward pass. eval_batch_size: windows per
             forward pass in evaluation.
         state_path: JSON file to resume from and to save progress to (written atomically
@@ -504,6 +507,10 @@ def compare_criteria(
         raise ValueError(f"evaluation_method={evaluation_method!r}: allowed 'copy' or 'plan'")
     if recovery is not None and recovery not in ("ghosted", "fused"):
         raise ValueError(f"recovery={recovery!r}: allowed None, 'ghosted' or 'fused'")
+    repair = [c for c in (recovery_criteria or criteria) if c != "random"]
+    unknown = [c for c in repair if c not in criteria]
+    if unknown:
+        raise ValueError(f"recovery_criteria {unknown} are not among the criteria run: allowed {list(criteria)}")
     calib, num_layers, budgets, _ = _setup(model, calibration, tokenizer, list(budgets))
     options = {k: dict(v) for k, v in (options or {}).items()}
     fingerprint = {
@@ -616,7 +623,7 @@ def compare_criteria(
     repaired: dict[str, PerplexityResult] = {}
     if recovery is not None:
         done = state.setdefault("ppl_recovered", {}).setdefault(recovery, {})
-        keys = {set_key(r.removed): list(r.removed) for name, per_n in results.items() if name != "random"
+        keys = {set_key(r.removed): list(r.removed) for name, per_n in results.items() if name in repair
                 for r in per_n.values()}
         for key, s in keys.items():
             if key in done:
@@ -649,7 +656,7 @@ def compare_criteria(
                 row.update({"ppl": ppl[k].ppl, "dppl": delta_ppl_percent(base, ppl[k]),
                             "dppl_ci": list(delta_ppl_ci(base, ppl[k])), "ppl_ci": [ppl[k].ci_low, ppl[k].ci_high],
                             "removal_kl": kl.get(k) if joint_kl else None})
-                if k in repaired:
+                if k in repaired and (recovery_criteria is None or name in recovery_criteria):
                     row.update({"ppl_recovered": repaired[k].ppl, "dppl_recovered": delta_ppl_percent(base, repaired[k]),
                                 "dppl_recovered_ci": list(delta_ppl_ci(base, repaired[k]))})
             rows.append(row)

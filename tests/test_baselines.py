@@ -431,6 +431,11 @@ def test_compare_criteria_after_the_same_repair(harness_setup, tmp_path, monkeyp
     assert B.compare_criteria(model, calib, [1, 2], recovery="ghosted", state_path=state, **kwargs).rows == table.rows
     with pytest.raises(ValueError, match=r"recovery='ridge': allowed None, 'ghosted' or 'fused'"):
         B.compare_criteria(model, calib, [1], recovery="ridge", **kwargs)
+    only_tail = B.compare_criteria(model, calib, [1, 2], recovery="ghosted", recovery_criteria=["tail"],
+                                   state_path=state, **kwargs)
+    assert [r["criterion"] for r in only_tail.rows if "ppl_recovered" in r] == ["tail", "tail"]
+    with pytest.raises(ValueError, match=r"recovery_criteria \['sleb'\] are not among the criteria run"):
+        B.compare_criteria(model, calib, [1], recovery="ghosted", recovery_criteria=["sleb"], **kwargs)
 
 
 def test_states_of_parallel_runs_merge_into_one_comparison(harness_setup, tmp_path, monkeypatch):
