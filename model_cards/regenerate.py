@@ -65,7 +65,7 @@ def regenerate(
     base = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, max_words=eval_words)
     print(f"[{name}] base PPL {base.ppl:.3f}", flush=True)
     config = LayerSwapConfig(
-        num_layers=budget, protocol="auto", calibration=None if calibration == "embedded" else calibration,
+        num_layers=budget, strategy="auto", protocol="auto", calibration=None if calibration == "embedded" else calibration,
         tokenizer=tokenizer, num_prompts=num_prompts or default_prompts, seq_len=seq_len, progress=False,
     )
     prune_loaded_model(model, config)
