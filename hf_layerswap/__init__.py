@@ -9,6 +9,7 @@ plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, embedded_text
 from .card import render_card, write_card_files
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
+from .gguf_export import GGUFLayoutError, export_gguf, save_gguf
 from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 from .integration import LayerSwapConfig, LayerSwapQuantizer, prune_loaded_model
 from .models import load_model
@@ -25,18 +26,21 @@ __all__ = [
     "__version__",
     "CalibrationSet",
     "CalibrationShortfallWarning",
+    "GGUFLayoutError",
     "HubPushError",
     "PerplexityResult",
     "PushRefusedError",
     "delta_ppl_percent",
     "evaluate_perplexity",
     "evaluate_tasks",
+    "export_gguf",
     "generation_check",
     "load_model",
     "model_fingerprint",
     "push_to_hub",
     "render_card",
     "save_for_hub",
+    "save_gguf",
     "write_card_files",
     "LayerSwapConfig",
     "LayerSwapQuantizer",

