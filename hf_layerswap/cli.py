@@ -15,6 +15,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .cli_eval import add_eval_arguments, run_eval
+from .gguf_export import add_export_gguf_arguments, run_export_gguf
+
 __all__ = ["build_parser", "main"]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -120,9 +123,6 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     peel = sub.add_parser("peel", formatter_class=_HELP, help="per-layer peeling reference bounds (linear reference vs the trained blocks)")
     add_peel_arguments(peel)
     peel.set_defaults(func=run_peel)
-    from .cli_eval import add_eval_arguments, run_eval
-    from .gguf_export import add_export_gguf_arguments, run_export_gguf
-
     evaluate = sub.add_parser("eval", formatter_class=_HELP, help="perplexity and/or lm-eval tasks of a checkpoint, as JSON")
     add_eval_arguments(evaluate).set_defaults(func=run_eval)
     export = sub.add_parser("export-gguf", formatter_class=_HELP, help="convert a checkpoint to GGUF (llama.cpp), layout kept")

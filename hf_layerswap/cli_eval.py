@@ -10,11 +10,16 @@ contract (text hash, window, stride, BOS, dtype, versions) is inside each result
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from . import evaluate_perplexity, evaluate_tasks
+from .calibration import read_text_file
+from .jsonio import encode_tree, write_json_atomic
+from .models import load_model, model_identity
+from .plan import num_blocks
 
 __all__ = ["add_eval_arguments", "run_eval"]
 
@@ -69,8 +74,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def _check_args(args) -> None:
     """Everything that can be refused before the model loads."""
-    from .calibration import read_text_file
-
     output = Path(args.output)
     if output.is_dir():
         raise FileExistsError(f"--output {args.output} is a folder; give the result's file path, e.g. {output / 'eval.json'}")
@@ -85,30 +88,12 @@ def _check_args(args) -> None:
     for path in args.include_path or []:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"--include-path {path!r} is not a folder of task YAML files")
-    if args.tasks:
-        from .tasks import _require_lm_eval
-
-        _require_lm_eval()
-
-
-def _write_json(data: dict, path: Path) -> None:
-    """Write ``data`` to ``path`` through a temporary file beside it (never half-written)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if args.tasks and importlib.util.find_spec("lm_eval") is None:
+        raise ValueError("--tasks needs lm-evaluation-harness: pip install 'hf-layerswap[lm-eval]'")
 
 
 def run_eval(args: argparse.Namespace) -> int:
     """The ``eval`` verb: load, evaluate, write ``args.output``, print a summary."""
-    from . import evaluate_perplexity, evaluate_tasks
-    from .models import load_model, model_identity
-    from .plan import num_blocks
-
     _check_args(args)
     text = args.text if args.text is not None or args.tasks else "embedded"
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
@@ -134,6 +119,6 @@ def run_eval(args: argparse.Namespace) -> int:
         for task, metrics in tasks.results.items():
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None and not k.endswith("_stderr"))
             print(f"{task}: {shown} ({tasks.n_samples[task]} documents)")
-    _write_json(result, Path(args.output))
+    write_json_atomic(encode_tree(result), args.output)
     print(f"result written to {args.output}")
     return 0

@@ -44,6 +44,14 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+from transformers import AutoConfig
+
+from .evaluation import _resolve_tokenizer
+from .jsonio import atomic_path
+from .models import cache_root
+
 __all__ = [
     "CONVERTER_ENV",
     "CONVERTER_PACKAGE",
@@ -233,8 +241,6 @@ def find_converter(converter: str | os.PathLike | None = None) -> tuple[Path, li
         GGUFConverterNotFoundError: not found (the message gives the install command); also
             when ``converter`` or the environment variable names a path without the script.
     """
-    from .models import cache_root
-
     explicit = converter if converter is not None else os.environ.get(CONVERTER_ENV) or None
     if explicit is not None:
         script = _script_in(Path(explicit).expanduser())
@@ -275,9 +281,6 @@ def _run_converter(checkpoint: Path, out: Path, outtype: str, found: tuple[Path,
 
 def _rewrite_with_metadata(src: Path, dst: Path, layout: GGUFLayout) -> None:
     """Copy ``src`` to ``dst`` with ``layout.metadata`` added (gguf's own copy routine)."""
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
     reader = gguf.GGUFReader(src, "r")
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     if layout.arch is not None and arch != layout.arch:
@@ -319,10 +322,10 @@ def _convert(checkpoint: Path, target: Path, layout: GGUFLayout, outtype: str, f
         warnings.warn(message, UserWarning, stacklevel=3)
     # both files next to the target, so the final rename is atomic; nothing is left on error
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.tmp-", dir=target.parent) as tmp:
-        raw, final = Path(tmp) / "converted.gguf", Path(tmp) / "final.gguf"
+        raw = Path(tmp) / "converted.gguf"
         _run_converter(checkpoint, raw, outtype, found)
-        _rewrite_with_metadata(raw, final, layout)
-        os.replace(final, target)
+        with atomic_path(target, suffix=".gguf") as final:
+            _rewrite_with_metadata(raw, final, layout)
     return target
 
 
@@ -354,8 +357,6 @@ def export_gguf(
         FileNotFoundError: no ``config.json`` in ``checkpoint_dir``, or the target folder is missing.
         FileExistsError: ``path`` exists (without ``overwrite``) or is a folder.
     """
-    from transformers import AutoConfig
-
     source = Path(checkpoint_dir).expanduser()
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{os.fspath(checkpoint_dir)!r} is not a checkpoint folder (no config.json)")
@@ -396,8 +397,6 @@ def save_gguf(
         FileExistsError, FileNotFoundError: as :func:`export_gguf`; ValueError also when no
         tokenizer is given and none can be loaded.
     """
-    from .evaluation import _resolve_tokenizer
-
     target = _check_target(path, outtype, overwrite)
     layout = gguf_layout(model.config)
     found = find_converter(converter)
@@ -430,8 +429,6 @@ def add_export_gguf_arguments(parser):
 
 def run_export_gguf(args) -> int:
     """The ``export-gguf`` verb."""
-    import gguf
-
     try:
         path = export_gguf(args.checkpoint, args.output, outtype=args.outtype, converter=args.converter,
                            overwrite=args.overwrite)

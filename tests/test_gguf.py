@@ -286,8 +286,6 @@ def test_llama_cpp_runs_a_pruned_gemma3_like_transformers(tmp_path, converter, s
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama-cpp-python is not installed (pip install 'hf-layerswap[llama-cpp]', a source build)"
     )
-    from hf_layerswap.gguf_export import _run_converter
-
     model = _tiny_real_vocab("gemma3", len(smol_tok))
     hl.remove_layers(model, [1, 3])
     out = hl.save_gguf(model, tmp_path / "g.gguf", tokenizer=smol_tok, outtype="f32")
@@ -312,7 +310,10 @@ def test_llama_cpp_runs_a_pruned_gemma3_like_transformers(tmp_path, converter, s
 
     model.save_pretrained(tmp_path / "ckpt")
     smol_tok.save_pretrained(tmp_path / "ckpt")
-    _run_converter(tmp_path / "ckpt", tmp_path / "stock.gguf", "f32", converter)  # no pattern written
+    script, paths = converter  # the stock converter alone: no pattern written
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
+    subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), "--outtype", "f32", "--outfile",
+                    str(tmp_path / "stock.gguf")], env=env, check=True, capture_output=True)
     assert gguf.GGUFReader(tmp_path / "stock.gguf").get_field("gemma3.attention.sliding_window_pattern") is None
     stock_logits, _ = run(tmp_path / "stock.gguf")
     assert (stock_logits - ref).abs().max().item() > 100 * (logits - ref).abs().max().item()
