@@ -12,7 +12,8 @@ import torch
 import transformers
 
 import hf_layerswap
-from hf_layerswap import evaluation, models, peeling, plan, provenance, scoring, surgery
+from hf_layerswap import evaluation, models, plan, provenance, scoring, surgery
+from hf_layerswap.peeling import core as peeling_core
 from hf_layerswap.jsonio import JsonResult
 from hf_layerswap.peeling import PeelProbe, PeelReport, PeelTrajectory, TrajectoryPoint
 from hf_layerswap.recovery import BoundaryFit, RecoveryReport
@@ -40,7 +41,7 @@ def test_identity_has_one_owner_and_old_names_still_import():
     assert models.public_name is provenance.public_name
     assert models.SOURCE_FILE == provenance.SOURCE_FILE == "layerswap_source.json"
     assert scoring.model_identity is provenance.report_identity
-    assert peeling.report_identity is provenance.report_identity
+    assert peeling_core.report_identity is provenance.report_identity
     assert plan.model_fingerprint is provenance.model_fingerprint
     assert surgery.model_fingerprint is provenance.model_fingerprint
 

@@ -64,8 +64,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .calibration import CalibrationSet, build_calibration, embedded_text, split_paragraphs
-from .jsonio import (
+from ..calibration import CalibrationSet, build_calibration, embedded_text, split_paragraphs
+from ..jsonio import (
     JsonResult,
     atomic_path,
     decode_float,
@@ -74,13 +74,13 @@ from .jsonio import (
     encode_tree,
     write_text_atomic,
 )
-from .models import load_model
-from .plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
-from .plots import figure, save_png
-from .provenance import library_versions, report_identity
-from .recovery import _Moments, ridge_toward_identity
-from .report import SwapReport
-from .scoring import score_layers
+from ..models import load_model
+from ..plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
+from ..plots import figure, save_png
+from ..provenance import library_versions, report_identity
+from ..recovery import _Moments, ridge_toward_identity
+from ..report import SwapReport
+from ..scoring import score_layers
 
 __all__ = [
     "DEFAULT_RIDGE",
