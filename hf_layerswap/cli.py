@@ -115,7 +115,7 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     prune.set_defaults(func=run_prune)
 
     from .hub import add_push_arguments, run_push
-    from .peeling import add_peel_arguments, run_peel
+    from .cli_peel import add_peel_arguments, run_peel
 
     push = sub.add_parser("push", formatter_class=_HELP, help="upload a pruned checkpoint with its card to the Hub")
     add_push_arguments(push)
