@@ -955,15 +955,18 @@ class _Engine:
         """Compute (or take from the checkpoint) every probe of this rank on those batches.
 
         The progress bar counts block passes (one decoder block over one batch; output-head
-        work converted by :meth:`_head_blocks`) and moves after every forward pass and every
-        head/KL chunk, so its rate and ETA follow the work actually done."""
+        work converted by :meth:`_head_blocks`) and moves after every block's forward (a
+        hook on each block while the bar is shown) and every head/KL chunk, so its rate and
+        ETA follow the work actually done."""
         was_training = self.model.training
         self.model.eval()
         t0 = time.perf_counter()
         total = sum(self._batch_work(b, self.my_probes) for b in batch_indices)
         bar = _WorkBar(total, self.desc, self.progress)
+        _, _, blocks = decoder_blocks(self.model)
+        counting = [blk.register_forward_hook(lambda *_: bar.advance(1)) for blk in blocks] if self.progress else []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _hooks(counting):
                 for b in batch_indices:
                     self._run_batch(b, bar)
         finally:
@@ -996,7 +999,8 @@ class _Engine:
         slots.discard(0)
         streams, ref = self._reference_pass(ids, mask, slots, rows)
         head = self._head_blocks()
-        bar.advance(self.num_layers + (0 if self.stream_logits else head))
+        if not self.stream_logits:  # the model's own head ran inside the pass
+            bar.advance(head)
         schedule = _schedule(todo, self.mode)
         group = self._group_size(rows.numel()) if self.stream_logits else len(schedule)
         nodes: dict[tuple, torch.Tensor] = {}
@@ -1031,8 +1035,8 @@ class _Engine:
                 out, captured = self._probe_pass(_Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
             else:
                 out, captured = self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
-            bar.advance(len(probe.key) - (0 if self.mode == "none" else probe.start + depth0)
-                        + (0 if self.stream_logits else head))
+            if not self.stream_logits:
+                bar.advance(head)
             for d, stream in captured.items():
                 nodes[(probe.start, probe.run[:d])] = stream
             # keep only the tree nodes the next probe can start from (sorted order: no later one needs others)
@@ -1126,9 +1130,8 @@ class _WorkBar:
         self.pos = 0.0
 
     def advance(self, amount: float) -> None:
-        new = self.pos + amount
-        step = min(round(new), self.bar.total) - round(self.pos)
-        self.pos = new
+        self.pos += amount
+        step = min(round(self.pos), self.bar.total) - self.bar.n  # never past the total, never back
         if step > 0:
             self.bar.update(step)
 

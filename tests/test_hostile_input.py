@@ -505,6 +505,7 @@ def test_the_scoring_bar_counts_block_passes_as_they_run(bars, vocab_chunk):
     # one move per forward pass at least (the reference and every probe, each batch), none bigger
     # than a whole-model pass: no batch arrives in one jump at its end
     assert len(bar.updates) >= batches * (1 + probes)
+    assert bar.updates.count(1) >= meta["block_evaluations"]  # a step for every block run
     assert max(bar.updates) <= 6
     assert bar.unit == " block pass"
 
