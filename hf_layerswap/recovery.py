@@ -729,13 +729,17 @@ def _hidden_size(model) -> int:
 # ----------------------------------------------------------------------------- recover
 
 
+#: Most real calibration tokens a fit uses by default (Ghosted Layers' 65,536).
+DEFAULT_NUM_TOKENS = 65536
+
+
 def recover(
     model: nn.Module,
     removed: Sequence[int],
     calibration=None,
     *,
     method: str = "ghosted",
-    num_tokens: int = 65536,
+    num_tokens: int | None = None,
     tokenizer=None,
     epsilon: float | None = None,
     num_prompts: int | None = None,
@@ -756,8 +760,10 @@ def recover(
             ``None`` = embedded prose).
         method: ``"ghosted"`` (Ghosted Layers), ``"fused"`` (ReplaceMe-style, folded into
             ``down_proj``) or ``"none"`` (plain removal; fit residuals still reported).
-        num_tokens: use at most this many real calibration tokens (Ghosted Layers uses
-            65,536); the report records how many were used. A set holding fewer warns
+        num_tokens: use at most this many real calibration tokens; ``None`` (default) =
+            every real token of the calibration set, up to :data:`DEFAULT_NUM_TOKENS`
+            (65,536, what Ghosted Layers uses). The report records how many were used. An
+            explicit ``num_tokens`` the set cannot fill warns
             :class:`~hf_layerswap.calibration.CalibrationShortfallWarning` with both numbers
             and the record keeps ``requested_tokens``.
         tokenizer: needed for text calibration sources.
@@ -782,8 +788,11 @@ def recover(
         method = "none"
     if method not in METHODS:
         raise ValueError(f"method={method!r}: allowed {list(METHODS)}")
+    requested = num_tokens is not None
+    if num_tokens is None:
+        num_tokens = DEFAULT_NUM_TOKENS
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens={num_tokens!r}: must be an int >= 1")
+        raise ValueError(f"num_tokens={num_tokens!r}: must be an int >= 1 (or None for the whole calibration set)")
     if epsilon is None:
         epsilon = DEFAULT_EPSILON[method]
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
@@ -820,7 +829,7 @@ def recover(
         moments, used, hidden = _collect(model, blocks, cuts, method, calibration, num_tokens, batch_size)
     finally:
         model.train(was_training)
-    if used < num_tokens and method != "none":
+    if requested and used < num_tokens and method != "none":
         warnings.warn(
             CalibrationShortfallWarning(
                 f"recovery fitted on {used:,} calibration tokens, fewer than the {num_tokens:,} requested "
@@ -857,7 +866,7 @@ def recover(
             "epsilon": float(epsilon),
             "epsilon_rule": "lambda = epsilon * trace(X^T X) / H, ridge toward the identity",
             "num_tokens": used,
-            **({"requested_tokens": num_tokens} if used < num_tokens else {}),
+            **({"requested_tokens": num_tokens} if requested and used < num_tokens else {}),
             "residual_before": [encode_float(f.residual_before) for f in fits],
             "residual_after": [encode_float(f.residual_after) for f in fits],
             "calibration": calibration.spec(),

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -367,6 +368,22 @@ def test_recovery_warns_when_the_calibration_holds_fewer_tokens_than_requested(t
         recover(model, [2], calib, method="ghosted", num_tokens=1000)
     assert model.config.layerswap["recovery"]["num_tokens"] == 144
     assert model.config.layerswap["recovery"]["requested_tokens"] == 1000
+
+
+def test_recovery_by_default_uses_the_whole_calibration_set_without_a_warning(tokenizer):
+    """``num_tokens`` defaults to "every token, at most 65,536": the user path
+    (``LayerSwapConfig(recovery="ghosted")``, 64 x 128 prompts) must not warn on every load."""
+    from hf_layerswap.recovery import recover
+
+    model = build("llama")
+    calib = hl.build_calibration(PARAGRAPHS, tokenizer, num_prompts=6, seq_len=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hl.CalibrationShortfallWarning)
+        recover(model, [2], calib, method="ghosted")
+        hl.prune_loaded_model(build("llama"), hl.LayerSwapConfig(
+            layers=[2], recovery="ghosted", calibration=PARAGRAPHS, tokenizer=tokenizer, num_prompts=6, seq_len=24))
+    record = model.config.layerswap["recovery"]
+    assert record["num_tokens"] == 144 and "requested_tokens" not in record
 
 
 # --------------------------------------------------------------------------- 9. killed saves
