@@ -3,7 +3,9 @@ decoder-layer removal at ``from_pretrained`` time, and publishing with the evide
 
 Data flow: calibration text -> token batches (:func:`build_calibration`) -> probes (layer
 plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
-:func:`select_layers` -> :func:`remove_layers` -> checkpoint + card.
+:func:`select_layers` -> :func:`remove_layers` -> checkpoint + card; :func:`prune` runs
+the whole chain from a :class:`LayerSwapConfig` (the one path behind ``from_pretrained``,
+``hf-layerswap prune`` and the demo).
 """
 
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, embedded_text
@@ -13,6 +15,7 @@ from .gguf_export import GGUFLayoutError, export_gguf, save_gguf
 from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 from .integration import LayerSwapConfig, LayerSwapQuantizer, prune_loaded_model
 from .models import load_model
+from .pipeline import PruneResult, prune
 from .provenance import __version__
 from .plan import apply_plan, capture_residual_stream, decoder_blocks, model_fingerprint, num_blocks
 from .report import PairResult, SwapReport
@@ -45,6 +48,7 @@ __all__ = [
     "LayerSwapConfig",
     "LayerSwapQuantizer",
     "PairResult",
+    "PruneResult",
     "STRATEGIES",
     "SwapReport",
     "TaskResults",
@@ -57,6 +61,7 @@ __all__ = [
     "embedded_text",
     "masked_kl",
     "num_blocks",
+    "prune",
     "prune_loaded_model",
     "remove_layers",
     "removal_kl",

@@ -46,13 +46,14 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from transformers import AutoModelForCausalLM
 
 from .calibration import shortfall_text
+from .config import LayerSwapConfig
 from .history import card_notice, history_status
 from .jsonio import write_json_atomic
 from .plan import decoder_blocks, model_fingerprint, num_blocks
 from .plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
 from .provenance import __version__, library_versions, model_identity
 from .recovery import RECOVERY_FILE, attached_operators
-from .report import PROTOCOLS, SwapReport, encode_float, set_key
+from .report import PROTOCOLS, PruneProvenance, SwapReport, encode_float, set_key
 from .selection import greedy_select, resolve_protect
 from .sparsity import ALLOCATORS, PRUNERS, SparsityReport, config_record, sparsity_in_model
 from .sparsity.engine import prunable_linears
@@ -507,10 +508,16 @@ def _parameter_counts(model, config, removed: int, steps) -> tuple[int | None, i
     return after + removed * sizes.pop(), after
 
 
+def _provenance(step: Mapping) -> PruneProvenance:
+    """The selection record of one removal step (written by :func:`hf_layerswap.pipeline.prune`)."""
+    return PruneProvenance.from_dict(step)
+
+
 def _step_config(steps) -> dict:
     for step in reversed(steps):
-        if isinstance(step.get("config"), Mapping):
-            return dict(step["config"])
+        config = _provenance(step).config
+        if config is not None:
+            return dict(config)
     return {}
 
 
@@ -532,11 +539,11 @@ def _protocol_of(steps) -> str | None:
     if _search_record(steps) is not None:
         return None
     for step in reversed(steps):
-        auto = step.get("auto")
-        if isinstance(auto, Mapping) and auto.get("chosen_protocol") in PROTOCOLS:
-            return auto["chosen_protocol"]
-        if step.get("protocol") in PROTOCOLS:
-            return step["protocol"]
+        record = _provenance(step)
+        if record.auto is not None and record.auto.get("chosen_protocol") in PROTOCOLS:
+            return record.auto["chosen_protocol"]
+        if record.protocol in PROTOCOLS:
+            return record.protocol
     return None
 
 
@@ -634,9 +641,8 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
 
 
 def _search_record(steps) -> Mapping | None:
-    step = steps[-1] if steps else {}
-    rec = step.get("search")
-    return rec if isinstance(rec, Mapping) and rec.get("strategy") == "search" else None
+    rec = _provenance(steps[-1]).search if steps else None
+    return rec if rec is not None and rec.get("strategy") == "search" else None
 
 
 def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str, str]:
@@ -679,8 +685,8 @@ def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str,
 
 
 def _why(steps, removed, sets) -> str:
-    step = steps[-1] if steps else {}
-    auto = step.get("auto") if isinstance(step.get("auto"), Mapping) else None
+    record = _provenance(steps[-1] if steps else {})
+    auto = record.auto
     if len(steps) > 1:
         reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: "
     else:
@@ -693,10 +699,11 @@ def _why(steps, removed, sets) -> str:
             f"{_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
             f"({auto.get('reason')})."
         )
-    elif step.get("selection") == "explicit layers":
+    elif record.selection == "explicit layers":
         reason += "the blocks were given explicitly (`LayerSwapConfig(layers=...)` or `remove_layers`)."
-    elif step.get("protocol") in PROTOCOLS:
-        reason += f"greedy selection on the **{step['protocol']}** scores ({step.get('selection', 'greedy')})."
+    elif record.protocol in PROTOCOLS:
+        selection = record.selection if record.selection != "not recorded" else "greedy"
+        reason += f"greedy selection on the **{record.protocol}** scores ({selection})."
     elif steps:
         reason += "`remove_layers` was called without a selection record."
     else:
@@ -782,8 +789,9 @@ def _calibration_rows(report, steps, ident) -> list:
     cal = dict(meta.get("calibration") or {})
     if not cal:
         for step in reversed(steps):
-            if isinstance(step.get("calibration"), Mapping):
-                cal = dict(step["calibration"])
+            recorded = _provenance(step).calibration
+            if recorded is not None:
+                cal = dict(recorded)
                 break
     if not cal and not meta:
         return []
@@ -880,8 +888,6 @@ def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = Fals
 
 
 def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | None]:
-    from .integration import LayerSwapConfig
-
     cfg = _step_config(steps)
     defaults = LayerSwapConfig().to_dict()
     if cfg and len(steps) == 1:
@@ -1107,7 +1113,7 @@ def render_card(
             "before": s.get("num_layers_before", _DASH),
             "removed_local": _indices(s.get("removed_layers", [])),
             "removed_original": _indices(s.get("removed_original_layers", [])),
-            "selection": _cell(s.get("selection", "not recorded")),
+            "selection": _cell(_provenance(s).selection),
         }
         for s in steps
     ]

@@ -17,10 +17,55 @@ from tqdm.auto import tqdm
 
 from .cli_eval import add_eval_arguments, run_eval
 from .gguf_export import add_export_gguf_arguments, run_export_gguf
+from .config import LayerSwapConfig
+from .pipeline import prune
 
 __all__ = ["build_parser", "main"]
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def _count(minimum: int):
+    """argparse ``type=``: an int >= ``minimum`` (a bad value exits 2 with an ``error:`` line)."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int; expected an int >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an int >= {minimum}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _count_or_auto(text):
+    """argparse ``type=`` of the demo's --num-prompts: ``auto`` or an int >= 1."""
+    return text if text == "auto" else _count(1)(text)
+
+
+def _fraction(text):
+    """argparse ``type=``: a float in [0, 1)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected a float in [0, 1)") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a float in [0, 1)")
+    return value
+
+
+def _seconds(text):
+    """argparse ``type=``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds > 0") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> None:
@@ -28,6 +73,8 @@ def _add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> N
         p.add_argument("model", help="local checkpoint dir, GGUF file, Hub id, or a bundled name (smollm2-135m, gemma3-270m)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside MODEL (dequantized on load)")
     p.add_argument("--revision", default=None, help="Hub revision")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or Hub id, for a checkpoint that has none (default: the model's own)")
 
 
 def _add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64") -> None:
@@ -35,18 +82,19 @@ def _add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64
         "--calibration", default="embedded",
         help="calibration text: a text file (e.g. WikiText-2 valid.txt) or 'embedded' (prose shipped with Python)",
     )
+    auto = num_prompts_default == "auto"
     p.add_argument(
-        "--num-prompts", default=num_prompts_default,
-        help="calibration prompts: an int" + (", or 'auto' to fit --scoring-seconds" if num_prompts_default == "auto" else ""),
+        "--num-prompts", default=num_prompts_default, type=_count_or_auto if auto else _count(1),
+        help="calibration prompts: an int >= 1" + (", or 'auto' to fit --scoring-seconds" if auto else ""),
     )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per prompt (truncation)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per forward pass")
+    p.add_argument("--seq-len", type=_count(2), default=128, help="tokens per prompt (truncation)")
+    p.add_argument("--batch-size", type=_count(1), default=8, help="prompts per forward pass")
     p.add_argument("--seed", type=int, default=0, help="paragraph shuffle seed")
 
 
 def _add_scoring_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocols", nargs="+", default=["replacement", "interchange"], choices=["replacement", "interchange"])
-    p.add_argument("--max-gap", type=int, default=1, help="pair distance bound: 1 = adjacent pairs")
+    p.add_argument("--max-gap", type=_count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
 
 
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
@@ -58,12 +106,27 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
                         "protocol's greedy set")
     p.add_argument("--objective", default=None, choices=["removal_kl", "nll", "ghosted"],
                    help="what --strategy search minimises on the calibration prompts (default removal_kl)")
-    p.add_argument("--max-evaluations", type=int, default=None, help="most candidate sets search scores (default 5 x blocks)")
+    p.add_argument("--max-evaluations", type=_count(1), default=None,
+                   help="most candidate sets search scores (default 5 x blocks)")
     p.add_argument("--protocol", default="interchange", choices=["interchange", "replacement", "auto"],
                    help="protocol of --strategy greedy")
-    p.add_argument("--spacing", type=int, default=None,
+    p.add_argument("--spacing", type=_count(0), default=None,
                    help="selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)")
-    p.add_argument("--protect", type=int, nargs="*", default=[0, -1], help="layers never removed (negative = from the end)")
+    p.add_argument("--protect", type=int, nargs="*", default=None,
+                   help="layers never removed (negative = from the end; default 0 -1 for a scored selection, "
+                        "none for --layers)")
+
+
+def _add_repair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recovery", default=None, choices=["ghosted", "fused"],
+                   help="repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)")
+    p.add_argument("--sparsity", type=_fraction, default=None,
+                   help="one-shot sparsity target in [0, 1) after removal (default: none)")
+    p.add_argument("--allocation", default="pals", choices=["uniform", "pals", "owl", "random", "gradient"],
+                   help="per-block sparsity rule of --sparsity")
+    p.add_argument("--sparsity-method", default="wanda", choices=["wanda", "sparsegpt", "magnitude"],
+                   help="pruner of --sparsity")
+    p.add_argument("--sparsity-pattern", default=None, help="N:M pattern of --sparsity, e.g. 2:4 (default unstructured)")
 
 
 _HELP = argparse.ArgumentDefaultsHelpFormatter
@@ -82,17 +145,17 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     _add_model_args(demo, positional=False)
     _add_calibration_args(demo, num_prompts_default="auto")
     demo.add_argument("--eval-text", default="embedded", help="held-out text file for perplexity, or 'embedded'")
-    demo.add_argument("--eval-max-words", type=int, default=None, help="override the matched contract's 5,000 words")
-    demo.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
-    demo.add_argument("--final-layers", type=int, default=2, help="layers removed from the saved checkpoint")
+    demo.add_argument("--eval-max-words", type=_count(1), default=None, help="override the matched contract's 5,000 words")
+    demo.add_argument("--budgets", type=_count(1), nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
+    demo.add_argument("--final-layers", type=_count(1), default=2, help="layers removed from the saved checkpoint")
     demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"],
                       help="with --final-strategy greedy: the protocol whose set is removed")
     demo.add_argument("--final-strategy", default="search", choices=["search", "greedy"],
                       help="search: the searched set (removal KL on the calibration prompts); greedy: --final-protocol's set")
-    demo.add_argument("--max-evaluations", type=int, default=None,
+    demo.add_argument("--max-evaluations", type=_count(1), default=None,
                       help="most candidate sets the search scores (default 3 x blocks, to keep the demo short)")
     demo.add_argument("--output", default="layerswap-demo", help="where the pruned checkpoint and report go")
-    demo.add_argument("--scoring-seconds", type=float, default=240.0, help="time budget that --num-prompts auto fits")
+    demo.add_argument("--scoring-seconds", type=_seconds, default=240.0, help="time budget that --num-prompts auto fits")
     demo.set_defaults(func=run_demo)
 
     score = sub.add_parser("score", formatter_class=_HELP, help="score block pairs and write the SwapReport JSON")
@@ -106,12 +169,15 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     _add_model_args(prune)
     prune.add_argument("output", help="directory for the pruned checkpoint (must not exist)")
     group = prune.add_mutually_exclusive_group(required=True)
-    group.add_argument("--num-layers", type=int, help="remove this many layers chosen by swap-KL")
+    group.add_argument("--num-layers", type=_count(1), help="remove this many layers chosen by swap-KL")
     group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
     prune.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     _add_calibration_args(prune)
-    _add_scoring_args(prune)
+    prune.add_argument("--protocols", nargs="+", default=None, choices=["replacement", "interchange"],
+                       help="deprecated and ignored: the protocols scored follow --strategy and --protocol")
+    prune.add_argument("--max-gap", type=_count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
     _add_selection_args(prune)
+    _add_repair_args(prune)
     prune.set_defaults(func=run_prune)
 
     from .hub import add_push_arguments, run_push
@@ -131,12 +197,13 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
 
 
 def _num_prompts(value) -> int:
+    """--num-prompts as an int (argparse has checked it; a direct caller gets ValueError)."""
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise SystemExit(f"--num-prompts={value!r}: expected a positive int") from None
+        raise ValueError(f"--num-prompts {value!r}: expected an int >= 1") from None
     if n < 1:
-        raise SystemExit(f"--num-prompts={value!r}: expected a positive int")
+        raise ValueError(f"--num-prompts {value!r}: expected an int >= 1")
     return n
 
 
@@ -160,7 +227,18 @@ def _load(args):
 
     name = getattr(args, "model", None)
     print(f"loading {name} ...", file=sys.stderr, flush=True)
-    return load_model(name, gguf_file=args.gguf_file, revision=args.revision)
+    return load_model(name, gguf_file=args.gguf_file, revision=args.revision, tokenizer=getattr(args, "tokenizer", None))
+
+
+def _calibration_source(value: str):
+    """--calibration as a config value: ``embedded`` is the default source (``None``)."""
+    return None if value == "embedded" else value
+
+
+def _needs_tokenizer(tokenizer, model_name, what: str) -> None:
+    if tokenizer is None:
+        raise ValueError(f"{what} needs a tokenizer and the checkpoint {model_name!r} has none: "
+                         "pass --tokenizer with a tokenizer folder or Hub id")
 
 
 def _check_output(output) -> None:
@@ -198,6 +276,7 @@ def run_score(args) -> int:
         example = Path(args.output) / "layerswap_report.json"
         raise FileExistsError(f"--output {args.output} is a folder; give the report's file path, e.g. {example}")
     model, tokenizer = _load(args)
+    _needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
     report = score_layers(
         model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
         num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
@@ -208,45 +287,42 @@ def run_score(args) -> int:
     return 0
 
 
+def prune_config(args):
+    """The :class:`~hf_layerswap.LayerSwapConfig` of the prune verb's flags (checked here,
+    before any model loads).
+
+    Raises:
+        ValueError: a bad or contradictory flag value (the message names it).
+    """
+    if args.max_evaluations is not None and args.strategy != "search":
+        raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
+    return LayerSwapConfig(
+        num_layers=args.num_layers, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
+        spacing=args.spacing, protect=args.protect, calibration=_calibration_source(args.calibration),
+        num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+        strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
+        recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, method=args.sparsity_method,
+        sparsity_pattern=args.sparsity_pattern, progress=True,
+    )
+
+
 def run_prune(args) -> int:
-    from . import SwapReport, remove_layers, score_layers, select_layers
-    from .calibration import build_calibration
-    from .plan import num_blocks
-    from .selection import check_budget
+    from . import SwapReport
 
     _check_output(args.output)
-    model, tokenizer = _load(args)
+    config = prune_config(args)
     report = None
-    provenance: dict = {}
-    if args.layers is not None:
-        layers = list(args.layers)
-        provenance["selection"] = "explicit layers"
-    else:
-        # an impossible budget is refused before any scoring is spent on it
-        strategy_kw = _strategy_kwargs(args)
-        check_budget(args.num_layers, num_blocks(model), spacing=strategy_kw["spacing"], protect=args.protect)
-        calib = build_calibration(
-            args.calibration, tokenizer, num_prompts=_num_prompts(args.num_prompts), seq_len=args.seq_len, seed=args.seed
-        )
-        if args.report:
-            report = SwapReport.from_json(args.report)
-        else:
-            one = args.strategy == "greedy" and args.protocol != "auto"
-            protocols = args.protocols if one else ["replacement", "interchange"]
-            report = score_layers(model, calib, protocols=protocols, max_gap=args.max_gap, batch_size=args.batch_size)
-        layers = select_layers(
-            report, args.num_layers, protocol=args.protocol, protect=args.protect,
-            model=model, calibration=calib, batch_size=args.batch_size, **strategy_kw,
-        )
-        provenance.update(protocol=args.protocol, strategy=args.strategy, scores=report.summary_dict(),
-                          calibration=calib.spec())
-        if report.selections and report.selections[-1].get("strategy") == "search":
-            provenance["search"] = report.selections[-1]
-        elif report.selections:
-            provenance["auto"] = report.selections[-1]
-    remove_layers(model, layers, provenance=provenance)
-    out = _save_pruned(model, tokenizer, report, Path(args.output))
-    print(f"removed layers {layers} (0-based); pruned checkpoint written to {out}")
+    if args.report:
+        if not Path(args.report).is_file():
+            raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
+        report = SwapReport.from_json(args.report)
+    if args.protocols is not None:
+        print("note: --protocols is ignored by prune; the protocols scored follow --strategy and --protocol",
+              file=sys.stderr)
+    model, tokenizer = _load(args)
+    result = prune(model, config, tokenizer=tokenizer, report=report)
+    out = _save_pruned(model, tokenizer, result.report, Path(args.output))
+    print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
 
 
@@ -287,29 +363,33 @@ def _auto_num_prompts(model, calibration, tokenizer, seq_len, batch_size, second
     return max(8, min(64, batches * batch_size))
 
 
-def _strategy_kwargs(args) -> dict:
-    """``select_layers`` keywords of the prune verb's --strategy/--objective/--max-evaluations/--spacing."""
-    spacing = args.spacing if args.spacing is not None else (1 if args.strategy in ("greedy", "auto") else 0)
-    out = {"strategy": args.strategy, "spacing": spacing, **({"progress": True} if args.strategy == "search" else {})}
-    if args.objective is not None:
-        out["objective"] = args.objective
-    if args.max_evaluations is not None:
-        if args.strategy != "search":
-            raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
-        out["max_evaluations"] = args.max_evaluations
-    return out
+def demo_config(args, num_layers: int, num_prompts: int):
+    """The :class:`~hf_layerswap.LayerSwapConfig` of the demo's final cut: ``--final-layers``
+    blocks by ``--final-strategy`` (greedy: ``--final-protocol``'s set, ``auto`` = the better
+    of the two), on the demo's calibration budget. ``num_layers`` is the model's block count
+    (the search's default evaluation budget is 3 per block)."""
+    search = args.final_strategy == "search"
+    strategy = "search" if search else ("auto" if args.final_protocol == "auto" else "greedy")
+    return LayerSwapConfig(
+        num_layers=args.final_layers, strategy=strategy, **({} if search else {"protocol": args.final_protocol}),
+        max_evaluations=(args.max_evaluations or 3 * num_layers) if search else None,
+        calibration=_calibration_source(args.calibration), num_prompts=num_prompts, seq_len=args.seq_len,
+        batch_size=args.batch_size, seed=args.seed, progress=True,
+    )
 
 
 def run_demo(args) -> int:
     from . import remove_layers, score_layers, select_layers
     from .calibration import build_calibration
     from .evaluation import delta_ppl_percent, evaluate_perplexity
+    from .plan import num_blocks
     from .search import search_select
 
     t_start = time.perf_counter()
     _check_output(args.output)
     model, tokenizer = _load(args)
-    num_layers = len(__import__("hf_layerswap").decoder_blocks(model)[2])
+    _needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
+    num_layers = num_blocks(model)
     num_probes = 3 * (num_layers - 1)
     if args.num_prompts == "auto":
         n_prompts = _auto_num_prompts(
@@ -326,7 +406,7 @@ def run_demo(args) -> int:
         f"calibration source: {calib.description}",
         flush=True,
     )
-    report = score_layers(model, calib, batch_size=args.batch_size, progress=True)
+    report = score_layers(model, calib, batch_size=args.batch_size, progress=True, seed=args.seed)
     print(f"\nper-layer swap-KL scores, s(i) = min over adjacent partners (nats; low = removable), "
           f"{model.config.num_hidden_layers} blocks, 0-based:\n")
     print(format_scores_table(report))
@@ -344,7 +424,7 @@ def run_demo(args) -> int:
                 selected.append((n, protocol, select_layers(report, n, protocol=protocol), None))
             except ValueError as err:
                 selected.append((n, protocol, None, str(err)))
-    search_budgets = sorted(set(args.budgets) | ({args.final_layers} if args.final_strategy == "search" else set()))
+    search_budgets = sorted(set(args.budgets))
     searched = search_select(report, search_budgets, model=model, calibration=calib, batch_size=args.batch_size,
                              max_evaluations=args.max_evaluations or 3 * num_layers, progress=True)
     for n in args.budgets:
@@ -380,29 +460,19 @@ def run_demo(args) -> int:
             )
     print(f"\ncontract: {_contract_summary(base.contract)}")
 
-    provenance = {"protocol": args.final_protocol, "strategy": args.final_strategy, "scores": report.summary_dict(),
-                  "calibration": calib.spec()}
-    if args.final_strategy == "search":
-        decision = dict(searched[args.final_layers])
-        final = list(decision["selected"])
-        decision["reason"] = "lowest joint removal KL on the calibration prompts of the candidate sets searched"
-        report.selections.append(decision)
-        provenance["search"] = decision
-    else:
-        final = select_layers(
-            report, args.final_layers, protocol=args.final_protocol, model=model, calibration=calib,
-            batch_size=args.batch_size,
-        )
-        decision = report.selections[-1] if report.selections else {"selected": final}
-        if report.selections:
-            provenance["auto"] = decision
-    pruned = remove_layers(model, final, provenance=provenance)
+    # the final cut: the one pipeline, on the report and prompts above (nothing is scored twice)
+    result = prune(model, demo_config(args, num_layers, n_prompts), tokenizer=tokenizer, report=report,
+                   calibration=calib)
+    pruned, final = result.model, result.removed
+    decision = (result.provenance.search or result.provenance.auto or {}) if result.provenance else {}
+    reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
+              if args.final_strategy == "search" else decision.get("reason", "as selected"))
     key = tuple(final)
     after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
     evaluation = {"base": base, "pruned": after}
     out = _save_pruned(pruned, tokenizer, report, Path(args.output), evaluation=evaluation)
     print(
-        f"\nfinal: removed {final} ({_final_how(args)}: {decision.get('reason', 'as selected')}); "
+        f"\nfinal: removed {final} ({_final_how(args)}: {reason}); "
         f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
         f"pruned checkpoint, model card (README.md), layerswap_report.json and plots written to {out}/ "
         f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"

@@ -254,6 +254,18 @@ def bundled_checkpoint_dir(name: str) -> Path:
     return target
 
 
+#: Files of which a saved tokenizer has at least one (``tokenizer_config.json`` for every
+#: tokenizer transformers saves; the vocabulary files for older slow-tokenizer folders).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "merges.txt")
+
+
+def has_tokenizer_files(folder: str | os.PathLike) -> bool:
+    """Whether a local checkpoint folder holds a tokenizer. (``AutoTokenizer`` builds an
+    empty tokenizer for some families when it finds none, so its success proves nothing.)"""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_model(
     name_or_path: str | os.PathLike,
     *,
@@ -262,6 +274,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device_map=None,
     quantization_config=None,
+    tokenizer=None,
     **kwargs,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)``, model in eval mode.
@@ -277,6 +290,10 @@ def load_model(
         quantization_config: passed to ``from_pretrained`` (e.g. ``LayerSwapConfig``);
             not combinable with GGUF input, which is already a quantization (load, then
             prune the loaded model, or load :func:`bundled_checkpoint_dir` instead).
+        tokenizer: a tokenizer, or the folder / Hub id to load one from; default: the
+            model's own. A local checkpoint folder without tokenizer files gives
+            ``tokenizer=None`` (explicit block removal needs none; text calibration then
+            asks for one).
         **kwargs: further ``from_pretrained`` arguments for the model.
 
     Identity for reports: ``model.layerswap_identity`` (see :func:`model_identity`).
@@ -297,7 +314,8 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), quantization_config=quantization_config, **common
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(directory))
         identity = _identity_from_source(_read_source(directory), str(directory))
     elif path.suffix == ".gguf" or gguf_file is not None:
         if path.suffix == ".gguf":
@@ -318,7 +336,8 @@ def load_model(
             repo, gguf_file=gguf_file, revision=revision,
             quantization_config=GgufConfig(dequantize=True), **common,
         )
-        tokenizer = AutoTokenizer.from_pretrained(repo, gguf_file=gguf_file, revision=revision)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(repo, gguf_file=gguf_file, revision=revision)
         name = str(Path(repo) / gguf_file) if Path(repo).is_dir() else f"{repo}/{gguf_file}"
         model.config._name_or_path = repo
         identity = {"name": name, "revision": revision, "path": repo, "source": None}
@@ -326,13 +345,15 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             str(path), quantization_config=quantization_config, **common
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if tokenizer is None:  # a folder of weights only: the caller is told when text needs one
+            tokenizer = AutoTokenizer.from_pretrained(str(path)) if has_tokenizer_files(path) else False
         identity = model_identity(model)
     elif "/" in target and not target.startswith((".", "/", "~")) and target.count("/") == 1:
         model = AutoModelForCausalLM.from_pretrained(
             target, revision=revision, quantization_config=quantization_config, **common
         )
-        tokenizer = AutoTokenizer.from_pretrained(target, revision=revision)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(target, revision=revision)
         resolved = getattr(model.config, "_commit_hash", None)
         identity = {"name": target, "revision": revision or resolved, "path": target, "source": None}
     else:
@@ -342,4 +363,13 @@ def load_model(
         )
     model.eval()
     model.layerswap_identity = identity
-    return model, tokenizer
+    if tokenizer is False:
+        return model, None
+    return model, _given_tokenizer(tokenizer, AutoTokenizer)
+
+
+def _given_tokenizer(tokenizer, auto):
+    """A tokenizer object as is; a folder or Hub id loaded with ``AutoTokenizer``."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return auto.from_pretrained(os.fspath(tokenizer))
+    return tokenizer

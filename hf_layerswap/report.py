@@ -38,6 +38,7 @@ __all__ = [
     "JsonResult",
     "PROTOCOLS",
     "PairResult",
+    "PruneProvenance",
     "SwapReport",
     "atomic_path",
     "decode_float",
@@ -289,6 +290,55 @@ class SwapReport(JsonResult):
         if cal.get("shortfall"):
             out["calibration"]["shortfall"] = dict(cal["shortfall"])
         return out
+
+
+@dataclass
+class PruneProvenance:
+    """How one removal step's blocks were chosen: the record :func:`hf_layerswap.pipeline.prune`
+    writes into the step of ``config.layerswap["steps"]`` (next to the fields
+    :func:`~hf_layerswap.surgery.remove_layers` computes) and the model card reads.
+
+    Attributes:
+        selection: ``"explicit layers"`` or the rule in words (strategy, spacing, protect).
+        protocol: the ``protocol`` asked for (``"interchange"``, ``"replacement"``,
+            ``"auto"``), ``None`` when the caller named none.
+        strategy: the selection strategy (a name in :data:`hf_layerswap.selection.STRATEGIES`)
+            for a scored selection.
+        config: :meth:`hf_layerswap.LayerSwapConfig.to_dict` of the run (spacing and
+            protect among them: the card recomputes each protocol's set with these).
+        scores: :meth:`SwapReport.summary_dict` of the report the set was chosen from.
+        calibration: :meth:`~hf_layerswap.calibration.CalibrationSet.spec` of the prompts.
+        search: the ``strategy="search"`` record (chosen set, value, each protocol's greedy
+            set, trace, cost), as appended to ``SwapReport.selections``.
+        auto: the ``protocol="auto"`` decision record, likewise.
+    """
+
+    selection: str
+    protocol: str | None = None
+    strategy: str | None = None
+    config: dict | None = None
+    scores: dict | None = None
+    calibration: dict | None = None
+    search: dict | None = None
+    auto: dict | None = None
+
+    def to_dict(self) -> dict:
+        """The set fields in declaration order (``None`` fields are left out); JSON-able."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, data) -> PruneProvenance:
+        """Read the record from a removal step (other keys, e.g. the computed
+        ``removed_layers``, are ignored); a step without one reads as
+        ``selection="not recorded"``. Raises TypeError when ``data`` is not a mapping."""
+        if not hasattr(data, "keys"):
+            raise TypeError(f"PruneProvenance.from_dict needs a mapping, got {type(data).__name__}")
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        known.setdefault("selection", "not recorded")
+        for name in ("config", "scores", "calibration", "search", "auto"):
+            if name in known and not hasattr(known[name], "keys"):
+                known[name] = None  # a hand-edited record: read what is readable
+        return cls(**known)
 
 
 def set_key(layers) -> str:

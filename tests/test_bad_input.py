@@ -738,3 +738,17 @@ def test_cli_refuses_bad_report_files_and_a_folder_as_report_output(report, tmp_
     assert code == 2 and "loading" not in err
     assert f"error: --output {folder} is a folder; give the report's file path, e.g. {folder / 'layerswap_report.json'}" in err
     assert list(folder.iterdir()) == []
+
+
+def test_text_calibration_on_a_checkpoint_without_tokenizer_says_to_pass_one(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    build("llama").save_pretrained(tmp_path / "weights-only")
+    with pytest.raises(ValueError) as err:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "weights-only",
+                                             quantization_config=LayerSwapConfig(num_layers=1, progress=False))
+    message = str(err.value)
+    assert message.startswith("text calibration needs a tokenizer and none could be loaded from the checkpoint "
+                              "'weights-only' (it has no tokenizer files): ")
+    assert "pass tokenizer= (LayerSwapConfig(tokenizer=...) or prune(..., tokenizer=...)" in message
+    assert str(tmp_path) not in message

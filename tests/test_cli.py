@@ -107,3 +107,80 @@ def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--eval-text {str(missing)!r} is not a file" in err and "loading" not in err
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ consistency of the verbs
+
+
+def _exit_code(argv) -> int:
+    """What the shell sees: main's return value, or the code argparse exits with."""
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return stop.code
+
+
+def test_prune_prints_the_resolved_0_based_indices(tmp_path, capsys):
+    _tiny_checkpoint(tmp_path / "base")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--layers", "-1", "1"]) == 0
+    assert "removed layers [1, 5] (0-based)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]["removed_layers"] == [1, 5]
+
+
+BAD_ARGUMENTS = [
+    (["prune", "--num-layers", "1", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
+    (["prune", "--num-layers", "1", "--num-prompts", "many"], "--num-prompts: 'many' is not an int"),
+    (["prune", "--num-layers", "0"], "--num-layers: '0': expected an int >= 1"),
+    (["prune", "--num-layers", "1", "--seq-len", "1"], "--seq-len: '1': expected an int >= 2"),
+    (["prune", "--num-layers", "1", "--batch-size", "0"], "--batch-size: '0': expected an int >= 1"),
+    (["prune", "--num-layers", "1", "--max-gap", "0"], "--max-gap: '0': expected an int >= 1"),
+    (["prune", "--num-layers", "1", "--spacing", "-1"], "--spacing: '-1': expected an int >= 0"),
+    (["prune", "--num-layers", "1", "--max-evaluations", "0"], "--max-evaluations: '0': expected an int >= 1"),
+    (["prune", "--num-layers", "1", "--sparsity", "1.5"], "--sparsity: '1.5': expected a float in [0, 1)"),
+    (["prune", "--num-layers", "1", "--strategy", "greedy", "--max-evaluations", "5"],
+     "--max-evaluations applies to --strategy search, not 'greedy'"),
+    (["prune", "--layers", "1", "--protect", "1"], "LayerSwapConfig(layers=[1], protect=[1]) is contradictory"),
+    (["score", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
+    (["demo", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
+    (["demo", "--budgets", "0"], "--budgets: '0': expected an int >= 1"),
+    (["demo", "--final-layers", "0"], "--final-layers: '0': expected an int >= 1"),
+    (["demo", "--scoring-seconds", "0"], "--scoring-seconds: '0': expected seconds > 0"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_ARGUMENTS, ids=[" ".join(a[1:]) for a, _ in BAD_ARGUMENTS])
+def test_every_argument_error_exits_2_with_error_before_the_model_loads(tmp_path, capsys, argv, message):
+    _tiny_checkpoint(tmp_path / "base")
+    verb, rest = argv[0], argv[1:]
+    if verb == "prune":
+        full = [verb, str(tmp_path / "base"), str(tmp_path / "out"), *rest]
+    elif verb == "score":
+        full = [verb, str(tmp_path / "base"), "-o", str(tmp_path / "r.json"), *rest]
+    else:
+        full = [verb, "--model", str(tmp_path / "base"), "--output", str(tmp_path / "out"), *rest]
+    assert _exit_code(full) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and message in err
+    assert "loading" not in err  # refused before the model loads
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_a_checkpoint_without_tokenizer_asks_for_one_when_text_calibration_needs_it(tmp_path, capsys):
+    model = _tiny_checkpoint(tmp_path / "with-tokenizer")
+    model.save_pretrained(tmp_path / "weights-only")
+    code = main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "out"), "--num-layers", "1",
+                 "--num-prompts", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: text calibration needs a tokenizer" in err and "--tokenizer" in err
+    assert "Couldn't instantiate the backend tokenizer" not in err  # not transformers' raw error
+    assert not (tmp_path / "out").exists()
+    assert _exit_code(["score", str(tmp_path / "weights-only"), "-o", str(tmp_path / "r.json")]) == 2
+    assert "pass --tokenizer with a tokenizer folder or Hub id" in capsys.readouterr().err
+    # explicit blocks need no tokenizer; --tokenizer supplies one for scoring
+    assert main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "explicit"), "--layers", "2"]) == 0
+    assert not (tmp_path / "explicit" / "tokenizer.json").exists()
+    calib = _calibration_file(tmp_path / "calib.txt")
+    assert main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "scored"), "--num-layers", "1",
+                 "--strategy", "greedy", "--calibration", str(calib), "--num-prompts", "2",
+                 "--tokenizer", str(tmp_path / "with-tokenizer")]) == 0
+    assert (tmp_path / "scored" / "tokenizer.json").is_file()

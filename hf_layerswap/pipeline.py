@@ -1,0 +1,268 @@
+"""The one pruning pipeline: calibration -> scores -> selection -> removal -> repair -> sparsity.
+
+:func:`prune` is the only path that turns a :class:`~hf_layerswap.LayerSwapConfig` into a
+pruned model. ``from_pretrained(..., quantization_config=LayerSwapConfig(...))`` (the
+quantizer plugin), :func:`~hf_layerswap.prune_loaded_model`, ``hf-layerswap prune`` and the
+final cut of ``hf-layerswap demo`` all call it, so the same cut gets the same
+``config.json`` record and the same model card whichever entry point made it.
+
+Each step is a plain call with typed inputs and outputs:
+
+1. calibration: :func:`~hf_layerswap.calibration.build_calibration` (skipped when a
+   :class:`~hf_layerswap.calibration.CalibrationSet` is passed, or when nothing needs text);
+2. scores: :func:`~hf_layerswap.scoring.score_layers` (skipped when ``report=`` is passed or
+   the blocks are given explicitly); only the configured protocol is scored for the
+   paper's greedy rule on one protocol, both otherwise;
+3. selection: :func:`~hf_layerswap.selection.select_layers` with the config's strategy;
+4. removal: :func:`~hf_layerswap.surgery.remove_layers`, or
+   :func:`~hf_layerswap.recovery.recover` when a repair is configured; the step's
+   :class:`~hf_layerswap.report.PruneProvenance` is written into
+   ``model.config.layerswap["steps"][-1]`` once, here;
+5. sparsity: :func:`~hf_layerswap.sparsity.sparsify` when configured.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import AutoTokenizer
+
+from .calibration import CalibrationSet, build_calibration
+from .config import LayerSwapConfig, _protect_clash
+from .models import has_tokenizer_files
+from .provenance import public_name
+from .plan import num_blocks
+from .recovery import RecoveryReport, recover
+from .report import PROTOCOLS, PruneProvenance, SwapReport
+from .scoring import score_layers
+from .selection import check_budget, check_report_matches, select_layers
+from .sparsity import SparsityReport, sparsify
+from .surgery import remove_layers
+
+__all__ = ["PruneProvenance", "PruneResult", "prune"]
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune` did.
+
+    Attributes:
+        model: the pruned model (the object passed in, modified in place).
+        removed: 0-based indices removed in this step, numbered as the blocks of the model
+            passed in (``[]`` when the config only scores or sparsifies).
+        report: the :class:`SwapReport` the set was chosen from (``None`` for explicit
+            blocks without a given report); also on ``model.layerswap_report``.
+        calibration: the prompts used (``None`` when no step needed text).
+        provenance: the record written into the removal step (``None`` when nothing was
+            removed).
+        recovery_report: the repair's report when ``recovery`` was configured.
+        sparsity_report: the sparsification's report when ``sparsity`` was configured.
+    """
+
+    model: nn.Module
+    removed: list[int]
+    report: SwapReport | None = None
+    calibration: CalibrationSet | None = None
+    provenance: PruneProvenance | None = None
+    recovery_report: RecoveryReport | None = None
+    sparsity_report: SparsityReport | None = None
+
+
+def prune(
+    model: nn.Module,
+    config: LayerSwapConfig | Mapping | None = None,
+    *,
+    tokenizer=None,
+    report: SwapReport | None = None,
+    calibration=None,
+) -> PruneResult:
+    """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
+
+    Args:
+        model: a loaded transformers causal LM; modified in place.
+        config: a :class:`~hf_layerswap.LayerSwapConfig`, or a dict of its fields
+            (:meth:`~hf_layerswap.LayerSwapConfig.from_dict`); ``None`` = the defaults
+            (score only).
+        tokenizer: tokenizer for text calibration; default ``config.tokenizer``, else
+            loaded from the model's ``name_or_path``.
+        report: a precomputed :class:`SwapReport` of this model (nothing is scored again);
+            it must carry the protocols the strategy reads. The selection record is
+            appended to its ``selections``.
+        calibration: precomputed prompts (a :class:`CalibrationSet`, used as is) or any
+            source :func:`~hf_layerswap.calibration.build_calibration` accepts; default
+            ``config.calibration``. Pass the prompts ``report`` was scored on.
+
+    Returns:
+        A :class:`PruneResult`.
+
+    Raises:
+        ValueError: an impossible budget or contradictory ``layers``/``protect`` (before
+            any scoring), a ``report`` of another model or without the protocol the
+            strategy reads, a text calibration without a tokenizer to read it (the message
+            says to pass ``tokenizer=``), and the errors of the steps (see
+            :func:`~hf_layerswap.score_layers`, :func:`~hf_layerswap.select_layers`,
+            :func:`~hf_layerswap.remove_layers`).
+        TypeError: ``config`` or ``report`` of the wrong type.
+    """
+    cfg = _as_config(config)
+    strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
+    total = num_blocks(model)
+    _check_before_work(model, cfg, report, strategy, total)
+    source = cfg.calibration if calibration is None else calibration
+    selects = cfg.layers is None and cfg.num_layers is not None
+    needs_text = (
+        (cfg.layers is None and report is None)  # scoring
+        or (selects and strategy != "greedy")  # every other strategy reads the model on the prompts
+        or cfg.recovery is not None
+        or cfg.sparsity is not None
+    )
+    calib = None
+    if needs_text or isinstance(source, CalibrationSet):
+        calib = _calibration(model, cfg, source, tokenizer)
+    if cfg.layers is None and report is None:
+        protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
+        report = score_layers(
+            model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
+            progress=cfg.progress, seed=cfg.seed,
+        )
+    if report is not None:
+        model.layerswap_report = report
+    result = PruneResult(model=model, removed=[], report=report, calibration=calib)
+    if cfg.layers is None and cfg.num_layers is None:  # score only; a requested sparsity still applies
+        return _sparsify(result, cfg)
+
+    if cfg.layers is not None:
+        layers = list(cfg.layers)
+        provenance = PruneProvenance(selection="explicit layers", config=cfg.to_dict())
+    else:
+        before = len(report.selections)
+        layers = select_layers(
+            report, cfg.num_layers, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
+            model=model, calibration=calib, batch_size=cfg.batch_size, **_strategy_options(cfg, strategy),
+        )
+        decision = report.selections[-1] if len(report.selections) > before else None
+        provenance = PruneProvenance(
+            selection=_selection_text(cfg, strategy), protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
+            scores=report.summary_dict(),
+            search=decision if decision is not None and decision.get("strategy") == "search" else None,
+            auto=decision if decision is not None and decision.get("strategy") != "search" else None,
+        )
+    if calib is not None:
+        provenance.calibration = calib.spec()
+    result.provenance = provenance
+    if cfg.recovery is not None:
+        rec = cfg.recovery_config
+        result.recovery_report = recover(model, layers, calib, method=rec.method, num_tokens=rec.num_tokens,
+                                         epsilon=rec.epsilon, batch_size=cfg.batch_size)
+        model.layerswap_recovery_report = result.recovery_report
+        _annotate_last_step(model, provenance.to_dict())
+    else:
+        remove_layers(model, layers, provenance=provenance.to_dict())
+    result.removed = list(model.config.layerswap["steps"][-1]["removed_layers"])
+    return _sparsify(result, cfg)
+
+
+def _as_config(config) -> LayerSwapConfig:
+    if config is None:
+        return LayerSwapConfig()
+    if isinstance(config, LayerSwapConfig):
+        return config
+    if isinstance(config, Mapping):
+        return LayerSwapConfig.from_dict(config)
+    raise TypeError(f"config must be a LayerSwapConfig or a dict of its fields, got {type(config).__name__}")
+
+
+def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
+    """Everything that can be refused before a forward pass."""
+    if cfg.layers is None and cfg.num_layers is not None:  # an impossible budget costs no scoring
+        check_budget(cfg.num_layers, total, spacing=cfg.spacing, protect=cfg.protect)
+    if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
+        clash = sorted({i % total for i in cfg.layers if -total <= i < total}
+                       & {i % total for i in cfg.protect if -total <= i < total})
+        if clash:
+            raise ValueError(_protect_clash(cfg.layers, cfg.protect, clash))
+    if report is None:
+        return
+    if not isinstance(report, SwapReport):
+        raise TypeError(f"report must be a SwapReport, got {type(report).__name__}")
+    check_report_matches(report, model)
+    needed = [cfg.protocol] if strategy == "greedy" else list(PROTOCOLS) if strategy == "auto" else []
+    missing = [p for p in needed if p not in report.protocols]
+    if cfg.layers is None and cfg.num_layers is not None and missing:
+        raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
+                         f"protocol={cfg.protocol!r} reads {missing}: score those protocols or choose another strategy")
+
+
+def _calibration(model, cfg: LayerSwapConfig, source, tokenizer) -> CalibrationSet:
+    if isinstance(source, CalibrationSet):
+        return source
+    if not isinstance(source, Mapping):  # text sources need a tokenizer
+        tokenizer = _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
+    return build_calibration(source, tokenizer, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed)
+
+
+def _tokenizer_for(model, tokenizer):
+    if tokenizer is not None:
+        return tokenizer
+    source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not source:
+        raise ValueError("text calibration needs a tokenizer and the model has no name_or_path to load one from: "
+                         "pass tokenizer= (LayerSwapConfig(tokenizer=...) or prune(..., tokenizer=...)), or "
+                         "tokenized calibration (a dict of input_ids and attention_mask)")
+    why = None
+    if os.path.isdir(source) and not has_tokenizer_files(source):
+        why = "it has no tokenizer files"
+    else:
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError) as err:
+            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    raise ValueError(
+        f"text calibration needs a tokenizer and none could be loaded from the checkpoint {public_name(source)!r} "
+        f"({why}): pass tokenizer= (LayerSwapConfig(tokenizer=...) or prune(..., tokenizer=...); --tokenizer on the "
+        "command line), or tokenized calibration (a dict of input_ids and attention_mask)"
+    )
+
+
+def _strategy_options(cfg: LayerSwapConfig, strategy: str) -> dict:
+    """``select_layers`` keywords for the config's strategy."""
+    if strategy == "search":
+        out = {"strategy": "search", "objective": _objective(cfg), "progress": cfg.progress}
+        if cfg.max_evaluations is not None:
+            out["max_evaluations"] = cfg.max_evaluations
+        return out
+    if strategy == "auto":
+        return {"strategy": "auto"}
+    return {"strategy": strategy, **({"objective": cfg.objective} if cfg.objective else {})}
+
+
+def _objective(cfg: LayerSwapConfig) -> str:
+    return cfg.objective or ("ghosted" if cfg.recovery == "ghosted" else "removal_kl")
+
+
+def _selection_text(cfg: LayerSwapConfig, strategy: str) -> str:
+    if strategy == "search":
+        return (f"search over candidate sets ({_objective(cfg)} on the calibration prompts), "
+                f"spacing={cfg.spacing}, protect={cfg.protect}")
+    if strategy in ("greedy", "auto"):
+        return f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
+    return f"{strategy}, protect={cfg.protect}"
+
+
+def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
+    sp = cfg.sparsity_config
+    if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
+        result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
+                                          allocation=sp.allocation, method=sp.method, pattern=sp.pattern)
+    return result
+
+
+def _annotate_last_step(model, provenance: dict) -> None:
+    """Add the selection record to the step ``recover`` wrote (its own fields win)."""
+    record = getattr(model.config, "layerswap", None)
+    if record and record.get("steps"):
+        for key, value in provenance.items():
+            record["steps"][-1].setdefault(key, value)
