@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .cli_eval import add_eval_arguments, run_eval
-from .gguf_export import add_export_gguf_arguments, run_export_gguf
 from .config import LayerSwapConfig
+from .gguf_export import add_export_gguf_arguments, run_export_gguf
 from .pipeline import prune
 
 __all__ = ["build_parser", "main"]

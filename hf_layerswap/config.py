@@ -92,12 +92,13 @@ class RecoveryConfig:
     Attributes:
         method: ``"ghosted"`` (Ghosted Layers, arXiv 2605.15491, operators attached) or
             ``"fused"`` (folded into ``down_proj``).
-        num_tokens: at most this many real calibration tokens for the fit.
+        num_tokens: at most this many real calibration tokens for the fit; ``None`` = every
+            real token of the calibration set, at most 65,536 (:func:`~hf_layerswap.recovery.recover`).
         epsilon: relative ridge toward the identity (>= 0); ``None`` = the method's default.
     """
 
     method: RecoveryMethod = "ghosted"
-    num_tokens: int = 65536
+    num_tokens: int | None = None
     epsilon: float | None = None
 
 
@@ -203,7 +204,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         strategy: str = "search",
         objective: ObjectiveName | None = None,
         max_evaluations: int | None = None,
-        recovery_num_tokens: int = 65536,
+        recovery_num_tokens: int | None = None,
         recovery_epsilon: float | None = None,
         version: int = CONFIG_VERSION,
         **kwargs,
@@ -305,7 +306,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(recovery={self.recovery!r}): allowed {list(_RECOVERY_METHODS)}")
         if self.recovery is not None and self.num_layers is None and layers is None:
             raise ValueError(f"LayerSwapConfig(recovery={self.recovery!r}) needs num_layers or layers: nothing is removed")
-        _check_int("recovery_num_tokens", self.recovery_num_tokens, 1)
+        _check_int("recovery_num_tokens", self.recovery_num_tokens, 1, allow_none=True)
         eps = self.recovery_epsilon
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
