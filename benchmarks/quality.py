@@ -447,11 +447,11 @@ def main(argv=None) -> int:
     gap = protocol_gap_quartiles(merge_reports(*parts)) if len(parts) >= 2 else None
     check_set = next((r["removed"] for r in table.rows if r["criterion"] == "interchange"), None)
     if check_set and "plan_check" not in extras:
-        from hf_layerswap.baselines import _evaluate_removed
+        from hf_layerswap.baselines import evaluate_removed
 
         log(f"copy-vs-plan check on {check_set}")
         opts = {"batch_size": 2, **({"max_words": args.max_words} if args.max_words else {})}
-        by_plan = _evaluate_removed(model, check_set, EVALUATION, tok, "matched", "plan", opts)
+        by_plan = evaluate_removed(model, check_set, EVALUATION, tok, "matched", "plan", opts)
         key = ",".join(map(str, sorted(check_set)))
         extras["plan_check"] = {"removed": check_set, "ppl_by_plan": by_plan.ppl,
                                 "ppl_by_copy": state["ppl"][key]["ppl"]}

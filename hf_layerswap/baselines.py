@@ -75,6 +75,7 @@ __all__ = [
     "angular_distance",
     "block_influence",
     "compare_criteria",
+    "evaluate_removed",
     "interchange_beam",
     "merge_criteria_states",
     "merge_reports",
@@ -398,7 +399,12 @@ def _text_fingerprint(text) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _evaluate_removed(model, removed, eval_text, tokenizer, contract, method, eval_kwargs):
+def evaluate_removed(model, removed, eval_text, tokenizer, contract, method, eval_kwargs):
+    """Perplexity (:func:`~hf_layerswap.evaluation.evaluate_perplexity` under ``contract``,
+    with ``eval_kwargs``) of ``model`` without the blocks ``removed`` (0-based; empty = the
+    model as is). ``method="plan"`` skips them through a temporary removal plan;
+    ``"copy"`` removes them from a deep copy. Both give the same numbers; ``model`` is
+    left unchanged."""
     if not removed:
         return evaluate_perplexity(model, eval_text, tokenizer=tokenizer, contract=contract, **eval_kwargs)
     if method == "plan":
@@ -412,6 +418,9 @@ def _evaluate_removed(model, removed, eval_text, tokenizer, contract, method, ev
         del pruned
 
 
+_evaluate_removed = evaluate_removed
+
+
 def _evaluate_recovered(model, removed, method, calib, eval_text, tokenizer, contract, eval_kwargs, batch_size):
     """Perplexity of a deep copy of the dense model with ``removed`` cut and repaired by ``method``."""
     pruned = copy.deepcopy(model)
@@ -420,6 +429,9 @@ def _evaluate_recovered(model, removed, method, calib, eval_text, tokenizer, con
         return evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, contract=contract, **eval_kwargs)
     finally:
         del pruned
+
+
+_evaluate_removed = evaluate_removed
 
 
 def compare_criteria(

@@ -345,8 +345,8 @@ EVAL_OPTS = {"window": 64, "stride": 32, "max_words": 150, "bootstrap": 200}
 def test_evaluation_by_copy_equals_evaluation_by_plan(harness_setup):
     model, tok, _, text = harness_setup
     for removed in ([2], [1, 4]):
-        by_copy = B._evaluate_removed(model, removed, text, tok, "matched", "copy", EVAL_OPTS)
-        by_plan = B._evaluate_removed(model, removed, text, tok, "matched", "plan", EVAL_OPTS)
+        by_copy = B.evaluate_removed(model, removed, text, tok, "matched", "copy", EVAL_OPTS)
+        by_plan = B.evaluate_removed(model, removed, text, tok, "matched", "plan", EVAL_OPTS)
         assert by_copy.ppl == pytest.approx(by_plan.ppl, rel=1e-10)
         assert by_copy.window_nll == pytest.approx(by_plan.window_nll, rel=1e-9)
     assert len(decoder_blocks(model)[2]) == 6  # the model itself is untouched

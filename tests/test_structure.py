@@ -61,8 +61,6 @@ NOT_YET_SPLIT = {"hf_layerswap.baselines", "hf_layerswap.card", "hf_layerswap.ev
 
 #: Private names benchmarks or tests still use, by file, until their module exports them.
 PRIVATE_USES_LEFT = {
-    "quality.py: from hf_layerswap.baselines import _evaluate_removed",
-    "test_baselines.py: B._evaluate_removed",
     "test_hostile_input.py: from hf_layerswap.hub import _staging_folder",
 }
 
