@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .provenance import library_versions, model_fingerprint, public_identity
+from ..provenance import library_versions, model_fingerprint, public_identity
 
 __all__ = [
     "CONTRACTS",
@@ -142,10 +142,10 @@ def prepare_text(text: str, max_words: int | None) -> tuple[str, int]:
 def _read_source(text) -> tuple[str, dict]:
     """Resolve ``text`` (None, path, str, or list of str) -> (raw text, source record)."""
     if text is None:
-        from .calibration import EMBEDDED_SOURCE, embedded_text
+        from ..calibration import EMBEDDED_SOURCE, embedded_text
 
         return embedded_text("evaluation"), {"source": f"embedded:{EMBEDDED_SOURCE}", "split": "evaluation"}
-    from .calibration import looks_like_path, read_text_file
+    from ..calibration import looks_like_path, read_text_file
 
     if isinstance(text, os.PathLike) or (
         isinstance(text, str) and "\n" not in text and len(text) < 4096 and (looks_like_path(text) or Path(text).is_file())
@@ -314,7 +314,7 @@ def perplexity_from_ids(
         raise ValueError(f"input_ids must have shape (N,) or (1, N); got {tuple(ids.shape)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
-    from .calibration import check_token_ids
+    from ..calibration import check_token_ids
 
     check_token_ids(ids, model, "input_ids")
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -690,4 +690,4 @@ def perplexity_metric_path() -> str:
     """Path of the bundled ``evaluate`` metric script: ``evaluate.load(perplexity_metric_path())``
     works offline; ``.compute(model=..., tokenizer=..., text=...)`` (or ``predictions=[...]``)
     returns the same numbers as :func:`evaluate_perplexity`."""
-    return str(Path(__file__).resolve().parent / "metrics" / "perplexity" / "perplexity.py")
+    return str(Path(__file__).resolve().parents[1] / "metrics" / "perplexity" / "perplexity.py")
