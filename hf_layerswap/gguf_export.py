@@ -48,7 +48,7 @@ import gguf
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 from transformers import AutoConfig
 
-from .evaluation import _resolve_tokenizer
+from .evaluation import resolve_tokenizer
 from .jsonio import atomic_path
 from .models import cache_root
 
@@ -400,7 +400,7 @@ def save_gguf(
     target = _check_target(path, outtype, overwrite)
     layout = gguf_layout(model.config)
     found = find_converter(converter)
-    tokenizer = _resolve_tokenizer(model, tokenizer)
+    tokenizer = resolve_tokenizer(model, tokenizer)
     with tempfile.TemporaryDirectory(prefix="hf_layerswap_gguf_") as tmp:
         checkpoint = Path(tmp) / "checkpoint"
         model.save_pretrained(checkpoint)

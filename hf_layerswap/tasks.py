@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from huggingface_hub import EvalResult
 
-from .evaluation import _resolve_tokenizer
+from .evaluation import resolve_tokenizer
 from .jsonio import JsonResult, decode_tree
 from .provenance import public_identity
 
@@ -121,7 +121,7 @@ def evaluate_tasks(
         raise ValueError(f"tasks={tasks!r}: give one or more lm-eval task names")
     if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
         raise ValueError(f"num_fewshot={num_fewshot!r}: must be an int >= 0")
-    tokenizer = _resolve_tokenizer(model, tokenizer)
+    tokenizer = resolve_tokenizer(model, tokenizer)
     if include_path is not None:
         paths = [str(p) for p in include_path] if isinstance(include_path, (list, tuple)) else [str(include_path)]
         manager = TaskManager(include_path=paths, include_defaults=False)

@@ -12,7 +12,8 @@ import torch
 import transformers
 
 import hf_layerswap
-from hf_layerswap import evaluation, models, plan, provenance, scoring, surgery
+from hf_layerswap import models, plan, provenance, scoring, surgery
+from hf_layerswap.evaluation import perplexity, rolling
 from hf_layerswap.peeling import core as peeling_core
 from hf_layerswap.jsonio import JsonResult
 from hf_layerswap.peeling import PeelProbe, PeelReport, PeelTrajectory, TrajectoryPoint
@@ -33,7 +34,7 @@ def test_library_versions_one_collector():
     assert hf_layerswap.__version__ == provenance.__version__ == "0.1.0"
     # the old import paths are the same function, so every record agrees
     assert scoring.library_versions is provenance.library_versions
-    assert evaluation.library_versions is provenance.library_versions
+    assert perplexity.library_versions is rolling.library_versions is provenance.library_versions
 
 
 def test_identity_has_one_owner_and_old_names_still_import():

@@ -51,12 +51,10 @@ NOT_YET_MOVED = {
     "hf_layerswap.cli": {"hf_layerswap", "hf_layerswap.calibration", "hf_layerswap.evaluation", "hf_layerswap.hub",
                          "hf_layerswap.models", "hf_layerswap.cli_peel", "hf_layerswap.plan", "hf_layerswap.scoring",
                          "hf_layerswap.search", "hf_layerswap.selection"},
-    "hf_layerswap.evaluation.perplexity": {"hf_layerswap.calibration", "hf_layerswap.evaluation.rolling", "transformers"},
-    "hf_layerswap.evaluation.rolling": {"hf_layerswap.calibration", "hf_layerswap.evaluation.perplexity"},
 }
 
 #: Modules over :data:`MAX_LINES` still to be split (or to state why they stay whole).
-NOT_YET_SPLIT = {"hf_layerswap.baselines", "hf_layerswap.card", "hf_layerswap.evaluation.perplexity", "hf_layerswap.hub",
+NOT_YET_SPLIT = {"hf_layerswap.baselines", "hf_layerswap.card", "hf_layerswap.hub",
                  "hf_layerswap.recovery", "hf_layerswap.scoring"}
 
 #: Private names benchmarks or tests still use, by file, until their module exports them.

@@ -17,7 +17,7 @@ every ``output_type: loglikelihood_rolling`` task) with ``HFLM(max_length=L)``:
    document each, lm-eval's per-request unit); the CI resamples windows, as the other
    contracts do.
 
-How it differs from ``"full"`` (window 2048, stride 2048, :mod:`hf_layerswap.evaluation`):
+How it differs from ``"full"`` (window 2048, stride 2048, :mod:`hf_layerswap.evaluation.perplexity`):
 ``"full"`` also cuts disjoint windows but feeds each window only its own tokens, so the
 first token of every window is *not scored* (N - windows tokens) and no prefix token is
 added; ``"rolling"`` scores all N tokens of each document, the first of each window
@@ -29,11 +29,22 @@ give every scored token at most one window of context; the matched contract
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..calibration import check_token_ids
 from ..provenance import library_versions, public_identity
+from .contract import (
+    BOOTSTRAP_RNG,
+    PerplexityResult,
+    _bootstrap_ci,
+    _read_source,
+    _sha256_text,
+    _tokenizer_adds_bos,
+    resolve_tokenizer,
+)
 
 __all__ = ["DEFAULT_ROLLING_WINDOW", "evaluate_rolling", "rolling_windows"]
 
@@ -68,8 +79,6 @@ def rolling_windows(num_tokens: int, window: int) -> list[tuple[int, int, int]]:
 
 
 def _documents(text) -> tuple[list[str], dict]:
-    from .perplexity import _read_source
-
     if isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
         return list(text), {"source": "documents", "documents": len(text)}
     raw, source = _read_source(text)
@@ -109,16 +118,7 @@ def evaluate_rolling(
         ValueError: a window larger than the model's positions, an empty document, no
             tokenizer, or a tokenizer with neither BOS nor EOS.
     """
-    from .perplexity import (
-        BOOTSTRAP_RNG,
-        PerplexityResult,
-        _bootstrap_ci,
-        _resolve_tokenizer,
-        _sha256_text,
-        _tokenizer_adds_bos,
-    )
-
-    tokenizer = _resolve_tokenizer(model, tokenizer)
+    tokenizer = resolve_tokenizer(model, tokenizer)
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     window = int(window) if window is not None else (int(max_pos) if max_pos else DEFAULT_ROLLING_WINDOW)
     if max_pos is not None and window > max_pos:
@@ -136,8 +136,6 @@ def evaluate_rolling(
         if not ids:
             raise ValueError(f"document {len(sequences)} has no tokens to score")
         sequences.append(torch.tensor([prefix] + ids, dtype=torch.long))
-
-    from ..calibration import check_token_ids
 
     device = next(model.parameters()).device
     jobs = []  # (sequence index, begin, end, targets)
