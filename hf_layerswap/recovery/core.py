@@ -70,10 +70,10 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils import cached_file
 
-from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
-from .jsonio import JsonResult, atomic_path, decode_float, encode_float, write_json_atomic
-from .plan import capture_residual_stream, decoder_blocks, resolve_layer_indices
-from .surgery import remove_layers
+from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
+from ..jsonio import JsonResult, atomic_path, decode_float, encode_float, write_json_atomic
+from ..plan import capture_residual_stream, decoder_blocks, resolve_layer_indices
+from ..surgery import remove_layers
 
 __all__ = [
     "DEFAULT_EPSILON",
