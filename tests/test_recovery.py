@@ -409,3 +409,67 @@ def test_smollm2_recovery_on_wikitext(smollm2, wikitext_valid):
         del pruned
     assert kls["ghosted"] < kls["none"]
     assert kls["fused"] < kls["none"]
+
+
+# ----------------------------------------------------------------------------- registry
+def test_unknown_method_lists_the_registered_ones(calib):
+    from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method
+
+    assert list(RECOVERY_METHODS) == ["none", "ghosted", "fused"]
+    with pytest.raises(ValueError, match=r"method='shadow': allowed \['none', 'ghosted', 'fused'\]"):
+        recover(tiny_model("llama"), [2], calib, method="shadow")
+    assert get_recovery_method(None).name == "none"
+
+
+def test_a_registered_toy_method_runs_end_to_end(calib):
+    """One decorator: the toy method's hooks are called by recover, its map is applied, its
+    record lands in config.layerswap['recovery']; an identity map equals plain removal."""
+    from hf_layerswap.recovery import RECOVERY_METHODS, RecoveryMethod, register_recovery_method
+
+    calls = []
+
+    @register_recovery_method("toy_identity")
+    class ToyIdentity(RecoveryMethod):
+        default_epsilon = 0.5
+
+        def slots(self, cut):
+            return (cut["start"],)
+
+        def accumulate(self, moments, cut, rows, delta, tapped, keep):
+            calls.append(("accumulate", cut["boundary"], rows[cut["start"]].shape[0]))
+
+        def solve(self, moments, cut, fit, epsilon):
+            fit.ridge.append(epsilon)
+            return moments.sq[("delta", cut["start"])], torch.eye(rows_width)
+
+        def apply(self, model, cuts, maps, host_modules):
+            calls.append(("apply", sorted(maps)))
+
+        def record(self, fits):
+            return {"toy": [f.ridge for f in fits]}
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_recovery_method("toy_identity")(ToyIdentity)
+        with pytest.raises(TypeError, match="RecoveryMethod subclass"):
+            register_recovery_method("not_a_method")(object)
+        model = tiny_model("llama")
+        rows_width = model.config.hidden_size
+        plain = copy.deepcopy(model)
+        report = recover(model, [2, 4], calib, method="toy_identity")
+        recover(plain, [2, 4], calib, method="none")
+        assert report.method == "toy_identity" and report.epsilon == 0.5
+        assert [f.boundary for f in report.boundaries] == [2, 3]
+        for f in report.boundaries:  # an identity map leaves the residual of plain removal
+            assert f.residual_after == pytest.approx(f.residual_before, rel=1e-12) and f.ridge == [0.5]
+        tokens = int(calib.attention_mask.sum())
+        assert sum(n for what, _, n in [c for c in calls if c[0] == "accumulate"]) == 2 * min(tokens, report.num_tokens)
+        assert calls[-1] == ("apply", [2, 3])
+        record = model.config.layerswap["recovery"]
+        assert record["method"] == "toy_identity" and record["toy"] == [[0.5], [0.5]]
+        ids, mask = calib.input_ids[:2], calib.attention_mask[:2]
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
+                               plain(input_ids=ids, attention_mask=mask).logits)
+    finally:
+        del RECOVERY_METHODS["toy_identity"]

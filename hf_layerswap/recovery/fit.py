@@ -1,0 +1,254 @@
+"""The statistics behind every recovery fit: the ridge toward the identity, the cuts of a
+removal set, the calibration rows used, streaming float64 moments and the one pass over
+the calibration tokens that fills them (:func:`collect_moments`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..calibration import CalibrationSet
+from ..plan import capture_residual_stream, resolve_layer_indices
+
+# ----------------------------------------------------------------------------- algebra
+
+
+def ridge_toward_identity(gram: torch.Tensor, cross: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, float, float]:
+    """Closed-form ``W = I + M`` with ``(XᵀX + λI) M = XᵀY − XᵀX`` (Ghosted Layers' solve).
+
+    Minimises ``‖X W − Y‖_F² + λ ‖W − I‖_F²``; with ``epsilon = 0`` it is ordinary least
+    squares of Y on X.
+
+    Args:
+        gram: ``(H, H)`` float64 ``XᵀX``.
+        cross: ``(H, H)`` float64 ``XᵀY``.
+        epsilon: relative ridge, ``λ = epsilon · trace(XᵀX) / H`` (>= 0).
+
+    Returns:
+        ``(W, λ, condition number of XᵀX + λI)``; W is ``(H, H)`` float64.
+
+    Raises:
+        ValueError: ``XᵀX + λI`` is singular (fewer independent tokens than H with
+            ``epsilon = 0``); the message says to raise ``epsilon`` or the token budget.
+    """
+    size = gram.shape[0]
+    lam = float(epsilon) * float(torch.trace(gram)) / size
+    eye = torch.eye(size, dtype=gram.dtype, device=gram.device)
+    system = gram + lam * eye
+    eig = torch.linalg.eigvalsh(system)
+    # numerically singular: the smallest eigenvalue is at rounding level of the largest
+    if not float(eig[0]) > size * torch.finfo(system.dtype).eps * float(eig[-1]):
+        raise ValueError(
+            f"XᵀX + λI is singular (λ={lam:g}, epsilon={epsilon:g}, eigenvalues {float(eig[0]):.3g}..{float(eig[-1]):.3g}): "
+            f"the calibration tokens do not span the {size}-dimensional residual stream; use more calibration "
+            "tokens or a larger epsilon"
+        )
+    m = torch.linalg.solve(system, cross - gram)
+    return eye + m, lam, float(eig[-1] / eig[0])
+
+
+def _quadratic_residual(w: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, target_sq: float) -> float:
+    """``‖X W − Y‖_F²`` from ``XᵀX``, ``XᵀY`` and ``‖Y‖_F²`` (clamped at 0)."""
+    value = float((w * (gram @ w)).sum()) - 2.0 * float((w * cross).sum()) + target_sq
+    return max(value, 0.0)
+
+
+# ----------------------------------------------------------------------------- cuts
+
+
+def cut_boundaries(num_layers: int, removed: Sequence[int]) -> list[dict]:
+    """Group removed blocks into cuts (maximal runs of consecutive indices).
+
+    Returns:
+        One dict per cut, in order: ``removed`` (the run s..e-1), ``start`` s, ``end`` e
+        (first kept block after it, or ``num_layers``), ``host`` (s-1, or ``None`` for
+        s = 0) and ``boundary`` (s minus the number of removed blocks before s: the slot
+        of the pruned model where the map acts).
+    """
+    removed = resolve_layer_indices(removed, num_layers, allow_empty=True)
+    runs: list[list[int]] = []
+    for p in removed:
+        if runs and runs[-1][-1] == p - 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    out = []
+    for run in runs:
+        start = run[0]
+        before = sum(1 for p in removed if p < start)
+        out.append(
+            {
+                "removed": run,
+                "start": start,
+                "end": run[-1] + 1,
+                "host": start - 1 if start > 0 else None,
+                "boundary": start - before,
+            }
+        )
+    return out
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _model_family(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    return str(getattr(cfg, "model_type", None) or type(model).__name__)
+
+
+def _down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.Linear:
+    mlp = getattr(blocks[index], "mlp", None)
+    down = getattr(mlp, "down_proj", None)
+    if not isinstance(down, nn.Linear):
+        found = type(down).__name__ if down is not None else ("no mlp.down_proj" if mlp is not None else "no mlp")
+        raise ValueError(
+            f"fused recovery folds the map into mlp.down_proj of the last kept block, but {_model_family(model)} "
+            f"block {index} ({type(blocks[index]).__name__}) has no mlp.down_proj nn.Linear (found: {found}); "
+            "use method='ghosted'"
+        )
+    return down
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+class _Moments:
+    """Streaming float64 second moments of named row sets."""
+
+    def __init__(self):
+        self.gram: dict = {}
+        self.cross: dict = {}
+        self.sq: dict = {}
+
+    @staticmethod
+    def _add(store: dict, key, value):
+        store[key] = value if key not in store else store[key] + value
+
+    def add_gram(self, key, x):
+        self._add(self.gram, key, x.T @ x)
+
+    def add_cross(self, key, x, y):
+        self._add(self.cross, key, x.T @ y)
+
+    def add_sq(self, key, x):
+        self._add(self.sq, key, float((x * x).sum()))
+
+
+def _select_rows(calib: CalibrationSet, batch_size: int, num_tokens: int):
+    """Batches covering the first ``num_tokens`` real tokens (prompt order, then position)."""
+    remaining = num_tokens
+    for ids, mask in calib.batches(batch_size):
+        if remaining <= 0:
+            return
+        counts = mask.sum(dim=1)
+        cum = counts.cumsum(0)
+        rows = int((cum < remaining).sum()) + 1
+        rows = min(rows, ids.shape[0])
+        ids, mask = ids[:rows], mask[:rows].clone()
+        keep = mask.bool()
+        if int(mask.sum()) > remaining:  # truncate the last row's real tokens
+            excess = int(mask.sum()) - remaining
+            last = int(counts[rows - 1])
+            keep[rows - 1, last - excess : last] = False
+        remaining -= int(keep.sum())
+        width = int(mask.sum(dim=1).max())
+        yield ids[:, :width], mask[:, :width], keep[:, :width]
+
+
+@torch.no_grad()
+def _probe_additive_write(model, blocks, host: int, ids, mask) -> None:
+    """Check that block ``host`` adds its ``mlp.down_proj`` output to the stream unchanged.
+
+    Doubling the down_proj output must add exactly that output to the stream leaving the
+    block; post-norm blocks (whose MLP write is a norm output) fail this.
+    """
+    down = _down_proj(model, blocks, host)
+    seen = {}
+
+    def grab(module, args, output):
+        seen["m"] = output.detach()
+
+    def double(module, args, output):
+        return output * 2
+
+    device = _model_device(model)
+    ids, mask = ids.to(device), mask.to(device)
+    handle = down.register_forward_hook(grab)
+    try:
+        base, _ = capture_residual_stream(model, ids, mask, slots=[host + 1])
+    finally:
+        handle.remove()
+    handle = down.register_forward_hook(double)
+    try:
+        doubled, _ = capture_residual_stream(model, ids, mask, slots=[host + 1])
+    finally:
+        handle.remove()
+    keep = mask.bool()
+    m = seen["m"][keep].double()
+    diff = (doubled[host + 1] - base[host + 1])[keep].double()
+    rel = float(torch.linalg.norm(diff - m) / torch.linalg.norm(m).clamp_min(1e-30))
+    if rel > 0.5:
+        extra = ""
+        if any(hasattr(blocks[host], a) for a in ("post_feedforward_layernorm", "post_mlp_layernorm")):
+            extra = " (post-norm blocks: the MLP output passes through a norm before it is added)"
+        raise ValueError(
+            f"fused recovery needs blocks that add the mlp.down_proj output to the residual stream unchanged; "
+            f"{_model_family(model)} block {host} does not{extra} (relative mismatch {rel:.2f}), so a map folded "
+            "into down_proj is not a map on the stream; use method='ghosted'"
+        )
+
+
+@torch.no_grad()
+def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) -> tuple[_Moments, int, int | None]:
+    """One pass over the calibration tokens; returns the moments, tokens used and H.
+
+    Every cut gets the squared norms of ``h_e`` (``("y", e)``) and of ``h_e - h_s``
+    (``("delta", s)``); the rest is ``method``'s (:class:`~.methods.RecoveryMethod`):
+    the extra stream slots it reads, the module outputs it taps and what it accumulates.
+    """
+    slots: set[int] = set()
+    for cut in cuts:
+        slots.update((cut["start"], cut["end"]))
+        slots.update(method.slots(cut))
+    moments = _Moments()
+    used = 0
+    hidden = None
+    tapped: dict = {}
+    handles = []
+
+    def grabber(k):
+        def hook(module, args, output):
+            tapped[k] = output.detach()
+
+        return hook
+
+    for k, module in method.taps(model, blocks, cuts).items():
+        handles.append(module.register_forward_hook(grabber(k)))
+    try:
+        device = _model_device(model)
+        for ids, mask, keep in _select_rows(calib, batch_size, num_tokens):
+            keep = keep.to(device)
+            streams, _ = capture_residual_stream(model, ids.to(device), mask.to(device), slots=sorted(slots))
+            rows = {s: streams[s][keep].double() for s in slots}
+            hidden = next(iter(rows.values())).shape[-1]
+            used += int(keep.sum())
+            for cut in cuts:
+                s, e = cut["start"], cut["end"]
+                delta = rows[e] - rows[s]
+                moments.add_sq(("y", e), rows[e])
+                moments.add_sq(("delta", s), delta)
+                method.accumulate(moments, cut, rows, delta, tapped, keep)
+            tapped.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return moments, used, hidden
+
+
+def _hidden_size(model) -> int:
+    emb = model.get_input_embeddings()
+    return int(emb.weight.shape[1])

@@ -1,0 +1,260 @@
+"""Recovery methods behind one registry: what :func:`~hf_layerswap.recovery.recover` calls
+for ``method=``. Adding a method is one module with one decorator on a
+:class:`RecoveryMethod` subclass::
+
+    @register_recovery_method("mine")
+    class Mine(RecoveryMethod):
+        default_epsilon = 1e-2
+        def accumulate(self, moments, cut, rows, delta, tapped, keep): ...
+        def solve(self, moments, cut, fit, epsilon): ...
+        def apply(self, model, cuts, maps, host_modules): ...
+
+The built-ins: ``"none"`` (plain removal; residuals only), ``"ghosted"`` (Ghosted Layers:
+a kept operator on the stream) and ``"fused"`` (ReplaceMe least squares, folded into
+``down_proj`` or the input embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .fit import _down_proj, _probe_additive_write, _quadratic_residual, _select_rows, ridge_toward_identity
+from .operators import LOADER_NOTE, RECOVERY_FILE, _attach
+
+__all__ = [
+    "DEFAULT_EPSILON",
+    "METHODS",
+    "RECOVERY_METHODS",
+    "RecoveryMethod",
+    "get_recovery_method",
+    "register_recovery_method",
+]
+
+#: Default relative ridge per method, ``λ = ε · trace(XᵀX) / H`` (ridge toward the identity).
+#: Chosen by held-out KL(dense || pruned), nats, on SmolLM2-135M (fit: 4,096 WikiText-2
+#: validation tokens; KL: 8 WikiText-2 test paragraphs)::
+#:
+#:     removed    none    ghosted ε=0   1e-4   1e-3   1e-2    fused ε=1e-3   1e-1   0.3    1
+#:     [20]       0.289   0.134        0.129  0.127  0.152    0.164          0.157  -      -
+#:     [13, 20]   0.425   0.234        0.224  0.229  0.270    0.284          0.269  -      -
+#:     [24, 25]   1.151   0.344        0.340  0.324  -        -              0.421  0.418  0.430
+#:
+#: Ghosted Layers' own absolute ε = 1e-6 is a no-op at these scales; a small relative
+#: ridge tames the directions that only the attention-sink tokens excite.
+DEFAULT_EPSILON = {"none": 0.0, "ghosted": 1e-3, "fused": 1e-1}
+
+
+class RecoveryMethod:
+    """One way to repair a cut. Every hook has a do-nothing default; ``cut`` is a dict of
+    :func:`~hf_layerswap.recovery.cut_boundaries` (``start``, ``end``, ``boundary``,
+    ``host``, ``removed``), ``rows`` maps stream slots to ``(N, H)`` float64 rows of the real
+    calibration tokens of one batch.
+
+    Attributes:
+        name: the ``method=`` value (set by :func:`register_recovery_method`).
+        default_epsilon: the relative ridge used when ``epsilon=None``.
+        fits: ``False`` for plain removal: nothing is solved, applied or recorded.
+    """
+
+    name: str = ""
+    default_epsilon: float = 0.0
+    fits: bool = True
+
+    def check(self, model: nn.Module, blocks: nn.ModuleList, cuts: list[dict]) -> None:
+        """Refuse (``ValueError``) a model the method cannot repair, before any forward pass."""
+
+    def probe(self, model, blocks, cuts, calibration, batch_size: int, num_tokens: int) -> None:
+        """Check the model on real calibration rows before the fit (``ValueError`` to refuse)."""
+
+    def slots(self, cut: dict) -> tuple[int, ...]:
+        """Residual-stream slots read beyond the cut's ``start`` and ``end``."""
+        return ()
+
+    def taps(self, model, blocks, cuts) -> dict:
+        """``{key: module}`` whose outputs each batch hands to :meth:`accumulate` as ``tapped[key]``."""
+        return {}
+
+    def accumulate(self, moments, cut: dict, rows: dict, delta: torch.Tensor, tapped: dict, keep: torch.Tensor) -> None:
+        """Add one batch to ``moments`` (``delta = rows[end] - rows[start]``)."""
+
+    def solve(self, moments, cut: dict, fit, epsilon: float):
+        """``(squared residual after, map)`` for one cut, filling ``fit``'s ridge/condition
+        fields; ``None`` = nothing to solve."""
+        return None
+
+    def apply(self, model: nn.Module, cuts: list[dict], maps: dict, host_modules: dict) -> None:
+        """Put the solved ``maps`` (keyed by boundary) into the pruned model."""
+
+    def record(self, fits: list) -> dict:
+        """Extra entries of ``config.layerswap["recovery"]``."""
+        return {}
+
+
+#: ``method=`` name -> :class:`RecoveryMethod` instance, in registration order.
+RECOVERY_METHODS: dict[str, RecoveryMethod] = {}
+
+
+def register_recovery_method(name: str):
+    """Class decorator: register an instance of a :class:`RecoveryMethod` subclass as ``name``.
+
+    Raises:
+        ValueError: ``name`` is empty or already registered. TypeError: not a RecoveryMethod subclass.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"recovery method name {name!r}: must be a non-empty string")
+    if name in RECOVERY_METHODS:
+        raise ValueError(f"recovery method {name!r} is already registered (registered: {list(RECOVERY_METHODS)})")
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, RecoveryMethod)):
+            raise TypeError(f"register_recovery_method({name!r}) decorates a RecoveryMethod subclass, got {cls!r}")
+        method = cls()
+        method.name = name
+        RECOVERY_METHODS[name] = method
+        return cls
+
+    return decorate
+
+
+def get_recovery_method(name) -> RecoveryMethod:
+    """The registered method ``name`` (``None`` = ``"none"``).
+
+    Raises:
+        ValueError: unknown name; the message lists the registered ones.
+    """
+    if name is None:
+        name = "none"
+    if not isinstance(name, str) or name not in RECOVERY_METHODS:
+        raise ValueError(f"method={name!r}: allowed {list(RECOVERY_METHODS)}")
+    return RECOVERY_METHODS[name]
+
+
+# ----------------------------------------------------------------------------- built-ins
+@register_recovery_method("none")
+class PlainRemoval(RecoveryMethod):
+    """Plain removal: the fit residuals of removal are reported, nothing is repaired."""
+
+    default_epsilon = DEFAULT_EPSILON["none"]
+    fits = False
+
+
+@register_recovery_method("ghosted")
+class Ghosted(RecoveryMethod):
+    """Ghosted Layers: one ridge map per removed block, multiplied into one operator per cut,
+    kept on the model as a forward hook (saved next to the weights)."""
+
+    default_epsilon = DEFAULT_EPSILON["ghosted"]
+
+    def slots(self, cut):
+        return tuple(range(cut["start"], cut["end"] + 1))
+
+    def accumulate(self, moments, cut, rows, delta, tapped, keep):
+        s, e = cut["start"], cut["end"]
+        for p in cut["removed"]:
+            moments.add_gram(("h", p), rows[p])
+            moments.add_cross(("h", p, p + 1), rows[p], rows[p + 1])
+        if e != s + 1:
+            moments.add_cross(("h", s, e), rows[s], rows[e])
+
+    def solve(self, moments, cut, fit, epsilon):
+        s, e = cut["start"], cut["end"]
+        total, conds = None, []
+        for p in cut["removed"]:
+            w, lam, cond = ridge_toward_identity(moments.gram[("h", p)], moments.cross[("h", p, p + 1)], epsilon)
+            total = w if total is None else total @ w
+            fit.ridge.append(lam)
+            conds.append(cond)
+        cross = moments.cross[("h", s, e)] if e != s + 1 else moments.cross[("h", s, s + 1)]
+        after = _quadratic_residual(total, moments.gram[("h", s)], cross, moments.sq[("y", e)])
+        fit.condition_number = max(conds)
+        return after, total.to(torch.float32)
+
+    def apply(self, model, cuts, maps, host_modules):
+        for cut in cuts:
+            _attach(model, cut["boundary"], maps[cut["boundary"]])
+
+    def record(self, fits):
+        return {"file": RECOVERY_FILE, "loader": LOADER_NOTE.format(file=RECOVERY_FILE)}
+
+
+@register_recovery_method("fused")
+class Fused(RecoveryMethod):
+    """ReplaceMe least squares folded into ``mlp.down_proj`` of the last kept block (into
+    the input embedding for a cut at block 0): a plain transformers checkpoint."""
+
+    default_epsilon = DEFAULT_EPSILON["fused"]
+
+    def check(self, model, blocks, cuts):
+        for cut in cuts:
+            if cut["host"] is not None:
+                _down_proj(model, blocks, cut["host"])
+
+    def probe(self, model, blocks, cuts, calibration, batch_size, num_tokens):
+        first = next(_select_rows(calibration, min(batch_size, 2), num_tokens))
+        for cut in cuts:
+            if cut["host"] is not None:
+                _probe_additive_write(model, blocks, cut["host"], first[0], first[1])
+
+    def taps(self, model, blocks, cuts):
+        return {c["host"]: _down_proj(model, blocks, c["host"]) for c in cuts if c["host"] is not None}
+
+    def accumulate(self, moments, cut, rows, delta, tapped, keep):
+        s, e = cut["start"], cut["end"]
+        if cut["host"] is None:
+            moments.add_gram(("h", s), rows[s])
+            moments.add_cross(("h", s, e), rows[s], rows[e])
+        else:
+            m = tapped[cut["host"]][keep].double()
+            moments.add_gram(("m", s), m)
+            moments.add_cross(("m", s), m, delta)
+
+    def solve(self, moments, cut, fit, epsilon):
+        s, e = cut["start"], cut["end"]
+        if cut["host"] is None:
+            w, lam, cond = ridge_toward_identity(moments.gram[("h", s)], moments.cross[("h", s, e)], epsilon)
+            after = _quadratic_residual(w, moments.gram[("h", s)], moments.cross[("h", s, e)], moments.sq[("y", e)])
+            fit.ridge, fit.condition_number, fit.folded_into = [lam], cond, "embed_tokens"
+            return after, w
+        gram, cross = moments.gram[("m", s)], moments.cross[("m", s)]
+        # T = I + K with (mᵀm + λI) K = mᵀΔ: the same solve with XᵀY := mᵀΔ + mᵀm
+        t, lam, cond = ridge_toward_identity(gram, cross + gram, epsilon)
+        k = t - torch.eye(t.shape[0], dtype=t.dtype)
+        after = _quadratic_residual(k, gram, cross, moments.sq[("delta", s)])
+        fit.ridge, fit.condition_number = [lam], cond
+        fit.folded_into = f"layers.{cut['boundary'] - 1}.mlp.down_proj"
+        return after, t
+
+    def apply(self, model, cuts, maps, host_modules):
+        _fold(model, cuts, maps, host_modules)
+
+    def record(self, fits):
+        return {"folded_into": [f.folded_into for f in fits]}
+
+
+#: The built-in method names (``"none"`` = plain removal, residuals only).
+METHODS = tuple(RECOVERY_METHODS)
+
+
+@torch.no_grad()
+def _fold(model, cuts, maps, host_modules) -> None:
+    """Fold fused maps into weights (float64 products, cast to the weight dtype)."""
+    for cut in cuts:
+        t = maps[cut["boundary"]]
+        host = host_modules[cut["boundary"]]
+        if host is None:
+            emb = model.get_input_embeddings()
+            out = model.get_output_embeddings()
+            if out is not None and out.weight is emb.weight:
+                out.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+                for cfg in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+                    cfg.tie_word_embeddings = False
+            w = emb.weight
+            w.copy_((w.double() @ t.to(w.device)).to(w.dtype))
+            continue
+        down = host.mlp.down_proj
+        w = down.weight  # (H, d_ff): output = z Wᵀ; new output = z Wᵀ T = z (Tᵀ W)ᵀ
+        tt = t.T.to(w.device)
+        w.copy_((tt @ w.double()).to(w.dtype))
+        if down.bias is not None:
+            down.bias.copy_((tt @ down.bias.double()).to(down.bias.dtype))

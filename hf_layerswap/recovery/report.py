@@ -1,0 +1,95 @@
+"""What a recovery fitted: :class:`BoundaryFit` per cut and the :class:`RecoveryReport`,
+with an exact JSON round trip."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+from ..jsonio import JsonResult, decode_float, encode_float
+
+@dataclass
+class BoundaryFit:
+    """The fit at one cut.
+
+    Attributes:
+        boundary: residual-stream slot of the *pruned* model the map acts on (0-based):
+            ``b = 0`` is the input of pruned block 0, ``b > 0`` the output of pruned block
+            ``b − 1`` (``b = L'`` the output of the last block, before the final norm).
+        removed: 0-based indices (in the model given to :func:`recover`) of the removed run.
+        host: index (same numbering) of the last kept block before the cut; ``None`` when
+            the cut starts at block 0.
+        residual_before: ``‖h_s − h_e‖_F / ‖h_e‖_F`` (plain removal), over the calibration tokens.
+        residual_after: ``‖Ŷ − h_e‖_F / ‖h_e‖_F`` with the fitted map; equals
+            ``residual_before`` for method ``"none"``.
+        condition_number: largest condition number of ``XᵀX + λI`` among this boundary's
+            solves (``None`` for ``"none"``).
+        ridge: the absolute λ of each solve at this boundary.
+        folded_into: for ``"fused"``, the weight the map was folded into.
+    """
+
+    boundary: int
+    removed: list[int]
+    host: int | None
+    residual_before: float
+    residual_after: float
+    condition_number: float | None = None
+    ridge: list[float] = field(default_factory=list)
+    folded_into: str | None = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("residual_before", "residual_after", "condition_number"):
+            out[key] = encode_float(out[key])
+        out["ridge"] = [encode_float(x) for x in self.ridge]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BoundaryFit:
+        d = dict(d)
+        for key in ("residual_before", "residual_after", "condition_number"):
+            d[key] = decode_float(d.get(key))
+        d["ridge"] = [decode_float(x) for x in d.get("ridge", [])]
+        return cls(**d)
+
+
+@dataclass
+class RecoveryReport(JsonResult):
+    """What :func:`recover` fitted.
+
+    Attributes:
+        method: ``"none"``, ``"ghosted"`` or ``"fused"``.
+        removed_layers: 0-based indices removed (numbering of the model given to :func:`recover`).
+        epsilon: relative ridge (``λ = epsilon · trace(XᵀX) / H`` per solve).
+        num_tokens: real calibration tokens used (every fit uses the same tokens).
+        hidden_size: H.
+        boundaries: one :class:`BoundaryFit` per cut, in order.
+        calibration: the calibration set's :meth:`CalibrationSet.spec`.
+    """
+
+    method: str
+    removed_layers: list[int]
+    epsilon: float
+    num_tokens: int
+    hidden_size: int | None
+    boundaries: list[BoundaryFit] = field(default_factory=list)
+    calibration: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "removed_layers": list(self.removed_layers),
+            "epsilon": self.epsilon,
+            "num_tokens": self.num_tokens,
+            "hidden_size": self.hidden_size,
+            "boundaries": [b.to_dict() for b in self.boundaries],
+            "calibration": copy.deepcopy(self.calibration),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RecoveryReport:
+        d = dict(d)
+        d["boundaries"] = [BoundaryFit.from_dict(b) for b in d.get("boundaries", [])]
+        return cls(**d)
+
+
