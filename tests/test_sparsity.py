@@ -610,10 +610,10 @@ def test_benchmark_scope_names_what_the_grid_lacks():
 def test_unknown_allocation_or_method_lists_the_registered_ones():
     from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, get_allocator, get_pruner
 
-    assert list(ALLOCATORS) == ["uniform", "pals", "gradient", "random", "owl"]
+    assert list(ALLOCATORS) == ["uniform", "pals", "owl", "random", "gradient"]
     assert list(PRUNERS) == ["wanda", "sparsegpt", "magnitude"]
     model = tiny_model("llama", num_layers=2)
-    with pytest.raises(ValueError, match=re.escape("allocation='best': allowed ['uniform', 'pals', 'gradient', 'random', 'owl']")):
+    with pytest.raises(ValueError, match=re.escape("allocation='best': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']")):
         sparsify(model, build_calibration(tiny_batch()), allocation="best")
     with pytest.raises(ValueError, match=re.escape("method='obc': allowed ['wanda', 'sparsegpt', 'magnitude']")):
         get_pruner("obc")

@@ -104,38 +104,6 @@ def _pals(inputs: AllocationInputs):
     return pals_allocation(values, inputs.num_params, inputs.sparsity, **_mapping(opts)), values, info
 
 
-@register_allocator(
-    "gradient",
-    label="gradient-based per-block sparsity (ablation)",
-    needs_gradients=True,
-    options=_MAPPING_OPTIONS,
-    card_options=_mapping_phrases,
-)
-def _gradient(inputs: AllocationInputs):
-    opts = inputs.options
-    info = {
-        "statistic": "mean |dL/dW| over the block's prunable weights (calibration next-token loss), dense model",
-        **_mapping_info(opts),
-    }
-    targets = gradient_allocation(inputs.gradients, inputs.num_params, inputs.sparsity, **_mapping(opts))
-    return targets, inputs.gradients, info
-
-
-@register_allocator(
-    "random", label="random per-block offsets (ablation)", options=("delta", "seed"), card_options=_bound_phrases
-)
-def _random(inputs: AllocationInputs):
-    opts = inputs.options
-    targets = random_allocation(inputs.num_params, inputs.sparsity, delta=opts.delta, seed=opts.seed)
-    info = {
-        "statistic": "target - s (the seeded uniform offset after the exact budget fit)",
-        "delta": opts.delta,
-        "seed": opts.seed,
-        "budget": _BOUNDED_BUDGET,
-    }
-    return targets, [t - inputs.sparsity for t in targets], info
-
-
 def _observe_row_norms(opts, block_linears):
     """OWL: Wanda's per-input-channel squared norms of every linear's real input rows."""
     norms = [[RowNormSq(lin.in_features, lin.weight.device) for _, lin in lins] for lins in block_linears]
@@ -177,6 +145,38 @@ def _owl(inputs: AllocationInputs):
         "budget": "unweighted mean = target (OWL reference mapping); spread max-min = 2 lambda; no per-block bound",
     }
     return owl_allocation(lods, inputs.sparsity, lam=opts.owl_lambda), lods, info
+
+
+@register_allocator(
+    "random", label="random per-block offsets (ablation)", options=("delta", "seed"), card_options=_bound_phrases
+)
+def _random(inputs: AllocationInputs):
+    opts = inputs.options
+    targets = random_allocation(inputs.num_params, inputs.sparsity, delta=opts.delta, seed=opts.seed)
+    info = {
+        "statistic": "target - s (the seeded uniform offset after the exact budget fit)",
+        "delta": opts.delta,
+        "seed": opts.seed,
+        "budget": _BOUNDED_BUDGET,
+    }
+    return targets, [t - inputs.sparsity for t in targets], info
+
+
+@register_allocator(
+    "gradient",
+    label="gradient-based per-block sparsity (ablation)",
+    needs_gradients=True,
+    options=_MAPPING_OPTIONS,
+    card_options=_mapping_phrases,
+)
+def _gradient(inputs: AllocationInputs):
+    opts = inputs.options
+    info = {
+        "statistic": "mean |dL/dW| over the block's prunable weights (calibration next-token loss), dense model",
+        **_mapping_info(opts),
+    }
+    targets = gradient_allocation(inputs.gradients, inputs.num_params, inputs.sparsity, **_mapping(opts))
+    return targets, inputs.gradients, info
 
 
 # ----------------------------------------------------------------------------- pruners
