@@ -59,9 +59,9 @@ from hf_layerswap import scoring  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
 from hf_layerswap.scoring import Head, kl_rows, make_probes, plan_kl, row_blocks, schedule, swap_plans  # noqa: E402
 
-#: The engine measured: a digest of the scoring module's source. Batches measured with
+#: The engine measured: a digest of the scoring package's source. Batches measured with
 #: another version are not resumed (their times would mix two engines).
-ENGINE = hashlib.sha256(Path(scoring.__file__).read_bytes()).hexdigest()[:12]
+ENGINE = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(scoring.__file__).parent.glob("*.py")))).hexdigest()[:12]
 VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 #: CPU seconds of the work: the main thread's with one torch thread (the RSS sampler's own

@@ -416,7 +416,7 @@ class _InjectNonFinite:
     def __init__(self, model, plans: dict[tuple[int, ...], str], monkeypatch):
         import contextlib
 
-        import hf_layerswap.scoring as scoring
+        import hf_layerswap.scoring.engine as scoring
 
         self.plans = plans
         self.current = None

@@ -96,7 +96,7 @@ def test_masked_kl_is_independent_of_the_position_chunk(monkeypatch):
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, 6:] = 0
     whole = masked_kl(ref, mod, mask)
-    monkeypatch.setattr(scoring, "KL_CHUNK_POSITIONS", 4)
+    monkeypatch.setattr(scoring.engine, "KL_CHUNK_POSITIONS", 4)
     assert torch.equal(masked_kl(ref, mod, mask), whole)
     # against a direct float64 evaluation of the definition
     p = ref.double().exp()
@@ -225,12 +225,12 @@ def test_large_vocabulary_keeps_whole_vocabulary_blocks_of_fewer_positions(monke
     whole, stats = plan_kl(model, calib, plans, batch_size=8)
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] == 8192
     # 4 MiB: 0.4 x budget / (8 bytes x 8192 entries) = 25 positions fit with the whole vocabulary
-    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 16)
+    monkeypatch.setattr(scoring.engine, "MIN_WHOLE_VOCAB_CHUNK", 16)
     fewer, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
     assert stats["kl_chunk_positions"] == int(0.4 * 4 * 2**20) // (8 * 8192) == 25
     assert stats["kl_chunk_vocab"] == 8192 and "whole vocabulary, fp32" in stats["kl_streaming"]
     assert stats["head_rows"] == 96 * (1 + len(plans))  # one head pass per probe and the reference
-    monkeypatch.setattr(scoring, "MIN_WHOLE_VOCAB_CHUNK", 32)  # 25 < 32: slices instead
+    monkeypatch.setattr(scoring.engine, "MIN_WHOLE_VOCAB_CHUNK", 32)  # 25 < 32: slices instead
     sliced, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] < 8192
     assert "vocabulary slices" in stats["kl_streaming"] and set(sliced) == set(plans)

@@ -63,8 +63,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import CalibrationSet, build_calibration, check_token_ids
-from .plan import (
+from ..calibration import CalibrationSet, build_calibration, check_token_ids
+from ..plan import (
     ONE_BLOCK,
     _StopForward,
     apply_plan,
@@ -76,9 +76,9 @@ from .plan import (
     removal_plan,
     replacement_plan,
 )
-from .provenance import library_versions, report_identity
-from .report import PROTOCOLS, PairResult, SwapReport, atomic_path, write_json_atomic
-from .rule import greedy_select, resolve_protect
+from ..provenance import library_versions, report_identity
+from ..report import PROTOCOLS, PairResult, SwapReport, atomic_path, write_json_atomic
+from ..rule import greedy_select, resolve_protect
 
 #: Former name of :func:`hf_layerswap.provenance.report_identity` (kept as an alias).
 model_identity = report_identity
