@@ -96,7 +96,7 @@ def test_masked_kl_is_independent_of_the_position_chunk(monkeypatch):
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, 6:] = 0
     whole = masked_kl(ref, mod, mask)
-    monkeypatch.setattr(scoring.engine, "KL_CHUNK_POSITIONS", 4)
+    monkeypatch.setattr(scoring.kl, "KL_CHUNK_POSITIONS", 4)
     assert torch.equal(masked_kl(ref, mod, mask), whole)
     # against a direct float64 evaluation of the definition
     p = ref.double().exp()

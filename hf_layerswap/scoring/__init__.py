@@ -1,23 +1,91 @@
-"""Swap-KL probes over a calibration set; see :mod:`.engine`."""
+"""Swap-KL probes over a calibration set (No Free Swap, arXiv 2605.16234).
 
-from .engine import *  # noqa: F403
-from .engine import __all__  # noqa: F401
+Every probe is a layer plan (:mod:`hf_layerswap.plan`) run through the model's own
+forward with ``use_cache=False``. The engine (:func:`plan_kl`) does only the work each
+probe needs:
+
+- **Prefix reuse.** For each calibration batch the identity plan runs once; it yields the
+  reference next-token distribution and the residual stream entering every slot a probe
+  starts at. A probe whose plan first differs from identity at slot s starts from the
+  cached stream entering s. Probes that start at the same slot and run the same blocks
+  first (for an adjacent pair (i, i+1): replacement i<-i+1 and the interchange both run
+  block i+1 at slot i) share that computation too: their plans form a prefix tree, and
+  the stream at each branch point is captured during the first probe that passes it and
+  injected into the others. All of it goes through the model's own forward
+  (:func:`~hf_layerswap.plan.apply_plan` with a one-shot input hook), for every
+  architecture the plan module supports.
+- **Streamed KL.** Probes stop at the decoder output (the normalised final hidden state)
+  and only real (non-pad) positions are kept. The output head then runs on blocks of
+  ``kl_chunk`` positions x ``vocab_chunk`` vocabulary entries (a slice of the head's
+  weight rows), and KL(p_M || p_probe) is accumulated per position with an online
+  log-sum-exp, against the reference logits of the same block:
+
+      KL = sum_v p_v (z_ref,v - z_v) + (lse(z) - lse(z_ref)) sum_v p_v,   p = softmax(z_ref)
+
+  (an exact rearrangement of sum_v p_v (log p_v - log q_v); differences are taken before
+  products and log-sum-exps are summed in float64, so it is more accurate than fp32
+  ``log_softmax`` arithmetic). Neither logits nor log-probs are ever held for a whole
+  batch, let alone the calibration set: peak memory is ``O(kl_chunk * vocab_chunk)``
+  plus the residual streams of one batch, while the head GEMM keeps a large row count.
+  Heads that cannot be sliced (quantized, accelerate-offloaded) run whole, on fewer
+  positions per block.
+- **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``) sizes the vocabulary slice (or
+  the position chunk), how many probes' final hidden states are held before their heads
+  run, and (with ``batch_size="auto"``) the batch.
+- **Reduced precision.** ``dtype=torch.bfloat16`` (or float16) runs the model under
+  ``torch.autocast``; the softmax and KL stay fp32. The weights are never cast.
+- **Resumable.** ``checkpoint_path`` keeps completed (batch, probe) values in a folder,
+  each part written atomically; a rerun with the same model, calibration and settings
+  skips them and ends with the same numbers, bit for bit.
+- **Scale-out.** Models dispatched by accelerate (``device_map``, CPU/disk offload) run
+  as they are. Under ``torch.distributed`` (``torchrun`` / ``accelerate launch``) every
+  rank takes a disjoint share of the probes and rank results are gathered.
+- **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
+  selected at a budget is stable under paired standard errors.
+
+Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and the engine
+state), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
+:mod:`.probes` (probe deduplication, order, sharding), :mod:`.checkpoint` (resumable and
+distributed runs).
+"""
+
+from __future__ import annotations
+
+from ..provenance import library_versions, report_identity
+from .checkpoint import CHECKPOINT_FORMAT, CheckpointMismatchError, ScoringCheckpoint, _Checkpoint  # noqa: F401
 from .engine import (  # noqa: F401
-    CHECKPOINT_FORMAT,
     DEFAULT_MAX_MEMORY,
     HEAD_BUDGET_FRACTION,
-    KL_CHUNK_POSITIONS,
     MAX_KL_CHUNK,
     MIN_WHOLE_VOCAB_CHUNK,
     PREFIX_REUSE_MODES,
-    Head,
-    ScoringCheckpoint,
-    _calibration_from_args,
-    _Checkpoint,
-    kl_rows,
-    make_probes,
     parse_memory,
-    row_blocks,
-    schedule,
-    shard,
+    plan_kl,
 )
+from .head import Head  # noqa: F401
+from .kl import KL_CHUNK_POSITIONS, kl_rows, masked_kl, row_blocks  # noqa: F401
+from .probes import make_probes, schedule, shard  # noqa: F401
+from .verbs import (  # noqa: F401
+    AdaptiveBudget,
+    _calibration_from_args,
+    removal_kl,
+    score_layers,
+    selection_stability,
+    swap_plans,
+)
+
+#: Former name of :func:`hf_layerswap.provenance.report_identity` (kept as an alias).
+model_identity = report_identity
+
+__all__ = [
+    "AdaptiveBudget",
+    "CheckpointMismatchError",
+    "library_versions",
+    "masked_kl",
+    "model_identity",
+    "plan_kl",
+    "removal_kl",
+    "score_layers",
+    "selection_stability",
+    "swap_plans",
+]

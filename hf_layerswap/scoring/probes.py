@@ -1,0 +1,105 @@
+"""Probes: the deduplicated non-identity plans of a scoring run, their execution order
+with shared prefixes and the deterministic, cost-balanced share of each rank."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+from ..plan import first_difference
+
+
+# ----------------------------------------------------------------------------- probes
+@dataclass
+class _Probe:
+    key: tuple[int, ...]  # the plan
+    start: int  # slot the run starts at (its stream is the identity's)
+    run: tuple[int, ...]  # blocks run from ``start`` on
+
+    @property
+    def cost(self) -> int:
+        return len(self.run)
+
+
+def _make_probes(plans: Mapping[Hashable, Sequence[int]], num_layers: int):
+    """Deduplicate plans: returns (name -> key, {key: _Probe} for non-identity plans, identity keys)."""
+    key_of, probes, zero = {}, {}, set()
+    for name, plan in plans.items():
+        key = tuple(int(p) for p in plan)
+        if not key:
+            raise ValueError(f"plan {name!r} is empty: a plan must run at least one block")
+        for p in key:
+            if not 0 <= p < num_layers:
+                raise ValueError(f"plan {name!r} has block {p}: allowed 0..{num_layers - 1}")
+        key_of[name] = key
+        start = first_difference(key, num_layers)
+        if start >= len(key) and len(key) == num_layers:
+            zero.add(key)
+            continue
+        start = min(start, len(key) - 1)  # trailing blocks dropped: re-run the last kept one
+        probes.setdefault(key, _Probe(key, start, key[start:]))
+    return key_of, probes, zero
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _schedule(probes: list[_Probe], mode: str) -> list[tuple[_Probe, int, list[int]]]:
+    """Execution order with prefix sharing.
+
+    Probes are sorted by (start slot, run); in this order the probes sharing a prefix of
+    their runs are contiguous, so each node of the prefix tree is needed only by a run of
+    consecutive probes. Returns ``(probe, depth0, capture_depths)``: the probe starts
+    ``depth0`` blocks into its run, from the stream cached at that tree node (0: the
+    identity stream entering its start slot), and captures the streams entering run
+    positions ``capture_depths`` for the probes after it.
+    """
+    if mode == "none":
+        return [(p, 0, []) for p in probes]
+    order = sorted(probes, key=lambda p: (p.start, p.run))
+    if mode == "start":
+        return [(p, 0, []) for p in order]
+    out = []
+    available: set[tuple[int, tuple[int, ...]]] = set()
+    for n, p in enumerate(order):
+        prev = order[n - 1] if n > 0 and order[n - 1].start == p.start else None
+        shared = min(_lcp(prev.run, p.run), len(p.run) - 1) if prev is not None else 0
+        depth0 = max((d for d in range(1, shared + 1) if (p.start, p.run[:d]) in available), default=0)
+        later = [q.run for q in order[n + 1 :] if q.start == p.start]
+        depths = sorted({d for d in (_lcp(p.run, r) for r in later) if depth0 < d < len(p.run)})
+        available.update((p.start, p.run[:d]) for d in depths)
+        out.append((p, depth0, depths))
+    return out
+
+
+def _shard(probes: list[_Probe], world: int, rank: int) -> list[_Probe]:
+    """Deterministic, cost-balanced share of the probes for one rank. Probes with the same
+    start slot and first block stay together (they share computation)."""
+    if world <= 1:
+        return probes
+    units: dict[tuple, list[_Probe]] = {}
+    for p in sorted(probes, key=lambda p: (p.start, p.run)):
+        units.setdefault((p.start, p.run[0]), []).append(p)
+    load = [0] * world
+    mine = []
+    for _, members in sorted(units.items(), key=lambda kv: (-sum(p.cost + 8 for p in kv[1]), kv[0])):
+        r = min(range(world), key=lambda k: (load[k], k))
+        load[r] += sum(p.cost + 8 for p in members)
+        if r == rank:
+            mine.extend(members)
+    return mine
+
+
+#: Deduplicated probes of a set of plans: ``(name -> key, {key: probe}, identity keys)``.
+make_probes = _make_probes
+#: Execution order of probes with prefix sharing (``mode`` one of ``PREFIX_REUSE_MODES``).
+schedule = _schedule
+#: Deterministic, cost-balanced share of the probes for one rank.
+shard = _shard

@@ -1,0 +1,390 @@
+"""The public scoring verbs: :func:`score_layers` (both swap protocols per pair into a
+:class:`~hf_layerswap.report.SwapReport`), :func:`removal_kl` (joint removal of sets),
+:func:`swap_plans`, and the adaptive prompt budget (:class:`AdaptiveBudget`,
+:func:`selection_stability`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..calibration import build_calibration, CalibrationSet
+from ..plan import ONE_BLOCK, interchange_plan, model_fingerprint, num_blocks, removal_plan, replacement_plan
+from ..provenance import library_versions, report_identity
+from ..report import PROTOCOLS, PairResult, SwapReport
+from ..rule import greedy_select, resolve_protect
+from .engine import _dtype_name, _Engine, plan_kl
+
+
+# ----------------------------------------------------------------------------- scoring
+def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
+    mean = float(values.mean())
+    if values.numel() < 2 or not math.isfinite(mean):
+        return mean, None
+    return mean, float(values.std(unbiased=True) / math.sqrt(values.numel()))
+
+
+def _pair_list(num_layers: int, max_gap: int) -> list[tuple[int, int]]:
+    if isinstance(max_gap, bool) or not isinstance(max_gap, int) or not 1 <= max_gap <= num_layers - 1:
+        raise ValueError(f"max_gap={max_gap!r}: allowed 1..{num_layers - 1} (L-1 = all pairs) for {num_layers} blocks")
+    return [(i, j) for i in range(num_layers) for j in range(i + 1, min(num_layers, i + max_gap + 1))]
+
+
+def swap_plans(num_layers: int, max_gap: int = 1, protocols: Sequence[str] = PROTOCOLS) -> dict[tuple, list[int]]:
+    """The probes of a swap sweep: ``{(kind, i, j): plan}`` for every pair
+    ``1 <= j - i <= max_gap`` with kind ``replacement_ij`` (slot i runs block j),
+    ``replacement_ji`` (slot j runs block i) and/or ``interchange``.
+
+    Raises:
+        ValueError: ``max_gap`` outside ``1..L-1`` or an unknown protocol.
+    """
+    if any(p not in PROTOCOLS for p in protocols):
+        raise ValueError(f"protocols={tuple(protocols)!r}: allowed a non-empty subset of {list(PROTOCOLS)}")
+    plans: dict[tuple, list[int]] = {}
+    for i, j in _pair_list(num_layers, max_gap):
+        if "replacement" in protocols:
+            plans[("replacement_ij", i, j)] = replacement_plan(num_layers, i, j)
+            plans[("replacement_ji", i, j)] = replacement_plan(num_layers, j, i)
+        if "interchange" in protocols:
+            plans[("interchange", i, j)] = interchange_plan(num_layers, i, j)
+    return plans
+
+
+def _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed) -> CalibrationSet:
+    if tokenizer is None and not isinstance(calibration, (Mapping, CalibrationSet)):
+        tokenizer = getattr(model, "layerswap_tokenizer", None)
+    return build_calibration(calibration, tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=seed)
+
+
+@dataclass
+class AdaptiveBudget:
+    """Add calibration prompts in rounds until the selection at a budget is stable.
+
+    After each round the layers are selected as :func:`~hf_layerswap.select_layers`
+    would (``num_layers``, ``protocol``, ``spacing``, ``protect``); the selection is
+    *stable* when no single exchange of a selected layer a for an unselected eligible
+    layer b (one the spacing rule would allow in a's place) is within the error bars:
+    the paired per-prompt difference s_b(x) - s_a(x) has mean > ``z`` x its standard
+    error (see :func:`selection_stability`). Scoring stops at the first stable round or
+    when ``num_prompts`` of :func:`score_layers` (the maximum) is reached; the rounds and
+    the reason are recorded in ``report.metadata["adaptive"]``.
+
+    Attributes:
+        num_layers: the removal budget n.
+        protocol: ``"interchange"`` or ``"replacement"`` (must be scored).
+        spacing, protect: the selection rule (see :func:`~hf_layerswap.select_layers`).
+        z: error-bar width in standard errors (2.0 ~ 95 %).
+        min_prompts: prompts in the first round; step: prompts added per round. Both are
+            rounded up to whole batches, so the batches equal those of a full run and an
+            adaptive run that reaches the maximum gives the full run's numbers.
+    """
+
+    num_layers: int
+    protocol: str = "interchange"
+    spacing: int = 1
+    protect: tuple[int, ...] = (0, -1)
+    z: float = 2.0
+    min_prompts: int = 16
+    step: int = 16
+
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"AdaptiveBudget protocol={self.protocol!r}: allowed {list(PROTOCOLS)}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"AdaptiveBudget num_layers={self.num_layers!r}: must be an int >= 1")
+        if not (isinstance(self.z, (int, float)) and math.isfinite(self.z) and self.z > 0):
+            raise ValueError(f"AdaptiveBudget z={self.z!r}: must be a finite number > 0")
+        for name in ("min_prompts", "step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "min_prompts" else 1):
+                raise ValueError(f"AdaptiveBudget {name}={v!r}: must be an int >= {2 if name == 'min_prompts' else 1}")
+        self.protect = tuple(self.protect)
+
+
+def _layer_choices(report: SwapReport, protocol: str) -> list[tuple | None]:
+    """For each layer, the probe whose mean defines s(i): ``(kind, i, j)`` or None."""
+    best: list[tuple | None] = [None] * report.num_layers
+    best_val = [math.inf] * report.num_layers
+    for r in report.pairs:
+        if protocol == "interchange":
+            val, kind = r.interchange, "interchange"
+        else:
+            a, b = r.replacement_ij, r.replacement_ji
+            if a is None or b is None:
+                continue
+            val = r.replacement
+            kind = "replacement_ij" if (math.isnan(a) or (not math.isnan(b) and a >= b)) else "replacement_ji"
+        if val is None or math.isnan(val):
+            continue
+        for layer in (r.i, r.j):
+            if val < best_val[layer]:
+                best_val[layer], best[layer] = val, (kind, r.i, r.j)
+    return best
+
+
+def selection_stability(
+    report: SwapReport,
+    values: Mapping[tuple, torch.Tensor],
+    num_layers: int,
+    *,
+    protocol: str = "interchange",
+    spacing: int = 1,
+    protect: Sequence[int] = (0, -1),
+    z: float = 2.0,
+) -> dict:
+    """Is the set selected at budget ``num_layers`` distinguishable from its alternatives?
+
+    Args:
+        report: the swap-KL report (pair means).
+        values: per-prompt probe values ``{(kind, i, j): (N,) tensor}`` with kind in
+            ``replacement_ij``, ``replacement_ji``, ``interchange`` (what
+            :func:`score_layers` computes).
+        num_layers, protocol, spacing, protect: the selection rule.
+        z: error-bar width in standard errors.
+
+    Returns:
+        ``{"selected", "stable", "closest"}``: ``closest`` is the exchange (selected a,
+        alternative b) with the smallest ``margin / se`` of the paired difference
+        s_b(x) - s_a(x), with ``margin`` and ``se`` in nats (None if no alternative).
+        Stable means every such exchange has ``margin > z * se``. With fewer than 2
+        prompts nothing is stable.
+    """
+    scores = report.layer_scores(protocol)
+    selected = greedy_select(scores, num_layers, spacing=spacing, protect=protect)
+    protected = resolve_protect(protect, report.num_layers)
+    choice = _layer_choices(report, protocol)
+    closest, stable = None, True
+    for b in range(report.num_layers):
+        if b in selected or b in protected or scores[b] is None or not math.isfinite(scores[b]) or choice[b] is None:
+            continue
+        for a in selected:
+            rest = [k for k in selected if k != a]
+            if any(abs(b - k) <= spacing for k in rest):
+                continue
+            diff = values[choice[b]] - values[choice[a]]
+            margin = float(diff.mean())
+            se = float(diff.std(unbiased=True) / math.sqrt(diff.numel())) if diff.numel() > 1 else math.inf
+            ratio = margin / se if se > 0 else (math.inf if margin > 0 else -math.inf)
+            if not (margin > z * se):
+                stable = False
+            if closest is None or ratio < closest["ratio"]:
+                closest = {"selected": a, "alternative": b, "margin": margin, "se": se, "ratio": ratio}
+    if closest is not None:
+        closest.pop("ratio")
+    return {"selected": selected, "stable": stable, "closest": closest}
+
+
+def _build_report(num_layers, pairs, protocols, max_gap, values) -> list[PairResult]:
+    results = []
+    for i, j in pairs:
+        kw = {}
+        for kind in ("replacement_ij", "replacement_ji", "interchange"):
+            if (kind, i, j) in values:
+                kw[kind], kw[f"{kind}_se"] = _mean_se(values[(kind, i, j)])
+        results.append(PairResult(i, j, **kw))
+    return results
+
+
+def _prefix_calibration(calib: CalibrationSet, n: int) -> CalibrationSet:
+    if n >= calib.num_prompts:
+        return calib
+    return CalibrationSet(
+        calib.input_ids[:n].clone(),
+        calib.attention_mask[:n].clone(),
+        f"{calib.description}; first {n} of {calib.num_prompts} prompts (adaptive budget)",
+        calib.add_special_tokens,
+        calib.texts[:n] if calib.texts is not None else None,
+        shortfall=calib.shortfall,
+    )
+
+
+def score_layers(
+    model: nn.Module,
+    calibration=None,
+    *,
+    tokenizer=None,
+    protocols: Sequence[str] = PROTOCOLS,
+    max_gap: int = 1,
+    num_prompts: int = 64,
+    seq_len: int = 128,
+    batch_size: int | str = 8,
+    progress: bool = True,
+    seed: int = 0,
+    prefix_reuse: bool | str = True,
+    stream_logits: bool = True,
+    kl_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+    max_memory: int | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    checkpoint_path: str | os.PathLike | None = None,
+    adaptive: AdaptiveBudget | None = None,
+    distributed: bool | None = None,
+) -> SwapReport:
+    """Score block pairs with the replacement and/or interchange swap-KL.
+
+    Implements No Free Swap (arXiv 2605.16234) Def. 1 / Remark 1: for each pair
+    ``1 <= j - i <= max_gap``, replacement runs two probes (slot i runs block j; slot j
+    runs block i) and interchange one (slots i and j exchange blocks). Each value is
+    E_x KL(p_M || p_probe) in nats: the mean over real tokens of each prompt, then over
+    prompts, from fp32 log-softmax, temperature 1. Each value has a standard error over
+    prompts (``*_se``).
+
+    Args:
+        model: a transformers causal LM (decoder-only; multimodal text towers included;
+            accelerate-dispatched with ``device_map``, CPU/disk offload included).
+        calibration: ``None``/``"embedded"`` (default prose shipped with Python), a text
+            file path, a list of strings, a ``datasets.Dataset`` with a text column, a
+            mapping with ``input_ids``/``attention_mask`` ``(B, T)`` long tensors, or a
+            :class:`~hf_layerswap.calibration.CalibrationSet`.
+        tokenizer: required for text sources.
+        protocols: any of ``("replacement", "interchange")``.
+        max_gap: pair distance bound (1 = adjacent pairs, L-1 = all pairs).
+        num_prompts, seq_len, seed: calibration budget and paragraph shuffle seed
+            (with ``adaptive``, ``num_prompts`` is the maximum).
+        batch_size: prompts per forward pass (int) or ``"auto"`` (fits ``max_memory``).
+        progress: show a progress bar with an ETA.
+        prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype: engine
+            settings, see :func:`plan_kl`; all are recorded in ``report.metadata``.
+        checkpoint_path: a folder. Completed (batch, probe) values are written there
+            atomically as they finish; rerunning the same call after an interruption
+            (a killed process included) skips them and returns a report with the same
+            values as an uninterrupted run. The folder is tied to the model weights,
+            the calibration prompts, the probes and the settings.
+        adaptive: an :class:`AdaptiveBudget` to stop adding prompts once the selection
+            at its budget is stable under the error bars.
+        distributed: see :func:`plan_kl`: under ``torchrun``/``accelerate launch`` with
+            an initialised process group every rank scores a disjoint share of the
+            probes, and every rank returns the full report.
+
+    Returns:
+        A :class:`~hf_layerswap.report.SwapReport`.
+
+    Raises:
+        ValueError: an unknown protocol, ``max_gap`` outside ``1..L-1``, a model with
+            fewer than 2 blocks, bad calibration input (see ``build_calibration``), or a
+            bad engine setting.
+        CheckpointMismatchError: ``checkpoint_path`` belongs to a different run.
+    """
+    if isinstance(protocols, str):
+        raise ValueError(f"protocols={protocols!r}: give a list, e.g. [{protocols!r}], a non-empty subset of {list(PROTOCOLS)}")
+    protocols = tuple(dict.fromkeys(protocols))
+    if not protocols or any(p not in PROTOCOLS for p in protocols):
+        raise ValueError(f"protocols={protocols!r}: allowed a non-empty subset of {list(PROTOCOLS)}")
+    num_layers = num_blocks(model)
+    if num_layers < 2:
+        raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2, and {ONE_BLOCK}")
+    pairs = _pair_list(num_layers, max_gap)
+    if adaptive is not None:
+        if not isinstance(adaptive, AdaptiveBudget):
+            raise TypeError(f"adaptive must be an AdaptiveBudget, got {type(adaptive).__name__}")
+        if adaptive.protocol not in protocols:
+            raise ValueError(f"adaptive.protocol={adaptive.protocol!r} is not among the scored protocols {list(protocols)}")
+    calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
+    plans = swap_plans(num_layers, max_gap, protocols)
+    engine = _Engine(
+        model, calib, plans, batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits,
+        kl_chunk=kl_chunk, vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
+        distributed=distributed, progress=progress, desc="swap-KL probes",
+    )
+    adaptive_record = None
+    if adaptive is None:
+        used = engine.batches
+        engine.run_batches(used)
+        engine.gather()
+        values = engine.values(used)
+    else:
+        bs = engine.batch_size
+        first = min(len(engine.batches), math.ceil(adaptive.min_prompts / bs))
+        step = max(1, math.ceil(adaptive.step / bs))
+        rounds, done_batches, target = [], 0, first
+        while True:
+            engine.run_batches(range(done_batches, target))
+            engine.gather()
+            done_batches = target
+            used = list(range(done_batches))
+            values = engine.values(used)
+            partial = SwapReport(num_layers, _build_report(num_layers, pairs, protocols, max_gap, values),
+                                 protocols=protocols, max_gap=max_gap)
+            n_used = int(values[next(iter(values))].numel())
+            check = selection_stability(
+                partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
+                protect=adaptive.protect, z=adaptive.z,
+            )
+            rounds.append({"num_prompts": n_used, **check})
+            if check["stable"]:
+                reason = f"stable: the selection at budget {adaptive.num_layers} is separated by more than z={adaptive.z} standard errors from every alternative"
+                stopped = "stable"
+                break
+            if done_batches >= len(engine.batches):
+                reason = f"reached the maximum of {calib.num_prompts} prompts before the selection was stable under z={adaptive.z} standard errors"
+                stopped = "max_prompts"
+                break
+            target = min(len(engine.batches), done_batches + step)
+        adaptive_record = {**asdict(adaptive), "rounds": rounds, "stopped": stopped, "reason": reason}
+        adaptive_record["protect"] = list(adaptive.protect)
+    used_calib = _prefix_calibration(calib, int(values[next(iter(values))].numel()))
+    results = _build_report(num_layers, pairs, protocols, max_gap, values)
+    summary = engine.summary(used)
+    metadata = {
+        "model": {**report_identity(model), "fingerprint": model_fingerprint(model)},
+        "calibration": used_calib.spec(),
+        "num_prompts": used_calib.num_prompts,
+        "num_tokens": used_calib.num_tokens,
+        "seq_len": used_calib.seq_len,
+        "dtype": _dtype_name(engine.param_dtype),
+        "seed": seed,
+        "token_averaging": "mean over real tokens per prompt, then mean over prompts",
+        "kl_direction": "KL(original || modified)",
+        "library_versions": library_versions(),
+        **summary,
+    }
+    if adaptive_record is not None:
+        metadata["adaptive"] = adaptive_record
+    return SwapReport(num_layers, results, protocols=protocols, max_gap=max_gap, metadata=metadata)
+
+
+def removal_kl(
+    model: nn.Module,
+    calibration,
+    removed: Sequence[int] | Sequence[Sequence[int]],
+    *,
+    tokenizer=None,
+    num_prompts: int = 64,
+    seq_len: int = 128,
+    batch_size: int | str = 8,
+    seed: int = 0,
+    progress: bool = False,
+    max_memory: int | str | None = None,
+    dtype: torch.dtype | str | None = None,
+):
+    """Joint removal KL d_skip(S) = E_x KL(p_M || p_{M-S}) in nats.
+
+    Args:
+        removed: one set of 0-based block indices, or a list of sets (then a list of
+            floats is returned, one per set, sharing the reference forward passes).
+        calibration, tokenizer, num_prompts, seq_len, seed, batch_size: as in
+            :func:`score_layers`.
+        max_memory, dtype: engine settings, see :func:`plan_kl`.
+
+    Returns:
+        A float (one set) or a list of floats. The empty set gives exactly 0.0.
+
+    Raises:
+        ValueError: bad indices (out of range, duplicates) or a set leaving no block.
+    """
+    num_layers = num_blocks(model)
+    single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
+    sets = [list(removed)] if single else [list(s) for s in removed]
+    plans = {n: removal_plan(num_layers, s) for n, s in enumerate(sets)}
+    calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
+    values, _ = plan_kl(
+        model, calib, plans, batch_size=batch_size, progress=progress, desc="removal KL",
+        max_memory=max_memory, dtype=dtype,
+    )
+    out = [float(values[n].mean()) for n in range(len(sets))]
+    return out[0] if single else out
