@@ -64,6 +64,10 @@ from .card import (
     write_card_files,
 )
 from .history import history_problems, probable_cause
+from .jsonio import STAGING_PREFIX, remove_stale_staging
+from .jsonio import lock_folder as _lock_folder  # noqa: F401  (former private names)
+from .jsonio import staging_folder as _staging_folder
+from .jsonio import unlock as _unlock
 from .provenance import __version__
 from .recovery import attached_operators
 from .report import SwapReport, default_mode
@@ -91,9 +95,6 @@ logger = logging.getLogger(__name__)
 OWNED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "layerswap_*"]
 
 
-#: Name prefix of the staging folders :func:`save_for_hub` makes next to its target. Only
-#: folders starting with exactly this are ever removed as stale.
-STAGING_PREFIX = ".hf_layerswap-staging-"
 #: What ``config.json`` is called inside a folder being written, until every other file is
 #: there: without ``config.json`` no loader takes the folder for a checkpoint.
 HELD_CONFIG = "config.json.held-until-complete"
@@ -434,77 +435,6 @@ def save_for_hub(
         _unlock(lock)
         _unlock(old_lock)
     return target
-
-
-def _lock_folder(path: Path, *, wait: bool) -> int | None:
-    """An exclusive ``flock`` on the folder ``path`` (released by the kernel when the process
-    dies, however it dies): the descriptor, or ``None`` when another process holds it (or the
-    platform has no ``flock``: then nothing counts as stale)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        return None
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)
-
-
-def _staging_folder(target: Path, kind: str) -> tuple[Path, int | None]:
-    """A new locked staging folder next to ``target``: ``STAGING_PREFIX + name.kind-XXXX``."""
-    while True:
-        path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target.name}.{kind}-", dir=target.parent))
-        fd = _lock_folder(path, wait=True)
-        try:  # a cleaner that saw it before the lock may have removed it: then make another
-            if os.path.samestat(os.fstat(fd), path.stat()) if fd is not None else True:
-                return path, fd
-        except FileNotFoundError:
-            pass
-        _unlock(fd)
-
-
-def remove_stale_staging(parent: str | os.PathLike) -> list[str]:
-    """Remove the staging folders of interrupted saves (a killed process) in ``parent``.
-
-    Only folders whose name starts with :data:`STAGING_PREFIX` and whose lock no live
-    process holds are touched; every other file and folder is left alone. A stale
-    ``<name>.previous-*`` folder (a save killed between its two renames) is moved back to
-    ``<name>`` when nothing is there, else removed.
-
-    Returns:
-        The names removed (or restored), sorted; also logged at INFO level.
-    """
-    parent = Path(parent)
-    done = []
-    for entry in sorted(os.scandir(parent), key=lambda e: e.name):
-        if not entry.name.startswith(STAGING_PREFIX) or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            fd = _lock_folder(Path(entry.path), wait=False)
-        except OSError:  # gone meanwhile, or unreadable: not ours to judge
-            continue
-        if fd is None:
-            continue  # a save in progress (or no flock on this platform)
-        try:
-            name, _, kind = entry.name[len(STAGING_PREFIX):].rpartition(".")
-            previous = Path(entry.path) / "previous"
-            if kind.startswith("previous-") and name and previous.is_dir() and not (parent / name).exists():
-                os.replace(previous, parent / name)
-            shutil.rmtree(entry.path, ignore_errors=True)
-            done.append(entry.name)
-        finally:
-            _unlock(fd)
-    if done:
-        logger.info("removed %d stale staging folder(s) of interrupted saves in %s: %s", len(done), parent, done)
-    return done
 
 
 def read_evaluation_file(path: str | os.PathLike) -> dict:

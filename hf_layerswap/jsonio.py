@@ -8,31 +8,44 @@
   written completely or not at all (temporary file in the same folder + ``os.replace``),
   with the permissions an ordinary ``open`` would give (:func:`default_mode`);
 - :class:`JsonResult`: the mixin every report class uses for ``to_json``/``from_json``,
-  on top of its own ``to_dict``/``from_dict``, with one contract.
+  on top of its own ``to_dict``/``from_dict``, with one contract;
+- folders written all or nothing: :func:`staging_folder` (a locked sibling folder named
+  :data:`STAGING_PREFIX` ``+ <target>.<kind>-<random>``), :func:`lock_folder` /
+  :func:`unlock` (``flock``, released by the kernel however the process dies) and
+  :func:`remove_stale_staging` (the unlocked leftovers of killed saves, ours only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import numbers
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
     "JsonResult",
+    "STAGING_PREFIX",
     "atomic_path",
     "decode_float",
     "decode_tree",
     "default_mode",
     "encode_float",
     "encode_tree",
+    "lock_folder",
+    "remove_stale_staging",
+    "staging_folder",
+    "unlock",
     "write_json_atomic",
     "write_text_atomic",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def encode_float(x):
@@ -172,3 +185,82 @@ class JsonResult:
                 f"{type(err).__name__}: {err}"
             )
             raise ValueError(f"{where} is not a valid {cls.__name__} JSON file: {detail}") from None
+
+
+# ----------------------------------------------------------------------------- folders
+#: Name prefix of the staging folders :func:`save_for_hub` makes next to its target. Only
+#: folders starting with exactly this are ever removed as stale.
+STAGING_PREFIX = ".hf_layerswap-staging-"
+
+
+def lock_folder(path: Path, *, wait: bool) -> int | None:
+    """An exclusive ``flock`` on the folder ``path`` (released by the kernel when the process
+    dies, however it dies): the descriptor, or ``None`` when another process holds it (or the
+    platform has no ``flock``: then nothing counts as stale)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def unlock(fd: int | None) -> None:
+    """Release a lock taken by :func:`lock_folder` (``None``: nothing to release)."""
+    if fd is not None:
+        os.close(fd)
+
+
+def staging_folder(target: Path, kind: str) -> tuple[Path, int | None]:
+    """A new staging folder next to ``target``, ``STAGING_PREFIX + name.kind-XXXX``, and the
+    descriptor of its lock (:func:`lock_folder`; ``None`` where the platform has no flock)."""
+    while True:
+        path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target.name}.{kind}-", dir=target.parent))
+        fd = lock_folder(path, wait=True)
+        try:  # a cleaner that saw it before the lock may have removed it: then make another
+            if os.path.samestat(os.fstat(fd), path.stat()) if fd is not None else True:
+                return path, fd
+        except FileNotFoundError:
+            pass
+        unlock(fd)
+
+
+def remove_stale_staging(parent: str | os.PathLike) -> list[str]:
+    """Remove the staging folders of interrupted saves (a killed process) in ``parent``.
+
+    Only folders whose name starts with :data:`STAGING_PREFIX` and whose lock no live
+    process holds are touched; every other file and folder is left alone. A stale
+    ``<name>.previous-*`` folder (a save killed between its two renames) is moved back to
+    ``<name>`` when nothing is there, else removed.
+
+    Returns:
+        The names removed (or restored), sorted; also logged at INFO level.
+    """
+    parent = Path(parent)
+    done = []
+    for entry in sorted(os.scandir(parent), key=lambda e: e.name):
+        if not entry.name.startswith(STAGING_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = lock_folder(Path(entry.path), wait=False)
+        except OSError:  # gone meanwhile, or unreadable: not ours to judge
+            continue
+        if fd is None:
+            continue  # a save in progress (or no flock on this platform)
+        try:
+            name, _, kind = entry.name[len(STAGING_PREFIX):].rpartition(".")
+            previous = Path(entry.path) / "previous"
+            if kind.startswith("previous-") and name and previous.is_dir() and not (parent / name).exists():
+                os.replace(previous, parent / name)
+            shutil.rmtree(entry.path, ignore_errors=True)
+            done.append(entry.name)
+        finally:
+            unlock(fd)
+    if done:
+        logger.info("removed %d stale staging folder(s) of interrupted saves in %s: %s", len(done), parent, done)
+    return done

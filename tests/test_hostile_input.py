@@ -410,7 +410,8 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
 
     from transformers import AutoModelForCausalLM
 
-    from hf_layerswap.hub import HELD_CONFIG, STAGING_PREFIX, _staging_folder
+    from hf_layerswap.hub import HELD_CONFIG, STAGING_PREFIX
+    from hf_layerswap.jsonio import staging_folder
 
     checkpoint = tmp_path / "ckpt"
     model = build("llama")
@@ -421,7 +422,7 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
     (parent / ".out.tmp-abc").mkdir()
     (parent / ".hf_layerswap-stagingX").mkdir()
     (parent / f"{STAGING_PREFIX}a-file").write_text("not a folder")
-    live, lock = _staging_folder(parent / "other", "new")
+    live, lock = staging_folder(parent / "other", "new")
 
     marker = tmp_path / "reached"
     env = {**os.environ, "PYTHONPATH": str(Path(hl.__file__).parent.parent)}

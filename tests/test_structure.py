@@ -54,12 +54,10 @@ NOT_YET_MOVED = {
 }
 
 #: Modules over :data:`MAX_LINES` still to be split (or to state why they stay whole).
-NOT_YET_SPLIT = {"hf_layerswap.baselines", "hf_layerswap.card", "hf_layerswap.hub"}
+NOT_YET_SPLIT = {"hf_layerswap.baselines", "hf_layerswap.card"}
 
 #: Private names benchmarks or tests still use, by file, until their module exports them.
-PRIVATE_USES_LEFT = {
-    "test_hostile_input.py: from hf_layerswap.hub import _staging_folder",
-}
+PRIVATE_USES_LEFT: set[str] = set()
 
 
 # ----------------------------------------------------------------------------- helpers
