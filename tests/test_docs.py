@@ -1,10 +1,12 @@
 """The documentation holds together: every relative link in README.md and docs/*.md points
-to a file (and, for a ``#fragment`` into a Markdown page, to one of its headings), the
-README's first screen is the quickstart, the README shows the exact test command CI runs,
-and the supported-architectures page shows the table the architecture tests generate."""
+to a file (and, for a ``#fragment`` into a Markdown page, to one of its headings), every
+``hf_layerswap.…`` / ``hl.…`` name the pages show in code exists, the README's first
+screen is the quickstart, the README shows the exact test command CI runs, and the
+supported-architectures page shows the table the architecture tests generate."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -47,6 +49,33 @@ def heading_anchors(text: str) -> set[str]:
     return anchors
 
 
+_API_NAME = re.compile(r"\b(?:hf_layerswap|hl)(?:\.[A-Za-z_]\w*)+")
+
+
+def api_names(text: str) -> list[str]:
+    """Dotted ``hf_layerswap.…`` / ``hl.…`` names inside the code spans and blocks of
+    ``text`` (a one-letter part such as ``hf_layerswap.x`` is a placeholder, not a name)."""
+    code = [m.group(0) for m in _FENCE.finditer(text)] + [m.group(0) for m in _CODE_SPAN.finditer(_FENCE.sub("", text))]
+    names = [n for chunk in code for n in _API_NAME.findall(chunk)]
+    return [n for n in dict.fromkeys(names) if not any(len(part) == 1 for part in n.split(".")[1:])]
+
+
+def resolve(dotted: str):
+    """The object a dotted name names: the longest importable module prefix, then attributes
+    (``hl`` stands for ``hf_layerswap``). Raises ImportError / AttributeError."""
+    parts = dotted.split(".")
+    parts[0] = "hf_layerswap"
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[k:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(dotted)
+
+
 def _relative(target: str) -> bool:
     return not re.match(r"[a-z][a-z0-9+.-]*:", target, re.I) and not target.startswith("//")
 
@@ -75,6 +104,25 @@ def test_relative_links_point_to_existing_files(page):
         elif fragment and dest.suffix == ".md" and fragment not in heading_anchors(dest.read_text(encoding="utf-8")):
             broken.append(f"{target} (no heading #{fragment} in {dest.name})")
     assert broken == [], f"{page.relative_to(ROOT)}: broken links {broken}"
+
+
+def test_api_name_helpers():
+    text = "Call `hl.select_layers(report)` or `hf_layerswap.x`.\n```python\nhl.models.bundled_checkpoint_dir('a')\n```\n"
+    assert api_names(text) == ["hl.models.bundled_checkpoint_dir", "hl.select_layers"]
+    assert resolve("hl.select_layers") is resolve("hf_layerswap.selection.select_layers")
+    with pytest.raises(AttributeError):
+        resolve("hl.no_such_function")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_named_api_exists(page):
+    missing = []
+    for name in api_names(page.read_text(encoding="utf-8")):
+        try:
+            resolve(name)
+        except (ImportError, AttributeError) as err:
+            missing.append(f"{name} ({err})")
+    assert missing == [], f"{page.relative_to(ROOT)} names what the package does not have: {missing}"
 
 
 def test_every_docs_page_is_linked_from_the_readme():
