@@ -15,10 +15,21 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .calibration import build_calibration, read_text_file
 from .cli_eval import add_eval_arguments, run_eval
+from .cli_peel import add_peel_arguments, run_peel
 from .config import LayerSwapConfig
+from .evaluation import delta_ppl_percent, evaluate_perplexity
 from .gguf_export import add_export_gguf_arguments, run_export_gguf
+from .hub import add_push_arguments, run_push, save_for_hub
+from .models import load_model
 from .pipeline import prune
+from .plan import interchange_plan, num_blocks
+from .report import SwapReport
+from .scoring import plan_kl, score_layers
+from .search import search_select
+from .selection import STRATEGIES, select_layers
+from .surgery import remove_layers
 
 __all__ = ["build_parser", "main"]
 
@@ -98,8 +109,6 @@ def _add_scoring_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
-    from .selection import STRATEGIES
-
     p.add_argument("--strategy", default="search", choices=sorted(STRATEGIES),
                    help="how the set is chosen: search = candidate sets from both protocols scored on the calibration "
                         "prompts and refined by local moves; greedy = the paper's rule on --protocol; auto = the better "
@@ -180,9 +189,6 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
     _add_repair_args(prune)
     prune.set_defaults(func=run_prune)
 
-    from .hub import add_push_arguments, run_push
-    from .cli_peel import add_peel_arguments, run_peel
-
     push = sub.add_parser("push", formatter_class=_HELP, help="upload a pruned checkpoint with its card to the Hub")
     add_push_arguments(push)
     push.set_defaults(func=run_push)
@@ -209,8 +215,6 @@ def _num_prompts(value) -> int:
 
 def _check_text_files(args) -> None:
     """Refuse a --calibration or --eval-text that is missing or not UTF-8 text before the model loads."""
-    from .calibration import read_text_file
-
     for flag in ("calibration", "eval_text"):
         value = getattr(args, flag, "embedded")
         if value != "embedded":
@@ -221,8 +225,6 @@ def _check_text_files(args) -> None:
 
 
 def _load(args):
-    from .models import load_model
-
     _check_text_files(args)
 
     name = getattr(args, "model", None)
@@ -263,15 +265,11 @@ def _contract_summary(contract: dict) -> str:
 
 def _save_pruned(model, tokenizer, report, output: Path, evaluation: dict | None = None) -> Path:
     """The checkpoint, tokenizer, card, report sidecar and plots, written atomically."""
-    from .hub import save_for_hub
-
     _check_output(output)
     return save_for_hub(model, output, tokenizer=tokenizer, report=report, evaluation=evaluation)
 
 
 def run_score(args) -> int:
-    from . import score_layers
-
     if Path(args.output).is_dir():  # found out before loading and scoring, not after
         example = Path(args.output) / "layerswap_report.json"
         raise FileExistsError(f"--output {args.output} is a folder; give the report's file path, e.g. {example}")
@@ -307,8 +305,6 @@ def prune_config(args):
 
 
 def run_prune(args) -> int:
-    from . import SwapReport
-
     _check_output(args.output)
     config = prune_config(args)
     report = None
@@ -350,10 +346,6 @@ def _fmt(x) -> str:
 
 def _auto_num_prompts(model, calibration, tokenizer, seq_len, batch_size, seconds, num_probes, seed) -> int:
     """Largest prompt count (multiple of batch_size, 8..64) whose scoring fits ``seconds``."""
-    from .calibration import build_calibration
-    from .plan import interchange_plan, num_blocks
-    from .scoring import plan_kl
-
     probe = build_calibration(calibration, tokenizer, num_prompts=batch_size, seq_len=seq_len, seed=seed)
     mid = num_blocks(model) // 2
     t0 = time.perf_counter()
@@ -379,12 +371,6 @@ def demo_config(args, num_layers: int, num_prompts: int):
 
 
 def run_demo(args) -> int:
-    from . import remove_layers, score_layers, select_layers
-    from .calibration import build_calibration
-    from .evaluation import delta_ppl_percent, evaluate_perplexity
-    from .plan import num_blocks
-    from .search import search_select
-
     t_start = time.perf_counter()
     _check_output(args.output)
     model, tokenizer = _load(args)

@@ -281,7 +281,7 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys
     def no_scoring(*args, **kwargs):
         raise AssertionError("scored although the budget was impossible")
 
-    monkeypatch.setattr("hf_layerswap.score_layers", no_scoring)
+    monkeypatch.setattr("hf_layerswap.pipeline.score_layers", no_scoring)
     code = main(["prune", str(ckpt), str(out), "--num-layers", "2", "--spacing", "1", "--calibration", str(tmp_path / "calib.txt"),
                  "--num-prompts", "2"])
     assert code == 2 and not out.exists()
