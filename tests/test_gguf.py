@@ -157,6 +157,15 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.gguf"]
 
 
+def test_export_gguf_verb_refuses_a_mixed_qwen3_before_converting(tmp_path, capsys):
+    _pruned("qwen3").save_pretrained(tmp_path / "qwen3")
+    assert main(["export-gguf", str(tmp_path / "qwen3"), str(tmp_path / "q.gguf"),
+                 "--converter", str(tmp_path / "no-converter-needed")]) == 2
+    err = capsys.readouterr().err
+    assert "error: qwen3: blocks [0, 1, 2] use a sliding window and [3] full attention" in err
+    assert not (tmp_path / "q.gguf").exists()
+
+
 def test_a_failing_converter_leaves_nothing_behind(tmp_path):
     fake = tmp_path / "bin" / "convert_hf_to_gguf.py"
     fake.parent.mkdir()
