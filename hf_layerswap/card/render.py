@@ -45,20 +45,20 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_fr
 from huggingface_hub.repocard_data import model_index_to_eval_results
 from transformers import AutoModelForCausalLM
 
-from .calibration import shortfall_text
-from .config import LayerSwapConfig
-from .history import card_notice, history_status
-from .jsonio import write_json_atomic
-from .plan import decoder_blocks, model_fingerprint, num_blocks
-from .plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
-from .provenance import __version__, library_versions, model_identity
-from .recovery import RECOVERY_FILE, attached_operators
-from .report import PROTOCOLS, PruneProvenance, SwapReport, encode_float, set_key
-from .selection import greedy_select, resolve_protect
-from .sparsity import ALLOCATORS, PRUNERS, SparsityReport, config_record, sparsity_in_model
-from .sparsity.engine import prunable_linears
-from .surgery import original_indices
-from .tasks import task_card_section
+from ..calibration import shortfall_text
+from ..config import LayerSwapConfig
+from ..history import card_notice, history_status
+from ..jsonio import write_json_atomic
+from ..plan import decoder_blocks, model_fingerprint, num_blocks
+from ..plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
+from ..provenance import __version__, library_versions, model_identity
+from ..recovery import RECOVERY_FILE, attached_operators
+from ..report import PROTOCOLS, PruneProvenance, SwapReport, encode_float, set_key
+from ..selection import greedy_select, resolve_protect
+from ..sparsity import ALLOCATORS, PRUNERS, SparsityReport, config_record, sparsity_in_model
+from ..sparsity.engine import prunable_linears
+from ..surgery import original_indices
+from ..tasks import task_card_section
 
 __all__ = [
     "CARD_TEMPLATE",
@@ -78,7 +78,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "modelcard_template.md"
+CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "modelcard_template.md"
 REPORT_FILE = "layerswap_report.json"
 EVALUATION_FILE = "layerswap_evaluation.json"
 SPARSITY_FILE = "layerswap_sparsity.json"
