@@ -1,5 +1,9 @@
 """Layer-removal criteria, ours and the field's, measured in one harness.
 
+One module on purpose: the harness (:func:`compare_criteria`, one resumable run), the
+merging of its states and reports and its result types share one state format; the
+criteria it compares live in :mod:`hf_layerswap.selection`.
+
 The criteria that read the model are selection strategies, one module each in
 :mod:`hf_layerswap.selection` (and importable from here under their old names); this module
 holds the comparison harness (:func:`compare_criteria`), the controls (``random``,

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -43,18 +42,6 @@ LAZY_IMPORTS = {
     "pydoc_data",  # the embedded text (a large data module)
     "fcntl",  # POSIX only: folder locks where the platform has them
 }
-
-#: Modules whose imports inside functions are still to be moved to the top, each with the
-#: modules it still imports that way. The list only shrinks: a module leaves it when it is
-#: restructured (the test fails when an entry is no longer needed).
-NOT_YET_MOVED: dict[str, set[str]] = {}
-
-#: Modules over :data:`MAX_LINES` still to be split (or to state why they stay whole).
-NOT_YET_SPLIT = {"hf_layerswap.baselines", "hf_layerswap.card.render"}
-
-#: Private names benchmarks or tests still use, by file, until their module exports them.
-PRIVATE_USES_LEFT: set[str] = set()
-
 
 # ----------------------------------------------------------------------------- helpers
 def _modules() -> dict[str, Path]:
@@ -104,14 +91,11 @@ def _imports(module: str, path: Path):
     return found
 
 
-def _graph(*, pending: bool = False) -> dict[str, set[str]]:
-    """Module -> the package modules it imports; ``pending=True`` leaves out the imports
-    inside functions that :data:`NOT_YET_MOVED` lists."""
+def _graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (module-level and inside functions)."""
     edges = {m: set() for m in MODULES}
     for module, path in MODULES.items():
-        for name, function, _ in _imports(module, path):
-            if pending and function is not None and name in NOT_YET_MOVED.get(module, ()):
-                continue
+        for name, _, _ in _imports(module, path):
             if name in MODULES and name != module:
                 edges[module].add(name)
     return edges
@@ -172,23 +156,17 @@ def test_cycle_finder_sees_a_cycle():
 
 
 def test_no_import_cycles():
-    cycles = _cycles(_graph(pending=True))
+    cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_function_level_imports_only_for_optional_dependencies():
-    bad, used = [], set()
+    bad = []
     for module, path in MODULES.items():
         for name, function, line in _imports(module, path):
-            if function is None or name.split(".")[0] in LAZY_IMPORTS:
-                continue
-            if name in NOT_YET_MOVED.get(module, ()):
-                used.add((module, name))
-                continue
-            bad.append(f"{path.relative_to(ROOT)}:{line} {function}() imports {name}")
+            if function is not None and name.split(".")[0] not in LAZY_IMPORTS:
+                bad.append(f"{path.relative_to(ROOT)}:{line} {function}() imports {name}")
     assert not bad, "imports inside functions (move them to the top of the module):\n" + "\n".join(sorted(set(bad)))
-    stale = sorted(f"{m}: {n}" for m, names in NOT_YET_MOVED.items() for n in names if (m, n) not in used)
-    assert not stale, "NOT_YET_MOVED entries no longer needed (remove them):\n" + "\n".join(stale)
 
 
 def _private_uses(path: Path) -> list[str]:
@@ -247,15 +225,8 @@ def test_private_use_finder(tmp_path):
 
 @pytest.mark.parametrize("folder", ["benchmarks", "tests"])
 def test_no_private_names_outside_the_package(folder):
-    uses = [use for path in sorted((ROOT / folder).rglob("*.py")) for use in _private_uses(path)]
-    bad = [use for use in uses if re.sub(r":\d+ ", ": ", use) not in PRIVATE_USES_LEFT]
+    bad = [use for path in sorted((ROOT / folder).rglob("*.py")) for use in _private_uses(path)]
     assert not bad, f"{folder}/ uses private hf_layerswap names:\n" + "\n".join(bad)
-
-
-def test_private_uses_left_are_still_there():
-    uses = {re.sub(r":\d+ ", ": ", use) for folder in ("benchmarks", "tests")
-            for path in sorted((ROOT / folder).rglob("*.py")) for use in _private_uses(path)}
-    assert not PRIVATE_USES_LEFT - uses, f"PRIVATE_USES_LEFT entries no longer needed: {sorted(PRIVATE_USES_LEFT - uses)}"
 
 
 def test_large_modules_say_why():
@@ -264,10 +235,8 @@ def test_large_modules_say_why():
         lines = path.read_text(encoding="utf-8").splitlines()
         if len(lines) > MAX_LINES:
             doc = ast.get_docstring(ast.parse("\n".join(lines))) or ""
-            if LARGE_MODULE_MARKER not in "\n".join(doc.splitlines()[:8]) and module not in NOT_YET_SPLIT:
+            if LARGE_MODULE_MARKER not in "\n".join(doc.splitlines()[:8]):
                 bad.append(f"{module}: {len(lines)} lines")
-        elif module in NOT_YET_SPLIT:
-            bad.append(f"{module}: {len(lines)} lines, listed in NOT_YET_SPLIT (remove it there)")
     assert not bad, (
         f"modules over {MAX_LINES} lines without {LARGE_MODULE_MARKER!r} at the top of the docstring:\n" + "\n".join(bad)
     )

@@ -1,0 +1,453 @@
+"""The checks a card runs once on its inputs (a report or sparsity record that does not
+describe the model is refused) and the facts it reads from them: identity, base model,
+license, parameter counts, the removal steps and their selection rule."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from huggingface_hub import ModelCard, try_to_load_from_cache
+from transformers import AutoModelForCausalLM
+
+from ..plan import decoder_blocks, model_fingerprint, num_blocks
+from ..provenance import model_identity
+from ..recovery import RECOVERY_FILE, attached_operators
+from ..report import PROTOCOLS, encode_float, PruneProvenance, SwapReport
+from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, SparsityReport
+from ..sparsity.engine import prunable_linears
+from ..surgery import original_indices
+
+from .format import _DASH, _DEFAULT_PROTECT, _DEFAULT_SPACING, _HUB_ID, _cell, _indices
+
+
+
+# ---------------------------------------------------------------------- inputs
+def _split_model(model_or_config):
+    """(model or None, top-level config)."""
+    if hasattr(model_or_config, "config") and hasattr(model_or_config, "parameters"):
+        return model_or_config, model_or_config.config
+    if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):
+        return None, model_or_config
+    raise TypeError(
+        f"render_card needs a transformers model or its config (PreTrainedConfig), got {type(model_or_config).__name__}"
+    )
+
+
+def _text_config(config):
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def _current_blocks(model, config) -> int:
+    if model is not None:
+        return num_blocks(model)
+    return int(_text_config(config).num_hidden_layers)
+
+
+def _record(config) -> dict:
+    record = getattr(config, "layerswap", None)
+    return dict(record) if isinstance(record, Mapping) else {}
+
+
+def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
+    """Reasons why ``report`` does not describe ``model_or_config`` (empty list = it does).
+
+    A report belongs to a model when it scored the blocks the model was pruned from:
+    ``report.num_layers`` equals ``config.layerswap["original_num_hidden_layers"]`` for a
+    pruned model (the current block count otherwise), every removed index is in range,
+    when the report carries a weight fingerprint (:func:`~hf_layerswap.plan.model_fingerprint`)
+    it matches the model's (an unpruned model's current one, or the
+    ``fingerprint_before`` of the first removal step), and, when the removal step recorded
+    a score summary, the report's per-layer scores are the recorded ones.
+    """
+    if not isinstance(report, SwapReport):
+        return [f"report must be a SwapReport, got {type(report).__name__}"]
+    model, config = _split_model(model_or_config)
+    record = _record(config)
+    current = _current_blocks(model, config)
+    expected = int(record.get("original_num_hidden_layers", current))
+    problems = []
+    if report.num_layers != expected:
+        what = "the model was pruned from" if record else "the model has"
+        problems.append(f"the report scored {report.num_layers} blocks but {what} {expected} blocks")
+        return problems
+    expected_fp = (report.metadata.get("model") or {}).get("fingerprint")
+    if expected_fp:
+        steps = record.get("steps") or [{}]
+        actual_fp = steps[0].get("fingerprint_before") if record else None
+        if not record and model is not None:
+            actual_fp = model_fingerprint(model)
+        if actual_fp and actual_fp != expected_fp:
+            when = "before removal" if record else "now"
+            problems.append(
+                f"the report's weight fingerprint {expected_fp[:16]}... differs from the model's "
+                f"{actual_fp[:16]}... ({when}): it was computed on other weights"
+            )
+    removed = list(record.get("removed_layers", []))
+    outside = [i for i in removed if not 0 <= i < report.num_layers]
+    if outside:
+        problems.append(f"removed layers {outside} are outside the report's 0..{report.num_layers - 1}")
+    for k, step in enumerate(record.get("steps", [])):
+        summary = step.get("scores")
+        if not isinstance(summary, Mapping) or summary.get("num_layers") != report.num_layers:
+            continue
+        for protocol in report.protocols:
+            recorded = summary.get(f"{protocol}_layer_scores")
+            if recorded is None:
+                continue
+            mine = [encode_float(v) for v in report.layer_scores(protocol)]
+            if list(recorded) != mine:
+                problems.append(
+                    f"the report's {protocol} layer scores differ from those recorded in config.layerswap "
+                    f"(step {k}): this is not the report the removal was selected from"
+                )
+    return problems
+
+
+def _sparsity_summary(config, sparsity) -> dict | None:
+    """The sparsity summary to show: :func:`~hf_layerswap.sparsity.config_record` of the
+    report when given, else ``config.layerswap_sparsity`` (written by ``sparsify``)."""
+    record = getattr(config, "layerswap_sparsity", None)
+    record = dict(record) if isinstance(record, Mapping) else None
+    if sparsity is not None:
+        summary = config_record(sparsity)
+        if record and record.get("previous"):  # the report matches the record (checked): keep its history
+            summary["previous"] = record["previous"]
+        return summary
+    return record
+
+
+def _weight_mismatches(model_or_config, record: Mapping, what: str) -> list[str]:
+    """Block coverage and, for a model, per-block zero counts against ``record``."""
+    model, config = _split_model(model_or_config)
+    original = [int(i) for i in record["original_blocks"]]
+    current = original_indices(config, _current_blocks(model, config))
+    missing = [i for i in current if i not in original]
+    if missing:
+        return [f"{what} covers blocks {original} (original numbering) but the model also has blocks {missing}"]
+    if model is None:
+        return []
+
+    problems = []
+    expected_zeros = record.get("block_zeros") or [
+        round(n * a) for n, a in zip(record["block_params"], record["block_achieved"])
+    ]
+    _, _, blocks = decoder_blocks(model)
+    for block, index in zip(blocks, current):
+        zeros = sum(int((lin.weight == 0).sum()) for _, lin in prunable_linears(block))
+        expected = expected_zeros[original.index(index)]
+        if zeros < expected:  # more is fine: weights below fp16/bf16 resolution flush to zero on conversion
+            problems.append(
+                f"block {index} (original numbering) has {zeros} zero weights, fewer than the {expected} {what} "
+                "records: its weights changed after pruning"
+            )
+    return problems
+
+
+def sparsity_mismatches(model_or_config, sparsity=None) -> list[str]:
+    """Reasons why the sparsity evidence does not describe ``model_or_config`` (empty
+    list = it does).
+
+    With a :class:`~hf_layerswap.sparsity.SparsityReport`: it must agree with
+    ``config.layerswap_sparsity`` when the config has one. The report (or, with
+    ``sparsity=None``, the config's own summary) must cover every current block (blocks are
+    matched in the original, pre-removal numbering, so removal after pruning is allowed),
+    and for a model each current block must hold at least the recorded number of zero
+    weights in its ``nn.Linear`` layers (weights changed after pruning, e.g. by training
+    or a fused repair, are caught; a few more zeros are allowed, as a conversion to
+    fp16/bf16 flushes surviving weights below its resolution to zero). No sparsity
+    evidence at all: ``[]``.
+
+    Raises:
+        TypeError: ``sparsity`` is neither ``None`` nor a ``SparsityReport``.
+    """
+    model, config = _split_model(model_or_config)
+    recorded = getattr(config, "layerswap_sparsity", None)
+    recorded = recorded if isinstance(recorded, Mapping) else None
+    if sparsity is None:
+        return _weight_mismatches(model_or_config, recorded, "config.layerswap_sparsity") if recorded else []
+    if not isinstance(sparsity, SparsityReport):
+        raise TypeError(f"sparsity must be a SparsityReport, got {type(sparsity).__name__}")
+    problems = []
+    mine = config_record(sparsity)
+    if recorded is not None:
+        keys = ("method", "allocation", "pattern", "target_sparsity", "num_params", "num_zeros", "original_blocks",
+                "block_achieved")
+        differ = [k for k in keys if recorded.get(k) != mine[k]]
+        if differ:
+            problems.append(f"the sparsity report differs from config.layerswap_sparsity in {differ}")
+    return problems + _weight_mismatches(model_or_config, mine, "the sparsity report")
+
+
+def sparsity_refusal(problems: Sequence[str], sparsity_report) -> str:
+    """The error message for :func:`sparsity_mismatches` problems."""
+    if sparsity_report is not None:
+        return "the sparsity report does not belong to this model: " + "; ".join(problems)
+    return (
+        "the sparsity summary in config.layerswap_sparsity no longer describes this model: " + "; ".join(problems)
+        + " (run sparsify again, or delete model.config.layerswap_sparsity if the model is no longer the pruned one)"
+    )
+
+
+def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
+    """Rows of the card's sparsity section (original block numbering)."""
+    kept = set(original_indices(config, current))
+    allocator = dict(summary.get("allocator") or {})
+    statistics = [b.statistic for b in sparsity.blocks] if sparsity is not None else [None] * len(summary["block_targets"])
+    blocks = [
+        {
+            "block": index,
+            "target": f"{target:.4f}",
+            "achieved": f"{achieved:.4f}",
+            "statistic": _DASH if stat is None else f"{stat:.4g}",
+            "status": "kept" if index in kept else "removed after pruning",
+        }
+        for index, target, achieved, stat in zip(
+            summary["original_blocks"], summary["block_targets"], summary["block_achieved"], statistics
+        )
+    ]
+    allocation = summary["allocation"]
+    entry = ALLOCATORS.get(allocation)  # a record from a method this install does not have: its name only
+    options = entry.card_options(allocator) if entry is not None and entry.card_options is not None else []
+    pruner = PRUNERS.get(summary["method"])
+    rows = [
+        ("Method", pruner.label if pruner is not None else summary["method"]),
+        ("Pattern", summary["pattern"] + " (N:M semi-structured)" if summary["pattern"] else "unstructured"),
+        ("Layerwise allocation", (entry.label if entry is not None else allocation)
+         + (f"; {', '.join(options)}" if options else "")),
+    ]
+    if allocator.get("statistic"):
+        rows.append(("Allocator statistic", allocator["statistic"]))
+    if allocator.get("budget"):
+        rows.append(("Budget rule", allocator["budget"]))
+    rows += [
+        ("Target sparsity", _pct_plain(summary["target_sparsity"])),
+        ("Achieved sparsity", f"{_pct_plain(summary['achieved_sparsity'], 4)} ({summary['num_zeros']:,} of "
+         f"{summary['num_params']:,} weights of the blocks' linear layers are zero)"),
+        ("Kept dense", _dense_note(_dense_in_model(summary, kept))),
+    ]
+    if any(b not in kept for b in summary["original_blocks"]):
+        rows.insert(-1, ("Achieved sparsity, blocks still in the model",
+                         _pct_plain(sparsity_in_model(summary, kept), 4) + " (some blocks were removed after pruning)"))
+    earlier = summary.get("previous") or []
+    if earlier:
+        rows.append(("Earlier pruning passes (oldest first)", "; ".join(
+            f"{e.get('method')}, {e.get('pattern') or 'unstructured'}, {e.get('allocation')} allocation, target "
+            f"{_pct_plain(e.get('target_sparsity', 0.0))}, achieved {_pct_plain(e.get('achieved_sparsity', 0.0), 4)}"
+            for e in earlier
+        ) + " (the zeros they left count in the achieved sparsity above)"))
+    cal = summary.get("calibration") or {}
+    data_free = summary["method"] == "magnitude" and allocation in ("uniform", "random")
+    if cal.get("description") and not data_free:
+        rows.append(("Calibration", f"{cal['description']} (content hash {str(cal.get('content_hash'))[:12]})"))
+    if summary["method"] == "magnitude":
+        intro = ("The linear layers inside the decoder blocks were pruned one-shot by weight magnitude"
+                 + ("" if data_free else "; the calibration set only fed the allocator's per-block statistics") + ".")
+    else:
+        intro = ("The linear layers inside the decoder blocks were pruned one-shot, block by block, each block "
+                 "calibrated on the outputs of the already-pruned blocks.")
+    intro += " The zeros are stored as ordinary dense safetensors weights."
+    return {"intro": intro, "rows": [(key, _cell(value)) for key, value in rows], "blocks": blocks}
+
+
+def _dense_in_model(summary: Mapping, kept) -> int | None:
+    per_block = summary.get("block_dense_params")
+    if not isinstance(per_block, list):
+        return None
+    return sum(int(n) for b, n in zip(summary["original_blocks"], per_block) if b in kept)
+
+
+def _dense_note(dense_block_params) -> str:
+    note = "everything outside the decoder blocks (embeddings, LM head, any other tower)"
+    if isinstance(dense_block_params, int) and dense_block_params > 0:
+        note += (f", and the {dense_block_params:,} parameters of the blocks still in the model that are not "
+                 "`nn.Linear` weight matrices (biases, norms, fused MoE expert tensors and the like)")
+    return note
+
+
+def _pct_plain(fraction: float, digits: int = 2) -> str:
+    return f"{100 * fraction:.{digits}f}%"
+
+
+def _recovery_record(model, record: Mapping) -> dict:
+    """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the ghosted
+    operators actually attached (the record can lag behind a later removal)."""
+    recovery = dict(record.get("recovery")) if isinstance(record.get("recovery"), Mapping) else {}
+    if model is not None:
+        ops = attached_operators(model)
+        if ops:
+            recovery.update(method="ghosted", boundaries=[b for b, _ in ops], file=recovery.get("file", RECOVERY_FILE))
+    return recovery
+
+
+def _recovery_row(recovery: Mapping) -> tuple[str, str] | None:
+    if not recovery.get("method"):
+        return None
+    boundaries = _indices(recovery.get("boundaries", []))
+    if recovery["method"] == "ghosted":
+        return ("Repair of the cut", f"Ghosted Layers closed-form operator I + M at boundaries {boundaries} "
+                f"(pruned numbering), stored in `{recovery.get('file')}`")
+    if recovery["method"] == "fused":
+        return ("Repair of the cut", f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
+                f"{boundaries} (pruned numbering): plain transformers weights")
+    return ("Repair of the cut", _cell(recovery["method"]))
+
+
+def normalize_evaluation(evaluation) -> dict[str, dict] | None:
+    """``{"base": ..., "pruned": ...}`` of perplexity results -> plain dicts.
+
+    Each value may be a :class:`hf_layerswap.evaluation.PerplexityResult` (anything with
+    ``to_dict()``) or its dict (keys ``ppl``, ``nll``, ``tokens``, ``windows``,
+    ``ci_low``, ``ci_high``, ``contract``). Either key may be missing.
+
+    Raises:
+        TypeError: ``evaluation`` is not a mapping, or a value is neither a result nor a dict.
+        ValueError: an unknown key, or a value without a finite positive ``ppl``.
+    """
+    if evaluation is None:
+        return None
+    if not isinstance(evaluation, Mapping):
+        raise TypeError(f"evaluation must be a dict {{'base': ..., 'pruned': ...}}, got {type(evaluation).__name__}")
+    unknown = sorted(set(evaluation) - {"base", "pruned"})
+    if unknown:
+        raise ValueError(f"evaluation has unknown keys {unknown}: allowed 'base' and 'pruned'")
+    out = {}
+    for key, value in evaluation.items():
+        if value is None:
+            continue
+        if hasattr(value, "to_dict"):
+            value = value.to_dict()
+        if not isinstance(value, Mapping):
+            raise TypeError(f"evaluation[{key!r}] must be a PerplexityResult or its dict, got {type(value).__name__}")
+        ppl = value.get("ppl")
+        if not isinstance(ppl, (int, float)) or isinstance(ppl, bool) or not math.isfinite(ppl) or ppl <= 0:
+            raise ValueError(f"evaluation[{key!r}]['ppl'] must be a finite positive number, got {ppl!r}")
+        out[key] = json.loads(json.dumps(dict(value), default=str))
+    return out or None
+
+
+def _is_hub_id(name) -> bool:
+    return isinstance(name, str) and bool(_HUB_ID.match(name)) and not name.endswith(".gguf") and not os.path.exists(name)
+
+
+def _identity(model, report) -> dict:
+    """What is known about the weights the model came from (see hf_layerswap.models)."""
+    ident = {}
+    if report is not None:
+        ident.update({k: v for k, v in (report.metadata.get("model") or {}).items() if v})
+    if model is not None:
+        recorded = getattr(model, "layerswap_identity", None)
+        if not isinstance(recorded, Mapping):
+            try:
+                recorded = model_identity(model)
+            except Exception:  # identity is best effort (a model without a usable config)
+                recorded = None
+        if isinstance(recorded, Mapping):
+            ident.update({k: v for k, v in recorded.items() if v})
+    return ident
+
+
+def _resolve_base_model(explicit, config, record, ident) -> str | None:
+    recorded = record.get("base_model")
+    if isinstance(recorded, Mapping):
+        recorded = recorded.get("name")
+    for candidate in (explicit, recorded, ident.get("base_model"), ident.get("name"), getattr(config, "_name_or_path", None)):
+        if _is_hub_id(candidate):
+            return candidate
+    if explicit is not None:
+        raise ValueError(f"base_model={explicit!r} is not a Hub model id of the form 'owner/name'")
+    return None
+
+
+def _resolve_license(explicit, base_model, config) -> str | None:
+    """The license given, else the base model's (its card in the local Hub cache or its folder)."""
+    if explicit:
+        return explicit
+    candidates = []
+    if base_model:
+        try:
+            cached = try_to_load_from_cache(base_model, "README.md")
+            if isinstance(cached, str):
+                candidates.append(cached)
+        except Exception:  # an unreadable cache only means "unknown"
+            pass
+    local = getattr(config, "_name_or_path", None)
+    if local and os.path.isfile(os.path.join(str(local), "README.md")):
+        candidates.append(os.path.join(str(local), "README.md"))
+    for path in candidates:
+        try:
+            license_ = ModelCard.load(path, ignore_metadata_errors=True).data.license
+        except Exception:
+            continue
+        if license_:
+            return license_
+    return None
+
+
+def _parameter_counts(model, config, removed: int, steps) -> tuple[int | None, int | None]:
+    """(parameters before removal, after). Before = after + recorded/derived removed block sizes."""
+    owner = model
+    if owner is None:
+        try:
+            with torch.device("meta"):
+                owner = AutoModelForCausalLM.from_config(config)
+        except Exception:  # a config transformers cannot instantiate: counts unknown
+            return None, None
+    after = sum(p.numel() for p in owner.parameters())
+    recorded = [s.get("removed_parameters") for s in steps]
+    if steps and all(isinstance(r, int) for r in recorded):
+        return after + sum(recorded), after
+    if removed == 0:
+        return after, after
+    sizes = {sum(p.numel() for p in block.parameters()) for block in decoder_blocks(owner)[2]}
+    if len(sizes) != 1:  # blocks differ in size: the removed ones cannot be inferred
+        return None, after
+    return after + removed * sizes.pop(), after
+
+
+def _provenance(step: Mapping) -> PruneProvenance:
+    """The selection record of one removal step (written by :func:`hf_layerswap.pipeline.prune`)."""
+    return PruneProvenance.from_dict(step)
+
+
+def _step_config(steps) -> dict:
+    for step in reversed(steps):
+        config = _provenance(step).config
+        if config is not None:
+            return dict(config)
+    return {}
+
+
+def _selection_rule(steps, report) -> tuple[int, list[int], str]:
+    cfg = _step_config(steps)
+    if "spacing" in cfg and "protect" in cfg:
+        return int(cfg["spacing"]), list(cfg["protect"]), f"spacing={cfg['spacing']}, protect={list(cfg['protect'])}"
+    if report is not None and report.selections:
+        last = report.selections[-1]
+        return int(last["spacing"]), list(last["protect"]), f"spacing={last['spacing']}, protect={list(last['protect'])}"
+    return (
+        _DEFAULT_SPACING,
+        list(_DEFAULT_PROTECT),
+        f"spacing={_DEFAULT_SPACING}, protect={_DEFAULT_PROTECT}: the library defaults, the removal record names none",
+    )
+
+
+def _protocol_of(steps) -> str | None:
+    if _search_record(steps) is not None:
+        return None
+    for step in reversed(steps):
+        record = _provenance(step)
+        if record.auto is not None and record.auto.get("chosen_protocol") in PROTOCOLS:
+            return record.auto["chosen_protocol"]
+        if record.protocol in PROTOCOLS:
+            return record.protocol
+    return None
+
+
+def _search_record(steps) -> Mapping | None:
+    rec = _provenance(steps[-1]).search if steps else None
+    return rec if rec is not None and rec.get("strategy") == "search" else None

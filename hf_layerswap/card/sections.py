@@ -1,0 +1,400 @@
+"""The card's sections as data for the template: the swap-KL report, the candidate sets
+of each protocol and the search, evaluation, calibration, cost, versions and the
+reproduction and loading snippets."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import huggingface_hub
+from huggingface_hub import EvalResult
+
+from ..calibration import shortfall_text
+from ..config import LayerSwapConfig
+from ..provenance import library_versions
+from ..report import PROTOCOLS, set_key, SwapReport
+from ..selection import greedy_select, resolve_protect
+
+from .checks import _provenance, _search_record, _step_config
+from .format import _DASH, _HUB_ID, MAX_PAIR_ROWS, _METRIC_ARGS, _NOT_CONTRACT, REPORT_FILE, _cell, _indices, _kl, _pct, _ratio
+
+
+
+# ---------------------------------------------------------------------- sections
+def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
+    protected = resolve_protect(protect, report.num_layers)
+    scores = {p: report.layer_scores(p) for p in report.protocols}
+    ranks = {p: {layer: n + 1 for n, layer in enumerate(report.ranking(p))} for p in report.protocols}
+    layer_rows = []
+    for layer in range(report.num_layers):
+        status = "**removed**" if layer in removed else ("protected" if layer in protected else "")
+        layer_rows.append(
+            {
+                "layer": layer,
+                "scores": [_kl(scores[p][layer]) for p in report.protocols],
+                "ranks": [ranks[p][layer] for p in report.protocols],
+                "status": status,
+            }
+        )
+    pairs, note = report.pairs, None
+    if len(pairs) > MAX_PAIR_ROWS:
+        key = "interchange" if "interchange" in report.protocols else "replacement"
+        adjacent = [r for r in pairs if r.gap == 1]
+        rest = sorted((r for r in pairs if r.gap > 1), key=lambda r: (_nan_last(r.value(key)), r.i, r.j))
+        pairs = sorted(adjacent + rest[: max(0, MAX_PAIR_ROWS - len(adjacent))], key=lambda r: (r.i, r.j))
+        note = (
+            f"{len(report.pairs)} pairs were scored; the table lists the {len(adjacent)} adjacent pairs and the "
+            f"lowest-{key} pairs further apart ({len(pairs)} rows). Every pair is in `{REPORT_FILE}`."
+        )
+    pair_rows = [
+        {
+            "i": r.i,
+            "j": r.j,
+            "repl_ij": _kl(r.replacement_ij),
+            "repl_ji": _kl(r.replacement_ji),
+            "repl": _kl(r.replacement),
+            "inter": _kl(r.interchange),
+            "ratio": _ratio(r.ratio),
+        }
+        for r in pairs
+    ]
+    gap_summary = None
+    if set(PROTOCOLS) <= set(report.protocols):
+        s = report.protocol_gap()["summary"]
+        if s["finite_pairs"]:
+            gap_summary = (
+                f"mean I/R = {s['mean_ratio']:.3f}, median {s['median_ratio']:.3f} over {s['finite_pairs']} pairs "
+                f"with finite values; interchange ≤ replacement on "
+                f"{100 * s['fraction_interchange_le_replacement']:.0f}% of them (the paper reports "
+                "d_inter ≤ d_repl on every model and pair it measured)."
+            )
+            if len(s["mean_ratio_by_gap"]) > 1:
+                by_gap = ", ".join(f"{g}: {v:.3f}" for g, v in s["mean_ratio_by_gap"].items())
+                gap_summary += f" Mean I/R by pair distance j − i: {by_gap}."
+        nonfinite = s["pairs"] - s["finite_pairs"]
+        if nonfinite:
+            gap_summary = (gap_summary or "") + (
+                f" {nonfinite} pair(s) have a non-finite value (shown as NaN/inf: a result, not dropped)."
+            )
+    return {
+        "protocols": list(report.protocols),
+        "max_gap": report.max_gap,
+        "layer_rows": layer_rows,
+        "pair_rows": pair_rows,
+        "pair_note": note,
+        "gap_summary": gap_summary,
+    }
+
+
+def _nan_last(v):
+    return (1, 0.0) if v is None or not math.isfinite(v) else (0, v)
+
+
+def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
+    rows, sets = [], {}
+    search = _search_record(steps)
+    if search is not None and list(search.get("selected", [])) == list(removed):
+        return _search_candidates(search, report, removed, steps)
+    for p in report.protocols:
+        try:
+            chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
+        except ValueError as err:
+            rows.append({"protocol": p, "layers": f"not possible under these rules ({err})", "removal_kl": _DASH})
+            continue
+        sets[p] = chosen
+        rows.append(
+            {
+                "protocol": p,
+                "layers": _indices(chosen),
+                "removal_kl": _kl(report.removal_kl.get(set_key(chosen))),
+            }
+        )
+    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    return rows, _why(steps, removed, sets), removed_kl
+
+
+def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str, str]:
+    """Rows for each protocol's greedy set (paper's rule, spacing >= 1) as the search scored them."""
+    rows, sets = [], {}
+    objective = search.get("objective", "removal_kl")
+    for p in report.protocols:
+        entry = (search.get("protocol_sets") or {}).get(p)
+        if entry is None:
+            rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
+                         "removal_kl": _DASH})
+            continue
+        sets[p] = list(entry["set"])
+        value = entry.get("value")
+        if objective != "removal_kl":
+            value = report.removal_kl.get(set_key(entry["set"]))
+        rows.append({"protocol": p, "layers": _indices(entry["set"]), "removal_kl": _kl(value)})
+    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    cost = search.get("cost") or {}
+    values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
+    unit = search.get("unit", "nats")
+    reason = (
+        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
+        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
+        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
+        f"{_kl(search.get('value'))} {unit}"
+    )
+    if values:
+        reason += " against " + ", ".join(f"{p} {_kl(v)}" for p, v in values.items())
+    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
+               "passes). It has the lowest value of every set scored.")
+    if len(steps) > 1:
+        reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: " + reason
+    matching = [p for p, s in sets.items() if s == list(removed)]
+    if matching:
+        reason += f" It is also the set the {' and '.join(matching)} rule picks."
+    else:
+        reason += " Neither protocol's greedy rule picks it."
+    return rows, reason, removed_kl
+
+
+def _why(steps, removed, sets) -> str:
+    record = _provenance(steps[-1] if steps else {})
+    auto = record.auto
+    if len(steps) > 1:
+        reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: "
+    else:
+        reason = ""
+    if auto:
+        kl = auto.get("removal_kl", {})
+        reason += (
+            "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
+            f"calibration prompts (interchange {_kl(kl.get('interchange'))}, replacement "
+            f"{_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
+            f"({auto.get('reason')})."
+        )
+    elif record.selection == "explicit layers":
+        reason += "the blocks were given explicitly (`LayerSwapConfig(layers=...)` or `remove_layers`)."
+    elif record.protocol in PROTOCOLS:
+        selection = record.selection if record.selection != "not recorded" else "greedy"
+        reason += f"greedy selection on the **{record.protocol}** scores ({selection})."
+    elif steps:
+        reason += "`remove_layers` was called without a selection record."
+    else:
+        reason += "the model carries no removal record (`config.layerswap`)."
+    matching = [p for p, s in sets.items() if list(s) == list(removed)]
+    if len(matching) == len(sets) and sets:
+        reason += " Both protocols pick this same set at this budget."
+    elif matching:
+        reason += f" It is the set the {matching[0]} protocol picks; the other protocol picks a different one."
+    elif sets:
+        reason += " It is neither protocol's greedy set under the rule shown."
+    return reason
+
+
+def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
+    rows = []
+    for key, label in (("base", "base"), ("pruned", "pruned (this model)")):
+        r = evaluation.get(key)
+        if r is None:
+            continue
+        lo, hi = r.get("ci_low"), r.get("ci_high")
+        rows.append(
+            {
+                "name": label,
+                "ppl": f"{r['ppl']:.3f}",
+                "ci": f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else _DASH,
+                "nll": _kl(r["nll"] / r["tokens"]) if r.get("nll") is not None and r.get("tokens") else _DASH,
+                "tokens": f"{r['tokens']:,}" if isinstance(r.get("tokens"), int) else _DASH,
+                "windows": f"{r['windows']:,}" if isinstance(r.get("windows"), int) else _DASH,
+            }
+        )
+    base, pruned = evaluation.get("base"), evaluation.get("pruned")
+    delta = _pct(100 * (pruned["ppl"] / base["ppl"] - 1)) if base and pruned else None
+    contracts = [{k: v for k, v in (r.get("contract") or {}).items() if k not in _NOT_CONTRACT} for r in (base, pruned) if r]
+    contract = contracts[-1]
+    warning = None
+    if len(contracts) == 2 and contracts[0] != contracts[1]:
+        keys = sorted(k for k in set(contracts[0]) | set(contracts[1]) if contracts[0].get(k) != contracts[1].get(k))
+        warning = (
+            "the base and pruned perplexities were measured under different contracts (differing: "
+            f"{', '.join(keys)}); the ΔPPL is not a like-for-like comparison."
+        )
+    section = {
+        "rows": rows,
+        "delta": delta,
+        "warning": warning,
+        "contract": [(k, _cell(v)) for k, v in contract.items()] or [("contract", "not recorded")],
+    }
+    return section, _eval_results(evaluation, contract)
+
+
+def _eval_results(evaluation: dict, contract: Mapping) -> list:
+    dataset = str(contract.get("dataset") or "")
+    if dataset.startswith("wikitext-"):  # hf_layerswap.evaluation names WikiText files by their config
+        dataset_fields = dict(dataset_type="wikitext", dataset_name="WikiText-2 (raw)", dataset_config=dataset)
+    else:  # text that is not a Hub dataset: name its source
+        source = contract.get("source") or dataset or "text of unrecorded origin (no contract)"
+        dataset_fields = dict(dataset_type="text", dataset_name=str(source))
+    common = dict(
+        task_type="text-generation",
+        task_name="Causal language modeling",
+        dataset_split=str(contract.get("split") or "test"),
+        metric_type="perplexity",
+        **dataset_fields,
+    )
+    args = {k: contract[k] for k in _METRIC_ARGS if isinstance(contract.get(k), (int, float, str, bool))}
+    results = []
+    for key, name in (("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")):
+        if key in evaluation:
+            results.append(
+                EvalResult(
+                    **common,
+                    metric_value=round(float(evaluation[key]["ppl"]), 4),
+                    metric_name=name,
+                    metric_args=args or None,
+                )
+            )
+    return results
+
+
+def _calibration_rows(report, steps, ident) -> list:
+    meta = report.metadata if report is not None else {}
+    cal = dict(meta.get("calibration") or {})
+    if not cal:
+        for step in reversed(steps):
+            recorded = _provenance(step).calibration
+            if recorded is not None:
+                cal = dict(recorded)
+                break
+    if not cal and not meta:
+        return []
+    rows = [
+        ("Source", cal.get("description", "not recorded")),
+        ("Content hash", f"`{cal['content_hash']}`" if cal.get("content_hash") else "not recorded"),
+    ]
+    n, seq, tokens = cal.get("num_prompts", meta.get("num_prompts")), cal.get("seq_len", meta.get("seq_len")), cal.get(
+        "num_tokens", meta.get("num_tokens")
+    )
+    if n is not None:
+        rows.append(("Prompts × tokens", f"{n} prompts × up to {seq} tokens ({tokens:,} real tokens)" if isinstance(tokens, int) else f"{n} × {seq}"))
+    if isinstance(cal.get("shortfall"), Mapping):
+        rows.append(("Shortfall", f"**fewer prompts than requested**: {shortfall_text(cal['shortfall'])}"))
+    if cal.get("add_special_tokens") is not None:
+        rows.append(
+            (
+                "Tokenizer special tokens",
+                "`add_special_tokens=True`: the tokenizer's own BOS policy (the source line says whether a BOS was added)"
+                if cal["add_special_tokens"]
+                else "`add_special_tokens=False`: no BOS/EOS added",
+            )
+        )
+    for key, label in (
+        ("dtype", "Model dtype while scoring"),
+        ("softmax_dtype", "Softmax dtype"),
+        ("seed", "Paragraph shuffle seed"),
+        ("batch_size", "Batch size"),
+        ("token_averaging", "Averaging"),
+        ("kl_direction", "KL direction"),
+    ):
+        if key in meta:
+            rows.append((label, _cell(meta[key])))
+    if ident.get("name"):
+        rows.append(("Scored model", _display_identity(ident)))
+    return rows
+
+
+def _display_identity(ident: Mapping) -> str:
+    """A model identity for the card: Hub id and revision, never a local path."""
+    source = ident.get("source") if isinstance(ident.get("source"), Mapping) else {}
+    name = str(source.get("upstream") or ident["name"])
+    revision = f" @ {ident['revision']}" if ident.get("revision") else ""
+    if _HUB_ID.match(name):
+        return f"{name}{revision}"
+    if os.sep in name or name.startswith((".", "~")):
+        return f"local checkpoint `{Path(name).name}`{revision}"
+    return f"{name}{revision}"
+
+
+def _cost_rows(report) -> list:
+    if report is None:
+        return []
+    m = report.metadata
+    rows = []
+    if "forward_passes" in m:
+        rows.append(("Forward passes", f"{m['forward_passes']} sweeps over the calibration set (1 reference + 1 per probe)"))
+    if "block_evaluations" in m:
+        rows.append(("Block evaluations", f"{m['block_evaluations']:,}" + (" (unchanged prefixes reused)" if m.get("prefix_reuse") else "")))
+    if "seconds" in m:
+        rows.append(("Wall time", f"{m['seconds']:.1f} s"))
+    rows.append(("Hardware", _cell(m.get("hardware", "not recorded"))))
+    return rows
+
+
+def _versions(report, steps, evaluation) -> dict:
+    columns = {}
+    if report is not None and isinstance(report.metadata.get("library_versions"), Mapping):
+        columns["scoring"] = report.metadata["library_versions"]
+    if steps and isinstance(steps[-1].get("library_versions"), Mapping):
+        columns["removal"] = steps[-1]["library_versions"]
+    pruned = (evaluation or {}).get("pruned") or {}
+    contract = pruned.get("contract") or {}
+    evaluated = contract.get("library_versions") or contract.get("versions")
+    if isinstance(evaluated, Mapping):
+        columns["evaluation"] = evaluated
+    columns["card"] = {**library_versions(), "huggingface_hub": huggingface_hub.__version__}
+    names = list(dict.fromkeys(k for col in columns.values() for k in col))
+    return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
+
+
+def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
+    lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    if ghosted:
+        lines = ["import hf_layerswap  # registers the loader that re-attaches the repair operators", *lines]
+    lines.append(f'model = AutoModelForCausalLM.from_pretrained("{repo}")')
+    if tokenizer_repo:
+        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer_repo}")')
+        lines += [
+            'inputs = tokenizer("The capital of France is", return_tensors="pt")',
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))",
+        ]
+    return "\n".join(lines)
+
+
+def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | None]:
+    cfg = _step_config(steps)
+    defaults = LayerSwapConfig().to_dict()
+    if cfg and len(steps) == 1:
+        keep = ("num_layers", "layers", "protocol")
+        args = {k: v for k, v in cfg.items() if k != "quant_method" and (k in keep or v != defaults.get(k)) and v is not None}
+        args.pop("progress", None)
+    else:
+        args = {"layers": list(removed)}
+    call = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    source = base_model or "<base model id or folder>"
+    lines = [
+        "from transformers import AutoModelForCausalLM",
+        "from hf_layerswap import LayerSwapConfig",
+        "",
+        "model = AutoModelForCausalLM.from_pretrained(",
+        f'    "{source}",',
+        f"    quantization_config=LayerSwapConfig({call}),",
+        ")",
+    ]
+    cal = (report.metadata.get("calibration") if report is not None else None) or {}
+    if "layers" not in args and cal.get("description"):
+        lines.insert(3, f"# calibration used for the scores: {cal['description']} (content hash {cal.get('content_hash')})")
+    notes = []
+    if "layers" in args and report is not None:
+        notes.append(
+            "This removes the same blocks without rescoring. To recompute the scores, run "
+            f"`hf_layerswap.score_layers(model, calibration, max_gap={report.max_gap}, "
+            f"num_prompts={report.metadata.get('num_prompts')}, seq_len={report.metadata.get('seq_len')}, "
+            f"seed={report.metadata.get('seed')})` on the base model with the calibration source above."
+        )
+    source_record = ident.get("source") if isinstance(ident.get("source"), Mapping) else None
+    if source_record and source_record.get("bundled_name"):
+        notes.append(
+            f"The scores were computed on the dequantized GGUF weights ({ident.get('revision')}), not on the "
+            f"original release of `{source_record.get('upstream')}`. To reproduce them exactly: "
+            f"`model, tokenizer = hf_layerswap.models.load_model(\"{source_record['bundled_name']}\")`, then "
+            f"`hf_layerswap.prune_loaded_model(model, LayerSwapConfig({call}))`."
+        )
+    return "\n".join(lines), " ".join(notes) or None
