@@ -18,10 +18,12 @@ from .models import load_model
 from .pipeline import PruneResult, prune
 from .provenance import __version__
 from .plan import apply_plan, capture_residual_stream, decoder_blocks, model_fingerprint, num_blocks
+from .recovery import RecoveryReport, recover
 from .report import PairResult, SwapReport
 from .scoring import masked_kl, removal_kl, score_layers
 from .search import search_select
 from .selection import STRATEGIES, select_layers
+from .sparsity import SparsityReport, sparsify
 from .surgery import check_surgery_invariants, remove_layers
 from .tasks import TaskResults, evaluate_tasks
 
@@ -33,6 +35,8 @@ __all__ = [
     "HubPushError",
     "PerplexityResult",
     "PushRefusedError",
+    "RecoveryReport",
+    "SparsityReport",
     "delta_ppl_percent",
     "evaluate_perplexity",
     "evaluate_tasks",
@@ -41,6 +45,7 @@ __all__ = [
     "load_model",
     "model_fingerprint",
     "push_to_hub",
+    "recover",
     "render_card",
     "save_for_hub",
     "save_gguf",
@@ -67,4 +72,5 @@ __all__ = [
     "removal_kl",
     "score_layers",
     "select_layers",
+    "sparsify",
 ]

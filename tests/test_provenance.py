@@ -21,6 +21,8 @@ from hf_layerswap.recovery import BoundaryFit, RecoveryReport
 from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.sparsity import SparsityReport
 from hf_layerswap.sparsity.report import BlockSparsity, LinearSparsity
+from hf_layerswap.evaluation import GenerationCheck, PerplexityResult
+from hf_layerswap.selection.common import CriterionResult
 from hf_layerswap.tasks import TaskResults
 
 
@@ -82,6 +84,13 @@ def _examples() -> list[JsonResult]:
                     n_samples={"t": 2}),
         peel,
         PeelTrajectory([TrajectoryPoint(checkpoint="ckpt", step=1, peel=peel, swap=swap)]),
+        PerplexityResult(ppl=12.5, nll=25.25, tokens=10, windows=2, ci_low=math.nan, ci_high=None,
+                         contract={"name": "matched"}, window_nll=[12.0, 13.25], window_tokens=[5, 5]),
+        GenerationCheck(prompts=["a"], continuations=["b"], new_tokens=[[1, 2]], distinct_2=[1.0], mean_distinct_2=1.0,
+                        repetition_rate=0.0, cache_consistent=False, cache_mismatches=[0], cache_errors={0: "boom"},
+                        max_new_tokens=2),
+        CriterionResult(name="sleb", n=1, removed=[2], scores=[math.inf, 0.5, 0.25], forward_passes=3, block_passes=9,
+                        seconds=0.5),
     ]
 
 

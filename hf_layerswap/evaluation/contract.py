@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..calibration import EMBEDDED_SOURCE, embedded_text, looks_like_path, read_text_file
+from ..jsonio import JsonResult, decode_tree
 
 
 #: Named contracts: window, stride (tokens) and word limit.
@@ -37,7 +38,7 @@ KNOWN_SOURCES = {
 
 
 @dataclass
-class PerplexityResult:
+class PerplexityResult(JsonResult):
     """Perplexity of one model on one text under one contract.
 
     Attributes:
@@ -67,7 +68,7 @@ class PerplexityResult:
 
     @classmethod
     def from_dict(cls, data: dict) -> PerplexityResult:
-        return cls(**data)
+        return cls(**decode_tree(dict(data)))
 
 
 # ----------------------------------------------------------------------------- text

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from ..jsonio import JsonResult, decode_tree
+
 
 
 #: Neutral prompts for :func:`generation_check` when none are given.
@@ -20,7 +22,7 @@ DEFAULT_PROMPTS = (
 
 
 @dataclass
-class GenerationCheck:
+class GenerationCheck(JsonResult):
     """Greedy continuations and how repetitive they are.
 
     Attributes:
@@ -56,7 +58,7 @@ class GenerationCheck:
 
     @classmethod
     def from_dict(cls, data: dict) -> GenerationCheck:
-        data = dict(data)
+        data = decode_tree(dict(data))
         data["cache_errors"] = {int(k): v for k, v in data.get("cache_errors", {}).items()}  # JSON keys are str
         return cls(**data)
 

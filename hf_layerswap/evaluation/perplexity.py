@@ -178,7 +178,7 @@ def evaluate_perplexity(
         contract: ``"matched"`` (5,000 words, window 512, stride 256), ``"full"`` (all
             of the text, window 2048, stride 2048) or ``"rolling"`` (lm-eval's rolling
             loglikelihood: every token scored after a prefix token, disjoint windows of
-            ``window`` tokens, see :mod:`hf_layerswap.rolling`).
+            ``window`` tokens, see :mod:`hf_layerswap.evaluation.rolling`).
         window, stride, max_words: override the contract's values (recorded).
         bootstrap: window resamples for the 95% CI (0 = none). seed: its RandomState seed.
         batch_size: windows per forward pass.
@@ -201,7 +201,7 @@ def evaluate_perplexity(
         TypeError: ``text`` of an unsupported type.
     """
     check_causal_lm(model)
-    if contract == "rolling":  # lm-eval's loglikelihood_rolling, see hf_layerswap.rolling
+    if contract == "rolling":  # lm-eval's loglikelihood_rolling, see hf_layerswap.evaluation.rolling
         if stride is not None or max_words is not None or paper_token_count:
             raise ValueError("contract='rolling' takes window= (lm-eval's max_length) only, not stride/max_words")
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..calibration import CalibrationSet, build_calibration
+from ..jsonio import JsonResult
 from ..plan import interchange_plan, num_blocks, replacement_plan
 from ..report import SwapReport
 from ..report import _decode_tree as _decode
@@ -27,7 +28,7 @@ __all__ = ["CriterionResult", "as_strategy"]
 
 
 @dataclass
-class CriterionResult:
+class CriterionResult(JsonResult):
     """What a criterion chose for budget ``n`` and what it cost.
 
     Attributes:
