@@ -190,5 +190,11 @@ def test_a_spent_budget_extends_the_best_smaller_set(setup):
     model, calib, report = setup
     found = search_select(report, [1, 2, 3], model=model, calibration=calib, max_evaluations=6, exhaustive_below=0)
     assert found[1]["total_cost"]["evaluator_calls"] >= 6
+    singles = dict(zip(range(1, 7), SetObjective(model, calib)([[i] for i in range(1, 7)])))
     for n in (2, 3):
-        assert set(found[n - 1]["selected"]) < set(found[n]["selected"])
+        prev = found[n - 1]["selected"]
+        assert set(prev) < set(found[n]["selected"])
+        # the block added is the one whose own removal costs least, not a neighbour that comes first
+        best = min((i for i in singles if i not in prev), key=lambda i: (singles[i], i))
+        assert found[n]["selected"] == sorted(prev + [best])
+        assert found[n]["trace"]["candidates"] == 1

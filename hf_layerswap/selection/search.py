@@ -12,7 +12,10 @@ Candidates at budget n (each scored once, cached across levels and budgets):
     - the n lowest single-removal values d_skip({i}),
     - per score source (each protocol, single removal) the two contiguous runs of n
       unprotected blocks with the lowest summed score,
-    - the best set of budget n-1 plus each of the most removable blocks not in it.
+    - the best set of budget n-1 plus each of its neighbours and the most removable blocks
+      not in it, lowest single-removal value first (when ``max_evaluations`` is spent, a
+      budget still scores the first of these: the best set of n-1 grown by the block whose
+      own removal costs least).
 
 Local search from the best candidate: a move swaps one removed block for a kept one
 (the neighbours of the set and the most removable blocks by single-removal value); each
@@ -188,8 +191,10 @@ def search_select(
         if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
             prev = ranked_by_n[n - 1][0]
             extra = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
-                     if c in allowed_set and c not in prev]
-            pool.extend(sorted(prev + [c]) for c in extra[: n + 2])
+                     if c in allowed_set and c not in prev][: n + 2]
+            # best additive prediction f(S) + d({c}) first: the set a spent budget still scores
+            extra.sort(key=lambda c: (_score_key(single[c]), c))
+            pool.extend(sorted(prev + [c]) for c in extra)
         for p in protocols:
             try:
                 greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
