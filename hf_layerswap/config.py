@@ -142,8 +142,10 @@ class LayerSwapConfig(QuantizationConfigMixin):
             the better of the two protocols' greedy sets.
         objective: what ``"search"`` minimises on the calibration prompts:
             ``"removal_kl"``, ``"nll"`` or ``"ghosted"`` (the removal KL after the Ghosted
-            Layers repair). ``None``: ``"ghosted"`` when ``recovery="ghosted"``, else
-            ``"removal_kl"``.
+            Layers repair, fitted and measured on the same prompts). ``None``:
+            ``"removal_kl"``, also with ``recovery="ghosted"``: on SmolLM2-135M the sets it
+            picks are better after the repair than those the in-sample ``"ghosted"``
+            objective picks, at every n = 1..6 (``benchmarks/results/quality-smollm2-135m.md``).
         max_evaluations: most candidate sets ``"search"`` scores (default ``5 * L``).
         protocol: ``"interchange"`` (default), ``"replacement"`` or ``"auto"`` (both
             candidate sets evaluated by joint removal KL; the lower is kept).

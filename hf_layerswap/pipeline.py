@@ -240,7 +240,7 @@ def _strategy_options(cfg: LayerSwapConfig, strategy: str) -> dict:
 
 
 def _objective(cfg: LayerSwapConfig) -> str:
-    return cfg.objective or ("ghosted" if cfg.recovery == "ghosted" else "removal_kl")
+    return cfg.objective or "removal_kl"
 
 
 def _selection_text(cfg: LayerSwapConfig, strategy: str) -> str:

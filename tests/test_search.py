@@ -176,11 +176,20 @@ def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
     model = tiny_model("llama", num_layers=6)
     batch = tiny_batch()
     dense = copy.deepcopy(model)
+    calib = CalibrationSet(batch["input_ids"], batch["attention_mask"], "tensors")
+    # the default objective stays the removal KL with the repair (measured better after it)
     hl.prune_loaded_model(model, hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, recovery="ghosted"))
     record = model.layerswap_report.selections[-1]
-    assert record["strategy"] == "search" and record["objective"] == "ghosted"
+    assert record["strategy"] == "search" and record["objective"] == "removal_kl"
     assert model.config.layerswap["removed_layers"] == record["selected"]
-    calib = CalibrationSet(batch["input_ids"], batch["attention_mask"], "tensors")
+    best, value = _brute_force(SetObjective(dense, calib, "removal_kl"), 2, allowed=range(1, 5))
+    assert record["selected"] == best and record["value"] == value
+    # the repair in the loop, when asked for
+    model = copy.deepcopy(dense)
+    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, recovery="ghosted",
+                                                    objective="ghosted"))
+    record = model.layerswap_report.selections[-1]
+    assert record["objective"] == "ghosted" and model.config.layerswap["removed_layers"] == record["selected"]
     best, value = _brute_force(SetObjective(dense, calib, "ghosted"), 2, allowed=range(1, 5))
     assert record["selected"] == best and record["value"] == value
 
