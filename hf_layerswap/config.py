@@ -5,9 +5,14 @@ The one typed description of a pruning run: :func:`hf_layerswap.pipeline.prune` 
 transformers' quantizer plugin API (:mod:`hf_layerswap.integration`, which re-exports
 every name here), ``hf-layerswap prune`` and the demo build it from their flags, and its
 :meth:`~LayerSwapConfig.to_dict` is recorded in ``config.layerswap["steps"][k]["config"]``.
-Closed choices are ``Literal`` types (the allowed lists come from them), every field is
-checked in :meth:`LayerSwapConfig.validate`, and the repair and the sparsification have
-sub-configs (:class:`RecoveryConfig`, :class:`SparsityConfig`).
+Every field is checked in :meth:`LayerSwapConfig.validate`. The closed choices
+(``protocol``, ``objective``) are ``Literal`` types and the allowed lists come from them;
+the choices with a registry (``strategy``, the ``recovery`` method, the sparsity
+``allocation`` and ``method``) are checked against the registry when the config is
+validated, so a name added with ``register_strategy``, ``register_recovery_method``,
+``register_allocator`` or ``register_pruner`` is accepted (their ``Literal`` annotations
+name the built-ins). The repair and the sparsification have sub-configs
+(:class:`RecoveryConfig`, :class:`SparsityConfig`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .plan import as_index
 from .provenance import public_name
+from .recovery import RECOVERY_METHODS
 from .selection import STRATEGIES
 from .sparsity import check_arguments, check_bound
 
@@ -43,10 +49,21 @@ RUNTIME_ONLY = ("calibration", "tokenizer", "progress")
 #: Allowed values of the closed choices (the ``Literal`` types are the single source).
 ProtocolName = Literal["replacement", "interchange", "auto"]
 ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
+#: The built-in names of the choices with a registry; validation reads the registries
+#: (:data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
+#: :data:`~hf_layerswap.sparsity.PRUNERS`), so registered names are allowed too.
 RecoveryMethod = Literal["ghosted", "fused"]
 AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
 PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
-_RECOVERY_METHODS = (None,) + get_args(RecoveryMethod)
+#: The recovery registry's plain removal (``"none"``), which the config spells ``recovery=None``.
+_PLAIN_REMOVAL = "none"
+
+
+def _recovery_choices() -> list:
+    """The allowed ``recovery`` values now: ``None`` (plain removal) and every method
+    registered with :func:`~hf_layerswap.recovery.register_recovery_method` but
+    ``"none"``."""
+    return [None] + [name for name in RECOVERY_METHODS if name != _PLAIN_REMOVAL]
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False):
@@ -56,8 +73,8 @@ def _check_int(name: str, value, minimum: int, allow_none: bool = False):
         raise ValueError(f"LayerSwapConfig({name}={value!r}): must be an int >= {minimum}")
 
 
-def _check_choice(name: str, value, literal, allow_none: bool = False):
-    allowed = list(get_args(literal))
+def _check_choice(name: str, value, allowed, allow_none: bool = False):
+    allowed = list(allowed)
     if value is None and allow_none:
         return
     if value not in allowed:
@@ -90,8 +107,9 @@ class RecoveryConfig:
     """Repair of the cut (:func:`hf_layerswap.recovery.recover`).
 
     Attributes:
-        method: ``"ghosted"`` (Ghosted Layers, arXiv 2605.15491, operators attached) or
-            ``"fused"`` (folded into ``down_proj``).
+        method: ``"ghosted"`` (Ghosted Layers, arXiv 2605.15491, operators attached),
+            ``"fused"`` (folded into ``down_proj``) or a name registered with
+            :func:`~hf_layerswap.recovery.register_recovery_method`.
         num_tokens: at most this many real calibration tokens for the fit; ``None`` = every
             real token of the calibration set, at most 65,536 (:func:`~hf_layerswap.recovery.recover`).
         epsilon: relative ridge toward the identity (>= 0); ``None`` = the method's default.
@@ -133,7 +151,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
             removing original blocks 1 and 4 of 8, current block 2 is original block 3).
             ``config.layerswap`` and the card record every step in both numberings.
         strategy: how the set is chosen, a name in
-            :data:`hf_layerswap.selection.STRATEGIES`. Default ``"search"``: whole
+            :data:`hf_layerswap.selection.STRATEGIES` (the built-ins and those added with
+            :func:`~hf_layerswap.selection.register_strategy`). Default ``"search"``: whole
             candidate sets from both protocols (each protocol's greedy set, lowest-scored
             layers, low-score contiguous runs, single-removal ranking) scored on the
             calibration prompts and refined by local moves
@@ -160,7 +179,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         tokenizer: tokenizer for text calibration (runtime only); default: loaded from
             the checkpoint directory or Hub id being loaded.
         num_prompts, seq_len, batch_size, seed: calibration budget.
-        recovery: repair of the cut: ``None``, a method name (``"ghosted"``, ``"fused"``),
+        recovery: repair of the cut: ``None``, a method name (``"ghosted"``, ``"fused"``
+            or one registered with :func:`~hf_layerswap.recovery.register_recovery_method`),
             a :class:`RecoveryConfig` or a dict of its fields.
         recovery_num_tokens, recovery_epsilon: the other :class:`RecoveryConfig` fields
             in flat form.
@@ -168,8 +188,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
             [0, 1), a :class:`SparsityConfig` or a dict of its fields (then
             ``allocation``, ``method`` and ``sparsity_pattern`` come from it).
         allocation, method, sparsity_pattern: the other :class:`SparsityConfig` fields in
-            flat form (see :func:`hf_layerswap.sparsity.sparsify`; checked only when
-            ``sparsity`` is set).
+            flat form (see :func:`hf_layerswap.sparsity.sparsify`; checked against the
+            registries of :func:`~hf_layerswap.sparsity.register_allocator` and
+            :func:`~hf_layerswap.sparsity.register_pruner`, only when ``sparsity`` is set).
         progress: show progress bars (runtime only).
         version: format version of the serialized config (:data:`CONFIG_VERSION`).
 
@@ -292,20 +313,18 @@ class LayerSwapConfig(QuantizationConfigMixin):
                     f"LayerSwapConfig(num_layers={self.num_layers}, layers={layers}) is contradictory: "
                     f"layers names {len(layers)} blocks"
                 )
-        _check_choice("protocol", self.protocol, ProtocolName)
+        _check_choice("protocol", self.protocol, get_args(ProtocolName))
         _check_int("max_gap", self.max_gap, 1)
         _check_int("spacing", self.spacing, 0)
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"LayerSwapConfig(strategy={self.strategy!r}): allowed {sorted(STRATEGIES)}")
-        _check_choice("objective", self.objective, ObjectiveName, allow_none=True)
+        _check_choice("strategy", self.strategy, sorted(STRATEGIES))
+        _check_choice("objective", self.objective, get_args(ObjectiveName), allow_none=True)
         _check_int("max_evaluations", self.max_evaluations, 1, allow_none=True)
         _check_int("num_prompts", self.num_prompts, 1)
         _check_int("seq_len", self.seq_len, 2)
         _check_int("batch_size", self.batch_size, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
-        if self.recovery not in _RECOVERY_METHODS:
-            raise ValueError(f"LayerSwapConfig(recovery={self.recovery!r}): allowed {list(_RECOVERY_METHODS)}")
+        _check_choice("recovery", self.recovery, _recovery_choices())
         if self.recovery is not None and self.num_layers is None and layers is None:
             raise ValueError(f"LayerSwapConfig(recovery={self.recovery!r}) needs num_layers or layers: nothing is removed")
         _check_int("recovery_num_tokens", self.recovery_num_tokens, 1, allow_none=True)

@@ -1,12 +1,15 @@
 """LayerSwapConfig: round trips (dict, JSON string, JSON file, a pruned checkpoint's
-config.json), typed choices, sub-configs, tolerance of newer keys, and one clear error per
-invalid value."""
+config.json), typed choices, sub-configs, tolerance of newer keys, one clear error per
+invalid value, and names added to the strategy, recovery and sparsity registries (accepted,
+round-tripped and run by ``from_pretrained``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
+from types import SimpleNamespace
 from typing import get_args
 
 import pytest
@@ -16,6 +19,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.quantizers.auto import AutoQuantizationConfig
 
 from hf_layerswap import LayerSwapConfig
+from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
+from hf_layerswap.recovery import RecoveryMethod as RepairMethod
+from hf_layerswap.selection import MODEL_STRATEGIES, STRATEGIES, register_strategy
+from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, register_allocator, register_pruner
 from hf_layerswap.integration import (
     CONFIG_VERSION,
     AllocationName,
@@ -157,6 +164,9 @@ def test_choices_are_the_librarys_own():
     assert get_args(AllocationName) == ALLOCATIONS
     assert get_args(PrunerName) == METHODS
     assert get_args(RecoveryMethod) == ("ghosted", "fused")
+    from hf_layerswap.recovery import METHODS as RECOVERY_BUILT_INS
+
+    assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethod)  # "none" is spelt recovery=None here
 
 
 def test_sub_configs_accept_a_dataclass_a_dict_or_the_flat_form():
@@ -250,3 +260,139 @@ def test_from_dict_validates_like_the_constructor(kwargs, message):
     with pytest.raises(ValueError) as err:
         LayerSwapConfig.from_dict({"quant_method": "layerswap", **kwargs})
     assert str(err.value).startswith(message)
+
+
+# ----------------------------------------------------------------------------- registered names
+#: Names the tests below register; none of them is a built-in.
+STRATEGY, REPAIR, ALLOCATOR, PRUNER = "test_fixed_set", "test_noted_repair", "test_alternating", "test_first_columns"
+#: What the registered strategy always returns (0-based blocks of the tiny 6-block model).
+FIXED_SET = [1, 3]
+#: Per-block sparsity the registered allocator gives the 4 blocks that remain.
+ALTERNATING = [0.25, 0.75, 0.25, 0.75]
+
+
+@contextlib.contextmanager
+def registered_extensions():
+    """Register a strategy, a recovery method, an allocator and a pruner; unregister them
+    on exit (also when the body fails). Yields what each was called with."""
+    calls = SimpleNamespace(strategy=[], repair=[], allocator=[], pruner=0)
+
+    def fixed_set(report, num_layers, **context):
+        calls.strategy.append((num_layers, list(context["protect"])))
+        return list(FIXED_SET)
+
+    class NotedRepair(RepairMethod):
+        def apply(self, model, cuts, maps, host_modules):
+            calls.repair.append([list(c["removed"]) for c in cuts])
+
+        def record(self, fits):
+            return {"note": "applied by the test method"}
+
+    def alternating(inputs):
+        calls.allocator.append(len(inputs.num_params))
+        return [ALTERNATING[i % 4] for i in range(len(inputs.num_params))], None, {}
+
+    def first_columns(weight, statistics, target, pattern, options):
+        calls.pruner += 1
+        out = weight.clone()
+        out[:, : round(target * weight.shape[1])] = 0
+        return out
+
+    try:
+        register_strategy(STRATEGY)(fixed_set)
+        register_recovery_method(REPAIR)(NotedRepair)
+        register_allocator(ALLOCATOR, label="alternating: a test rule")(alternating)
+        register_pruner(PRUNER, label="first columns: a test rule")(first_columns)
+        yield calls
+    finally:
+        STRATEGIES.pop(STRATEGY, None)
+        MODEL_STRATEGIES.discard(STRATEGY)
+        RECOVERY_METHODS.pop(REPAIR, None)
+        ALLOCATORS.pop(ALLOCATOR, None)
+        PRUNERS.pop(PRUNER, None)
+
+
+@pytest.fixture
+def extensions():
+    with registered_extensions() as calls:
+        yield calls
+
+
+EXTENDED = dict(num_layers=2, strategy=STRATEGY, recovery=REPAIR, sparsity=0.5, allocation=ALLOCATOR, method=PRUNER)
+
+
+def test_registered_names_are_accepted_and_round_trip(extensions, tmp_path):
+    cfg = LayerSwapConfig(**EXTENDED)
+    d = cfg.to_dict()
+    assert (d["strategy"], d["recovery"], d["allocation"], d["method"]) == (STRATEGY, REPAIR, ALLOCATOR, PRUNER)
+    assert cfg.recovery_config == RecoveryConfig(REPAIR)
+    assert cfg.sparsity_config == SparsityConfig(0.5, ALLOCATOR, PRUNER)
+    assert LayerSwapConfig(num_layers=2, strategy=STRATEGY, recovery=RecoveryConfig(REPAIR),
+                           sparsity=SparsityConfig(0.5, ALLOCATOR, PRUNER)) == cfg
+    assert LayerSwapConfig.from_dict(d) == cfg and LayerSwapConfig.from_dict(d).to_dict() == d
+    assert LayerSwapConfig.from_dict(json.loads(cfg.to_json_string())) == cfg
+    cfg.to_json_file(tmp_path / "config.json")
+    assert LayerSwapConfig.from_json_file(tmp_path / "config.json") == cfg
+    again = AutoQuantizationConfig.from_dict(d)
+    assert isinstance(again, LayerSwapConfig) and again == cfg
+
+
+def test_unknown_names_list_what_is_registered_now(extensions):
+    cases = [
+        (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
+        (dict(num_layers=1, recovery="nope"),
+         f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', '{REPAIR}']"),
+        (dict(sparsity=0.5, allocation="nope"),
+         f"LayerSwapConfig: allocation='nope': allowed ['uniform', 'pals', 'owl', 'random', 'gradient', '{ALLOCATOR}']"),
+        (dict(sparsity=0.5, method="nope"),
+         f"LayerSwapConfig: method='nope': allowed ['wanda', 'sparsegpt', 'magnitude', '{PRUNER}']"),
+    ]
+    assert STRATEGY in sorted(STRATEGIES)
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as err:
+            LayerSwapConfig(**kwargs)
+        assert str(err.value) == message
+
+
+def test_unregistered_names_are_refused_again():
+    before = (dict(STRATEGIES), set(MODEL_STRATEGIES), dict(RECOVERY_METHODS), dict(ALLOCATORS), dict(PRUNERS))
+    with registered_extensions():
+        LayerSwapConfig(**EXTENDED)
+    assert (dict(STRATEGIES), set(MODEL_STRATEGIES), dict(RECOVERY_METHODS), dict(ALLOCATORS), dict(PRUNERS)) == before
+    for field, name in [("strategy", STRATEGY), ("recovery", REPAIR), ("allocation", ALLOCATOR), ("method", PRUNER)]:
+        with pytest.raises(ValueError) as err:
+            LayerSwapConfig(num_layers=2, sparsity=0.5, **{field: name})
+        message = str(err.value)
+        assert f"{field}={name!r}" in message and "allowed [" in message
+        assert message.count(name) == 1  # named as the bad value, not among the allowed ones
+    with pytest.raises(ValueError, match=rf"strategy='{STRATEGY}'\): allowed"):
+        LayerSwapConfig.from_dict({"quant_method": "layerswap", "num_layers": 2, "strategy": STRATEGY})
+
+
+def test_from_pretrained_runs_the_registered_strategy_repair_and_sparsity(extensions, tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    cfg = LayerSwapConfig(**EXTENDED, calibration=tiny_batch(), progress=False, batch_size=2)
+    with warnings.catch_warnings():  # 33 calibration tokens < hidden size: the rank warning of any fit
+        warnings.filterwarnings("ignore", message="recovery fitted on")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg)
+
+    record = model.config.layerswap
+    assert extensions.strategy == [(2, [0, -1])]  # called once, with the budget and the default protect
+    assert record["removed_layers"] == FIXED_SET and record["kept_layers"] == [0, 2, 4, 5]
+    assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 4
+    assert record["steps"][0]["strategy"] == STRATEGY
+    assert record["steps"][0]["config"] == cfg.to_dict() and LayerSwapConfig.from_dict(record["steps"][0]["config"]) == cfg
+
+    assert extensions.repair == [[[1], [3]]]  # one apply, both cuts
+    assert record["recovery"]["method"] == REPAIR and record["recovery"]["note"] == "applied by the test method"
+    assert model.layerswap_recovery_report.method == REPAIR
+
+    report = model.layerswap_sparsity_report
+    assert (report.allocation, report.method) == (ALLOCATOR, PRUNER) and extensions.allocator == [4]
+    assert [b.target for b in report.blocks] == ALTERNATING
+    assert extensions.pruner == sum(1 for _ in model.model.layers[0].modules() if isinstance(_, torch.nn.Linear)) * 4
+    for block, target in zip(model.model.layers, ALTERNATING):
+        for lin in (m for m in block.modules() if isinstance(m, torch.nn.Linear)):
+            k = round(target * lin.in_features)
+            assert bool((lin.weight[:, :k] == 0).all()) and bool((lin.weight[:, k:] != 0).all())
+    assert model.config.layerswap_sparsity["allocation"] == ALLOCATOR
