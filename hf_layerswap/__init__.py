@@ -6,71 +6,111 @@ plans) -> KL statistics (:func:`score_layers`) -> :class:`SwapReport` ->
 :func:`select_layers` -> :func:`remove_layers` -> checkpoint + card; :func:`prune` runs
 the whole chain from a :class:`LayerSwapConfig` (the one path behind ``from_pretrained``,
 ``hf-layerswap prune`` and the demo).
+
+``__all__`` is the user API (what README.md and docs/python.md show). Importing the
+package registers the ``quant_method="layerswap"`` quantizer plugin with transformers
+(:mod:`hf_layerswap.integration`). Everything else is imported from the module that owns
+it (docs/architecture.md); the internals this namespace used to export
+(``hf_layerswap.apply_plan``, ...) still resolve here, with a ``DeprecationWarning`` that
+names the owning module (PEP 562 ``__getattr__``).
 """
 
-from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, embedded_text
-from .card import render_card, write_card_files
+import sys as _sys
+import warnings as _warnings
+
+# integration registers the quantizer plugin; the others own the moved names (below), and
+# search is the old path of the search (hf_layerswap.search.search_select)
+from . import calibration, card, integration, plan, report, scoring, search, surgery  # noqa: F401
+from .baselines import compare_criteria
+from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
+from .config import LayerSwapConfig, RecoveryConfig, SparsityConfig
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
 from .gguf_export import GGUFLayoutError, export_gguf, save_gguf
 from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
-from .integration import LayerSwapConfig, LayerSwapQuantizer, prune_loaded_model
+from .integration import prune_loaded_model
 from .models import load_model
 from .pipeline import PruneResult, prune
 from .provenance import __version__
-from .plan import apply_plan, capture_residual_stream, decoder_blocks, model_fingerprint, num_blocks
 from .recovery import RecoveryReport, recover
-from .report import PairResult, SwapReport
-from .scoring import masked_kl, removal_kl, score_layers
-from .search import search_select
-from .selection import STRATEGIES, select_layers
+from .report import SwapReport
+from .scoring import score_layers
+from .selection import STRATEGIES, search_select, select_layers
 from .sparsity import SparsityReport, sparsify
-from .surgery import check_surgery_invariants, remove_layers
+from .surgery import remove_layers
 from .tasks import TaskResults, evaluate_tasks
 
 __all__ = [
     "__version__",
+    # describe and run a cut
+    "LayerSwapConfig",
+    "RecoveryConfig",
+    "SparsityConfig",
+    "prune",
+    "PruneResult",
+    "prune_loaded_model",
+    "load_model",
+    # step by step
+    "build_calibration",
     "CalibrationSet",
     "CalibrationShortfallWarning",
-    "GGUFLayoutError",
-    "HubPushError",
-    "PerplexityResult",
-    "PushRefusedError",
-    "RecoveryReport",
-    "SparsityReport",
-    "delta_ppl_percent",
-    "evaluate_perplexity",
-    "evaluate_tasks",
-    "export_gguf",
-    "generation_check",
-    "load_model",
-    "model_fingerprint",
-    "push_to_hub",
-    "recover",
-    "render_card",
-    "save_for_hub",
-    "save_gguf",
-    "write_card_files",
-    "LayerSwapConfig",
-    "LayerSwapQuantizer",
-    "PairResult",
-    "PruneResult",
-    "STRATEGIES",
-    "SwapReport",
-    "TaskResults",
-    "search_select",
-    "apply_plan",
-    "build_calibration",
-    "capture_residual_stream",
-    "check_surgery_invariants",
-    "decoder_blocks",
-    "embedded_text",
-    "masked_kl",
-    "num_blocks",
-    "prune",
-    "prune_loaded_model",
-    "remove_layers",
-    "removal_kl",
     "score_layers",
+    "SwapReport",
     "select_layers",
+    "search_select",
+    "STRATEGIES",
+    "remove_layers",
+    "recover",
+    "RecoveryReport",
     "sparsify",
+    "SparsityReport",
+    # measure
+    "evaluate_perplexity",
+    "PerplexityResult",
+    "delta_ppl_percent",
+    "generation_check",
+    "evaluate_tasks",
+    "TaskResults",
+    "compare_criteria",
+    # publish
+    "save_for_hub",
+    "push_to_hub",
+    "PushRefusedError",
+    "HubPushError",
+    "save_gguf",
+    "export_gguf",
+    "GGUFLayoutError",
 ]
+
+#: Names this namespace exported before it was the user API -> the module that owns each.
+#: ``hf_layerswap.<name>`` keeps returning the owner's object, with a DeprecationWarning.
+_MOVED = {
+    "LayerSwapQuantizer": integration,
+    "PairResult": report,
+    "apply_plan": plan,
+    "capture_residual_stream": plan,
+    "check_surgery_invariants": surgery,
+    "decoder_blocks": plan,
+    "embedded_text": calibration,
+    "masked_kl": scoring,
+    "model_fingerprint": plan,
+    "num_blocks": plan,
+    "removal_kl": scoring,
+    "render_card": card,
+    "write_card_files": card,
+}
+
+
+def __getattr__(name: str):
+    owner = _MOVED.get(name)
+    if owner is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # ``from hf_layerswap import name`` looks the name up twice: the import system's check
+    # whether it is a submodule (``_handle_fromlist``), then the import itself, which warns
+    if _sys._getframe(1).f_code.co_name != "_handle_fromlist":
+        _warnings.warn(
+            f"hf_layerswap.{name} is deprecated (the top-level namespace is the user API, hf_layerswap.__all__): "
+            f"use {owner.__name__}.{name} (from {owner.__name__} import {name})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return getattr(owner, name)
