@@ -51,6 +51,7 @@ from transformers import AutoConfig
 from .evaluation import resolve_tokenizer
 from .jsonio import atomic_path
 from .models import cache_root
+from .moved import moved_names
 
 __all__ = [
     "CONVERTER_ENV",
@@ -60,11 +61,9 @@ __all__ = [
     "GGUFConverterNotFoundError",
     "GGUFLayout",
     "GGUFLayoutError",
-    "add_export_gguf_arguments",
     "export_gguf",
     "find_converter",
     "gguf_layout",
-    "run_export_gguf",
     "save_gguf",
 ]
 
@@ -408,37 +407,7 @@ def save_gguf(
         return _convert(checkpoint, target, layout, outtype, found)
 
 
-# ----------------------------------------------------------------------------- command line
-
-
-def add_export_gguf_arguments(parser):
-    """Add the ``export-gguf`` verb's arguments to ``parser`` (an ``add_subparsers`` child)."""
-    parser.description = (
-        "Convert a checkpoint folder to one GGUF file with llama.cpp's converter, adding the per-layer "
-        "attention metadata llama.cpp reads (refused where llama.cpp cannot express the layout)."
-    )
-    parser.add_argument("checkpoint", help="transformers checkpoint folder (e.g. written by 'hf-layerswap prune')")
-    parser.add_argument("output", help="the .gguf file to write")
-    parser.add_argument("--outtype", default="f16", choices=list(OUTTYPES), help="tensor type of the 2-D weights")
-    parser.add_argument("--converter", default=None,
-                        help=f"convert_hf_to_gguf.py or a folder holding it (default: ${CONVERTER_ENV}, then "
-                             "<venv>/gguf-converter)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    return parser
-
-
-def run_export_gguf(args) -> int:
-    """The ``export-gguf`` verb."""
-    try:
-        path = export_gguf(args.checkpoint, args.output, outtype=args.outtype, converter=args.converter,
-                           overwrite=args.overwrite)
-    except (GGUFConverterNotFoundError, GGUFConversionError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    reader = gguf.GGUFReader(path)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    blocks = reader.get_field(f"{arch}.block_count").contents()
-    pattern = reader.get_field(f"{arch}.attention.sliding_window_pattern")
-    extra = f", sliding-window pattern {pattern.contents()}" if pattern is not None else ""
-    print(f"wrote {path} ({arch}, {blocks} blocks, {len(reader.tensors)} tensors, {args.outtype}{extra})")
-    return 0
+#: The ``export-gguf`` verb moved to :mod:`hf_layerswap.cli.export_gguf`; its names still
+#: import from here, with a DeprecationWarning.
+__getattr__ = moved_names(__name__, dict.fromkeys(
+    ("add_export_gguf_arguments", "run_export_gguf"), "hf_layerswap.cli.export_gguf"))

@@ -31,18 +31,16 @@ every other file is written (until then it waits as :data:`HELD_CONFIG`, so an i
 save is never loadable as a checkpoint), and are locked (``flock``) while their save runs; a
 killed save's folder is removed by the next save into the same parent
 (:func:`remove_stale_staging`; only names with our exact prefix, only unlocked ones). The ``push`` verb of
-``hf-layerswap`` is :func:`add_push_arguments` + :func:`run_push`.
+``hf-layerswap`` (:mod:`hf_layerswap.cli.push`) calls :func:`push_to_hub` and :func:`save_for_hub`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -51,9 +49,8 @@ from huggingface_hub import CommitInfo, HfApi
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .card import (
+from .card import (  # noqa: F401  (the sidecar names, also importable from here)
     EVALUATION_FILE,
     REPORT_FILE,
     SPARSITY_FILE,
@@ -68,6 +65,7 @@ from .jsonio import STAGING_PREFIX, remove_stale_staging
 from .jsonio import lock_folder as _lock_folder  # noqa: F401  (former private names)
 from .jsonio import staging_folder as _staging_folder
 from .jsonio import unlock as _unlock
+from .moved import moved_names
 from .provenance import __version__
 from .recovery import attached_operators
 from .report import SwapReport, default_mode
@@ -80,11 +78,9 @@ __all__ = [
     "STAGING_PREFIX",
     "HubPushError",
     "PushRefusedError",
-    "add_push_arguments",
     "push_to_hub",
     "read_evaluation_file",
     "remove_stale_staging",
-    "run_push",
     "save_for_hub",
 ]
 
@@ -450,86 +446,7 @@ def read_evaluation_file(path: str | os.PathLike) -> dict:
     return {k: v for k, v in data.items() if k in ("base", "pruned")}
 
 
-# ---------------------------------------------------------------------- CLI verb
-PUSH_HELP = "publish a pruned checkpoint folder to the Hub with its model card and diagnostics (one commit)"
-PUSH_EXAMPLES = """examples:
-  hf-layerswap push out/smollm2-pruned me/SmolLM2-135M-layerswap-26L
-  hf-layerswap push out/smollm2-pruned me/SmolLM2-135M-layerswap-26L --private --license apache-2.0
-  hf-layerswap push out/smollm2-pruned me/SmolLM2-135M-layerswap-26L --output-dir publish/  # no upload
-
-The token comes from HF_TOKEN or `hf auth login`; prefer those to --token (shell history).
-"""
-
-
-def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``push`` verb's arguments to ``parser`` (an ``add_subparsers`` child)."""
-    parser.description = PUSH_HELP
-    parser.epilog = PUSH_EXAMPLES
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("directory", help="checkpoint folder (config.json + safetensors), e.g. written by `prune`")
-    parser.add_argument("repo_id", help="Hub repository id, owner/name")
-    parser.add_argument("--report", help=f"SwapReport JSON (default: DIRECTORY/{REPORT_FILE} if present)")
-    parser.add_argument("--evaluation", help=f"perplexity JSON {{base, pruned}} (default: DIRECTORY/{EVALUATION_FILE} if present)")
-    parser.add_argument("--sparsity-report", help=f"SparsityReport JSON (default: DIRECTORY/{SPARSITY_FILE} if present)")
-    parser.add_argument("--base-model", help="Hub id of the base model, for the card (default: from the removal record)")
-    parser.add_argument("--license", help="license id for the card (default: the base model's when known)")
-    parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--revision", help="branch to commit to (default: main)")
-    parser.add_argument("--commit-message", help="commit message (default names the removed blocks)")
-    parser.add_argument("--endpoint", help="Hub endpoint URL (default: HF_ENDPOINT or https://huggingface.co)")
-    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the stored login)")
-    parser.add_argument("--no-tokenizer", action="store_true", help="do not publish the folder's tokenizer files")
-    parser.add_argument("--output-dir", help="write the folder that would be uploaded here, and do not contact the Hub")
-    return parser
-
-
-def _load_folder(args):
-    directory = Path(args.directory)
-    if not (directory / "config.json").is_file():
-        raise PushRefusedError(f"{directory} is not a checkpoint folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
-    tokenizer = None
-    if not args.no_tokenizer and any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    report_path = Path(args.report) if args.report else directory / REPORT_FILE
-    if args.report and not report_path.is_file():
-        raise PushRefusedError(f"--report {report_path} does not exist")
-    report = SwapReport.from_json(report_path) if report_path.is_file() else None
-    eval_path = Path(args.evaluation) if args.evaluation else directory / EVALUATION_FILE
-    if args.evaluation and not eval_path.is_file():
-        raise PushRefusedError(f"--evaluation {eval_path} does not exist")
-    evaluation = read_evaluation_file(eval_path) if eval_path.is_file() else None
-    sparsity_path = Path(args.sparsity_report) if args.sparsity_report else directory / SPARSITY_FILE
-    if args.sparsity_report and not sparsity_path.is_file():
-        raise PushRefusedError(f"--sparsity-report {sparsity_path} does not exist")
-    sparsity_report = None
-    if sparsity_path.is_file():
-        try:
-            sparsity_report = SparsityReport.from_json(sparsity_path)
-        except (ValueError, KeyError, TypeError) as err:
-            raise PushRefusedError(f"{sparsity_path} is not a SparsityReport JSON file: {err!r}") from None
-    return model, tokenizer, report, evaluation, sparsity_report
-
-
-def run_push(args: argparse.Namespace) -> int:
-    """Run the ``push`` verb. Returns the exit status (0 ok, 1 upload failed, 2 refused)."""
-    try:
-        model, tokenizer, report, evaluation, sparsity_report = _load_folder(args)
-        common = dict(tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=args.base_model,
-                      license=args.license, sparsity_report=sparsity_report)
-        if args.output_dir:
-            path = save_for_hub(model, args.output_dir, repo_id=args.repo_id, **common)
-            print(f"wrote {path} (nothing uploaded)")
-            return 0
-        info = push_to_hub(
-            model, args.repo_id, private=args.private, token=args.token, revision=args.revision,
-            commit_message=args.commit_message, endpoint=args.endpoint, **common,
-        )
-    except (PushRefusedError, FileExistsError, TypeError) as err:
-        print(f"hf-layerswap push: refused: {err}", file=sys.stderr)
-        return 2
-    except HubPushError as err:
-        print(f"hf-layerswap push: failed: {err}", file=sys.stderr)
-        return 1
-    print(info.commit_url)
-    return 0
+#: The ``push`` verb's code moved to :mod:`hf_layerswap.cli.push`; its names still import
+#: from here, with a DeprecationWarning.
+__getattr__ = moved_names(__name__, dict.fromkeys(
+    ("PUSH_EXAMPLES", "PUSH_HELP", "add_push_arguments", "run_push"), "hf_layerswap.cli.push"))

@@ -184,3 +184,53 @@ def test_a_checkpoint_without_tokenizer_asks_for_one_when_text_calibration_needs
                  "--strategy", "greedy", "--calibration", str(calib), "--num-prompts", "2",
                  "--tokenizer", str(tmp_path / "with-tokenizer")]) == 0
     assert (tmp_path / "scored" / "tokenizer.json").is_file()
+
+
+def test_each_verb_is_registered_by_its_own_module():
+    import argparse
+
+    from hf_layerswap import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    runs = {name: parser.get_default("func") for name, parser in sub.choices.items()}
+    assert runs == {
+        "demo": cli.demo.run_demo, "score": cli.score.run_score, "prune": cli.prune.run_prune,
+        "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
+        "export-gguf": cli.export_gguf.run_export_gguf,
+    }
+    # the names scripts use from hf_layerswap.cli are the verb modules' objects
+    assert (cli.run_demo, cli.run_score, cli.run_prune, cli.prune_config, cli.demo_config) == (
+        cli.demo.run_demo, cli.score.run_score, cli.prune.run_prune, cli.prune.prune_config, cli.demo.demo_config)
+    assert cli.format_scores_table is cli.score.format_scores_table and cli.DEFAULT_MODEL == "smollm2-135m"
+
+
+def test_former_command_line_paths_still_import():
+    import hf_layerswap.cli_eval as old_eval
+    import hf_layerswap.cli_peel as old_peel
+    from hf_layerswap import gguf_export, hub
+    from hf_layerswap.cli import eval as new_eval
+    from hf_layerswap.cli import export_gguf, peel, push
+
+    assert (old_peel.add_peel_arguments, old_peel.run_peel) == (peel.add_peel_arguments, peel.run_peel)
+    assert (old_eval.add_eval_arguments, old_eval.run_eval) == (new_eval.add_eval_arguments, new_eval.run_eval)
+    assert old_eval.CONTRACT_CHOICES == ("matched", "full", "rolling")
+    for name in ("add_push_arguments", "run_push", "PUSH_HELP", "PUSH_EXAMPLES"):
+        with pytest.warns(DeprecationWarning, match=f"hf_layerswap.hub.{name} moved to hf_layerswap.cli.push.{name}"):
+            assert getattr(hub, name) is getattr(push, name)
+    for name in ("add_export_gguf_arguments", "run_export_gguf"):
+        with pytest.warns(DeprecationWarning, match=f"moved to hf_layerswap.cli.export_gguf.{name}"):
+            assert getattr(gguf_export, name) is getattr(export_gguf, name)
+    assert "run_push" not in hub.__all__ and "run_export_gguf" not in gguf_export.__all__
+    with pytest.raises(AttributeError, match="module 'hf_layerswap.hub' has no attribute 'nothing'"):
+        hub.nothing
+
+
+def test_python_dash_m_runs_the_same_parser():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hf_layerswap.cli", "prune", "model"], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr
+    assert "usage: hf-layerswap prune" in done.stderr
+    assert "error: the following arguments are required: output" in done.stderr

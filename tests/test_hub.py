@@ -41,14 +41,8 @@ from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
 
 from hf_layerswap import SwapReport
 from hf_layerswap.card import PLOT_FILES, REPORT_FILE
-from hf_layerswap.hub import (
-    HubPushError,
-    PushRefusedError,
-    add_push_arguments,
-    push_to_hub,
-    run_push,
-    save_for_hub,
-)
+from hf_layerswap.cli.push import add_push_arguments, run_push
+from hf_layerswap.hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "hf_layerswapTestTokenABCDEFGH012345"

@@ -30,7 +30,7 @@ from hf_layerswap.peeling import (
     trajectory_plot,
     trajectory_table_markdown,
 )
-from hf_layerswap.cli_peel import add_peel_arguments, run_peel
+from hf_layerswap.cli.peel import add_peel_arguments, run_peel
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.surgery import remove_layers
 
@@ -372,7 +372,7 @@ def test_smollm2_linear_references_on_wikitext(smollm2, wikitext_valid, wikitext
 def test_cli_names_moved_but_still_import_from_peeling():
     import hf_layerswap.peeling as peeling
 
-    with pytest.warns(DeprecationWarning, match="moved to hf_layerswap.cli_peel.run_peel"):
+    with pytest.warns(DeprecationWarning, match="moved to hf_layerswap.cli.peel.run_peel"):
         assert peeling.run_peel is run_peel
     with pytest.warns(DeprecationWarning, match="add_peel_arguments"):
         from hf_layerswap.peeling import add_peel_arguments as old

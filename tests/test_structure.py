@@ -8,7 +8,10 @@
 - no module is over :data:`MAX_LINES` lines unless the top of its docstring says why
   (the :data:`LARGE_MODULE_MARKER` phrase);
 - imports inside functions are only for optional dependencies (:data:`LAZY_IMPORTS`), so
-  a broken edge inside the package shows up at import time, not when a path first runs.
+  a broken edge inside the package shows up at import time, not when a path first runs;
+- every argparse parser lives in :data:`CLI_PACKAGE`: no other module imports
+  ``argparse``, and the former command-line modules (:data:`CLI_ALIASES`) import nothing
+  but that package.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ LAZY_IMPORTS = {
     "pydoc_data",  # the embedded text (a large data module)
     "fcntl",  # POSIX only: folder locks where the platform has them
 }
+
+#: The package that holds every argparse parser of the ``hf-layerswap`` command.
+CLI_PACKAGE = "hf_layerswap.cli"
+
+#: Former command-line modules, kept as aliases of their verbs' modules in :data:`CLI_PACKAGE`.
+CLI_ALIASES = ("hf_layerswap.cli_eval", "hf_layerswap.cli_peel")
 
 # ----------------------------------------------------------------------------- helpers
 def _modules() -> dict[str, Path]:
@@ -167,6 +176,26 @@ def test_function_level_imports_only_for_optional_dependencies():
             if function is not None and name.split(".")[0] not in LAZY_IMPORTS:
                 bad.append(f"{path.relative_to(ROOT)}:{line} {function}() imports {name}")
     assert not bad, "imports inside functions (move them to the top of the module):\n" + "\n".join(sorted(set(bad)))
+
+
+def _in_cli_package(name: str) -> bool:
+    return name == CLI_PACKAGE or name.startswith(CLI_PACKAGE + ".")
+
+
+def test_argparse_only_in_the_cli_package():
+    users = sorted(m for m, path in MODULES.items() if any(n.split(".")[0] == "argparse" for n, _, _ in _imports(m, path)))
+    assert users, "no module imports argparse: the check looks at nothing"
+    bad = [m for m in users if not _in_cli_package(m)]
+    assert not bad, f"argparse imported outside {CLI_PACKAGE} (parsers belong there):\n" + "\n".join(bad)
+    assert {"hf_layerswap.cli", "hf_layerswap.cli.common"} <= set(users)
+
+
+@pytest.mark.parametrize("alias", CLI_ALIASES)
+def test_former_cli_modules_only_import_the_cli_package(alias):
+    imported = [name for name, _, _ in _imports(alias, MODULES[alias])]
+    assert imported, f"{alias} imports nothing"
+    bad = [name for name in imported if not _in_cli_package(name)]
+    assert not bad, f"{alias} may import only {CLI_PACKAGE}, not: {bad}"
 
 
 def _private_uses(path: Path) -> list[str]:

@@ -44,14 +44,12 @@ the probes over training checkpoints together with both swap-KL protocols.
 Layout: :mod:`.report` (results and JSON), :mod:`.data` (evaluation set, NLL, bootstrap),
 :mod:`.core` (references, substitution, :func:`peel`), :mod:`.trajectory` (training
 checkpoints), :mod:`.render` (tables and plots). The ``hf-layerswap peel`` verb lives with
-the other command-line code in :mod:`hf_layerswap.cli_peel`.
+the other command-line code in :mod:`hf_layerswap.cli.peel`.
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
+from ..moved import moved_names
 from .core import peel
 from .data import build_evaluation, check_disjoint, sequence_nll
 from .render import peel_plot, peel_table_markdown, trajectory_plot, trajectory_table_markdown
@@ -78,15 +76,6 @@ __all__ = [
     "trajectory_table_markdown",
 ]
 
-#: Names that moved to the command-line side (:mod:`hf_layerswap.cli_peel`); still
+#: Names that moved to the command-line side (:mod:`hf_layerswap.cli.peel`); still
 #: importable from here, with a DeprecationWarning.
-_MOVED_TO_CLI = ("add_peel_arguments", "run_peel")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_CLI:
-        warnings.warn(
-            f"hf_layerswap.peeling.{name} moved to hf_layerswap.cli_peel.{name}", DeprecationWarning, stacklevel=2
-        )
-        return getattr(importlib.import_module("hf_layerswap.cli_peel"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, dict.fromkeys(("add_peel_arguments", "run_peel"), "hf_layerswap.cli.peel"))

@@ -1,0 +1,66 @@
+"""The ``hf-layerswap score`` verb: score block pairs (:func:`~hf_layerswap.score_layers`)
+and write the :class:`~hf_layerswap.SwapReport` JSON; :func:`format_scores_table` is the
+per-layer table it (and ``demo``) prints."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..scoring import score_layers
+from .common import HELP_FORMATTER, add_calibration_args, add_model_args, count, load, needs_tokenizer, prompt_count
+
+__all__ = ["add_parser", "format_scores_table", "run_score"]
+
+
+def add_parser(subparsers):
+    """Register the ``score`` verb on ``subparsers`` (``ArgumentParser.add_subparsers()``)."""
+    score = subparsers.add_parser("score", formatter_class=HELP_FORMATTER,
+                                  help="score block pairs and write the SwapReport JSON")
+    add_model_args(score)
+    add_calibration_args(score)
+    score.add_argument("--protocols", nargs="+", default=["replacement", "interchange"],
+                       choices=["replacement", "interchange"])
+    score.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
+    score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
+    score.set_defaults(func=run_score)
+    return score
+
+
+def run_score(args) -> int:
+    """The ``score`` verb: load, score, write ``args.output``, print the table."""
+    if Path(args.output).is_dir():  # found out before loading and scoring, not after
+        example = Path(args.output) / "layerswap_report.json"
+        raise FileExistsError(f"--output {args.output} is a folder; give the report's file path, e.g. {example}")
+    model, tokenizer = load(args)
+    needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
+    report = score_layers(
+        model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
+        num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+    )
+    path = report.to_json(args.output)
+    print(format_scores_table(report))
+    print(f"report written to {path}")
+    return 0
+
+
+def format_scores_table(report) -> str:
+    """Per-layer scores of both protocols side by side (nats), with ranks."""
+    protocols = list(report.protocols)
+    scores = {p: report.layer_scores(p) for p in protocols}
+    ranks = {p: {layer: r + 1 for r, layer in enumerate(report.ranking(p))} for p in protocols}
+    header = "| layer | " + " | ".join(f"{p} s(i) | rank" for p in protocols) + " |"
+    sep = "|---:|" + "---:|---:|" * len(protocols)
+    lines = [header, sep]
+    for layer in range(report.num_layers):
+        cells = " | ".join(f"{_fmt(scores[p][layer])} | {ranks[p][layer]}" for p in protocols)
+        lines.append(f"| {layer} | {cells} |")
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.4f}" if abs(x) >= 1e-3 else f"{x:.2e}"
