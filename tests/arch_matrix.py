@@ -10,6 +10,11 @@ Every model has :data:`NUM_LAYERS` blocks, hidden size 32, vocabulary 128, fp32,
 attention. Per-layer settings are chosen so that removal and plans have something to get
 wrong: sliding and full attention interleaved (window 4, shorter than the test prompts),
 NoPE layers, MoE and dense MLP blocks mixed.
+
+This is the one table of tiny models: the unit tests' ``tiny_model("llama" | "qwen3" |
+"gemma3")`` of ``tests/conftest.py`` are the rows ``llama``, ``qwen3`` and ``gemma3_text``,
+built with the few settings that file names as overrides (every row's builder takes
+``num_layers`` and config fields that replace the row's own).
 """
 
 from __future__ import annotations
@@ -40,116 +45,141 @@ _COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
-_TYPES_ALT = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(NUM_LAYERS)]
-_TYPES_GEMMA3 = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(NUM_LAYERS)]
 
 
-def _llama(n):
+def alternating_types(n: int, first: str = "sliding_attention") -> list[str]:
+    """``layer_types`` of ``n`` blocks alternating sliding and full attention, starting with ``first``."""
+    other = "full_attention" if first == "sliding_attention" else "sliding_attention"
+    return [first if i % 2 == 0 else other for i in range(n)]
+
+
+def _gemma3_types(n: int) -> list[str]:
+    """Gemma-3's pattern: every third block full attention, the others sliding."""
+    return ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(n)]
+
+
+def _fields(overrides: dict, **row) -> dict:
+    """A row's config fields: :data:`_COMMON`, then the row's own, then the caller's overrides."""
+    return {**_COMMON, **row, **overrides}
+
+
+def _llama(n, **kw):
     from transformers import LlamaConfig
 
-    return LlamaConfig(num_hidden_layers=n, **_COMMON)
+    return LlamaConfig(num_hidden_layers=n, **_fields(kw))
 
 
-def _mistral(n):
+def _mistral(n, **kw):
     from transformers import MistralConfig
 
-    return MistralConfig(num_hidden_layers=n, sliding_window=WINDOW, **_COMMON)
+    return MistralConfig(num_hidden_layers=n, **_fields(kw, sliding_window=WINDOW))
 
 
-def _qwen2(n):
+def _qwen2(n, **kw):
     from transformers import Qwen2Config
 
     # max_window_layers=2: blocks 0-1 full, 2.. sliding (the Qwen2 threshold rule)
-    return Qwen2Config(num_hidden_layers=n, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, **_COMMON)
-
-
-def _qwen3(n):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        num_hidden_layers=n, head_dim=8, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=n // 2,
-        layer_types=_TYPES_ALT[:n], **_COMMON,
+    return Qwen2Config(
+        num_hidden_layers=n, **_fields(kw, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)
     )
 
 
-def _qwen3_moe(n):
+def _qwen3(n, **kw):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        num_hidden_layers=n,
+        **_fields(
+            kw, head_dim=8, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=n // 2,
+            layer_types=alternating_types(n),
+        ),
+    )
+
+
+def _qwen3_moe(n, **kw):
     from transformers import Qwen3MoeConfig
 
     # sparse blocks where (i + 1) % 2 == 0 and i not in mlp_only_layers: 1, 5 (3 is forced dense)
     return Qwen3MoeConfig(
-        num_hidden_layers=n, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        decoder_sparse_step=2, mlp_only_layers=[3], **_COMMON,
+        num_hidden_layers=n,
+        **_fields(
+            kw, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        ),
     )
 
 
-def _gemma2(n):
+def _gemma2(n, **kw):
     from transformers import Gemma2Config
 
-    return Gemma2Config(num_hidden_layers=n, head_dim=8, sliding_window=WINDOW, layer_types=_TYPES_ALT[:n], **_COMMON)
+    return Gemma2Config(
+        num_hidden_layers=n, **_fields(kw, head_dim=8, sliding_window=WINDOW, layer_types=alternating_types(n))
+    )
 
 
-def _gemma3_text(n):
+def _gemma3_text(n, **kw):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
-        num_hidden_layers=n, head_dim=8, sliding_window=WINDOW, layer_types=_TYPES_GEMMA3[:n], **_COMMON
+        num_hidden_layers=n, **_fields(kw, head_dim=8, sliding_window=WINDOW, layer_types=_gemma3_types(n))
     )
 
 
-def _gemma3_multimodal(n):
+def _gemma3_multimodal(n, **kw):
     from transformers import Gemma3Config, SiglipVisionConfig
 
     vision = SiglipVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
     )
-    # image/boi/eoi ids inside the tiny vocabulary but never used by the test prompts
+    # image/boi/eoi ids inside the tiny vocabulary but never used by the test prompts; overrides go to the text tower
     return Gemma3Config(
-        text_config=_gemma3_text(n).to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        text_config=_gemma3_text(n, **kw).to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
         image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
     )
 
 
-def _phi3(n):
+def _phi3(n, **kw):
     from transformers import Phi3Config
 
-    return Phi3Config(num_hidden_layers=n, pad_token_id=0, **_COMMON)
+    return Phi3Config(num_hidden_layers=n, **_fields(kw, pad_token_id=0))
 
 
 def _gpt2(n, **kw):
     from transformers import GPT2Config
 
-    return GPT2Config(n_layer=n, n_embd=32, n_head=4, n_positions=64, vocab_size=VOCAB, **kw)
+    return GPT2Config(n_layer=n, **{**dict(n_embd=32, n_head=4, n_positions=64, vocab_size=VOCAB), **kw})
 
 
-def _gpt_neox(n):
+def _gpt_neox(n, **kw):
     from transformers import GPTNeoXConfig
 
-    return GPTNeoXConfig(
-        num_hidden_layers=n, hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64,
-        vocab_size=VOCAB,
+    row = dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=64, vocab_size=VOCAB
     )
+    return GPTNeoXConfig(num_hidden_layers=n, **{**row, **kw})
 
 
-def _opt(n):
+def _opt(n, **kw):
     from transformers import OPTConfig
 
-    return OPTConfig(
-        num_hidden_layers=n, hidden_size=32, ffn_dim=64, num_attention_heads=4, max_position_embeddings=64,
-        word_embed_proj_dim=32, vocab_size=VOCAB, pad_token_id=0,
+    row = dict(
+        hidden_size=32, ffn_dim=64, num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+        vocab_size=VOCAB, pad_token_id=0,
     )
+    return OPTConfig(num_hidden_layers=n, **{**row, **kw})
 
 
-def _olmo2(n):
+def _olmo2(n, **kw):
     from transformers import Olmo2Config
 
-    return Olmo2Config(num_hidden_layers=n, pad_token_id=0, **_COMMON)
+    return Olmo2Config(num_hidden_layers=n, **_fields(kw, pad_token_id=0))
 
 
-def _smollm3(n):
+def _smollm3(n, **kw):
     from transformers import SmolLM3Config
 
     # NoPE every 3rd block: no_rope_layers = [1, 1, 0, 1, 1, 0]
-    return SmolLM3Config(num_hidden_layers=n, no_rope_layer_interval=3, pad_token_id=0, **_COMMON)
+    return SmolLM3Config(num_hidden_layers=n, **_fields(kw, no_rope_layer_interval=3, pad_token_id=0))
 
 
 def _gemma3n(n, num_kv_shared_layers=2):
@@ -159,7 +189,7 @@ def _gemma3n(n, num_kv_shared_layers=2):
         num_hidden_layers=n, head_dim=8, sliding_window=WINDOW, num_kv_shared_layers=num_kv_shared_layers,
         hidden_size_per_layer_input=4,
         vocab_size_per_layer_input=VOCAB, laurel_rank=4, altup_num_inputs=2, intermediate_size=[64] * n,
-        layer_types=_TYPES_ALT[:n], activation_sparsity_pattern=[0.0] * n,
+        layer_types=alternating_types(n), activation_sparsity_pattern=[0.0] * n,
         **{k: v for k, v in _COMMON.items() if k != "intermediate_size"},
     )
 
@@ -182,7 +212,8 @@ class Family:
     Attributes:
         name: short id used in test ids.
         label: the name in the support table.
-        config: ``num_layers -> config`` builder.
+        config: ``(num_layers, **overrides) -> config`` builder; an override replaces
+            the row's value of that config field.
         per_layer_fields: per-layer config lists this family has (filtered on removal,
             permuted under a plan).
         index_fields: index-valued config fields remapped on removal.
@@ -192,7 +223,7 @@ class Family:
 
     name: str
     label: str
-    config: Callable[[int], object]
+    config: Callable[..., object]
     per_layer_fields: tuple[str, ...] = ()
     index_fields: tuple[str, ...] = ()
     block_list: str = "model.layers"
@@ -283,24 +314,37 @@ def single_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def build(family: Family | RefusedFamily | str, num_layers: int = NUM_LAYERS, seed: int = 0):
-    """A tiny random model of ``family`` in eval mode, fp32, eager attention."""
+def build(
+    family: Family | RefusedFamily | str,
+    num_layers: int = NUM_LAYERS,
+    seed: int = 0,
+    dtype: torch.dtype | None = torch.float32,
+    **overrides,
+):
+    """A tiny random model of ``family`` in eval mode, eager attention, its weights drawn
+    after ``torch.manual_seed(seed)``. ``dtype`` is passed to ``from_config`` (``None``
+    leaves it out, so the config records no dtype); ``overrides`` replace config fields of
+    the row (not for :data:`REFUSED`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if isinstance(family, str):
         family = FAMILY_BY_NAME.get(family) or next(f for f in REFUSED if f.name == family)
     torch.manual_seed(seed)
-    cfg = family.config(num_layers)
+    cfg = family.config(num_layers, **overrides)
     auto = AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else AutoModelForCausalLM
-    model = auto.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model = auto.from_config(cfg, attn_implementation="eager", dtype=dtype)
     return model.eval()
 
 
-def prompts(batch: int = 2, length: int = 10, seed: int = 1, pad_last: int = 2) -> dict[str, torch.Tensor]:
-    """Right-padded random prompts ``(batch, length)``; ids avoid the top 4 vocabulary
-    entries (the multimodal model's image/boi/eoi tokens) and 0 (padding)."""
+def prompts(
+    batch: int = 2, length: int = 10, seed: int = 1, pad_last: int = 2, high: int = VOCAB - 4
+) -> dict[str, torch.Tensor]:
+    """Right-padded random prompts ``(batch, length)``: the last row has ``pad_last``
+    padding positions (id 0), the other ids are drawn from ``1 .. high - 1``. The default
+    ``high`` avoids the top 4 vocabulary entries (the multimodal model's image/boi/eoi
+    tokens)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB - 4, (batch, length), generator=g)
+    ids = torch.randint(1, high, (batch, length), generator=g)
     mask = torch.ones(batch, length, dtype=torch.long)
     if pad_last:
         mask[-1, length - pad_last :] = 0

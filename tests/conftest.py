@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random models (fast unit tests), the real WikiText-2 text, and the
-real pretrained SmolLM2-135M / Gemma-3-270M checkpoints (marked ``slow``)."""
+"""Shared fixtures: tiny random models (fast unit tests, built from the one table of tiny
+models, ``arch_matrix.py``), the real WikiText-2 text, and the real pretrained
+SmolLM2-135M / Gemma-3-270M checkpoints (marked ``slow``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -54,62 +56,47 @@ def wikitext_test_raw() -> Path:
     return _need_shared(WIKITEXT_TEST_RAW)
 
 
-TINY_COMMON = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+#: The unit tests' family names and the rows of the architecture matrix
+#: (``arch_matrix.FAMILIES``) they build.
+TINY_FAMILIES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
-def tiny_config(family: str, num_layers: int = 6):
-    """Config of a tiny random decoder of the given family (no download)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+def tiny_overrides(family: str, num_layers: int) -> dict:
+    """Where the unit tests' models differ from their matrix row:
 
-    if family == "llama":
-        return LlamaConfig(num_hidden_layers=num_layers, **TINY_COMMON)
+    - 128 positions (the row has 64): perplexity refuses a window past
+      ``max_position_embeddings`` and the rolling contract and lm-eval default to it, so
+      the unit tests' windows and recorded contracts rest on it;
+    - qwen3 starts with a full-attention block (the row starts with a sliding one);
+      sliding and full still alternate, window 4.
+    """
+    overrides = {"max_position_embeddings": 128}
     if family == "qwen3":
-        return Qwen3Config(
-            num_hidden_layers=num_layers,
-            head_dim=8,
-            use_sliding_window=True,
-            sliding_window=4,
-            max_window_layers=num_layers // 2,
-            layer_types=["sliding_attention" if i % 2 else "full_attention" for i in range(num_layers)],
-            **TINY_COMMON,
-        )
-    if family == "gemma3":
-        return Gemma3TextConfig(
-            num_hidden_layers=num_layers,
-            head_dim=8,
-            sliding_window=4,
-            layer_types=["sliding_attention" if i % 3 != 2 else "full_attention" for i in range(num_layers)],
-            **TINY_COMMON,
-        )
-    raise ValueError(f"unknown tiny family {family!r}")
+        overrides["layer_types"] = alternating_types(num_layers, first="full_attention")
+    return overrides
 
 
-def tiny_model(family: str = "llama", num_layers: int = 6, seed: int = 0):
-    """A tiny random causal LM in eval mode, fp32, eager attention."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = tiny_config(family, num_layers)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    return model.eval()
+def _row(family: str) -> str:
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}")
+    return TINY_FAMILIES[family]
 
 
-def tiny_batch(batch: int = 3, length: int = 12, vocab: int = 128, seed: int = 1, pad_last: int = 3):
-    """Random right-padded ids: the last row has ``pad_last`` padding positions."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    if pad_last:
-        mask[-1, length - pad_last :] = 0
-        ids[-1, length - pad_last :] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+def tiny_config(family: str, num_layers: int = 6, **overrides):
+    """Config of a tiny random decoder of the given family (no download): its matrix row
+    with :func:`tiny_overrides`, then ``overrides`` (config fields a test sets itself)."""
+    return FAMILY_BY_NAME[_row(family)].config(num_layers, **{**tiny_overrides(family, num_layers), **overrides})
+
+
+def tiny_model(family: str = "llama", num_layers: int = 6, seed: int = 0, **overrides):
+    """A tiny random causal LM in eval mode, fp32, eager attention (the config records no
+    dtype); ``overrides`` as for :func:`tiny_config`."""
+    return build(_row(family), num_layers, seed, dtype=None, **{**tiny_overrides(family, num_layers), **overrides})
+
+
+def tiny_batch(batch: int = 3, length: int = 12, vocab: int = VOCAB, seed: int = 1, pad_last: int = 3):
+    """Random right-padded ids below ``vocab``: the last row has ``pad_last`` padding positions."""
+    return prompts(batch, length, seed, pad_last, high=vocab)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from hf_layerswap.evaluation import (
     prepare_text,
     sliding_windows,
 )
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
@@ -52,15 +52,12 @@ def byte_tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    """The tiny Llama of 2 blocks with the byte tokenizer's vocabulary and special ids, and
+    256 positions (the windows of the contract tests)."""
+    return tiny_model(
+        "llama", num_layers=2, vocab_size=300, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
     )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
 
 
 # ----------------------------------------------------------------------------- bookkeeping

@@ -12,10 +12,11 @@ import textwrap
 
 import pytest
 import torch
+from arch_matrix import build
 from conftest import tiny_batch, tiny_model
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM
 
 import hf_layerswap  # noqa: F401  (registers the layerswap plugin, as a user would)
 from hf_layerswap.calibration import build_calibration
@@ -242,8 +243,7 @@ def test_fused_refuses_post_norm_and_no_down_proj(calib):
     with pytest.raises(ValueError, match=r"gemma3_text block 1 .*post-norm"):
         recover(gemma, [2], calib, method="fused")
     assert gemma.config.num_hidden_layers == 6
-    torch.manual_seed(0)
-    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=128)).eval()
+    gpt2 = build("gpt2", num_layers=4)
     with pytest.raises(ValueError, match="gpt2 block 1 .*no mlp.down_proj"):
         recover(gpt2, [2], calib, method="fused")
     assert len(gpt2.transformer.h) == 4
