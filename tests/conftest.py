@@ -4,6 +4,7 @@ SmolLM2-135M / Gemma-3-270M checkpoints (marked ``slow``)."""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -97,6 +98,22 @@ def tiny_model(family: str = "llama", num_layers: int = 6, seed: int = 0, **over
 def tiny_batch(batch: int = 3, length: int = 12, vocab: int = VOCAB, seed: int = 1, pad_last: int = 3):
     """Random right-padded ids below ``vocab``: the last row has ``pad_last`` padding positions."""
     return prompts(batch, length, seed, pad_last, high=vocab)
+
+
+def nonfinite_report():
+    """A hand-built report of 6 blocks (neighbour pairs only) whose finite values are easy
+    to order by hand, with an infinite interchange KL (pair 3-4) and a NaN replacement KL
+    (pair 4-5); the report and selection tests work its numbers out in comments."""
+    from hf_layerswap.report import PairResult, SwapReport
+
+    pairs = [
+        PairResult(0, 1, 5.0, 4.0, 3.0),
+        PairResult(1, 2, 0.30, 0.10, 0.05),
+        PairResult(2, 3, 0.20, 0.40, 0.01),
+        PairResult(3, 4, 0.02, 0.03, math.inf),
+        PairResult(4, 5, math.nan, 0.5, 0.02),
+    ]
+    return SwapReport(6, pairs, metadata={"note": "hand"})
 
 
 @pytest.fixture

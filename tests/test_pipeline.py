@@ -198,15 +198,6 @@ def test_prune_refuses_a_report_without_the_protocol_it_reads(setup):
     assert getattr(model.config, "layerswap", None) is None
 
 
-def test_provenance_round_trip():
-    record = PruneProvenance(selection="explicit layers", config={"num_layers": None})
-    assert record.to_dict() == {"selection": "explicit layers", "config": {"num_layers": None}}
-    assert PruneProvenance.from_dict({**record.to_dict(), "removed_layers": [1]}) == record
-    assert PruneProvenance.from_dict({}).selection == "not recorded"
-    with pytest.raises(TypeError, match="needs a mapping, got list"):
-        PruneProvenance.from_dict([1])
-
-
 def test_repair_and_sparsity_cut_is_the_same_through_the_cli(setup):
     """``prune --recovery fused --sparsity 0.5``: the CLI used to have neither."""
     root, base, calib, _ = setup

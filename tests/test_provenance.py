@@ -1,5 +1,6 @@
 """Shared infrastructure with one owner: provenance (library versions, model identity,
-fingerprint) and the JSON-result contract every report class follows."""
+fingerprint), files written all or nothing, and the JSON-result contract every report
+class follows."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import hf_layerswap
 from hf_layerswap import models, plan, provenance, scoring, surgery
 from hf_layerswap.evaluation import perplexity, rolling
 from hf_layerswap.peeling import core as peeling_core
-from hf_layerswap.jsonio import JsonResult
+from hf_layerswap.jsonio import JsonResult, atomic_path, write_json_atomic, write_text_atomic
 from hf_layerswap.peeling import PeelProbe, PeelReport, PeelTrajectory, TrajectoryPoint
 from hf_layerswap.recovery import BoundaryFit, RecoveryReport
 from hf_layerswap.report import PairResult, SwapReport
@@ -58,6 +59,27 @@ def test_identity_records(tiny_llama):
         assert provenance.report_identity(model) == {"name": "ckpt", "revision": "abc", "class": type(model).__name__}
     finally:
         del model.layerswap_identity
+
+
+# ----------------------------------------------------------------------------- files
+def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
+    target = tmp_path / "sub" / "result.md"
+    assert write_text_atomic("first\n", target) == target  # the folder is made
+    with pytest.raises(KeyboardInterrupt), atomic_path(target) as tmp:
+        tmp.write_text("half-written")
+        raise KeyboardInterrupt
+    assert target.read_text() == "first\n" and sorted(p.name for p in target.parent.iterdir()) == ["result.md"]
+    with pytest.raises(ValueError):  # NaN is not JSON: nothing is written
+        write_json_atomic({"x": math.nan}, tmp_path / "nan.json")
+    assert not (tmp_path / "nan.json").exists()
+    write_json_atomic({"x": [1, 2]}, target.with_suffix(".json"))
+    assert json.loads(target.with_suffix(".json").read_text()) == {"x": [1, 2]}
+    with atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
+        assert tmp.suffix == ".png" and tmp.parent == tmp_path  # writers that read the format from the name
+        tmp.write_bytes(b"png")
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert target.stat().st_mode == plain.stat().st_mode == (tmp_path / "plot.png").stat().st_mode
 
 
 # ----------------------------------------------------------------------------- JSON contract

@@ -1,0 +1,168 @@
+"""Swap-KL scoring: the masked KL against a hand computation, the probes' symmetries
+(identity exactly 0, interchange symmetric, replacement not), prefix reuse equal to a full
+forward, right padding changing no value, and a model left exactly as it was after scoring,
+also when a probe raises."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_batch, tiny_model
+
+import hf_layerswap as hl
+from hf_layerswap.calibration import build_calibration
+from hf_layerswap.plan import (
+    apply_plan,
+    decoder_blocks,
+    identity_plan,
+    interchange_plan,
+    model_fingerprint,
+    replacement_plan,
+)
+from hf_layerswap.scoring import plan_kl
+
+
+def _snapshot(model):
+    """Everything a probe must leave untouched."""
+    _, _, blocks = decoder_blocks(model)
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [
+            (name, m.layer_idx)
+            for name, m in model.named_modules()
+            if isinstance(getattr(m, "layer_idx", None), int)
+        ],
+        [id(b) for b in blocks],
+        json.dumps(model.config.to_dict(), sort_keys=True, default=str),
+    )
+
+
+def _assert_same_snapshot(a, b):
+    assert a[0].keys() == b[0].keys()
+    for k in a[0]:
+        assert torch.equal(a[0][k], b[0][k]), k
+    assert a[1:] == b[1:]
+
+
+# ---------------------------------------------------------------- hand-checkable KL
+def test_masked_kl_matches_hand_computation():
+    # two prompts, 3 positions, vocab 2; second prompt has one padding position
+    ref_logits = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], [[0.0, 1.0], [3.0, 0.0], [9.0, 9.0]]])
+    mod_logits = torch.tensor([[[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]], [[0.0, 1.0], [0.0, 0.0], [-5.0, 5.0]]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+    def kl(p_logits, q_logits):
+        p = [math.exp(x) / sum(math.exp(y) for y in p_logits) for x in p_logits]
+        q = [math.exp(x) / sum(math.exp(y) for y in q_logits) for x in q_logits]
+        return sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q))
+
+    expected0 = sum(kl(ref_logits[0, t].tolist(), mod_logits[0, t].tolist()) for t in range(3)) / 3
+    expected1 = sum(kl(ref_logits[1, t].tolist(), mod_logits[1, t].tolist()) for t in range(2)) / 2
+    got = hl.masked_kl(torch.log_softmax(ref_logits, -1), mod_logits, mask)
+    assert got.dtype == torch.float64
+    assert got[0].item() == pytest.approx(expected0, rel=1e-6)
+    assert got[1].item() == pytest.approx(expected1, rel=1e-6)
+    # position 0 of prompt 1 is identical: contributes exactly 0
+    assert hl.masked_kl(torch.log_softmax(ref_logits, -1), ref_logits, mask).tolist() == [0.0, 0.0]
+
+
+def test_masked_kl_rejects_all_padding_prompt():
+    x = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="all padding"):
+        hl.masked_kl(x, x, torch.tensor([[1, 1, 0], [0, 0, 0]]))
+
+
+def test_identity_plan_gives_exactly_zero_and_probe_symmetries():
+    model = tiny_model("llama")
+    calib = build_calibration(tiny_batch())
+    plans = {
+        "identity": identity_plan(6),
+        "inter_23": interchange_plan(6, 2, 3),
+        "inter_32": interchange_plan(6, 3, 2),
+        "repl_2<-3": replacement_plan(6, 2, 3),
+        "repl_3<-2": replacement_plan(6, 3, 2),
+    }
+    assert plans["inter_23"] == plans["inter_32"] == [0, 1, 3, 2, 4, 5]
+    assert plans["repl_2<-3"] == [0, 1, 3, 3, 4, 5] and plans["repl_3<-2"] == [0, 1, 2, 2, 4, 5]
+    values, stats = plan_kl(model, calib, plans)
+    assert values["identity"].tolist() == [0.0, 0.0, 0.0]
+    assert torch.equal(values["inter_23"], values["inter_32"])
+    assert not torch.equal(values["repl_2<-3"], values["repl_3<-2"])
+    assert all(bool((v > 0).all()) for k, v in values.items() if k != "identity")
+    assert stats["forward_passes"] == 1 + len(plans)
+
+
+def test_prefix_reuse_equals_full_forward():
+    model = tiny_model("gemma3")
+    batch = tiny_batch()
+    streams, _ = hl.capture_residual_stream(model, **batch)
+    plan = replacement_plan(6, 3, 4)
+    with torch.no_grad():
+        with apply_plan(model, plan):
+            full = model(**batch, use_cache=False).logits
+        with apply_plan(model, plan, start=3, start_hidden=streams[3]):
+            reused = model(**batch, use_cache=False).logits
+    assert torch.equal(full, reused)
+
+
+def test_right_padding_changes_no_kl():
+    model = tiny_model("qwen3")
+    batch = tiny_batch(batch=2, length=10, pad_last=0)
+    # the same prompts, each right-padded with 5 extra pad tokens
+    padded = {
+        "input_ids": torch.cat([batch["input_ids"], torch.zeros(2, 5, dtype=torch.long)], dim=1),
+        "attention_mask": torch.cat([batch["attention_mask"], torch.zeros(2, 5, dtype=torch.long)], dim=1),
+    }
+    # and one prompt padded because its neighbour in the batch is longer
+    short = {"input_ids": batch["input_ids"][:1, :6], "attention_mask": batch["attention_mask"][:1, :6]}
+    mixed = {
+        "input_ids": torch.cat([padded["input_ids"][:1, :10].clone(), batch["input_ids"][1:]]),
+        "attention_mask": torch.cat([torch.tensor([[1] * 6 + [0] * 4]), batch["attention_mask"][1:]]),
+    }
+    a = hl.score_layers(model, batch, progress=False)
+    b = hl.score_layers(model, padded, progress=False)
+    for pa, pb in zip(a.pairs, b.pairs):
+        assert (pa.replacement_ij, pa.replacement_ji, pa.interchange) == (pb.replacement_ij, pb.replacement_ji, pb.interchange)
+    plans = {"x": interchange_plan(6, 2, 3)}
+    alone, _ = plan_kl(model, build_calibration(short), plans)
+    together, _ = plan_kl(model, build_calibration(mixed), plans)
+    # batch shape changes GEMM summation order: equal up to float32 rounding of the logits
+    assert together["x"][0].item() == pytest.approx(alone["x"][0].item(), rel=1e-4)
+
+
+def test_plan_restored_after_a_probe_raises():
+    model = tiny_model("gemma3")
+    before = _snapshot(model)
+    _, _, blocks = decoder_blocks(model)
+    calls = {"n": 0}
+
+    def explode(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] > 8:  # let the reference pass through, fail inside a probe
+            raise RuntimeError("boom")
+
+    handle = blocks[4].register_forward_pre_hook(explode, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        hl.score_layers(model, tiny_batch(), progress=False)
+    handle.remove()
+    _assert_same_snapshot(before, _snapshot(model))
+    assert model.config.num_hidden_layers == 6 and len(model.config.layer_types) == 6
+
+
+def test_scoring_leaves_model_exactly_as_it_was():
+    model = tiny_model("qwen3")
+    before = _snapshot(model)
+    report = hl.score_layers(model, tiny_batch(), max_gap=2, progress=False)
+    _assert_same_snapshot(before, _snapshot(model))
+    assert [(p.i, p.j) for p in report.pairs] == [(i, j) for i in range(6) for j in range(i + 1, min(6, i + 3))]
+    assert report.metadata["forward_passes"] == 1 + 3 * len(report.pairs)
+    assert report.metadata["model"]["class"] == "Qwen3ForCausalLM"
+    assert report.metadata["model"]["fingerprint"] == model_fingerprint(model)
+
+    model.config._name_or_path = "org/tiny-qwen3"
+    hl.remove_layers(model, [2])
+    after = hl.score_layers(model, tiny_batch(), max_gap=1, progress=False, protocols=("interchange",))
+    assert after.metadata["model"]["base_model"] == model.config.layerswap["base_model"] == "org/tiny-qwen3"
