@@ -8,7 +8,9 @@ Definitions (No Free Swap, arXiv 2605.16234, Def. 1 and Remark 1), all in nats:
 - ``replacement`` = max(replacement_ij, replacement_ji)
 - ``interchange`` = E_x KL(p_M || p_{M[i<->j]})
 
-E_x is the mean over real tokens of each prompt, then the mean over prompts.
+E_x is the mean over real tokens of each prompt, then the mean over prompts. A protocol
+registered with :func:`~hf_layerswap.protocols.register_protocol` keeps its probes'
+values in :attr:`PairResult.extra` (the same flat keys in JSON).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from .jsonio import (
@@ -29,6 +32,7 @@ from .jsonio import (
     write_json_atomic,
     write_text_atomic,
 )
+from .protocols import PROTOCOLS, probe_kinds, protocol_of, SWAP_PROTOCOLS
 
 # Former private names of the tree codecs (kept as aliases).
 _encode_tree = encode_tree
@@ -49,17 +53,17 @@ __all__ = [
     "write_text_atomic",
 ]
 
-PROTOCOLS = ("replacement", "interchange")
 _PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 
 
-def _max_kl(a: float | None, b: float | None) -> float | None:
-    """Max of the two replacement directions; NaN if either is NaN (never dropped)."""
-    if a is None or b is None:
+def _max_kl(*values: float | None) -> float | None:
+    """Max of a protocol's probe values (the two replacement directions); None if any is
+    missing, NaN if any is NaN (never dropped)."""
+    if any(v is None for v in values):
         return None
-    if math.isnan(a) or math.isnan(b):
+    if any(math.isnan(v) for v in values):
         return math.nan
-    return max(a, b)
+    return max(values)
 
 
 @dataclass
@@ -68,7 +72,8 @@ class PairResult:
 
     A value is ``None`` when its protocol was not scored; NaN/inf are real results
     (e.g. an overflow on a boundary pair) and are kept. ``*_se`` are standard errors of
-    the prompt mean (sample std over prompts / sqrt(prompts)).
+    the prompt mean (sample std over prompts / sqrt(prompts)). ``extra`` holds the
+    probes of registered protocols beyond the paper's two, ``{kind: mean, kind_se: se}``.
     """
 
     i: int
@@ -79,6 +84,7 @@ class PairResult:
     replacement_ij_se: float | None = None
     replacement_ji_se: float | None = None
     interchange_se: float | None = None
+    extra: dict[str, float | None] = field(default_factory=dict)
 
     def __post_init__(self):
         if not (isinstance(self.i, int) and isinstance(self.j, int) and 0 <= self.i < self.j):
@@ -101,24 +107,43 @@ class PairResult:
             return None
         return x / max(r, 1e-10)
 
+    def probe_value(self, kind: str) -> float | None:
+        """The mean of probe ``kind`` (None if not scored)."""
+        return getattr(self, kind) if kind in _PAIR_VALUE_FIELDS else self.extra.get(kind)
+
     def value(self, protocol: str) -> float | None:
-        if protocol == "replacement":
-            return self.replacement
-        if protocol in _PAIR_VALUE_FIELDS:
-            return getattr(self, protocol)
-        raise ValueError(f"protocol={protocol!r}: allowed {list(PROTOCOLS) + ['replacement_ij', 'replacement_ji']}")
+        """A protocol's value for the pair (the max of its probes) or one probe's value."""
+        if protocol in SWAP_PROTOCOLS:
+            return _max_kl(*(self.probe_value(k) for k in SWAP_PROTOCOLS[protocol].probes))
+        if protocol_of(protocol) is not None:
+            return self.probe_value(protocol)
+        probes = [k for k in probe_kinds() if k not in SWAP_PROTOCOLS]
+        raise ValueError(f"protocol={protocol!r}: allowed {list(SWAP_PROTOCOLS) + probes}")
+
+    @classmethod
+    def from_probes(cls, i: int, j: int, values: Mapping[str, tuple[float, float | None]]) -> PairResult:
+        """The pair from ``{kind: (mean, se)}`` of its scored probes."""
+        own, extra = {}, {}
+        for kind, (mean, se) in values.items():
+            target = own if kind in _PAIR_VALUE_FIELDS else extra
+            target[kind], target[f"{kind}_se"] = mean, se
+        return cls(i, j, **own, extra=extra)
 
     def to_dict(self) -> dict:
         out = {"i": self.i, "j": self.j, "replacement": encode_float(self.replacement)}
         for f in fields(self):
-            if f.name not in ("i", "j"):
+            if f.name not in ("i", "j", "extra"):
                 out[f.name] = encode_float(getattr(self, f.name))
+        out.update({k: encode_float(v) for k, v in self.extra.items()})
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> PairResult:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: (decode_float(v) if k not in ("i", "j") else int(v)) for k, v in d.items() if k in names})
+        names = {f.name for f in fields(cls)} - {"extra"}
+        kinds = {k for kind in probe_kinds() if kind not in _PAIR_VALUE_FIELDS for k in (kind, f"{kind}_se")}
+        extra = {k: decode_float(v) for k, v in d.items() if k in kinds}
+        return cls(**{k: (decode_float(v) if k not in ("i", "j") else int(v)) for k, v in d.items() if k in names},
+                   extra=extra)
 
 
 def _score_key(value: float | None) -> tuple[int, float]:
@@ -158,8 +183,8 @@ class SwapReport(JsonResult):
     def __post_init__(self):
         self.protocols = tuple(self.protocols)
         for p in self.protocols:
-            if p not in PROTOCOLS:
-                raise ValueError(f"protocol {p!r} is not one of {list(PROTOCOLS)}")
+            if p not in SWAP_PROTOCOLS:
+                raise ValueError(f"protocol {p!r} is not one of {list(SWAP_PROTOCOLS)}")
         self.pairs = sorted(self.pairs, key=lambda r: (r.i, r.j))
         for r in self.pairs:
             if r.j >= self.num_layers:
@@ -178,9 +203,9 @@ class SwapReport(JsonResult):
         raise KeyError(f"pair ({a}, {b}) was not scored (max_gap={self.max_gap})")
 
     def _require(self, protocol: str) -> None:
-        base = "replacement" if protocol.startswith("replacement") else protocol
-        if base not in PROTOCOLS:
-            raise ValueError(f"protocol={protocol!r}: allowed {list(PROTOCOLS)}")
+        base = protocol_of(protocol)
+        if base is None:
+            raise ValueError(f"protocol={protocol!r}: allowed {list(SWAP_PROTOCOLS)}")
         if base not in self.protocols:
             raise ValueError(f"protocol {protocol!r} was not scored in this report (scored: {list(self.protocols)})")
 

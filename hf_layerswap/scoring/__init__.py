@@ -43,14 +43,20 @@ probe needs:
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
   selected at a budget is stable under paired standard errors.
 
+Which probes a pair gets is the protocol registry's (:mod:`hf_layerswap.protocols`,
+:func:`register_protocol`): the paper's replacement and interchange are built in.
+
 Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and the engine
-state), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
+state), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
+hands the engine), :mod:`.streamed` (the head/KL phase on blocks of positions x
+vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
 :mod:`.probes` (probe deduplication, order, sharding), :mod:`.checkpoint` (resumable and
 distributed runs).
 """
 
 from __future__ import annotations
 
+from ..protocols import register_protocol, SWAP_PROTOCOLS, unregister_protocol  # noqa: F401
 from ..provenance import library_versions, report_identity
 from .checkpoint import CHECKPOINT_FORMAT, CheckpointMismatchError, ScoringCheckpoint, _Checkpoint  # noqa: F401
 from .engine import (  # noqa: F401
@@ -62,6 +68,7 @@ from .engine import (  # noqa: F401
     parse_memory,
     plan_kl,
 )
+from .settings import EngineSettings  # noqa: F401
 from .head import Head  # noqa: F401
 from .kl import KL_CHUNK_POSITIONS, kl_rows, masked_kl, row_blocks  # noqa: F401
 from .probes import make_probes, schedule, shard  # noqa: F401
@@ -80,10 +87,12 @@ model_identity = report_identity
 __all__ = [
     "AdaptiveBudget",
     "CheckpointMismatchError",
+    "EngineSettings",
     "library_versions",
     "masked_kl",
     "model_identity",
     "plan_kl",
+    "register_protocol",
     "removal_kl",
     "score_layers",
     "selection_stability",

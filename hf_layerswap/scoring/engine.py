@@ -2,20 +2,19 @@
 with prefix reuse, streamed KL under a memory budget, optional reduced precision,
 checkpointing and rank sharding (see :mod:`hf_layerswap.scoring` for what each does).
 
-One module on purpose: ``_Engine`` is one state object (reference pass, prefix tree of
-probes, head/KL blocks, checkpoint and ranks) whose passes share that state; splitting it
-would hand a dozen fields between modules. Its building blocks live next door
-(:mod:`.kl`, :mod:`.head`, :mod:`.probes`, :mod:`.checkpoint`). The documented names for
-benchmarks and tests are importable from here: ``Head``, ``kl_rows``, ``row_blocks``,
+``_Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
+checkpoint and ranks) whose passes share that state. Its settings arrive as one
+:class:`~hf_layerswap.scoring.settings.EngineSettings`; its building blocks live next
+door (:mod:`.settings`, :mod:`.streamed` for the head/KL blocks, :mod:`.kl`, :mod:`.head`,
+:mod:`.probes`, :mod:`.checkpoint`). The documented names for benchmarks and tests are
+importable from here: ``EngineSettings``, ``Head``, ``kl_rows``, ``row_blocks``,
 ``make_probes``, ``schedule``, ``shard``, ``ScoringCheckpoint``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import re
 import time
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
@@ -29,18 +28,16 @@ from ..calibration import CalibrationSet, check_token_ids
 from ..plan import apply_plan, decoder_blocks, model_fingerprint, num_blocks, _StopForward
 from ..provenance import library_versions, report_identity
 from .checkpoint import _Checkpoint, _dist_state, _plans_digest
-from .head import _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
-from .kl import KL_CHUNK_POSITIONS, _kl_rows, _lse64, masked_kl, _row_blocks, _VocabKL
+from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
+from .kl import _chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import _make_probes, _Probe, _schedule, _shard
+from .settings import dtype_name, EngineSettings
+from .streamed import _StreamedKL
 from .checkpoint import ScoringCheckpoint  # noqa: F401  (documented name)
 from .head import Head  # noqa: F401
 from .kl import kl_rows, row_blocks  # noqa: F401
 from .probes import make_probes, schedule, shard  # noqa: F401
-
-#: Working memory (bytes, beyond the weights) that scoring plans for when ``max_memory``
-#: is not given. A fixed number, not a fraction of free memory, so that the derived chunk
-#: sizes (and hence the last bits of the results) do not depend on the machine's load.
-DEFAULT_MAX_MEMORY = 1 << 30
+from .settings import DEFAULT_MAX_MEMORY, parse_memory, PREFIX_REUSE_MODES  # noqa: F401  (documented names)
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
@@ -54,73 +51,6 @@ HEAD_BUDGET_FRACTION = 0.4
 MIN_WHOLE_VOCAB_CHUNK = 128
 
 
-
-PREFIX_REUSE_MODES = ("shared", "start", "none")
-
-
-# ----------------------------------------------------------------------------- settings
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_memory(value) -> int:
-    """Bytes from an int or a string like ``"1.5GB"``/``"800MiB"`` (decimal and binary units).
-
-    Raises:
-        ValueError: anything else, or a value below 1 MiB.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '2GB'")
-    if isinstance(value, int):
-        out = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-        if not m or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '1.5GB' or '800MiB'")
-        out = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    else:
-        raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '2GB'")
-    if out < 1 << 20:
-        raise ValueError(f"max_memory={value!r} is {out} bytes: at least 1 MiB is needed")
-    return out
-
-
-def _resolve_prefix_reuse(value) -> str:
-    if value is True:
-        return "shared"
-    if value is False or value is None:
-        return "none"
-    if value in PREFIX_REUSE_MODES:
-        return value
-    raise ValueError(
-        f"prefix_reuse={value!r}: allowed True/'shared' (share the longest common prefix), 'start' (reuse only "
-        "the identity prefix), False/'none' (every probe runs the whole model)"
-    )
-
-
-def _resolve_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype | None:
-    """The autocast dtype, or None to run in the model's own dtype."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        name = dtype.replace("torch.", "")
-        aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-        dtype = getattr(torch, aliases.get(name, name), None)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype={dtype!r}: allowed None (the model's dtype), torch.bfloat16, torch.float16, torch.float32")
-    if dtype == model_dtype:
-        return None
-    if dtype == torch.float32:
-        raise ValueError(
-            f"dtype=float32 asked for a {model_dtype} model: autocast cannot raise precision; load the model in float32"
-        )
-    return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 class _Engine:
     """Per-batch probe execution with prefix reuse, streamed KL, budget and checkpoints."""
 
@@ -129,31 +59,20 @@ class _Engine:
         model: nn.Module,
         calibration: CalibrationSet,
         plans: Mapping[Hashable, Sequence[int]],
-        *,
-        batch_size,
-        prefix_reuse,
-        stream_logits: bool,
-        kl_chunk: int | None,
-        vocab_chunk: int | None,
-        max_memory,
-        dtype,
-        checkpoint_path,
-        distributed,
-        progress: bool,
-        desc: str,
+        settings: EngineSettings,
     ):
         self.model = model
         self.calib = calibration
         self.num_layers = num_blocks(model)
         self.key_of, self.probes, self.zero = _make_probes(plans, self.num_layers)
-        self.mode = _resolve_prefix_reuse(prefix_reuse)
-        self.stream_logits = bool(stream_logits)
+        self.mode = settings.prefix_reuse
+        self.stream_logits = settings.stream_logits
         self.fallback_reason = None
-        self.rank, self.world = _dist_state(distributed)
+        self.rank, self.world = _dist_state(settings.distributed)
         self.param_dtype = _param_dtype(model)
-        self.autocast = _resolve_dtype(dtype, self.param_dtype)
+        self.autocast = settings.autocast_dtype(self.param_dtype)
         self.compute_dtype = self.autocast or self.param_dtype
-        self.budget = DEFAULT_MAX_MEMORY if max_memory is None else parse_memory(max_memory)
+        self.budget = settings.max_memory
         self.input_device = _module_device(model.get_input_embeddings())
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
         self.head = _Head(model)
@@ -164,26 +83,27 @@ class _Engine:
             self.fallback_reason = "no separate decoder module and output head to stop between"
         cfg = _text_config(model)
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-        self.batch_size = self._batch_size(batch_size, cfg)
-        self.kl_chunk, self.vocab_chunk = self._kl_chunks(kl_chunk, vocab_chunk)
+        self.batch_size = self._batch_size(settings.batch_size, cfg)
+        self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
         self.my_probes = _shard(list(self.probes.values()), self.world, self.rank)
-        self.progress = progress and self.rank == 0
-        self.desc = desc
+        self.progress = settings.progress and self.rank == 0
+        self.desc = settings.desc
         self.done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self.checkpoint = None
         self.resumed = 0
-        if checkpoint_path is not None:
+        if settings.checkpoint_path is not None:
             self.checkpoint = _Checkpoint(
-                checkpoint_path, self.fingerprint(), is_main=self.rank == 0, barrier=self._barrier
+                settings.checkpoint_path, self.fingerprint(), is_main=self.rank == 0, barrier=self._barrier
             )
             self.done = self.checkpoint.load()
             self.resumed = len(self.done)
         self.computed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self.stats = {"block_evaluations": 0, "model_calls": 0, "head_rows": 0, "reference_passes": 0}
+        self.kl = _StreamedKL(self.head, self.kl_chunk, self.vocab_chunk, self.autocast, self.input_device.type,
+                              self.stats)
         self.seconds = 0.0
         self.batches = list(range(math.ceil(calibration.num_prompts / self.batch_size)))
         self.verified_head = False
-        self._logit_buf: torch.Tensor | None = None
 
     # -- sizing -----------------------------------------------------------------------
     def _activation_bytes(self, bsz: int, cfg) -> int:
@@ -197,16 +117,14 @@ class _Engine:
         return streams + forward + logits
 
     def _batch_size(self, batch_size, cfg) -> int:
-        if batch_size == "auto":
-            cap = min(64, self.calib.num_prompts)
-            best = 1
-            for b in range(1, cap + 1):
-                if self._activation_bytes(b, cfg) <= self.budget // 2:
-                    best = b
-            return best
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1 or 'auto'")
-        return batch_size
+        if batch_size != "auto":
+            return batch_size
+        cap = min(64, self.calib.num_prompts)
+        best = 1
+        for b in range(1, cap + 1):
+            if self._activation_bytes(b, cfg) <= self.budget // 2:
+                best = b
+        return best
 
     def _kl_chunks(self, kl_chunk, vocab_chunk) -> tuple[int, int]:
         """(positions, vocabulary entries) per head/KL block, kept under
@@ -214,9 +132,6 @@ class _Engine:
         one slice (the whole vocabulary) holds reference log-probs and probe logits, 8
         bytes per position and entry; several hold fp32 reference logits, float64
         reference probabilities and fp32 probe logits, 16 bytes."""
-        for name, v in (("kl_chunk", kl_chunk), ("vocab_chunk", vocab_chunk)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}={v!r}: must be an int >= 1")
         vocab = self.head.vocab
         head_budget = int(HEAD_BUDGET_FRACTION * self.budget)
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
@@ -252,7 +167,7 @@ class _Engine:
     def settings(self) -> dict:
         return {
             "batch_size": self.batch_size,
-            "compute_dtype": _dtype_name(self.compute_dtype),
+            "compute_dtype": dtype_name(self.compute_dtype),
             "autocast": self.autocast is not None,
             "softmax_dtype": "float32",
             "stream_logits": self.stream_logits,
@@ -292,9 +207,7 @@ class _Engine:
             dist.barrier()
 
     def _autocast(self):
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.input_device.type, dtype=self.autocast)
+        return _autocast(self.input_device.type, self.autocast)
 
     # -- passes -------------------------------------------------------------------------
     def _reference_pass(self, ids, mask, slots: set[int], rows: torch.Tensor):
@@ -350,7 +263,7 @@ class _Engine:
     def _verify_head(self, last_hidden, model_logits) -> None:
         rows = last_hidden.reshape(-1, last_hidden.shape[-1])
         bounds = _chunk_bounds(self.head.vocab, self.vocab_chunk)
-        ours = torch.cat([self._logits(rows, v0, v1) for v0, v1 in bounds], dim=-1)
+        ours = torch.cat([self.kl.logits(rows, v0, v1) for v0, v1 in bounds], dim=-1)
         ours = ours.reshape(*last_hidden.shape[:-1], -1)
         theirs = model_logits.float().to(ours.device)
         scale = 1.0 + float(theirs.abs().max())
@@ -362,7 +275,7 @@ class _Engine:
                 "using the model's own full logits instead (more memory)"
             )
             warnings.warn(f"hf_layerswap scoring: {self.fallback_reason}", stacklevel=3)
-        self._logit_buf = None
+        self.kl.release()
         self.verified_head = True
 
     def _probe_pass(self, probe: _Probe, depth0: int, start_hidden, ids, mask, captures: list[int]):
@@ -404,87 +317,6 @@ class _Engine:
         self.stats["model_calls"] += 1
         self.stats["block_evaluations"] += len(probe.key) - slot
         return (final["hidden"] if self.stream_logits else out), captured
-
-    def _head_phase(self, ref_hidden, hiddens: list[torch.Tensor], prompt_of_row, counts, bsz,
-                    done=None) -> list[torch.Tensor]:
-        """Per-prompt mean KL for each probe's final hidden rows ``(R, H)``; ``done(n)`` is
-        told the head rows each chunk ran (for the progress bar)."""
-        sums = [torch.zeros(bsz, dtype=torch.float64) for _ in hiddens]
-        for a, b in _chunk_bounds(ref_hidden.shape[0], self.kl_chunk):
-            kls = self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens], done or (lambda n: None))
-            idx = prompt_of_row[a:b]
-            for n, kl in enumerate(kls):
-                sums[n].index_add_(0, idx, kl.double().cpu())
-        self._logit_buf = None  # reused within the head phase only: the probe forwards need the memory
-        return [s / counts for s in sums]
-
-    def _logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
-        """fp32 logits of vocabulary entries ``v0:v1``: for the whole vocabulary of a plain
-        fp32 head, the same GEMM as the head module's, written into the engine's reused
-        buffer (the result is valid until the next call); otherwise the model's own head
-        module (or its weight slice)."""
-        whole = v0 == 0 and v1 == self.head.vocab
-        if whole and self._buffered_head(hidden):
-            rows = hidden.shape[0]
-            if self._logit_buf is None or self._logit_buf.shape[0] < rows:
-                self._logit_buf = None  # free the smaller one first
-                self._logit_buf = torch.empty(rows, self.head.vocab, dtype=torch.float32, device=hidden.device)
-            return self.head.into(hidden, self._logit_buf[:rows])
-        with self._autocast():
-            out = self.head(hidden) if whole else self.head.vocab_slice(hidden, v0, v1)
-        return out.float()
-
-    def _buffered_head(self, hidden) -> bool:
-        """Whole-vocabulary fp32 logits can go to one reused buffer (each result is consumed
-        before the next is made): a plain fp32 ``nn.Linear`` head on the hidden states'
-        device, with no forward hooks and a plain tensor weight, and no autocast."""
-        m = self.head.module
-        w = getattr(m, "weight", None)
-        return (self.head.sliceable and self.autocast is None and hidden.dtype == torch.float32
-                and type(w.data) is torch.Tensor and w.dtype == torch.float32 and w.device == hidden.device
-                and not m._forward_hooks and not m._forward_pre_hooks)
-
-    def _kl_block(self, ref_rows, rows, done) -> list[torch.Tensor]:
-        """Per-position KL of each probe over a block of positions; ``done(n)`` is told
-        after each head GEMM how many whole-vocabulary head rows it was worth.
-
-        With the whole vocabulary in one slice this is :func:`masked_kl`'s arithmetic (fp32
-        log-softmax); with several slices, :class:`_VocabKL` (float64 accumulation, equal
-        to it within the fp32 log-softmax's own rounding)."""
-        bounds = _chunk_bounds(self.head.vocab, self.vocab_chunk)
-        if len(bounds) == 1:
-            self.stats["head_rows"] += ref_rows.shape[0] * (1 + len(rows))
-            ref_lp = torch.log_softmax(self._logits(ref_rows, 0, self.head.vocab), dim=-1)
-            done(ref_rows.shape[0])
-            out = []
-            for h in rows:
-                logits = self._logits(h, 0, self.head.vocab)
-                kl = torch.empty(logits.shape[0], device=logits.device)
-                for a, b in _row_blocks(*logits.shape):
-                    kl[a:b] = _kl_rows(ref_lp[a:b], logits[a:b])
-                out.append(kl)
-                done(ref_rows.shape[0])
-                del logits  # else the next probe's logits are made while these are still held
-            return out
-        self.stats["head_rows"] += ref_rows.shape[0] * (2 + len(rows))
-        # pass 1: the reference log-sum-exp over the whole vocabulary
-        ref_lse = torch.logsumexp(torch.stack([_lse64(self._logits(ref_rows, v0, v1)) for v0, v1 in bounds]), dim=0)
-        done(ref_rows.shape[0])
-        mass = torch.zeros_like(ref_lse)
-        acc = [_VocabKL(ref_rows.shape[0], ref_rows.device) for _ in rows]
-        for v0, v1 in bounds:  # pass 2: every probe against the same reference slice
-            share = ref_rows.shape[0] * (v1 - v0) / self.head.vocab
-            z_ref = self._logits(ref_rows, v0, v1)
-            probs = torch.empty(z_ref.shape, dtype=torch.float64, device=z_ref.device)
-            for a, b in _row_blocks(*z_ref.shape):
-                probs[a:b] = (z_ref[a:b].double() - ref_lse[a:b].unsqueeze(-1)).exp_()
-            mass += probs.sum(dim=-1)
-            done(share)
-            for n, h in enumerate(rows):
-                acc[n].add(z_ref, probs, self._logits(h, v0, v1))
-                done(share)
-            del z_ref, probs
-        return [a.result(ref_lse, mass) for a in acc]
 
     # -- main loop ----------------------------------------------------------------------
     # -- progress, in the units of the work -------------------------------------------
@@ -577,7 +409,7 @@ class _Engine:
             if not pending:
                 return
             if self.stream_logits:
-                values = self._head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
+                values = self.kl.head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
                                           lambda n: bar.advance(head * n / (bsz * seqlen)))
             else:
                 values = [h for _, h in pending]
@@ -677,14 +509,6 @@ class _Engine:
         return out
 
 
-def _chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
-    """``ceil(total / chunk)`` contiguous ranges of near-equal length (none longer than
-    ``chunk``), so no small remainder chunk runs the head GEMM inefficiently."""
-    n = max(1, math.ceil(total / chunk))
-    edges = [round(k * total / n) for k in range(n + 1)]
-    return [(edges[k], edges[k + 1]) for k in range(n) if edges[k + 1] > edges[k]]
-
-
 class _WorkBar:
     """A tqdm bar over a float amount of work shown in whole units: fractions (head/KL
     chunks) are carried until they add up to a unit."""
@@ -732,31 +556,11 @@ def plan_kl(
         calibration: the prompts (:func:`~hf_layerswap.calibration.build_calibration`).
         plans: probe name -> block plan (see :mod:`hf_layerswap.plan`). Equal plans are
             computed once; the identity plan gives exactly 0 without running.
-        batch_size: prompts per forward pass, or ``"auto"`` (the largest, up to 64, whose
-            estimated activations fit half of ``max_memory``).
-        prefix_reuse: ``True``/``"shared"`` (default): start every probe at its first
-            changed slot from the cached identity stream and share longer common prefixes
-            between probes; ``"start"``: only the former; ``False``/``"none"``: every
-            probe runs the whole model (for checks: the numbers are identical).
-        stream_logits: ``True`` (default): stop at the decoder output and run the head
-            and KL in blocks of real positions x vocabulary entries; ``False``: take the
-            model's own full ``(B, T, V)`` logits and :func:`masked_kl` (more memory).
-        kl_chunk: real positions per head/KL block. Default: ``min(1024, batch_size *
-            seq_len)``; when that block of the whole vocabulary (8 bytes per position and
-            entry) exceeds ``0.4 * max_memory``, the most positions that fit, if at least
-            :data:`MIN_WHOLE_VOCAB_CHUNK` (always, for a head that cannot be sliced).
-        vocab_chunk: vocabulary entries per block (sliceable heads only). Default: the
-            whole vocabulary, unless even :data:`MIN_WHOLE_VOCAB_CHUNK` positions of it do
-            not fit (or ``kl_chunk`` is given); then the vocabulary split into the fewest
-            equal slices with ``16 * kl_chunk * vocab_chunk <= 0.4 * max_memory`` bytes
-            (:data:`HEAD_BUDGET_FRACTION`).
-        max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights;
-            default :data:`DEFAULT_MAX_MEMORY` (1 GiB).
-        dtype: ``None`` (the model's dtype) or ``torch.bfloat16``/``torch.float16`` to run
-            under ``torch.autocast``; softmax and KL are always fp32.
-        checkpoint_path: folder for resumable runs (see :func:`score_layers`).
-        distributed: ``None``: shard probes over ranks when torch.distributed is
-            initialised; ``False``: never; ``True``: require it.
+        batch_size, progress, desc, prefix_reuse, stream_logits, kl_chunk, vocab_chunk,
+            max_memory, dtype, checkpoint_path, distributed: the engine settings, each
+            described at :class:`~hf_layerswap.scoring.settings.EngineSettings` (batch
+            size, memory budget, precision, prefix reuse, streamed KL, resumable runs,
+            rank sharding).
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt
@@ -771,11 +575,21 @@ def plan_kl(
 
     The model is left exactly as it was (blocks, ``layer_idx``, config, train/eval mode).
     """
-    engine = _Engine(
-        model, calibration, plans, batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits,
-        kl_chunk=kl_chunk, vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
+    settings = EngineSettings(
+        batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits, kl_chunk=kl_chunk,
+        vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
         distributed=distributed, progress=progress, desc=desc,
     )
+    return run_plans(model, calibration, plans, settings)
+
+
+@torch.no_grad()
+def run_plans(
+    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings
+) -> tuple[dict[Hashable, torch.Tensor], dict]:
+    """:func:`plan_kl` with its settings as one :class:`EngineSettings`: what the scoring
+    verbs call once they have built theirs."""
+    engine = _Engine(model, calibration, plans, settings)
     engine.run_batches(engine.batches)
     engine.gather()
     return engine.values(engine.batches), engine.summary(engine.batches)

@@ -99,6 +99,14 @@ def _decoder_output(output) -> torch.Tensor:
     return hidden
 
 
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device_type``, or no context for ``None``
+    (the model's own dtype)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
 @contextlib.contextmanager
 def _hooks(handles: list):
     try:

@@ -8,8 +8,6 @@ import math
 
 import torch
 
-
-
 #: Positions per chunk in :func:`masked_kl` (bounds temporary memory).
 KL_CHUNK_POSITIONS = 256
 
@@ -29,6 +27,15 @@ def _kl_rows(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def _row_blocks(rows: int, width: int) -> list[tuple[int, int]]:
     step = max(1, _KL_SUB_BYTES // (4 * max(1, width)))
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
+
+
+def _chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
+    """``ceil(total / chunk)`` contiguous ranges of near-equal length (none longer than
+    ``chunk``), so no small remainder chunk runs the head GEMM inefficiently (position chunks,
+    vocabulary slices)."""
+    n = max(1, math.ceil(total / chunk))
+    edges = [round(k * total / n) for k in range(n + 1)]
+    return [(edges[k], edges[k + 1]) for k in range(n) if edges[k + 1] > edges[k]]
 
 
 def _lse64(logits: torch.Tensor) -> torch.Tensor:

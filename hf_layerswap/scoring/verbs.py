@@ -1,7 +1,8 @@
-"""The public scoring verbs: :func:`score_layers` (both swap protocols per pair into a
-:class:`~hf_layerswap.report.SwapReport`), :func:`removal_kl` (joint removal of sets),
-:func:`swap_plans`, and the adaptive prompt budget (:class:`AdaptiveBudget`,
-:func:`selection_stability`)."""
+"""The public scoring verbs: :func:`score_layers` (the registered swap protocols per pair
+into a :class:`~hf_layerswap.report.SwapReport`), :func:`removal_kl` (joint removal of
+sets), :func:`swap_plans`, and the adaptive prompt budget (:class:`AdaptiveBudget`,
+:func:`selection_stability`). Each verb builds its
+:class:`~hf_layerswap.scoring.settings.EngineSettings` once from its keyword arguments."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import torch
 from torch import nn
 
 from ..calibration import build_calibration, CalibrationSet
-from ..plan import ONE_BLOCK, interchange_plan, model_fingerprint, num_blocks, removal_plan, replacement_plan
+from ..plan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan
+from ..protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, SWAP_PROTOCOLS
 from ..provenance import library_versions, report_identity
-from ..report import PROTOCOLS, PairResult, SwapReport
+from ..report import PairResult, SwapReport
 from ..rule import greedy_select, resolve_protect
-from .engine import _dtype_name, _Engine, plan_kl
+from .engine import _Engine, run_plans
+from .settings import dtype_name, EngineSettings
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -37,21 +40,21 @@ def _pair_list(num_layers: int, max_gap: int) -> list[tuple[int, int]]:
 
 def swap_plans(num_layers: int, max_gap: int = 1, protocols: Sequence[str] = PROTOCOLS) -> dict[tuple, list[int]]:
     """The probes of a swap sweep: ``{(kind, i, j): plan}`` for every pair
-    ``1 <= j - i <= max_gap`` with kind ``replacement_ij`` (slot i runs block j),
-    ``replacement_ji`` (slot j runs block i) and/or ``interchange``.
+    ``1 <= j - i <= max_gap`` and every probe kind of the chosen protocols
+    (:mod:`hf_layerswap.protocols`): ``replacement_ij`` (slot i runs block j),
+    ``replacement_ji`` (slot j runs block i), ``interchange``, and those of protocols
+    registered since. Per pair, protocols come in registration order.
 
     Raises:
         ValueError: ``max_gap`` outside ``1..L-1`` or an unknown protocol.
     """
-    if any(p not in PROTOCOLS for p in protocols):
-        raise ValueError(f"protocols={tuple(protocols)!r}: allowed a non-empty subset of {list(PROTOCOLS)}")
+    protocols = check_protocols(protocols)
+    chosen = [SWAP_PROTOCOLS[p] for p in SWAP_PROTOCOLS if p in protocols]
     plans: dict[tuple, list[int]] = {}
     for i, j in _pair_list(num_layers, max_gap):
-        if "replacement" in protocols:
-            plans[("replacement_ij", i, j)] = replacement_plan(num_layers, i, j)
-            plans[("replacement_ji", i, j)] = replacement_plan(num_layers, j, i)
-        if "interchange" in protocols:
-            plans[("interchange", i, j)] = interchange_plan(num_layers, i, j)
+        for protocol in chosen:
+            for kind, plan in protocol.pair_plans(num_layers, i, j).items():
+                plans[(kind, i, j)] = plan
     return plans
 
 
@@ -93,8 +96,8 @@ class AdaptiveBudget:
     step: int = 16
 
     def __post_init__(self):
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"AdaptiveBudget protocol={self.protocol!r}: allowed {list(PROTOCOLS)}")
+        if self.protocol not in SWAP_PROTOCOLS:
+            raise ValueError(f"AdaptiveBudget protocol={self.protocol!r}: allowed {list(SWAP_PROTOCOLS)}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"AdaptiveBudget num_layers={self.num_layers!r}: must be an int >= 1")
         if not (isinstance(self.z, (int, float)) and math.isfinite(self.z) and self.z > 0):
@@ -110,17 +113,12 @@ def _layer_choices(report: SwapReport, protocol: str) -> list[tuple | None]:
     """For each layer, the probe whose mean defines s(i): ``(kind, i, j)`` or None."""
     best: list[tuple | None] = [None] * report.num_layers
     best_val = [math.inf] * report.num_layers
+    owner = get_protocol(protocol_of(protocol) or protocol)  # a probe kind stands for its protocol
     for r in report.pairs:
-        if protocol == "interchange":
-            val, kind = r.interchange, "interchange"
-        else:
-            a, b = r.replacement_ij, r.replacement_ji
-            if a is None or b is None:
-                continue
-            val = r.replacement
-            kind = "replacement_ij" if (math.isnan(a) or (not math.isnan(b) and a >= b)) else "replacement_ji"
+        val = r.value(owner.name)
         if val is None or math.isnan(val):
             continue
+        kind = max(owner.probes, key=r.probe_value)  # the probe that sets the pair's value (first of ties)
         for layer in (r.i, r.j):
             if val < best_val[layer]:
                 best_val[layer], best[layer] = val, (kind, r.i, r.j)
@@ -179,15 +177,9 @@ def selection_stability(
     return {"selected": selected, "stable": stable, "closest": closest}
 
 
-def _build_report(num_layers, pairs, protocols, max_gap, values) -> list[PairResult]:
-    results = []
-    for i, j in pairs:
-        kw = {}
-        for kind in ("replacement_ij", "replacement_ji", "interchange"):
-            if (kind, i, j) in values:
-                kw[kind], kw[f"{kind}_se"] = _mean_se(values[(kind, i, j)])
-        results.append(PairResult(i, j, **kw))
-    return results
+def _build_report(pairs, protocols, values) -> list[PairResult]:
+    kinds = [k for p in protocols for k in get_protocol(p).probes]
+    return [PairResult.from_probes(i, j, {k: _mean_se(values[(k, i, j)]) for k in kinds}) for i, j in pairs]
 
 
 def _prefix_calibration(calib: CalibrationSet, n: int) -> CalibrationSet:
@@ -242,14 +234,16 @@ def score_layers(
             mapping with ``input_ids``/``attention_mask`` ``(B, T)`` long tensors, or a
             :class:`~hf_layerswap.calibration.CalibrationSet`.
         tokenizer: required for text sources.
-        protocols: any of ``("replacement", "interchange")``.
+        protocols: a non-empty subset of the registered protocols (built in:
+            ``("replacement", "interchange")``; see :mod:`hf_layerswap.protocols`).
         max_gap: pair distance bound (1 = adjacent pairs, L-1 = all pairs).
         num_prompts, seq_len, seed: calibration budget and paragraph shuffle seed
             (with ``adaptive``, ``num_prompts`` is the maximum).
         batch_size: prompts per forward pass (int) or ``"auto"`` (fits ``max_memory``).
         progress: show a progress bar with an ETA.
         prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype: engine
-            settings, see :func:`plan_kl`; all are recorded in ``report.metadata``.
+            settings, see :class:`~hf_layerswap.scoring.settings.EngineSettings`; all are
+            recorded in ``report.metadata``.
         checkpoint_path: a folder. Completed (batch, probe) values are written there
             atomically as they finish; rerunning the same call after an interruption
             (a killed process included) skips them and returns a report with the same
@@ -270,11 +264,12 @@ def score_layers(
             bad engine setting.
         CheckpointMismatchError: ``checkpoint_path`` belongs to a different run.
     """
-    if isinstance(protocols, str):
-        raise ValueError(f"protocols={protocols!r}: give a list, e.g. [{protocols!r}], a non-empty subset of {list(PROTOCOLS)}")
-    protocols = tuple(dict.fromkeys(protocols))
-    if not protocols or any(p not in PROTOCOLS for p in protocols):
-        raise ValueError(f"protocols={protocols!r}: allowed a non-empty subset of {list(PROTOCOLS)}")
+    protocols = check_protocols(protocols)
+    settings = EngineSettings(
+        batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits, kl_chunk=kl_chunk,
+        vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
+        distributed=distributed, progress=progress, desc="swap-KL probes",
+    )
     num_layers = num_blocks(model)
     if num_layers < 2:
         raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2, and {ONE_BLOCK}")
@@ -286,11 +281,7 @@ def score_layers(
             raise ValueError(f"adaptive.protocol={adaptive.protocol!r} is not among the scored protocols {list(protocols)}")
     calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     plans = swap_plans(num_layers, max_gap, protocols)
-    engine = _Engine(
-        model, calib, plans, batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits,
-        kl_chunk=kl_chunk, vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
-        distributed=distributed, progress=progress, desc="swap-KL probes",
-    )
+    engine = _Engine(model, calib, plans, settings)
     adaptive_record = None
     if adaptive is None:
         used = engine.batches
@@ -308,7 +299,7 @@ def score_layers(
             done_batches = target
             used = list(range(done_batches))
             values = engine.values(used)
-            partial = SwapReport(num_layers, _build_report(num_layers, pairs, protocols, max_gap, values),
+            partial = SwapReport(num_layers, _build_report(pairs, protocols, values),
                                  protocols=protocols, max_gap=max_gap)
             n_used = int(values[next(iter(values))].numel())
             check = selection_stability(
@@ -328,7 +319,7 @@ def score_layers(
         adaptive_record = {**asdict(adaptive), "rounds": rounds, "stopped": stopped, "reason": reason}
         adaptive_record["protect"] = list(adaptive.protect)
     used_calib = _prefix_calibration(calib, int(values[next(iter(values))].numel()))
-    results = _build_report(num_layers, pairs, protocols, max_gap, values)
+    results = _build_report(pairs, protocols, values)
     summary = engine.summary(used)
     metadata = {
         "model": {**report_identity(model), "fingerprint": model_fingerprint(model)},
@@ -336,7 +327,7 @@ def score_layers(
         "num_prompts": used_calib.num_prompts,
         "num_tokens": used_calib.num_tokens,
         "seq_len": used_calib.seq_len,
-        "dtype": _dtype_name(engine.param_dtype),
+        "dtype": dtype_name(engine.param_dtype),
         "seed": seed,
         "token_averaging": "mean over real tokens per prompt, then mean over prompts",
         "kl_direction": "KL(original || modified)",
@@ -369,7 +360,8 @@ def removal_kl(
             floats is returned, one per set, sharing the reference forward passes).
         calibration, tokenizer, num_prompts, seq_len, seed, batch_size: as in
             :func:`score_layers`.
-        max_memory, dtype: engine settings, see :func:`plan_kl`.
+        max_memory, dtype: engine settings, see
+            :class:`~hf_layerswap.scoring.settings.EngineSettings`.
 
     Returns:
         A float (one set) or a list of floats. The empty set gives exactly 0.0.
@@ -377,14 +369,13 @@ def removal_kl(
     Raises:
         ValueError: bad indices (out of range, duplicates) or a set leaving no block.
     """
+    settings = EngineSettings(batch_size=batch_size, progress=progress, desc="removal KL", max_memory=max_memory,
+                              dtype=dtype)
     num_layers = num_blocks(model)
     single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
     sets = [list(removed)] if single else [list(s) for s in removed]
     plans = {n: removal_plan(num_layers, s) for n, s in enumerate(sets)}
     calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
-    values, _ = plan_kl(
-        model, calib, plans, batch_size=batch_size, progress=progress, desc="removal KL",
-        max_memory=max_memory, dtype=dtype,
-    )
+    values, _ = run_plans(model, calib, plans, settings)
     out = [float(values[n].mean()) for n in range(len(sets))]
     return out[0] if single else out

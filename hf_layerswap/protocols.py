@@ -1,0 +1,172 @@
+"""Swap protocols behind one registry: what ``score_layers(protocols=...)`` scores for a
+block pair ``i < j``. Adding a protocol is one function and one decorator::
+
+    @register_protocol("skip_both")
+    def skip_both(num_layers, i, j):
+        return {"skip_both": removal_plan(num_layers, [i, j])}
+
+A protocol's function returns one layer plan (:mod:`hf_layerswap.plan`) per *probe* it
+declares (``probes=``, default: one probe named after the protocol). The scoring engine
+runs every probe of every pair; the protocol's value for the pair is the largest of its
+probes' values (NaN if any is NaN), the paper's bidirectional d_repl for replacement and
+the probe itself for a one-probe protocol. The report keeps each probe's mean and
+standard error (:class:`~hf_layerswap.report.PairResult`).
+
+The built-ins are the paper's two (No Free Swap, arXiv 2605.16234, Def. 1):
+
+- ``"replacement"``: probes ``replacement_ij`` (slot i runs block j) and
+  ``replacement_ji`` (slot j runs block i);
+- ``"interchange"``: probe ``interchange`` (slots i and j exchange blocks).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .plan import interchange_plan, replacement_plan
+
+__all__ = [
+    "PROTOCOLS",
+    "SWAP_PROTOCOLS",
+    "SwapProtocol",
+    "check_protocols",
+    "get_protocol",
+    "probe_kinds",
+    "protocol_of",
+    "register_protocol",
+    "unregister_protocol",
+]
+
+#: The paper's protocols, always registered: the default of ``score_layers(protocols=)``.
+PROTOCOLS = ("replacement", "interchange")
+
+#: Names a probe may not take: the pair's own fields and derived values in
+#: :class:`~hf_layerswap.report.PairResult`.
+_RESERVED = frozenset({"i", "j", "gap", "ratio", "extra", "value"})
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class SwapProtocol:
+    """One registered protocol.
+
+    Attributes:
+        name: the ``protocols=`` value.
+        probes: the probe kinds it runs per pair, in order (report fields ``<kind>`` and
+            ``<kind>_se``).
+        plans: ``fn(num_layers, i, j) -> {kind: plan}`` with one plan per probe kind.
+    """
+
+    name: str
+    probes: tuple[str, ...]
+    plans: Callable[[int, int, int], dict]
+
+    def pair_plans(self, num_layers: int, i: int, j: int) -> dict[str, list[int]]:
+        """The probes' plans for pair ``(i, j)``, in :attr:`probes` order.
+
+        Raises:
+            ValueError: the function's kinds are not the declared :attr:`probes`.
+        """
+        out = self.plans(num_layers, i, j)
+        if not isinstance(out, dict) or set(out) != set(self.probes):
+            got = sorted(out) if isinstance(out, dict) else type(out).__name__
+            raise ValueError(f"protocol {self.name!r} returned plans for {got}; it declares probes {list(self.probes)}")
+        return {kind: list(out[kind]) for kind in self.probes}
+
+
+#: Protocol name -> :class:`SwapProtocol`, in registration order (the order probes are
+#: listed in a sweep and protocols in messages).
+SWAP_PROTOCOLS: dict[str, SwapProtocol] = {}
+
+
+def probe_kinds(protocols: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The probe kinds of ``protocols`` (default: all registered), in registration order."""
+    chosen = SWAP_PROTOCOLS if protocols is None else [p for p in SWAP_PROTOCOLS if p in protocols]
+    return tuple(kind for p in chosen for kind in SWAP_PROTOCOLS[p].probes)
+
+
+def protocol_of(name: str) -> str | None:
+    """The registered protocol ``name`` is, or whose probe kind it is; None if neither."""
+    if name in SWAP_PROTOCOLS:
+        return name
+    return next((p.name for p in SWAP_PROTOCOLS.values() if name in p.probes), None)
+
+
+def register_protocol(name: str, *, probes: Sequence[str] | None = None):
+    """Decorator registering ``fn(num_layers, i, j) -> {kind: plan}`` as the swap protocol
+    ``name`` (see :class:`SwapProtocol`); ``probes`` defaults to ``(name,)``.
+
+    Raises:
+        ValueError: a name or probe kind that is not lower-case ``[a-z][a-z0-9_]*``, ends
+            in ``_se``, is reserved, or is already taken by a registered protocol or probe.
+    """
+    kinds = (name,) if probes is None else tuple(probes)
+    taken = set(SWAP_PROTOCOLS) | set(probe_kinds())
+    for label in dict.fromkeys((name, *kinds)):
+        if not isinstance(label, str) or not _NAME.fullmatch(label) or label.endswith("_se") or label in _RESERVED:
+            raise ValueError(
+                f"protocol name or probe {label!r}: must match [a-z][a-z0-9_]*, not end in '_se' and not be one of "
+                f"{sorted(_RESERVED)}"
+            )
+        if label in taken:
+            raise ValueError(f"protocol name or probe {label!r} is already registered (protocols: {list(SWAP_PROTOCOLS)})")
+    if not kinds or len(set(kinds)) != len(kinds):
+        raise ValueError(f"protocol {name!r}: probes={list(kinds)} must be distinct and at least one")
+
+    def decorate(fn):
+        SWAP_PROTOCOLS[name] = SwapProtocol(name, kinds, fn)
+        return fn
+
+    return decorate
+
+
+def unregister_protocol(name: str) -> None:
+    """Remove a registered protocol (the built-ins stay).
+
+    Raises:
+        ValueError: ``name`` is a built-in or not registered.
+    """
+    if name in PROTOCOLS:
+        raise ValueError(f"protocol {name!r} is built in and cannot be unregistered")
+    get_protocol(name)
+    del SWAP_PROTOCOLS[name]
+
+
+def get_protocol(name) -> SwapProtocol:
+    """The registered protocol ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the registered ones.
+    """
+    if not isinstance(name, str) or name not in SWAP_PROTOCOLS:
+        raise ValueError(f"protocol={name!r}: allowed {list(SWAP_PROTOCOLS)}")
+    return SWAP_PROTOCOLS[name]
+
+
+def check_protocols(protocols) -> tuple[str, ...]:
+    """``protocols=`` as a tuple of registered names, first occurrence kept.
+
+    Raises:
+        ValueError: a string instead of a list, an empty list or an unregistered name
+            (the message lists the registered ones).
+    """
+    allowed = list(SWAP_PROTOCOLS)
+    if isinstance(protocols, str):
+        raise ValueError(f"protocols={protocols!r}: give a list, e.g. [{protocols!r}], a non-empty subset of {allowed}")
+    protocols = tuple(dict.fromkeys(protocols))
+    if not protocols or any(not isinstance(p, str) or p not in SWAP_PROTOCOLS for p in protocols):
+        raise ValueError(f"protocols={protocols!r}: allowed a non-empty subset of {allowed}")
+    return protocols
+
+
+# ----------------------------------------------------------------------------- built-ins
+@register_protocol("replacement", probes=("replacement_ij", "replacement_ji"))
+def _replacement(num_layers: int, i: int, j: int) -> dict[str, list[int]]:
+    return {"replacement_ij": replacement_plan(num_layers, i, j), "replacement_ji": replacement_plan(num_layers, j, i)}
+
+
+@register_protocol("interchange")
+def _interchange(num_layers: int, i: int, j: int) -> dict[str, list[int]]:
+    return {"interchange": interchange_plan(num_layers, i, j)}

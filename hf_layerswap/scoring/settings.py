@@ -1,0 +1,186 @@
+"""How the scoring engine runs: :class:`EngineSettings`, the one frozen record of the
+settings every scoring verb passes to the engine (batch size, memory budget, reduced
+precision, prefix reuse, streamed KL, checkpoint, ranks, progress), validated once.
+
+A setting changes how the work is done, not what is computed: the scored values depend
+only on the model, the prompts and the plans, except through the batch size, the chunk
+sizes the budget implies and ``dtype`` (see :mod:`hf_layerswap.scoring`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DEFAULT_MAX_MEMORY", "PREFIX_REUSE_MODES", "EngineSettings", "dtype_name", "parse_memory"]
+
+#: Working memory (bytes, beyond the weights) that scoring plans for when ``max_memory``
+#: is not given. A fixed number, not a fraction of free memory, so that the derived chunk
+#: sizes (and hence the last bits of the results) do not depend on the machine's load.
+DEFAULT_MAX_MEMORY = 1 << 30
+
+#: ``prefix_reuse`` modes, most sharing first (``True`` is ``"shared"``, ``False`` ``"none"``).
+PREFIX_REUSE_MODES = ("shared", "start", "none")
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+#: Compute dtypes ``dtype=`` may name (autocast lowers precision only).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def parse_memory(value) -> int:
+    """Bytes from an int or a string like ``"1.5GB"``/``"800MiB"`` (decimal and binary units).
+
+    Raises:
+        ValueError: anything else, or a value below 1 MiB.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '2GB'")
+    if isinstance(value, int):
+        out = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '1.5GB' or '800MiB'")
+        out = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    else:
+        raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '2GB'")
+    if out < 1 << 20:
+        raise ValueError(f"max_memory={value!r} is {out} bytes: at least 1 MiB is needed")
+    return out
+
+
+def _prefix_reuse_mode(value) -> str:
+    if value is True:
+        return "shared"
+    if value is False or value is None:
+        return "none"
+    if value in PREFIX_REUSE_MODES:
+        return value
+    raise ValueError(
+        f"prefix_reuse={value!r}: allowed True/'shared' (share the longest common prefix), 'start' (reuse only "
+        "the identity prefix), False/'none' (every probe runs the whole model)"
+    )
+
+
+def _compute_dtype(value) -> torch.dtype | None:
+    """``dtype=`` as a torch dtype (``None``: the model's own)."""
+    if value is None:
+        return None
+    dtype = value
+    if isinstance(value, str):
+        name = value.replace("torch.", "")
+        dtype = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={value!r}: allowed None (the model's dtype), torch.bfloat16, torch.float16, torch.float32")
+    return dtype
+
+
+def _positive_int(name: str, value, *, allow=()) -> None:
+    if value in allow and not isinstance(value, bool):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = "".join(f" or {a!r}" for a in allow if a is not None)
+        raise ValueError(f"{name}={value!r}: must be an int >= 1{extra}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how reports name a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's settings, checked when made; the scoring verbs build one from their
+    keyword arguments and hand it to the engine.
+
+    Attributes:
+        batch_size: prompts per forward pass, or ``"auto"`` (the largest, up to 64, whose
+            estimated activations fit half of ``max_memory``).
+        prefix_reuse: ``True``/``"shared"`` (default): start every probe at its first
+            changed slot from the cached identity stream and share longer common prefixes
+            between probes; ``"start"``: only the former; ``False``/``"none"``: every
+            probe runs the whole model (for checks: the numbers are identical). Stored as
+            the mode's name (:data:`PREFIX_REUSE_MODES`).
+        stream_logits: ``True`` (default): stop at the decoder output and run the head
+            and KL in blocks of real positions x vocabulary entries; ``False``: take the
+            model's own full ``(B, T, V)`` logits and :func:`~hf_layerswap.scoring.masked_kl`
+            (more memory).
+        kl_chunk: real positions per head/KL block. Default: ``min(1024, batch_size *
+            seq_len)``; when that block of the whole vocabulary (8 bytes per position and
+            entry) exceeds ``0.4 * max_memory``, the most positions that fit, if at least
+            ``MIN_WHOLE_VOCAB_CHUNK`` (always, for a head that cannot be sliced).
+        vocab_chunk: vocabulary entries per block (sliceable heads only). Default: the
+            whole vocabulary, unless even ``MIN_WHOLE_VOCAB_CHUNK`` positions of it do
+            not fit (or ``kl_chunk`` is given); then the vocabulary split into the fewest
+            equal slices with ``16 * kl_chunk * vocab_chunk <= 0.4 * max_memory`` bytes
+            (``HEAD_BUDGET_FRACTION``; both constants in :mod:`.engine`).
+        max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights;
+            default :data:`DEFAULT_MAX_MEMORY` (1 GiB). Stored in bytes.
+        dtype: ``None`` (the model's dtype) or ``torch.bfloat16``/``torch.float16`` (or
+            their names) to run under ``torch.autocast``; softmax and KL are always fp32.
+            Stored as a torch dtype.
+        checkpoint_path: folder for resumable runs (see
+            :func:`~hf_layerswap.scoring.score_layers`).
+        distributed: ``None``: shard probes over ranks when torch.distributed is
+            initialised; ``False``: never; ``True``: require it.
+        progress: show a progress bar (rank 0 only).
+        desc: the progress bar's label.
+
+    Raises:
+        ValueError: a value outside what its field allows (the message names the value
+            and what is allowed).
+    """
+
+    batch_size: int | str = 8
+    prefix_reuse: bool | str = True
+    stream_logits: bool = True
+    kl_chunk: int | None = None
+    vocab_chunk: int | None = None
+    max_memory: int | str | None = None
+    dtype: torch.dtype | str | None = None
+    checkpoint_path: str | os.PathLike | None = None
+    distributed: bool | None = None
+    progress: bool = False
+    desc: str = "swap-KL"
+
+    def __post_init__(self):
+        _positive_int("batch_size", self.batch_size, allow=("auto",))
+        for name in ("kl_chunk", "vocab_chunk"):
+            _positive_int(name, getattr(self, name), allow=(None,))
+        if self.distributed not in (None, True, False):
+            raise ValueError(f"distributed={self.distributed!r}: allowed None (shard when torch.distributed is "
+                             "initialised), True (require it), False (never)")
+        if self.checkpoint_path is not None and not isinstance(self.checkpoint_path, (str, os.PathLike)):
+            raise ValueError(f"checkpoint_path={self.checkpoint_path!r}: give a folder path (str or os.PathLike) or None")
+        normal = {
+            "prefix_reuse": _prefix_reuse_mode(self.prefix_reuse),
+            "stream_logits": bool(self.stream_logits),
+            "max_memory": DEFAULT_MAX_MEMORY if self.max_memory is None else parse_memory(self.max_memory),
+            "dtype": _compute_dtype(self.dtype),
+            "progress": bool(self.progress),
+            "desc": str(self.desc),
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+    def autocast_dtype(self, model_dtype: torch.dtype) -> torch.dtype | None:
+        """The autocast dtype for a model whose parameters are ``model_dtype``, or None to
+        run in the model's own dtype.
+
+        Raises:
+            ValueError: ``dtype=float32`` for a lower-precision model (autocast cannot
+                raise precision).
+        """
+        if self.dtype is None or self.dtype == model_dtype:
+            return None
+        if self.dtype == torch.float32:
+            raise ValueError(
+                f"dtype=float32 asked for a {model_dtype} model: autocast cannot raise precision; load the model in float32"
+            )
+        return self.dtype

@@ -1,0 +1,245 @@
+"""The scoring engine's settings record and the swap-protocol registry.
+
+:class:`EngineSettings` is the one place the engine's settings are checked and
+normalised; the verbs build it from their keyword arguments. The protocol registry decides
+which probes a pair gets: an unknown name is refused with the registered ones listed, and a
+protocol registered here (removal of the pair, or of each block alone) is scored by
+``score_layers`` to exactly the joint removal KL of the same sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+from conftest import tiny_batch, tiny_model
+
+import hf_layerswap as hl
+from hf_layerswap.plan import interchange_plan, removal_plan, replacement_plan
+from hf_layerswap.protocols import (
+    SWAP_PROTOCOLS,
+    check_protocols,
+    get_protocol,
+    probe_kinds,
+    protocol_of,
+    register_protocol,
+    unregister_protocol,
+)
+from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.scoring import AdaptiveBudget, plan_kl, removal_kl, score_layers, swap_plans
+from hf_layerswap.scoring.engine import DEFAULT_MAX_MEMORY, EngineSettings, run_plans
+
+BUILT_IN = "['replacement', 'interchange']"
+
+
+# ---------------------------------------------------------------- settings
+def test_settings_defaults_are_the_verbs_defaults():
+    s = EngineSettings()
+    assert (s.batch_size, s.prefix_reuse, s.stream_logits, s.kl_chunk, s.vocab_chunk) == (8, "shared", True, None, None)
+    assert s.max_memory == DEFAULT_MAX_MEMORY == 2**30 and s.dtype is None and s.checkpoint_path is None
+    assert s.distributed is None and s.progress is False and s.desc == "swap-KL"
+
+
+def test_settings_normalise_their_values():
+    assert EngineSettings(prefix_reuse=False).prefix_reuse == "none"
+    assert EngineSettings(prefix_reuse="start").prefix_reuse == "start"
+    assert EngineSettings(max_memory="2GiB").max_memory == 2 * 2**30
+    assert EngineSettings(max_memory="1.5GB").max_memory == 1_500_000_000
+    assert EngineSettings(dtype="bf16").dtype is torch.bfloat16
+    assert EngineSettings(dtype="torch.float16").dtype is torch.float16
+    assert EngineSettings(batch_size="auto").batch_size == "auto"
+    # equal settings given two ways are one value
+    assert EngineSettings(prefix_reuse=True, max_memory=None) == EngineSettings(prefix_reuse="shared", max_memory=2**30)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineSettings().batch_size = 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0), "batch_size=0: must be an int >= 1 or 'auto'"),
+        (dict(batch_size=True), "batch_size=True: must be an int >= 1 or 'auto'"),
+        (dict(batch_size="max"), "batch_size='max': must be an int >= 1 or 'auto'"),
+        (dict(kl_chunk=0), "kl_chunk=0: must be an int >= 1"),
+        (dict(vocab_chunk=2.5), "vocab_chunk=2.5: must be an int >= 1"),
+        (dict(max_memory="lots"), "max_memory='lots': give bytes (int) or a string such as '1.5GB' or '800MiB'"),
+        (dict(max_memory=1024), "max_memory=1024 is 1024 bytes: at least 1 MiB is needed"),
+        (dict(prefix_reuse="yes"), "prefix_reuse='yes': allowed True/'shared'"),
+        (dict(dtype="int8"), "dtype='int8': allowed None (the model's dtype), torch.bfloat16, torch.float16, torch.float32"),
+        (dict(dtype=torch.int8), "dtype=torch.int8: allowed None"),
+        (dict(distributed="yes"), "distributed='yes': allowed None (shard when torch.distributed is initialised)"),
+        (dict(checkpoint_path=3), "checkpoint_path=3: give a folder path (str or os.PathLike) or None"),
+    ],
+)
+def test_settings_refuse_bad_values_by_name(kwargs, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        EngineSettings(**kwargs)
+
+
+def test_autocast_dtype_against_the_models_dtype():
+    assert EngineSettings().autocast_dtype(torch.float32) is None
+    assert EngineSettings(dtype="bf16").autocast_dtype(torch.float32) is torch.bfloat16
+    assert EngineSettings(dtype=torch.bfloat16).autocast_dtype(torch.bfloat16) is None  # already the model's dtype
+    with pytest.raises(ValueError, match=r"^dtype=float32 asked for a torch.bfloat16 model: autocast cannot raise"):
+        EngineSettings(dtype="float32").autocast_dtype(torch.bfloat16)
+
+
+def test_every_verb_checks_its_settings_in_the_one_place():
+    model = tiny_model("llama", num_layers=4)
+    calib = hl.build_calibration(tiny_batch(), num_prompts=3)
+    message = "^" + re.escape("batch_size=0: must be an int >= 1 or 'auto'") + "$"
+    with pytest.raises(ValueError, match=message):
+        plan_kl(model, calib, {"x": interchange_plan(4, 1, 2)}, batch_size=0)
+    with pytest.raises(ValueError, match=message):
+        score_layers(model, tiny_batch(), num_prompts=3, batch_size=0, progress=False)
+    with pytest.raises(ValueError, match=message):
+        removal_kl(model, tiny_batch(), [1], num_prompts=3, batch_size=0)
+
+
+def test_run_plans_with_a_settings_object_equals_plan_kl():
+    model = tiny_model("llama", num_layers=4)
+    calib = hl.build_calibration(tiny_batch(), num_prompts=3)
+    plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1), "c": removal_plan(4, [3])}
+    kw = dict(batch_size=2, prefix_reuse="start", max_memory="64MiB")
+    values, stats = plan_kl(model, calib, plans, **kw)
+    again, stats2 = run_plans(model, calib, plans, EngineSettings(**kw))
+    assert all(torch.equal(values[k], again[k]) for k in plans)
+    assert stats["batch_size"] == stats2["batch_size"] == 2 and stats2["prefix_reuse"] == "start"
+    assert stats2["max_memory"] == 64 * 2**20 and stats2["block_evaluations"] == stats["block_evaluations"]
+
+
+# ---------------------------------------------------------------- protocol registry
+def test_built_in_protocols_and_their_probes():
+    assert list(SWAP_PROTOCOLS) == ["replacement", "interchange"]
+    assert probe_kinds() == ("replacement_ij", "replacement_ji", "interchange")
+    assert protocol_of("replacement_ji") == "replacement" and protocol_of("interchange") == "interchange"
+    assert protocol_of("skip") is None
+    assert get_protocol("replacement").pair_plans(4, 1, 2) == {
+        "replacement_ij": [0, 2, 2, 3],
+        "replacement_ji": [0, 1, 1, 3],
+    }
+    # per pair, protocols in registration order whatever order they were asked in
+    assert list(swap_plans(3, 1, ("interchange", "replacement"))) == [
+        ("replacement_ij", 0, 1), ("replacement_ji", 0, 1), ("interchange", 0, 1),
+        ("replacement_ij", 1, 2), ("replacement_ji", 1, 2), ("interchange", 1, 2),
+    ]
+
+
+def test_unknown_protocols_are_refused_with_the_registered_ones():
+    model = tiny_model("llama", num_layers=4)
+    with pytest.raises(ValueError, match=re.escape(f"protocols=('skip',): allowed a non-empty subset of {BUILT_IN}")):
+        score_layers(model, tiny_batch(), num_prompts=3, protocols=["skip"], progress=False)
+    with pytest.raises(ValueError, match=re.escape(f"protocols=(): allowed a non-empty subset of {BUILT_IN}")):
+        check_protocols([])
+    with pytest.raises(ValueError, match=re.escape(f"protocols=('interchange', 'swap'): allowed a non-empty subset of {BUILT_IN}")):
+        swap_plans(4, 1, ["interchange", "swap", "interchange"])
+    with pytest.raises(ValueError, match=re.escape(f"protocol='skip': allowed {BUILT_IN}")):
+        get_protocol("skip")
+    with pytest.raises(ValueError, match=re.escape(f"AdaptiveBudget protocol='skip': allowed {BUILT_IN}")):
+        AdaptiveBudget(1, protocol="skip")
+    with pytest.raises(ValueError, match=re.escape(f"protocol 'skip' is not one of {BUILT_IN}")):
+        SwapReport(4, [], protocols=("skip",))
+    pair = PairResult(0, 1, interchange=0.5)
+    with pytest.raises(ValueError, match=re.escape(f"protocol='skip': allowed {BUILT_IN[:-1]}, 'replacement_ij', 'replacement_ji']")):
+        pair.value("skip")
+
+
+@pytest.mark.parametrize(
+    "name, probes, message",
+    [
+        ("interchange", None, "protocol name or probe 'interchange' is already registered"),
+        ("mine", ("replacement_ij",), "protocol name or probe 'replacement_ij' is already registered"),
+        ("Skip", None, "protocol name or probe 'Skip': must match [a-z][a-z0-9_]*"),
+        ("skip_se", None, "protocol name or probe 'skip_se': must match"),
+        ("mine", ("i",), "protocol name or probe 'i': must match"),
+        ("mine", (), "protocol 'mine': probes=[] must be distinct and at least one"),
+        ("mine", ("a", "a"), "protocol 'mine': probes=['a', 'a'] must be distinct"),
+    ],
+)
+def test_register_refuses_clashing_or_malformed_names(name, probes, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        register_protocol(name, probes=probes)
+    assert list(SWAP_PROTOCOLS) == ["replacement", "interchange"]
+
+
+def test_built_ins_cannot_be_unregistered():
+    with pytest.raises(ValueError, match="^protocol 'interchange' is built in and cannot be unregistered$"):
+        unregister_protocol("interchange")
+    with pytest.raises(ValueError, match=re.escape(f"protocol='skip': allowed {BUILT_IN}")):
+        unregister_protocol("skip")
+
+
+@pytest.fixture
+def skip_protocols():
+    """Two protocols built from the removal plan: the pair removed together (one probe)
+    and each block removed alone (two probes: the pair's value is the larger)."""
+
+    @register_protocol("skip_both")
+    def skip_both(num_layers, i, j):
+        return {"skip_both": removal_plan(num_layers, [i, j])}
+
+    @register_protocol("skip_each", probes=("skip_i", "skip_j"))
+    def skip_each(num_layers, i, j):
+        return {"skip_i": removal_plan(num_layers, [i]), "skip_j": removal_plan(num_layers, [j])}
+
+    try:
+        yield
+    finally:
+        unregister_protocol("skip_both")
+        unregister_protocol("skip_each")
+    assert list(SWAP_PROTOCOLS) == ["replacement", "interchange"]
+
+
+def test_a_registered_protocol_is_scored_as_the_removal_kl_of_its_sets(skip_protocols):
+    model = tiny_model("llama", num_layers=5)
+    batch = tiny_batch()
+    report = score_layers(model, batch, num_prompts=3, protocols=["skip_both", "skip_each"], max_gap=2, progress=False)
+    assert report.protocols == ("skip_both", "skip_each") and len(report.pairs) == 4 + 3
+    pairs = [(p.i, p.j) for p in report.pairs]
+    both = removal_kl(model, batch, [[i, j] for i, j in pairs], num_prompts=3)
+    alone = removal_kl(model, batch, [[k] for k in range(5)], num_prompts=3)
+    assert all(x > 0 for x in both + alone)
+    for p, expected in zip(report.pairs, both):
+        assert p.value("skip_both") == expected  # the same plan through the same engine: bit for bit
+        assert p.value("skip_each") == max(alone[p.i], alone[p.j])
+        assert (p.value("skip_i"), p.value("skip_j")) == (alone[p.i], alone[p.j])
+        assert p.interchange is None and p.replacement is None and p.extra["skip_both_se"] > 0
+    # s(k) = min over the pairs holding k; with both neighbours' single removals the larger counts
+    scores = report.layer_scores("skip_both")
+    assert scores[0] == min(both[pairs.index((0, 1))], both[pairs.index((0, 2))])
+    assert scores[4] == min(both[pairs.index((3, 4))], both[pairs.index((2, 4))])
+    assert report.layer_scores("skip_each")[1] == min(max(alone[1], alone[k]) for k in (0, 2, 3))
+    # flat JSON fields, like the built-ins', and an exact round trip while registered
+    row = report.to_dict()["pairs"][0]
+    assert row["skip_both"] == both[0] and row["skip_i"] == alone[0] and row["interchange"] is None
+    assert SwapReport.from_json(report.to_json()) == report
+    assert report.summary_dict()["skip_both_layer_scores"] == scores
+    with pytest.raises(ValueError, match=re.escape("protocol 'interchange' was not scored in this report")):
+        report.layer_scores("interchange")
+
+
+def test_a_registered_protocol_leaves_the_built_in_values_unchanged(skip_protocols):
+    model = tiny_model("llama", num_layers=4)
+    alone = score_layers(model, tiny_batch(), num_prompts=3, protocols=["interchange"], progress=False)
+    mixed = score_layers(model, tiny_batch(), num_prompts=3, protocols=["interchange", "skip_both"], progress=False)
+    assert [p.interchange for p in mixed.pairs] == [p.interchange for p in alone.pairs]
+    assert [p.interchange_se for p in mixed.pairs] == [p.interchange_se for p in alone.pairs]
+    assert mixed.layer_scores("interchange") == alone.layer_scores("interchange")
+    assert all(math.isfinite(p.value("skip_both")) for p in mixed.pairs)
+
+
+def test_a_protocol_must_return_the_probes_it_declares():
+    @register_protocol("broken")
+    def broken(num_layers, i, j):
+        return {"other": removal_plan(num_layers, [i])}
+
+    try:
+        with pytest.raises(ValueError, match=re.escape("protocol 'broken' returned plans for ['other']; it declares probes ['broken']")):
+            swap_plans(4, 1, ["broken"])
+    finally:
+        unregister_protocol("broken")
+    with pytest.raises(ValueError, match=re.escape(f"allowed a non-empty subset of {BUILT_IN}")):
+        swap_plans(4, 1, ["broken"])
