@@ -54,7 +54,7 @@ from torch import nn
 from .evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity
 from .models import model_identity
 from .plan import apply_plan, num_blocks, removal_plan
-from .recovery import recover
+from .recovery import RECOVERY_METHODS, recover
 from .report import PairResult, SwapReport, set_key, write_json_atomic
 from .report import _decode_tree as _decode
 from .report import _encode_tree as _encode
@@ -521,8 +521,9 @@ def compare_criteria(
         raise ValueError(f"unknown criteria {unknown}: allowed {list(CRITERIA)}")
     if evaluation_method not in ("copy", "plan"):
         raise ValueError(f"evaluation_method={evaluation_method!r}: allowed 'copy' or 'plan'")
-    if recovery is not None and recovery not in ("ghosted", "fused"):
-        raise ValueError(f"recovery={recovery!r}: allowed None, 'ghosted' or 'fused'")
+    repairs = [m for m in RECOVERY_METHODS if m != "none"]
+    if recovery is not None and recovery not in repairs:
+        raise ValueError(f"recovery={recovery!r}: allowed None or one of {repairs}")
     repair = [c for c in (recovery_criteria or criteria) if c != "random"]
     unknown = [c for c in repair if c not in criteria]
     if unknown:

@@ -11,7 +11,7 @@ It never calls transformers' ``model.push_to_hub`` (that writes its own generic
 Guarantees:
 
 - refusal before any network call: a model whose surgery invariants fail
-  (:func:`~hf_layerswap.check_surgery_invariants`), a report that does not belong to the
+  (:func:`~hf_layerswap.surgery.check_surgery_invariants`), a report that does not belong to the
   model (:func:`~hf_layerswap.card.report_mismatches`), bad evaluation input, a bad repo id;
 - one commit or none: the commit names the head it was prepared against
   (``parent_commit``), so a concurrent writer or a replayed request cannot stack a second

@@ -15,7 +15,8 @@ from publish_helpers import BASE_MODEL, EVALUATION, hand_report, pruned_tiny
 from conftest import tiny_batch, tiny_model
 from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
 from hf_layerswap.card import PLOT_FILES, SPARSITY_FILE, check_card, render_card, sparsity_mismatches
-from hf_layerswap.hub import PushRefusedError, add_push_arguments, default_commit_message, run_push
+from hf_layerswap.cli.push import add_push_arguments, run_push
+from hf_layerswap.hub import PushRefusedError, default_commit_message
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import RECOVERY_FILE, recover
 from hf_layerswap.sparsity import SparsityReport, config_record, sparsify

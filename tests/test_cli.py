@@ -234,3 +234,27 @@ def test_python_dash_m_runs_the_same_parser():
     assert done.returncode == 2, done.stderr
     assert "usage: hf-layerswap prune" in done.stderr
     assert "error: the following arguments are required: output" in done.stderr
+
+
+def test_registered_methods_are_choices_of_the_command_line():
+    """A recovery method / allocator / pruner registered before the parser is built is a
+    valid choice of ``hf-layerswap prune`` (the registries, not fixed lists)."""
+    from hf_layerswap.cli import build_parser
+    from hf_layerswap.recovery import RECOVERY_METHODS
+    from hf_layerswap.selection.objectives import OBJECTIVES
+    from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
+
+    parser = build_parser()
+    prune = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" prune"))
+    choices = {a.dest: a.choices for a in prune._actions if a.choices is not None}
+    assert choices["recovery"] == [m for m in RECOVERY_METHODS if m != "none"]
+    assert choices["allocation"] == list(ALLOCATORS) and choices["sparsity_method"] == list(PRUNERS)
+    assert choices["objective"] == list(OBJECTIVES)
+    RECOVERY_METHODS["my_repair"] = RECOVERY_METHODS["ghosted"]
+    try:
+        args = build_parser().parse_args(["prune", "m", "out", "--num-layers", "1", "--recovery", "my_repair"])
+        assert args.recovery == "my_repair"
+    finally:
+        del RECOVERY_METHODS["my_repair"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prune", "m", "out", "--num-layers", "1", "--recovery", "my_repair"])

@@ -10,7 +10,10 @@ from pathlib import Path
 from ..config import LayerSwapConfig
 from ..pipeline import prune
 from ..report import SwapReport
+from ..recovery import RECOVERY_METHODS
 from ..selection import STRATEGIES
+from ..selection.objectives import OBJECTIVES
+from ..sparsity import ALLOCATORS, PRUNERS
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
@@ -52,7 +55,7 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
                    help="how the set is chosen: search = candidate sets from both protocols scored on the calibration "
                         "prompts and refined by local moves; greedy = the paper's rule on --protocol; auto = the better "
                         "protocol's greedy set")
-    p.add_argument("--objective", default=None, choices=["removal_kl", "nll", "ghosted"],
+    p.add_argument("--objective", default=None, choices=list(OBJECTIVES),
                    help="what --strategy search minimises on the calibration prompts (default removal_kl)")
     p.add_argument("--max-evaluations", type=count(1), default=None,
                    help="most candidate sets search scores (default 5 x blocks)")
@@ -66,13 +69,13 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_repair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recovery", default=None, choices=["ghosted", "fused"],
+    p.add_argument("--recovery", default=None, choices=[m for m in RECOVERY_METHODS if m != "none"],
                    help="repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)")
     p.add_argument("--sparsity", type=fraction, default=None,
                    help="one-shot sparsity target in [0, 1) after removal (default: none)")
-    p.add_argument("--allocation", default="pals", choices=["uniform", "pals", "owl", "random", "gradient"],
+    p.add_argument("--allocation", default="pals", choices=list(ALLOCATORS),
                    help="per-block sparsity rule of --sparsity")
-    p.add_argument("--sparsity-method", default="wanda", choices=["wanda", "sparsegpt", "magnitude"],
+    p.add_argument("--sparsity-method", default="wanda", choices=list(PRUNERS),
                    help="pruner of --sparsity")
     p.add_argument("--sparsity-pattern", default=None, help="N:M pattern of --sparsity, e.g. 2:4 (default unstructured)")
 
