@@ -30,6 +30,7 @@ from .plan import as_index
 from .provenance import public_name
 from .recovery import RECOVERY_METHODS
 from .selection import STRATEGIES
+from .selection.core import selection_protocols
 from .sparsity import check_arguments, check_bound
 
 __all__ = [
@@ -313,7 +314,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
                     f"LayerSwapConfig(num_layers={self.num_layers}, layers={layers}) is contradictory: "
                     f"layers names {len(layers)} blocks"
                 )
-        _check_choice("protocol", self.protocol, get_args(ProtocolName))
+        _check_choice("protocol", self.protocol, selection_protocols())
         _check_int("max_gap", self.max_gap, 1)
         _check_int("spacing", self.spacing, 0)
         _check_choice("strategy", self.strategy, sorted(STRATEGIES))

@@ -243,3 +243,24 @@ def test_a_protocol_must_return_the_probes_it_declares():
         unregister_protocol("broken")
     with pytest.raises(ValueError, match=re.escape(f"allowed a non-empty subset of {BUILT_IN}")):
         swap_plans(4, 1, ["broken"])
+
+
+def test_a_registered_protocol_is_selectable_everywhere(skip_protocols):
+    """select_layers, LayerSwapConfig and the command line accept a registered protocol,
+    and the greedy rule on it picks from its own scores."""
+    from hf_layerswap.cli import build_parser
+    from hf_layerswap.config import LayerSwapConfig
+    from hf_layerswap.rule import greedy_select
+    from hf_layerswap.selection import select_layers
+
+    model = tiny_model("llama", num_layers=6)
+    report = score_layers(model, tiny_batch(), num_prompts=3, protocols=["skip_both"], progress=False)
+    chosen = select_layers(report, 2, protocol="skip_both")
+    assert chosen == greedy_select(report.layer_scores("skip_both"), 2, spacing=1, protect=(0, -1))
+    assert LayerSwapConfig(num_layers=2, protocol="skip_both", strategy="greedy").protocol == "skip_both"
+    args = build_parser().parse_args(["prune", "m", "out", "--num-layers", "2", "--strategy", "greedy",
+                                      "--protocol", "skip_both", "--protocols", "skip_both"])
+    assert args.protocol == "skip_both" and args.protocols == ["skip_both"]
+    with pytest.raises(ValueError, match=re.escape("protocol='nope': allowed ['replacement', 'interchange', "
+                                                   "'skip_both', 'skip_each', 'auto']")):
+        select_layers(report, 2, protocol="nope")

@@ -11,7 +11,9 @@ from ..config import LayerSwapConfig
 from ..pipeline import prune
 from ..report import SwapReport
 from ..recovery import RECOVERY_METHODS
+from ..protocols import SWAP_PROTOCOLS
 from ..selection import STRATEGIES
+from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
 from ..sparsity import ALLOCATORS, PRUNERS
 from .common import (
@@ -41,7 +43,7 @@ def add_parser(subparsers):
     group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
-    p.add_argument("--protocols", nargs="+", default=None, choices=["replacement", "interchange"],
+    p.add_argument("--protocols", nargs="+", default=None, choices=list(SWAP_PROTOCOLS),
                    help="deprecated and ignored: the protocols scored follow --strategy and --protocol")
     p.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
     _add_selection_args(p)
@@ -59,7 +61,7 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
                    help="what --strategy search minimises on the calibration prompts (default removal_kl)")
     p.add_argument("--max-evaluations", type=count(1), default=None,
                    help="most candidate sets search scores (default 5 x blocks)")
-    p.add_argument("--protocol", default="interchange", choices=["interchange", "replacement", "auto"],
+    p.add_argument("--protocol", default="interchange", choices=list(selection_protocols()),
                    help="protocol of --strategy greedy")
     p.add_argument("--spacing", type=count(0), default=None,
                    help="selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)")

@@ -6,13 +6,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..plan import model_fingerprint, num_blocks
+from ..protocols import SWAP_PROTOCOLS
 from ..report import PROTOCOLS, SwapReport
 from ..scoring import _calibration_from_args
 from .registry import MODEL_STRATEGIES, get_strategy
 
-__all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers"]
+__all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
 
+#: The paper's two protocols and ``"auto"`` (see :func:`selection_protocols` for every registered one).
 SELECTION_PROTOCOLS = PROTOCOLS + ("auto",)
+
+
+def selection_protocols() -> tuple[str, ...]:
+    """Every registered swap protocol (:func:`~hf_layerswap.protocols.register_protocol`),
+    then ``"auto"`` (the better of the paper's two sets by joint removal KL)."""
+    return tuple(SWAP_PROTOCOLS) + ("auto",)
 
 
 def select_layers(
@@ -72,8 +80,8 @@ def select_layers(
             whose block count or fingerprint differs from the report's, or an unmeetable
             budget.
     """
-    if protocol not in SELECTION_PROTOCOLS:
-        raise ValueError(f"protocol={protocol!r}: allowed {list(SELECTION_PROTOCOLS)}")
+    if protocol not in selection_protocols():
+        raise ValueError(f"protocol={protocol!r}: allowed {list(selection_protocols())}")
     if strategy is None:
         strategy = "auto" if protocol == "auto" else "greedy"
     fn = get_strategy(strategy)
