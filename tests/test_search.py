@@ -207,3 +207,58 @@ def test_a_spent_budget_extends_the_best_smaller_set(setup):
         best = min((i for i in singles if i not in prev), key=lambda i: (singles[i], i))
         assert found[n]["selected"] == sorted(prev + [best])
         assert found[n]["trace"]["candidates"] == 1
+
+
+class _TableObjective:
+    """A set objective from an explicit table: f(S) = sum of single costs + pair penalties.
+    Speaks the interface ``search_select(evaluator=...)`` uses and records what it scored."""
+
+    def __init__(self, single, penalty):
+        self.single, self.penalty = single, penalty
+        self.cache, self.calls, self.scored = {}, 0, []
+
+    def value(self, s):
+        return self.cache[",".join(map(str, sorted(s)))]
+
+    def cost(self):
+        return {"evaluator_calls": self.calls, "forward_passes": 0, "block_passes": 0, "seconds": 0.0}
+
+    def __call__(self, sets):
+        for s in sets:
+            key = ",".join(map(str, sorted(s)))
+            if key not in self.cache:
+                members = set(s)
+                self.cache[key] = sum(self.single[i] for i in s) + sum(
+                    v for pair, v in self.penalty.items() if pair <= members)
+                self.calls += 1
+                self.scored.append(sorted(s))
+        return [self.value(s) for s in sets]
+
+
+def test_each_budget_has_its_own_allowance_and_pairs_steer_the_prediction():
+    """Blocks 3 and 4 are the cheapest alone but destructive together ({3, 4} is scored at
+    n = 2). At n = 3 the second-order prediction knows that pair, so {3, 4, 5} (first by
+    the additive prediction) is never tried; every budget scores at most its allowance."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", num_layers=8)
+    single = {1: 0.5, 2: 0.4, 3: 0.1, 4: 0.2, 5: 0.3, 6: 0.6}
+    f = _TableObjective(single, {frozenset({3, 4}): 5.0})
+    found = search_select(None, [1, 2, 3, 4], model=model, calibration=None, evaluator=f, exhaustive_below=0,
+                          evaluations_per_budget=3)
+    assert [3, 4] in f.scored and [3, 4, 5] not in f.scored
+    assert found[2]["selected"] == [3, 5] and found[2]["value"] == pytest.approx(0.4)
+    assert found[3]["selected"] == [2, 3, 5] and found[3]["value"] == pytest.approx(0.8)
+    calls = [found[n]["cost"]["evaluator_calls"] for n in (1, 2, 3, 4)]
+    assert calls[0] == 6 and all(0 < b - a <= 3 for a, b in zip(calls, calls[1:]))
+    assert found[4]["evaluations_per_budget"] == 3 and found[4]["max_evaluations"] is None
+
+
+def test_a_deep_budget_is_not_starved_by_shallow_ones(setup):
+    """Without a total cap every budget n >= 2 scores new sets (at most L - |protect| each)."""
+    model, calib, report = setup
+    found = search_select(report, [1, 2, 3, 4, 5], model=model, calibration=calib, exhaustive_below=0)
+    calls = [found[n]["cost"]["evaluator_calls"] for n in range(1, 6)]
+    protocol_sets = 2  # each protocol's own set is scored for the record, outside the allowance
+    assert calls[0] == 6 + protocol_sets - 2  # n = 1: the sweep (the protocol sets are singles in it)
+    assert all(0 < b - a <= 6 + protocol_sets for a, b in zip(calls, calls[1:]))

@@ -12,20 +12,29 @@ Candidates at budget n (each scored once, cached across levels and budgets):
     - the n lowest single-removal values d_skip({i}),
     - per score source (each protocol, single removal) the two contiguous runs of n
       unprotected blocks with the lowest summed score,
-    - the best set of budget n-1 plus each of its neighbours and the most removable blocks
-      not in it, lowest single-removal value first (when ``max_evaluations`` is spent, a
-      budget still scores the first of these: the best set of n-1 grown by the block whose
-      own removal costs least).
+    - each of the ``extend_best`` best sets of budget n-1 grown by one of its neighbours
+      or the most removable blocks, the best predicted first (when a budget's allowance
+      is spent, it still scores the first of these: the best set of n-1 grown by the
+      block predicted to cost least).
+
+Predictions are second order: f(S + {c}) ~ f(S) + d({c}) + sum over s in S of the
+interaction f({s, c}) - d({s}) - d({c}) of every pair scored so far (0 for a pair not
+scored), so two blocks that are cheap alone but costly together are not tried first.
 
 Local search from the best candidate: a move swaps one removed block for a kept one
 (the neighbours of the set and the most removable blocks by single-removal value); each
 round scores, up to ``moves_per_round`` sets, first the shifts of each contiguous run of
-the set by one block, then the swaps with the lowest additive prediction
-f(S) - d({r}) + d({c}), and takes the best if it improves. Rounds stop when no
-move improves, after ``max_rounds``, or when ``max_evaluations`` is spent. When a budget
-has at most ``exhaustive_below`` sets in all, every set is scored instead. Budget n only
-depends on the work for budgets 1..n, so one call for 1..N returns what N separate calls
-would. Everything is deterministic (ties: the lexicographically smallest set).
+the set by one block, then the swaps with the lowest prediction of f(S - {r} + {c}),
+and takes the best if it improves. Rounds stop when no move improves, after
+``max_rounds``, or when the budget's allowance is spent.
+
+Allowance: budget 1 scores the single-removal sweep (L - |protect| sets); every budget
+n >= 2 scores at most ``evaluations_per_budget`` new sets (default L - |protect|, what
+one step of SLEB scores), so a deep budget is never starved by shallower ones; an
+optional ``max_evaluations`` caps the whole call. When a budget has at most
+``exhaustive_below`` sets in all, every set is scored instead. Budget n only depends on
+the work for budgets 1..n, so one call for 1..N returns what N separate calls would.
+Everything is deterministic (ties: the lexicographically smallest set).
 
 Objectives: :data:`~hf_layerswap.selection.objectives.OBJECTIVES` (removal KL, calibration
 NLL, removal KL after the Ghosted Layers repair), all on the calibration prompts only.
@@ -90,6 +99,8 @@ def search_select(
     protect: Sequence[int] = (0, -1),
     spacing: int = 0,
     max_evaluations: int | None = None,
+    evaluations_per_budget: int | None = None,
+    extend_best: int = 3,
     moves_per_round: int = 6,
     max_rounds: int = 4,
     exhaustive_below: int | None = None,
@@ -110,11 +121,19 @@ def search_select(
         objective: see :data:`OBJECTIVES`.
         protect: blocks never removed (negative = from the end; default first and last).
         spacing: every two removed blocks satisfy ``|a - b| > spacing`` (default 0: none).
-        max_evaluations: most distinct sets to score in all (default ``5 * L``); the
-            single-removal sweep (L - |protect| sets) counts.
+        max_evaluations: most distinct sets to score in all (default ``None``: no cap
+            beyond ``evaluations_per_budget``); the single-removal sweep counts. At least
+            one set per removable block.
+        evaluations_per_budget: most new sets each budget n >= 2 scores (default: the
+            removable blocks, L - |protect|, what one step of SLEB scores); budget 1 scores
+            the single-removal sweep. A later budget is never starved by an earlier one,
+            and budgets 1..N together score at most N * (L - |protect|) sets.
+        extend_best: how many of the best sets of budget n - 1 are grown into candidates
+            of budget n (the best one first).
         moves_per_round, max_rounds: local-search breadth and depth per budget.
         exhaustive_below: score every set of a budget when there are at most this many
-            (default ``moves_per_round * max_rounds``, what the local search may spend).
+            (default ``moves_per_round * max_rounds``, what the local search may spend;
+            such a budget's allowance is raised to all its sets).
         evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
 
     Returns:
@@ -143,12 +162,20 @@ def search_select(
     allowed_set = set(allowed)
     if exhaustive_below is None:
         exhaustive_below = moves_per_round * max_rounds
-    budget_total = 5 * num_layers if max_evaluations is None else int(max_evaluations)
-    if budget_total < len(allowed):
+    if max_evaluations is not None and int(max_evaluations) < len(allowed):
         raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
+    per_budget = len(allowed) if evaluations_per_budget is None else int(evaluations_per_budget)
+    if per_budget < 1:
+        raise ValueError(f"evaluations_per_budget={evaluations_per_budget!r}: must be an int >= 1")
+    if int(extend_best) < 1:
+        raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
+    allowances = [len(allowed)] + [max(per_budget, math.comb(len(allowed), n) if math.comb(len(allowed), n)
+                                       <= exhaustive_below else 0) for n in range(2, top + 1)]
+    budget_total = math.inf if max_evaluations is None else int(max_evaluations)
     bar = None
     if progress and evaluator is None:
-        bar = tqdm(total=budget_total, desc=f"removal-set search ({objective})", unit="set", dynamic_ncols=True)
+        bar = tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
+                   dynamic_ncols=True)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
                                   progress=bar)
 
@@ -156,8 +183,10 @@ def search_select(
         s = sorted(set(s))
         return all(i in allowed_set for i in s) and all(b - a > spacing for a, b in zip(s, s[1:]))
 
+    level = {"start": f.calls, "allowance": len(allowed)}
+
     def left() -> int:
-        return budget_total - f.calls
+        return min(budget_total - f.calls, level["allowance"] - (f.calls - level["start"]))
 
     def score(pool):
         pool = [sorted(set(s)) for s in pool if s and ok(s)]
@@ -175,6 +204,28 @@ def search_select(
     single = [None] * num_layers
     for s in singles_pool:
         single[s[0]] = f.value(s)
+
+    def interaction(a: int, b: int) -> float:
+        """f({a, b}) - d({a}) - d({b}) where the pair was scored, else 0 (additive)."""
+        key = set_key(sorted((a, b)))
+        return f.cache[key] - single[a] - single[b] if key in f.cache else 0.0
+
+    def predict(members: Sequence[int], drop: int | None, add: int) -> float:
+        """Second-order prediction of f(members - {drop} + {add}) from f(members), the single
+        removals and every pair scored so far."""
+        rest = [x for x in members if x != drop]
+        value = f.value(members) + single[add] + sum(interaction(x, add) for x in rest)
+        if drop is not None:
+            value -= single[drop] + sum(interaction(x, drop) for x in rest)
+        return value
+
+    def extensions(prev: Sequence[int], count: int) -> list[list[int]]:
+        """``prev`` grown by one of its neighbours or the most removable blocks, the
+        ``count`` best by :func:`predict` (ties: lower block)."""
+        cands = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
+                 if c in allowed_set and c not in prev][: count]
+        cands.sort(key=lambda c: (_score_key(predict(prev, None, c)), c))
+        return [sorted(list(prev) + [c]) for c in cands]
     rank = sorted(allowed, key=lambda i: (_score_key(single[i]), i))
     sources = {"single_removal": single}
     protocols = list(report.protocols) if report is not None else []
@@ -187,28 +238,33 @@ def search_select(
     protocol_sets: dict[int, dict] = {}
     costs: dict[int, dict] = {}
     for n in range(1, top + 1):
-        pool, greedy = [], {}
-        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
-            prev = ranked_by_n[n - 1][0]
-            extra = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
-                     if c in allowed_set and c not in prev][: n + 2]
-            # best additive prediction f(S) + d({c}) first: the set a spent budget still scores
-            extra.sort(key=lambda c: (_score_key(single[c]), c))
-            pool.extend(sorted(prev + [c]) for c in extra)
+        greedy = {}
         for p in protocols:
             try:
                 greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
-                pool.append(greedy[p])
             except ValueError:
                 greedy[p] = None
+        # each protocol's own set is scored for the record, outside the budget's allowance
+        required = [g for g in greedy.values() if g is not None and ok(g) and set_key(g) not in f.cache]
+        f(required[: max(int(min(budget_total - f.calls, len(required))), 0)])
+        exhaustive = math.comb(len(allowed), n) <= exhaustive_below  # cheaper than the local search
+        if n > 1:
+            level.update(start=f.calls, allowance=allowances[n - 1])
+        pool = []
+        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
+            # best prediction first: the set a spent budget still scores
+            pool.extend(extensions(ranked_by_n[n - 1][0], n + 2))
+        for p in protocols:
+            if greedy[p] is not None:
+                pool.append(greedy[p])
             pool.append(_lowest(sources[p], allowed, n))
         pool.append(rank[:n] if n <= len(rank) else [])
         for scores in sources.values():
             pool.extend(_best_runs(scores, allowed_set, num_layers, n))
-        if n > 1 and len(ranked_by_n[n - 1]) > 1:
-            prev = ranked_by_n[n - 1][1]
-            pool.extend(prev + [c] for c in [c for c in rank if c not in prev][: n + 2])
-        if math.comb(len(allowed), n) <= exhaustive_below:  # cheaper than the local search: score every set
+        if n > 1:
+            for prev in ranked_by_n[n - 1][1:extend_best]:
+                pool.extend(extensions(prev, n + 2))
+        if exhaustive:  # score every set
             pool.extend(list(c) for c in itertools.combinations(allowed, n))
         ranked = score(pool)
         if not ranked:  # the spacing left nothing from the seeds: fall back to the greedy order of singles
@@ -224,8 +280,7 @@ def search_select(
                 for c in shortlist:
                     cand = sorted([x for x in current if x != r] + [c])
                     if ok(cand) and set_key(cand) not in f.cache:
-                        pred = f.value(current) - single[r] + single[c]
-                        moves.append((_score_key(pred), cand))
+                        moves.append((_score_key(predict(current, r, c)), cand))
             shifts = [m for m in _shifts(current, allowed_set) if ok(m) and set_key(m) not in f.cache]
             if not moves and not shifts:
                 break
@@ -255,7 +310,8 @@ def search_select(
             "strategy": "search", "objective": objective, "num_layers": n, "selected": list(best[n]),
             "value": f.value(best[n]), "spacing": spacing, "protect": sorted(protected),
             "protocol_sets": copy.deepcopy(protocol_sets[n]), "trace": copy.deepcopy(trace[n]),
-            "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": budget_total,
+            "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": max_evaluations,
+            "evaluations_per_budget": per_budget,
             "unit": "nats per token" if objective == "nll" else "nats",
         }
     return out
