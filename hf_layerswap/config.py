@@ -166,7 +166,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
             ``"removal_kl"``, also with ``recovery="ghosted"``: on SmolLM2-135M the sets it
             picks are better after the repair than those the in-sample ``"ghosted"``
             objective picks, at every n = 1..6 (``benchmarks/results/quality-smollm2-135m.md``).
-        max_evaluations: most candidate sets ``"search"`` scores (default ``5 * L``).
+        max_evaluations: most candidate sets ``"search"`` scores in all (default ``None``: no cap
+            beyond each budget's allowance of one set per removable block).
         protocol: ``"interchange"`` (default), ``"replacement"`` or ``"auto"`` (both
             candidate sets evaluated by joint removal KL; the lower is kept).
         max_gap, spacing, protect: scoring and selection rules, see

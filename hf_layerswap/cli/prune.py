@@ -60,7 +60,8 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", default=None, choices=list(OBJECTIVES),
                    help="what --strategy search minimises on the calibration prompts (default removal_kl)")
     p.add_argument("--max-evaluations", type=count(1), default=None,
-                   help="most candidate sets search scores (default 5 x blocks)")
+                   help="most candidate sets search scores in all (default: no cap beyond each budget's "
+                        "allowance of one set per removable block)")
     p.add_argument("--protocol", default="interchange", choices=list(selection_protocols()),
                    help="protocol of --strategy greedy")
     p.add_argument("--spacing", type=count(0), default=None,
