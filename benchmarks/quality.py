@@ -383,6 +383,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(BUNDLED_MODELS), help="required unless --index-only")
     p.add_argument("--index-only", action="store_true", help="only rewrite quality.md from the existing results")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite every per-model page and quality.md from the stored results (no model is loaded)")
     p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--criteria", nargs="+", default=list(DEFAULT_CRITERIA), choices=list(DEFAULT_CRITERIA))
     p.add_argument("--num-prompts", type=int, default=16)
@@ -403,6 +405,11 @@ def main(argv=None) -> int:
                         "with their own --results) into this run's state")
     args = p.parse_args(argv)
     if args.index_only:
+        write_index(args.results)
+        return 0
+    if args.render_only:
+        for state_path in sorted(args.results.glob("quality-*.json")):
+            render_stored(state_path)
         write_index(args.results)
         return 0
     if args.model is None:
@@ -467,7 +474,8 @@ def main(argv=None) -> int:
 
     title = f"{model_identity(model)['name']} ({num_layers} blocks)"
     plot(table, stem.with_suffix(".png"), title)
-    write_markdown(stem.with_suffix(".md"), table, gap, extras, args, num_layers, title, argv, state)
+    write_markdown(stem.with_suffix(".md"), table, gap, extras, num_layers, title, state["command"],
+                   state["environment"], state)
     write_index(args.results)
     log(f"done in {time.time() - t_start:.0f} s; wrote {stem.with_suffix('.md').name} and quality.md")
     return 0
@@ -484,9 +492,8 @@ def environment(args) -> dict:
             "torch_threads": args.threads, **library_versions()}
 
 
-def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv, state) -> None:
+def write_markdown(path: Path, table, gap, extras, num_layers, title, command_text, env, state) -> None:
     ident = table.model
-    env = environment(args)
     budgets = table.params["budgets"]
     eval_total = sum(v for v in (state.get("ppl_seconds") or {}).values() if v)
     lines = [
@@ -495,7 +502,7 @@ def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv
         "Command (from the repository root):",
         "",
         "```",
-        command(argv),
+        command_text,
         "```",
         "",
         *([f"(Run as {state['merged_runs']} processes over disjoint criteria, their states merged with "
@@ -550,6 +557,17 @@ def write_markdown(path: Path, table, gap, extras, args, num_layers, title, argv
         f"[`{path.with_suffix('.json').name}`]({path.with_suffix('.json').name}).",
     ]
     write_text_atomic("\n".join(lines) + "\n", path)
+
+
+def render_stored(state_path: Path) -> None:
+    """Rewrite one model's page from its stored state (command, environment and numbers as
+    recorded); the plot is left as it is."""
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    table = CriterionComparison.from_dict(state["comparison"])
+    num_layers = next(iter(state["reports"].values()))["num_layers"]
+    title = f"{table.model['name']} ({num_layers} blocks)"
+    write_markdown(state_path.with_suffix(".md"), table, state.get("protocol_gap"), state.get("extras", {}),
+                   num_layers, title, state["command"], state["environment"], state)
 
 
 def write_index(results: Path) -> None:

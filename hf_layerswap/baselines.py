@@ -330,6 +330,13 @@ class CriterionComparison:
     def to_dict(self) -> dict:
         return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
 
+    @classmethod
+    def from_dict(cls, data: Mapping) -> CriterionComparison:
+        """Inverse of :meth:`to_dict` (budgets back to ints in ``results``)."""
+        data = _decode(dict(data))
+        data["results"] = {name: {int(b): r for b, r in per_n.items()} for name, per_n in data["results"].items()}
+        return cls(**data)
+
     def best_by_n(self) -> dict[int, list[str]]:
         """Budget -> criteria with the lowest dPPL% (random excluded; ties listed together)."""
         out: dict[int, list[str]] = {}
