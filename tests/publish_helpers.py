@@ -24,7 +24,8 @@ import pytest
 
 from conftest import tiny_model
 
-from hf_layerswap import PairResult, SwapReport, remove_layers
+from hf_layerswap import SwapReport, remove_layers
+from hf_layerswap.report import PairResult
 
 PAIR_VALUES = {
     (0, 1): (0.50, 0.40, 0.30),

@@ -30,8 +30,8 @@ from arch_matrix import (
     single_thread,
     support_table,
 )
-from hf_layerswap import apply_plan, remove_layers, score_layers
-from hf_layerswap.plan import decoder_blocks, decoder_config
+from hf_layerswap import remove_layers, score_layers
+from hf_layerswap.plan import apply_plan, decoder_blocks, decoder_config
 
 FAMILY_IDS = [f.name for f in FAMILIES]
 CASES = [(f.name, s) for f in FAMILIES for s in REMOVAL_SETS]

@@ -15,19 +15,16 @@ import torch
 from arch_matrix import NUM_LAYERS, build, prompts, single_thread, tiny_tokenizer
 from hf_layerswap import (
     LayerSwapConfig,
-    PairResult,
     SwapReport,
-    apply_plan,
     build_calibration,
-    masked_kl,
-    num_blocks,
     prune_loaded_model,
     remove_layers,
-    removal_kl,
     score_layers,
     select_layers,
 )
-from hf_layerswap.plan import decoder_blocks, decoder_config
+from hf_layerswap.plan import apply_plan, decoder_blocks, decoder_config, num_blocks
+from hf_layerswap.report import PairResult
+from hf_layerswap.scoring import masked_kl, removal_kl
 
 TEXTS = [
     "Layer removal keeps the kept blocks in order.",

@@ -19,8 +19,8 @@ from publish_helpers import (
     report,  # noqa: F401 (fixture)
 )
 
-from conftest import tiny_model
-from hf_layerswap import SwapReport, remove_layers
+from conftest import tiny_batch, tiny_model
+from hf_layerswap import LayerSwapConfig, SwapReport, prune_loaded_model, remove_layers
 from hf_layerswap.card import (
     EVALUATION_FILE,
     PLOT_FILES,
@@ -96,6 +96,25 @@ def test_both_protocol_tables_carry_the_report_numbers(card):
     assert "| interchange | 1, 3 | 0.011 |" in text
     assert "| **removed** | **1, 3** | 0.011 |" in text
     assert "It is the set the interchange protocol picks; the other protocol picks a different one." in text
+
+
+def test_card_shows_the_searched_set_next_to_each_protocols_set():
+    model = tiny_model("llama", num_layers=6)
+    batch = tiny_batch()
+    prune_loaded_model(model, LayerSwapConfig(num_layers=2, calibration=batch, progress=False))
+    report = model.layerswap_report
+    record = report.selections[-1]
+    card = str(render_card(model, report=report))
+    assert "`strategy='search'`" in card and "**removal_kl**" in card
+    assert "guided by both swap-KL protocols" in card
+    for p in ("replacement", "interchange"):
+        entry = record["protocol_sets"][p]
+        row = f"| {p} | {', '.join(map(str, entry['set']))} | {entry['value']:.4g} |"
+        assert row in card
+    removed = model.config.layerswap["removed_layers"]
+    assert removed == record["selected"]
+    assert f"| **removed** | **{', '.join(map(str, removed))}** | {record['value']:.4g} |" in card
+    assert "spacing=1, protect=[0, -1] for each protocol's rule; the search itself used spacing=0" in card
 
 
 def test_evaluation_calibration_cost_and_snippets(card):

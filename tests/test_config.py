@@ -91,6 +91,17 @@ def test_runtime_fields_are_never_serialized():
     assert cfg == LayerSwapConfig(num_layers=1)  # equality is over what gets serialized
 
 
+def test_layerswap_config_serialization_and_contradictions():
+    cfg = LayerSwapConfig(num_layers=2, calibration={"input_ids": torch.ones(1, 3, dtype=torch.long)}, tokenizer=object())
+    d = cfg.to_dict()
+    assert d["quant_method"] == "layerswap" and d["calibration"] is None and "tokenizer" not in d
+    json.dumps(d)
+    with pytest.raises(ValueError, match="contradictory"):
+        LayerSwapConfig(num_layers=3, layers=[1, 2])
+    with pytest.raises(ValueError, match="protocol='both'"):
+        LayerSwapConfig(num_layers=1, protocol="both")
+
+
 def test_save_pretrained_and_reload_re_read_the_same_config(tmp_path):
     base = tiny_model("llama")
     base.save_pretrained(tmp_path / "base")

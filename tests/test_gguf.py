@@ -26,7 +26,6 @@ from hf_layerswap.gguf_export import (
 
 gguf = pytest.importorskip("gguf")
 
-S, F = "sliding_attention", "full_attention"
 UNDER_CI = os.environ.get("CI", "").lower() == "true"
 
 
@@ -102,7 +101,8 @@ def test_gemma_attention_scale_llama_cpp_would_not_use_is_refused():
     with pytest.raises(GGUFLayoutError, match=r"query_pre_attn_scalar=256.*1/sqrt\(8\) at 4 blocks"):
         gguf_layout(_pruned("gemma3_text").config)
 
-    def cfg(n):  # a "27B-like" model: hidden/heads (16) differs from head_dim (8)
+    # not a matrix row on purpose: a "27B-like" model, hidden/heads (16) differs from head_dim (8)
+    def cfg(n):
         return Gemma3TextConfig(num_hidden_layers=n, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=8, query_pre_attn_scalar=16, intermediate_size=64, vocab_size=128)
 
@@ -112,12 +112,9 @@ def test_gemma_attention_scale_llama_cpp_would_not_use_is_refused():
 
 
 def test_smollm3_nope_blocks_must_stay_on_llama_cpps_fixed_step():
-    from transformers import AutoModelForCausalLM, SmolLM3Config
-
     def config(removed):
-        cfg = SmolLM3Config(num_hidden_layers=6, vocab_size=128, hidden_size=32, intermediate_size=64,
-                            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-        model = AutoModelForCausalLM.from_config(cfg)
+        # the matrix row with SmolLM3's stock NoPE interval (every 4th block) and 32768 positions
+        model = build("smollm3", dtype=None, no_rope_layer_interval=4, max_position_embeddings=32768)
         if removed:
             hl.remove_layers(model, removed)
         return model.config
@@ -180,21 +177,19 @@ def test_a_failing_converter_leaves_nothing_behind(tmp_path):
 # ----------------------------------------------------------------------------- converter end to end
 
 
-def _tiny_real_vocab(kind: str, vocab: int, seed: int = 0):
-    """A tiny random model over SmolLM2's vocabulary (the converter needs a tokenizer it knows)."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+#: Config fields of the tiny models over SmolLM2's vocabulary, apart from the vocabulary size.
+_REAL_VOCAB_FIELDS = dict(max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=2, num_hidden_layers=6)
+
+def _tiny_real_vocab(kind: str, vocab: int, seed: int = 0):
+    """A tiny random model over SmolLM2's vocabulary (the converter needs a tokenizer it knows):
+    the matrix row (6 blocks, fp32) with SmolLM2's vocabulary size and special ids, 128 positions."""
     if kind == "llama":
-        cfg = LlamaConfig(**common)
-    else:  # sliding window 4, blocks S S F S S F, RoPE bases 10k (sliding) / 1M (full)
-        cfg = Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
-                               layer_types=[F if i % 3 == 2 else S for i in range(6)], initializer_range=0.1,
-                               **common)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+        return build("llama", seed=seed, **_REAL_VOCAB_FIELDS, vocab_size=vocab)
+    # sliding window 4, blocks S S F S S F, RoPE bases 10k (sliding) / 1M (full); the attention
+    # scale llama.cpp uses (query_pre_attn_scalar = head_dim) and larger initial weights
+    return build("gemma3_text", seed=seed, **_REAL_VOCAB_FIELDS, vocab_size=vocab, query_pre_attn_scalar=8,
+                 initializer_range=0.1)
 
 
 def _gguf_model(path: Path, attn: str = "eager", **kw):

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
+from hf_layerswap.card import render_card
 from hf_layerswap.history import (
     HistoryWarning,
     history_problems,
@@ -20,6 +21,8 @@ from hf_layerswap.history import (
     mark_history_unverified,
     verify_history,
 )
+from hf_layerswap.plan import model_fingerprint
+from hf_layerswap.surgery import check_surgery_invariants
 
 
 def _drop_block_outside(model, index: int):
@@ -54,7 +57,7 @@ def test_own_checkpoint_verifies_after_reload(pruned_dir):
     model = AutoModelForCausalLM.from_pretrained(pruned_dir)
     record = model.config.layerswap
     assert record["kept_layers"] == [0, 2, 4, 5]
-    assert record["steps"][-1]["fingerprint_after"] == hl.model_fingerprint(model)
+    assert record["steps"][-1]["fingerprint_after"] == model_fingerprint(model)
     assert record["steps"][-1]["dtype_after"] == "torch.float32"
     with warnings.catch_warnings():
         warnings.simplefilter("error", HistoryWarning)
@@ -64,7 +67,7 @@ def test_own_checkpoint_verifies_after_reload(pruned_dir):
     hl.remove_layers(model, [1])
     assert model.config.layerswap["removed_layers"] == [1, 2, 3]
     assert model.config.layerswap["kept_layers"] == [0, 4, 5]
-    assert hl.check_surgery_invariants(model) == []
+    assert check_surgery_invariants(model) == []
     # a bf16 reload cannot be compared by fingerprint and is not flagged for that
     bf16 = AutoModelForCausalLM.from_pretrained(pruned_dir, dtype=torch.bfloat16)
     assert history_problems(bf16) == []
@@ -74,7 +77,7 @@ def test_repruned_elsewhere_is_flagged_on_plugin_load(pruned_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(pruned_dir)
     _drop_block_outside(model, 2)  # original block 4 goes; the record still lists 4 kept blocks
     model.save_pretrained(tmp_path / "repruned")
-    assert hl.check_surgery_invariants(AutoModelForCausalLM.from_pretrained(tmp_path / "repruned"))  # the old gap
+    assert check_surgery_invariants(AutoModelForCausalLM.from_pretrained(tmp_path / "repruned"))  # the old gap
 
     with pytest.warns(HistoryWarning, match="mergekit") as caught:
         loaded = AutoModelForCausalLM.from_pretrained(
@@ -90,14 +93,14 @@ def test_repruned_elsewhere_is_flagged_on_plugin_load(pruned_dir, tmp_path):
     assert record["kept_layers"] == [0, 2]
     assert len(record["steps"]) == 1 and record["steps"][0]["removed_original_layers"] == [1]
     assert record["unverified_record"]["kept_layers"] == [0, 2, 4, 5]
-    assert hl.check_surgery_invariants(loaded) == []
+    assert check_surgery_invariants(loaded) == []
     assert loaded.config.num_hidden_layers == 2
 
     # already unverified: no second warning, and the card says so
     with warnings.catch_warnings():
         warnings.simplefilter("error", HistoryWarning)
         assert verify_history(loaded) is False
-    card = str(hl.render_card(loaded))
+    card = str(render_card(loaded))
     assert "Removal history unverified" in card
     assert "history: unverified" in card
     assert "not repeated as fact" in card

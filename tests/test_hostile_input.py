@@ -19,7 +19,9 @@ from arch_matrix import build, prompts, single_thread, tiny_tokenizer
 from test_hub import TOKEN, hub  # noqa: F401 (hub: the loopback Hub fixture)
 
 import hf_layerswap as hl
+from hf_layerswap.card import render_card
 from hf_layerswap.evaluation import perplexity_from_ids
+from hf_layerswap.plan import decoder_blocks, num_blocks
 
 PARAGRAPHS = [
     "Layer removal keeps the kept blocks in order, and the cache is renumbered after the cut.",
@@ -142,7 +144,7 @@ def test_a_missing_file_is_refused_not_scored_as_text(llama, tokenizer, tmp_path
     finally:
         handle.remove()
     assert calls == []
-    assert hl.num_blocks(llama) == 6
+    assert num_blocks(llama) == 6
 
 
 def test_literal_text_that_looks_like_a_path_goes_in_a_list(llama, tokenizer):
@@ -259,7 +261,7 @@ def test_a_one_block_model_has_nothing_removable():
             call()
         assert str(err.value) == prefix + ONE_BLOCK
         assert "1..0" not in str(err.value)
-    assert hl.num_blocks(model) == 1
+    assert num_blocks(model) == 1
 
 
 # --------------------------------------------------------------------------- 8. contradictory config
@@ -278,11 +280,11 @@ def test_a_protected_block_named_from_the_other_end_is_caught_with_the_model():
     config = hl.LayerSwapConfig(layers=[5], protect=[-1])
     with pytest.raises(ValueError, match=re.escape("layers=[5], protect=[-1]) is contradictory: block(s) [5]")):
         hl.prune_loaded_model(model, config)
-    assert hl.num_blocks(model) == 6
+    assert num_blocks(model) == 6
     # explicit layers without an explicit protect are taken as given (block 0 included), and the
     # hidden flag never reaches the serialized config
     hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[0, 5]))
-    assert hl.num_blocks(model) == 4 and model.config.layerswap["removed_layers"] == [0, 5]
+    assert num_blocks(model) == 4 and model.config.layerswap["removed_layers"] == [0, 5]
     assert "_protect_given" not in hl.LayerSwapConfig(layers=[0]).to_dict()
     assert hl.LayerSwapConfig().protect == [0, -1]
 
@@ -346,7 +348,7 @@ def test_a_calibration_shortfall_is_recorded_in_the_report_and_the_card(tokenize
     assert report.metadata["calibration"]["shortfall"] == record
     assert report.summary_dict()["calibration"]["shortfall"] == record
     assert hl.SwapReport.from_dict(report.to_dict()).metadata["calibration"]["shortfall"] == record
-    card = str(hl.render_card(model, report=report))
+    card = str(render_card(model, report=report))
     assert ("| Shortfall | **fewer prompts than requested**: 5 prompt(s) requested, the source gave 2 (48 real "
             "tokens of the 120 that 5 x 24 could hold) |") in card
     # a set that fills the request records nothing and warns nothing
@@ -504,7 +506,7 @@ def _equal_length_prompts(n: int = 4, length: int = 12) -> dict:
 
 def _head_blocks(model) -> float:
     """Output-head multiply-adds per position over a block's parameters (the bar's exchange rate)."""
-    block = hl.decoder_blocks(model)[2][0]
+    block = decoder_blocks(model)[2][0]
     vocab, hidden = model.get_output_embeddings().weight.shape
     return vocab * hidden / sum(p.numel() for p in block.parameters())
 
@@ -573,7 +575,7 @@ def test_layers_on_a_pruned_checkpoint_name_its_current_blocks_and_the_card_show
     hl.save_for_hub(again, second)
     third = AutoModelForCausalLM.from_pretrained(second, quantization_config=hl.LayerSwapConfig(layers=[-1, 0]))
     assert third.config.layerswap["kept_layers"] == [2, 5, 6]
-    card = str(hl.render_card(third))
+    card = str(render_card(third))
     assert ("Removal ran in 3 steps. Each step numbered the blocks of the checkpoint it\nstarted from (what "
             "`layers=` named then); the original numbering is the base model's:") in card
     table = card[card.index("| Step | Blocks before"):].split("\n\n")[0].splitlines()

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
 from hf_layerswap.history import HistoryWarning
+from hf_layerswap.surgery import check_surgery_invariants
 
 pytest.importorskip("mergekit")
 
@@ -63,7 +64,7 @@ def test_mergekit_repruning_our_checkpoint_is_flagged_not_extended(tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "repruned")
     assert plain.config.num_hidden_layers == 3
     assert plain.config.layerswap["kept_layers"] == [0, 2, 4, 5]  # mergekit copied our record unchanged
-    assert hl.check_surgery_invariants(plain)
+    assert check_surgery_invariants(plain)
 
     with pytest.warns(HistoryWarning, match="mergekit"):
         loaded = AutoModelForCausalLM.from_pretrained(
@@ -73,4 +74,4 @@ def test_mergekit_repruning_our_checkpoint_is_flagged_not_extended(tmp_path):
     assert record["history"] == "unverified"
     assert record["kept_layers"] == [0, 2] and record["removed_layers"] == [1]
     assert record["unverified_record"]["kept_layers"] == [0, 2, 4, 5]
-    assert hl.check_surgery_invariants(loaded) == []
+    assert check_surgery_invariants(loaded) == []

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_matrix import build
 from conftest import REPO_ROOT, tiny_batch, tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
 from hf_layerswap import scoring
 from hf_layerswap.calibration import build_calibration
-from hf_layerswap.plan import identity_plan, interchange_plan, removal_plan, replacement_plan
+from hf_layerswap.plan import apply_plan, identity_plan, interchange_plan, num_blocks, removal_plan, replacement_plan
 from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.scoring import (
     AdaptiveBudget,
@@ -107,16 +108,13 @@ def test_masked_kl_is_independent_of_the_position_chunk(monkeypatch):
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
 def test_streamed_kl_equals_the_models_full_logits(family):
-    if family == "gemma2":  # final logit soft-capping: the head must reproduce it
-        from transformers import Gemma2Config
-
-        torch.manual_seed(0)
-        cfg = Gemma2Config(num_hidden_layers=4, vocab_size=128, hidden_size=32, intermediate_size=64,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    if family == "gemma2":  # final logit soft-capping (2.0, so it bites): the head must reproduce it
+        # the matrix row with transformers' default window and positions (window 4096: nothing slides at 11 tokens)
+        model = build("gemma2", 4, dtype=None, final_logit_softcapping=2.0, sliding_window=4096,
+                      max_position_embeddings=8192)
     else:
         model = tiny_model(family, num_layers=4)
-    layers = hl.num_blocks(model)
+    layers = num_blocks(model)
     batch = tiny_batch(batch=4, length=11, pad_last=4)
     calib = build_calibration(batch)
     plans = _adjacent_plans(layers)
@@ -126,7 +124,7 @@ def test_streamed_kl_equals_the_models_full_logits(family):
         ref = torch.log_softmax(model(**batch, use_cache=False).logits.double(), -1)
         mask = batch["attention_mask"].double()
         for name, plan in plans.items():
-            with hl.apply_plan(model, plan):
+            with apply_plan(model, plan):
                 lq = torch.log_softmax(model(**batch, use_cache=False).logits.double(), -1)
             truth[name] = ((ref.exp() * (ref - lq)).sum(-1) * mask).sum(1) / mask.sum(1)
     full, stats = plan_kl(model, calib, plans, batch_size=4, stream_logits=False)
@@ -213,12 +211,7 @@ def test_large_vocabulary_keeps_whole_vocabulary_blocks_of_fewer_positions(monke
     """When a block of the default positions x the whole vocabulary exceeds the budget,
     fewer positions keep the whole vocabulary (the naive fp32 arithmetic, one head pass);
     the vocabulary is sliced only when even the minimum of positions does not fit."""
-    from conftest import tiny_config
-
-    cfg = tiny_config("llama", 4)
-    cfg.vocab_size = 8192
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = tiny_model("llama", 4, vocab_size=8192)
     ids = torch.randint(0, 8192, (8, 12), generator=torch.Generator().manual_seed(0))
     calib = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1)}

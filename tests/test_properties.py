@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arch_matrix import FAMILIES, NUM_LAYERS, build, prompts, single_thread
-from hf_layerswap import apply_plan, build_calibration, remove_layers, removal_kl
-from hf_layerswap.plan import decoder_blocks
-from hf_layerswap.scoring import plan_kl
+from hf_layerswap import build_calibration, remove_layers
+from hf_layerswap.plan import apply_plan, decoder_blocks
+from hf_layerswap.scoring import plan_kl, removal_kl
 from hf_layerswap.selection import greedy_select, resolve_protect
 
 PROPERTY = settings(

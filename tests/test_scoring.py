@@ -16,13 +16,14 @@ import hf_layerswap as hl
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.plan import (
     apply_plan,
+    capture_residual_stream,
     decoder_blocks,
     identity_plan,
     interchange_plan,
     model_fingerprint,
     replacement_plan,
 )
-from hf_layerswap.scoring import plan_kl
+from hf_layerswap.scoring import masked_kl, plan_kl
 
 
 def _snapshot(model):
@@ -61,18 +62,18 @@ def test_masked_kl_matches_hand_computation():
 
     expected0 = sum(kl(ref_logits[0, t].tolist(), mod_logits[0, t].tolist()) for t in range(3)) / 3
     expected1 = sum(kl(ref_logits[1, t].tolist(), mod_logits[1, t].tolist()) for t in range(2)) / 2
-    got = hl.masked_kl(torch.log_softmax(ref_logits, -1), mod_logits, mask)
+    got = masked_kl(torch.log_softmax(ref_logits, -1), mod_logits, mask)
     assert got.dtype == torch.float64
     assert got[0].item() == pytest.approx(expected0, rel=1e-6)
     assert got[1].item() == pytest.approx(expected1, rel=1e-6)
     # position 0 of prompt 1 is identical: contributes exactly 0
-    assert hl.masked_kl(torch.log_softmax(ref_logits, -1), ref_logits, mask).tolist() == [0.0, 0.0]
+    assert masked_kl(torch.log_softmax(ref_logits, -1), ref_logits, mask).tolist() == [0.0, 0.0]
 
 
 def test_masked_kl_rejects_all_padding_prompt():
     x = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="all padding"):
-        hl.masked_kl(x, x, torch.tensor([[1, 1, 0], [0, 0, 0]]))
+        masked_kl(x, x, torch.tensor([[1, 1, 0], [0, 0, 0]]))
 
 
 def test_identity_plan_gives_exactly_zero_and_probe_symmetries():
@@ -98,7 +99,7 @@ def test_identity_plan_gives_exactly_zero_and_probe_symmetries():
 def test_prefix_reuse_equals_full_forward():
     model = tiny_model("gemma3")
     batch = tiny_batch()
-    streams, _ = hl.capture_residual_stream(model, **batch)
+    streams, _ = capture_residual_stream(model, **batch)
     plan = replacement_plan(6, 3, 4)
     with torch.no_grad():
         with apply_plan(model, plan):

@@ -149,27 +149,6 @@ def test_baseline_strategies_share_the_interface(setup):
     assert hl.select_layers(report, 2, strategy="single_removal_kl", model=model, calibration=calib) == sorted(order[:2])
 
 
-def test_card_shows_the_searched_set_next_to_each_protocols_set():
-    from tests.conftest import tiny_batch, tiny_model
-
-    model = tiny_model("llama", num_layers=6)
-    batch = tiny_batch()
-    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False))
-    report = model.layerswap_report
-    record = report.selections[-1]
-    card = str(hl.render_card(model, report=report))
-    assert "`strategy='search'`" in card and "**removal_kl**" in card
-    assert "guided by both swap-KL protocols" in card
-    for p in ("replacement", "interchange"):
-        entry = record["protocol_sets"][p]
-        row = f"| {p} | {', '.join(map(str, entry['set']))} | {entry['value']:.4g} |"
-        assert row in card
-    removed = model.config.layerswap["removed_layers"]
-    assert removed == record["selected"]
-    assert f"| **removed** | **{', '.join(map(str, removed))}** | {record['value']:.4g} |" in card
-    assert "spacing=1, protect=[0, -1] for each protocol's rule; the search itself used spacing=0" in card
-
-
 def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
     from tests.conftest import tiny_batch, tiny_model
 

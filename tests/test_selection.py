@@ -8,6 +8,7 @@ import pytest
 from conftest import nonfinite_report, tiny_batch, tiny_model
 
 import hf_layerswap as hl
+from hf_layerswap.scoring import removal_kl
 
 
 def test_selection_rule_spacing_protect_and_nonfinite():
@@ -36,5 +37,5 @@ def test_auto_selection_records_both_candidates():
     kls = record["removal_kl"]
     if record["candidates"]["replacement"] != record["candidates"]["interchange"]:
         assert kls[record["chosen_protocol"]] == min(kls.values())
-        direct = hl.removal_kl(model, batch, [record["candidates"]["replacement"], record["candidates"]["interchange"]])
+        direct = removal_kl(model, batch, [record["candidates"]["replacement"], record["candidates"]["interchange"]])
         assert direct == [kls["replacement"], kls["interchange"]]

@@ -15,6 +15,8 @@ import torch
 from conftest import tiny_batch, tiny_model
 
 import hf_layerswap as hl
+from hf_layerswap.scoring import masked_kl, removal_kl
+from hf_layerswap.surgery import check_surgery_invariants
 
 
 SUBPROCESS_RELOAD = textwrap.dedent(
@@ -35,19 +37,19 @@ SUBPROCESS_RELOAD = textwrap.dedent(
 def test_surgery_generate_and_plain_reload(family, tmp_path):
     model = tiny_model(family)
     batch = tiny_batch()
-    expected_kl = hl.removal_kl(model, batch, [1, 3])
+    expected_kl = removal_kl(model, batch, [1, 3])
     with torch.no_grad():
         ref = torch.log_softmax(model(**batch, use_cache=False).logits.float(), -1)
     old_types = list(getattr(model.config, "layer_types", []) or [])
     hl.remove_layers(model, [1, 3])
-    assert hl.check_surgery_invariants(model) == []
+    assert check_surgery_invariants(model) == []
     if old_types:
         assert model.config.layer_types == [old_types[i] for i in (0, 2, 4, 5)]
     assert model.config.layerswap["removed_layers"] == [1, 3]
     with torch.no_grad():
         pruned_logits = model(**batch, use_cache=False).logits
     # the removal KL from scoring equals the KL measured on the actually pruned model
-    assert hl.masked_kl(ref, pruned_logits, batch["attention_mask"]).mean().item() == pytest.approx(expected_kl, rel=1e-6)
+    assert masked_kl(ref, pruned_logits, batch["attention_mask"]).mean().item() == pytest.approx(expected_kl, rel=1e-6)
     prompt = batch["input_ids"][:1, :5]
     with_cache = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=True)
     without = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)

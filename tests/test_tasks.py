@@ -12,6 +12,7 @@ from arch_matrix import tiny_tokenizer
 from conftest import tiny_model
 
 import hf_layerswap as hl
+from hf_layerswap.card import render_card
 
 pytest.importorskip("lm_eval")
 
@@ -110,7 +111,7 @@ def test_rolling_differs_from_full_in_counted_tokens(base_and_pruned, tok):
 def test_card_renders_task_table_and_model_index(results, base_and_pruned):
     from huggingface_hub.repocard_data import model_index_to_eval_results
 
-    card = hl.render_card(base_and_pruned[1], tasks=results, repo_id="user/tiny-pruned")
+    card = render_card(base_and_pruned[1], tasks=results, repo_id="user/tiny-pruned")
     text = str(card)
     acc_b = results["base"].results["layerswap_mc"]["acc"]
     acc_p = results["pruned"].results["layerswap_mc"]["acc"]
@@ -125,7 +126,7 @@ def test_card_renders_task_table_and_model_index(results, base_and_pruned):
     other = hl.TaskResults.from_dict({**results["base"].to_dict(),
                                       "settings": {**results["base"].settings, "num_fewshot": 5}})
     with pytest.raises(ValueError, match="differ in settings"):
-        hl.render_card(base_and_pruned[1], tasks={"base": other, "pruned": results["pruned"]})
+        render_card(base_and_pruned[1], tasks={"base": other, "pruned": results["pruned"]})
 
 
 def test_unknown_task_is_refused(base_and_pruned, tok):
