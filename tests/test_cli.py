@@ -258,3 +258,22 @@ def test_registered_methods_are_choices_of_the_command_line():
         del RECOVERY_METHODS["my_repair"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prune", "m", "out", "--num-layers", "1", "--recovery", "my_repair"])
+
+
+def test_every_verbs_help_states_each_default_once(capsys):
+    """An option whose help text already names its default gets no second ``(default: ...)``,
+    and a ``None`` default is not printed."""
+    import re
+
+    from hf_layerswap.cli import build_parser
+
+    parser = build_parser()
+    verbs = parser._subparsers._group_actions[0].choices
+    for name, sub in verbs.items():
+        for action in sub._actions:
+            if not action.help:
+                continue
+            text = sub._get_formatter()._expand_help(action)
+            assert len(re.findall(r"\(default", text)) <= 1 and "(default: None)" not in text, (name, text)
+    prune = verbs["prune"].format_help()
+    assert "(default: 64)" in prune and "(default removal_kl)" in prune and "(default: None)" not in prune

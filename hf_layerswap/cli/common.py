@@ -29,8 +29,19 @@ __all__ = [
     "save_pruned",
 ]
 
-#: The verbs' help formatter: every option's default shown.
-HELP_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, less the appended ``(default: ...)`` where the help
+    text already states its default or the default is ``None`` (nothing to show)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+#: The verbs' help formatter: every option's default shown once.
+HELP_FORMATTER = HelpFormatter
 
 
 def count(minimum: int):

@@ -37,7 +37,7 @@ def add_parser(subparsers):
     p = subparsers.add_parser("prune", formatter_class=HELP_FORMATTER,
                               help="remove layers (scored or explicit) and save a plain transformers checkpoint")
     add_model_args(p)
-    p.add_argument("output", help="directory for the pruned checkpoint (must not exist)")
+    p.add_argument("output", help="directory for the pruned checkpoint (a new or empty folder)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--num-layers", type=count(1), help="remove this many layers chosen by swap-KL")
     group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
