@@ -59,7 +59,7 @@ import torch  # noqa: E402
 
 from train_tiny import sample_paragraphs, split_data, train, wikitext_articles  # noqa: E402
 
-from hf_layerswap.report import write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 DATA = REPO.parent / "shared" / "data"
@@ -146,7 +146,7 @@ def run_real(name: str, log, command: str) -> dict:
     from hf_layerswap import score_layers
     from hf_layerswap.models import load_model
     from hf_layerswap.peeling import peel, peel_plot
-    from hf_layerswap.report import write_json_atomic
+    from hf_layerswap.jsonio import write_json_atomic
 
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -412,7 +412,7 @@ def real_section(res: dict) -> str:
 
 def run_trajectory(out_dir: Path, reuse: bool, log, command: str, threads: int) -> dict:
     from hf_layerswap.peeling import peel_trajectory, trajectory_plot
-    from hf_layerswap.report import write_json_atomic
+    from hf_layerswap.jsonio import write_json_atomic
 
     load_start = os.getloadavg()[0]
     run_file = out_dir / "run.json"

@@ -60,10 +60,12 @@ from hf_layerswap.baselines import (  # noqa: E402
     protocol_gap_quartiles,
 )
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
-from hf_layerswap.models import BUNDLED_MODELS, load_model, model_identity  # noqa: E402
+from hf_layerswap.jsonio import atomic_path, write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
 from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
-from hf_layerswap.report import PairResult, SwapReport, atomic_path, write_json_atomic, write_text_atomic  # noqa: E402
-from hf_layerswap.scoring import library_versions, plan_kl  # noqa: E402
+from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
+from hf_layerswap.report import PairResult, SwapReport  # noqa: E402
+from hf_layerswap.scoring import plan_kl  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 CALIBRATION = DATA / "wikitext-2" / "valid.txt"

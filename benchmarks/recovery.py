@@ -34,14 +34,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hf_layerswap.baselines import block_influence  # noqa: E402
+from hf_layerswap.selection.geometry import block_influence  # noqa: E402
 from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
-from hf_layerswap.models import load_model, model_identity  # noqa: E402
+from hf_layerswap.models import load_model  # noqa: E402
+from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
 from hf_layerswap.plan import num_blocks  # noqa: E402
 from hf_layerswap.recovery import DEFAULT_EPSILON, recover  # noqa: E402
-from hf_layerswap.report import SwapReport, write_json_atomic, write_text_atomic  # noqa: E402
-from hf_layerswap.scoring import library_versions, score_layers  # noqa: E402
+from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.report import SwapReport  # noqa: E402
+from hf_layerswap.scoring import score_layers  # noqa: E402
 from hf_layerswap.selection import select_layers  # noqa: E402
 
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"

@@ -49,8 +49,9 @@ sys.path.insert(0, str(REPO))
 
 from hf_layerswap.calibration import build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
-from hf_layerswap.models import load_model, model_identity  # noqa: E402
-from hf_layerswap.report import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.models import load_model  # noqa: E402
+from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
+from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
 

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
-from hf_layerswap.report import write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from _cmdline import command_line  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402

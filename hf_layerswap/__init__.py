@@ -10,17 +10,11 @@ the whole chain from a :class:`LayerSwapConfig` (the one path behind ``from_pret
 ``__all__`` is the user API (what README.md and docs/python.md show). Importing the
 package registers the ``quant_method="layerswap"`` quantizer plugin with transformers
 (:mod:`hf_layerswap.integration`). Everything else is imported from the module that owns
-it (docs/architecture.md); the internals this namespace used to export
-(``hf_layerswap.apply_plan``, ...) still resolve here, with a ``DeprecationWarning`` that
-names the owning module (PEP 562 ``__getattr__``).
+it (docs/architecture.md).
 """
 
-import sys as _sys
-import warnings as _warnings
-
-# integration registers the quantizer plugin; the others own the moved names (below), and
-# search is the old path of the search (hf_layerswap.search.search_select)
-from . import calibration, card, integration, plan, report, scoring, search, surgery  # noqa: F401
+# integration registers the quantizer plugin with transformers
+from . import integration  # noqa: F401
 from .baselines import compare_criteria
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
 from .config import LayerSwapConfig, RecoveryConfig, SparsityConfig
@@ -80,37 +74,3 @@ __all__ = [
     "export_gguf",
     "GGUFLayoutError",
 ]
-
-#: Names this namespace exported before it was the user API -> the module that owns each.
-#: ``hf_layerswap.<name>`` keeps returning the owner's object, with a DeprecationWarning.
-_MOVED = {
-    "LayerSwapQuantizer": integration,
-    "PairResult": report,
-    "apply_plan": plan,
-    "capture_residual_stream": plan,
-    "check_surgery_invariants": surgery,
-    "decoder_blocks": plan,
-    "embedded_text": calibration,
-    "masked_kl": scoring,
-    "model_fingerprint": plan,
-    "num_blocks": plan,
-    "removal_kl": scoring,
-    "render_card": card,
-    "write_card_files": card,
-}
-
-
-def __getattr__(name: str):
-    owner = _MOVED.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # ``from hf_layerswap import name`` looks the name up twice: the import system's check
-    # whether it is a submodule (``_handle_fromlist``), then the import itself, which warns
-    if _sys._getframe(1).f_code.co_name != "_handle_fromlist":
-        _warnings.warn(
-            f"hf_layerswap.{name} is deprecated (the top-level namespace is the user API, hf_layerswap.__all__): "
-            f"use {owner.__name__}.{name} (from {owner.__name__} import {name})",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-    return getattr(owner, name)

@@ -52,12 +52,11 @@ from pathlib import Path
 from torch import nn
 
 from .evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity
-from .models import model_identity
+from .provenance import model_identity
 from .plan import apply_plan, num_blocks, removal_plan
 from .recovery import RECOVERY_METHODS, recover
-from .report import PairResult, SwapReport, set_key, write_json_atomic
-from .report import _decode_tree as _decode
-from .report import _encode_tree as _encode
+from .jsonio import decode_tree, encode_tree, write_json_atomic
+from .report import PairResult, SwapReport, set_key
 from .rule import resolve_protect
 from .selection.beam import BEAM_EVALUATORS, interchange_beam
 from .selection.common import CriterionResult, _allowed, _budgets, _out, _score, _setup
@@ -71,24 +70,15 @@ from .selection.sleb import sleb
 from .surgery import remove_layers
 
 __all__ = [
-    "BEAM_EVALUATORS",
     "CRITERIA",
     "DEFAULT_CRITERIA",
     "CriterionComparison",
-    "CriterionResult",
-    "angular_distance",
-    "block_influence",
     "compare_criteria",
     "evaluate_removed",
-    "interchange_beam",
     "merge_criteria_states",
     "merge_reports",
-    "plan_nll",
     "protocol_gap_quartiles",
     "random_removal",
-    "single_removal_kl",
-    "sleb",
-    "swap_guided",
     "tail_removal",
 ]
 
@@ -328,12 +318,12 @@ class CriterionComparison:
     recovery: str | None = None
 
     def to_dict(self) -> dict:
-        return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
+        return json.loads(json.dumps(encode_tree(asdict(self)), allow_nan=False))
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CriterionComparison:
         """Inverse of :meth:`to_dict` (budgets back to ints in ``results``)."""
-        data = _decode(dict(data))
+        data = decode_tree(dict(data))
         data["results"] = {name: {int(b): r for b, r in per_n.items()} for name, per_n in data["results"].items()}
         return cls(**data)
 
@@ -543,8 +533,8 @@ def compare_criteria(
         "calibration": calib.content_hash,
         "eval_text": _text_fingerprint(eval_text),
         "contract": contract,
-        "evaluation_options": _encode(dict(evaluation_options or {})),
-        "options": _encode(options),
+        "evaluation_options": encode_tree(dict(evaluation_options or {})),
+        "options": encode_tree(options),
     }
     state = {"format": "hf_layerswap.compare_criteria/1", "fingerprint": fingerprint, "criteria": {}, "ppl": {},
              "removal_kl": {}, "reports": {}}
@@ -632,18 +622,18 @@ def compare_criteria(
         t0 = time.perf_counter()
         res = _evaluate_removed(model, s, eval_text, tokenizer, contract, evaluation_method, eval_kwargs)
         res.contract = _public_contract(res.contract)
-        state["ppl"][key] = _encode(res.to_dict())
+        state["ppl"][key] = encode_tree(res.to_dict())
         state.setdefault("ppl_seconds", {})[key] = time.perf_counter() - t0
         save()
-    ppl = {k: PerplexityResult.from_dict(_decode(v)) for k, v in state["ppl"].items()}
+    ppl = {k: PerplexityResult.from_dict(decode_tree(v)) for k, v in state["ppl"].items()}
     if joint_kl:
         todo = [k for k in all_sets if k and k not in state["removal_kl"]]
         if todo:
             log(f"joint removal KL of {len(todo)} sets on the calibration prompts")
             values, _ = _removal_kl_values(model, calib, [all_sets[k] for k in todo], batch_size)
-            state["removal_kl"].update(dict(zip(todo, _encode(values))))
+            state["removal_kl"].update(dict(zip(todo, encode_tree(values))))
             save()
-    kl = {k: _decode(v) for k, v in state["removal_kl"].items()}
+    kl = {k: decode_tree(v) for k, v in state["removal_kl"].items()}
     repaired: dict[str, PerplexityResult] = {}
     if recovery is not None:
         done = state.setdefault("ppl_recovered", {}).setdefault(recovery, {})
@@ -656,9 +646,9 @@ def compare_criteria(
             t0 = time.perf_counter()
             res = _evaluate_recovered(model, s, recovery, calib, eval_text, tokenizer, contract, eval_kwargs, batch_size)
             res.contract = _public_contract(res.contract)
-            done[key] = {**_encode(res.to_dict()), "seconds": time.perf_counter() - t0}
+            done[key] = {**encode_tree(res.to_dict()), "seconds": time.perf_counter() - t0}
             save()
-        repaired = {k: PerplexityResult.from_dict(_decode({f: x for f, x in v.items() if f != "seconds"}))
+        repaired = {k: PerplexityResult.from_dict(decode_tree({f: x for f, x in v.items() if f != "seconds"}))
                     for k, v in done.items()}
 
     base = ppl[""]
@@ -692,7 +682,7 @@ def compare_criteria(
         evaluation_method=evaluation_method,
         results={name: {b: r.to_dict() for b, r in per_n.items()} for name, per_n in results.items()},
         model=_public_identity(model_identity(model)),
-        params={"budgets": budgets, "criteria": list(criteria), "options": _encode(options), "batch_size": batch_size},
+        params={"budgets": budgets, "criteria": list(criteria), "options": encode_tree(options), "batch_size": batch_size},
         reports={"shared": report.to_dict()} if report is not None else {k: r.to_dict() for k, r in reports.items()},
         evaluation_seconds={k: state.get("ppl_seconds", {}).get(k) for k in all_sets},
         recovery=recovery,

@@ -157,7 +157,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             candidate sets from both protocols (each protocol's greedy set, lowest-scored
             layers, low-score contiguous runs, single-removal ranking) scored on the
             calibration prompts and refined by local moves
-            (:func:`hf_layerswap.search.search_select`); ``"greedy"``: the paper's rule on
+            (:func:`hf_layerswap.selection.search_select`); ``"greedy"``: the paper's rule on
             ``protocol`` (with ``protocol="auto"``: the ``"auto"`` strategy); ``"auto"``:
             the better of the two protocols' greedy sets.
         objective: what ``"search"`` minimises on the calibration prompts:

@@ -51,7 +51,6 @@ from transformers import AutoConfig
 from .evaluation import resolve_tokenizer
 from .jsonio import atomic_path
 from .models import cache_root
-from .moved import moved_names
 
 __all__ = [
     "CONVERTER_ENV",
@@ -405,9 +404,3 @@ def save_gguf(
         model.save_pretrained(checkpoint)
         tokenizer.save_pretrained(checkpoint)
         return _convert(checkpoint, target, layout, outtype, found)
-
-
-#: The ``export-gguf`` verb moved to :mod:`hf_layerswap.cli.export_gguf`; its names still
-#: import from here, with a DeprecationWarning.
-__getattr__ = moved_names(__name__, dict.fromkeys(
-    ("add_export_gguf_arguments", "run_export_gguf"), "hf_layerswap.cli.export_gguf"))

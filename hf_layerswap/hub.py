@@ -61,26 +61,21 @@ from .card import (  # noqa: F401  (the sidecar names, also importable from here
     write_card_files,
 )
 from .history import history_problems, probable_cause
-from .jsonio import STAGING_PREFIX, remove_stale_staging
-from .jsonio import lock_folder as _lock_folder  # noqa: F401  (former private names)
-from .jsonio import staging_folder as _staging_folder
-from .jsonio import unlock as _unlock
-from .moved import moved_names
+from .jsonio import STAGING_PREFIX, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
 from .recovery import attached_operators
-from .report import SwapReport, default_mode
+from .jsonio import default_mode
+from .report import SwapReport
 from .sparsity import SparsityReport, config_record, sparsity_in_model
 from .surgery import check_surgery_invariants
 
 __all__ = [
     "HELD_CONFIG",
     "OWNED_PATTERNS",
-    "STAGING_PREFIX",
     "HubPushError",
     "PushRefusedError",
     "push_to_hub",
     "read_evaluation_file",
-    "remove_stale_staging",
     "save_for_hub",
 ]
 
@@ -409,7 +404,7 @@ def save_for_hub(
         raise FileExistsError(f"{target} exists and is not an empty folder: pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(target.parent)
-    tmp, lock = _staging_folder(target, "new")
+    tmp, lock = staging_folder(target, "new")
     old = old_lock = None
     try:
         default_mode(tmp)
@@ -418,7 +413,7 @@ def save_for_hub(
             license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            old, old_lock = _staging_folder(target, "previous")
+            old, old_lock = staging_folder(target, "previous")
             os.replace(target, old / "previous")
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -428,8 +423,8 @@ def save_for_hub(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        _unlock(lock)
-        _unlock(old_lock)
+        unlock(lock)
+        unlock(old_lock)
     return target
 
 
@@ -444,9 +439,3 @@ def read_evaluation_file(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'base'/'pruned' perplexity results")
     return {k: v for k, v in data.items() if k in ("base", "pruned")}
-
-
-#: The ``push`` verb's code moved to :mod:`hf_layerswap.cli.push`; its names still import
-#: from here, with a DeprecationWarning.
-__getattr__ = moved_names(__name__, dict.fromkeys(
-    ("PUSH_EXAMPLES", "PUSH_HELP", "add_push_arguments", "run_push"), "hf_layerswap.cli.push"))

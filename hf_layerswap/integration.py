@@ -44,12 +44,7 @@ from .pipeline import prune
 from .recovery import attach_saved_recovery
 
 __all__ = [
-    "CONFIG_VERSION",
-    "LayerSwapConfig",
     "LayerSwapQuantizer",
-    "QUANT_METHOD",
-    "RecoveryConfig",
-    "SparsityConfig",
     "prune_loaded_model",
 ]
 

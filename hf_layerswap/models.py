@@ -30,9 +30,8 @@ pretrained checkpoints that install from the Python package index (no Hub needed
 The values are the dequantized GGUF weights, i.e. the quantized checkpoint's numbers, not
 the original bf16 release: perplexities measured on them are those of the Q4 models.
 
-:func:`model_identity` says what a report should call a loaded model (upstream name and
-revision, plus the exact source for bundled checkpoints); it lives in
-:mod:`hf_layerswap.provenance` and is re-exported here.
+:func:`~hf_layerswap.provenance.model_identity` says what a report should call a loaded
+model (upstream name and revision, plus the exact source for bundled checkpoints).
 """
 
 from __future__ import annotations
@@ -61,12 +60,9 @@ __all__ = [
     "BUNDLED",
     "BUNDLED_MODELS",
     "BundledModel",
-    "SOURCE_FILE",
     "bundled_checkpoint_dir",
     "cache_root",
     "load_model",
-    "model_identity",
-    "public_name",
 ]
 
 

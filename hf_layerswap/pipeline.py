@@ -36,13 +36,15 @@ from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
 from .recovery import RecoveryReport, recover
-from .report import PROTOCOLS, PruneProvenance, SwapReport
+from .protocols import PROTOCOLS
+from .report import PruneProvenance, SwapReport
 from .scoring import score_layers
-from .selection import check_budget, check_report_matches, select_layers
+from .rule import check_budget
+from .selection import check_report_matches, select_layers
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
 
-__all__ = ["PruneProvenance", "PruneResult", "prune"]
+__all__ = ["PruneResult", "prune"]
 
 
 @dataclass

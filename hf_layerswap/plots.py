@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import PROTOCOLS, SwapReport
+from .protocols import PROTOCOLS
+from .report import SwapReport
 
 __all__ = ["PLOT_FILES", "figure", "planned_plots", "save_png", "write_plots", "write_sparsity_plot"]
 

@@ -7,7 +7,7 @@
   with the local path that stays on this machine), :func:`public_identity` (the same
   without the local path, safe to publish) and :func:`report_identity` (the short
   ``{"name", "revision", "class"[, "base_model"]}`` record of scoring reports);
-- :func:`model_fingerprint`: a cheap sha256 of the current weights and shape.
+- :func:`~hf_layerswap.plan.model_fingerprint` (read here): a cheap sha256 of the current weights and shape.
 
 The package version :data:`__version__` lives here too (``hf_layerswap.__version__`` is
 the same string).
@@ -30,7 +30,6 @@ __all__ = [
     "SOURCE_FILE",
     "__version__",
     "library_versions",
-    "model_fingerprint",
     "model_identity",
     "public_identity",
     "public_name",

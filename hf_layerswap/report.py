@@ -34,23 +34,11 @@ from .jsonio import (
 )
 from .protocols import PROTOCOLS, probe_kinds, protocol_of, SWAP_PROTOCOLS
 
-# Former private names of the tree codecs (kept as aliases).
-_encode_tree = encode_tree
-_decode_tree = decode_tree
-
 __all__ = [
-    "JsonResult",
-    "PROTOCOLS",
     "PairResult",
     "PruneProvenance",
     "SwapReport",
-    "atomic_path",
-    "decode_float",
-    "default_mode",
-    "encode_float",
     "set_key",
-    "write_json_atomic",
-    "write_text_atomic",
 ]
 
 _PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")

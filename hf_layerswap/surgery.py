@@ -23,7 +23,8 @@ from torch import nn
 
 from .history import record_fingerprint, verify_history
 from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
-from .provenance import library_versions, model_fingerprint, model_identity
+from .plan import model_fingerprint
+from .provenance import library_versions, model_identity
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
 

@@ -53,7 +53,7 @@ class TaskResults(JsonResult):
         n_samples: ``{task: number of documents evaluated}``.
         loglikelihoods: ``{task: [per-document rolling loglikelihood, nats]}`` for
             ``loglikelihood_rolling`` tasks (lets a perplexity be cross-checked).
-        model: identity of the evaluated model (see :func:`hf_layerswap.models.model_identity`).
+        model: identity of the evaluated model (see :func:`hf_layerswap.provenance.model_identity`).
     """
 
     results: dict

@@ -288,7 +288,7 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys
 
 
 def test_check_budget_counts_what_the_rules_allow():
-    from hf_layerswap.selection import check_budget
+    from hf_layerswap.rule import check_budget
 
     assert check_budget(2, 6) == 2  # blocks 1..4 unprotected, no two adjacent: {1, 3} or {2, 4}
     with pytest.raises(ValueError, match=r"cannot select 3 layers of 6 with spacing=1 and protect=\[0, 5\]: the rules allow at most 2"):

@@ -23,6 +23,13 @@ from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.scoring import removal_kl, score_layers
 from hf_layerswap.selection import select_layers
+from hf_layerswap.selection.beam import interchange_beam
+from hf_layerswap.selection.common import CriterionResult
+from hf_layerswap.selection.geometry import angular_distance, block_influence
+from hf_layerswap.selection.greedy import swap_guided
+from hf_layerswap.selection.objectives import plan_nll
+from hf_layerswap.selection.single_removal import single_removal_kl
+from hf_layerswap.selection.sleb import sleb
 from hf_layerswap.surgery import remove_layers
 
 
@@ -86,7 +93,7 @@ def test_block_influence_identity_block_is_zero_and_matches_hidden_states():
     with torch.no_grad():  # a non-uniform final norm (a unit-weight RMSNorm only rescales, leaving cos unchanged)
         model.model.norm.weight.copy_(torch.linspace(0.2, 3.0, model.config.hidden_size))
     calib = calib_set()
-    res = B.block_influence(model, calib, 1)
+    res = block_influence(model, calib, 1)
     assert res.removed == [2]
     assert abs(res.scores[2]) < 1e-12
     assert min(s for i, s in enumerate(res.scores) if i != 2) > 1e-3
@@ -108,13 +115,13 @@ def test_block_influence_identity_block_is_zero_and_matches_hidden_states():
 def test_block_influence_budgets_share_one_pass_and_respect_protect():
     model = make_identity(tiny_model("llama", 6), [1, 4])
     calib = calib_set()
-    out = B.block_influence(model, calib, [1, 2], protect=(1,))
+    out = block_influence(model, calib, [1, 2], protect=(1,))
     assert set(out) == {1, 2}
     assert out[1].removed == [4]
     assert 1 not in out[2].removed and 4 in out[2].removed
     assert out[1].scores == out[2].scores
     with pytest.raises(ValueError, match="budget n=6"):
-        B.block_influence(model, calib, 6)
+        block_influence(model, calib, 6)
 
 
 # ----------------------------------------------------------------------------- angular distance
@@ -123,7 +130,7 @@ def test_block_influence_budgets_share_one_pass_and_respect_protect():
 def test_angular_distance_picks_planted_contiguous_run():
     model = make_identity(tiny_model("llama", 8), [3, 4])
     calib = calib_set()
-    out = B.angular_distance(model, calib, [1, 2, 3])
+    out = angular_distance(model, calib, [1, 2, 3])
     assert out[2].removed == [3, 4]
     assert out[2].details["distance_by_start"][3] < 1e-6  # arccos(1)/pi = 0
     assert out[1].removed == [3]  # a tie between 3 and 4 goes to the earliest start
@@ -137,7 +144,7 @@ def test_angular_distance_picks_planted_contiguous_run():
     expected = float((torch.arccos(torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)) / math.pi).mean())
     assert out[2].details["distance_by_start"][1] == pytest.approx(expected, rel=1e-9)
     # protect: no run may contain block 3
-    prot = B.angular_distance(model, calib, 2, protect=(3,))
+    prot = angular_distance(model, calib, 2, protect=(3,))
     assert 3 not in prot.removed and prot.details["distance_by_start"][3] is None
 
 
@@ -147,7 +154,7 @@ def test_angular_distance_picks_planted_contiguous_run():
 def test_single_removal_kl_equals_kl_of_pruned_copies():
     model = make_identity(tiny_model("llama", 6), [3])
     calib = calib_set()
-    res = B.single_removal_kl(model, calib, 2)
+    res = single_removal_kl(model, calib, 2)
     assert len(res.scores) == 6 and res.forward_passes == 7
     assert res.scores[3] < 1e-10 and 3 in res.removed
     assert 0 not in res.removed and 5 not in res.removed
@@ -160,27 +167,27 @@ def test_single_removal_kl_equals_kl_of_pruned_copies():
 def test_single_removal_kl_extends_budgets_from_its_scores(monkeypatch):
     model = make_identity(tiny_model("llama", 6), [3])
     calib = calib_set()
-    one, direct = B.single_removal_kl(model, calib, 1), B.single_removal_kl(model, calib, [2, 3])
+    one, direct = single_removal_kl(model, calib, 1), single_removal_kl(model, calib, [2, 3])
 
     def boom(*a, **k):
         raise AssertionError("scored again although resume holds the scores")
 
     monkeypatch.setattr(B, "_removal_kl_values", boom)
-    more = B.single_removal_kl(model, calib, [2, 3], resume=one)
+    more = single_removal_kl(model, calib, [2, 3], resume=one)
     for n in (2, 3):
         assert (more[n].removed, more[n].scores, more[n].forward_passes) == (
             direct[n].removed, direct[n].scores, direct[n].forward_passes)
     with pytest.raises(ValueError, match="protect"):
-        B.single_removal_kl(model, calib, [2], resume=one, protect=(0,))
+        single_removal_kl(model, calib, [2], resume=one, protect=(0,))
     with pytest.raises(ValueError, match="budget below 1"):
-        B.single_removal_kl(model, calib, [1], resume=one)
+        single_removal_kl(model, calib, [1], resume=one)
 
 
 def test_plan_nll_matches_transformers_loss_on_pruned_copies():
     model = tiny_model("llama", 6)
     calib = calib_set()
     plans = {"skip2": [0, 1, 3, 4, 5], "skip5": [0, 1, 2, 3, 4], "skip0": [1, 2, 3, 4, 5]}
-    values, counts, stats = B.plan_nll(model, calib, plans, batch_size=3)
+    values, counts, stats = plan_nll(model, calib, plans, batch_size=3)
     total = float(counts.sum())
     assert total == float((calib.attention_mask[:, 1:]).sum())
     assert float(stats["base"].sum()) / total == pytest.approx(hf_nll(model, calib), rel=1e-5)
@@ -191,7 +198,7 @@ def test_plan_nll_matches_transformers_loss_on_pruned_copies():
 def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():
     model = tiny_model("llama", 6, seed=3)
     calib = calib_set()
-    res = B.sleb(model, calib, [1, 2])
+    res = sleb(model, calib, [1, 2])
     single = {layer: hf_nll(pruned_copy(model, [layer]), calib) for layer in range(1, 5)}
     first = min(single, key=lambda k: (single[k], k))
     assert res[1].removed == [first]
@@ -205,11 +212,11 @@ def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():
     assert step2[second] == pytest.approx(hf_nll(pruned_copy(model, res[2].removed), calib), rel=1e-5)
     assert (res[1].evaluator_calls, res[2].evaluator_calls) == (4, 7)
     assert res[2].forward_passes == (1 + 4) + (1 + 3)
-    resumed = B.sleb(model, calib, 2, resume=res[1])  # continues from n=1, same as one run
+    resumed = sleb(model, calib, 2, resume=res[1])  # continues from n=1, same as one run
     assert resumed.removed == res[2].removed and resumed.details["steps"] == res[2].details["steps"]
     assert (resumed.evaluator_calls, resumed.forward_passes) == (res[2].evaluator_calls, res[2].forward_passes)
     with pytest.raises(ValueError, match="resume"):
-        B.sleb(model, calib, [1], resume=res[2])
+        sleb(model, calib, [1], resume=res[2])
 
 
 # ----------------------------------------------------------------------------- controls
@@ -241,13 +248,13 @@ def test_random_is_reproducible_and_tail_is_last_before_final():
 def test_swap_guided_matches_select_layers_and_counts_probes():
     model = tiny_model("llama", 8)
     calib = calib_set()
-    inter = B.swap_guided(model, calib, [1, 2], protocol="interchange")
+    inter = swap_guided(model, calib, [1, 2], protocol="interchange")
     report = score_layers(model, calib, protocols=("interchange",), progress=False)
     assert inter[2].removed == select_layers(report, 2, protocol="interchange")
     assert inter[1].forward_passes == 1 + 7  # one reference + one probe per adjacent pair
-    repl = B.swap_guided(model, calib, 1, protocol="replacement")
+    repl = swap_guided(model, calib, 1, protocol="replacement")
     assert repl.forward_passes == 1 + 14
-    auto = B.swap_guided(model, calib, 2, protocol="auto")
+    auto = swap_guided(model, calib, 2, protocol="auto")
     cands = auto.details["candidates"]
     assert auto.removed == cands[auto.details["chosen_protocol"]]
     if cands["interchange"] != cands["replacement"]:
@@ -280,7 +287,7 @@ def test_beam_never_worse_than_greedy_and_counts_calls():
     model = tiny_model("llama", 8, seed=5)
     calib = calib_set()
     report = score_layers(model, calib, protocols=("interchange",), progress=False)
-    out = B.interchange_beam(model, calib, [1, 2, 3], report=report, seed_size=4, width=2)
+    out = interchange_beam(model, calib, [1, 2, 3], report=report, seed_size=4, width=2)
     for n in (1, 2, 3):
         greedy = select_layers(report, n, protocol="interchange")
         assert out[n].details["score"] <= removal_kl(model, calib, greedy) + 1e-12
@@ -289,11 +296,11 @@ def test_beam_never_worse_than_greedy_and_counts_calls():
     assert levels[0]["new_calls"] == 4  # the 4 seeds (the size-1 greedy set is the best seed)
     assert out[3].evaluator_calls == sum(lv["new_calls"] for lv in levels)
     assert out[1].evaluator_calls == levels[0]["new_calls"]
-    resumed = B.interchange_beam(model, calib, 3, report=report, seed_size=4, width=2, resume=out[2])
+    resumed = interchange_beam(model, calib, 3, report=report, seed_size=4, width=2, resume=out[2])
     assert resumed.removed == out[3].removed and resumed.details["levels"] == levels
     assert (resumed.evaluator_calls, resumed.forward_passes) == (out[3].evaluator_calls, out[3].forward_passes)
     with pytest.raises(ValueError, match="width"):
-        B.interchange_beam(model, calib, [3], report=report, seed_size=4, width=3, resume=out[2])
+        interchange_beam(model, calib, [3], report=report, seed_size=4, width=3, resume=out[2])
     seeds = out[1].details["seeds"]
     scores = report.layer_scores("interchange")
     assert seeds == sorted(range(1, 7), key=lambda i: (scores[i], i))[:4]
@@ -302,8 +309,8 @@ def test_beam_never_worse_than_greedy_and_counts_calls():
 def test_beam_width_one_over_all_layers_with_nll_is_sleb():
     model = tiny_model("llama", 6, seed=3)
     calib = calib_set()
-    beam = B.interchange_beam(model, calib, [1, 2], evaluator="nll", width=1, seed_size=6, include_greedy=False)
-    ref = B.sleb(model, calib, [1, 2])
+    beam = interchange_beam(model, calib, [1, 2], evaluator="nll", width=1, seed_size=6, include_greedy=False)
+    ref = sleb(model, calib, [1, 2])
     assert [beam[n].removed for n in (1, 2)] == [ref[n].removed for n in (1, 2)]
     assert beam[2].details["score"] == pytest.approx(ref[2].details["steps"][1]["nll"], rel=1e-12)
 
@@ -316,7 +323,7 @@ def test_beam_reads_only_calibration_prompts():
         lambda mod, args, kwargs: seen.append(kwargs["input_ids"].clone()), with_kwargs=True
     )
     try:
-        B.interchange_beam(model, calib, 2, seed_size=3, evaluator="nll")
+        interchange_beam(model, calib, 2, seed_size=3, evaluator="nll")
     finally:
         handle.remove()
     assert seen
@@ -513,17 +520,17 @@ def test_compare_criteria_killed_while_scoring_keeps_finished_probes(harness_set
 
 
 def test_criterion_result_round_trip_and_bad_input():
-    res = B.CriterionResult("sleb", 2, [1, 3], [float("nan"), 0.5], 3, 12, 1.5, evaluator_calls=4,
+    res = CriterionResult("sleb", 2, [1, 3], [float("nan"), 0.5], 3, 12, 1.5, evaluator_calls=4,
                             details={"x": float("inf")})
-    back = B.CriterionResult.from_dict(res.to_dict())
+    back = CriterionResult.from_dict(res.to_dict())
     assert back.removed == [1, 3] and math.isnan(back.scores[0]) and back.details["x"] == float("inf")
     model = tiny_model("llama", 6)
     with pytest.raises(ValueError, match="unknown criteria"):
         B.compare_criteria(model, calib_set(), [1], criteria=("shortgpt",))
     with pytest.raises(ValueError, match="evaluator="):
-        B.interchange_beam(model, calib_set(), 1, evaluator="ppl")
+        interchange_beam(model, calib_set(), 1, evaluator="ppl")
     with pytest.raises(ValueError, match="protocol="):
-        B.swap_guided(model, calib_set(), 1, protocol="both")
+        swap_guided(model, calib_set(), 1, protocol="both")
 
 
 # ----------------------------------------------------------------------------- real models
@@ -540,7 +547,7 @@ def test_real_block_influence_uses_pre_norm_stream(fixture, request, wikitext_va
     lines = wikitext_valid.read_text(encoding="utf-8").splitlines()
     paras = [p for p in split_paragraphs("\n\n".join(ln.strip() for ln in lines)) if len(p) > 200][:3]
     calib = build_calibration(paras, tok, num_prompts=3, seq_len=24)
-    res = B.block_influence(model, calib, 2)
+    res = block_influence(model, calib, 2)
     num_layers = len(res.scores)
     with torch.no_grad():
         hs = model(**_inputs(calib), output_hidden_states=True).hidden_states

@@ -23,15 +23,14 @@ from conftest import tiny_batch, tiny_model
 from hf_layerswap import LayerSwapConfig, SwapReport, prune_loaded_model, remove_layers
 from hf_layerswap.card import (
     EVALUATION_FILE,
-    PLOT_FILES,
     REPORT_FILE,
     check_card,
     normalize_evaluation,
-    planned_plots,
     render_card,
     report_mismatches,
     write_card_files,
 )
+from hf_layerswap.plots import PLOT_FILES, planned_plots
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from publish_helpers import BASE_MODEL, EVALUATION, hand_report, pruned_tiny
 
 from conftest import tiny_batch, tiny_model
 from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
-from hf_layerswap.card import PLOT_FILES, SPARSITY_FILE, check_card, render_card, sparsity_mismatches
+from hf_layerswap.plots import PLOT_FILES
+from hf_layerswap.card import SPARSITY_FILE, check_card, render_card, sparsity_mismatches
 from hf_layerswap.cli.push import add_push_arguments, run_push
 from hf_layerswap.hub import PushRefusedError, default_commit_message
 from hf_layerswap.plan import decoder_blocks
@@ -202,7 +203,7 @@ def test_from_pretrained_with_sparsity_publishes_its_evidence(tmp_path):
 def test_sparsity_report_plot_is_the_card_plot(sparse_pruned, tmp_path):
     _, report = sparse_pruned
     a = report.plot(tmp_path / "a.png")
-    from hf_layerswap.card import write_sparsity_plot
+    from hf_layerswap.plots import write_sparsity_plot
 
     b = write_sparsity_plot(config_record(report), tmp_path / "b.png")
     assert a.read_bytes() == b.read_bytes() and a.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -204,27 +204,6 @@ def test_each_verb_is_registered_by_its_own_module():
     assert cli.format_scores_table is cli.score.format_scores_table and cli.DEFAULT_MODEL == "smollm2-135m"
 
 
-def test_former_command_line_paths_still_import():
-    import hf_layerswap.cli_eval as old_eval
-    import hf_layerswap.cli_peel as old_peel
-    from hf_layerswap import gguf_export, hub
-    from hf_layerswap.cli import eval as new_eval
-    from hf_layerswap.cli import export_gguf, peel, push
-
-    assert (old_peel.add_peel_arguments, old_peel.run_peel) == (peel.add_peel_arguments, peel.run_peel)
-    assert (old_eval.add_eval_arguments, old_eval.run_eval) == (new_eval.add_eval_arguments, new_eval.run_eval)
-    assert old_eval.CONTRACT_CHOICES == ("matched", "full", "rolling")
-    for name in ("add_push_arguments", "run_push", "PUSH_HELP", "PUSH_EXAMPLES"):
-        with pytest.warns(DeprecationWarning, match=f"hf_layerswap.hub.{name} moved to hf_layerswap.cli.push.{name}"):
-            assert getattr(hub, name) is getattr(push, name)
-    for name in ("add_export_gguf_arguments", "run_export_gguf"):
-        with pytest.warns(DeprecationWarning, match=f"moved to hf_layerswap.cli.export_gguf.{name}"):
-            assert getattr(gguf_export, name) is getattr(export_gguf, name)
-    assert "run_push" not in hub.__all__ and "run_export_gguf" not in gguf_export.__all__
-    with pytest.raises(AttributeError, match="module 'hf_layerswap.hub' has no attribute 'nothing'"):
-        hub.nothing
-
-
 def test_python_dash_m_runs_the_same_parser():
     import subprocess
     import sys

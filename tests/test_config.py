@@ -23,7 +23,7 @@ from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
 from hf_layerswap.recovery import RecoveryMethod as RepairMethod
 from hf_layerswap.selection import MODEL_STRATEGIES, STRATEGIES, register_strategy
 from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, register_allocator, register_pruner
-from hf_layerswap.integration import (
+from hf_layerswap.config import (
     CONFIG_VERSION,
     AllocationName,
     ObjectiveName,
@@ -165,8 +165,8 @@ def test_sparsity_names_are_checked_against_the_registries():
 
 
 def test_choices_are_the_librarys_own():
-    from hf_layerswap.report import PROTOCOLS
-    from hf_layerswap.search import OBJECTIVES
+    from hf_layerswap.protocols import PROTOCOLS
+    from hf_layerswap.selection.objectives import OBJECTIVES
     from hf_layerswap.sparsity.allocators import ALLOCATIONS
     from hf_layerswap.sparsity.pruners import METHODS
 

@@ -244,7 +244,7 @@ ONE_BLOCK = "a model with one block has nothing removable (at least one block mu
 
 
 def test_a_one_block_model_has_nothing_removable():
-    from hf_layerswap.selection import check_budget
+    from hf_layerswap.rule import check_budget
 
     model = build("llama", num_layers=1)
     calls = [
@@ -412,7 +412,8 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
 
     from transformers import AutoModelForCausalLM
 
-    from hf_layerswap.hub import HELD_CONFIG, STAGING_PREFIX
+    from hf_layerswap.hub import HELD_CONFIG
+    from hf_layerswap.jsonio import STAGING_PREFIX
     from hf_layerswap.jsonio import staging_folder
 
     checkpoint = tmp_path / "ckpt"
@@ -458,11 +459,11 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
     reloaded = AutoModelForCausalLM.from_pretrained(parent / "second")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
     os.close(lock)
-    assert hl.hub.remove_stale_staging(parent) == [live.name] and not live.exists()
+    assert hl.jsonio.remove_stale_staging(parent) == [live.name] and not live.exists()
 
 
 def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):
-    from hf_layerswap.hub import STAGING_PREFIX, remove_stale_staging
+    from hf_layerswap.jsonio import STAGING_PREFIX, remove_stale_staging
 
     stale = tmp_path / f"{STAGING_PREFIX}run.v2.previous-x1y2z3"
     (stale / "previous").mkdir(parents=True)

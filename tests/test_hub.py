@@ -40,7 +40,8 @@ from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
 )
 
 from hf_layerswap import SwapReport
-from hf_layerswap.card import PLOT_FILES, REPORT_FILE
+from hf_layerswap.card import REPORT_FILE
+from hf_layerswap.plots import PLOT_FILES
 from hf_layerswap.cli.push import add_push_arguments, run_push
 from hf_layerswap.hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 

@@ -11,12 +11,11 @@ import torch
 from hf_layerswap import models
 from hf_layerswap.models import (
     BUNDLED_MODELS,
-    SOURCE_FILE,
     bundled_checkpoint_dir,
     cache_root,
     load_model,
-    model_identity,
 )
+from hf_layerswap.provenance import SOURCE_FILE, model_identity
 from tests.conftest import tiny_model
 
 

@@ -367,15 +367,3 @@ def test_smollm2_linear_references_on_wikitext(smollm2, wikitext_valid, wikitext
         assert math.isfinite(lin.dce) and lin.ci_low <= lin.dce <= lin.ci_high
         assert lin.dce < dele.dce
     assert report.metadata["calibration_tokens_used"] > 577
-
-
-def test_cli_names_moved_but_still_import_from_peeling():
-    import hf_layerswap.peeling as peeling
-
-    with pytest.warns(DeprecationWarning, match="moved to hf_layerswap.cli.peel.run_peel"):
-        assert peeling.run_peel is run_peel
-    with pytest.warns(DeprecationWarning, match="add_peel_arguments"):
-        from hf_layerswap.peeling import add_peel_arguments as old
-    assert old is add_peel_arguments
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        peeling.nothing

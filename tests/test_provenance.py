@@ -35,19 +35,14 @@ def test_library_versions_one_collector():
         "python": platform.python_version(),
     }
     assert hf_layerswap.__version__ == provenance.__version__ == "0.1.0"
-    # the old import paths are the same function, so every record agrees
-    assert scoring.library_versions is provenance.library_versions
+    # every module that records versions calls this one function
     assert perplexity.library_versions is rolling.library_versions is provenance.library_versions
 
 
-def test_identity_has_one_owner_and_old_names_still_import():
-    assert models.model_identity is provenance.model_identity
-    assert models.public_name is provenance.public_name
-    assert models.SOURCE_FILE == provenance.SOURCE_FILE == "layerswap_source.json"
-    assert scoring.model_identity is provenance.report_identity
+def test_identity_has_one_owner():
     assert peeling_core.report_identity is provenance.report_identity
-    assert plan.model_fingerprint is provenance.model_fingerprint
-    assert surgery.model_fingerprint is provenance.model_fingerprint
+    assert surgery.model_fingerprint is plan.model_fingerprint is provenance.model_fingerprint
+    assert "model_identity" not in models.__all__ and "model_identity" not in scoring.__all__
 
 
 def test_identity_records(tiny_llama):

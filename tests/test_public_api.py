@@ -1,12 +1,11 @@
 """The top-level namespace is the user API: ``from hf_layerswap import *`` gives exactly
-``__all__``, every name in it is its owning module's object, the internals it used to
-export still resolve with one DeprecationWarning naming their new import path, nothing of
-the project's own (package, benchmarks, model cards, scripts, tests, docs) uses those old
-paths, and ``import hf_layerswap`` registers the quantizer plugin with transformers."""
+``__all__``, every name in it is its owning module's object, the internals it exported
+before 0.1.0 are gone (no shim, no module-level ``__getattr__``: they import from their
+owners only), and ``import hf_layerswap`` registers the quantizer plugin with
+transformers."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_docs import PAGES, api_names
 
 import hf_layerswap as hl
 
@@ -59,8 +57,8 @@ PUBLIC = {
     "GGUFLayoutError": "hf_layerswap.gguf_export",
 }
 
-#: Internals the namespace used to export -> where they are imported from now.
-MOVED = {
+#: Internals the namespace exported before 0.1.0 -> the module that owns each (the only path).
+FORMER = {
     "LayerSwapQuantizer": "hf_layerswap.integration",
     "PairResult": "hf_layerswap.report",
     "apply_plan": "hf_layerswap.plan",
@@ -75,21 +73,6 @@ MOVED = {
     "render_card": "hf_layerswap.card",
     "write_card_files": "hf_layerswap.card",
 }
-
-
-def _moved_in_package() -> dict[str, str]:
-    """The package's own table of moved names (``_MOVED`` of ``hf_layerswap/__init__.py``,
-    read statically: name -> owning module)."""
-    init = ROOT / "hf_layerswap" / "__init__.py"
-    for node in ast.parse(init.read_text(encoding="utf-8")).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-        if any(isinstance(t, ast.Name) and t.id == "_MOVED" for t in targets) and isinstance(node.value, ast.Dict):
-            return {ast.literal_eval(k): f"hf_layerswap.{v.id}" for k, v in zip(node.value.keys, node.value.values)}
-    raise AssertionError(f"no _MOVED table in {init}")
-
-
-#: What the old-path finder looks for: the package's table, so a newly moved name is sought at once.
-PACKAGE_MOVED = _moved_in_package()
 
 
 def _deprecations(record) -> list[warnings.WarningMessage]:
@@ -112,24 +95,22 @@ def test_all_is_the_user_api_and_each_name_is_its_owners_object():
     assert _deprecations(record) == []
 
 
-@pytest.mark.parametrize("name", sorted(MOVED))
-def test_a_moved_name_warns_once_with_its_new_path_and_is_the_same_object(name):
-    owner = importlib.import_module(MOVED[name])
-    assert name not in hl.__all__ and name not in vars(hl) and name not in dir(hl)
-    expected = f"use {MOVED[name]}.{name} (from {MOVED[name]} import {name})"
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        obj = getattr(hl, name)
-    [warning] = _deprecations(record)
-    assert obj is getattr(owner, name)
-    assert str(warning.message).startswith(f"hf_layerswap.{name} is deprecated") and expected in str(warning.message)
-    assert warning.filename == __file__  # points at the caller
-    namespace: dict = {}
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        exec(f"from hf_layerswap import {name}", namespace)
-    [warning] = _deprecations(record)  # once, although the import system looks the name up twice
-    assert namespace[name] is getattr(owner, name) and expected in str(warning.message)
+@pytest.mark.parametrize("name", sorted(FORMER))
+def test_a_former_top_level_internal_imports_from_its_owner_only(name):
+    assert name not in hl.__all__ and name not in dir(hl) and not hasattr(hl, name)
+    with pytest.raises(ImportError, match=name):
+        exec(f"from hf_layerswap import {name}", {})
+    assert getattr(importlib.import_module(FORMER[name]), name) is not None
+
+
+def test_no_module_level_getattr_and_no_shim_module():
+    """No module of the package serves old names on demand (PEP 562), and the shims of
+    unreleased code are gone (tests/test_structure.py checks every module statically)."""
+    for module in [m for m in list(sys.modules) if m == "hf_layerswap" or m.startswith("hf_layerswap.")]:
+        assert "__getattr__" not in vars(sys.modules[module]), module
+    for gone in ("moved", "cli_eval", "cli_peel", "search", "rolling"):
+        with pytest.raises(ModuleNotFoundError, match=f"hf_layerswap.{gone}"):
+            importlib.import_module(f"hf_layerswap.{gone}")
 
 
 def test_an_unknown_name_is_an_attribute_error():
@@ -138,53 +119,6 @@ def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(ImportError, match="no_such_name"):
         exec("from hf_layerswap import no_such_name", {})
     assert not hasattr(hl, "no_such_name")
-
-
-def _old_paths(code: str, label: str, package_depth: int | None = None) -> list[str]:
-    """Uses of a moved name through the package's top level in Python source: ``from
-    hf_layerswap import name``, ``hl.name`` for ``import hf_layerswap as hl`` and, inside
-    the package (``package_depth``: folders below ``hf_layerswap/``), ``from .. import name``."""
-    tree = ast.parse(code)
-    aliases, out = set(), []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            aliases.update(a.asname or a.name for a in node.names if a.name == "hf_layerswap")
-        elif isinstance(node, ast.ImportFrom):
-            top = (node.module == "hf_layerswap" and not node.level) or (
-                package_depth is not None and node.module is None and node.level == package_depth + 1
-            )
-            out += [f"{label}:{node.lineno} imports {a.name}" for a in node.names if top and a.name in PACKAGE_MOVED]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            if node.attr in PACKAGE_MOVED:
-                out.append(f"{label}:{node.lineno} {node.value.id}.{node.attr}")
-    return sorted(out)
-
-
-def test_the_old_path_finder_sees_every_form():
-    code = "from hf_layerswap import masked_kl, prune\nimport hf_layerswap as hl\nhl.num_blocks; hl.prune; hl.plan.num_blocks\n"
-    assert _old_paths(code, "a.py") == ["a.py:1 imports masked_kl", "a.py:3 hl.num_blocks"]
-    relative = "from .. import apply_plan, prune\nfrom . import apply_plan\nfrom ..plan import apply_plan\n"
-    assert _old_paths(relative, "sub/b.py", package_depth=1) == ["sub/b.py:1 imports apply_plan"]
-    assert _old_paths(relative, "b.py", package_depth=0) == ["b.py:2 imports apply_plan"]
-    assert _old_paths(relative, "b.py") == []  # outside the package only absolute imports count
-
-
-def test_the_project_uses_the_owning_modules():
-    """Tests included: the ones that check the deprecation itself (above) reach the old paths
-    through ``getattr(hl, name)`` and ``exec`` of a string, which the finder does not read."""
-    assert PACKAGE_MOVED == MOVED  # the finder seeks every name the package moved; each is checked above
-    files = [p for folder in ("hf_layerswap", "benchmarks", "model_cards", "optimum", "scripts", "tests")
-             for p in sorted((ROOT / folder).rglob("*.py"))]
-    bad = []
-    for path in files:
-        rel = path.relative_to(ROOT)
-        depth = len(rel.parts) - 2 if rel.parts[0] == "hf_layerswap" else None
-        bad += _old_paths(path.read_text(encoding="utf-8"), str(rel), depth)
-    docs = [page for page in PAGES + [ROOT / "benchmarks" / "README.md"] if page.exists()]
-    bad += [f"{page.relative_to(ROOT)}: {n}" for page in docs for n in api_names(page.read_text(encoding="utf-8"))
-            if n.split(".")[0] in ("hl", "hf_layerswap") and n.split(".")[1] in PACKAGE_MOVED]
-    assert bad == [], "old top-level paths (import from the owning module):\n" + "\n".join(bad)
 
 
 def test_import_registers_the_quantizer_plugin_and_warns_nothing_of_its_own():

@@ -13,8 +13,10 @@ from hf_layerswap.calibration import CalibrationSet
 from hf_layerswap.cli import main
 from hf_layerswap.recovery import recover
 from hf_layerswap.scoring import masked_kl
-from hf_layerswap.search import OBJECTIVES, SetObjective, search_select
-from hf_layerswap.selection import STRATEGIES, greedy_select
+from hf_layerswap.selection import search_select
+from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
+from hf_layerswap.rule import greedy_select
+from hf_layerswap.selection import STRATEGIES
 from transformers import LlamaConfig, LlamaForCausalLM
 
 

@@ -10,8 +10,11 @@
 - imports inside functions are only for optional dependencies (:data:`LAZY_IMPORTS`), so
   a broken edge inside the package shows up at import time, not when a path first runs;
 - every argparse parser lives in :data:`CLI_PACKAGE`: no other module imports
-  ``argparse``, and the former command-line modules (:data:`CLI_ALIASES`) import nothing
-  but that package.
+  ``argparse``;
+- no shim: no module of the package only re-exports names defined elsewhere, none has a
+  module-level ``__getattr__`` (PEP 562) to serve old names, and a module's ``__all__``
+  lists only names it defines or that a module inside it (a package's own submodules)
+  defines.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ LAZY_IMPORTS = {
 #: The package that holds every argparse parser of the ``hf-layerswap`` command.
 CLI_PACKAGE = "hf_layerswap.cli"
 
-#: Former command-line modules, kept as aliases of their verbs' modules in :data:`CLI_PACKAGE`.
-CLI_ALIASES = ("hf_layerswap.cli_eval", "hf_layerswap.cli_peel")
+#: Modules that were shims of unreleased code (deleted before 0.1.0; see CHANGELOG.md).
+DELETED_SHIMS = ("hf_layerswap.moved", "hf_layerswap.cli_eval", "hf_layerswap.cli_peel", "hf_layerswap.search",
+                 "hf_layerswap.rolling")
 
 # ----------------------------------------------------------------------------- helpers
 def _modules() -> dict[str, Path]:
@@ -190,12 +194,68 @@ def test_argparse_only_in_the_cli_package():
     assert {"hf_layerswap.cli", "hf_layerswap.cli.common"} <= set(users)
 
 
-@pytest.mark.parametrize("alias", CLI_ALIASES)
-def test_former_cli_modules_only_import_the_cli_package(alias):
-    imported = [name for name, _, _ in _imports(alias, MODULES[alias])]
-    assert imported, f"{alias} imports nothing"
-    bad = [name for name in imported if not _in_cli_package(name)]
-    assert not bad, f"{alias} may import only {CLI_PACKAGE}, not: {bad}"
+def _defines(tree: ast.Module) -> bool:
+    """Whether a module body does anything beyond its docstring, imports and ``__all__``."""
+    for i, node in enumerate(tree.body):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            continue
+        return True
+    return False
+
+
+def test_no_shim_modules():
+    """A module (not a package's ``__init__``) that only imports and re-exports is a shim."""
+    assert not _defines(ast.parse('"""doc"""\nfrom .x import *\nfrom .x import __all__\n'))
+    assert _defines(ast.parse("from .x import y\nZ = y\n")) and _defines(ast.parse("from .x import y\ny()\n"))
+    assert not set(DELETED_SHIMS) & set(MODULES)
+    shims = [m for m, path in MODULES.items()
+             if path.name != "__init__.py" and not _defines(ast.parse(path.read_text(encoding="utf-8")))]
+    assert shims == [], f"modules that only re-export: {shims}"
+
+
+def test_no_module_level_getattr():
+    hooks = [m for m, path in MODULES.items() for node in ast.parse(path.read_text(encoding="utf-8")).body
+             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+             or isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in node.targets)]
+    assert hooks == [], f"module-level __getattr__ (old names served on demand) in: {hooks}"
+
+
+def _reexports(module: str, is_package: bool, code: str) -> list[str]:
+    """Names in ``__all__`` that ``module`` imports from a module outside itself."""
+    tree = ast.parse(code)
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            names = list(ast.literal_eval(node.value))
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            inside = source == module or source.startswith(module + ".")
+            out += [f"{module}.{a.asname or a.name} <- {source}" for a in node.names
+                    if (a.asname or a.name) in names and not inside]
+    return out
+
+
+def test_reexport_finder():
+    code = '__all__ = ["a", "b", "c"]\nfrom .sub import a\nfrom ..other import b\nfrom ..other import d\ndef c(): ...\n'
+    assert _reexports("pkg.mod", True, code) == ["pkg.mod.b <- pkg.other"]
+    assert _reexports("pkg.mod", False, code) == ["pkg.mod.a <- pkg.sub", "pkg.mod.b <- other"]
+
+
+def test_all_lists_only_names_the_module_owns():
+    """Everything imports from the module that owns a name: no ``__all__`` re-exports a
+    name owned elsewhere (a package may export its own submodules' names; the top-level
+    namespace is the user API and exports from everywhere)."""
+    bad = [r for m, path in MODULES.items() if m != "hf_layerswap"
+           for r in _reexports(m, path.name == "__init__.py", path.read_text(encoding="utf-8"))]
+    assert bad == [], "re-exported names (import them from their owner):\n" + "\n".join(bad)
 
 
 def _private_uses(path: Path) -> list[str]:

@@ -36,7 +36,6 @@ figures come from :mod:`hf_layerswap.plots`.
 
 from __future__ import annotations
 
-from ..plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
 from .checks import normalize_evaluation, report_mismatches, sparsity_mismatches, sparsity_refusal
 from .format import EVALUATION_FILE, MAX_PAIR_ROWS, REPORT_FILE, SPARSITY_FILE  # noqa: F401
 from .render import CARD_TEMPLATE, check_card, render_card, write_card_files
@@ -44,17 +43,13 @@ from .render import CARD_TEMPLATE, check_card, render_card, write_card_files
 __all__ = [
     "CARD_TEMPLATE",
     "EVALUATION_FILE",
-    "PLOT_FILES",
     "REPORT_FILE",
     "SPARSITY_FILE",
     "check_card",
     "normalize_evaluation",
-    "planned_plots",
     "render_card",
     "report_mismatches",
     "sparsity_mismatches",
     "sparsity_refusal",
     "write_card_files",
-    "write_plots",
-    "write_sparsity_plot",
 ]

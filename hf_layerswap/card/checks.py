@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM
 from ..plan import decoder_blocks, model_fingerprint, num_blocks
 from ..provenance import model_identity
 from ..recovery import RECOVERY_FILE, attached_operators
-from ..report import PROTOCOLS, encode_float, PruneProvenance, SwapReport
+from ..jsonio import encode_float
+from ..protocols import PROTOCOLS
+from ..report import PruneProvenance, SwapReport
 from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, SparsityReport
 from ..sparsity.engine import prunable_linears
 from ..surgery import original_indices

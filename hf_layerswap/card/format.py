@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 
 
-from ..report import encode_float
+from ..jsonio import encode_float
 
 
 

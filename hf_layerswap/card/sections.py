@@ -15,8 +15,9 @@ from huggingface_hub import EvalResult
 from ..calibration import shortfall_text
 from ..config import LayerSwapConfig
 from ..provenance import library_versions
-from ..report import PROTOCOLS, set_key, SwapReport
-from ..selection import greedy_select, resolve_protect
+from ..protocols import PROTOCOLS
+from ..report import set_key, SwapReport
+from ..rule import greedy_select, resolve_protect
 
 from .checks import _provenance, _search_record, _step_config
 from .format import _DASH, _HUB_ID, MAX_PAIR_ROWS, _METRIC_ARGS, _NOT_CONTRACT, REPORT_FILE, _cell, _indices, _kl, _pct, _ratio

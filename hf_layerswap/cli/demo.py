@@ -16,7 +16,7 @@ from ..evaluation import delta_ppl_percent, evaluate_perplexity
 from ..pipeline import prune
 from ..plan import interchange_plan, num_blocks
 from ..scoring import plan_kl, score_layers
-from ..search import search_select
+from ..selection import search_select
 from ..selection import select_layers
 from ..surgery import remove_layers
 from .common import (

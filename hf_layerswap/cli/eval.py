@@ -17,7 +17,8 @@ from pathlib import Path
 from ..calibration import read_text_file
 from ..evaluation import evaluate_perplexity
 from ..jsonio import encode_tree, write_json_atomic
-from ..models import load_model, model_identity
+from ..models import load_model
+from ..provenance import model_identity
 from ..plan import num_blocks
 from ..tasks import evaluate_tasks
 from .common import HELP_FORMATTER

@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..config import LayerSwapConfig
 from ..pipeline import prune
 from ..report import SwapReport
 from ..recovery import RECOVERY_METHODS
-from ..protocols import SWAP_PROTOCOLS
 from ..selection import STRATEGIES
 from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
@@ -43,8 +41,6 @@ def add_parser(subparsers):
     group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
-    p.add_argument("--protocols", nargs="+", default=None, choices=list(SWAP_PROTOCOLS),
-                   help="deprecated and ignored: the protocols scored follow --strategy and --protocol")
     p.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
     _add_selection_args(p)
     _add_repair_args(p)
@@ -111,9 +107,6 @@ def run_prune(args) -> int:
         if not Path(args.report).is_file():
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
-    if args.protocols is not None:
-        print("note: --protocols is ignored by prune; the protocols scored follow --strategy and --protocol",
-              file=sys.stderr)
     model, tokenizer = load(args)
     result = prune(model, config, tokenizer=tokenizer, report=report)
     out = save_pruned(model, tokenizer, result.report, Path(args.output))

@@ -52,7 +52,6 @@ from .contract import (
     resolve_tokenizer,
     sliding_windows,
 )
-from .contract import _bootstrap_ci, _read_source, _sha256_text, _tokenize, _tokenizer_adds_bos  # noqa: F401
 from .generation import DEFAULT_PROMPTS, GenerationCheck, distinct_n, generation_check
 from .perplexity import delta_ppl_ci, delta_ppl_percent, evaluate_perplexity, perplexity_from_ids
 from .rolling import evaluate_rolling
@@ -75,9 +74,6 @@ __all__ = [
     "resolve_tokenizer",
     "sliding_windows",
 ]
-
-#: Former private name of :func:`resolve_tokenizer`.
-_resolve_tokenizer = resolve_tokenizer
 
 
 def perplexity_metric_path() -> str:

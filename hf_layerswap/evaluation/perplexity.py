@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..calibration import check_token_ids
-from ..provenance import library_versions, model_fingerprint, public_identity
+from ..plan import model_fingerprint
+from ..provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
     CONTRACTS,

@@ -49,7 +49,6 @@ the other command-line code in :mod:`hf_layerswap.cli.peel`.
 
 from __future__ import annotations
 
-from ..moved import moved_names
 from .core import peel
 from .data import build_evaluation, check_disjoint, sequence_nll
 from .render import peel_plot, peel_table_markdown, trajectory_plot, trajectory_table_markdown
@@ -75,7 +74,3 @@ __all__ = [
     "trajectory_plot",
     "trajectory_table_markdown",
 ]
-
-#: Names that moved to the command-line side (:mod:`hf_layerswap.cli.peel`); still
-#: importable from here, with a DeprecationWarning.
-__getattr__ = moved_names(__name__, dict.fromkeys(("add_peel_arguments", "run_peel"), "hf_layerswap.cli.peel"))

@@ -56,9 +56,7 @@ distributed runs).
 
 from __future__ import annotations
 
-from ..protocols import register_protocol, SWAP_PROTOCOLS, unregister_protocol  # noqa: F401
-from ..provenance import library_versions, report_identity
-from .checkpoint import CHECKPOINT_FORMAT, CheckpointMismatchError, ScoringCheckpoint, _Checkpoint  # noqa: F401
+from .checkpoint import CHECKPOINT_FORMAT, CheckpointMismatchError, ScoringCheckpoint  # noqa: F401
 from .engine import (  # noqa: F401
     DEFAULT_MAX_MEMORY,
     HEAD_BUDGET_FRACTION,
@@ -74,25 +72,18 @@ from .kl import KL_CHUNK_POSITIONS, kl_rows, masked_kl, row_blocks  # noqa: F401
 from .probes import make_probes, schedule, shard  # noqa: F401
 from .verbs import (  # noqa: F401
     AdaptiveBudget,
-    _calibration_from_args,
     removal_kl,
     score_layers,
     selection_stability,
     swap_plans,
 )
 
-#: Former name of :func:`hf_layerswap.provenance.report_identity` (kept as an alias).
-model_identity = report_identity
-
 __all__ = [
     "AdaptiveBudget",
     "CheckpointMismatchError",
     "EngineSettings",
-    "library_versions",
     "masked_kl",
-    "model_identity",
     "plan_kl",
-    "register_protocol",
     "removal_kl",
     "score_layers",
     "selection_stability",

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..report import atomic_path, write_json_atomic
+from ..jsonio import atomic_path, write_json_atomic
 
 
 CHECKPOINT_FORMAT = "hf_layerswap.ScoringCheckpoint/1"

@@ -24,7 +24,6 @@ strategy is one module with one ``@register_strategy("name")``.
 
 from __future__ import annotations
 
-from ..rule import check_budget, greedy_select, resolve_protect
 from . import beam, geometry, greedy, search, single_removal, sleb  # noqa: F401  (registers the strategies)
 from .beam import BEAM_EVALUATORS, interchange_beam
 from .common import CriterionResult, as_strategy
@@ -48,14 +47,11 @@ __all__ = [
     "as_strategy",
     "block_influence",
     "candidates_set",
-    "check_budget",
     "check_report_matches",
     "get_strategy",
-    "greedy_select",
     "interchange_beam",
     "plan_nll",
     "register_strategy",
-    "resolve_protect",
     "search_criterion",
     "search_select",
     "select_layers",

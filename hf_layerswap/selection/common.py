@@ -18,8 +18,7 @@ from ..calibration import CalibrationSet, build_calibration
 from ..jsonio import JsonResult
 from ..plan import interchange_plan, num_blocks, replacement_plan
 from ..report import SwapReport
-from ..report import _decode_tree as _decode
-from ..report import _encode_tree as _encode
+from ..jsonio import decode_tree, encode_tree
 from ..rule import resolve_protect
 from ..scoring import score_layers
 from .objectives import _plans_cost
@@ -58,11 +57,11 @@ class CriterionResult(JsonResult):
     details: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return json.loads(json.dumps(_encode(asdict(self)), allow_nan=False))
+        return json.loads(json.dumps(encode_tree(asdict(self)), allow_nan=False))
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CriterionResult:
-        data = _decode(dict(data))
+        data = decode_tree(dict(data))
         return cls(**data)
 
 

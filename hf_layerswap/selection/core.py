@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..plan import model_fingerprint, num_blocks
-from ..protocols import SWAP_PROTOCOLS
-from ..report import PROTOCOLS, SwapReport
-from ..scoring import _calibration_from_args
+from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
+from ..report import SwapReport
+from ..scoring.verbs import _calibration_from_args
 from .registry import MODEL_STRATEGIES, get_strategy
 
 __all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
@@ -45,7 +45,7 @@ def select_layers(
         num_layers: the budget n.
         strategy: a name in :data:`STRATEGIES`. ``None``: ``"auto"`` when
             ``protocol="auto"``, else ``"greedy"`` (the paper's rule on ``protocol``).
-            ``"search"`` (:func:`hf_layerswap.search.search_select`, the default of
+            ``"search"`` (:func:`hf_layerswap.selection.search_select`, the default of
             :class:`~hf_layerswap.LayerSwapConfig` and the CLI) scores whole candidate
             sets from both protocols on the calibration prompts and refines them by local
             moves; it, ``"beam"`` and the field's criteria need ``model=`` and

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..plan import removal_plan
-from ..report import PROTOCOLS, SwapReport, _score_key, set_key
+from ..protocols import PROTOCOLS
+from ..report import SwapReport, _score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from ..plan import as_index
 from ..scoring import removal_kl

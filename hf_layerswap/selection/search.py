@@ -1,6 +1,6 @@
 """Protocol-guided search for the removal set, with the repair of the cut in the loop.
 
-The paper's greedy rule (:func:`~hf_layerswap.selection.greedy_select`) reads one number
+The paper's greedy rule (:func:`~hf_layerswap.rule.greedy_select`) reads one number
 per layer and never looks at a set as a whole; two blocks that are each cheap to remove
 can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
 which the rule's spacing forbids. :func:`search_select` scores whole candidate sets S on
@@ -58,7 +58,7 @@ from .common import CriterionResult, _calibration, _gap1, _report_cost
 from .objectives import OBJECTIVES, SetObjective
 from .registry import register_strategy
 
-__all__ = ["OBJECTIVES", "SetObjective", "search_criterion", "search_select"]
+__all__ = ["search_criterion", "search_select"]
 
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
