@@ -2,50 +2,57 @@
 
 The one typed description of a pruning run: :func:`hf_layerswap.pipeline.prune` reads it,
 ``from_pretrained(..., quantization_config=LayerSwapConfig(...))`` carries it through
-transformers' quantizer plugin API (:mod:`hf_layerswap.integration`, which re-exports
-every name here), ``hf-layerswap prune`` and the demo build it from their flags, and its
-:meth:`~LayerSwapConfig.to_dict` is recorded in ``config.layerswap["steps"][k]["config"]``.
-Every field is checked in :meth:`LayerSwapConfig.validate`. The closed choices
-(``protocol``, ``objective``) are ``Literal`` types and the allowed lists come from them;
-the choices with a registry (``strategy``, the ``recovery`` method, the sparsity
+transformers' quantizer plugin API (:mod:`hf_layerswap.integration`), ``hf-layerswap
+prune`` and the demo build it from their flags (their help texts are the fields' ``help``
+metadata), and its :meth:`~LayerSwapConfig.to_dict` is recorded in
+``config.layerswap["steps"][k]["config"]``.
+
+It is a dataclass (on transformers' ``QuantizationConfigMixin``): every field carries its
+help (``field(metadata={"help": ...})``); the repair and the sparsification are nested
+dataclass fields (:class:`RecoveryConfig`, :class:`SparsityConfig`); every field is
+checked in ``__post_init__`` (:meth:`LayerSwapConfig.validate`), and :meth:`to_dict` /
+:meth:`from_dict` are the one serialisation (a JSON round trip is exact). The closed
+choices (``protocol``, ``objective``) are ``Literal`` types and the allowed lists come from
+them; the choices with a registry (``strategy``, the ``recovery`` method, the sparsity
 ``allocation`` and ``method``) are checked against the registry when the config is
 validated, so a name added with ``register_strategy``, ``register_recovery_method``,
 ``register_allocator`` or ``register_pruner`` is accepted (their ``Literal`` annotations
-name the built-ins). The repair and the sparsification have sub-configs
-(:class:`RecoveryConfig`, :class:`SparsityConfig`).
+name the built-ins).
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Literal, get_args
+from dataclasses import InitVar, asdict, dataclass, field, fields, replace
+from typing import Any, Literal, get_args
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .plan import as_index
 from .provenance import public_name
-from .recovery import RECOVERY_METHODS
+from .recovery import RECOVERY_METHODS, check_epsilon
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
 from .sparsity import check_arguments, check_bound
 
 __all__ = [
     "CONFIG_VERSION",
+    "FLAT_KEYWORDS",
     "LayerSwapConfig",
     "QUANT_METHOD",
     "RecoveryConfig",
     "SparsityConfig",
+    "config_keys",
 ]
 
 QUANT_METHOD = "layerswap"
 #: Format version of :meth:`LayerSwapConfig.to_dict` (``config.json`` of a pruned checkpoint).
 CONFIG_VERSION = 1
-#: Constructor arguments that are runtime-only and never serialized.
-RUNTIME_ONLY = ("calibration", "tokenizer", "progress")
 
 #: Allowed values of the closed choices (the ``Literal`` types are the single source).
 ProtocolName = Literal["replacement", "interchange", "auto"]
@@ -58,6 +65,21 @@ AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
 PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
 #: The recovery registry's plain removal (``"none"``), which the config spells ``recovery=None``.
 _PLAIN_REMOVAL = "none"
+
+#: Flat constructor keywords -> (the nested field, its sub-config field): the one place
+#: they are mapped (the constructor, :meth:`LayerSwapConfig.update` and the command line's
+#: help, ``hf_layerswap.cli.common.config_help``).
+FLAT_KEYWORDS = {
+    "recovery_num_tokens": ("recovery", "num_tokens"),
+    "recovery_epsilon": ("recovery", "epsilon"),
+    "allocation": ("sparsity", "allocation"),
+    "method": ("sparsity", "method"),
+    "sparsity_pattern": ("sparsity", "pattern"),
+}
+
+
+def _help(text: str, **extra) -> dict:
+    return {"help": text, **extra}
 
 
 def _recovery_choices() -> list:
@@ -92,20 +114,35 @@ def _int_list(name: str, value) -> list[int]:
     return [as_index(v) for v in out]
 
 
+def _unknown_keys(what: str, given, allowed: Sequence[str]) -> str | None:
+    """The message for keys of ``given`` not in ``allowed`` (each with its closest allowed
+    key, by :func:`difflib.get_close_matches`), or ``None`` when there are none."""
+    unknown = sorted((str(k) for k in given if k not in allowed), key=str)
+    if not unknown:
+        return None
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(allowed), n=1)
+        if close:
+            hints.append(f"{key!r}: did you mean {close[0]!r}?")
+    return (f"{what}: unknown keys {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
+            + f"; allowed {list(allowed)}")
+
+
 def _sub_config(kind, value, what: str) -> dict:
     """The fields of a sub-config given as its dataclass or a dict; unknown keys raise."""
     if isinstance(value, kind):
         return asdict(value)
-    names = [f.name for f in fields(kind)]
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"LayerSwapConfig({what}={dict(value)!r}): unknown keys {unknown}; allowed {names}")
+    problem = _unknown_keys(f"LayerSwapConfig({what}={dict(value)!r})", value, [f.name for f in fields(kind)])
+    if problem:
+        raise ValueError(problem)
     return dict(value)
 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """Repair of the cut (:func:`hf_layerswap.recovery.recover`).
+    """Repair of the cut (:func:`hf_layerswap.recovery.recover`); checked by the
+    :class:`LayerSwapConfig` that holds it.
 
     Attributes:
         method: ``"ghosted"`` (Ghosted Layers, arXiv 2605.15491, operators attached),
@@ -113,17 +150,22 @@ class RecoveryConfig:
             :func:`~hf_layerswap.recovery.register_recovery_method`.
         num_tokens: at most this many real calibration tokens for the fit; ``None`` = every
             real token of the calibration set, at most 65,536 (:func:`~hf_layerswap.recovery.recover`).
-        epsilon: relative ridge toward the identity (>= 0); ``None`` = the method's default.
+        epsilon: relative ridge toward the identity, in [0, 2**52]
+            (:data:`~hf_layerswap.recovery.MAX_EPSILON`); ``None`` = the method's default.
     """
 
-    method: RecoveryMethod = "ghosted"
-    num_tokens: int | None = None
-    epsilon: float | None = None
+    method: RecoveryMethod = field(default="ghosted", metadata=_help(
+        "repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)"))
+    num_tokens: int | None = field(default=None, metadata=_help(
+        "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
+    epsilon: float | None = field(default=None, metadata=_help(
+        "relative ridge of the repair toward the identity, a float in [0, 2**52] (default: the method's own)"))
 
 
 @dataclass(frozen=True)
 class SparsityConfig:
-    """One-shot sparsification after removal (:func:`hf_layerswap.sparsity.sparsify`).
+    """One-shot sparsification after removal (:func:`hf_layerswap.sparsity.sparsify`);
+    checked by the :class:`LayerSwapConfig` that holds it.
 
     Attributes:
         sparsity: overall target in [0, 1) (fraction of prunable block weights set to zero).
@@ -132,12 +174,18 @@ class SparsityConfig:
         pattern: ``None`` (unstructured) or ``"N:M"`` such as ``"2:4"``.
     """
 
-    sparsity: float
-    allocation: AllocationName = "pals"
-    method: PrunerName = "wanda"
-    pattern: str | None = None
+    sparsity: float = field(metadata=_help("one-shot sparsity target in [0, 1) after removal (default: none)"))
+    allocation: AllocationName = field(default="pals", metadata=_help("per-block sparsity rule"))
+    method: PrunerName = field(default="wanda", metadata=_help("the pruner that sets the weights to zero"))
+    pattern: str | None = field(default=None, metadata=_help(
+        "N:M sparsity pattern, e.g. 2:4 (default unstructured)"))
 
 
+#: Metadata of the fields that exist at run time only and never enter :meth:`LayerSwapConfig.to_dict`.
+_RUNTIME = {"runtime": True}
+
+
+@dataclass(eq=False, repr=False)
 class LayerSwapConfig(QuantizationConfigMixin):
     """Configuration for removing decoder blocks at load time.
 
@@ -151,14 +199,41 @@ class LayerSwapConfig(QuantizationConfigMixin):
             *current* block 2, which may be another block of the original model (after
             removing original blocks 1 and 4 of 8, current block 2 is original block 3).
             ``config.layerswap`` and the card record every step in both numberings.
+        protocol: ``"interchange"`` (default), ``"replacement"`` or ``"auto"`` (both
+            candidate sets evaluated by joint removal KL; the lower is kept).
+        max_gap, spacing, protect: scoring and selection rules, see
+            :func:`~hf_layerswap.score_layers` and :func:`~hf_layerswap.select_layers`.
+            ``spacing`` defaults to 1 for ``"greedy"``/``"auto"`` and 0 otherwise.
+            ``protect`` defaults to ``(0, -1)`` (first and last block) for a scored
+            selection; explicit ``layers`` are taken as given unless ``protect`` is given
+            too, and then a block in both is a contradiction (``ValueError``, at once or,
+            for negative indices, when the model's depth is known).
+        calibration: calibration source (``to_dict`` records a file's name only, and
+            nothing for data); default: the embedded prose shipped with Python.
+        num_prompts, seq_len, batch_size, seed: calibration budget.
+        recovery: repair of the cut: ``None``, a method name (``"ghosted"``, ``"fused"``
+            or one registered with :func:`~hf_layerswap.recovery.register_recovery_method`),
+            a :class:`RecoveryConfig` or a dict of its fields; stored as a
+            :class:`RecoveryConfig` (or ``None``).
+        sparsity: optional one-shot sparsification after removal: a float target in
+            [0, 1), a :class:`SparsityConfig` or a dict of its fields; stored as a
+            :class:`SparsityConfig` (or ``None``).
+        allocation, method, sparsity_pattern: constructor keywords for the other
+            :class:`SparsityConfig` fields when ``sparsity`` is a float (checked against the
+            registries of :func:`~hf_layerswap.sparsity.register_allocator` and
+            :func:`~hf_layerswap.sparsity.register_pruner`); read them back as
+            ``config.sparsity.allocation`` etc.; ignored, with a warning, without ``sparsity``.
+        tokenizer: tokenizer for text calibration (runtime only); default: loaded from
+            the checkpoint directory or Hub id being loaded.
+        progress: show progress bars (runtime only).
         strategy: how the set is chosen, a name in
             :data:`hf_layerswap.selection.STRATEGIES` (the built-ins and those added with
             :func:`~hf_layerswap.selection.register_strategy`). Default ``"search"``: whole
             candidate sets from both protocols (each protocol's greedy set, lowest-scored
             layers, low-score contiguous runs, single-removal ranking) scored on the
             calibration prompts and refined by local moves
-            (:func:`hf_layerswap.selection.search_select`); ``"greedy"``: the paper's rule on
-            ``protocol`` (with ``protocol="auto"``: the ``"auto"`` strategy); ``"auto"``:
+            (:func:`hf_layerswap.selection.search_select`); ``"greedy"``: the paper's rule
+            on ``protocol`` (with ``protocol="auto"``: the ``"auto"`` strategy); ``"auto"``:
             the better of the two protocols' greedy sets.
         objective: what ``"search"`` minimises on the calibration prompts:
             ``"removal_kl"``, ``"nll"`` or ``"ghosted"`` (the removal KL after the Ghosted
@@ -168,139 +243,125 @@ class LayerSwapConfig(QuantizationConfigMixin):
             objective picks, at every n = 1..6 (``benchmarks/results/quality-smollm2-135m.md``).
         max_evaluations: most candidate sets ``"search"`` scores in all (default ``None``: no cap
             beyond each budget's allowance of one set per removable block).
-        protocol: ``"interchange"`` (default), ``"replacement"`` or ``"auto"`` (both
-            candidate sets evaluated by joint removal KL; the lower is kept).
-        max_gap, spacing, protect: scoring and selection rules, see
-            :func:`~hf_layerswap.score_layers` and :func:`~hf_layerswap.select_layers`.
-            ``protect`` defaults to ``(0, -1)`` (first and last block) for a scored
-            selection; explicit ``layers`` are taken as given unless ``protect`` is given
-            too, and then a block in both is a contradiction (``ValueError``, at once or,
-            for negative indices, when the model's depth is known).
-        calibration: calibration source (runtime only; ``to_dict`` records a file's name
-            only); default: the embedded prose shipped with Python.
-        tokenizer: tokenizer for text calibration (runtime only); default: loaded from
-            the checkpoint directory or Hub id being loaded.
-        num_prompts, seq_len, batch_size, seed: calibration budget.
-        recovery: repair of the cut: ``None``, a method name (``"ghosted"``, ``"fused"``
-            or one registered with :func:`~hf_layerswap.recovery.register_recovery_method`),
-            a :class:`RecoveryConfig` or a dict of its fields.
-        recovery_num_tokens, recovery_epsilon: the other :class:`RecoveryConfig` fields
-            in flat form.
-        sparsity: optional one-shot sparsification after removal: a float target in
-            [0, 1), a :class:`SparsityConfig` or a dict of its fields (then
-            ``allocation``, ``method`` and ``sparsity_pattern`` come from it).
-        allocation, method, sparsity_pattern: the other :class:`SparsityConfig` fields in
-            flat form (see :func:`hf_layerswap.sparsity.sparsify`; checked against the
-            registries of :func:`~hf_layerswap.sparsity.register_allocator` and
-            :func:`~hf_layerswap.sparsity.register_pruner`, only when ``sparsity`` is set).
-        progress: show progress bars (runtime only).
-        version: format version of the serialized config (:data:`CONFIG_VERSION`).
+        recovery_num_tokens, recovery_epsilon: constructor keywords for the other
+            :class:`RecoveryConfig` fields when ``recovery`` is a method name; read them
+            back as ``config.recovery.num_tokens`` and ``config.recovery.epsilon``.
+        quant_method: ``"layerswap"`` (keyword only; transformers' registry key).
+        version: format version of the serialized config (:data:`CONFIG_VERSION`, keyword only).
 
-    Unknown constructor arguments raise ``TypeError`` (a misspelt name); unknown keys in
-    :meth:`from_dict` (a ``config.json`` written by a newer version) are dropped with a
-    warning.
+    Unknown constructor arguments raise ``TypeError`` and unknown keys in :meth:`from_dict`
+    ``ValueError``, both naming the key, the closest allowed key and every allowed key.
 
     Raises:
         ValueError: contradictory or out-of-range fields (e.g. ``layers`` together with a
-            different ``num_layers``, an unknown protocol); the message names the value and
-            what is allowed.
+            different ``num_layers``, an unknown protocol, a non-finite ``recovery_epsilon``);
+            the message names the value and what is allowed.
     """
 
-    def __init__(
-        self,
-        num_layers: int | None = None,
-        layers: Sequence[int] | None = None,
-        protocol: ProtocolName = "interchange",
-        max_gap: int = 1,
-        spacing: int | None = None,
-        protect: Sequence[int] | None = None,
-        calibration=None,
-        num_prompts: int = 64,
-        seq_len: int = 128,
-        batch_size: int = 8,
-        seed: int = 0,
-        recovery: RecoveryMethod | RecoveryConfig | Mapping | None = None,
-        sparsity: float | SparsityConfig | Mapping | None = None,
-        allocation: AllocationName = "pals",
-        method: PrunerName = "wanda",
-        sparsity_pattern: str | None = None,
-        tokenizer=None,
-        progress: bool = True,
-        strategy: str = "search",
-        objective: ObjectiveName | None = None,
-        max_evaluations: int | None = None,
-        recovery_num_tokens: int | None = None,
-        recovery_epsilon: float | None = None,
-        version: int = CONFIG_VERSION,
-        **kwargs,
-    ):
-        kwargs.pop("quant_method", None)
-        if kwargs:
-            raise TypeError(f"LayerSwapConfig got unexpected arguments {sorted(kwargs)}")
-        self.quant_method = QUANT_METHOD
-        if isinstance(recovery, (RecoveryConfig, Mapping)):
-            given = _sub_config(RecoveryConfig, recovery, "recovery")
-            recovery = given.get("method", "ghosted")
-            recovery_num_tokens = given.get("num_tokens", recovery_num_tokens)
-            recovery_epsilon = given.get("epsilon", recovery_epsilon)
-        if isinstance(sparsity, (SparsityConfig, Mapping)):
-            given = _sub_config(SparsityConfig, sparsity, "sparsity")
-            if "sparsity" not in given:
-                raise ValueError(f"LayerSwapConfig(sparsity={given!r}): the target 'sparsity' (a float in [0, 1)) is missing")
-            flat = {"allocation": (allocation, "pals"), "method": (method, "wanda"), "pattern": (sparsity_pattern, None)}
-            clash = sorted(k for k, (v, default) in flat.items() if v != default and k in given and given[k] != v)
-            if clash:
-                raise ValueError(f"LayerSwapConfig: {clash} given both in sparsity={given!r} and as arguments")
-            sparsity = given["sparsity"]
-            allocation = given.get("allocation", allocation)
-            method = given.get("method", method)
-            sparsity_pattern = given.get("pattern", sparsity_pattern)
-        self.num_layers = num_layers
-        self.layers = None if layers is None else _int_list("layers", layers)
-        self.protocol = protocol
-        self.max_gap = max_gap
-        self.strategy = strategy
-        self.spacing = (1 if strategy in ("greedy", "auto") else 0) if spacing is None else spacing
-        self.objective = objective
-        self.max_evaluations = max_evaluations
-        self._protect_given = protect is not None  # runtime only: explicit layers are checked against it
-        self.protect = _int_list("protect", (0, -1) if protect is None else protect)
-        self.calibration = calibration
-        self.num_prompts = num_prompts
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
-        self.recovery = recovery
-        self.recovery_num_tokens = recovery_num_tokens
-        self.recovery_epsilon = recovery_epsilon
-        self.sparsity = sparsity
-        self.allocation = allocation
-        self.method = method
-        self.sparsity_pattern = sparsity_pattern
-        self.tokenizer = tokenizer
-        self.progress = progress
-        self.version = version
-        self.validate()
-        if self.sparsity is not None:
-            self.sparsity = float(self.sparsity)
+    quant_method: str = field(default=QUANT_METHOD, kw_only=True, metadata=_help(
+        "transformers' quantization method key: always 'layerswap'"))
+    version: int = field(default=CONFIG_VERSION, kw_only=True, metadata=_help(
+        "format version of the serialized config"))
+    num_layers: int | None = field(default=None, metadata=_help("remove this many layers chosen by swap-KL"))
+    layers: list[int] | None = field(default=None, metadata=_help("remove exactly these 0-based layers"))
+    protocol: ProtocolName = field(default="interchange", metadata=_help(
+        "protocol of the greedy strategy (auto: the better of both protocols' greedy sets)"))
+    max_gap: int = field(default=1, metadata=_help("pair distance bound: 1 = adjacent pairs"))
+    spacing: int | None = field(default=None, metadata=_help(
+        "selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)"))
+    protect: list[int] | None = field(default=None, metadata=_help(
+        "layers never removed (negative = from the end; default 0 -1 for a scored selection, "
+        "none for explicit layers)"))
+    calibration: Any = field(default=None, metadata=_help(
+        "calibration text: a text file (e.g. WikiText-2 valid.txt), texts or token batches; "
+        "default: prose shipped with Python"))
+    num_prompts: int = field(default=64, metadata=_help("calibration prompts: an int >= 1"))
+    seq_len: int = field(default=128, metadata=_help("tokens per prompt (truncation)"))
+    batch_size: int = field(default=8, metadata=_help("prompts per forward pass"))
+    seed: int = field(default=0, metadata=_help("paragraph shuffle seed"))
+    recovery: RecoveryConfig | None = field(default=None, metadata=RecoveryConfig.__dataclass_fields__["method"].metadata)
+    sparsity: SparsityConfig | None = field(default=None, metadata=SparsityConfig.__dataclass_fields__["sparsity"].metadata)
+    allocation: InitVar[AllocationName] = "pals"
+    method: InitVar[PrunerName] = "wanda"
+    sparsity_pattern: InitVar[str | None] = None
+    tokenizer: Any = field(default=None, metadata=_help("tokenizer for text calibration", **_RUNTIME))
+    progress: bool = field(default=True, metadata=_help("show progress bars", **_RUNTIME))
+    strategy: str = field(default="search", metadata=_help(
+        "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts "
+        "and refined by local moves; greedy = the paper's rule on the protocol; auto = the better protocol's "
+        "greedy set"))
+    objective: ObjectiveName | None = field(default=None, metadata=_help(
+        "what the search strategy minimises on the calibration prompts (default removal_kl)"))
+    max_evaluations: int | None = field(default=None, metadata=_help(
+        "most candidate sets search scores in all (default: no cap beyond each budget's allowance of one set "
+        "per removable block)"))
+    recovery_num_tokens: InitVar[int | None] = None
+    recovery_epsilon: InitVar[float | None] = None
 
-    #: Serialized fields, in ``config.json`` order.
-    FIELDS = (
-        "quant_method", "version", "num_layers", "layers", "protocol", "max_gap", "spacing", "protect", "calibration",
-        "num_prompts", "seq_len", "batch_size", "seed", "recovery", "recovery_num_tokens", "recovery_epsilon",
-        "sparsity", "allocation", "method", "sparsity_pattern", "strategy", "objective", "max_evaluations",
-    )
+    def __new__(cls, *args, **kwargs):
+        # a misspelt keyword is named with its closest field before the generated __init__ runs
+        problem = _unknown_keys("LayerSwapConfig got unexpected arguments", kwargs, config_keys())
+        if problem:
+            raise TypeError(problem)
+        return super().__new__(cls)
+
+    def __post_init__(self, allocation, method, sparsity_pattern, recovery_num_tokens, recovery_epsilon):
+        flat = {"allocation": allocation, "method": method, "sparsity_pattern": sparsity_pattern,
+                "recovery_num_tokens": recovery_num_tokens, "recovery_epsilon": recovery_epsilon}
+        self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, flat)
+        self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, flat)
+        self._protect_given = self.protect is not None  # runtime only: explicit layers are checked against it
+        if self.protect is None:
+            self.protect = [0, -1]
+        if self.spacing is None:
+            self.spacing = 1 if self.strategy in ("greedy", "auto") else 0
+        self.validate()
+
+    @staticmethod
+    def _nested(name: str, kind, value, flat: dict):
+        """``value`` (a method name or float target, a dict, the dataclass or ``None``) as
+        ``kind``, with the flat constructor keywords of ``flat`` filled in."""
+        keywords = {sub: flat[key] for key, (parent, sub) in FLAT_KEYWORDS.items() if parent == name}
+        defaults = {f.name: f.default for f in fields(kind)}
+        given = {sub: v for sub, v in keywords.items() if v != defaults[sub]}
+        if value is None:
+            if given:
+                names = [key for key, (parent, sub) in FLAT_KEYWORDS.items() if parent == name and sub in given]
+                warnings.warn(f"LayerSwapConfig: {names} ignored: {name} is None", UserWarning, stacklevel=4)
+            return None
+        if isinstance(value, (kind, Mapping)):
+            data = _sub_config(kind, value, name)
+        elif name == "recovery":
+            data = {"method": value}
+        else:
+            data = {"sparsity": value}
+        if name == "sparsity":
+            if "sparsity" not in data:
+                raise ValueError(f"LayerSwapConfig(sparsity={data!r}): the target 'sparsity' (a float in [0, 1)) is missing")
+            if isinstance(value, (kind, Mapping)):
+                clash = sorted(k for k, v in given.items() if k in data and data[k] != v)
+                if clash:
+                    raise ValueError(f"LayerSwapConfig: {clash} given both in sparsity={data!r} and as arguments")
+        return kind(**{**keywords, **data})
 
     def validate(self) -> None:
-        """Check every field (called by the constructor; call again after changing one).
+        """Check every field (called by the constructor; call again after changing one). A
+        ``recovery`` method name or a ``sparsity`` float set after construction becomes its
+        sub-config here.
 
         Raises:
             ValueError: the first bad or contradictory field, naming it, its value and what
                 is allowed.
         """
+        if self.quant_method != QUANT_METHOD:
+            raise ValueError(f"LayerSwapConfig(quant_method={self.quant_method!r}): allowed [{QUANT_METHOD!r}]")
         if isinstance(self.version, bool) or not isinstance(self.version, int) or not 1 <= self.version <= CONFIG_VERSION:
             raise ValueError(f"LayerSwapConfig(version={self.version!r}): allowed 1..{CONFIG_VERSION} (a config.json "
                              "of a newer version is read with LayerSwapConfig.from_dict, which warns)")
+        if self.recovery is not None and not isinstance(self.recovery, RecoveryConfig):
+            self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, _flat_defaults())
+        if self.sparsity is not None and not isinstance(self.sparsity, SparsityConfig):
+            self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, _flat_defaults())
         _check_int("num_layers", self.num_layers, 1, allow_none=True)
         layers = self.layers
         if layers is not None:
@@ -315,6 +376,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
                     f"LayerSwapConfig(num_layers={self.num_layers}, layers={layers}) is contradictory: "
                     f"layers names {len(layers)} blocks"
                 )
+        self.protect = _int_list("protect", self.protect)
         _check_choice("protocol", self.protocol, selection_protocols())
         _check_int("max_gap", self.max_gap, 1)
         _check_int("spacing", self.spacing, 0)
@@ -326,52 +388,58 @@ class LayerSwapConfig(QuantizationConfigMixin):
         _check_int("batch_size", self.batch_size, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
-        _check_choice("recovery", self.recovery, _recovery_choices())
-        if self.recovery is not None and self.num_layers is None and layers is None:
-            raise ValueError(f"LayerSwapConfig(recovery={self.recovery!r}) needs num_layers or layers: nothing is removed")
-        _check_int("recovery_num_tokens", self.recovery_num_tokens, 1, allow_none=True)
-        eps = self.recovery_epsilon
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
-            raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
-        sparsity = self.sparsity
-        if sparsity is not None and (isinstance(sparsity, bool) or not isinstance(sparsity, (int, float))
-                                     or not 0.0 <= float(sparsity) < 1.0):
-            raise ValueError(f"LayerSwapConfig(sparsity={sparsity!r}): must be a float in [0, 1)")
-        if sparsity is not None:  # checked now: after loading, blocks would already be gone
-            try:
-                check_arguments(float(sparsity), self.allocation, self.method, self.sparsity_pattern)
-            except ValueError as err:
-                raise ValueError(f"LayerSwapConfig: {err}") from None
-            try:
-                check_bound(float(sparsity), self.allocation)
-            except ValueError as err:
-                raise ValueError(
-                    f"LayerSwapConfig(allocation={self.allocation!r}): {err} (the default delta here; choose "
-                    "allocation='uniform' or 'owl', or call hf_layerswap.sparsity.sparsify with a smaller delta)"
-                ) from None
+        self._validate_recovery()
+        self._validate_sparsity()
         if layers is not None and self._protect_given:
             clash = sorted(set(layers) & set(self.protect))
             if clash:
                 raise ValueError(_protect_clash(layers, self.protect, clash))
 
-    @property
-    def recovery_config(self) -> RecoveryConfig | None:
-        """The repair as a :class:`RecoveryConfig` (``None``: no repair)."""
-        if self.recovery is None:
-            return None
-        return RecoveryConfig(self.recovery, self.recovery_num_tokens, self.recovery_epsilon)
+    def _validate_recovery(self) -> None:
+        rec = self.recovery
+        if rec is None:
+            return
+        _check_choice("recovery", rec.method, _recovery_choices())
+        if self.num_layers is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_layers or layers: nothing is removed")
+        _check_int("recovery_num_tokens", rec.num_tokens, 1, allow_none=True)
+        eps = rec.epsilon
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
+            raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
+        if eps is not None:  # inf and values where the ridge fit means nothing (recovery.MAX_EPSILON)
+            check_epsilon(eps, f"LayerSwapConfig(recovery_epsilon={eps!r})")
 
-    @property
-    def sparsity_config(self) -> SparsityConfig | None:
-        """The sparsification as a :class:`SparsityConfig` (``None``: none)."""
-        if self.sparsity is None:
-            return None
-        return SparsityConfig(self.sparsity, self.allocation, self.method, self.sparsity_pattern)
+    def _validate_sparsity(self) -> None:
+        sp = self.sparsity
+        if sp is None:
+            return
+        target = sp.sparsity
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= float(target) < 1.0:
+            raise ValueError(f"LayerSwapConfig(sparsity={target!r}): must be a float in [0, 1)")
+        try:  # checked now: after loading, blocks would already be gone
+            check_arguments(float(target), sp.allocation, sp.method, sp.pattern)
+        except ValueError as err:
+            raise ValueError(f"LayerSwapConfig: {err}") from None
+        try:
+            check_bound(float(target), sp.allocation)
+        except ValueError as err:
+            raise ValueError(
+                f"LayerSwapConfig(allocation={sp.allocation!r}): {err} (the default delta here; choose "
+                "allocation='uniform' or 'owl', or call hf_layerswap.sparsity.sparsify with a smaller delta)"
+            ) from None
+        if type(target) is not float:
+            self.sparsity = replace(sp, sparsity=float(target))
 
     def to_dict(self) -> dict:
-        """Serializable fields only (JSON-able, in :attr:`FIELDS` order): calibration data,
-        tokenizers and the progress switch never enter config.json."""
-        out = {k: getattr(self, k) for k in self.FIELDS}
+        """The serialized fields, in field order (JSON-able; the sub-configs as dicts of
+        their fields or ``None``): tokenizers and the progress switch never enter
+        config.json, and calibration data is recorded as ``None`` (a file by its name only)."""
+        out = {}
+        for f in fields(self):
+            if f.metadata.get("runtime"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = asdict(value) if isinstance(value, (RecoveryConfig, SparsityConfig)) else value
         out["layers"] = None if self.layers is None else list(self.layers)
         out["protect"] = list(self.protect)
         # a calibration file is recorded by its name: config.json gets published
@@ -380,31 +448,63 @@ class LayerSwapConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: Mapping, return_unused_kwargs: bool = False, **kwargs):
-        """Rebuild a config from :meth:`to_dict` output (e.g. a ``config.json`` record).
+        """Rebuild a config from :meth:`to_dict` output (e.g. a ``config.json`` record), or
+        from any dict of constructor keywords (``quantization_config={...}``).
 
-        Keys this version does not know (written by a newer version) are dropped with a
-        warning naming them; the remaining fields are validated as in the constructor.
+        A newer format version (with only known keys) warns and is read as this version;
+        ``kwargs`` that name a field update it (transformers' convention), the others are
+        returned with ``return_unused_kwargs=True``.
 
         Raises:
-            ValueError: a known field with a bad value. TypeError: not a mapping.
+            ValueError: an unknown key (the message names it, the closest allowed key and
+                every allowed key; see :func:`config_keys`), or a known field with a bad
+                value. TypeError: not a mapping.
         """
         if not isinstance(config_dict, Mapping):
             raise TypeError(f"LayerSwapConfig.from_dict needs a mapping, got {type(config_dict).__name__}")
-        known = set(cls.FIELDS) | set(RUNTIME_ONLY)
         data = dict(config_dict)
-        unknown = sorted(str(k) for k in data if k not in known)
         version = data.get("version", CONFIG_VERSION)
         newer = isinstance(version, int) and not isinstance(version, bool) and version > CONFIG_VERSION
-        if unknown or newer:
-            what = [f"ignoring unknown keys {unknown}"] if unknown else []
-            if newer:
-                what.append(f"format version {version} read as version {CONFIG_VERSION}")
-            warnings.warn(f"LayerSwapConfig.from_dict: {'; '.join(what)} (written by a newer hf_layerswap?)",
-                          UserWarning, stacklevel=2)
-            data = {k: v for k, v in data.items() if k in known}
-            if newer:
-                data["version"] = CONFIG_VERSION
-        return super().from_dict(data, return_unused_kwargs=return_unused_kwargs, **kwargs)
+        problem = _unknown_keys("LayerSwapConfig.from_dict", data, config_keys())
+        if problem:
+            raise ValueError(problem + (f" (format version {version} is newer than this hf_layerswap's "
+                                        f"{CONFIG_VERSION}: upgrade hf_layerswap to read it)" if newer else ""))
+        if newer:
+            warnings.warn(f"LayerSwapConfig.from_dict: format version {version} read as version {CONFIG_VERSION} "
+                          "(written by a newer hf_layerswap?)", UserWarning, stacklevel=2)
+            data["version"] = CONFIG_VERSION
+        config = cls(**data)
+        unused = config.update(**kwargs)
+        return (config, unused) if return_unused_kwargs else config
+
+    def update(self, **kwargs) -> dict:
+        """Set the fields (and flat keywords, e.g. ``recovery_epsilon``) named in ``kwargs``
+        and validate the result as the constructor does (transformers' ``update``); the
+        config is unchanged when it raises.
+
+        Returns:
+            The ``kwargs`` that name no field.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        known = set(config_keys()) | {"tokenizer", "progress"}
+        used = {k: v for k, v in kwargs.items() if k in known}
+        if used:
+            current = {f.name: getattr(self, f.name) for f in fields(self)}
+            current["protect"] = self.protect if self._protect_given else None
+            for key, value in list(used.items()):
+                if key in FLAT_KEYWORDS:
+                    parent, sub = FLAT_KEYWORDS[key]
+                    if current[parent] is None:
+                        raise ValueError(f"LayerSwapConfig.update({key}={value!r}): {parent} is None")
+                    current[parent] = replace(current[parent], **{sub: used.pop(key)})
+            fresh = type(self)(**{**current, **used})
+            self.__dict__.update(fresh.__dict__)
+        return {k: v for k, v in kwargs.items() if k not in known}
+
+    def __iter__(self):
+        yield from self.to_dict().items()
 
     def to_json_string(self, use_diff: bool = True) -> str:
         """:meth:`to_dict` as indented JSON (``use_diff`` is accepted for transformers and ignored)."""
@@ -417,7 +517,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_json_file(cls, json_file_path: str | os.PathLike) -> LayerSwapConfig:
-        """Read a config written by :meth:`to_json_file` (unknown keys warn, see :meth:`from_dict`)."""
+        """Read a config written by :meth:`to_json_file` (see :meth:`from_dict`)."""
         with open(json_file_path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh))
 
@@ -431,6 +531,24 @@ class LayerSwapConfig(QuantizationConfigMixin):
     def __repr__(self) -> str:
         fields_ = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "quant_method")
         return f"LayerSwapConfig({fields_})"
+
+
+# the flat keywords are constructor arguments only: read them from the sub-configs
+for _name in FLAT_KEYWORDS:
+    delattr(LayerSwapConfig, _name)
+del _name
+
+
+def _flat_defaults() -> dict:
+    """Each flat keyword's default: its sub-config field's."""
+    kinds = {"recovery": RecoveryConfig, "sparsity": SparsityConfig}
+    return {key: kinds[parent].__dataclass_fields__[sub].default for key, (parent, sub) in FLAT_KEYWORDS.items()}
+
+
+def config_keys() -> list[str]:
+    """Every key a config dict may hold: the fields of :class:`LayerSwapConfig` and its
+    flat constructor keywords (:data:`FLAT_KEYWORDS`), in constructor order."""
+    return [name for name in inspect.signature(LayerSwapConfig.__init__).parameters if name != "self"]
 
 
 def _protect_clash(layers, protect, clash) -> str:

@@ -26,19 +26,7 @@ import logging
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
-from .config import (  # noqa: F401  (the config's public names stay importable from here)
-    CONFIG_VERSION,
-    QUANT_METHOD,
-    RUNTIME_ONLY,
-    AllocationName,
-    LayerSwapConfig,
-    ObjectiveName,
-    ProtocolName,
-    PrunerName,
-    RecoveryConfig,
-    RecoveryMethod,
-    SparsityConfig,
-)
+from .config import QUANT_METHOD, LayerSwapConfig
 from .history import verify_history
 from .pipeline import prune
 from .recovery import attach_saved_recovery

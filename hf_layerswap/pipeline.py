@@ -156,7 +156,7 @@ def prune(
         provenance.calibration = calib.spec()
     result.provenance = provenance
     if cfg.recovery is not None:
-        rec = cfg.recovery_config
+        rec = cfg.recovery
         result.recovery_report = recover(model, layers, calib, method=rec.method, num_tokens=rec.num_tokens,
                                          epsilon=rec.epsilon, batch_size=cfg.batch_size)
         model.layerswap_recovery_report = result.recovery_report
@@ -255,7 +255,7 @@ def _selection_text(cfg: LayerSwapConfig, strategy: str) -> str:
 
 
 def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
-    sp = cfg.sparsity_config
+    sp = cfg.sparsity
     if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
                                           allocation=sp.allocation, method=sp.method, pattern=sp.pattern)

@@ -1,5 +1,6 @@
-"""LayerSwapConfig: round trips (dict, JSON string, JSON file, a pruned checkpoint's
-config.json), typed choices, sub-configs, tolerance of newer keys, one clear error per
+"""LayerSwapConfig: a dataclass whose fields carry their help, with nested sub-configs;
+round trips (dict, JSON string, JSON file, a pruned checkpoint's config.json, transformers'
+``update``), typed choices, unknown keys refused with the allowed ones, one clear error per
 invalid value, and names added to the strategy, recovery and sparsity registries (accepted,
 round-tripped and run by ``from_pretrained``)."""
 
@@ -8,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
+import pickle
 import warnings
+from dataclasses import fields, is_dataclass
 from types import SimpleNamespace
 from typing import get_args
 
@@ -18,13 +22,14 @@ from conftest import tiny_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.quantizers.auto import AutoQuantizationConfig
 
-from hf_layerswap import LayerSwapConfig
+from hf_layerswap import LayerSwapConfig, prune
 from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
 from hf_layerswap.recovery import RecoveryMethod as RepairMethod
 from hf_layerswap.selection import MODEL_STRATEGIES, STRATEGIES, register_strategy
 from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, register_allocator, register_pruner
 from hf_layerswap.config import (
     CONFIG_VERSION,
+    FLAT_KEYWORDS,
     AllocationName,
     ObjectiveName,
     ProtocolName,
@@ -32,6 +37,7 @@ from hf_layerswap.config import (
     RecoveryConfig,
     RecoveryMethod,
     SparsityConfig,
+    config_keys,
 )
 
 CONFIGS = {
@@ -53,7 +59,7 @@ def config(request):
 
 def test_to_dict_is_json_able_in_field_order(config):
     d = config.to_dict()
-    assert list(d) == list(LayerSwapConfig.FIELDS)
+    assert list(d) == [f.name for f in fields(LayerSwapConfig) if f.name not in ("tokenizer", "progress")]
     assert d["quant_method"] == "layerswap" and d["version"] == CONFIG_VERSION
     assert json.loads(json.dumps(d)) == d
 
@@ -121,16 +127,38 @@ def test_save_pretrained_and_reload_re_read_the_same_config(tmp_path):
     assert again.config.layerswap["removed_layers"] == model.config.layerswap["removed_layers"]
 
 
-def test_unknown_keys_of_a_newer_version_warn_and_are_dropped():
-    newer = {**LayerSwapConfig(num_layers=2).to_dict(), "version": CONFIG_VERSION + 1, "draft_model": "x/y"}
+def test_an_unknown_key_is_an_error_naming_it_the_closest_key_and_the_allowed_ones(tmp_path):
+    """A misspelt key used to be dropped with a warning, and a full score then removed nothing."""
+    allowed = config_keys()
+    assert allowed[:2] == ["num_layers", "layers"] and {"recovery_epsilon", "quant_method", "version"} <= set(allowed)
+    expected = (f"LayerSwapConfig.from_dict: unknown keys ['num_layerz'] ('num_layerz': did you mean 'num_layers'?); "
+                f"allowed {allowed}")
+    typo = {"quant_method": "layerswap", "num_layerz": 2}
+    for read in (LayerSwapConfig.from_dict, AutoQuantizationConfig.from_dict):
+        with pytest.raises(ValueError) as err:
+            read(typo)
+        assert str(err.value) == expected
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"unknown keys \['num_layerz'\]"):
+        prune(model, {"num_layerz": 2})
+    model.save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"did you mean 'num_layers'\?"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=typo)
+    with pytest.raises(ValueError) as err:  # no close match: the allowed keys only
+        LayerSwapConfig.from_dict({"zzz": 1})
+    assert str(err.value) == f"LayerSwapConfig.from_dict: unknown keys ['zzz']; allowed {allowed}"
+
+
+def test_a_newer_format_version_warns_and_an_unknown_key_in_it_says_upgrade():
+    newer = {**LayerSwapConfig(num_layers=2).to_dict(), "version": CONFIG_VERSION + 1}
     with pytest.warns(UserWarning) as record:
         cfg = LayerSwapConfig.from_dict(newer)
-    message = str(record[0].message)
-    assert message == (f"LayerSwapConfig.from_dict: ignoring unknown keys ['draft_model']; format version "
-                       f"{CONFIG_VERSION + 1} read as version {CONFIG_VERSION} (written by a newer hf_layerswap?)")
+    assert str(record[0].message) == (f"LayerSwapConfig.from_dict: format version {CONFIG_VERSION + 1} read as version "
+                                      f"{CONFIG_VERSION} (written by a newer hf_layerswap?)")
     assert cfg == LayerSwapConfig(num_layers=2)
-    with pytest.warns(UserWarning, match=r"ignoring unknown keys \['future'\] \(written by a newer"):
-        AutoQuantizationConfig.from_dict({"quant_method": "layerswap", "future": 1})
+    with pytest.raises(ValueError, match=rf"unknown keys \['draft_model'\].* \(format version {CONFIG_VERSION + 1} is "
+                                         r"newer than this hf_layerswap's 1: upgrade hf_layerswap to read it\)"):
+        LayerSwapConfig.from_dict({**newer, "draft_model": "x/y"})
     with warnings.catch_warnings():  # a config of this version reads silently
         warnings.simplefilter("error")
         LayerSwapConfig.from_dict(LayerSwapConfig(num_layers=2).to_dict())
@@ -145,12 +173,15 @@ def test_older_records_without_the_new_fields_still_read():
         warnings.simplefilter("error")
         assert LayerSwapConfig.from_dict(old) == LayerSwapConfig(num_layers=2)
     marker = {"quant_method": "layerswap", "recovery": "ghosted", "layers": [1, 3]}  # a ghosted checkpoint's marker
-    assert LayerSwapConfig.from_dict(marker).recovery_config == RecoveryConfig("ghosted")
+    assert LayerSwapConfig.from_dict(marker).recovery == RecoveryConfig("ghosted")
 
 
-def test_unknown_constructor_argument_is_a_typo_not_a_newer_key():
-    with pytest.raises(TypeError, match=r"unexpected arguments \['num_layer'\]"):
+def test_unknown_constructor_argument_is_a_typo():
+    with pytest.raises(TypeError, match=r"unexpected arguments: unknown keys \['num_layer'\] \('num_layer': did "
+                                        r"you mean 'num_layers'\?\)"):
         LayerSwapConfig(num_layer=2)
+    cfg = LayerSwapConfig(num_layers=2, recovery="fused")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and copy.deepcopy(cfg) == cfg
 
 
 def test_sparsity_names_are_checked_against_the_registries():
@@ -184,14 +215,71 @@ def test_sub_configs_accept_a_dataclass_a_dict_or_the_flat_form():
     flat = LayerSwapConfig(num_layers=2, recovery="fused", recovery_epsilon=0.25)
     assert LayerSwapConfig(num_layers=2, recovery=RecoveryConfig("fused", epsilon=0.25)) == flat
     assert LayerSwapConfig(num_layers=2, recovery={"method": "fused", "epsilon": 0.25}) == flat
-    assert flat.recovery == "fused" and flat.recovery_config == RecoveryConfig("fused", None, 0.25)
-    assert LayerSwapConfig(num_layers=2).recovery_config is None
+    assert flat.recovery == RecoveryConfig("fused", None, 0.25) and flat.recovery.epsilon == 0.25
+    assert LayerSwapConfig(num_layers=2).recovery is None
 
     flat = LayerSwapConfig(layers=[1], sparsity=0.5, allocation="owl", method="magnitude")
     assert LayerSwapConfig(layers=[1], sparsity=SparsityConfig(0.5, "owl", "magnitude")) == flat
     assert LayerSwapConfig(layers=[1], sparsity={"sparsity": 0.5, "allocation": "owl", "method": "magnitude"}) == flat
-    assert flat.sparsity == 0.5 and flat.sparsity_config == SparsityConfig(0.5, "owl", "magnitude", None)
-    assert LayerSwapConfig(layers=[1]).sparsity_config is None
+    assert flat.sparsity == SparsityConfig(0.5, "owl", "magnitude", None) and flat.sparsity.allocation == "owl"
+    assert LayerSwapConfig(layers=[1]).sparsity is None
+    assert type(LayerSwapConfig(layers=[1], sparsity=0).sparsity.sparsity) is float
+    # the flat keywords build the sub-configs; they are not attributes (one place for each value)
+    assert not any(hasattr(flat, name) for name in FLAT_KEYWORDS)
+    with pytest.warns(UserWarning, match=r"LayerSwapConfig: \['allocation'\] ignored: sparsity is None"):
+        LayerSwapConfig(layers=[1], allocation="owl")
+
+
+def test_a_dataclass_whose_fields_carry_their_help_with_nested_sub_configs():
+    assert is_dataclass(LayerSwapConfig) and is_dataclass(RecoveryConfig) and is_dataclass(SparsityConfig)
+    for kind in (LayerSwapConfig, RecoveryConfig, SparsityConfig):
+        for f in fields(kind):
+            assert f.metadata["help"].strip(), (kind.__name__, f.name)
+    cfg = LayerSwapConfig(num_layers=2, recovery={"method": "ghosted", "num_tokens": 512}, sparsity=0.25)
+    assert cfg.recovery == RecoveryConfig("ghosted", 512, None) and cfg.sparsity == SparsityConfig(0.25)
+    d = cfg.to_dict()
+    assert d["recovery"] == {"method": "ghosted", "num_tokens": 512, "epsilon": None}
+    assert d["sparsity"] == {"sparsity": 0.25, "allocation": "pals", "method": "wanda", "pattern": None}
+    assert json.loads(json.dumps(d)) == d and LayerSwapConfig.from_dict(d) == cfg
+    assert not any(name.endswith("_config") for name in dir(cfg))  # no rebuilding properties
+
+
+def test_the_command_line_help_is_the_fields_help():
+    from hf_layerswap.cli import build_parser
+    from hf_layerswap.cli.common import config_help
+
+    prune_parser = build_parser()._subparsers._group_actions[0].choices["prune"]
+    by_dest = {a.dest: a.help for a in prune_parser._actions}
+    mirrored = {"num_layers": "num_layers", "layers": "layers", "max_gap": "max_gap", "strategy": "strategy",
+                "objective": "objective", "max_evaluations": "max_evaluations", "protocol": "protocol",
+                "spacing": "spacing", "protect": "protect", "num_prompts": "num_prompts", "seq_len": "seq_len",
+                "batch_size": "batch_size", "seed": "seed", "recovery": "recovery", "sparsity": "sparsity",
+                "allocation": "allocation", "sparsity_method": "method", "sparsity_pattern": "sparsity_pattern"}
+    for dest, name in mirrored.items():
+        assert by_dest[dest] == config_help(name), dest
+    assert config_help("num_layers") == LayerSwapConfig.__dataclass_fields__["num_layers"].metadata["help"]
+    assert config_help("recovery_epsilon") == RecoveryConfig.__dataclass_fields__["epsilon"].metadata["help"]
+    assert config_help("method") == SparsityConfig.__dataclass_fields__["method"].metadata["help"]
+
+
+def test_transformers_update_sets_fields_and_validates_like_the_constructor():
+    cfg = LayerSwapConfig(num_layers=2, recovery="ghosted")
+    unused = cfg.update(num_layers=3, recovery_epsilon=0.5, not_ours=1)
+    assert unused == {"not_ours": 1}
+    assert cfg == LayerSwapConfig(num_layers=3, recovery="ghosted", recovery_epsilon=0.5)
+    before = cfg.to_dict()
+    with pytest.raises(ValueError, match=r"LayerSwapConfig\(num_layers=0\): must be an int >= 1"):
+        cfg.update(num_layers=0)
+    assert cfg.to_dict() == before  # unchanged when refused
+    again, unused = LayerSwapConfig.from_dict(before, return_unused_kwargs=True, seed=3, other=2)
+    assert again.seed == 3 and unused == {"other": 2}
+
+
+def test_a_field_set_after_construction_is_normalised_by_validate():
+    cfg = LayerSwapConfig(layers=[1])
+    cfg.sparsity, cfg.recovery = 0.5, "fused"
+    cfg.validate()
+    assert cfg.sparsity == SparsityConfig(0.5) and cfg.recovery == RecoveryConfig("fused")
 
 
 def test_validate_checks_a_field_changed_after_construction():
@@ -243,6 +331,17 @@ INVALID = [
      "LayerSwapConfig(recovery_num_tokens=2.5): must be an int >= 1"),
     (dict(num_layers=1, recovery="ghosted", recovery_epsilon=-1.0),
      "LayerSwapConfig(recovery_epsilon=-1.0): must be a float >= 0 or None"),
+    # refused at construction, not after the weights load (inf) or as torch's raw LinAlgError (1e308)
+    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=math.inf),
+     "LayerSwapConfig(recovery_epsilon=inf): must be a finite float >= 0 and at most 2**52 = 4.504e+15 (lambda = "
+     "epsilon * trace(X^T X) / H; beyond 2**52 the data term is below float64 rounding of lambda"),
+    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=math.nan),
+     "LayerSwapConfig(recovery_epsilon=nan): must be a float >= 0 or None"),
+    (dict(num_layers=1, recovery={"method": "fused", "epsilon": 1e308}),
+     "LayerSwapConfig(recovery_epsilon=1e+308): must be a finite float >= 0 and at most 2**52"),
+    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=2.0**52 + 2),
+     "LayerSwapConfig(recovery_epsilon=4503599627370498.0): must be a finite float >= 0 and at most 2**52"),
+    (dict(num_layers=1, quant_method="gptq"), "LayerSwapConfig(quant_method='gptq'): allowed ['layerswap']"),
     (dict(sparsity=1.0), "LayerSwapConfig(sparsity=1.0): must be a float in [0, 1)"),
     (dict(sparsity="half"), "LayerSwapConfig(sparsity='half'): must be a float in [0, 1)"),
     (dict(sparsity={"allocation": "owl"}),
@@ -335,9 +434,10 @@ EXTENDED = dict(num_layers=2, strategy=STRATEGY, recovery=REPAIR, sparsity=0.5, 
 def test_registered_names_are_accepted_and_round_trip(extensions, tmp_path):
     cfg = LayerSwapConfig(**EXTENDED)
     d = cfg.to_dict()
-    assert (d["strategy"], d["recovery"], d["allocation"], d["method"]) == (STRATEGY, REPAIR, ALLOCATOR, PRUNER)
-    assert cfg.recovery_config == RecoveryConfig(REPAIR)
-    assert cfg.sparsity_config == SparsityConfig(0.5, ALLOCATOR, PRUNER)
+    assert (d["strategy"], d["recovery"]["method"], d["sparsity"]["allocation"], d["sparsity"]["method"]) == (
+        STRATEGY, REPAIR, ALLOCATOR, PRUNER)
+    assert cfg.recovery == RecoveryConfig(REPAIR)
+    assert cfg.sparsity == SparsityConfig(0.5, ALLOCATOR, PRUNER)
     assert LayerSwapConfig(num_layers=2, strategy=STRATEGY, recovery=RecoveryConfig(REPAIR),
                            sparsity=SparsityConfig(0.5, ALLOCATOR, PRUNER)) == cfg
     assert LayerSwapConfig.from_dict(d) == cfg and LayerSwapConfig.from_dict(d).to_dict() == d

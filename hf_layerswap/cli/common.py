@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..calibration import read_text_file
+from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
 from ..models import load_model
 
@@ -19,6 +20,7 @@ __all__ = [
     "calibration_source",
     "check_output",
     "check_text_files",
+    "config_help",
     "count",
     "count_or_auto",
     "fraction",
@@ -42,6 +44,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 #: The verbs' help formatter: every option's default shown once.
 HELP_FORMATTER = HelpFormatter
+
+
+def config_help(name: str) -> str:
+    """The help text of the :class:`~hf_layerswap.LayerSwapConfig` field (or flat keyword,
+    e.g. ``allocation``: its sub-config field's) that an option mirrors: the field's
+    ``metadata["help"]`` is the one source of the text.
+
+    Raises:
+        KeyError: ``name`` is neither a field nor a flat keyword.
+    """
+    parent, sub = FLAT_KEYWORDS.get(name, (None, name))
+    kind = {None: LayerSwapConfig, "recovery": RecoveryConfig, "sparsity": SparsityConfig}[parent]
+    return kind.__dataclass_fields__[sub].metadata["help"]
 
 
 def count(minimum: int):
@@ -106,11 +121,11 @@ def add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64"
     auto = num_prompts_default == "auto"
     p.add_argument(
         "--num-prompts", default=num_prompts_default, type=count_or_auto if auto else count(1),
-        help="calibration prompts: an int >= 1" + (", or 'auto' to fit --scoring-seconds" if auto else ""),
+        help=config_help("num_prompts") + (", or 'auto' to fit --scoring-seconds" if auto else ""),
     )
-    p.add_argument("--seq-len", type=count(2), default=128, help="tokens per prompt (truncation)")
-    p.add_argument("--batch-size", type=count(1), default=8, help="prompts per forward pass")
-    p.add_argument("--seed", type=int, default=0, help="paragraph shuffle seed")
+    p.add_argument("--seq-len", type=count(2), default=128, help=config_help("seq_len"))
+    p.add_argument("--batch-size", type=count(1), default=8, help=config_help("batch_size"))
+    p.add_argument("--seed", type=int, default=0, help=config_help("seed"))
 
 
 def prompt_count(value) -> int:

@@ -20,6 +20,7 @@ from .common import (
     add_model_args,
     calibration_source,
     check_output,
+    config_help,
     count,
     fraction,
     load,
@@ -37,11 +38,11 @@ def add_parser(subparsers):
     add_model_args(p)
     p.add_argument("output", help="directory for the pruned checkpoint (a new or empty folder)")
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--num-layers", type=count(1), help="remove this many layers chosen by swap-KL")
-    group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
+    group.add_argument("--num-layers", type=count(1), help=config_help("num_layers"))
+    group.add_argument("--layers", type=int, nargs="+", help=config_help("layers"))
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
-    p.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
+    p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     _add_selection_args(p)
     _add_repair_args(p)
     p.set_defaults(func=run_prune)
@@ -49,34 +50,22 @@ def add_parser(subparsers):
 
 
 def _add_selection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="search", choices=sorted(STRATEGIES),
-                   help="how the set is chosen: search = candidate sets from both protocols scored on the calibration "
-                        "prompts and refined by local moves; greedy = the paper's rule on --protocol; auto = the better "
-                        "protocol's greedy set")
-    p.add_argument("--objective", default=None, choices=list(OBJECTIVES),
-                   help="what --strategy search minimises on the calibration prompts (default removal_kl)")
-    p.add_argument("--max-evaluations", type=count(1), default=None,
-                   help="most candidate sets search scores in all (default: no cap beyond each budget's "
-                        "allowance of one set per removable block)")
+    p.add_argument("--strategy", default="search", choices=sorted(STRATEGIES), help=config_help("strategy"))
+    p.add_argument("--objective", default=None, choices=list(OBJECTIVES), help=config_help("objective"))
+    p.add_argument("--max-evaluations", type=count(1), default=None, help=config_help("max_evaluations"))
     p.add_argument("--protocol", default="interchange", choices=list(selection_protocols()),
-                   help="protocol of --strategy greedy")
-    p.add_argument("--spacing", type=count(0), default=None,
-                   help="selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)")
-    p.add_argument("--protect", type=int, nargs="*", default=None,
-                   help="layers never removed (negative = from the end; default 0 -1 for a scored selection, "
-                        "none for --layers)")
+                   help=config_help("protocol"))
+    p.add_argument("--spacing", type=count(0), default=None, help=config_help("spacing"))
+    p.add_argument("--protect", type=int, nargs="*", default=None, help=config_help("protect"))
 
 
 def _add_repair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recovery", default=None, choices=[m for m in RECOVERY_METHODS if m != "none"],
-                   help="repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)")
-    p.add_argument("--sparsity", type=fraction, default=None,
-                   help="one-shot sparsity target in [0, 1) after removal (default: none)")
-    p.add_argument("--allocation", default="pals", choices=list(ALLOCATORS),
-                   help="per-block sparsity rule of --sparsity")
-    p.add_argument("--sparsity-method", default="wanda", choices=list(PRUNERS),
-                   help="pruner of --sparsity")
-    p.add_argument("--sparsity-pattern", default=None, help="N:M pattern of --sparsity, e.g. 2:4 (default unstructured)")
+                   help=config_help("recovery"))
+    p.add_argument("--sparsity", type=fraction, default=None, help=config_help("sparsity"))
+    p.add_argument("--allocation", default="pals", choices=list(ALLOCATORS), help=config_help("allocation"))
+    p.add_argument("--sparsity-method", default="wanda", choices=list(PRUNERS), help=config_help("method"))
+    p.add_argument("--sparsity-pattern", default=None, help=config_help("sparsity_pattern"))
 
 
 def prune_config(args):

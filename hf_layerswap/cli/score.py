@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..protocols import SWAP_PROTOCOLS
 from ..scoring import score_layers
-from .common import HELP_FORMATTER, add_calibration_args, add_model_args, count, load, needs_tokenizer, prompt_count
+from .common import (HELP_FORMATTER, add_calibration_args, add_model_args, config_help, count, load, needs_tokenizer,
+                     prompt_count)
 
 __all__ = ["add_parser", "format_scores_table", "run_score"]
 
@@ -22,7 +23,7 @@ def add_parser(subparsers):
     add_calibration_args(score)
     score.add_argument("--protocols", nargs="+", default=["replacement", "interchange"],
                        choices=list(SWAP_PROTOCOLS))
-    score.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
+    score.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
     score.set_defaults(func=run_score)
     return score

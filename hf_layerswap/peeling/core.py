@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from ..calibration import build_calibration
 from ..plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
 from ..provenance import library_versions, report_identity
-from ..recovery import _Moments, ridge_toward_identity
+from ..recovery import ridge_toward_identity
+from ..recovery.fit import _Moments
 from .data import _bootstrap, build_evaluation, check_disjoint, sequence_nll
 from .report import DEFAULT_RIDGE, DEFAULT_TAU, REFERENCES, TARGETS, PeelProbe, PeelReport
 

@@ -58,7 +58,7 @@ registry and the built-in methods), :mod:`.operators` (ghosted operators and the
 from __future__ import annotations
 
 from .core import DEFAULT_NUM_TOKENS, recover
-from .fit import _Moments, collect_moments, cut_boundaries, ridge_toward_identity  # noqa: F401
+from .fit import MAX_EPSILON, check_epsilon, cut_boundaries, ridge_toward_identity
 from .methods import (
     DEFAULT_EPSILON,
     METHODS,
@@ -81,6 +81,7 @@ from .report import BoundaryFit, RecoveryReport
 __all__ = [
     "DEFAULT_EPSILON",
     "DEFAULT_NUM_TOKENS",
+    "MAX_EPSILON",
     "GhostedOperator",
     "METHODS",
     "RECOVERY_FILE",
@@ -90,6 +91,7 @@ __all__ = [
     "RecoveryReport",
     "attach_saved_recovery",
     "attached_operators",
+    "check_epsilon",
     "cut_boundaries",
     "detach_recovery",
     "get_recovery_method",

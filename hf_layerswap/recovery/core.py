@@ -14,7 +14,7 @@ from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_cal
 from ..jsonio import encode_float
 from ..plan import decoder_blocks, resolve_layer_indices
 from ..surgery import remove_layers
-from .fit import _Moments, _hidden_size, collect_moments, cut_boundaries
+from .fit import _Moments, _hidden_size, check_epsilon, collect_moments, cut_boundaries
 from .methods import get_recovery_method
 from .operators import attached_operators
 from .report import BoundaryFit, RecoveryReport
@@ -86,8 +86,7 @@ def recover(
         raise ValueError(f"num_tokens={num_tokens!r}: must be an int >= 1 (or None for the whole calibration set)")
     if epsilon is None:
         epsilon = entry.default_epsilon
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
-        raise ValueError(f"epsilon={epsilon!r}: must be a finite float >= 0")
+    epsilon = check_epsilon(epsilon)
     _, _, blocks = decoder_blocks(model)
     num_layers = len(blocks)
     removed = resolve_layer_indices(removed, num_layers, allow_empty=True)

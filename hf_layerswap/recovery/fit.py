@@ -4,6 +4,7 @@ the calibration tokens that fills them (:func:`collect_moments`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +14,35 @@ from ..calibration import CalibrationSet
 from ..plan import capture_residual_stream, resolve_layer_indices
 
 # ----------------------------------------------------------------------------- algebra
+
+#: Largest relative ridge ``epsilon`` of :func:`ridge_toward_identity` (2**52). The ridge is
+#: ``λ = epsilon · trace(XᵀX) / H``, ``epsilon`` times the mean eigenvalue of ``XᵀX``; float64
+#: carries 52 fraction bits, so from ``epsilon = 2**52`` on the mean eigenvalue is below the
+#: rounding unit of ``λ`` in ``XᵀX + λI``: the fit is the identity map (plain removal) to
+#: float64 precision, and far larger values overflow (``1e308 · trace = inf``).
+MAX_EPSILON = 2.0**52
+
+
+def check_epsilon(epsilon, label: str | None = None) -> float:
+    """``epsilon`` as a float after checking it is a finite number in [0, :data:`MAX_EPSILON`].
+
+    Args:
+        label: how the message names the value (default ``"epsilon=<value>"``).
+
+    Raises:
+        ValueError: a bool, a non-number, a negative, non-finite or too large value; the
+            message names the value and the allowed range.
+    """
+    label = label or f"epsilon={epsilon!r}"
+    number = not isinstance(epsilon, bool) and isinstance(epsilon, (int, float))
+    if not number or not (math.isfinite(epsilon) and 0 <= epsilon <= MAX_EPSILON):
+        raise ValueError(
+            f"{label}: must be a finite float >= 0 and at most 2**52 = {MAX_EPSILON:.4g} (lambda = epsilon * "
+            "trace(X^T X) / H; beyond 2**52 the data term is below float64 rounding of lambda and the fit is the "
+            "identity, i.e. plain removal)"
+        )
+    return float(epsilon)
+
 
 
 def ridge_toward_identity(gram: torch.Tensor, cross: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, float, float]:
