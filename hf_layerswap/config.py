@@ -311,6 +311,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, flat)
         self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, flat)
         self._protect_given = self.protect is not None  # runtime only: explicit layers are checked against it
+        self._spacing_given = self.spacing is not None  # runtime only: its default follows the strategy
         if self.protect is None:
             self.protect = [0, -1]
         if self.spacing is None:
@@ -493,6 +494,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if used:
             current = {f.name: getattr(self, f.name) for f in fields(self)}
             current["protect"] = self.protect if self._protect_given else None
+            current["spacing"] = self.spacing if self._spacing_given else None
             for key, value in list(used.items()):
                 if key in FLAT_KEYWORDS:
                     parent, sub = FLAT_KEYWORDS[key]

@@ -50,10 +50,7 @@ from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
-from .card import (  # noqa: F401  (the sidecar names, also importable from here)
-    EVALUATION_FILE,
-    REPORT_FILE,
-    SPARSITY_FILE,
+from .card import (
     normalize_evaluation,
     report_mismatches,
     sparsity_mismatches,

@@ -273,6 +273,10 @@ def test_transformers_update_sets_fields_and_validates_like_the_constructor():
     assert cfg.to_dict() == before  # unchanged when refused
     again, unused = LayerSwapConfig.from_dict(before, return_unused_kwargs=True, seed=3, other=2)
     assert again.seed == 3 and unused == {"other": 2}
+    # defaults that follow another field follow it after an update too, as in the constructor
+    searched = LayerSwapConfig(num_layers=2)
+    searched.update(strategy="greedy")
+    assert searched.spacing == 1 == LayerSwapConfig(num_layers=2, strategy="greedy").spacing
 
 
 def test_a_field_set_after_construction_is_normalised_by_validate():

@@ -22,10 +22,12 @@ import hf_layerswap  # noqa: F401  (registers the layerswap plugin, as a user wo
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import (
+    MAX_EPSILON,
     RECOVERY_FILE,
     RecoveryReport,
     attach_saved_recovery,
     attached_operators,
+    check_epsilon,
     cut_boundaries,
     detach_recovery,
     recover,
@@ -95,6 +97,22 @@ def test_singular_system_is_refused():
     x = torch.randn(4, 8, dtype=torch.float64)  # 4 tokens cannot span 8 dimensions
     with pytest.raises(ValueError, match="singular"):
         ridge_toward_identity(x.T @ x, x.T @ x, 0.0)
+
+
+def test_the_largest_epsilon_gives_the_identity_and_larger_ones_are_refused():
+    """At epsilon = 2**52 the ridge λ = epsilon · trace(XᵀX)/H swamps XᵀX to float64 rounding:
+    W = I (plain removal). 1e308 used to reach torch's eigensolver (LinAlgError) and inf
+    passed the config to fail after the weights had loaded."""
+    g = torch.Generator().manual_seed(2)
+    x = 30 * torch.randn(200, 16, generator=g, dtype=torch.float64)
+    y = x @ (torch.eye(16, dtype=torch.float64) + torch.randn(16, 16, generator=g, dtype=torch.float64))
+    w, lam, cond = ridge_toward_identity(x.T @ x, x.T @ y, MAX_EPSILON)
+    assert MAX_EPSILON == 2.0**52 and lam == MAX_EPSILON * float(torch.trace(x.T @ x)) / 16
+    assert float((w - torch.eye(16, dtype=torch.float64)).abs().max()) < 1e-14 and cond == pytest.approx(1.0)
+    assert check_epsilon(MAX_EPSILON) == MAX_EPSILON and check_epsilon(0) == 0.0
+    for bad in (1e308, float("inf"), float("nan"), -1.0, MAX_EPSILON * (1 + 2**-52), True, "0.1"):
+        with pytest.raises(ValueError, match=r"must be a finite float >= 0 and at most 2\*\*52"):
+            check_epsilon(bad)
 
 
 def test_cut_boundaries():
@@ -230,6 +248,8 @@ def test_bad_arguments_are_refused_and_change_nothing(calib):
         recover(model, [2], calib, method="shadow")
     with pytest.raises(ValueError, match="epsilon=-1"):
         recover(model, [2], calib, epsilon=-1)
+    with pytest.raises(ValueError, match=r"epsilon=1e\+308: must be a finite float >= 0 and at most 2\*\*52"):
+        recover(model, [2], calib, epsilon=1e308)  # not torch's LinAlgError after the calibration pass
     with pytest.raises(ValueError, match="out of range"):
         recover(model, [6], calib)
     assert model.config.num_hidden_layers == 6 and "layerswap" not in model.config.to_dict()
