@@ -34,7 +34,7 @@ from .provenance import __version__
 from .recovery import RecoveryReport, recover
 from .report import SwapReport
 from .scoring import score_layers
-from .selection import STRATEGIES, search_select, select_layers
+from .selection import STRATEGIES, NonFiniteScoresError, NonFiniteScoresWarning, search_select, select_layers
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
 from .tasks import TaskResults, evaluate_tasks
@@ -58,6 +58,8 @@ __all__ = [
     "select_layers",
     "search_select",
     "STRATEGIES",
+    "NonFiniteScoresError",
+    "NonFiniteScoresWarning",
     "remove_layers",
     "recover",
     "RecoveryReport",

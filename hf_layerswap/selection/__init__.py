@@ -17,14 +17,15 @@ of the config and CLI)    optionally with the Ghosted Layers repair in the loop
 ========================  =====================================================  =============
 
 The rule itself (:func:`greedy_select`, :func:`check_budget`, :func:`resolve_protect`)
-lives in :mod:`hf_layerswap.rule`; the set objectives and their engine in
+lives in :mod:`hf_layerswap.rule`; the check every strategy passes through (no removal
+on non-finite values, :class:`NonFiniteScoresError`) in :mod:`.finite`; the set objectives and their engine in
 :mod:`.objectives`; the result type every criterion returns in :mod:`.common`. A new
 strategy is one module with one ``@register_strategy("name")``.
 """
 
 from __future__ import annotations
 
-from ..rule import check_budget, greedy_select, resolve_protect
+from ..rule import NonFiniteScoresError, NonFiniteScoresWarning, check_budget, greedy_select, resolve_protect
 from . import beam, geometry, greedy, search, single_removal, sleb  # noqa: F401  (registers the strategies)
 from .beam import BEAM_EVALUATORS, interchange_beam
 from .common import CriterionResult, as_strategy
@@ -43,6 +44,8 @@ __all__ = [
     "SELECTION_PROTOCOLS",
     "STRATEGIES",
     "CriterionResult",
+    "NonFiniteScoresError",
+    "NonFiniteScoresWarning",
     "SetObjective",
     "angular_distance",
     "as_strategy",

@@ -26,9 +26,10 @@ from torch import nn
 
 from ..calibration import CalibrationSet
 from ..plan import capture_residual_stream, num_blocks
-from ..report import _score_key
+from ..report import _score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _out, _setup, as_strategy
+from .finite import record_set_values
 from .registry import register_strategy
 
 __all__ = ["angular_distance", "block_influence"]
@@ -162,6 +163,7 @@ def angular_distance(
         if not valid:
             raise ValueError(f"no run of {b} consecutive blocks avoids protect={sorted(protected)}")
         best = min(valid, key=lambda t: (_score_key(t[0]), t[1]))[1]
+        record_set_values({set_key(range(s, s + b)): d for d, s in valid})
         results[b] = CriterionResult(
             "angular_distance", b, list(range(best, best + b)), None, 1, num_layers, seconds,
             details={"distance_by_start": distances, "best_start": best, "protect": sorted(protected),
