@@ -37,7 +37,7 @@ figures come from :mod:`hf_layerswap.plots`.
 from __future__ import annotations
 
 from ..plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
-from .checks import normalize_evaluation, report_mismatches, sparsity_mismatches, sparsity_refusal
+from .checks import nonfinite_basis, normalize_evaluation, report_mismatches, sparsity_mismatches, sparsity_refusal
 from .format import EVALUATION_FILE, MAX_PAIR_ROWS, REPORT_FILE, SPARSITY_FILE  # noqa: F401
 from .render import CARD_TEMPLATE, check_card, render_card, write_card_files
 
@@ -51,6 +51,7 @@ __all__ = [
     "normalize_evaluation",
     "planned_plots",
     "render_card",
+    "nonfinite_basis",
     "report_mismatches",
     "sparsity_mismatches",
     "sparsity_refusal",
