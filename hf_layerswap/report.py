@@ -422,7 +422,8 @@ def check_report_dict(report: SwapReport, data: Mapping, listed: Mapping) -> Non
         for kind in (*_PAIR_VALUE_FIELDS, *r.extra):
             if kind.endswith("_se"):
                 continue
-            v, se = r.probe_value(kind), r.probe_value(f"{kind}_se")
+            v = r.probe_value(kind)
+            se = getattr(r, f"{kind}_se") if kind in _PAIR_VALUE_FIELDS else r.extra.get(f"{kind}_se")
             if kind not in scored:
                 if v is not None:
                     raise ValueError(f"{where} {kind} = {encode_float(v)}: the report did not score this probe "
