@@ -285,7 +285,8 @@ class SwapReport(JsonResult):
     def _metadata_with_nonfinite(self) -> dict:
         """The metadata with ``nonfinite`` listing the non-finite values (``values``: ``[i, j,
         kind]``; ``removal_kl``: set keys), which :meth:`from_dict` requires of any NaN/inf."""
-        record = {k: v for k, v in (self.metadata.get("nonfinite") or {}).items() if k not in ("values", "removal_kl")}
+        given = self.metadata.get("nonfinite")
+        record = {k: v for k, v in given.items() if k not in ("values", "removal_kl")} if isinstance(given, Mapping) else {}
         values = [[r.i, r.j, kind] for r in self.pairs for kind in (*_PAIR_VALUE_FIELDS, *r.extra)
                   if r.probe_value(kind) is not None and not math.isfinite(r.probe_value(kind))]
         sets = [k for k, v in self.removal_kl.items() if v is not None and not math.isfinite(v)]
@@ -327,6 +328,10 @@ class SwapReport(JsonResult):
                     raise ValueError(f"{key} = {d[key]!r}: must be an int")
             if not isinstance(d["pairs"], list) or not all(isinstance(p, dict) for p in d["pairs"]):
                 raise ValueError("pairs: must be a list of pair objects")
+            for n, pair in enumerate(d["pairs"]):
+                for key in ("i", "j"):
+                    if key in pair and (isinstance(pair[key], bool) or not isinstance(pair[key], int)):
+                        raise ValueError(f"pairs[{n}] {key} = {pair[key]!r}: must be an int block index")
         metadata = decode_tree(d.get("metadata", {}))
         listed = metadata.get("nonfinite") if isinstance(metadata, dict) else None
         if isinstance(listed, dict):  # written by to_dict from the values: not kept in memory

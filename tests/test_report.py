@@ -84,6 +84,8 @@ def test_a_deleted_pair_or_a_wrong_depth_is_refused(tmp_path):
     assert _refused(path).endswith("5 in all): extra [(0, 2)]")
     path = _hand_edited(tmp_path, lambda d: d.update(num_layers=6.0))
     assert _refused(path) == "num_layers = 6.0: must be an int"
+    path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(j=2.5))
+    assert _refused(path) == "pairs[1] j = 2.5: must be an int block index"
     path = _hand_edited(tmp_path, lambda d: d.update(max_gap=6))
     assert _refused(path) == "max_gap = 6: allowed 1..5 for num_layers = 6"
 
