@@ -131,15 +131,13 @@ def test_non_finite_values_the_library_wrote_load_back():
 
 
 def test_prune_report_refuses_a_hand_edited_report_before_the_model_loads(tmp_path, capsys):
-    from conftest import tiny_model
-
     from hf_layerswap.cli import main
 
     report = SwapReport(6, [PairResult(i, i + 1, 0.1 * (i + 1), 0.2 * (i + 1), 0.05 * (i + 1)) for i in range(5)])
     path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(interchange=-5.0), report)
-    tiny_model("llama").save_pretrained(tmp_path / "base")
-    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-layers", "1", "--strategy", "greedy",
-               "--report", str(path)])
+    # no model at that path: the report is refused before the model would load
+    rc = main(["prune", str(tmp_path / "no-model-here"), str(tmp_path / "out"), "--num-layers", "1", "--strategy",
+               "greedy", "--report", str(path)])
     assert rc == 2
     assert (f"error: {path} is not a valid SwapReport JSON file: pairs[1] (1, 2) interchange = -5.0: a KL is >= 0"
             in capsys.readouterr().err)
