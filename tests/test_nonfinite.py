@@ -159,6 +159,18 @@ def test_score_verbs_warn_with_the_first_broken_batch():
     assert "nonfinite" not in clean.metadata and clean.nonfinite_values() == {}
 
 
+def test_adaptive_scoring_stops_at_non_finite_scores_and_reports_them():
+    model, calibration = _overflowing(), tiny_batch(4, 12)
+    budget = hl.scoring.AdaptiveBudget(num_layers=1, min_prompts=2, step=2)
+    with pytest.warns(hl.NonFiniteScoresWarning, match=r"^15 of 15 swap-KL probe values are non-finite"):
+        report = hl.score_layers(model, calibration, batch_size=2, num_prompts=4, adaptive=budget, progress=False)
+    record = report.metadata["adaptive"]
+    assert record["stopped"] == "nonfinite" and record["rounds"] == [
+        {"num_prompts": 2, "selected": None, "stable": False, "closest": None}]
+    assert record["reason"] == "stopped: the interchange scores cannot fill the budget with finite values"
+    assert report.metadata["num_prompts"] == 2 and report.metadata["nonfinite"] == {"first_batch": 0}
+
+
 def test_cli_score_warns_once_and_keeps_the_values(tmp_path, capsys):
     model = _overflowing(torch.float32, scale=1e15, family="qwen3")  # overflows float32 too
     model.save_pretrained(tmp_path / "base")

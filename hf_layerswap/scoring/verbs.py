@@ -20,7 +20,7 @@ from ..plan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan
 from ..protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, SWAP_PROTOCOLS
 from ..provenance import library_versions, report_identity
 from ..report import PairResult, SwapReport
-from ..rule import NONFINITE_ADVICE, NonFiniteScoresWarning, greedy_select, resolve_protect
+from ..rule import NONFINITE_ADVICE, NonFiniteScoresError, NonFiniteScoresWarning, greedy_select, resolve_protect
 from .engine import _Engine, run_plans
 from .settings import dtype_name, EngineSettings
 
@@ -94,9 +94,11 @@ class AdaptiveBudget:
     *stable* when no single exchange of a selected layer a for an unselected eligible
     layer b (one the spacing rule would allow in a's place) is within the error bars:
     the paired per-prompt difference s_b(x) - s_a(x) has mean > ``z`` x its standard
-    error (see :func:`selection_stability`). Scoring stops at the first stable round or
-    when ``num_prompts`` of :func:`score_layers` (the maximum) is reached; the rounds and
-    the reason are recorded in ``report.metadata["adaptive"]``.
+    error (see :func:`selection_stability`). Scoring stops at the first stable round,
+    at the first round whose scores cannot fill the budget with finite values
+    (``stopped="nonfinite"``), or when ``num_prompts`` of :func:`score_layers` (the
+    maximum) is reached; the rounds and the reason are recorded in
+    ``report.metadata["adaptive"]``.
 
     Attributes:
         num_layers: the removal budget n.
@@ -327,10 +329,16 @@ def score_layers(
             partial = SwapReport(num_layers, _build_report(pairs, protocols, values),
                                  protocols=protocols, max_gap=max_gap)
             n_used = int(values[next(iter(values))].numel())
-            check = selection_stability(
-                partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
-                protect=adaptive.protect, z=adaptive.z,
-            )
+            try:
+                check = selection_stability(
+                    partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
+                    protect=adaptive.protect, z=adaptive.z,
+                )
+            except NonFiniteScoresError:  # a result to report: more prompts cannot make it a selection
+                rounds.append({"num_prompts": n_used, "selected": None, "stable": False, "closest": None})
+                reason = f"stopped: the {adaptive.protocol} scores cannot fill the budget with finite values"
+                stopped = "nonfinite"
+                break
             rounds.append({"num_prompts": n_used, **check})
             if check["stable"]:
                 reason = f"stable: the selection at budget {adaptive.num_layers} is separated by more than z={adaptive.z} standard errors from every alternative"
