@@ -86,6 +86,14 @@ def test_a_newly_registered_strategy_passes_through_the_same_check(overflow):
     try:
         with pytest.raises(hl.NonFiniteScoresError, match=r"^cannot select 2 block\(s\) on finite interchange"):
             hl.select_layers(report, 2, strategy="first_unprotected_for_test")
+        # finite scores enough for the budget, but the strategy takes block 2, whose score is NaN
+        partial = SwapReport(6, [PairResult(i, i + 1, 0.1, 0.1, math.nan if i in (1, 2) else 0.1) for i in range(5)])
+        assert partial.layer_scores("interchange")[2] != partial.layer_scores("interchange")[2]  # NaN
+        with pytest.raises(hl.NonFiniteScoresError, match=(
+                r"^cannot select 2 block\(s\) with a finite value: the best set the strategy found is \[1, 2\]: "
+                r"non-finite values: layer 2 \(interchange score\) = NaN\. ")):
+            hl.select_layers(partial, 2, strategy="first_unprotected_for_test")
+        assert hl.select_layers(partial, 1, strategy="first_unprotected_for_test") == [1]  # block 1: finite (0-1)
     finally:
         STRATEGIES.pop("first_unprotected_for_test")
 

@@ -9,11 +9,15 @@ never a basis for removal. :func:`select_layers` runs every registered strategy 
    every protocol the report scored when it names none of them), under the same
    ``spacing`` and ``protect``;
 2. while it runs, collects the value of every removal set a set objective scores
-   (:func:`record_set_values`, called by :mod:`.objectives` and the stream-geometry
-   criteria);
+   (:func:`record_set_values`, called by :mod:`.objectives` and angular distance) and the
+   values of a per-layer criterion (:func:`record_layer_values`: Block Influence,
+   single-removal KL);
 3. after it returns set S, refuses S when a value recorded for S (its objective value, or
    its joint removal KL in ``report.removal_kl``) is non-finite: a strategy ranks finite
-   values first, so that means it could not fill the budget with finite values.
+   values first, so that means it could not fill the budget with finite values. With no
+   value recorded for S, each block of S needs a finite per-layer value: the criterion's
+   when it recorded them, else the report's layer score (so a strategy that ignores the
+   scores cannot remove a block whose score is non-finite).
 
 A refusal raises :class:`~hf_layerswap.rule.NonFiniteScoresError` naming the non-finite
 pairs or sets, the first calibration batch where the scoring engine produced one (when
@@ -31,9 +35,9 @@ from contextvars import ContextVar
 from ..report import SwapReport, set_key
 from ..rule import NonFiniteScoresError, greedy_select, nonfinite_message
 
-__all__ = ["check_report_basis", "finite_selection", "record_set_values"]
+__all__ = ["check_report_basis", "finite_selection", "record_layer_values", "record_set_values"]
 
-_LEDGER: ContextVar[dict[str, float] | None] = ContextVar("hf_layerswap_set_values", default=None)
+_LEDGER: ContextVar[dict | None] = ContextVar("hf_layerswap_basis", default=None)
 
 
 def _finite(v) -> bool:
@@ -45,7 +49,16 @@ def record_set_values(values: Mapping[str, float]) -> None:
     final check; does nothing outside :func:`finite_selection`."""
     ledger = _LEDGER.get()
     if ledger is not None:
-        ledger.update({k: float(v) for k, v in values.items()})
+        ledger["sets"].update({k: float(v) for k, v in values.items()})
+
+
+def record_layer_values(values: Sequence[float | None]) -> None:
+    """Note a per-layer criterion's values (length L, the basis of a per-layer rule such as
+    Block Influence) for the running selection's final check; does nothing outside
+    :func:`finite_selection`."""
+    ledger = _LEDGER.get()
+    if ledger is not None:
+        ledger["layers"] = list(values)
 
 
 def first_nonfinite_batch(report: SwapReport) -> int | None:
@@ -82,6 +95,26 @@ def check_report_basis(report: SwapReport, num_layers: int, *, protocol: str | N
             return  # not a question of finiteness: the strategy gives its own message
 
 
+def _nonfinite_basis(report: SwapReport, chosen: Sequence[int], ledger: Mapping, protocol: str | None) -> dict:
+    """The non-finite values ``chosen`` rests on: the values recorded for the set itself, or
+    (none recorded) each chosen layer's per-layer value (the criterion's when it recorded
+    them, else the report's layer score under a checked protocol)."""
+    key, label = set_key(chosen), f"set {set_key(chosen) or '{}'}"
+    recorded = {}
+    if key in ledger["sets"]:
+        recorded[f"{label} (objective)"] = ledger["sets"][key]
+    if key in report.removal_kl:
+        recorded[f"{label} (joint removal KL)"] = report.removal_kl[key]
+    if recorded:
+        return {k: v for k, v in recorded.items() if not _finite(v)}
+    blocks = [i for i in chosen if isinstance(i, int) and 0 <= i < report.num_layers]  # others: remove_layers says
+    if ledger["layers"] is not None:
+        return {f"layer {i}": ledger["layers"][i] for i in blocks if not _finite(ledger["layers"][i])}
+    scores = {p: report.layer_scores(p) for p in _checked_protocols(report, protocol)}
+    return {f"layer {i} ({p} score)": v[i] for i in blocks if not any(_finite(s[i]) for s in scores.values())
+            for p, v in scores.items()}
+
+
 @contextlib.contextmanager
 def _restored_on_error(report: SwapReport) -> Iterator[None]:
     selections, removal = list(report.selections), dict(report.removal_kl)
@@ -105,17 +138,11 @@ def finite_selection(report: SwapReport, num_layers: int, run: Callable[[], list
         NonFiniteScoresError: no finite basis for the budget; the report is left as it was.
     """
     check_report_basis(report, num_layers, protocol=protocol, spacing=spacing, protect=protect)
-    token = _LEDGER.set({})
+    token = _LEDGER.set({"sets": {}, "layers": None})
     try:
         with _restored_on_error(report):
             chosen = run()
-            key = set_key(chosen)
-            recorded = {}
-            if key in _LEDGER.get():
-                recorded[f"set {key or '{}'} (objective)"] = _LEDGER.get()[key]
-            if key in report.removal_kl:
-                recorded[f"set {key or '{}'} (joint removal KL)"] = report.removal_kl[key]
-            bad = {label: v for label, v in recorded.items() if not _finite(v)}
+            bad = _nonfinite_basis(report, chosen, _LEDGER.get(), protocol)
             if bad:
                 raise NonFiniteScoresError(
                     nonfinite_message(f"cannot select {num_layers} block(s) with a finite value: the best set the "

@@ -29,7 +29,7 @@ from ..plan import capture_residual_stream, num_blocks
 from ..report import _score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _out, _setup, as_strategy
-from .finite import record_set_values
+from .finite import record_layer_values, record_set_values
 from .registry import register_strategy
 
 __all__ = ["angular_distance", "block_influence"]
@@ -103,6 +103,7 @@ def block_influence(
     bi, _ = _stream_geometry(model, calib, batch_size)
     seconds = time.perf_counter() - t0
     scores = [float(v) for v in bi.mean(dim=0)]
+    record_layer_values(scores)
     results = {}
     for b in budgets:
         removed = greedy_select(scores, b, spacing=0, protect=protect)
