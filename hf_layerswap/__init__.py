@@ -28,6 +28,7 @@ from .provenance import __version__
 from .recovery import RecoveryReport, recover
 from .report import SwapReport
 from .scoring import score_layers
+from .rule import NonFiniteScoresError, NonFiniteScoresWarning
 from .selection import STRATEGIES, search_select, select_layers
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
@@ -52,6 +53,8 @@ __all__ = [
     "select_layers",
     "search_select",
     "STRATEGIES",
+    "NonFiniteScoresError",
+    "NonFiniteScoresWarning",
     "remove_layers",
     "recover",
     "RecoveryReport",

@@ -12,7 +12,8 @@ Guarantees:
 
 - refusal before any network call: a model whose surgery invariants fail
   (:func:`~hf_layerswap.surgery.check_surgery_invariants`), a report that does not belong to the
-  model (:func:`~hf_layerswap.card.report_mismatches`), bad evaluation input, a bad repo id;
+  model (:func:`~hf_layerswap.card.report_mismatches`), a removal chosen on non-finite
+  values (:func:`~hf_layerswap.card.nonfinite_basis`), bad evaluation input, a bad repo id;
 - one commit or none: the commit names the head it was prepared against
   (``parent_commit``), so a concurrent writer or a replayed request cannot stack a second
   commit; transient server errors (408, 429, 5xx, dropped connections) are retried by
@@ -51,6 +52,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
 from .card import (
+    nonfinite_basis,
     normalize_evaluation,
     report_mismatches,
     sparsity_mismatches,
@@ -63,6 +65,7 @@ from .provenance import __version__
 from .recovery import attached_operators
 from .jsonio import default_mode
 from .report import SwapReport
+from .rule import NONFINITE_ADVICE
 from .sparsity import SparsityReport, config_record, sparsity_in_model
 from .surgery import check_surgery_invariants
 
@@ -140,6 +143,12 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
         problems = report_mismatches(model, report)
         if problems:
             raise PushRefusedError("the report does not belong to this model: " + "; ".join(problems))
+    problems = nonfinite_basis(model, report)
+    if problems:
+        raise PushRefusedError(
+            "the removal was chosen on non-finite values: " + "; ".join(problems)
+            + f"; {NONFINITE_ADVICE}, then select again (or remove explicit layers)"
+        )
     if sparsity_report is None:
         sparsity_report = _attached_sparsity_report(model)
     problems = sparsity_mismatches(model, sparsity_report)
@@ -265,7 +274,8 @@ def push_to_hub(
 
     Raises:
         PushRefusedError: failed surgery invariants, a report or sparsity report of
-            another model (or of weights changed since), a bad
+            another model (or of weights changed since), a removal chosen on non-finite
+            values (:func:`~hf_layerswap.card.nonfinite_basis`), a bad
             ``repo_id``/``revision``/``commit_message``/``evaluation``; raised before any
             network call, nothing is written.
         TypeError: ``model``, ``report`` or ``sparsity_report`` of the wrong type.

@@ -156,7 +156,8 @@ class JsonResult:
       returns the same JSON text as a ``str``. Non-finite floats are written as
       ``"NaN"``/``"Infinity"``/``"-Infinity"`` strings, never as NaN literals.
     - ``from_json(source)``: ``source`` is a path (``str`` or ``os.PathLike``) to a file
-      written by ``to_json``, or the JSON text itself (a ``str`` starting with ``{``).
+      written by ``to_json``, or the JSON text itself (a ``str`` starting with ``{``);
+      keyword ``options`` go to ``from_dict`` (``SwapReport``'s ``trust``).
 
     Raises (``from_json``):
         FileNotFoundError: ``source`` names no file.
@@ -171,7 +172,7 @@ class JsonResult:
         return write_text_atomic(text, path)
 
     @classmethod
-    def from_json(cls, source: str | os.PathLike):
+    def from_json(cls, source: str | os.PathLike, **options):
         if isinstance(source, str) and source.lstrip().startswith("{"):
             where, text = "JSON text", source
         else:
@@ -179,7 +180,7 @@ class JsonResult:
             with open(source, encoding="utf-8") as fh:
                 text = fh.read()
         try:
-            return cls.from_dict(json.loads(text))
+            return cls.from_dict(json.loads(text), **options)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             detail = str(err) if type(err) is ValueError or isinstance(err, json.JSONDecodeError) else (
                 f"{type(err).__name__}: {err}"

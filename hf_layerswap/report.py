@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -266,11 +267,42 @@ class SwapReport(JsonResult):
             "pairs": [r.to_dict() for r in self.pairs],
             "removal_kl": {k: encode_float(v) for k, v in self.removal_kl.items()},
             "selections": encode_tree(self.selections),
-            "metadata": encode_tree(self.metadata),
+            "metadata": encode_tree(self._metadata_with_nonfinite()),
         }
 
+    def _metadata_with_nonfinite(self) -> dict:
+        """The metadata with ``nonfinite`` listing the non-finite values (``values``: ``[i, j,
+        kind]``; ``removal_kl``: set keys), which :meth:`from_dict` requires of any NaN/inf."""
+        given = self.metadata.get("nonfinite")
+        record = {k: v for k, v in given.items() if k not in ("values", "removal_kl")} if isinstance(given, Mapping) else {}
+        values = [[r.i, r.j, kind] for r in self.pairs for kind in (*_PAIR_VALUE_FIELDS, *r.extra)
+                  if r.probe_value(kind) is not None and not math.isfinite(r.probe_value(kind))]
+        sets = [k for k, v in self.removal_kl.items() if v is not None and not math.isfinite(v)]
+        metadata = {k: v for k, v in self.metadata.items() if k != "nonfinite"}
+        if values or sets:
+            record.update({"values": values, "removal_kl": sets})
+        if record:
+            metadata["nonfinite"] = record
+        return metadata
+
     @classmethod
-    def from_dict(cls, d: dict) -> SwapReport:
+    def from_dict(cls, d: dict, *, trust: bool = False) -> SwapReport:
+        """The report from :meth:`to_dict`'s dict, checked unless ``trust=True``.
+
+        Checked (see :func:`check_report_dict`): ``num_layers`` and ``max_gap`` are ints
+        with ``2 <= num_layers`` and ``1 <= max_gap <= num_layers - 1``; the pairs are
+        exactly those with ``1 <= j - i <= max_gap`` (none missing, none extra); each
+        scored protocol's probes have a value and no other probe has one; every value and
+        standard error is ``>= 0`` (the engine clamps each token's KL at 0, so even float
+        noise is never negative); ``replacement`` is the max of its two directions; a
+        ``removal_kl`` key names a valid set; and a non-finite value (NaN, inf) loads only
+        where ``metadata["nonfinite"]`` lists it (:meth:`to_dict` writes that list from
+        the values, so a report the library wrote loads as it was, and a value edited to
+        NaN by hand does not).
+
+        Raises:
+            ValueError: a check fails; the message names the field and the value.
+        """
         if not isinstance(d, dict):
             raise ValueError(f"not a SwapReport dict: got {type(d).__name__}")
         if d.get("format") != "hf_layerswap.SwapReport/1":
@@ -278,15 +310,62 @@ class SwapReport(JsonResult):
         missing = [k for k in ("num_layers", "pairs", "protocols", "max_gap") if k not in d]
         if missing:
             raise ValueError(f"SwapReport dict is missing {missing}")
-        return cls(
+        if not trust:
+            for key in ("num_layers", "max_gap"):
+                if isinstance(d[key], bool) or not isinstance(d[key], int):
+                    raise ValueError(f"{key} = {d[key]!r}: must be an int")
+            if not isinstance(d["pairs"], list) or not all(isinstance(p, dict) for p in d["pairs"]):
+                raise ValueError("pairs: must be a list of pair objects")
+            for n, pair in enumerate(d["pairs"]):
+                for key in ("i", "j"):
+                    if key in pair and (isinstance(pair[key], bool) or not isinstance(pair[key], int)):
+                        raise ValueError(f"pairs[{n}] {key} = {pair[key]!r}: must be an int block index")
+        metadata = decode_tree(d.get("metadata", {}))
+        listed = metadata.get("nonfinite") if isinstance(metadata, dict) else None
+        if isinstance(listed, dict):  # written by to_dict from the values: not kept in memory
+            listed = dict(listed)
+            metadata["nonfinite"] = {k: v for k, v in listed.items() if k not in ("values", "removal_kl")}
+            if not metadata["nonfinite"]:
+                metadata.pop("nonfinite")
+        report = cls(
             num_layers=int(d["num_layers"]),
             pairs=[PairResult.from_dict(p) for p in d["pairs"]],
             protocols=tuple(d["protocols"]),
             max_gap=int(d["max_gap"]),
-            metadata=decode_tree(d.get("metadata", {})),
+            metadata=metadata,
             removal_kl={k: decode_float(v) for k, v in d.get("removal_kl", {}).items()},
             selections=decode_tree(d.get("selections", [])),
         )
+        if not trust:
+            check_report_dict(report, d, listed if isinstance(listed, dict) else {})
+        return report
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike, *, trust: bool = False) -> SwapReport:
+        """The report from a file written by :meth:`to_json` (a path), or that JSON text.
+
+        Args:
+            trust: ``True`` skips the checks of :meth:`from_dict` (for a file you edited
+                on purpose); by default a hand-edited file is refused.
+
+        Raises:
+            FileNotFoundError: ``source`` names no file.
+            ValueError: invalid JSON or a failed check; the message names the file (or
+                "JSON text"), the field and the value.
+        """
+        return super().from_json(source, trust=trust)
+
+    def nonfinite_values(self) -> dict[str, float]:
+        """``{label: value}`` of every non-finite probe value (``"pair (i, j) kind"``) and
+        joint removal KL (``"set i,j,..."``) in the report."""
+        out = {}
+        for r in self.pairs:
+            for kind in (*_PAIR_VALUE_FIELDS, *r.extra):
+                v = r.probe_value(kind)
+                if v is not None and not math.isfinite(v):
+                    out[f"pair ({r.i}, {r.j}) {kind}"] = v
+        out.update({f"set {k}": v for k, v in self.removal_kl.items() if v is not None and not math.isfinite(v)})
+        return out
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, SwapReport):
@@ -303,6 +382,76 @@ class SwapReport(JsonResult):
         if cal.get("shortfall"):
             out["calibration"]["shortfall"] = dict(cal["shortfall"])
         return out
+
+
+def check_report_dict(report: SwapReport, data: Mapping, listed: Mapping) -> None:
+    """The checks of :meth:`SwapReport.from_dict` on a report built from ``data`` (its JSON
+    dict); ``listed`` is the dict's ``metadata["nonfinite"]`` record.
+
+    Raises:
+        ValueError: naming the field and the value (see :meth:`SwapReport.from_dict`).
+    """
+    num_layers, max_gap = report.num_layers, report.max_gap
+    if num_layers < 2:
+        raise ValueError(f"num_layers = {num_layers}: a report scores at least 2 blocks")
+    if not 1 <= max_gap <= num_layers - 1:
+        raise ValueError(f"max_gap = {max_gap}: allowed 1..{num_layers - 1} for num_layers = {num_layers}")
+    if len(set(report.protocols)) != len(report.protocols) or not report.protocols:
+        raise ValueError(f"protocols = {list(report.protocols)}: a non-empty list without repeats")
+    want = {(i, j) for i in range(num_layers) for j in range(i + 1, min(num_layers, i + max_gap + 1))}
+    have = {(r.i, r.j) for r in report.pairs}
+    if want != have:
+        parts = []
+        if want - have:
+            parts.append(f"missing {sorted(want - have)}")
+        if have - want:
+            parts.append(f"extra {sorted(have - want)}")
+        raise ValueError(f"pairs do not match num_layers = {num_layers} and max_gap = {max_gap} (every pair with "
+                         f"1 <= j - i <= {max_gap}, {len(want)} in all): {'; '.join(parts)}")
+    scored = set(probe_kinds(report.protocols))
+    nonfinite_listed = {(int(v[0]), int(v[1]), str(v[2])) for v in listed.get("values", []) if len(v) == 3}
+    for n, (r, raw) in enumerate(zip(report.pairs, sorted(data["pairs"], key=lambda p: (int(p["i"]), int(p["j"]))))):
+        where = f"pairs[{n}] ({r.i}, {r.j})"
+        for kind in (*_PAIR_VALUE_FIELDS, *r.extra):
+            if kind.endswith("_se"):
+                continue
+            v = r.probe_value(kind)
+            se = getattr(r, f"{kind}_se") if kind in _PAIR_VALUE_FIELDS else r.extra.get(f"{kind}_se")
+            if kind not in scored:
+                if v is not None:
+                    raise ValueError(f"{where} {kind} = {encode_float(v)}: the report did not score this probe "
+                                     f"(protocols {list(report.protocols)}), so it has no value")
+                continue
+            if v is None:
+                raise ValueError(f"{where} {kind} is missing: every scored probe has a value")
+            if not math.isfinite(v):
+                if v < 0 or (r.i, r.j, kind) not in nonfinite_listed:
+                    raise ValueError(f"{where} {kind} = {encode_float(v)}: a non-finite value loads only where "
+                                     "metadata['nonfinite'] lists it (as the library writes it)")
+            elif v < 0:
+                raise ValueError(f"{where} {kind} = {v!r}: a KL is >= 0 (the engine clamps each token's KL at 0)")
+            if se is not None and not (math.isfinite(se) and se >= 0):
+                raise ValueError(f"{where} {kind}_se = {encode_float(se)}: a standard error is a finite number >= 0")
+        stored = raw.get("replacement")
+        if stored is not None and encode_float(decode_float(stored)) != encode_float(r.replacement):
+            raise ValueError(f"{where} replacement = {stored!r}: it is max(replacement_ij, replacement_ji) = "
+                             f"{encode_float(r.replacement)}")
+    stale = nonfinite_listed - {(r.i, r.j, k) for r in report.pairs for k in (*_PAIR_VALUE_FIELDS, *r.extra)
+                                if r.probe_value(k) is not None and not math.isfinite(r.probe_value(k))}
+    if stale:
+        raise ValueError(f"metadata['nonfinite']['values'] lists {sorted(stale)} but those values are finite")
+    listed_sets = set(listed.get("removal_kl", []))
+    for key, v in report.removal_kl.items():
+        blocks = key.split(",") if isinstance(key, str) and key else []
+        ok = all(b.isdigit() for b in blocks) and [int(b) for b in blocks] == sorted({int(b) for b in blocks})
+        if not ok or not blocks or len(blocks) >= num_layers or int(blocks[-1]) >= num_layers:
+            raise ValueError(f"removal_kl key {key!r}: a set of 1..{num_layers - 1} distinct blocks 0..{num_layers - 1}, "
+                             "ascending, as 'i,j,...'")
+        if v is None or (math.isfinite(v) and v < 0):
+            raise ValueError(f"removal_kl[{key!r}] = {v!r}: a KL is >= 0")
+        if not math.isfinite(v) and (v < 0 or key not in listed_sets):
+            raise ValueError(f"removal_kl[{key!r}] = {encode_float(v)}: a non-finite value loads only where "
+                             "metadata['nonfinite'] lists it")
 
 
 @dataclass

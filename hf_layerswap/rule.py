@@ -18,7 +18,52 @@ from collections.abc import Sequence
 from .plan import ONE_BLOCK, as_index
 from .report import _score_key
 
-__all__ = ["check_budget", "greedy_select", "resolve_protect"]
+__all__ = ["NONFINITE_ADVICE", "NonFiniteScoresError", "NonFiniteScoresWarning", "check_budget", "greedy_select", "resolve_protect"]
+
+#: What to try when the scores a selection would rest on are non-finite.
+NONFINITE_ADVICE = (
+    "non-finite values are reported, never a basis for removal: load the model in float32 (e.g. "
+    "dtype=torch.float32) or score on another calibration set"
+)
+
+
+class NonFiniteScoresError(ValueError):
+    """A selection refused because it cannot fill its budget with finite values.
+
+    Raised by :func:`greedy_select` and by every strategy of
+    :func:`~hf_layerswap.selection.select_layers` (one shared check,
+    :mod:`hf_layerswap.selection.finite`).
+
+    Attributes:
+        nonfinite: ``{label: value}`` of the non-finite values the selection met (labels
+            such as ``"pair (2, 3) interchange"``, ``"layer 4"`` or ``"set 1,3"``).
+        first_batch: the 0-based calibration batch where the scoring engine first produced
+            a non-finite value, or ``None`` when not known.
+    """
+
+    def __init__(self, message: str, nonfinite=None, first_batch: int | None = None):
+        super().__init__(message)
+        self.nonfinite = dict(nonfinite or {})
+        self.first_batch = first_batch
+
+
+class NonFiniteScoresWarning(UserWarning):
+    """Scoring produced non-finite values (NaN, inf): :func:`~hf_layerswap.score_layers`,
+    :func:`~hf_layerswap.scoring.removal_kl` and ``hf-layerswap score`` keep them as
+    results and warn with this class, naming how many and the first calibration batch."""
+
+
+def nonfinite_message(what: str, nonfinite, first_batch: int | None = None, *, limit: int = 12) -> str:
+    """One message for a refused selection: ``what``, the non-finite values by label (at
+    most ``limit`` named, then a count), the first calibration batch when known, the advice."""
+    items = [f"{label} = {_shown(v)}" for label, v in dict(nonfinite).items()]
+    named = "; ".join(items[:limit]) + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+    where = f"; the values first broke at calibration batch {first_batch} (0-based)" if first_batch is not None else ""
+    return f"{what}: non-finite values: {named or 'none recorded'}{where}. {NONFINITE_ADVICE}"
+
+
+def _shown(v) -> str:
+    return "None" if v is None else ("NaN" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else f"{v:.4g}")
 
 
 def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
@@ -86,22 +131,35 @@ def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1,
         n 0-based indices, ascending.
 
     Raises:
+        NonFiniteScoresError: the budget could be met only by taking layers whose score
+            is non-finite (the message names them).
         ValueError: as :func:`check_budget`, or a budget the score order cannot meet
-            (non-finite scores, gaps; the message says how many layers could be taken).
+            (gaps; the message says how many layers could be taken).
     """
     total = len(scores)
     num_layers, spacing = check_budget(num_layers, total, spacing=spacing, protect=protect), as_index(spacing)
     protected = resolve_protect(protect, total)
     order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
-    chosen: list[int] = []
-    for i in order:
-        if len(chosen) == num_layers:
-            break
-        if i in protected or scores[i] is None or not math.isfinite(scores[i]):
-            continue
-        if all(abs(i - k) > spacing for k in chosen):
-            chosen.append(i)
+
+    def take(finite_only: bool) -> list[int]:
+        chosen: list[int] = []
+        for i in order:
+            if len(chosen) == num_layers:
+                break
+            if i in protected or (finite_only and (scores[i] is None or not math.isfinite(scores[i]))):
+                continue
+            if all(abs(i - k) > spacing for k in chosen):
+                chosen.append(i)
+        return chosen
+
+    chosen = take(finite_only=True)
     if len(chosen) < num_layers:
+        if len(take(finite_only=False)) == num_layers:  # only non-finite scores could fill it
+            skipped = {f"layer {i}": scores[i] for i in range(total)
+                       if i not in protected and (scores[i] is None or not math.isfinite(scores[i]))}
+            raise NonFiniteScoresError(
+                nonfinite_message(f"cannot select {num_layers} layers of {total} with finite scores (found "
+                                  f"{len(chosen)}: {sorted(chosen)})", skipped), skipped)
         raise ValueError(
             f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
             f"the rule found only {len(chosen)} ({sorted(chosen)}); lower num_layers or spacing, or protect fewer layers"

@@ -15,6 +15,7 @@ import torch
 from arch_matrix import NUM_LAYERS, build, prompts, single_thread, tiny_tokenizer
 from hf_layerswap import (
     LayerSwapConfig,
+    NonFiniteScoresError,
     SwapReport,
     build_calibration,
     prune_loaded_model,
@@ -488,8 +489,14 @@ def test_non_finite_kl_is_kept_sorts_last_is_never_selected_and_round_trips(tmp_
     for protocol in ("interchange", "replacement"):
         assert report.ranking(protocol)[-1] == 3
         assert select_layers(report, 5, protocol=protocol, spacing=0, protect=()) == [0, 1, 2, 4, 5]
-        with pytest.raises(ValueError, match=r"the rule found only 4 \(\[1, 2, 4, 5\]\)"):
+        shown = "NaN" if protocol == "interchange" else "inf"  # the pairs' values: the layer's both partners
+        with pytest.raises(NonFiniteScoresError, match=(
+                rf"^cannot select 5 block\(s\) on finite {protocol} swap-KL scores: non-finite values: "
+                rf"pair \(2, 3\) {protocol} = {shown}; pair \(3, 4\) {protocol} = {shown}; the values first broke at "
+                r"calibration batch 0 \(0-based\)\. non-finite values are reported, never a basis for removal: load the "
+                r"model in float32")) as err:
             select_layers(report, 5, protocol=protocol, spacing=0, protect=(0,))
+        assert err.value.first_batch == 0 and list(err.value.nonfinite) == [f"pair (2, 3) {protocol}", f"pair (3, 4) {protocol}"]
     # JSON round trip keeps NaN and inf as such
     path = report.to_json(tmp_path / "report.json")
     back = SwapReport.from_json(path)
@@ -509,7 +516,8 @@ def test_non_finite_scores_sort_after_inf_and_never_enter_a_selection():
     assert report.layer_scores("interchange") == pytest.approx([0.05, 0.05, math.inf, math.nan], nan_ok=True)
     assert report.ranking("interchange") == [0, 1, 2, 3]
     assert select_layers(report, 2, spacing=0, protect=()) == [0, 1]
-    with pytest.raises(ValueError, match=r"found only 2"):
+    with pytest.raises(NonFiniteScoresError, match=r"^cannot select 3 block\(s\) on finite interchange swap-KL "
+                       r"scores: non-finite values: pair \(1, 2\) interchange = inf; pair \(2, 3\) interchange = NaN\. "):
         select_layers(report, 3, spacing=0, protect=())
 
 

@@ -36,6 +36,8 @@ PUBLIC = {
     "select_layers": "hf_layerswap.selection",
     "search_select": "hf_layerswap.selection",
     "STRATEGIES": "hf_layerswap.selection",
+    "NonFiniteScoresError": "hf_layerswap.selection",
+    "NonFiniteScoresWarning": "hf_layerswap.selection",
     "remove_layers": "hf_layerswap.surgery",
     "recover": "hf_layerswap.recovery",
     "RecoveryReport": "hf_layerswap.recovery",

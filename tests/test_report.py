@@ -10,7 +10,7 @@ import math
 import pytest
 from conftest import nonfinite_report
 
-from hf_layerswap.report import PruneProvenance, SwapReport
+from hf_layerswap.report import PairResult, PruneProvenance, SwapReport
 
 
 def test_report_definitions_and_json_round_trip(tmp_path):
@@ -37,3 +37,108 @@ def test_provenance_round_trip():
     assert PruneProvenance.from_dict({}).selection == "not recorded"
     with pytest.raises(TypeError, match="needs a mapping, got list"):
         PruneProvenance.from_dict([1])
+
+
+# --------------------------------------------------------------------------- loading checks
+
+
+def _hand_edited(tmp_path, edit, report=None):
+    data = json.loads((report or nonfinite_report()).to_json())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _refused(path) -> str:
+    with pytest.raises(ValueError) as err:
+        SwapReport.from_json(path)
+    prefix = f"{path} is not a valid SwapReport JSON file: "
+    assert str(err.value).startswith(prefix)
+    return str(err.value)[len(prefix):]
+
+
+def _pair(data, i, j):
+    return next(p for p in data["pairs"] if (p["i"], p["j"]) == (i, j))
+
+
+def test_a_negative_kl_is_refused_naming_the_pair_and_field(tmp_path):
+    path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(interchange=-5.0))
+    assert _refused(path) == "pairs[1] (1, 2) interchange = -5.0: a KL is >= 0 (the engine clamps each token's KL at 0)"
+    trusted = SwapReport.from_json(path, trust=True)  # told to trust it: loaded as written
+    assert trusted.pair(1, 2).interchange == -5.0
+    path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(replacement_ij=-1e-9))  # not even float noise
+    assert _refused(path) == "pairs[1] (1, 2) replacement_ij = -1e-09: a KL is >= 0 (the engine clamps each token's KL at 0)"
+
+
+def test_a_deleted_pair_or_a_wrong_depth_is_refused(tmp_path):
+    path = _hand_edited(tmp_path, lambda d: d["pairs"].pop(2))
+    assert _refused(path) == ("pairs do not match num_layers = 6 and max_gap = 1 (every pair with 1 <= j - i <= 1, "
+                              "5 in all): missing [(2, 3)]")
+    path = _hand_edited(tmp_path, lambda d: d.update(num_layers=9))
+    assert _refused(path) == ("pairs do not match num_layers = 9 and max_gap = 1 (every pair with 1 <= j - i <= 1, "
+                              "8 in all): missing [(5, 6), (6, 7), (7, 8)]")
+    path = _hand_edited(tmp_path, lambda d: d.update(max_gap=2))
+    assert _refused(path).endswith("9 in all): missing [(0, 2), (1, 3), (2, 4), (3, 5)]")
+    path = _hand_edited(tmp_path, lambda d: d["pairs"].append({**_pair(d, 1, 2), "i": 0, "j": 2}))
+    assert _refused(path).endswith("5 in all): extra [(0, 2)]")
+    path = _hand_edited(tmp_path, lambda d: d.update(num_layers=6.0))
+    assert _refused(path) == "num_layers = 6.0: must be an int"
+    path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(j=2.5))
+    assert _refused(path) == "pairs[1] j = 2.5: must be an int block index"
+    path = _hand_edited(tmp_path, lambda d: d.update(max_gap=6))
+    assert _refused(path) == "max_gap = 6: allowed 1..5 for num_layers = 6"
+
+
+def test_values_the_engine_cannot_produce_are_refused(tmp_path):
+    cases = [
+        (lambda d: _pair(d, 1, 2).update(interchange="NaN"),
+         "pairs[1] (1, 2) interchange = NaN: a non-finite value loads only where metadata['nonfinite'] lists it "
+         "(as the library writes it)"),
+        (lambda d: _pair(d, 1, 2).update(interchange="-Infinity"),
+         "pairs[1] (1, 2) interchange = -Infinity: a non-finite value loads only where metadata['nonfinite'] lists it "
+         "(as the library writes it)"),
+        (lambda d: _pair(d, 1, 2).update(interchange=None), "pairs[1] (1, 2) interchange is missing: every scored probe has a value"),
+        (lambda d: _pair(d, 1, 2).update(replacement=0.01),
+         "pairs[1] (1, 2) replacement = 0.01: it is max(replacement_ij, replacement_ji) = 0.3"),
+        (lambda d: _pair(d, 1, 2).update(interchange_se=-0.1),
+         "pairs[1] (1, 2) interchange_se = -0.1: a standard error is a finite number >= 0"),
+        (lambda d: d.update(protocols=["interchange"]),
+         "pairs[0] (0, 1) replacement_ij = 5.0: the report did not score this probe (protocols ['interchange']), so it "
+         "has no value"),
+        (lambda d: d["metadata"]["nonfinite"]["values"].append([1, 2, "interchange"]),
+         "metadata['nonfinite']['values'] lists [(1, 2, 'interchange')] but those values are finite"),
+        (lambda d: d["removal_kl"].update({"2": -0.5}), "removal_kl['2'] = -0.5: a KL is >= 0"),
+        (lambda d: d["removal_kl"].update({"3,2": 0.5}),
+         "removal_kl key '3,2': a set of 1..5 distinct blocks 0..5, ascending, as 'i,j,...'"),
+        (lambda d: d["removal_kl"].update({"2": "NaN"}),
+         "removal_kl['2'] = NaN: a non-finite value loads only where metadata['nonfinite'] lists it"),
+    ]
+    for edit, message in cases:
+        assert _refused(_hand_edited(tmp_path, edit)) == message
+
+
+def test_non_finite_values_the_library_wrote_load_back():
+    report = nonfinite_report()
+    report.removal_kl["1,2"] = math.nan
+    data = report.to_dict()
+    assert data["metadata"]["nonfinite"] == {"values": [[3, 4, "interchange"], [4, 5, "replacement_ij"]],
+                                             "removal_kl": ["1,2"]}
+    back = SwapReport.from_dict(data)
+    assert back == report and back.metadata == report.metadata  # the list is not kept in memory
+    assert math.isinf(back.pair(3, 4).interchange) and math.isnan(back.removal_kl["1,2"])
+    assert "nonfinite" not in SwapReport(2, [PairResult(0, 1, 0.1, 0.2, 0.3)]).to_dict()["metadata"]
+
+
+def test_prune_report_refuses_a_hand_edited_report_before_the_model_loads(tmp_path, capsys):
+    from hf_layerswap.cli import main
+
+    report = SwapReport(6, [PairResult(i, i + 1, 0.1 * (i + 1), 0.2 * (i + 1), 0.05 * (i + 1)) for i in range(5)])
+    path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(interchange=-5.0), report)
+    # no model at that path: the report is refused before the model would load
+    rc = main(["prune", str(tmp_path / "no-model-here"), str(tmp_path / "out"), "--num-layers", "1", "--strategy",
+               "greedy", "--report", str(path)])
+    assert rc == 2
+    assert (f"error: {path} is not a valid SwapReport JSON file: pairs[1] (1, 2) interchange = -5.0: a KL is >= 0"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()

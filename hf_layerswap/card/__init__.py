@@ -36,7 +36,7 @@ figures come from :mod:`hf_layerswap.plots`.
 
 from __future__ import annotations
 
-from .checks import normalize_evaluation, report_mismatches, sparsity_mismatches, sparsity_refusal
+from .checks import nonfinite_basis, normalize_evaluation, report_mismatches, sparsity_mismatches, sparsity_refusal
 from .format import EVALUATION_FILE, MAX_PAIR_ROWS, REPORT_FILE, SPARSITY_FILE  # noqa: F401
 from .render import CARD_TEMPLATE, check_card, render_card, write_card_files
 
@@ -48,6 +48,7 @@ __all__ = [
     "check_card",
     "normalize_evaluation",
     "render_card",
+    "nonfinite_basis",
     "report_mismatches",
     "sparsity_mismatches",
     "sparsity_refusal",

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 from ..plan import decoder_blocks, model_fingerprint, num_blocks
 from ..provenance import model_identity
 from ..recovery import RECOVERY_FILE, attached_operators
-from ..jsonio import encode_float
+from ..jsonio import decode_float, encode_float
 from ..protocols import PROTOCOLS
-from ..report import PruneProvenance, SwapReport
+from ..report import PruneProvenance, SwapReport, set_key
 from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, SparsityReport
 from ..sparsity.engine import prunable_linears
 from ..surgery import original_indices
@@ -453,3 +453,56 @@ def _protocol_of(steps) -> str | None:
 def _search_record(steps) -> Mapping | None:
     rec = _provenance(steps[-1]).search if steps else None
     return rec if rec is not None and rec.get("strategy") == "search" else None
+
+
+def _nonfinite(v) -> bool:
+    try:
+        v = decode_float(v)
+    except ValueError:
+        return True
+    return v is None or not math.isfinite(v)
+
+
+def nonfinite_basis(model_or_config, report: SwapReport | None = None) -> list[str]:
+    """Removal steps of the model chosen on non-finite values (empty list = none).
+
+    A step whose blocks were chosen by a strategy (not given as explicit ``layers``) rests
+    on its recorded values: the search's value of the chosen set, ``auto``'s joint removal
+    KL of the chosen protocol's set, the chosen set's joint removal KL in ``report``, or
+    else the per-layer scores recorded in the step (for ``greedy``/``auto``: each removed
+    layer's score under the protocol used; for the other strategies: a removed layer with
+    a finite score under some protocol). A non-finite basis is named with its step.
+    """
+    _, config = _split_model(model_or_config)
+    steps = _record(config).get("steps") or []
+    problems = []
+    for k, step in enumerate(steps):
+        record = _provenance(step)
+        if record.strategy is None or not isinstance(step.get("removed_layers"), list):
+            continue
+        removed = list(step["removed_layers"])
+        where = f"step {k} ({record.strategy}) removed {removed}"
+        sets = []
+        if record.search is not None and "value" in record.search:
+            sets.append(("the search's value", record.search["value"]))
+        if record.auto is not None and record.auto.get("chosen_protocol") in PROTOCOLS:
+            value = (record.auto.get("removal_kl") or {}).get(record.auto["chosen_protocol"])
+            if value is not None:
+                sets.append(("its joint removal KL", value))
+        if report is not None and k == len(steps) - 1 and set_key(removed) in report.removal_kl:
+            sets.append(("its joint removal KL in the report", report.removal_kl[set_key(removed)]))
+        problems += [f"{where} on {what} = {encode_float(decode_float(v))}" for what, v in sets if _nonfinite(v)]
+        if sets:
+            continue
+        scores = record.scores or {}
+        by_protocol = {p: scores[f"{p}_layer_scores"] for p in PROTOCOLS
+                       if isinstance(scores.get(f"{p}_layer_scores"), list)}
+        used = (record.auto or {}).get("chosen_protocol") or record.protocol
+        if record.strategy in ("greedy", "auto") and used in by_protocol:
+            bad = [i for i in removed if i >= len(by_protocol[used]) or _nonfinite(by_protocol[used][i])]
+        else:
+            bad = [i for i in removed if by_protocol and all(
+                i >= len(v) or _nonfinite(v[i]) for v in by_protocol.values())]
+        if bad:
+            problems.append(f"{where}: the recorded layer score of {bad} is non-finite")
+    return problems

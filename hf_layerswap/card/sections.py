@@ -17,7 +17,7 @@ from ..config import LayerSwapConfig
 from ..provenance import library_versions
 from ..protocols import PROTOCOLS
 from ..report import set_key, SwapReport
-from ..rule import greedy_select, resolve_protect
+from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
 from .checks import _provenance, _search_record, _step_config
 from .format import _DASH, _HUB_ID, MAX_PAIR_ROWS, _METRIC_ARGS, _NOT_CONTRACT, REPORT_FILE, _cell, _indices, _kl, _pct, _ratio
@@ -32,11 +32,13 @@ def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequenc
     layer_rows = []
     for layer in range(report.num_layers):
         status = "**removed**" if layer in removed else ("protected" if layer in protected else "")
+        if layer in removed and not any(math.isfinite(scores[p][layer]) for p in report.protocols):
+            status = "**removed** (its score is non-finite: not a basis for the removal)"
         layer_rows.append(
             {
                 "layer": layer,
                 "scores": [_kl(scores[p][layer]) for p in report.protocols],
-                "ranks": [ranks[p][layer] for p in report.protocols],
+                "ranks": [ranks[p][layer] if math.isfinite(scores[p][layer]) else _DASH for p in report.protocols],
                 "status": status,
             }
         )
@@ -94,6 +96,10 @@ def _nan_last(v):
     return (1, 0.0) if v is None or not math.isfinite(v) else (0, v)
 
 
+def _layers_named(err: NonFiniteScoresError) -> str:
+    return _indices([int(label.split()[-1]) for label in err.nonfinite])
+
+
 def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
     rows, sets = [], {}
     search = _search_record(steps)
@@ -102,6 +108,10 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
     for p in report.protocols:
         try:
             chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
+        except NonFiniteScoresError as err:
+            rows.append({"protocol": p, "layers": f"none: non-finite scores of layers {_layers_named(err)}",
+                         "removal_kl": _DASH})
+            continue
         except ValueError as err:
             rows.append({"protocol": p, "layers": f"not possible under these rules ({err})", "removal_kl": _DASH})
             continue

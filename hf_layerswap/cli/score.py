@@ -5,9 +5,12 @@ per-layer table it (and ``demo``) prints."""
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from pathlib import Path
 
 from ..protocols import SWAP_PROTOCOLS
+from ..rule import NonFiniteScoresWarning, nonfinite_message
 from ..scoring import score_layers
 from .common import (HELP_FORMATTER, add_calibration_args, add_model_args, config_help, count, load, needs_tokenizer,
                      prompt_count)
@@ -30,19 +33,28 @@ def add_parser(subparsers):
 
 
 def run_score(args) -> int:
-    """The ``score`` verb: load, score, write ``args.output``, print the table."""
+    """The ``score`` verb: load, score, write ``args.output``, print the table; non-finite
+    values are kept and named in one ``warning:`` line on stderr."""
     if Path(args.output).is_dir():  # found out before loading and scoring, not after
         example = Path(args.output) / "layerswap_report.json"
         raise FileExistsError(f"--output {args.output} is a folder; give the report's file path, e.g. {example}")
     model, tokenizer = load(args)
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
-    report = score_layers(
-        model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
-        num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-    )
+    with warnings.catch_warnings():  # said once below, naming the values
+        warnings.simplefilter("ignore", NonFiniteScoresWarning)
+        report = score_layers(
+            model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
+            num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size,
+            seed=args.seed,
+        )
     path = report.to_json(args.output)
     print(format_scores_table(report))
     print(f"report written to {path}")
+    bad = report.nonfinite_values()
+    if bad:
+        print("warning: " + nonfinite_message(f"{len(bad)} swap-KL value(s) are kept in the report as results", bad,
+                                              (report.metadata.get("nonfinite") or {}).get("first_batch")),
+              file=sys.stderr)
     return 0
 
 

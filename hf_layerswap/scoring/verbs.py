@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -19,7 +20,7 @@ from ..plan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan
 from ..protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, SWAP_PROTOCOLS
 from ..provenance import library_versions, report_identity
 from ..report import PairResult, SwapReport
-from ..rule import greedy_select, resolve_protect
+from ..rule import NONFINITE_ADVICE, NonFiniteScoresError, NonFiniteScoresWarning, greedy_select, resolve_protect
 from .engine import _Engine, run_plans
 from .settings import dtype_name, EngineSettings
 
@@ -30,6 +31,26 @@ def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
     if values.numel() < 2 or not math.isfinite(mean):
         return mean, None
     return mean, float(values.std(unbiased=True) / math.sqrt(values.numel()))
+
+
+def _first_nonfinite(values: Mapping, batch_size) -> tuple[list, int | None]:
+    """(keys whose per-prompt values ``(N,)`` hold a non-finite entry, the 0-based batch of
+    the first such prompt; ``None`` when ``batch_size`` is not an int)."""
+    bad, first = [], None
+    for key, v in values.items():
+        where = (~torch.isfinite(v.reshape(-1))).nonzero()
+        if where.numel():
+            bad.append(key)
+            first = int(where[0]) if first is None else min(first, int(where[0]))
+    if first is None or not isinstance(batch_size, int):
+        return bad, None
+    return bad, first // batch_size
+
+
+def _warn_nonfinite(what: str, count: int, total: int, first_batch: int | None) -> None:
+    where = f", first at calibration batch {first_batch} (0-based)" if first_batch is not None else ""
+    warnings.warn(f"{count} of {total} {what} non-finite (NaN or inf){where}; {NONFINITE_ADVICE}",
+                  NonFiniteScoresWarning, stacklevel=3)
 
 
 def _pair_list(num_layers: int, max_gap: int) -> list[tuple[int, int]]:
@@ -73,9 +94,11 @@ class AdaptiveBudget:
     *stable* when no single exchange of a selected layer a for an unselected eligible
     layer b (one the spacing rule would allow in a's place) is within the error bars:
     the paired per-prompt difference s_b(x) - s_a(x) has mean > ``z`` x its standard
-    error (see :func:`selection_stability`). Scoring stops at the first stable round or
-    when ``num_prompts`` of :func:`score_layers` (the maximum) is reached; the rounds and
-    the reason are recorded in ``report.metadata["adaptive"]``.
+    error (see :func:`selection_stability`). Scoring stops at the first stable round,
+    at the first round whose scores cannot fill the budget with finite values
+    (``stopped="nonfinite"``), or when ``num_prompts`` of :func:`score_layers` (the
+    maximum) is reached; the rounds and the reason are recorded in
+    ``report.metadata["adaptive"]``.
 
     Attributes:
         num_layers: the removal budget n.
@@ -256,7 +279,11 @@ def score_layers(
             probes, and every rank returns the full report.
 
     Returns:
-        A :class:`~hf_layerswap.report.SwapReport`.
+        A :class:`~hf_layerswap.report.SwapReport`. When any probe value is non-finite
+        (NaN, inf: e.g. an fp16 block that overflows) the values are kept, a
+        :class:`~hf_layerswap.rule.NonFiniteScoresWarning` says how many and from which
+        calibration batch (0-based), and ``metadata["nonfinite"]["first_batch"]`` records
+        that batch; no selection is made on them (:func:`~hf_layerswap.select_layers`).
 
     Raises:
         ValueError: an unknown protocol, ``max_gap`` outside ``1..L-1``, a model with
@@ -302,10 +329,16 @@ def score_layers(
             partial = SwapReport(num_layers, _build_report(pairs, protocols, values),
                                  protocols=protocols, max_gap=max_gap)
             n_used = int(values[next(iter(values))].numel())
-            check = selection_stability(
-                partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
-                protect=adaptive.protect, z=adaptive.z,
-            )
+            try:
+                check = selection_stability(
+                    partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
+                    protect=adaptive.protect, z=adaptive.z,
+                )
+            except NonFiniteScoresError:  # a result to report: more prompts cannot make it a selection
+                rounds.append({"num_prompts": n_used, "selected": None, "stable": False, "closest": None})
+                reason = f"stopped: the {adaptive.protocol} scores cannot fill the budget with finite values"
+                stopped = "nonfinite"
+                break
             rounds.append({"num_prompts": n_used, **check})
             if check["stable"]:
                 reason = f"stable: the selection at budget {adaptive.num_layers} is separated by more than z={adaptive.z} standard errors from every alternative"
@@ -336,6 +369,10 @@ def score_layers(
     }
     if adaptive_record is not None:
         metadata["adaptive"] = adaptive_record
+    bad, first_batch = _first_nonfinite(values, engine.batch_size)
+    if bad:
+        metadata["nonfinite"] = {"first_batch": first_batch}
+        _warn_nonfinite("swap-KL probe values are", len(bad), len(values), first_batch)
     return SwapReport(num_layers, results, protocols=protocols, max_gap=max_gap, metadata=metadata)
 
 
@@ -364,7 +401,9 @@ def removal_kl(
             :class:`~hf_layerswap.scoring.settings.EngineSettings`.
 
     Returns:
-        A float (one set) or a list of floats. The empty set gives exactly 0.0.
+        A float (one set) or a list of floats. The empty set gives exactly 0.0. A
+        non-finite value is returned as it is, with a
+        :class:`~hf_layerswap.rule.NonFiniteScoresWarning`.
 
     Raises:
         ValueError: bad indices (out of range, duplicates) or a set leaving no block.
@@ -378,4 +417,7 @@ def removal_kl(
     calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     values, _ = run_plans(model, calib, plans, settings)
     out = [float(values[n].mean()) for n in range(len(sets))]
+    bad, first_batch = _first_nonfinite(values, batch_size)
+    if bad:
+        _warn_nonfinite("removal KL values are", len(bad), len(values), first_batch)
     return out[0] if single else out

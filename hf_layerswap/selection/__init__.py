@@ -17,7 +17,8 @@ of the config and CLI)    optionally with the Ghosted Layers repair in the loop
 ========================  =====================================================  =============
 
 The rule itself (:func:`greedy_select`, :func:`check_budget`, :func:`resolve_protect`)
-lives in :mod:`hf_layerswap.rule`; the set objectives and their engine in
+lives in :mod:`hf_layerswap.rule`; the check every strategy passes through (no removal
+on non-finite values, :class:`NonFiniteScoresError`) in :mod:`.finite`; the set objectives and their engine in
 :mod:`.objectives`; the result type every criterion returns in :mod:`.common`. A new
 strategy is one module with one ``@register_strategy("name")``.
 """

@@ -9,6 +9,7 @@ from ..plan import model_fingerprint, num_blocks
 from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 from ..report import SwapReport
 from ..scoring.verbs import _calibration_from_args
+from .finite import finite_selection
 from .registry import MODEL_STRATEGIES, get_strategy
 
 __all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
@@ -75,7 +76,16 @@ def select_layers(
     selection to a model (``LayerSwapConfig``, ``hf-layerswap prune --report``, publishing
     with :func:`~hf_layerswap.save_for_hub`) checks the report against that model.
 
+    Every strategy runs under one check (:mod:`hf_layerswap.selection.finite`): a budget
+    the report's layer scores cannot fill with finite values is refused before the
+    strategy runs, and a set whose recorded value (objective, joint removal KL) is
+    non-finite is refused after it; the report is then left as it was.
+
     Raises:
+        NonFiniteScoresError: (:class:`~hf_layerswap.rule.NonFiniteScoresError`, a
+            ``ValueError``) no finite basis for the budget; the message names the
+            non-finite pairs or sets, the first calibration batch where they broke when
+            the report records it, and what to try.
         ValueError: an unknown protocol, a protocol the report did not score, a model
             whose block count or fingerprint differs from the report's, or an unmeetable
             budget.
@@ -96,9 +106,13 @@ def select_layers(
             model, calibration, tokenizer, report.metadata.get("num_prompts", 64), report.metadata.get("seq_len", 128),
             report.metadata.get("seed", 0),
         )
-    return fn(report, num_layers, protocol=protocol, spacing=spacing, protect=protect, model=model,
-              calibration=calibration, tokenizer=tokenizer, batch_size=batch_size, objective=objective,
-              options=options)
+    return finite_selection(
+        report, num_layers,
+        lambda: fn(report, num_layers, protocol=protocol, spacing=spacing, protect=protect, model=model,
+                   calibration=calibration, tokenizer=tokenizer, batch_size=batch_size, objective=objective,
+                   options=options),
+        protocol=protocol, spacing=spacing, protect=protect,
+    )
 
 
 def check_report_matches(report: SwapReport, model) -> None:

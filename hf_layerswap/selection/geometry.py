@@ -26,9 +26,10 @@ from torch import nn
 
 from ..calibration import CalibrationSet
 from ..plan import capture_residual_stream, num_blocks
-from ..report import _score_key
+from ..report import _score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _out, _setup, as_strategy
+from .finite import record_layer_values, record_set_values
 from .registry import register_strategy
 
 __all__ = ["angular_distance", "block_influence"]
@@ -102,6 +103,7 @@ def block_influence(
     bi, _ = _stream_geometry(model, calib, batch_size)
     seconds = time.perf_counter() - t0
     scores = [float(v) for v in bi.mean(dim=0)]
+    record_layer_values(scores)
     results = {}
     for b in budgets:
         removed = greedy_select(scores, b, spacing=0, protect=protect)
@@ -162,6 +164,7 @@ def angular_distance(
         if not valid:
             raise ValueError(f"no run of {b} consecutive blocks avoids protect={sorted(protected)}")
         best = min(valid, key=lambda t: (_score_key(t[0]), t[1]))[1]
+        record_set_values({set_key(range(s, s + b)): d for d, s in valid})
         results[b] = CriterionResult(
             "angular_distance", b, list(range(best, best + b)), None, 1, num_layers, seconds,
             details={"distance_by_start": distances, "best_start": best, "protect": sorted(protected),

@@ -42,6 +42,7 @@ from ..plan import apply_plan, capture_residual_stream, decoder_blocks, first_di
 from ..recovery import DEFAULT_EPSILON, GhostedOperator, ridge_toward_identity
 from ..report import set_key
 from ..scoring import masked_kl, plan_kl
+from .finite import record_set_values
 
 __all__ = ["OBJECTIVES", "SetObjective", "plan_nll"]
 
@@ -155,7 +156,9 @@ def _removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_
     plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
     values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
     passes, blocks = _plans_cost(plans, num_layers)
-    return [float(values[k].mean()) for k in range(len(sets))], {
+    out = [float(values[k].mean()) for k in range(len(sets))]
+    record_set_values({set_key(s): v for s, v in zip(sets, out)})
+    return out, {
         "forward_passes": passes,
         "block_passes": blocks,
         "seconds": stats["seconds"],
@@ -168,7 +171,9 @@ def _removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch
     plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
     values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size)
     total = float(counts.sum())
-    return [float(values[k].sum()) / total for k in range(len(sets))], stats
+    out = [float(values[k].sum()) / total for k in range(len(sets))]
+    record_set_values({set_key(s): v for s, v in zip(sets, out)})
+    return out, stats
 
 
 class SetObjective:
@@ -221,6 +226,7 @@ class SetObjective:
             else:
                 values, passes, blocks = self._ghosted(todo)
             self.cache.update({set_key(s): float(v) for s, v in zip(todo, values)})
+            record_set_values({set_key(s): v for s, v in zip(todo, values)})
             self.calls += len(todo)
             self.forward_passes += passes
             self.block_passes += blocks

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _check_resume, _out, _setup, as_strategy
+from .finite import record_layer_values
 from .objectives import _removal_kl_values
 from .registry import register_strategy
 
@@ -48,6 +49,7 @@ def single_removal_kl(
         stats = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
     else:
         values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_layers)], batch_size)
+    record_layer_values(values)
     results = {}
     for b in budgets:
         removed = greedy_select(values, b, spacing=0, protect=protect)
