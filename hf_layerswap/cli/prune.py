@@ -20,8 +20,9 @@ from .common import (
     HELP_FORMATTER,
     add_calibration_args,
     add_model_args,
+    add_resume_arg,
     calibration_source,
-    check_output,
+    check_before_loading,
     count,
     fraction,
     load,
@@ -48,6 +49,7 @@ def add_parser(subparsers):
     p.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
     _add_selection_args(p)
     _add_repair_args(p)
+    add_resume_arg(p)
     p.set_defaults(func=run_prune)
     return p
 
@@ -104,8 +106,11 @@ def prune_config(args):
 
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
-    check_output(args.output)
     config = prune_config(args)
+    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")])
+    if args.resume is not None and (args.layers is not None or args.report):
+        given = "--layers" if args.layers is not None else "--report"
+        raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
     report = None
     if args.report:
         if not Path(args.report).is_file():
@@ -115,7 +120,7 @@ def run_prune(args) -> int:
         print("note: --protocols is ignored by prune; the protocols scored follow --strategy and --protocol",
               file=sys.stderr)
     model, tokenizer = load(args)
-    result = prune(model, config, tokenizer=tokenizer, report=report)
+    result = prune(model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume)
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
