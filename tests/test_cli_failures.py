@@ -95,6 +95,8 @@ def test_missing_inputs_are_refused_before_the_model_loads(base, capsys):
     cases = {
         "--tokenizer": ["score", base / "base", "--tokenizer", missing, "-o", base / "r.json"],
         "--report": ["push", base / "base", "me/tiny", "--report", missing, "--output-dir", base / "o"],
+        "--evaluation": ["push", base / "base", "me/tiny", "--evaluation", missing, "--output-dir", base / "o"],
+        "--sparsity-report": ["push", base / "base", "me/tiny", "--sparsity-report", missing, "--output-dir", base / "o"],
         "CHECKPOINT": ["export-gguf", missing, base / "o.gguf"],
     }
     for option, argv in cases.items():
@@ -167,13 +169,13 @@ def test_a_full_disk_at_write_time_is_one_error_line_and_nothing_partial(base, c
     assert lines[-1].startswith("error: [Errno 28] No space left on device: ") and "Traceback" not in err
     assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
 
-    write_folder = hub._write_folder
+    write_card_files = hub.write_card_files
 
-    def full_disk_folder(folder, *args, **kwargs):
-        write_folder(folder, *args, **kwargs)
+    def full_disk_folder(folder, *args, **kwargs):  # the weights are written by now
+        write_card_files(folder, *args, **kwargs)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "README.md"))
 
-    monkeypatch.setattr(hub, "_write_folder", full_disk_folder)
+    monkeypatch.setattr(hub, "write_card_files", full_disk_folder)
     code, err = _run(["prune", base / "base", base / "pruned", "--layers", "1"], capsys)
     assert code == 1 and err.strip().splitlines()[-1].startswith("error: [Errno 28] No space left on device: ")
     assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]

@@ -269,17 +269,16 @@ import hf_layerswap.hub as hub
 from hf_layerswap.cli import main
 
 checkpoint, output, me, other = sys.argv[1:5]
-write_folder = hub._write_folder
+write_card_files = hub.write_card_files
 
 def write_then_wait(folder, *args, **kwargs):  # both writers have passed the emptiness check by now
-    names = write_folder(folder, *args, **kwargs)
+    write_card_files(folder, *args, **kwargs)
     Path(me).touch()
     deadline = time.monotonic() + 300
     while not Path(other).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return names
 
-hub._write_folder = write_then_wait
+hub.write_card_files = write_then_wait
 sys.exit(main(["push", checkpoint, "user/tiny", "--output-dir", output]))
 """
 
