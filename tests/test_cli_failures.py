@@ -250,3 +250,21 @@ def test_resume_with_nothing_to_score_is_refused(base, capsys):
     code, err = _run(["prune", base / "base", base / "out", "--layers", "1", "--resume", base / "ck"], capsys)
     assert code == 2 and err.strip() == "error: --resume resumes scoring, but with --layers nothing is scored: drop --resume"
     assert not (base / "out").exists() and not (base / "ck").exists()
+
+
+def test_prune_resume_reuses_the_checkpointed_scores(base, capsys):
+    """``prune --resume DIR``: the scoring of a second run with the same DIR is read back
+    from the checkpoint (every value resumed), and it removes the same blocks."""
+    args = ["--num-layers", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "3",
+            "--resume", base / "ck"]
+    assert _run(["prune", base / "base", base / "first", *args], capsys)[0] == 0
+    parts = sorted(p.name for p in (base / "ck").glob("part-*.pt"))
+    assert len(parts) == 1  # 3 prompts: one batch (of up to 8), its probes in one group
+    assert _run(["prune", base / "base", base / "second", *args], capsys)[0] == 0
+    first, second = (json.loads((base / d / "config.json").read_text())["layerswap"] for d in ("first", "second"))
+    assert first["removed_layers"] == second["removed_layers"]
+    reports = [SwapReport.from_json(base / d / "layerswap_report.json") for d in ("first", "second")]
+    assert reports[0].metadata["checkpoint"]["resumed_values"] == 0
+    assert reports[1].metadata["checkpoint"]["resumed_values"] == 5  # one interchange value per pair of 6 blocks
+    assert [p.interchange for p in reports[0].pairs] == [p.interchange for p in reports[1].pairs]
+    assert sorted(p.name for p in (base / "ck").glob("part-*.pt")) == parts  # nothing scored again
