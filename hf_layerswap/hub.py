@@ -60,7 +60,7 @@ from .card import (
     write_card_files,
 )
 from .history import history_problems, probable_cause
-from .jsonio import STAGING_PREFIX, remove_stale_staging, staging_folder, unlock
+from .jsonio import STAGING_PREFIX, move_into_place, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
 from .recovery import attached_operators
 from .jsonio import default_mode
@@ -391,7 +391,11 @@ def save_for_hub(
     """Write the folder :func:`push_to_hub` would upload into ``directory``, atomically.
 
     The files are written into a temporary sibling folder that is moved into place in
-    one rename, so ``directory`` never holds a half-written checkpoint.
+    one rename, so ``directory`` never holds a half-written checkpoint. Without
+    ``overwrite`` the target is checked before the work and again by the rename itself
+    (:func:`~hf_layerswap.jsonio.move_into_place`): of two processes saving into one folder
+    at once, exactly one succeeds and the other raises ``FileExistsError``, leaving the
+    first one's folder as it is.
 
     Args:
         directory: target folder; it must not exist or be empty unless ``overwrite``.
@@ -403,7 +407,8 @@ def save_for_hub(
 
     Raises:
         PushRefusedError, TypeError: as in :func:`push_to_hub`.
-        FileExistsError: ``directory`` is a non-empty folder (or a file) and ``overwrite`` is False.
+        FileExistsError: ``directory`` is a non-empty folder (or a file) and ``overwrite`` is
+            False, before the work or (written meanwhile by another process) at the final rename.
     """
     target = Path(directory).resolve()
     evaluation, sparsity_report = _preflight(model, repo_id, report, evaluation, None, None, sparsity_report)
@@ -412,26 +417,18 @@ def save_for_hub(
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(target.parent)
     tmp, lock = staging_folder(target, "new")
-    old = old_lock = None
     try:
         default_mode(tmp)
         _write_folder(
             tmp, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
             license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            old, old_lock = staging_folder(target, "previous")
-            os.replace(target, old / "previous")
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        move_into_place(tmp, target, overwrite=overwrite)  # checks the target again, at the rename
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         unlock(lock)
-        unlock(old_lock)
     return target
 
 

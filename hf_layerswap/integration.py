@@ -17,14 +17,25 @@ A checkpoint saved with Ghosted Layers recovery carries a ``quant_method="layers
 marker instead: loading it with ``hf_layerswap`` imported prunes nothing and re-attaches its
 operators (:func:`hf_layerswap.recovery.attach_saved_recovery`); when their file cannot be
 found there, a warning says so and the plainly pruned model loads.
+
+Passing a ``LayerSwapConfig`` when loading such a checkpoint applies it on top: the
+operators are re-attached first, then the config runs on the repaired model as on any
+other (scoring, removal recorded as a new step of ``config.layerswap``; the operators move
+with the cut, :func:`~hf_layerswap.surgery.remove_layers`). transformers' own
+``AutoHfQuantizer.merge_quantization_configs`` would keep the checkpoint's marker and drop
+the argument (it merges arguments only for a fixed list of built-in config classes, and has
+no hook for others), so :func:`register` wraps it for exactly this pair, a ``LayerSwapConfig``
+argument over a ``layerswap`` marker, and leaves every other pair to transformers.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Mapping
 
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
 
 from .config import QUANT_METHOD, LayerSwapConfig
 from .history import verify_history
@@ -57,17 +68,22 @@ class LayerSwapQuantizer(HfQuantizer):
         cfg = self.quantization_config
         try:
             verify_history(model)  # a loaded config.layerswap record is checked before anything extends it
-            if not self.pre_quantized:
-                prune(model, cfg)
-            else:  # a saved layerswap checkpoint: re-attach its ghosted operators, prune nothing
+            if self.pre_quantized:  # a saved layerswap checkpoint: re-attach its ghosted operators
                 try:
                     attach_saved_recovery(model)
                 except (FileNotFoundError, ValueError) as err:  # the weights loaded; say what is missing
+                    if getattr(cfg, _OVER_SAVED, False):
+                        raise ValueError(
+                            f"{err}. The LayerSwapConfig passed to from_pretrained was not applied: without the "
+                            "operators the repaired model it would prune cannot be rebuilt"
+                        ) from None
                     logger.warning(
                         "%s. The model is loaded as the plainly pruned model, without the repair operators; attach "
                         "them with hf_layerswap.recovery.attach_saved_recovery(model, <checkpoint folder or Hub id>, "
                         "revision=...)", err,
                     )
+            if not self.pre_quantized or getattr(cfg, _OVER_SAVED, False):
+                prune(model, cfg)
         finally:
             self._strip(model)
         return model
@@ -101,12 +117,44 @@ def prune_loaded_model(model, cfg: LayerSwapConfig):
     return prune(model, cfg).model
 
 
+#: Attribute set on the copy of a user's config that is applied on top of a saved checkpoint.
+_OVER_SAVED = "_over_saved_checkpoint"
+
+
+def _merge_quantization_configs(transformers_merge):
+    """transformers' ``merge_quantization_configs`` (the checkpoint's config wins), except for
+    a ``LayerSwapConfig`` argument over a checkpoint's ``layerswap`` marker: then a copy of the
+    argument, flagged so that the quantizer re-attaches the saved operators before applying it."""
+
+    def merge(cls, quantization_config, quantization_config_from_args):
+        saved = quantization_config.to_dict() if isinstance(quantization_config, LayerSwapConfig) else quantization_config
+        if (
+            isinstance(quantization_config_from_args, LayerSwapConfig)
+            and isinstance(saved, Mapping)
+            and saved.get("quant_method") == QUANT_METHOD
+        ):
+            merged = copy.copy(quantization_config_from_args)
+            setattr(merged, _OVER_SAVED, True)
+            logger.info("applying the LayerSwapConfig passed to from_pretrained on top of the checkpoint's own")
+            return merged
+        return transformers_merge(quantization_config, quantization_config_from_args)
+
+    merge.wraps_transformers = True
+    return classmethod(merge)
+
+
 def register() -> None:
-    """Register the ``layerswap`` quantization method with transformers (idempotent)."""
+    """Register the ``layerswap`` quantization method with transformers (idempotent), and
+    let a ``LayerSwapConfig`` passed to ``from_pretrained`` apply on top of a checkpoint that
+    carries a ``layerswap`` marker (see the module docstring)."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(LayerSwapConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(LayerSwapQuantizer)
+    if not getattr(AutoHfQuantizer.merge_quantization_configs, "wraps_transformers", False):
+        AutoHfQuantizer.merge_quantization_configs = _merge_quantization_configs(
+            AutoHfQuantizer.merge_quantization_configs
+        )
 
 
 register()

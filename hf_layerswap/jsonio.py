@@ -11,13 +11,16 @@
   on top of its own ``to_dict``/``from_dict``, with one contract;
 - folders written all or nothing: :func:`staging_folder` (a locked sibling folder named
   :data:`STAGING_PREFIX` ``+ <target>.<kind>-<random>``), :func:`lock_folder` /
-  :func:`unlock` (``flock``, released by the kernel however the process dies) and
-  :func:`remove_stale_staging` (the unlocked leftovers of killed saves, ours only).
+  :func:`unlock` (``flock``, released by the kernel however the process dies),
+  :func:`move_into_place` (the final rename, which refuses a target another writer filled
+  meanwhile) and :func:`remove_stale_staging` (the unlocked leftovers of killed saves, ours
+  only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -38,6 +41,7 @@ __all__ = [
     "encode_float",
     "encode_tree",
     "lock_folder",
+    "move_into_place",
     "remove_stale_staging",
     "staging_folder",
     "unlock",
@@ -229,6 +233,52 @@ def staging_folder(target: Path, kind: str) -> tuple[Path, int | None]:
         except FileNotFoundError:
             pass
         unlock(fd)
+
+
+def move_into_place(staged: Path, target: Path, *, overwrite: bool) -> None:
+    """Rename the complete folder ``staged`` (a sibling of ``target``, e.g. from
+    :func:`staging_folder`) to ``target`` in one step.
+
+    Without ``overwrite`` the rename itself is the check, made by the kernel at the moment
+    of the move: it succeeds only while ``target`` does not exist or is an empty folder. Of
+    several writers racing for one target exactly one wins; the others get
+    ``FileExistsError`` and the winner's folder is left as it is, however late they came.
+    With ``overwrite`` an existing ``target`` is first moved into a locked ``previous``
+    staging folder and removed after the rename (put back if the rename fails).
+
+    Raises:
+        FileExistsError: ``target`` exists and is not an empty folder (without
+            ``overwrite``), or another writer put a folder there between the two renames
+            (with it). ``staged`` is left for the caller to remove.
+        OSError: the rename failed for another reason (e.g. a read-only parent folder).
+    """
+    refusal = (f"{target} exists and is not an empty folder (another writer may have saved there while this save "
+               "ran); nothing of this save was left there: choose another folder or pass overwrite=True")
+    if not overwrite:
+        try:
+            os.rename(staged, target)
+        except OSError as err:
+            if err.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise FileExistsError(refusal) from None
+            raise
+        return
+    old, lock = staging_folder(target, "previous")
+    try:
+        try:
+            os.replace(target, old / "previous")
+        except FileNotFoundError:
+            pass  # nothing there (any more)
+        try:
+            os.rename(staged, target)
+        except OSError as err:
+            if (old / "previous").exists() and not target.exists():
+                os.replace(old / "previous", target)
+            if err.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise FileExistsError(refusal) from None
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+        unlock(lock)
 
 
 def remove_stale_staging(parent: str | os.PathLike) -> list[str]:

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import transformers
 from filelock import FileLock
+from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils.sha import sha_fileobj
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -62,7 +63,10 @@ __all__ = [
     "BundledModel",
     "bundled_checkpoint_dir",
     "cache_root",
+    "check_gguf_file",
+    "is_hub_id",
     "load_model",
+    "missing_offline",
 ]
 
 
@@ -297,7 +301,8 @@ def load_model(
 
     Raises:
         ValueError: an unknown bundled name (the message lists the allowed ones), a path
-            that does not exist, or ``quantization_config`` together with GGUF input.
+            that does not exist, a local GGUF file that cannot be read as GGUF
+            (:func:`check_gguf_file`), or ``quantization_config`` together with GGUF input.
         ModuleNotFoundError: a bundled model's package is not installed (the message gives
             the pip command).
     """
@@ -328,6 +333,8 @@ def load_model(
                 "quantization in transformers): load the GGUF model first, then prune the loaded "
                 "model, or save it and load that directory with the quantization_config"
             )
+        if Path(repo).is_dir():
+            check_gguf_file(Path(repo) / gguf_file)
         model = AutoModelForCausalLM.from_pretrained(
             repo, gguf_file=gguf_file, revision=revision,
             quantization_config=GgufConfig(dequantize=True), **common,
@@ -344,7 +351,7 @@ def load_model(
         if tokenizer is None:  # a folder of weights only: the caller is told when text needs one
             tokenizer = AutoTokenizer.from_pretrained(str(path)) if has_tokenizer_files(path) else False
         identity = model_identity(model)
-    elif "/" in target and not target.startswith((".", "/", "~")) and target.count("/") == 1:
+    elif is_hub_id(target):
         model = AutoModelForCausalLM.from_pretrained(
             target, revision=revision, quantization_config=quantization_config, **common
         )
@@ -362,6 +369,51 @@ def load_model(
     if tokenizer is False:
         return model, None
     return model, _given_tokenizer(tokenizer, AutoTokenizer)
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` has the form of a Hub repository id ``"owner/name"`` (one slash, not
+    starting with ``.``, ``/`` or ``~``); whether such a repository exists is not checked."""
+    return "/" in text and not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def missing_offline(repo_id: str, revision: str | None = None, filename: str = "config.json") -> bool:
+    """Whether ``repo_id`` cannot be loaded because the Hub is switched off
+    (``HF_HUB_OFFLINE=1``) and ``filename`` of it is not in the local Hub cache."""
+    if not is_offline_mode():
+        return False
+    try:
+        return not isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str)
+    except ValueError:  # not a valid repo id: from_pretrained will say so
+        return False
+
+
+def check_gguf_file(path: str | os.PathLike) -> None:
+    """Refuse a local file that is not a readable GGUF model, before ``from_pretrained``.
+
+    Reads the header, metadata and tensor table with ``gguf.GGUFReader`` (memory-mapped;
+    the tensor data are not read).
+
+    Raises:
+        ValueError: the file does not start with the GGUF magic, its header or tables
+            cannot be parsed (a truncated or corrupt file), or it names no architecture or
+            holds no tensor; the message names the file.
+    """
+    import gguf
+
+    path = Path(path)
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+        tensors = len(reader.tensors)
+    except Exception as err:  # the reader's parse errors are struct, index and value errors
+        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {type(err).__name__}: {err}") from None
+    if arch is None or tensors == 0:
+        raise ValueError(f"{path} is not a GGUF model: it names no architecture or holds no tensor")
 
 
 def _given_tokenizer(tokenizer, auto):

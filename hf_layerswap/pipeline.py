@@ -80,6 +80,7 @@ def prune(
     tokenizer=None,
     report: SwapReport | None = None,
     calibration=None,
+    checkpoint_path: str | os.PathLike | None = None,
 ) -> PruneResult:
     """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
 
@@ -96,6 +97,11 @@ def prune(
         calibration: precomputed prompts (a :class:`CalibrationSet`, used as is) or any
             source :func:`~hf_layerswap.calibration.build_calibration` accepts; default
             ``config.calibration``. Pass the prompts ``report`` was scored on.
+        checkpoint_path: a folder that makes the scoring resumable
+            (:func:`~hf_layerswap.score_layers`' ``checkpoint_path``): completed probes are
+            kept there, and the same call after an interruption continues where it
+            stopped. Only the scoring is resumed; what follows it (the selection search,
+            the repair) runs again.
 
     Returns:
         A :class:`PruneResult`.
@@ -103,8 +109,9 @@ def prune(
     Raises:
         ValueError: an impossible budget or contradictory ``layers``/``protect`` (before
             any scoring), a ``report`` of another model or without the protocol the
-            strategy reads, a text calibration without a tokenizer to read it (the message
-            says to pass ``tokenizer=``), and the errors of the steps (see
+            strategy reads, ``checkpoint_path`` when nothing is scored, a text calibration
+            without a tokenizer to read it (the message says to pass ``tokenizer=``), and
+            the errors of the steps (see
             :func:`~hf_layerswap.score_layers`, :func:`~hf_layerswap.select_layers`,
             :func:`~hf_layerswap.remove_layers`).
         TypeError: ``config`` or ``report`` of the wrong type.
@@ -113,6 +120,10 @@ def prune(
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
     total = num_blocks(model)
     _check_before_work(model, cfg, report, strategy, total)
+    if checkpoint_path is not None and (cfg.layers is not None or report is not None):
+        given = "explicit layers" if cfg.layers is not None else "a report"
+        raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
+                         "is scored: drop checkpoint_path")
     source = cfg.calibration if calibration is None else calibration
     selects = cfg.layers is None and cfg.num_layers is not None
     needs_text = (
@@ -128,7 +139,7 @@ def prune(
         protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
-            progress=cfg.progress, seed=cfg.seed,
+            progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path,
         )
     if report is not None:
         model.layerswap_report = report

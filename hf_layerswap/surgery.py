@@ -25,6 +25,7 @@ from .history import record_fingerprint, verify_history
 from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
 from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
+from .recovery.operators import _attach, carried_operators, take_operators
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
 
@@ -124,6 +125,10 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         provenance: extra JSON-able facts for this step (protocol, scores summary,
             calibration spec) stored in ``model.config.layerswap["steps"]``.
 
+    Ghosted recovery operators attached to the model stay exact: each moves to the
+    boundary the cut leaves it at, and operators that meet are multiplied
+    (:func:`hf_layerswap.recovery.operators.carried_operators`).
+
     Returns:
         The same ``model`` object.
 
@@ -167,6 +172,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         if getattr(cfg, field, None) is not None and field not in updates:
             updates.update(remap(cfg, kept, num_layers))
 
+    operators = take_operators(model)  # ghosted repair maps: put back where the cut moves them
     setattr(owner, name, nn.ModuleList([blocks[i] for i in kept]))
     for new_idx, block in enumerate(getattr(owner, name)):
         for module in block.modules():
@@ -176,6 +182,9 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         setattr(cfg, field, value)
     cfg.num_hidden_layers = len(kept)
     _remap_device_map(model, owner, name, kept)
+    operators = carried_operators(operators, kept)
+    for boundary, weight in operators.items():
+        _attach(model, boundary, weight)
 
     top = model.config
     previous = copy.deepcopy(getattr(top, "layerswap", None) or {})
@@ -198,6 +207,8 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         "steps": previous.get("steps", []) + [step],
         **{k: previous[k] for k in HISTORY_FIELDS if k in previous},
     }
+    if operators and (previous.get("recovery") or {}).get("method") == "ghosted":
+        top.layerswap["recovery"] = {**previous["recovery"], "boundaries": sorted(operators)}
     record_fingerprint(model, step)
     return model
 

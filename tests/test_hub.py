@@ -263,6 +263,63 @@ def test_save_for_hub_is_atomic_and_complete(pruned, report, tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+_SAVE_IN_STEP = """
+import sys, time
+from pathlib import Path
+import hf_layerswap.hub as hub
+from hf_layerswap.cli import main
+
+checkpoint, output, me, other = sys.argv[1:5]
+write_card_files = hub.write_card_files
+
+def write_then_wait(folder, *args, **kwargs):  # both writers have passed the emptiness check by now
+    write_card_files(folder, *args, **kwargs)
+    Path(me).touch()
+    deadline = time.monotonic() + 300
+    while not Path(other).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+hub.write_card_files = write_then_wait
+sys.exit(main(["push", checkpoint, "user/tiny", "--output-dir", output]))
+"""
+
+
+def test_two_processes_saving_into_one_folder_exactly_one_succeeds(tmp_path):
+    """Two ``push --output-dir`` runs (``save_for_hub``) into one new folder, held so that
+    both pass the emptiness check before either renames: one exits 0, the other exits 2
+    with a ``FileExistsError`` refusal, and the folder is the winner's, complete."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_model
+
+    models = [tiny_model("llama", seed=seed) for seed in (1, 2)]
+    for k, model in enumerate(models):
+        model.save_pretrained(tmp_path / f"ckpt{k}")
+    target, ready = tmp_path / "out", [tmp_path / "ready0", tmp_path / "ready1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    children = [
+        subprocess.Popen([sys.executable, "-c", _SAVE_IN_STEP, str(tmp_path / f"ckpt{k}"), str(target),
+                          str(ready[k]), str(ready[1 - k])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+        for k in range(2)
+    ]
+    outcomes = [child.communicate(timeout=600) for child in children]
+    codes = [child.returncode for child in children]
+    assert all(r.exists() for r in ready)  # both writers reached the rename with a complete staged folder
+    assert sorted(codes) == [0, 2], outcomes
+    winner, loser = codes.index(0), codes.index(2)
+    assert f"wrote {target}" in outcomes[winner][0]
+    refusal = outcomes[loser][1].strip().splitlines()[-1]  # after transformers' loading bar
+    assert refusal.startswith(f"hf-layerswap push: refused: {target} exists and is not an empty folder")
+    assert "nothing of this save was left there" in refusal and "Traceback" not in outcomes[loser][1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt0", "ckpt1", "out", "ready0", "ready1"]
+    saved = AutoModelForCausalLM.from_pretrained(target)
+    expected = models[winner].state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in saved.state_dict().items())
+    assert not all(torch.equal(v, models[loser].state_dict()[k]) for k, v in saved.state_dict().items())
+    assert (target / "README.md").is_file() and (target / "config.json").is_file()
+
+
 def test_cli_push_verb(hub, pruned, report, tmp_path, capsys):
     folder = save_for_hub(pruned, tmp_path / "ckpt", report=report, evaluation=EVALUATION)
     parser = argparse.ArgumentParser(prog="hf-layerswap push")

@@ -347,6 +347,60 @@ def test_reload_without_the_operator_file_is_refused(calib, tmp_path):
     assert attached_operators(reloaded) == []
     with pytest.raises(FileNotFoundError, match=RECOVERY_FILE):
         attach_saved_recovery(reloaded, tmp_path)
+    # a config to apply on top of the repaired model cannot be: refused, not applied to the plain one
+    from hf_layerswap import LayerSwapConfig
+
+    with pytest.raises(ValueError, match=f"{RECOVERY_FILE}.*The LayerSwapConfig passed to from_pretrained was not applied"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=LayerSwapConfig(layers=[0]))
+
+
+def test_a_layerswap_config_passed_to_a_ghosted_checkpoint_applies_on_top(calib, held_out, tmp_path):
+    """The checkpoint's own ``quantization_config`` (the re-attach marker) used to win over the
+    argument, in transformers' merge, and every block was kept. Now the operators are
+    re-attached, then the argument removes its blocks from the repaired model."""
+    import warnings
+
+    from hf_layerswap import LayerSwapConfig
+    from hf_layerswap.plan import apply_plan
+
+    model = tiny_model("qwen3")
+    recover(model, [1, 4], calib, method="ghosted")  # 4 blocks left (original 0, 2, 3, 5); maps at boundaries 1, 3
+    maps = {b: op.weight.clone() for b, op in attached_operators(model)}
+    assert sorted(maps) == [1, 3]
+    model.save_pretrained(tmp_path / "ghosted")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ghosted", attn_implementation="eager")
+    with apply_plan(reference, [0, 2, 3]):  # the repaired model with its block 1 (original 2) skipped
+        expected = logits_of(reference, held_out)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers' "the quantization_config from the model will be used"
+        pruned = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "ghosted", attn_implementation="eager", quantization_config=LayerSwapConfig(layers=[1])
+        )
+    assert pruned.config.num_hidden_layers == 3 and not getattr(pruned, "is_quantized", False)
+    record = pruned.config.layerswap
+    assert record["removed_layers"] == [1, 2, 4] and record["kept_layers"] == [0, 3, 5]
+    assert [step["removed_original_layers"] for step in record["steps"]] == [[1, 4], [2]]
+    assert [step["removed_layers"] for step in record["steps"]] == [[1, 4], [1]]
+    assert record["recovery"]["boundaries"] == [1, 2]
+    assert [(b, torch.equal(op.weight, maps[old])) for (b, op), old in zip(attached_operators(pruned), [1, 3])] == [
+        (1, True), (2, True)]  # each map follows the block it sits after
+    assert torch.equal(logits_of(pruned, held_out), expected)
+
+    pruned.save_pretrained(tmp_path / "again")  # the new step and the moved maps survive a reload
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["quantization_config"] == {"quant_method": "layerswap", "recovery": "ghosted", "layers": [1, 2, 4]}
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", attn_implementation="eager")
+    assert [b for b, _ in attached_operators(again)] == [1, 2] and again.config.num_hidden_layers == 3
+    assert torch.equal(logits_of(again, held_out), expected)
+
+    # removing the blocks between the two maps: they meet at one boundary as their product, in stream order
+    both = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ghosted", attn_implementation="eager", quantization_config=LayerSwapConfig(layers=[1, 2])
+    )
+    ((boundary, op),) = attached_operators(both)
+    assert boundary == 1 and torch.equal(op.weight, maps[1] @ maps[3])
+    assert both.config.layerswap["kept_layers"] == [0, 5]
 
 
 _PLAIN_RELOAD = textwrap.dedent(

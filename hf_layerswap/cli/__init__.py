@@ -44,14 +44,33 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
 def main(argv=None, prog: str = "hf-layerswap") -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the verb; returns the exit status.
 
-    An argument error exits 2 (argparse's ``error:`` line) before any model loads; a
-    ``ValueError``, ``FileNotFoundError`` or ``FileExistsError`` of the run is printed as
-    ``error: ...`` and returns 2.
+    Exit statuses, each failure reported as one line on stderr:
+
+    - 2: an argument error (argparse's ``error:`` line) or a ``ValueError``,
+      ``FileNotFoundError`` or ``FileExistsError`` of the run (``error: ...``); the paths
+      are checked before any model loads (:func:`~hf_layerswap.cli.common.check_paths`);
+    - 1: any other ``OSError`` while the verb runs, e.g. a full disk (``error: ...``; the
+      writes are all or nothing, so nothing half-written is left);
+    - 130: interrupted (Ctrl-C, SIGINT): ``interrupted ...``; with ``--resume DIR`` the
+      same command continues where it stopped.
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        resume = getattr(args, "resume", None)
+        hint = f"; run the same command again to continue from the checkpoint in {resume}" if resume else ""
+        print(f"\ninterrupted{hint}", file=sys.stderr)
+        return 130
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (libraries' multi-line messages joined)."""
+    return " ".join(str(err).split())

@@ -5,20 +5,25 @@ before a model is touched."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..calibration import read_text_file
 from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
-from ..models import load_model
+from ..models import BUNDLED, check_gguf_file, is_hub_id, load_model, missing_offline
 
 __all__ = [
     "HELP_FORMATTER",
     "add_calibration_args",
     "add_model_args",
+    "add_resume_arg",
     "calibration_source",
+    "check_before_loading",
     "check_output",
+    "check_paths",
     "check_text_files",
     "config_help",
     "count",
@@ -139,6 +144,100 @@ def prompt_count(value) -> int:
     return n
 
 
+def add_resume_arg(p: argparse.ArgumentParser) -> None:
+    """--resume DIR: the scoring checkpoint folder (``score_layers(checkpoint_path=...)``)."""
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="scoring checkpoint folder (created if missing): completed probes are kept there as they "
+                        "finish, and the same command with the same DIR after an interruption continues where it "
+                        "stopped")
+
+
+def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, inputs=(), outputs=()) -> None:
+    """Every path a verb reads or writes, checked before any model loads (the CLI prints
+    each refusal as one ``error:`` line and exits 2).
+
+    Args:
+        model: MODEL: a bundled name, a local folder or ``.gguf`` file (read as GGUF
+            here, :func:`~hf_layerswap.models.check_gguf_file`), or a Hub id (refused
+            while ``HF_HUB_OFFLINE=1`` unless it is in the local cache).
+        revision, gguf_file: MODEL's ``--revision`` and ``--gguf-file``.
+        tokenizer: ``--tokenizer``: an existing folder or a Hub id (``None``: none given).
+        inputs: ``(option, path)`` pairs of files or folders that must exist; ``None``
+            paths are skipped.
+        outputs: ``(option, path, kind)`` triples of what will be written, ``kind`` one of
+            ``"file"`` (its folder may be created), ``"new folder"`` (must not exist or be
+            empty) and ``"folder"`` (may hold files, e.g. a checkpoint to resume);
+            ``None`` paths are skipped. Each must be creatable and writable, tested by
+            creating (and removing) a temporary file in the nearest existing folder.
+
+    Raises:
+        FileNotFoundError: a missing input, a local MODEL or ``--tokenizer`` that does not exist.
+        FileExistsError: a ``"new folder"`` output that exists and is not empty.
+        ValueError: an output that cannot be written (a read-only folder, a file on its
+            path, a folder where a file goes), a corrupt GGUF file, a Hub id while offline.
+    """
+    if model is not None:
+        _check_model(model, revision, gguf_file)
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
+        if not is_hub_id(tokenizer):
+            raise FileNotFoundError(f"--tokenizer {tokenizer!r} is not a folder, and not a Hub id of the form 'owner/name'")
+        _check_reachable("--tokenizer", tokenizer, None, "tokenizer_config.json")
+    for option, path in inputs:
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{option} {os.fspath(path)!r} does not exist")
+    for option, path, kind in outputs:
+        if path is not None:
+            _check_writable(option, Path(path), kind)
+
+
+def _check_model(model, revision, gguf_file) -> None:
+    path = Path(model).expanduser()
+    if model in BUNDLED:
+        return
+    if path.is_file() and path.suffix == ".gguf":
+        check_gguf_file(path)
+    elif path.is_dir():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                raise FileNotFoundError(f"--gguf-file {gguf_file!r} is not a file in {model}")
+            check_gguf_file(path / gguf_file)
+    elif is_hub_id(model):
+        _check_reachable("MODEL", model, revision, gguf_file or "config.json")
+    else:
+        raise FileNotFoundError(
+            f"MODEL {model!r} is not a bundled name (allowed: {sorted(BUNDLED)}), an existing folder or .gguf file, "
+            "or a Hub id of the form 'owner/name'"
+        )
+
+
+def _check_reachable(option, repo_id, revision, filename) -> None:
+    if missing_offline(repo_id, revision, filename):
+        raise ValueError(
+            f"{option} {repo_id!r} is a Hub id, but the Hub is switched off (HF_HUB_OFFLINE=1) and {filename} of it is "
+            "not in the local cache: unset HF_HUB_OFFLINE to download it, or give a local folder"
+        )
+
+
+def _check_writable(option, path: Path, kind: str) -> None:
+    if kind == "file" and path.is_dir():
+        raise FileExistsError(f"{option} {path} is a folder; give the file's path, e.g. {path / 'result.json'}")
+    if kind == "new folder":
+        check_output(path, option)
+    elif kind == "folder" and path.exists() and not path.is_dir():
+        raise FileExistsError(f"{option} {path} is a file; give a folder")
+    where = path if path.is_dir() else path.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise ValueError(f"{option} {path} cannot be created: {where} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(prefix=".hf_layerswap-probe-", dir=where):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option} {path} cannot be written: {where} refuses new files ({err.strerror}); "
+                         "choose a writable folder") from None
+
+
 def check_text_files(args) -> None:
     """Refuse a --calibration or --eval-text that is missing or not UTF-8 text before the model loads."""
     for flag in ("calibration", "eval_text"):
@@ -150,9 +249,16 @@ def check_text_files(args) -> None:
             read_text_file(value, option)
 
 
-def load(args):
-    """``(model, tokenizer)`` of ``args.model`` (after :func:`check_text_files`)."""
+def check_before_loading(args, outputs=()) -> None:
+    """What a verb that loads ``args.model`` with :func:`load` checks first: its text files
+    (:func:`check_text_files`), then MODEL, ``--tokenizer`` and ``outputs`` (:func:`check_paths`)."""
     check_text_files(args)
+    check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file, tokenizer=args.tokenizer,
+                outputs=outputs)
+
+
+def load(args):
+    """``(model, tokenizer)`` of ``args.model`` (call :func:`check_before_loading` first)."""
 
     name = getattr(args, "model", None)
     print(f"loading {name} ...", file=sys.stderr, flush=True)
@@ -171,11 +277,11 @@ def needs_tokenizer(tokenizer, model_name, what: str) -> None:
                          "pass --tokenizer with a tokenizer folder or Hub id")
 
 
-def check_output(output) -> None:
+def check_output(output, option: str = "output") -> None:
     """Refuse an output folder that exists and is not empty (before any model loads)."""
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise FileExistsError(f"output {output} exists and is not an empty folder; choose another or remove it")
+        raise FileExistsError(f"{option} {output} exists and is not an empty folder; choose another or remove it")
 
 
 def save_pruned(model, tokenizer, report, output: Path, evaluation: dict | None = None) -> Path:

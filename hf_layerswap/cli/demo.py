@@ -24,7 +24,7 @@ from .common import (
     add_calibration_args,
     add_model_args,
     calibration_source,
-    check_output,
+    check_before_loading,
     count,
     load,
     needs_tokenizer,
@@ -105,7 +105,7 @@ def demo_config(args, num_layers: int, num_prompts: int):
 def run_demo(args) -> int:
     """The ``demo`` verb (its transcript is in docs/cli.md)."""
     t_start = time.perf_counter()
-    check_output(args.output)
+    check_before_loading(args, outputs=[("--output", args.output, "new folder")])
     model, tokenizer = load(args)
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
     num_layers = num_blocks(model)

@@ -21,7 +21,7 @@ from ..models import load_model
 from ..provenance import model_identity
 from ..plan import num_blocks
 from ..tasks import evaluate_tasks
-from .common import HELP_FORMATTER
+from .common import HELP_FORMATTER, check_paths
 
 __all__ = ["CONTRACT_CHOICES", "add_eval_arguments", "add_parser", "run_eval"]
 
@@ -87,8 +87,6 @@ def _check_args(args) -> None:
     output = Path(args.output)
     if output.is_dir():
         raise FileExistsError(f"--output {args.output} is a folder; give the result's file path, e.g. {output / 'eval.json'}")
-    if not output.parent.is_dir():
-        raise FileNotFoundError(f"--output {args.output}: folder {output.parent} does not exist")
     if args.text not in (None, "embedded"):
         read_text_file(args.text, "--text")
     if args.contract == "rolling" and (args.stride is not None or args.max_words is not None):
@@ -100,6 +98,8 @@ def _check_args(args) -> None:
             raise FileNotFoundError(f"--include-path {path!r} is not a folder of task YAML files")
     if args.tasks and importlib.util.find_spec("lm_eval") is None:
         raise ValueError("--tasks needs lm-evaluation-harness: pip install 'hf-layerswap[lm-eval]'")
+    check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file,
+                outputs=[("--output", args.output, "file")])
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import sys
 import gguf
 
 from ..gguf_export import CONVERTER_ENV, OUTTYPES, GGUFConversionError, GGUFConverterNotFoundError, export_gguf
-from .common import HELP_FORMATTER
+from .common import HELP_FORMATTER, check_paths
 
 __all__ = ["add_export_gguf_arguments", "add_parser", "run_export_gguf"]
 
@@ -40,6 +40,7 @@ def add_export_gguf_arguments(parser):
 
 def run_export_gguf(args) -> int:
     """The ``export-gguf`` verb."""
+    check_paths(inputs=[("CHECKPOINT", args.checkpoint)], outputs=[("OUTPUT", args.output, "file")])
     try:
         path = export_gguf(args.checkpoint, args.output, outtype=args.outtype, converter=args.converter,
                            overwrite=args.overwrite)

@@ -20,7 +20,7 @@ from ..peeling import (
     trajectory_plot,
     trajectory_table_markdown,
 )
-from .common import HELP_FORMATTER
+from .common import HELP_FORMATTER, check_paths
 
 __all__ = ["add_parser", "add_peel_arguments", "run_peel"]
 
@@ -89,6 +89,8 @@ def _peel_kwargs(args) -> dict:
 
 def run_peel(args) -> int:
     """Run the ``peel`` verb (see :func:`add_peel_arguments`); returns the exit code."""
+    check_paths(outputs=[(option, path, "file") for option, path in
+                         (("--output", args.output), ("--plot", args.plot), ("--table", args.table))])
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     if len(args.model) == 1:
         model, tokenizer = load_model(args.model[0], gguf_file=args.gguf_file, revision=args.revision)

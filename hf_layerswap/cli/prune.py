@@ -18,8 +18,9 @@ from .common import (
     HELP_FORMATTER,
     add_calibration_args,
     add_model_args,
+    add_resume_arg,
     calibration_source,
-    check_output,
+    check_before_loading,
     config_help,
     count,
     fraction,
@@ -45,6 +46,7 @@ def add_parser(subparsers):
     p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     _add_selection_args(p)
     _add_repair_args(p)
+    add_resume_arg(p)
     p.set_defaults(func=run_prune)
     return p
 
@@ -89,15 +91,18 @@ def prune_config(args):
 
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
-    check_output(args.output)
     config = prune_config(args)
+    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")])
+    if args.resume is not None and (args.layers is not None or args.report):
+        given = "--layers" if args.layers is not None else "--report"
+        raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
     report = None
     if args.report:
         if not Path(args.report).is_file():
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
     model, tokenizer = load(args)
-    result = prune(model, config, tokenizer=tokenizer, report=report)
+    result = prune(model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume)
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0

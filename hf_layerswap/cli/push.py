@@ -15,6 +15,7 @@ from ..card import EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE
 from ..hub import HubPushError, PushRefusedError, push_to_hub, read_evaluation_file, save_for_hub
 from ..report import SwapReport
 from ..sparsity import SparsityReport
+from .common import check_paths
 
 __all__ = ["PUSH_EXAMPLES", "PUSH_HELP", "add_parser", "add_push_arguments", "run_push"]
 
@@ -87,6 +88,9 @@ def _load_folder(args):
 
 def run_push(args: argparse.Namespace) -> int:
     """Run the ``push`` verb. Returns the exit status (0 ok, 1 upload failed, 2 refused)."""
+    check_paths(inputs=[("--report", args.report), ("--evaluation", args.evaluation),
+                        ("--sparsity-report", args.sparsity_report)],
+                outputs=[("--output-dir", args.output_dir, "new folder")])
     try:
         model, tokenizer, report, evaluation, sparsity_report = _load_folder(args)
         common = dict(tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=args.base_model,

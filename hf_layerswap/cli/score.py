@@ -12,8 +12,18 @@ from pathlib import Path
 from ..protocols import SWAP_PROTOCOLS
 from ..rule import NonFiniteScoresWarning, nonfinite_message
 from ..scoring import score_layers
-from .common import (HELP_FORMATTER, add_calibration_args, add_model_args, config_help, count, load, needs_tokenizer,
-                     prompt_count)
+from .common import (
+    HELP_FORMATTER,
+    add_calibration_args,
+    add_model_args,
+    add_resume_arg,
+    check_before_loading,
+    config_help,
+    count,
+    load,
+    needs_tokenizer,
+    prompt_count,
+)
 
 __all__ = ["add_parser", "format_scores_table", "run_score"]
 
@@ -28,6 +38,7 @@ def add_parser(subparsers):
                        choices=list(SWAP_PROTOCOLS))
     score.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
+    add_resume_arg(score)
     score.set_defaults(func=run_score)
     return score
 
@@ -38,6 +49,7 @@ def run_score(args) -> int:
     if Path(args.output).is_dir():  # found out before loading and scoring, not after
         example = Path(args.output) / "layerswap_report.json"
         raise FileExistsError(f"--output {args.output} is a folder; give the report's file path, e.g. {example}")
+    check_before_loading(args, outputs=[("--output", args.output, "file"), ("--resume", args.resume, "folder")])
     model, tokenizer = load(args)
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
     with warnings.catch_warnings():  # said once below, naming the values
@@ -45,7 +57,7 @@ def run_score(args) -> int:
         report = score_layers(
             model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
             num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size,
-            seed=args.seed,
+            seed=args.seed, checkpoint_path=args.resume,
         )
     path = report.to_json(args.output)
     print(format_scores_table(report))

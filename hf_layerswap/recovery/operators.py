@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -120,6 +121,43 @@ def _attach(model: nn.Module, boundary: int, weight: torch.Tensor) -> GhostedOpe
         op._handle = block.register_forward_hook(op.output_hook, prepend=True)
     _install_save_hook(model)
     return op
+
+
+def take_operators(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Detach every attached operator (hooks and modules) and return ``{boundary: weight}``
+    (float32 ``(H, H)``); unlike :func:`detach_recovery` the recovery record and the save
+    hook stay, for :func:`carried_operators` to put the maps back after a removal."""
+    ops = attached_operators(model)
+    for _, op in ops:
+        op._handle.remove()
+    _, _, blocks = decoder_blocks(model)
+    for block in blocks:
+        for attr in (_IN_ATTR, _OUT_ATTR):
+            if isinstance(getattr(block, attr, None), GhostedOperator):
+                delattr(block, attr)
+    return {b: op.weight for b, op in ops}
+
+
+def carried_operators(ops: dict[int, torch.Tensor], kept: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Where ghosted operators go when blocks are removed, so that the result is exactly the
+    repaired model with those blocks skipped.
+
+    Boundary ``b`` (the residual stream between blocks ``b-1`` and ``b``) becomes boundary
+    ``#{k in kept : k < b}``. Operators whose boundaries meet (the blocks between them are
+    all removed) become their product in stream order: ``h W_a W_b`` for ``a < b``.
+
+    Args:
+        ops: ``{boundary: (H, H) weight}`` before the removal.
+        kept: the 0-based indices of the blocks that stay, ascending.
+
+    Returns:
+        ``{new boundary: (H, H) weight}``.
+    """
+    out: dict[int, torch.Tensor] = {}
+    for b in sorted(ops):
+        new = sum(1 for k in kept if k < b)
+        out[new] = out[new] @ ops[b] if new in out else ops[b]
+    return out
 
 
 def detach_recovery(model: nn.Module) -> int:

@@ -1,0 +1,270 @@
+"""How the command line fails: paths checked before the model loads, a full disk at write
+time, a corrupt GGUF file, a Hub id while offline, and Ctrl-C (exit 130, then ``--resume``).
+
+Read-only outputs: the tests run as root, for whom permission bits do not stop writes, so a
+path that cannot be created is made portably as a path *under a regular file* (the kernel
+refuses it with ENOTDIR whoever asks), and the read-only-folder branch is reached by making
+the probe file's creation fail with EROFS, as a read-only mount does.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cli import _calibration_file, _tiny_checkpoint
+
+import hf_layerswap.cli.common as common
+from hf_layerswap import SwapReport
+from hf_layerswap.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    """main's exit status (or argparse's) and what it printed on stderr."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def base(tmp_path):
+    _tiny_checkpoint(tmp_path / "base")
+    _calibration_file(tmp_path / "calib.txt")
+    (tmp_path / "a-file").write_text("not a folder\n")
+    return tmp_path
+
+
+def _verbs(tmp: Path, out: Path) -> dict:
+    """Each verb with one output path ``out`` (everything else valid): ``{case: (option, argv)}``."""
+    model, calib = tmp / "base", tmp / "calib.txt"
+    scoring = ["--calibration", calib, "--num-prompts", "2"]
+    return {
+        "score -o": ("--output", ["score", model, *scoring, "-o", out]),
+        "score --resume": ("--resume", ["score", model, *scoring, "-o", tmp / "r.json", "--resume", out]),
+        "prune OUTPUT": ("output", ["prune", model, out, "--layers", "1"]),
+        "prune --resume": ("--resume", ["prune", model, tmp / "pruned", "--num-layers", "1", *scoring, "--resume", out]),
+        "eval -o": ("--output", ["eval", model, "-o", out]),
+        "push --output-dir": ("--output-dir", ["push", model, "me/tiny", "--output-dir", out]),
+        "export-gguf OUTPUT": ("OUTPUT", ["export-gguf", model, out]),
+        "demo --output": ("--output", ["demo", "--model", model, "--output", out, *scoring]),
+    }
+
+
+@pytest.mark.parametrize("verb", list(_verbs(Path("t"), Path("o"))))
+def test_an_output_that_cannot_be_created_is_refused_before_the_model_loads(base, capsys, verb):
+    out = base / "a-file" / "out.gguf"
+    option, argv = _verbs(base, out)[verb]
+    code, err = _run(argv, capsys)
+    assert code == 2
+    assert err.strip() == f"error: {option} {out} cannot be created: {base / 'a-file'} is a file, not a folder"
+    assert "loading" not in err  # refused before the model loads (score and eval used to fail after the work)
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_a_read_only_output_folder_is_refused_before_the_model_loads(base, capsys, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(common.tempfile, "TemporaryFile", read_only)
+    out = base / "new" / "out.gguf"
+    for verb, (option, argv) in _verbs(base, out).items():
+        if "--resume" in verb:
+            continue  # its other output is checked first, with the same message
+        code, err = _run(argv, capsys)
+        assert code == 2, verb
+        assert err.strip() == (f"error: {option} {out} cannot be written: {base} refuses new files "
+                               "(Read-only file system); choose a writable folder"), verb
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_missing_inputs_are_refused_before_the_model_loads(base, capsys):
+    missing = base / "missing" / "dir"
+    cases = {
+        "--tokenizer": ["score", base / "base", "--tokenizer", missing, "-o", base / "r.json"],
+        "--report": ["push", base / "base", "me/tiny", "--report", missing, "--output-dir", base / "o"],
+        "--evaluation": ["push", base / "base", "me/tiny", "--evaluation", missing, "--output-dir", base / "o"],
+        "--sparsity-report": ["push", base / "base", "me/tiny", "--sparsity-report", missing, "--output-dir", base / "o"],
+        "CHECKPOINT": ["export-gguf", missing, base / "o.gguf"],
+    }
+    for option, argv in cases.items():
+        code, err = _run(argv, capsys)
+        assert code == 2 and "loading" not in err, option
+        expected = (f"error: --tokenizer {str(missing)!r} is not a folder, and not a Hub id of the form 'owner/name'"
+                    if option == "--tokenizer" else f"error: {option} {str(missing)!r} does not exist")
+        assert err.strip() == expected
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_a_corrupt_gguf_file_is_a_clear_error_naming_the_file(base, capsys):
+    from hf_layerswap.models import check_gguf_file, load_model
+
+    garbage = base / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + struct.pack("<I", 3) + bytes(range(7, 71)))
+    empty = base / "empty.gguf"
+    empty.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # parses, but holds no model
+    not_gguf = base / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 a zip, not GGUF")
+    expected = {
+        garbage: f"{garbage} is a corrupt or truncated GGUF file: ",
+        empty: f"{empty} is not a GGUF model: it names no architecture or holds no tensor",
+        not_gguf: f"{not_gguf} is not a GGUF file: it starts with b'PK\\x03\\x04', not b'GGUF'",
+    }
+    for path, message in expected.items():
+        with pytest.raises(ValueError) as err:
+            check_gguf_file(path)
+        assert str(err.value).startswith(message)
+        with pytest.raises(ValueError, match="GGUF"):
+            load_model(path)  # the Python API refuses it before from_pretrained
+        code, out = _run(["score", path, "-o", base / "r.json"], capsys)
+        assert code == 2 and out.startswith(f"error: {message}") and len(out.strip().splitlines()) == 1
+        assert "loading" not in out
+    code, out = _run(["eval", base, "--gguf-file", "garbage.gguf", "-o", base / "e.json"], capsys)
+    assert code == 2 and out.startswith(f"error: {garbage} is a corrupt or truncated GGUF file: ")
+
+
+def test_a_hub_id_while_offline_is_a_clear_error_before_loading(base, capsys, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    code, err = _run(["score", "someone/not-cached", "-o", base / "r.json"], capsys)
+    assert code == 2
+    assert err.strip() == ("error: MODEL 'someone/not-cached' is a Hub id, but the Hub is switched off (HF_HUB_OFFLINE=1) "
+                           "and config.json of it is not in the local cache: unset HF_HUB_OFFLINE to download it, or "
+                           "give a local folder")
+    code, err = _run(["prune", base / "base", base / "out", "--layers", "1", "--tokenizer", "someone/tok"], capsys)
+    assert code == 2 and err.startswith("error: --tokenizer 'someone/tok' is a Hub id, but the Hub is switched off")
+    assert not (base / "out").exists() and not (base / "r.json").exists()
+
+
+def test_a_full_disk_at_write_time_is_one_error_line_and_nothing_partial(base, capsys, monkeypatch):
+    """ENOSPC in the middle of the last write (the report; the checkpoint folder): exit 1,
+    one ``error:`` line, no traceback, and no file or staging folder left behind."""
+    import hf_layerswap.hub as hub
+    import hf_layerswap.jsonio as jsonio
+
+    def full_disk(text, path):
+        with jsonio.atomic_path(path) as tmp:
+            tmp.write_text(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    monkeypatch.setattr(jsonio, "write_text_atomic", full_disk)
+    code, err = _run(["score", base / "base", "--calibration", base / "calib.txt", "--num-prompts", "2",
+                      "-o", base / "r.json"], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: [Errno 28] No space left on device: ") and "Traceback" not in err
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+    write_card_files = hub.write_card_files
+
+    def full_disk_folder(folder, *args, **kwargs):  # the weights are written by now
+        write_card_files(folder, *args, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "README.md"))
+
+    monkeypatch.setattr(hub, "write_card_files", full_disk_folder)
+    code, err = _run(["prune", base / "base", base / "pruned", "--layers", "1"], capsys)
+    assert code == 1 and err.strip().splitlines()[-1].startswith("error: [Errno 28] No space left on device: ")
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+# ------------------------------------------------------------------ Ctrl-C and --resume
+
+_SLOW_SCORE = """
+import sys, time
+import hf_layerswap.scoring.checkpoint as checkpoint
+from hf_layerswap.cli import main
+
+save = checkpoint.ScoringCheckpoint.save
+
+def save_then_wait(self, *args, **kwargs):  # a slow model: time to interrupt between two parts
+    save(self, *args, **kwargs)
+    time.sleep(float(sys.argv[1]))
+
+checkpoint.ScoringCheckpoint.save = save_then_wait
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _score(argv, pause: float, **popen):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SCORE, str(pause), *map(str, argv)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen,
+    )
+
+
+def test_ctrl_c_exits_130_with_one_line_and_resume_gives_the_uninterrupted_report(base):
+    """``score --resume DIR`` interrupted by SIGINT once some batches are checkpointed exits
+    130 with one line; the same command again finishes from the checkpoint, and its KLs
+    equal those of an uninterrupted run exactly."""
+    resume = base / "ckpt"
+    args = ["score", base / "base", "--calibration", base / "calib.txt", "--num-prompts", "6", "--batch-size", "1",
+            "--resume", resume]
+    child = _score([*args, "-o", base / "resumed.json"], pause=1.0)
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(resume.glob("part-*.pt"))) < 2:
+            assert child.poll() is None, child.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no batch was checkpointed"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130
+    assert err.splitlines()[-1] == f"interrupted; run the same command again to continue from the checkpoint in {resume}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert not (base / "resumed.json").exists()
+    done_before = len(list(resume.glob("part-*.pt")))
+
+    again = _score([*args, "-o", base / "resumed.json"], pause=0.0)
+    fresh = _score([*args[:-2], "-o", base / "fresh.json"], pause=0.0)
+    for proc in (again, fresh):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    resumed, uninterrupted = (SwapReport.from_json(base / name) for name in ("resumed.json", "fresh.json"))
+    assert resumed.metadata["checkpoint"]["resumed_values"] >= done_before > 0
+    assert "checkpoint" not in uninterrupted.metadata
+    pairs = [json.dumps(p) for p in resumed.to_dict()["pairs"]]
+    assert pairs == [json.dumps(p) for p in uninterrupted.to_dict()["pairs"]]  # every KL and SE, bit for bit
+    assert len(pairs) == 5
+
+
+def test_resume_with_nothing_to_score_is_refused(base, capsys):
+    code, err = _run(["prune", base / "base", base / "out", "--layers", "1", "--resume", base / "ck"], capsys)
+    assert code == 2 and err.strip() == "error: --resume resumes scoring, but with --layers nothing is scored: drop --resume"
+    assert not (base / "out").exists() and not (base / "ck").exists()
+
+
+def test_prune_resume_reuses_the_checkpointed_scores(base, capsys):
+    """``prune --resume DIR``: the scoring of a second run with the same DIR is read back
+    from the checkpoint (every value resumed), and it removes the same blocks."""
+    args = ["--num-layers", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "3",
+            "--resume", base / "ck"]
+    assert _run(["prune", base / "base", base / "first", *args], capsys)[0] == 0
+    parts = sorted(p.name for p in (base / "ck").glob("part-*.pt"))
+    assert len(parts) == 1  # 3 prompts: one batch (of up to 8), its probes in one group
+    assert _run(["prune", base / "base", base / "second", *args], capsys)[0] == 0
+    first, second = (json.loads((base / d / "config.json").read_text())["layerswap"] for d in ("first", "second"))
+    assert first["removed_layers"] == second["removed_layers"]
+    reports = [SwapReport.from_json(base / d / "layerswap_report.json") for d in ("first", "second")]
+    assert reports[0].metadata["checkpoint"]["resumed_values"] == 0
+    assert reports[1].metadata["checkpoint"]["resumed_values"] == 5  # one interchange value per pair of 6 blocks
+    assert [p.interchange for p in reports[0].pairs] == [p.interchange for p in reports[1].pairs]
+    assert sorted(p.name for p in (base / "ck").glob("part-*.pt")) == parts  # nothing scored again
