@@ -167,3 +167,25 @@ def test_scoring_leaves_model_exactly_as_it_was():
     hl.remove_layers(model, [2])
     after = hl.score_layers(model, tiny_batch(), max_gap=1, progress=False, protocols=("interchange",))
     assert after.metadata["model"]["base_model"] == model.config.layerswap["base_model"] == "org/tiny-qwen3"
+
+
+def test_prompts_longer_than_a_learned_position_table_are_refused_before_any_forward():
+    """GPT-2 has one learned position row per position (n_positions): prompts longer than
+    that used to fail with an IndexError inside the embedding; the engine refuses them with
+    the rule of evaluate_perplexity, before the model runs at all."""
+    from arch_matrix import build
+
+    from hf_layerswap.evaluation import perplexity_from_ids
+
+    model = build("gpt2", 4, 0, n_positions=32)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"seq_len=40\) exceeds the model's max_position_embeddings=32 .*lower "
+                       r"seq_len to at most 32"):
+        hl.score_layers(model, tiny_batch(batch=2, length=40, pad_last=0), num_prompts=2, progress=False)
+    with pytest.raises(ValueError, match=r"window=33 exceeds the model's max_position_embeddings=32 .*lower window "
+                       r"to at most 32"):
+        perplexity_from_ids(model, torch.arange(1, 100) % 50, window=33, stride=16)
+    assert calls == []
+    report = hl.score_layers(model, tiny_batch(batch=2, length=32, pad_last=0), num_prompts=2, progress=False)  # the limit itself
+    assert report.num_layers == 4 and calls

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..calibration import check_token_ids
+from ..calibration import check_positions, check_token_ids
 from ..provenance import library_versions, model_fingerprint, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
@@ -76,9 +76,7 @@ def perplexity_from_ids(
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
 
     check_token_ids(ids, model, "input_ids")
-    max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if max_pos is not None and window > max_pos:
-        raise ValueError(f"window={window} exceeds the model's max_position_embeddings={max_pos}")
+    check_positions(model, window, f"window={window}", "lower window")
     spans = sliding_windows(len(ids), window, stride, paper_token_count=paper_token_count)
     device = next(model.parameters()).device
     was_training = model.training

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..calibration import CalibrationSet, check_token_ids
+from ..calibration import CalibrationSet, check_positions, check_token_ids
 from ..plan import apply_plan, decoder_blocks, model_fingerprint, num_blocks, _StopForward
 from ..provenance import library_versions, report_identity
 from .checkpoint import _Checkpoint, _dist_state, _plans_digest
@@ -75,6 +75,8 @@ class _Engine:
         self.budget = settings.max_memory
         self.input_device = _module_device(model.get_input_embeddings())
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
+        length = calibration.input_ids.shape[-1]
+        check_positions(model, length, f"calibration prompts of {length} tokens (seq_len={length})", "lower seq_len")
         self.head = _Head(model)
         owner, _, _ = decoder_blocks(model)
         self.decoder = owner if owner is not model else None
