@@ -71,8 +71,9 @@ def _contract_summary(contract: dict) -> str:
         f"{contract.get('name')}: {words}{contract.get('source')} (text sha256 {str(contract.get('text_sha256'))[:12]}), "
         f"window {contract.get('window')}, stride {contract.get('stride')}, {contract.get('scored_tokens')} scored tokens "
         f"in {contract.get('windows')} windows, BOS {'added' if bos.get('add_bos') else 'not added'} "
-        f"({bos.get('bos_choice')}), {contract.get('dtype')}; 95% CI: bootstrap over windows "
-        f"({boot.get('resamples')} resamples, seed {boot.get('seed')})"
+        f"({bos.get('bos_choice')}), {contract.get('dtype')}; 95% CI: "
+        + (f"bootstrap over windows ({boot.get('resamples')} resamples, seed {boot.get('seed')})"
+           if (contract.get("windows") or 0) >= 2 else "none (a bootstrap over windows needs 2)")
     )
 
 
@@ -168,13 +169,13 @@ def run_demo(args) -> int:
     rows = [(n, protocol, layers, None if layers is None else cache[tuple(layers)], err)
             for n, protocol, layers, err in selected]
     print("\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
-    print(f"| 0 | (base) | - | {base.ppl:.3f} | [{base.ci_low:.3f}, {base.ci_high:.3f}] | 0.0 |")
+    print(f"| 0 | (base) | - | {base.ppl:.3f} | {base.ci_text()} | 0.0 |")
     for n, protocol, layers, res, err in rows:
         if res is None:
             print(f"| {n} | {protocol} | ({err}) | - | - | - |")
         else:
             print(
-                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | [{res.ci_low:.3f}, {res.ci_high:.3f}] | "
+                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | {res.ci_text()} | "
                 f"{delta_ppl_percent(base.ppl, res.ppl):+.1f} |"
             )
     print(f"\ncontract: {_contract_summary(base.contract)}")

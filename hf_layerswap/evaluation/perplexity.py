@@ -17,6 +17,7 @@ from ..provenance import library_versions, model_fingerprint, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
     CONTRACTS,
+    MIN_CI_WINDOWS,
     PerplexityResult,
     _bootstrap_ci,
     _read_source,
@@ -281,7 +282,8 @@ def delta_ppl_ci(
     """Paired bootstrap 95% interval of dPPL% (the paper's Table 28 statistic).
 
     The same resampled windows enter both PPLs of each resample
-    (``numpy.random.RandomState(seed)``); returns the 2.5/97.5 percentiles, in %.
+    (``numpy.random.RandomState(seed)``); returns the 2.5/97.5 percentiles, in %, or
+    ``(None, None)`` when fewer than 2 windows score a token (no interval).
 
     Raises:
         ValueError: the results were measured under different contracts or lack per-window data.
@@ -294,6 +296,8 @@ def delta_ppl_ci(
     tokens = tokens[keep]
     a = np.asarray(base.window_nll)[keep]
     b = np.asarray(pruned.window_nll)[keep]
+    if len(a) < MIN_CI_WINDOWS:
+        return None, None
     rng = np.random.RandomState(seed)
     idx = rng.randint(0, len(a), size=(resamples, len(a)))
     t = tokens[idx].sum(axis=1)
