@@ -258,8 +258,8 @@ def check_positions(model, length: int, what: str, fix: str) -> None:
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and int(length) > int(max_pos):
         raise ValueError(
-            f"{what} exceeds the model's max_position_embeddings={max_pos} (the longest sequence it has "
-            f"positions for): {fix} to at most {max_pos}"
+            f"{what} is longer than the model's max_position_embeddings={max_pos} (the longest sequence it "
+            f"has positions for): {fix} to at most {max_pos}"
         )
 
 

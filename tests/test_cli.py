@@ -14,10 +14,10 @@ from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
 
-def _tiny_checkpoint(path):
+def _tiny_checkpoint(path, model=None):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3") if model is None else model
     vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
     vocab["[UNK]"] = model.config.vocab_size - 1
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -95,6 +95,24 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     for entry in decision["protocol_sets"].values():  # the searched set is never worse than a protocol's set
         assert entry is None or decision["value"] <= entry["value"]
     assert (out / "README.md").is_file()
+
+
+def test_prompts_longer_than_the_position_table_exit_2_before_scoring(tmp_path, capsys):
+    from arch_matrix import build
+
+    _tiny_checkpoint(tmp_path / "gpt2", build("gpt2", 4, 0, n_positions=32))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 120}" for k in range(60)) for p in range(3)) + "\n")
+    rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "32"])
+    assert rc == 0  # 32 tokens fit
+    capsys.readouterr()
+    rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "128",
+               "-o", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "IndexError" not in err
+    assert ("error: a calibration prompt of 60 tokens is longer than the model's max_position_embeddings=32 (the "
+            "longest sequence it has positions for): lower seq_len (tokens per prompt) to at most 32") in err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import model_fingerprint, num_blocks
+from ..plan import model_fingerprint, num_blocks, uncompiled
 from ..protocols import SWAP_PROTOCOLS
 from ..report import PROTOCOLS, SwapReport
 from ..scoring import _calibration_from_args
@@ -98,6 +98,7 @@ def select_layers(
     fn = get_strategy(strategy)
     check_options(strategy, options)
     if model is not None:
+        model = uncompiled(model)
         check_report_matches(report, model)
     if spacing is None:
         spacing = 1 if strategy in ("greedy", "auto") else 0
