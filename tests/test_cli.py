@@ -103,7 +103,8 @@ def test_prompts_longer_than_the_position_table_exit_2_before_scoring(tmp_path, 
     _tiny_checkpoint(tmp_path / "gpt2", build("gpt2", 4, 0, n_positions=32))
     calib = tmp_path / "calib.txt"
     calib.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 120}" for k in range(60)) for p in range(3)) + "\n")
-    rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "32"])
+    rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "32",
+               "-o", str(tmp_path / "fits.json")])
     assert rc == 0  # 32 tokens fit
     capsys.readouterr()
     rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "128",
