@@ -365,7 +365,7 @@ class CriterionComparison:
             else:
                 removed = ",".join(map(str, r["removed"]))
                 dppl = f"{r['dppl']:+.1f}"
-                ci = f"[{r['dppl_ci'][0]:+.1f}, {r['dppl_ci'][1]:+.1f}]" if r.get("dppl_ci") else "-"
+                ci = f"[{r['dppl_ci'][0]:+.1f}, {r['dppl_ci'][1]:+.1f}]" if r.get("dppl_ci") and None not in r["dppl_ci"] else "-"
                 ppl = f"{r['ppl']:.3f}"
                 kl = f"{r['removal_kl']:.4f}" if r.get("removal_kl") is not None else "-"
             calls = "-" if r.get("evaluator_calls") is None else str(r["evaluator_calls"])

@@ -29,6 +29,7 @@ __all__ = [
     "CalibrationSet",
     "CalibrationShortfallWarning",
     "build_calibration",
+    "check_positions",
     "check_token_ids",
     "embedded_text",
     "looks_like_path",
@@ -245,6 +246,20 @@ def check_token_ids(input_ids: torch.Tensor, model, what: str) -> None:
         raise ValueError(
             f"{what} hold token id {bad}, but the model's input embedding has {rows} rows: allowed ids "
             f"0..{rows - 1} (is the tokenizer the model's own? padding positions count too)"
+        )
+
+
+def check_positions(model, length: int, what: str, fix: str) -> None:
+    """Raise ValueError if sequences of ``length`` tokens are longer than the model's
+    ``max_position_embeddings`` (the one rule of the scoring engine and the perplexity
+    contracts: a learned position table, GPT-2's ``n_positions``, has no row beyond it).
+    Called before any forward pass. ``what`` names the value (``"seq_len=128"``), ``fix``
+    says what to lower."""
+    max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_pos is not None and int(length) > int(max_pos):
+        raise ValueError(
+            f"{what} is longer than the model's max_position_embeddings={max_pos} (the longest sequence it "
+            f"has positions for): {fix} to at most {max_pos}"
         )
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import numbers
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -38,6 +40,7 @@ __all__ = [
     "removal_plan",
     "replacement_plan",
     "resolve_layer_indices",
+    "uncompiled",
 ]
 
 #: Attribute names under which decoders keep their block ``nn.ModuleList``.
@@ -46,6 +49,28 @@ BLOCK_LIST_NAMES = ("layers", "h", "blocks")
 #: Per-layer config lists that the decoder forward reads by slot position and that must
 #: therefore move with their block under a plan (and be filtered by kept index on removal).
 PER_LAYER_LIST_FIELDS = ("layer_types", "no_rope_layers")
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module to probe: for a ``torch.compile``'d model (``OptimizedModule``), the eager
+    module it wraps (``model._orig_mod``, the same parameters), with a ``UserWarning`` that
+    says so; any other model as it is.
+
+    Every probe runs the model under another layer plan with its own hooks, and the compiled
+    graph guards on both, so a compiled model recompiles at every probe until dynamo's
+    recompile limit and then runs about 100 times slower than eager; scoring the original
+    module gives the same numbers at eager speed and leaves the compiled wrapper as it was.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded wherever a model was compiled
+    if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
+        return model
+    warnings.warn(
+        "the model is torch.compile'd: hf_layerswap probes its original eager module (model._orig_mod, the same "
+        "weights), since every probe changes the block plan and hooks and would recompile the graph each time",
+        UserWarning,
+        stacklevel=3,
+    )
+    return model._orig_mod
 
 
 def decoder_blocks(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:

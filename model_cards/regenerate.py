@@ -2,10 +2,12 @@
 
 For each model: load the bundled real checkpoint (dequantized GGUF from the package
 index), measure the base perplexity on WikiText-2 (raw test split, the "matched"
-contract), score both swap-KL protocols on WikiText-2 validation text, remove blocks with
-``protocol="auto"`` (each protocol's greedy set, kept by joint removal KL), measure the
-pruned perplexity under the same contract, and write the card, its plots and the JSON
-sidecars into ``model_cards/<name>/`` (no weights).
+contract), score both swap-KL protocols on WikiText-2 validation text, remove blocks by the
+default path (``LayerSwapConfig``'s defaults, as ``hf-layerswap prune`` runs it: the
+protocol-guided search, removal KL on the calibration prompts), with fewer calibration
+prompts than the default 64 (``RUNS``) to keep the run short, measure the pruned
+perplexity under the same contract, and write the card, its plots and the JSON sidecars
+into ``model_cards/<name>/`` (no weights).
 
 Run from the repository root (the shared data lives at ``../shared/data``)::
 
@@ -30,7 +32,8 @@ DATA = Path("..") / "shared" / "data"  # relative to the repository root, as the
 CALIBRATION = DATA / "wikitext-2" / "valid.txt"
 EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
-#: name -> (blocks to remove, license of the upstream release, calibration prompts)
+#: name -> (blocks to remove, license of the upstream release, calibration prompts: fewer than
+#: LayerSwapConfig's default 64, to keep a regeneration short on a CPU)
 RUNS = {
     "smollm2-135m": (2, "apache-2.0", 8),
     "gemma3-270m": (2, "gemma", 16),
@@ -64,8 +67,9 @@ def regenerate(
     print(f"[{name}] loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     base = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, max_words=eval_words)
     print(f"[{name}] base PPL {base.ppl:.3f}", flush=True)
+    # the default path: every selection field (strategy, objective, protocol, spacing, protect) at its default
     config = LayerSwapConfig(
-        num_layers=budget, strategy="auto", protocol="auto", calibration=None if calibration == "embedded" else calibration,
+        num_layers=budget, calibration=None if calibration == "embedded" else calibration,
         tokenizer=tokenizer, num_prompts=num_prompts or default_prompts, seq_len=seq_len, progress=False,
     )
     prune_loaded_model(model, config)

@@ -14,10 +14,10 @@ from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
 
-def _tiny_checkpoint(path):
+def _tiny_checkpoint(path, model=None):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3") if model is None else model
     vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
     vocab["[UNK]"] = model.config.vocab_size - 1
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -79,7 +79,7 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     assert rc == 0
     captured = capsys.readouterr()
     text = captured.out
-    assert "calibration budget: 8 prompts" in text
+    assert "calibration budget: 8 prompts" in text and "\nestimated time: about " in text
     assert "perplexity evaluations" in captured.err  # progress bar over the base model and each removal set
     contract = next(line for line in text.splitlines() if line.startswith("contract: "))
     assert contract.startswith("contract: matched: first 400 words of ") and "window 512, stride 256" in contract
@@ -95,6 +95,53 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     for entry in decision["protocol_sets"].values():  # the searched set is never worse than a protocol's set
         assert entry is None or decision["value"] <= entry["value"]
     assert (out / "README.md").is_file()
+
+
+def test_prompts_longer_than_the_position_table_exit_2_before_scoring(tmp_path, capsys):
+    from arch_matrix import build
+
+    _tiny_checkpoint(tmp_path / "gpt2", build("gpt2", 4, 0, n_positions=32))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 120}" for k in range(60)) for p in range(3)) + "\n")
+    rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "32",
+               "-o", str(tmp_path / "fits.json")])
+    assert rc == 0  # 32 tokens fit
+    capsys.readouterr()
+    rc = main(["score", str(tmp_path / "gpt2"), "--calibration", str(calib), "--num-prompts", "2", "--seq-len", "128",
+               "-o", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "IndexError" not in err
+    assert ("error: a calibration prompt of 60 tokens is longer than the model's max_position_embeddings=32 (the "
+            "longest sequence it has positions for): lower seq_len (tokens per prompt) to at most 32") in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compared_one(tmp_path, capsys):
+    """The demo prints its planned work and estimated time before any scoring; its final cut
+    (through hl.prune) gets the evaluations the compared search spent up to that budget, so it
+    scores the same candidates and keeps the same set."""
+    _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_layers=10, max_position_embeddings=512))
+    calib = _calibration_file(tmp_path / "calib.txt", n=12)
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join(f"w{(k * 13) % 120}" for k in range(1500)))
+    rc = main(["demo", "--model", str(tmp_path / "base"), "--calibration", str(calib), "--eval-text", str(text),
+               "--num-prompts", "8", "--budgets", "1", "2", "--output", str(tmp_path / "out")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    plan = next(k for k, line in enumerate(lines) if line.startswith("planned work: scoring 27 probes; the search at most 12 "))
+    estimate = next(k for k, line in enumerate(lines) if line.startswith("estimated time: about "))
+    assert plan < estimate < next(k for k, line in enumerate(lines) if line.startswith("per-layer swap-KL scores"))
+    assert "at most 7 perplexity evaluations of 999 tokens (1512 through the model)" in lines[plan]
+    assert "matched contract on the first 1000 words" in out  # the demo's default held-out text
+    searched = next(line for line in lines if line.startswith("  n = 2: search "))
+    report = SwapReport.from_json(tmp_path / "out" / "layerswap_report.json")
+    final = report.selections[-1]
+    assert final["strategy"] == "search" and searched.startswith(f"  n = 2: search {final['selected']} ")
+    # the single-removal sweep (8 sets), the two protocols' greedy pairs and the allowance of 8 // 3 = 2
+    assert final["max_evaluations"] == final["total_cost"]["evaluator_calls"] <= 8 + 2 + 2
+    assert f"budgets [1, 2] in one call): {final['total_cost']['evaluator_calls']} candidate sets," in out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]["removed_layers"] == final["selected"]
 
 
 def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):

@@ -140,7 +140,7 @@ def test_readme_first_screen_is_the_quickstart():
 def test_readme_shows_the_test_command_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     command = [line for line in ci if "pytest" in line]
-    assert command == ["bash scripts/install.sh && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider"]
+    assert command == ["bash scripts/install.sh --test && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider"]
     readme = [line.strip() for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()]
     assert command[0] in readme
 

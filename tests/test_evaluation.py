@@ -379,3 +379,28 @@ def test_smollm2_generation(smollm2):
     assert check.cache_consistent
     assert "Paris" in check.continuations[0]
     assert check.mean_distinct_2 > 0.5
+
+
+def test_one_window_has_no_confidence_interval(tiny_lm):
+    """One window resampled 1,000 times is one value: the "95% CI" used to be [ppl, ppl].
+    Now it is absent (None), and printed and rendered as such."""
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(5))
+    one = perplexity_from_ids(tiny_lm, ids, window=64, stride=32)  # 40 tokens: one window
+    assert one.windows == 1 and one.tokens == 39
+    assert one.ci_low is None and one.ci_high is None
+    assert "ci_low=None, ci_high=None" in repr(one)
+    assert one.ci_text() == "none (1 scored window: a bootstrap over windows needs 2)"
+    assert PerplexityResult.from_dict(one.to_dict()) == one
+    other = perplexity_from_ids(tiny_lm, (ids + 7) % 300, window=64, stride=32)
+    assert delta_ppl_ci(one, other) == (None, None)
+    two = perplexity_from_ids(tiny_lm, torch.cat([ids, ids]), window=64, stride=32)  # 80 tokens: two windows
+    assert two.windows == 2 and two.ci_low < two.ci_high
+    assert two.ci_text() == f"[{two.ci_low:.3f}, {two.ci_high:.3f}]"
+    assert perplexity_from_ids(tiny_lm, ids, window=64, stride=32, bootstrap=0).ci_text() == "none (bootstrap=0)"
+
+    from hf_layerswap.card import render_card
+
+    pruned = tiny_model("llama", num_layers=2)
+    text = render_card(pruned, evaluation={"base": one.to_dict(), "pruned": other.to_dict()}).text
+    rows = [line for line in text.splitlines() if line.startswith(("| base |", "| pruned (this model) |"))]
+    assert len(rows) == 2 and all("| none (1 window) |" in row for row in rows), rows

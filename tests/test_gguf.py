@@ -31,7 +31,7 @@ UNDER_CI = os.environ.get("CI", "").lower() == "true"
 
 def _missing(reason: str):
     if UNDER_CI:
-        pytest.fail(f"{reason}; under CI its absence is a failure (scripts/install.sh installs it)")
+        pytest.fail(f"{reason}; under CI its absence is a failure (scripts/install.sh --test installs it)")
     pytest.skip(reason)
 
 

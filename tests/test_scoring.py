@@ -23,7 +23,7 @@ from hf_layerswap.plan import (
     model_fingerprint,
     replacement_plan,
 )
-from hf_layerswap.scoring import masked_kl, plan_kl
+from hf_layerswap.scoring import masked_kl, plan_kl, removal_kl
 
 
 def _snapshot(model):
@@ -167,3 +167,48 @@ def test_scoring_leaves_model_exactly_as_it_was():
     hl.remove_layers(model, [2])
     after = hl.score_layers(model, tiny_batch(), max_gap=1, progress=False, protocols=("interchange",))
     assert after.metadata["model"]["base_model"] == model.config.layerswap["base_model"] == "org/tiny-qwen3"
+
+
+def test_prompts_longer_than_a_learned_position_table_are_refused_before_any_forward():
+    """GPT-2 has one learned position row per position (n_positions): prompts longer than
+    that used to fail with an IndexError inside the embedding; the engine refuses them with
+    the rule of evaluate_perplexity, before the model runs at all."""
+    from arch_matrix import build
+
+    from hf_layerswap.evaluation import perplexity_from_ids
+
+    model = build("gpt2", 4, 0, n_positions=32)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"a calibration prompt of 40 tokens is longer than the model's "
+                       r"max_position_embeddings=32 .*lower seq_len \(tokens per prompt\) to at most 32"):
+        hl.score_layers(model, tiny_batch(batch=2, length=40, pad_last=0), num_prompts=2, progress=False)
+    with pytest.raises(ValueError, match=r"window=33 is longer than the model's max_position_embeddings=32 .*lower "
+                       r"window to at most 32"):
+        perplexity_from_ids(model, torch.arange(1, 100) % 50, window=33, stride=16)
+    assert calls == []
+    report = hl.score_layers(model, tiny_batch(batch=2, length=32, pad_last=0), num_prompts=2, progress=False)  # the limit itself
+    assert report.num_layers == 4 and calls
+
+
+def test_a_compiled_model_is_scored_through_its_eager_module_without_recompiling():
+    """torch.compile guards on the block plan and the hooks each probe changes, so scoring a
+    compiled model recompiled at every probe until dynamo's recompile limit (~100x slower);
+    the probes now run on ``_orig_mod`` (same weights, same numbers) and dynamo sees none."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    eager = hl.score_layers(model, tiny_batch(), progress=False)
+    compiled = torch.compile(model, backend="eager")  # dynamo's guards without a code generator
+    with torch.no_grad():
+        reference = compiled(tiny_batch()["input_ids"]).logits
+    counters.clear()
+    with pytest.warns(UserWarning, match=r"torch.compile'd: .*original eager module \(model._orig_mod"):
+        report = hl.score_layers(compiled, tiny_batch(), progress=False)
+    assert [p.to_dict() for p in report.pairs] == [p.to_dict() for p in eager.pairs]
+    assert report.metadata["model"]["fingerprint"] == eager.metadata["model"]["fingerprint"]
+    with pytest.warns(UserWarning, match="torch.compile'd"):
+        assert removal_kl(compiled, tiny_batch(), [2, 3]) == removal_kl(model, tiny_batch(), [2, 3])
+    assert counters["frames"]["total"] == 0 and not counters["recompiles"]  # no frame went through dynamo
+    with torch.no_grad():
+        assert torch.equal(compiled(tiny_batch()["input_ids"]).logits, reference)  # the wrapper still works

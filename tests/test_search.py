@@ -243,3 +243,37 @@ def test_a_deep_budget_is_not_starved_by_shallow_ones(setup):
     protocol_sets = 2  # each protocol's own set is scored for the record, outside the allowance
     assert calls[0] == 6 + protocol_sets - 2  # n = 1: the sweep (the protocol sets are singles in it)
     assert all(0 < b - a <= 6 + protocol_sets for a, b in zip(calls, calls[1:]))
+
+
+def test_select_layers_refuses_an_option_the_strategy_does_not_take_and_sets_the_search_budget(setup):
+    """select_layers(..., strategy="search", num_prompts=4) used to fail inside the search
+    with a TypeError naming an internal function; now the option is refused up front,
+    naming it and what the strategy accepts, and the search's budget is set through it."""
+    model, calib, report = setup
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(TypeError, match=r"strategy='search' does not take the option\(s\) \['num_prompts'\]: it "
+                       r"accepts \[.*'evaluations_per_budget'.*'max_evaluations'.*\]"):
+        hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, num_prompts=4)
+    with pytest.raises(TypeError, match=r"strategy='greedy' does not take the option\(s\) \['max_evaluations'\]: it "
+                       r"takes no options"):
+        hl.select_layers(report, 2, max_evaluations=5)
+    with pytest.raises(TypeError, match=r"strategy='sleb' does not take the option\(s\) \['width'\]: it accepts "
+                       r"\['resume'\]"):
+        hl.select_layers(report, 2, strategy="sleb", model=model, calibration=calib, width=2)
+    handle.remove()
+    assert calls == []
+    # the budget: 6 removable blocks; budget 1 scores the sweep (6 sets), budget 2 each protocol's
+    # greedy pair (for the record, outside the allowance) and at most 2 more (exhaustive_below=0:
+    # else its 15 sets, fewer than the local search's 24, are all scored)
+    before = len(report.selections)
+    chosen = hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, evaluations_per_budget=2,
+                              exhaustive_below=0)
+    record = report.selections[-1]
+    assert len(report.selections) == before + 1 and record["selected"] == chosen
+    pairs = {tuple(e["set"]) for e in record["protocol_sets"].values()}
+    assert len(pairs) == 2 and record["evaluations_per_budget"] == 2
+    assert record["total_cost"]["evaluator_calls"] == 6 + 2 + 2
+    hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, max_evaluations=7,
+                     exhaustive_below=0)
+    assert report.selections[-1]["total_cost"]["evaluator_calls"] == 7

@@ -200,6 +200,11 @@ def _why(steps, removed, sets) -> str:
     return reason
 
 
+def _no_ci(windows) -> str:
+    """The CI cell of a result without one: one window has no bootstrap interval."""
+    return f"none ({windows} window)" if isinstance(windows, int) and windows < 2 else _DASH
+
+
 def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
     rows = []
     for key, label in (("base", "base"), ("pruned", "pruned (this model)")):
@@ -211,7 +216,7 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
             {
                 "name": label,
                 "ppl": f"{r['ppl']:.3f}",
-                "ci": f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else _DASH,
+                "ci": f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else _no_ci(r.get("windows")),
                 "nll": _kl(r["nll"] / r["tokens"]) if r.get("nll") is not None and r.get("tokens") else _DASH,
                 "tokens": f"{r['tokens']:,}" if isinstance(r.get("tokens"), int) else _DASH,
                 "windows": f"{r['windows']:,}" if isinstance(r.get("windows"), int) else _DASH,

@@ -1,6 +1,11 @@
 """The ``hf-layerswap demo`` verb: score a real model with both protocols, compare the
 removals of each budget by held-out perplexity, and save the final cut (made by
-:func:`hf_layerswap.pipeline.prune` on the same report and prompts) with its card."""
+:func:`hf_layerswap.pipeline.prune` on the same report and prompts) with its card.
+
+Before any work it prints how long it plans to take: the work (block and head passes of
+the scoring, the search's candidate sets, the perplexity windows) counted in forward-pass
+tokens, times the seconds per token of one measured forward pass of the calibration prompts
+on this machine."""
 
 from __future__ import annotations
 
@@ -8,14 +13,16 @@ import copy
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
-from ..calibration import build_calibration
+from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
-from ..evaluation import delta_ppl_percent, evaluate_perplexity
+from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
+from ..evaluation.contract import _read_source, _tokenize
 from ..pipeline import prune
-from ..plan import interchange_plan, num_blocks
-from ..scoring import plan_kl, score_layers
+from ..plan import decoder_blocks, first_difference, num_blocks
+from ..scoring import score_layers, swap_plans
 from ..selection import search_select
 from ..selection import select_layers
 from ..surgery import remove_layers
@@ -34,9 +41,12 @@ from .common import (
 )
 from .score import format_scores_table
 
-__all__ = ["DEFAULT_MODEL", "add_parser", "demo_config", "run_demo"]
+__all__ = ["DEFAULT_MODEL", "DEMO_EVAL_WORDS", "add_parser", "demo_config", "run_demo"]
 
 DEFAULT_MODEL = "smollm2-135m"
+#: Words of held-out text the demo's perplexities read (the matched contract's window and
+#: stride on the first 1,000 words instead of 5,000: each evaluation costs a fifth).
+DEMO_EVAL_WORDS = 1000
 
 
 def add_parser(subparsers):
@@ -47,7 +57,8 @@ def add_parser(subparsers):
     add_model_args(demo, positional=False)
     add_calibration_args(demo, num_prompts_default="auto")
     demo.add_argument("--eval-text", default="embedded", help="held-out text file for perplexity, or 'embedded'")
-    demo.add_argument("--eval-max-words", type=count(1), default=None, help="override the matched contract's 5,000 words")
+    demo.add_argument("--eval-max-words", type=count(1), default=DEMO_EVAL_WORDS,
+                      help="words of held-out text (the matched contract reads 5,000; the demo's default keeps it short)")
     demo.add_argument("--budgets", type=count(1), nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
     demo.add_argument("--final-layers", type=count(1), default=2, help="layers removed from the saved checkpoint")
     demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"],
@@ -55,7 +66,8 @@ def add_parser(subparsers):
     demo.add_argument("--final-strategy", default="search", choices=["search", "greedy"],
                       help="search: the searched set (removal KL on the calibration prompts); greedy: --final-protocol's set")
     demo.add_argument("--max-evaluations", type=count(1), default=None,
-                      help="most candidate sets the search scores (default 3 x blocks, to keep the demo short)")
+                      help="most candidate sets the search scores in all (default: the single-removal sweep, then "
+                           "a third of the removable blocks per further budget, to keep the demo short)")
     demo.add_argument("--output", default="layerswap-demo", help="where the pruned checkpoint and report go")
     demo.add_argument("--scoring-seconds", type=positive_seconds, default=240.0, help="time budget that --num-prompts auto fits")
     demo.set_defaults(func=run_demo)
@@ -71,35 +83,98 @@ def _contract_summary(contract: dict) -> str:
         f"{contract.get('name')}: {words}{contract.get('source')} (text sha256 {str(contract.get('text_sha256'))[:12]}), "
         f"window {contract.get('window')}, stride {contract.get('stride')}, {contract.get('scored_tokens')} scored tokens "
         f"in {contract.get('windows')} windows, BOS {'added' if bos.get('add_bos') else 'not added'} "
-        f"({bos.get('bos_choice')}), {contract.get('dtype')}; 95% CI: bootstrap over windows "
-        f"({boot.get('resamples')} resamples, seed {boot.get('seed')})"
+        f"({bos.get('bos_choice')}), {contract.get('dtype')}; 95% CI: "
+        + (f"bootstrap over windows ({boot.get('resamples')} resamples, seed {boot.get('seed')})"
+           if (contract.get("windows") or 0) >= 2 else "none (a bootstrap over windows needs 2)")
     )
 
 
-def _auto_num_prompts(model, calibration, tokenizer, seq_len, batch_size, seconds, num_probes, seed) -> int:
-    """Largest prompt count (multiple of batch_size, 8..64) whose scoring fits ``seconds``."""
-    probe = build_calibration(calibration, tokenizer, num_prompts=batch_size, seq_len=seq_len, seed=seed)
-    mid = num_blocks(model) // 2
-    t0 = time.perf_counter()
-    plan_kl(model, probe, {"p": interchange_plan(num_blocks(model), mid - 1, mid)}, batch_size=batch_size)
-    per_batch_probe = (time.perf_counter() - t0) / 2  # reference + one probe, averaged
-    batches = int(seconds / max(per_batch_probe * (num_probes + 1), 1e-9))
-    return max(8, min(64, batches * batch_size))
+class _WorkPlan:
+    """The demo's work in forward-pass tokens (one token through every block and the head),
+    and a time estimate from one measured forward pass (:meth:`seconds`)."""
+
+    def __init__(self, model, probe_batch):
+        _, _, blocks = decoder_blocks(model)
+        self.num_layers = len(blocks)
+        block_params = sum(p.numel() for b in blocks for p in b.parameters())
+        head = model.get_output_embeddings()
+        head_params = head.weight.numel() if head is not None else 0
+        self.head_share = head_params / max(block_params + head_params, 1)
+        self.seconds_per_token = _seconds_per_token(model, probe_batch)
+
+    def probe_cost(self, first_changed_slot: int) -> float:
+        """Forward-pass tokens of one probe per calibration token: the blocks from the first
+        changed slot on (the prefix before it is reused) and the head."""
+        rest = (self.num_layers - first_changed_slot) / self.num_layers
+        return rest * (1 - self.head_share) + self.head_share
+
+    def scoring(self, tokens: int) -> float:
+        plans = swap_plans(self.num_layers, 1).values()
+        return tokens * (1 + sum(self.probe_cost(first_difference(p, self.num_layers)) for p in plans))
+
+    def search(self, tokens: int, sets: int) -> float:
+        return tokens * sets * self.probe_cost(self.num_layers // 2)  # a set starts mid-stack on average
+
+    def perplexity(self, window_tokens: int, scored_tokens: int) -> float:
+        return window_tokens * (1 - self.head_share) + scored_tokens * self.head_share
+
+    def seconds(self, tokens: float) -> float:
+        return tokens * self.seconds_per_token
 
 
-def demo_config(args, num_layers: int, num_prompts: int):
+def _seconds_per_token(model, batch) -> float:
+    """Seconds of one forward pass per real token on ``batch`` (the second of two runs)."""
+    device = next(model.parameters()).device
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    with torch.no_grad():
+        for _ in range(2):
+            t0 = time.perf_counter()
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            elapsed = time.perf_counter() - t0
+    return elapsed / max(int(ids.numel()), 1)
+
+
+def _search_allowance(num_layers: int, protect: int = 2) -> int:
+    """The demo's search allowance per budget n >= 2: a third of the removable blocks."""
+    return max(1, (num_layers - protect) // 3)
+
+
+def _search_sets(num_layers: int, top: int, allowance: int, max_evaluations: int | None) -> int:
+    """Most sets a search up to budget ``top`` scores: the single-removal sweep, then per
+    further budget its ``allowance`` and each protocol's own greedy set; at most
+    ``max_evaluations`` in all."""
+    sets = (num_layers - 2) + (top - 1) * (allowance + 2)
+    return sets if max_evaluations is None else min(sets, max_evaluations)
+
+
+def _eval_tokens(model, eval_text, tokenizer, max_words) -> tuple[int, int]:
+    """(tokens through the model, scored tokens) of one perplexity under the matched contract;
+    a window the model has no positions for is refused here, before any work."""
+    spec = CONTRACTS["matched"]
+    check_positions(model, spec["window"], f"the matched contract's window={spec['window']}", "use another model or lower window")
+    raw, _ = _read_source(eval_text)
+    ids, _ = _tokenize(tokenizer, prepare_text(raw, max_words)[0], None)
+    spans = sliding_windows(len(ids), spec["window"], spec["stride"])
+    return sum(end - begin for begin, end, _ in spans), sum(end - score_from for _, end, score_from in spans)
+
+
+def demo_config(args, num_layers: int, num_prompts: int, max_evaluations: int | None = None):
     """The :class:`~hf_layerswap.LayerSwapConfig` of the demo's final cut: ``--final-layers``
     blocks by ``--final-strategy`` (greedy: ``--final-protocol``'s set, ``auto`` = the better
-    of the two), on the demo's calibration budget. ``num_layers`` is the model's block count
-    (the search's default evaluation budget is 3 per block)."""
+    of the two), on the demo's calibration budget. ``num_layers`` is the model's block count;
+    ``max_evaluations`` caps the search (default ``--max-evaluations``, else 3 per block)."""
     search = args.final_strategy == "search"
     strategy = "search" if search else ("auto" if args.final_protocol == "auto" else "greedy")
     return LayerSwapConfig(
         num_layers=args.final_layers, strategy=strategy, **({} if search else {"protocol": args.final_protocol}),
-        max_evaluations=(args.max_evaluations or 3 * num_layers) if search else None,
+        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_layers) if search else None,
         calibration=calibration_source(args.calibration), num_prompts=num_prompts, seq_len=args.seq_len,
         batch_size=args.batch_size, seed=args.seed, progress=True,
     )
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def run_demo(args) -> int:
@@ -110,19 +185,45 @@ def run_demo(args) -> int:
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
     num_layers = num_blocks(model)
     num_probes = 3 * (num_layers - 1)
+    probe = build_calibration(args.calibration, tokenizer, num_prompts=args.batch_size, seq_len=args.seq_len,
+                              seed=args.seed)
+    work = _WorkPlan(model, probe)
+    tokens_per_prompt = probe.num_tokens / max(probe.num_prompts, 1)
     if args.num_prompts == "auto":
-        n_prompts = _auto_num_prompts(
-            model, args.calibration, tokenizer, args.seq_len, args.batch_size, args.scoring_seconds, num_probes, args.seed
-        )
+        per_batch = work.seconds(work.scoring(tokens_per_prompt * args.batch_size))
+        n_prompts = max(8, min(64, int(args.scoring_seconds / max(per_batch, 1e-9)) * args.batch_size))
         how = f"chosen to fit about {args.scoring_seconds:.0f} s of scoring on this machine"
     else:
         n_prompts = prompt_count(args.num_prompts)
         how = "as requested"
     calib = build_calibration(args.calibration, tokenizer, num_prompts=n_prompts, seq_len=args.seq_len, seed=args.seed)
+    eval_text = None if args.eval_text == "embedded" else args.eval_text
+    search_budgets = sorted(set(args.budgets))
+    per_budget = _search_allowance(num_layers)
+    window_tokens, scored_tokens = _eval_tokens(model, eval_text, tokenizer, args.eval_max_words)
+    evaluations = 1 + 3 * len(search_budgets)  # at most: the base model and every distinct set
+    search_sets = _search_sets(num_layers, search_budgets[-1], per_budget, args.max_evaluations)
+    if args.final_strategy != "search":
+        final_sets = 0
+    elif args.final_layers in search_budgets:  # the same candidates as the search above, up to that budget
+        final_sets = _search_sets(num_layers, args.final_layers, per_budget, args.max_evaluations)
+    else:
+        final_sets = _search_sets(num_layers, args.final_layers, num_layers - 2, args.max_evaluations or 3 * num_layers)
+    estimate = {
+        "scoring": work.seconds(work.scoring(calib.num_tokens)),
+        "search": work.seconds(work.search(calib.num_tokens, search_sets + final_sets)),
+        "perplexity": work.seconds(evaluations * work.perplexity(window_tokens, scored_tokens)),
+    }
     print(
         f"calibration budget: {calib.num_prompts} prompts x up to {args.seq_len} tokens "
         f"({calib.num_tokens} real tokens), {num_probes} probes + 1 reference pass per batch ({how})\n"
-        f"calibration source: {calib.description}",
+        f"calibration source: {calib.description}\n"
+        f"planned work: scoring {num_probes} probes; the search at most {search_sets} candidate sets"
+        + (f" and the final cut's search at most {final_sets} more" if final_sets else "")
+        + f"; at most {evaluations} perplexity evaluations of {scored_tokens} tokens ({window_tokens} through the model)\n"
+        f"estimated time: about {_minutes(sum(estimate.values()))} (scoring {_minutes(estimate['scoring'])}, search "
+        f"{_minutes(estimate['search'])}, perplexity {_minutes(estimate['perplexity'])}), from one measured forward pass "
+        f"of {1 / work.seconds_per_token:.0f} tokens/s on this machine",
         flush=True,
     )
     report = score_layers(model, calib, batch_size=args.batch_size, progress=True, seed=args.seed)
@@ -135,7 +236,6 @@ def run_demo(args) -> int:
         f"interchange <= replacement on {gap['fraction_interchange_le_replacement'] * 100:.0f}% of pairs"
     )
 
-    eval_text = None if args.eval_text == "embedded" else args.eval_text
     selected: list[tuple[int, str, list[int] | None, str | None]] = []
     for n in args.budgets:
         for protocol in ("replacement", "interchange"):
@@ -143,9 +243,8 @@ def run_demo(args) -> int:
                 selected.append((n, protocol, select_layers(report, n, protocol=protocol), None))
             except ValueError as err:
                 selected.append((n, protocol, None, str(err)))
-    search_budgets = sorted(set(args.budgets))
     searched = search_select(report, search_budgets, model=model, calibration=calib, batch_size=args.batch_size,
-                             max_evaluations=args.max_evaluations or 3 * num_layers, progress=True)
+                             max_evaluations=args.max_evaluations, evaluations_per_budget=per_budget, progress=True)
     for n in args.budgets:
         selected.append((n, "search", searched[n]["selected"], None))
     cost = searched[search_budgets[-1]]["total_cost"]
@@ -157,8 +256,8 @@ def run_demo(args) -> int:
                            if e is not None)
         print(f"  n = {n}: search {rec['selected']} {_kl_text(rec['value'])}; {others}")
     to_evaluate = [()] + list(dict.fromkeys(tuple(layers) for _, _, layers, _ in selected if layers is not None))
-    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract: the base model and "
-          f"{len(to_evaluate) - 1} distinct removal sets", flush=True)
+    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract on the first {args.eval_max_words} "
+          f"words: the base model and {len(to_evaluate) - 1} distinct removal sets", flush=True)
     cache: dict[tuple, object] = {}
     for key in tqdm(to_evaluate, desc="perplexity evaluations", unit="model"):
         pruned = remove_layers(copy.deepcopy(model), list(key)) if key else model
@@ -168,19 +267,22 @@ def run_demo(args) -> int:
     rows = [(n, protocol, layers, None if layers is None else cache[tuple(layers)], err)
             for n, protocol, layers, err in selected]
     print("\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
-    print(f"| 0 | (base) | - | {base.ppl:.3f} | [{base.ci_low:.3f}, {base.ci_high:.3f}] | 0.0 |")
+    print(f"| 0 | (base) | - | {base.ppl:.3f} | {base.ci_text()} | 0.0 |")
     for n, protocol, layers, res, err in rows:
         if res is None:
             print(f"| {n} | {protocol} | ({err}) | - | - | - |")
         else:
             print(
-                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | [{res.ci_low:.3f}, {res.ci_high:.3f}] | "
+                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | {res.ci_text()} | "
                 f"{delta_ppl_percent(base.ppl, res.ppl):+.1f} |"
             )
     print(f"\ncontract: {_contract_summary(base.contract)}")
 
-    # the final cut: the one pipeline, on the report and prompts above (nothing is scored twice)
-    result = prune(model, demo_config(args, num_layers, n_prompts), tokenizer=tokenizer, report=report,
+    # the final cut: the one pipeline, on the report and prompts above (nothing is scored twice). Where the
+    # final budget was searched above, its search gets the evaluations that search spent up to that budget:
+    # the same candidates in the same order, so the same set.
+    spent = searched[args.final_layers]["cost"]["evaluator_calls"] if args.final_layers in searched else None
+    result = prune(model, demo_config(args, num_layers, n_prompts, spent), tokenizer=tokenizer, report=report,
                    calibration=calib)
     pruned, final = result.model, result.removed
     decision = (result.provenance.search or result.provenance.auto or {}) if result.provenance else {}
@@ -195,7 +297,7 @@ def run_demo(args) -> int:
         f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
         f"pruned checkpoint, model card (README.md), layerswap_report.json and plots written to {out}/ "
         f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"
-        f"total time {time.perf_counter() - t_start:.0f} s"
+        f"total time {time.perf_counter() - t_start:.0f} s (estimated {sum(estimate.values()):.0f} s before it started)"
     )
     return 0
 

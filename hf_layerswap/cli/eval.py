@@ -117,8 +117,8 @@ def run_eval(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, add_bos=args.add_bos,
         )
         result["perplexity"] = ppl.to_dict()
-        ci = "" if ppl.ci_low is None else f" (95% CI {ppl.ci_low:.3f}-{ppl.ci_high:.3f})"
-        print(f"perplexity {ppl.ppl:.4f}{ci}: {ppl.tokens} tokens in {ppl.windows} windows, contract {args.contract}")
+        print(f"perplexity {ppl.ppl:.4f} (95% CI {ppl.ci_text()}): {ppl.tokens} tokens in {ppl.windows} windows, "
+              f"contract {args.contract}")
     if args.tasks:
         tasks = evaluate_tasks(
             model, args.tasks, tokenizer=tokenizer, num_fewshot=args.num_fewshot, limit=args.limit,

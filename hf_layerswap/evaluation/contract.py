@@ -46,8 +46,9 @@ class PerplexityResult(JsonResult):
         nll: total negative log-likelihood of the scored tokens, nats.
         tokens: number of scored tokens.
         windows: number of windows.
-        ci_low, ci_high: bootstrap percentile interval on absolute PPL (``None`` when
-            ``bootstrap=0``).
+        ci_low, ci_high: bootstrap percentile interval on absolute PPL; ``None`` when
+            ``bootstrap=0`` or when fewer than 2 windows score a token (resampling one
+            window gives the same PPL every time: no interval to report).
         contract: everything needed to reproduce or compare the number (see module doc).
         window_nll: per-window NLL sums (nats), for paired comparisons (:func:`delta_ppl_ci`).
         window_tokens: per-window scored-token counts.
@@ -65,6 +66,16 @@ class PerplexityResult(JsonResult):
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def ci_text(self, digits: int = 3) -> str:
+        """The 95% CI as printed: ``"[low, high]"``, or ``"none (...)"`` saying why there
+        is none (bootstrap off, or fewer than 2 windows that score a token)."""
+        if self.ci_low is not None and self.ci_high is not None:
+            return f"[{self.ci_low:.{digits}f}, {self.ci_high:.{digits}f}]"
+        if not (self.contract.get("bootstrap") or {}).get("resamples"):
+            return "none (bootstrap=0)"
+        scored = sum(1 for c in self.window_tokens if c > 0) if self.window_tokens else self.windows
+        return f"none ({scored} scored window{'' if scored == 1 else 's'}: a bootstrap over windows needs 2)"
 
     @classmethod
     def from_dict(cls, data: dict) -> PerplexityResult:
@@ -203,12 +214,16 @@ def sliding_windows(
     return spans
 
 
+#: Fewest windows (that score a token) a bootstrap interval is computed from.
+MIN_CI_WINDOWS = 2
+
+
 def _bootstrap_ci(window_nll: np.ndarray, window_tokens: np.ndarray, resamples: int, seed: int):
     # a window that scores no token (a one-token tail with stride == window, or with
     # paper_token_count) carries no information; resampling it could give exp(0 / 0) = 1
     keep = window_tokens > 0
     window_nll, window_tokens = window_nll[keep], window_tokens[keep]
-    if resamples <= 0 or len(window_nll) == 0:
+    if resamples <= 0 or len(window_nll) < MIN_CI_WINDOWS:  # one window resampled is one value, not an interval
         return None, None
     rng = np.random.RandomState(seed)
     n = len(window_nll)

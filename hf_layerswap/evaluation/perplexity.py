@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..calibration import check_token_ids
+from ..calibration import check_positions, check_token_ids
 from ..plan import model_fingerprint
 from ..provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
     CONTRACTS,
+    MIN_CI_WINDOWS,
     PerplexityResult,
     _bootstrap_ci,
     _read_source,
@@ -77,9 +78,7 @@ def perplexity_from_ids(
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
 
     check_token_ids(ids, model, "input_ids")
-    max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if max_pos is not None and window > max_pos:
-        raise ValueError(f"window={window} exceeds the model's max_position_embeddings={max_pos}")
+    check_positions(model, window, f"window={window}", "lower window")
     spans = sliding_windows(len(ids), window, stride, paper_token_count=paper_token_count)
     device = next(model.parameters()).device
     was_training = model.training
@@ -284,7 +283,8 @@ def delta_ppl_ci(
     """Paired bootstrap 95% interval of dPPL% (the paper's Table 28 statistic).
 
     The same resampled windows enter both PPLs of each resample
-    (``numpy.random.RandomState(seed)``); returns the 2.5/97.5 percentiles, in %.
+    (``numpy.random.RandomState(seed)``); returns the 2.5/97.5 percentiles, in %, or
+    ``(None, None)`` when fewer than 2 windows score a token (no interval).
 
     Raises:
         ValueError: the results were measured under different contracts or lack per-window data.
@@ -297,6 +297,8 @@ def delta_ppl_ci(
     tokens = tokens[keep]
     a = np.asarray(base.window_nll)[keep]
     b = np.asarray(pruned.window_nll)[keep]
+    if len(a) < MIN_CI_WINDOWS:
+        return None, None
     rng = np.random.RandomState(seed)
     idx = rng.randint(0, len(a), size=(resamples, len(a)))
     t = tokens[idx].sum(axis=1)

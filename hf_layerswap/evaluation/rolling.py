@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..calibration import check_token_ids
+from ..calibration import check_positions, check_token_ids
 from ..provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
@@ -121,8 +121,7 @@ def evaluate_rolling(
     tokenizer = resolve_tokenizer(model, tokenizer)
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     window = int(window) if window is not None else (int(max_pos) if max_pos else DEFAULT_ROLLING_WINDOW)
-    if max_pos is not None and window > max_pos:
-        raise ValueError(f"window={window} exceeds the model's max_position_embeddings={max_pos}")
+    check_positions(model, window, f"window={window}", "lower window")
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if prefix is None:
         raise ValueError("the rolling contract needs a BOS or EOS token id as the prefix token")

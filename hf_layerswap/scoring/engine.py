@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..calibration import CalibrationSet, check_token_ids
-from ..plan import apply_plan, decoder_blocks, model_fingerprint, num_blocks, _StopForward
+from ..calibration import CalibrationSet, check_positions, check_token_ids
+from ..plan import _StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
 from ..provenance import library_versions, report_identity
 from .checkpoint import _Checkpoint, _dist_state, _plans_digest
 from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
@@ -61,6 +61,7 @@ class _Engine:
         plans: Mapping[Hashable, Sequence[int]],
         settings: EngineSettings,
     ):
+        model = uncompiled(model)
         self.model = model
         self.calib = calibration
         self.num_layers = num_blocks(model)
@@ -75,6 +76,8 @@ class _Engine:
         self.budget = settings.max_memory
         self.input_device = _module_device(model.get_input_embeddings())
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
+        length = calibration.input_ids.shape[-1]
+        check_positions(model, length, f"a calibration prompt of {length} tokens", "lower seq_len (tokens per prompt)")
         self.head = _Head(model)
         owner, _, _ = decoder_blocks(model)
         self.decoder = owner if owner is not model else None

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..calibration import build_calibration, CalibrationSet
-from ..plan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan
+from ..plan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan, uncompiled
 from ..protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, SWAP_PROTOCOLS
 from ..provenance import library_versions, report_identity
 from ..report import PairResult, SwapReport
@@ -297,6 +297,7 @@ def score_layers(
         vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
         distributed=distributed, progress=progress, desc="swap-KL probes",
     )
+    model = uncompiled(model)
     num_layers = num_blocks(model)
     if num_layers < 2:
         raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2, and {ONE_BLOCK}")
@@ -410,6 +411,7 @@ def removal_kl(
     """
     settings = EngineSettings(batch_size=batch_size, progress=progress, desc="removal KL", max_memory=max_memory,
                               dtype=dtype)
+    model = uncompiled(model)
     num_layers = num_blocks(model)
     single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
     sets = [list(removed)] if single else [list(s) for s in removed]

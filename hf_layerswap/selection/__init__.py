@@ -32,7 +32,7 @@ from .core import SELECTION_PROTOCOLS, candidates_set, check_report_matches, sel
 from .geometry import angular_distance, block_influence
 from .greedy import swap_guided
 from .objectives import OBJECTIVES, SetObjective, plan_nll
-from .registry import MODEL_STRATEGIES, STRATEGIES, get_strategy, register_strategy
+from .registry import MODEL_STRATEGIES, STRATEGIES, STRATEGY_OPTIONS, get_strategy, register_strategy
 from .search import search_criterion, search_select
 from .single_removal import single_removal_kl
 
@@ -42,6 +42,7 @@ __all__ = [
     "OBJECTIVES",
     "SELECTION_PROTOCOLS",
     "STRATEGIES",
+    "STRATEGY_OPTIONS",
     "CriterionResult",
     "SetObjective",
     "angular_distance",

@@ -22,6 +22,7 @@ from ..jsonio import decode_tree, encode_tree
 from ..rule import resolve_protect
 from ..scoring import score_layers
 from .objectives import _plans_cost
+from .registry import keyword_options
 
 __all__ = ["CriterionResult", "as_strategy"]
 
@@ -161,7 +162,8 @@ def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -
     """A criterion ``(model, calibration, n, **kw) -> CriterionResult`` as a selection
     strategy (see :func:`~hf_layerswap.selection.register_strategy`): it returns the
     removed blocks and appends ``{"strategy", "num_layers", "selected", "cost"}`` to
-    ``report.selections``. With ``reads_report`` the criterion gets the report
+    ``report.selections``. Its ``options`` attribute names the criterion's keyword
+    arguments a caller may set. With ``reads_report`` the criterion gets the report
     (``report=``) and the objective as its ``evaluator``; otherwise an objective is refused.
     """
 
@@ -182,4 +184,6 @@ def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -
         return list(result.removed)
 
     run.__doc__ = f"The ``{name}`` criterion (:func:`{criterion.__module__}.{criterion.__name__}`) as a strategy."
+    fixed = ("model", "calibration", "n", "protect", "batch_size", "tokenizer") + (("report", "evaluator") if reads_report else ())
+    run.options = keyword_options(criterion, fixed)  # what select_layers accepts (register_strategy reads it)
     return run

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import model_fingerprint, num_blocks
+from ..plan import model_fingerprint, num_blocks, uncompiled
 from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 from ..report import SwapReport
 from ..scoring.verbs import _calibration_from_args
 from .finite import finite_selection
-from .registry import MODEL_STRATEGIES, get_strategy
+from .registry import MODEL_STRATEGIES, check_options, get_strategy
 
 __all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
 
@@ -56,7 +56,16 @@ def select_layers(
         objective: for ``"search"``: ``"removal_kl"`` (default), ``"nll"`` or
             ``"ghosted"`` (removal KL after the Ghosted Layers repair); for ``"beam"``:
             ``"removal_kl"`` or ``"nll"``.
-        options: strategy options (e.g. ``max_evaluations`` for ``"search"``).
+        options: the chosen strategy's own options
+            (:data:`~hf_layerswap.selection.registry.STRATEGY_OPTIONS` lists them per
+            strategy; ``"greedy"`` and ``"auto"`` take none). For ``"search"`` they are the
+            keyword arguments of :func:`~hf_layerswap.search.search_select` it does not set
+            itself; its budget of candidate sets: ``max_evaluations`` (most sets scored in
+            all, the single-removal sweep included) and ``evaluations_per_budget`` (most
+            new sets per budget n >= 2; default L - |protect|), and ``max_rounds``,
+            ``moves_per_round``, ``extend_best``, ``exhaustive_below``, ``progress``. The
+            calibration size is not an option: it comes from ``calibration=`` (a
+            :class:`~hf_layerswap.CalibrationSet`) or the report's ``num_prompts``.
         spacing: ``None`` = the strategy's default (1 for the paper's greedy rule and
             ``auto``, 0 for the searches).
         protocol: ``"interchange"``, ``"replacement"`` or ``"auto"``. ``"auto"`` takes
@@ -89,13 +98,17 @@ def select_layers(
         ValueError: an unknown protocol, a protocol the report did not score, a model
             whose block count or fingerprint differs from the report's, or an unmeetable
             budget.
+        TypeError: an option the chosen strategy does not accept (the message names it
+            and the accepted ones), before anything runs.
     """
     if protocol not in selection_protocols():
         raise ValueError(f"protocol={protocol!r}: allowed {list(selection_protocols())}")
     if strategy is None:
         strategy = "auto" if protocol == "auto" else "greedy"
     fn = get_strategy(strategy)
+    check_options(strategy, options)
     if model is not None:
+        model = uncompiled(model)
         check_report_matches(report, model)
     if spacing is None:
         spacing = 1 if strategy in ("greedy", "auto") else 0

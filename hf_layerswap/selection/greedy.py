@@ -22,29 +22,24 @@ from ..scoring import removal_kl
 from .common import CriterionResult, _gap1, _out, _report_cost, _score, _setup
 from .core import candidates_set, select_layers
 from .objectives import _plans_cost, _removal_kl_values
-from .registry import register_strategy
+from .registry import check_options, register_strategy
 
 __all__ = ["swap_guided"]
 
 
-@register_strategy("greedy")
+@register_strategy("greedy", options=())
 def _greedy(report, num_layers, *, protocol, spacing, protect, options, **_):
     """The paper's rule on one protocol's layer scores."""
     if protocol == "auto":
         raise ValueError("strategy='greedy' needs protocol='interchange' or 'replacement' (or use strategy='auto')")
-    _no_options("greedy", options)
+    check_options("greedy", options)
     return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
 
 
-def _no_options(strategy, options):
-    if options:
-        raise TypeError(f"strategy={strategy!r} takes no options; got {sorted(options)}")
-
-
-@register_strategy("auto")
+@register_strategy("auto", options=())
 def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
     """Each protocol's greedy set; the one with the lower joint removal KL is kept."""
-    _no_options("auto", options)
+    check_options("auto", options)
     candidates = {
         p: greedy_select(report.layer_scores(p), num_layers, spacing=spacing, protect=protect) for p in PROTOCOLS
     }

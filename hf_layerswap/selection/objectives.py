@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..plan import apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan
+from ..plan import (
+    apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
+)
 from ..recovery import DEFAULT_EPSILON, GhostedOperator, ridge_toward_identity
 from ..report import set_key
 from ..scoring import masked_kl, plan_kl
@@ -108,6 +110,7 @@ def plan_nll(
 
     The model is left exactly as it was.
     """
+    model = uncompiled(model)
     num_layers = num_blocks(model)
     plans = {name: list(plan) for name, plan in plans.items()}
     starts = {name: first_difference(plan, num_layers) for name, plan in plans.items()}
@@ -198,7 +201,7 @@ class SetObjective:
                  batch_size: int = 8, prefix_reuse: bool = True, progress=None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
-        self.model, self.calibration, self.objective = model, calibration, objective
+        self.model, self.calibration, self.objective = uncompiled(model), calibration, objective
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
         self.num_layers = num_blocks(model)
         self.cache: dict[str, float] = {}

@@ -56,7 +56,7 @@ from ..report import SwapReport, _score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from .common import CriterionResult, _calibration, _gap1, _report_cost
 from .objectives import OBJECTIVES, SetObjective
-from .registry import register_strategy
+from .registry import keyword_options, register_strategy
 
 __all__ = ["search_criterion", "search_select"]
 
@@ -321,7 +321,11 @@ def _default_objective(objective):
     return "removal_kl" if objective is None else objective
 
 
-@register_strategy("search", needs_model=True)
+#: What ``_search`` passes to :func:`search_select` itself; every other keyword is an option.
+_SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size")
+
+
+@register_strategy("search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED))
 def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
     """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
     objective = _default_objective(objective)
