@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..calibration import check_token_ids
+from ..devices import input_device
 from ..provenance import library_versions, model_fingerprint, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
@@ -80,7 +81,7 @@ def perplexity_from_ids(
     if max_pos is not None and window > max_pos:
         raise ValueError(f"window={window} exceeds the model's max_position_embeddings={max_pos}")
     spans = sliding_windows(len(ids), window, stride, paper_token_count=paper_token_count)
-    device = next(model.parameters()).device
+    device = input_device(model)
     was_training = model.training
     model.eval()
 
@@ -103,7 +104,7 @@ def perplexity_from_ids(
                 logits = out.logits[:, -keep:-1, :]
                 targets = batch[:, length - keep + 1 :]
                 for row, k in enumerate(chunk):
-                    token_nll = F.cross_entropy(logits[row].float(), targets[row], reduction="none")
+                    token_nll = F.cross_entropy(logits[row].float(), targets[row].to(logits.device), reduction="none")
                     nll[k] = token_nll.double().sum().item()
                 bar.update(length * len(chunk))
     finally:
