@@ -99,6 +99,9 @@ def test_bf16_checkpoint_pruned_through_from_pretrained_and_the_cli_saves_bf16(t
     assert model.layerswap_report.metadata["dtype"] == "bfloat16"
     hl.save_for_hub(model, tmp_path / "from_pretrained")
     assert _safetensors_dtypes(tmp_path / "from_pretrained") == {"BF16"}
+    cast = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16, quantization_config=cfg)
+    hl.save_for_hub(cast, tmp_path / "cast")
+    assert cast.config.num_hidden_layers == 4 and _safetensors_dtypes(tmp_path / "cast") == {"BF16"}
 
     rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "cli"), "--num-layers", "2", "--strategy", "greedy",
                "--calibration", str(calib), "--num-prompts", "4"])
@@ -234,3 +237,20 @@ def test_disk_offloaded_model_gives_the_in_memory_numbers(tmp_path):
     assert fits[0].keys() == fits[1].keys() == {2, 3}
     for b in fits[0]:
         assert torch.allclose(fits[0][b], fits[1][b], rtol=1e-5, atol=1e-6)
+
+
+def test_from_pretrained_with_disk_offload_prunes_repairs_and_saves_the_in_memory_model(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "ckpt")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)}}
+    cfg = hl.LayerSwapConfig(num_layers=2, calibration=tiny_batch(), progress=False, recovery="ghosted")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=cfg, attn_implementation="eager")
+    split = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=cfg, attn_implementation="eager",
+                                                 device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert split.config.layerswap["removed_layers"] == dense.config.layerswap["removed_layers"]
+    hl.save_for_hub(split, tmp_path / "pruned")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", attn_implementation="eager")
+    assert [b for b, _ in attached_operators(reloaded)] == [b for b, _ in attached_operators(dense)]
+    ids = tiny_batch()["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)

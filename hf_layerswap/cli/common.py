@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from accelerate.utils import convert_file_size_to_int
+
 from ..calibration import read_text_file
 from ..hub import save_for_hub
 from ..models import DTYPES, load_model
@@ -106,8 +108,6 @@ def max_memory_map(text) -> dict:
     """argparse ``type=`` of --max-memory: accelerate's per-device limits, ``0=20GiB,cpu=60GiB``
     -> ``{0: "20GiB", "cpu": "60GiB"}`` (a GPU index becomes an int; each size is checked
     with accelerate's own parser)."""
-    from accelerate.utils import convert_file_size_to_int
-
     limits: dict = {}
     for item in str(text).split(","):
         device, sep, size = (part.strip() for part in item.partition("="))

@@ -94,10 +94,10 @@ class _Head:
             return self._cap(m(hidden))
         if self.sliceable:
             w, b = self.weight32()
-            return self._cap(nn.functional.linear(hidden.float(), w, b))
+            return self._cap(nn.functional.linear(hidden.to(w.device, torch.float32), w, b))
         with align_module_device(m):  # accelerate brings offloaded weights to the execution device
             w, b = m.weight, m.bias
-            out = nn.functional.linear(hidden.to(w.device).float(), w.float(), None if b is None else b.float())
+            out = nn.functional.linear(hidden.to(w.device, torch.float32), w.float(), None if b is None else b.float())
         return self._cap(out)
 
     def into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,8 @@ class _Head:
     def vocab_slice(self, hidden: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
         """fp32 logits of vocabulary entries ``v0:v1`` only: ``(R, v1 - v0)``."""
         w, b = self.weight32()
-        return self._cap(nn.functional.linear(hidden.float(), w[v0:v1], None if b is None else b[v0:v1]))
+        rows = hidden.to(w.device, torch.float32)
+        return self._cap(nn.functional.linear(rows, w[v0:v1], None if b is None else b[v0:v1]))
 
 
 def _decoder_output(output) -> torch.Tensor:
