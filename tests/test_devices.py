@@ -85,8 +85,9 @@ def test_max_memory_takes_accelerates_format():
         max_memory_map("cpu=lots")
 
 
-def test_bf16_checkpoint_pruned_through_from_pretrained_and_the_cli_saves_bf16(tmp_path):
+def test_bf16_checkpoint_pruned_through_from_pretrained_the_cli_and_the_demo_saves_bf16(tmp_path):
     base = _tiny_checkpoint(tmp_path / "fp32")
+    base.config.max_position_embeddings = 512  # the demo's perplexity window
     base.to(torch.bfloat16).save_pretrained(tmp_path / "base")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "base" / name).write_bytes((tmp_path / "fp32" / name).read_bytes())
@@ -111,6 +112,12 @@ def test_bf16_checkpoint_pruned_through_from_pretrained_and_the_cli_saves_bf16(t
     rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "cli32"), "--num-layers", "2", "--strategy", "greedy",
                "--calibration", str(calib), "--num-prompts", "4", "--dtype", "float32"])
     assert rc == 0 and _safetensors_dtypes(tmp_path / "cli32") == {"F32"}
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text(" ".join(f"w{(11 * k) % 120}" for k in range(300)) + "\n")
+    rc = main(["demo", "--model", str(tmp_path / "base"), "--output", str(tmp_path / "demo"), "--budgets", "1",
+               "--final-layers", "2", "--max-evaluations", "6", "--eval-text", str(held_out), "--calibration",
+               str(calib), "--num-prompts", "4", "--seq-len", "16"])
+    assert rc == 0 and _safetensors_dtypes(tmp_path / "demo") == {"BF16"}
 
 
 # ----------------------------------------------------------------------------- half precision
