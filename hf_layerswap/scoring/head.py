@@ -45,7 +45,8 @@ class _Head:
     bf16/fp16 models are not scored on logits rounded to 8 (or 11) mantissa bits. The
     upcast weight is made once per head phase (:meth:`weight32`; ``4 H V`` bytes, freed by
     :meth:`release`); an fp32 head uses its own weight, so nothing changes there. Other
-    heads (quantized or custom modules) run as they are and their logits are upcast.
+    heads (quantized or custom modules, or heads with forward hooks) run their own forward
+    and their logits are upcast.
     """
 
     def __init__(self, model: nn.Module):
@@ -86,11 +87,18 @@ class _Head:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
+    @property
+    def own_forward(self) -> bool:
+        """Whether the head runs its own forward: not a plain Linear, or one with forward
+        hooks (which only its own call runs)."""
+        m = self.module
+        return not self.linear or bool(m._forward_hooks or m._forward_pre_hooks)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``(R, V)`` of final hidden rows ``(R, H)``: fp32 for a plain Linear head
-        (see the class docstring), else the module's own output."""
+        (see the class docstring), else (:attr:`own_forward`) the module's own output."""
         m = self.module
-        if not self.linear:
+        if self.own_forward:
             return self._cap(m(hidden))
         if self.sliceable:
             w, b = self.weight32()

@@ -58,10 +58,10 @@ class _StreamedKL:
         weight, outside any autocast (the half-precision contract of
         :class:`~hf_layerswap.scoring.head.Head`); for the whole vocabulary of a head in
         memory on the rows' device the GEMM writes into the reused buffer (the result is
-        valid until the next call). Other heads run their own forward under the engine's
-        autocast and are upcast."""
+        valid until the next call). Other heads, and heads with forward hooks, run their own
+        forward under the engine's autocast and are upcast."""
         whole = v0 == 0 and v1 == self.head.vocab
-        if not self.head.linear:
+        if self.head.own_forward and whole:
             with _autocast(self.device_type, self.autocast):
                 return self.head(hidden).float()
         with torch.autocast(device_type=hidden.device.type, enabled=False):
