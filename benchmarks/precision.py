@@ -191,7 +191,7 @@ def _targets(models: list[dict], max_n: int) -> list[str]:
              "for this run | not measured |", "",
              "The bf16 CPU time includes the output head, which the half-precision contract runs in fp32 in both runs "
              "(the upcast final hidden state times the upcast weight), so that part of the work costs the same in "
-             "both. On Gemma-3-270M the 262,144-entry head costs about as much as 35 of its 18 blocks "
+             "both. On Gemma-3-270M the 262,144-entry head costs about as much as 35 blocks, against its 18 "
              "([speed.md](speed.md)): a large part of its scoring is that fp32 GEMM.", ""]
     return rows
 
