@@ -61,12 +61,16 @@ __all__ = [
     "BUNDLED",
     "BUNDLED_MODELS",
     "BundledModel",
+    "DTYPES",
     "bundled_checkpoint_dir",
     "cache_root",
     "check_gguf_file",
     "is_hub_id",
     "load_model",
     "missing_offline",
+    "accelerator_available",
+    "resolve_device_map",
+    "resolve_dtype",
 ]
 
 
@@ -271,8 +275,9 @@ def load_model(
     *,
     gguf_file: str | None = None,
     revision: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    device_map=None,
+    dtype: torch.dtype | str = "auto",
+    device_map: str | dict | None = "auto",
+    max_memory: dict | None = None,
     quantization_config=None,
     tokenizer=None,
     **kwargs,
@@ -285,8 +290,17 @@ def load_model(
             ``"owner/name"``.
         gguf_file: GGUF file name inside the ``name_or_path`` directory (or Hub repo).
         revision: Hub revision (branch, tag or commit); recorded by :func:`model_identity`.
-        dtype: parameter dtype (default fp32, the dtype of the dequantized bundled weights).
-        device_map: passed to ``from_pretrained``.
+        dtype: parameter dtype: ``"auto"`` (default: the checkpoint's own dtype, e.g. bf16
+            for a checkpoint saved in bf16, fp32 for the bundled dequantized weights; GGUF
+            input is dequantized to fp32), or ``torch.bfloat16`` / ``torch.float16`` /
+            ``torch.float32`` or their names.
+        device_map: accelerate's device map, passed to ``from_pretrained``. ``"auto"``
+            (default): accelerate's automatic map when an accelerator is present, or when
+            ``max_memory`` or ``offload_folder`` is given; otherwise the whole model in CPU
+            memory (no hooks). ``None``: no map; a dict or another accelerate strategy
+            (``"cpu"``, ``"balanced"``, ``"sequential"``, ...) is passed as given.
+        max_memory: per-device limits for the map, accelerate's format (``{0: "20GiB",
+            "cpu": "60GiB"}``).
         quantization_config: passed to ``from_pretrained`` (e.g. ``LayerSwapConfig``);
             not combinable with GGUF input, which is already a quantization (load, then
             prune the loaded model, or load :func:`bundled_checkpoint_dir` instead).
@@ -302,13 +316,19 @@ def load_model(
     Raises:
         ValueError: an unknown bundled name (the message lists the allowed ones), a path
             that does not exist, a local GGUF file that cannot be read as GGUF
-            (:func:`check_gguf_file`), or ``quantization_config`` together with GGUF input.
+            (:func:`check_gguf_file`), ``quantization_config`` together with GGUF input, or a
+            ``dtype`` outside :data:`DTYPES`.
         ModuleNotFoundError: a bundled model's package is not installed (the message gives
             the pip command).
     """
     target = os.fspath(name_or_path)
-    common = dict(dtype=dtype, device_map=device_map, **kwargs)
     path = Path(target).expanduser()
+    gguf = target not in BUNDLED and (path.suffix == ".gguf" or gguf_file is not None)
+    dtype = resolve_dtype(dtype, gguf=gguf)
+    device_map = resolve_device_map(device_map, max_memory=max_memory, offload_folder=kwargs.get("offload_folder"))
+    common = dict(dtype=dtype, device_map=device_map, **kwargs)
+    if max_memory is not None:
+        common["max_memory"] = max_memory
 
     if target in BUNDLED:
         directory = bundled_checkpoint_dir(target)
@@ -414,6 +434,49 @@ def check_gguf_file(path: str | os.PathLike) -> None:
         raise ValueError(f"{path} is a corrupt or truncated GGUF file: {type(err).__name__}: {err}") from None
     if arch is None or tensors == 0:
         raise ValueError(f"{path} is not a GGUF model: it names no architecture or holds no tensor")
+
+
+#: ``dtype=`` names :func:`load_model` accepts -> what ``from_pretrained`` gets.
+DTYPES: dict[str, torch.dtype | str] = {
+    "auto": "auto",
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def resolve_dtype(dtype, *, gguf: bool = False) -> torch.dtype | str:
+    """``dtype=`` of :func:`load_model` as ``from_pretrained`` takes it: a torch dtype, or
+    ``"auto"`` (the checkpoint's own dtype; ``torch.float32`` for GGUF input, whose
+    dequantized values are fp32).
+
+    Raises:
+        ValueError: ``dtype`` is neither a name in :data:`DTYPES` nor one of their torch dtypes.
+    """
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        dtype = DTYPES[dtype.removeprefix("torch.")]
+    elif dtype not in [d for d in DTYPES.values() if d != "auto"]:
+        raise ValueError(f"dtype={dtype!r}: allowed {list(DTYPES)} or torch.bfloat16, torch.float16, torch.float32")
+    if dtype == "auto" and gguf:
+        return torch.float32
+    return dtype
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, ROCm, XPU, MPS, ...)."""
+    return bool(torch.accelerator.is_available())
+
+
+def resolve_device_map(device_map, *, max_memory=None, offload_folder=None):
+    """``device_map=`` of :func:`load_model` as ``from_pretrained`` takes it: ``"auto"`` stays
+    accelerate's automatic map when an accelerator is present or a memory limit or an
+    offload folder is given, and becomes ``None`` (the CPU, no hooks) otherwise; any other
+    value is returned as given."""
+    if isinstance(device_map, str) and device_map == "auto":
+        if accelerator_available() or max_memory is not None or offload_folder is not None:
+            return "auto"
+        return None
+    return device_map
 
 
 def _given_tokenizer(tokenizer, auto):

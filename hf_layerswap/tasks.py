@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from huggingface_hub import EvalResult
 
+from .devices import input_device
 from .evaluation import resolve_tokenizer
 from .jsonio import JsonResult, decode_tree
 from .provenance import public_identity
@@ -137,7 +138,7 @@ def evaluate_tasks(
     model.eval()
     lm = HFLM(
         pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
-        add_bos_token=add_bos_token, device=str(next(model.parameters()).device),
+        add_bos_token=add_bos_token, device=str(input_device(model)),
     )
     try:
         out = simple_evaluate(

@@ -1,7 +1,7 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
-the quality pages and their index, speed, recovery and the two sparsity pages are rewritten
-from the JSON beside them with each script's ``--render-only`` (no model is loaded), so a
-refactoring that changes a stored number or its rendering fails here."""
+the quality pages and their index, speed, recovery, precision and the two sparsity pages are
+rewritten from the JSON beside them with each script's ``--render-only`` (no model is
+loaded), so a refactoring that changes a stored number or its rendering fails here."""
 
 from __future__ import annotations
 
@@ -52,3 +52,10 @@ def test_sparsity_pages_rerender_unchanged(tmp_path):
         _run([str(ROOT / "benchmarks" / "sparsity.py"), "--model", model, "--render-only",
               "--json", str(RESULTS / f"sparsity-{model}.json"), "--output", str(out)], ROOT)
         assert out.read_bytes() == (RESULTS / out.name).read_bytes(), out.name
+
+
+def test_precision_page_rerenders_unchanged(tmp_path):
+    out = tmp_path / "precision.md"
+    _run([str(ROOT / "benchmarks" / "precision.py"), "--render-only", "--json", str(RESULTS / "precision.json"),
+          "--out", str(out)], ROOT)
+    assert out.read_bytes() == (RESULTS / "precision.md").read_bytes()

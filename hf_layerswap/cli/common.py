@@ -10,14 +10,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from accelerate.utils import convert_file_size_to_int
+
 from ..calibration import read_text_file
 from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
-from ..models import BUNDLED, check_gguf_file, is_hub_id, load_model, missing_offline
+from ..models import BUNDLED, DTYPES, check_gguf_file, is_hub_id, load_model, missing_offline
 
 __all__ = [
     "HELP_FORMATTER",
     "add_calibration_args",
+    "add_device_args",
     "add_model_args",
     "add_resume_arg",
     "calibration_source",
@@ -28,8 +31,10 @@ __all__ = [
     "config_help",
     "count",
     "count_or_auto",
+    "device_options",
     "fraction",
     "load",
+    "max_memory_map",
     "needs_tokenizer",
     "positive_seconds",
     "prompt_count",
@@ -108,13 +113,53 @@ def positive_seconds(text):
 
 
 def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> None:
-    """MODEL (unless ``positional=False``), --gguf-file, --revision and --tokenizer."""
+    """MODEL (unless ``positional=False``), --gguf-file, --revision, --tokenizer and
+    :func:`add_device_args`."""
     if positional:
         p.add_argument("model", help="local checkpoint dir, GGUF file, Hub id, or a bundled name (smollm2-135m, gemma3-270m)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside MODEL (dequantized on load)")
     p.add_argument("--revision", default=None, help="Hub revision")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or Hub id, for a checkpoint that has none (default: the model's own)")
+    add_device_args(p)
+
+
+def max_memory_map(text) -> dict:
+    """argparse ``type=`` of --max-memory: accelerate's per-device limits, ``0=20GiB,cpu=60GiB``
+    -> ``{0: "20GiB", "cpu": "60GiB"}`` (a GPU index becomes an int; each size is checked
+    with accelerate's own parser)."""
+    limits: dict = {}
+    for item in str(text).split(","):
+        device, sep, size = (part.strip() for part in item.partition("="))
+        if not sep or not device or not size:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected DEVICE=SIZE pairs separated by commas, e.g. 0=20GiB,cpu=60GiB")
+        try:
+            if not size.isdigit():  # bytes as a plain int, else a size with its unit
+                convert_file_size_to_int(size)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: size {size!r} of {device!r} is not a size; expected e.g. 20GiB, 500MB or bytes") from None
+        limits[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+    return limits
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--dtype, --device-map and --max-memory (what :func:`~hf_layerswap.models.load_model` takes)."""
+    p.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="parameter dtype; 'auto' = the checkpoint's own (GGUF input: fp32, its dequantized values)")
+    p.add_argument("--device-map", default="auto",
+                   help="accelerate device map ('auto', 'cpu', 'cuda:0', 'balanced', 'sequential'); 'auto' "
+                        "spreads the model over the accelerators when one is present (and over --max-memory), "
+                        "else keeps it in CPU memory")
+    p.add_argument("--max-memory", type=max_memory_map, default=None,
+                   help="per-device memory for the device map, accelerate's format: 0=20GiB,cpu=60GiB")
+
+
+def device_options(args) -> dict:
+    """``dtype``, ``device_map`` and ``max_memory`` of :func:`add_device_args` for ``load_model``."""
+    return {"dtype": getattr(args, "dtype", "auto"), "device_map": getattr(args, "device_map", "auto"),
+            "max_memory": getattr(args, "max_memory", None)}
 
 
 def add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64") -> None:
@@ -262,7 +307,8 @@ def load(args):
 
     name = getattr(args, "model", None)
     print(f"loading {name} ...", file=sys.stderr, flush=True)
-    return load_model(name, gguf_file=args.gguf_file, revision=args.revision, tokenizer=getattr(args, "tokenizer", None))
+    return load_model(name, gguf_file=args.gguf_file, revision=args.revision, tokenizer=getattr(args, "tokenizer", None),
+                      **device_options(args))
 
 
 def calibration_source(value: str):

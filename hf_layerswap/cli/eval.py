@@ -21,7 +21,7 @@ from ..models import load_model
 from ..provenance import model_identity
 from ..plan import num_blocks
 from ..tasks import evaluate_tasks
-from .common import HELP_FORMATTER, check_paths
+from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
 
 __all__ = ["CONTRACT_CHOICES", "add_eval_arguments", "add_parser", "run_eval"]
 
@@ -57,6 +57,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("model", help="checkpoint dir, GGUF file, Hub id or bundled name (smollm2-135m, gemma3-270m)")
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside MODEL (dequantized on load)")
     parser.add_argument("--revision", default=None, help="Hub revision")
+    add_device_args(parser)
     ppl = parser.add_argument_group("perplexity")
     ppl.add_argument("--text", default=None,
                      help="UTF-8 text file (e.g. WikiText-2 wiki.test.raw) or 'embedded'; default 'embedded' unless "
@@ -107,7 +108,7 @@ def run_eval(args: argparse.Namespace) -> int:
     _check_args(args)
     text = args.text if args.text is not None or args.tasks else "embedded"
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, revision=args.revision)
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, revision=args.revision, **device_options(args))
     identity = {k: v for k, v in model_identity(model).items() if k != "path"}  # no local paths in results
     result = {"model": {**identity, "num_blocks": num_blocks(model)}, "perplexity": None, "tasks": None}
     if text is not None:

@@ -20,7 +20,7 @@ from ..peeling import (
     trajectory_plot,
     trajectory_table_markdown,
 )
-from .common import HELP_FORMATTER, check_paths
+from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
 
 __all__ = ["add_parser", "add_peel_arguments", "run_peel"]
 
@@ -49,6 +49,7 @@ def add_peel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "checkpoint dirs = a training trajectory")
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside MODEL (one model only)")
     parser.add_argument("--revision", default=None, help="Hub revision (one model only)")
+    add_device_args(parser)
     parser.add_argument("--calibration", default="embedded", help="text the references are fitted on: a file or 'embedded'")
     parser.add_argument("--eval-text", default="embedded", help="held-out text the hybrids are scored on: a file or "
                         "'embedded' (must not overlap the calibration text)")
@@ -93,7 +94,8 @@ def run_peel(args) -> int:
                          (("--output", args.output), ("--plot", args.plot), ("--table", args.table))])
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     if len(args.model) == 1:
-        model, tokenizer = load_model(args.model[0], gguf_file=args.gguf_file, revision=args.revision)
+        model, tokenizer = load_model(args.model[0], gguf_file=args.gguf_file, revision=args.revision,
+                                      **device_options(args))
         report = peel(model, args.calibration, eval_text, tokenizer=tokenizer, batch_size=args.batch_size,
                       seed=args.seed, progress=args.progress, **_peel_kwargs(args))
         report.to_json(args.output)

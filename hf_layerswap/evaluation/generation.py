@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from ..devices import input_device
 from ..jsonio import JsonResult, decode_tree
 
 
@@ -96,7 +97,7 @@ def generation_check(
             raise ValueError(f"prompt {k} ({prompt!r}) gives no token: every prompt needs at least one")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be at least 1")
-    device = next(model.parameters()).device
+    device = input_device(model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad)
     was_training = model.training

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..calibration import check_positions, check_token_ids
+from ..devices import input_device
 from ..plan import model_fingerprint
 from ..provenance import library_versions, public_identity
 from .contract import (
@@ -80,7 +81,7 @@ def perplexity_from_ids(
     check_token_ids(ids, model, "input_ids")
     check_positions(model, window, f"window={window}", "lower window")
     spans = sliding_windows(len(ids), window, stride, paper_token_count=paper_token_count)
-    device = next(model.parameters()).device
+    device = input_device(model)
     was_training = model.training
     model.eval()
 
@@ -103,7 +104,7 @@ def perplexity_from_ids(
                 logits = out.logits[:, -keep:-1, :]
                 targets = batch[:, length - keep + 1 :]
                 for row, k in enumerate(chunk):
-                    token_nll = F.cross_entropy(logits[row].float(), targets[row], reduction="none")
+                    token_nll = F.cross_entropy(logits[row].float(), targets[row].to(logits.device), reduction="none")
                     nll[k] = token_nll.double().sum().item()
                 bar.update(length * len(chunk))
     finally:

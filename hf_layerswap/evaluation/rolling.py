@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..calibration import check_positions, check_token_ids
+from ..devices import input_device
 from ..provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
@@ -136,7 +137,7 @@ def evaluate_rolling(
             raise ValueError(f"document {len(sequences)} has no tokens to score")
         sequences.append(torch.tensor([prefix] + ids, dtype=torch.long))
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     jobs = []  # (sequence index, begin, end, targets)
     for s, seq in enumerate(sequences):
         check_token_ids(seq, model, "input_ids")
@@ -156,7 +157,7 @@ def evaluate_rolling(
                 targets = torch.stack([sequences[jobs[j][0]][jobs[j][2] - keep + 1 : jobs[j][2] + 1] for j in chunk])
                 logits = model(input_ids=batch, use_cache=False, logits_to_keep=keep).logits[:, -keep:, :]
                 for row, j in enumerate(chunk):
-                    token_nll = F.cross_entropy(logits[row].float(), targets[row].to(device), reduction="none")
+                    token_nll = F.cross_entropy(logits[row].float(), targets[row].to(logits.device), reduction="none")
                     nll[j] = token_nll.double().sum().item()
     finally:
         model.train(was_training)

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import build_calibration
+from ..devices import input_device
 from ..plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
 from ..provenance import library_versions, report_identity
 from ..recovery import ridge_toward_identity
@@ -279,7 +280,7 @@ def peel(
 
     fitted = [(k, m) for k, m, ref, _ in probes if ref == "linear"]
     trained = [(k, m) for k, m, ref, _ in probes if ref == "gradient"]
-    device = next(model.parameters()).device
+    device = input_device(model)
     was_training = model.training
     model.eval()
     timings: dict = {}
@@ -387,7 +388,7 @@ def _fit_pass(model, blocks, calib, fitted, trained, batch_size, bias, ridge, ma
             tokens += int(keep.sum())
             rows = {}
             for s in {k for k, _ in fitted} | {k + m for k, m in fitted}:
-                x = streams[s][keep].double()
+                x = streams[s].to(device)[keep].double()
                 hidden_size = x.shape[1]
                 rows[s] = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1) if bias else x
             for k in {k for k, _ in fitted}:
@@ -442,15 +443,15 @@ def _eval_pass(model, blocks, evalset, probes, maps, batch_size, device, progres
             for k, m, ref, _ in probes:
                 acc = results[(k, m, ref)]
                 t1 = time.perf_counter()
-                x, y = streams[k], streams[k + m]
+                x, y = streams[k], streams[k + m].to(streams[k].device)
                 hidden = maps[(k, m, ref)](x, kw_store.get(k, {}))
                 logits = _substituted_logits(model, blocks, k, m, hidden, streams, ids, mask)
                 nll, _ = sequence_nll(logits, ids, mask)
                 acc["seconds"] += time.perf_counter() - t1
                 del logits
                 acc["nll"].append(nll)
-                u = (y - x)[keep].double()
-                acc["sse"] += float((hidden - y)[keep].double().pow(2).sum())
+                u = (y - x)[keep.to(x.device)].double()
+                acc["sse"] += float((hidden.to(y.device) - y)[keep.to(y.device)].double().pow(2).sum())
                 acc["u_sq"] += float(u.pow(2).sum())
                 acc["u_sum"] = u.sum(0) if acc["u_sum"] is None else acc["u_sum"] + u.sum(0)
                 acc["tokens"] += u.shape[0]

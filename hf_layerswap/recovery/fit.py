@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..calibration import CalibrationSet
+from ..devices import input_device
 from ..plan import capture_residual_stream, resolve_layer_indices
 
 # ----------------------------------------------------------------------------- algebra
@@ -120,11 +121,6 @@ def cut_boundaries(num_layers: int, removed: Sequence[int]) -> list[dict]:
     return out
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
 def _model_family(model: nn.Module) -> str:
     cfg = getattr(model, "config", None)
     return str(getattr(cfg, "model_type", None) or type(model).__name__)
@@ -205,7 +201,7 @@ def _probe_additive_write(model, blocks, host: int, ids, mask) -> None:
     def double(module, args, output):
         return output * 2
 
-    device = _model_device(model)
+    device = input_device(model)
     ids, mask = ids.to(device), mask.to(device)
     handle = down.register_forward_hook(grab)
     try:
@@ -217,9 +213,9 @@ def _probe_additive_write(model, blocks, host: int, ids, mask) -> None:
         doubled, _ = capture_residual_stream(model, ids, mask, slots=[host + 1])
     finally:
         handle.remove()
-    keep = mask.bool()
-    m = seen["m"][keep].double()
-    diff = (doubled[host + 1] - base[host + 1])[keep].double()
+    keep = mask.bool().cpu()  # tensors of blocks on different devices meet on the CPU
+    m = seen["m"].cpu()[keep].double()
+    diff = (doubled[host + 1] - base[host + 1]).cpu()[keep].double()
     rel = float(torch.linalg.norm(diff - m) / torch.linalg.norm(m).clamp_min(1e-30))
     if rel > 0.5:
         extra = ""
@@ -259,11 +255,14 @@ def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) 
     for k, module in method.taps(model, blocks, cuts).items():
         handles.append(module.register_forward_hook(grabber(k)))
     try:
-        device = _model_device(model)
+        # moments accumulate on the input embeddings' device: the streams and taps of blocks
+        # on other devices (accelerate device maps, offload) are brought there
+        device = input_device(model)
         for ids, mask, keep in _select_rows(calib, batch_size, num_tokens):
             keep = keep.to(device)
             streams, _ = capture_residual_stream(model, ids.to(device), mask.to(device), slots=sorted(slots))
-            rows = {s: streams[s][keep].double() for s in slots}
+            rows = {s: streams[s].to(device)[keep].double() for s in slots}
+            tapped.update({k: v.to(device) for k, v in tapped.items()})
             hidden = next(iter(rows.values())).shape[-1]
             used += int(keep.sum())
             for cut in cuts:

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils import cached_file
 
+from ..devices import execution_device
 from ..jsonio import atomic_path, write_json_atomic
 from ..plan import decoder_blocks
 from .fit import _hidden_size
@@ -110,10 +111,7 @@ def _attach(model: nn.Module, boundary: int, weight: torch.Tensor) -> GhostedOpe
     attr = _IN_ATTR if boundary == 0 else _OUT_ATTR
     if isinstance(getattr(block, attr, None), GhostedOperator):
         raise ValueError(f"a ghosted operator is already attached at boundary {boundary}")
-    ref = next(block.parameters(), None)
-    op = GhostedOperator(weight, boundary)
-    if ref is not None and ref.device.type != "meta":
-        op.to(ref.device)
+    op = GhostedOperator(weight, boundary).to(execution_device(block))
     setattr(block, attr, op)
     if boundary == 0:
         op._handle = block.register_forward_pre_hook(op.input_hook, with_kwargs=True, prepend=True)

@@ -6,24 +6,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from accelerate.utils import align_module_device
 from torch import nn
 
+from ..devices import execution_device
 
 
 # ----------------------------------------------------------------------------- model plumbing
-def _module_device(module: nn.Module) -> torch.device:
-    """Where ``module`` computes: accelerate's execution device for dispatched/offloaded
-    modules, else the device of its first non-meta parameter (CPU if none)."""
-    hook = getattr(module, "_hf_hook", None)
-    dev = getattr(hook, "execution_device", None)
-    for sub in getattr(hook, "hooks", ()) if dev is None else ():  # accelerate's SequentialHook
-        dev = getattr(sub, "execution_device", None) or dev
-    if dev is not None:
-        return torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
-    for p in module.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return torch.device("cpu")
+#: Where a module computes (accelerate's execution device for hooked modules).
+_module_device = execution_device
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
@@ -46,7 +37,17 @@ def _text_config(model: nn.Module):
 class _Head:
     """The model's output head as a function of the decoder output: ``lm_head`` plus the
     final logit soft-capping that some families apply (Gemma 2). It is checked against
-    the model's own logits on the first batch (see :meth:`_Engine._reference_pass`)."""
+    the model's own logits on the first batch (see :meth:`_Engine._reference_pass`).
+
+    Numeric contract: a plain ``nn.Linear`` head always gives **fp32 logits computed in
+    fp32**: the final hidden state ``(R, H)`` is upcast to fp32 and multiplied by the
+    head's weight upcast to fp32 (one fp32 ``H x V`` GEMM per block of positions), so
+    bf16/fp16 models are not scored on logits rounded to 8 (or 11) mantissa bits. The
+    upcast weight is made once per head phase (:meth:`weight32`; ``4 H V`` bytes, freed by
+    :meth:`release`); an fp32 head uses its own weight, so nothing changes there. Other
+    heads (quantized or custom modules, or heads with forward hooks) run their own forward
+    and their logits are upcast.
+    """
 
     def __init__(self, model: nn.Module):
         self.module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -55,15 +56,30 @@ class _Head:
         self.vocab = int(weight.shape[0]) if weight is not None else int(_text_config(model).vocab_size)
 
         m = self.module
-        # a plain Linear with its weight in memory can be run on vocabulary slices; quantized,
-        # hooked (accelerate offload) or custom heads run whole, on position chunks
-        self.sliceable = (
+        #: a plain Linear: its logits are computed here, in fp32, from its weight
+        self.linear = (
             isinstance(m, nn.Linear)
             and type(m).forward is nn.Linear.forward
-            and not hasattr(m, "_hf_hook")
-            and m.weight.device.type != "meta"
             and m.weight.is_floating_point()
         )
+        # a plain Linear with its weight in memory can be run on vocabulary slices; quantized,
+        # hooked (accelerate offload) or custom heads run whole, on position chunks
+        self.sliceable = self.linear and not hasattr(m, "_hf_hook") and m.weight.device.type != "meta"
+        self._w32: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def weight32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight (V, H), bias (V,) or None)`` of a sliceable head in fp32: the head's own
+        tensors when they are fp32, else an fp32 copy kept until :meth:`release`."""
+        w, b = self.module.weight, self.module.bias
+        if w.dtype == torch.float32 and (b is None or b.dtype == torch.float32):
+            return w, b
+        if self._w32 is None:
+            self._w32 = (w.detach().float(), None if b is None else b.detach().float())
+        return self._w32
+
+    def release(self) -> None:
+        """Free the fp32 copy of a half-precision head's weight."""
+        self._w32 = None
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
         """Soft-capping in place (``logits`` is always the head's own fresh output)."""
@@ -71,15 +87,34 @@ class _Head:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
+    @property
+    def own_forward(self) -> bool:
+        """Whether the head runs its own forward: not a plain Linear, or one with forward
+        hooks (which only its own call runs)."""
+        m = self.module
+        return not self.linear or bool(m._forward_hooks or m._forward_pre_hooks)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._cap(self.module(hidden))
+        """Logits ``(R, V)`` of final hidden rows ``(R, H)``: fp32 for a plain Linear head
+        (see the class docstring), else (:attr:`own_forward`) the module's own output."""
+        m = self.module
+        if self.own_forward:
+            return self._cap(m(hidden))
+        if self.sliceable:
+            w, b = self.weight32()
+            return self._cap(nn.functional.linear(hidden.to(w.device, torch.float32), w, b))
+        with align_module_device(m):  # accelerate brings offloaded weights to the execution device
+            w, b = m.weight, m.bias
+            out = nn.functional.linear(hidden.to(w.device, torch.float32), w.float(), None if b is None else b.float())
+        return self._cap(out)
 
     def into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The whole head written into ``out`` ``(R, V)`` (a reused buffer: a fresh
-        position x 262k-entry tensor per probe costs its page faults again); the same
-        GEMM as the module's own forward, so the same values bit for bit. Plain
-        sliceable fp32 heads only."""
-        w, b = self.module.weight, self.module.bias
+        """The whole head written into ``out`` ``(R, V)`` fp32 (a reused buffer: a fresh
+        position x 262k-entry tensor per probe costs its page faults again); for an fp32
+        head the same GEMM as the module's own forward, so the same values bit for bit.
+        Sliceable heads only."""
+        w, b = self.weight32()
+        hidden = hidden.float()
         if b is None:
             torch.matmul(hidden, w.t(), out=out)
         else:
@@ -87,9 +122,10 @@ class _Head:
         return self._cap(out)
 
     def vocab_slice(self, hidden: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
-        """Logits of vocabulary entries ``v0:v1`` only: ``(R, v1 - v0)``."""
-        bias = self.module.bias[v0:v1] if self.module.bias is not None else None
-        return self._cap(nn.functional.linear(hidden, self.module.weight[v0:v1], bias))
+        """fp32 logits of vocabulary entries ``v0:v1`` only: ``(R, v1 - v0)``."""
+        w, b = self.weight32()
+        rows = hidden.to(w.device, torch.float32)
+        return self._cap(nn.functional.linear(rows, w[v0:v1], None if b is None else b[v0:v1]))
 
 
 def _decoder_output(output) -> torch.Tensor:

@@ -98,7 +98,8 @@ def masked_kl(ref_logprobs: torch.Tensor, logits: torch.Tensor, attention_mask: 
             f"mask {tuple(attention_mask.shape)}"
         )
     bsz, seqlen, vocab = logits.shape
-    mask = attention_mask.bool()
+    mask = attention_mask.to(logits.device).bool()
+    ref_logprobs = ref_logprobs.to(logits.device)
     counts = mask.sum(dim=1).cpu()
     if bool((counts == 0).any()):
         raise ValueError("a prompt has no real position (all padding)")

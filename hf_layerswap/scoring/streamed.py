@@ -34,8 +34,9 @@ class _StreamedKL:
         self._logit_buf: torch.Tensor | None = None
 
     def release(self) -> None:
-        """Free the reused logit buffer."""
+        """Free the reused logit buffer and the head's fp32 weight copy."""
         self._logit_buf = None
+        self.head.release()
 
     def head_phase(self, ref_hidden, hiddens: list[torch.Tensor], prompt_of_row, counts, bsz,
                    done=None) -> list[torch.Tensor]:
@@ -51,29 +52,34 @@ class _StreamedKL:
         return [s / counts for s in sums]
 
     def logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
-        """fp32 logits of vocabulary entries ``v0:v1``: for the whole vocabulary of a plain
-        fp32 head, the same GEMM as the head module's, written into the reused
-        buffer (the result is valid until the next call); otherwise the model's own head
-        module (or its weight slice)."""
+        """fp32 logits of vocabulary entries ``v0:v1`` of hidden rows ``(R, H)``.
+
+        A plain ``nn.Linear`` head computes them in fp32 from the upcast hidden rows and
+        weight, outside any autocast (the half-precision contract of
+        :class:`~hf_layerswap.scoring.head.Head`); for the whole vocabulary of a head in
+        memory on the rows' device the GEMM writes into the reused buffer (the result is
+        valid until the next call). Other heads, and heads with forward hooks, run their own
+        forward under the engine's autocast and are upcast."""
         whole = v0 == 0 and v1 == self.head.vocab
-        if whole and self._buffered_head(hidden):
-            rows = hidden.shape[0]
-            if self._logit_buf is None or self._logit_buf.shape[0] < rows:
-                self._logit_buf = None  # free the smaller one first
-                self._logit_buf = torch.empty(rows, self.head.vocab, dtype=torch.float32, device=hidden.device)
-            return self.head.into(hidden, self._logit_buf[:rows])
-        with _autocast(self.device_type, self.autocast):
-            out = self.head(hidden) if whole else self.head.vocab_slice(hidden, v0, v1)
-        return out.float()
+        if self.head.own_forward and whole:
+            with _autocast(self.device_type, self.autocast):
+                return self.head(hidden).float()
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            if whole and self._buffered_head(hidden):
+                rows = hidden.shape[0]
+                if self._logit_buf is None or self._logit_buf.shape[0] < rows:
+                    self._logit_buf = None  # free the smaller one first
+                    self._logit_buf = torch.empty(rows, self.head.vocab, dtype=torch.float32, device=hidden.device)
+                return self.head.into(hidden, self._logit_buf[:rows])
+            return self.head(hidden) if whole else self.head.vocab_slice(hidden, v0, v1)
 
     def _buffered_head(self, hidden) -> bool:
-        """Whole-vocabulary fp32 logits can go to one reused buffer (each result is consumed
-        before the next is made): a plain fp32 ``nn.Linear`` head on the hidden states'
-        device, with no forward hooks and a plain tensor weight, and no autocast."""
+        """Whole-vocabulary logits can go to one reused buffer (each result is consumed
+        before the next is made): a plain ``nn.Linear`` head in memory on the hidden
+        rows' device, with no forward hooks and a plain tensor weight."""
         m = self.head.module
         w = getattr(m, "weight", None)
-        return (self.head.sliceable and self.autocast is None and hidden.dtype == torch.float32
-                and type(w.data) is torch.Tensor and w.dtype == torch.float32 and w.device == hidden.device
+        return (self.head.sliceable and type(w.data) is torch.Tensor and w.device == hidden.device
                 and not m._forward_hooks and not m._forward_pre_hooks)
 
     def _kl_block(self, ref_rows, rows, done) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration import CalibrationSet
+from ..devices import input_device
 from ..plan import capture_residual_stream, num_blocks
 from ..report import _score_key, set_key
 from ..rule import greedy_select, resolve_protect
@@ -41,24 +42,25 @@ def _stream_geometry(model, calibration: CalibrationSet, batch_size: int):
     residual stream at each prompt's last real token for every slot ``(N, L+1, H)``."""
     num_layers = num_blocks(model)
     bi_rows, last_rows = [], []
-    device = next(model.parameters()).device
+    device = input_device(model)
     was_training = model.training
     model.eval()
     try:
         for ids, mask in calibration.batches(batch_size):
             ids, mask = ids.to(device), mask.to(device)
             streams, _ = capture_residual_stream(model, ids, mask)
-            real = mask.bool()
-            per_prompt = mask.sum(dim=1).double()
+            # the streams of blocks on different devices meet on the CPU, in float64
+            real = mask.bool().cpu()
+            per_prompt = mask.sum(dim=1).double().cpu()
             bi = torch.empty(ids.shape[0], num_layers, dtype=torch.float64)
             for layer in range(num_layers):
-                cos = F.cosine_similarity(streams[layer].double(), streams[layer + 1].double(), dim=-1)
-                bi[:, layer] = ((1.0 - cos) * real).sum(dim=1).cpu() / per_prompt.cpu()
-            last = mask.sum(dim=1) - 1
-            rows = torch.arange(ids.shape[0], device=ids.device)
-            stacked = torch.stack([streams[s][rows, last] for s in range(num_layers + 1)], dim=1)
+                cos = F.cosine_similarity(streams[layer].double().cpu(), streams[layer + 1].double().cpu(), dim=-1)
+                bi[:, layer] = ((1.0 - cos) * real).sum(dim=1) / per_prompt
+            last = (mask.sum(dim=1) - 1).cpu()
+            rows = torch.arange(ids.shape[0])
+            stacked = torch.stack([streams[s].double().cpu()[rows, last] for s in range(num_layers + 1)], dim=1)
             bi_rows.append(bi)
-            last_rows.append(stacked.double().cpu())
+            last_rows.append(stacked)
             del streams
     finally:
         model.train(was_training)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration import CalibrationSet
+from ..devices import input_device
 from ..plan import (
     apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
 )
@@ -67,6 +68,7 @@ def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
     """Per-prompt summed next-token NLL (nats) over real targets: position t predicts t+1
     where both are real. Returns ``(B,)`` float64; fp32 log-softmax, chunked."""
     bsz, seqlen, vocab = logits.shape
+    attention_mask, input_ids = attention_mask.to(logits.device), input_ids.to(logits.device)
     target_mask = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
     rows = target_mask.reshape(-1).nonzero().squeeze(1)
     flat_logits = logits[:, :-1].reshape(-1, vocab)
@@ -119,7 +121,7 @@ def plan_nll(
     base, counts = [], []
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
+    device = input_device(model)
     t0 = time.perf_counter()
     try:
         for ids, mask in calibration.batches(batch_size):
@@ -260,12 +262,12 @@ class SetObjective:
         """W_p = I + M_p for every block p from one stream-capture sweep (float64 moments)."""
         grams: dict[int, torch.Tensor] = {}
         crosses: dict[int, torch.Tensor] = {}
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         for ids, mask in self.calibration.batches(self.batch_size):
             ids, mask = ids.to(device), mask.to(device)
             streams, _ = capture_residual_stream(self.model, ids, mask)
             keep = mask.bool()
-            rows = {s: streams[s][keep].double() for s in streams}
+            rows = {s: streams[s].to(device)[keep].double() for s in streams}  # one device for the moments
             for p in range(self.num_layers):
                 x, y = rows[p], rows[p + 1]
                 grams[p] = grams.get(p, 0) + x.T @ x
@@ -304,7 +306,7 @@ class SetObjective:
             tail_cut = max(s) == self.num_layers - 1
             starts[k] = 0 if (not self.prefix_reuse or tail_cut) else min(start, len(plans[k]) - 1)
         slots = sorted({v for v in starts.values() if v > 0}) or [0]
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         was_training = self.model.training
         self.model.eval()
         passes, block_count = 1, self.num_layers

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import build_calibration
+from ..devices import input_device
 from ..plan import decoder_blocks
 from ..provenance import library_versions
 from ..surgery import original_indices
@@ -283,7 +284,7 @@ def sparsify(
                     f"(pattern {pattern!r})"
                 )
     num_params = [sum(lin.weight.numel() for _, lin in lins) for lins in block_linears]
-    device = next(model.parameters()).device
+    device = input_device(model)
     batches = [(ids.to(device), mask.to(device)) for ids, mask in calib.batches(opts.batch_size)]
     was_training = model.training
     model.eval()
