@@ -70,7 +70,7 @@ def test_settings_normalise_their_values():
         (dict(prefix_reuse="yes"), "prefix_reuse='yes': allowed True/'shared'"),
         (dict(dtype="int8"), "dtype='int8': allowed None (the model's dtype), torch.bfloat16, torch.float16, torch.float32"),
         (dict(dtype=torch.int8), "dtype=torch.int8: allowed None"),
-        (dict(distributed="yes"), "distributed='yes': allowed None (shard when torch.distributed is initialised)"),
+        (dict(distributed="yes"), "distributed='yes': allowed None (partition the probes when launched with several processes)"),
         (dict(checkpoint_path=3), "checkpoint_path=3: give a folder path (str or os.PathLike) or None"),
     ],
 )

@@ -12,6 +12,7 @@ from ..pipeline import prune
 from ..report import SwapReport
 from ..recovery import RECOVERY_METHODS
 from ..protocols import SWAP_PROTOCOLS
+from ..scoring.processes import is_main_process
 from ..selection import STRATEGIES
 from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
@@ -116,6 +117,8 @@ def run_prune(args) -> int:
               file=sys.stderr)
     model, tokenizer = load(args)
     result = prune(model, config, tokenizer=tokenizer, report=report)
+    if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
+        return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..protocols import SWAP_PROTOCOLS
 from ..scoring import score_layers
+from ..scoring.processes import is_main_process
 from .common import HELP_FORMATTER, add_calibration_args, add_model_args, count, load, needs_tokenizer, prompt_count
 
 __all__ = ["add_parser", "format_scores_table", "run_score"]
@@ -39,6 +40,8 @@ def run_score(args) -> int:
         model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
     )
+    if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
+        return 0
     path = report.to_json(args.output)
     print(format_scores_table(report))
     print(f"report written to {path}")

@@ -38,8 +38,11 @@ probe needs:
   each part written atomically; a rerun with the same model, calibration and settings
   skips them and ends with the same numbers, bit for bit.
 - **Scale-out.** Models dispatched by accelerate (``device_map``, CPU/disk offload) run
-  as they are. Under ``torch.distributed`` (``torchrun`` / ``accelerate launch``) every
-  rank takes a disjoint share of the probes and rank results are gathered.
+  as they are. Under ``accelerate launch`` (or ``torchrun``) every process, holding one
+  whole model replica, takes a disjoint share of the probes and the values are gathered
+  (accelerate's ``PartialState``, ``split_between_processes``, ``gather_object``); the
+  result equals one process's bit for bit. A model sharded over the processes (tensor
+  parallel, FSDP, ZeRO-3) is refused before any forward pass (:mod:`.processes`).
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
   selected at a budget is stable under paired standard errors.
 
@@ -50,8 +53,8 @@ Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and th
 state), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
 hands the engine), :mod:`.streamed` (the head/KL phase on blocks of positions x
 vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
-:mod:`.probes` (probe deduplication, order, sharding), :mod:`.checkpoint` (resumable and
-distributed runs).
+:mod:`.probes` (probe deduplication, order, each process's share), :mod:`.checkpoint`
+(resumable runs), :mod:`.processes` (launched processes, sharded-model refusal).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
 with prefix reuse, streamed KL under a memory budget, optional reduced precision,
-checkpointing and rank sharding (see :mod:`hf_layerswap.scoring` for what each does).
+checkpointing and the probes partitioned over launched processes (see
+:mod:`hf_layerswap.scoring` for what each does).
 
 ``_Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
@@ -20,17 +21,17 @@ import warnings
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_token_ids
 from ..plan import apply_plan, decoder_blocks, model_fingerprint, num_blocks, _StopForward
 from ..provenance import library_versions, report_identity
-from .checkpoint import _Checkpoint, _dist_state, _plans_digest
+from .checkpoint import _Checkpoint, _plans_digest
 from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
 from .kl import _chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import _make_probes, _Probe, _schedule, _shard
+from .processes import check_model_replica, Processes
 from .settings import dtype_name, EngineSettings
 from .streamed import _StreamedKL
 from .checkpoint import ScoringCheckpoint  # noqa: F401  (documented name)
@@ -61,6 +62,7 @@ class _Engine:
         plans: Mapping[Hashable, Sequence[int]],
         settings: EngineSettings,
     ):
+        check_model_replica(model)  # before any forward pass
         self.model = model
         self.calib = calibration
         self.num_layers = num_blocks(model)
@@ -68,7 +70,8 @@ class _Engine:
         self.mode = settings.prefix_reuse
         self.stream_logits = settings.stream_logits
         self.fallback_reason = None
-        self.rank, self.world = _dist_state(settings.distributed)
+        self.processes = Processes(settings.distributed)
+        self.rank, self.world = self.processes.rank, self.processes.world
         self.param_dtype = _param_dtype(model)
         self.autocast = settings.autocast_dtype(self.param_dtype)
         self.compute_dtype = self.autocast or self.param_dtype
@@ -85,7 +88,8 @@ class _Engine:
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
         self.batch_size = self._batch_size(settings.batch_size, cfg)
         self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
-        self.my_probes = _shard(list(self.probes.values()), self.world, self.rank)
+        probes = list(self.probes.values())
+        self.my_probes = self.processes.share([_shard(probes, self.world, r) for r in range(self.world)])
         self.progress = settings.progress and self.rank == 0
         self.desc = settings.desc
         self.done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -203,8 +207,7 @@ class _Engine:
         }
 
     def _barrier(self):
-        if self.world > 1:
-            dist.barrier()
+        self.processes.barrier()
 
     def _autocast(self):
         return _autocast(self.input_device.type, self.autocast)
@@ -454,12 +457,12 @@ class _Engine:
 
     # -- results -------------------------------------------------------------------------
     def gather(self) -> None:
-        """Share computed values between ranks (every rank ends with all of them)."""
+        """Share computed values between processes (every process ends with all of them),
+        through accelerate's ``gather_object``."""
         if self.world <= 1:
             return
         local = {k: v.cpu() for k, v in self.computed.items()}
-        parts: list = [None] * self.world
-        dist.all_gather_object(parts, (local, self.stats, self.seconds))
+        parts = self.processes.gather((local, self.stats, self.seconds))
         stats = {k: 0 for k in self.stats}
         for part_values, part_stats, _ in parts:
             self.computed.update(part_values)
@@ -560,7 +563,7 @@ def plan_kl(
             max_memory, dtype, checkpoint_path, distributed: the engine settings, each
             described at :class:`~hf_layerswap.scoring.settings.EngineSettings` (batch
             size, memory budget, precision, prefix reuse, streamed KL, resumable runs,
-            rank sharding).
+            probes partitioned over launched processes).
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt

@@ -127,8 +127,9 @@ class EngineSettings:
             Stored as a torch dtype.
         checkpoint_path: folder for resumable runs (see
             :func:`~hf_layerswap.scoring.score_layers`).
-        distributed: ``None``: shard probes over ranks when torch.distributed is
-            initialised; ``False``: never; ``True``: require it.
+        distributed: ``None``: partition the probes over the processes when launched
+            with several (``accelerate launch``, ``torchrun``; one whole model replica
+            per process, see :mod:`.processes`); ``False``: never; ``True``: require it.
         progress: show a progress bar (rank 0 only).
         desc: the progress bar's label.
 
@@ -154,8 +155,8 @@ class EngineSettings:
         for name in ("kl_chunk", "vocab_chunk"):
             _positive_int(name, getattr(self, name), allow=(None,))
         if self.distributed not in (None, True, False):
-            raise ValueError(f"distributed={self.distributed!r}: allowed None (shard when torch.distributed is "
-                             "initialised), True (require it), False (never)")
+            raise ValueError(f"distributed={self.distributed!r}: allowed None (partition the probes when launched "
+                             "with several processes), True (require it), False (never)")
         if self.checkpoint_path is not None and not isinstance(self.checkpoint_path, (str, os.PathLike)):
             raise ValueError(f"checkpoint_path={self.checkpoint_path!r}: give a folder path (str or os.PathLike) or None")
         normal = {

@@ -251,9 +251,10 @@ def score_layers(
             the calibration prompts, the probes and the settings.
         adaptive: an :class:`AdaptiveBudget` to stop adding prompts once the selection
             at its budget is stable under the error bars.
-        distributed: see :func:`plan_kl`: under ``torchrun``/``accelerate launch`` with
-            an initialised process group every rank scores a disjoint share of the
-            probes, and every rank returns the full report.
+        distributed: see :class:`~hf_layerswap.scoring.settings.EngineSettings`: under
+            ``accelerate launch`` (or ``torchrun``) with several processes, each holding
+            one whole model replica, every process scores a disjoint share of the probes
+            and every process returns the full report, equal to one process's bit for bit.
 
     Returns:
         A :class:`~hf_layerswap.report.SwapReport`.
@@ -263,6 +264,8 @@ def score_layers(
             fewer than 2 blocks, bad calibration input (see ``build_calibration``), or a
             bad engine setting.
         CheckpointMismatchError: ``checkpoint_path`` belongs to a different run.
+        ShardedModelError: the model is sharded over processes (tensor parallel, FSDP,
+            ZeRO-3), raised before any forward pass.
     """
     protocols = check_protocols(protocols)
     settings = EngineSettings(
