@@ -78,6 +78,7 @@ def prune(
     tokenizer=None,
     report: SwapReport | None = None,
     calibration=None,
+    max_memory: int | str | None = None,
 ) -> PruneResult:
     """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
 
@@ -94,6 +95,10 @@ def prune(
         calibration: precomputed prompts (a :class:`CalibrationSet`, used as is) or any
             source :func:`~hf_layerswap.calibration.build_calibration` accepts; default
             ``config.calibration``. Pass the prompts ``report`` was scored on.
+        max_memory: the scoring engine's working-memory budget (bytes, ``"2GiB"``, or
+            ``None``/``"auto"``: from the device's free memory), as in
+            :func:`~hf_layerswap.score_layers`; it changes how the scores are computed,
+            not what they are.
 
     Returns:
         A :class:`PruneResult`.
@@ -126,7 +131,7 @@ def prune(
         protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
-            progress=cfg.progress, seed=cfg.seed,
+            progress=cfg.progress, seed=cfg.seed, max_memory=max_memory,
         )
     if report is not None:
         model.layerswap_report = report

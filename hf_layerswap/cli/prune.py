@@ -21,6 +21,7 @@ from .common import (
     HELP_FORMATTER,
     add_calibration_args,
     add_model_args,
+    add_scoring_memory_arg,
     calibration_source,
     check_output,
     count,
@@ -44,6 +45,7 @@ def add_parser(subparsers):
     group.add_argument("--layers", type=int, nargs="+", help="remove exactly these 0-based layers")
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
+    add_scoring_memory_arg(p)
     p.add_argument("--protocols", nargs="+", default=None, choices=list(SWAP_PROTOCOLS),
                    help="deprecated and ignored: the protocols scored follow --strategy and --protocol")
     p.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
@@ -116,7 +118,7 @@ def run_prune(args) -> int:
         print("note: --protocols is ignored by prune; the protocols scored follow --strategy and --protocol",
               file=sys.stderr)
     model, tokenizer = load(args)
-    result = prune(model, config, tokenizer=tokenizer, report=report)
+    result = prune(model, config, tokenizer=tokenizer, report=report, max_memory=args.scoring_memory)
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))

@@ -10,7 +10,10 @@ from pathlib import Path
 from ..protocols import SWAP_PROTOCOLS
 from ..scoring import score_layers
 from ..scoring.processes import is_main_process
-from .common import HELP_FORMATTER, add_calibration_args, add_model_args, count, load, needs_tokenizer, prompt_count
+from .common import (
+    HELP_FORMATTER, add_calibration_args, add_model_args, add_scoring_memory_arg, count, load, needs_tokenizer,
+    prompt_count,
+)
 
 __all__ = ["add_parser", "format_scores_table", "run_score"]
 
@@ -21,6 +24,7 @@ def add_parser(subparsers):
                                   help="score block pairs and write the SwapReport JSON")
     add_model_args(score)
     add_calibration_args(score)
+    add_scoring_memory_arg(score)
     score.add_argument("--protocols", nargs="+", default=["replacement", "interchange"],
                        choices=list(SWAP_PROTOCOLS))
     score.add_argument("--max-gap", type=count(1), default=1, help="pair distance bound: 1 = adjacent pairs")
@@ -39,6 +43,7 @@ def run_score(args) -> int:
     report = score_layers(
         model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+        max_memory=args.scoring_memory,
     )
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0

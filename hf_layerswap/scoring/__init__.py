@@ -29,9 +29,11 @@ probe needs:
   plus the residual streams of one batch, while the head GEMM keeps a large row count.
   Heads that cannot be sliced (quantized, accelerate-offloaded) run whole, on fewer
   positions per block.
-- **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``) sizes the vocabulary slice (or
-  the position chunk), how many probes' final hidden states are held before their heads
-  run, and (with ``batch_size="auto"``) the batch.
+- **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``; default ``"auto"``: a share of
+  the device's free memory, capped at 1 GiB on a CPU and 8 GiB on an accelerator) sizes
+  the vocabulary slice (or the position chunk), how many probes' final hidden states are
+  held before their heads run, the KL's row blocks on an accelerator, and (with
+  ``batch_size="auto"``, or ``None`` on an accelerator) the batch.
 - **Reduced precision.** ``dtype=torch.bfloat16`` (or float16) runs the model under
   ``torch.autocast``; the softmax and KL stay fp32. The weights are never cast.
 - **Resumable.** ``checkpoint_path`` keeps completed (batch, probe) values in a folder,
