@@ -66,7 +66,8 @@ def test_prune_under_accelerate_launch_with_two_processes_equals_one_process_bit
 def test_one_process_without_a_launcher():
     procs = Processes()
     assert (procs.rank, procs.world, procs.state) == (0, 1, None)
-    assert procs.share([["a", "b"]]) == ["a", "b"] and procs.gather(7) == [7]
+    assert procs.share(lambda items, world, rank: items[rank::world], ["a", "b"]) == ["a", "b"]
+    assert procs.gather(7) == [7]
     with pytest.raises(ValueError, match="distributed=True but this process was not launched with several processes"):
         Processes(True)
 

@@ -33,7 +33,7 @@ from hf_layerswap.scoring import AdaptiveBudget, plan_kl, removal_kl, score_laye
 from hf_layerswap.scoring import engine as scoring_engine
 from hf_layerswap.scoring.engine import DEFAULT_MAX_MEMORY, EngineSettings, run_plans
 from hf_layerswap.scoring.kl import kl_rows, row_blocks
-from hf_layerswap.scoring.settings import device_batch_size, device_memory_budget
+from hf_layerswap.scoring.settings import device_batch_size, device_memory_budget, kl_block_bytes
 
 BUILT_IN = "['replacement', 'interchange']"
 
@@ -179,7 +179,7 @@ def test_accelerator_sized_kl_row_blocks_give_the_same_values(monkeypatch):
     for vocab_chunk in (None, 40):
         small, stats = plan_kl(model, calib, plans, vocab_chunk=vocab_chunk)
         assert stats["kl_block_bytes"] == 2**21
-        monkeypatch.setattr(scoring_engine._Engine, "_kl_block_bytes", lambda self: GiB)
+        monkeypatch.setattr(scoring_engine, "kl_block_bytes", lambda device, budget: GiB)
         large, stats = plan_kl(model, calib, plans, vocab_chunk=vocab_chunk)
         monkeypatch.undo()
         assert stats["kl_block_bytes"] == GiB
@@ -192,14 +192,9 @@ def test_accelerator_sized_kl_row_blocks_give_the_same_values(monkeypatch):
 
 
 def test_kl_block_bytes_by_device_kind():
-    engine = scoring_engine._Engine.__new__(scoring_engine._Engine)
-    engine.budget = 8 * GiB
-    engine.input_device = torch.device("cpu")
-    assert engine._kl_block_bytes() == 2**21
-    engine.input_device = torch.device("cuda", 0)
-    assert engine._kl_block_bytes() == GiB // 2
-    engine.budget = 16 * 2**20
-    assert engine._kl_block_bytes() == 2**21  # never below the cache-sized block
+    assert kl_block_bytes("cpu", 8 * GiB) == 2**21
+    assert kl_block_bytes(torch.device("cuda", 0), 8 * GiB) == GiB // 2
+    assert kl_block_bytes("cuda:0", 16 * 2**20) == 2**21  # never below the cache-sized block
 
 
 # ---------------------------------------------------------------- protocol registry

@@ -29,10 +29,10 @@ from ..plan import apply_plan, decoder_blocks, model_fingerprint, num_blocks, _S
 from ..provenance import library_versions, report_identity
 from .checkpoint import _Checkpoint, _plans_digest
 from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
-from .kl import _chunk_bounds, _KL_SUB_BYTES, KL_CHUNK_POSITIONS, masked_kl
+from .kl import _chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import _make_probes, _Probe, _schedule, _shard
 from .processes import check_model_replica, Processes
-from .settings import device_batch_size, device_memory_budget, dtype_name, EngineSettings
+from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .streamed import _StreamedKL
 from .checkpoint import ScoringCheckpoint  # noqa: F401  (documented name)
 from .head import Head  # noqa: F401
@@ -76,10 +76,7 @@ class _Engine:
         self.autocast = settings.autocast_dtype(self.param_dtype)
         self.compute_dtype = self.autocast or self.param_dtype
         self.input_device = _module_device(model.get_input_embeddings())
-        if settings.max_memory == "auto":
-            self.budget, self.budget_source = device_memory_budget(self.input_device)
-        else:
-            self.budget, self.budget_source = settings.max_memory, "given"
+        self.budget, self.budget_source = settings.memory_for(self.input_device)
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
         self.head = _Head(model)
         owner, _, _ = decoder_blocks(model)
@@ -89,12 +86,10 @@ class _Engine:
             self.fallback_reason = "no separate decoder module and output head to stop between"
         cfg = _text_config(model)
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-        batch_size = device_batch_size(self.input_device) if settings.batch_size is None else settings.batch_size
-        self.batch_size = self._batch_size(batch_size, cfg)
+        self.batch_size = self._batch_size(settings.batch_size_for(self.input_device), cfg)
         self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
-        self.kl_block_bytes = self._kl_block_bytes()
-        probes = list(self.probes.values())
-        self.my_probes = self.processes.share([_shard(probes, self.world, r) for r in range(self.world)])
+        self.kl_block_bytes = kl_block_bytes(self.input_device, self.budget)
+        self.my_probes = self.processes.share(_shard, list(self.probes.values()))
         self.progress = settings.progress and self.rank == 0
         self.desc = settings.desc
         self.done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -165,16 +160,6 @@ class _Engine:
         if kl_chunk is None:  # the whole vocabulary at once: fewer positions per block
             rows = max(1, min(rows, head_budget // (8 * vocab)))
         return rows, vocab
-
-    def _kl_block_bytes(self) -> int:
-        """Bytes of one row block of the KL's fp32 temporaries (:func:`~.kl.row_blocks`):
-        cache-sized on a CPU (:data:`~.kl._KL_SUB_BYTES`, 2 MiB); on an accelerator
-        ``max_memory / 16`` (a block's temporaries take up to four times its size; at an
-        8 GiB budget a whole 1024-position x 128k-vocabulary head block is one row block),
-        so a probe runs a few large kernels instead of hundreds of small ones."""
-        if self.input_device.type in ("cpu", "meta"):
-            return _KL_SUB_BYTES
-        return max(_KL_SUB_BYTES, self.budget // 16)
 
     def _group_size(self, real_rows: int) -> int:
         """Probes whose final hidden states are held before their heads run."""
@@ -472,8 +457,7 @@ class _Engine:
 
     # -- results -------------------------------------------------------------------------
     def gather(self) -> None:
-        """Share computed values between processes (every process ends with all of them),
-        through accelerate's ``gather_object``."""
+        """Share computed values between processes (every one ends with all of them)."""
         if self.world <= 1:
             return
         local = {k: v.cpu() for k, v in self.computed.items()}

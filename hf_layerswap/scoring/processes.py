@@ -14,7 +14,17 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from torch import nn
+
+try:  # a torch built without distributed support has neither (and no model can use them)
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    _FSDP_TYPES: tuple = (FullyShardedDataParallel, FSDPModule)
+except ImportError:
+    _FSDP_TYPES, DTensor = (), None
 
 __all__ = ["Processes", "ShardedModelError", "check_model_replica", "is_main_process", "sharded_layout"]
 
@@ -49,23 +59,9 @@ def sharded_layout(model: nn.Module) -> str | None:
             return f"{what} of degree {size} ({name}={size})"
     if getattr(model, "_device_mesh", None) is not None:
         return "loaded with a device mesh (from_pretrained(tp_plan=...) or distributed_config=...)"
-    fsdp_types = []
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        fsdp_types.append(FullyShardedDataParallel)
-        from torch.distributed.fsdp import FSDPModule
-
-        fsdp_types.append(FSDPModule)
-    except ImportError:  # a torch without distributed support or FSDP2
-        pass
     for mod_name, module in model.named_modules():
-        if fsdp_types and isinstance(module, tuple(fsdp_types)):
+        if _FSDP_TYPES and isinstance(module, _FSDP_TYPES):
             return f"FSDP-wrapped ({type(module).__name__} at {mod_name or 'the model'!r})"
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        DTensor = None
     for name, param in model.named_parameters():
         if DTensor is not None and isinstance(param, DTensor):
             return f"tensor parallel (parameter {name!r} is a DTensor)"
@@ -121,19 +117,17 @@ class Processes:
                     "`accelerate launch --num_processes N` (or torchrun), or pass distributed=None/False"
                 )
             return
-        from accelerate import PartialState
-
         cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not _accelerator_available()
         self.state = PartialState(cpu=cpu)
         self.rank, self.world = self.state.process_index, self.state.num_processes
 
-    def share(self, shares: list) -> list:
-        """This process's item of ``shares`` (one item per process), through
-        :meth:`~accelerate.PartialState.split_between_processes`."""
+    def share(self, partition, items: list) -> list:
+        """This process's share of ``items``: ``partition(items, world, rank)`` gives each
+        process's (deterministic, cost-balanced: :func:`~.probes.shard`), and this process
+        takes its own through :meth:`~accelerate.PartialState.split_between_processes`."""
         if self.world <= 1:
-            return shares[0]
-        if len(shares) != self.world:
-            raise ValueError(f"{len(shares)} shares for {self.world} processes")
+            return items
+        shares = [partition(items, self.world, r) for r in range(self.world)]
         with self.state.split_between_processes(shares) as mine:
             return mine[0]
 
@@ -145,8 +139,6 @@ class Processes:
         """``item`` of every process, in process order (:func:`accelerate.utils.gather_object`)."""
         if self.world <= 1:
             return [item]
-        from accelerate.utils import gather_object
-
         return gather_object([item])
 
 

@@ -13,11 +13,14 @@ import os
 import re
 from dataclasses import dataclass
 
+import psutil
 import torch
+
+from .kl import _KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
-    "device_batch_size", "device_memory_budget", "dtype_name", "parse_memory",
+    "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes", "parse_memory",
 ]
 
 #: Working memory (bytes, beyond the weights) that scoring plans for on a CPU with enough
@@ -83,13 +86,11 @@ def _free_bytes(device: torch.device) -> int | None:
     """Free memory of ``device`` in bytes, or None where it cannot be read."""
     try:
         if device.type == "cpu":
-            import psutil
-
             return int(psutil.virtual_memory().available)
         module = getattr(torch, device.type, None)
         if module is not None and hasattr(module, "mem_get_info"):
             return int(module.mem_get_info(device)[0])
-    except (ImportError, RuntimeError, OSError, ValueError):
+    except (RuntimeError, OSError, ValueError):
         pass
     return None
 
@@ -117,6 +118,18 @@ def device_memory_budget(device) -> tuple[int, str]:
     budget = 1 << (raw.bit_length() - 1)
     return budget, (f"auto: {share:.0%} of {_gib(free)} free on {device}, cap {_gib(cap)}, "
                     f"rounded down to a power of two: {_gib(budget)}")
+
+
+def kl_block_bytes(device, budget: int) -> int:
+    """Bytes of one row block of the KL's fp32 temporaries (:func:`~.kl.row_blocks`) on
+    ``device`` under a ``budget``-byte working memory: cache-sized on a CPU (2 MiB, the
+    default of ``row_blocks``); on an accelerator ``budget / 16`` (a block's temporaries
+    take up to four times its size; at an 8 GiB budget a 1024-position x 128k-vocabulary
+    head block is one row block), so a probe runs a few large kernels instead of hundreds
+    of small ones, and never less than the CPU's block."""
+    if _device_kind(torch.device(device)) == "cpu":
+        return _KL_SUB_BYTES
+    return max(_KL_SUB_BYTES, budget // 16)
 
 
 def device_batch_size(device) -> int | str:
@@ -248,6 +261,15 @@ class EngineSettings:
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
+
+    def memory_for(self, device) -> tuple[int, str]:
+        """``(bytes, how they were chosen)`` of the working-memory budget on ``device``:
+        ``max_memory`` as given, or :func:`device_memory_budget` for ``"auto"``."""
+        return device_memory_budget(device) if self.max_memory == "auto" else (self.max_memory, "given")
+
+    def batch_size_for(self, device) -> int | str:
+        """``batch_size`` as given, or :func:`device_batch_size` for ``None``."""
+        return device_batch_size(device) if self.batch_size is None else self.batch_size
 
     def autocast_dtype(self, model_dtype: torch.dtype) -> torch.dtype | None:
         """The autocast dtype for a model whose parameters are ``model_dtype``, or None to
