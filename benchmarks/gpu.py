@@ -4,8 +4,8 @@ the GPU and the CPU, in one run of about 8 minutes on one GPU (sized for an H200
 (a) **bf16 vs fp32** on SmolLM2-135M and Gemma-3-270M (the bundled checkpoints that
     ``scripts/install.sh`` installs): both loaded on the GPU from the same weights, one
     in fp32, one in bf16; each scores both protocols on adjacent pairs (64 embedded-text
-    prompts x 128 tokens) and selects the default way (``select_layers``, the search) at
-    n = 1..6. Reported: Spearman of each protocol's per-layer scores, max and median
+    prompts x 128 tokens) and selects the default way (the search, as ``LayerSwapConfig``
+    and ``hf-layerswap prune`` do) at n = 1..6. Reported: Spearman of each protocol's per-layer scores, max and median
     relative error of the pair KLs, the selected sets.
 (b) **Llama-3.1-8B's shape** (32 blocks, hidden 4096, intermediate 14336, 32 heads, 8 KV
     heads, vocabulary 128256), randomly initialised in bf16 on the GPU (no download), on
@@ -172,7 +172,7 @@ def _rel_errors(a: list[float], b: list[float]) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- (a) bf16 vs fp32
-def agreement(dev: Device, name: str, smoke: bool, budgets: range) -> dict:
+def agreement(dev: Device, name: str, smoke: bool, budgets: range, num_prompts: int = 64, seq_len: int = 128) -> dict:
     """Scores and default selections of one model in fp32 and in bf16 on ``dev``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -185,7 +185,7 @@ def agreement(dev: Device, name: str, smoke: bool, budgets: range) -> dict:
         state = base.state_dict()
     else:
         path = bundled_checkpoint_dir(name)
-        calib = build_calibration(None, AutoTokenizer.from_pretrained(path), num_prompts=64, seq_len=128)
+        calib = build_calibration(None, AutoTokenizer.from_pretrained(path), num_prompts=num_prompts, seq_len=seq_len)
         models = {d: (lambda d=d: AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, d),
                                                                        device_map={"": dev.device}).eval())
                   for d in ("float32", "bfloat16")}
@@ -198,7 +198,8 @@ def agreement(dev: Device, name: str, smoke: bool, budgets: range) -> dict:
         report, seconds = dev.timed(lambda: hl.score_layers(model, calib, progress=False))
         selections, select_seconds = {}, 0.0
         for n in budgets:
-            chosen, s = dev.timed(lambda n=n: hl.select_layers(report, n, model=model, calibration=calib))
+            chosen, s = dev.timed(lambda n=n: hl.select_layers(report, n, strategy="search", model=model,
+                                                                calibration=calib))
             selections[n], select_seconds = chosen, select_seconds + s
         out["runs"][dtype] = {
             "pairs": {p: _pairs(report, p) for p in report.protocols},
@@ -371,7 +372,8 @@ def render(results: dict) -> str:
         for p, rho in m["spearman"].items():
             err = m["pair_rel_error"][p]
             lines.append(f"| {p} | {rho:.4f} | {err['max']:.2e} | {err['median']:.2e} |")
-        lines += ["", "| n | fp32 default selection | bf16 default selection | same |", "|---:|---|---|---|"]
+        lines += ["", "| n | fp32 default selection (search) | bf16 default selection (search) | same |",
+                  "|---:|---|---|---|"]
         for n, same in m["same_selection"].items():
             lines.append(f"| {n} | {runs['float32']['selections'][n]} | {runs['bfloat16']['selections'][n]} | "
                          f"{'yes' if same else 'no'} |")
