@@ -81,6 +81,7 @@ def prune(
     report: SwapReport | None = None,
     calibration=None,
     checkpoint_path: str | os.PathLike | None = None,
+    max_memory: int | str | None = None,
 ) -> PruneResult:
     """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
 
@@ -102,6 +103,10 @@ def prune(
             kept there, and the same call after an interruption continues where it
             stopped. Only the scoring is resumed; what follows it (the selection search,
             the repair) runs again.
+        max_memory: the scoring engine's working-memory budget (bytes, ``"2GiB"``, or
+            ``None``/``"auto"``: from the device's free memory), as in
+            :func:`~hf_layerswap.score_layers`; it changes how the scores are computed,
+            not what they are.
 
     Returns:
         A :class:`PruneResult`.
@@ -139,7 +144,7 @@ def prune(
         protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
-            progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path,
+            progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path, max_memory=max_memory,
         )
     if report is not None:
         model.layerswap_report = report

@@ -167,6 +167,23 @@ def _exit_code(argv) -> int:
         return stop.code
 
 
+def test_scoring_memory_option_of_score_and_prune(tmp_path, capsys):
+    _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    common = ["--calibration", str(calib), "--num-prompts", "4"]
+    assert main(["score", str(tmp_path / "base"), *common, "--scoring-memory", "64MiB", "-o", str(tmp_path / "r.json")]) == 0
+    meta = SwapReport.from_json(tmp_path / "r.json").metadata
+    assert (meta["max_memory"], meta["max_memory_source"]) == (64 * 2**20, "given")
+    assert main(["score", str(tmp_path / "base"), *common, "-o", str(tmp_path / "auto.json")]) == 0
+    assert SwapReport.from_json(tmp_path / "auto.json").metadata["max_memory_source"].startswith("auto: 25% of ")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-layers", "1", "--strategy", "greedy",
+                 *common, "--scoring-memory", "32MiB"]) == 0
+    assert json.loads((tmp_path / "out" / "layerswap_report.json").read_text())["metadata"]["max_memory"] == 32 * 2**20
+    capsys.readouterr()
+    assert _exit_code(["score", str(tmp_path / "base"), "--scoring-memory", "lots"]) == 2
+    assert "--scoring-memory: 'lots': expected 'auto' or a size of at least 1MiB such as 800MiB or 2GB" in capsys.readouterr().err
+
+
 def test_prune_prints_the_resolved_0_based_indices(tmp_path, capsys):
     _tiny_checkpoint(tmp_path / "base")
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--layers", "-1", "1"]) == 0

@@ -349,46 +349,6 @@ def test_device_map_cpu_and_disk_offload_gives_the_same_report(tmp_path):
     assert dispatched.metadata["stream_logits"] is True
 
 
-_DIST_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from conftest import tiny_batch, tiny_model
-    import hf_layerswap as hl
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = tiny_model("qwen3", num_layers=4)
-    kwargs = dict(progress=False, batch_size=2, max_gap=2)
-    report = hl.score_layers(model, tiny_batch(batch=4), **kwargs)
-    out = {{"pairs": [p.to_dict() for p in report.pairs], "meta": {{k: report.metadata[k] for k in
-           ("world_size", "block_evaluations", "distinct_probes")}}}}
-    if rank == 0:
-        single = hl.score_layers(model, tiny_batch(batch=4), distributed=False, **kwargs)
-        out["single"] = [p.to_dict() for p in single.pairs]
-        out["single_meta"] = {{k: single.metadata[k] for k in ("world_size", "block_evaluations")}}
-    json.dump(out, open(os.path.join({out!r}, f"rank{{rank}}.json"), "w"))
-    dist.destroy_process_group()
-    """
-)
-
-
-def test_two_processes_give_the_one_process_report(tmp_path):
-    script = tmp_path / "dist.py"
-    script.write_text(_DIST_SCRIPT.format(tests=str(REPO_ROOT / "tests"), out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    subprocess.run(cmd, env=_python_env(), check=True, timeout=600, capture_output=True)
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert r0["pairs"] == r0["single"] == r1["pairs"]  # exact, and every rank returns the full report
-    assert r0["meta"]["world_size"] == 2 and r0["single_meta"]["world_size"] == 1
-    # the ranks shared the probes: together they ran each probe once, plus one reference per rank and batch
-    assert r0["meta"]["block_evaluations"] == r0["single_meta"]["block_evaluations"] + 2 * 4
-
-
 def test_probe_shards_are_disjoint_and_keep_shared_prefixes_together():
     plans = swap_plans(4, 2, ("replacement", "interchange"))
     assert len(plans) == 3 * 5 and plans[("replacement_ji", 1, 3)] == [0, 1, 2, 1]

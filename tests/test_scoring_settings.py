@@ -30,7 +30,10 @@ from hf_layerswap.protocols import (
 )
 from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.scoring import AdaptiveBudget, plan_kl, removal_kl, score_layers, swap_plans
+from hf_layerswap.scoring import engine as scoring_engine
 from hf_layerswap.scoring.engine import DEFAULT_MAX_MEMORY, EngineSettings, run_plans
+from hf_layerswap.scoring.kl import kl_rows, row_blocks
+from hf_layerswap.scoring.settings import device_batch_size, device_memory_budget, kl_block_bytes
 
 BUILT_IN = "['replacement', 'interchange']"
 
@@ -38,8 +41,8 @@ BUILT_IN = "['replacement', 'interchange']"
 # ---------------------------------------------------------------- settings
 def test_settings_defaults_are_the_verbs_defaults():
     s = EngineSettings()
-    assert (s.batch_size, s.prefix_reuse, s.stream_logits, s.kl_chunk, s.vocab_chunk) == (8, "shared", True, None, None)
-    assert s.max_memory == DEFAULT_MAX_MEMORY == 2**30 and s.dtype is None and s.checkpoint_path is None
+    assert (s.batch_size, s.prefix_reuse, s.stream_logits, s.kl_chunk, s.vocab_chunk) == (None, "shared", True, None, None)
+    assert s.max_memory == "auto" and s.dtype is None and s.checkpoint_path is None
     assert s.distributed is None and s.progress is False and s.desc == "swap-KL"
 
 
@@ -52,7 +55,7 @@ def test_settings_normalise_their_values():
     assert EngineSettings(dtype="torch.float16").dtype is torch.float16
     assert EngineSettings(batch_size="auto").batch_size == "auto"
     # equal settings given two ways are one value
-    assert EngineSettings(prefix_reuse=True, max_memory=None) == EngineSettings(prefix_reuse="shared", max_memory=2**30)
+    assert EngineSettings(prefix_reuse=True, max_memory=None) == EngineSettings(prefix_reuse="shared", max_memory="auto")
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineSettings().batch_size = 4
 
@@ -65,12 +68,12 @@ def test_settings_normalise_their_values():
         (dict(batch_size="max"), "batch_size='max': must be an int >= 1 or 'auto'"),
         (dict(kl_chunk=0), "kl_chunk=0: must be an int >= 1"),
         (dict(vocab_chunk=2.5), "vocab_chunk=2.5: must be an int >= 1"),
-        (dict(max_memory="lots"), "max_memory='lots': give bytes (int) or a string such as '1.5GB' or '800MiB'"),
+        (dict(max_memory="lots"), "max_memory='lots': give bytes (int), a string such as '1.5GB' or '800MiB', or 'auto'"),
         (dict(max_memory=1024), "max_memory=1024 is 1024 bytes: at least 1 MiB is needed"),
         (dict(prefix_reuse="yes"), "prefix_reuse='yes': allowed True/'shared'"),
         (dict(dtype="int8"), "dtype='int8': allowed None (the model's dtype), torch.bfloat16, torch.float16, torch.float32"),
         (dict(dtype=torch.int8), "dtype=torch.int8: allowed None"),
-        (dict(distributed="yes"), "distributed='yes': allowed None (shard when torch.distributed is initialised)"),
+        (dict(distributed="yes"), "distributed='yes': allowed None (partition the probes when launched with several processes)"),
         (dict(checkpoint_path=3), "checkpoint_path=3: give a folder path (str or os.PathLike) or None"),
     ],
 )
@@ -109,6 +112,89 @@ def test_run_plans_with_a_settings_object_equals_plan_kl():
     assert all(torch.equal(values[k], again[k]) for k in plans)
     assert stats["batch_size"] == stats2["batch_size"] == 2 and stats2["prefix_reuse"] == "start"
     assert stats2["max_memory"] == 64 * 2**20 and stats2["block_evaluations"] == stats["block_evaluations"]
+
+
+# ---------------------------------------------------------------- sized by the device
+GiB = 2**30
+
+
+def _available(monkeypatch, nbytes):
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=nbytes))
+
+
+def test_budget_from_the_cpus_available_memory(monkeypatch):
+    _available(monkeypatch, 20 * GiB)  # 25 % is 5 GiB: the 1 GiB cap
+    assert device_memory_budget("cpu") == (
+        GiB, "auto: 25% of 20 GiB free on cpu, cap 1 GiB, rounded down to a power of two: 1 GiB")
+    _available(monkeypatch, 3 * GiB)  # 0.75 GiB -> 512 MiB
+    assert device_memory_budget("cpu")[0] == GiB // 2
+    _available(monkeypatch, 100 * 2**20)  # 25 MiB -> the 64 MiB floor
+    assert device_memory_budget("cpu")[0] == 64 * 2**20
+    assert device_batch_size("cpu") == 8 and device_batch_size("cuda:0") == "auto"
+
+
+def test_budget_from_an_accelerators_free_memory(monkeypatch):
+    free = {"free": 100 * GiB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["free"], 141 * GiB))
+    assert device_memory_budget("cuda:0") == (
+        8 * GiB, "auto: 50% of 100 GiB free on cuda:0, cap 8 GiB, rounded down to a power of two: 8 GiB")
+    free["free"] = 5 * GiB  # 2.5 GiB -> 2 GiB
+    assert device_memory_budget(torch.device("cuda", 1))[0] == 2 * GiB
+
+    def unreadable(device=None):
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", unreadable)
+    assert device_memory_budget("cuda:0") == (
+        DEFAULT_MAX_MEMORY, "auto: the free memory of cuda:0 could not be read; 1 GiB")
+
+
+def test_device_sized_defaults_keep_the_cpu_results_and_are_recorded(monkeypatch):
+    _available(monkeypatch, 16 * GiB)
+    model = tiny_model("llama", num_layers=5)
+    batch = tiny_batch(batch=10, length=16)
+    fixed = score_layers(model, batch, num_prompts=10, progress=False, max_memory=GiB, batch_size=8)
+    auto = score_layers(model, batch, num_prompts=10, progress=False)
+    assert [p.to_dict() for p in auto.pairs] == [p.to_dict() for p in fixed.pairs]  # bit for bit
+    meta = auto.metadata
+    assert (meta["max_memory"], meta["batch_size"], meta["kl_block_bytes"], meta["device"]) == (GiB, 8, 2**21, "cpu")
+    assert meta["max_memory_source"] == "auto: 25% of 16 GiB free on cpu, cap 1 GiB, rounded down to a power of two: 1 GiB"
+    assert fixed.metadata["max_memory_source"] == "given"
+    # a budget derived from 3 GiB available: half the budget, the same values
+    _available(monkeypatch, 3 * GiB)
+    smaller = score_layers(model, batch, num_prompts=10, progress=False)
+    assert smaller.metadata["max_memory"] == GiB // 2
+    assert [p.to_dict() for p in smaller.pairs] == [p.to_dict() for p in fixed.pairs]
+
+
+def test_accelerator_sized_kl_row_blocks_give_the_same_values(monkeypatch):
+    # on an accelerator the KL runs on large row blocks (max_memory / 16): per-row values do
+    # not depend on the block, so whole-vocabulary and sliced KLs equal the cache-sized ones
+    model = tiny_model("llama", num_layers=4)
+    calib = hl.build_calibration(tiny_batch(batch=6, length=16), num_prompts=6)
+    plans = swap_plans(4, 2)
+    for vocab_chunk in (None, 40):
+        small, stats = plan_kl(model, calib, plans, vocab_chunk=vocab_chunk)
+        assert stats["kl_block_bytes"] == 2**21
+        monkeypatch.setattr(scoring_engine, "kl_block_bytes", lambda device, budget: GiB)
+        large, stats = plan_kl(model, calib, plans, vocab_chunk=vocab_chunk)
+        monkeypatch.undo()
+        assert stats["kl_block_bytes"] == GiB
+        assert all(torch.equal(small[k], large[k]) for k in plans)
+    ref = torch.log_softmax(torch.randn(300, 5000, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    logits = torch.randn(300, 5000, generator=torch.Generator().manual_seed(1)) * 3
+    blocks = row_blocks(300, 5000)  # 104 rows of 5000 fp32 per 2 MiB
+    assert blocks[:2] == [(0, 104), (104, 208)] and row_blocks(300, 5000, GiB) == [(0, 300)]
+    assert torch.equal(torch.cat([kl_rows(ref[a:b], logits[a:b]) for a, b in blocks]), kl_rows(ref, logits))
+
+
+def test_kl_block_bytes_by_device_kind():
+    assert kl_block_bytes("cpu", 8 * GiB) == 2**21
+    assert kl_block_bytes(torch.device("cuda", 0), 8 * GiB) == GiB // 2
+    assert kl_block_bytes("cuda:0", 16 * 2**20) == 2**21  # never below the cache-sized block
 
 
 # ---------------------------------------------------------------- protocol registry

@@ -16,6 +16,7 @@ from ..calibration import read_text_file
 from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
 from ..models import BUNDLED, DTYPES, check_gguf_file, is_hub_id, load_model, missing_offline
+from ..scoring.settings import parse_memory
 
 __all__ = [
     "HELP_FORMATTER",
@@ -176,6 +177,24 @@ def add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64"
     p.add_argument("--seq-len", type=count(2), default=128, help=config_help("seq_len"))
     p.add_argument("--batch-size", type=count(1), default=8, help=config_help("batch_size"))
     p.add_argument("--seed", type=int, default=0, help=config_help("seed"))
+
+
+def scoring_memory(text):
+    """argparse ``type=`` of --scoring-memory: ``auto`` or a size such as ``2GiB``."""
+    if text == "auto":
+        return text
+    try:
+        parse_memory(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a size of at least 1MiB such as 800MiB or 2GB") from None
+    return text
+
+
+def add_scoring_memory_arg(p: argparse.ArgumentParser) -> None:
+    """--scoring-memory: the scoring engine's working-memory budget (``max_memory``)."""
+    p.add_argument("--scoring-memory", type=scoring_memory, default="auto",
+                   help="working memory of scoring beyond the weights, e.g. 2GiB; auto = a share of the device's "
+                        "free memory (at most 1 GiB on a CPU, 8 GiB on an accelerator)")
 
 
 def prompt_count(value) -> int:

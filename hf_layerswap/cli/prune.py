@@ -10,6 +10,7 @@ from ..config import LayerSwapConfig
 from ..pipeline import prune
 from ..report import SwapReport
 from ..recovery import RECOVERY_METHODS
+from ..scoring.processes import is_main_process
 from ..selection import STRATEGIES
 from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
@@ -19,6 +20,7 @@ from .common import (
     add_calibration_args,
     add_model_args,
     add_resume_arg,
+    add_scoring_memory_arg,
     calibration_source,
     check_before_loading,
     config_help,
@@ -43,6 +45,7 @@ def add_parser(subparsers):
     group.add_argument("--layers", type=int, nargs="+", help=config_help("layers"))
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
+    add_scoring_memory_arg(p)
     p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     _add_selection_args(p)
     _add_repair_args(p)
@@ -102,7 +105,11 @@ def run_prune(args) -> int:
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
     model, tokenizer = load(args)
-    result = prune(model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume)
+    result = prune(
+        model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
+    )
+    if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
+        return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0

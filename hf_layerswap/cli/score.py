@@ -12,11 +12,13 @@ from pathlib import Path
 from ..protocols import SWAP_PROTOCOLS
 from ..rule import NonFiniteScoresWarning, nonfinite_message
 from ..scoring import score_layers
+from ..scoring.processes import is_main_process
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
     add_model_args,
     add_resume_arg,
+    add_scoring_memory_arg,
     check_before_loading,
     config_help,
     count,
@@ -34,6 +36,7 @@ def add_parser(subparsers):
                                   help="score block pairs and write the SwapReport JSON")
     add_model_args(score)
     add_calibration_args(score)
+    add_scoring_memory_arg(score)
     score.add_argument("--protocols", nargs="+", default=["replacement", "interchange"],
                        choices=list(SWAP_PROTOCOLS))
     score.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
@@ -57,8 +60,10 @@ def run_score(args) -> int:
         report = score_layers(
             model, args.calibration, tokenizer=tokenizer, protocols=args.protocols, max_gap=args.max_gap,
             num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size,
-            seed=args.seed, checkpoint_path=args.resume,
+            seed=args.seed, checkpoint_path=args.resume, max_memory=args.scoring_memory,
         )
+    if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
+        return 0
     path = report.to_json(args.output)
     print(format_scores_table(report))
     print(f"report written to {path}")

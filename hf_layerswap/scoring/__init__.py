@@ -29,17 +29,22 @@ probe needs:
   plus the residual streams of one batch, while the head GEMM keeps a large row count.
   Heads that cannot be sliced (quantized, accelerate-offloaded) run whole, on fewer
   positions per block.
-- **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``) sizes the vocabulary slice (or
-  the position chunk), how many probes' final hidden states are held before their heads
-  run, and (with ``batch_size="auto"``) the batch.
+- **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``; default ``"auto"``: a share of
+  the device's free memory, capped at 1 GiB on a CPU and 8 GiB on an accelerator) sizes
+  the vocabulary slice (or the position chunk), how many probes' final hidden states are
+  held before their heads run, the KL's row blocks on an accelerator, and (with
+  ``batch_size="auto"``, or ``None`` on an accelerator) the batch.
 - **Reduced precision.** ``dtype=torch.bfloat16`` (or float16) runs the model under
   ``torch.autocast``; the softmax and KL stay fp32. The weights are never cast.
 - **Resumable.** ``checkpoint_path`` keeps completed (batch, probe) values in a folder,
   each part written atomically; a rerun with the same model, calibration and settings
   skips them and ends with the same numbers, bit for bit.
 - **Scale-out.** Models dispatched by accelerate (``device_map``, CPU/disk offload) run
-  as they are. Under ``torch.distributed`` (``torchrun`` / ``accelerate launch``) every
-  rank takes a disjoint share of the probes and rank results are gathered.
+  as they are. Under ``accelerate launch`` (or ``torchrun``) every process, holding one
+  whole model replica, takes a disjoint share of the probes and the values are gathered
+  (accelerate's ``PartialState``, ``split_between_processes``, ``gather_object``); the
+  result equals one process's bit for bit. A model sharded over the processes (tensor
+  parallel, FSDP, ZeRO-3) is refused before any forward pass (:mod:`.processes`).
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
   selected at a budget is stable under paired standard errors.
 
@@ -50,8 +55,8 @@ Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and th
 state), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
 hands the engine), :mod:`.streamed` (the head/KL phase on blocks of positions x
 vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
-:mod:`.probes` (probe deduplication, order, sharding), :mod:`.checkpoint` (resumable and
-distributed runs).
+:mod:`.probes` (probe deduplication, order, each process's share), :mod:`.checkpoint`
+(resumable runs), :mod:`.processes` (launched processes, sharded-model refusal).
 """
 
 from __future__ import annotations

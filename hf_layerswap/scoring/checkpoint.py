@@ -1,5 +1,5 @@
-"""Resumable and distributed scoring: the folder of completed (batch, probe) values
-(each part written atomically) and the rank/world of a ``torch.distributed`` run."""
+"""Resumable scoring: the folder of completed (batch, probe) values, each part written
+atomically (the processes of a launched run write their own parts; see :mod:`.processes`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..jsonio import atomic_path, write_json_atomic
 
@@ -94,22 +93,6 @@ class _Checkpoint:
             torch.save({"batch": batch, "plans": [list(k) for k in keys], "values": values.cpu()}, fh)
             fh.flush()
             os.fsync(fh.fileno())
-
-
-# ----------------------------------------------------------------------------- engine
-def _dist_state(distributed) -> tuple[int, int]:
-    """(rank, world_size) to shard over: torch.distributed if initialised (and not
-    disabled by ``distributed=False``), else (0, 1)."""
-    if distributed is False:
-        return 0, 1
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if distributed:
-        raise ValueError(
-            "distributed=True but torch.distributed is not initialised: launch with torchrun/accelerate launch and "
-            "call torch.distributed.init_process_group (or accelerate.PartialState()) first"
-        )
-    return 0, 1
 
 
 #: The folder of completed (batch, probe) values behind ``checkpoint_path``.

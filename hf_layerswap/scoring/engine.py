@@ -1,6 +1,7 @@
 """The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
 with prefix reuse, streamed KL under a memory budget, optional reduced precision,
-checkpointing and rank sharding (see :mod:`hf_layerswap.scoring` for what each does).
+checkpointing and the probes partitioned over launched processes (see
+:mod:`hf_layerswap.scoring` for what each does).
 
 ``_Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
@@ -20,18 +21,18 @@ import warnings
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_positions, check_token_ids
 from ..plan import _StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
 from ..provenance import library_versions, report_identity
-from .checkpoint import _Checkpoint, _dist_state, _plans_digest
+from .checkpoint import _Checkpoint, _plans_digest
 from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
 from .kl import _chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import _make_probes, _Probe, _schedule, _shard
-from .settings import dtype_name, EngineSettings
+from .processes import check_model_replica, Processes
+from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .streamed import _StreamedKL
 from .checkpoint import ScoringCheckpoint  # noqa: F401  (documented name)
 from .head import Head  # noqa: F401
@@ -62,6 +63,7 @@ class _Engine:
         settings: EngineSettings,
     ):
         model = uncompiled(model)
+        check_model_replica(model)  # before any forward pass
         self.model = model
         self.calib = calibration
         self.num_layers = num_blocks(model)
@@ -69,12 +71,13 @@ class _Engine:
         self.mode = settings.prefix_reuse
         self.stream_logits = settings.stream_logits
         self.fallback_reason = None
-        self.rank, self.world = _dist_state(settings.distributed)
+        self.processes = Processes(settings.distributed)
+        self.rank, self.world = self.processes.rank, self.processes.world
         self.param_dtype = _param_dtype(model)
         self.autocast = settings.autocast_dtype(self.param_dtype)
         self.compute_dtype = self.autocast or self.param_dtype
-        self.budget = settings.max_memory
         self.input_device = _module_device(model.get_input_embeddings())
+        self.budget, self.budget_source = settings.memory_for(self.input_device)
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
         length = calibration.input_ids.shape[-1]
         check_positions(model, length, f"a calibration prompt of {length} tokens", "lower seq_len (tokens per prompt)")
@@ -86,9 +89,10 @@ class _Engine:
             self.fallback_reason = "no separate decoder module and output head to stop between"
         cfg = _text_config(model)
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-        self.batch_size = self._batch_size(settings.batch_size, cfg)
+        self.batch_size = self._batch_size(settings.batch_size_for(self.input_device), cfg)
         self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
-        self.my_probes = _shard(list(self.probes.values()), self.world, self.rank)
+        self.kl_block_bytes = kl_block_bytes(self.input_device, self.budget)
+        self.my_probes = self.processes.share(_shard, list(self.probes.values()))
         self.progress = settings.progress and self.rank == 0
         self.desc = settings.desc
         self.done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -103,7 +107,7 @@ class _Engine:
         self.computed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self.stats = {"block_evaluations": 0, "model_calls": 0, "head_rows": 0, "reference_passes": 0}
         self.kl = _StreamedKL(self.head, self.kl_chunk, self.vocab_chunk, self.autocast, self.input_device.type,
-                              self.stats)
+                              self.stats, self.kl_block_bytes)
         self.seconds = 0.0
         self.batches = list(range(math.ceil(calibration.num_prompts / self.batch_size)))
         self.verified_head = False
@@ -206,8 +210,7 @@ class _Engine:
         }
 
     def _barrier(self):
-        if self.world > 1:
-            dist.barrier()
+        self.processes.barrier()
 
     def _autocast(self):
         return _autocast(self.input_device.type, self.autocast)
@@ -457,12 +460,11 @@ class _Engine:
 
     # -- results -------------------------------------------------------------------------
     def gather(self) -> None:
-        """Share computed values between ranks (every rank ends with all of them)."""
+        """Share computed values between processes (every one ends with all of them)."""
         if self.world <= 1:
             return
         local = {k: v.cpu() for k, v in self.computed.items()}
-        parts: list = [None] * self.world
-        dist.all_gather_object(parts, (local, self.stats, self.seconds))
+        parts = self.processes.gather((local, self.stats, self.seconds))
         stats = {k: 0 for k in self.stats}
         for part_values, part_stats, _ in parts:
             self.computed.update(part_values)
@@ -501,6 +503,9 @@ class _Engine:
             "seconds": seconds,
             "prefix_reuse": self.mode,
             "max_memory": self.budget,
+            "max_memory_source": self.budget_source,
+            "device": str(self.input_device),
+            "kl_block_bytes": self.kl_block_bytes,
             "world_size": self.world,
             "distinct_probes": len(self.probes),
             **self.settings(),
@@ -540,7 +545,7 @@ def plan_kl(
     calibration: CalibrationSet,
     plans: Mapping[Hashable, Sequence[int]],
     *,
-    batch_size: int | str = 8,
+    batch_size: int | str | None = None,
     progress: bool = False,
     desc: str = "swap-KL",
     prefix_reuse: bool | str = True,
@@ -563,7 +568,7 @@ def plan_kl(
             max_memory, dtype, checkpoint_path, distributed: the engine settings, each
             described at :class:`~hf_layerswap.scoring.settings.EngineSettings` (batch
             size, memory budget, precision, prefix reuse, streamed KL, resumable runs,
-            rank sharding).
+            probes partitioned over launched processes).
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt

@@ -1,5 +1,5 @@
-"""The KL arithmetic of scoring: per-row KL(p_ref || softmax(logits)) in fp32 on
-cache-sized row blocks, the vocabulary-sliced online form with float64 log-sum-exps, and
+"""The KL arithmetic of scoring: per-row KL(p_ref || softmax(logits)) in fp32 on row
+blocks (cache-sized on a CPU, large on an accelerator: the engine sizes them), the vocabulary-sliced online form with float64 log-sum-exps, and
 :func:`masked_kl` over real positions. Pure tensor maths, no model."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 #: Positions per chunk in :func:`masked_kl` (bounds temporary memory).
 KL_CHUNK_POSITIONS = 256
 
-#: Bytes of one row-block of log-softmax temporaries in the KL (kept cache-sized).
+#: Bytes of one row-block of log-softmax temporaries in the KL on a CPU (cache-sized); the
+#: engine takes larger blocks on an accelerator (``_Engine._kl_block_bytes``).
 _KL_SUB_BYTES = 1 << 21
 
 
@@ -24,8 +25,8 @@ def _kl_rows(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return lq.neg_().add_(ref_logprobs).mul_(ref_logprobs.exp()).sum(dim=-1).clamp_min_(0.0)
 
 
-def _row_blocks(rows: int, width: int) -> list[tuple[int, int]]:
-    step = max(1, _KL_SUB_BYTES // (4 * max(1, width)))
+def _row_blocks(rows: int, width: int, block_bytes: int = _KL_SUB_BYTES) -> list[tuple[int, int]]:
+    step = max(1, block_bytes // (4 * max(1, width)))
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
@@ -38,10 +39,11 @@ def _chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(edges[k], edges[k + 1]) for k in range(n) if edges[k + 1] > edges[k]]
 
 
-def _lse64(logits: torch.Tensor) -> torch.Tensor:
-    """Row log-sum-exp of fp32 logits ``(R, V)``, computed in float64."""
+def _lse64(logits: torch.Tensor, block_bytes: int = _KL_SUB_BYTES) -> torch.Tensor:
+    """Row log-sum-exp of fp32 logits ``(R, V)``, computed in float64 on row blocks of
+    ``block_bytes`` fp32 bytes."""
     out = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
-    for a, b in _row_blocks(*logits.shape):
+    for a, b in _row_blocks(*logits.shape, block_bytes):
         z = logits[a:b].double()
         m = z.amax(dim=-1, keepdim=True)
         out[a:b] = (m + (z - m).exp_().sum(dim=-1, keepdim=True).log_()).squeeze(-1)
@@ -58,16 +60,17 @@ class _VocabKL:
     log-sum-exps are float64 (the logits stay fp32): the result is the KL of the fp32
     logits to ~1e-7 relative."""
 
-    def __init__(self, rows: int, device):
+    def __init__(self, rows: int, device, block_bytes: int = _KL_SUB_BYTES):
+        self.block_bytes = block_bytes
         self.dot = torch.zeros(rows, dtype=torch.float64, device=device)
         self.lse = torch.full((rows,), -math.inf, dtype=torch.float64, device=device)
 
     def add(self, ref_logits: torch.Tensor, ref_probs: torch.Tensor, logits: torch.Tensor) -> None:
         logits = logits.float()
-        for a, b in _row_blocks(*logits.shape):
+        for a, b in _row_blocks(*logits.shape, self.block_bytes):
             diff = (ref_logits[a:b] - logits[a:b]).double()
             self.dot[a:b] += diff.mul_(ref_probs[a:b]).sum(dim=-1)
-        self.lse = torch.logaddexp(self.lse, _lse64(logits))
+        self.lse = torch.logaddexp(self.lse, _lse64(logits, self.block_bytes))
 
     def result(self, ref_lse: torch.Tensor, ref_mass: torch.Tensor) -> torch.Tensor:
         return (self.dot + (self.lse - ref_lse) * ref_mass).clamp_min(0.0)
@@ -117,5 +120,6 @@ def masked_kl(ref_logprobs: torch.Tensor, logits: torch.Tensor, attention_mask: 
 
 #: Per-row KL(p_ref || softmax(logits)) in fp32: ``(C, V), (C, V) -> (C,)`` (documented name).
 kl_rows = _kl_rows
-#: Row blocks ``[(start, stop), ...]`` of a ``(rows, width)`` fp32 array kept cache-sized.
+#: Row blocks ``[(start, stop), ...]`` of a ``(rows, width)`` fp32 array of at most
+#: ``block_bytes`` each (default 2 MiB, cache-sized): ``row_blocks(rows, width, block_bytes)``.
 row_blocks = _row_blocks

@@ -13,14 +13,37 @@ import os
 import re
 from dataclasses import dataclass
 
+import psutil
 import torch
 
-__all__ = ["DEFAULT_MAX_MEMORY", "PREFIX_REUSE_MODES", "EngineSettings", "dtype_name", "parse_memory"]
+from .kl import _KL_SUB_BYTES
 
-#: Working memory (bytes, beyond the weights) that scoring plans for when ``max_memory``
-#: is not given. A fixed number, not a fraction of free memory, so that the derived chunk
-#: sizes (and hence the last bits of the results) do not depend on the machine's load.
+__all__ = [
+    "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
+    "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes", "parse_memory",
+]
+
+#: Working memory (bytes, beyond the weights) that scoring plans for on a CPU with enough
+#: available memory, and anywhere the free memory cannot be read: the CPU's cap.
 DEFAULT_MAX_MEMORY = 1 << 30
+
+#: Share of the device's free memory (CUDA: ``torch.cuda.mem_get_info``; CPU: the
+#: available memory, ``psutil``) that the working-memory budget takes when ``max_memory``
+#: is ``None``/``"auto"``, per device kind ("cpu" or "accelerator").
+MEMORY_SHARE = {"cpu": 0.25, "accelerator": 0.5}
+
+#: Cap of that budget per device kind: on a CPU larger blocks gain nothing (the KL's row
+#: blocks stay cache-sized), so the cap is :data:`DEFAULT_MAX_MEMORY` and results equal
+#: those of a fixed 1 GiB budget whenever 4 GiB are available; an accelerator takes large
+#: head/KL blocks and batches up to the cap.
+MEMORY_CAP = {"cpu": DEFAULT_MAX_MEMORY, "accelerator": 8 << 30}
+
+#: Smallest derived budget (a nearly full device still gets workable chunks).
+_MIN_BUDGET = 64 << 20
+
+#: Prompts per forward pass on a CPU when ``batch_size`` is ``None``; an accelerator then
+#: takes ``"auto"`` (the largest batch, up to 64, whose activations fit half the budget).
+CPU_BATCH_SIZE = 8
 
 #: ``prefix_reuse`` modes, most sharing first (``True`` is ``"shared"``, ``False`` ``"none"``).
 PREFIX_REUSE_MODES = ("shared", "start", "none")
@@ -40,19 +63,83 @@ def parse_memory(value) -> int:
         ValueError: anything else, or a value below 1 MiB.
     """
     if isinstance(value, bool):
-        raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '2GB'")
+        raise ValueError(f"max_memory={value!r}: give bytes (int), a string such as '2GB', or 'auto'")
     if isinstance(value, int):
         out = value
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '1.5GB' or '800MiB'")
+            raise ValueError(f"max_memory={value!r}: give bytes (int), a string such as '1.5GB' or '800MiB', or 'auto'")
         out = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     else:
-        raise ValueError(f"max_memory={value!r}: give bytes (int) or a string such as '2GB'")
+        raise ValueError(f"max_memory={value!r}: give bytes (int), a string such as '2GB', or 'auto'")
     if out < 1 << 20:
         raise ValueError(f"max_memory={value!r} is {out} bytes: at least 1 MiB is needed")
     return out
+
+
+def _device_kind(device: torch.device) -> str:
+    return "cpu" if device.type in ("cpu", "meta") else "accelerator"
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` in bytes, or None where it cannot be read."""
+    try:
+        if device.type == "cpu":
+            return int(psutil.virtual_memory().available)
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "mem_get_info"):
+            return int(module.mem_get_info(device)[0])
+    except (RuntimeError, OSError, ValueError):
+        pass
+    return None
+
+
+def device_memory_budget(device) -> tuple[int, str]:
+    """The working-memory budget scoring derives for ``device`` when ``max_memory`` is
+    ``None``/``"auto"``: :data:`MEMORY_SHARE` of its free memory, at most
+    :data:`MEMORY_CAP`, at least 64 MiB, rounded down to a power of two (so that small
+    changes in free memory leave the chunk sizes, and a resumed run's settings, alone).
+
+    Args:
+        device: a ``torch.device`` or its name (``"cpu"``, ``"cuda:0"``).
+
+    Returns:
+        ``(bytes, how)``: the budget and a sentence saying how it was derived (recorded
+        in the report's metadata as ``max_memory_source``).
+    """
+    device = torch.device(device)
+    kind = _device_kind(device)
+    free = _free_bytes(device)
+    if free is None:
+        return DEFAULT_MAX_MEMORY, f"auto: the free memory of {device} could not be read; {_gib(DEFAULT_MAX_MEMORY)}"
+    share, cap = MEMORY_SHARE[kind], MEMORY_CAP[kind]
+    raw = max(_MIN_BUDGET, min(cap, int(share * free)))
+    budget = 1 << (raw.bit_length() - 1)
+    return budget, (f"auto: {share:.0%} of {_gib(free)} free on {device}, cap {_gib(cap)}, "
+                    f"rounded down to a power of two: {_gib(budget)}")
+
+
+def kl_block_bytes(device, budget: int) -> int:
+    """Bytes of one row block of the KL's fp32 temporaries (:func:`~.kl.row_blocks`) on
+    ``device`` under a ``budget``-byte working memory: cache-sized on a CPU (2 MiB, the
+    default of ``row_blocks``); on an accelerator ``budget / 16`` (a block's temporaries
+    take up to four times its size; at an 8 GiB budget a 1024-position x 128k-vocabulary
+    head block is one row block), so a probe runs a few large kernels instead of hundreds
+    of small ones, and never less than the CPU's block."""
+    if _device_kind(torch.device(device)) == "cpu":
+        return _KL_SUB_BYTES
+    return max(_KL_SUB_BYTES, budget // 16)
+
+
+def device_batch_size(device) -> int | str:
+    """``batch_size=None`` on ``device``: :data:`CPU_BATCH_SIZE` on a CPU, ``"auto"`` on an
+    accelerator."""
+    return CPU_BATCH_SIZE if _device_kind(torch.device(device)) == "cpu" else "auto"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
 
 
 def _prefix_reuse_mode(value) -> str:
@@ -100,8 +187,9 @@ class EngineSettings:
     keyword arguments and hand it to the engine.
 
     Attributes:
-        batch_size: prompts per forward pass, or ``"auto"`` (the largest, up to 64, whose
-            estimated activations fit half of ``max_memory``).
+        batch_size: prompts per forward pass, ``"auto"`` (the largest, up to 64, whose
+            estimated activations fit half of ``max_memory``) or ``None`` (by the device:
+            :data:`CPU_BATCH_SIZE` on a CPU, ``"auto"`` on an accelerator).
         prefix_reuse: ``True``/``"shared"`` (default): start every probe at its first
             changed slot from the cached identity stream and share longer common prefixes
             between probes; ``"start"``: only the former; ``False``/``"none"``: every
@@ -120,15 +208,20 @@ class EngineSettings:
             not fit (or ``kl_chunk`` is given); then the vocabulary split into the fewest
             equal slices with ``16 * kl_chunk * vocab_chunk <= 0.4 * max_memory`` bytes
             (``HEAD_BUDGET_FRACTION``; both constants in :mod:`.engine`).
-        max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights;
-            default :data:`DEFAULT_MAX_MEMORY` (1 GiB). Stored in bytes.
+        max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights,
+            stored in bytes; or ``None``/``"auto"`` (default, stored as ``"auto"``): derived
+            from the free memory of the device the model's input embeddings run on
+            (:func:`device_memory_budget`: a share of it, capped at 1 GiB on a CPU and
+            8 GiB on an accelerator). The bytes used and how they were chosen are in the
+            report's metadata (``max_memory``, ``max_memory_source``).
         dtype: ``None`` (the model's dtype) or ``torch.bfloat16``/``torch.float16`` (or
             their names) to run under ``torch.autocast``; softmax and KL are always fp32.
             Stored as a torch dtype.
         checkpoint_path: folder for resumable runs (see
             :func:`~hf_layerswap.scoring.score_layers`).
-        distributed: ``None``: shard probes over ranks when torch.distributed is
-            initialised; ``False``: never; ``True``: require it.
+        distributed: ``None``: partition the probes over the processes when launched
+            with several (``accelerate launch``, ``torchrun``; one whole model replica
+            per process, see :mod:`.processes`); ``False``: never; ``True``: require it.
         progress: show a progress bar (rank 0 only).
         desc: the progress bar's label.
 
@@ -137,7 +230,7 @@ class EngineSettings:
             and what is allowed).
     """
 
-    batch_size: int | str = 8
+    batch_size: int | str | None = None
     prefix_reuse: bool | str = True
     stream_logits: bool = True
     kl_chunk: int | None = None
@@ -150,24 +243,33 @@ class EngineSettings:
     desc: str = "swap-KL"
 
     def __post_init__(self):
-        _positive_int("batch_size", self.batch_size, allow=("auto",))
+        _positive_int("batch_size", self.batch_size, allow=("auto", None))
         for name in ("kl_chunk", "vocab_chunk"):
             _positive_int(name, getattr(self, name), allow=(None,))
         if self.distributed not in (None, True, False):
-            raise ValueError(f"distributed={self.distributed!r}: allowed None (shard when torch.distributed is "
-                             "initialised), True (require it), False (never)")
+            raise ValueError(f"distributed={self.distributed!r}: allowed None (partition the probes when launched "
+                             "with several processes), True (require it), False (never)")
         if self.checkpoint_path is not None and not isinstance(self.checkpoint_path, (str, os.PathLike)):
             raise ValueError(f"checkpoint_path={self.checkpoint_path!r}: give a folder path (str or os.PathLike) or None")
         normal = {
             "prefix_reuse": _prefix_reuse_mode(self.prefix_reuse),
             "stream_logits": bool(self.stream_logits),
-            "max_memory": DEFAULT_MAX_MEMORY if self.max_memory is None else parse_memory(self.max_memory),
+            "max_memory": "auto" if self.max_memory in (None, "auto") else parse_memory(self.max_memory),
             "dtype": _compute_dtype(self.dtype),
             "progress": bool(self.progress),
             "desc": str(self.desc),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
+
+    def memory_for(self, device) -> tuple[int, str]:
+        """``(bytes, how they were chosen)`` of the working-memory budget on ``device``:
+        ``max_memory`` as given, or :func:`device_memory_budget` for ``"auto"``."""
+        return device_memory_budget(device) if self.max_memory == "auto" else (self.max_memory, "given")
+
+    def batch_size_for(self, device) -> int | str:
+        """``batch_size`` as given, or :func:`device_batch_size` for ``None``."""
+        return device_batch_size(device) if self.batch_size is None else self.batch_size
 
     def autocast_dtype(self, model_dtype: torch.dtype) -> torch.dtype | None:
         """The autocast dtype for a model whose parameters are ``model_dtype``, or None to

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .head import _autocast, _Head
-from .kl import _chunk_bounds, _kl_rows, _lse64, _row_blocks, _VocabKL
+from .kl import _chunk_bounds, _kl_rows, _KL_SUB_BYTES, _lse64, _row_blocks, _VocabKL
 
 
 class _StreamedKL:
@@ -23,14 +23,16 @@ class _StreamedKL:
         kl_chunk, vocab_chunk: positions and vocabulary entries per block.
         autocast: the autocast dtype (None: the model's own) and ``device_type`` it runs on.
         stats: the engine's counters; ``head_rows`` grows by the positions each head pass runs.
+        block_bytes: bytes of one row block of the KL's fp32 temporaries (:func:`.kl.row_blocks`).
     """
 
     def __init__(self, head: _Head, kl_chunk: int, vocab_chunk: int, autocast: torch.dtype | None,
-                 device_type: str, stats: dict):
+                 device_type: str, stats: dict, block_bytes: int = _KL_SUB_BYTES):
         self.head = head
         self.kl_chunk, self.vocab_chunk = kl_chunk, vocab_chunk
         self.autocast, self.device_type = autocast, device_type
         self.stats = stats
+        self.block_bytes = block_bytes
         self._logit_buf: torch.Tensor | None = None
 
     def release(self) -> None:
@@ -98,7 +100,7 @@ class _StreamedKL:
             for h in rows:
                 logits = self.logits(h, 0, self.head.vocab)
                 kl = torch.empty(logits.shape[0], device=logits.device)
-                for a, b in _row_blocks(*logits.shape):
+                for a, b in _row_blocks(*logits.shape, self.block_bytes):
                     kl[a:b] = _kl_rows(ref_lp[a:b], logits[a:b])
                 out.append(kl)
                 done(ref_rows.shape[0])
@@ -106,15 +108,16 @@ class _StreamedKL:
             return out
         self.stats["head_rows"] += ref_rows.shape[0] * (2 + len(rows))
         # pass 1: the reference log-sum-exp over the whole vocabulary
-        ref_lse = torch.logsumexp(torch.stack([_lse64(self.logits(ref_rows, v0, v1)) for v0, v1 in bounds]), dim=0)
+        ref_lse = torch.logsumexp(torch.stack([_lse64(self.logits(ref_rows, v0, v1), self.block_bytes)
+                                               for v0, v1 in bounds]), dim=0)
         done(ref_rows.shape[0])
         mass = torch.zeros_like(ref_lse)
-        acc = [_VocabKL(ref_rows.shape[0], ref_rows.device) for _ in rows]
+        acc = [_VocabKL(ref_rows.shape[0], ref_rows.device, self.block_bytes) for _ in rows]
         for v0, v1 in bounds:  # pass 2: every probe against the same reference slice
             share = ref_rows.shape[0] * (v1 - v0) / self.head.vocab
             z_ref = self.logits(ref_rows, v0, v1)
             probs = torch.empty(z_ref.shape, dtype=torch.float64, device=z_ref.device)
-            for a, b in _row_blocks(*z_ref.shape):
+            for a, b in _row_blocks(*z_ref.shape, self.block_bytes):
                 probs[a:b] = (z_ref[a:b].double() - ref_lse[a:b].unsqueeze(-1)).exp_()
             mass += probs.sum(dim=-1)
             done(share)

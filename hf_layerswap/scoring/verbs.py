@@ -227,7 +227,7 @@ def score_layers(
     max_gap: int = 1,
     num_prompts: int = 64,
     seq_len: int = 128,
-    batch_size: int | str = 8,
+    batch_size: int | str | None = None,
     progress: bool = True,
     seed: int = 0,
     prefix_reuse: bool | str = True,
@@ -262,11 +262,17 @@ def score_layers(
         max_gap: pair distance bound (1 = adjacent pairs, L-1 = all pairs).
         num_prompts, seq_len, seed: calibration budget and paragraph shuffle seed
             (with ``adaptive``, ``num_prompts`` is the maximum).
-        batch_size: prompts per forward pass (int) or ``"auto"`` (fits ``max_memory``).
+        batch_size: prompts per forward pass (int), ``"auto"`` (fits ``max_memory``) or
+            ``None`` (by the device: 8 on a CPU, ``"auto"`` on an accelerator).
         progress: show a progress bar with an ETA.
         prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype: engine
             settings, see :class:`~hf_layerswap.scoring.settings.EngineSettings`; all are
-            recorded in ``report.metadata``.
+            recorded in ``report.metadata``. ``max_memory=None`` (or ``"auto"``) derives
+            the working-memory budget from the device's free memory
+            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`); the metadata
+            records the bytes chosen (``max_memory``, ``max_memory_source``), the batch
+            size and the head/KL block sizes (``kl_chunk_positions``, ``kl_chunk_vocab``,
+            ``kl_block_bytes``).
         checkpoint_path: a folder. Completed (batch, probe) values are written there
             atomically as they finish; rerunning the same call after an interruption
             (a killed process included) skips them and returns a report with the same
@@ -274,9 +280,10 @@ def score_layers(
             the calibration prompts, the probes and the settings.
         adaptive: an :class:`AdaptiveBudget` to stop adding prompts once the selection
             at its budget is stable under the error bars.
-        distributed: see :func:`plan_kl`: under ``torchrun``/``accelerate launch`` with
-            an initialised process group every rank scores a disjoint share of the
-            probes, and every rank returns the full report.
+        distributed: see :class:`~hf_layerswap.scoring.settings.EngineSettings`: under
+            ``accelerate launch`` (or ``torchrun``) with several processes, each holding
+            one whole model replica, every process scores a disjoint share of the probes
+            and every process returns the full report, equal to one process's bit for bit.
 
     Returns:
         A :class:`~hf_layerswap.report.SwapReport`. When any probe value is non-finite
@@ -290,6 +297,8 @@ def score_layers(
             fewer than 2 blocks, bad calibration input (see ``build_calibration``), or a
             bad engine setting.
         CheckpointMismatchError: ``checkpoint_path`` belongs to a different run.
+        ShardedModelError: the model is sharded over processes (tensor parallel, FSDP,
+            ZeRO-3), raised before any forward pass.
     """
     protocols = check_protocols(protocols)
     settings = EngineSettings(
@@ -385,7 +394,7 @@ def removal_kl(
     tokenizer=None,
     num_prompts: int = 64,
     seq_len: int = 128,
-    batch_size: int | str = 8,
+    batch_size: int | str | None = None,
     seed: int = 0,
     progress: bool = False,
     max_memory: int | str | None = None,
