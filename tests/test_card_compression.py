@@ -17,6 +17,7 @@ from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
 from hf_layerswap.plots import PLOT_FILES
 from hf_layerswap.card import SPARSITY_FILE, check_card, render_card, sparsity_mismatches
 from hf_layerswap.cli.push import add_push_arguments, run_push
+from hf_layerswap.cli import main as cli_main
 from hf_layerswap.hub import PushRefusedError, default_commit_message
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import RECOVERY_FILE, recover
@@ -195,9 +196,10 @@ def test_from_pretrained_with_sparsity_publishes_its_evidence(tmp_path):
     assert run_push(args) == 0
     assert SparsityReport.from_json(tmp_path / "again" / SPARSITY_FILE) == report
     assert _section((tmp_path / "again" / "README.md").read_text()) == _section(text)
-    missing = parser.parse_args([str(folder), "user/x", "--sparsity-report", str(tmp_path / "none.json"),
-                                 "--output-dir", str(tmp_path / "x")])
-    assert run_push(missing) == 2
+    # a missing sidecar is refused before anything loads: one error line, exit 2
+    assert cli_main(["push", str(folder), "user/x", "--sparsity-report", str(tmp_path / "none.json"),
+                     "--output-dir", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
 
 
 def test_sparsity_report_plot_is_the_card_plot(sparse_pruned, tmp_path):

@@ -257,18 +257,18 @@ _RUN_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import tiny_batch, tiny_model
     import hf_layerswap as hl
-    from hf_layerswap import scoring
+    from hf_layerswap.scoring.checkpoint import ScoringCheckpoint
 
     mode, out, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
     model = tiny_model("gemma3", num_layers=4)
     batch = tiny_batch(batch=12, length=8)
     if mode == "slow":  # checkpoint parts appear slowly, so the parent can kill us mid-run
-        save = scoring._Checkpoint.save
+        save = ScoringCheckpoint.save
         def slow_save(self, *a, **k):
             save(self, *a, **k)
             print("saved", flush=True)
             time.sleep(1.0)
-        scoring._Checkpoint.save = slow_save
+        ScoringCheckpoint.save = slow_save
     kwargs = dict(progress=False, batch_size=2, max_gap=2)
     report = hl.score_layers(model, batch, checkpoint_path=None if ckpt == "-" else ckpt, **kwargs)
     pairs = [p.to_dict() for p in report.pairs]

@@ -114,7 +114,9 @@ def test_search_cut_is_written_identically_by_plugin_cli_and_demo(setup, capsys)
             max_evaluations=12)
     assert main(["prune", str(base), str(root / "cli"), "--num-layers", "2", "--max-evaluations", "12",
                  *_budget_flags(calib)]) == 0
-    assert main(["demo", "--model", str(base), "--output", str(root / "demo"), "--budgets", "1", "--final-layers", "2",
+    # the demo's own perplexity default reads 1,000 words; the plugin's contract reads 5,000
+    assert main(["demo", "--model", str(base), "--output", str(root / "demo"), "--eval-max-words", "5000",
+                 "--budgets", "1", "--final-layers", "2",
                  "--max-evaluations", "12", "--eval-text", str(held_out), *_budget_flags(calib)]) == 0
     out = capsys.readouterr().out
     removed = model.config.layerswap["removed_layers"]
@@ -154,7 +156,8 @@ def test_auto_cut_matches_between_plugin_cli_and_demo(setup, capsys):
             strategy="auto", protocol="auto")
     assert main(["prune", str(base), str(root / "a-cli"), "--num-layers", "1", "--strategy", "auto",
                  "--protocol", "auto", *_budget_flags(calib)]) == 0
-    assert main(["demo", "--model", str(base), "--output", str(root / "a-demo"), "--budgets", "1", "--final-layers",
+    assert main(["demo", "--model", str(base), "--output", str(root / "a-demo"), "--eval-max-words", "5000",
+                 "--budgets", "1", "--final-layers",
                  "1", "--final-strategy", "greedy", "--final-protocol", "auto", "--eval-text", str(held_out),
                  *_budget_flags(calib)]) == 0
     capsys.readouterr()

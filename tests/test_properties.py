@@ -19,7 +19,7 @@ from arch_matrix import FAMILIES, NUM_LAYERS, build, prompts, single_thread
 from hf_layerswap import build_calibration, remove_layers
 from hf_layerswap.plan import apply_plan, decoder_blocks
 from hf_layerswap.scoring import plan_kl, removal_kl
-from hf_layerswap.rule import greedy_select, resolve_protect
+from hf_layerswap.rule import NonFiniteScoresError, greedy_select, resolve_protect
 
 PROPERTY = settings(
     max_examples=20, deadline=None, derandomize=True, database=None,
@@ -141,6 +141,12 @@ def test_selection_respects_spacing_protection_and_the_greedy_order(scores, data
     eligible = {i for i in range(total) if i not in protected and math.isfinite(scores[i])}
     try:
         chosen = greedy_select(scores, n, spacing=spacing, protect=protect)
+    except NonFiniteScoresError as err:
+        # only non-finite scores could fill the budget: refused, naming them, never taken
+        assert f"cannot select {n} layers of {total} with finite scores" in str(err)
+        assert err.nonfinite and not any(math.isfinite(v) for v in err.nonfinite.values())
+        assert len(eligible) < n
+        return
     except ValueError as err:
         # the message names what the rule could take; that partial set obeys the rules and
         # cannot be extended (fewer than n layers can be taken greedily)

@@ -135,7 +135,8 @@ def test_prune_report_refuses_a_hand_edited_report_before_the_model_loads(tmp_pa
 
     report = SwapReport(6, [PairResult(i, i + 1, 0.1 * (i + 1), 0.2 * (i + 1), 0.05 * (i + 1)) for i in range(5)])
     path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(interchange=-5.0), report)
-    # no model at that path: the report is refused before the model would load
+    # an empty folder where the model would be: the report is refused before it would load
+    (tmp_path / "no-model-here").mkdir()
     rc = main(["prune", str(tmp_path / "no-model-here"), str(tmp_path / "out"), "--num-layers", "1", "--strategy",
                "greedy", "--report", str(path)])
     assert rc == 2

@@ -31,7 +31,8 @@ from hf_layerswap.protocols import (
 from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.scoring import AdaptiveBudget, plan_kl, removal_kl, score_layers, swap_plans
 from hf_layerswap.scoring import engine as scoring_engine
-from hf_layerswap.scoring.engine import DEFAULT_MAX_MEMORY, EngineSettings, run_plans
+from hf_layerswap.scoring.engine import run_plans
+from hf_layerswap.scoring.settings import DEFAULT_MAX_MEMORY, EngineSettings
 from hf_layerswap.scoring.kl import kl_rows, row_blocks
 from hf_layerswap.scoring.settings import device_batch_size, device_memory_budget, kl_block_bytes
 

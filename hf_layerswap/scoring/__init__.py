@@ -62,16 +62,8 @@ vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the outpu
 from __future__ import annotations
 
 from .checkpoint import CHECKPOINT_FORMAT, CheckpointMismatchError, ScoringCheckpoint  # noqa: F401
-from .engine import (  # noqa: F401
-    DEFAULT_MAX_MEMORY,
-    HEAD_BUDGET_FRACTION,
-    MAX_KL_CHUNK,
-    MIN_WHOLE_VOCAB_CHUNK,
-    PREFIX_REUSE_MODES,
-    parse_memory,
-    plan_kl,
-)
-from .settings import EngineSettings  # noqa: F401
+from .engine import HEAD_BUDGET_FRACTION, MAX_KL_CHUNK, MIN_WHOLE_VOCAB_CHUNK, plan_kl  # noqa: F401
+from .settings import DEFAULT_MAX_MEMORY, PREFIX_REUSE_MODES, EngineSettings, parse_memory  # noqa: F401
 from .head import Head  # noqa: F401
 from .kl import KL_CHUNK_POSITIONS, kl_rows, masked_kl, row_blocks  # noqa: F401
 from .probes import make_probes, schedule, shard  # noqa: F401

@@ -7,9 +7,7 @@ checkpointing and the probes partitioned over launched processes (see
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
 :class:`~hf_layerswap.scoring.settings.EngineSettings`; its building blocks live next
 door (:mod:`.settings`, :mod:`.streamed` for the head/KL blocks, :mod:`.kl`, :mod:`.head`,
-:mod:`.probes`, :mod:`.checkpoint`). The documented names for benchmarks and tests are
-importable from here: ``EngineSettings``, ``Head``, ``kl_rows``, ``row_blocks``,
-``make_probes``, ``schedule``, ``shard``, ``ScoringCheckpoint``.
+:mod:`.probes`, :mod:`.checkpoint`), each importable from its own module.
 """
 
 from __future__ import annotations
@@ -34,11 +32,6 @@ from .probes import _make_probes, _Probe, _schedule, _shard
 from .processes import check_model_replica, Processes
 from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .streamed import _StreamedKL
-from .checkpoint import ScoringCheckpoint  # noqa: F401  (documented name)
-from .head import Head  # noqa: F401
-from .kl import kl_rows, row_blocks  # noqa: F401
-from .probes import make_probes, schedule, shard  # noqa: F401
-from .settings import DEFAULT_MAX_MEMORY, parse_memory, PREFIX_REUSE_MODES  # noqa: F401  (documented names)
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
