@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelerate import PartialState
 import torch
 import transformers
 from filelock import FileLock
@@ -53,7 +54,7 @@ from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils.sha import sha_fileobj
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from .provenance import SOURCE_FILE, model_identity, public_name
+from .provenance import SOURCE_FILE, model_identity
 from .provenance import identity_from_source as _identity_from_source
 from .provenance import source_record as _read_source
 
@@ -69,6 +70,7 @@ __all__ = [
     "load_model",
     "missing_offline",
     "accelerator_available",
+    "launched_processes",
     "resolve_device_map",
     "resolve_dtype",
 ]
@@ -467,15 +469,34 @@ def accelerator_available() -> bool:
     return bool(torch.accelerator.is_available())
 
 
+def launched_processes() -> int:
+    """How many processes a launcher (``accelerate launch``, ``torchrun``) started: its
+    ``WORLD_SIZE``, 1 without one."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
 def resolve_device_map(device_map, *, max_memory=None, offload_folder=None):
     """``device_map=`` of :func:`load_model` as ``from_pretrained`` takes it: ``"auto"`` stays
     accelerate's automatic map when an accelerator is present or a memory limit or an
     offload folder is given, and becomes ``None`` (the CPU, no hooks) otherwise; any other
-    value is returned as given."""
+    value is returned as given.
+
+    Under a launcher with more than one process and an accelerator, ``"auto"`` (without a
+    memory limit or offload folder) is the process's own device, ``{"": PartialState().device}``:
+    each process scores its share of the probes on one whole replica of the model
+    (:mod:`hf_layerswap.scoring.processes`), where accelerate's automatic map would spread
+    every process's copy over all the devices."""
     if isinstance(device_map, str) and device_map == "auto":
-        if accelerator_available() or max_memory is not None or offload_folder is not None:
+        if max_memory is not None or offload_folder is not None:
             return "auto"
-        return None
+        if not accelerator_available():
+            return None
+        if launched_processes() > 1:
+            return {"": PartialState().device}
+        return "auto"
     return device_map
 
 

@@ -74,6 +74,25 @@ def test_device_map_auto_is_the_cpu_without_an_accelerator(monkeypatch):
     assert resolve_device_map("auto") == "auto"
 
 
+def test_device_map_auto_under_a_launcher_is_each_processs_own_device(monkeypatch):
+    """With an accelerator and two launched processes, each loads one whole replica on its
+    own device (accelerate's PartialState), not a map over every device."""
+
+    class FakeState:
+        device = "cuda:1"
+
+    monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: True)
+    monkeypatch.setattr("hf_layerswap.models.PartialState", FakeState)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_device_map("auto") == {"": "cuda:1"}
+    assert resolve_device_map("auto", max_memory={0: "1GiB"}) == "auto"  # the user's limit: accelerate's map
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_device_map("auto") == "auto"
+    monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_device_map("auto") is None  # CPU processes: no map
+
+
 def test_max_memory_takes_accelerates_format():
     assert max_memory_map("0=20GiB,cpu=60GiB") == {0: "20GiB", "cpu": "60GiB"}
     assert max_memory_map("cpu=1000000") == {"cpu": 1000000}

@@ -18,6 +18,8 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from torch import nn
 
+from ..models import accelerator_available, launched_processes
+
 try:  # a torch built without distributed support has neither (and no model can use them)
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
@@ -38,10 +40,7 @@ def _launched() -> bool:
     """Started by a launcher with more than one process, or a process group exists."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return True
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
-        return False
+    return launched_processes() > 1
 
 
 def sharded_layout(model: nn.Module) -> str | None:
@@ -117,7 +116,7 @@ class Processes:
                     "`accelerate launch --num_processes N` (or torchrun), or pass distributed=None/False"
                 )
             return
-        cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not _accelerator_available()
+        cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not accelerator_available()
         self.state = PartialState(cpu=cpu)
         self.rank, self.world = self.state.process_index, self.state.num_processes
 
@@ -145,10 +144,3 @@ class Processes:
 def is_main_process() -> bool:
     """True in the first (or only) launched process: the one that writes shared outputs."""
     return Processes().rank == 0
-
-
-def _accelerator_available() -> bool:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return torch.cuda.is_available()
