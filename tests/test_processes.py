@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from arch_matrix import tiny_tokenizer
 from conftest import REPO_ROOT, tiny_batch, tiny_model
 
@@ -29,8 +30,8 @@ def _kls(path) -> list:
     return json.loads(path.read_text())["pairs"]
 
 
-def _checkpoint(path):
-    model = tiny_model("qwen3", num_layers=4)
+def _checkpoint(path, dtype=torch.float32):
+    model = tiny_model("qwen3", num_layers=4).to(dtype)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     text = "\n\n".join(" ".join(f"word{(7 * p + 3 * k) % 50} and more" for k in range(6)) for p in range(8))
@@ -38,8 +39,9 @@ def _checkpoint(path):
     return path.parent / "calib.txt"
 
 
-def test_prune_under_accelerate_launch_with_two_processes_equals_one_process_bit_for_bit(tmp_path):
-    calib = _checkpoint(tmp_path / "ckpt")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prune_under_accelerate_launch_with_two_processes_equals_one_process_bit_for_bit(tmp_path, dtype):
+    calib = _checkpoint(tmp_path / "ckpt", dtype)
     flags = ["--calibration", str(calib), "--num-prompts", "8", "--seq-len", "12", "--batch-size", "2",
              "--num-layers", "1", "--strategy", "greedy", "--max-gap", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -61,6 +63,9 @@ def test_prune_under_accelerate_launch_with_two_processes_equals_one_process_bit
     assert r2["metadata"]["block_evaluations"] == r1["metadata"]["block_evaluations"] + 4 * 4
     assert json.loads((tmp_path / "two" / "config.json").read_text())["num_hidden_layers"] == 3
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+    # --dtype auto (the default): the checkpoint's own dtype is scored and saved
+    with safe_open(tmp_path / "two" / "model.safetensors", "pt") as fh:
+        assert {fh.get_tensor(k).dtype for k in fh.keys()} == {dtype}
 
 
 def test_one_process_without_a_launcher():
