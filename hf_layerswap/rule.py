@@ -22,8 +22,9 @@ __all__ = ["NONFINITE_ADVICE", "NonFiniteScoresError", "NonFiniteScoresWarning",
 
 #: What to try when the scores a selection would rest on are non-finite.
 NONFINITE_ADVICE = (
-    "non-finite values are reported, never a basis for removal: load the model in float32 (e.g. "
-    "dtype=torch.float32) or score on another calibration set"
+    "non-finite values are reported, never a basis for removal: load the model in float32 "
+    "(from_pretrained(..., dtype=torch.float32), or --dtype float32 on the command line) or score on "
+    "another calibration set"
 )
 
 

@@ -25,8 +25,9 @@ from hf_layerswap.rule import greedy_select
 from hf_layerswap.scoring import removal_kl
 from hf_layerswap.selection import STRATEGIES, register_strategy
 
-ADVICE = (r"non-finite values are reported, never a basis for removal: load the model in float32 \(e\.g\. "
-          r"dtype=torch\.float32\) or score on another calibration set")
+ADVICE = (r"non-finite values are reported, never a basis for removal: load the model in float32 "
+          r"\(from_pretrained\(\.\.\., dtype=torch\.float32\), or --dtype float32 on the command line\) or score on "
+          r"another calibration set")
 
 
 def _overflowing(dtype=torch.float16, scale=300.0, family="llama"):
