@@ -265,6 +265,39 @@ def test_disk_offloaded_model_gives_the_in_memory_numbers(tmp_path):
         assert torch.allclose(fits[0][b], fits[1][b], rtol=1e-5, atol=1e-6)
 
 
+def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp_path):
+    """--max-memory below the weights and --offload-folder: accelerate's map puts the blocks
+    that do not fit on disk, and the prune scores, cuts and saves as in memory."""
+    base = _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    flags = ["--num-layers", "2", "--strategy", "greedy", "--calibration", str(calib), "--num-prompts", "4"]
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "memory"), *flags]) == 0
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "offloaded"), *flags,
+                 "--max-memory", f"cpu={weights // 2}", "--offload-folder", str(tmp_path / "offload")]) == 0
+    # the same options load some blocks on disk (accelerate's map, through load_model)
+    split, _ = load_model(tmp_path / "base", max_memory=max_memory_map(f"cpu={weights // 2}"),
+                          offload_folder=str(tmp_path / "offload"))
+    assert "disk" in split.hf_device_map.values() and "cpu" in split.hf_device_map.values()
+    ours, theirs = (json.loads((tmp_path / n / "layerswap_report.json").read_text()) for n in ("memory", "offloaded"))
+    assert len(ours["pairs"]) == len(theirs["pairs"]) > 0
+    compared = 0
+    for a, b in zip(ours["pairs"], theirs["pairs"]):
+        for f in FIELDS:
+            assert (a[f] is None) == (b[f] is None), (a, b, f)  # the same protocols scored
+            if a[f] is not None:
+                assert _rel(a[f], b[f]) <= 1e-5, (a, b, f)
+                compared += 1
+    assert compared >= len(ours["pairs"])
+    cuts = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["removed_layers"]
+            for n in ("memory", "offloaded")]
+    assert cuts[0] == cuts[1] and len(cuts[0]) == 2
+    reloaded = [AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("memory", "offloaded")]
+    ids = tiny_batch()["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(reloaded[0](ids).logits, reloaded[1](ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_from_pretrained_with_disk_offload_prunes_repairs_and_saves_the_in_memory_model(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "ckpt")
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",

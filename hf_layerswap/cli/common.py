@@ -155,12 +155,18 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                         "else keeps it in CPU memory")
     p.add_argument("--max-memory", type=max_memory_map, default=None,
                    help="per-device memory for the device map, accelerate's format: 0=20GiB,cpu=60GiB")
+    p.add_argument("--offload-folder", default=None, metavar="DIR",
+                   help="folder for the blocks the device map puts on disk (when --max-memory leaves no room)")
 
 
 def device_options(args) -> dict:
-    """``dtype``, ``device_map`` and ``max_memory`` of :func:`add_device_args` for ``load_model``."""
-    return {"dtype": getattr(args, "dtype", "auto"), "device_map": getattr(args, "device_map", "auto"),
-            "max_memory": getattr(args, "max_memory", None)}
+    """``dtype``, ``device_map``, ``max_memory`` and ``offload_folder`` of :func:`add_device_args`
+    for ``load_model``."""
+    options = {"dtype": getattr(args, "dtype", "auto"), "device_map": getattr(args, "device_map", "auto"),
+               "max_memory": getattr(args, "max_memory", None)}
+    if getattr(args, "offload_folder", None) is not None:
+        options["offload_folder"] = args.offload_folder
+    return options
 
 
 def add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64") -> None:
@@ -317,8 +323,9 @@ def check_before_loading(args, outputs=()) -> None:
     """What a verb that loads ``args.model`` with :func:`load` checks first: its text files
     (:func:`check_text_files`), then MODEL, ``--tokenizer`` and ``outputs`` (:func:`check_paths`)."""
     check_text_files(args)
+    offload = getattr(args, "offload_folder", None)
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file, tokenizer=args.tokenizer,
-                outputs=outputs)
+                outputs=[*outputs, ("--offload-folder", offload, "folder")])
 
 
 def load(args):
