@@ -7,7 +7,7 @@ import tempfile
 
 import torch
 from torch import nn
-from transformers import TrainingArguments
+from transformers import PrinterCallback, TrainingArguments
 
 from ..calibration import build_calibration
 from ..provenance import library_versions
@@ -131,6 +131,7 @@ def heal(
         )
         trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
                                       teacher=teacher, ce_weight=ce_weight)
+        trainer.remove_callback(PrinterCallback)
         kl_before = float(trainer.evaluate()["eval_loss"])
         best = BestWeights(student, kl_before, patience)
         trainer.add_callback(best)
