@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM
 import hf_layerswap as hl
 from hf_layerswap.healing import distillation_loss
 from hf_layerswap.healing.methods import cut_neighbours
+from hf_layerswap.history import verify_history
 
 from conftest import tiny_batch, tiny_model
 
@@ -26,6 +28,17 @@ def _pair():
 
 def _calibration(n=12, length=16):
     return tiny_batch(batch=n, length=length, seed=3, pad_last=0)
+
+
+class _Vocab:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def __len__(self):
+        return len(self.vocab)
 
 
 def _heldout_kl(student, teacher, calib):
@@ -67,6 +80,10 @@ def test_heal_lowers_heldout_kl_and_reloads_plain(tmp_path, method, lr, options)
     assert record["removed_layers"] == REMOVED
     assert record["healing"][-1]["method"] == method
     assert record["healing"][-1]["kl_after"] == report.kl_after
+    # healing changes the weights on purpose: the removal's fingerprint no longer applies
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert verify_history(student)
     student.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = calib["input_ids"][:2]
@@ -95,5 +112,9 @@ def test_mismatched_teacher_refused_before_training():
         hl.heal(student, student, _calibration())
     with pytest.raises(ValueError, match="method='nope'.*registered"):
         hl.heal(student, teacher, _calibration(), method="nope")
+    with pytest.raises(ValueError, match="teacher tokenizer"):
+        hl.heal(student, teacher, _calibration(), tokenizer=_Vocab({"a": 0, "b": 1}), teacher_tokenizer=_Vocab({"a": 0, "c": 1}))
+    with pytest.raises(ValueError, match="k=9"):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=9)
     assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
     assert "healing" not in student.config.layerswap

@@ -119,8 +119,6 @@ def heal(
     train, held = _Rows(ids[:-heldout_prompts], mask[:-heldout_prompts]), _Rows(ids[-heldout_prompts:], mask[-heldout_prompts:])
     device = next(model.parameters()).device
     teacher.to(device).eval()
-    for param in teacher.parameters():
-        param.requires_grad_(False)
     student = entry.prepare(model, options)
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(
