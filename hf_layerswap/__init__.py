@@ -20,6 +20,7 @@ from .calibration import CalibrationSet, CalibrationShortfallWarning, build_cali
 from .config import LayerSwapConfig, RecoveryConfig, SparsityConfig
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
 from .gguf_export import GGUFLayoutError, export_gguf, save_gguf
+from .healing import HealReport, heal
 from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 from .integration import prune_loaded_model
 from .models import load_model
@@ -58,6 +59,8 @@ __all__ = [
     "remove_layers",
     "recover",
     "RecoveryReport",
+    "heal",
+    "HealReport",
     "sparsify",
     "SparsityReport",
     # measure

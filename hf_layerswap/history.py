@@ -66,10 +66,10 @@ def param_dtype(model: nn.Module) -> str | None:
 
 def weights_changed_later(config) -> bool:
     """True when a step of this library changed the weights after the last removal on
-    purpose (one-shot sparsification, a repair of the cut), so the fingerprint recorded at
+    purpose (one-shot sparsification, a repair of the cut, healing), so the fingerprint recorded at
     removal time no longer applies."""
     record = getattr(config, "layerswap", None) or {}
-    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery"))
+    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery")) or bool(record.get("healing"))
 
 
 def _index_list(value) -> list[int] | None:

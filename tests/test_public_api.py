@@ -41,6 +41,8 @@ PUBLIC = {
     "remove_layers": "hf_layerswap.surgery",
     "recover": "hf_layerswap.recovery",
     "RecoveryReport": "hf_layerswap.recovery",
+    "heal": "hf_layerswap.healing",
+    "HealReport": "hf_layerswap.healing",
     "sparsify": "hf_layerswap.sparsity",
     "SparsityReport": "hf_layerswap.sparsity",
     "evaluate_perplexity": "hf_layerswap.evaluation",

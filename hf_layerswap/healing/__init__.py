@@ -1,0 +1,18 @@
+"""Healing: distil a pruned model from its dense base with transformers' ``Trainer``
+(:func:`heal`), by a method from one registry (:data:`HEAL_METHODS`)."""
+
+from .core import check_teacher, heal
+from .loss import distillation_loss
+from .methods import HEAL_METHODS, HealMethod, get_heal_method, register_heal_method
+from .report import HealReport
+
+__all__ = [
+    "HEAL_METHODS",
+    "HealMethod",
+    "HealReport",
+    "check_teacher",
+    "distillation_loss",
+    "get_heal_method",
+    "heal",
+    "register_heal_method",
+]

@@ -1,0 +1,137 @@
+"""Healing methods behind one registry: what :func:`~hf_layerswap.healing.heal` calls for
+``method=``. Adding a method is one decorator on a :class:`HealMethod` subclass::
+
+    @register_heal_method("mine")
+    class Mine(HealMethod):
+        def prepare(self, model, options): ...   # returns the module to train
+        def finish(self, trained): ...          # returns the plain transformers model
+
+The built-ins: ``"lora"`` (PEFT LoRA on the attention and MLP projections, merged back),
+``"adjacent"`` (the blocks on each side of every cut, plus norms) and ``"last_k"`` (the
+last ``k`` blocks, the final norm and the head).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..plan import decoder_blocks
+
+__all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "register_heal_method"]
+
+#: ``{name: HealMethod subclass}``.
+HEAL_METHODS: dict[str, type] = {}
+
+#: The projections LoRA adapts (Llama / Qwen / Gemma names).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def register_heal_method(name: str):
+    """Class decorator: register a :class:`HealMethod` subclass as ``method=name``."""
+
+    def wrap(cls):
+        cls.name = name
+        HEAL_METHODS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_heal_method(name: str) -> HealMethod:
+    """An instance of the method registered as ``name``.
+
+    Raises:
+        ValueError: unknown ``name``; the message lists the registered methods.
+    """
+    if name not in HEAL_METHODS:
+        raise ValueError(f"method={name!r}: unknown healing method; registered: {sorted(HEAL_METHODS)}")
+    return HEAL_METHODS[name]()
+
+
+class HealMethod:
+    """One way to choose and train the student's weights."""
+
+    name: str = ""
+
+    def prepare(self, model: nn.Module, options: dict) -> nn.Module:
+        """Set ``requires_grad`` and return the module the trainer trains."""
+        raise NotImplementedError
+
+    def finish(self, trained: nn.Module) -> nn.Module:
+        """The plain transformers model after training."""
+        return trained
+
+
+def _train_only(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for module in modules:
+        for param in module.parameters():
+            param.requires_grad_(True)
+    return model
+
+
+def _norms(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    return [m for block in blocks for name, m in block.named_modules() if "norm" in type(m).__name__.lower()]
+
+
+def cut_neighbours(model: nn.Module) -> list[int]:
+    """Current 0-based indices of the kept blocks next to a cut recorded in
+    ``model.config.layerswap`` (``kept_layers`` in the original numbering).
+
+    Raises:
+        ValueError: the model records no removal.
+    """
+    record = getattr(model.config, "layerswap", None) or {}
+    kept = record.get("kept_layers")
+    original = record.get("original_num_hidden_layers")
+    if not kept or not record.get("removed_layers") or original is None:
+        raise ValueError("method='adjacent' needs a pruned model: model.config.layerswap records no removed blocks")
+    edges = [-1, *kept, original]
+    return sorted(
+        {i for i in range(len(kept)) if edges[i + 1] - edges[i] > 1 or edges[i + 2] - edges[i + 1] > 1}
+    )
+
+
+@register_heal_method("lora")
+class LoRA(HealMethod):
+    """PEFT LoRA (``r``, ``lora_alpha`` options) on every kept block's projections."""
+
+    def prepare(self, model, options):
+        from peft import LoraConfig, get_peft_model
+
+        names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        targets = [t for t in LORA_TARGETS if t in names]
+        if not targets:
+            raise ValueError(f"method='lora' found none of {LORA_TARGETS} in the model's linear layers")
+        rank = options.get("lora_r", 16)
+        config = LoraConfig(r=rank, lora_alpha=options.get("lora_alpha", 2 * rank), lora_dropout=0.0, target_modules=targets)
+        return get_peft_model(model, config)
+
+    def finish(self, trained):
+        return trained.merge_and_unload()
+
+
+@register_heal_method("adjacent")
+class Adjacent(HealMethod):
+    """The kept blocks on each side of every cut, plus the norms of every block."""
+
+    def prepare(self, model, options):
+        _, _, blocks = decoder_blocks(model)
+        chosen = [blocks[i] for i in cut_neighbours(model)]
+        return _train_only(model, chosen + _norms(model, list(blocks)))
+
+
+@register_heal_method("last_k")
+class LastK(HealMethod):
+    """The last ``k`` blocks (option ``k``, default 3), the final norm and the head."""
+
+    def prepare(self, model, options):
+        _, _, blocks = decoder_blocks(model)
+        k = options.get("k", 3)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(blocks):
+            raise ValueError(f"k={k!r}: must be an int in 1..{len(blocks)} (the model's block count)")
+        head = model.get_output_embeddings()
+        final_norm = getattr(model.get_decoder(), "norm", None)
+        extra = [m for m in (head, final_norm) if m is not None]
+        return _train_only(model, list(blocks[-k:]) + extra)

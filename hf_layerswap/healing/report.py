@@ -1,0 +1,50 @@
+"""What :func:`~hf_layerswap.healing.heal` did, as a JSON-able report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..jsonio import JsonResult
+
+__all__ = ["HealReport"]
+
+
+@dataclass
+class HealReport(JsonResult):
+    """One healing run.
+
+    Attributes:
+        method: the ``method=`` name.
+        tokens: real training tokens the student saw.
+        steps: optimiser steps taken.
+        learning_rate: peak learning rate.
+        seed: training seed.
+        data: description of the training (calibration) text.
+        heldout: description of the held-out prompts the KL is measured on.
+        kl_before, kl_after: held-out KL(teacher || student), nats per real token, before
+            training and of the returned weights.
+        reverted: ``True`` when training never beat the starting held-out KL and the
+            starting weights were returned (then ``kl_after == kl_before``).
+        loss_history: ``[{"step": s, "loss": nats}]`` training losses as logged.
+        eval_history: ``[{"step": s, "kl": nats}]`` held-out KL at each evaluation.
+    """
+
+    method: str
+    tokens: int
+    steps: int
+    learning_rate: float
+    seed: int
+    data: str
+    heldout: str
+    kl_before: float
+    kl_after: float
+    reverted: bool = False
+    loss_history: list = field(default_factory=list)
+    eval_history: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HealReport:
+        return cls(**data)
