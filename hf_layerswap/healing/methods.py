@@ -13,6 +13,7 @@ last ``k`` blocks, the final norm and the head).
 
 from __future__ import annotations
 
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from ..plan import decoder_blocks
@@ -98,8 +99,6 @@ class LoRA(HealMethod):
     """PEFT LoRA (``r``, ``lora_alpha`` options) on every kept block's projections."""
 
     def prepare(self, model, options):
-        from peft import LoraConfig, get_peft_model
-
         names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         targets = [t for t in LORA_TARGETS if t in names]
         if not targets:
