@@ -23,12 +23,20 @@ from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, Sp
 from ..sparsity.engine import prunable_linears
 from ..surgery import original_indices
 
-from .format import _DASH, _DEFAULT_PROTECT, _DEFAULT_SPACING, _HUB_ID, _cell, _indices
+from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell, format_indices
+
+__all__ = [
+    "current_blocks", "format_pct_plain", "layerswap_record", "nonfinite_basis", "normalize_evaluation",
+    "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches",
+    "resolve_base_model", "resolve_license", "search_record", "selection_rule", "sparsity_mismatches",
+    "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance",
+    "weights_identity",
+]
 
 
 
 # ---------------------------------------------------------------------- inputs
-def _split_model(model_or_config):
+def split_model(model_or_config):
     """(model or None, top-level config)."""
     if hasattr(model_or_config, "config") and hasattr(model_or_config, "parameters"):
         return model_or_config, model_or_config.config
@@ -44,13 +52,15 @@ def _text_config(config):
     return getter() if callable(getter) else config
 
 
-def _current_blocks(model, config) -> int:
+def current_blocks(model, config) -> int:
+    """Decoder blocks the checkpoint has now: counted on ``model``, else read from ``config``."""
     if model is not None:
         return num_blocks(model)
     return int(_text_config(config).num_hidden_layers)
 
 
-def _record(config) -> dict:
+def layerswap_record(config) -> dict:
+    """A copy of ``config.layerswap`` (the removal record), ``{}`` when there is none."""
     record = getattr(config, "layerswap", None)
     return dict(record) if isinstance(record, Mapping) else {}
 
@@ -68,9 +78,9 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     """
     if not isinstance(report, SwapReport):
         return [f"report must be a SwapReport, got {type(report).__name__}"]
-    model, config = _split_model(model_or_config)
-    record = _record(config)
-    current = _current_blocks(model, config)
+    model, config = split_model(model_or_config)
+    record = layerswap_record(config)
+    current = current_blocks(model, config)
     expected = int(record.get("original_num_hidden_layers", current))
     problems = []
     if report.num_layers != expected:
@@ -110,7 +120,7 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     return problems
 
 
-def _sparsity_summary(config, sparsity) -> dict | None:
+def sparsity_summary(config, sparsity) -> dict | None:
     """The sparsity summary to show: :func:`~hf_layerswap.sparsity.config_record` of the
     report when given, else ``config.layerswap_sparsity`` (written by ``sparsify``)."""
     record = getattr(config, "layerswap_sparsity", None)
@@ -125,9 +135,9 @@ def _sparsity_summary(config, sparsity) -> dict | None:
 
 def _weight_mismatches(model_or_config, record: Mapping, what: str) -> list[str]:
     """Block coverage and, for a model, per-block zero counts against ``record``."""
-    model, config = _split_model(model_or_config)
+    model, config = split_model(model_or_config)
     original = [int(i) for i in record["original_blocks"]]
-    current = original_indices(config, _current_blocks(model, config))
+    current = original_indices(config, current_blocks(model, config))
     missing = [i for i in current if i not in original]
     if missing:
         return [f"{what} covers blocks {original} (original numbering) but the model also has blocks {missing}"]
@@ -167,7 +177,7 @@ def sparsity_mismatches(model_or_config, sparsity=None) -> list[str]:
     Raises:
         TypeError: ``sparsity`` is neither ``None`` nor a ``SparsityReport``.
     """
-    model, config = _split_model(model_or_config)
+    model, config = split_model(model_or_config)
     recorded = getattr(config, "layerswap_sparsity", None)
     recorded = recorded if isinstance(recorded, Mapping) else None
     if sparsity is None:
@@ -195,7 +205,7 @@ def sparsity_refusal(problems: Sequence[str], sparsity_report) -> str:
     )
 
 
-def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
+def sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
     """Rows of the card's sparsity section (original block numbering)."""
     kept = set(original_indices(config, current))
     allocator = dict(summary.get("allocator") or {})
@@ -205,7 +215,7 @@ def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
             "block": index,
             "target": f"{target:.4f}",
             "achieved": f"{achieved:.4f}",
-            "statistic": _DASH if stat is None else f"{stat:.4g}",
+            "statistic": DASH if stat is None else f"{stat:.4g}",
             "status": "kept" if index in kept else "removed after pruning",
         }
         for index, target, achieved, stat in zip(
@@ -227,19 +237,19 @@ def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
     if allocator.get("budget"):
         rows.append(("Budget rule", allocator["budget"]))
     rows += [
-        ("Target sparsity", _pct_plain(summary["target_sparsity"])),
-        ("Achieved sparsity", f"{_pct_plain(summary['achieved_sparsity'], 4)} ({summary['num_zeros']:,} of "
+        ("Target sparsity", format_pct_plain(summary["target_sparsity"])),
+        ("Achieved sparsity", f"{format_pct_plain(summary['achieved_sparsity'], 4)} ({summary['num_zeros']:,} of "
          f"{summary['num_params']:,} weights of the blocks' linear layers are zero)"),
         ("Kept dense", _dense_note(_dense_in_model(summary, kept))),
     ]
     if any(b not in kept for b in summary["original_blocks"]):
         rows.insert(-1, ("Achieved sparsity, blocks still in the model",
-                         _pct_plain(sparsity_in_model(summary, kept), 4) + " (some blocks were removed after pruning)"))
+                         format_pct_plain(sparsity_in_model(summary, kept), 4) + " (some blocks were removed after pruning)"))
     earlier = summary.get("previous") or []
     if earlier:
         rows.append(("Earlier pruning passes (oldest first)", "; ".join(
             f"{e.get('method')}, {e.get('pattern') or 'unstructured'}, {e.get('allocation')} allocation, target "
-            f"{_pct_plain(e.get('target_sparsity', 0.0))}, achieved {_pct_plain(e.get('achieved_sparsity', 0.0), 4)}"
+            f"{format_pct_plain(e.get('target_sparsity', 0.0))}, achieved {format_pct_plain(e.get('achieved_sparsity', 0.0), 4)}"
             for e in earlier
         ) + " (the zeros they left count in the achieved sparsity above)"))
     cal = summary.get("calibration") or {}
@@ -253,7 +263,7 @@ def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
         intro = ("The linear layers inside the decoder blocks were pruned one-shot, block by block, each block "
                  "calibrated on the outputs of the already-pruned blocks.")
     intro += " The zeros are stored as ordinary dense safetensors weights."
-    return {"intro": intro, "rows": [(key, _cell(value)) for key, value in rows], "blocks": blocks}
+    return {"intro": intro, "rows": [(key, format_cell(value)) for key, value in rows], "blocks": blocks}
 
 
 def _dense_in_model(summary: Mapping, kept) -> int | None:
@@ -271,11 +281,12 @@ def _dense_note(dense_block_params) -> str:
     return note
 
 
-def _pct_plain(fraction: float, digits: int = 2) -> str:
+def format_pct_plain(fraction: float, digits: int = 2) -> str:
+    """``fraction`` (0..1) as a percentage with ``digits`` decimals and no sign, e.g. ``"50.00%"``."""
     return f"{100 * fraction:.{digits}f}%"
 
 
-def _recovery_record(model, record: Mapping) -> dict:
+def recovery_record(model, record: Mapping) -> dict:
     """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the ghosted
     operators actually attached (the record can lag behind a later removal)."""
     recovery = dict(record.get("recovery")) if isinstance(record.get("recovery"), Mapping) else {}
@@ -286,17 +297,18 @@ def _recovery_record(model, record: Mapping) -> dict:
     return recovery
 
 
-def _recovery_row(recovery: Mapping) -> tuple[str, str] | None:
+def recovery_row(recovery: Mapping) -> tuple[str, str] | None:
+    """The card's "Repair of the cut" row for a recovery record, ``None`` when nothing was repaired."""
     if not recovery.get("method"):
         return None
-    boundaries = _indices(recovery.get("boundaries", []))
+    boundaries = format_indices(recovery.get("boundaries", []))
     if recovery["method"] == "ghosted":
         return ("Repair of the cut", f"Ghosted Layers closed-form operator I + M at boundaries {boundaries} "
                 f"(pruned numbering), stored in `{recovery.get('file')}`")
     if recovery["method"] == "fused":
         return ("Repair of the cut", f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
                 f"{boundaries} (pruned numbering): plain transformers weights")
-    return ("Repair of the cut", _cell(recovery["method"]))
+    return ("Repair of the cut", format_cell(recovery["method"]))
 
 
 def normalize_evaluation(evaluation) -> dict[str, dict] | None:
@@ -333,10 +345,10 @@ def normalize_evaluation(evaluation) -> dict[str, dict] | None:
 
 
 def _is_hub_id(name) -> bool:
-    return isinstance(name, str) and bool(_HUB_ID.match(name)) and not name.endswith(".gguf") and not os.path.exists(name)
+    return isinstance(name, str) and bool(HUB_ID.match(name)) and not name.endswith(".gguf") and not os.path.exists(name)
 
 
-def _identity(model, report) -> dict:
+def weights_identity(model, report) -> dict:
     """What is known about the weights the model came from (see hf_layerswap.models)."""
     ident = {}
     if report is not None:
@@ -353,7 +365,8 @@ def _identity(model, report) -> dict:
     return ident
 
 
-def _resolve_base_model(explicit, config, record, ident) -> str | None:
+def resolve_base_model(explicit, config, record, ident) -> str | None:
+    """The Hub id of the base model: ``explicit``, else the recorded one, else the weights' identity; raises ``ValueError`` when ``explicit`` is not ``owner/name``."""
     recorded = record.get("base_model")
     if isinstance(recorded, Mapping):
         recorded = recorded.get("name")
@@ -365,7 +378,7 @@ def _resolve_base_model(explicit, config, record, ident) -> str | None:
     return None
 
 
-def _resolve_license(explicit, base_model, config) -> str | None:
+def resolve_license(explicit, base_model, config) -> str | None:
     """The license given, else the base model's (its card in the local Hub cache or its folder)."""
     if explicit:
         return explicit
@@ -390,7 +403,7 @@ def _resolve_license(explicit, base_model, config) -> str | None:
     return None
 
 
-def _parameter_counts(model, config, removed: int, steps) -> tuple[int | None, int | None]:
+def parameter_counts(model, config, removed: int, steps) -> tuple[int | None, int | None]:
     """(parameters before removal, after). Before = after + recorded/derived removed block sizes."""
     owner = model
     if owner is None:
@@ -411,38 +424,41 @@ def _parameter_counts(model, config, removed: int, steps) -> tuple[int | None, i
     return after + removed * sizes.pop(), after
 
 
-def _provenance(step: Mapping) -> PruneProvenance:
+def step_provenance(step: Mapping) -> PruneProvenance:
     """The selection record of one removal step (written by :func:`hf_layerswap.pipeline.prune`)."""
     return PruneProvenance.from_dict(step)
 
 
-def _step_config(steps) -> dict:
+def step_config(steps) -> dict:
+    """The config of the latest removal step that recorded one (``{}`` when none did)."""
     for step in reversed(steps):
-        config = _provenance(step).config
+        config = step_provenance(step).config
         if config is not None:
             return dict(config)
     return {}
 
 
-def _selection_rule(steps, report) -> tuple[int, list[int], str]:
-    cfg = _step_config(steps)
+def selection_rule(steps, report) -> tuple[int, list[int], str]:
+    """``(spacing, protect, text)`` the removal ran under: from its config, else the report's last selection, else the library defaults."""
+    cfg = step_config(steps)
     if "spacing" in cfg and "protect" in cfg:
         return int(cfg["spacing"]), list(cfg["protect"]), f"spacing={cfg['spacing']}, protect={list(cfg['protect'])}"
     if report is not None and report.selections:
         last = report.selections[-1]
         return int(last["spacing"]), list(last["protect"]), f"spacing={last['spacing']}, protect={list(last['protect'])}"
     return (
-        _DEFAULT_SPACING,
-        list(_DEFAULT_PROTECT),
-        f"spacing={_DEFAULT_SPACING}, protect={_DEFAULT_PROTECT}: the library defaults, the removal record names none",
+        DEFAULT_SPACING,
+        list(DEFAULT_PROTECT),
+        f"spacing={DEFAULT_SPACING}, protect={DEFAULT_PROTECT}: the library defaults, the removal record names none",
     )
 
 
-def _protocol_of(steps) -> str | None:
-    if _search_record(steps) is not None:
+def protocol_of(steps) -> str | None:
+    """The protocol whose scores chose the last removal (``None`` for a search or when no step names one)."""
+    if search_record(steps) is not None:
         return None
     for step in reversed(steps):
-        record = _provenance(step)
+        record = step_provenance(step)
         if record.auto is not None and record.auto.get("chosen_protocol") in PROTOCOLS:
             return record.auto["chosen_protocol"]
         if record.protocol in PROTOCOLS:
@@ -450,8 +466,9 @@ def _protocol_of(steps) -> str | None:
     return None
 
 
-def _search_record(steps) -> Mapping | None:
-    rec = _provenance(steps[-1]).search if steps else None
+def search_record(steps) -> Mapping | None:
+    """The ``search`` record of the last removal step when the search strategy chose it, else ``None``."""
+    rec = step_provenance(steps[-1]).search if steps else None
     return rec if rec is not None and rec.get("strategy") == "search" else None
 
 
@@ -473,11 +490,11 @@ def nonfinite_basis(model_or_config, report: SwapReport | None = None) -> list[s
     layer's score under the protocol used; for the other strategies: a removed layer with
     a finite score under some protocol). A non-finite basis is named with its step.
     """
-    _, config = _split_model(model_or_config)
-    steps = _record(config).get("steps") or []
+    _, config = split_model(model_or_config)
+    steps = layerswap_record(config).get("steps") or []
     problems = []
     for k, step in enumerate(steps):
-        record = _provenance(step)
+        record = step_provenance(step)
         if record.strategy is None or not isinstance(step.get("removed_layers"), list):
             continue
         removed = list(step["removed_layers"])

@@ -21,9 +21,9 @@ from ..sparsity import sparsity_in_model
 from ..surgery import original_indices
 from ..tasks import task_card_section
 
-from .checks import _current_blocks, _identity, normalize_evaluation, _parameter_counts, _pct_plain, _protocol_of, _provenance, _record, _recovery_record, _recovery_row, report_mismatches, _resolve_base_model, _resolve_license, _search_record, _selection_rule, sparsity_mismatches, sparsity_refusal, _sparsity_section, _sparsity_summary, _split_model
-from .format import _DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, _cell, _indices, _pct
-from .sections import _calibration_rows, _candidates, _cost_rows, _evaluation_section, _load_snippet, _report_section, _reproduce, _versions
+from .checks import current_blocks, weights_identity, normalize_evaluation, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, search_record, selection_rule, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
+from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
+from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
 
 __all__ = ["CARD_TEMPLATE", "check_card", "render_card", "write_card_files"]
 
@@ -90,7 +90,7 @@ def render_card(
         ValueError: the report or the sparsity report does not belong to the model, a bad
             ``evaluation`` value, or a ``base_model`` that is not a Hub id.
     """
-    model, config = _split_model(model_or_config)
+    model, config = split_model(model_or_config)
     if report is not None:
         problems = report_mismatches(model_or_config, report)
         if problems:
@@ -99,23 +99,23 @@ def render_card(
     if problems:
         raise ValueError(sparsity_refusal(problems, sparsity_report))
     evaluation = normalize_evaluation(evaluation)
-    record = _record(config)
+    record = layerswap_record(config)
     steps = [dict(s) for s in record.get("steps", [])]
-    current = _current_blocks(model, config)
+    current = current_blocks(model, config)
     original = int(record.get("original_num_hidden_layers", current))
     removed = sorted(record.get("removed_layers", []))
     kept = list(record.get("kept_layers", range(current)))
-    ident = _identity(model, report)
-    base = _resolve_base_model(base_model, config, record, ident)
-    license_ = _resolve_license(license, base, config)
-    protocol = _protocol_of(steps)
-    spacing, protect, rule = _selection_rule(steps, report)
-    if _search_record(steps) is not None:
+    ident = weights_identity(model, report)
+    base = resolve_base_model(base_model, config, record, ident)
+    license_ = resolve_license(license, base, config)
+    protocol = protocol_of(steps)
+    spacing, protect, rule = selection_rule(steps, report)
+    if search_record(steps) is not None:
         rule = (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; the search itself used "
                 f"spacing={spacing}")
-    before, after = _parameter_counts(model, config, len(removed), steps)
-    sparse = _sparsity_summary(config, sparsity_report)
-    recovery = _recovery_record(model, record)
+    before, after = parameter_counts(model, config, len(removed), steps)
+    sparse = sparsity_summary(config, sparsity_report)
+    recovery = recovery_record(model, record)
     ghosted = recovery.get("method") == "ghosted"
     plot_keys = planned_plots(report, sparsity=sparse is not None) if plots is None else list(plots)
     unknown = [k for k in plot_keys if k not in PLOT_FILES]
@@ -141,7 +141,7 @@ def render_card(
         front["sparsity"] = {k: sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity")}
         front["sparsity"]["achieved_sparsity"] = in_model
         front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
-    eval_section, eval_results = _evaluation_section(evaluation) if evaluation else (None, None)
+    eval_section, eval_results = evaluation_section(evaluation) if evaluation else (None, None)
 
     task_md, task_evals = task_card_section(tasks) if tasks else (None, [])
     eval_results = (eval_results or []) + task_evals
@@ -164,13 +164,13 @@ def render_card(
         if before and after:
             params = f", {100 * (before - after) / before:.1f}% of the parameters"
         summary = (
-            f"This checkpoint is {base_label} with decoder blocks **{_indices(removed)}** removed "
+            f"This checkpoint is {base_label} with decoder blocks **{format_indices(removed)}** removed "
             f"({len(removed)} of {original} blocks, {100 * len(removed) / original:.1f}% of the depth{params}), "
             f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else (
-                " by a search over candidate sets guided by both swap-KL protocols." if _search_record(steps) else "."))
+                " by a search over candidate sets guided by both swap-KL protocols." if search_record(steps) else "."))
         )
     elif sparse is not None:
-        title = f"{name}: {_pct_plain(sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed
+        title = f"{name}: {format_pct_plain(sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed
         summary = f"No blocks were removed from {base_label}."
     else:
         title = f"{name}: swap-KL layer-redundancy scores"
@@ -181,7 +181,7 @@ def render_card(
         summary += " The cut is repaired with a least-squares map folded into the weights."
     if sparse is not None:
         summary += (
-            f" The linear layers of its decoder blocks are {_pct_plain(in_model, 2)} sparse (one-shot "
+            f" The linear layers of its decoder blocks are {format_pct_plain(in_model, 2)} sparse (one-shot "
             f"{sparse['method']}, {sparse['pattern'] or 'unstructured'}, {sparse['allocation']} allocation)."
         )
     if evaluation and "base" in evaluation and "pruned" in evaluation:
@@ -198,32 +198,32 @@ def render_card(
     removal_rows = [
         ("Base model", base_label + (f" (weights: {ident_revision})" if ident_revision else "")),
         ("Decoder blocks", f"{original} → {current}" + (f" ({len(removed)} removed)" if removed else "")),
-        ("Removed blocks (0-based, original numbering)", _indices(removed)),
-        ("Kept blocks (0-based, original numbering)", _indices(kept)),
+        ("Removed blocks (0-based, original numbering)", format_indices(removed)),
+        ("Kept blocks (0-based, original numbering)", format_indices(kept)),
     ]
     if before is not None and after is not None:
-        change = f" ({after - before:+,}, {_pct(100 * (after - before) / before)})" if before != after else ""
+        change = f" ({after - before:+,}, {format_pct(100 * (after - before) / before)})" if before != after else ""
         removal_rows.append(("Parameters", f"{before:,} → {after:,}{change}"))
     elif after is not None:
         removal_rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
     if removed:
         removal_rows.append(("Protocol guiding the removal", protocol or "none recorded"))
-    repair = _recovery_row(recovery)
+    repair = recovery_row(recovery)
     if repair is not None:
         removal_rows.append(repair)
     step_rows = [
         {
-            "before": s.get("num_layers_before", _DASH),
-            "removed_local": _indices(s.get("removed_layers", [])),
-            "removed_original": _indices(s.get("removed_original_layers", [])),
-            "selection": _cell(_provenance(s).selection),
+            "before": s.get("num_layers_before", DASH),
+            "removed_local": format_indices(s.get("removed_layers", [])),
+            "removed_original": format_indices(s.get("removed_original_layers", [])),
+            "selection": format_cell(step_provenance(s).selection),
         }
         for s in steps
     ]
     candidates, why, removed_kl = ([], None, None)
     if report is not None and removed:
-        candidates, why, removed_kl = _candidates(report, removed, spacing, protect, steps)
-    reproduce, reproduce_note = _reproduce(base, removed, steps, report, ident) if removed else (
+        candidates, why, removed_kl = candidates_section(report, removed, spacing, protect, steps)
+    reproduce, reproduce_note = reproduce_section(base, removed, steps, report, ident) if removed else (
         "# nothing was removed: see the diagnostics above", None
     )
     files = [("README.md", "this card"), ("config.json", "model config; `layerswap` holds the removal record (0-based)"),
@@ -250,24 +250,24 @@ def render_card(
         base_model=base,
         removal_rows=removal_rows,
         steps=step_rows,
-        report=_report_section(report, removed, protect) if report is not None else None,
+        report=report_section(report, removed, protect) if report is not None else None,
         plots={k: ([{"file": PLOT_FILES[k], "alt": plot_alt[k]}] if k in plot_keys else []) for k in PLOT_FILES},
         candidates=candidates,
         budget=f"{len(removed)} block{'s' if len(removed) != 1 else ''}",
         rule=rule,
-        removed_layers=_indices(removed),
+        removed_layers=format_indices(removed),
         removed_kl=removed_kl,
         why=why,
         evaluation=eval_section,
-        calibration=_calibration_rows(report, steps, ident),
-        cost=_cost_rows(report),
-        sparsity=_sparsity_section(sparse, sparsity_report, config, current) if sparse is not None else None,
+        calibration=calibration_rows(report, steps, ident),
+        cost=cost_rows(report),
+        sparsity=sparsity_section(sparse, sparsity_report, config, current) if sparse is not None else None,
         ghosted=ghosted,
-        load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo, ghosted=ghosted),
+        load_snippet=load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo, ghosted=ghosted),
         reproduce_snippet=reproduce,
         reproduce_note=reproduce_note,
         files=files,
-        versions=_versions(report, steps, evaluation),
+        versions=versions_section(report, steps, evaluation),
         library_version=__version__,
     )
     card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
@@ -358,15 +358,15 @@ def write_card_files(
             payload["delta_ppl_percent"] = 100 * (pruned["ppl"] / base["ppl"] - 1)
         written[EVALUATION_FILE] = write_json_atomic(payload, directory / EVALUATION_FILE)
     plot_keys: list[str] = []
-    model, config = _split_model(model_or_config)
-    sparse = _sparsity_summary(config, sparsity_report)
+    model, config = split_model(model_or_config)
+    sparse = sparsity_summary(config, sparsity_report)
     try:
         if report is not None:
-            paths = write_plots(report, directory, removed=_record(config).get("removed_layers", []))
+            paths = write_plots(report, directory, removed=layerswap_record(config).get("removed_layers", []))
             plot_keys = list(paths)
             written.update({p.name: p for p in paths.values()})
         if sparse is not None:
-            kept = original_indices(config, _current_blocks(model, config))
+            kept = original_indices(config, current_blocks(model, config))
             path = write_sparsity_plot(sparse, directory / PLOT_FILES["sparsity"], kept=kept)
             plot_keys.append("sparsity")
             written[path.name] = path

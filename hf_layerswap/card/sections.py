@@ -19,13 +19,19 @@ from ..protocols import PROTOCOLS
 from ..report import set_key, SwapReport
 from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
-from .checks import _provenance, _search_record, _step_config
-from .format import _DASH, _HUB_ID, MAX_PAIR_ROWS, _METRIC_ARGS, _NOT_CONTRACT, REPORT_FILE, _cell, _indices, _kl, _pct, _ratio
+from .checks import step_provenance, search_record, step_config
+from .format import DASH, HUB_ID, MAX_PAIR_ROWS, METRIC_ARGS, NOT_CONTRACT, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
+
+__all__ = [
+    "calibration_rows", "candidates_section", "cost_rows", "evaluation_section", "load_snippet", "report_section",
+    "reproduce_section", "versions_section",
+]
 
 
 
 # ---------------------------------------------------------------------- sections
-def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
+def report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
+    """Template values of the scoring report: per-layer scores and ranks, pair rows, protected blocks."""
     protected = resolve_protect(protect, report.num_layers)
     scores = {p: report.layer_scores(p) for p in report.protocols}
     ranks = {p: {layer: n + 1 for n, layer in enumerate(report.ranking(p))} for p in report.protocols}
@@ -37,8 +43,8 @@ def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequenc
         layer_rows.append(
             {
                 "layer": layer,
-                "scores": [_kl(scores[p][layer]) for p in report.protocols],
-                "ranks": [ranks[p][layer] if math.isfinite(scores[p][layer]) else _DASH for p in report.protocols],
+                "scores": [format_kl(scores[p][layer]) for p in report.protocols],
+                "ranks": [ranks[p][layer] if math.isfinite(scores[p][layer]) else DASH for p in report.protocols],
                 "status": status,
             }
         )
@@ -56,11 +62,11 @@ def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequenc
         {
             "i": r.i,
             "j": r.j,
-            "repl_ij": _kl(r.replacement_ij),
-            "repl_ji": _kl(r.replacement_ji),
-            "repl": _kl(r.replacement),
-            "inter": _kl(r.interchange),
-            "ratio": _ratio(r.ratio),
+            "repl_ij": format_kl(r.replacement_ij),
+            "repl_ji": format_kl(r.replacement_ji),
+            "repl": format_kl(r.replacement),
+            "inter": format_kl(r.interchange),
+            "ratio": format_ratio(r.ratio),
         }
         for r in pairs
     ]
@@ -97,12 +103,13 @@ def _nan_last(v):
 
 
 def _layers_named(err: NonFiniteScoresError) -> str:
-    return _indices([int(label.split()[-1]) for label in err.nonfinite])
+    return format_indices([int(label.split()[-1]) for label in err.nonfinite])
 
 
-def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
+def candidates_section(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
+    """``(rows, why, removed_kl)``: each protocol's chosen set with its joint removal KL, why the removed set won, and its KL."""
     rows, sets = [], {}
-    search = _search_record(steps)
+    search = search_record(steps)
     if search is not None and list(search.get("selected", [])) == list(removed):
         return _search_candidates(search, report, removed, steps)
     for p in report.protocols:
@@ -110,20 +117,20 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
             chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
         except NonFiniteScoresError as err:
             rows.append({"protocol": p, "layers": f"none: non-finite scores of layers {_layers_named(err)}",
-                         "removal_kl": _DASH})
+                         "removal_kl": DASH})
             continue
         except ValueError as err:
-            rows.append({"protocol": p, "layers": f"not possible under these rules ({err})", "removal_kl": _DASH})
+            rows.append({"protocol": p, "layers": f"not possible under these rules ({err})", "removal_kl": DASH})
             continue
         sets[p] = chosen
         rows.append(
             {
                 "protocol": p,
-                "layers": _indices(chosen),
-                "removal_kl": _kl(report.removal_kl.get(set_key(chosen))),
+                "layers": format_indices(chosen),
+                "removal_kl": format_kl(report.removal_kl.get(set_key(chosen))),
             }
         )
-    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    removed_kl = format_kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
     return rows, _why(steps, removed, sets), removed_kl
 
 
@@ -135,14 +142,14 @@ def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str,
         entry = (search.get("protocol_sets") or {}).get(p)
         if entry is None:
             rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
-                         "removal_kl": _DASH})
+                         "removal_kl": DASH})
             continue
         sets[p] = list(entry["set"])
         value = entry.get("value")
         if objective != "removal_kl":
             value = report.removal_kl.get(set_key(entry["set"]))
-        rows.append({"protocol": p, "layers": _indices(entry["set"]), "removal_kl": _kl(value)})
-    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+        rows.append({"protocol": p, "layers": format_indices(entry["set"]), "removal_kl": format_kl(value)})
+    removed_kl = format_kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
     cost = search.get("cost") or {}
     values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
     unit = search.get("unit", "nats")
@@ -150,10 +157,10 @@ def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str,
         f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
         "layers, low-score contiguous runs, the single-removal ranking) were scored by "
         f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
-        f"{_kl(search.get('value'))} {unit}"
+        f"{format_kl(search.get('value'))} {unit}"
     )
     if values:
-        reason += " against " + ", ".join(f"{p} {_kl(v)}" for p, v in values.items())
+        reason += " against " + ", ".join(f"{p} {format_kl(v)}" for p, v in values.items())
     reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
                "passes). It has the lowest value of every set scored.")
     if len(steps) > 1:
@@ -167,7 +174,7 @@ def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str,
 
 
 def _why(steps, removed, sets) -> str:
-    record = _provenance(steps[-1] if steps else {})
+    record = step_provenance(steps[-1] if steps else {})
     auto = record.auto
     if len(steps) > 1:
         reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: "
@@ -177,8 +184,8 @@ def _why(steps, removed, sets) -> str:
         kl = auto.get("removal_kl", {})
         reason += (
             "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
-            f"calibration prompts (interchange {_kl(kl.get('interchange'))}, replacement "
-            f"{_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
+            f"calibration prompts (interchange {format_kl(kl.get('interchange'))}, replacement "
+            f"{format_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
             f"({auto.get('reason')})."
         )
     elif record.selection == "explicit layers":
@@ -202,10 +209,11 @@ def _why(steps, removed, sets) -> str:
 
 def _no_ci(windows) -> str:
     """The CI cell of a result without one: one window has no bootstrap interval."""
-    return f"none ({windows} window)" if isinstance(windows, int) and windows < 2 else _DASH
+    return f"none ({windows} window)" if isinstance(windows, int) and windows < 2 else DASH
 
 
-def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
+def evaluation_section(evaluation: dict) -> tuple[dict, list]:
+    """``(section, eval_results)``: the card's perplexity table (rows, ΔPPL, contract, warning) and its ``model-index`` entries."""
     rows = []
     for key, label in (("base", "base"), ("pruned", "pruned (this model)")):
         r = evaluation.get(key)
@@ -217,14 +225,14 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
                 "name": label,
                 "ppl": f"{r['ppl']:.3f}",
                 "ci": f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else _no_ci(r.get("windows")),
-                "nll": _kl(r["nll"] / r["tokens"]) if r.get("nll") is not None and r.get("tokens") else _DASH,
-                "tokens": f"{r['tokens']:,}" if isinstance(r.get("tokens"), int) else _DASH,
-                "windows": f"{r['windows']:,}" if isinstance(r.get("windows"), int) else _DASH,
+                "nll": format_kl(r["nll"] / r["tokens"]) if r.get("nll") is not None and r.get("tokens") else DASH,
+                "tokens": f"{r['tokens']:,}" if isinstance(r.get("tokens"), int) else DASH,
+                "windows": f"{r['windows']:,}" if isinstance(r.get("windows"), int) else DASH,
             }
         )
     base, pruned = evaluation.get("base"), evaluation.get("pruned")
-    delta = _pct(100 * (pruned["ppl"] / base["ppl"] - 1)) if base and pruned else None
-    contracts = [{k: v for k, v in (r.get("contract") or {}).items() if k not in _NOT_CONTRACT} for r in (base, pruned) if r]
+    delta = format_pct(100 * (pruned["ppl"] / base["ppl"] - 1)) if base and pruned else None
+    contracts = [{k: v for k, v in (r.get("contract") or {}).items() if k not in NOT_CONTRACT} for r in (base, pruned) if r]
     contract = contracts[-1]
     warning = None
     if len(contracts) == 2 and contracts[0] != contracts[1]:
@@ -237,7 +245,7 @@ def _evaluation_section(evaluation: dict) -> tuple[dict, list]:
         "rows": rows,
         "delta": delta,
         "warning": warning,
-        "contract": [(k, _cell(v)) for k, v in contract.items()] or [("contract", "not recorded")],
+        "contract": [(k, format_cell(v)) for k, v in contract.items()] or [("contract", "not recorded")],
     }
     return section, _eval_results(evaluation, contract)
 
@@ -256,7 +264,7 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
         metric_type="perplexity",
         **dataset_fields,
     )
-    args = {k: contract[k] for k in _METRIC_ARGS if isinstance(contract.get(k), (int, float, str, bool))}
+    args = {k: contract[k] for k in METRIC_ARGS if isinstance(contract.get(k), (int, float, str, bool))}
     results = []
     for key, name in (("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")):
         if key in evaluation:
@@ -271,12 +279,13 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
     return results
 
 
-def _calibration_rows(report, steps, ident) -> list:
+def calibration_rows(report, steps, ident) -> list:
+    """Rows of the card's calibration table (source, content hash, prompts, tokens) from the report or the removal record."""
     meta = report.metadata if report is not None else {}
     cal = dict(meta.get("calibration") or {})
     if not cal:
         for step in reversed(steps):
-            recorded = _provenance(step).calibration
+            recorded = step_provenance(step).calibration
             if recorded is not None:
                 cal = dict(recorded)
                 break
@@ -311,7 +320,7 @@ def _calibration_rows(report, steps, ident) -> list:
         ("kl_direction", "KL direction"),
     ):
         if key in meta:
-            rows.append((label, _cell(meta[key])))
+            rows.append((label, format_cell(meta[key])))
     if ident.get("name"):
         rows.append(("Scored model", _display_identity(ident)))
     return rows
@@ -322,14 +331,15 @@ def _display_identity(ident: Mapping) -> str:
     source = ident.get("source") if isinstance(ident.get("source"), Mapping) else {}
     name = str(source.get("upstream") or ident["name"])
     revision = f" @ {ident['revision']}" if ident.get("revision") else ""
-    if _HUB_ID.match(name):
+    if HUB_ID.match(name):
         return f"{name}{revision}"
     if os.sep in name or name.startswith((".", "~")):
         return f"local checkpoint `{Path(name).name}`{revision}"
     return f"{name}{revision}"
 
 
-def _cost_rows(report) -> list:
+def cost_rows(report) -> list:
+    """Rows of the card's scoring-cost table (forward passes, block evaluations, wall time, hardware) from the report metadata."""
     if report is None:
         return []
     m = report.metadata
@@ -340,11 +350,12 @@ def _cost_rows(report) -> list:
         rows.append(("Block evaluations", f"{m['block_evaluations']:,}" + (" (unchanged prefixes reused)" if m.get("prefix_reuse") else "")))
     if "seconds" in m:
         rows.append(("Wall time", f"{m['seconds']:.1f} s"))
-    rows.append(("Hardware", _cell(m.get("hardware", "not recorded"))))
+    rows.append(("Hardware", format_cell(m.get("hardware", "not recorded"))))
     return rows
 
 
-def _versions(report, steps, evaluation) -> dict:
+def versions_section(report, steps, evaluation) -> dict:
+    """Library versions of the scoring, removal and evaluation runs, one column each."""
     columns = {}
     if report is not None and isinstance(report.metadata.get("library_versions"), Mapping):
         columns["scoring"] = report.metadata["library_versions"]
@@ -357,10 +368,11 @@ def _versions(report, steps, evaluation) -> dict:
         columns["evaluation"] = evaluated
     columns["card"] = {**library_versions(), "huggingface_hub": huggingface_hub.__version__}
     names = list(dict.fromkeys(k for col in columns.values() for k in col))
-    return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
+    return {"columns": list(columns), "rows": [(n, [format_cell(c.get(n, DASH)) for c in columns.values()]) for n in names]}
 
 
-def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
+def load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
+    """The Python snippet that loads the checkpoint from ``repo`` (with ``import hf_layerswap`` first when ``ghosted``)."""
     lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
     if ghosted:
         lines = ["import hf_layerswap  # registers the loader that re-attaches the repair operators", *lines]
@@ -374,8 +386,9 @@ def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = Fals
     return "\n".join(lines)
 
 
-def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | None]:
-    cfg = _step_config(steps)
+def reproduce_section(base_model, removed, steps, report, ident) -> tuple[str, str | None]:
+    """``(code, notes)``: the Python that repeats the removal from the base model and notes on rescoring (``None`` when none apply)."""
+    cfg = step_config(steps)
     defaults = LayerSwapConfig().to_dict()
     if cfg and len(steps) == 1:
         keep = ("num_layers", "layers", "protocol")
