@@ -59,11 +59,11 @@ from .jsonio import decode_tree, encode_tree, write_json_atomic
 from .report import PairResult, SwapReport, set_key
 from .rule import resolve_protect
 from .selection.beam import BEAM_EVALUATORS, interchange_beam
-from .selection.common import CriterionResult, _allowed, _budgets, _out, _score, _setup
+from .selection.common import CriterionResult, allowed_blocks, parse_budgets, criterion_output, score_adjacent, setup_criterion
 from .selection.geometry import angular_distance, block_influence
 from .selection.greedy import swap_guided
 from .selection.objectives import plan_nll
-from .selection.objectives import _removal_kl_values
+from .selection.objectives import removal_kl_values
 from .selection.search import search_criterion
 from .selection.single_removal import single_removal_kl
 from .selection.sleb import sleb
@@ -112,10 +112,10 @@ def random_removal(
         ValueError: ``draws < 1`` or a budget larger than the unprotected blocks.
     """
     num_layers = model_or_num_layers if isinstance(model_or_num_layers, int) else num_blocks(model_or_num_layers)
-    budgets, single = _budgets(n, num_layers)
+    budgets, single = parse_budgets(n, num_layers)
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise ValueError(f"draws={draws!r}: must be an int >= 1")
-    allowed = _allowed(num_layers, protect)
+    allowed = allowed_blocks(num_layers, protect)
     results = {}
     for b in budgets:
         if b > len(allowed):
@@ -127,7 +127,7 @@ def random_removal(
             details={"draws": sets, "seed": seed, "rng": "random.Random(seed + 1000 * n)",
                      "protect": sorted(resolve_protect(protect, num_layers))},
         )
-    return _out(results, single)
+    return criterion_output(results, single)
 
 
 def tail_removal(model_or_num_layers, n: int | Sequence[int]):
@@ -137,14 +137,14 @@ def tail_removal(model_or_num_layers, n: int | Sequence[int]):
         ValueError: a budget outside ``1..L-2``.
     """
     num_layers = model_or_num_layers if isinstance(model_or_num_layers, int) else num_blocks(model_or_num_layers)
-    budgets, single = _budgets(n, num_layers)
+    budgets, single = parse_budgets(n, num_layers)
     if budgets[-1] > num_layers - 1 - 1:
         raise ValueError(f"tail n={budgets[-1]}: at most L-2={num_layers - 2} blocks lie between the first and the last")
     results = {
         b: CriterionResult("tail", b, list(range(num_layers - 1 - b, num_layers - 1)), None, 0, 0, 0.0)
         for b in budgets
     }
-    return _out(results, single)
+    return criterion_output(results, single)
 
 
 # ----------------------------------------------------------------------------- ours
@@ -525,7 +525,7 @@ def compare_criteria(
     unknown = [c for c in repair if c not in criteria]
     if unknown:
         raise ValueError(f"recovery_criteria {unknown} are not among the criteria run: allowed {list(criteria)}")
-    calib, num_layers, budgets, _ = _setup(model, calibration, tokenizer, list(budgets))
+    calib, num_layers, budgets, _ = setup_criterion(model, calibration, tokenizer, list(budgets))
     options = {k: dict(v) for k, v in (options or {}).items()}
     fingerprint = {
         "model": model_identity(model).get("name"),
@@ -568,7 +568,7 @@ def compare_criteria(
                 log(f"scoring {proto} swap-KL (adjacent pairs)")
                 # completed probes survive a killed run next to the state file until the report is in it
                 probes = None if state_path is None else Path(state_path).with_name(f"{Path(state_path).stem}.{proto}-probes")
-                reports[proto] = _score(model, calib, (proto,), batch_size, checkpoint_path=probes)
+                reports[proto] = score_adjacent(model, calib, (proto,), batch_size, checkpoint_path=probes)
                 reports[proto].metadata["model"] = _public_identity(model_identity(model))
                 state["reports"][proto] = reports[proto].to_dict()
                 save()
@@ -630,7 +630,7 @@ def compare_criteria(
         todo = [k for k in all_sets if k and k not in state["removal_kl"]]
         if todo:
             log(f"joint removal KL of {len(todo)} sets on the calibration prompts")
-            values, _ = _removal_kl_values(model, calib, [all_sets[k] for k in todo], batch_size)
+            values, _ = removal_kl_values(model, calib, [all_sets[k] for k in todo], batch_size)
             state["removal_kl"].update(dict(zip(todo, encode_tree(values))))
             save()
     kl = {k: decode_tree(v) for k, v in state["removal_kl"].items()}

@@ -40,6 +40,7 @@ __all__ = [
     "PruneProvenance",
     "SwapReport",
     "set_key",
+    "score_key",
 ]
 
 _PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")
@@ -135,7 +136,7 @@ class PairResult:
                    extra=extra)
 
 
-def _score_key(value: float | None) -> tuple[int, float]:
+def score_key(value: float | None) -> tuple[int, float]:
     """Sort key: finite ascending, then +inf, then NaN/None."""
     if value is None or math.isnan(value):
         return (2, 0.0)
@@ -255,7 +256,7 @@ class SwapReport(JsonResult):
     def ranking(self, protocol: str = "interchange") -> list[int]:
         """Layer indices sorted by score ascending (non-finite last, ties by index)."""
         scores = self.layer_scores(protocol)
-        return sorted(range(self.num_layers), key=lambda i: (_score_key(scores[i]), i))
+        return sorted(range(self.num_layers), key=lambda i: (score_key(scores[i]), i))
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:

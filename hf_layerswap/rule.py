@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 
 from .plan import ONE_BLOCK, as_index
-from .report import _score_key
+from .report import score_key
 
 __all__ = ["NONFINITE_ADVICE", "NonFiniteScoresError", "NonFiniteScoresWarning", "check_budget", "greedy_select", "resolve_protect"]
 
@@ -140,7 +140,7 @@ def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1,
     total = len(scores)
     num_layers, spacing = check_budget(num_layers, total, spacing=spacing, protect=protect), as_index(spacing)
     protected = resolve_protect(protect, total)
-    order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
+    order = sorted(range(total), key=lambda i: (score_key(scores[i]), i))
 
     def take(finite_only: bool) -> list[int]:
         chosen: list[int] = []

@@ -172,7 +172,7 @@ def test_single_removal_kl_extends_budgets_from_its_scores(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("scored again although resume holds the scores")
 
-    monkeypatch.setattr(B, "_removal_kl_values", boom)
+    monkeypatch.setattr(B, "removal_kl_values", boom)
     more = single_removal_kl(model, calib, [2, 3], resume=one)
     for n in (2, 3):
         assert (more[n].removed, more[n].scores, more[n].forward_passes) == (
@@ -385,7 +385,7 @@ def test_compare_criteria_table_resume_and_eval_text_isolation(harness_setup, tm
         raise AssertionError("recomputed although the state file has it")
 
     monkeypatch.setattr(B, "evaluate_perplexity", boom)
-    monkeypatch.setattr(B, "_removal_kl_values", boom)
+    monkeypatch.setattr(B, "removal_kl_values", boom)
     again = B.compare_criteria(model, calib, [1, 2], criteria=crit, eval_text=text, tokenizer=tok,
                                evaluation_options=EVAL_OPTS, options=opts, state_path=state)
     assert again.rows == table.rows
@@ -465,8 +465,8 @@ def test_states_of_parallel_runs_merge_into_one_comparison(harness_setup, tmp_pa
         raise AssertionError("recomputed although the merged state has it")
 
     monkeypatch.setattr("hf_layerswap.evaluation.evaluate_perplexity", boom)
-    monkeypatch.setattr(B, "_removal_kl_values", boom)
-    monkeypatch.setattr(B, "_score", boom)
+    monkeypatch.setattr(B, "removal_kl_values", boom)
+    monkeypatch.setattr(B, "score_adjacent", boom)
     resumed = B.compare_criteria(model, calib, [1, 2], criteria=first + second, state_path=tmp_path / "m.json",
                                  **kwargs)
     monkeypatch.undo()

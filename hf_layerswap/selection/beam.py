@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..report import SwapReport, _score_key, set_key
+from ..report import SwapReport, score_key, set_key
 from ..rule import greedy_select, resolve_protect
-from .common import CriterionResult, _allowed, _check_resume, _gap1, _out, _report_cost, _score, _setup, as_strategy
-from .objectives import _removal_kl_values, _removal_nll_values
+from .common import CriterionResult, allowed_blocks, check_resume, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion, as_strategy
+from .objectives import removal_kl_values, removal_nll_values
 from .registry import register_strategy
 
 __all__ = ["BEAM_EVALUATORS", "interchange_beam"]
@@ -76,26 +76,26 @@ def interchange_beam(
     for name, value in (("width", width), ("seed_size", seed_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    allowed = _allowed(num_layers, protect)
+    calib, num_layers, budgets, single = setup_criterion(model, calibration, tokenizer, n)
+    allowed = allowed_blocks(num_layers, protect)
     if budgets[-1] > len(allowed):
         raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
     if report is None:
-        report = _score(model, calib, ("interchange",), batch_size)
+        report = score_adjacent(model, calib, ("interchange",), batch_size)
     if "interchange" not in report.protocols:
         raise ValueError(f"the beam is seeded by interchange scores; the report scored {list(report.protocols)}")
-    sub = _gap1(report)
-    passes, blocks, seconds, estimated = _report_cost(report, ("interchange",))
+    sub = adjacent_report(report)
+    passes, blocks, seconds, estimated = report_cost(report, ("interchange",))
     scores = sub.layer_scores("interchange")
-    seeds = sorted(allowed, key=lambda i: (_score_key(scores[i]), i))[:seed_size]
-    score_fn = _removal_kl_values if evaluator == "removal_kl" else _removal_nll_values
+    seeds = sorted(allowed, key=lambda i: (score_key(scores[i]), i))[:seed_size]
+    score_fn = removal_kl_values if evaluator == "removal_kl" else removal_nll_values
     cache: dict[str, float] = {}
     beams: list[list[int]] = []
     levels, results = [], {}
     calls = 0
     first_level = 1
     if resume is not None:
-        _check_resume(resume, "interchange_beam", budgets, evaluator=evaluator, width=width, seed_size=seed_size,
+        check_resume(resume, "interchange_beam", budgets, evaluator=evaluator, width=width, seed_size=seed_size,
                       seeds=seeds, include_greedy=include_greedy, protect=sorted(resolve_protect(protect, num_layers)))
         levels = copy.deepcopy(resume.details["levels"])
         beams = [list(b["set"]) for b in levels[-1]["beams"]]
@@ -122,7 +122,7 @@ def interchange_beam(
             blocks += stats["block_passes"]
             seconds += stats["seconds"]
             calls += len(todo)
-        ranked = sorted(pool, key=lambda s: (_score_key(cache[set_key(s)]), s))
+        ranked = sorted(pool, key=lambda s: (score_key(cache[set_key(s)]), s))
         beams = ranked[:width]
         levels.append({
             "level": level, "new_calls": len(todo), "pool": len(pool),
@@ -137,7 +137,7 @@ def interchange_beam(
                          "score": cache[set_key(beams[0])], "levels": copy.deepcopy(levels),
                          "unit": "nats" if evaluator == "removal_kl" else "nats per token"},
             )
-    return _out(results, single)
+    return criterion_output(results, single)
 
 
 register_strategy("beam", needs_model=True)(as_strategy("beam", interchange_beam, reads_report=True))

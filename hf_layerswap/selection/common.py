@@ -21,10 +21,13 @@ from ..report import SwapReport
 from ..jsonio import decode_tree, encode_tree
 from ..rule import resolve_protect
 from ..scoring import score_layers
-from .objectives import _plans_cost
+from .objectives import plans_cost
 from .registry import keyword_options
 
-__all__ = ["CriterionResult", "as_strategy"]
+__all__ = [
+    "CriterionResult", "as_strategy", "allowed_blocks", "parse_budgets", "as_calibration", "check_resume",
+    "adjacent_report", "criterion_output", "report_cost", "score_adjacent", "setup_criterion",
+]
 
 
 @dataclass
@@ -66,7 +69,8 @@ class CriterionResult(JsonResult):
         return cls(**data)
 
 
-def _calibration(model, calibration, tokenizer) -> CalibrationSet:
+def as_calibration(model, calibration, tokenizer) -> CalibrationSet:
+    """``calibration`` as a :class:`~hf_layerswap.calibration.CalibrationSet` (built with ``tokenizer``, else the model's own)."""
     if isinstance(calibration, CalibrationSet):
         return calibration
     if tokenizer is None:
@@ -74,7 +78,7 @@ def _calibration(model, calibration, tokenizer) -> CalibrationSet:
     return build_calibration(calibration, tokenizer)
 
 
-def _budgets(n, num_layers: int) -> tuple[list[int], bool]:
+def parse_budgets(n, num_layers: int) -> tuple[list[int], bool]:
     """(sorted unique budgets, whether a single int was given)."""
     single = isinstance(n, int) and not isinstance(n, bool)
     values = [n] if single else list(n)
@@ -86,26 +90,29 @@ def _budgets(n, num_layers: int) -> tuple[list[int], bool]:
     return sorted(set(values)), single
 
 
-def _out(results: dict[int, CriterionResult], single: bool):
+def criterion_output(results: dict[int, CriterionResult], single: bool):
+    """The one result when a single int budget was given, else ``{budget: result}``."""
     return next(iter(results.values())) if single else results
 
 
-def _allowed(num_layers: int, protect) -> list[int]:
+def allowed_blocks(num_layers: int, protect) -> list[int]:
+    """The blocks of an ``num_layers``-block model that ``protect`` leaves removable (0-based, ascending)."""
     protected = resolve_protect(protect, num_layers)
     return [i for i in range(num_layers) if i not in protected]
 
 
-def _setup(model, calibration, tokenizer, n) -> tuple[CalibrationSet, int, list[int], bool]:
+def setup_criterion(model, calibration, tokenizer, n) -> tuple[CalibrationSet, int, list[int], bool]:
     """(calibration set, L, sorted budgets, whether one int budget was given)."""
-    calib = _calibration(model, calibration, tokenizer)
+    calib = as_calibration(model, calibration, tokenizer)
     num_layers = num_blocks(model)
     if num_layers < 2:
         raise ValueError(f"the model has {num_layers} block(s); layer removal needs at least 2")
-    budgets, single = _budgets(n, num_layers)
+    budgets, single = parse_budgets(n, num_layers)
     return calib, num_layers, budgets, single
 
 
-def _check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **expected) -> None:
+def check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **expected) -> None:
+    """Raise ``ValueError`` unless ``resume`` is a ``name`` result for a budget below ``budgets`` run with the ``expected`` details."""
     if resume.name != name or resume.n >= min(budgets):
         raise ValueError(
             f"resume must be a {name!r} result for a budget below {min(budgets)}; got {resume.name!r} at n={resume.n}"
@@ -115,7 +122,7 @@ def _check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **
             raise ValueError(f"resume was run with {key}={resume.details.get(key)!r}, not {value!r}")
 
 
-def _gap1(report: SwapReport) -> SwapReport:
+def adjacent_report(report: SwapReport) -> SwapReport:
     """The adjacent-pair part of a report (the paper's selection uses gap-1 scores)."""
     if report.max_gap == 1:
         return report
@@ -125,7 +132,7 @@ def _gap1(report: SwapReport) -> SwapReport:
     return sub
 
 
-def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int, float, bool]:
+def report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int, float, bool]:
     """(forward passes, block passes, seconds, estimated) of scoring the adjacent pairs of
     ``protocols`` with prefix reuse.
 
@@ -144,8 +151,8 @@ def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int
                 plans[("replacement_ji", p.i, p.j)] = replacement_plan(num_layers, p.j, p.i)
         return plans
 
-    passes, blocks = _plans_cost(plans_for([p for p in report.pairs if p.gap == 1], protocols), num_layers)
-    all_passes, all_blocks = _plans_cost(plans_for(report.pairs, report.protocols), num_layers)
+    passes, blocks = plans_cost(plans_for([p for p in report.pairs if p.gap == 1], protocols), num_layers)
+    all_passes, all_blocks = plans_cost(plans_for(report.pairs, report.protocols), num_layers)
     seconds = float(report.metadata.get("seconds", 0.0))
     estimated = (passes, blocks) != (all_passes, all_blocks)
     if estimated:
@@ -153,7 +160,8 @@ def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int
     return passes, blocks, seconds, estimated
 
 
-def _score(model, calib, protocols, batch_size, checkpoint_path=None) -> SwapReport:
+def score_adjacent(model, calib, protocols, batch_size, checkpoint_path=None) -> SwapReport:
+    """Swap-KL scores of the adjacent pairs (``max_gap=1``) under ``protocols``, quietly (no progress bar)."""
     return score_layers(model, calib, protocols=protocols, max_gap=1, batch_size=batch_size, progress=False,
                         checkpoint_path=checkpoint_path)
 

@@ -27,9 +27,9 @@ from torch import nn
 from ..calibration import CalibrationSet
 from ..devices import input_device
 from ..plan import capture_residual_stream, num_blocks
-from ..report import _score_key, set_key
+from ..report import score_key, set_key
 from ..rule import greedy_select, resolve_protect
-from .common import CriterionResult, _out, _setup, as_strategy
+from .common import CriterionResult, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values, record_set_values
 from .registry import register_strategy
 
@@ -100,7 +100,7 @@ def block_influence(
     Raises:
         ValueError: a budget outside ``1..L-1`` or larger than the unprotected blocks.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    calib, num_layers, budgets, single = setup_criterion(model, calibration, tokenizer, n)
     t0 = time.perf_counter()
     bi, _ = _stream_geometry(model, calib, batch_size)
     seconds = time.perf_counter() - t0
@@ -114,7 +114,7 @@ def block_influence(
             details={"protect": sorted(resolve_protect(protect, num_layers)), "token_averaging": "per prompt, then prompts",
                      "capture": "forward hooks on the blocks (raw residual stream, before the final norm)"},
         )
-    return _out(results, single)
+    return criterion_output(results, single)
 
 
 def angular_distance(
@@ -148,7 +148,7 @@ def angular_distance(
     Raises:
         ValueError: a budget outside ``1..L-1``, or no run of ``n`` unprotected blocks.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    calib, num_layers, budgets, single = setup_criterion(model, calibration, tokenizer, n)
     protected = resolve_protect(protect, num_layers)
     t0 = time.perf_counter()
     _, last = _stream_geometry(model, calib, batch_size)
@@ -165,14 +165,14 @@ def angular_distance(
         valid = [(d, s) for s, d in enumerate(distances) if d is not None]
         if not valid:
             raise ValueError(f"no run of {b} consecutive blocks avoids protect={sorted(protected)}")
-        best = min(valid, key=lambda t: (_score_key(t[0]), t[1]))[1]
+        best = min(valid, key=lambda t: (score_key(t[0]), t[1]))[1]
         record_set_values({set_key(range(s, s + b)): d for d, s in valid})
         results[b] = CriterionResult(
             "angular_distance", b, list(range(best, best + b)), None, 1, num_layers, seconds,
             details={"distance_by_start": distances, "best_start": best, "protect": sorted(protected),
                      "token": "last real token of each prompt"},
         )
-    return _out(results, single)
+    return criterion_output(results, single)
 
 
 register_strategy("block_influence", needs_model=True)(as_strategy("block_influence", block_influence))

@@ -15,13 +15,13 @@ from torch import nn
 
 from ..plan import removal_plan
 from ..protocols import PROTOCOLS
-from ..report import SwapReport, _score_key, set_key
+from ..report import SwapReport, score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from ..plan import as_index
 from ..scoring import removal_kl
-from .common import CriterionResult, _gap1, _out, _report_cost, _score, _setup
+from .common import CriterionResult, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion
 from .core import candidates_set, select_layers
-from .objectives import _plans_cost, _removal_kl_values
+from .objectives import plans_cost, removal_kl_values
 from .registry import check_options, register_strategy
 
 __all__ = ["swap_guided"]
@@ -62,7 +62,7 @@ def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer
         reason = "both protocols select the same set"
     else:
         ki, kr = report.removal_kl[keys["interchange"]], report.removal_kl[keys["replacement"]]
-        chosen_protocol = "replacement" if _score_key(kr) < _score_key(ki) else "interchange"
+        chosen_protocol = "replacement" if score_key(kr) < score_key(ki) else "interchange"
         reason = "lower joint removal KL on the calibration prompts"
     record = {
         "num_layers": as_index(num_layers),
@@ -117,17 +117,17 @@ def swap_guided(
     """
     if protocol not in ("replacement", "interchange", "auto"):
         raise ValueError(f"protocol={protocol!r}: allowed 'replacement', 'interchange' or 'auto'")
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    calib, num_layers, budgets, single = setup_criterion(model, calibration, tokenizer, n)
     needed = ("replacement", "interchange") if protocol == "auto" else (protocol,)
     if report is None:
-        report = _score(model, calib, needed, batch_size)
+        report = score_adjacent(model, calib, needed, batch_size)
     missing = [p for p in needed if p not in report.protocols]
     if missing:
         raise ValueError(f"the report did not score {missing} (scored: {list(report.protocols)})")
     if report.num_layers != num_layers:
         raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
-    sub = _gap1(report)
-    passes, blocks, seconds, estimated = _report_cost(report, needed)
+    sub = adjacent_report(report)
+    passes, blocks, seconds, estimated = report_cost(report, needed)
     results = {}
     for b in budgets:
         extra_passes = extra_blocks = 0
@@ -139,10 +139,10 @@ def swap_guided(
             distinct = {set_key(s): s for s in candidates.values()}
             todo = [s for k, s in distinct.items() if k not in sub.removal_kl]
             if len(distinct) > 1:
-                extra_passes, extra_blocks = _plans_cost(
+                extra_passes, extra_blocks = plans_cost(
                     {k: removal_plan(num_layers, s) for k, s in distinct.items()}, num_layers)
                 if todo:
-                    values, stats = _removal_kl_values(model, calib, todo, batch_size)
+                    values, stats = removal_kl_values(model, calib, todo, batch_size)
                     sub.removal_kl.update({set_key(s): v for s, v in zip(todo, values)})
                     extra_seconds = stats["seconds"]
             removed = select_layers(sub, b, protocol="auto", spacing=spacing, protect=protect)
@@ -158,4 +158,4 @@ def swap_guided(
             protocol, b, removed, scores, passes + extra_passes, blocks + extra_blocks, seconds + extra_seconds,
             details=details,
         )
-    return _out(results, single)
+    return criterion_output(results, single)

@@ -47,12 +47,12 @@ from ..report import set_key
 from ..scoring import masked_kl, plan_kl
 from .finite import record_set_values
 
-__all__ = ["OBJECTIVES", "SetObjective", "plan_nll"]
+__all__ = ["OBJECTIVES", "SetObjective", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
 
 OBJECTIVES = ("removal_kl", "nll", "ghosted")
 
 
-def _plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int) -> tuple[int, int]:
+def plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int) -> tuple[int, int]:
     """(forward passes, block passes) of one reference sweep plus one sweep per plan with
     prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
     blocks = num_layers
@@ -145,7 +145,7 @@ def plan_nll(
             del streams
     finally:
         model.train(was_training)
-    passes, blocks = _plans_cost(plans, num_layers)
+    passes, blocks = plans_cost(plans, num_layers)
     stats = {
         "base": torch.cat(base),
         "forward_passes": passes,
@@ -155,12 +155,12 @@ def plan_nll(
     return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
 
 
-def _removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
+def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
     """Joint removal KL (nats) of each set, one shared reference sweep (plan_kl)."""
     num_layers = num_blocks(model)
     plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
     values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
-    passes, blocks = _plans_cost(plans, num_layers)
+    passes, blocks = plans_cost(plans, num_layers)
     out = [float(values[k].mean()) for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
     return out, {
@@ -170,7 +170,7 @@ def _removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_
     }
 
 
-def _removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
+def removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
     """Calibration NLL per token (nats) with each set removed, one shared reference sweep."""
     num_layers = num_blocks(model)
     plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
@@ -249,7 +249,7 @@ class SetObjective:
         values, _ = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
                             prefix_reuse=self.prefix_reuse, progress=self.progress is not None,
                             desc="removal KL of the candidate sets")  # block passes, under the set bar
-        passes, blocks = _plans_cost(plans, self.num_layers)
+        passes, blocks = plans_cost(plans, self.num_layers)
         return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
 
     def _nll(self, sets):

@@ -52,9 +52,9 @@ from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
 from ..plan import num_blocks
-from ..report import SwapReport, _score_key, set_key
+from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
-from .common import CriterionResult, _calibration, _gap1, _report_cost
+from .common import CriterionResult, as_calibration, adjacent_report, report_cost
 from .objectives import OBJECTIVES, SetObjective
 from .registry import keyword_options, register_strategy
 
@@ -63,7 +63,7 @@ __all__ = ["search_criterion", "search_select"]
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
     finite = [i for i in allowed if scores[i] is not None and math.isfinite(scores[i])]
-    return sorted(sorted(finite, key=lambda i: (_score_key(scores[i]), i))[:n])
+    return sorted(sorted(finite, key=lambda i: (score_key(scores[i]), i))[:n])
 
 
 def _best_runs(scores: Sequence[float], allowed: set[int], num_layers: int, n: int, k: int = 2) -> list[list[int]]:
@@ -198,7 +198,7 @@ def search_select(
             new = new[:limit]
             pool = cached + new
         f(new)
-        return sorted(pool, key=lambda s: (_score_key(f.value(s)), s))
+        return sorted(pool, key=lambda s: (score_key(f.value(s)), s))
 
     singles_pool = score([[i] for i in allowed])
     single = [None] * num_layers
@@ -224,9 +224,9 @@ def search_select(
         ``count`` best by :func:`predict` (ties: lower block)."""
         cands = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
                  if c in allowed_set and c not in prev][: count]
-        cands.sort(key=lambda c: (_score_key(predict(prev, None, c)), c))
+        cands.sort(key=lambda c: (score_key(predict(prev, None, c)), c))
         return [sorted(list(prev) + [c]) for c in cands]
-    rank = sorted(allowed, key=lambda i: (_score_key(single[i]), i))
+    rank = sorted(allowed, key=lambda i: (score_key(single[i]), i))
     sources = {"single_removal": single}
     protocols = list(report.protocols) if report is not None else []
     for p in protocols:
@@ -280,21 +280,21 @@ def search_select(
                 for c in shortlist:
                     cand = sorted([x for x in current if x != r] + [c])
                     if ok(cand) and set_key(cand) not in f.cache:
-                        moves.append((_score_key(predict(current, r, c)), cand))
+                        moves.append((score_key(predict(current, r, c)), cand))
             shifts = [m for m in _shifts(current, allowed_set) if ok(m) and set_key(m) not in f.cache]
             if not moves and not shifts:
                 break
             moves.sort()
             picked = list({set_key(m): m for m in shifts + [m for _, m in moves]}.values())[:moves_per_round]
             tried = score(picked)
-            improved = bool(tried) and _score_key(f.value(tried[0])) < _score_key(f.value(current))
+            improved = bool(tried) and score_key(f.value(tried[0])) < score_key(f.value(current))
             if improved:
                 current = tried[0]
             rounds.append({"moves": len(tried), "best": current, "value": f.value(current), "improved": improved})
             if not improved:
                 break
         ranked_by_n[n] = sorted({set_key(s): s for s in [current] + ranked}.values(),
-                                key=lambda s: (_score_key(f.value(s)), s))
+                                key=lambda s: (score_key(f.value(s)), s))
         best[n] = current
         protocol_sets[n] = {p: (None if g is None else {"set": g, "value": f.value(g) if set_key(g) in f.cache else None})
                             for p, g in greedy.items()}
@@ -352,10 +352,10 @@ def search_criterion(model: nn.Module, calibration, n, *, report: SwapReport, ob
     the scoring of both protocols (adjacent pairs) plus the search, and
     ``details["search_cost"]`` gives the search alone (cumulative up to that budget).
     """
-    calib = _calibration(model, calibration, None)
+    calib = as_calibration(model, calibration, None)
     budgets = [n] if isinstance(n, int) else sorted(set(n))
-    sub = _gap1(report)
-    passes, blocks, seconds, estimated = _report_cost(report, tuple(report.protocols))
+    sub = adjacent_report(report)
+    passes, blocks, seconds, estimated = report_cost(report, tuple(report.protocols))
     found = search_select(sub, budgets, model=model, calibration=calib, objective=objective, protect=protect,
                           batch_size=batch_size, **options)
     out = {}

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..report import _score_key
+from ..report import score_key
 from ..rule import resolve_protect
-from .common import CriterionResult, _allowed, _check_resume, _out, _setup, as_strategy
-from .objectives import _removal_nll_values
+from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
+from .objectives import removal_nll_values
 from .registry import register_strategy
 
 __all__ = ["sleb"]
@@ -50,8 +50,8 @@ def sleb(
     Raises:
         ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    allowed = _allowed(num_layers, protect)
+    calib, num_layers, budgets, single = setup_criterion(model, calibration, tokenizer, n)
+    allowed = allowed_blocks(num_layers, protect)
     if budgets[-1] > len(allowed):
         raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
     removed: list[int] = []
@@ -62,21 +62,21 @@ def sleb(
     base_nll = None
     first_step = 1
     if resume is not None:
-        _check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_layers)))
         removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
     for k in range(first_step, budgets[-1] + 1):
         candidates = [b for b in allowed if b not in removed]
         sets = [sorted(removed + [b]) for b in candidates]
-        nll, stats = _removal_nll_values(model, calib, sets, batch_size)
+        nll, stats = removal_nll_values(model, calib, sets, batch_size)
         if base_nll is None:
             base_nll = float(stats["base"].sum()) / float(_num_targets(calib))
         passes += stats["forward_passes"]
         blocks += stats["block_passes"]
         seconds += stats["seconds"]
         calls += len(sets)
-        best = min(range(len(candidates)), key=lambda c: (_score_key(nll[c]), candidates[c]))
+        best = min(range(len(candidates)), key=lambda c: (score_key(nll[c]), candidates[c]))
         if k == 1:
             for b, v in zip(candidates, nll):
                 first_scores[b] = v
@@ -88,7 +88,7 @@ def sleb(
                 details={"protect": sorted(resolve_protect(protect, num_layers)), "base_nll": base_nll,
                          "unit": "nats per token", "steps": copy.deepcopy(steps)},
             )
-    return _out(results, single)
+    return criterion_output(results, single)
 
 
 def _num_targets(calib: CalibrationSet) -> int:
