@@ -41,6 +41,7 @@ __all__ = [
     "replacement_plan",
     "resolve_layer_indices",
     "uncompiled",
+    "StopForward",
 ]
 
 #: Attribute names under which decoders keep their block ``nn.ModuleList``.
@@ -317,7 +318,8 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-class _StopForward(Exception):
+class StopForward(Exception):
+    """Raised by a hook to end a forward pass once the wanted residual streams are captured."""
     pass
 
 
@@ -365,14 +367,14 @@ def capture_residual_stream(
             if slot in wanted:
                 streams[slot] = _block_hidden_input(args, kwargs).detach()
             if not compute_logits and slot == last_needed:
-                raise _StopForward
+                raise StopForward
 
         return hook
 
     def post_hook(module, args, kwargs, output):
         streams[num_layers] = _block_hidden_output(output).detach()
         if not compute_logits:
-            raise _StopForward
+            raise StopForward
 
     for s, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(pre_hook(s), with_kwargs=True))
@@ -382,7 +384,7 @@ def capture_residual_stream(
     try:
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         logits = out.logits
-    except _StopForward:
+    except StopForward:
         pass
     finally:
         for h in handles:

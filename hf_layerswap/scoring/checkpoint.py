@@ -12,6 +12,8 @@ import torch
 
 from ..jsonio import atomic_path, write_json_atomic
 
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointMismatchError", "plans_digest", "ScoringCheckpoint"]
+
 
 CHECKPOINT_FORMAT = "hf_layerswap.ScoringCheckpoint/1"
 
@@ -21,7 +23,8 @@ class CheckpointMismatchError(ValueError):
 
 
 # ----------------------------------------------------------------------------- checkpoint
-def _plans_digest(keys) -> str:
+def plans_digest(keys) -> str:
+    """SHA-256 (hex) of the sorted plan keys: which probes a checkpoint folder belongs to."""
     h = hashlib.sha256()
     for key in sorted(keys):
         h.update((",".join(map(str, key)) + ";").encode())
@@ -38,7 +41,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-class _Checkpoint:
+class ScoringCheckpoint:
     """A folder of completed (batch, probe) values: ``manifest.json`` (what run it belongs
     to) and one ``part-*.pt`` file per completed probe group of a batch, each written to a
     temporary file and renamed (a killed process leaves whole parts only)."""
@@ -93,7 +96,3 @@ class _Checkpoint:
             torch.save({"batch": batch, "plans": [list(k) for k in keys], "values": values.cpu()}, fh)
             fh.flush()
             os.fsync(fh.fileno())
-
-
-#: The folder of completed (batch, probe) values behind ``checkpoint_path``.
-ScoringCheckpoint = _Checkpoint

@@ -3,7 +3,7 @@ with prefix reuse, streamed KL under a memory budget, optional reduced precision
 checkpointing and the probes partitioned over launched processes (see
 :mod:`hf_layerswap.scoring` for what each does).
 
-``_Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
+``Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
 :class:`~hf_layerswap.scoring.settings.EngineSettings`; its building blocks live next
 door (:mod:`.settings`, :mod:`.streamed` for the head/KL blocks, :mod:`.kl`, :mod:`.head`,
@@ -23,15 +23,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_positions, check_token_ids
-from ..plan import _StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
+from ..devices import execution_device
+from ..plan import StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
 from ..provenance import library_versions, report_identity
-from .checkpoint import _Checkpoint, _plans_digest
-from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _param_dtype, _text_config
-from .kl import _chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
-from .probes import _make_probes, _Probe, _schedule, _shard
+from .checkpoint import ScoringCheckpoint, plans_digest
+from .head import maybe_autocast, decoder_output, Head, removed_on_exit, param_dtype, text_config
+from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
+from .probes import make_probes, Probe, schedule, shard
 from .processes import check_model_replica, Processes
 from .settings import dtype_name, EngineSettings, kl_block_bytes
-from .streamed import _StreamedKL
+from .streamed import StreamedKL
+
+__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_kl", "run_plans"]
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
@@ -45,7 +48,7 @@ HEAD_BUDGET_FRACTION = 0.4
 MIN_WHOLE_VOCAB_CHUNK = 128
 
 
-class _Engine:
+class Engine:
     """Per-batch probe execution with prefix reuse, streamed KL, budget and checkpoints."""
 
     def __init__(
@@ -60,46 +63,46 @@ class _Engine:
         self.model = model
         self.calib = calibration
         self.num_layers = num_blocks(model)
-        self.key_of, self.probes, self.zero = _make_probes(plans, self.num_layers)
+        self.key_of, self.probes, self.zero = make_probes(plans, self.num_layers)
         self.mode = settings.prefix_reuse
         self.stream_logits = settings.stream_logits
         self.fallback_reason = None
         self.processes = Processes(settings.distributed)
         self.rank, self.world = self.processes.rank, self.processes.world
-        self.param_dtype = _param_dtype(model)
+        self.param_dtype = param_dtype(model)
         self.autocast = settings.autocast_dtype(self.param_dtype)
         self.compute_dtype = self.autocast or self.param_dtype
-        self.input_device = _module_device(model.get_input_embeddings())
+        self.input_device = execution_device(model.get_input_embeddings())
         self.budget, self.budget_source = settings.memory_for(self.input_device)
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
         length = calibration.input_ids.shape[-1]
         check_positions(model, length, f"a calibration prompt of {length} tokens", "lower seq_len (tokens per prompt)")
-        self.head = _Head(model)
+        self.head = Head(model)
         owner, _, _ = decoder_blocks(model)
         self.decoder = owner if owner is not model else None
         if self.decoder is None or self.head.module is None:
             self.stream_logits = False
             self.fallback_reason = "no separate decoder module and output head to stop between"
-        cfg = _text_config(model)
+        cfg = text_config(model)
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
         self.batch_size = self._batch_size(settings.batch_size_for(self.input_device), cfg)
         self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
         self.kl_block_bytes = kl_block_bytes(self.input_device, self.budget)
-        self.my_probes = self.processes.share(_shard, list(self.probes.values()))
+        self.my_probes = self.processes.share(shard, list(self.probes.values()))
         self.progress = settings.progress and self.rank == 0
         self.desc = settings.desc
         self.done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self.checkpoint = None
         self.resumed = 0
         if settings.checkpoint_path is not None:
-            self.checkpoint = _Checkpoint(
+            self.checkpoint = ScoringCheckpoint(
                 settings.checkpoint_path, self.fingerprint(), is_main=self.rank == 0, barrier=self._barrier
             )
             self.done = self.checkpoint.load()
             self.resumed = len(self.done)
         self.computed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self.stats = {"block_evaluations": 0, "model_calls": 0, "head_rows": 0, "reference_passes": 0}
-        self.kl = _StreamedKL(self.head, self.kl_chunk, self.vocab_chunk, self.autocast, self.input_device.type,
+        self.kl = StreamedKL(self.head, self.kl_chunk, self.vocab_chunk, self.autocast, self.input_device.type,
                               self.stats, self.kl_block_bytes)
         self.seconds = 0.0
         self.batches = list(range(math.ceil(calibration.num_prompts / self.batch_size)))
@@ -196,7 +199,7 @@ class _Engine:
                 "num_prompts": self.calib.num_prompts,
                 "seq_len": self.calib.seq_len,
             },
-            "probes": {"count": len(self.probes), "plans_sha256": _plans_digest(self.probes)},
+            "probes": {"count": len(self.probes), "plans_sha256": plans_digest(self.probes)},
             "settings": self.settings(),
             "libraries": {"torch": torch.__version__, "transformers": library_versions()["transformers"]},
             "info": {"model": report_identity(self.model), "calibration": self.calib.description},
@@ -206,7 +209,7 @@ class _Engine:
         self.processes.barrier()
 
     def _autocast(self):
-        return _autocast(self.input_device.type, self.autocast)
+        return maybe_autocast(self.input_device.type, self.autocast)
 
     # -- passes -------------------------------------------------------------------------
     def _reference_pass(self, ids, mask, slots: set[int], rows: torch.Tensor):
@@ -229,13 +232,13 @@ class _Engine:
         if self.stream_logits:
 
             def dec_hook(module, args, output):
-                final["hidden"] = _decoder_output(output).detach()
+                final["hidden"] = decoder_output(output).detach()
                 if not verify:
-                    raise _StopForward
+                    raise StopForward
 
             handles.append(self.decoder.register_forward_hook(dec_hook))
         logits = None
-        with _hooks(handles), self._autocast():
+        with removed_on_exit(handles), self._autocast():
             kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
             try:
                 if verify:
@@ -245,7 +248,7 @@ class _Engine:
                         logits = self.model(**kwargs).logits[:, -1:]
                 else:
                     logits = self.model(**kwargs).logits
-            except _StopForward:
+            except StopForward:
                 pass
         self.stats["model_calls"] += 1
         self.stats["block_evaluations"] += self.num_layers
@@ -261,7 +264,7 @@ class _Engine:
 
     def _verify_head(self, last_hidden, model_logits) -> None:
         rows = last_hidden.reshape(-1, last_hidden.shape[-1])
-        bounds = _chunk_bounds(self.head.vocab, self.vocab_chunk)
+        bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
         ours = torch.cat([self.kl.logits(rows, v0, v1) for v0, v1 in bounds], dim=-1)
         ours = ours.reshape(*last_hidden.shape[:-1], -1)
         theirs = model_logits.float().to(ours.device)
@@ -277,7 +280,7 @@ class _Engine:
         self.kl.release()
         self.verified_head = True
 
-    def _probe_pass(self, probe: _Probe, depth0: int, start_hidden, ids, mask, captures: list[int]):
+    def _probe_pass(self, probe: Probe, depth0: int, start_hidden, ids, mask, captures: list[int]):
         """Run ``probe`` from ``depth0`` blocks into its run; returns (final hidden or
         logits, {depth: stream entering that run position})."""
         _, _, blocks = decoder_blocks(self.model)
@@ -303,15 +306,15 @@ class _Engine:
             if self.stream_logits:
 
                 def dec_hook(module, args, output):
-                    final["hidden"] = _decoder_output(output).detach()
-                    raise _StopForward
+                    final["hidden"] = decoder_output(output).detach()
+                    raise StopForward
 
                 handles.append(self.decoder.register_forward_hook(dec_hook))
             out = None
-            with _hooks(handles), self._autocast():
+            with removed_on_exit(handles), self._autocast():
                 try:
                     out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                except _StopForward:
+                except StopForward:
                     pass
         self.stats["model_calls"] += 1
         self.stats["block_evaluations"] += len(probe.key) - slot
@@ -329,7 +332,7 @@ class _Engine:
             self._head_ratio = self.head.vocab * self.hidden / max(params, 1)
         return self._head_ratio
 
-    def _batch_work(self, b: int, probes: Sequence[_Probe]) -> float:
+    def _batch_work(self, b: int, probes: Sequence[Probe]) -> float:
         """Block passes (a block over the batch; head work converted, :meth:`_head_blocks`)
         that ``probes`` and the reference pass cost on batch ``b``: what the bar counts."""
         ids, mask = self._batch(b)
@@ -338,12 +341,12 @@ class _Engine:
         key = tuple(p.key for p in probes)
         if key not in cache:  # the schedule is the same for every batch
             cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
-                             for p, depth0, _ in _schedule(list(probes), self.mode))
+                             for p, depth0, _ in schedule(list(probes), self.mode))
         work = float(self.num_layers + cache[key])
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
         rows = int(mask.sum())
-        passes = 1 if len(_chunk_bounds(self.head.vocab, self.vocab_chunk)) == 1 else 2
+        passes = 1 if len(chunk_bounds(self.head.vocab, self.vocab_chunk)) == 1 else 2
         refs = math.ceil(len(probes) / self._group_size(rows)) * passes
         return work + self._head_blocks() * rows / positions * (refs + len(probes))
 
@@ -362,7 +365,7 @@ class _Engine:
         _, _, blocks = decoder_blocks(self.model)
         counting = [blk.register_forward_hook(lambda *_: bar.advance(1)) for blk in blocks] if self.progress else []
         try:
-            with torch.no_grad(), _hooks(counting):
+            with torch.no_grad(), removed_on_exit(counting):
                 for b in batch_indices:
                     self._run_batch(b, bar)
         finally:
@@ -397,10 +400,10 @@ class _Engine:
         head = self._head_blocks()
         if not self.stream_logits:  # the model's own head ran inside the pass
             bar.advance(head)
-        schedule = _schedule(todo, self.mode)
-        group = self._group_size(rows.numel()) if self.stream_logits else len(schedule)
+        order = schedule(todo, self.mode)
+        group = self._group_size(rows.numel()) if self.stream_logits else len(order)
         nodes: dict[tuple, torch.Tensor] = {}
-        pending: list[tuple[_Probe, torch.Tensor]] = []
+        pending: list[tuple[Probe, torch.Tensor]] = []
         group_no = 0
 
         def flush():
@@ -420,7 +423,7 @@ class _Engine:
             group_no += 1
             pending.clear()
 
-        for n, (probe, depth0, captures) in enumerate(schedule):
+        for n, (probe, depth0, captures) in enumerate(order):
             if depth0 > 0:
                 start_hidden = nodes[(probe.start, probe.run[:depth0])]
             elif probe.start > 0 and self.mode != "none":
@@ -428,7 +431,7 @@ class _Engine:
             else:
                 start_hidden = None
             if self.mode == "none":
-                out, captured = self._probe_pass(_Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
+                out, captured = self._probe_pass(Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
             else:
                 out, captured = self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
             if not self.stream_logits:
@@ -436,7 +439,7 @@ class _Engine:
             for d, stream in captured.items():
                 nodes[(probe.start, probe.run[:d])] = stream
             # keep only the tree nodes the next probe can start from (sorted order: no later one needs others)
-            nxt = schedule[n + 1][0] if n + 1 < len(schedule) else None
+            nxt = order[n + 1][0] if n + 1 < len(order) else None
             nodes = {
                 k: v for k, v in nodes.items()
                 if nxt is not None and k[0] == nxt.start and nxt.run[: len(k[1])] == k[1]
@@ -590,7 +593,7 @@ def run_plans(
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """:func:`plan_kl` with its settings as one :class:`EngineSettings`: what the scoring
     verbs call once they have built theirs."""
-    engine = _Engine(model, calibration, plans, settings)
+    engine = Engine(model, calibration, plans, settings)
     engine.run_batches(engine.batches)
     engine.gather()
     return engine.values(engine.batches), engine.summary(engine.batches)

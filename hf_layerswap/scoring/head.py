@@ -9,22 +9,20 @@ import torch
 from accelerate.utils import align_module_device
 from torch import nn
 
-from ..devices import execution_device
+__all__ = ["decoder_output", "Head", "maybe_autocast", "param_dtype", "removed_on_exit", "text_config"]
 
 
 # ----------------------------------------------------------------------------- model plumbing
-#: Where a module computes (accelerate's execution device for hooked modules).
-_module_device = execution_device
-
-
-def _param_dtype(model: nn.Module) -> torch.dtype:
+def param_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (``torch.float32`` when it has none)."""
     for p in model.parameters():
         if p.is_floating_point():
             return p.dtype
     return torch.float32
 
 
-def _text_config(model: nn.Module):
+def text_config(model: nn.Module):
+    """The decoder's text config (``get_text_config(decoder=True)`` where the config has one, else the config)."""
     cfg = model.config
     if hasattr(cfg, "get_text_config"):
         try:
@@ -34,10 +32,10 @@ def _text_config(model: nn.Module):
     return cfg
 
 
-class _Head:
+class Head:
     """The model's output head as a function of the decoder output: ``lm_head`` plus the
     final logit soft-capping that some families apply (Gemma 2). It is checked against
-    the model's own logits on the first batch (see :meth:`_Engine._reference_pass`).
+    the model's own logits on the first batch (see :meth:`Engine._reference_pass`).
 
     Numeric contract: a plain ``nn.Linear`` head always gives **fp32 logits computed in
     fp32**: the final hidden state ``(R, H)`` is upcast to fp32 and multiplied by the
@@ -51,9 +49,9 @@ class _Head:
 
     def __init__(self, model: nn.Module):
         self.module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.softcap = getattr(_text_config(model), "final_logit_softcapping", None)
+        self.softcap = getattr(text_config(model), "final_logit_softcapping", None)
         weight = getattr(self.module, "weight", None)
-        self.vocab = int(weight.shape[0]) if weight is not None else int(_text_config(model).vocab_size)
+        self.vocab = int(weight.shape[0]) if weight is not None else int(text_config(model).vocab_size)
 
         m = self.module
         #: a plain Linear: its logits are computed here, in fp32, from its weight
@@ -128,14 +126,15 @@ class _Head:
         return self._cap(nn.functional.linear(rows, w[v0:v1], None if b is None else b[v0:v1]))
 
 
-def _decoder_output(output) -> torch.Tensor:
+def decoder_output(output) -> torch.Tensor:
+    """The final hidden state ``(B, T, H)`` of a decoder's output (``last_hidden_state`` or its first element)."""
     hidden = getattr(output, "last_hidden_state", None)
     if hidden is None:
         hidden = output[0]
     return hidden
 
 
-def _autocast(device_type: str, dtype: torch.dtype | None):
+def maybe_autocast(device_type: str, dtype: torch.dtype | None):
     """``torch.autocast`` to ``dtype`` on ``device_type``, or no context for ``None``
     (the model's own dtype)."""
     if dtype is None:
@@ -144,13 +143,10 @@ def _autocast(device_type: str, dtype: torch.dtype | None):
 
 
 @contextlib.contextmanager
-def _hooks(handles: list):
+def removed_on_exit(handles: list):
+    """Context manager that removes the hook ``handles`` when the block exits, also on error."""
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-
-
-#: The output head as a function of the decoder output (``lm_head`` + logit soft-capping).
-Head = _Head

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 from ..plan import first_difference
 
+__all__ = ["make_probes", "Probe", "schedule", "shard"]
+
 
 # ----------------------------------------------------------------------------- probes
 @dataclass
-class _Probe:
+class Probe:
+    """One deduplicated probe: its plan (``key``), the slot it starts at and the blocks it runs from there."""
     key: tuple[int, ...]  # the plan
     start: int  # slot the run starts at (its stream is the identity's)
     run: tuple[int, ...]  # blocks run from ``start`` on
@@ -22,8 +25,8 @@ class _Probe:
         return len(self.run)
 
 
-def _make_probes(plans: Mapping[Hashable, Sequence[int]], num_layers: int):
-    """Deduplicate plans: returns (name -> key, {key: _Probe} for non-identity plans, identity keys)."""
+def make_probes(plans: Mapping[Hashable, Sequence[int]], num_layers: int):
+    """Deduplicate plans: returns (name -> key, {key: Probe} for non-identity plans, identity keys)."""
     key_of, probes, zero = {}, {}, set()
     for name, plan in plans.items():
         key = tuple(int(p) for p in plan)
@@ -38,7 +41,7 @@ def _make_probes(plans: Mapping[Hashable, Sequence[int]], num_layers: int):
             zero.add(key)
             continue
         start = min(start, len(key) - 1)  # trailing blocks dropped: re-run the last kept one
-        probes.setdefault(key, _Probe(key, start, key[start:]))
+        probes.setdefault(key, Probe(key, start, key[start:]))
     return key_of, probes, zero
 
 
@@ -51,7 +54,7 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _schedule(probes: list[_Probe], mode: str) -> list[tuple[_Probe, int, list[int]]]:
+def schedule(probes: list[Probe], mode: str) -> list[tuple[Probe, int, list[int]]]:
     """Execution order with prefix sharing.
 
     Probes are sorted by (start slot, run); in this order the probes sharing a prefix of
@@ -79,12 +82,12 @@ def _schedule(probes: list[_Probe], mode: str) -> list[tuple[_Probe, int, list[i
     return out
 
 
-def _shard(probes: list[_Probe], world: int, rank: int) -> list[_Probe]:
+def shard(probes: list[Probe], world: int, rank: int) -> list[Probe]:
     """Deterministic, cost-balanced share of the probes for one rank. Probes with the same
     start slot and first block stay together (they share computation)."""
     if world <= 1:
         return probes
-    units: dict[tuple, list[_Probe]] = {}
+    units: dict[tuple, list[Probe]] = {}
     for p in sorted(probes, key=lambda p: (p.start, p.run)):
         units.setdefault((p.start, p.run[0]), []).append(p)
     load = [0] * world
@@ -95,11 +98,3 @@ def _shard(probes: list[_Probe], world: int, rank: int) -> list[_Probe]:
         if r == rank:
             mine.extend(members)
     return mine
-
-
-#: Deduplicated probes of a set of plans: ``(name -> key, {key: probe}, identity keys)``.
-make_probes = _make_probes
-#: Execution order of probes with prefix sharing (``mode`` one of ``PREFIX_REUSE_MODES``).
-schedule = _schedule
-#: Deterministic, cost-balanced share of the probes for one rank.
-shard = _shard

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from .kl import _KL_SUB_BYTES
+from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
@@ -128,8 +128,8 @@ def kl_block_bytes(device, budget: int) -> int:
     head block is one row block), so a probe runs a few large kernels instead of hundreds
     of small ones, and never less than the CPU's block."""
     if _device_kind(torch.device(device)) == "cpu":
-        return _KL_SUB_BYTES
-    return max(_KL_SUB_BYTES, budget // 16)
+        return KL_SUB_BYTES
+    return max(KL_SUB_BYTES, budget // 16)
 
 
 def device_batch_size(device) -> int | str:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .head import _autocast, _Head
-from .kl import _chunk_bounds, _kl_rows, _KL_SUB_BYTES, _lse64, _row_blocks, _VocabKL
+from .head import maybe_autocast, Head
+from .kl import chunk_bounds, kl_rows, KL_SUB_BYTES, lse64, row_blocks, VocabKL
+
+__all__ = ["StreamedKL"]
 
 
-class _StreamedKL:
+class StreamedKL:
     """The output head and KL over blocks of positions x vocabulary entries, with one
     reused whole-vocabulary logit buffer (released after every head phase: the probe
     forwards need the memory).
@@ -26,8 +28,8 @@ class _StreamedKL:
         block_bytes: bytes of one row block of the KL's fp32 temporaries (:func:`.kl.row_blocks`).
     """
 
-    def __init__(self, head: _Head, kl_chunk: int, vocab_chunk: int, autocast: torch.dtype | None,
-                 device_type: str, stats: dict, block_bytes: int = _KL_SUB_BYTES):
+    def __init__(self, head: Head, kl_chunk: int, vocab_chunk: int, autocast: torch.dtype | None,
+                 device_type: str, stats: dict, block_bytes: int = KL_SUB_BYTES):
         self.head = head
         self.kl_chunk, self.vocab_chunk = kl_chunk, vocab_chunk
         self.autocast, self.device_type = autocast, device_type
@@ -45,7 +47,7 @@ class _StreamedKL:
         """Per-prompt mean KL for each probe's final hidden rows ``(R, H)``; ``done(n)`` is
         told the head rows each chunk ran (for the progress bar)."""
         sums = [torch.zeros(bsz, dtype=torch.float64) for _ in hiddens]
-        for a, b in _chunk_bounds(ref_hidden.shape[0], self.kl_chunk):
+        for a, b in chunk_bounds(ref_hidden.shape[0], self.kl_chunk):
             kls = self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens], done or (lambda n: None))
             idx = prompt_of_row[a:b]
             for n, kl in enumerate(kls):
@@ -64,7 +66,7 @@ class _StreamedKL:
         forward under the engine's autocast and are upcast."""
         whole = v0 == 0 and v1 == self.head.vocab
         if self.head.own_forward and whole:
-            with _autocast(self.device_type, self.autocast):
+            with maybe_autocast(self.device_type, self.autocast):
                 return self.head(hidden).float()
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             if whole and self._buffered_head(hidden):
@@ -89,9 +91,9 @@ class _StreamedKL:
         after each head GEMM how many whole-vocabulary head rows it was worth.
 
         With the whole vocabulary in one slice this is :func:`masked_kl`'s arithmetic (fp32
-        log-softmax); with several slices, :class:`_VocabKL` (float64 accumulation, equal
+        log-softmax); with several slices, :class:`VocabKL` (float64 accumulation, equal
         to it within the fp32 log-softmax's own rounding)."""
-        bounds = _chunk_bounds(self.head.vocab, self.vocab_chunk)
+        bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
         if len(bounds) == 1:
             self.stats["head_rows"] += ref_rows.shape[0] * (1 + len(rows))
             ref_lp = torch.log_softmax(self.logits(ref_rows, 0, self.head.vocab), dim=-1)
@@ -100,24 +102,24 @@ class _StreamedKL:
             for h in rows:
                 logits = self.logits(h, 0, self.head.vocab)
                 kl = torch.empty(logits.shape[0], device=logits.device)
-                for a, b in _row_blocks(*logits.shape, self.block_bytes):
-                    kl[a:b] = _kl_rows(ref_lp[a:b], logits[a:b])
+                for a, b in row_blocks(*logits.shape, self.block_bytes):
+                    kl[a:b] = kl_rows(ref_lp[a:b], logits[a:b])
                 out.append(kl)
                 done(ref_rows.shape[0])
                 del logits  # else the next probe's logits are made while these are still held
             return out
         self.stats["head_rows"] += ref_rows.shape[0] * (2 + len(rows))
         # pass 1: the reference log-sum-exp over the whole vocabulary
-        ref_lse = torch.logsumexp(torch.stack([_lse64(self.logits(ref_rows, v0, v1), self.block_bytes)
+        ref_lse = torch.logsumexp(torch.stack([lse64(self.logits(ref_rows, v0, v1), self.block_bytes)
                                                for v0, v1 in bounds]), dim=0)
         done(ref_rows.shape[0])
         mass = torch.zeros_like(ref_lse)
-        acc = [_VocabKL(ref_rows.shape[0], ref_rows.device, self.block_bytes) for _ in rows]
+        acc = [VocabKL(ref_rows.shape[0], ref_rows.device, self.block_bytes) for _ in rows]
         for v0, v1 in bounds:  # pass 2: every probe against the same reference slice
             share = ref_rows.shape[0] * (v1 - v0) / self.head.vocab
             z_ref = self.logits(ref_rows, v0, v1)
             probs = torch.empty(z_ref.shape, dtype=torch.float64, device=z_ref.device)
-            for a, b in _row_blocks(*z_ref.shape, self.block_bytes):
+            for a, b in row_blocks(*z_ref.shape, self.block_bytes):
                 probs[a:b] = (z_ref[a:b].double() - ref_lse[a:b].unsqueeze(-1)).exp_()
             mass += probs.sum(dim=-1)
             done(share)

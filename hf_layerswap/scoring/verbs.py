@@ -21,8 +21,12 @@ from ..protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, S
 from ..provenance import library_versions, report_identity
 from ..report import PairResult, SwapReport
 from ..rule import NONFINITE_ADVICE, NonFiniteScoresError, NonFiniteScoresWarning, greedy_select, resolve_protect
-from .engine import _Engine, run_plans
+from .engine import Engine, run_plans
 from .settings import dtype_name, EngineSettings
+
+__all__ = [
+    "AdaptiveBudget", "calibration_from_args", "removal_kl", "score_layers", "selection_stability", "swap_plans",
+]
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -79,7 +83,8 @@ def swap_plans(num_layers: int, max_gap: int = 1, protocols: Sequence[str] = PRO
     return plans
 
 
-def _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed) -> CalibrationSet:
+def calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed) -> CalibrationSet:
+    """``calibration`` as a :class:`~hf_layerswap.calibration.CalibrationSet`, built with ``tokenizer`` (else the model's own) and the prompt settings."""
     if tokenizer is None and not isinstance(calibration, (Mapping, CalibrationSet)):
         tokenizer = getattr(model, "layerswap_tokenizer", None)
     return build_calibration(calibration, tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=seed)
@@ -316,9 +321,9 @@ def score_layers(
             raise TypeError(f"adaptive must be an AdaptiveBudget, got {type(adaptive).__name__}")
         if adaptive.protocol not in protocols:
             raise ValueError(f"adaptive.protocol={adaptive.protocol!r} is not among the scored protocols {list(protocols)}")
-    calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
+    calib = calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     plans = swap_plans(num_layers, max_gap, protocols)
-    engine = _Engine(model, calib, plans, settings)
+    engine = Engine(model, calib, plans, settings)
     adaptive_record = None
     if adaptive is None:
         used = engine.batches
@@ -425,7 +430,7 @@ def removal_kl(
     single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
     sets = [list(removed)] if single else [list(s) for s in removed]
     plans = {n: removal_plan(num_layers, s) for n, s in enumerate(sets)}
-    calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
+    calib = calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     values, _ = run_plans(model, calib, plans, settings)
     out = [float(values[n].mean()) for n in range(len(sets))]
     bad, first_batch = _first_nonfinite(values, batch_size)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from ..plan import model_fingerprint, num_blocks, uncompiled
 from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 from ..report import SwapReport
-from ..scoring.verbs import _calibration_from_args
+from ..scoring.verbs import calibration_from_args
 from .finite import finite_selection
 from .registry import MODEL_STRATEGIES, check_options, get_strategy
 
@@ -115,7 +115,7 @@ def select_layers(
     if strategy in MODEL_STRATEGIES:
         if model is None:
             raise ValueError(f"strategy={strategy!r} scores candidate sets on the calibration prompts: pass model= and calibration=")
-        calibration = _calibration_from_args(
+        calibration = calibration_from_args(
             model, calibration, tokenizer, report.metadata.get("num_prompts", 64), report.metadata.get("seq_len", 128),
             report.metadata.get("seed", 0),
         )
