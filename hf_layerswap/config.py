@@ -48,6 +48,7 @@ __all__ = [
     "RecoveryConfig",
     "SparsityConfig",
     "config_keys",
+    "protect_clash",
 ]
 
 QUANT_METHOD = "layerswap"
@@ -394,7 +395,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if layers is not None and self._protect_given:
             clash = sorted(set(layers) & set(self.protect))
             if clash:
-                raise ValueError(_protect_clash(layers, self.protect, clash))
+                raise ValueError(protect_clash(layers, self.protect, clash))
 
     def _validate_recovery(self) -> None:
         rec = self.recovery
@@ -553,6 +554,7 @@ def config_keys() -> list[str]:
     return [name for name in inspect.signature(LayerSwapConfig.__init__).parameters if name != "self"]
 
 
-def _protect_clash(layers, protect, clash) -> str:
+def protect_clash(layers, protect, clash) -> str:
+    """The error message for blocks that ``layers`` removes and ``protect`` protects (``clash``)."""
     return (f"LayerSwapConfig(layers={list(layers)}, protect={list(protect)}) is contradictory: block(s) {clash} "
             "would be removed and protected; drop them from layers or from protect")

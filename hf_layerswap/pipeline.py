@@ -31,7 +31,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration
-from .config import LayerSwapConfig, _protect_clash
+from .config import LayerSwapConfig, protect_clash
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
@@ -201,7 +201,7 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
         clash = sorted({i % total for i in cfg.layers if -total <= i < total}
                        & {i % total for i in cfg.protect if -total <= i < total})
         if clash:
-            raise ValueError(_protect_clash(cfg.layers, cfg.protect, clash))
+            raise ValueError(protect_clash(cfg.layers, cfg.protect, clash))
     if report is None:
         return
     if not isinstance(report, SwapReport):

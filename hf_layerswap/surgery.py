@@ -25,7 +25,7 @@ from .history import record_fingerprint, verify_history
 from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
 from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
-from .recovery.operators import _attach, carried_operators, take_operators
+from .recovery.operators import attach_operator, carried_operators, take_operators
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
 
@@ -184,7 +184,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     _remap_device_map(model, owner, name, kept)
     operators = carried_operators(operators, kept)
     for boundary, weight in operators.items():
-        _attach(model, boundary, weight)
+        attach_operator(model, boundary, weight)
 
     top = model.config
     previous = copy.deepcopy(getattr(top, "layerswap", None) or {})

@@ -7,6 +7,9 @@
   private attribute of a public class, e.g. to patch it in a test, is not counted);
 - no module is over :data:`MAX_LINES` lines unless the top of its docstring says why
   (the :data:`LARGE_MODULE_MARKER` phrase);
+- no function or method of the package is over :data:`MAX_FUNCTION_LINES` lines;
+- no module of the package imports a ``_private`` name from another module of it
+  (relative or absolute import): a name two modules share is public in its owner;
 - imports inside functions are only for optional dependencies (:data:`LAZY_IMPORTS`), so
   a broken edge inside the package shows up at import time, not when a path first runs;
 - every argparse parser lives in :data:`CLI_PACKAGE`: no other module imports
@@ -32,6 +35,9 @@ MAX_LINES = 600
 
 #: Phrase a longer module states in the first lines of its docstring, followed by why.
 LARGE_MODULE_MARKER = "One module on purpose:"
+
+#: Longest function or method (lines from ``def`` to its last line, docstring included).
+MAX_FUNCTION_LINES = 120
 
 #: Top-level names that may be imported inside a function: optional extras (or data
 #: modules) that a plain install does not have or need.
@@ -329,3 +335,73 @@ def test_large_modules_say_why():
     assert not bad, (
         f"modules over {MAX_LINES} lines without {LARGE_MODULE_MARKER!r} at the top of the docstring:\n" + "\n".join(bad)
     )
+
+
+def _long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``file:line name (N lines)`` for every function or method over ``limit`` lines."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno} {node.name} "
+            f"({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_long_function_finder(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("def short():\n    return 1\n\n\nclass C:\n    def long(self):\n        a = 1\n        return a\n")
+    assert _long_functions(path, limit=2) == ["probe.py:6 long (3 lines)"]
+    assert _long_functions(path, limit=3) == []
+
+
+def test_no_function_over_max_lines():
+    bad = [f for path in MODULES.values() for f in _long_functions(path)]
+    assert bad == [], f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(bad)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_imports(module: str, path: Path) -> list[str]:
+    """``file:line from X import _name`` for every private name (or private module) that
+    ``module`` imports from another module of the package, relative or absolute, at module
+    level or inside a function."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _imported(module, path, node)[0]
+            if target != "hf_layerswap" and not target.startswith("hf_layerswap."):
+                continue
+            if any(_private(part) for part in target.split(".")):
+                out.append(f"{path.name}:{node.lineno} from {target}")
+            out += [f"{path.name}:{node.lineno} from {target} import {a.name}" for a in node.names
+                    if _private(a.name) and target != module]
+        elif isinstance(node, ast.Import):
+            out += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                    if a.name.split(".")[0] == "hf_layerswap" and any(_private(p) for p in a.name.split("."))]
+    return out
+
+
+def test_private_import_finder(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "from .common import _x, ok\nfrom ..plan import _Stop\nfrom hf_layerswap.scoring.kl import _lse, kl_rows\n"
+        "from . import _helpers\nimport hf_layerswap._impl\nfrom torch import _C\nfrom .common import __all__\n"
+        "from hf_layerswap.selection.mod import _self\nimport hf_layerswap.plan\n"
+        "def f():\n    from ._impl import y\n"
+    )
+    assert _private_imports("hf_layerswap.selection.mod", path) == [
+        "mod.py:1 from hf_layerswap.selection.common import _x",
+        "mod.py:2 from hf_layerswap.plan import _Stop",
+        "mod.py:3 from hf_layerswap.scoring.kl import _lse",
+        "mod.py:4 from hf_layerswap.selection import _helpers",
+        "mod.py:5 import hf_layerswap._impl",
+        "mod.py:11 from hf_layerswap.selection._impl",
+    ]
+
+
+def test_no_private_names_imported_across_package_modules():
+    bad = [use for module, path in MODULES.items() for use in _private_imports(module, path)]
+    assert bad == [], ("private names imported from another module (make the name public in its owner, "
+                       "with a docstring and in its __all__):\n" + "\n".join(bad))

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
-from ..evaluation.contract import _read_source, _tokenize
+from ..evaluation.contract import read_source, tokenize_text
 from ..pipeline import prune
 from ..plan import decoder_blocks, first_difference, num_blocks
 from ..scoring import score_layers, swap_plans
@@ -152,8 +152,8 @@ def _eval_tokens(model, eval_text, tokenizer, max_words) -> tuple[int, int]:
     a window the model has no positions for is refused here, before any work."""
     spec = CONTRACTS["matched"]
     check_positions(model, spec["window"], f"the matched contract's window={spec['window']}", "use another model or lower window")
-    raw, _ = _read_source(eval_text)
-    ids, _ = _tokenize(tokenizer, prepare_text(raw, max_words)[0], None)
+    raw, _ = read_source(eval_text)
+    ids, _ = tokenize_text(tokenizer, prepare_text(raw, max_words)[0], None)
     spans = sliding_windows(len(ids), spec["window"], spec["stride"])
     return sum(end - begin for begin, end, _ in spans), sum(end - score_from for _, end, score_from in spans)
 

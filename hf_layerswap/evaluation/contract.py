@@ -17,6 +17,12 @@ from transformers import AutoTokenizer
 from ..calibration import EMBEDDED_SOURCE, embedded_text, looks_like_path, read_text_file
 from ..jsonio import JsonResult, decode_tree
 
+__all__ = [
+    "bootstrap_ci", "BOOTSTRAP_RNG", "check_causal_lm", "CONTRACTS", "KNOWN_SOURCES", "MIN_CI_WINDOWS",
+    "PerplexityResult", "prepare_text", "read_source", "resolve_tokenizer", "sha256_text", "sliding_windows",
+    "tokenize_text", "tokenizer_adds_bos",
+]
+
 
 #: Named contracts: window, stride (tokens) and word limit.
 CONTRACTS: dict[str, dict] = {
@@ -101,7 +107,7 @@ def prepare_text(text: str, max_words: int | None) -> tuple[str, int]:
     return " ".join(words), len(words)
 
 
-def _read_source(text) -> tuple[str, dict]:
+def read_source(text) -> tuple[str, dict]:
     """Resolve ``text`` (None, path, str, or list of str) -> (raw text, source record)."""
     if text is None:
         return embedded_text("evaluation"), {"source": f"embedded:{EMBEDDED_SOURCE}", "split": "evaluation"}
@@ -146,11 +152,13 @@ def check_causal_lm(model, what: str = "perplexity") -> None:
                          "LM that returns next-token logits, e.g. one loaded with AutoModelForCausalLM")
 
 
-def _sha256_text(text: str) -> str:
+def sha256_text(text: str) -> str:
+    """SHA-256 (hex) of ``text`` encoded as UTF-8."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _tokenizer_adds_bos(tokenizer) -> bool:
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts its BOS token first when it adds special tokens."""
     bos = tokenizer.bos_token_id
     if bos is None:
         return False
@@ -159,8 +167,9 @@ def _tokenizer_adds_bos(tokenizer) -> bool:
     return len(with_special) > len(plain) and with_special[0] == bos
 
 
-def _tokenize(tokenizer, text: str, add_bos: bool | None) -> tuple[torch.Tensor, dict]:
-    default_bos = _tokenizer_adds_bos(tokenizer)
+def tokenize_text(tokenizer, text: str, add_bos: bool | None) -> tuple[torch.Tensor, dict]:
+    """``(ids, record)``: ``text`` as a ``(T,)`` long tensor, a BOS first when ``add_bos`` (``None``: the tokenizer's default), and the BOS record; raises ``ValueError`` for a BOS without ``bos_token_id``."""
+    default_bos = tokenizer_adds_bos(tokenizer)
     use_bos = default_bos if add_bos is None else bool(add_bos)
     if use_bos and tokenizer.bos_token_id is None:
         raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
@@ -218,9 +227,10 @@ def sliding_windows(
 MIN_CI_WINDOWS = 2
 
 
-def _bootstrap_ci(window_nll: np.ndarray, window_tokens: np.ndarray, resamples: int, seed: int):
+def bootstrap_ci(window_nll: np.ndarray, window_tokens: np.ndarray, resamples: int, seed: int):
     # a window that scores no token (a one-token tail with stride == window, or with
     # paper_token_count) carries no information; resampling it could give exp(0 / 0) = 1
+    """95% percentile bootstrap CI ``(low, high)`` of the perplexity over resampled windows (``(None, None)`` for too few windows or ``resamples <= 0``)."""
     keep = window_tokens > 0
     window_nll, window_tokens = window_nll[keep], window_tokens[keep]
     if resamples <= 0 or len(window_nll) < MIN_CI_WINDOWS:  # one window resampled is one value, not an interval

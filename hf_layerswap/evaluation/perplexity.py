@@ -21,10 +21,10 @@ from .contract import (
     CONTRACTS,
     MIN_CI_WINDOWS,
     PerplexityResult,
-    _bootstrap_ci,
-    _read_source,
-    _sha256_text,
-    _tokenize,
+    bootstrap_ci,
+    read_source,
+    sha256_text,
+    tokenize_text,
     check_causal_lm,
     prepare_text,
     resolve_tokenizer,
@@ -113,7 +113,7 @@ def perplexity_from_ids(
 
     total_nll = float(nll.sum())
     total_tokens = int(counts.sum())
-    ci_low, ci_high = _bootstrap_ci(nll, counts, bootstrap, seed)
+    ci_low, ci_high = bootstrap_ci(nll, counts, bootstrap, seed)
     record = {
         "window": window,
         "stride": stride,
@@ -218,15 +218,15 @@ def evaluate_perplexity(
         raise ValueError(f"max_words={max_words}: must be a positive number of words")
     tokenizer = resolve_tokenizer(model, tokenizer)
 
-    raw, source = _read_source(text)
+    raw, source = read_source(text)
     prepared, words = prepare_text(raw, words_limit)
-    ids, bos = _tokenize(tokenizer, prepared, add_bos)
+    ids, bos = tokenize_text(tokenizer, prepared, add_bos)
 
     record = {
         "name": contract,
         **source,
-        "raw_text_sha256": _sha256_text(raw),
-        "text_sha256": _sha256_text(prepared),
+        "raw_text_sha256": sha256_text(raw),
+        "text_sha256": sha256_text(prepared),
         "preparation": "non-empty lines joined with '\\n\\n'"
         + (f"; first {words_limit} whitespace words rejoined with spaces" if words_limit else ""),
         "max_words": words_limit,
@@ -294,7 +294,7 @@ def delta_ppl_ci(
     if not base.window_nll or len(base.window_nll) != len(pruned.window_nll):
         raise ValueError("both results need per-window NLLs over the same windows")
     tokens = np.asarray(base.window_tokens, dtype=np.float64)
-    keep = tokens > 0  # windows that score no token carry no information (see _bootstrap_ci)
+    keep = tokens > 0  # windows that score no token carry no information (see bootstrap_ci)
     tokens = tokens[keep]
     a = np.asarray(base.window_nll)[keep]
     b = np.asarray(pruned.window_nll)[keep]

@@ -40,10 +40,10 @@ from ..provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
     PerplexityResult,
-    _bootstrap_ci,
-    _read_source,
-    _sha256_text,
-    _tokenizer_adds_bos,
+    bootstrap_ci,
+    read_source,
+    sha256_text,
+    tokenizer_adds_bos,
     resolve_tokenizer,
 )
 
@@ -82,7 +82,7 @@ def rolling_windows(num_tokens: int, window: int) -> list[tuple[int, int, int]]:
 def _documents(text) -> tuple[list[str], dict]:
     if isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
         return list(text), {"source": "documents", "documents": len(text)}
-    raw, source = _read_source(text)
+    raw, source = read_source(text)
     return [raw], {**source, "documents": 1}
 
 
@@ -163,12 +163,12 @@ def evaluate_rolling(
         model.train(was_training)
 
     total_nll, total_tokens = float(nll.sum()), int(counts.sum())
-    ci_low, ci_high = _bootstrap_ci(nll, counts, bootstrap, seed)
-    default_bos = _tokenizer_adds_bos(tokenizer)
+    ci_low, ci_high = bootstrap_ci(nll, counts, bootstrap, seed)
+    default_bos = tokenizer_adds_bos(tokenizer)
     record = {
         "name": "rolling",
         **source,
-        "text_sha256": _sha256_text("\x00".join(docs)),
+        "text_sha256": sha256_text("\x00".join(docs)),
         "preparation": "verbatim (each document scored on its own)",
         "max_words": None,
         "bos": {

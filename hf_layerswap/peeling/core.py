@@ -19,9 +19,16 @@ from ..devices import input_device
 from ..plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
 from ..provenance import library_versions, report_identity
 from ..recovery import ridge_toward_identity
-from ..recovery.fit import _Moments
-from .data import _bootstrap, build_evaluation, check_disjoint, sequence_nll
+from ..recovery.fit import Moments
+from .data import build_evaluation, check_disjoint, sequence_nll
 from .report import DEFAULT_RIDGE, DEFAULT_TAU, REFERENCES, TARGETS, PeelProbe, PeelReport
+
+
+def _bootstrap(num: torch.Tensor, den: torch.Tensor, index: torch.Tensor) -> tuple[float, float]:
+    """95% percentile CI of ``Σ num / Σ den`` over resampled sequences ``index`` (R, N)."""
+    ratios = num[index].sum(dim=1) / den[index].sum(dim=1)
+    q = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return float(q[0]), float(q[1])
 
 
 # ----------------------------------------------------------------------------- references
@@ -372,7 +379,7 @@ def peel(
 def _fit_pass(model, blocks, calib, fitted, trained, batch_size, bias, ridge, maps, fits, device):
     """One calibration pass: float64 moments for the linear fits, cached tensors for gradient fits."""
     slots = {k for k, _ in fitted + trained} | {k + m for k, m in fitted + trained}
-    moments = _Moments()
+    moments = Moments()
     cache: dict = {pair: [] for pair in trained}
     kw_store: dict = {}
     handles = [blocks[k].register_forward_pre_hook(_kwargs_grabber(kw_store, k), with_kwargs=True)

@@ -1,5 +1,5 @@
-"""Peeling data: the held-out evaluation set (disjoint from the calibration text), per-sequence
-next-token NLL and the paired bootstrap over sequences."""
+"""Peeling data: the held-out evaluation set (disjoint from the calibration text) and
+per-sequence next-token NLL (the paired bootstrap over sequences is :mod:`.core`'s)."""
 
 from __future__ import annotations
 
@@ -116,10 +116,3 @@ def sequence_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: 
         nll[b] = float(lp)
         count[b] = int(keep.sum())
     return nll, count
-
-
-def _bootstrap(num: torch.Tensor, den: torch.Tensor, index: torch.Tensor) -> tuple[float, float]:
-    """95% percentile CI of ``Σ num / Σ den`` over resampled sequences ``index`` (R, N)."""
-    ratios = num[index].sum(dim=1) / den[index].sum(dim=1)
-    q = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64))
-    return float(q[0]), float(q[1])

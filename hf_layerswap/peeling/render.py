@@ -11,8 +11,16 @@ import numpy as np
 
 from ..jsonio import atomic_path
 from ..plots import figure, save_png
-from .report import DEFAULT_TAU, REFERENCES, _fmt, PeelProbe, PeelReport
+from .report import DEFAULT_TAU, REFERENCES, PeelProbe, PeelReport
 from .trajectory import PeelTrajectory
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "—"
+    if math.isnan(x):
+        return "nan"
+    return f"{x:+.{digits}f}"
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -21,7 +21,6 @@ DEFAULT_RIDGE = 1e-3
 #: A reference "matches" the blocks when the upper end of the ΔCE CI is at most this (nats).
 DEFAULT_TAU = 0.01
 _REPORT_FORMAT = "hf_layerswap.PeelReport/1"
-_TRAJECTORY_FORMAT = "hf_layerswap.PeelTrajectory/1"
 _PROBE_FLOATS = ("dce", "ci_low", "ci_high", "ce", "explained_variance", "nmse", "seconds")
 
 
@@ -94,14 +93,6 @@ class PeelProbe:
         kw["fit"] = {k: decode_float(v) if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity") else v
                      for k, v in d.get("fit", {}).items()}
         return cls(**kw)
-
-
-def _fmt(x: float | None, digits: int = 4) -> str:
-    if x is None:
-        return "—"
-    if math.isnan(x):
-        return "nan"
-    return f"{x:+.{digits}f}"
 
 
 @dataclass

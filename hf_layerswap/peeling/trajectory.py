@@ -18,7 +18,10 @@ from ..jsonio import JsonResult, decode_tree, encode_tree
 from ..report import SwapReport
 from ..scoring import score_layers
 from .core import peel
-from .report import _TRAJECTORY_FORMAT, PeelReport
+from .report import PeelReport
+
+#: Format tag of a saved trajectory (checked on load).
+_TRAJECTORY_FORMAT = "hf_layerswap.PeelTrajectory/1"
 
 
 # ----------------------------------------------------------------------------- trajectory

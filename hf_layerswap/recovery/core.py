@@ -14,7 +14,7 @@ from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_cal
 from ..jsonio import encode_float
 from ..plan import decoder_blocks, resolve_layer_indices
 from ..surgery import remove_layers
-from .fit import _Moments, _hidden_size, check_epsilon, collect_moments, cut_boundaries
+from .fit import Moments, model_hidden_size, check_epsilon, collect_moments, cut_boundaries
 from .methods import get_recovery_method
 from .operators import attached_operators
 from .report import BoundaryFit, RecoveryReport
@@ -91,7 +91,7 @@ def recover(
     num_layers = len(blocks)
     removed = resolve_layer_indices(removed, num_layers, allow_empty=True)
     if not removed:
-        return RecoveryReport(method, [], float(epsilon), 0, _hidden_size(model))
+        return RecoveryReport(method, [], float(epsilon), 0, model_hidden_size(model))
     if len(removed) >= num_layers:
         raise ValueError(f"removing {removed} would leave no block: at most {num_layers - 1} of {num_layers} can go")
     if attached_operators(model):
@@ -157,7 +157,7 @@ def recover(
     return report
 
 
-def _fit(moments: _Moments, cuts, method, epsilon: float) -> tuple[list[BoundaryFit], dict]:
+def _fit(moments: Moments, cuts, method, epsilon: float) -> tuple[list[BoundaryFit], dict]:
     """Solve every map from the moments (on the CPU, float64); maps are keyed by boundary."""
     moments.gram = {k: v.cpu() for k, v in moments.gram.items()}
     moments.cross = {k: v.cpu() for k, v in moments.cross.items()}

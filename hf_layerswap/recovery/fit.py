@@ -14,6 +14,11 @@ from ..calibration import CalibrationSet
 from ..devices import input_device
 from ..plan import capture_residual_stream, resolve_layer_indices
 
+__all__ = [
+    "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "MAX_EPSILON", "model_hidden_size",
+    "Moments", "probe_additive_write", "quadratic_residual", "ridge_toward_identity", "select_rows",
+]
+
 # ----------------------------------------------------------------------------- algebra
 
 #: Largest relative ridge ``epsilon`` of :func:`ridge_toward_identity` (2**52). The ridge is
@@ -80,7 +85,7 @@ def ridge_toward_identity(gram: torch.Tensor, cross: torch.Tensor, epsilon: floa
     return eye + m, lam, float(eig[-1] / eig[0])
 
 
-def _quadratic_residual(w: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, target_sq: float) -> float:
+def quadratic_residual(w: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, target_sq: float) -> float:
     """``‖X W − Y‖_F²`` from ``XᵀX``, ``XᵀY`` and ``‖Y‖_F²`` (clamped at 0)."""
     value = float((w * (gram @ w)).sum()) - 2.0 * float((w * cross).sum()) + target_sq
     return max(value, 0.0)
@@ -126,7 +131,8 @@ def _model_family(model: nn.Module) -> str:
     return str(getattr(cfg, "model_type", None) or type(model).__name__)
 
 
-def _down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.Linear:
+def block_down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.Linear:
+    """The ``mlp.down_proj`` ``nn.Linear`` of block ``index``; raises ``ValueError`` naming the family when it has none."""
     mlp = getattr(blocks[index], "mlp", None)
     down = getattr(mlp, "down_proj", None)
     if not isinstance(down, nn.Linear):
@@ -142,7 +148,7 @@ def _down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.Linear
 # ----------------------------------------------------------------------------- statistics
 
 
-class _Moments:
+class Moments:
     """Streaming float64 second moments of named row sets."""
 
     def __init__(self):
@@ -164,7 +170,7 @@ class _Moments:
         self._add(self.sq, key, float((x * x).sum()))
 
 
-def _select_rows(calib: CalibrationSet, batch_size: int, num_tokens: int):
+def select_rows(calib: CalibrationSet, batch_size: int, num_tokens: int):
     """Batches covering the first ``num_tokens`` real tokens (prompt order, then position)."""
     remaining = num_tokens
     for ids, mask in calib.batches(batch_size):
@@ -186,13 +192,13 @@ def _select_rows(calib: CalibrationSet, batch_size: int, num_tokens: int):
 
 
 @torch.no_grad()
-def _probe_additive_write(model, blocks, host: int, ids, mask) -> None:
+def probe_additive_write(model, blocks, host: int, ids, mask) -> None:
     """Check that block ``host`` adds its ``mlp.down_proj`` output to the stream unchanged.
 
     Doubling the down_proj output must add exactly that output to the stream leaving the
     block; post-norm blocks (whose MLP write is a norm output) fail this.
     """
-    down = _down_proj(model, blocks, host)
+    down = block_down_proj(model, blocks, host)
     seen = {}
 
     def grab(module, args, output):
@@ -229,7 +235,7 @@ def _probe_additive_write(model, blocks, host: int, ids, mask) -> None:
 
 
 @torch.no_grad()
-def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) -> tuple[_Moments, int, int | None]:
+def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) -> tuple[Moments, int, int | None]:
     """One pass over the calibration tokens; returns the moments, tokens used and H.
 
     Every cut gets the squared norms of ``h_e`` (``("y", e)``) and of ``h_e - h_s``
@@ -240,7 +246,7 @@ def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) 
     for cut in cuts:
         slots.update((cut["start"], cut["end"]))
         slots.update(method.slots(cut))
-    moments = _Moments()
+    moments = Moments()
     used = 0
     hidden = None
     tapped: dict = {}
@@ -258,7 +264,7 @@ def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) 
         # moments accumulate on the input embeddings' device: the streams and taps of blocks
         # on other devices (accelerate device maps, offload) are brought there
         device = input_device(model)
-        for ids, mask, keep in _select_rows(calib, batch_size, num_tokens):
+        for ids, mask, keep in select_rows(calib, batch_size, num_tokens):
             keep = keep.to(device)
             streams, _ = capture_residual_stream(model, ids.to(device), mask.to(device), slots=sorted(slots))
             rows = {s: streams[s].to(device)[keep].double() for s in slots}
@@ -278,6 +284,7 @@ def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) 
     return moments, used, hidden
 
 
-def _hidden_size(model) -> int:
+def model_hidden_size(model) -> int:
+    """The model's hidden size H (width of the input embedding)."""
     emb = model.get_input_embeddings()
     return int(emb.weight.shape[1])

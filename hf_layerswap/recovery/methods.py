@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fit import _down_proj, _probe_additive_write, _quadratic_residual, _select_rows, ridge_toward_identity
-from .operators import LOADER_NOTE, RECOVERY_FILE, _attach
+from .fit import block_down_proj, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
+from .operators import LOADER_NOTE, RECOVERY_FILE, attach_operator
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -166,13 +166,13 @@ class Ghosted(RecoveryMethod):
             fit.ridge.append(lam)
             conds.append(cond)
         cross = moments.cross[("h", s, e)] if e != s + 1 else moments.cross[("h", s, s + 1)]
-        after = _quadratic_residual(total, moments.gram[("h", s)], cross, moments.sq[("y", e)])
+        after = quadratic_residual(total, moments.gram[("h", s)], cross, moments.sq[("y", e)])
         fit.condition_number = max(conds)
         return after, total.to(torch.float32)
 
     def apply(self, model, cuts, maps, host_modules):
         for cut in cuts:
-            _attach(model, cut["boundary"], maps[cut["boundary"]])
+            attach_operator(model, cut["boundary"], maps[cut["boundary"]])
 
     def record(self, fits):
         return {"file": RECOVERY_FILE, "loader": LOADER_NOTE.format(file=RECOVERY_FILE)}
@@ -188,16 +188,16 @@ class Fused(RecoveryMethod):
     def check(self, model, blocks, cuts):
         for cut in cuts:
             if cut["host"] is not None:
-                _down_proj(model, blocks, cut["host"])
+                block_down_proj(model, blocks, cut["host"])
 
     def probe(self, model, blocks, cuts, calibration, batch_size, num_tokens):
-        first = next(_select_rows(calibration, min(batch_size, 2), num_tokens))
+        first = next(select_rows(calibration, min(batch_size, 2), num_tokens))
         for cut in cuts:
             if cut["host"] is not None:
-                _probe_additive_write(model, blocks, cut["host"], first[0], first[1])
+                probe_additive_write(model, blocks, cut["host"], first[0], first[1])
 
     def taps(self, model, blocks, cuts):
-        return {c["host"]: _down_proj(model, blocks, c["host"]) for c in cuts if c["host"] is not None}
+        return {c["host"]: block_down_proj(model, blocks, c["host"]) for c in cuts if c["host"] is not None}
 
     def accumulate(self, moments, cut, rows, delta, tapped, keep):
         s, e = cut["start"], cut["end"]
@@ -213,14 +213,14 @@ class Fused(RecoveryMethod):
         s, e = cut["start"], cut["end"]
         if cut["host"] is None:
             w, lam, cond = ridge_toward_identity(moments.gram[("h", s)], moments.cross[("h", s, e)], epsilon)
-            after = _quadratic_residual(w, moments.gram[("h", s)], moments.cross[("h", s, e)], moments.sq[("y", e)])
+            after = quadratic_residual(w, moments.gram[("h", s)], moments.cross[("h", s, e)], moments.sq[("y", e)])
             fit.ridge, fit.condition_number, fit.folded_into = [lam], cond, "embed_tokens"
             return after, w
         gram, cross = moments.gram[("m", s)], moments.cross[("m", s)]
         # T = I + K with (mᵀm + λI) K = mᵀΔ: the same solve with XᵀY := mᵀΔ + mᵀm
         t, lam, cond = ridge_toward_identity(gram, cross + gram, epsilon)
         k = t - torch.eye(t.shape[0], dtype=t.dtype)
-        after = _quadratic_residual(k, gram, cross, moments.sq[("delta", s)])
+        after = quadratic_residual(k, gram, cross, moments.sq[("delta", s)])
         fit.ridge, fit.condition_number = [lam], cond
         fit.folded_into = f"layers.{cut['boundary'] - 1}.mlp.down_proj"
         return after, t

@@ -21,7 +21,12 @@ from transformers.utils import cached_file
 from ..devices import execution_device
 from ..jsonio import atomic_path, write_json_atomic
 from ..plan import decoder_blocks
-from .fit import _hidden_size
+from .fit import model_hidden_size
+
+__all__ = [
+    "attach_operator", "attach_saved_recovery", "attached_operators", "carried_operators", "detach_recovery",
+    "GhostedOperator", "LOADER_NOTE", "RECOVERY_FILE", "save_recovery", "take_operators",
+]
 
 #: File written next to the weights of a checkpoint with ghosted operators.
 RECOVERY_FILE = "layerswap_recovery.safetensors"
@@ -103,7 +108,8 @@ def attached_operators(model: nn.Module) -> list[tuple[int, GhostedOperator]]:
     return sorted(found, key=lambda t: t[0])
 
 
-def _attach(model: nn.Module, boundary: int, weight: torch.Tensor) -> GhostedOperator:
+def attach_operator(model: nn.Module, boundary: int, weight: torch.Tensor) -> GhostedOperator:
+    """Attach a :class:`GhostedOperator` ``I + M`` (``weight``: ``(H, H)``) at ``boundary`` (0..L) and return it; raises ``ValueError`` out of range or when one is attached there already."""
     _, _, blocks = decoder_blocks(model)
     if not 0 <= boundary <= len(blocks):
         raise ValueError(f"boundary {boundary} is out of range for a model with {len(blocks)} blocks: allowed 0..{len(blocks)}")
@@ -331,12 +337,12 @@ def attach_saved_recovery(model: nn.Module, source: str | os.PathLike | None = N
         if keys != expected:
             raise ValueError(f"{path} holds {sorted(keys)} but the config records boundaries {boundaries}")
         weights = {b: fh.get_tensor(f"boundary_{b}") for b in boundaries}
-    hidden = _hidden_size(model)
+    hidden = model_hidden_size(model)
     for b, w in weights.items():
         if tuple(w.shape) != (hidden, hidden):
             raise ValueError(f"operator at boundary {b} in {path} has shape {tuple(w.shape)}, model hidden size {hidden}")
     for b in boundaries:
-        _attach(model, b, weights[b])
+        attach_operator(model, b, weights[b])
     return boundaries
 
 
