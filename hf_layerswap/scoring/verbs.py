@@ -316,11 +316,7 @@ def score_layers(
     if num_layers < 2:
         raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2, and {ONE_BLOCK}")
     pairs = _pair_list(num_layers, max_gap)
-    if adaptive is not None:
-        if not isinstance(adaptive, AdaptiveBudget):
-            raise TypeError(f"adaptive must be an AdaptiveBudget, got {type(adaptive).__name__}")
-        if adaptive.protocol not in protocols:
-            raise ValueError(f"adaptive.protocol={adaptive.protocol!r} is not among the scored protocols {list(protocols)}")
+    _check_adaptive(adaptive, protocols)
     calib = calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     plans = swap_plans(num_layers, max_gap, protocols)
     engine = Engine(model, calib, plans, settings)
@@ -331,45 +327,74 @@ def score_layers(
         engine.gather()
         values = engine.values(used)
     else:
-        bs = engine.batch_size
-        first = min(len(engine.batches), math.ceil(adaptive.min_prompts / bs))
-        step = max(1, math.ceil(adaptive.step / bs))
-        rounds, done_batches, target = [], 0, first
-        while True:
-            engine.run_batches(range(done_batches, target))
-            engine.gather()
-            done_batches = target
-            used = list(range(done_batches))
-            values = engine.values(used)
-            partial = SwapReport(num_layers, _build_report(pairs, protocols, values),
-                                 protocols=protocols, max_gap=max_gap)
-            n_used = int(values[next(iter(values))].numel())
-            try:
-                check = selection_stability(
-                    partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
-                    protect=adaptive.protect, z=adaptive.z,
-                )
-            except NonFiniteScoresError:  # a result to report: more prompts cannot make it a selection
-                rounds.append({"num_prompts": n_used, "selected": None, "stable": False, "closest": None})
-                reason = f"stopped: the {adaptive.protocol} scores cannot fill the budget with finite values"
-                stopped = "nonfinite"
-                break
-            rounds.append({"num_prompts": n_used, **check})
-            if check["stable"]:
-                reason = f"stable: the selection at budget {adaptive.num_layers} is separated by more than z={adaptive.z} standard errors from every alternative"
-                stopped = "stable"
-                break
-            if done_batches >= len(engine.batches):
-                reason = f"reached the maximum of {calib.num_prompts} prompts before the selection was stable under z={adaptive.z} standard errors"
-                stopped = "max_prompts"
-                break
-            target = min(len(engine.batches), done_batches + step)
-        adaptive_record = {**asdict(adaptive), "rounds": rounds, "stopped": stopped, "reason": reason}
-        adaptive_record["protect"] = list(adaptive.protect)
+        used, values, adaptive_record = _run_adaptive(engine, adaptive, calib, num_layers, pairs, protocols, max_gap)
     used_calib = _prefix_calibration(calib, int(values[next(iter(values))].numel()))
     results = _build_report(pairs, protocols, values)
-    summary = engine.summary(used)
-    metadata = {
+    metadata = _score_metadata(model, engine, used_calib, engine.summary(used), seed)
+    if adaptive_record is not None:
+        metadata["adaptive"] = adaptive_record
+    bad, first_batch = _first_nonfinite(values, engine.batch_size)
+    if bad:
+        metadata["nonfinite"] = {"first_batch": first_batch}
+        _warn_nonfinite("swap-KL probe values are", len(bad), len(values), first_batch)
+    return SwapReport(num_layers, results, protocols=protocols, max_gap=max_gap, metadata=metadata)
+
+
+def _check_adaptive(adaptive: AdaptiveBudget | None, protocols: Sequence[str]) -> None:
+    if adaptive is None:
+        return
+    if not isinstance(adaptive, AdaptiveBudget):
+        raise TypeError(f"adaptive must be an AdaptiveBudget, got {type(adaptive).__name__}")
+    if adaptive.protocol not in protocols:
+        raise ValueError(f"adaptive.protocol={adaptive.protocol!r} is not among the scored protocols {list(protocols)}")
+
+
+def _run_adaptive(engine: Engine, adaptive: AdaptiveBudget, calib: CalibrationSet, num_layers: int, pairs, protocols,
+                  max_gap: int):
+    """Run batches in rounds until the selection at ``adaptive.num_layers`` is stable, the
+    scores cannot fill the budget, or the prompts run out: ``(batches used, values, record)``."""
+    bs = engine.batch_size
+    first = min(len(engine.batches), math.ceil(adaptive.min_prompts / bs))
+    step = max(1, math.ceil(adaptive.step / bs))
+    rounds, done_batches, target = [], 0, first
+    while True:
+        engine.run_batches(range(done_batches, target))
+        engine.gather()
+        done_batches = target
+        used = list(range(done_batches))
+        values = engine.values(used)
+        partial = SwapReport(num_layers, _build_report(pairs, protocols, values),
+                             protocols=protocols, max_gap=max_gap)
+        n_used = int(values[next(iter(values))].numel())
+        try:
+            check = selection_stability(
+                partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
+                protect=adaptive.protect, z=adaptive.z,
+            )
+        except NonFiniteScoresError:  # a result to report: more prompts cannot make it a selection
+            rounds.append({"num_prompts": n_used, "selected": None, "stable": False, "closest": None})
+            reason = f"stopped: the {adaptive.protocol} scores cannot fill the budget with finite values"
+            stopped = "nonfinite"
+            break
+        rounds.append({"num_prompts": n_used, **check})
+        if check["stable"]:
+            reason = f"stable: the selection at budget {adaptive.num_layers} is separated by more than z={adaptive.z} standard errors from every alternative"
+            stopped = "stable"
+            break
+        if done_batches >= len(engine.batches):
+            reason = f"reached the maximum of {calib.num_prompts} prompts before the selection was stable under z={adaptive.z} standard errors"
+            stopped = "max_prompts"
+            break
+        target = min(len(engine.batches), done_batches + step)
+    record = {**asdict(adaptive), "rounds": rounds, "stopped": stopped, "reason": reason}
+    record["protect"] = list(adaptive.protect)
+    return used, values, record
+
+
+def _score_metadata(model: nn.Module, engine: Engine, used_calib: CalibrationSet, summary: dict, seed: int) -> dict:
+    """``SwapReport.metadata`` of a scoring run: model identity, calibration actually used,
+    settings, versions and the engine's cost summary."""
+    return {
         "model": {**report_identity(model), "fingerprint": model_fingerprint(model)},
         "calibration": used_calib.spec(),
         "num_prompts": used_calib.num_prompts,
@@ -382,13 +407,6 @@ def score_layers(
         "library_versions": library_versions(),
         **summary,
     }
-    if adaptive_record is not None:
-        metadata["adaptive"] = adaptive_record
-    bad, first_batch = _first_nonfinite(values, engine.batch_size)
-    if bad:
-        metadata["nonfinite"] = {"first_batch": first_batch}
-        _warn_nonfinite("swap-KL probe values are", len(bad), len(values), first_batch)
-    return SwapReport(num_layers, results, protocols=protocols, max_gap=max_gap, metadata=metadata)
 
 
 def removal_kl(

@@ -150,27 +150,13 @@ def search_select(
             spacing allows, or a report of another block count.
     """
     num_layers = num_blocks(model)
-    single_budget = isinstance(budgets, int)
-    wanted = sorted({budgets} if single_budget else set(budgets))
-    if not wanted:
-        raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
-    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
-    if report is not None and report.num_layers != num_layers:
-        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    wanted, top = _check_budgets(report, budgets, num_layers, spacing, protect)
     protected = resolve_protect(protect, num_layers)
     allowed = [i for i in range(num_layers) if i not in protected]
-    allowed_set = set(allowed)
     if exhaustive_below is None:
         exhaustive_below = moves_per_round * max_rounds
-    if max_evaluations is not None and int(max_evaluations) < len(allowed):
-        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
-    per_budget = len(allowed) if evaluations_per_budget is None else int(evaluations_per_budget)
-    if per_budget < 1:
-        raise ValueError(f"evaluations_per_budget={evaluations_per_budget!r}: must be an int >= 1")
-    if int(extend_best) < 1:
-        raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
-    allowances = [len(allowed)] + [max(per_budget, math.comb(len(allowed), n) if math.comb(len(allowed), n)
-                                       <= exhaustive_below else 0) for n in range(2, top + 1)]
+    per_budget, allowances = _allowances(allowed, top, max_evaluations, evaluations_per_budget, extend_best,
+                                         exhaustive_below)
     budget_total = math.inf if max_evaluations is None else int(max_evaluations)
     bar = None
     if progress and evaluator is None:
@@ -178,56 +164,9 @@ def search_select(
                    dynamic_ncols=True)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
                                   progress=bar)
-
-    def ok(s) -> bool:
-        s = sorted(set(s))
-        return all(i in allowed_set for i in s) and all(b - a > spacing for a, b in zip(s, s[1:]))
-
-    level = {"start": f.calls, "allowance": len(allowed)}
-
-    def left() -> int:
-        return min(budget_total - f.calls, level["allowance"] - (f.calls - level["start"]))
-
-    def score(pool):
-        pool = [sorted(set(s)) for s in pool if s and ok(s)]
-        pool = list({set_key(s): s for s in pool}.values())
-        new = [s for s in pool if set_key(s) not in f.cache]
-        cached = [s for s in pool if set_key(s) in f.cache]
-        limit = max(left(), 0 if cached else 1)  # a budget always gets at least one scored set
-        if len(new) > limit:
-            new = new[:limit]
-            pool = cached + new
-        f(new)
-        return sorted(pool, key=lambda s: (score_key(f.value(s)), s))
-
-    singles_pool = score([[i] for i in allowed])
-    single = [None] * num_layers
-    for s in singles_pool:
-        single[s[0]] = f.value(s)
-
-    def interaction(a: int, b: int) -> float:
-        """f({a, b}) - d({a}) - d({b}) where the pair was scored, else 0 (additive)."""
-        key = set_key(sorted((a, b)))
-        return f.cache[key] - single[a] - single[b] if key in f.cache else 0.0
-
-    def predict(members: Sequence[int], drop: int | None, add: int) -> float:
-        """Second-order prediction of f(members - {drop} + {add}) from f(members), the single
-        removals and every pair scored so far."""
-        rest = [x for x in members if x != drop]
-        value = f.value(members) + single[add] + sum(interaction(x, add) for x in rest)
-        if drop is not None:
-            value -= single[drop] + sum(interaction(x, drop) for x in rest)
-        return value
-
-    def extensions(prev: Sequence[int], count: int) -> list[list[int]]:
-        """``prev`` grown by one of its neighbours or the most removable blocks, the
-        ``count`` best by :func:`predict` (ties: lower block)."""
-        cands = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + rank)
-                 if c in allowed_set and c not in prev][: count]
-        cands.sort(key=lambda c: (score_key(predict(prev, None, c)), c))
-        return [sorted(list(prev) + [c]) for c in cands]
-    rank = sorted(allowed, key=lambda i: (score_key(single[i]), i))
-    sources = {"single_removal": single}
+    search = _SetSearch(f, allowed, spacing, budget_total, num_layers)
+    search.score_singles()
+    sources = {"single_removal": search.single}
     protocols = list(report.protocols) if report is not None else []
     for p in protocols:
         sources[p] = report.layer_scores(p)
@@ -238,61 +177,11 @@ def search_select(
     protocol_sets: dict[int, dict] = {}
     costs: dict[int, dict] = {}
     for n in range(1, top + 1):
-        greedy = {}
-        for p in protocols:
-            try:
-                greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
-            except ValueError:
-                greedy[p] = None
-        # each protocol's own set is scored for the record, outside the budget's allowance
-        required = [g for g in greedy.values() if g is not None and ok(g) and set_key(g) not in f.cache]
-        f(required[: max(int(min(budget_total - f.calls, len(required))), 0)])
-        exhaustive = math.comb(len(allowed), n) <= exhaustive_below  # cheaper than the local search
-        if n > 1:
-            level.update(start=f.calls, allowance=allowances[n - 1])
-        pool = []
-        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
-            # best prediction first: the set a spent budget still scores
-            pool.extend(extensions(ranked_by_n[n - 1][0], n + 2))
-        for p in protocols:
-            if greedy[p] is not None:
-                pool.append(greedy[p])
-            pool.append(_lowest(sources[p], allowed, n))
-        pool.append(rank[:n] if n <= len(rank) else [])
-        for scores in sources.values():
-            pool.extend(_best_runs(scores, allowed_set, num_layers, n))
-        if n > 1:
-            for prev in ranked_by_n[n - 1][1:extend_best]:
-                pool.extend(extensions(prev, n + 2))
-        if exhaustive:  # score every set
-            pool.extend(list(c) for c in itertools.combinations(allowed, n))
-        ranked = score(pool)
-        if not ranked:  # the spacing left nothing from the seeds: fall back to the greedy order of singles
-            ranked = score([greedy_select(single, n, spacing=spacing, protect=protect)])
-        current, rounds = ranked[0], []
-        for _ in range(max_rounds):
-            if left() <= 0:
-                break
-            shortlist = [c for c in dict.fromkeys(
-                [x for r in current for x in (r - 1, r + 1)] + rank[: n + 4]) if c in allowed_set and c not in current]
-            moves = []
-            for r in current:
-                for c in shortlist:
-                    cand = sorted([x for x in current if x != r] + [c])
-                    if ok(cand) and set_key(cand) not in f.cache:
-                        moves.append((score_key(predict(current, r, c)), cand))
-            shifts = [m for m in _shifts(current, allowed_set) if ok(m) and set_key(m) not in f.cache]
-            if not moves and not shifts:
-                break
-            moves.sort()
-            picked = list({set_key(m): m for m in shifts + [m for _, m in moves]}.values())[:moves_per_round]
-            tried = score(picked)
-            improved = bool(tried) and score_key(f.value(tried[0])) < score_key(f.value(current))
-            if improved:
-                current = tried[0]
-            rounds.append({"moves": len(tried), "best": current, "value": f.value(current), "improved": improved})
-            if not improved:
-                break
+        greedy, ranked, current, rounds = search.run_budget(
+            n, sources, protocols, protect, ranked_by_n.get(n - 1), extend_best=extend_best,
+            exhaustive_below=exhaustive_below, allowance=allowances[n - 1], moves_per_round=moves_per_round,
+            max_rounds=max_rounds,
+        )
         ranked_by_n[n] = sorted({set_key(s): s for s in [current] + ranked}.values(),
                                 key=lambda s: (score_key(f.value(s)), s))
         best[n] = current
@@ -304,17 +193,195 @@ def search_select(
     if bar is not None:
         bar.close()
     final_cost = f.cost()
-    out = {}
-    for n in wanted:
-        out[n] = {
-            "strategy": "search", "objective": objective, "num_layers": n, "selected": list(best[n]),
-            "value": f.value(best[n]), "spacing": spacing, "protect": sorted(protected),
-            "protocol_sets": copy.deepcopy(protocol_sets[n]), "trace": copy.deepcopy(trace[n]),
-            "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": max_evaluations,
-            "evaluations_per_budget": per_budget,
-            "unit": "nats per token" if objective == "nll" else "nats",
-        }
-    return out
+    common = {"strategy": "search", "objective": objective, "spacing": spacing, "protect": sorted(protected),
+              "max_evaluations": max_evaluations, "evaluations_per_budget": per_budget,
+              "unit": "nats per token" if objective == "nll" else "nats"}
+    return {n: _record_of(n, best[n], f.value(best[n]), protocol_sets[n], trace[n], costs[n], final_cost, common)
+            for n in wanted}
+
+
+def _record_of(n: int, selected, value, protocol_sets: dict, trace: dict, cost: dict, total_cost: dict,
+               common: dict) -> dict:
+    """The record :func:`search_select` returns for budget ``n`` (keys in a fixed order)."""
+    return {
+        "strategy": common["strategy"], "objective": common["objective"], "num_layers": n, "selected": list(selected),
+        "value": value, "spacing": common["spacing"], "protect": list(common["protect"]),
+        "protocol_sets": copy.deepcopy(protocol_sets), "trace": copy.deepcopy(trace),
+        "cost": dict(cost), "total_cost": dict(total_cost), "max_evaluations": common["max_evaluations"],
+        "evaluations_per_budget": common["evaluations_per_budget"], "unit": common["unit"],
+    }
+
+
+def _check_budgets(report: SwapReport | None, budgets, num_layers: int, spacing: int, protect) -> tuple[list[int], int]:
+    """(the requested budgets ascending, the largest); raises ``ValueError`` for none, a
+    budget the rule cannot fill, or a report of another block count."""
+    single_budget = isinstance(budgets, int)
+    wanted = sorted({budgets} if single_budget else set(budgets))
+    if not wanted:
+        raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
+    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
+    if report is not None and report.num_layers != num_layers:
+        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    return wanted, top
+
+
+def _allowances(allowed: Sequence[int], top: int, max_evaluations, evaluations_per_budget, extend_best,
+                exhaustive_below: int) -> tuple[int, list[int]]:
+    """(new sets per budget, the allowance of each budget 1..top): budget 1 scores the
+    single removals; a budget small enough to score exhaustively gets all its sets."""
+    if max_evaluations is not None and int(max_evaluations) < len(allowed):
+        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
+    per_budget = len(allowed) if evaluations_per_budget is None else int(evaluations_per_budget)
+    if per_budget < 1:
+        raise ValueError(f"evaluations_per_budget={evaluations_per_budget!r}: must be an int >= 1")
+    if int(extend_best) < 1:
+        raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
+    allowances = [len(allowed)] + [max(per_budget, math.comb(len(allowed), n) if math.comb(len(allowed), n)
+                                       <= exhaustive_below else 0) for n in range(2, top + 1)]
+    return per_budget, allowances
+
+
+class _SetSearch:
+    """The state of one :func:`search_select` call: the cached objective ``f``, the
+    removable blocks, the spacing rule, the evaluation allowance of the current budget,
+    and the single-removal values with the blocks ranked by them."""
+
+    def __init__(self, f: SetObjective, allowed: list[int], spacing: int, budget_total: float, num_layers: int):
+        self.f = f
+        self.allowed = allowed
+        self.allowed_set = set(allowed)
+        self.spacing = spacing
+        self.budget_total = budget_total
+        self.num_layers = num_layers
+        self.level = {"start": f.calls, "allowance": len(allowed)}
+        self.single: list[float | None] = [None] * num_layers
+        self.rank: list[int] = []
+
+    def ok(self, s) -> bool:
+        s = sorted(set(s))
+        return all(i in self.allowed_set for i in s) and all(b - a > self.spacing for a, b in zip(s, s[1:]))
+
+    def left(self) -> int:
+        f = self.f
+        return min(self.budget_total - f.calls, self.level["allowance"] - (f.calls - self.level["start"]))
+
+    def score(self, pool):
+        """Score the allowed, not yet cached sets of ``pool`` (as many as the allowance
+        leaves, at least one) and return the pool's scored sets, best first."""
+        f = self.f
+        pool = [sorted(set(s)) for s in pool if s and self.ok(s)]
+        pool = list({set_key(s): s for s in pool}.values())
+        new = [s for s in pool if set_key(s) not in f.cache]
+        cached = [s for s in pool if set_key(s) in f.cache]
+        limit = max(self.left(), 0 if cached else 1)  # a budget always gets at least one scored set
+        if len(new) > limit:
+            new = new[:limit]
+            pool = cached + new
+        f(new)
+        return sorted(pool, key=lambda s: (score_key(f.value(s)), s))
+
+    def score_singles(self) -> None:
+        """Budget 1: every single removal, then the blocks ranked by it (ties: lower block)."""
+        for s in self.score([[i] for i in self.allowed]):
+            self.single[s[0]] = self.f.value(s)
+        self.rank = sorted(self.allowed, key=lambda i: (score_key(self.single[i]), i))
+
+    def interaction(self, a: int, b: int) -> float:
+        """f({a, b}) - d({a}) - d({b}) where the pair was scored, else 0 (additive)."""
+        key = set_key(sorted((a, b)))
+        return self.f.cache[key] - self.single[a] - self.single[b] if key in self.f.cache else 0.0
+
+    def predict(self, members: Sequence[int], drop: int | None, add: int) -> float:
+        """Second-order prediction of f(members - {drop} + {add}) from f(members), the single
+        removals and every pair scored so far."""
+        rest = [x for x in members if x != drop]
+        value = self.f.value(members) + self.single[add] + sum(self.interaction(x, add) for x in rest)
+        if drop is not None:
+            value -= self.single[drop] + sum(self.interaction(x, drop) for x in rest)
+        return value
+
+    def extensions(self, prev: Sequence[int], count: int) -> list[list[int]]:
+        """``prev`` grown by one of its neighbours or the most removable blocks, the
+        ``count`` best by :meth:`predict` (ties: lower block)."""
+        cands = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + self.rank)
+                 if c in self.allowed_set and c not in prev][: count]
+        cands.sort(key=lambda c: (score_key(self.predict(prev, None, c)), c))
+        return [sorted(list(prev) + [c]) for c in cands]
+
+    def run_budget(self, n: int, sources: dict, protocols: list[str], protect, ranked_prev: list[list[int]] | None, *,
+                   extend_best: int, exhaustive_below: int, allowance: int, moves_per_round: int, max_rounds: int):
+        """Budget ``n``: each protocol's greedy set (scored for the record), the seeds, then
+        the local search. Returns ``(greedy sets, seeds ranked, best set, rounds)``."""
+        f, spacing = self.f, self.spacing
+        greedy = {}
+        for p in protocols:
+            try:
+                greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
+            except ValueError:
+                greedy[p] = None
+        # each protocol's own set is scored for the record, outside the budget's allowance
+        required = [g for g in greedy.values() if g is not None and self.ok(g) and set_key(g) not in f.cache]
+        f(required[: max(int(min(self.budget_total - f.calls, len(required))), 0)])
+        exhaustive = math.comb(len(self.allowed), n) <= exhaustive_below  # cheaper than the local search
+        if n > 1:
+            self.level.update(start=f.calls, allowance=allowance)
+        ranked = self.score(self.seeds(n, greedy, sources, protocols, ranked_prev, extend_best, exhaustive))
+        if not ranked:  # the spacing left nothing from the seeds: fall back to the greedy order of singles
+            ranked = self.score([greedy_select(self.single, n, spacing=spacing, protect=protect)])
+        current, rounds = self.local_search(ranked[0], n, moves_per_round, max_rounds)
+        return greedy, ranked, current, rounds
+
+    def seeds(self, n: int, greedy: dict, sources: dict, protocols: list[str], ranked_prev: list[list[int]] | None,
+              extend_best: int, exhaustive: bool) -> list[list[int]]:
+        """Candidate sets of budget ``n``: the best sets of ``n - 1`` grown, each protocol's
+        greedy and lowest-score sets, the ``n`` most removable blocks, the best contiguous
+        runs of every score, and every set when ``exhaustive``."""
+        pool = []
+        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
+            # best prediction first: the set a spent budget still scores
+            pool.extend(self.extensions(ranked_prev[0], n + 2))
+        for p in protocols:
+            if greedy[p] is not None:
+                pool.append(greedy[p])
+            pool.append(_lowest(sources[p], self.allowed, n))
+        pool.append(self.rank[:n] if n <= len(self.rank) else [])
+        for scores in sources.values():
+            pool.extend(_best_runs(scores, self.allowed_set, self.num_layers, n))
+        if n > 1:
+            for prev in ranked_prev[1:extend_best]:
+                pool.extend(self.extensions(prev, n + 2))
+        if exhaustive:  # score every set
+            pool.extend(list(c) for c in itertools.combinations(self.allowed, n))
+        return pool
+
+    def local_search(self, current: list[int], n: int, moves_per_round: int, max_rounds: int):
+        """Swap one member for a neighbour or a removable block (ranked by :meth:`predict`)
+        or shift a run, up to ``max_rounds`` rounds while one improves: ``(best, rounds)``."""
+        f, rounds = self.f, []
+        for _ in range(max_rounds):
+            if self.left() <= 0:
+                break
+            shortlist = [c for c in dict.fromkeys([x for r in current for x in (r - 1, r + 1)] + self.rank[: n + 4])
+                         if c in self.allowed_set and c not in current]
+            moves = []
+            for r in current:
+                for c in shortlist:
+                    cand = sorted([x for x in current if x != r] + [c])
+                    if self.ok(cand) and set_key(cand) not in f.cache:
+                        moves.append((score_key(self.predict(current, r, c)), cand))
+            shifts = [m for m in _shifts(current, self.allowed_set) if self.ok(m) and set_key(m) not in f.cache]
+            if not moves and not shifts:
+                break
+            moves.sort()
+            picked = list({set_key(m): m for m in shifts + [m for _, m in moves]}.values())[:moves_per_round]
+            tried = self.score(picked)
+            improved = bool(tried) and score_key(f.value(tried[0])) < score_key(f.value(current))
+            if improved:
+                current = tried[0]
+            rounds.append({"moves": len(tried), "best": current, "value": f.value(current), "improved": improved})
+            if not improved:
+                break
+        return current, rounds
 
 
 def _default_objective(objective):
