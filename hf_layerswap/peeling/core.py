@@ -254,6 +254,71 @@ def peel(
     """
     _, _, blocks = decoder_blocks(model)
     num_layers = len(blocks)
+    spans, references, site_list, probes = _check_peel_args(
+        num_layers, spans, targets, reference, ridge, tau, bootstrap, batch_size, gradient_steps, sites
+    )
+    if tokenizer is None:
+        tokenizer = getattr(model, "layerswap_tokenizer", None)
+    calib = build_calibration(calibration, tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=seed)
+    evalset = build_evaluation(eval_text, tokenizer, num_prompts=eval_prompts, seq_len=eval_seq_len, seed=seed)
+    check_disjoint(calib, evalset)
+
+    trained = [(k, m) for k, m, ref, _ in probes if ref == "gradient"]
+    results, base, fits, cal_tokens, hidden_size, timings = _fit_and_evaluate(
+        model, blocks, calib, evalset, probes, batch_size=batch_size, bias=bias, ridge=float(ridge),
+        gradient_steps=gradient_steps, gradient_lr=gradient_lr, seed=seed, progress=progress,
+    )
+    nll0, count = base
+    n = count.numel()
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, n, (bootstrap, n), generator=g)
+    den = count.double()
+    base_ce = float(nll0.sum() / den.sum())
+    out_probes = _peel_probes(probes, results, fits, nll0, den, index, tau)
+    settings = _peel_settings(spans, targets, references, ridge, bias, tau, bootstrap, seed, site_list,
+                              (gradient_steps, gradient_lr) if trained else None)
+    metadata = {
+        "model": report_identity(model),
+        "calibration": calib.spec(),
+        "calibration_tokens_used": cal_tokens,
+        "evaluation": evalset.spec(),
+        "evaluation_predicted_tokens": int(count.sum()),
+        "evaluation_sequences": n,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "fit_dtype": "float64",
+        "ce_definition": "total next-token NLL / total predicted tokens (nats), fp32 log-softmax",
+        "hidden_size": hidden_size,
+        "library_versions": library_versions(),
+        "method": "peeling reference bounds, per-site form (Eamaz, Yeganegi, Soltanalian, arXiv 2605.02853)",
+        "timings": timings,
+    }
+    lo, hi = _bootstrap(nll0, den, index)
+    return PeelReport(num_layers, base_ce, (lo, hi), out_probes, settings, metadata)
+
+
+def _peel_settings(spans, targets, references, ridge, bias, tau, bootstrap, seed, site_list, gradient) -> dict:
+    """``PeelReport.settings``; ``gradient`` is ``(steps, lr)`` when a reference was trained."""
+    settings = {
+        "spans": list(spans),
+        "targets": targets,
+        "references": list(references),
+        "ridge": float(ridge),
+        "ridge_rule": "lambda = ridge * trace(X^T X) / (H + 1), X = [h_k, 1]; ridge toward the identity",
+        "bias": bool(bias),
+        "tau": float(tau),
+        "bootstrap": bootstrap,
+        "bootstrap_unit": "evaluation sequence (paired, percentile 95%)",
+        "seed": seed,
+        "sites": site_list,
+    }
+    if gradient is not None:
+        settings.update({"gradient_steps": gradient[0], "gradient_lr": gradient[1], "gradient_init": "fresh"})
+    return settings
+
+
+def _check_peel_args(num_layers, spans, targets, reference, ridge, tau, bootstrap, batch_size, gradient_steps, sites):
+    """Validate :func:`peel`'s settings: ``(spans, references, sites, probes)``, each
+    probe ``(site, span, reference, target kind)``; raises ``ValueError`` as it documents."""
     if num_layers < 2:
         raise ValueError(f"the model has {num_layers} block(s); peeling needs at least 2")
     spans = tuple(dict.fromkeys(spans))
@@ -278,13 +343,14 @@ def peel(
     probes = _probe_list(num_layers, spans, targets, references, site_list)
     if not probes:
         raise ValueError(f"no probe to run for sites={site_list}, spans={list(spans)}, targets={targets!r}")
+    return spans, references, site_list, probes
 
-    if tokenizer is None:
-        tokenizer = getattr(model, "layerswap_tokenizer", None)
-    calib = build_calibration(calibration, tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=seed)
-    evalset = build_evaluation(eval_text, tokenizer, num_prompts=eval_prompts, seq_len=eval_seq_len, seed=seed)
-    check_disjoint(calib, evalset)
 
+def _fit_and_evaluate(model, blocks, calib, evalset, probes, *, batch_size, bias, ridge, gradient_steps, gradient_lr,
+                      seed, progress):
+    """Fit every reference on the calibration streams (one pass; gradient references
+    trained after it), then score each hybrid on the evaluation set, the model in eval
+    mode throughout: ``(results, (base nll, counts), fits, calibration tokens, H, timings)``."""
     fitted = [(k, m) for k, m, ref, _ in probes if ref == "linear"]
     trained = [(k, m) for k, m, ref, _ in probes if ref == "gradient"]
     device = input_device(model)
@@ -296,14 +362,14 @@ def peel(
     try:
         t0 = time.perf_counter()
         cal_tokens, hidden_size, cache = _fit_pass(
-            model, blocks, calib, fitted, trained, batch_size, bias, float(ridge), maps, fits, device
+            model, blocks, calib, fitted, trained, batch_size, bias, ridge, maps, fits, device
         )
         timings["linear_fit_seconds"] = time.perf_counter() - t0
         if fitted and hidden_size is not None and cal_tokens < 4 * (hidden_size + 1):
             warnings.warn(
                 f"linear references fitted on {cal_tokens} calibration tokens for {hidden_size + int(bias)} regressors: "
                 "the ridge decides much of the map; use more calibration tokens (num_prompts/seq_len)",
-                stacklevel=2,
+                stacklevel=3,
             )
         for k, m in trained:
             t1 = time.perf_counter()
@@ -320,13 +386,12 @@ def peel(
         )
     finally:
         model.train(was_training)
+    return results, base, fits, cal_tokens, hidden_size, timings
 
-    nll0, count = base
-    n = count.numel()
-    g = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, n, (bootstrap, n), generator=g)
-    den = count.double()
-    base_ce = float(nll0.sum() / den.sum())
+
+def _peel_probes(probes, results, fits, nll0, den, index, tau) -> list[PeelProbe]:
+    """One :class:`PeelProbe` per probe: ΔCE with its paired bootstrap CI, the explained
+    variance and NMSE of the reference, the flag against ``tau``, the fit record."""
     out_probes = []
     for k, m, ref, kind in probes:
         r = results[(k, m, ref)]
@@ -342,38 +407,7 @@ def peel(
         out_probes.append(
             PeelProbe(k, m, ref, kind, dce, lo, hi, float(r["nll"].sum() / den.sum()), ev, nmse, flag, fit, seconds)
         )
-    settings = {
-        "spans": list(spans),
-        "targets": targets,
-        "references": list(references),
-        "ridge": float(ridge),
-        "ridge_rule": "lambda = ridge * trace(X^T X) / (H + 1), X = [h_k, 1]; ridge toward the identity",
-        "bias": bool(bias),
-        "tau": float(tau),
-        "bootstrap": bootstrap,
-        "bootstrap_unit": "evaluation sequence (paired, percentile 95%)",
-        "seed": seed,
-        "sites": site_list,
-    }
-    if trained:
-        settings.update({"gradient_steps": gradient_steps, "gradient_lr": gradient_lr, "gradient_init": "fresh"})
-    metadata = {
-        "model": report_identity(model),
-        "calibration": calib.spec(),
-        "calibration_tokens_used": cal_tokens,
-        "evaluation": evalset.spec(),
-        "evaluation_predicted_tokens": int(count.sum()),
-        "evaluation_sequences": n,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "fit_dtype": "float64",
-        "ce_definition": "total next-token NLL / total predicted tokens (nats), fp32 log-softmax",
-        "hidden_size": hidden_size,
-        "library_versions": library_versions(),
-        "method": "peeling reference bounds, per-site form (Eamaz, Yeganegi, Soltanalian, arXiv 2605.02853)",
-        "timings": timings,
-    }
-    lo, hi = _bootstrap(nll0, den, index)
-    return PeelReport(num_layers, base_ce, (lo, hi), out_probes, settings, metadata)
+    return out_probes
 
 
 def _fit_pass(model, blocks, calib, fitted, trained, batch_size, bias, ridge, maps, fits, device):
