@@ -273,6 +273,50 @@ def sparsify(
 
     _, _, blocks = decoder_blocks(model)
     module_names = {id(m): n for n, m in model.named_modules()}
+    block_linears = _block_linears(blocks, nm, pattern, module_names)
+    num_params = [sum(lin.weight.numel() for _, lin in lins) for lins in block_linears]
+    device = input_device(model)
+    batches = [(ids.to(device), mask.to(device)) for ids, mask in calib.batches(opts.batch_size)]
+    timings = {}
+    targets, statistic_values, allocator_info, linear_rows = _allocate_and_prune(
+        model, blocks, block_linears, batches, num_params, module_names, timings,
+        sparsity=sparsity, allocation=allocation, method=method, pattern=pattern, opts=opts,
+    )
+    block_rows = _block_rows(block_linears, linear_rows, targets, num_params, statistic_values)
+    timings["total_s"] = time.perf_counter() - t0
+    report = SparsityReport(
+        target_sparsity=float(sparsity),
+        allocation=allocation,
+        method=method,
+        pattern=pattern,
+        blocks=block_rows,
+        linears=linear_rows,
+        allocator=allocator_info,
+        options={
+            **opts.to_dict(),
+            "statistics_pass": "dense (unpruned model), before pruning",
+            "pruning_pass": "block by block; each block calibrated on the outputs of the already-pruned blocks; "
+            "all linears of a block from one pass over the block's inputs",
+            "pruned_modules": "every nn.Linear inside the decoder blocks (embeddings, norms, LM head dense)",
+        },
+        calibration=calib.spec(),
+        metadata={
+            "model_class": type(model).__name__,
+            "dtype": str(next(model.parameters()).dtype),
+            "num_blocks": len(blocks),
+            "original_blocks": original_indices(model.config, len(blocks)),
+            "block_dense_params": [sum(p.numel() for p in b.parameters()) - n for b, n in zip(blocks, num_params)],
+            "seconds": timings,
+            "versions": library_versions(),
+        },
+    )
+    _record_on_model(model, report)
+    return report
+
+
+def _block_linears(blocks, nm, pattern, module_names) -> list[list[tuple[str, nn.Linear]]]:
+    """The prunable linears of every block; raises ``ValueError`` for a block without one
+    or (with an ``N:M`` pattern) a linear whose input width M does not divide."""
     block_linears = [prunable_linears(b) for b in blocks]
     for lins in block_linears:
         if not lins:
@@ -283,12 +327,16 @@ def sparsify(
                     f"{module_names[id(lin)]} has in_features={lin.in_features}, not divisible by M={nm[1]} "
                     f"(pattern {pattern!r})"
                 )
-    num_params = [sum(lin.weight.numel() for _, lin in lins) for lins in block_linears]
-    device = input_device(model)
-    batches = [(ids.to(device), mask.to(device)) for ids, mask in calib.batches(opts.batch_size)]
+    return block_linears
+
+
+def _allocate_and_prune(model, blocks, block_linears, batches, num_params, module_names, timings, *, sparsity,
+                        allocation, method, pattern, opts):
+    """The dense statistics pass, the allocation of per-block targets and the block-by-block
+    pruning pass, the model in eval mode throughout (pass times go to ``timings``):
+    ``(targets, statistic per block or None, allocator record, per-linear rows)``."""
     was_training = model.training
     model.eval()
-    timings = {}
     try:
         # ---- pass 1: dense statistics (and every block's call arguments)
         allocator = get_allocator(allocation)
@@ -319,7 +367,11 @@ def sparsify(
         timings["prune_pass_s"] = time.perf_counter() - t
     finally:
         model.train(was_training)
+    return targets, statistic_values, allocator_info, linear_rows
 
+
+def _block_rows(block_linears, linear_rows, targets, num_params, statistic_values) -> list[BlockSparsity]:
+    """Per-block target and achieved sparsity (zeros of its linears / their weights)."""
     block_rows = []
     for index, lins in enumerate(block_linears):
         zeros = sum(r.num_zeros for r in linear_rows if r.block == index)
@@ -333,33 +385,12 @@ def sparsify(
                 statistic=None if statistic_values is None else statistic_values[index],
             )
         )
-    timings["total_s"] = time.perf_counter() - t0
-    report = SparsityReport(
-        target_sparsity=float(sparsity),
-        allocation=allocation,
-        method=method,
-        pattern=pattern,
-        blocks=block_rows,
-        linears=linear_rows,
-        allocator=allocator_info,
-        options={
-            **opts.to_dict(),
-            "statistics_pass": "dense (unpruned model), before pruning",
-            "pruning_pass": "block by block; each block calibrated on the outputs of the already-pruned blocks; "
-            "all linears of a block from one pass over the block's inputs",
-            "pruned_modules": "every nn.Linear inside the decoder blocks (embeddings, norms, LM head dense)",
-        },
-        calibration=calib.spec(),
-        metadata={
-            "model_class": type(model).__name__,
-            "dtype": str(next(model.parameters()).dtype),
-            "num_blocks": len(blocks),
-            "original_blocks": original_indices(model.config, len(blocks)),
-            "block_dense_params": [sum(p.numel() for p in b.parameters()) - n for b, n in zip(blocks, num_params)],
-            "seconds": timings,
-            "versions": library_versions(),
-        },
-    )
+    return block_rows
+
+
+def _record_on_model(model: nn.Module, report: SparsityReport) -> None:
+    """Leave ``report`` on the model and its summary in ``model.config`` (an earlier
+    pass's summary moves to the ``previous`` list)."""
     record = config_record(report)
     previous = getattr(model.config, CONFIG_ATTRIBUTE, None)
     if isinstance(previous, dict) and previous.get("method"):
@@ -367,7 +398,6 @@ def sparsify(
         record["previous"] = list(previous.get("previous") or []) + [earlier]
     setattr(model.config, CONFIG_ATTRIBUTE, record)
     model.layerswap_sparsity_report = report
-    return report
 
 
 #: ``config.json`` attribute holding what :func:`sparsify` did (it survives
