@@ -112,21 +112,7 @@ def recover(
         moments, used, hidden = collect_moments(model, blocks, cuts, entry, calibration, num_tokens, batch_size)
     finally:
         model.train(was_training)
-    if requested and used < num_tokens and entry.fits:
-        warnings.warn(
-            CalibrationShortfallWarning(
-                f"recovery fitted on {used:,} calibration tokens, fewer than the {num_tokens:,} requested "
-                f"(num_tokens): the calibration set holds no more ({calibration.num_prompts} prompts); pass a larger "
-                "source or num_prompts"
-            ),
-            stacklevel=2,
-        )
-    if hidden is not None and used < hidden and entry.fits:
-        warnings.warn(
-            f"recovery fitted on {used} calibration tokens, fewer than the hidden size {hidden}: XᵀX is rank "
-            "deficient and the ridge (epsilon) decides the map; use more calibration tokens",
-            stacklevel=2,
-        )
+    _warn_few_tokens(entry, calibration, used, num_tokens, requested, hidden)
 
     fits, maps = _fit(moments, cuts, entry, float(epsilon))
     report = RecoveryReport(method, removed, float(epsilon), used, hidden, fits, calibration.spec())
@@ -137,24 +123,54 @@ def recover(
     remove_layers(model, removed, provenance={"recovery": method})
     if entry.fits:
         entry.apply(model, cuts, maps, host_modules)
-        record = {
-            "method": method,
-            "boundaries": [c["boundary"] for c in cuts],
-            "removed_layers": removed,
-            "removed_original_layers": model.config.layerswap["steps"][-1]["removed_original_layers"],
-            "epsilon": float(epsilon),
-            "epsilon_rule": "lambda = epsilon * trace(X^T X) / H, ridge toward the identity",
-            "num_tokens": used,
-            **({"requested_tokens": num_tokens} if requested and used < num_tokens else {}),
-            "residual_before": [encode_float(f.residual_before) for f in fits],
-            "residual_after": [encode_float(f.residual_after) for f in fits],
-            "calibration": calibration.spec(),
-        }
-        record.update(entry.record(fits))
+        record = _recovery_record(model, entry, cuts, removed, fits, calibration, float(epsilon), used,
+                                  num_tokens if requested and used < num_tokens else None)
         if old_record:
             record["previous"] = old_record
         model.config.layerswap["recovery"] = record
     return report
+
+
+def _warn_few_tokens(entry, calibration: CalibrationSet, used: int, num_tokens: int, requested: bool,
+                     hidden: int | None) -> None:
+    """Warn (at :func:`recover`'s caller) when a fit used fewer tokens than requested
+    (:class:`CalibrationShortfallWarning`) or than the hidden size (rank-deficient XᵀX)."""
+    if requested and used < num_tokens and entry.fits:
+        warnings.warn(
+            CalibrationShortfallWarning(
+                f"recovery fitted on {used:,} calibration tokens, fewer than the {num_tokens:,} requested "
+                f"(num_tokens): the calibration set holds no more ({calibration.num_prompts} prompts); pass a larger "
+                "source or num_prompts"
+            ),
+            stacklevel=3,
+        )
+    if hidden is not None and used < hidden and entry.fits:
+        warnings.warn(
+            f"recovery fitted on {used} calibration tokens, fewer than the hidden size {hidden}: XᵀX is rank "
+            "deficient and the ridge (epsilon) decides the map; use more calibration tokens",
+            stacklevel=3,
+        )
+
+
+def _recovery_record(model, entry, cuts, removed, fits, calibration: CalibrationSet, epsilon: float, used: int,
+                     shortfall_requested: int | None) -> dict:
+    """``model.config.layerswap["recovery"]`` after the blocks went: the method, the cuts
+    (pruned and original numbering), the ridge, the tokens used and the fit residuals."""
+    record = {
+        "method": entry.name,
+        "boundaries": [c["boundary"] for c in cuts],
+        "removed_layers": removed,
+        "removed_original_layers": model.config.layerswap["steps"][-1]["removed_original_layers"],
+        "epsilon": epsilon,
+        "epsilon_rule": "lambda = epsilon * trace(X^T X) / H, ridge toward the identity",
+        "num_tokens": used,
+        **({"requested_tokens": shortfall_requested} if shortfall_requested is not None else {}),
+        "residual_before": [encode_float(f.residual_before) for f in fits],
+        "residual_after": [encode_float(f.residual_after) for f in fits],
+        "calibration": calibration.spec(),
+    }
+    record.update(entry.record(fits))
+    return record
 
 
 def _fit(moments: Moments, cuts, method, epsilon: float) -> tuple[list[BoundaryFit], dict]:
