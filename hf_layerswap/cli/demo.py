@@ -255,28 +255,8 @@ def run_demo(args) -> int:
         others = "; ".join(f"{p} greedy {e['set']} {_kl_text(e['value'])}" for p, e in rec["protocol_sets"].items()
                            if e is not None)
         print(f"  n = {n}: search {rec['selected']} {_kl_text(rec['value'])}; {others}")
-    to_evaluate = [()] + list(dict.fromkeys(tuple(layers) for _, _, layers, _ in selected if layers is not None))
-    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract on the first {args.eval_max_words} "
-          f"words: the base model and {len(to_evaluate) - 1} distinct removal sets", flush=True)
-    cache: dict[tuple, object] = {}
-    for key in tqdm(to_evaluate, desc="perplexity evaluations", unit="model"):
-        pruned = remove_layers(copy.deepcopy(model), list(key)) if key else model
-        cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
-        del pruned
+    cache = _perplexity_table(model, selected, args, eval_text, tokenizer)
     base = cache[()]
-    rows = [(n, protocol, layers, None if layers is None else cache[tuple(layers)], err)
-            for n, protocol, layers, err in selected]
-    print("\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
-    print(f"| 0 | (base) | - | {base.ppl:.3f} | {base.ci_text()} | 0.0 |")
-    for n, protocol, layers, res, err in rows:
-        if res is None:
-            print(f"| {n} | {protocol} | ({err}) | - | - | - |")
-        else:
-            print(
-                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | {res.ci_text()} | "
-                f"{delta_ppl_percent(base.ppl, res.ppl):+.1f} |"
-            )
-    print(f"\ncontract: {_contract_summary(base.contract)}")
 
     # the final cut: the one pipeline, on the report and prompts above (nothing is scored twice). Where the
     # final budget was searched above, its search gets the evaluations that search spent up to that budget:
@@ -300,6 +280,34 @@ def run_demo(args) -> int:
         f"total time {time.perf_counter() - t_start:.0f} s (estimated {sum(estimate.values()):.0f} s before it started)"
     )
     return 0
+
+
+def _perplexity_table(model, selected, args, eval_text, tokenizer) -> dict[tuple, object]:
+    """Evaluate the base model and every distinct selected set on the held-out text and
+    print the table; returns the results keyed by removed set (``()`` = the base model)."""
+    to_evaluate = [()] + list(dict.fromkeys(tuple(layers) for _, _, layers, _ in selected if layers is not None))
+    print(f"\nperplexity on held-out text ({args.eval_text}), matched contract on the first {args.eval_max_words} "
+          f"words: the base model and {len(to_evaluate) - 1} distinct removal sets", flush=True)
+    cache: dict[tuple, object] = {}
+    for key in tqdm(to_evaluate, desc="perplexity evaluations", unit="model"):
+        pruned = remove_layers(copy.deepcopy(model), list(key)) if key else model
+        cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
+        del pruned
+    base = cache[()]
+    rows = [(n, protocol, layers, None if layers is None else cache[tuple(layers)], err)
+            for n, protocol, layers, err in selected]
+    print("\n| n | protocol | removed (0-based) | PPL | 95% CI | dPPL% |\n|---:|---|---|---:|---|---:|")
+    print(f"| 0 | (base) | - | {base.ppl:.3f} | {base.ci_text()} | 0.0 |")
+    for n, protocol, layers, res, err in rows:
+        if res is None:
+            print(f"| {n} | {protocol} | ({err}) | - | - | - |")
+        else:
+            print(
+                f"| {n} | {protocol} | {layers} | {res.ppl:.3f} | {res.ci_text()} | "
+                f"{delta_ppl_percent(base.ppl, res.ppl):+.1f} |"
+            )
+    print(f"\ncontract: {_contract_summary(base.contract)}")
+    return cache
 
 
 def _kl_text(value) -> str:

@@ -19,13 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import decoder_blocks
+from ..plan import StopForward, decoder_blocks
 
 __all__ = ["BlockCall", "CalibrationCache", "capture_block_calls", "prunable_linears", "run_block"]
-
-
-class _StopForward(Exception):
-    pass
 
 
 @dataclass
@@ -103,7 +99,7 @@ def capture_block_calls(
         return hook
 
     def stop_hook(module, args, output):
-        raise _StopForward
+        raise StopForward
 
     handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(stop_hook))
@@ -118,7 +114,7 @@ def capture_block_calls(
             current["calls"] = [None] * len(blocks)
             try:
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
-            except _StopForward:
+            except StopForward:
                 pass
             cache.token_masks.append(token_mask)
             cache.hidden.append(current["hidden"])
