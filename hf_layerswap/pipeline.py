@@ -130,7 +130,7 @@ def prune(
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
                          "is scored: drop checkpoint_path")
     source = cfg.calibration if calibration is None else calibration
-    selects = cfg.layers is None and cfg.num_layers is not None
+    selects = cfg.layers is None and cfg.num_to_remove is not None
     needs_text = (
         (cfg.layers is None and report is None)  # scoring
         or (selects and strategy != "greedy")  # every other strategy reads the model on the prompts
@@ -149,7 +149,7 @@ def prune(
     if report is not None:
         model.layerswap_report = report
     result = PruneResult(model=model, removed=[], report=report, calibration=calib)
-    if cfg.layers is None and cfg.num_layers is None:  # score only; a requested sparsity still applies
+    if cfg.layers is None and cfg.num_to_remove is None:  # score only; a requested sparsity still applies
         return _sparsify(result, cfg)
 
     if cfg.layers is not None:
@@ -158,7 +158,7 @@ def prune(
     else:
         before = len(report.selections)
         layers = select_layers(
-            report, cfg.num_layers, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
+            report, cfg.num_to_remove, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
             model=model, calibration=calib, batch_size=cfg.batch_size, **_strategy_options(cfg, strategy),
         )
         decision = report.selections[-1] if len(report.selections) > before else None
@@ -195,8 +195,8 @@ def _as_config(config) -> LayerSwapConfig:
 
 def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
     """Everything that can be refused before a forward pass."""
-    if cfg.layers is None and cfg.num_layers is not None:  # an impossible budget costs no scoring
-        check_budget(cfg.num_layers, total, spacing=cfg.spacing, protect=cfg.protect)
+    if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
+        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
     if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
         clash = sorted({i % total for i in cfg.layers if -total <= i < total}
                        & {i % total for i in cfg.protect if -total <= i < total})
@@ -209,7 +209,7 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     check_report_matches(report, model)
     needed = [cfg.protocol] if strategy == "greedy" else list(PROTOCOLS) if strategy == "auto" else []
     missing = [p for p in needed if p not in report.protocols]
-    if cfg.layers is None and cfg.num_layers is not None and missing:
+    if cfg.layers is None and cfg.num_to_remove is not None and missing:
         raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
                          f"protocol={cfg.protocol!r} reads {missing}: score those protocols or choose another strategy")
 
@@ -274,7 +274,7 @@ def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
     sp = cfg.sparsity
     if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
-                                          allocation=sp.allocation, method=sp.method, pattern=sp.pattern)
+                                          allocation=sp.allocation, method=sp.pruner, pattern=sp.pattern)
     return result
 
 

@@ -20,7 +20,7 @@ REMOVED = [2, 3]
 
 
 def _pair():
-    teacher = tiny_model("llama", num_layers=6, seed=0)
+    teacher = tiny_model("llama", num_blocks=6, seed=0)
     student = copy.deepcopy(teacher)
     hl.remove_layers(student, REMOVED)
     return student, teacher
@@ -105,7 +105,7 @@ def test_divergent_learning_rate_returns_start_weights():
 def test_mismatched_teacher_refused_before_training():
     student, teacher = _pair()
     start = {k: v.clone() for k, v in student.state_dict().items()}
-    other = tiny_model("llama", num_layers=6, vocab_size=64)
+    other = tiny_model("llama", num_blocks=6, vocab_size=64)
     with pytest.raises(ValueError, match="vocab_size=64"):
         hl.heal(student, other, _calibration())
     with pytest.raises(ValueError, match="teacher is the student itself"):

@@ -213,7 +213,7 @@ def render_card(
         removal_rows.append(repair)
     step_rows = [
         {
-            "before": s.get("num_layers_before", _DASH),
+            "before": s.get("num_blocks_before", _DASH),
             "removed_local": _indices(s.get("removed_layers", [])),
             "removed_original": _indices(s.get("removed_original_layers", [])),
             "selection": _cell(_provenance(s).selection),
