@@ -638,7 +638,7 @@ def test_bad_provenance_is_refused_before_the_model_changes(provenance, kind, me
 
 
 SPARSITY_CONFLICTS = [
-    (dict(method="bogus"), "LayerSwapConfig: method='bogus': allowed ['wanda', 'sparsegpt', 'magnitude']"),
+    (dict(pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ['wanda', 'sparsegpt', 'magnitude']"),
     (dict(allocation="even"), "LayerSwapConfig: allocation='even': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']"),
     (dict(sparsity_pattern="2-4"), "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
     (dict(sparsity_pattern="2:4"),  # the default allocation is pals
@@ -648,14 +648,14 @@ SPARSITY_CONFLICTS = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), SPARSITY_CONFLICTS, ids=[m.split(":")[1] for _, m in SPARSITY_CONFLICTS])
+@pytest.mark.parametrize(("kwargs", "message"), SPARSITY_CONFLICTS, ids=[m.split(":")[1] if m.startswith("LayerSwapConfig:") else m.split("(")[1].split(")")[0] for _, m in SPARSITY_CONFLICTS])
 def test_sparsity_settings_are_checked_with_the_config_not_after_removal(kwargs, message):
     # these used to pass the config and fail in sparsify, after the blocks were removed
     with pytest.raises(ValueError) as err:
         LayerSwapConfig(layers=[1], sparsity=0.5, **kwargs)
     assert str(err.value) == message
-    with pytest.warns(UserWarning, match=r"\['method'\] ignored: sparsity is None"):  # not used without sparsity
-        assert LayerSwapConfig(layers=[1], method="bogus").sparsity is None
+    with pytest.warns(UserWarning, match=r"\['pruner'\] ignored: sparsity is None"):  # not used without sparsity
+        assert LayerSwapConfig(layers=[1], pruner="bogus").sparsity is None
 
 
 def test_tokenized_batch_encoding_needs_no_tokenizer_at_load_time():

@@ -6,6 +6,7 @@ round-tripped and run by ``from_pretrained``)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -288,8 +289,6 @@ def test_command_line_options_are_built_from_the_fields():
     assert by_flag["--protect"].nargs == "*"  # the verb's own override
     args = _prune_parser().parse_args(["m", "out", "--num-to-remove", "2", "--pruner", "magnitude", "--spacing", "0"])
     assert (args.num_to_remove, args.pruner, args.spacing, args.seq_len) == (2, "magnitude", 0, 128)
-    import argparse
-
     parser = argparse.ArgumentParser()
     add_config_options(parser, ["method", "epsilon"], RecoveryConfig, types={"epsilon": float})
     assert vars(parser.parse_args(["--method", "fused", "--epsilon", "0.5"])) == {"method": "fused", "epsilon": 0.5}

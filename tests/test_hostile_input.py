@@ -246,7 +246,7 @@ ONE_BLOCK = "a model with one block has nothing removable (at least one block mu
 def test_a_one_block_model_has_nothing_removable():
     from hf_layerswap.rule import check_budget
 
-    model = build("llama", num_to_remove=1)
+    model = build("llama", num_blocks=1)
     calls = [
         ("num_to_remove=1: ", lambda: hl.prune_loaded_model(model, hl.LayerSwapConfig(
             num_to_remove=1, calibration=prompts(), progress=False))),
