@@ -217,7 +217,7 @@ class HealConfig:
         "to each cut, plus norms) or last_k (the last k blocks and the head)"))
     max_tokens: int = field(default=4096, metadata=_help("healing budget in training tokens (prompt positions)"))
     calibration: str | None = field(default=None, metadata=_help(
-        "healing text: a text file (default: the removal's calibration source)"))
+        "healing text: a text file (default: the removal's calibration source; for the heal verb the embedded text)"))
     seq_len: int = field(default=128, metadata=_help("tokens per healing prompt"))
     batch_size: int = field(default=4, metadata=_help("healing prompts per optimiser step"))
     learning_rate: float = field(default=1e-4, metadata=_help("peak learning rate of healing"))

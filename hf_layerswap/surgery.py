@@ -27,8 +27,7 @@ from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
 from .recovery.operators import _attach, carried_operators, take_operators
 
-__all__ = [
-    "stale_healing","check_surgery_invariants", "kept_after", "remove_layers"]
+__all__ = ["check_surgery_invariants", "kept_after", "remove_layers", "stale_healing"]
 
 
 def _remap_prefix_count(value: int, kept: Sequence[int]) -> int:

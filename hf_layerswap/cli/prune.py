@@ -15,6 +15,8 @@ from ..selection import STRATEGIES
 from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
 from ..sparsity import ALLOCATORS, PRUNERS
+from ..healing import HEAL_METHODS
+from .heal import add_heal_args, heal_config
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
@@ -49,6 +51,9 @@ def add_parser(subparsers):
     p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     _add_selection_args(p)
     _add_repair_args(p)
+    p.add_argument("--heal", nargs="?", const="lora", default=None, choices=sorted(HEAL_METHODS), metavar="METHOD",
+                   help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
+    add_heal_args(p, prefix="heal-")
     add_resume_arg(p)
     p.set_defaults(func=run_prune)
     return p
@@ -82,14 +87,25 @@ def prune_config(args):
     """
     if args.max_evaluations is not None and args.strategy != "search":
         raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
+    heal = heal_config(args, prefix="heal-", method=args.heal) if args.heal is not None else None
+    if heal is None and heal_config(args, prefix="heal-", method="lora") != heal_config(
+            _defaults(args), prefix="heal-", method="lora"):
+        raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
     return LayerSwapConfig(
         num_layers=args.num_layers, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
         recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, method=args.sparsity_method,
-        sparsity_pattern=args.sparsity_pattern, progress=True,
+        sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
     )
+
+
+def _defaults(args):
+    """``args`` with every ``--heal-*`` option at its parser default."""
+    parser = argparse.ArgumentParser()
+    add_heal_args(parser, prefix="heal-")
+    return argparse.Namespace(**{**vars(args), **vars(parser.parse_args([]))})
 
 
 def run_prune(args) -> int:
