@@ -7,25 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from conftest import tiny_checkpoint, tiny_model
+from transformers import AutoModelForCausalLM
 
 from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
 
-def _tiny_checkpoint(path, model=None):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    model = tiny_model("qwen3") if model is None else model
-    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
-    vocab["[UNK]"] = model.config.vocab_size - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
+_tiny_checkpoint = tiny_checkpoint
 
 
 def _calibration_file(path, n=6):

@@ -138,12 +138,11 @@ def run_heal(args) -> int:
     default_resume = args.resume is None
     args.resume = os.fspath(checkpoint_folder(args.output)) if default_resume else args.resume
     args.model = args.pruned
+    args.calibration = config.calibration or "embedded"  # what check_text_files reads
     if not Path(args.pruned).is_dir():
         raise FileNotFoundError(f"PRUNED {args.pruned!r} is not a folder; give the pruned checkpoint folder")
     check_before_loading(args, outputs=[("OUTPUT", args.output, "new folder"), ("--resume", args.resume, "folder")])
     check_paths(model=args.base)
-    if config.calibration is not None and not Path(config.calibration).is_file():
-        raise FileNotFoundError(f"--calibration {config.calibration!r} is not a file")
     model, tokenizer = load(args)
     record = getattr(model.config, "layerswap", None) or {}
     if not record.get("removed_layers"):
@@ -153,7 +152,7 @@ def run_heal(args) -> int:
     if original != num_blocks(teacher):
         raise ValueError(f"BASE {args.base!r} has {num_blocks(teacher)} blocks but PRUNED was cut "
                          f"from a model of {original}: give the model PRUNED was pruned from")
-    report = heal(model, teacher, calibration_source(config.calibration or "embedded"), tokenizer=tokenizer,
+    report = heal(model, teacher, calibration_source(args.calibration), tokenizer=tokenizer,
                   teacher_tokenizer=teacher_tokenizer, checkpoint_dir=args.resume, progress=True,
                   perplexity_text=args.perplexity, **config.heal_kwargs())
     del teacher
