@@ -1,5 +1,8 @@
 """``LayerSwapConfig``: what to remove, how to choose it, and what to do after the cut.
 
+One module on purpose: the config and its nested sub-configs (repair, sparsity, healing)
+share one validation and one serialisation, read best side by side.
+
 The one typed description of a pruning run: :func:`hf_layerswap.pipeline.prune` reads it,
 ``from_pretrained(..., quantization_config=LayerSwapConfig(...))`` carries it through
 transformers' quantizer plugin API (:mod:`hf_layerswap.integration`), ``hf-layerswap
