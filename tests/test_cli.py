@@ -248,7 +248,7 @@ def test_each_verb_is_registered_by_its_own_module():
     runs = {name: parser.get_default("func") for name, parser in sub.choices.items()}
     assert runs == {
         "demo": cli.demo.run_demo, "score": cli.score.run_score, "prune": cli.prune.run_prune,
-        "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
+        "heal": cli.heal.run_heal, "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
         "export-gguf": cli.export_gguf.run_export_gguf,
     }
     # the names scripts use from hf_layerswap.cli are the verb modules' objects
