@@ -154,7 +154,7 @@ def heal(
             "at least one prompt must remain for training"
         )
     settings["data_hash"] = calib.content_hash
-    resume = checkpoint_dir is not None and _claim_checkpoints(Path(checkpoint_dir), settings)
+    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
     ppl_before = _perplexity(model, perplexity_text, tokenizer, progress)
     ids, mask = calib.input_ids, calib.attention_mask
     device = next(model.parameters()).device
@@ -166,39 +166,19 @@ def heal(
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
     tokens_per_step = int(mask[:-heldout_prompts].sum()) / len(train) * batch_size
-    with tempfile.TemporaryDirectory() as scratch:
-        args = TrainingArguments(
-            output_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, max_steps=steps,
-            per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
-            learning_rate=learning_rate, seed=seed, eval_strategy="steps", eval_steps=eval_every,
-            save_strategy="no" if checkpoint_dir is None else "steps", save_steps=eval_every, save_total_limit=2,
-            logging_steps=1, report_to=[], disable_tqdm=True, remove_unused_columns=False,
-            use_cpu=device.type == "cpu",
-        )
-        trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
-                                      teacher=teacher, ce_weight=ce_weight)
-        trainer.remove_callback(PrinterCallback)
-        kl_before = float(trainer.evaluate()["eval_loss"])
-        best = BestWeights(student, kl_before, patience)
-        trainer.add_callback(best)
-        if progress:
-            trainer.add_callback(HealProgress(steps, tokens_per_step))
-        for callback in callbacks:
-            trainer.add_callback(callback)
-        last = get_last_checkpoint(os.fspath(checkpoint_dir)) if resume else None
-        if last is not None:
-            best.load(last)
-        trainer.train(resume_from_checkpoint=last)
-        best.restore()
+    state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
+                         checkpoint_dir=checkpoint_dir, resume=bool(resume),
+                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
+    kl_before = best.start_kl
     healed = entry.finish(student)
     if healed is not model:
         raise RuntimeError(f"method={method!r} returned a new model object; healing works in place")
     for param in healed.parameters():
         param.requires_grad_(True)
     healed.eval()
-    losses = [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history if "loss" in e]
+    losses = [{"step": e["step"], "loss": e["loss"]} for e in state.log_history if "loss" in e]
     report = HealReport(
-        method=method, tokens=round(tokens_per_step * trainer.state.global_step), steps=trainer.state.global_step,
+        method=method, tokens=round(tokens_per_step * state.global_step), steps=state.global_step,
         learning_rate=float(learning_rate), seed=seed, data=calib.description,
         heldout=f"last {heldout_prompts} prompt(s) of the calibration set", kl_before=kl_before,
         kl_after=best.best_kl, reverted=not best.improved, loss_history=losses, eval_history=best.history,
@@ -213,6 +193,34 @@ def heal(
     _record_step(healed, report)
     healed.layerswap_heal_report = report
     return report
+
+
+def _train(student, teacher, train, held, settings: dict, *, steps: int, device, checkpoint_dir, resume: bool,
+           extra: list):
+    """Run transformers' Trainer on ``student`` (resuming from the last checkpoint in
+    ``checkpoint_dir`` when ``resume``); returns its final state and the early stop, whose
+    best weights are restored into ``student``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        args = TrainingArguments(
+            output_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, max_steps=steps,
+            per_device_train_batch_size=settings["batch_size"], per_device_eval_batch_size=settings["batch_size"],
+            learning_rate=settings["learning_rate"], seed=settings["seed"], eval_strategy="steps",
+            eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
+            save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
+            remove_unused_columns=False, use_cpu=device.type == "cpu",
+        )
+        trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
+                                      teacher=teacher, ce_weight=settings["ce_weight"])
+        trainer.remove_callback(PrinterCallback)
+        best = BestWeights(student, float(trainer.evaluate()["eval_loss"]), settings["patience"])
+        for callback in [best, *extra]:
+            trainer.add_callback(callback)
+        last = get_last_checkpoint(os.fspath(checkpoint_dir)) if resume else None
+        if last is not None:
+            best.load(last)
+        trainer.train(resume_from_checkpoint=last)
+        best.restore()
+    return trainer.state, best
 
 
 def _check_settings(settings: dict, vocab_size: int) -> None:

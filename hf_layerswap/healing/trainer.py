@@ -68,7 +68,7 @@ class BestWeights(TrainerCallback):
 
     def __init__(self, model, start_kl: float, patience: int, min_delta: float = 0.0):
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.best_kl = start_kl
+        self.start_kl = self.best_kl = start_kl
         self.best = self.snapshot()
         self.improved = False
         self.patience, self.min_delta, self.waited = patience, min_delta, 0
