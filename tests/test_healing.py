@@ -173,7 +173,7 @@ class _Interrupt(TrainerCallback):
 
 
 @pytest.mark.parametrize("method,lr,options", [("lora", 1e-2, {"lora_r": 4}), ("last_k", 1e-3, {"k": 2})])
-def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, method, lr, options):
+def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, capsys, method, lr, options):
     kw = dict(method=method, max_tokens=8 * 16 * 4, seq_len=16, batch_size=4, learning_rate=lr, eval_every=2,
               patience=3, **options)
     whole, teacher = _pair()
@@ -182,8 +182,12 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, method, l
     with pytest.raises(KeyboardInterrupt):
         hl.heal(cut, teacher, _calibration(), checkpoint_dir=tmp_path, callbacks=[_Interrupt(5)], **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4", RUN_FILE]
+    (tmp_path / "checkpoint-6").mkdir()  # a save cut off half way: no early-stop state in it
+    (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"partial")
     resumed, teacher = _pair()
+    capsys.readouterr()
     report = hl.heal(resumed, teacher, _calibration(), checkpoint_dir=tmp_path, progress=True, **kw)
+    assert "healing: 100%" in capsys.readouterr().err  # the bar, in tokens, resumed at step 4 of 8
     assert report.steps == expected.steps == 8
     assert report.kl_after == expected.kl_after and report.eval_history == expected.eval_history
     assert [e["step"] for e in report.loss_history] == list(range(1, 9))

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import PrinterCallback, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..calibration import build_calibration
 from ..evaluation.perplexity import evaluate_perplexity
@@ -21,7 +20,7 @@ from ..provenance import library_versions
 from .loss import teacher_top_k
 from .methods import get_heal_method
 from .report import HealReport
-from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress
+from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint
 
 __all__ = ["RUN_FILE", "check_teacher", "heal"]
 
@@ -110,8 +109,9 @@ def heal(
         seq_len: tokens per prompt. options: method options (``lora_r``, ``lora_alpha``, ``k``).
         checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
             evaluation, the last two kept, each with the early stop's best weights): the
-            same call after an interruption resumes from the last one and ends with the
-            same weights as an uninterrupted run (same seed). A folder holding checkpoints
+            same call after an interruption resumes from the last complete one (a checkpoint
+            cut off while saving is removed) and ends with the same weights as an
+            uninterrupted run (same seed). A folder holding checkpoints
             of a run with other settings is refused. ``None``: nothing is saved.
         teacher_top_k: ``None`` (default): the teacher's full logits on the fly at every
             step. An int ``k``: the teacher runs once over the training prompts and its
@@ -215,7 +215,7 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
         best = BestWeights(student, float(trainer.evaluate()["eval_loss"]), settings["patience"])
         for callback in [best, *extra]:
             trainer.add_callback(callback)
-        last = get_last_checkpoint(os.fspath(checkpoint_dir)) if resume else None
+        last = last_complete_checkpoint(checkpoint_dir) if resume else None
         if last is not None:
             best.load(last)
         trainer.train(resume_from_checkpoint=last)

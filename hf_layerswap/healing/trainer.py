@@ -4,6 +4,8 @@ survives a resume, and a progress bar in tokens."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -11,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 
+from ..jsonio import write_json_atomic
 from .loss import distillation_loss, next_token_cross_entropy, top_k_distillation_loss
 
-__all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "HealProgress", "TEACHER_CACHE_KEYS"]
+__all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "HealProgress", "TEACHER_CACHE_KEYS",
+           "last_complete_checkpoint"]
 
 #: Files :class:`BestWeights` adds to each Trainer checkpoint folder.
 BEST_FILE = "layerswap_best.safetensors"
@@ -88,7 +92,7 @@ class BestWeights(TrainerCallback):
             save_file({n: t.contiguous() for n, t in self.best.items()}, str(folder / BEST_FILE))
             state_ = {"best_kl": self.best_kl, "improved": self.improved, "waited": self.waited,
                       "history": self.history}
-            (folder / BEST_STATE).write_text(json.dumps(state_, allow_nan=True), encoding="utf-8")
+            write_json_atomic(state_, folder / BEST_STATE)  # written last: marks the checkpoint complete
 
     def load(self, folder) -> None:
         """Read the state :meth:`on_save` wrote into the checkpoint ``folder``.
@@ -141,3 +145,21 @@ class HealProgress(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def last_complete_checkpoint(folder) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``folder`` that :class:`BestWeights` finished
+    (transformers writes a checkpoint file by file, so a run killed while saving leaves an
+    incomplete one); newer incomplete ones are removed. ``None`` when there is none."""
+    found = []
+    for path in Path(folder).iterdir():
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    found.sort()
+    complete = [path for _, path in found if (path / BEST_STATE).is_file()]
+    last = complete[-1] if complete else None
+    for step, path in found:
+        if last is None or step > int(last.name.split("-")[1]):
+            shutil.rmtree(path, ignore_errors=True)
+    return None if last is None else str(last)
