@@ -127,6 +127,7 @@ class HealProgress(TrainerCallback):
     def __init__(self, total_steps: int, tokens_per_step: float):
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
         self.bar = None
+        self.shown: dict[str, str] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.bar = tqdm(total=round(self.total_steps * self.tokens_per_step), unit="tok", unit_scale=True,
@@ -138,8 +139,10 @@ class HealProgress(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs:
-            shown = {"loss": logs.get("loss"), "heldout_kl": logs.get("eval_loss")}
-            self.bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items() if v is not None}, refresh=False)
+            for key, name in (("loss", "loss"), ("eval_loss", "heldout_kl")):
+                if logs.get(key) is not None:
+                    self.shown[name] = f"{logs[key]:.4f}"
+            self.bar.set_postfix(self.shown, refresh=False)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
