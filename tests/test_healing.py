@@ -342,11 +342,15 @@ def test_heal_verb_refusals_leave_inputs_alone(tmp_path, capsys):
 def test_prune_with_heal_flag(tmp_path):
     tiny_checkpoint(tmp_path / "base")
     calib = _calibration_file(tmp_path / "calib.txt")
-    flags = ["--heal", "last_k", "--heal-option", "k=2", "--heal-max-tokens", "512", "--heal-seq-len", "16",
-             "--heal-learning-rate", "1e-3", "--heal-eval-every", "2"]
+    flags = ["--heal", "--heal-option", "lora_r=4", "--heal-max-tokens", "512", "--heal-seq-len", "16",
+             "--heal-learning-rate", "1e-2", "--heal-eval-every", "2"]
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p"), "--layers", "2", "3", "--calibration",
                  str(calib), *flags]) == 0
     record = json.loads((tmp_path / "p" / "config.json").read_text())["layerswap"]
-    assert record["healing"][-1]["method"] == "last_k" and record["steps"][-1]["config"]["heal"]["max_tokens"] == 512
+    assert record["healing"][-1]["method"] == "lora" and record["healing"][-1]["options"] == {"lora_r": 4}
+    assert record["steps"][-1]["config"]["heal"]["max_tokens"] == 512
+    assert not any("adapter" in p.name for p in (tmp_path / "p").iterdir())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
+    assert not any("lora" in n for n, _ in reloaded.named_modules())
     assert "## Healing" in (tmp_path / "p" / "README.md").read_text()
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "q"), "--layers", "2", "--heal-max-tokens", "9"]) == 2
