@@ -83,7 +83,8 @@ def healing_section(record: Mapping, *, plot: str | None = None) -> str | None:
     repaired = bool(record.get("recovery"))
     parts = ["The pruned model was distilled from the dense model it was cut from (KL of the next-token "
              "distributions, on calibration text, never the evaluation text), with an early stop on held-out KL "
-             "that keeps the best weights. The result is a plain transformers checkpoint."]
+             "that keeps the best weights. Trained updates are in the weights themselves (LoRA merged back): no PEFT "
+             "modules or adapter files are needed."]
     for n, entry in enumerate(runs, 1):
         title = f"### Healing run {n}" if len(runs) > 1 else None
         table = ["| | |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in _entry_rows(entry, repaired)]
