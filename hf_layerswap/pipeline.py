@@ -97,6 +97,7 @@ def prune(
     calibration=None,
     checkpoint_path: str | os.PathLike | None = None,
     max_memory: int | str | None = None,
+    heal_checkpoint_dir: str | os.PathLike | None = None,
 ) -> PruneResult:
     """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
 
@@ -122,6 +123,8 @@ def prune(
             ``None``/``"auto"``: from the device's free memory), as in
             :func:`~hf_layerswap.score_layers`; it changes how the scores are computed,
             not what they are.
+        heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
+            of :func:`~hf_layerswap.heal`); needs ``config.heal``.
 
     Returns:
         A :class:`PruneResult`.
@@ -137,6 +140,9 @@ def prune(
         TypeError: ``config`` or ``report`` of the wrong type.
     """
     cfg = _as_config(config)
+    if heal_checkpoint_dir is not None and cfg.heal is None:
+        raise ValueError(f"heal_checkpoint_dir={os.fspath(heal_checkpoint_dir)!r} resumes healing, but the config "
+                         "heals nothing: set heal= or drop heal_checkpoint_dir")
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
     total = num_blocks(model)
     _check_before_work(model, cfg, report, strategy, total)
@@ -197,19 +203,20 @@ def prune(
         remove_layers(model, layers, provenance=provenance.to_dict())
     result.removed = list(model.config.layerswap["steps"][-1]["removed_layers"])
     if teacher is not None:
-        result.heal_report = _heal(model, teacher, cfg, source, tokenizer)
+        result.heal_report = _heal(model, teacher, cfg, source, tokenizer, heal_checkpoint_dir)
         del teacher
     return _sparsify(result, cfg)
 
 
-def _heal(model, teacher, cfg: LayerSwapConfig, source, tokenizer) -> HealReport:
+def _heal(model, teacher, cfg: LayerSwapConfig, source, tokenizer, checkpoint_dir) -> HealReport:
     """Distil ``model`` from ``teacher`` as ``cfg.heal`` says, on its own calibration text or
     else the removal's source (a text source read with the model's tokenizer)."""
     text = cfg.heal.calibration if cfg.heal.calibration is not None else source
     if isinstance(text, CalibrationSet):  # heal draws its own prompts at its own length
         text = cfg.calibration
     tok = None if isinstance(text, Mapping) else _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
-    return heal(model, teacher, text, tokenizer=tok, progress=cfg.progress, **cfg.heal.heal_kwargs())
+    return heal(model, teacher, text, tokenizer=tok, progress=cfg.progress, checkpoint_dir=checkpoint_dir,
+                **cfg.heal.heal_kwargs())
 
 
 def _as_config(config) -> LayerSwapConfig:

@@ -240,6 +240,8 @@ def test_pipeline_heals_after_the_cut_like_heal_on_a_copy():
     assert record["steps"][-1]["config"]["heal"]["method"] == "last_k"
     assert record["healing"][-1]["after_removal_step"] == 1 and weights_changed_later(model.config)
     assert model.layerswap_heal_report is result.heal_report
+    with pytest.raises(ValueError, match="heals nothing"):
+        prune(tiny_model("llama"), LayerSwapConfig(layers=REMOVED), heal_checkpoint_dir="x")
 
 
 def test_from_pretrained_heals_at_load_time(tmp_path):
@@ -350,6 +352,7 @@ def test_prune_with_heal_flag(tmp_path):
     assert record["healing"][-1]["method"] == "lora" and record["healing"][-1]["options"] == {"lora_r": 4}
     assert record["steps"][-1]["config"]["heal"]["max_tokens"] == 512
     assert not any("adapter" in p.name for p in (tmp_path / "p").iterdir())
+    assert not (tmp_path / "p.heal-checkpoints").exists()  # the healing checkpoints, removed after the save
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
     assert not any("lora" in n for n, _ in reloaded.named_modules())
     assert "## Healing" in (tmp_path / "p" / "README.md").read_text()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from ..config import LayerSwapConfig
@@ -16,7 +17,7 @@ from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
 from ..sparsity import ALLOCATORS, PRUNERS
 from ..healing import HEAL_METHODS
-from .heal import add_heal_args, heal_config
+from .heal import add_heal_args, checkpoint_folder, heal_config
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
@@ -111,7 +112,8 @@ def _defaults(args):
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
-    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")])
+    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
+                         + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
     if args.resume is not None and (args.layers is not None or args.report):
         given = "--layers" if args.layers is not None else "--report"
         raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
@@ -120,12 +122,16 @@ def run_prune(args) -> int:
         if not Path(args.report).is_file():
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
+    heal_dir = checkpoint_folder(args.output) if config.heal is not None else None
     model, tokenizer = load(args)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
+        heal_checkpoint_dir=heal_dir,
     )
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
+    if heal_dir is not None:
+        shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
