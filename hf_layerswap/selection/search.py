@@ -66,10 +66,10 @@ def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int
     return sorted(sorted(finite, key=lambda i: (score_key(scores[i]), i))[:n])
 
 
-def _best_runs(scores: Sequence[float], allowed: set[int], num_layers: int, n: int, k: int = 2) -> list[list[int]]:
+def _best_runs(scores: Sequence[float], allowed: set[int], num_blocks: int, n: int, k: int = 2) -> list[list[int]]:
     """The ``k`` contiguous runs of ``n`` allowed blocks with the lowest summed score (ties: earliest)."""
     runs = []
-    for a in range(num_layers - n + 1):
+    for a in range(num_blocks - n + 1):
         run = list(range(a, a + n))
         if all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
             runs.append((sum(scores[i] for i in run), a, run))
@@ -149,10 +149,10 @@ def search_select(
         ValueError: an unknown objective, a budget above the unprotected blocks the
             spacing allows, or a report of another block count.
     """
-    num_layers = num_blocks(model)
-    wanted, top = _check_budgets(report, budgets, num_layers, spacing, protect)
-    protected = resolve_protect(protect, num_layers)
-    allowed = [i for i in range(num_layers) if i not in protected]
+    total = num_blocks(model)
+    wanted, top = _check_budgets(report, budgets, total, spacing, protect)
+    protected = resolve_protect(protect, total)
+    allowed = [i for i in range(total) if i not in protected]
     if exhaustive_below is None:
         exhaustive_below = moves_per_round * max_rounds
     per_budget, allowances = _allowances(allowed, top, max_evaluations, evaluations_per_budget, extend_best,
@@ -164,7 +164,7 @@ def search_select(
                    dynamic_ncols=True)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
                                   progress=bar)
-    search = _SetSearch(f, allowed, spacing, budget_total, num_layers)
+    search = _SetSearch(f, allowed, spacing, budget_total, total)
     search.score_singles()
     sources = {"single_removal": search.single}
     protocols = list(report.protocols) if report is not None else []
@@ -204,7 +204,7 @@ def _record_of(n: int, selected, value, protocol_sets: dict, trace: dict, cost: 
                common: dict) -> dict:
     """The record :func:`search_select` returns for budget ``n`` (keys in a fixed order)."""
     return {
-        "strategy": common["strategy"], "objective": common["objective"], "num_layers": n, "selected": list(selected),
+        "strategy": common["strategy"], "objective": common["objective"], "num_to_remove": n, "selected": list(selected),
         "value": value, "spacing": common["spacing"], "protect": list(common["protect"]),
         "protocol_sets": copy.deepcopy(protocol_sets), "trace": copy.deepcopy(trace),
         "cost": dict(cost), "total_cost": dict(total_cost), "max_evaluations": common["max_evaluations"],
@@ -212,16 +212,16 @@ def _record_of(n: int, selected, value, protocol_sets: dict, trace: dict, cost: 
     }
 
 
-def _check_budgets(report: SwapReport | None, budgets, num_layers: int, spacing: int, protect) -> tuple[list[int], int]:
+def _check_budgets(report: SwapReport | None, budgets, total: int, spacing: int, protect) -> tuple[list[int], int]:
     """(the requested budgets ascending, the largest); raises ``ValueError`` for none, a
     budget the rule cannot fill, or a report of another block count."""
     single_budget = isinstance(budgets, int)
     wanted = sorted({budgets} if single_budget else set(budgets))
     if not wanted:
         raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
-    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
-    if report is not None and report.num_layers != num_layers:
-        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    top = max(check_budget(b, total, spacing=spacing, protect=protect) for b in wanted)
+    if report is not None and report.num_blocks != total:
+        raise ValueError(f"the report has {report.num_blocks} blocks but the model has {total}")
     return wanted, top
 
 
@@ -246,15 +246,15 @@ class _SetSearch:
     removable blocks, the spacing rule, the evaluation allowance of the current budget,
     and the single-removal values with the blocks ranked by them."""
 
-    def __init__(self, f: SetObjective, allowed: list[int], spacing: int, budget_total: float, num_layers: int):
+    def __init__(self, f: SetObjective, allowed: list[int], spacing: int, budget_total: float, total: int):
         self.f = f
         self.allowed = allowed
         self.allowed_set = set(allowed)
         self.spacing = spacing
         self.budget_total = budget_total
-        self.num_layers = num_layers
+        self.total = total
         self.level = {"start": f.calls, "allowance": len(allowed)}
-        self.single: list[float | None] = [None] * num_layers
+        self.single: list[float | None] = [None] * total
         self.rank: list[int] = []
 
     def ok(self, s) -> bool:
@@ -346,7 +346,7 @@ class _SetSearch:
             pool.append(_lowest(sources[p], self.allowed, n))
         pool.append(self.rank[:n] if n <= len(self.rank) else [])
         for scores in sources.values():
-            pool.extend(_best_runs(scores, self.allowed_set, self.num_layers, n))
+            pool.extend(_best_runs(scores, self.allowed_set, self.total, n))
         if n > 1:
             for prev in ranked_prev[1:extend_best]:
                 pool.extend(self.extensions(prev, n + 2))
@@ -393,11 +393,11 @@ _SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "prot
 
 
 @register_strategy("search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED))
-def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
+def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
     """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
     objective = _default_objective(objective)
-    record = search_select(report, num_layers, model=model, calibration=calibration, objective=objective,
-                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_layers]
+    record = search_select(report, num_to_remove, model=model, calibration=calibration, objective=objective,
+                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_to_remove]
     _record(report, record)
     return list(record["selected"])
 
