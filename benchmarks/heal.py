@@ -302,16 +302,22 @@ def _criteria_section(state: dict) -> list[str]:
     for c, cut, gh, he in rows:
         lines.append(f"| {CRITERION_NAMES[c['criterion']]} | {{{','.join(map(str, c['removed']))}}} | {cut:+.1f} "
                      f"(#{rank['cut'][id(c)]}) | {_pct(gh)} (#{rank['ghosted'][id(c)]}) | {he:+.1f} (#{rank['healed'][id(c)]}) |")
+    order = {label: [c["criterion"] for c, *_ in sorted(rows, key=lambda r: r[k])] for label, k in
+             (("cut", 1), ("ghosted", 2), ("healed", 3))}
+    same = [label for label in ("cut", "ghosted") if order[label] == order["healed"]]
+    ranking = ("The ranking after healing is the same as after " + " and after ".join(
+        {"cut": "the cut", "ghosted": "the ghosted repair"}[x] for x in same) + "." if same else
+        "The ranking after healing differs from the ranking after the cut and after the ghosted repair.")
     best, worst = rows[0], rows[-1]
     ci = best[0]["healed"]["ci"]
     inside = [r for r in rows[1:] if r[3] <= ci[1]]
     lines += ["", f"After healing the spread between criteria is {best[3]:+.1f}% ({CRITERION_NAMES[best[0]['criterion']]}) "
               f"to {worst[3]:+.1f}% ({CRITERION_NAMES[worst[0]['criterion']]}), against {min(r[1] for r in rows):+.1f}% "
               f"to {max(r[1] for r in rows):+.1f}% after the cut. "
-              + (f"Inside the best's 95% CI (upper {ci[1]:+.1f}%): "
+              + (f"Inside the best's own 95% CI (upper {ci[1]:+.1f}%; not a paired test): "
                  + ", ".join(CRITERION_NAMES[r[0]['criterion']] for r in inside) + "." if inside else
                  f"No other criterion lies inside the best's 95% CI (upper {ci[1]:+.1f}%): the choice of blocks still "
-                 "matters after healing.")]
+                 "matters after healing.") + " " + ranking]
     return lines
 
 
