@@ -325,7 +325,8 @@ def _not_run(state: dict) -> list[str]:
     missing = [(g, c) for g, cells in PLAN.items() for c in cells if cell_key(c) not in state["cells"]]
     if not missing:
         return ["Every planned cell ran."]
-    return [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
+    return ["These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
+            "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
             f"{c['tokens']:,} tokens lr {c['lr']:g}" for g, c in missing]
 
 
