@@ -204,17 +204,24 @@ def _real_offloaded(name: str, folder: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_with_a_quarter_of_its_weights_in_memory_streams_to_the_in_memory_values(name, tmp_path):
+    """Both protocols' probes of three adjacent pairs (first, middle, last: a few probes keep
+    the test short; the reference still streams every block), 4 prompts x 32 tokens."""
     if not WIKITEXT_VALID.is_file():
         pytest.skip("WikiText-2 calibration text absent")
     dense, split, tok = _real_offloaded(name, tmp_path / "offload")
     calib = build_calibration(WIKITEXT_VALID, tok, num_prompts=4, seq_len=32)
+    L = len(decoder_blocks(dense)[2])
+    plans = {k: v for k, v in swap_plans(L, 1).items() if k[1] in (0, L // 2, L - 2)}
+    assert len(plans) == 9
     counts = _Counts(split)
-    ours = hl.score_layers(dense, calib, progress=False)
-    theirs = hl.score_layers(split, calib, progress=False)
-    assert _max_rel(ours, theirs) <= 1e-5
+    ours, o_stats = plan_kl(dense, calib, plans)
+    theirs, t_stats = plan_kl(split, calib, plans)
+    worst = max(float(((theirs[k] - ours[k]).abs() / ours[k].abs()).max()) for k in plans)
+    assert worst <= 1e-5
     _, _, blocks = decoder_blocks(split)
-    offloaded = {b for b in range(len(blocks)) if offloaded_modules(blocks[b])}
-    assert len(offloaded) >= len(blocks) * 3 // 4 - 1  # about three quarters of the weights on disk
+    offloaded = {b for b in range(L) if offloaded_modules(blocks[b])}
+    assert len(offloaded) >= L * 3 // 4 - 1  # about three quarters of the weights on disk
+    assert t_stats["slot_major"] is True and o_stats["slot_major"] is False
     assert counts.onloads == Counter({b: 1 for b in offloaded})  # one batch: each offloaded block once
-    assert theirs.metadata["movement"]["block_onloads_per_batch"] == [len(offloaded)]
-    assert theirs.metadata["movement"]["bytes_moved"] == sum(offloaded_bytes(blocks[b]) for b in offloaded)
+    assert t_stats["movement"]["block_onloads_per_batch"] == [len(offloaded)]
+    assert t_stats["movement"]["bytes_moved"] == sum(offloaded_bytes(blocks[b]) for b in offloaded)

@@ -1,4 +1,8 @@
-"""The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
+"""One module on purpose: both batch paths (depth-first and slot-major) share the engine's
+state (budget, reference, head/KL flush, checkpoint, counters, progress bar), which one
+class keeps in one place.
+
+The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
 with prefix reuse, streamed KL under a memory budget, optional reduced precision,
 checkpointing and the probes partitioned over launched processes (see
 :mod:`hf_layerswap.scoring` for what each does).
@@ -15,9 +19,6 @@ offloaded, slot-major (:mod:`.slotmajor`: every probe advanced slot by slot, eac
 moved once per batch); the head/KL phase, the budget, the checkpoint and the counters are
 the same for both. The summary records the blocks moved (``movement``) and the peak memory
 per device (``peak_memory``).
-
-One module on purpose: both batch paths share the engine's state (budget, reference,
-head/KL flush, checkpoint, counters, progress bar), which one class keeps in one place.
 """
 
 from __future__ import annotations
