@@ -107,7 +107,7 @@ def test_depth_first_on_an_offloaded_model_reads_each_block_at_every_call(tmp_pa
     """The same model scored probe after probe: the same values, one onload per block call
     (about 1.5 L^2 per batch for adjacent pairs' swap probes instead of L)."""
     calib = build_calibration(tiny_batch(batch=3, length=12))
-    split = _disk_offloaded(tiny_model("llama", num_layers=8), tmp_path / "offload")
+    split = _disk_offloaded(tiny_model("llama", num_blocks=8), tmp_path / "offload")
     counts = _Counts(split)
     plans = swap_plans(8, 1, ("replacement", "interchange"))
     streamed, s_stats = plan_kl(split, calib, plans)
@@ -128,7 +128,7 @@ def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
     """Forced on an in-memory model the streamed path gives the depth-first values bit
     for bit; with a budget that holds few states it splits the probes into groups, each
     one pass (blocks move once per group)."""
-    model = tiny_model("llama", num_layers=6)
+    model = tiny_model("llama", num_blocks=6)
     calib = build_calibration(tiny_batch(batch=4, length=16))
     plans = swap_plans(6, 2, ("replacement", "interchange")) | {"removal": [0, 2, 3, 5]}
     budget = 1 << 20
