@@ -159,7 +159,7 @@ def write_markdown(out: Path, stored: dict) -> None:
                       f"{'met' if ratio <= 1.5 else 'missed'}); peak RSS {saved:.0%} of the weights below the "
                       f"in-memory peak (target >= 50%: {'met' if saved >= 0.5 else 'missed'})."]
         lines.append("")
-    write_text_atomic(out, "\n".join(lines))
+    write_text_atomic("\n".join(lines) + "\n", out)
 
 
 def main(argv=None):
@@ -188,19 +188,29 @@ def main(argv=None):
         return
     import torch
 
-    rows = []
-    for model in args.models:
-        for cap in CAPS:
-            rows.append(run_config(model, cap, False, args))
-        if args.depth_first_rows:
-            rows.append(run_config(model, 0.25, True, args))
+    state = out.with_suffix(".json")
     stored = {
         "command": command_line("streaming.py", argv),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "torch": torch.__version__,
-        "num_prompts": args.num_prompts, "seq_len": args.seq_len, "models": args.models, "rows": rows,
+        "num_prompts": args.num_prompts, "seq_len": args.seq_len, "models": args.models, "rows": [],
     }
-    write_text_atomic(out.with_suffix(".json"), json.dumps(stored, indent=1))
+    if state.is_file():  # resume: keep the configurations measured with the same calibration
+        old = json.loads(state.read_text())
+        if (old["num_prompts"], old["seq_len"]) == (args.num_prompts, args.seq_len):
+            stored["rows"] = [r for r in old["rows"] if r["model"] in args.models]
+    done = {(r["model"], r["cap"], r["depth_first"]) for r in stored["rows"]}
+    for model in args.models:
+        configs = [(cap, False) for cap in CAPS] + ([(0.25, True)] if args.depth_first_rows else [])
+        for cap, depth_first in configs:
+            if (model, cap, depth_first) in done:
+                continue
+            stored["rows"].append(run_config(model, cap, depth_first, args))
+            write_text_atomic(json.dumps(stored, indent=1) + "\n", state)  # a stopped run keeps what it measured
+    order = {(m, c, d): n for n, (m, c, d) in enumerate((m, c, d) for m in args.models for c, d in
+                                                        [(c, False) for c in CAPS] + [(0.25, True)])}
+    stored["rows"].sort(key=lambda r: order[(r["model"], r["cap"], r["depth_first"])])
+    write_text_atomic(json.dumps(stored, indent=1) + "\n", state)
     write_markdown(out, stored)
     log("wrote", out)
 
