@@ -615,3 +615,11 @@ def run_plans(
     engine.run_batches(engine.batches)
     engine.gather()
     return engine.values(engine.batches), engine.summary(engine.batches)
+
+
+def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]],
+                settings: EngineSettings):
+    """The engine as :func:`run_plans` would build it, without running anything (its batch
+    size, batches, head/KL chunks, probe schedule): what :func:`hf_layerswap.cost.estimate_cost`
+    plans with. ``model`` may live on the meta device."""
+    return _Engine(model, calibration, plans, settings)
