@@ -230,6 +230,8 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
         else:  # the allowance plus each protocol's greedy set, each from the first removable block
             bound_sets += per_budget + len(PROTOCOLS)
             calls += 2 + 4  # the protocol sets, the seed pool, at most max_rounds=4 local rounds
+    if cfg.max_evaluations is not None:  # the whole call's cap (the protocols' own sets aside)
+        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) + len(PROTOCOLS) * n_top - len(sets)))
     plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
     # each set from its first removed block, no sharing between sets: calls share less than one run would
     unshared = dataclasses.replace(settings, prefix_reuse="start")

@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 
 from ..config import LayerSwapConfig
+from ..cost import estimate_cost
+from ..devices import input_device
 from ..pipeline import prune
 from ..report import SwapReport
 from ..recovery import RECOVERY_METHODS
@@ -50,6 +52,9 @@ def add_parser(subparsers):
     _add_selection_args(p)
     _add_repair_args(p)
     add_resume_arg(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the estimated cost (block/head passes, FLOPs, peak memory, seconds; "
+                        "hl.estimate_cost on the meta device, no weight read) and exit without writing anything")
     p.set_defaults(func=run_prune)
     return p
 
@@ -95,6 +100,13 @@ def prune_config(args):
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
+    if args.dry_run:
+        if args.gguf_file is not None:
+            raise ValueError(f"--dry-run with --gguf-file {args.gguf_file!r}: the estimate reads a checkpoint's "
+                             "config.json; give the (dequantized) checkpoint folder instead")
+        estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype)
+        print("\n".join(estimate.lines()))
+        return 0
     check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")])
     if args.resume is not None and (args.layers is not None or args.report):
         given = "--layers" if args.layers is not None else "--report"
@@ -105,6 +117,8 @@ def run_prune(args) -> int:
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
     model, tokenizer = load(args)
+    if report is None and is_main_process():
+        print("\n".join(estimate_cost(model, config, device=input_device(model)).lines()), flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
     )
