@@ -29,6 +29,7 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import time
@@ -36,8 +37,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
+from accelerate import init_empty_weights
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
@@ -46,7 +50,6 @@ from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
 from .rule import resolve_protect
 from .scoring.engine import plan_engine
-from .scoring.kl import row_blocks
 from .scoring.probes import make_probes, schedule
 from .scoring.settings import EngineSettings, device_memory_budget
 from .scoring.verbs import swap_plans
@@ -128,9 +131,6 @@ def _duration(seconds: float) -> str:
 # ------------------------------------------------------------------------- the model
 def _meta_model(model_or_path, dtype):
     """A model whose weights are on the meta device (or the given model itself)."""
-    from accelerate import init_empty_weights  # noqa: PLC0415 (accelerate is optional at import time)
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig  # noqa: PLC0415
-
     if isinstance(model_or_path, nn.Module):
         return model_or_path
     if isinstance(model_or_path, PretrainedConfig):
@@ -223,8 +223,6 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     for n in range(2, n_top + 1):
         combos = math.comb(len(allowed), n)
         if combos <= exhaustive_below:  # every set is scored: exact
-            import itertools  # noqa: PLC0415
-
             sets.extend(list(c) for c in itertools.combinations(allowed, n))
             calls += 2
         else:  # the allowance plus each protocol's greedy set, each from the first removable block
@@ -263,8 +261,6 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
         a :class:`Throughput` (``source`` says what was timed); host bandwidth: a timed
         copy of the block's weights to ``device`` (the CPU's memory bandwidth on a CPU).
     """
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
     device = torch.device(device or "cpu")
     cfg = _one_block_config(model)
     dtype = _weights_dtype(model)
@@ -370,8 +366,6 @@ def _reference_bytes(engine, budget: int) -> int:
 
 
 def _resident_bytes() -> int:
-    import psutil  # noqa: PLC0415
-
     return int(psutil.Process().memory_info().rss)
 
 

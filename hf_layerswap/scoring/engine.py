@@ -3,14 +3,14 @@ with prefix reuse, streamed KL under a memory budget, optional reduced precision
 checkpointing and the probes partitioned over launched processes (see
 :mod:`hf_layerswap.scoring` for what each does).
 
+One module on purpose: the engine's passes (reference, probes, head phase, progress)
+share one state object; the per-batch reference cache lives in :mod:`.reference`.
+
 ``_Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
 :class:`~hf_layerswap.scoring.settings.EngineSettings`; its building blocks live next
 door (:mod:`.settings`, :mod:`.streamed` for the head/KL blocks, :mod:`.kl`, :mod:`.head`,
 :mod:`.probes`, :mod:`.checkpoint`), each importable from its own module.
-
-One module on purpose: the engine's passes (reference, probes, head phase, progress)
-share one state object; the per-batch reference cache lives in :mod:`.reference`.
 """
 
 from __future__ import annotations
