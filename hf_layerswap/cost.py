@@ -151,7 +151,7 @@ def _meta_model(model_or_path, dtype):
         cfg = AutoConfig.from_pretrained(str(path) if path.exists() else name)
     else:
         raise TypeError(f"model_or_path must be a model, a config, or a path / Hub id; got {type(model_or_path).__name__}")
-    dtype = dtype or getattr(cfg, "torch_dtype", None) or torch.float32
+    dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with init_empty_weights():
@@ -264,21 +264,38 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
     device = torch.device(device or "cpu")
     cfg = _one_block_config(model)
     dtype = _weights_dtype(model)
-    small = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
-    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    with init_empty_weights():  # only the block gets memory; the embeddings and head stay on meta
+        small = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    for module in small.modules():  # buffers (rotary frequencies) to the probe's device
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
     _, _, blocks = decoder_blocks(small)
-    captured = {}
-    handle = blocks[0].register_forward_pre_hook(lambda m, a, k: captured.update(args=a, kwargs=k), with_kwargs=True)
-    small(input_ids=ids, use_cache=False)
-    handle.remove()
-    block_params = sum(p.numel() for p in blocks[0].parameters())
-    block_seconds = _best(lambda: blocks[0](*captured["args"], **captured["kwargs"]), repeats, device)
+    block = blocks[0].to_empty(device=device)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
     hidden = int(cfg.hidden_size)
-    head = small.get_output_embeddings()
-    w = head.weight.detach().float()
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured.update(args=args, kwargs=kwargs)
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        small(inputs_embeds=torch.randn(batch_size, seq_len, hidden, dtype=dtype, device=device), use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    block_params = sum(p.numel() for p in block.parameters())
+    block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
+    # the head's fp32 GEMM on a slice of the vocabulary of up to 32k entries (the rate is the same)
+    w = torch.randn(min(_vocab(model), 32768), hidden, device=device)
     rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
     head_seconds = _best(lambda: rows @ w.t(), repeats, device)
-    flat = torch.cat([p.detach().reshape(-1) for p in blocks[0].parameters()]).cpu()
+    flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
     copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
     return Throughput(
         block_flops_per_second=_block_flops(block_params, batch_size * seq_len, seq_len, hidden) / block_seconds,
@@ -287,6 +304,19 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
         source=f"probe on {device}: one block over {batch_size}x{seq_len} positions and the head, "
                f"{torch.get_num_threads()} thread(s)",
     )
+
+
+class _Captured(Exception):
+    """Stops the probe's forward once the block's inputs are captured."""
+
+
+def _vocab(model) -> int:
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(_text_config(model).vocab_size)
+
+
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def _best(fn, repeats: int, device) -> float:
