@@ -112,4 +112,7 @@ def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
     assert "26 block passes" in text
     with pytest.raises(SystemExit):
         main(["prune", str(src), str(out), "--num-layers", "1", "--strategy", "nope", "--dry-run"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    assert main(["prune", str(tmp_path / "nowhere" / "a" / "b"), str(out), "--num-layers", "1", "--dry-run"]) == 2
+    assert "is neither a local checkpoint folder, a bundled name" in capsys.readouterr().err
     assert not out.exists()

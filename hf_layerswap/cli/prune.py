@@ -117,7 +117,7 @@ def run_prune(args) -> int:
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
     model, tokenizer = load(args)
-    if report is None and is_main_process():
+    if report is None and args.layers is None and is_main_process():
         print("\n".join(estimate_cost(model, config, device=input_device(model)).lines()), flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
