@@ -29,6 +29,7 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
 import os
@@ -53,6 +54,7 @@ from .scoring.engine import plan_engine
 from .scoring.probes import make_probes, schedule
 from .scoring.settings import EngineSettings, device_memory_budget
 from .scoring.verbs import swap_plans
+from .selection.search import search_select
 
 __all__ = ["CostEstimate", "ESTIMATED_STRATEGIES", "Throughput", "estimate_cost", "measure_throughput"]
 
@@ -216,10 +218,12 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     """Upper bound of the search's passes (budgets 1..n) from its per-budget allowances."""
     num_layers = num_blocks(model)
     allowed = [i for i in range(num_layers) if i not in resolve_protect(cfg.protect, num_layers)]
-    n_top, per_budget, exhaustive_below = cfg.num_layers, len(allowed), 6 * 4
+    defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
+    rounds = defaults["max_rounds"]
+    n_top, per_budget, exhaustive_below = cfg.num_layers, len(allowed), defaults["moves_per_round"] * rounds
     sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
     bound_sets = 0
-    calls = 1
+    calls = 2  # budget 1: the protocols' own sets, then the rest of the sweep
     for n in range(2, n_top + 1):
         combos = math.comb(len(allowed), n)
         if combos <= exhaustive_below:  # every set is scored: exact
@@ -227,7 +231,7 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
             calls += 2
         else:  # the allowance plus each protocol's greedy set, each from the first removable block
             bound_sets += per_budget + len(PROTOCOLS)
-            calls += 2 + 4  # the protocol sets, the seed pool, at most max_rounds=4 local rounds
+            calls += 2 + rounds  # the protocol sets, the seed pool, at most max_rounds local rounds
     if cfg.max_evaluations is not None:  # the whole call's cap (the protocols' own sets aside)
         bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) + len(PROTOCOLS) * n_top - len(sets)))
     plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
@@ -245,7 +249,7 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     # every further call runs the reference head once per group per chunk; each bound set one head pass
     counts["head_passes"] += chunks * (bound_sets + calls)
     counts["head_rows"] += rows * (bound_sets + calls)
-    counts["calls"] = calls + (1 if bound_sets else 0)
+    counts["calls"] = calls
     counts["sets"] = len(sets) + bound_sets
     counts["engine"] = engine
     return counts
@@ -400,7 +404,7 @@ def _resident_bytes() -> int:
 
 
 # --------------------------------------------------------------------------- the verb
-def estimate_cost(model_or_path, config: LayerSwapConfig | dict | None = None, *, calibration=None, device=None,
+def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=None, device=None,
                   dtype=None, throughput: Throughput | None = None, stream_weights: bool | None = None,
                   max_memory: int | None = None) -> CostEstimate:
     """Predict what ``prune(model, config)`` will cost, without reading a weight.
