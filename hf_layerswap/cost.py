@@ -94,6 +94,9 @@ class CostEstimate:
         phases: per phase (``"scoring"``, ``"selection"``) its block/head passes and flops.
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
+        memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's,
+            including ``reference_kept``, the search's kept reference) and ``process`` (this
+            process's resident memory when estimating on a CPU).
     """
 
     block_passes: int
@@ -106,6 +109,7 @@ class CostEstimate:
     phases: dict = field(default_factory=dict)
     derivation: dict = field(default_factory=dict)
     throughput: Throughput | None = None
+    memory_parts: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -157,7 +161,9 @@ def _meta_model(model_or_path, dtype):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.tie_weights()  # tied embeddings are one tensor, as after from_pretrained
+    return model
 
 
 def _calibration(model, cfg: LayerSwapConfig, calibration) -> CalibrationSet:
@@ -505,8 +511,9 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         peak = {key: weights - num_layers * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
+    resident = _resident_bytes() if device.type == "cpu" else 0
     if device.type == "cpu":
-        peak["cpu"] = peak.get("cpu", 0) + _resident_bytes() + (working if streamed else 0)
+        peak["cpu"] = peak.get("cpu", 0) + resident + (working if streamed else 0)
     if throughput is None:
         throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
     block_flops = sum(_block_flops(block_params, p["block_tokens"], seq, hidden) for p in phases.values())
@@ -530,4 +537,6 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         peak_memory_bytes={k: int(v) for k, v in peak.items()}, seconds=float(seconds), exact=exact,
         phases={k: {kk: vv for kk, vv in v.items() if kk != "engine"} for k, v in phases.items()},
         derivation=derivation, throughput=throughput,
+        memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
+                      "process": int(resident)},
     )
