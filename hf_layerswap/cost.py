@@ -248,6 +248,9 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     first = min(allowed)
     n_batches = len(engine.batches)
     extra_blocks = bound_sets * max(num_layers - n_top - first, 1) * n_batches
+    # batches whose reference does not fit the kept budget are swept again by every further call
+    kept = _reference_batches(engine, engine.budget)
+    extra_blocks += (n_batches - kept) * num_layers * (calls - 1)
     counts["block_passes"] += extra_blocks
     counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * engine.batch_size
     rows = int(calib.attention_mask.sum())
@@ -390,19 +393,28 @@ def _working_bytes(engine, model, search_reference: int) -> int:
     return activations + kl_block + head_copy + held + search_reference
 
 
-def _reference_bytes(engine, budget: int) -> int:
-    """What the search's reference cache keeps: per batch the streams entering blocks
-    1..L-1 and the final hidden rows, while they fit ``budget``
+def _reference_entries(engine, budget: int) -> list[int]:
+    """Bytes of each batch entry the search's reference cache keeps: the streams entering
+    blocks 1..L-1 and the final hidden rows, in batch order while they fit ``budget``
     (:class:`~hf_layerswap.scoring.reference.ReferenceCache`)."""
     es = torch.finfo(engine.compute_dtype).bits // 8
-    total = 0
+    total, kept = 0, []
     for b in engine.batches:
         ids, mask = engine._batch(b)
         entry = (engine.num_layers - 1) * ids.numel() * engine.hidden * es + int(mask.sum()) * engine.hidden * es
         if total + entry > budget:
             break
         total += entry
-    return total
+        kept.append(entry)
+    return kept
+
+
+def _reference_bytes(engine, budget: int) -> int:
+    return sum(_reference_entries(engine, budget))
+
+
+def _reference_batches(engine, budget: int) -> int:
+    return len(_reference_entries(engine, budget))
 
 
 def _resident_bytes() -> int:
