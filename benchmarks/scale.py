@@ -159,6 +159,16 @@ def _search_rows(out):
     return rows
 
 
+def _prune_verdict(out) -> str:
+    parts = []
+    for name, r in out["prune"].items():
+        p, m = r["predicted"], r["measured"]
+        mem, sec = p["peak_memory_bytes"] / m["peak_rss_bytes"], p["seconds"] / m["seconds"]
+        parts.append(f"{name}: peak memory {mem:.2f}x ({'met' if abs(mem - 1) <= 0.25 else 'missed'}), "
+                     f"seconds {sec:.2f}x ({'met' if 0.5 <= sec <= 2 else 'missed'})")
+    return "Targets: " + "; ".join(parts) + "."
+
+
 def render(out) -> str:
     b = out.get("70b", {})
     lines = [
@@ -174,9 +184,14 @@ def render(out) -> str:
         "block and the head), then `hl.prune` of the same config in a fresh process (default strategy: scoring "
         "of both protocols, adjacent pairs, then the search), block passes counted by forward hooks, peak = the "
         "process's `ru_maxrss`. The search's passes are an upper bound by design (its allowances), so the "
-        "predicted block passes exceed the measured ones. Targets: peak memory within 25%, seconds within 2x.",
+        "predicted block passes exceed the measured ones. Targets: peak memory within 25%, seconds within 2x. "
+        f"Calibration {out['num_prompts']} prompts x {out['seq_len']} tokens instead of the default 64 x 128, so "
+        "the whole page fits about 20 minutes of this machine; `hf-layerswap prune MODEL OUT --num-layers 2 "
+        "--dry-run` prints the estimate at the default.",
         "",
         *_prune_rows(out),
+        "",
+        _prune_verdict(out),
         "",
         "## The search for n = 1..6: the dense reference computed once",
         "",
@@ -198,7 +213,9 @@ def render(out) -> str:
         "for n = 1..6 at most SLEB's forward passes for n = 6): met on SmolLM2-135M; missed on Gemma-3-270M, "
         "whose search scores more candidate sets (103) than SLEB does (81 + 6 references). A cheaper schedule "
         "would have to leave the quality benchmark's selected sets unchanged; checking that needs the full "
-        "search rerun at 64 x 128 (about an hour of this machine per model), so the schedule is unchanged.",
+        "search rerun at 64 x 128 (about an hour of this machine per model), so the schedule is unchanged. "
+        "Seconds: the reuse saves the reference sweeps (8-10% of the passes here), of the order of the "
+        "wall-clock noise of this shared machine, so the seconds columns can show it or not.",
         "",
         "## A 70B model on one 80 GB GPU (a prediction)",
         "",

@@ -51,6 +51,7 @@ from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
 from .rule import resolve_protect
 from .scoring.engine import plan_engine
+from .scoring.kl import kl_rows
 from .scoring.probes import make_probes, schedule
 from .scoring.settings import EngineSettings, device_memory_budget
 from .scoring.verbs import swap_plans
@@ -68,7 +69,9 @@ class Throughput:
 
     Attributes:
         block_flops_per_second: decoder-block forward FLOP/s at the model's dtype.
-        head_flops_per_second: output-head FLOP/s (fp32 GEMM, as the engine runs it).
+        head_flops_per_second: output-head GEMM FLOP/s (fp32, as the engine runs it),
+            with the time of its KL against the reference (log-softmax, the sum over the
+            vocabulary) included.
         host_bytes_per_second: weight streaming bandwidth, host to compute device (B/s).
         source: how the rates were obtained (a probe on this machine, or assumed).
     """
@@ -266,7 +269,7 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
 
 # ---------------------------------------------------------------------- throughput
 @torch.no_grad()
-def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, device=None, repeats: int = 3) -> Throughput:
+def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, device=None, repeats: int = 5) -> Throughput:
     """Time one block of ``model``'s shape and its output head on ``device`` (random
     weights, ``batch_size`` x ``seq_len`` positions): FLOP/s of each, best of ``repeats``.
 
@@ -304,10 +307,12 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
         handle.remove()
     block_params = sum(p.numel() for p in block.parameters())
     block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
-    # the head's fp32 GEMM on a slice of the vocabulary of up to 32k entries (the rate is the same)
+    # the head/KL phase on a slice of the vocabulary of up to 32k entries (the rate is the same):
+    # the fp32 GEMM, then the KL of its log-softmax against a reference (kl_rows), as the engine runs them
     w = torch.randn(min(_vocab(model), 32768), hidden, device=device)
     rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
-    head_seconds = _best(lambda: rows @ w.t(), repeats, device)
+    ref = torch.log_softmax(rows @ w.t(), dim=-1)
+    head_seconds = _best(lambda: kl_rows(ref, rows @ w.t()), repeats, device)
     flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
     copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
     return Throughput(
