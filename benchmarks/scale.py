@@ -52,6 +52,18 @@ def _estimate_part(name, num_prompts, seq_len, queue):
                "phases": estimate.phases, "throughput": estimate.throughput.source})
 
 
+def _default_part(name, queue):
+    import torch
+    import hf_layerswap as hl
+
+    torch.set_num_threads(1)
+    config = hl.LayerSwapConfig(num_layers=2, progress=False)
+    path, calib = _calibration(name, config.num_prompts, config.seq_len)
+    estimate = hl.estimate_cost(str(path), config, calibration=calib)
+    queue.put({"block_passes": estimate.block_passes, "phases": estimate.phases,
+               "peak_memory_bytes": estimate.peak_memory_bytes["cpu"], "seconds": estimate.seconds})
+
+
 def _prune_part(name, num_prompts, seq_len, report_path, queue):
     import torch
     import hf_layerswap as hl
@@ -159,6 +171,20 @@ def _search_rows(out):
     return rows
 
 
+def _default_rows(out) -> list[str]:
+    if not out.get("default"):
+        return []
+    rows = ["At the default calibration (64 prompts x 128 tokens), predicted only, same command:", "",
+            "| model | block passes (scoring / search bound) | peak memory | seconds: scoring | whole prune (bound) |",
+            "|---|---:|---:|---:|---:|"]
+    for name, d in out["default"].items():
+        sc, se = d["phases"]["scoring"], d["phases"].get("selection", {"block_passes": 0, "flops": 0})
+        share = sc["flops"] / (sc["flops"] + se["flops"])
+        rows.append(f"| {name} | {sc['block_passes']:,} / {se['block_passes']:,} | {_gib(d['peak_memory_bytes'])} | "
+                    f"{d['seconds'] * share / 60:.0f} min | {d['seconds'] / 60:.0f} min |")
+    return rows + ["", "(seconds: split between scoring and search by their FLOPs.)", ""]
+
+
 def _prune_verdict(out) -> str:
     parts = []
     for name, r in out["prune"].items():
@@ -193,6 +219,7 @@ def render(out) -> str:
         "",
         _prune_verdict(out),
         "",
+        *_default_rows(out),
         "## The search for n = 1..6: the dense reference computed once",
         "",
         "Every evaluator call of the search used to sweep the dense model again (`plan_kl`'s reference pass; "
@@ -248,7 +275,7 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--models", nargs="+", default=list(MODELS))
-    p.add_argument("--parts", nargs="+", default=["prune", "search", "70b"])
+    p.add_argument("--parts", nargs="+", default=["prune", "search", "default", "70b"])
     p.add_argument("--render-only", action="store_true", help="write scale.md from scale.json")
     args = p.parse_args(argv)
     if args.render_only:
@@ -261,6 +288,8 @@ def main(argv=None):
         out["70b"] = _seventy_b()
     for name in args.models:
         report_path = str(RESULTS / f".scale-report-{name}.json")
+        if "default" in args.parts:
+            out.setdefault("default", {})[name] = _child(_default_part, name)
         if "prune" in args.parts:
             out["prune"][name] = {"predicted": _child(_estimate_part, name, args.num_prompts, args.seq_len),
                                   "measured": _child(_prune_part, name, args.num_prompts, args.seq_len, report_path)}
