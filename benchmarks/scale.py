@@ -6,7 +6,7 @@ Command (one CPU thread; writes benchmarks/results/scale.{json,md}):
 
 Parts, each in a fresh child process (its peak RSS is the ``ru_maxrss`` of that child):
 1. per real model, ``hl.estimate_cost`` then the prune it estimates (default strategy,
-   ``num_layers=2``) with forward hooks counting block passes;
+   ``num_to_remove=2``) with forward hooks counting block passes;
 2. per real model, the search for n = 1..6 with the dense reference recomputed per
    evaluator call (``reference_memory=0``) and kept (default);
 3. ``estimate_cost`` of a Llama-3-70B-shaped config on the meta device with weights streamed
@@ -45,7 +45,7 @@ def _estimate_part(name, num_prompts, seq_len, queue):
 
     torch.set_num_threads(1)
     path, calib = _calibration(name, num_prompts, seq_len)
-    config = hl.LayerSwapConfig(num_layers=2, num_prompts=num_prompts, seq_len=seq_len, progress=False)
+    config = hl.LayerSwapConfig(num_to_remove=2, num_prompts=num_prompts, seq_len=seq_len, progress=False)
     estimate = hl.estimate_cost(str(path), config, calibration=calib)
     queue.put({"block_passes": estimate.block_passes, "head_passes": estimate.head_passes, "exact": estimate.exact,
                "peak_memory_bytes": estimate.peak_memory_bytes["cpu"], "seconds": estimate.seconds,
@@ -57,7 +57,7 @@ def _default_part(name, queue):
     import hf_layerswap as hl
 
     torch.set_num_threads(1)
-    config = hl.LayerSwapConfig(num_layers=2, progress=False)
+    config = hl.LayerSwapConfig(num_to_remove=2, progress=False)
     path, calib = _calibration(name, config.num_prompts, config.seq_len)
     estimate = hl.estimate_cost(str(path), config, calibration=calib)
     queue.put({"block_passes": estimate.block_passes, "phases": estimate.phases,
@@ -71,7 +71,7 @@ def _prune_part(name, num_prompts, seq_len, report_path, queue):
 
     torch.set_num_threads(1)
     path, calib = _calibration(name, num_prompts, seq_len)
-    config = hl.LayerSwapConfig(num_layers=2, num_prompts=num_prompts, seq_len=seq_len, progress=False)
+    config = hl.LayerSwapConfig(num_to_remove=2, num_prompts=num_prompts, seq_len=seq_len, progress=False)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     count = [0]
     for block in model.model.layers:
@@ -125,7 +125,7 @@ def _seventy_b():
     rates = Throughput(0.4 * 989e12, 0.5 * 67e12, 25e9,
                        source="assumed H100-class: 40% of 989 TFLOP/s bf16 dense for blocks, 50% of 67 TFLOP/s fp32 "
                               "for the head, 25 GB/s host-to-device (PCIe 5 x16, pinned)")
-    est = hl.estimate_cost(cfg, hl.LayerSwapConfig(num_layers=8), device="cuda", throughput=rates,
+    est = hl.estimate_cost(cfg, hl.LayerSwapConfig(num_to_remove=8), device="cuda", throughput=rates,
                            stream_weights=True, max_memory=8 << 30)
     return {"block_passes": est.block_passes, "head_passes": est.head_passes, "flops": est.flops,
             "bytes_moved": est.bytes_moved, "peak_memory_bytes": est.peak_memory_bytes, "seconds": est.seconds,
@@ -205,14 +205,14 @@ def render(out) -> str:
         "",
         "## Predicted vs measured: the default prune",
         "",
-        f"`hl.estimate_cost(path, LayerSwapConfig(num_layers=2, num_prompts={out['num_prompts']}, "
+        f"`hl.estimate_cost(path, LayerSwapConfig(num_to_remove=2, num_prompts={out['num_prompts']}, "
         f"seq_len={out['seq_len']}), calibration=...)` in one process (meta-device model, throughput probe of one "
         "block and the head), then `hl.prune` of the same config in a fresh process (default strategy: scoring "
         "of both protocols, adjacent pairs, then the search), block passes counted by forward hooks, peak = the "
         "process's `ru_maxrss`. The search's passes are an upper bound by design (its allowances), so the "
         "predicted block passes exceed the measured ones. Targets: peak memory within 25%, seconds within 2x. "
         f"Calibration {out['num_prompts']} prompts x {out['seq_len']} tokens instead of the default 64 x 128, so "
-        "the whole page fits about 20 minutes of this machine; `hf-layerswap prune MODEL OUT --num-layers 2 "
+        "the whole page fits about 20 minutes of this machine; `hf-layerswap prune MODEL OUT --num-to-remove 2 "
         "--dry-run` prints the estimate at the default.",
         "",
         *_prune_rows(out),
@@ -248,7 +248,7 @@ def render(out) -> str:
         "",
         "`estimate_cost` on a Llama-3-70B-shaped `LlamaConfig` (80 blocks, hidden 8192, intermediate 28672, "
         "64 heads / 8 KV heads, vocabulary 128,256, bf16) built on the meta device (nothing downloaded), "
-        "`LayerSwapConfig(num_layers=8)` (default calibration 64 x 128, default strategy), `device=\"cuda\"`, "
+        "`LayerSwapConfig(num_to_remove=8)` (default calibration 64 x 128, default strategy), `device=\"cuda\"`, "
         "weights streamed from CPU memory (each block once per batch and sweep), an 8 GiB working budget "
         "(scoring's cap on an accelerator).",
         "",

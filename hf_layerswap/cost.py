@@ -229,7 +229,7 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     allowed = [i for i in range(num_layers) if i not in resolve_protect(cfg.protect, num_layers)]
     defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
     rounds = defaults["max_rounds"]
-    n_top, per_budget, exhaustive_below = cfg.num_layers, len(allowed), defaults["moves_per_round"] * rounds
+    n_top, per_budget, exhaustive_below = cfg.num_to_remove, len(allowed), defaults["moves_per_round"] * rounds
     sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
     bound_sets = 0
     calls = 2  # budget 1: the protocols' own sets, then the rest of the sweep
@@ -437,7 +437,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             is read and the model built on the meta device), a ``PretrainedConfig``, or a
             loaded model (used as is; nothing runs on it).
         config: the :class:`~hf_layerswap.LayerSwapConfig` (or its dict) of the prune; it
-            needs ``num_layers`` (or ``layers``) as ``prune`` does.
+            needs ``num_to_remove`` (or ``layers``) as ``prune`` does.
         calibration: the prompts (a :class:`~hf_layerswap.calibration.CalibrationSet` or a
             dict of ``input_ids``/``attention_mask``, shape ``(N, T)``); default
             ``num_prompts`` full prompts of ``seq_len`` tokens (an upper bound on positions).
@@ -480,7 +480,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         phases["selection"] = _search_counts(model, calib, cfg, settings)
         exact = False
     elif cfg.layers is None and strategy == "auto":  # the two protocols' greedy sets, scored jointly
-        plans = {k: removal_plan(num_layers, list(range(1, 1 + cfg.num_layers))) for k in range(2)}
+        plans = {k: removal_plan(num_layers, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
         phases["selection"] = _engine_counts(model, calib, plans, settings)
         exact = False
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
@@ -488,13 +488,13 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
 
 def _config(config) -> LayerSwapConfig:
     if config is None:
-        raise ValueError("config=None: give the LayerSwapConfig of the prune (with num_layers or layers)")
+        raise ValueError("config=None: give the LayerSwapConfig of the prune (with num_to_remove or layers)")
     if isinstance(config, Mapping):
         config = LayerSwapConfig(**config)
     if not isinstance(config, LayerSwapConfig):
         raise TypeError(f"config must be a LayerSwapConfig or a dict of its fields; got {type(config).__name__}")
-    if config.layers is None and config.num_layers is None:
-        raise ValueError("the config removes nothing (num_layers=None, layers=None): give num_layers or layers")
+    if config.layers is None and config.num_to_remove is None:
+        raise ValueError("the config removes nothing (num_to_remove=None, layers=None): give num_to_remove or layers")
     if config.strategy not in ESTIMATED_STRATEGIES and config.layers is None:
         raise ValueError(f"strategy={config.strategy!r}: estimate_cost plans {list(ESTIMATED_STRATEGIES)}")
     return config

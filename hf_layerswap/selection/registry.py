@@ -1,6 +1,6 @@
 """The registry of selection strategies: one name, one function, one module.
 
-A strategy is ``fn(report, num_layers, **context) -> list[int]`` (0-based blocks,
+A strategy is ``fn(report, num_to_remove, **context) -> list[int]`` (0-based blocks,
 ascending); :func:`register_strategy` adds one, :func:`get_strategy` looks one up.
 Adding a method = one new module + one ``@register_strategy("name")``.
 """
@@ -25,7 +25,7 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...] | None] = {}
 
 
 def register_strategy(name: str, *, needs_model: bool = False, options: Collection[str] | None = None):
-    """Decorator: register ``fn(report, num_layers, **context) -> list[int]`` as a selection
+    """Decorator: register ``fn(report, num_to_remove, **context) -> list[int]`` as a selection
     strategy. ``context`` holds ``protocol``, ``spacing``, ``protect``, ``model``,
     ``calibration`` (a :class:`~hf_layerswap.calibration.CalibrationSet` when
     ``needs_model``), ``batch_size``, ``objective`` and ``options`` (a dict).
