@@ -87,7 +87,7 @@ def test_a_meta_device_70b_shape_reads_no_weight():
 
 def test_bad_input_gets_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="strategy='nope'"):
-        hl.estimate_cost(_tiny(4), {"num_layers": 1, "strategy": "nope"})
+        hl.estimate_cost(_tiny(4), {"num_to_remove": 1, "strategy": "nope"})
     with pytest.raises(ValueError, match="neither a local checkpoint folder"):
         hl.estimate_cost(str(tmp_path / "missing" / "x" / "y"), hl.LayerSwapConfig(num_to_remove=1))
     with pytest.raises(ValueError, match="without config.json"):
