@@ -21,7 +21,7 @@ from ..sparsity import sparsity_in_model
 from ..surgery import original_indices
 from ..tasks import task_card_section
 
-from .checks import _current_blocks, _identity, normalize_evaluation, _parameter_counts, _pct_plain, _protocol_of, _provenance, _record, _recovery_record, _recovery_row, report_mismatches, _resolve_base_model, _resolve_license, _search_record, _selection_rule, sparsity_mismatches, sparsity_refusal, _sparsity_section, _sparsity_summary, _split_model
+from .checks import _current_blocks, _identity, normalize_evaluation, _parameter_counts, _pct_plain, _protocol_of, _provenance, _record, _recovery_record, _recovery_row, report_mismatches, _resolve_base_model, _resolve_license, _selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, _sparsity_section, _sparsity_summary, _split_model
 from .format import _DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, _cell, _indices, _pct
 from .sections import _calibration_rows, _candidates, _cost_rows, _evaluation_section, _load_snippet, _report_section, _reproduce, _versions
 
@@ -110,9 +110,9 @@ def render_card(
     license_ = _resolve_license(license, base, config)
     protocol = _protocol_of(steps)
     spacing, protect, rule = _selection_rule(steps, report)
-    if _search_record(steps) is not None:
-        rule = (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; the search itself used "
-                f"spacing={spacing}")
+    chooser, _ = last_decision(steps)
+    if chooser is not None and chooser.card_rule is not None:
+        rule = chooser.card_rule(spacing, protect)
     before, after = _parameter_counts(model, config, len(removed), steps)
     sparse = _sparsity_summary(config, sparsity_report)
     recovery = _recovery_record(model, record)
@@ -167,7 +167,7 @@ def render_card(
             f"This checkpoint is {base_label} with decoder blocks **{_indices(removed)}** removed "
             f"({len(removed)} of {original} blocks, {100 * len(removed) / original:.1f}% of the depth{params}), "
             f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else (
-                " by a search over candidate sets guided by both swap-KL protocols." if _search_record(steps) else "."))
+                chooser.card_summary if chooser is not None and chooser.card_summary else "."))
         )
     elif sparse is not None:
         title = f"{name}: {_pct_plain(sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed
