@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from ..plan import decoder_blocks, model_fingerprint, num_blocks
 from ..provenance import model_identity
-from ..recovery import RECOVERY_FILE, attached_operators
+from ..recovery import RECOVERY_FILE, RECOVERY_METHODS, recovery_entry
 from ..jsonio import decode_float, encode_float
 from ..protocols import SWAP_PROTOCOLS
 from ..report import PruneProvenance, SwapReport, set_key
@@ -277,27 +277,24 @@ def _pct_plain(fraction: float, digits: int = 2) -> str:
 
 
 def _recovery_record(model, record: Mapping) -> dict:
-    """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the ghosted
-    operators actually attached (the record can lag behind a later removal)."""
+    """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the modules a
+    method attaches that are actually attached (the record can lag behind a later removal)."""
     recovery = dict(record.get("recovery")) if isinstance(record.get("recovery"), Mapping) else {}
     if model is not None:
-        ops = attached_operators(model)
-        if ops:
-            recovery.update(method="ghosted", boundaries=[b for b, _ in ops], file=recovery.get("file", RECOVERY_FILE))
+        for method in RECOVERY_METHODS.values():
+            boundaries = method.attached(model) if method.attaches_at_load else []
+            if boundaries:
+                recovery.update(method=method.name, boundaries=boundaries, file=recovery.get("file", RECOVERY_FILE))
+                break
     return recovery
 
 
 def _recovery_row(recovery: Mapping) -> tuple[str, str] | None:
     if not recovery.get("method"):
         return None
-    boundaries = _indices(recovery.get("boundaries", []))
-    if recovery["method"] == "ghosted":
-        return ("Repair of the cut", f"Ghosted Layers closed-form operator I + M at boundaries {boundaries} "
-                f"(pruned numbering), stored in `{recovery.get('file')}`")
-    if recovery["method"] == "fused":
-        return ("Repair of the cut", f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
-                f"{boundaries} (pruned numbering): plain transformers weights")
-    return ("Repair of the cut", _cell(recovery["method"]))
+    method = recovery_entry(recovery["method"])
+    cell = method.card_row(recovery, _indices) if method is not None else _cell(recovery["method"])
+    return ("Repair of the cut", cell)
 
 
 def normalize_evaluation(evaluation) -> dict[str, dict] | None:

@@ -16,6 +16,7 @@ from ..history import card_notice, history_status
 from ..jsonio import write_json_atomic
 from ..plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
 from ..provenance import __version__
+from ..recovery import recovery_entry
 from ..report import SwapReport
 from ..sparsity import sparsity_in_model
 from ..surgery import original_indices
@@ -116,7 +117,8 @@ def render_card(
     before, after = _parameter_counts(model, config, len(removed), steps)
     sparse = _sparsity_summary(config, sparsity_report)
     recovery = _recovery_record(model, record)
-    ghosted = recovery.get("method") == "ghosted"
+    repairer = recovery_entry(recovery.get("method"))
+    attaches = repairer is not None and repairer.attaches_at_load
     plot_keys = planned_plots(report, sparsity=sparse is not None) if plots is None else list(plots)
     unknown = [k for k in plot_keys if k not in PLOT_FILES]
     if unknown:
@@ -175,10 +177,8 @@ def render_card(
     else:
         title = f"{name}: swap-KL layer-redundancy scores"
         summary = f"No blocks were removed from {base_label}; this card records its swap-KL diagnostics."
-    if ghosted:
-        summary += " The cut is repaired with Ghosted Layers operators (load with `import hf_layerswap`, see below)."
-    elif recovery.get("method") == "fused":
-        summary += " The cut is repaired with a least-squares map folded into the weights."
+    if repairer is not None:
+        summary += repairer.card_summary
     if sparse is not None:
         summary += (
             f" The linear layers of its decoder blocks are {_pct_plain(in_model, 2)} sparse (one-shot "
@@ -234,8 +234,8 @@ def render_card(
         files.append((EVALUATION_FILE, "perplexity results with their contracts"))
     if sparsity_report is not None:
         files.append((SPARSITY_FILE, "per-block and per-linear sparsity: `hf_layerswap.sparsity.SparsityReport.from_json(path)`"))
-    if ghosted:
-        files.append((str(recovery.get("file")), "Ghosted Layers operators (float32 (H, H) per boundary), applied by `hf_layerswap`"))
+    if attaches:
+        files.append((str(recovery.get("file")), repairer.card_file))
     files += [(PLOT_FILES[k], "plot") for k in plot_keys]
     tokenizer_repo = (repo_id or "path/to/this/checkpoint") if tokenizer_included else base
     plot_alt = {
@@ -262,8 +262,8 @@ def render_card(
         calibration=_calibration_rows(report, steps, ident),
         cost=_cost_rows(report),
         sparsity=_sparsity_section(sparse, sparsity_report, config, current) if sparse is not None else None,
-        ghosted=ghosted,
-        load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo, ghosted=ghosted),
+        attached_modules=repairer.card_modules if attaches else None,
+        load_snippet=_load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo, attaches=attaches),
         reproduce_snippet=reproduce,
         reproduce_note=reproduce_note,
         files=files,

@@ -320,9 +320,9 @@ def _versions(report, steps, evaluation) -> dict:
     return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
 
 
-def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
+def _load_snippet(repo: str, tokenizer_repo: str | None, *, attaches: bool = False) -> str:
     lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
-    if ghosted:
+    if attaches:
         lines = ["import hf_layerswap  # registers the loader that re-attaches the repair operators", *lines]
     lines.append(f'model = AutoModelForCausalLM.from_pretrained("{repo}")')
     if tokenizer_repo:
