@@ -15,7 +15,7 @@ from huggingface_hub import EvalResult
 from ..calibration import shortfall_text
 from ..config import LayerSwapConfig
 from ..provenance import library_versions
-from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
+from ..protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
 from ..report import set_key, SwapReport
 from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
@@ -83,7 +83,7 @@ def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequenc
                 f" {nonfinite} pair(s) have a non-finite value (shown as NaN/inf: a result, not dropped)."
             )
     return {
-        "protocols": list(report.protocols),
+        "protocols": [protocol_label(p) for p in report.protocols],
         "max_gap": report.max_gap,
         "layer_rows": layer_rows,
         "pair_rows": pair_rows,
@@ -123,7 +123,7 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
         sets[p] = chosen
         rows.append(
             {
-                "protocol": p,
+                "protocol": protocol_label(p),
                 "layers": _indices(chosen),
                 "removal_kl": _kl(report.removal_kl.get(set_key(chosen))),
             }
