@@ -244,10 +244,12 @@ def _sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
             for e in earlier
         ) + " (the zeros they left count in the achieved sparsity above)"))
     cal = summary.get("calibration") or {}
-    data_free = summary["method"] == "magnitude" and allocation in ("uniform", "random")
+    pruner, allocator = PRUNERS.get(summary["method"]), ALLOCATORS.get(allocation)
+    weights_only = pruner is not None and pruner.statistics is None  # the mask reads the weights alone
+    data_free = weights_only and allocator is not None and allocator.observe is None and not allocator.needs_gradients
     if cal.get("description") and not data_free:
         rows.append(("Calibration", f"{cal['description']} (content hash {str(cal.get('content_hash'))[:12]})"))
-    if summary["method"] == "magnitude":
+    if weights_only:
         intro = ("The linear layers inside the decoder blocks were pruned one-shot by weight magnitude"
                  + ("" if data_free else "; the calibration set only fed the allocator's per-block statistics") + ".")
     else:
