@@ -117,14 +117,14 @@ def register_protocol(name: str, *, probes: Sequence[str] | None = None, label: 
     """
     kinds = (name,) if probes is None else tuple(probes)
     taken = set(SWAP_PROTOCOLS) | set(probe_kinds())
-    for label in dict.fromkeys((name, *kinds)):
-        if not isinstance(label, str) or not _NAME.fullmatch(label) or label.endswith("_se") or label in _RESERVED:
+    for word in dict.fromkeys((name, *kinds)):
+        if not isinstance(word, str) or not _NAME.fullmatch(word) or word.endswith("_se") or word in _RESERVED:
             raise ValueError(
-                f"protocol name or probe {label!r}: must match [a-z][a-z0-9_]*, not end in '_se' and not be one of "
+                f"protocol name or probe {word!r}: must match [a-z][a-z0-9_]*, not end in '_se' and not be one of "
                 f"{sorted(_RESERVED)}"
             )
-        if label in taken:
-            raise ValueError(f"protocol name or probe {label!r} is already registered (protocols: {list(SWAP_PROTOCOLS)})")
+        if word in taken:
+            raise ValueError(f"protocol name or probe {word!r} is already registered (protocols: {list(SWAP_PROTOCOLS)})")
     if not kinds or len(set(kinds)) != len(kinds):
         raise ValueError(f"protocol {name!r}: probes={list(kinds)} must be distinct and at least one")
 

@@ -136,6 +136,9 @@ def render_card(
         "protocol": protocol,
         "report": REPORT_FILE if report is not None else None,
     }
+    chosen_by = _provenance(steps[-1]).strategy if steps else None
+    if chosen_by:
+        front["strategy"] = chosen_by
     if recovery.get("method"):
         front["recovery"] = recovery["method"]
     if sparse is not None:
