@@ -22,7 +22,7 @@ from ..scoring import removal_kl
 from .common import CriterionResult, _gap1, _out, _report_cost, _score, _setup
 from .core import candidates_set, select_layers
 from .objectives import _plans_cost, _removal_kl_values
-from .registry import check_options, register_strategy
+from .registry import Criterion, check_options, register_strategy
 
 __all__ = ["swap_guided"]
 
@@ -57,6 +57,8 @@ def _auto_values(decision) -> list:
     "greedy", options=(), spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
     resolve=lambda protocol: "auto" if protocol == "auto" else "greedy", describe=_rule_text, ranks_by_scores=True,
     card_reason=_greedy_reason,
+    criteria={p: Criterion(lambda model, calib, n, p=p, **kw: swap_guided(model, calib, n, protocol=p, **kw), reads=(p,))
+              for p in PROTOCOLS},
 )
 def _greedy(report, num_layers, *, protocol, spacing, protect, options, **_):
     """The paper's rule on one protocol's layer scores."""
@@ -71,6 +73,8 @@ def _greedy(report, num_layers, *, protocol, spacing, protect, options, **_):
     reads=lambda protocol: PROTOCOLS, config_options=lambda cfg: {}, describe=_rule_text, ranks_by_scores=True,
     guided_by=lambda decision, protocol: decision.get("chosen_protocol") or protocol, values=_auto_values,
     card_reason=_auto_reason,
+    criteria={"auto": Criterion(lambda model, calib, n, **kw: swap_guided(model, calib, n, protocol="auto", **kw),
+                                reads=PROTOCOLS)},
 )
 def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
     """Each protocol's greedy set; the one with the lower joint removal KL is kept."""

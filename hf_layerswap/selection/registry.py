@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 
-__all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Strategy", "check_options",
+__all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Criterion", "Strategy", "check_options",
            "get_strategy", "keyword_options", "register_strategy", "strategy_entry"]
 
 
@@ -39,6 +39,25 @@ def _named_rule(name: str):
 
 def _no_values(decision: Mapping) -> list:
     return []
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """How a strategy runs in the comparison harness (:func:`hf_layerswap.baselines.compare_criteria`).
+
+    Attributes:
+        run: ``fn(model, calibration, budgets, **options) -> {n: CriterionResult}`` (or one
+            result for one budget).
+        reads: the protocols whose swap-KL report it is given (``report=``); none: no report.
+        resumes: an iterative criterion that continues from its result at a smaller budget
+            (``resume=``) instead of restarting.
+        batched: it takes ``batch_size`` (it reads the model on the calibration prompts).
+    """
+
+    run: Callable
+    reads: tuple[str, ...] = ()
+    resumes: bool = False
+    batched: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,9 @@ class Strategy:
             None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)
             and reason, when the decision carries them.
         label: display name (benchmark pages).
+        criteria: ``{display name: Criterion}``: how it runs in the comparison harness, under
+            the names the benchmark pages show (one strategy may run as several criteria, e.g.
+            the paper's rule once per protocol).
     """
 
     name: str
@@ -101,6 +123,7 @@ class Strategy:
     card_candidates: Callable | None = None
     label: str = ""
     options: tuple[str, ...] | None = field(default=None)
+    criteria: Mapping[str, Criterion] = field(default_factory=dict)
 
     def strategy_for(self, protocol) -> str:
         """The strategy that runs for ``protocol`` (:attr:`resolve`)."""

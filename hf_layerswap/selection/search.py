@@ -52,11 +52,12 @@ from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
 from ..plan import num_blocks
+from ..protocols import PROTOCOLS
 from ..report import SwapReport, _score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from .common import CriterionResult, _calibration, _gap1, _report_cost
 from .objectives import OBJECTIVES, SetObjective
-from .registry import keyword_options, register_strategy
+from .registry import Criterion, keyword_options, register_strategy
 
 __all__ = ["search_criterion", "search_select"]
 
@@ -384,6 +385,12 @@ def _card_candidates(search, report, removed, kl, indices):
     card_rule=lambda spacing, protect: (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; "
                                         f"the search itself used spacing={spacing}"),
     card_candidates=_card_candidates,
+    criteria={
+        "search": Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
+                            reads=PROTOCOLS),
+        "search_ghosted": Criterion(
+            lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
+    },
 )
 def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
     """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
