@@ -97,7 +97,6 @@ class Strategy:
         card_candidates: ``fn(decision, report, removed, kl, indices) -> (rows, reason) |
             None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)
             and reason, when the decision carries them.
-        label: display name (benchmark pages).
         criteria: ``{display name: Criterion}``: how it runs in the comparison harness, under
             the names the benchmark pages show (one strategy may run as several criteria, e.g.
             the paper's rule once per protocol).
@@ -121,7 +120,6 @@ class Strategy:
     card_rule: Callable | None = None
     card_reason: Callable | None = None
     card_candidates: Callable | None = None
-    label: str = ""
     options: tuple[str, ...] | None = field(default=None)
     criteria: Mapping[str, Criterion] = field(default_factory=dict)
 
@@ -178,7 +176,7 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
         if needs_model:
             MODEL_STRATEGIES.add(name)
         STRATEGY_ENTRIES[name] = Strategy(name, fn, needs_model=needs_model, options=STRATEGY_OPTIONS[name],
-                                          **{"label": name, **entry})
+                                          **entry)
         return fn
 
     return wrap
@@ -223,5 +221,4 @@ def strategy_entry(name) -> Strategy:
     fn = STRATEGIES.get(name)
     if entry is not None and (fn is None or entry.fn is fn):
         return entry
-    return Strategy(str(name), fn, needs_model=name in MODEL_STRATEGIES, options=STRATEGY_OPTIONS.get(name),
-                    label=str(name))
+    return Strategy(str(name), fn, needs_model=name in MODEL_STRATEGIES, options=STRATEGY_OPTIONS.get(name))
