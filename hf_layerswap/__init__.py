@@ -17,7 +17,7 @@ it (docs/architecture.md).
 from . import integration  # noqa: F401
 from .baselines import compare_criteria
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
-from .config import LayerSwapConfig, RecoveryConfig, SparsityConfig
+from .config import HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
 from .gguf_export import GGUFLayoutError, export_gguf, save_gguf
 from .healing import HealReport, heal
@@ -41,6 +41,7 @@ __all__ = [
     "LayerSwapConfig",
     "RecoveryConfig",
     "SparsityConfig",
+    "HealConfig",
     "prune",
     "PruneResult",
     "prune_loaded_model",

@@ -1,5 +1,8 @@
 """``LayerSwapConfig``: what to remove, how to choose it, and what to do after the cut.
 
+One module on purpose: the config and its nested sub-configs (repair, sparsity, healing)
+share one validation and one serialisation, read best side by side.
+
 The one typed description of a pruning run: :func:`hf_layerswap.pipeline.prune` reads it,
 ``from_pretrained(..., quantization_config=LayerSwapConfig(...))`` carries it through
 transformers' quantizer plugin API (:mod:`hf_layerswap.integration`), ``hf-layerswap
@@ -25,6 +28,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -33,6 +37,7 @@ from typing import Any, Literal, get_args
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .healing import HEAL_METHODS
 from .plan import as_index
 from .provenance import public_name
 from .recovery import RECOVERY_METHODS, check_epsilon
@@ -43,6 +48,7 @@ from .sparsity import check_arguments, check_bound
 __all__ = [
     "CONFIG_VERSION",
     "FLAT_KEYWORDS",
+    "HealConfig",
     "LayerSwapConfig",
     "QUANT_METHOD",
     "RecoveryConfig",
@@ -181,6 +187,100 @@ class SparsityConfig:
         "N:M sparsity pattern, e.g. 2:4 (default unstructured)"))
 
 
+HealMethodName = Literal["lora", "adjacent", "last_k"]
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    """Healing after the cut and its repair (:func:`hf_layerswap.healing.heal`): the pruned
+    model is distilled from its dense self. Every field is checked at construction.
+
+    Attributes:
+        method: ``"lora"``, ``"adjacent"``, ``"last_k"`` or a name registered with
+            :func:`~hf_layerswap.healing.register_heal_method`.
+        max_tokens: training budget in prompt positions (int >= 1).
+        calibration: the training text (a text file); ``None`` = the removal's calibration
+            source (:class:`LayerSwapConfig`'s ``calibration``).
+        seq_len, batch_size: tokens per prompt (>= 2) and prompts per step (>= 1).
+        learning_rate: peak learning rate (finite, > 0).
+        ce_weight: weight of the cross-entropy on the text (finite, >= 0).
+        heldout_prompts, eval_every, patience: the early stop on held-out KL (ints >= 1).
+        seed: training seed (int).
+        teacher_top_k: ``None`` = the teacher's full logits; an int ``k`` >= 1 = a cache of
+            its top-k log-probs plus the rest's mass (KL over ``k + 1`` buckets, a lower
+            bound of the full KL).
+        options: the method's options (``{"lora_r": 8}``, ``{"k": 3}``), JSON-able values.
+
+    Raises:
+        ValueError: a bad field, naming it, its value and what is allowed.
+    """
+
+    method: HealMethodName = field(default="lora", metadata=_help(
+        "healing method: lora (LoRA on the kept blocks' projections, merged back), adjacent (the blocks next "
+        "to each cut, plus norms) or last_k (the last k blocks and the head)"))
+    max_tokens: int = field(default=4096, metadata=_help("healing budget in training tokens (prompt positions)"))
+    calibration: str | None = field(default=None, metadata=_help(
+        "healing text: a text file (default: the removal's calibration source; for the heal verb the embedded text)"))
+    seq_len: int = field(default=128, metadata=_help("tokens per healing prompt"))
+    batch_size: int = field(default=4, metadata=_help("healing prompts per optimiser step"))
+    learning_rate: float = field(default=1e-4, metadata=_help("peak learning rate of healing"))
+    ce_weight: float = field(default=0.0, metadata=_help(
+        "weight of the cross-entropy on the text added to the KL (0 = pure distillation)"))
+    heldout_prompts: int = field(default=4, metadata=_help(
+        "calibration prompts held out for the early stop's KL (never trained on)"))
+    eval_every: int = field(default=4, metadata=_help("optimiser steps between held-out evaluations"))
+    patience: int = field(default=2, metadata=_help(
+        "stop after this many evaluations without a lower held-out KL (the best weights are kept)"))
+    seed: int = field(default=0, metadata=_help("healing seed (data order, LoRA initialisation)"))
+    teacher_top_k: int | None = field(default=None, metadata=_help(
+        "cache the teacher's top-k log-probs plus the rest's mass instead of its full logits (default: full)"))
+    options: dict = field(default_factory=dict, metadata=_help(
+        "method options, e.g. lora_r=8, lora_alpha=16 (lora) or k=3 (last_k)"))
+
+    def __post_init__(self):
+        what = "HealConfig"
+        if self.method not in HEAL_METHODS:
+            raise ValueError(f"{what}(method={self.method!r}): allowed {sorted(HEAL_METHODS)}")
+        for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("heldout_prompts", 1),
+                              ("eval_every", 1), ("patience", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}")
+        for name, low in (("learning_rate", None), ("ce_weight", 0.0)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or (value <= 0 if low is None else value < low):
+                raise ValueError(f"{what}({name}={value!r}): must be a finite number {'> 0' if low is None else '>= 0'}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"{what}(seed={self.seed!r}): must be an int")
+        k = self.teacher_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"{what}(teacher_top_k={k!r}): must be None (full logits) or an int >= 1")
+        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
+            raise ValueError(f"{what}(calibration={self.calibration!r}): must be a text file path or None")
+        if not isinstance(self.options, Mapping) or not all(isinstance(key, str) for key in self.options):
+            raise ValueError(f"{what}(options={self.options!r}): must be a dict with str keys")
+        try:
+            json.dumps(dict(self.options), allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{what}(options={self.options!r}): values must be JSON-able ({err})") from None
+        object.__setattr__(self, "options", dict(self.options))
+        if isinstance(self.calibration, os.PathLike):
+            object.__setattr__(self, "calibration", os.fspath(self.calibration))
+
+    def heal_kwargs(self) -> dict:
+        """Keywords of :func:`~hf_layerswap.healing.heal` (all fields but ``calibration``,
+        the options spread out)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("calibration", "options")}
+        return {**out, **self.options}
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-able dict (a calibration file by its name only)."""
+        out = asdict(self)
+        out["calibration"] = public_name(self.calibration) if self.calibration is not None else None
+        return out
+
+
 #: Metadata of the fields that exist at run time only and never enter :meth:`LayerSwapConfig.to_dict`.
 _RUNTIME = {"runtime": True}
 
@@ -295,6 +395,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
     max_evaluations: int | None = field(default=None, metadata=_help(
         "most candidate sets search scores in all (default: no cap beyond each budget's allowance of one set "
         "per removable block)"))
+    heal: HealConfig | None = field(default=None, metadata=_help(
+        "heal after the cut and its repair: distil the pruned model from the dense one (a HealConfig, a dict "
+        "of its fields or a method name; default: no healing)"))
     recovery_num_tokens: InitVar[int | None] = None
     recovery_epsilon: InitVar[float | None] = None
 
@@ -310,6 +413,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
                 "recovery_num_tokens": recovery_num_tokens, "recovery_epsilon": recovery_epsilon}
         self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, flat)
         self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, flat)
+        self.heal = _as_heal(self.heal)
         self._protect_given = self.protect is not None  # runtime only: explicit layers are checked against it
         self._spacing_given = self.spacing is not None  # runtime only: its default follows the strategy
         if self.protect is None:
@@ -391,6 +495,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
         self._validate_recovery()
         self._validate_sparsity()
+        self._validate_heal()
         if layers is not None and self._protect_given:
             clash = sorted(set(layers) & set(self.protect))
             if clash:
@@ -409,6 +514,17 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
         if eps is not None:  # inf and values where the ridge fit means nothing (recovery.MAX_EPSILON)
             check_epsilon(eps, f"LayerSwapConfig(recovery_epsilon={eps!r})")
+
+    def _validate_heal(self) -> None:
+        self.heal = _as_heal(self.heal)
+        if self.heal is None:
+            return
+        if self.num_layers is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig(heal={self.heal.method!r}) needs num_layers or layers: nothing is removed")
+        if self.sparsity is not None:
+            raise ValueError("LayerSwapConfig(heal=..., sparsity=...): not both in one run: healing merges dense "
+                             "updates into the weights (their zeros would fill), and sparsifying after healing "
+                             "would leave its recorded numbers stale; heal, save, then sparsify the healed checkpoint")
 
     def _validate_sparsity(self) -> None:
         sp = self.sparsity
@@ -441,6 +557,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
                 continue
             value = getattr(self, f.name)
             out[f.name] = asdict(value) if isinstance(value, (RecoveryConfig, SparsityConfig)) else value
+        out["heal"] = None if self.heal is None else self.heal.to_dict()
         out["layers"] = None if self.layers is None else list(self.layers)
         out["protect"] = list(self.protect)
         # a calibration file is recorded by its name: config.json gets published
@@ -551,6 +668,19 @@ def config_keys() -> list[str]:
     """Every key a config dict may hold: the fields of :class:`LayerSwapConfig` and its
     flat constructor keywords (:data:`FLAT_KEYWORDS`), in constructor order."""
     return [name for name in inspect.signature(LayerSwapConfig.__init__).parameters if name != "self"]
+
+
+def _as_heal(value) -> HealConfig | None:
+    """``heal=`` as a :class:`HealConfig`: ``None``, a method name, a dict of its fields or the
+    dataclass (unknown dict keys raise, naming the closest field)."""
+    if value is None or isinstance(value, HealConfig):
+        return value
+    if isinstance(value, str):
+        return HealConfig(method=value)
+    if isinstance(value, Mapping):
+        return HealConfig(**_sub_config(HealConfig, value, "heal"))
+    raise ValueError(f"LayerSwapConfig(heal={value!r}): allowed None, a method name {sorted(HEAL_METHODS)}, "
+                     "a HealConfig or a dict of its fields")
 
 
 def _protect_clash(layers, protect, clash) -> str:

@@ -69,7 +69,8 @@ def weights_changed_later(config) -> bool:
     purpose (one-shot sparsification, a repair of the cut, healing), so the fingerprint recorded at
     removal time no longer applies."""
     record = getattr(config, "layerswap", None) or {}
-    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery")) or bool(record.get("healing"))
+    healed = any(isinstance(h, Mapping) and not h.get("stale") for h in record.get("healing") or [])
+    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery")) or healed
 
 
 def _index_list(value) -> list[int] | None:

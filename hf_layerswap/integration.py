@@ -102,6 +102,12 @@ class LayerSwapQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return True
 
+    @property
+    def is_qat_trainable(self) -> bool:
+        """``True``: the weights are plain, so transformers' ``Trainer`` may train the whole
+        model (healing runs inside ``from_pretrained``, before the quantizer detaches)."""
+        return True
+
     def _dequantize(self, model, dtype=None):
         return model
 

@@ -18,11 +18,22 @@ Each step is a plain call with typed inputs and outputs:
    :func:`~hf_layerswap.recovery.recover` when a repair is configured; the step's
    :class:`~hf_layerswap.report.PruneProvenance` is written into
    ``model.config.layerswap["steps"][-1]`` once, here;
-5. sparsity: :func:`~hf_layerswap.sparsity.sparsify` when configured.
+5. healing: :func:`~hf_layerswap.healing.heal` when ``config.heal`` is set: the pruned (and
+   repaired) model is distilled from a copy of the dense model taken just before the
+   removal (one extra copy of the dense weights in memory until healing ends);
+6. sparsity: :func:`~hf_layerswap.sparsity.sparsify` when configured (never together with
+   healing, see :class:`~hf_layerswap.HealConfig`).
+
+Healing is a field of the config rather than a separate call so that
+``from_pretrained(path, quantization_config=LayerSwapConfig(num_layers=2, heal="lora"))``
+returns the finished model in one call: the dense teacher is exactly the model being
+loaded, which only this step still holds before the cut; a separate step after loading
+would have to load the base model a second time.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +43,7 @@ from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig, _protect_clash
+from .healing import HealReport, heal
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
@@ -62,6 +74,8 @@ class PruneResult:
             removed).
         recovery_report: the repair's report when ``recovery`` was configured.
         sparsity_report: the sparsification's report when ``sparsity`` was configured.
+        heal_report: the healing's report when ``heal`` was configured (also on
+            ``model.layerswap_heal_report``).
     """
 
     model: nn.Module
@@ -71,6 +85,7 @@ class PruneResult:
     provenance: PruneProvenance | None = None
     recovery_report: RecoveryReport | None = None
     sparsity_report: SparsityReport | None = None
+    heal_report: HealReport | None = None
 
 
 def prune(
@@ -82,6 +97,7 @@ def prune(
     calibration=None,
     checkpoint_path: str | os.PathLike | None = None,
     max_memory: int | str | None = None,
+    heal_checkpoint_dir: str | os.PathLike | None = None,
 ) -> PruneResult:
     """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
 
@@ -107,6 +123,8 @@ def prune(
             ``None``/``"auto"``: from the device's free memory), as in
             :func:`~hf_layerswap.score_layers`; it changes how the scores are computed,
             not what they are.
+        heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
+            of :func:`~hf_layerswap.heal`); needs ``config.heal``.
 
     Returns:
         A :class:`PruneResult`.
@@ -122,6 +140,9 @@ def prune(
         TypeError: ``config`` or ``report`` of the wrong type.
     """
     cfg = _as_config(config)
+    if heal_checkpoint_dir is not None and cfg.heal is None:
+        raise ValueError(f"heal_checkpoint_dir={os.fspath(heal_checkpoint_dir)!r} resumes healing, but the config "
+                         "heals nothing: set heal= or drop heal_checkpoint_dir")
     strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)
     entry = strategy_entry(strategy)
     total = num_blocks(model)
@@ -171,6 +192,7 @@ def prune(
     if calib is not None:
         provenance.calibration = calib.spec()
     result.provenance = provenance
+    teacher = copy.deepcopy(model) if cfg.heal is not None else None  # the dense model, before the cut
     if cfg.recovery is not None:
         rec = cfg.recovery
         result.recovery_report = recover(model, layers, calib, method=rec.method, num_tokens=rec.num_tokens,
@@ -180,7 +202,21 @@ def prune(
     else:
         remove_layers(model, layers, provenance=provenance.to_dict())
     result.removed = list(model.config.layerswap["steps"][-1]["removed_layers"])
+    if teacher is not None:
+        result.heal_report = _heal(model, teacher, cfg, source, tokenizer, heal_checkpoint_dir)
+        del teacher
     return _sparsify(result, cfg)
+
+
+def _heal(model, teacher, cfg: LayerSwapConfig, source, tokenizer, checkpoint_dir) -> HealReport:
+    """Distil ``model`` from ``teacher`` as ``cfg.heal`` says, on its own calibration text or
+    else the removal's source (a text source read with the model's tokenizer)."""
+    text = cfg.heal.calibration if cfg.heal.calibration is not None else source
+    if isinstance(text, CalibrationSet):  # heal draws its own prompts at its own length
+        text = cfg.calibration
+    tok = None if isinstance(text, Mapping) else _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
+    return heal(model, teacher, text, tokenizer=tok, progress=cfg.progress, checkpoint_dir=checkpoint_dir,
+                **cfg.heal.heal_kwargs())
 
 
 def _as_config(config) -> LayerSwapConfig:

@@ -27,7 +27,7 @@ from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
 from .recovery.operators import _attach, carried_operators, take_operators
 
-__all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
+__all__ = ["check_surgery_invariants", "kept_after", "remove_layers", "stale_healing"]
 
 
 def _remap_prefix_count(value: int, kept: Sequence[int]) -> int:
@@ -207,10 +207,20 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         "steps": previous.get("steps", []) + [step],
         **{k: previous[k] for k in HISTORY_FIELDS if k in previous},
     }
+    if previous.get("healing"):
+        top.layerswap["healing"] = stale_healing(previous["healing"], len(top.layerswap["steps"]))
     if operators and (previous.get("recovery") or {}).get("method") == "ghosted":
         top.layerswap["recovery"] = {**previous["recovery"], "boundaries": sorted(operators)}
     record_fingerprint(model, step)
     return model
+
+
+def stale_healing(healing: list, step: int) -> list:
+    """The healing records of ``config.layerswap["healing"]`` after removal step ``step``
+    (1-based): each is kept as evidence, marked ``"stale"`` (its KL and perplexity describe
+    the model before that removal) unless an earlier removal already marked it."""
+    note = f"removal step {step} came after this healing: its numbers describe the model before that cut"
+    return [entry if entry.get("stale") else {**entry, "stale": note} for entry in healing]
 
 
 #: Keys of an unverified history (see :mod:`hf_layerswap.history`) that later steps keep.

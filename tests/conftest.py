@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,6 +95,20 @@ def tiny_model(family: str = "llama", num_layers: int = 6, seed: int = 0, **over
     """A tiny random causal LM in eval mode, fp32, eager attention (the config records no
     dtype); ``overrides`` as for :func:`tiny_config`."""
     return build(_row(family), num_layers, seed, dtype=None, **{**tiny_overrides(family, num_layers), **overrides})
+
+
+def tiny_checkpoint(path, model=None):
+    """Save ``model`` (default: a tiny qwen3) with a word-level tokenizer of its vocabulary
+    (tokens ``w0``, ``w1``, ...) into ``path``; returns the model."""
+    model = tiny_model("qwen3") if model is None else model
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
+    vocab["[UNK]"] = model.config.vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
 
 
 def tiny_batch(batch: int = 3, length: int = 12, vocab: int = VOCAB, seed: int = 1, pad_last: int = 3):

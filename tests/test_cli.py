@@ -7,25 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from conftest import tiny_checkpoint, tiny_model
+from transformers import AutoModelForCausalLM
 
 from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
 
-def _tiny_checkpoint(path, model=None):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    model = tiny_model("qwen3") if model is None else model
-    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
-    vocab["[UNK]"] = model.config.vocab_size - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
+_tiny_checkpoint = tiny_checkpoint
 
 
 def _calibration_file(path, n=6):
@@ -259,7 +248,7 @@ def test_each_verb_is_registered_by_its_own_module():
     runs = {name: parser.get_default("func") for name, parser in sub.choices.items()}
     assert runs == {
         "demo": cli.demo.run_demo, "score": cli.score.run_score, "prune": cli.prune.run_prune,
-        "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
+        "heal": cli.heal.run_heal, "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
         "export-gguf": cli.export_gguf.run_export_gguf,
     }
     # the names scripts use from hf_layerswap.cli are the verb modules' objects

@@ -56,6 +56,8 @@ def _verbs(tmp: Path, out: Path) -> dict:
         "score --resume": ("--resume", ["score", model, *scoring, "-o", tmp / "r.json", "--resume", out]),
         "prune OUTPUT": ("output", ["prune", model, out, "--layers", "1"]),
         "prune --resume": ("--resume", ["prune", model, tmp / "pruned", "--num-layers", "1", *scoring, "--resume", out]),
+        "heal OUTPUT": ("OUTPUT", ["heal", model, model, out]),
+        "heal --resume": ("--resume", ["heal", model, model, tmp / "healed", "--resume", out]),
         "eval -o": ("--output", ["eval", model, "-o", out]),
         "push --output-dir": ("--output-dir", ["push", model, "me/tiny", "--output-dir", out]),
         "export-gguf OUTPUT": ("OUTPUT", ["export-gguf", model, out]),

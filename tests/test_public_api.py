@@ -24,6 +24,7 @@ PUBLIC = {
     "LayerSwapConfig": "hf_layerswap.config",
     "RecoveryConfig": "hf_layerswap.config",
     "SparsityConfig": "hf_layerswap.config",
+    "HealConfig": "hf_layerswap.config",
     "prune": "hf_layerswap.pipeline",
     "PruneResult": "hf_layerswap.pipeline",
     "prune_loaded_model": "hf_layerswap.integration",

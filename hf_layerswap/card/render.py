@@ -15,7 +15,7 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 
 from ..history import card_notice, history_status
 from ..jsonio import write_json_atomic
-from ..plots import PLOT_FILES, planned_plots, write_plots, write_sparsity_plot
+from ..plots import PLOT_FILES, planned_plots, write_healing_plot, write_plots, write_sparsity_plot
 from ..provenance import __version__
 from ..recovery import recovery_entry
 from ..report import SwapReport
@@ -24,6 +24,7 @@ from ..surgery import original_indices
 from ..tasks import task_card_section
 
 from .checks import _current_blocks, _identity, normalize_evaluation, _parameter_counts, _pct_plain, _protocol_of, _provenance, _record, _recovery_record, _recovery_row, report_mismatches, _resolve_base_model, _resolve_license, _selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, _sparsity_section, _sparsity_summary, _split_model
+from .healing import HEALING_FILE, healing_section
 from .format import _DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, _cell, _indices, _pct
 from .sections import _calibration_rows, _candidates, _cost_rows, _evaluation_section, _load_snippet, _report_section, _reproduce, _versions
 
@@ -130,6 +131,9 @@ def render_card(
     context.update(title=title, summary=summary)
     card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
     text = re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n"
+    heal_md = healing_section(f.record, plot=PLOT_FILES["healing"] if "healing" in plot_keys else None)
+    if heal_md:
+        text += "\n## Healing\n\n" + heal_md + "\n"
     if task_md:
         text += "\n## Task evaluation (lm-evaluation-harness)\n\n" + task_md + "\n"
     return ModelCard(text)
@@ -185,6 +189,7 @@ _PLOT_ALT = {
     "protocol_gap": "I/R = interchange / replacement per pair",
     "pair_heatmap": "Pair swap-KL heatmap: replacement above, interchange below the diagonal",
     "sparsity": "Per-block target and achieved sparsity",
+    "healing": "Healing: training loss and held-out KL against training tokens",
 }
 
 
@@ -311,6 +316,8 @@ def _files(f: SimpleNamespace, report, evaluation, sparsity_report, plot_keys) -
         files.append((SPARSITY_FILE, "per-block and per-linear sparsity: `hf_layerswap.sparsity.SparsityReport.from_json(path)`"))
     if f.attaches:
         files.append((str(f.recovery.get("file")), f.repairer.card_file))
+    if "healing" in plot_keys:
+        files.append((HEALING_FILE, "the healing run's loss and held-out KL histories: `hf_layerswap.HealReport.from_json(path)`"))
     return files + [(PLOT_FILES[k], "plot") for k in plot_keys]
 
 
@@ -402,6 +409,12 @@ def write_card_files(
             paths = write_plots(report, directory, removed=_record(config).get("removed_layers", []))
             plot_keys = list(paths)
             written.update({p.name: p for p in paths.values()})
+        healed = getattr(model, "layerswap_heal_report", None) if model is not None else None
+        if healed is not None and (_record(config).get("healing") or [{}])[-1].get("kl_after") == healed.kl_after:
+            written[HEALING_FILE] = healed.to_json(directory / HEALING_FILE)
+            path = write_healing_plot(healed.to_dict(), directory / PLOT_FILES["healing"])
+            plot_keys.append("healing")
+            written[path.name] = path
         if sparse is not None:
             kept = original_indices(config, _current_blocks(model, config))
             path = write_sparsity_plot(sparse, directory / PLOT_FILES["sparsity"], kept=kept)

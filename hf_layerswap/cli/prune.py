@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from ..config import LayerSwapConfig
@@ -15,6 +16,8 @@ from ..selection import STRATEGIES
 from ..selection.core import selection_protocols
 from ..selection.objectives import OBJECTIVES
 from ..sparsity import ALLOCATORS, PRUNERS
+from ..healing import HEAL_METHODS
+from .heal import add_heal_args, checkpoint_folder, heal_config
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
@@ -49,6 +52,9 @@ def add_parser(subparsers):
     p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
     _add_selection_args(p)
     _add_repair_args(p)
+    p.add_argument("--heal", nargs="?", const="lora", default=None, choices=sorted(HEAL_METHODS), metavar="METHOD",
+                   help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
+    add_heal_args(p, prefix="heal-")
     add_resume_arg(p)
     p.set_defaults(func=run_prune)
     return p
@@ -82,20 +88,32 @@ def prune_config(args):
     """
     if args.max_evaluations is not None and args.strategy != "search":
         raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
+    heal = heal_config(args, prefix="heal-", method=args.heal) if args.heal is not None else None
+    if heal is None and heal_config(args, prefix="heal-", method="lora") != heal_config(
+            _defaults(args), prefix="heal-", method="lora"):
+        raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
     return LayerSwapConfig(
         num_layers=args.num_layers, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
         recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, method=args.sparsity_method,
-        sparsity_pattern=args.sparsity_pattern, progress=True,
+        sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
     )
+
+
+def _defaults(args):
+    """``args`` with every ``--heal-*`` option at its parser default."""
+    parser = argparse.ArgumentParser()
+    add_heal_args(parser, prefix="heal-")
+    return argparse.Namespace(**{**vars(args), **vars(parser.parse_args([]))})
 
 
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
-    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")])
+    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
+                         + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
     if args.resume is not None and (args.layers is not None or args.report):
         given = "--layers" if args.layers is not None else "--report"
         raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
@@ -104,12 +122,16 @@ def run_prune(args) -> int:
         if not Path(args.report).is_file():
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
+    heal_dir = checkpoint_folder(args.output) if config.heal is not None else None
     model, tokenizer = load(args)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
+        heal_checkpoint_dir=heal_dir,
     )
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
+    if heal_dir is not None:
+        shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
