@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 
 
 def random_removal(
-    model_or_num_layers,
+    model_or_num_blocks,
     n: int | Sequence[int],
     *,
     seed: int = 0,
@@ -98,7 +98,7 @@ def random_removal(
     budget's draws are reproducible from the seed and independent of the other budgets.
 
     Args:
-        model_or_num_layers: a model (its block count is used) or L.
+        model_or_num_blocks: a model (its block count is used) or L.
         draws: at least 1 (the benchmark uses 5 and reports mean and spread).
 
     Returns:
@@ -108,11 +108,11 @@ def random_removal(
     Raises:
         ValueError: ``draws < 1`` or a budget larger than the unprotected blocks.
     """
-    num_layers = model_or_num_layers if isinstance(model_or_num_layers, int) else num_blocks(model_or_num_layers)
-    budgets, single = _budgets(n, num_layers)
+    total = model_or_num_blocks if isinstance(model_or_num_blocks, int) else num_blocks(model_or_num_blocks)
+    budgets, single = _budgets(n, total)
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise ValueError(f"draws={draws!r}: must be an int >= 1")
-    allowed = _allowed(num_layers, protect)
+    allowed = _allowed(total, protect)
     results = {}
     for b in budgets:
         if b > len(allowed):
@@ -122,23 +122,23 @@ def random_removal(
         results[b] = CriterionResult(
             "random", b, sets[0], None, 0, 0, 0.0,
             details={"draws": sets, "seed": seed, "rng": "random.Random(seed + 1000 * n)",
-                     "protect": sorted(resolve_protect(protect, num_layers))},
+                     "protect": sorted(resolve_protect(protect, total))},
         )
     return _out(results, single)
 
 
-def tail_removal(model_or_num_layers, n: int | Sequence[int]):
+def tail_removal(model_or_num_blocks, n: int | Sequence[int]):
     """Tail control: remove the last ``n`` blocks before the final one, ``L-1-n .. L-2``.
 
     Raises:
         ValueError: a budget outside ``1..L-2``.
     """
-    num_layers = model_or_num_layers if isinstance(model_or_num_layers, int) else num_blocks(model_or_num_layers)
-    budgets, single = _budgets(n, num_layers)
-    if budgets[-1] > num_layers - 1 - 1:
-        raise ValueError(f"tail n={budgets[-1]}: at most L-2={num_layers - 2} blocks lie between the first and the last")
+    total = model_or_num_blocks if isinstance(model_or_num_blocks, int) else num_blocks(model_or_num_blocks)
+    budgets, single = _budgets(n, total)
+    if budgets[-1] > total - 1 - 1:
+        raise ValueError(f"tail n={budgets[-1]}: at most L-2={total - 2} blocks lie between the first and the last")
     results = {
-        b: CriterionResult("tail", b, list(range(num_layers - 1 - b, num_layers - 1)), None, 0, 0, 0.0)
+        b: CriterionResult("tail", b, list(range(total - 1 - b, total - 1)), None, 0, 0, 0.0)
         for b in budgets
     }
     return _out(results, single)
@@ -163,7 +163,7 @@ def merge_reports(*reports: SwapReport) -> SwapReport:
         raise ValueError("merge_reports needs at least one report")
     first = reports[0]
     hashes = {r.metadata.get("calibration", {}).get("content_hash") for r in reports}
-    if len({r.num_layers for r in reports}) != 1 or len(hashes) != 1:
+    if len({r.num_blocks for r in reports}) != 1 or len(hashes) != 1:
         raise ValueError("merge_reports: the reports differ in block count or calibration content hash")
     pairs: dict[tuple[int, int], dict] = {}
     value_fields = ("replacement_ij", "replacement_ji", "interchange")
@@ -189,7 +189,7 @@ def merge_reports(*reports: SwapReport) -> SwapReport:
         for r in reports
     ]
     merged = SwapReport(
-        first.num_layers,
+        first.num_blocks,
         [PairResult(i, j, **v) for (i, j), v in pairs.items()],
         protocols=protocols,
         max_gap=max(r.max_gap for r in reports),
@@ -499,11 +499,11 @@ def compare_criteria(
     log = log or logger.info
     table = harness_criteria()
     repair = _check_harness_arguments(table, criteria, evaluation_method, recovery, recovery_criteria)
-    calib, num_layers, budgets, _ = _setup(model, calibration, tokenizer, list(budgets))
+    calib, num_blocks, budgets, _ = _setup(model, calibration, tokenizer, list(budgets))
     options = {k: dict(v) for k, v in (options or {}).items()}
     fingerprint = {
         "model": model_identity(model).get("name"),
-        "num_layers": num_layers,
+        "num_blocks": num_blocks,
         "calibration": calib.content_hash,
         "eval_text": _text_fingerprint(eval_text),
         "contract": contract,

@@ -17,7 +17,7 @@ checked in ``__post_init__`` (:meth:`LayerSwapConfig.validate`), and :meth:`to_d
 :meth:`from_dict` are the one serialisation (a JSON round trip is exact). The closed
 choices (``protocol``, ``objective``) are ``Literal`` types and the allowed lists come from
 them; the choices with a registry (``strategy``, the ``recovery`` method, the sparsity
-``allocation`` and ``method``) are checked against the registry when the config is
+``allocation`` and ``pruner``) are checked against the registry when the config is
 validated, so a name added with ``register_strategy``, ``register_recovery_method``,
 ``register_allocator`` or ``register_pruner`` is accepted (their ``Literal`` annotations
 name the built-ins).
@@ -43,7 +43,7 @@ from .provenance import public_name
 from .recovery import RECOVERY_METHODS, check_epsilon
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
-from .sparsity import check_arguments, check_bound
+from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
 
 __all__ = [
     "CONFIG_VERSION",
@@ -66,7 +66,7 @@ ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
 #: The built-in names of the choices with a registry; validation reads the registries
 #: (:data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
 #: :data:`~hf_layerswap.sparsity.PRUNERS`), so registered names are allowed too.
-RecoveryMethod = Literal["ghosted", "fused"]
+RecoveryMethodName = Literal["ghosted", "fused"]
 AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
 PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
 #: The recovery registry's plain removal (``"none"``), which the config spells ``recovery=None``.
@@ -79,13 +79,21 @@ FLAT_KEYWORDS = {
     "recovery_num_tokens": ("recovery", "num_tokens"),
     "recovery_epsilon": ("recovery", "epsilon"),
     "allocation": ("sparsity", "allocation"),
-    "method": ("sparsity", "method"),
+    "pruner": ("sparsity", "pruner"),
     "sparsity_pattern": ("sparsity", "pattern"),
 }
 
 
 def _help(text: str, **extra) -> dict:
     return {"help": text, **extra}
+
+
+def _cli(text: str, **extra) -> dict:
+    """Metadata of a field that is also a command-line setting (``cli=True``): its
+    ``help``, and optionally ``minimum`` (an int option's least value) and ``choices`` (a
+    callable returning the allowed names now, for the choices with a registry); read by
+    ``hf_layerswap.cli.common.add_config_options``."""
+    return {"help": text, "cli": True, **extra}
 
 
 def _recovery_choices() -> list:
@@ -160,8 +168,9 @@ class RecoveryConfig:
             (:data:`~hf_layerswap.recovery.MAX_EPSILON`); ``None`` = the method's default.
     """
 
-    method: RecoveryMethod = field(default="ghosted", metadata=_help(
-        "repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)"))
+    method: RecoveryMethodName = field(default="ghosted", metadata=_cli(
+        "repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)",
+        choices=lambda: [name for name in RECOVERY_METHODS if name != _PLAIN_REMOVAL]))
     num_tokens: int | None = field(default=None, metadata=_help(
         "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
     epsilon: float | None = field(default=None, metadata=_help(
@@ -176,14 +185,16 @@ class SparsityConfig:
     Attributes:
         sparsity: overall target in [0, 1) (fraction of prunable block weights set to zero).
         allocation: per-block rule (``"pals"`` default, ``"uniform"``, ``"owl"``, ...).
-        method: the pruner (``"wanda"`` default, ``"sparsegpt"``, ``"magnitude"``).
+        pruner: the pruner (``"wanda"`` default, ``"sparsegpt"``, ``"magnitude"``).
         pattern: ``None`` (unstructured) or ``"N:M"`` such as ``"2:4"``.
     """
 
-    sparsity: float = field(metadata=_help("one-shot sparsity target in [0, 1) after removal (default: none)"))
-    allocation: AllocationName = field(default="pals", metadata=_help("per-block sparsity rule"))
-    method: PrunerName = field(default="wanda", metadata=_help("the pruner that sets the weights to zero"))
-    pattern: str | None = field(default=None, metadata=_help(
+    sparsity: float = field(metadata=_cli("one-shot sparsity target in [0, 1) after removal (default: none)"))
+    allocation: AllocationName = field(default="pals", metadata=_cli("per-block sparsity rule",
+                                                                     choices=lambda: list(ALLOCATORS)))
+    pruner: PrunerName = field(default="wanda", metadata=_cli("the pruner that sets the weights to zero",
+                                                              choices=lambda: list(PRUNERS)))
+    pattern: str | None = field(default=None, metadata=_cli(
         "N:M sparsity pattern, e.g. 2:4 (default unstructured)"))
 
 
@@ -290,7 +301,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
     """Configuration for removing decoder blocks at load time.
 
     Args:
-        num_layers: remove this many blocks, chosen by swap-KL scoring. ``None`` with
+        num_to_remove: remove this many blocks, chosen by swap-KL scoring. ``None`` with
             ``layers=None`` scores only (the report is attached; nothing is removed, a
             requested ``sparsity`` is still applied).
         layers: explicit 0-based block indices to remove (no scoring). They index the
@@ -318,7 +329,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         sparsity: optional one-shot sparsification after removal: a float target in
             [0, 1), a :class:`SparsityConfig` or a dict of its fields; stored as a
             :class:`SparsityConfig` (or ``None``).
-        allocation, method, sparsity_pattern: constructor keywords for the other
+        allocation, pruner, sparsity_pattern: constructor keywords for the other
             :class:`SparsityConfig` fields when ``sparsity`` is a float (checked against the
             registries of :func:`~hf_layerswap.sparsity.register_allocator` and
             :func:`~hf_layerswap.sparsity.register_pruner`); read them back as
@@ -354,7 +365,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
 
     Raises:
         ValueError: contradictory or out-of-range fields (e.g. ``layers`` together with a
-            different ``num_layers``, an unknown protocol, a non-finite ``recovery_epsilon``);
+            different ``num_to_remove``, an unknown protocol, a non-finite ``recovery_epsilon``);
             the message names the value and what is allowed.
     """
 
@@ -362,39 +373,41 @@ class LayerSwapConfig(QuantizationConfigMixin):
         "transformers' quantization method key: always 'layerswap'"))
     version: int = field(default=CONFIG_VERSION, kw_only=True, metadata=_help(
         "format version of the serialized config"))
-    num_layers: int | None = field(default=None, metadata=_help("remove this many layers chosen by swap-KL"))
-    layers: list[int] | None = field(default=None, metadata=_help("remove exactly these 0-based layers"))
-    protocol: ProtocolName = field(default="interchange", metadata=_help(
-        "protocol of the greedy strategy (auto: the better of both protocols' greedy sets)"))
-    max_gap: int = field(default=1, metadata=_help("pair distance bound: 1 = adjacent pairs"))
-    spacing: int | None = field(default=None, metadata=_help(
-        "selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)"))
-    protect: list[int] | None = field(default=None, metadata=_help(
+    num_to_remove: int | None = field(default=None, metadata=_cli("remove this many layers chosen by swap-KL",
+                                                                  minimum=1))
+    layers: list[int] | None = field(default=None, metadata=_cli("remove exactly these 0-based layers"))
+    protocol: ProtocolName = field(default="interchange", metadata=_cli(
+        "protocol of the greedy strategy (auto: the better of both protocols' greedy sets)",
+        choices=lambda: list(selection_protocols())))
+    max_gap: int = field(default=1, metadata=_cli("pair distance bound: 1 = adjacent pairs", minimum=1))
+    spacing: int | None = field(default=None, metadata=_cli(
+        "selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)", minimum=0))
+    protect: list[int] | None = field(default=None, metadata=_cli(
         "layers never removed (negative = from the end; default 0 -1 for a scored selection, "
         "none for explicit layers)"))
     calibration: Any = field(default=None, metadata=_help(
         "calibration text: a text file (e.g. WikiText-2 valid.txt), texts or token batches; "
         "default: prose shipped with Python"))
-    num_prompts: int = field(default=64, metadata=_help("calibration prompts: an int >= 1"))
-    seq_len: int = field(default=128, metadata=_help("tokens per prompt (truncation)"))
-    batch_size: int = field(default=8, metadata=_help("prompts per forward pass"))
-    seed: int = field(default=0, metadata=_help("paragraph shuffle seed"))
+    num_prompts: int = field(default=64, metadata=_cli("calibration prompts: an int >= 1", minimum=1))
+    seq_len: int = field(default=128, metadata=_cli("tokens per prompt (truncation)", minimum=2))
+    batch_size: int = field(default=8, metadata=_cli("prompts per forward pass", minimum=1))
+    seed: int = field(default=0, metadata=_cli("paragraph shuffle seed"))
     recovery: RecoveryConfig | None = field(default=None, metadata=RecoveryConfig.__dataclass_fields__["method"].metadata)
     sparsity: SparsityConfig | None = field(default=None, metadata=SparsityConfig.__dataclass_fields__["sparsity"].metadata)
     allocation: InitVar[AllocationName] = "pals"
-    method: InitVar[PrunerName] = "wanda"
+    pruner: InitVar[PrunerName] = "wanda"
     sparsity_pattern: InitVar[str | None] = None
     tokenizer: Any = field(default=None, metadata=_help("tokenizer for text calibration", **_RUNTIME))
     progress: bool = field(default=True, metadata=_help("show progress bars", **_RUNTIME))
-    strategy: str = field(default="search", metadata=_help(
+    strategy: str = field(default="search", metadata=_cli(
         "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts "
         "and refined by local moves; greedy = the paper's rule on the protocol; auto = the better protocol's "
-        "greedy set"))
-    objective: ObjectiveName | None = field(default=None, metadata=_help(
+        "greedy set", choices=lambda: sorted(STRATEGIES)))
+    objective: ObjectiveName | None = field(default=None, metadata=_cli(
         "what the search strategy minimises on the calibration prompts (default removal_kl)"))
-    max_evaluations: int | None = field(default=None, metadata=_help(
+    max_evaluations: int | None = field(default=None, metadata=_cli(
         "most candidate sets search scores in all (default: no cap beyond each budget's allowance of one set "
-        "per removable block)"))
+        "per removable block)", minimum=1))
     heal: HealConfig | None = field(default=None, metadata=_help(
         "heal after the cut and its repair: distil the pruned model from the dense one (a HealConfig, a dict "
         "of its fields or a method name; default: no healing)"))
@@ -408,8 +421,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise TypeError(problem)
         return super().__new__(cls)
 
-    def __post_init__(self, allocation, method, sparsity_pattern, recovery_num_tokens, recovery_epsilon):
-        flat = {"allocation": allocation, "method": method, "sparsity_pattern": sparsity_pattern,
+    def __post_init__(self, allocation, pruner, sparsity_pattern, recovery_num_tokens, recovery_epsilon):
+        flat = {"allocation": allocation, "pruner": pruner, "sparsity_pattern": sparsity_pattern,
                 "recovery_num_tokens": recovery_num_tokens, "recovery_epsilon": recovery_epsilon}
         self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, flat)
         self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, flat)
@@ -467,18 +480,18 @@ class LayerSwapConfig(QuantizationConfigMixin):
             self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, _flat_defaults())
         if self.sparsity is not None and not isinstance(self.sparsity, SparsityConfig):
             self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, _flat_defaults())
-        _check_int("num_layers", self.num_layers, 1, allow_none=True)
+        _check_int("num_to_remove", self.num_to_remove, 1, allow_none=True)
         layers = self.layers
         if layers is not None:
             layers = self.layers = _int_list("layers", layers)
             if not layers:
-                raise ValueError("LayerSwapConfig(layers=[]): give at least one block index, or use num_layers")
+                raise ValueError("LayerSwapConfig(layers=[]): give at least one block index, or use num_to_remove")
             dupes = sorted({i for i in layers if layers.count(i) > 1})
             if dupes:  # same wording as remove_layers, which also catches -1 vs L-1 once L is known
                 raise ValueError(f"duplicate layer indices {dupes} in {layers} (after resolving negative indices)")
-            if self.num_layers is not None and self.num_layers != len(layers):
+            if self.num_to_remove is not None and self.num_to_remove != len(layers):
                 raise ValueError(
-                    f"LayerSwapConfig(num_layers={self.num_layers}, layers={layers}) is contradictory: "
+                    f"LayerSwapConfig(num_to_remove={self.num_to_remove}, layers={layers}) is contradictory: "
                     f"layers names {len(layers)} blocks"
                 )
         self.protect = _int_list("protect", self.protect)
@@ -506,8 +519,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if rec is None:
             return
         _check_choice("recovery", rec.method, _recovery_choices())
-        if self.num_layers is None and self.layers is None:
-            raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_layers or layers: nothing is removed")
+        if self.num_to_remove is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_to_remove or layers: nothing is removed")
         _check_int("recovery_num_tokens", rec.num_tokens, 1, allow_none=True)
         eps = rec.epsilon
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
@@ -519,8 +532,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.heal = _as_heal(self.heal)
         if self.heal is None:
             return
-        if self.num_layers is None and self.layers is None:
-            raise ValueError(f"LayerSwapConfig(heal={self.heal.method!r}) needs num_layers or layers: nothing is removed")
+        if self.num_to_remove is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig(heal={self.heal.method!r}) needs num_to_remove or layers: nothing is removed")
         if self.sparsity is not None:
             raise ValueError("LayerSwapConfig(heal=..., sparsity=...): not both in one run: healing merges dense "
                              "updates into the weights (their zeros would fill), and sparsifying after healing "
@@ -533,8 +546,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
         target = sp.sparsity
         if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= float(target) < 1.0:
             raise ValueError(f"LayerSwapConfig(sparsity={target!r}): must be a float in [0, 1)")
+        _check_choice("pruner", sp.pruner, PRUNERS)
         try:  # checked now: after loading, blocks would already be gone
-            check_arguments(float(target), sp.allocation, sp.method, sp.pattern)
+            check_arguments(float(target), sp.allocation, sp.pruner, sp.pattern)
         except ValueError as err:
             raise ValueError(f"LayerSwapConfig: {err}") from None
         try:

@@ -114,8 +114,8 @@ def history_problems(model: nn.Module, *, fingerprint: bool = True) -> list[str]
         )
     steps = record.get("steps") or []
     last = steps[-1] if steps and isinstance(steps[-1], Mapping) else {}
-    if "num_layers_after" in last and last["num_layers_after"] != n:
-        problems.append(f"the last removal step left {last['num_layers_after']} blocks but the model has {n}")
+    if "num_blocks_after" in last and last["num_blocks_after"] != n:
+        problems.append(f"the last removal step left {last['num_blocks_after']} blocks but the model has {n}")
     recorded = last.get("fingerprint_after")
     if (
         fingerprint

@@ -4,7 +4,7 @@
 ``register_quantization_config`` / ``register_quantizer``. Then::
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=LayerSwapConfig(num_layers=2, protocol="interchange")
+        path, quantization_config=LayerSwapConfig(num_to_remove=2, protocol="interchange")
     )
 
 scores the loaded model (unless ``layers`` is given), selects and removes blocks after the

@@ -25,7 +25,7 @@ Each step is a plain call with typed inputs and outputs:
    healing, see :class:`~hf_layerswap.HealConfig`).
 
 Healing is a field of the config rather than a separate call so that
-``from_pretrained(path, quantization_config=LayerSwapConfig(num_layers=2, heal="lora"))``
+``from_pretrained(path, quantization_config=LayerSwapConfig(num_to_remove=2, heal="lora"))``
 returns the finished model in one call: the dense teacher is exactly the model being
 loaded, which only this step still holds before the cut; a separate step after loading
 would have to load the base model a second time.
@@ -152,7 +152,7 @@ def prune(
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
                          "is scored: drop checkpoint_path")
     source = cfg.calibration if calibration is None else calibration
-    selects = cfg.layers is None and cfg.num_layers is not None
+    selects = cfg.layers is None and cfg.num_to_remove is not None
     needs_text = (
         (cfg.layers is None and report is None)  # scoring
         or (selects and entry.calibrated())  # the strategy reads the model on the prompts
@@ -171,7 +171,7 @@ def prune(
     if report is not None:
         model.layerswap_report = report
     result = PruneResult(model=model, removed=[], report=report, calibration=calib)
-    if cfg.layers is None and cfg.num_layers is None:  # score only; a requested sparsity still applies
+    if cfg.layers is None and cfg.num_to_remove is None:  # score only; a requested sparsity still applies
         return _sparsify(result, cfg)
 
     if cfg.layers is not None:
@@ -180,7 +180,7 @@ def prune(
     else:
         before = len(report.selections)
         layers = select_layers(
-            report, cfg.num_layers, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
+            report, cfg.num_to_remove, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
             model=model, calibration=calib, batch_size=cfg.batch_size, strategy=strategy,
             **entry.config_options(cfg),
         )
@@ -231,8 +231,8 @@ def _as_config(config) -> LayerSwapConfig:
 
 def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
     """Everything that can be refused before a forward pass."""
-    if cfg.layers is None and cfg.num_layers is not None:  # an impossible budget costs no scoring
-        check_budget(cfg.num_layers, total, spacing=cfg.spacing, protect=cfg.protect)
+    if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
+        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
     if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
         clash = sorted({i % total for i in cfg.layers if -total <= i < total}
                        & {i % total for i in cfg.protect if -total <= i < total})
@@ -245,7 +245,7 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     check_report_matches(report, model)
     needed = list(strategy_entry(strategy).reads(cfg.protocol))
     missing = [p for p in needed if p not in report.protocols]
-    if cfg.layers is None and cfg.num_layers is not None and missing:
+    if cfg.layers is None and cfg.num_to_remove is not None and missing:
         raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
                          f"protocol={cfg.protocol!r} reads {missing}: score those protocols or choose another strategy")
 
@@ -285,7 +285,7 @@ def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
     sp = cfg.sparsity
     if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
-                                          allocation=sp.allocation, method=sp.method, pattern=sp.pattern)
+                                          allocation=sp.allocation, method=sp.pruner, pattern=sp.pattern)
     return result
 
 

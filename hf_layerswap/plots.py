@@ -90,7 +90,7 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
     directory.mkdir(parents=True, exist_ok=True)
     keys = planned_plots(report)
     written = {}
-    L = report.num_layers
+    L = report.num_blocks
     x = np.arange(L)
     colors = {p: protocol_color(p) for p in report.protocols}
 

@@ -2,8 +2,8 @@
 block pair ``i < j``. Adding a protocol is one function and one decorator::
 
     @register_protocol("skip_both")
-    def skip_both(num_layers, i, j):
-        return {"skip_both": removal_plan(num_layers, [i, j])}
+    def skip_both(num_blocks, i, j):
+        return {"skip_both": removal_plan(num_blocks, [i, j])}
 
 A protocol's function returns one layer plan (:mod:`hf_layerswap.plan`) per *probe* it
 declares (``probes=``, default: one probe named after the protocol). The scoring engine
@@ -62,7 +62,7 @@ class SwapProtocol:
         name: the ``protocols=`` value.
         probes: the probe kinds it runs per pair, in order (report fields ``<kind>`` and
             ``<kind>_se``).
-        plans: ``fn(num_layers, i, j) -> {kind: plan}`` with one plan per probe kind.
+        plans: ``fn(num_blocks, i, j) -> {kind: plan}`` with one plan per probe kind.
         label: how the model card and the plots name it (default: :attr:`name`).
         color: its matplotlib colour in the plots (default: one of a fixed palette, by
             registration order).
@@ -74,13 +74,13 @@ class SwapProtocol:
     label: str = ""
     color: str = ""
 
-    def pair_plans(self, num_layers: int, i: int, j: int) -> dict[str, list[int]]:
+    def pair_plans(self, num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
         """The probes' plans for pair ``(i, j)``, in :attr:`probes` order.
 
         Raises:
             ValueError: the function's kinds are not the declared :attr:`probes`.
         """
-        out = self.plans(num_layers, i, j)
+        out = self.plans(num_blocks, i, j)
         if not isinstance(out, dict) or set(out) != set(self.probes):
             got = sorted(out) if isinstance(out, dict) else type(out).__name__
             raise ValueError(f"protocol {self.name!r} returned plans for {got}; it declares probes {list(self.probes)}")
@@ -107,7 +107,7 @@ def protocol_of(name: str) -> str | None:
 
 def register_protocol(name: str, *, probes: Sequence[str] | None = None, label: str | None = None,
                       color: str | None = None):
-    """Decorator registering ``fn(num_layers, i, j) -> {kind: plan}`` as the swap protocol
+    """Decorator registering ``fn(num_blocks, i, j) -> {kind: plan}`` as the swap protocol
     ``name`` (see :class:`SwapProtocol`); ``probes`` defaults to ``(name,)``, ``label`` (the
     card's and plots' name) to ``name``, ``color`` (the plots') to the next of :data:`PALETTE`.
 
@@ -190,10 +190,10 @@ def check_protocols(protocols) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- built-ins
 @register_protocol("replacement", probes=("replacement_ij", "replacement_ji"), color="#d95f02")
-def _replacement(num_layers: int, i: int, j: int) -> dict[str, list[int]]:
-    return {"replacement_ij": replacement_plan(num_layers, i, j), "replacement_ji": replacement_plan(num_layers, j, i)}
+def _replacement(num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
+    return {"replacement_ij": replacement_plan(num_blocks, i, j), "replacement_ji": replacement_plan(num_blocks, j, i)}
 
 
 @register_protocol("interchange", color="#1b9e77")
-def _interchange(num_layers: int, i: int, j: int) -> dict[str, list[int]]:
-    return {"interchange": interchange_plan(num_layers, i, j)}
+def _interchange(num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
+    return {"interchange": interchange_plan(num_blocks, i, j)}

@@ -48,7 +48,7 @@ PRUNER_NAMES = _built_in(PRUNERS, lambda entry: entry.prune)
 
 def _strategy_config(name: str) -> dict:
     protocol = "auto" if name == "auto" else "interchange"  # auto is the greedy rule's choice between protocols
-    return dict(num_layers=1, strategy=name, protocol=protocol)
+    return dict(num_to_remove=1, strategy=name, protocol=protocol)
 
 
 def _run(tmp_path, fields: dict):
@@ -98,7 +98,7 @@ def test_strategy_contract(name, tmp_path):
 
 @pytest.mark.parametrize("name", PROTOCOL_NAMES)
 def test_protocol_contract(name, tmp_path):
-    cfg, model, front, text = _run(tmp_path, dict(num_layers=1, strategy="greedy", protocol=name))
+    cfg, model, front, text = _run(tmp_path, dict(num_to_remove=1, strategy="greedy", protocol=name))
     _config_round_trips(cfg, tmp_path)
     assert model.layerswap_report.protocols == (name,) or list(model.layerswap_report.protocols) == [name]
     assert front["protocol"] == name
@@ -121,7 +121,7 @@ def test_recovery_method_contract(name, tmp_path):
 
 @pytest.mark.parametrize("name", ALLOCATOR_NAMES)
 def test_allocator_contract(name, tmp_path):
-    cfg, model, front, text = _run(tmp_path, dict(layers=[2], sparsity=0.5, allocation=name, method="magnitude"))
+    cfg, model, front, text = _run(tmp_path, dict(layers=[2], sparsity=0.5, allocation=name, pruner="magnitude"))
     _config_round_trips(cfg, tmp_path)
     assert model.layerswap_sparsity_report.allocation == name and front["sparsity"]["allocation"] == name
     assert ALLOCATORS[name].label.replace("|", "\\|") in text  # a table cell
@@ -130,7 +130,7 @@ def test_allocator_contract(name, tmp_path):
 
 @pytest.mark.parametrize("name", PRUNER_NAMES)
 def test_pruner_contract(name, tmp_path):
-    cfg, model, front, text = _run(tmp_path, dict(layers=[2], sparsity=0.5, allocation="uniform", method=name))
+    cfg, model, front, text = _run(tmp_path, dict(layers=[2], sparsity=0.5, allocation="uniform", pruner=name))
     _config_round_trips(cfg, tmp_path)
     assert model.layerswap_sparsity_report.method == name and front["sparsity"]["method"] == name
     assert PRUNERS[name].label.replace("|", "\\|") in text  # a table cell
@@ -143,11 +143,11 @@ def test_a_registered_protocol_is_scored_selected_and_drawn(strategy, tmp_path):
     every strategy, the greedy rule selects on it, and the card and plots name it by its label."""
 
     @register_protocol("skip_both_for_test", label="skip-both (test)")
-    def skip_both(num_layers, i, j):
-        return {"skip_both_for_test": removal_plan(num_layers, [i, j])}
+    def skip_both(num_blocks, i, j):
+        return {"skip_both_for_test": removal_plan(num_blocks, [i, j])}
 
     try:
-        cfg, model, front, text = _run(tmp_path, dict(num_layers=1, strategy=strategy, protocol="skip_both_for_test"))
+        cfg, model, front, text = _run(tmp_path, dict(num_to_remove=1, strategy=strategy, protocol="skip_both_for_test"))
         report = model.layerswap_report
         assert "skip_both_for_test" in report.protocols
         assert "| skip-both (test) s(i) |" in text

@@ -30,7 +30,7 @@ REMOVED = [2, 3]
 
 
 def _pair():
-    teacher = tiny_model("llama", num_layers=6, seed=0)
+    teacher = tiny_model("llama", num_blocks=6, seed=0)
     student = copy.deepcopy(teacher)
     hl.remove_layers(student, REMOVED)
     return student, teacher
@@ -115,7 +115,7 @@ def test_divergent_learning_rate_returns_start_weights():
 def test_mismatched_teacher_refused_before_training():
     student, teacher = _pair()
     start = {k: v.clone() for k, v in student.state_dict().items()}
-    other = tiny_model("llama", num_layers=6, vocab_size=64)
+    other = tiny_model("llama", num_blocks=6, vocab_size=64)
     with pytest.raises(ValueError, match="vocab_size=64"):
         hl.heal(student, other, _calibration())
     with pytest.raises(ValueError, match="teacher is the student itself"):
@@ -201,26 +201,26 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, capsys, m
 
 # ---------------------------------------------------------------- config and pipeline
 def test_heal_config_round_trip_and_refusals():
-    cfg = LayerSwapConfig(num_layers=2, heal=HealConfig(method="last_k", max_tokens=512, options={"k": 2}))
+    cfg = LayerSwapConfig(num_to_remove=2, heal=HealConfig(method="last_k", max_tokens=512, options={"k": 2}))
     data = json.loads(json.dumps(cfg.to_dict()))
     assert data["heal"] == {"method": "last_k", "max_tokens": 512, "calibration": None, "seq_len": 128,
                             "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
                             "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2}}
     assert LayerSwapConfig.from_dict(data) == cfg and LayerSwapConfig.from_dict(data).heal == cfg.heal
-    assert LayerSwapConfig(num_layers=2, heal="adjacent").heal == HealConfig(method="adjacent")
-    assert LayerSwapConfig(num_layers=2).to_dict()["heal"] is None
+    assert LayerSwapConfig(num_to_remove=2, heal="adjacent").heal == HealConfig(method="adjacent")
+    assert LayerSwapConfig(num_to_remove=2).to_dict()["heal"] is None
     with pytest.raises(ValueError, match=r"HealConfig\(method='nope'\): allowed \['adjacent', 'last_k', 'lora'\]"):
         HealConfig(method="nope")
     with pytest.raises(ValueError, match=r"max_tokenz.*did you mean 'max_tokens'"):
-        LayerSwapConfig(num_layers=2, heal={"max_tokenz": 5})
+        LayerSwapConfig(num_to_remove=2, heal={"max_tokenz": 5})
     with pytest.raises(ValueError, match=r"HealConfig\(learning_rate=nan\)"):
         HealConfig(learning_rate=float("nan"))
     with pytest.raises(ValueError, match=r"teacher_top_k=0"):
         HealConfig(teacher_top_k=0)
-    with pytest.raises(ValueError, match="needs num_layers or layers"):
+    with pytest.raises(ValueError, match="needs num_to_remove or layers"):
         LayerSwapConfig(heal="lora")
     with pytest.raises(ValueError, match="not both in one run"):
-        LayerSwapConfig(num_layers=2, heal="lora", sparsity=0.5)
+        LayerSwapConfig(num_to_remove=2, heal="lora", sparsity=0.5)
 
 
 def _heal_config(**extra):
@@ -229,7 +229,7 @@ def _heal_config(**extra):
 
 
 def test_pipeline_heals_after_the_cut_like_heal_on_a_copy():
-    model = tiny_model("llama", num_layers=6, seed=0)
+    model = tiny_model("llama", num_blocks=6, seed=0)
     result = prune(model, LayerSwapConfig(layers=REMOVED, calibration=_calibration(), heal=_heal_config(),
                                           progress=False))
     student, teacher = _pair()
@@ -245,7 +245,7 @@ def test_pipeline_heals_after_the_cut_like_heal_on_a_copy():
 
 
 def test_from_pretrained_heals_at_load_time(tmp_path):
-    tiny_model("llama", num_layers=6, seed=0).save_pretrained(tmp_path)
+    tiny_model("llama", num_blocks=6, seed=0).save_pretrained(tmp_path)
     cfg = LayerSwapConfig(layers=REMOVED, calibration=_calibration(), heal=_heal_config(), progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=cfg, attn_implementation="eager")
     student, teacher = _pair()
@@ -333,7 +333,7 @@ def test_heal_verb_refusals_leave_inputs_alone(tmp_path, capsys):
     assert main(["heal", str(tmp_path / "pruned"), str(tmp_path / "other"), str(tmp_path / "o1"), *HEAL_FLAGS]) == 2
     assert "vocab_size=64" in capsys.readouterr().err
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o1.heal-checkpoints").exists()
-    tiny_checkpoint(tmp_path / "deep", tiny_model("qwen3", num_layers=8))
+    tiny_checkpoint(tmp_path / "deep", tiny_model("qwen3", num_blocks=8))
     assert main(["heal", str(tmp_path / "pruned"), str(tmp_path / "deep"), str(tmp_path / "o2"), *HEAL_FLAGS]) == 2
     assert "has 8 blocks but PRUNED was cut from a model of 6" in capsys.readouterr().err
     assert main([*run, str(tmp_path / "o3"), "--learning-rate", "0"]) == 2

@@ -60,7 +60,7 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     """Reasons why ``report`` does not describe ``model_or_config`` (empty list = it does).
 
     A report belongs to a model when it scored the blocks the model was pruned from:
-    ``report.num_layers`` equals ``config.layerswap["original_num_hidden_layers"]`` for a
+    ``report.num_blocks`` equals ``config.layerswap["original_num_hidden_layers"]`` for a
     pruned model (the current block count otherwise), every removed index is in range,
     when the report carries a weight fingerprint (:func:`~hf_layerswap.plan.model_fingerprint`)
     it matches the model's (an unpruned model's current one, or the
@@ -74,9 +74,9 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     current = _current_blocks(model, config)
     expected = int(record.get("original_num_hidden_layers", current))
     problems = []
-    if report.num_layers != expected:
+    if report.num_blocks != expected:
         what = "the model was pruned from" if record else "the model has"
-        problems.append(f"the report scored {report.num_layers} blocks but {what} {expected} blocks")
+        problems.append(f"the report scored {report.num_blocks} blocks but {what} {expected} blocks")
         return problems
     expected_fp = (report.metadata.get("model") or {}).get("fingerprint")
     if expected_fp:
@@ -91,12 +91,12 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
                 f"{actual_fp[:16]}... ({when}): it was computed on other weights"
             )
     removed = list(record.get("removed_layers", []))
-    outside = [i for i in removed if not 0 <= i < report.num_layers]
+    outside = [i for i in removed if not 0 <= i < report.num_blocks]
     if outside:
-        problems.append(f"removed layers {outside} are outside the report's 0..{report.num_layers - 1}")
+        problems.append(f"removed layers {outside} are outside the report's 0..{report.num_blocks - 1}")
     for k, step in enumerate(record.get("steps", [])):
         summary = step.get("scores")
-        if not isinstance(summary, Mapping) or summary.get("num_layers") != report.num_layers:
+        if not isinstance(summary, Mapping) or summary.get("num_blocks") != report.num_blocks:
             continue
         for protocol in report.protocols:
             recorded = summary.get(f"{protocol}_layer_scores")

@@ -154,7 +154,7 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
         removal_rows=_removal_rows(f),
         steps=[
             {
-                "before": s.get("num_layers_before", _DASH),
+                "before": s.get("num_blocks_before", _DASH),
                 "removed_local": _indices(s.get("removed_layers", [])),
                 "removed_original": _indices(s.get("removed_original_layers", [])),
                 "selection": _cell(_provenance(s).selection),

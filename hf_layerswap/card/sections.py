@@ -26,11 +26,11 @@ from .format import _DASH, _HUB_ID, MAX_PAIR_ROWS, _METRIC_ARGS, _NOT_CONTRACT, 
 
 # ---------------------------------------------------------------------- sections
 def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
-    protected = resolve_protect(protect, report.num_layers)
+    protected = resolve_protect(protect, report.num_blocks)
     scores = {p: report.layer_scores(p) for p in report.protocols}
     ranks = {p: {layer: n + 1 for n, layer in enumerate(report.ranking(p))} for p in report.protocols}
     layer_rows = []
-    for layer in range(report.num_layers):
+    for layer in range(report.num_blocks):
         status = "**removed**" if layer in removed else ("protected" if layer in protected else "")
         if layer in removed and not any(math.isfinite(scores[p][layer]) for p in report.protocols):
             status = "**removed** (its score is non-finite: not a basis for the removal)"
@@ -338,7 +338,7 @@ def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | No
     cfg = _step_config(steps)
     defaults = LayerSwapConfig().to_dict()
     if cfg and len(steps) == 1:
-        keep = ("num_layers", "layers", "protocol")
+        keep = ("num_to_remove", "layers", "protocol")
         args = {k: v for k, v in cfg.items() if k != "quant_method" and (k in keep or v != defaults.get(k)) and v is not None}
         args.pop("progress", None)
     else:

@@ -10,24 +10,19 @@ from pathlib import Path
 from ..config import LayerSwapConfig
 from ..pipeline import prune
 from ..report import SwapReport
-from ..recovery import RECOVERY_METHODS
 from ..scoring.processes import is_main_process
-from ..selection import STRATEGIES
-from ..selection.core import selection_protocols
-from ..selection.objectives import OBJECTIVES
-from ..sparsity import ALLOCATORS, PRUNERS
 from ..healing import HEAL_METHODS
 from .heal import add_heal_args, checkpoint_folder, heal_config
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
+    add_config_options,
     add_model_args,
     add_resume_arg,
     add_scoring_memory_arg,
     calibration_source,
     check_before_loading,
     config_help,
-    count,
     fraction,
     load,
     prompt_count,
@@ -43,40 +38,19 @@ def add_parser(subparsers):
                               help="remove layers (scored or explicit) and save a plain transformers checkpoint")
     add_model_args(p)
     p.add_argument("output", help="directory for the pruned checkpoint (a new or empty folder)")
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--num-layers", type=count(1), help=config_help("num_layers"))
-    group.add_argument("--layers", type=int, nargs="+", help=config_help("layers"))
+    add_config_options(p.add_mutually_exclusive_group(required=True), ["num_to_remove", "layers"])
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
     add_scoring_memory_arg(p)
-    p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
-    _add_selection_args(p)
-    _add_repair_args(p)
+    add_config_options(p, ["max_gap", "strategy", "objective", "max_evaluations", "protocol", "spacing", "protect",
+                           "recovery", "sparsity", "allocation", "pruner", "sparsity_pattern"],
+                       types={"sparsity": fraction}, options={"protect": {"nargs": "*"}})
     p.add_argument("--heal", nargs="?", const="lora", default=None, choices=sorted(HEAL_METHODS), metavar="METHOD",
                    help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
     add_heal_args(p, prefix="heal-")
     add_resume_arg(p)
     p.set_defaults(func=run_prune)
     return p
-
-
-def _add_selection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="search", choices=sorted(STRATEGIES), help=config_help("strategy"))
-    p.add_argument("--objective", default=None, choices=list(OBJECTIVES), help=config_help("objective"))
-    p.add_argument("--max-evaluations", type=count(1), default=None, help=config_help("max_evaluations"))
-    p.add_argument("--protocol", default="interchange", choices=list(selection_protocols()),
-                   help=config_help("protocol"))
-    p.add_argument("--spacing", type=count(0), default=None, help=config_help("spacing"))
-    p.add_argument("--protect", type=int, nargs="*", default=None, help=config_help("protect"))
-
-
-def _add_repair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recovery", default=None, choices=[m for m in RECOVERY_METHODS if m != "none"],
-                   help=config_help("recovery"))
-    p.add_argument("--sparsity", type=fraction, default=None, help=config_help("sparsity"))
-    p.add_argument("--allocation", default="pals", choices=list(ALLOCATORS), help=config_help("allocation"))
-    p.add_argument("--sparsity-method", default="wanda", choices=list(PRUNERS), help=config_help("method"))
-    p.add_argument("--sparsity-pattern", default=None, help=config_help("sparsity_pattern"))
 
 
 def prune_config(args):
@@ -93,11 +67,11 @@ def prune_config(args):
             _defaults(args), prefix="heal-", method="lora"):
         raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
     return LayerSwapConfig(
-        num_layers=args.num_layers, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
+        num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
-        recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, method=args.sparsity_method,
+        recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, pruner=args.pruner,
         sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
     )
 

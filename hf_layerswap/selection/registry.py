@@ -1,6 +1,6 @@
 """The registry of selection strategies: one name, one function, one module.
 
-A strategy is ``fn(report, num_layers, **context) -> list[int]`` (0-based blocks,
+A strategy is ``fn(report, num_to_remove, **context) -> list[int]`` (0-based blocks,
 ascending); :func:`register_strategy` adds one, :func:`get_strategy` looks one up.
 Adding a method = one new module + one ``@register_strategy("name")``.
 
@@ -66,7 +66,7 @@ class Strategy:
 
     Attributes:
         name: the ``strategy=`` value.
-        fn: ``fn(report, num_layers, **context) -> list[int]``.
+        fn: ``fn(report, num_to_remove, **context) -> list[int]``.
         needs_model: it reads the model on the calibration prompts (``select_layers``
             refuses it without ``model=``).
         reads_calibration: the pipeline builds calibration prompts for it (default:
@@ -149,7 +149,7 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...] | None] = {}
 
 
 def register_strategy(name: str, *, needs_model: bool = False, options: Collection[str] | None = None, **entry):
-    """Decorator: register ``fn(report, num_layers, **context) -> list[int]`` as a selection
+    """Decorator: register ``fn(report, num_to_remove, **context) -> list[int]`` as a selection
     strategy. ``entry``: the other fields of its :class:`Strategy` (``spacing``,
     ``scores``, ``reads``, ``describe``, ``provenance``, the ``card_*`` hooks, ...). ``context`` holds ``protocol``, ``spacing``, ``protect``, ``model``,
     ``calibration`` (a :class:`~hf_layerswap.calibration.CalibrationSet` when

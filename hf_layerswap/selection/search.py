@@ -67,10 +67,10 @@ def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int
     return sorted(sorted(finite, key=lambda i: (_score_key(scores[i]), i))[:n])
 
 
-def _best_runs(scores: Sequence[float], allowed: set[int], num_layers: int, n: int, k: int = 2) -> list[list[int]]:
+def _best_runs(scores: Sequence[float], allowed: set[int], num_blocks: int, n: int, k: int = 2) -> list[list[int]]:
     """The ``k`` contiguous runs of ``n`` allowed blocks with the lowest summed score (ties: earliest)."""
     runs = []
-    for a in range(num_layers - n + 1):
+    for a in range(num_blocks - n + 1):
         run = list(range(a, a + n))
         if all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
             runs.append((sum(scores[i] for i in run), a, run))
@@ -150,16 +150,16 @@ def search_select(
         ValueError: an unknown objective, a budget above the unprotected blocks the
             spacing allows, or a report of another block count.
     """
-    num_layers = num_blocks(model)
+    total = num_blocks(model)
     single_budget = isinstance(budgets, int)
     wanted = sorted({budgets} if single_budget else set(budgets))
     if not wanted:
         raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
-    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
-    if report is not None and report.num_layers != num_layers:
-        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
-    protected = resolve_protect(protect, num_layers)
-    allowed = [i for i in range(num_layers) if i not in protected]
+    top = max(check_budget(b, total, spacing=spacing, protect=protect) for b in wanted)
+    if report is not None and report.num_blocks != total:
+        raise ValueError(f"the report has {report.num_blocks} blocks but the model has {total}")
+    protected = resolve_protect(protect, total)
+    allowed = [i for i in range(total) if i not in protected]
     allowed_set = set(allowed)
     if exhaustive_below is None:
         exhaustive_below = moves_per_round * max_rounds
@@ -202,7 +202,7 @@ def search_select(
         return sorted(pool, key=lambda s: (_score_key(f.value(s)), s))
 
     singles_pool = score([[i] for i in allowed])
-    single = [None] * num_layers
+    single = [None] * total
     for s in singles_pool:
         single[s[0]] = f.value(s)
 
@@ -261,7 +261,7 @@ def search_select(
             pool.append(_lowest(sources[p], allowed, n))
         pool.append(rank[:n] if n <= len(rank) else [])
         for scores in sources.values():
-            pool.extend(_best_runs(scores, allowed_set, num_layers, n))
+            pool.extend(_best_runs(scores, allowed_set, total, n))
         if n > 1:
             for prev in ranked_by_n[n - 1][1:extend_best]:
                 pool.extend(extensions(prev, n + 2))
@@ -308,7 +308,7 @@ def search_select(
     out = {}
     for n in wanted:
         out[n] = {
-            "strategy": "search", "objective": objective, "num_layers": n, "selected": list(best[n]),
+            "strategy": "search", "objective": objective, "num_to_remove": n, "selected": list(best[n]),
             "value": f.value(best[n]), "spacing": spacing, "protect": sorted(protected),
             "protocol_sets": copy.deepcopy(protocol_sets[n]), "trace": copy.deepcopy(trace[n]),
             "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": max_evaluations,
@@ -392,11 +392,11 @@ def _card_candidates(search, report, removed, kl, indices):
             lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
     },
 )
-def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
+def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
     """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
     objective = _default_objective(objective)
-    record = search_select(report, num_layers, model=model, calibration=calibration, objective=objective,
-                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_layers]
+    record = search_select(report, num_to_remove, model=model, calibration=calibration, objective=objective,
+                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_to_remove]
     _record(report, record)
     return list(record["selected"])
 
