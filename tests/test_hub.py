@@ -111,7 +111,7 @@ def test_push_then_plain_transformers_download(hub, pruned, report, tmp_path, ca
     assert hub.repos["user/tiny-pruned"].private is True
     assert json.loads(hub.requests_to("create")[0].body)["visibility"] == "private"
     # (huggingface_hub's own public registry fetch, when it makes one, carries no token)
-    assert {r.headers["authorization"] for r in hub.requests if r.route != "agent_harnesses"} == {f"Bearer {TOKEN}"}
+    assert {r.headers["authorization"] for r in hub.requests if r.route != "agents"} == {f"Bearer {TOKEN}"}
     # ... and the token is in no uploaded file, log record or console line
     assert not [name for name, data in files.items() if TOKEN.encode() in data]
     out, err = capfd.readouterr()
