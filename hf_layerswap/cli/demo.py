@@ -290,7 +290,7 @@ def run_demo(args) -> int:
     result = prune(model, demo_config(args, total, n_prompts, spent), tokenizer=tokenizer, report=report,
                    calibration=calib)
     pruned, final = result.model, result.removed
-    decision = (result.provenance.search or result.provenance.auto or {}) if result.provenance else {}
+    decision = (result.provenance.decision or {}) if result.provenance else {}
     reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
               if args.final_strategy == "search" else decision.get("reason", "as selected"))
     key = tuple(final)

@@ -43,7 +43,8 @@ from ..devices import input_device
 from ..plan import (
     apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
 )
-from ..recovery import DEFAULT_EPSILON, GhostedOperator, ridge_toward_identity
+from ..recovery import GhostedOperator, cut_boundaries, get_recovery_method, search_objectives
+from ..recovery.fit import collect_moments
 from ..report import set_key
 from ..scoring import masked_kl, plan_kl
 from ..scoring.reference import ReferenceCache
@@ -52,7 +53,7 @@ from .finite import record_set_values
 
 __all__ = ["OBJECTIVES", "SetObjective", "plan_nll"]
 
-OBJECTIVES = ("removal_kl", "nll", "ghosted")
+OBJECTIVES = ("removal_kl", "nll") + search_objectives()
 
 
 def _plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int, reference_sweeps: int = 1) -> tuple[int, int]:
@@ -315,24 +316,19 @@ class SetObjective:
 
     @torch.no_grad()
     def _fit_operators(self) -> dict[int, torch.Tensor]:
-        """W_p = I + M_p for every block p from one stream-capture sweep (float64 moments)."""
-        grams: dict[int, torch.Tensor] = {}
-        crosses: dict[int, torch.Tensor] = {}
-        device = input_device(self.model)
-        for ids, mask in self.calibration.batches(self.batch_size):
-            ids, mask = ids.to(device), mask.to(device)
-            streams, _ = capture_residual_stream(self.model, ids, mask)
-            keep = mask.bool()
-            rows = {s: streams[s].to(device)[keep].double() for s in streams}  # one device for the moments
-            for p in range(self.num_layers):
-                x, y = rows[p], rows[p + 1]
-                grams[p] = grams.get(p, 0) + x.T @ x
-                crosses[p] = crosses.get(p, 0) + x.T @ y
+        """The repair's operator W_p of every block p, fitted by the recovery fit itself from one
+        stream-capture sweep over every real calibration token (float64 moments,
+        :func:`~hf_layerswap.recovery.fit.collect_moments`; the method's
+        :meth:`~hf_layerswap.recovery.RecoveryMethod.cut_operator` at its default epsilon)."""
+        method = get_recovery_method(self.objective)
+        _, _, blocks = decoder_blocks(self.model)
+        cuts = [cut for p in range(self.num_layers) for cut in cut_boundaries(self.num_layers, [p])]
+        moments, _, _ = collect_moments(self.model, blocks, cuts, method, self.calibration,
+                                        self.calibration.num_tokens, self.batch_size)
         self.forward_passes += 1
         self.block_passes += self.num_layers
         self.reference_passes += 1
-        return {p: ridge_toward_identity(grams[p], crosses[p], DEFAULT_EPSILON["ghosted"])[0].float()
-                for p in range(self.num_layers)}
+        return {p: method.cut_operator(moments, [p], method.default_epsilon).float() for p in range(self.num_layers)}
 
     def _cut_operators(self, s: Sequence[int]) -> list[tuple[int, int, torch.Tensor]]:
         """[(s, e, W)] per cut s..e-1: W = W_s ... W_{e-1} acts on the stream entering block e
