@@ -51,6 +51,7 @@ __all__ = [
     "HealConfig",
     "LayerSwapConfig",
     "QUANT_METHOD",
+    "RENAMED_KEYS",
     "RecoveryConfig",
     "SparsityConfig",
     "config_keys",
@@ -128,16 +129,23 @@ def _int_list(name: str, value) -> list[int]:
     return [as_index(v) for v in out]
 
 
+#: Keys renamed before the first release (see CHANGELOG.md): named in the error, never accepted.
+RENAMED_KEYS = {"num_layers": "num_to_remove", "method": "pruner", "sparsity_method": "pruner"}
+
+
 def _unknown_keys(what: str, given, allowed: Sequence[str]) -> str | None:
-    """The message for keys of ``given`` not in ``allowed`` (each with its closest allowed
-    key, by :func:`difflib.get_close_matches`), or ``None`` when there are none."""
+    """The message for keys of ``given`` not in ``allowed`` (each with its new name when
+    it is in :data:`RENAMED_KEYS`, else its closest allowed key by
+    :func:`difflib.get_close_matches`), or ``None`` when there are none."""
     unknown = sorted((str(k) for k in given if k not in allowed), key=str)
     if not unknown:
         return None
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key, list(allowed), n=1)
-        if close:
+        if RENAMED_KEYS.get(key) in allowed:
+            hints.append(f"{key!r} is now {RENAMED_KEYS[key]!r}")
+        elif close:
             hints.append(f"{key!r}: did you mean {close[0]!r}?")
     return (f"{what}: unknown keys {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
             + f"; allowed {list(allowed)}")

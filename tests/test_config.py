@@ -150,6 +150,19 @@ def test_an_unknown_key_is_an_error_naming_it_the_closest_key_and_the_allowed_on
     assert str(err.value) == f"LayerSwapConfig.from_dict: unknown keys ['zzz']; allowed {allowed}"
 
 
+def test_a_key_renamed_before_the_first_release_is_refused_with_its_new_name():
+    """``num_layers`` became ``num_to_remove`` and the pruner's ``method`` became ``pruner``:
+    the closest-match hint pointed ``num_layers`` at ``layers`` (explicit indices), a
+    different meaning."""
+    allowed = config_keys()
+    with pytest.raises(TypeError) as err:
+        LayerSwapConfig(num_layers=2)
+    assert str(err.value) == (f"LayerSwapConfig got unexpected arguments: unknown keys ['num_layers'] "
+                              f"('num_layers' is now 'num_to_remove'); allowed {allowed}")
+    with pytest.raises(ValueError, match=r"'method' is now 'pruner'"):
+        LayerSwapConfig.from_dict({"method": "wanda", "sparsity": 0.5})
+
+
 def test_a_newer_format_version_warns_and_an_unknown_key_in_it_says_upgrade():
     newer = {**LayerSwapConfig(num_to_remove=2).to_dict(), "version": CONFIG_VERSION + 1}
     with pytest.warns(UserWarning) as record:

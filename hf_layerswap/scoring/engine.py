@@ -1,12 +1,11 @@
 """One module on purpose: both batch paths (depth-first and slot-major) share the engine's
 state (budget, reference, head/KL flush, checkpoint, counters, progress bar), which one
-class keeps in one place.
+class keeps in one place; the per-batch reference cache lives in :mod:`.reference`.
 
 The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
 with prefix reuse, streamed KL under a memory budget, optional reduced precision,
 checkpointing and the probes partitioned over launched processes (see
 :mod:`hf_layerswap.scoring` for what each does).
-
 ``_Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
 :class:`~hf_layerswap.scoring.settings.EngineSettings`; its building blocks live next
@@ -42,6 +41,7 @@ from .head import _autocast, _decoder_output, _Head, _hooks, _module_device, _pa
 from .kl import _chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import _make_probes, _Probe, _schedule, _shard
 from .processes import check_model_replica, Processes
+from .reference import ReferenceCache
 from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
                         probe_groups, run_pass)
@@ -68,8 +68,10 @@ class _Engine:
         calibration: CalibrationSet,
         plans: Mapping[Hashable, Sequence[int]],
         settings: EngineSettings,
+        reference_cache: ReferenceCache | None = None,
     ):
         model = uncompiled(model)
+        self.reference_cache = reference_cache
         check_model_replica(model)  # before any forward pass
         self.model = model
         self.calib = calibration
@@ -292,6 +294,14 @@ class _Engine:
                 return self._reference_pass(ids, mask, slots, rows)
         return streams, hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
 
+    def _reference(self, b: int, ids, mask, slots: set[int], rows: torch.Tensor):
+        """The reference of batch ``b``: one identity pass, or the one kept by the
+        :class:`~hf_layerswap.scoring.reference.ReferenceCache` given to the engine (the
+        same tensors, so the same values)."""
+        if self.reference_cache is None:
+            return self._reference_pass(ids, mask, slots, rows)
+        return self.reference_cache.engine_reference(self, b, ids, mask, slots, rows, self._reference_pass)
+
     def _verify_head(self, last_hidden, model_logits) -> None:
         rows = last_hidden.reshape(-1, last_hidden.shape[-1])
         bounds = _chunk_bounds(self.head.vocab, self.vocab_chunk)
@@ -445,7 +455,7 @@ class _Engine:
         prompt_of_row = rows // seqlen
         slots = {p.start for p in todo} if self.mode != "none" else set()
         slots.discard(0)
-        streams, ref = self._reference_pass(ids, mask, slots, rows)
+        streams, ref = self._reference(b, ids, mask, slots, rows)
         head = self._head_blocks()
         if not self.stream_logits:  # the model's own head ran inside the pass
             bar.advance(head)
@@ -636,6 +646,7 @@ class _Engine:
             "forward_passes": 1 + len(self.key_of),
             "block_evaluations": stats["block_evaluations"],
             "model_calls": stats["model_calls"],
+            "reference_passes": stats["reference_passes"],
             "head_rows": stats["head_rows"],
             "seconds": seconds,
             "prefix_reuse": self.mode,
@@ -708,6 +719,7 @@ def plan_kl(
     checkpoint_path: str | os.PathLike | None = None,
     distributed: bool | None = None,
     slot_major: bool | None = None,
+    reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """Per-prompt KL(p_M || p_plan) for every plan: the probe engine.
 
@@ -722,12 +734,18 @@ def plan_kl(
             size, memory budget, precision, prefix reuse, streamed KL, resumable runs,
             probes partitioned over launched processes, slot-major streaming of offloaded
             blocks).
+        reference_cache: a :class:`~hf_layerswap.scoring.reference.ReferenceCache` shared
+            by calls on the same model and prompts: each batch's reference pass runs once
+            and later calls reuse it (exact: the same tensors). ``None``: one per call.
+            A slot-major (streamed) run does not use it: the identity is the trunk its
+            probes branch from, streamed with them in the same pass.
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt
         mean KL in nats; ``stats`` has ``forward_passes`` (calibration-set sweeps: one
         reference plus one per plan), ``block_evaluations`` (block forward calls over all
-        batches), ``model_calls``, ``head_rows`` (positions through the output head),
+        batches), ``model_calls``, ``reference_passes`` (identity passes actually run, one
+        per batch without a cache), ``head_rows`` (positions through the output head),
         ``seconds``, the settings used, ``slot_major``, ``movement`` (offloaded blocks,
         block onloads and bytes moved in all and per batch) and ``peak_memory`` (bytes per
         device: :func:`hf_layerswap.devices.peak_memory`).
@@ -743,16 +761,25 @@ def plan_kl(
         vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
         distributed=distributed, progress=progress, desc=desc, slot_major=slot_major,
     )
-    return run_plans(model, calibration, plans, settings)
+    return run_plans(model, calibration, plans, settings, reference_cache=reference_cache)
 
 
 @torch.no_grad()
 def run_plans(
-    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings
+    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings,
+    reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """:func:`plan_kl` with its settings as one :class:`EngineSettings`: what the scoring
     verbs call once they have built theirs."""
-    engine = _Engine(model, calibration, plans, settings)
+    engine = _Engine(model, calibration, plans, settings, reference_cache)
     engine.run_batches(engine.batches)
     engine.gather()
     return engine.values(engine.batches), engine.summary(engine.batches)
+
+
+def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]],
+                settings: EngineSettings):
+    """The engine as :func:`run_plans` would build it, without running anything (its batch
+    size, batches, head/KL chunks, probe schedule): what :func:`hf_layerswap.cost.estimate_cost`
+    plans with. ``model`` may live on the meta device."""
+    return _Engine(model, calibration, plans, settings)
