@@ -258,7 +258,7 @@ def llama_8b(dev: Device, smoke: bool, budgets: tuple, prune_n: int) -> dict:
         })
     dev.reset_peak()
     counter = MatmulFlops()
-    config = LayerSwapConfig(num_layers=prune_n, progress=False)
+    config = LayerSwapConfig(num_to_remove=prune_n, progress=False)
 
     def run_prune():
         with counter:
@@ -268,7 +268,7 @@ def llama_8b(dev: Device, smoke: bool, budgets: tuple, prune_n: int) -> dict:
     meta = result.report.metadata
     search = next((s for s in result.report.selections if s.get("strategy") == "search"), {})
     out["prune"] = {
-        "num_layers": prune_n, "removed": result.removed, "seconds": seconds, "peak_bytes": dev.peak(),
+        "num_to_remove": prune_n, "removed": result.removed, "seconds": seconds, "peak_bytes": dev.peak(),
         "scoring_seconds": meta["seconds"], "flops": counter.flops, "compute_bound_seconds": counter.flops / best,
         "evaluations": search.get("evaluations"), "batch_size": meta["batch_size"],
     }
@@ -400,7 +400,7 @@ def render(results: dict) -> str:
                      f"{r['seconds']:.1f} | {_gib(r['peak_bytes'])} | {r['probe_tokens_per_second']:.3g} | "
                      f"{r['block_passes_per_second']:.3g} |")
     p = b["prune"]
-    lines += ["", f"Default prune (`hl.prune(model, LayerSwapConfig(num_layers={p['num_layers']}))`: both protocols, "
+    lines += ["", f"Default prune (`hl.prune(model, LayerSwapConfig(num_to_remove={p['num_to_remove']}))`: both protocols, "
               f"then the search): removed {p['removed']} in {p['seconds']:.1f} s (scoring {p['scoring_seconds']:.1f} s, "
               f"batch {p['batch_size']}); {p['flops'] / 1e12:.1f} TFLOP of matrix products counted, a compute bound of "
               f"{p['compute_bound_seconds']:.1f} s at the best measured GEMM throughput: "

@@ -118,7 +118,7 @@ def merged(linear, deletion):
     metadata = dict(linear.metadata)
     if deletion.metadata.get("timings"):
         metadata["timings_deletion"] = dict(deletion.metadata["timings"])
-    return PeelReport(linear.num_layers, linear.base_ce, linear.base_ce_ci, linear.probes + deletion.probes,
+    return PeelReport(linear.num_blocks, linear.base_ce, linear.base_ce_ci, linear.probes + deletion.probes,
                       settings, metadata)
 
 
@@ -329,7 +329,7 @@ def real_section(res: dict) -> str:
     from hf_layerswap.peeling import peel_table_markdown
 
     name, report, swap, sec = res["name"], res["report"], res["swap"], res.get("seconds")
-    L = report.num_layers
+    L = report.num_blocks
     series = layer_series(res)
     lin1, lin2 = series["linear gap (span 1)"], series["linear gap (span 2)"]
     dppl, inter, repl = series["removal dPPL"], series["interchange s(i)"], series["replacement s(i)"]
@@ -472,12 +472,12 @@ def kept_trajectory_section(path: Path) -> str | None:
     return text[at + 1:] if at >= 0 else None
 
 
-def _pairs_phrase(max_gap, num_layers) -> str:
+def _pairs_phrase(max_gap, num_blocks) -> str:
     if max_gap is None:
         return "pairs"
     if max_gap == 1:
         return "adjacent pairs"
-    if num_layers is not None and max_gap >= num_layers - 1:
+    if num_blocks is not None and max_gap >= num_blocks - 1:
         return "all pairs"
     return f"pairs at most {max_gap} apart"
 

@@ -93,7 +93,7 @@ def run_model(name: str, args, save) -> dict:
     out = {
         "model": name,
         "settings": {k: getattr(args, k) for k in ("num_prompts", "seq_len", "batch_size", "threads")},
-        "num_layers": r32.num_layers,
+        "num_blocks": r32.num_blocks,
         "calibration": runs["float32"]["calib"].spec(),
         "scoring": {k: {"cpu_seconds": round(v["cpu"], 1), "wall_seconds": round(v["wall"], 1)}
                     for k, v in runs.items()},
@@ -217,7 +217,7 @@ def render(state: dict) -> str:
     for m in state["models"]:
         name = m["model"]
         ms = m.get("settings", s)
-        lines += [f"## {name} ({m['num_layers']} blocks)", "",
+        lines += [f"## {name} ({m['num_blocks']} blocks)", "",
                   f"Calibration: {ms['num_prompts']} prompts truncated to {ms['seq_len']} tokens, batches of "
                   f"{ms['batch_size']}; {ms['threads']} torch thread(s)." + _own_run(name, ms, s), ""]
         sc = m["scoring"]

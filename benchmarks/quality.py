@@ -121,13 +121,13 @@ def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
 
 def gap_extension(model, calib: CalibrationSet, max_gap: int, batch_size: int) -> SwapReport:
     """Both protocols on the pairs with 2 <= gap <= max_gap (gap 1 comes from the harness)."""
-    num_layers = num_blocks(model)
-    pairs = [(i, i + g) for g in range(2, max_gap + 1) for i in range(num_layers - g)]
+    total = num_blocks(model)
+    pairs = [(i, i + g) for g in range(2, max_gap + 1) for i in range(total - g)]
     plans = {}
     for i, j in pairs:
-        plans[("replacement_ij", i, j)] = replacement_plan(num_layers, i, j)
-        plans[("replacement_ji", i, j)] = replacement_plan(num_layers, j, i)
-        plans[("interchange", i, j)] = interchange_plan(num_layers, i, j)
+        plans[("replacement_ij", i, j)] = replacement_plan(total, i, j)
+        plans[("replacement_ji", i, j)] = replacement_plan(total, j, i)
+        plans[("interchange", i, j)] = interchange_plan(total, i, j)
     values, stats = plan_kl(model, calib, plans, batch_size=batch_size, progress=True, desc=f"gap 2..{max_gap}")
     results = []
     for i, j in pairs:
@@ -137,7 +137,7 @@ def gap_extension(model, calib: CalibrationSet, max_gap: int, batch_size: int) -
         results.append(PairResult(i, j, **kw))
     metadata = {"calibration": calib.spec(), "forward_passes": stats["forward_passes"], "seconds": stats["seconds"],
                 "block_evaluations": stats.get("block_evaluations"), "pairs": "2 <= gap <= max_gap"}
-    return SwapReport(num_layers, results, max_gap=max_gap, metadata=metadata)
+    return SwapReport(total, results, max_gap=max_gap, metadata=metadata)
 
 
 def fmt_set(s) -> str:
@@ -175,7 +175,7 @@ def protocol_section(table: CriterionComparison, gap: dict, budgets) -> list[str
     return out
 
 
-def layer_section(table: CriterionComparison, num_layers: int) -> list[str]:
+def layer_section(table: CriterionComparison, num_blocks: int) -> list[str]:
     res = table.results
 
     def scores(name):
@@ -188,7 +188,7 @@ def layer_section(table: CriterionComparison, num_layers: int) -> list[str]:
     cols = [(h, v) for h, v in cols if v]
     out = ["## Per-layer scores (calibration prompts; low = removable)", "",
            "| layer | " + " | ".join(h for h, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for layer in range(num_layers):
+    for layer in range(num_blocks):
         cells = []
         for _, v in cols:
             x = v[layer]
@@ -421,9 +421,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     log(f"loading {args.model}")
     model, tok = load_model(args.model)
-    num_layers = num_blocks(model)
+    total = num_blocks(model)
     calib = wikitext_calibration(tok, args.num_prompts, args.seq_len)
-    log(f"{num_layers} blocks; calibration {calib.num_prompts} prompts, {calib.num_tokens} tokens")
+    log(f"{total} blocks; calibration {calib.num_prompts} prompts, {calib.num_tokens} tokens")
 
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"quality-{args.model}"
@@ -475,9 +475,9 @@ def main(argv=None) -> int:
     state["environment"] = environment(args)
     write_json_atomic(state, state_path)
 
-    title = f"{model_identity(model)['name']} ({num_layers} blocks)"
+    title = f"{model_identity(model)['name']} ({total} blocks)"
     plot(table, stem.with_suffix(".png"), title)
-    write_markdown(stem.with_suffix(".md"), table, gap, extras, num_layers, title, state["command"],
+    write_markdown(stem.with_suffix(".md"), table, gap, extras, total, title, state["command"],
                    state["environment"], state)
     write_index(args.results)
     log(f"done in {time.time() - t_start:.0f} s; wrote {stem.with_suffix('.md').name} and quality.md")
@@ -495,7 +495,7 @@ def environment(args) -> dict:
             "torch_threads": args.threads, **library_versions()}
 
 
-def write_markdown(path: Path, table, gap, extras, num_layers, title, command_text, env, state) -> None:
+def write_markdown(path: Path, table, gap, extras, num_blocks, title, command_text, env, state) -> None:
     ident = table.model
     budgets = table.params["budgets"]
     eval_total = sum(v for v in (state.get("ppl_seconds") or {}).values() if v)
@@ -511,7 +511,7 @@ def write_markdown(path: Path, table, gap, extras, num_layers, title, command_te
         *([f"(Run as {state['merged_runs']} processes over disjoint criteria, their states merged with "
            "`--merge-from`; the pieces are cached, so the command above reproduces the same numbers.)", ""]
           if state.get("merged_runs") else []),
-        f"- Model: `{ident.get('name')}`, weights {ident.get('revision')} (dequantized to fp32), {num_layers} "
+        f"- Model: `{ident.get('name')}`, weights {ident.get('revision')} (dequantized to fp32), {num_blocks} "
         "decoder blocks, layers 0-based.",
         f"- Machine: {env['platform']}, {env['cpu_count']} CPU cores, torch threads {env['torch_threads']}; "
         f"torch {env['torch']}, transformers {env['transformers']}, hf_layerswap {env['hf_layerswap']}.",
@@ -548,7 +548,7 @@ def write_markdown(path: Path, table, gap, extras, num_layers, title, command_te
             f"(`remove_layers`) vs {check['ppl_by_plan']:.6f} by a removal plan on the unpruned model.",
             "",
         ]
-    lines += layer_section(table, num_layers) + [""]
+    lines += layer_section(table, num_blocks) + [""]
     lines += [
         "## Contract (as recorded with every number)",
         "",
@@ -567,10 +567,10 @@ def render_stored(state_path: Path) -> None:
     recorded); the plot is left as it is."""
     state = json.loads(state_path.read_text(encoding="utf-8"))
     table = CriterionComparison.from_dict(state["comparison"])
-    num_layers = next(iter(state["reports"].values()))["num_layers"]
-    title = f"{table.model['name']} ({num_layers} blocks)"
+    num_blocks = next(iter(state["reports"].values()))["num_blocks"]
+    title = f"{table.model['name']} ({num_blocks} blocks)"
     write_markdown(state_path.with_suffix(".md"), table, state.get("protocol_gap"), state.get("extras", {}),
-                   num_layers, title, state["command"], state["environment"], state)
+                   num_blocks, title, state["command"], state["environment"], state)
 
 
 def write_index(results: Path) -> None:

@@ -94,11 +94,11 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
     report = swap_report(model, score_calib, args, cache)
     inter = report.layer_scores("interchange")
     bi = block_influence(model, calib, args.budgets, batch_size=args.batch_size)
-    num_layers = num_blocks(model)
+    total = num_blocks(model)
     out = {
         "model": name,
         "identity": {k: v for k, v in model_identity(model).items() if k != "path"},
-        "num_layers": num_layers,
+        "num_blocks": total,
         "hidden_size": model.get_input_embeddings().weight.shape[1],
         "base": {**base.to_dict(), "ci": [base.ci_low, base.ci_high]},
         "calibration": calib.spec(),
@@ -239,7 +239,7 @@ def write_markdown(results: list[dict], args, path: Path, command: str) -> None:
     for res in results:
         base = res["base"]
         lines += [
-            f"## {res['model']} ({res['num_layers']} blocks, hidden size {res['hidden_size']})",
+            f"## {res['model']} ({res['num_blocks']} blocks, hidden size {res['hidden_size']})",
             "",
             f"Base PPL {base['ppl']:.3f} (95% CI {base['ci'][0]:.3f}–{base['ci'][1]:.3f}); "
             f"{res['base']['contract'].get('scored_tokens', '?')} scored tokens; calibration "

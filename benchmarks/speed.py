@@ -100,8 +100,8 @@ class PeakRSS:
         self.peak = max(self.peak, self.now())
 
 
-def adjacent_plans(num_layers: int) -> dict:
-    return swap_plans(num_layers, 1)
+def adjacent_plans(num_blocks: int) -> dict:
+    return swap_plans(num_blocks, 1)
 
 
 @torch.no_grad()
@@ -205,7 +205,7 @@ def smoke_model_and_calibration(num_prompts: int, seq_len: int):
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import tiny_model
 
-    model = tiny_model("gemma3", num_layers=4)
+    model = tiny_model("gemma3", num_blocks=4)
     ids = torch.randint(1, 128, (num_prompts, seq_len), generator=torch.Generator().manual_seed(0))
     return model, build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
@@ -279,11 +279,11 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
     first model only: they cost as much again and do not depend on the model). ``resume``:
     the record of an interrupted run with the same settings and engine; its batches are
     kept and the run goes on from the next one."""
-    num_layers = len(decoder_blocks(model)[2])
-    plans = adjacent_plans(num_layers)
+    num_blocks = len(decoder_blocks(model)[2])
+    plans = adjacent_plans(num_blocks)
     starts = list(range(0, calib.num_prompts, batch_size))
     rec = resume or {
-        "model": name, "engine": ENGINE, "calibration": calib.description, "num_layers": num_layers, "vocab": Head(model).vocab, "probes": len(plans),
+        "model": name, "engine": ENGINE, "calibration": calib.description, "num_blocks": num_blocks, "vocab": Head(model).vocab, "probes": len(plans),
         "model_bytes": model_bytes(model), "rss_before": PeakRSS.now(), "num_prompts": calib.num_prompts,
         "seq_len": calib.seq_len, "real_tokens_all": calib.num_tokens, "batch_size": batch_size,
         "batches_total": len(starts), "batches_done": 0, "real_tokens": 0, "prompts_done": 0,
@@ -337,7 +337,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
             r["cpu_seconds"] += cpu
             r["peak_rss"] = max(r["peak_rss"], rss.peak)
             r["model_calls"] += calls
-            r["block_evaluations"] += calls * num_layers
+            r["block_evaluations"] += calls * num_blocks
             r["head_positions"] += calls * ids.numel()
             for k in plans:
                 naive_vals[k].append(values[k])
@@ -368,7 +368,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
                     "naive": max(float(((naive_vals[k][0] - exact[k]).abs() / exact[k]).max()) for k in plans),
                     "ours": max(float(((ours_vals[k][0] - exact[k]).abs() / exact[k]).max()) for k in plans),
                 }
-            rec["sharing"] = {"predicted_saving_seconds": sum(block_t[i + 1] for i in range(num_layers - 1))}
+            rec["sharing"] = {"predicted_saving_seconds": sum(block_t[i + 1] for i in range(num_blocks - 1))}
             if checks:
                 c = cpu_clock()
                 _, stats = plan_kl(model, part, plans, batch_size=batch_size, prefix_reuse="start")
@@ -390,7 +390,7 @@ def run_model(name, model, calib, batch_size, num_batches, publish, checks=True,
 # ----------------------------------------------------------------------------- growth
 def growth_row(label, model, calib, plans, batch_size, *, naive=True):
     row = {"label": label, "probes": len(plans), "num_prompts": calib.num_prompts, "seq_len": calib.seq_len,
-           "num_layers": len(decoder_blocks(model)[2]), "vocab": Head(model).vocab}
+           "num_blocks": len(decoder_blocks(model)[2]), "vocab": Head(model).vocab}
     with PeakRSS() as rss:
         c = cpu_clock()
         _, stats = plan_kl(model, calib, plans, batch_size=batch_size)
@@ -409,13 +409,13 @@ def growth_row(label, model, calib, plans, batch_size, *, naive=True):
     return row
 
 
-def random_llama(vocab, num_layers, like):
+def random_llama(vocab, num_blocks, like):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     c = like.config
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                       num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                      num_hidden_layers=num_layers, tie_word_embeddings=True, max_position_embeddings=2048)
+                      num_hidden_layers=num_blocks, tie_word_embeddings=True, max_position_embeddings=2048)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -520,7 +520,7 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
     def blk(r):
         return statistics.fmean(statistics.fmean(b) for b in r["block_seconds"])
 
-    row("blocks L / vocabulary V / probes", lambda r: f"{r['num_layers']} / {r['vocab']:,} / {r['probes']}")
+    row("blocks L / vocabulary V / probes", lambda r: f"{r['num_blocks']} / {r['vocab']:,} / {r['probes']}")
     row("calibration set: prompts x tokens (real tokens)",
         lambda r: f"{r['num_prompts']} x {r['seq_len']} ({r['real_tokens_all']:,})")
     row("compared on (real tokens)", lambda r: f"{r['batches_done']} of {r['batches_total']} batches of "
@@ -568,7 +568,7 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
               "saving predicted from block timings (CPU s) |", "|---|---|---|---|---|"]
     for r in models:
         sh = r["sharing"]
-        start_blocks = sh.get("start_block_evaluations", r["ours_batch0_blocks"] + r["num_layers"] - 1)
+        start_blocks = sh.get("start_block_evaluations", r["ours_batch0_blocks"] + r["num_blocks"] - 1)
         start_seconds = f"{sh['start_seconds']:.1f}" if "start_seconds" in sh else "not run"
         lines.append(
             f"| {r['model']} | {start_blocks} / {r['ours_batch0_blocks']} | "
@@ -581,7 +581,7 @@ def write_markdown(path: Path, command: str, results: dict) -> None:
                   "head (CPU s) | ours peak RSS |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in results["growth"]:
             naive = g.get("naive_seconds")
-            cells = [g["label"], str(g["num_layers"]), f"{g['vocab']:,}", f"{g['num_prompts']} x {g['seq_len']}",
+            cells = [g["label"], str(g["num_blocks"]), f"{g['vocab']:,}", f"{g['num_prompts']} x {g['seq_len']}",
                      str(g["probes"]), f"{g['ours_seconds']:.1f}", f"{naive:.1f}" if naive else "-",
                      f"{naive / g['ours_seconds']:.2f}x" if naive else "-", f"{g['block_seconds_mean']:.3f}",
                      f"{g['head_seconds']:.3f}", gib(g["ours_peak_rss"])]

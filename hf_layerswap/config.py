@@ -1,5 +1,8 @@
 """``LayerSwapConfig``: what to remove, how to choose it, and what to do after the cut.
 
+One module on purpose: the config and its nested sub-configs (repair, sparsity, healing)
+share one validation and one serialisation, read best side by side.
+
 The one typed description of a pruning run: :func:`hf_layerswap.pipeline.prune` reads it,
 ``from_pretrained(..., quantization_config=LayerSwapConfig(...))`` carries it through
 transformers' quantizer plugin API (:mod:`hf_layerswap.integration`), ``hf-layerswap
@@ -14,7 +17,7 @@ checked in ``__post_init__`` (:meth:`LayerSwapConfig.validate`), and :meth:`to_d
 :meth:`from_dict` are the one serialisation (a JSON round trip is exact). The closed
 choices (``protocol``, ``objective``) are ``Literal`` types and the allowed lists come from
 them; the choices with a registry (``strategy``, the ``recovery`` method, the sparsity
-``allocation`` and ``method``) are checked against the registry when the config is
+``allocation`` and ``pruner``) are checked against the registry when the config is
 validated, so a name added with ``register_strategy``, ``register_recovery_method``,
 ``register_allocator`` or ``register_pruner`` is accepted (their ``Literal`` annotations
 name the built-ins).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -33,18 +37,21 @@ from typing import Any, Literal, get_args
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .healing import HEAL_METHODS
 from .plan import as_index
 from .provenance import public_name
 from .recovery import RECOVERY_METHODS, check_epsilon
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
-from .sparsity import check_arguments, check_bound
+from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
 
 __all__ = [
     "CONFIG_VERSION",
     "FLAT_KEYWORDS",
+    "HealConfig",
     "LayerSwapConfig",
     "QUANT_METHOD",
+    "RENAMED_KEYS",
     "RecoveryConfig",
     "SparsityConfig",
     "config_keys",
@@ -60,7 +67,7 @@ ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
 #: The built-in names of the choices with a registry; validation reads the registries
 #: (:data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
 #: :data:`~hf_layerswap.sparsity.PRUNERS`), so registered names are allowed too.
-RecoveryMethod = Literal["ghosted", "fused"]
+RecoveryMethodName = Literal["ghosted", "fused"]
 AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
 PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
 #: The recovery registry's plain removal (``"none"``), which the config spells ``recovery=None``.
@@ -73,13 +80,21 @@ FLAT_KEYWORDS = {
     "recovery_num_tokens": ("recovery", "num_tokens"),
     "recovery_epsilon": ("recovery", "epsilon"),
     "allocation": ("sparsity", "allocation"),
-    "method": ("sparsity", "method"),
+    "pruner": ("sparsity", "pruner"),
     "sparsity_pattern": ("sparsity", "pattern"),
 }
 
 
 def _help(text: str, **extra) -> dict:
     return {"help": text, **extra}
+
+
+def _cli(text: str, **extra) -> dict:
+    """Metadata of a field that is also a command-line setting (``cli=True``): its
+    ``help``, and optionally ``minimum`` (an int option's least value) and ``choices`` (a
+    callable returning the allowed names now, for the choices with a registry); read by
+    ``hf_layerswap.cli.common.add_config_options``."""
+    return {"help": text, "cli": True, **extra}
 
 
 def _recovery_choices() -> list:
@@ -114,16 +129,23 @@ def _int_list(name: str, value) -> list[int]:
     return [as_index(v) for v in out]
 
 
+#: Keys renamed before the first release (see CHANGELOG.md): named in the error, never accepted.
+RENAMED_KEYS = {"num_layers": "num_to_remove", "method": "pruner", "sparsity_method": "pruner"}
+
+
 def _unknown_keys(what: str, given, allowed: Sequence[str]) -> str | None:
-    """The message for keys of ``given`` not in ``allowed`` (each with its closest allowed
-    key, by :func:`difflib.get_close_matches`), or ``None`` when there are none."""
+    """The message for keys of ``given`` not in ``allowed`` (each with its new name when
+    it is in :data:`RENAMED_KEYS`, else its closest allowed key by
+    :func:`difflib.get_close_matches`), or ``None`` when there are none."""
     unknown = sorted((str(k) for k in given if k not in allowed), key=str)
     if not unknown:
         return None
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key, list(allowed), n=1)
-        if close:
+        if RENAMED_KEYS.get(key) in allowed:
+            hints.append(f"{key!r} is now {RENAMED_KEYS[key]!r}")
+        elif close:
             hints.append(f"{key!r}: did you mean {close[0]!r}?")
     return (f"{what}: unknown keys {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
             + f"; allowed {list(allowed)}")
@@ -154,8 +176,9 @@ class RecoveryConfig:
             (:data:`~hf_layerswap.recovery.MAX_EPSILON`); ``None`` = the method's default.
     """
 
-    method: RecoveryMethod = field(default="ghosted", metadata=_help(
-        "repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)"))
+    method: RecoveryMethodName = field(default="ghosted", metadata=_cli(
+        "repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)",
+        choices=lambda: [name for name in RECOVERY_METHODS if name != _PLAIN_REMOVAL]))
     num_tokens: int | None = field(default=None, metadata=_help(
         "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
     epsilon: float | None = field(default=None, metadata=_help(
@@ -170,15 +193,111 @@ class SparsityConfig:
     Attributes:
         sparsity: overall target in [0, 1) (fraction of prunable block weights set to zero).
         allocation: per-block rule (``"pals"`` default, ``"uniform"``, ``"owl"``, ...).
-        method: the pruner (``"wanda"`` default, ``"sparsegpt"``, ``"magnitude"``).
+        pruner: the pruner (``"wanda"`` default, ``"sparsegpt"``, ``"magnitude"``).
         pattern: ``None`` (unstructured) or ``"N:M"`` such as ``"2:4"``.
     """
 
-    sparsity: float = field(metadata=_help("one-shot sparsity target in [0, 1) after removal (default: none)"))
-    allocation: AllocationName = field(default="pals", metadata=_help("per-block sparsity rule"))
-    method: PrunerName = field(default="wanda", metadata=_help("the pruner that sets the weights to zero"))
-    pattern: str | None = field(default=None, metadata=_help(
+    sparsity: float = field(metadata=_cli("one-shot sparsity target in [0, 1) after removal (default: none)"))
+    allocation: AllocationName = field(default="pals", metadata=_cli("per-block sparsity rule",
+                                                                     choices=lambda: list(ALLOCATORS)))
+    pruner: PrunerName = field(default="wanda", metadata=_cli("the pruner that sets the weights to zero",
+                                                              choices=lambda: list(PRUNERS)))
+    pattern: str | None = field(default=None, metadata=_cli(
         "N:M sparsity pattern, e.g. 2:4 (default unstructured)"))
+
+
+HealMethodName = Literal["lora", "adjacent", "last_k"]
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    """Healing after the cut and its repair (:func:`hf_layerswap.healing.heal`): the pruned
+    model is distilled from its dense self. Every field is checked at construction.
+
+    Attributes:
+        method: ``"lora"``, ``"adjacent"``, ``"last_k"`` or a name registered with
+            :func:`~hf_layerswap.healing.register_heal_method`.
+        max_tokens: training budget in prompt positions (int >= 1).
+        calibration: the training text (a text file); ``None`` = the removal's calibration
+            source (:class:`LayerSwapConfig`'s ``calibration``).
+        seq_len, batch_size: tokens per prompt (>= 2) and prompts per step (>= 1).
+        learning_rate: peak learning rate (finite, > 0).
+        ce_weight: weight of the cross-entropy on the text (finite, >= 0).
+        heldout_prompts, eval_every, patience: the early stop on held-out KL (ints >= 1).
+        seed: training seed (int).
+        teacher_top_k: ``None`` = the teacher's full logits; an int ``k`` >= 1 = a cache of
+            its top-k log-probs plus the rest's mass (KL over ``k + 1`` buckets, a lower
+            bound of the full KL).
+        options: the method's options (``{"lora_r": 8}``, ``{"k": 3}``), JSON-able values.
+
+    Raises:
+        ValueError: a bad field, naming it, its value and what is allowed.
+    """
+
+    method: HealMethodName = field(default="lora", metadata=_help(
+        "healing method: lora (LoRA on the kept blocks' projections, merged back), adjacent (the blocks next "
+        "to each cut, plus norms) or last_k (the last k blocks and the head)"))
+    max_tokens: int = field(default=4096, metadata=_help("healing budget in training tokens (prompt positions)"))
+    calibration: str | None = field(default=None, metadata=_help(
+        "healing text: a text file (default: the removal's calibration source; for the heal verb the embedded text)"))
+    seq_len: int = field(default=128, metadata=_help("tokens per healing prompt"))
+    batch_size: int = field(default=4, metadata=_help("healing prompts per optimiser step"))
+    learning_rate: float = field(default=1e-4, metadata=_help("peak learning rate of healing"))
+    ce_weight: float = field(default=0.0, metadata=_help(
+        "weight of the cross-entropy on the text added to the KL (0 = pure distillation)"))
+    heldout_prompts: int = field(default=4, metadata=_help(
+        "calibration prompts held out for the early stop's KL (never trained on)"))
+    eval_every: int = field(default=4, metadata=_help("optimiser steps between held-out evaluations"))
+    patience: int = field(default=2, metadata=_help(
+        "stop after this many evaluations without a lower held-out KL (the best weights are kept)"))
+    seed: int = field(default=0, metadata=_help("healing seed (data order, LoRA initialisation)"))
+    teacher_top_k: int | None = field(default=None, metadata=_help(
+        "cache the teacher's top-k log-probs plus the rest's mass instead of its full logits (default: full)"))
+    options: dict = field(default_factory=dict, metadata=_help(
+        "method options, e.g. lora_r=8, lora_alpha=16 (lora) or k=3 (last_k)"))
+
+    def __post_init__(self):
+        what = "HealConfig"
+        if self.method not in HEAL_METHODS:
+            raise ValueError(f"{what}(method={self.method!r}): allowed {sorted(HEAL_METHODS)}")
+        for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("heldout_prompts", 1),
+                              ("eval_every", 1), ("patience", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}")
+        for name, low in (("learning_rate", None), ("ce_weight", 0.0)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or (value <= 0 if low is None else value < low):
+                raise ValueError(f"{what}({name}={value!r}): must be a finite number {'> 0' if low is None else '>= 0'}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"{what}(seed={self.seed!r}): must be an int")
+        k = self.teacher_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"{what}(teacher_top_k={k!r}): must be None (full logits) or an int >= 1")
+        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
+            raise ValueError(f"{what}(calibration={self.calibration!r}): must be a text file path or None")
+        if not isinstance(self.options, Mapping) or not all(isinstance(key, str) for key in self.options):
+            raise ValueError(f"{what}(options={self.options!r}): must be a dict with str keys")
+        try:
+            json.dumps(dict(self.options), allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{what}(options={self.options!r}): values must be JSON-able ({err})") from None
+        object.__setattr__(self, "options", dict(self.options))
+        if isinstance(self.calibration, os.PathLike):
+            object.__setattr__(self, "calibration", os.fspath(self.calibration))
+
+    def heal_kwargs(self) -> dict:
+        """Keywords of :func:`~hf_layerswap.healing.heal` (all fields but ``calibration``,
+        the options spread out)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("calibration", "options")}
+        return {**out, **self.options}
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-able dict (a calibration file by its name only)."""
+        out = asdict(self)
+        out["calibration"] = public_name(self.calibration) if self.calibration is not None else None
+        return out
 
 
 #: Metadata of the fields that exist at run time only and never enter :meth:`LayerSwapConfig.to_dict`.
@@ -190,7 +309,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
     """Configuration for removing decoder blocks at load time.
 
     Args:
-        num_layers: remove this many blocks, chosen by swap-KL scoring. ``None`` with
+        num_to_remove: remove this many blocks, chosen by swap-KL scoring. ``None`` with
             ``layers=None`` scores only (the report is attached; nothing is removed, a
             requested ``sparsity`` is still applied).
         layers: explicit 0-based block indices to remove (no scoring). They index the
@@ -218,7 +337,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         sparsity: optional one-shot sparsification after removal: a float target in
             [0, 1), a :class:`SparsityConfig` or a dict of its fields; stored as a
             :class:`SparsityConfig` (or ``None``).
-        allocation, method, sparsity_pattern: constructor keywords for the other
+        allocation, pruner, sparsity_pattern: constructor keywords for the other
             :class:`SparsityConfig` fields when ``sparsity`` is a float (checked against the
             registries of :func:`~hf_layerswap.sparsity.register_allocator` and
             :func:`~hf_layerswap.sparsity.register_pruner`); read them back as
@@ -254,7 +373,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
 
     Raises:
         ValueError: contradictory or out-of-range fields (e.g. ``layers`` together with a
-            different ``num_layers``, an unknown protocol, a non-finite ``recovery_epsilon``);
+            different ``num_to_remove``, an unknown protocol, a non-finite ``recovery_epsilon``);
             the message names the value and what is allowed.
     """
 
@@ -262,39 +381,44 @@ class LayerSwapConfig(QuantizationConfigMixin):
         "transformers' quantization method key: always 'layerswap'"))
     version: int = field(default=CONFIG_VERSION, kw_only=True, metadata=_help(
         "format version of the serialized config"))
-    num_layers: int | None = field(default=None, metadata=_help("remove this many layers chosen by swap-KL"))
-    layers: list[int] | None = field(default=None, metadata=_help("remove exactly these 0-based layers"))
-    protocol: ProtocolName = field(default="interchange", metadata=_help(
-        "protocol of the greedy strategy (auto: the better of both protocols' greedy sets)"))
-    max_gap: int = field(default=1, metadata=_help("pair distance bound: 1 = adjacent pairs"))
-    spacing: int | None = field(default=None, metadata=_help(
-        "selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)"))
-    protect: list[int] | None = field(default=None, metadata=_help(
+    num_to_remove: int | None = field(default=None, metadata=_cli("remove this many layers chosen by swap-KL",
+                                                                  minimum=1))
+    layers: list[int] | None = field(default=None, metadata=_cli("remove exactly these 0-based layers"))
+    protocol: ProtocolName = field(default="interchange", metadata=_cli(
+        "protocol of the greedy strategy (auto: the better of both protocols' greedy sets)",
+        choices=lambda: list(selection_protocols())))
+    max_gap: int = field(default=1, metadata=_cli("pair distance bound: 1 = adjacent pairs", minimum=1))
+    spacing: int | None = field(default=None, metadata=_cli(
+        "selected layers stay more than this apart (default: 1 for greedy/auto, 0 for search)", minimum=0))
+    protect: list[int] | None = field(default=None, metadata=_cli(
         "layers never removed (negative = from the end; default 0 -1 for a scored selection, "
         "none for explicit layers)"))
     calibration: Any = field(default=None, metadata=_help(
         "calibration text: a text file (e.g. WikiText-2 valid.txt), texts or token batches; "
         "default: prose shipped with Python"))
-    num_prompts: int = field(default=64, metadata=_help("calibration prompts: an int >= 1"))
-    seq_len: int = field(default=128, metadata=_help("tokens per prompt (truncation)"))
-    batch_size: int = field(default=8, metadata=_help("prompts per forward pass"))
-    seed: int = field(default=0, metadata=_help("paragraph shuffle seed"))
+    num_prompts: int = field(default=64, metadata=_cli("calibration prompts: an int >= 1", minimum=1))
+    seq_len: int = field(default=128, metadata=_cli("tokens per prompt (truncation)", minimum=2))
+    batch_size: int = field(default=8, metadata=_cli("prompts per forward pass", minimum=1))
+    seed: int = field(default=0, metadata=_cli("paragraph shuffle seed"))
     recovery: RecoveryConfig | None = field(default=None, metadata=RecoveryConfig.__dataclass_fields__["method"].metadata)
     sparsity: SparsityConfig | None = field(default=None, metadata=SparsityConfig.__dataclass_fields__["sparsity"].metadata)
     allocation: InitVar[AllocationName] = "pals"
-    method: InitVar[PrunerName] = "wanda"
+    pruner: InitVar[PrunerName] = "wanda"
     sparsity_pattern: InitVar[str | None] = None
     tokenizer: Any = field(default=None, metadata=_help("tokenizer for text calibration", **_RUNTIME))
     progress: bool = field(default=True, metadata=_help("show progress bars", **_RUNTIME))
-    strategy: str = field(default="search", metadata=_help(
+    strategy: str = field(default="search", metadata=_cli(
         "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts "
         "and refined by local moves; greedy = the paper's rule on the protocol; auto = the better protocol's "
-        "greedy set"))
-    objective: ObjectiveName | None = field(default=None, metadata=_help(
+        "greedy set", choices=lambda: sorted(STRATEGIES)))
+    objective: ObjectiveName | None = field(default=None, metadata=_cli(
         "what the search strategy minimises on the calibration prompts (default removal_kl)"))
-    max_evaluations: int | None = field(default=None, metadata=_help(
+    max_evaluations: int | None = field(default=None, metadata=_cli(
         "most candidate sets search scores in all (default: no cap beyond each budget's allowance of one set "
-        "per removable block)"))
+        "per removable block)", minimum=1))
+    heal: HealConfig | None = field(default=None, metadata=_help(
+        "heal after the cut and its repair: distil the pruned model from the dense one (a HealConfig, a dict "
+        "of its fields or a method name; default: no healing)"))
     recovery_num_tokens: InitVar[int | None] = None
     recovery_epsilon: InitVar[float | None] = None
 
@@ -305,11 +429,12 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise TypeError(problem)
         return super().__new__(cls)
 
-    def __post_init__(self, allocation, method, sparsity_pattern, recovery_num_tokens, recovery_epsilon):
-        flat = {"allocation": allocation, "method": method, "sparsity_pattern": sparsity_pattern,
+    def __post_init__(self, allocation, pruner, sparsity_pattern, recovery_num_tokens, recovery_epsilon):
+        flat = {"allocation": allocation, "pruner": pruner, "sparsity_pattern": sparsity_pattern,
                 "recovery_num_tokens": recovery_num_tokens, "recovery_epsilon": recovery_epsilon}
         self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, flat)
         self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, flat)
+        self.heal = _as_heal(self.heal)
         self._protect_given = self.protect is not None  # runtime only: explicit layers are checked against it
         self._spacing_given = self.spacing is not None  # runtime only: its default follows the strategy
         if self.protect is None:
@@ -363,18 +488,18 @@ class LayerSwapConfig(QuantizationConfigMixin):
             self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, _flat_defaults())
         if self.sparsity is not None and not isinstance(self.sparsity, SparsityConfig):
             self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, _flat_defaults())
-        _check_int("num_layers", self.num_layers, 1, allow_none=True)
+        _check_int("num_to_remove", self.num_to_remove, 1, allow_none=True)
         layers = self.layers
         if layers is not None:
             layers = self.layers = _int_list("layers", layers)
             if not layers:
-                raise ValueError("LayerSwapConfig(layers=[]): give at least one block index, or use num_layers")
+                raise ValueError("LayerSwapConfig(layers=[]): give at least one block index, or use num_to_remove")
             dupes = sorted({i for i in layers if layers.count(i) > 1})
             if dupes:  # same wording as remove_layers, which also catches -1 vs L-1 once L is known
                 raise ValueError(f"duplicate layer indices {dupes} in {layers} (after resolving negative indices)")
-            if self.num_layers is not None and self.num_layers != len(layers):
+            if self.num_to_remove is not None and self.num_to_remove != len(layers):
                 raise ValueError(
-                    f"LayerSwapConfig(num_layers={self.num_layers}, layers={layers}) is contradictory: "
+                    f"LayerSwapConfig(num_to_remove={self.num_to_remove}, layers={layers}) is contradictory: "
                     f"layers names {len(layers)} blocks"
                 )
         self.protect = _int_list("protect", self.protect)
@@ -391,6 +516,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
         self._validate_recovery()
         self._validate_sparsity()
+        self._validate_heal()
         if layers is not None and self._protect_given:
             clash = sorted(set(layers) & set(self.protect))
             if clash:
@@ -401,14 +527,25 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if rec is None:
             return
         _check_choice("recovery", rec.method, _recovery_choices())
-        if self.num_layers is None and self.layers is None:
-            raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_layers or layers: nothing is removed")
+        if self.num_to_remove is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_to_remove or layers: nothing is removed")
         _check_int("recovery_num_tokens", rec.num_tokens, 1, allow_none=True)
         eps = rec.epsilon
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
         if eps is not None:  # inf and values where the ridge fit means nothing (recovery.MAX_EPSILON)
             check_epsilon(eps, f"LayerSwapConfig(recovery_epsilon={eps!r})")
+
+    def _validate_heal(self) -> None:
+        self.heal = _as_heal(self.heal)
+        if self.heal is None:
+            return
+        if self.num_to_remove is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig(heal={self.heal.method!r}) needs num_to_remove or layers: nothing is removed")
+        if self.sparsity is not None:
+            raise ValueError("LayerSwapConfig(heal=..., sparsity=...): not both in one run: healing merges dense "
+                             "updates into the weights (their zeros would fill), and sparsifying after healing "
+                             "would leave its recorded numbers stale; heal, save, then sparsify the healed checkpoint")
 
     def _validate_sparsity(self) -> None:
         sp = self.sparsity
@@ -417,8 +554,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
         target = sp.sparsity
         if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= float(target) < 1.0:
             raise ValueError(f"LayerSwapConfig(sparsity={target!r}): must be a float in [0, 1)")
+        _check_choice("pruner", sp.pruner, PRUNERS)
         try:  # checked now: after loading, blocks would already be gone
-            check_arguments(float(target), sp.allocation, sp.method, sp.pattern)
+            check_arguments(float(target), sp.allocation, sp.pruner, sp.pattern)
         except ValueError as err:
             raise ValueError(f"LayerSwapConfig: {err}") from None
         try:
@@ -441,6 +579,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
                 continue
             value = getattr(self, f.name)
             out[f.name] = asdict(value) if isinstance(value, (RecoveryConfig, SparsityConfig)) else value
+        out["heal"] = None if self.heal is None else self.heal.to_dict()
         out["layers"] = None if self.layers is None else list(self.layers)
         out["protect"] = list(self.protect)
         # a calibration file is recorded by its name: config.json gets published
@@ -551,6 +690,19 @@ def config_keys() -> list[str]:
     """Every key a config dict may hold: the fields of :class:`LayerSwapConfig` and its
     flat constructor keywords (:data:`FLAT_KEYWORDS`), in constructor order."""
     return [name for name in inspect.signature(LayerSwapConfig.__init__).parameters if name != "self"]
+
+
+def _as_heal(value) -> HealConfig | None:
+    """``heal=`` as a :class:`HealConfig`: ``None``, a method name, a dict of its fields or the
+    dataclass (unknown dict keys raise, naming the closest field)."""
+    if value is None or isinstance(value, HealConfig):
+        return value
+    if isinstance(value, str):
+        return HealConfig(method=value)
+    if isinstance(value, Mapping):
+        return HealConfig(**_sub_config(HealConfig, value, "heal"))
+    raise ValueError(f"LayerSwapConfig(heal={value!r}): allowed None, a method name {sorted(HEAL_METHODS)}, "
+                     "a HealConfig or a dict of its fields")
 
 
 def _protect_clash(layers, protect, clash) -> str:

@@ -69,7 +69,8 @@ def weights_changed_later(config) -> bool:
     purpose (one-shot sparsification, a repair of the cut, healing), so the fingerprint recorded at
     removal time no longer applies."""
     record = getattr(config, "layerswap", None) or {}
-    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery")) or bool(record.get("healing"))
+    healed = any(isinstance(h, Mapping) and not h.get("stale") for h in record.get("healing") or [])
+    return bool(getattr(config, "layerswap_sparsity", None)) or bool(record.get("recovery")) or healed
 
 
 def _index_list(value) -> list[int] | None:
@@ -113,8 +114,8 @@ def history_problems(model: nn.Module, *, fingerprint: bool = True) -> list[str]
         )
     steps = record.get("steps") or []
     last = steps[-1] if steps and isinstance(steps[-1], Mapping) else {}
-    if "num_layers_after" in last and last["num_layers_after"] != n:
-        problems.append(f"the last removal step left {last['num_layers_after']} blocks but the model has {n}")
+    if "num_blocks_after" in last and last["num_blocks_after"] != n:
+        problems.append(f"the last removal step left {last['num_blocks_after']} blocks but the model has {n}")
     recorded = last.get("fingerprint_after")
     if (
         fingerprint

@@ -4,7 +4,7 @@
 ``register_quantization_config`` / ``register_quantizer``. Then::
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=LayerSwapConfig(num_layers=2, protocol="interchange")
+        path, quantization_config=LayerSwapConfig(num_to_remove=2, protocol="interchange")
     )
 
 scores the loaded model (unless ``layers`` is given), selects and removes blocks after the
@@ -68,7 +68,7 @@ class LayerSwapQuantizer(HfQuantizer):
         cfg = self.quantization_config
         try:
             verify_history(model)  # a loaded config.layerswap record is checked before anything extends it
-            if self.pre_quantized:  # a saved layerswap checkpoint: re-attach its ghosted operators
+            if self.pre_quantized:  # a saved layerswap checkpoint: re-attach its saved repair modules
                 try:
                     attach_saved_recovery(model)
                 except (FileNotFoundError, ValueError) as err:  # the weights loaded; say what is missing
@@ -100,6 +100,12 @@ class LayerSwapQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        """``True``: the weights are plain, so transformers' ``Trainer`` may train the whole
+        model (healing runs inside ``from_pretrained``, before the quantizer detaches)."""
         return True
 
     def _dequantize(self, model, dtype=None):

@@ -18,11 +18,22 @@ Each step is a plain call with typed inputs and outputs:
    :func:`~hf_layerswap.recovery.recover` when a repair is configured; the step's
    :class:`~hf_layerswap.report.PruneProvenance` is written into
    ``model.config.layerswap["steps"][-1]`` once, here;
-5. sparsity: :func:`~hf_layerswap.sparsity.sparsify` when configured.
+5. healing: :func:`~hf_layerswap.healing.heal` when ``config.heal`` is set: the pruned (and
+   repaired) model is distilled from a copy of the dense model taken just before the
+   removal (one extra copy of the dense weights in memory until healing ends);
+6. sparsity: :func:`~hf_layerswap.sparsity.sparsify` when configured (never together with
+   healing, see :class:`~hf_layerswap.HealConfig`).
+
+Healing is a field of the config rather than a separate call so that
+``from_pretrained(path, quantization_config=LayerSwapConfig(num_to_remove=2, heal="lora"))``
+returns the finished model in one call: the dense teacher is exactly the model being
+loaded, which only this step still holds before the cut; a separate step after loading
+would have to load the base model a second time.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,15 +43,16 @@ from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig, _protect_clash
+from .healing import HealReport, heal
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
 from .recovery import RecoveryReport, recover
-from .protocols import PROTOCOLS
 from .report import PruneProvenance, SwapReport
 from .scoring import score_layers
 from .rule import check_budget
 from .selection import check_report_matches, select_layers
+from .selection.registry import strategy_entry
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
 
@@ -62,6 +74,8 @@ class PruneResult:
             removed).
         recovery_report: the repair's report when ``recovery`` was configured.
         sparsity_report: the sparsification's report when ``sparsity`` was configured.
+        heal_report: the healing's report when ``heal`` was configured (also on
+            ``model.layerswap_heal_report``).
     """
 
     model: nn.Module
@@ -71,6 +85,7 @@ class PruneResult:
     provenance: PruneProvenance | None = None
     recovery_report: RecoveryReport | None = None
     sparsity_report: SparsityReport | None = None
+    heal_report: HealReport | None = None
 
 
 def prune(
@@ -82,6 +97,7 @@ def prune(
     calibration=None,
     checkpoint_path: str | os.PathLike | None = None,
     max_memory: int | str | None = None,
+    heal_checkpoint_dir: str | os.PathLike | None = None,
 ) -> PruneResult:
     """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
 
@@ -107,6 +123,8 @@ def prune(
             ``None``/``"auto"``: from the device's free memory), as in
             :func:`~hf_layerswap.score_layers`; it changes how the scores are computed,
             not what they are.
+        heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
+            of :func:`~hf_layerswap.heal`); needs ``config.heal``.
 
     Returns:
         A :class:`PruneResult`.
@@ -122,7 +140,11 @@ def prune(
         TypeError: ``config`` or ``report`` of the wrong type.
     """
     cfg = _as_config(config)
-    strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
+    if heal_checkpoint_dir is not None and cfg.heal is None:
+        raise ValueError(f"heal_checkpoint_dir={os.fspath(heal_checkpoint_dir)!r} resumes healing, but the config "
+                         "heals nothing: set heal= or drop heal_checkpoint_dir")
+    strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)
+    entry = strategy_entry(strategy)
     total = num_blocks(model)
     _check_before_work(model, cfg, report, strategy, total)
     if checkpoint_path is not None and (cfg.layers is not None or report is not None):
@@ -130,10 +152,10 @@ def prune(
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
                          "is scored: drop checkpoint_path")
     source = cfg.calibration if calibration is None else calibration
-    selects = cfg.layers is None and cfg.num_layers is not None
+    selects = cfg.layers is None and cfg.num_to_remove is not None
     needs_text = (
         (cfg.layers is None and report is None)  # scoring
-        or (selects and strategy != "greedy")  # every other strategy reads the model on the prompts
+        or (selects and entry.calibrated())  # the strategy reads the model on the prompts
         or cfg.recovery is not None
         or cfg.sparsity is not None
     )
@@ -141,7 +163,7 @@ def prune(
     if needs_text or isinstance(source, CalibrationSet):
         calib = _calibration(model, cfg, source, tokenizer)
     if cfg.layers is None and report is None:
-        protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
+        protocols = entry.scores(cfg.protocol)
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
             progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path, max_memory=max_memory,
@@ -149,7 +171,7 @@ def prune(
     if report is not None:
         model.layerswap_report = report
     result = PruneResult(model=model, removed=[], report=report, calibration=calib)
-    if cfg.layers is None and cfg.num_layers is None:  # score only; a requested sparsity still applies
+    if cfg.layers is None and cfg.num_to_remove is None:  # score only; a requested sparsity still applies
         return _sparsify(result, cfg)
 
     if cfg.layers is not None:
@@ -158,19 +180,19 @@ def prune(
     else:
         before = len(report.selections)
         layers = select_layers(
-            report, cfg.num_layers, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
-            model=model, calibration=calib, batch_size=cfg.batch_size, **_strategy_options(cfg, strategy),
+            report, cfg.num_to_remove, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
+            model=model, calibration=calib, batch_size=cfg.batch_size, strategy=strategy,
+            **entry.config_options(cfg),
         )
         decision = report.selections[-1] if len(report.selections) > before else None
         provenance = PruneProvenance(
-            selection=_selection_text(cfg, strategy), protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
-            scores=report.summary_dict(),
-            search=decision if decision is not None and decision.get("strategy") == "search" else None,
-            auto=decision if decision is not None and decision.get("strategy") != "search" else None,
+            selection=entry.rule_text(cfg), protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
+            scores=report.summary_dict(), decision=None if decision is None else entry.provenance(decision),
         )
     if calib is not None:
         provenance.calibration = calib.spec()
     result.provenance = provenance
+    teacher = copy.deepcopy(model) if cfg.heal is not None else None  # the dense model, before the cut
     if cfg.recovery is not None:
         rec = cfg.recovery
         result.recovery_report = recover(model, layers, calib, method=rec.method, num_tokens=rec.num_tokens,
@@ -180,7 +202,21 @@ def prune(
     else:
         remove_layers(model, layers, provenance=provenance.to_dict())
     result.removed = list(model.config.layerswap["steps"][-1]["removed_layers"])
+    if teacher is not None:
+        result.heal_report = _heal(model, teacher, cfg, source, tokenizer, heal_checkpoint_dir)
+        del teacher
     return _sparsify(result, cfg)
+
+
+def _heal(model, teacher, cfg: LayerSwapConfig, source, tokenizer, checkpoint_dir) -> HealReport:
+    """Distil ``model`` from ``teacher`` as ``cfg.heal`` says, on its own calibration text or
+    else the removal's source (a text source read with the model's tokenizer)."""
+    text = cfg.heal.calibration if cfg.heal.calibration is not None else source
+    if isinstance(text, CalibrationSet):  # heal draws its own prompts at its own length
+        text = cfg.calibration
+    tok = None if isinstance(text, Mapping) else _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
+    return heal(model, teacher, text, tokenizer=tok, progress=cfg.progress, checkpoint_dir=checkpoint_dir,
+                **cfg.heal.heal_kwargs())
 
 
 def _as_config(config) -> LayerSwapConfig:
@@ -195,8 +231,8 @@ def _as_config(config) -> LayerSwapConfig:
 
 def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
     """Everything that can be refused before a forward pass."""
-    if cfg.layers is None and cfg.num_layers is not None:  # an impossible budget costs no scoring
-        check_budget(cfg.num_layers, total, spacing=cfg.spacing, protect=cfg.protect)
+    if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
+        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
     if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
         clash = sorted({i % total for i in cfg.layers if -total <= i < total}
                        & {i % total for i in cfg.protect if -total <= i < total})
@@ -207,9 +243,9 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     if not isinstance(report, SwapReport):
         raise TypeError(f"report must be a SwapReport, got {type(report).__name__}")
     check_report_matches(report, model)
-    needed = [cfg.protocol] if strategy == "greedy" else list(PROTOCOLS) if strategy == "auto" else []
+    needed = list(strategy_entry(strategy).reads(cfg.protocol))
     missing = [p for p in needed if p not in report.protocols]
-    if cfg.layers is None and cfg.num_layers is not None and missing:
+    if cfg.layers is None and cfg.num_to_remove is not None and missing:
         raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
                          f"protocol={cfg.protocol!r} reads {missing}: score those protocols or choose another strategy")
 
@@ -245,36 +281,11 @@ def _tokenizer_for(model, tokenizer):
     )
 
 
-def _strategy_options(cfg: LayerSwapConfig, strategy: str) -> dict:
-    """``select_layers`` keywords for the config's strategy."""
-    if strategy == "search":
-        out = {"strategy": "search", "objective": _objective(cfg), "progress": cfg.progress}
-        if cfg.max_evaluations is not None:
-            out["max_evaluations"] = cfg.max_evaluations
-        return out
-    if strategy == "auto":
-        return {"strategy": "auto"}
-    return {"strategy": strategy, **({"objective": cfg.objective} if cfg.objective else {})}
-
-
-def _objective(cfg: LayerSwapConfig) -> str:
-    return cfg.objective or "removal_kl"
-
-
-def _selection_text(cfg: LayerSwapConfig, strategy: str) -> str:
-    if strategy == "search":
-        return (f"search over candidate sets ({_objective(cfg)} on the calibration prompts), "
-                f"spacing={cfg.spacing}, protect={cfg.protect}")
-    if strategy in ("greedy", "auto"):
-        return f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
-    return f"{strategy}, protect={cfg.protect}"
-
-
 def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
     sp = cfg.sparsity
     if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
-                                          allocation=sp.allocation, method=sp.method, pattern=sp.pattern)
+                                          allocation=sp.allocation, method=sp.pruner, pattern=sp.pattern)
     return result
 
 

@@ -122,33 +122,33 @@ def num_blocks(model: nn.Module) -> int:
     return len(decoder_blocks(model)[2])
 
 
-def identity_plan(num_layers: int) -> list[int]:
-    """``[0, 1, ..., num_layers-1]``."""
-    return list(range(num_layers))
+def identity_plan(num_blocks: int) -> list[int]:
+    """``[0, 1, ..., num_blocks-1]``."""
+    return list(range(num_blocks))
 
 
-def _check_index(i: int, num_layers: int, what: str) -> int:
+def _check_index(i: int, num_blocks: int, what: str) -> int:
     if isinstance(i, bool) or not isinstance(i, int):
         raise TypeError(f"{what} must be an int, got {i!r} ({type(i).__name__})")
-    if not 0 <= i < num_layers:
-        raise ValueError(f"{what}={i} is out of range: allowed 0..{num_layers - 1} for {num_layers} blocks")
+    if not 0 <= i < num_blocks:
+        raise ValueError(f"{what}={i} is out of range: allowed 0..{num_blocks - 1} for {num_blocks} blocks")
     return i
 
 
-def replacement_plan(num_layers: int, i: int, j: int) -> list[int]:
+def replacement_plan(num_blocks: int, i: int, j: int) -> list[int]:
     """Plan for replacement ``i <- j``: slot i runs block j (block j then runs twice)."""
-    _check_index(i, num_layers, "slot i")
-    _check_index(j, num_layers, "block j")
-    plan = identity_plan(num_layers)
+    _check_index(i, num_blocks, "slot i")
+    _check_index(j, num_blocks, "block j")
+    plan = identity_plan(num_blocks)
     plan[i] = j
     return plan
 
 
-def interchange_plan(num_layers: int, i: int, j: int) -> list[int]:
+def interchange_plan(num_blocks: int, i: int, j: int) -> list[int]:
     """Plan for interchange ``i <-> j``: slots i and j exchange blocks."""
-    _check_index(i, num_layers, "slot i")
-    _check_index(j, num_layers, "slot j")
-    plan = identity_plan(num_layers)
+    _check_index(i, num_blocks, "slot i")
+    _check_index(j, num_blocks, "slot j")
+    plan = identity_plan(num_blocks)
     plan[i], plan[j] = plan[j], plan[i]
     return plan
 
@@ -161,7 +161,7 @@ def as_index(value) -> int | None:
     return int(value)
 
 
-def resolve_layer_indices(layers: Sequence[int], num_layers: int, *, allow_empty: bool = False) -> list[int]:
+def resolve_layer_indices(layers: Sequence[int], num_blocks: int, *, allow_empty: bool = False) -> list[int]:
     """Validate a set of block indices and return it sorted, 0-based.
 
     Negative indices count from the end (``-1`` is the last block), as in Python.
@@ -179,12 +179,12 @@ def resolve_layer_indices(layers: Sequence[int], num_layers: int, *, allow_empty
         if as_index(raw) is None:
             raise TypeError(f"layer index {raw!r} is not an int; layer indices are 0-based ints")
         raw = as_index(raw)
-        if not -num_layers <= raw < num_layers:
+        if not -num_blocks <= raw < num_blocks:
             raise ValueError(
-                f"layer index {raw} is out of range for a model with {num_layers} blocks: "
-                f"allowed 0..{num_layers - 1} (or -{num_layers}..-1 from the end)"
+                f"layer index {raw} is out of range for a model with {num_blocks} blocks: "
+                f"allowed 0..{num_blocks - 1} (or -{num_blocks}..-1 from the end)"
             )
-        resolved.append(raw % num_layers)
+        resolved.append(raw % num_blocks)
     dupes = sorted({i for i in resolved if resolved.count(i) > 1})
     if dupes:
         raise ValueError(f"duplicate layer indices {dupes} in {list(layers)} (after resolving negative indices)")
@@ -193,23 +193,23 @@ def resolve_layer_indices(layers: Sequence[int], num_layers: int, *, allow_empty
     return sorted(resolved)
 
 
-def removal_plan(num_layers: int, removed: Sequence[int]) -> list[int]:
+def removal_plan(num_blocks: int, removed: Sequence[int]) -> list[int]:
     """Plan that skips the blocks in ``removed``.
 
     Raises:
         ValueError: bad indices (see :func:`resolve_layer_indices`) or no block left.
     """
-    drop = set(resolve_layer_indices(removed, num_layers, allow_empty=True))
-    plan = [i for i in range(num_layers) if i not in drop]
+    drop = set(resolve_layer_indices(removed, num_blocks, allow_empty=True))
+    plan = [i for i in range(num_blocks) if i not in drop]
     if not plan:
-        raise ValueError(f"removing {sorted(drop)} leaves no block: at most {num_layers - 1} of {num_layers} can go")
+        raise ValueError(f"removing {sorted(drop)} leaves no block: at most {num_blocks - 1} of {num_blocks} can go")
     return plan
 
 
-def first_difference(plan: Sequence[int], num_layers: int) -> int:
+def first_difference(plan: Sequence[int], num_blocks: int) -> int:
     """The first slot at which ``plan`` differs from identity (``len(plan)`` if none)."""
     for s, p in enumerate(plan):
-        if s >= num_layers or p != s:
+        if s >= num_blocks or p != s:
             return s
     return len(plan)
 
@@ -259,12 +259,12 @@ def apply_plan(
             ``start_hidden``.
     """
     owner, name, blocks = decoder_blocks(model)
-    num_layers = len(blocks)
+    num_blocks = len(blocks)
     plan = list(plan)
     if not plan:
         raise ValueError("a plan must run at least one block; got []")
     for p in plan:
-        _check_index(p, num_layers, "plan entry")
+        _check_index(p, num_blocks, "plan entry")
     if not 0 <= start < len(plan):
         raise ValueError(f"start={start} must be in 0..{len(plan) - 1} for a plan of length {len(plan)}")
     if start > 0 and start_hidden is None:
@@ -274,7 +274,7 @@ def apply_plan(
     saved_fields = {}
     for field in PER_LAYER_LIST_FIELDS:
         value = getattr(cfg, field, None)
-        if isinstance(value, (list, tuple)) and len(value) == num_layers:
+        if isinstance(value, (list, tuple)) and len(value) == num_blocks:
             saved_fields[field] = value
     saved_count = cfg.num_hidden_layers
     handle = None
@@ -352,10 +352,10 @@ def capture_residual_stream(
         ``(B, T, V)`` or ``None``.
     """
     _, _, blocks = decoder_blocks(model)
-    num_layers = len(blocks)
-    wanted = sorted(set(range(num_layers + 1) if slots is None else slots))
+    num_blocks = len(blocks)
+    wanted = sorted(set(range(num_blocks + 1) if slots is None else slots))
     for s in wanted:
-        _check_index(s, num_layers + 1, "slot")
+        _check_index(s, num_blocks + 1, "slot")
     last_needed = max(wanted)
     streams: dict[int, torch.Tensor] = {}
     handles = []
@@ -370,13 +370,13 @@ def capture_residual_stream(
         return hook
 
     def post_hook(module, args, kwargs, output):
-        streams[num_layers] = _block_hidden_output(output).detach()
+        streams[num_blocks] = _block_hidden_output(output).detach()
         if not compute_logits:
             raise _StopForward
 
     for s, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(pre_hook(s), with_kwargs=True))
-    if num_layers in wanted:
+    if num_blocks in wanted:
         handles.append(blocks[-1].register_forward_hook(post_hook, with_kwargs=True))
     logits = None
     try:

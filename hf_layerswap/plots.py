@@ -4,6 +4,7 @@ matplotlib (an optional dependency: ``pip install matplotlib``).
 - :func:`write_plots`: the swap-KL plots of a model card (per-layer scores, protocol gap,
   pair heatmap), named by :data:`PLOT_FILES`;
 - :func:`write_sparsity_plot`: per-block sparsity of a pruned model;
+- :func:`write_healing_plot`: training loss and held-out KL of healing vs tokens;
 - :func:`figure` / :func:`save_png`: the canvas and byte-stable PNG writing that the
   peeling plots use too.
 """
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocols import PROTOCOLS
+from .protocols import PROTOCOLS, protocol_color, protocol_label
 from .report import SwapReport
 
-__all__ = ["PLOT_FILES", "figure", "planned_plots", "save_png", "write_plots", "write_sparsity_plot"]
+__all__ = ["PLOT_FILES", "figure", "planned_plots", "save_png", "write_healing_plot", "write_plots",
+           "write_sparsity_plot"]
 
 #: Plot keys -> file names inside a checkpoint folder.
 PLOT_FILES = {
@@ -28,6 +30,7 @@ PLOT_FILES = {
     "protocol_gap": "layerswap_protocol_gap.png",
     "pair_heatmap": "layerswap_pair_heatmap.png",
     "sparsity": "layerswap_sparsity.png",
+    "healing": "layerswap_healing.png",
 }
 
 
@@ -87,9 +90,9 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
     directory.mkdir(parents=True, exist_ok=True)
     keys = planned_plots(report)
     written = {}
-    L = report.num_layers
+    L = report.num_blocks
     x = np.arange(L)
-    colors = {"replacement": "#d95f02", "interchange": "#1b9e77"}
+    colors = {p: protocol_color(p) for p in report.protocols}
 
     fig = figure(min(14.0, max(6.0, 0.28 * L + 2)), 3.6)
     ax = fig.add_subplot()
@@ -100,9 +103,9 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
         scores = np.array(report.layer_scores(p), dtype=float)
         ok = np.isfinite(scores)
         offset = (k - (len(report.protocols) - 1) / 2) * width
-        ax.bar(x[ok] + offset, scores[ok], width=width, color=colors[p], label=f"{p} s(i)")
+        ax.bar(x[ok] + offset, scores[ok], width=width, color=colors[p], label=f"{protocol_label(p)} s(i)")
         if (~ok).any():
-            ax.scatter(x[~ok] + offset, np.full((~ok).sum(), top), marker="x", color=colors[p], label=f"{p}: non-finite")
+            ax.scatter(x[~ok] + offset, np.full((~ok).sum(), top), marker="x", color=colors[p], label=f"{protocol_label(p)}: non-finite")
     for layer in removed:
         ax.axvspan(layer - 0.5, layer + 0.5, color="#999999", alpha=0.25, lw=0)
     if finite_all:
@@ -218,6 +221,11 @@ def write_sparsity_plot(summary: Mapping, path: str | os.PathLike, *, kept: Sequ
     ax.set_title(f"Per-block sparsity: {summary['method']}, {summary.get('pattern') or 'unstructured'}, "
                  f"{summary['allocation']} allocation", fontsize=10)
     ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
+    return _save_replacing(fig, path)
+
+
+def _save_replacing(fig, path: Path) -> Path:
+    """:func:`save_png` through a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -226,3 +234,39 @@ def write_sparsity_plot(summary: Mapping, path: str | os.PathLike, *, kept: Sequ
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_healing_plot(report: Mapping, path: str | os.PathLike) -> Path:
+    """Training loss and held-out KL of one healing run against training tokens, on one
+    axes, as a PNG (matplotlib, Agg canvas).
+
+    Args:
+        report: :meth:`~hf_layerswap.HealReport.to_dict`: ``loss_history`` (``[{"step",
+            "loss"}]``, nats), ``eval_history`` (``[{"step", "kl"}]``, nats),
+            ``tokens_per_step``, ``kl_before``, ``kl_after``, ``method``.
+        path: the PNG to write (through a temporary file and a rename).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    path = Path(path)
+    per_step = float(report.get("tokens_per_step") or 0.0) or 1.0
+    unit = "tokens" if report.get("tokens_per_step") else "steps"
+    fig = figure(6.4, 3.6)
+    ax = fig.add_subplot()
+    losses = report.get("loss_history") or []
+    ax.plot([e["step"] * per_step for e in losses], [e["loss"] for e in losses], color="#999999", lw=1,
+            label="training loss (KL on the training prompts)")
+    evals = [{"step": 0, "kl": report["kl_before"]}] + list(report.get("eval_history") or [])
+    ax.plot([e["step"] * per_step for e in evals], [e["kl"] for e in evals], "o-", color="#1b9e77", ms=4,
+            label="held-out KL")
+    ax.axhline(report["kl_before"], color="#d95f02", lw=1, ls="--", label=f"before healing {report['kl_before']:.4f}")
+    ax.axhline(report["kl_after"], color="#7570b3", lw=1, ls=":", label=f"kept weights {report['kl_after']:.4f}")
+    ax.set_xlabel(f"training {unit}")
+    ax.set_ylabel("KL(teacher || student), nats/token")
+    ax.set_title(f"Healing ({report.get('method', '?')}): loss and held-out KL", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    return _save_replacing(fig, path)

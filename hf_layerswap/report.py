@@ -149,7 +149,7 @@ class SwapReport(JsonResult):
     """Swap-KL results for every scored pair of a model, plus provenance.
 
     Attributes:
-        num_layers: L, the number of decoder blocks scored.
+        num_blocks: L, the number of decoder blocks scored.
         pairs: one :class:`PairResult` per scored pair, sorted by ``(i, j)``.
         protocols: the protocols that were scored.
         max_gap: pairs have ``1 <= j - i <= max_gap``.
@@ -161,7 +161,7 @@ class SwapReport(JsonResult):
             candidates (``protocol="auto"``).
     """
 
-    num_layers: int
+    num_blocks: int
     pairs: list[PairResult]
     protocols: tuple[str, ...] = PROTOCOLS
     max_gap: int = 1
@@ -176,8 +176,8 @@ class SwapReport(JsonResult):
                 raise ValueError(f"protocol {p!r} is not one of {list(SWAP_PROTOCOLS)}")
         self.pairs = sorted(self.pairs, key=lambda r: (r.i, r.j))
         for r in self.pairs:
-            if r.j >= self.num_layers:
-                raise ValueError(f"pair ({r.i}, {r.j}) is out of range for num_layers={self.num_layers}")
+            if r.j >= self.num_blocks:
+                raise ValueError(f"pair ({r.i}, {r.j}) is out of range for num_blocks={self.num_blocks}")
         dupes = sorted({(r.i, r.j) for r, q in zip(self.pairs, self.pairs[1:]) if (r.i, r.j) == (q.i, q.j)})
         if dupes:
             raise ValueError(f"pairs {dupes} occur more than once: each pair (i, j) has one result")
@@ -206,7 +206,7 @@ class SwapReport(JsonResult):
         """
         self._require(protocol)
         scores: list[float] = []
-        for layer in range(self.num_layers):
+        for layer in range(self.num_blocks):
             values = [r.value(protocol) for r in self.pairs if layer in (r.i, r.j)]
             values = [v for v in values if v is not None]
             known = [v for v in values if not math.isnan(v)]
@@ -255,13 +255,13 @@ class SwapReport(JsonResult):
     def ranking(self, protocol: str = "interchange") -> list[int]:
         """Layer indices sorted by score ascending (non-finite last, ties by index)."""
         scores = self.layer_scores(protocol)
-        return sorted(range(self.num_layers), key=lambda i: (_score_key(scores[i]), i))
+        return sorted(range(self.num_blocks), key=lambda i: (_score_key(scores[i]), i))
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         return {
             "format": "hf_layerswap.SwapReport/1",
-            "num_layers": self.num_layers,
+            "num_blocks": self.num_blocks,
             "protocols": list(self.protocols),
             "max_gap": self.max_gap,
             "pairs": [r.to_dict() for r in self.pairs],
@@ -289,8 +289,8 @@ class SwapReport(JsonResult):
     def from_dict(cls, d: dict, *, trust: bool = False) -> SwapReport:
         """The report from :meth:`to_dict`'s dict, checked unless ``trust=True``.
 
-        Checked (see :func:`check_report_dict`): ``num_layers`` and ``max_gap`` are ints
-        with ``2 <= num_layers`` and ``1 <= max_gap <= num_layers - 1``; the pairs are
+        Checked (see :func:`check_report_dict`): ``num_blocks`` and ``max_gap`` are ints
+        with ``2 <= num_blocks`` and ``1 <= max_gap <= num_blocks - 1``; the pairs are
         exactly those with ``1 <= j - i <= max_gap`` (none missing, none extra); each
         scored protocol's probes have a value and no other probe has one; every value and
         standard error is ``>= 0`` (the engine clamps each token's KL at 0, so even float
@@ -307,11 +307,11 @@ class SwapReport(JsonResult):
             raise ValueError(f"not a SwapReport dict: got {type(d).__name__}")
         if d.get("format") != "hf_layerswap.SwapReport/1":
             raise ValueError(f"not a SwapReport dict (format={d.get('format')!r})")
-        missing = [k for k in ("num_layers", "pairs", "protocols", "max_gap") if k not in d]
+        missing = [k for k in ("num_blocks", "pairs", "protocols", "max_gap") if k not in d]
         if missing:
             raise ValueError(f"SwapReport dict is missing {missing}")
         if not trust:
-            for key in ("num_layers", "max_gap"):
+            for key in ("num_blocks", "max_gap"):
                 if isinstance(d[key], bool) or not isinstance(d[key], int):
                     raise ValueError(f"{key} = {d[key]!r}: must be an int")
             if not isinstance(d["pairs"], list) or not all(isinstance(p, dict) for p in d["pairs"]):
@@ -328,7 +328,7 @@ class SwapReport(JsonResult):
             if not metadata["nonfinite"]:
                 metadata.pop("nonfinite")
         report = cls(
-            num_layers=int(d["num_layers"]),
+            num_blocks=int(d["num_blocks"]),
             pairs=[PairResult.from_dict(p) for p in d["pairs"]],
             protocols=tuple(d["protocols"]),
             max_gap=int(d["max_gap"]),
@@ -374,7 +374,7 @@ class SwapReport(JsonResult):
 
     def summary_dict(self) -> dict:
         """Short JSON-able summary for provenance (config.json, cards)."""
-        out = {"num_layers": self.num_layers, "protocols": list(self.protocols), "max_gap": self.max_gap}
+        out = {"num_blocks": self.num_blocks, "protocols": list(self.protocols), "max_gap": self.max_gap}
         for p in self.protocols:
             out[f"{p}_layer_scores"] = [encode_float(v) for v in self.layer_scores(p)]
         cal = self.metadata.get("calibration", {})
@@ -391,14 +391,14 @@ def check_report_dict(report: SwapReport, data: Mapping, listed: Mapping) -> Non
     Raises:
         ValueError: naming the field and the value (see :meth:`SwapReport.from_dict`).
     """
-    num_layers, max_gap = report.num_layers, report.max_gap
-    if num_layers < 2:
-        raise ValueError(f"num_layers = {num_layers}: a report scores at least 2 blocks")
-    if not 1 <= max_gap <= num_layers - 1:
-        raise ValueError(f"max_gap = {max_gap}: allowed 1..{num_layers - 1} for num_layers = {num_layers}")
+    num_blocks, max_gap = report.num_blocks, report.max_gap
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks = {num_blocks}: a report scores at least 2 blocks")
+    if not 1 <= max_gap <= num_blocks - 1:
+        raise ValueError(f"max_gap = {max_gap}: allowed 1..{num_blocks - 1} for num_blocks = {num_blocks}")
     if len(set(report.protocols)) != len(report.protocols) or not report.protocols:
         raise ValueError(f"protocols = {list(report.protocols)}: a non-empty list without repeats")
-    want = {(i, j) for i in range(num_layers) for j in range(i + 1, min(num_layers, i + max_gap + 1))}
+    want = {(i, j) for i in range(num_blocks) for j in range(i + 1, min(num_blocks, i + max_gap + 1))}
     have = {(r.i, r.j) for r in report.pairs}
     if want != have:
         parts = []
@@ -406,7 +406,7 @@ def check_report_dict(report: SwapReport, data: Mapping, listed: Mapping) -> Non
             parts.append(f"missing {sorted(want - have)}")
         if have - want:
             parts.append(f"extra {sorted(have - want)}")
-        raise ValueError(f"pairs do not match num_layers = {num_layers} and max_gap = {max_gap} (every pair with "
+        raise ValueError(f"pairs do not match num_blocks = {num_blocks} and max_gap = {max_gap} (every pair with "
                          f"1 <= j - i <= {max_gap}, {len(want)} in all): {'; '.join(parts)}")
     scored = set(probe_kinds(report.protocols))
     nonfinite_listed = {(int(v[0]), int(v[1]), str(v[2])) for v in listed.get("values", []) if len(v) == 3}
@@ -444,8 +444,8 @@ def check_report_dict(report: SwapReport, data: Mapping, listed: Mapping) -> Non
     for key, v in report.removal_kl.items():
         blocks = key.split(",") if isinstance(key, str) and key else []
         ok = all(b.isdigit() for b in blocks) and [int(b) for b in blocks] == sorted({int(b) for b in blocks})
-        if not ok or not blocks or len(blocks) >= num_layers or int(blocks[-1]) >= num_layers:
-            raise ValueError(f"removal_kl key {key!r}: a set of 1..{num_layers - 1} distinct blocks 0..{num_layers - 1}, "
+        if not ok or not blocks or len(blocks) >= num_blocks or int(blocks[-1]) >= num_blocks:
+            raise ValueError(f"removal_kl key {key!r}: a set of 1..{num_blocks - 1} distinct blocks 0..{num_blocks - 1}, "
                              "ascending, as 'i,j,...'")
         if v is None or (math.isfinite(v) and v < 0):
             raise ValueError(f"removal_kl[{key!r}] = {v!r}: a KL is >= 0")
@@ -470,9 +470,11 @@ class PruneProvenance:
             protect among them: the card recomputes each protocol's set with these).
         scores: :meth:`SwapReport.summary_dict` of the report the set was chosen from.
         calibration: :meth:`~hf_layerswap.calibration.CalibrationSet.spec` of the prompts.
-        search: the ``strategy="search"`` record (chosen set, value, each protocol's greedy
-            set, trace, cost), as appended to ``SwapReport.selections``.
-        auto: the ``protocol="auto"`` decision record, likewise.
+        decision: the strategy's decision record as it appended it to
+            ``SwapReport.selections`` (e.g. the chosen set, its value, each protocol's set,
+            trace, cost), kept as the strategy's entry says
+            (:attr:`hf_layerswap.selection.registry.Strategy.provenance`); the card reads it
+            through the same entry.
     """
 
     selection: str
@@ -481,8 +483,7 @@ class PruneProvenance:
     config: dict | None = None
     scores: dict | None = None
     calibration: dict | None = None
-    search: dict | None = None
-    auto: dict | None = None
+    decision: dict | None = None
 
     def to_dict(self) -> dict:
         """The set fields in declaration order (``None`` fields are left out); JSON-able."""
@@ -497,7 +498,7 @@ class PruneProvenance:
             raise TypeError(f"PruneProvenance.from_dict needs a mapping, got {type(data).__name__}")
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         known.setdefault("selection", "not recorded")
-        for name in ("config", "scores", "calibration", "search", "auto"):
+        for name in ("config", "scores", "calibration", "decision"):
             if name in known and not hasattr(known[name], "keys"):
                 known[name] = None  # a hand-edited record: read what is readable
         return cls(**known)

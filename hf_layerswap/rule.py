@@ -67,7 +67,7 @@ def _shown(v) -> str:
     return "None" if v is None else ("NaN" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else f"{v:.4g}")
 
 
-def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
+def resolve_protect(protect: Sequence[int] | None, num_blocks: int) -> set[int]:
     """Resolve protected indices (negative = from the end).
 
     Raises:
@@ -78,14 +78,14 @@ def resolve_protect(protect: Sequence[int] | None, num_layers: int) -> set[int]:
     out = set()
     for p in protect or ():
         if as_index(p) is None:
-            raise ValueError(f"protect entry {p!r} is not an int: allowed ints in -{num_layers}..{num_layers - 1}")
-        if not -num_layers <= as_index(p) < num_layers:
-            raise ValueError(f"protect entry {p!r} is out of range: allowed ints in -{num_layers}..{num_layers - 1}")
-        out.add(as_index(p) % num_layers)
+            raise ValueError(f"protect entry {p!r} is not an int: allowed ints in -{num_blocks}..{num_blocks - 1}")
+        if not -num_blocks <= as_index(p) < num_blocks:
+            raise ValueError(f"protect entry {p!r} is out of range: allowed ints in -{num_blocks}..{num_blocks - 1}")
+        out.add(as_index(p) % num_blocks)
     return out
 
 
-def check_budget(num_layers, total: int, *, spacing=1, protect: Sequence[int] | None = (0, -1)) -> int:
+def check_budget(num_to_remove, total: int, *, spacing=1, protect: Sequence[int] | None = (0, -1)) -> int:
     """Refuse a budget no selection can meet, before any scoring is spent on it.
 
     The most layers the rules allow is the left-to-right count of unprotected blocks kept
@@ -96,34 +96,34 @@ def check_budget(num_layers, total: int, *, spacing=1, protect: Sequence[int] | 
         the budget as an int.
 
     Raises:
-        ValueError: ``num_layers`` outside ``1..L-1``, a negative ``spacing``, a bad
+        ValueError: ``num_to_remove`` outside ``1..L-1``, a negative ``spacing``, a bad
             ``protect`` entry, or more layers than the rules allow (the message says how
             many).
     """
     if total < 2:
-        raise ValueError(f"num_layers={num_layers!r}: {ONE_BLOCK}")
-    if as_index(num_layers) is None or not 1 <= as_index(num_layers) <= total - 1:
-        raise ValueError(f"num_layers={num_layers!r}: allowed 1..{total - 1} for a model with {total} blocks")
+        raise ValueError(f"num_to_remove={num_to_remove!r}: {ONE_BLOCK}")
+    if as_index(num_to_remove) is None or not 1 <= as_index(num_to_remove) <= total - 1:
+        raise ValueError(f"num_to_remove={num_to_remove!r}: allowed 1..{total - 1} for a model with {total} blocks")
     if as_index(spacing) is None or as_index(spacing) < 0:
         raise ValueError(f"spacing={spacing!r}: must be an int >= 0 (0 allows adjacent layers)")
     protected, most, last = resolve_protect(protect, total), 0, None
     for i in range(total):
         if i not in protected and (last is None or i - last > as_index(spacing)):
             most, last = most + 1, i
-    if as_index(num_layers) > most:
+    if as_index(num_to_remove) > most:
         raise ValueError(
-            f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
-            f"the rules allow at most {most}; lower num_layers or spacing, or protect fewer layers"
+            f"cannot select {num_to_remove} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
+            f"the rules allow at most {most}; lower num_to_remove or spacing, or protect fewer layers"
         )
-    return as_index(num_layers)
+    return as_index(num_to_remove)
 
 
-def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1, protect: Sequence[int] = (0, -1)) -> list[int]:
+def greedy_select(scores: Sequence[float], num_to_remove: int, *, spacing: int = 1, protect: Sequence[int] = (0, -1)) -> list[int]:
     """The paper's greedy rule on per-layer scores (low = removable).
 
     Args:
         scores: length-L per-layer scores.
-        num_layers: how many layers to select (n).
+        num_to_remove: how many layers to select (n).
         spacing: every two selected layers satisfy ``|a - b| > spacing`` (0 allows
             neighbours; 1 = no two adjacent).
         protect: indices never selected (negative = from the end).
@@ -138,14 +138,14 @@ def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1,
             (gaps; the message says how many layers could be taken).
     """
     total = len(scores)
-    num_layers, spacing = check_budget(num_layers, total, spacing=spacing, protect=protect), as_index(spacing)
+    num_to_remove, spacing = check_budget(num_to_remove, total, spacing=spacing, protect=protect), as_index(spacing)
     protected = resolve_protect(protect, total)
     order = sorted(range(total), key=lambda i: (_score_key(scores[i]), i))
 
     def take(finite_only: bool) -> list[int]:
         chosen: list[int] = []
         for i in order:
-            if len(chosen) == num_layers:
+            if len(chosen) == num_to_remove:
                 break
             if i in protected or (finite_only and (scores[i] is None or not math.isfinite(scores[i]))):
                 continue
@@ -154,15 +154,15 @@ def greedy_select(scores: Sequence[float], num_layers: int, *, spacing: int = 1,
         return chosen
 
     chosen = take(finite_only=True)
-    if len(chosen) < num_layers:
-        if len(take(finite_only=False)) == num_layers:  # only non-finite scores could fill it
+    if len(chosen) < num_to_remove:
+        if len(take(finite_only=False)) == num_to_remove:  # only non-finite scores could fill it
             skipped = {f"layer {i}": scores[i] for i in range(total)
                        if i not in protected and (scores[i] is None or not math.isfinite(scores[i]))}
             raise NonFiniteScoresError(
-                nonfinite_message(f"cannot select {num_layers} layers of {total} with finite scores (found "
+                nonfinite_message(f"cannot select {num_to_remove} layers of {total} with finite scores (found "
                                   f"{len(chosen)}: {sorted(chosen)})", skipped), skipped)
         raise ValueError(
-            f"cannot select {num_layers} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
-            f"the rule found only {len(chosen)} ({sorted(chosen)}); lower num_layers or spacing, or protect fewer layers"
+            f"cannot select {num_to_remove} layers of {total} with spacing={spacing} and protect={sorted(protected)}: "
+            f"the rule found only {len(chosen)} ({sorted(chosen)}); lower num_to_remove or spacing, or protect fewer layers"
         )
     return sorted(chosen)

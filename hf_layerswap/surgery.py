@@ -27,7 +27,7 @@ from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
 from .recovery.operators import _attach, carried_operators, take_operators
 
-__all__ = ["check_surgery_invariants", "kept_after", "remove_layers"]
+__all__ = ["check_surgery_invariants", "kept_after", "remove_layers", "stale_healing"]
 
 
 def _remap_prefix_count(value: int, kept: Sequence[int]) -> int:
@@ -35,13 +35,13 @@ def _remap_prefix_count(value: int, kept: Sequence[int]) -> int:
     return sum(1 for k in kept if k < value)
 
 
-def _qwen_moe_fields(cfg, kept: Sequence[int], num_layers: int) -> dict:
+def _qwen_moe_fields(cfg, kept: Sequence[int], num_blocks: int) -> dict:
     """Qwen2/3-MoE: ``mlp_only_layers`` (indices) + ``decoder_sparse_step`` decide which
     blocks are sparse at construction. Rewrite them so the kept blocks keep their kind."""
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     only = set(getattr(cfg, "mlp_only_layers", None) or [])
     num_experts = getattr(cfg, "num_experts", 0) or 0
-    sparse = [(i not in only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    sparse = [(i not in only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_blocks)]
     return {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [new for new, old in enumerate(kept) if not sparse[old]],
@@ -49,7 +49,7 @@ def _qwen_moe_fields(cfg, kept: Sequence[int], num_layers: int) -> dict:
 
 
 #: Index-valued config fields and how they are remapped. Each entry maps a field name to a
-#: function ``(cfg, kept, num_layers) -> {field: new_value}``.
+#: function ``(cfg, kept, num_blocks) -> {field: new_value}``.
 INDEX_FIELDS = {
     "max_window_layers": lambda cfg, kept, n: {"max_window_layers": _remap_prefix_count(cfg.max_window_layers, kept)},
     "first_k_dense_replace": lambda cfg, kept, n: {
@@ -74,7 +74,7 @@ def _is_token_list(name: str) -> bool:
     return name == "architectures" or name.endswith(("_token_id", "_token_ids"))
 
 
-def _refusals(model: nn.Module, cfg, num_layers: int) -> list[str]:
+def _refusals(model: nn.Module, cfg, num_blocks: int) -> list[str]:
     problems = []
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         problems.append("is_encoder_decoder=True (encoder-decoder models are not supported; decoder-only causal LMs are)")
@@ -85,9 +85,9 @@ def _refusals(model: nn.Module, cfg, num_layers: int) -> list[str]:
                 f"{name}={vars(cfg)[name]!r} (the decoder depth lives in {name}, but config.num_hidden_layers "
                 f"{'is an alias of ' + alias if alias else 'is a separate field'})"
             )
-    if getattr(cfg, "num_hidden_layers", None) != num_layers:
+    if getattr(cfg, "num_hidden_layers", None) != num_blocks:
         problems.append(
-            f"num_hidden_layers={getattr(cfg, 'num_hidden_layers', None)!r} but the decoder has {num_layers} blocks "
+            f"num_hidden_layers={getattr(cfg, 'num_hidden_layers', None)!r} but the decoder has {num_blocks} blocks "
             "(the config does not describe this block list)"
         )
     if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
@@ -105,15 +105,15 @@ def _refusals(model: nn.Module, cfg, num_layers: int) -> list[str]:
     for name, value in vars(cfg).items():
         if name in known or _is_token_list(name) or name.startswith("_"):
             continue
-        if isinstance(value, (list, tuple)) and len(value) == num_layers:
-            problems.append(f"{name} (a per-layer list of length {num_layers} this library does not know how to filter)")
+        if isinstance(value, (list, tuple)) and len(value) == num_blocks:
+            problems.append(f"{name} (a per-layer list of length {num_blocks} this library does not know how to filter)")
     return problems
 
 
-def kept_after(num_layers: int, removed: Sequence[int]) -> list[int]:
-    """0-based indices kept after removing ``removed`` from ``num_layers`` blocks."""
-    drop = set(resolve_layer_indices(removed, num_layers))
-    return [i for i in range(num_layers) if i not in drop]
+def kept_after(num_blocks: int, removed: Sequence[int]) -> list[int]:
+    """0-based indices kept after removing ``removed`` from ``num_blocks`` blocks."""
+    drop = set(resolve_layer_indices(removed, num_blocks))
+    return [i for i in range(num_blocks) if i not in drop]
 
 
 def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict | None = None) -> nn.Module:
@@ -141,13 +141,13 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     """
     owner, name, blocks = decoder_blocks(model)
     cfg = decoder_config(model)
-    num_layers = len(blocks)
-    removed = resolve_layer_indices(layers, num_layers)
-    kept = [i for i in range(num_layers) if i not in set(removed)]
+    num_blocks = len(blocks)
+    removed = resolve_layer_indices(layers, num_blocks)
+    kept = [i for i in range(num_blocks) if i not in set(removed)]
     if not kept:
-        most = ONE_BLOCK if num_layers == 1 else f"at most {num_layers - 1} of {num_layers} can go"
+        most = ONE_BLOCK if num_blocks == 1 else f"at most {num_blocks - 1} of {num_blocks} can go"
         raise ValueError(f"removing {removed} would leave no block: {most}")
-    problems = _refusals(model, cfg, num_layers)
+    problems = _refusals(model, cfg, num_blocks)
     if problems:
         raise ValueError(f"cannot remove blocks from {type(model).__name__}: " + "; ".join(problems))
     _check_provenance(provenance)
@@ -165,12 +165,12 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         value = getattr(cfg, field, None)
         if value is None:
             continue
-        if len(value) != num_layers:
-            raise ValueError(f"config.{field} has {len(value)} entries but the model has {num_layers} blocks")
+        if len(value) != num_blocks:
+            raise ValueError(f"config.{field} has {len(value)} entries but the model has {num_blocks} blocks")
         updates[field] = type(value)(value[i] for i in kept)
     for field, remap in INDEX_FIELDS.items():
         if getattr(cfg, field, None) is not None and field not in updates:
-            updates.update(remap(cfg, kept, num_layers))
+            updates.update(remap(cfg, kept, num_blocks))
 
     operators = take_operators(model)  # ghosted repair maps: put back where the cut moves them
     setattr(owner, name, nn.ModuleList([blocks[i] for i in kept]))
@@ -188,11 +188,11 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
 
     top = model.config
     previous = copy.deepcopy(getattr(top, "layerswap", None) or {})
-    original_kept = previous.get("kept_layers", list(range(num_layers)))
+    original_kept = previous.get("kept_layers", list(range(num_blocks)))
     step = {
         "removed_layers": removed,
-        "num_layers_before": num_layers,
-        "num_layers_after": len(kept),
+        "num_blocks_before": num_blocks,
+        "num_blocks_after": len(kept),
         "removed_original_layers": [original_kept[i] for i in removed],
         "fingerprint_before": fingerprint_before,
         "removed_parameters": removed_parameters,
@@ -201,16 +201,26 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     }
     top.layerswap = {
         "base_model": previous.get("base_model", base_name),
-        "original_num_hidden_layers": previous.get("original_num_hidden_layers", num_layers),
+        "original_num_hidden_layers": previous.get("original_num_hidden_layers", num_blocks),
         "removed_layers": sorted(previous.get("removed_layers", []) + step["removed_original_layers"]),
         "kept_layers": [original_kept[i] for i in kept],
         "steps": previous.get("steps", []) + [step],
         **{k: previous[k] for k in HISTORY_FIELDS if k in previous},
     }
+    if previous.get("healing"):
+        top.layerswap["healing"] = stale_healing(previous["healing"], len(top.layerswap["steps"]))
     if operators and (previous.get("recovery") or {}).get("method") == "ghosted":
         top.layerswap["recovery"] = {**previous["recovery"], "boundaries": sorted(operators)}
     record_fingerprint(model, step)
     return model
+
+
+def stale_healing(healing: list, step: int) -> list:
+    """The healing records of ``config.layerswap["healing"]`` after removal step ``step``
+    (1-based): each is kept as evidence, marked ``"stale"`` (its KL and perplexity describe
+    the model before that removal) unless an earlier removal already marked it."""
+    note = f"removal step {step} came after this healing: its numbers describe the model before that cut"
+    return [entry if entry.get("stale") else {**entry, "stale": note} for entry in healing]
 
 
 #: Keys of an unverified history (see :mod:`hf_layerswap.history`) that later steps keep.
@@ -219,7 +229,7 @@ HISTORY_FIELDS = ("history", "unverified_reasons", "probable_cause", "unverified
 
 #: Fields of a removal step that the library computes; ``provenance`` may not set them.
 STEP_FIELDS = (
-    "removed_layers", "num_layers_before", "num_layers_after", "removed_original_layers", "fingerprint_before",
+    "removed_layers", "num_blocks_before", "num_blocks_after", "removed_original_layers", "fingerprint_before",
     "removed_parameters", "library_versions", "fingerprint_after", "dtype_after",
 )
 

@@ -69,7 +69,7 @@ def regenerate(
     print(f"[{name}] base PPL {base.ppl:.3f}", flush=True)
     # the default path: every selection field (strategy, objective, protocol, spacing, protect) at its default
     config = LayerSwapConfig(
-        num_layers=budget, calibration=None if calibration == "embedded" else calibration,
+        num_to_remove=budget, calibration=None if calibration == "embedded" else calibration,
         tokenizer=tokenizer, num_prompts=num_prompts or default_prompts, seq_len=seq_len, progress=False,
     )
     prune_loaded_model(model, config)

@@ -6,7 +6,7 @@ and the support table of ``docs/architectures.md`` (``python tests/arch_matrix.p
 it as markdown; ``tests/test_docs.py`` checks the page shows it), so the table lists exactly
 what the tests exercise.
 
-Every model has :data:`NUM_LAYERS` blocks, hidden size 32, vocabulary 128, fp32, eager
+Every model has :data:`NUM_BLOCKS` blocks, hidden size 32, vocabulary 128, fp32, eager
 attention. Per-layer settings are chosen so that removal and plans have something to get
 wrong: sliding and full attention interleaved (window 4, shorter than the test prompts),
 NoPE layers, MoE and dense MLP blocks mixed.
@@ -14,7 +14,7 @@ NoPE layers, MoE and dense MLP blocks mixed.
 This is the one table of tiny models: the unit tests' ``tiny_model("llama" | "qwen3" |
 "gemma3")`` of ``tests/conftest.py`` are the rows ``llama``, ``qwen3`` and ``gemma3_text``,
 built with the few settings that file names as overrides (every row's builder takes
-``num_layers`` and config fields that replace the row's own).
+``num_blocks`` and config fields that replace the row's own).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: Blocks in every matrix model.
-NUM_LAYERS = 6
+NUM_BLOCKS = 6
 #: The two removal sets every family is checked with: non-contiguous and contiguous.
 REMOVAL_SETS = {"noncontiguous": (1, 3), "contiguous": (2, 3)}
 #: Sliding window of the models that have one (shorter than the test prompts).
@@ -212,7 +212,7 @@ class Family:
     Attributes:
         name: short id used in test ids.
         label: the name in the support table.
-        config: ``(num_layers, **overrides) -> config`` builder; an override replaces
+        config: ``(num_blocks, **overrides) -> config`` builder; an override replaces
             the row's value of that config field.
         per_layer_fields: per-layer config lists this family has (filtered on removal,
             permuted under a plan).
@@ -316,7 +316,7 @@ def single_thread() -> Iterator[None]:
 
 def build(
     family: Family | RefusedFamily | str,
-    num_layers: int = NUM_LAYERS,
+    num_blocks: int = NUM_BLOCKS,
     seed: int = 0,
     dtype: torch.dtype | None = torch.float32,
     **overrides,
@@ -330,7 +330,7 @@ def build(
     if isinstance(family, str):
         family = FAMILY_BY_NAME.get(family) or next(f for f in REFUSED if f.name == family)
     torch.manual_seed(seed)
-    cfg = family.config(num_layers, **overrides)
+    cfg = family.config(num_blocks, **overrides)
     auto = AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_config(cfg, attn_implementation="eager", dtype=dtype)
     return model.eval()

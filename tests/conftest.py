@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,7 +64,7 @@ def wikitext_test_raw() -> Path:
 TINY_FAMILIES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
-def tiny_overrides(family: str, num_layers: int) -> dict:
+def tiny_overrides(family: str, num_blocks: int) -> dict:
     """Where the unit tests' models differ from their matrix row:
 
     - 128 positions (the row has 64): perplexity refuses a window past
@@ -73,7 +75,7 @@ def tiny_overrides(family: str, num_layers: int) -> dict:
     """
     overrides = {"max_position_embeddings": 128}
     if family == "qwen3":
-        overrides["layer_types"] = alternating_types(num_layers, first="full_attention")
+        overrides["layer_types"] = alternating_types(num_blocks, first="full_attention")
     return overrides
 
 
@@ -83,16 +85,30 @@ def _row(family: str) -> str:
     return TINY_FAMILIES[family]
 
 
-def tiny_config(family: str, num_layers: int = 6, **overrides):
+def tiny_config(family: str, num_blocks: int = 6, **overrides):
     """Config of a tiny random decoder of the given family (no download): its matrix row
     with :func:`tiny_overrides`, then ``overrides`` (config fields a test sets itself)."""
-    return FAMILY_BY_NAME[_row(family)].config(num_layers, **{**tiny_overrides(family, num_layers), **overrides})
+    return FAMILY_BY_NAME[_row(family)].config(num_blocks, **{**tiny_overrides(family, num_blocks), **overrides})
 
 
-def tiny_model(family: str = "llama", num_layers: int = 6, seed: int = 0, **overrides):
+def tiny_model(family: str = "llama", num_blocks: int = 6, seed: int = 0, **overrides):
     """A tiny random causal LM in eval mode, fp32, eager attention (the config records no
     dtype); ``overrides`` as for :func:`tiny_config`."""
-    return build(_row(family), num_layers, seed, dtype=None, **{**tiny_overrides(family, num_layers), **overrides})
+    return build(_row(family), num_blocks, seed, dtype=None, **{**tiny_overrides(family, num_blocks), **overrides})
+
+
+def tiny_checkpoint(path, model=None):
+    """Save ``model`` (default: a tiny qwen3) with a word-level tokenizer of its vocabulary
+    (tokens ``w0``, ``w1``, ...) into ``path``; returns the model."""
+    model = tiny_model("qwen3") if model is None else model
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
+    vocab["[UNK]"] = model.config.vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
 
 
 def tiny_batch(batch: int = 3, length: int = 12, vocab: int = VOCAB, seed: int = 1, pad_last: int = 3):

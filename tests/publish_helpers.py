@@ -88,7 +88,7 @@ def pruned_tiny(report: SwapReport | None = None, removed=INTERCHANGE_SET, seed:
         "protocol": "interchange",
         "selection": "greedy min-over-partners, spacing=1, protect=[0, -1]",
         "scores": report.summary_dict(),
-        "config": {"quant_method": "layerswap", "num_layers": 2, "layers": None, "protocol": "interchange",
+        "config": {"quant_method": "layerswap", "num_to_remove": 2, "layers": None, "protocol": "interchange",
                    "max_gap": 1, "spacing": 1, "protect": [0, -1], "num_prompts": 8, "seq_len": 32},
     }
     return remove_layers(model, list(removed), provenance=provenance)

@@ -20,7 +20,7 @@ from arch_matrix import (
     CHECKS,
     FAMILIES,
     FAMILY_BY_NAME,
-    NUM_LAYERS,
+    NUM_BLOCKS,
     REFUSED,
     REMOVAL_SETS,
     block_signature,
@@ -71,12 +71,12 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _per_layer_lists(cfg, num_layers: int) -> dict[str, list]:
+def _per_layer_lists(cfg, num_blocks: int) -> dict[str, list]:
     """Every list/tuple config field with one entry per block."""
     return {
         k: list(v)
         for k, v in vars(cfg).items()
-        if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == num_layers
+        if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == num_blocks
     }
 
 
@@ -91,7 +91,7 @@ def _pruned(name: str, set_name: str):
     base = build(fam)
     pruned = build(fam)
     remove_layers(pruned, list(REMOVAL_SETS[set_name]))
-    kept = [i for i in range(NUM_LAYERS) if i not in REMOVAL_SETS[set_name]]
+    kept = [i for i in range(NUM_BLOCKS) if i not in REMOVAL_SETS[set_name]]
     return base, pruned, kept
 
 
@@ -111,12 +111,12 @@ def test_scoring_restores_model_exactly(name):
     with torch.no_grad():
         logits_before = model(**batch).logits
     report = score_layers(model, batch, protocols=("replacement", "interchange"), max_gap=2, batch_size=1, progress=False)
-    assert report.num_layers == NUM_LAYERS
-    assert len(report.pairs) == 2 * NUM_LAYERS - 3  # gaps 1 and 2
+    assert report.num_blocks == NUM_BLOCKS
+    assert len(report.pairs) == 2 * NUM_BLOCKS - 3  # gaps 1 and 2
     for pair in report.pairs:  # every probe ran and changed the output
         assert pair.interchange > 0 and pair.replacement_ij > 0 and pair.replacement_ji > 0
     assert decoder_blocks(model)[2] is blocks_before
-    assert _layer_idx_by_position(model) == before_idx == [[i] * len(before_idx[i]) for i in range(NUM_LAYERS)]
+    assert _layer_idx_by_position(model) == before_idx == [[i] * len(before_idx[i]) for i in range(NUM_BLOCKS)]
     assert model.config.to_dict() == before_cfg
     after_state = model.state_dict()
     assert after_state.keys() == before_state.keys()
@@ -150,7 +150,7 @@ def test_removal_keeps_model_and_config_consistent(name, set_name):
     assert idx == [[pos] * len(v) for pos, v in enumerate(idx)]
 
     # every per-layer list filtered by kept index (fields named in the table, and any other)
-    base_lists = _per_layer_lists(base_cfg, NUM_LAYERS)
+    base_lists = _per_layer_lists(base_cfg, NUM_BLOCKS)
     assert set(fam.per_layer_fields) <= set(base_lists)
     for field, old_values in base_lists.items():
         assert list(getattr(cfg, field)) == [old_values[i] for i in kept], field
@@ -172,7 +172,7 @@ def test_removal_keeps_model_and_config_consistent(name, set_name):
     # provenance
     record = pruned.config.layerswap
     assert record["removed_layers"] == removed and record["kept_layers"] == kept
-    assert record["original_num_hidden_layers"] == NUM_LAYERS and len(record["steps"]) == 1
+    assert record["original_num_hidden_layers"] == NUM_BLOCKS and len(record["steps"]) == 1
 
 
 def _greedy(model, batch, **kwargs):
@@ -283,7 +283,7 @@ def test_plain_transformers_reload_gives_identical_logits(reloaded, name, set_na
     assert torch.equal(reloaded_logits, logits)
     assert _stable(result["config"]) == _stable(config)
     text = result["config"].get("text_config", result["config"])
-    assert text.get("num_hidden_layers", text.get("n_layer")) == NUM_LAYERS - len(REMOVAL_SETS[set_name])
+    assert text.get("num_hidden_layers", text.get("n_layer")) == NUM_BLOCKS - len(REMOVAL_SETS[set_name])
     assert "quantization_config" not in result["config"]
     assert result["config"]["layerswap"]["removed_layers"] == list(REMOVAL_SETS[set_name])
 
@@ -358,17 +358,17 @@ def test_unmappable_families_are_refused_by_name(refused):
     for word in refused.error_names:
         assert word in str(err.value)
     assert model.config.to_dict() == before_cfg
-    assert len(decoder_blocks(model)[2]) == NUM_LAYERS
+    assert len(decoder_blocks(model)[2]) == NUM_BLOCKS
     assert all(torch.equal(v, before_state[k]) for k, v in model.state_dict().items())
 
 
 def test_unknown_per_layer_list_is_refused_by_name():
     model = build("llama")
     cfg = decoder_config(model)
-    cfg.layer_head_scales = [1.0] * NUM_LAYERS  # a per-layer list surgery does not know
+    cfg.layer_head_scales = [1.0] * NUM_BLOCKS  # a per-layer list surgery does not know
     with pytest.raises(ValueError, match="layer_head_scales"):
         remove_layers(model, [2])
-    assert len(decoder_blocks(model)[2]) == NUM_LAYERS and cfg.num_hidden_layers == NUM_LAYERS
+    assert len(decoder_blocks(model)[2]) == NUM_BLOCKS and cfg.num_hidden_layers == NUM_BLOCKS
 
 
 def test_support_table_lists_what_these_tests_run():

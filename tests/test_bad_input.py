@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from arch_matrix import NUM_LAYERS, build, prompts, single_thread, tiny_tokenizer
+from arch_matrix import NUM_BLOCKS, build, prompts, single_thread, tiny_tokenizer
 from hf_layerswap import (
     LayerSwapConfig,
     NonFiniteScoresError,
@@ -78,7 +78,7 @@ BAD_INDICES = [
     ([1, 1], "duplicate layer indices [1] in [1, 1]"),
     ([1, -5], "duplicate layer indices [1] in [1, -5] (after resolving negative indices)"),
     ([], "no layer indices given"),
-    (list(range(NUM_LAYERS)), "would leave no block: at most 5 of 6 can go"),
+    (list(range(NUM_BLOCKS)), "would leave no block: at most 5 of 6 can go"),
     ([-6, -5, -4, -3, -2, -1], "would leave no block"),
 ]
 
@@ -98,7 +98,7 @@ def test_bad_removal_indices_are_refused_and_change_nothing(layers, message):
         _assert_unchanged(model, snap)
 
 
-@pytest.mark.parametrize("layers", [[6], [1, 1], list(range(NUM_LAYERS))])
+@pytest.mark.parametrize("layers", [[6], [1, 1], list(range(NUM_BLOCKS))])
 def test_removal_kl_refuses_the_same_indices(llama, layers):
     with pytest.raises(ValueError, match=r"out of range|duplicate|no block"):
         removal_kl(llama, prompts(), layers)
@@ -130,8 +130,8 @@ def test_negative_indices_resolve_the_same_everywhere(llama, report):
     spaced = dict(spacing=0)
     assert select_layers(report, 4, protect=(0, -1), **spaced) == select_layers(report, 4, protect=(0, 5), **spaced)
     assert select_layers(report, 4, protect=(0, -1), **spaced) == [1, 2, 3, 4]
-    lowest = min(range(1, NUM_LAYERS), key=lambda i: scores[i])
-    negative = lowest - NUM_LAYERS
+    lowest = min(range(1, NUM_BLOCKS), key=lambda i: scores[i])
+    negative = lowest - NUM_BLOCKS
     chosen = select_layers(report, 1, protect=(0, negative), **spaced)
     assert chosen == select_layers(report, 1, protect=(0, lowest), **spaced) and chosen != [lowest]
     with pytest.raises(ValueError, match=r"protect entry -7 is out of range: allowed ints in -6..5"):
@@ -142,15 +142,15 @@ def test_unmeetable_budgets_name_the_rule(llama, report):
     with pytest.raises(ValueError) as err:
         select_layers(report, 3, spacing=1, protect=(0, -1))
     assert "cannot select 3 layers of 6 with spacing=1 and protect=[0, 5]: the rules allow at most 2" in str(err.value)
-    for n in (0, NUM_LAYERS):
-        with pytest.raises(ValueError, match=rf"num_layers={n}: allowed 1..5 for a model with 6 blocks"):
+    for n in (0, NUM_BLOCKS):
+        with pytest.raises(ValueError, match=rf"num_to_remove={n}: allowed 1..5 for a model with 6 blocks"):
             select_layers(report, n)
     with pytest.raises(ValueError, match=r"spacing=-1: must be an int >= 0"):
         select_layers(report, 1, spacing=-1)
     # at load time: refused before scoring (no report is left), the model is left as it was
     model = build("llama")
     snap = _snapshot(model)
-    cfg = LayerSwapConfig(num_layers=3, calibration=prompts(), progress=False, batch_size=2, spacing=1)
+    cfg = LayerSwapConfig(num_to_remove=3, calibration=prompts(), progress=False, batch_size=2, spacing=1)
     with pytest.raises(ValueError, match="cannot select 3 layers of 6"):
         prune_loaded_model(model, cfg)
     assert not hasattr(model, "layerswap_report")
@@ -222,7 +222,7 @@ def test_mismatched_input_ids_and_attention_mask_shapes(llama):
 
 
 def test_report_from_a_model_of_another_depth_is_refused(report):
-    other = build("llama", num_layers=4)
+    other = build("llama", num_blocks=4)
     with pytest.raises(ValueError, match=r"computed on a model with 6 blocks but this model has 4"):
         select_layers(report, 1, model=other)
 
@@ -237,7 +237,7 @@ def test_a_report_of_another_model_of_the_same_depth_is_refused_wherever_it_is_a
     other = build("llama")  # 6 blocks, like the scored model; then other weights
     with torch.no_grad():
         decoder_blocks(other)[2][3].mlp.down_proj.weight.mul_(0.5)
-    assert num_blocks(other) == report.num_layers
+    assert num_blocks(other) == report.num_blocks
     message = "the report belongs to a different model: its fingerprint is"
     with pytest.raises(ValueError, match=message):
         select_layers(report, 1, model=other)
@@ -248,7 +248,7 @@ def test_a_report_of_another_model_of_the_same_depth_is_refused_wherever_it_is_a
     tiny_tokenizer().save_pretrained(ckpt)
     report.to_json(tmp_path / "report.json")
     capsys.readouterr()
-    code = main(["prune", str(ckpt), str(out), "--num-layers", "1", "--report", str(tmp_path / "report.json"),
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "1", "--report", str(tmp_path / "report.json"),
                  "--calibration", str(tmp_path / "report.json"), "--num-prompts", "2"])
     assert code == 2 and not out.exists()
     assert message in capsys.readouterr().err
@@ -262,13 +262,13 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys
     from hf_layerswap.cli import main
 
     ckpt = tmp_path / "four"
-    build("llama", num_layers=4).save_pretrained(ckpt)
+    build("llama", num_blocks=4).save_pretrained(ckpt)
     tiny_tokenizer().save_pretrained(ckpt)
     report.to_json(tmp_path / "six.json")
     (tmp_path / "calib.txt").write_text("\n\n".join(t + " " + t for t in TEXTS))  # paragraphs >= 50 chars
     out = tmp_path / "out"
     capsys.readouterr()
-    code = main(["prune", str(ckpt), str(out), "--num-layers", "1", "--report", str(tmp_path / "six.json"),
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "1", "--report", str(tmp_path / "six.json"),
                  "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2"])
     assert code == 2 and not out.exists()
     assert "computed on a model with 6 blocks but this model has 4" in capsys.readouterr().err
@@ -280,7 +280,7 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(report, tmp_path, capsys
         raise AssertionError("scored although the budget was impossible")
 
     monkeypatch.setattr("hf_layerswap.pipeline.score_layers", no_scoring)
-    code = main(["prune", str(ckpt), str(out), "--num-layers", "2", "--spacing", "1", "--calibration", str(tmp_path / "calib.txt"),
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "2", "--spacing", "1", "--calibration", str(tmp_path / "calib.txt"),
                  "--num-prompts", "2"])
     assert code == 2 and not out.exists()
     assert "cannot select 2 layers of 4 with spacing=1 and protect=[0, 3]: the rules allow at most 1" in capsys.readouterr().err
@@ -298,7 +298,7 @@ def test_check_budget_counts_what_the_rules_allow():
     assert check_budget(np.int64(5), 6, spacing=0, protect=[]) == 5
     with pytest.raises(ValueError, match=r"cannot select 3 layers of 6 with spacing=2 and protect=\[\]: the rules allow at most 2"):
         check_budget(3, 6, spacing=2, protect=[])  # {0, 3} is the most
-    with pytest.raises(ValueError, match=r"num_layers=6: allowed 1..5"):
+    with pytest.raises(ValueError, match=r"num_to_remove=6: allowed 1..5"):
         check_budget(6, 6, spacing=0, protect=[])
 
 
@@ -316,13 +316,13 @@ def test_models_without_a_decoder_block_list_are_refused():
 
 
 CONTRADICTORY = [
-    (dict(num_layers=2, layers=[1, 2, 3]), "LayerSwapConfig(num_layers=2, layers=[1, 2, 3]) is contradictory"),
+    (dict(num_to_remove=2, layers=[1, 2, 3]), "LayerSwapConfig(num_to_remove=2, layers=[1, 2, 3]) is contradictory"),
     (dict(layers=[]), "LayerSwapConfig(layers=[])"),
     (dict(layers=3), "LayerSwapConfig(layers=3): must be a list of 0-based block indices"),
-    (dict(num_layers=0), "LayerSwapConfig(num_layers=0): must be an int >= 1"),
+    (dict(num_to_remove=0), "LayerSwapConfig(num_to_remove=0): must be an int >= 1"),
     (dict(protocol="swap"), "LayerSwapConfig(protocol='swap'): allowed ['replacement', 'interchange', 'auto']"),
-    (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_layers or layers"),
-    (dict(recovery="magic", num_layers=1), "LayerSwapConfig(recovery='magic'): allowed"),
+    (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers"),
+    (dict(recovery="magic", num_to_remove=1), "LayerSwapConfig(recovery='magic'): allowed"),
     (dict(spacing=-1), "LayerSwapConfig(spacing=-1): must be an int >= 0"),
     (dict(max_gap=0), "LayerSwapConfig(max_gap=0): must be an int >= 1"),
     (dict(seq_len=1), "LayerSwapConfig(seq_len=1): must be an int >= 2"),
@@ -341,9 +341,9 @@ def test_contradictory_or_out_of_range_config_fields(kwargs, message):
 
 
 def test_unknown_config_argument_is_named():
-    with pytest.raises(TypeError, match=r"unexpected arguments: unknown keys \['num_layer'\] \('num_layer': did "
-                                        r"you mean 'num_layers'\?\); allowed \['num_layers', "):
-        LayerSwapConfig(num_layer=2)
+    with pytest.raises(TypeError, match=r"unexpected arguments: unknown keys \['num_to_remov'\] \('num_to_remov': did "
+                                        r"you mean 'num_to_remove'\?\); allowed \['num_to_remove', "):
+        LayerSwapConfig(num_to_remov=2)
 
 
 # --------------------------------------------------------------------------- already pruned
@@ -374,11 +374,11 @@ def test_already_pruned_checkpoint_reloads_as_is_and_prunes_again_with_both_step
     ).eval()
     record = twice.config.layerswap
     assert num_blocks(twice) == 3
-    assert record["original_num_hidden_layers"] == NUM_LAYERS
+    assert record["original_num_hidden_layers"] == NUM_BLOCKS
     assert record["removed_layers"] == [1, 2, 3] and record["kept_layers"] == [0, 4, 5]
     assert [s["removed_layers"] for s in record["steps"]] == [[1, 3], [1]]
     assert [s["removed_original_layers"] for s in record["steps"]] == [[1, 3], [2]]
-    assert [s["num_layers_before"] for s in record["steps"]] == [6, 4]
+    assert [s["num_blocks_before"] for s in record["steps"]] == [6, 4]
     base_types = decoder_config(base).layer_types
     assert decoder_config(twice).layer_types == [base_types[i] for i in (0, 4, 5)]
     with torch.no_grad(), apply_plan(base, [0, 4, 5]):
@@ -638,7 +638,7 @@ def test_bad_provenance_is_refused_before_the_model_changes(provenance, kind, me
 
 
 SPARSITY_CONFLICTS = [
-    (dict(method="bogus"), "LayerSwapConfig: method='bogus': allowed ['wanda', 'sparsegpt', 'magnitude']"),
+    (dict(pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ['wanda', 'sparsegpt', 'magnitude']"),
     (dict(allocation="even"), "LayerSwapConfig: allocation='even': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']"),
     (dict(sparsity_pattern="2-4"), "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
     (dict(sparsity_pattern="2:4"),  # the default allocation is pals
@@ -648,14 +648,14 @@ SPARSITY_CONFLICTS = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), SPARSITY_CONFLICTS, ids=[m.split(":")[1] for _, m in SPARSITY_CONFLICTS])
+@pytest.mark.parametrize(("kwargs", "message"), SPARSITY_CONFLICTS, ids=[m.split(":")[1] if m.startswith("LayerSwapConfig:") else m.split("(")[1].split(")")[0] for _, m in SPARSITY_CONFLICTS])
 def test_sparsity_settings_are_checked_with_the_config_not_after_removal(kwargs, message):
     # these used to pass the config and fail in sparsify, after the blocks were removed
     with pytest.raises(ValueError) as err:
         LayerSwapConfig(layers=[1], sparsity=0.5, **kwargs)
     assert str(err.value) == message
-    with pytest.warns(UserWarning, match=r"\['method'\] ignored: sparsity is None"):  # not used without sparsity
-        assert LayerSwapConfig(layers=[1], method="bogus").sparsity is None
+    with pytest.warns(UserWarning, match=r"\['pruner'\] ignored: sparsity is None"):  # not used without sparsity
+        assert LayerSwapConfig(layers=[1], pruner="bogus").sparsity is None
 
 
 def test_tokenized_batch_encoding_needs_no_tokenizer_at_load_time():
@@ -664,8 +664,8 @@ def test_tokenized_batch_encoding_needs_no_tokenizer_at_load_time():
 
     batch = prompts()
     by_dict, by_encoding = build("llama"), build("llama")
-    prune_loaded_model(by_dict, LayerSwapConfig(num_layers=1, calibration=dict(batch), progress=False, batch_size=2))
-    prune_loaded_model(by_encoding, LayerSwapConfig(num_layers=1, calibration=BatchEncoding(batch), progress=False,
+    prune_loaded_model(by_dict, LayerSwapConfig(num_to_remove=1, calibration=dict(batch), progress=False, batch_size=2))
+    prune_loaded_model(by_encoding, LayerSwapConfig(num_to_remove=1, calibration=BatchEncoding(batch), progress=False,
                                                     batch_size=2))
     assert by_encoding.config.layerswap["removed_layers"] == by_dict.config.layerswap["removed_layers"]
     assert by_encoding.layerswap_report.pairs == by_dict.layerswap_report.pairs
@@ -725,7 +725,7 @@ def test_cli_refuses_bad_report_files_and_a_folder_as_report_output(report, tmp_
     bad.write_text("[]")
     capsys.readouterr()
     out = tmp_path / "out"
-    code = main(["prune", str(ckpt), str(out), "--num-layers", "1", "--report", str(bad),
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "1", "--report", str(bad),
                  "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2"])
     assert code == 2 and not out.exists()
     assert f"error: {bad} is not a valid SwapReport JSON file: not a SwapReport dict: got list" in capsys.readouterr().err
@@ -753,7 +753,7 @@ def test_text_calibration_on_a_checkpoint_without_tokenizer_says_to_pass_one(tmp
     build("llama").save_pretrained(tmp_path / "weights-only")
     with pytest.raises(ValueError) as err:
         AutoModelForCausalLM.from_pretrained(tmp_path / "weights-only",
-                                             quantization_config=LayerSwapConfig(num_layers=1, progress=False))
+                                             quantization_config=LayerSwapConfig(num_to_remove=1, progress=False))
     message = str(err.value)
     assert message.startswith("text calibration needs a tokenizer and none could be loaded from the checkpoint "
                               "'weights-only' (it has no tokenizer files): ")

@@ -548,7 +548,7 @@ def test_real_block_influence_uses_pre_norm_stream(fixture, request, wikitext_va
     paras = [p for p in split_paragraphs("\n\n".join(ln.strip() for ln in lines)) if len(p) > 200][:3]
     calib = build_calibration(paras, tok, num_prompts=3, seq_len=24)
     res = block_influence(model, calib, 2)
-    num_layers = len(res.scores)
+    num_blocks = len(res.scores)
     with torch.no_grad():
         hs = model(**_inputs(calib), output_hidden_states=True).hidden_states
     mask = calib.attention_mask.double()
@@ -557,7 +557,7 @@ def test_real_block_influence_uses_pre_norm_stream(fixture, request, wikitext_va
         cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
         return float((((1 - cos) * mask).sum(1) / mask.sum(1)).mean())
 
-    for layer in range(num_layers - 1):
+    for layer in range(num_blocks - 1):
         assert res.scores[layer] == pytest.approx(bi(hs[layer], hs[layer + 1]), rel=1e-6, abs=1e-9)
     assert abs(res.scores[-1] - bi(hs[-2], hs[-1])) > 1e-3
     assert 0 <= min(res.scores) and max(res.scores) <= 2

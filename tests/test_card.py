@@ -98,9 +98,9 @@ def test_both_protocol_tables_carry_the_report_numbers(card):
 
 
 def test_card_shows_the_searched_set_next_to_each_protocols_set():
-    model = tiny_model("llama", num_layers=6)
+    model = tiny_model("llama", num_blocks=6)
     batch = tiny_batch()
-    prune_loaded_model(model, LayerSwapConfig(num_layers=2, calibration=batch, progress=False))
+    prune_loaded_model(model, LayerSwapConfig(num_to_remove=2, calibration=batch, progress=False))
     report = model.layerswap_report
     record = report.selections[-1]
     card = str(render_card(model, report=report))
@@ -133,7 +133,7 @@ def test_evaluation_calibration_cost_and_snippets(card):
     assert "| Tokenizer special tokens | `add_special_tokens=True`: the tokenizer's own BOS policy" in text
     assert "| Forward passes | 16 sweeps" in text
     assert 'AutoModelForCausalLM.from_pretrained("user/tiny-pruned")' in text
-    assert f'"{BASE_MODEL}",\n    quantization_config=LayerSwapConfig(num_layers=2, protocol=\'interchange\'' in text
+    assert f'"{BASE_MODEL}",\n    quantization_config=LayerSwapConfig(num_to_remove=2, protocol=\'interchange\'' in text
     assert "trust_remote_code" in text  # the card says it is not needed
 
 

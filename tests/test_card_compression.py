@@ -176,7 +176,7 @@ def test_from_pretrained_with_sparsity_publishes_its_evidence(tmp_path):
 
     tiny_model("llama", 6).save_pretrained(tmp_path / "base")
     batch = tiny_batch()
-    cfg = LayerSwapConfig(layers=[1, 3], calibration=batch, sparsity=0.5, allocation="uniform", method="wanda",
+    cfg = LayerSwapConfig(layers=[1, 3], calibration=batch, sparsity=0.5, allocation="uniform", pruner="wanda",
                           progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
     report = model.layerswap_sparsity_report
@@ -333,7 +333,7 @@ def test_ghosted_checkpoint_reloads_repaired_and_a_detached_one_is_refused(tmp_p
     (folder / "config.json").write_text(json.dumps(config))
     bare = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
     assert attached_operators(bare) == [] and bare.config.layerswap["recovery"]["method"] == "ghosted"
-    with pytest.raises(PushRefusedError, match=r"records ghosted recovery operators at boundaries \[2\] but none is attached"):
+    with pytest.raises(PushRefusedError, match=r"records ghosted recovery modules at boundaries \[2\] but none is attached"):
         save_for_hub(bare, tmp_path / "never")
     # a later removal drops the record, but the card still sees the attached operator
     remove_layers(again, [0])
@@ -360,7 +360,7 @@ def test_sparsity_only_config_scores_and_sparsifies_without_removal(tmp_path):
     tiny_model("llama", 4).save_pretrained(tmp_path / "base")
     cfg = LayerSwapConfig(calibration=tiny_batch(), sparsity=0.5, allocation="uniform", progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
-    assert model.config.num_hidden_layers == 4 and model.layerswap_report.num_layers == 4
+    assert model.config.num_hidden_layers == 4 and model.layerswap_report.num_blocks == 4
     assert model.layerswap_sparsity_report.achieved_sparsity == 0.5
     assert model.config.layerswap_sparsity["original_blocks"] == [0, 1, 2, 3]
 

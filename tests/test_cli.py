@@ -7,25 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from conftest import tiny_checkpoint, tiny_model
+from transformers import AutoModelForCausalLM
 
 from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
 
-def _tiny_checkpoint(path, model=None):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    model = tiny_model("qwen3") if model is None else model
-    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 1)}
-    vocab["[UNK]"] = model.config.vocab_size - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
+_tiny_checkpoint = tiny_checkpoint
 
 
 def _calibration_file(path, n=6):
@@ -41,11 +30,11 @@ def test_score_and_prune_verbs(tmp_path, capsys):
                str(tmp_path / "r.json")])
     assert rc == 0
     report = SwapReport.from_json(tmp_path / "r.json")
-    assert report.num_layers == 6 and len(report.pairs) == 5
+    assert report.num_blocks == 6 and len(report.pairs) == 5
     assert report.metadata["num_prompts"] == 4
     assert "| layer | replacement s(i) | rank | interchange s(i) | rank |" in capsys.readouterr().out
 
-    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "pruned"), "--num-layers", "2",
+    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "pruned"), "--num-to-remove", "2",
                "--report", str(tmp_path / "r.json"), "--calibration", str(calib), "--num-prompts", "4"])
     assert rc == 0
     config = json.loads((tmp_path / "pruned" / "config.json").read_text())
@@ -89,7 +78,7 @@ def test_demo_on_smollm2_small_budget(smollm2, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 28 and len(config["layerswap"]["removed_layers"]) == 2
     report = SwapReport.from_json(out / "layerswap_report.json")
-    assert report.num_layers == 30 and report.selections[-1]["selected"] == config["layerswap"]["removed_layers"]
+    assert report.num_blocks == 30 and report.selections[-1]["selected"] == config["layerswap"]["removed_layers"]
     decision = report.selections[-1]
     assert decision["strategy"] == "search" and decision["total_cost"]["evaluator_calls"] <= 90
     for entry in decision["protocol_sets"].values():  # the searched set is never worse than a protocol's set
@@ -120,7 +109,7 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
     """The demo prints its planned work and estimated time before any scoring; its final cut
     (through hl.prune) gets the evaluations the compared search spent up to that budget, so it
     scores the same candidates and keeps the same set."""
-    _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_layers=10, max_position_embeddings=512))
+    _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_blocks=10, max_position_embeddings=512))
     calib = _calibration_file(tmp_path / "calib.txt", n=12)
     text = tmp_path / "eval.txt"
     text.write_text(" ".join(f"w{(k * 13) % 120}" for k in range(1500)))
@@ -132,6 +121,8 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
     plan = next(k for k, line in enumerate(lines) if line.startswith("planned work: scoring 27 probes; the search at most 12 "))
     estimate = next(k for k, line in enumerate(lines) if line.startswith("estimated time: about "))
     assert plan < estimate < next(k for k, line in enumerate(lines) if line.startswith("per-layer swap-KL scores"))
+    cost = next(k for k, line in enumerate(lines) if line.startswith("estimated cost (upper bound: the search): "))
+    assert estimate < cost < next(k for k, line in enumerate(lines) if line.startswith("per-layer swap-KL scores"))
     assert "at most 7 perplexity evaluations of 999 tokens (1512 through the model)" in lines[plan]
     assert "matched contract on the first 1000 words" in out  # the demo's default held-out text
     searched = next(line for line in lines if line.startswith("  n = 2: search "))
@@ -176,7 +167,7 @@ def test_scoring_memory_option_of_score_and_prune(tmp_path, capsys):
     assert (meta["max_memory"], meta["max_memory_source"]) == (64 * 2**20, "given")
     assert main(["score", str(tmp_path / "base"), *common, "-o", str(tmp_path / "auto.json")]) == 0
     assert SwapReport.from_json(tmp_path / "auto.json").metadata["max_memory_source"].startswith("auto: 25% of ")
-    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-layers", "1", "--strategy", "greedy",
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "greedy",
                  *common, "--scoring-memory", "32MiB"]) == 0
     assert json.loads((tmp_path / "out" / "layerswap_report.json").read_text())["metadata"]["max_memory"] == 32 * 2**20
     capsys.readouterr()
@@ -192,22 +183,22 @@ def test_prune_prints_the_resolved_0_based_indices(tmp_path, capsys):
 
 
 BAD_ARGUMENTS = [
-    (["prune", "--num-layers", "1", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
-    (["prune", "--num-layers", "1", "--num-prompts", "many"], "--num-prompts: 'many' is not an int"),
-    (["prune", "--num-layers", "0"], "--num-layers: '0': expected an int >= 1"),
-    (["prune", "--num-layers", "1", "--seq-len", "1"], "--seq-len: '1': expected an int >= 2"),
-    (["prune", "--num-layers", "1", "--batch-size", "0"], "--batch-size: '0': expected an int >= 1"),
-    (["prune", "--num-layers", "1", "--max-gap", "0"], "--max-gap: '0': expected an int >= 1"),
-    (["prune", "--num-layers", "1", "--spacing", "-1"], "--spacing: '-1': expected an int >= 0"),
-    (["prune", "--num-layers", "1", "--max-evaluations", "0"], "--max-evaluations: '0': expected an int >= 1"),
-    (["prune", "--num-layers", "1", "--sparsity", "1.5"], "--sparsity: '1.5': expected a float in [0, 1)"),
-    (["prune", "--num-layers", "1", "--strategy", "greedy", "--max-evaluations", "5"],
+    (["prune", "--num-to-remove", "1", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
+    (["prune", "--num-to-remove", "1", "--num-prompts", "many"], "--num-prompts: 'many' is not an int"),
+    (["prune", "--num-to-remove", "0"], "--num-to-remove: '0': expected an int >= 1"),
+    (["prune", "--num-to-remove", "1", "--seq-len", "1"], "--seq-len: '1': expected an int >= 2"),
+    (["prune", "--num-to-remove", "1", "--batch-size", "0"], "--batch-size: '0': expected an int >= 1"),
+    (["prune", "--num-to-remove", "1", "--max-gap", "0"], "--max-gap: '0': expected an int >= 1"),
+    (["prune", "--num-to-remove", "1", "--spacing", "-1"], "--spacing: '-1': expected an int >= 0"),
+    (["prune", "--num-to-remove", "1", "--max-evaluations", "0"], "--max-evaluations: '0': expected an int >= 1"),
+    (["prune", "--num-to-remove", "1", "--sparsity", "1.5"], "--sparsity: '1.5': expected a float in [0, 1)"),
+    (["prune", "--num-to-remove", "1", "--strategy", "greedy", "--max-evaluations", "5"],
      "--max-evaluations applies to --strategy search, not 'greedy'"),
     (["prune", "--layers", "1", "--protect", "1"], "LayerSwapConfig(layers=[1], protect=[1]) is contradictory"),
     (["score", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--budgets", "0"], "--budgets: '0': expected an int >= 1"),
-    (["demo", "--final-layers", "0"], "--final-layers: '0': expected an int >= 1"),
+    (["demo", "--final-num-to-remove", "0"], "--final-num-to-remove: '0': expected an int >= 1"),
     (["demo", "--scoring-seconds", "0"], "--scoring-seconds: '0': expected seconds > 0"),
 ]
 
@@ -232,7 +223,7 @@ def test_every_argument_error_exits_2_with_error_before_the_model_loads(tmp_path
 def test_a_checkpoint_without_tokenizer_asks_for_one_when_text_calibration_needs_it(tmp_path, capsys):
     model = _tiny_checkpoint(tmp_path / "with-tokenizer")
     model.save_pretrained(tmp_path / "weights-only")
-    code = main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "out"), "--num-layers", "1",
+    code = main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "out"), "--num-to-remove", "1",
                  "--num-prompts", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "error: text calibration needs a tokenizer" in err and "--tokenizer" in err
@@ -244,7 +235,7 @@ def test_a_checkpoint_without_tokenizer_asks_for_one_when_text_calibration_needs
     assert main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "explicit"), "--layers", "2"]) == 0
     assert not (tmp_path / "explicit" / "tokenizer.json").exists()
     calib = _calibration_file(tmp_path / "calib.txt")
-    assert main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "scored"), "--num-layers", "1",
+    assert main(["prune", str(tmp_path / "weights-only"), str(tmp_path / "scored"), "--num-to-remove", "1",
                  "--strategy", "greedy", "--calibration", str(calib), "--num-prompts", "2",
                  "--tokenizer", str(tmp_path / "with-tokenizer")]) == 0
     assert (tmp_path / "scored" / "tokenizer.json").is_file()
@@ -259,7 +250,7 @@ def test_each_verb_is_registered_by_its_own_module():
     runs = {name: parser.get_default("func") for name, parser in sub.choices.items()}
     assert runs == {
         "demo": cli.demo.run_demo, "score": cli.score.run_score, "prune": cli.prune.run_prune,
-        "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
+        "heal": cli.heal.run_heal, "push": cli.push.run_push, "peel": cli.peel.run_peel, "eval": cli.eval_verb.run_eval,
         "export-gguf": cli.export_gguf.run_export_gguf,
     }
     # the names scripts use from hf_layerswap.cli are the verb modules' objects
@@ -291,16 +282,16 @@ def test_registered_methods_are_choices_of_the_command_line():
     prune = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" prune"))
     choices = {a.dest: a.choices for a in prune._actions if a.choices is not None}
     assert choices["recovery"] == [m for m in RECOVERY_METHODS if m != "none"]
-    assert choices["allocation"] == list(ALLOCATORS) and choices["sparsity_method"] == list(PRUNERS)
+    assert choices["allocation"] == list(ALLOCATORS) and choices["pruner"] == list(PRUNERS)
     assert choices["objective"] == list(OBJECTIVES)
     RECOVERY_METHODS["my_repair"] = RECOVERY_METHODS["ghosted"]
     try:
-        args = build_parser().parse_args(["prune", "m", "out", "--num-layers", "1", "--recovery", "my_repair"])
+        args = build_parser().parse_args(["prune", "m", "out", "--num-to-remove", "1", "--recovery", "my_repair"])
         assert args.recovery == "my_repair"
     finally:
         del RECOVERY_METHODS["my_repair"]
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["prune", "m", "out", "--num-layers", "1", "--recovery", "my_repair"])
+        build_parser().parse_args(["prune", "m", "out", "--num-to-remove", "1", "--recovery", "my_repair"])
 
 
 def test_every_verbs_help_states_each_default_once(capsys):

@@ -55,7 +55,9 @@ def _verbs(tmp: Path, out: Path) -> dict:
         "score -o": ("--output", ["score", model, *scoring, "-o", out]),
         "score --resume": ("--resume", ["score", model, *scoring, "-o", tmp / "r.json", "--resume", out]),
         "prune OUTPUT": ("output", ["prune", model, out, "--layers", "1"]),
-        "prune --resume": ("--resume", ["prune", model, tmp / "pruned", "--num-layers", "1", *scoring, "--resume", out]),
+        "prune --resume": ("--resume", ["prune", model, tmp / "pruned", "--num-to-remove", "1", *scoring, "--resume", out]),
+        "heal OUTPUT": ("OUTPUT", ["heal", model, model, out]),
+        "heal --resume": ("--resume", ["heal", model, model, tmp / "healed", "--resume", out]),
         "eval -o": ("--output", ["eval", model, "-o", out]),
         "push --output-dir": ("--output-dir", ["push", model, "me/tiny", "--output-dir", out]),
         "export-gguf OUTPUT": ("OUTPUT", ["export-gguf", model, out]),
@@ -255,7 +257,7 @@ def test_resume_with_nothing_to_score_is_refused(base, capsys):
 def test_prune_resume_reuses_the_checkpointed_scores(base, capsys):
     """``prune --resume DIR``: the scoring of a second run with the same DIR is read back
     from the checkpoint (every value resumed), and it removes the same blocks."""
-    args = ["--num-layers", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "3",
+    args = ["--num-to-remove", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "3",
             "--resume", base / "ck"]
     assert _run(["prune", base / "base", base / "first", *args], capsys)[0] == 0
     parts = sorted(p.name for p in (base / "ck").glob("part-*.pt"))

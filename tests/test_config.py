@@ -6,6 +6,7 @@ round-tripped and run by ``from_pretrained``)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -24,7 +25,7 @@ from transformers.quantizers.auto import AutoQuantizationConfig
 
 from hf_layerswap import LayerSwapConfig, prune
 from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
-from hf_layerswap.recovery import RecoveryMethod as RepairMethod
+from hf_layerswap.recovery import RecoveryMethod
 from hf_layerswap.selection import MODEL_STRATEGIES, STRATEGIES, register_strategy
 from hf_layerswap.sparsity import ALLOCATORS, PRUNERS, register_allocator, register_pruner
 from hf_layerswap.config import (
@@ -35,20 +36,20 @@ from hf_layerswap.config import (
     ProtocolName,
     PrunerName,
     RecoveryConfig,
-    RecoveryMethod,
+    RecoveryMethodName,
     SparsityConfig,
     config_keys,
 )
 
 CONFIGS = {
     "default": {},
-    "scored": dict(num_layers=2, protocol="replacement", strategy="greedy", spacing=2, protect=[0, 5], max_gap=2),
-    "search": dict(num_layers=3, objective="nll", max_evaluations=40, num_prompts=16, seq_len=64, batch_size=4, seed=7),
+    "scored": dict(num_to_remove=2, protocol="replacement", strategy="greedy", spacing=2, protect=[0, 5], max_gap=2),
+    "search": dict(num_to_remove=3, objective="nll", max_evaluations=40, num_prompts=16, seq_len=64, batch_size=4, seed=7),
     "explicit": dict(layers=[1, -2], protect=[0]),
-    "auto": dict(num_layers=1, protocol="auto", strategy="auto"),
-    "recovery": dict(num_layers=2, recovery="fused", recovery_num_tokens=4096, recovery_epsilon=0.5),
-    "sparsity": dict(layers=[2], sparsity=0.5, allocation="uniform", method="sparsegpt", sparsity_pattern="2:4"),
-    "calibration file": dict(num_layers=1, calibration="/data/corpus/valid.txt"),
+    "auto": dict(num_to_remove=1, protocol="auto", strategy="auto"),
+    "recovery": dict(num_to_remove=2, recovery="fused", recovery_num_tokens=4096, recovery_epsilon=0.5),
+    "sparsity": dict(layers=[2], sparsity=0.5, allocation="uniform", pruner="sparsegpt", sparsity_pattern="2:4"),
+    "calibration file": dict(num_to_remove=1, calibration="/data/corpus/valid.txt"),
 }
 
 
@@ -88,30 +89,30 @@ def test_transformers_reads_it_back_through_its_registry(config):
 
 
 def test_runtime_fields_are_never_serialized():
-    cfg = LayerSwapConfig(num_layers=1, calibration={"input_ids": torch.ones(1, 4, dtype=torch.long)},
+    cfg = LayerSwapConfig(num_to_remove=1, calibration={"input_ids": torch.ones(1, 4, dtype=torch.long)},
                           tokenizer=object(), progress=False)
     d = cfg.to_dict()
     assert "tokenizer" not in d and "progress" not in d and d["calibration"] is None
     assert LayerSwapConfig(calibration="/home/alice/corpus/valid.txt").to_dict()["calibration"] == "valid.txt"
     assert "_protect_given" not in d
-    assert cfg == LayerSwapConfig(num_layers=1)  # equality is over what gets serialized
+    assert cfg == LayerSwapConfig(num_to_remove=1)  # equality is over what gets serialized
 
 
 def test_layerswap_config_serialization_and_contradictions():
-    cfg = LayerSwapConfig(num_layers=2, calibration={"input_ids": torch.ones(1, 3, dtype=torch.long)}, tokenizer=object())
+    cfg = LayerSwapConfig(num_to_remove=2, calibration={"input_ids": torch.ones(1, 3, dtype=torch.long)}, tokenizer=object())
     d = cfg.to_dict()
     assert d["quant_method"] == "layerswap" and d["calibration"] is None and "tokenizer" not in d
     json.dumps(d)
     with pytest.raises(ValueError, match="contradictory"):
-        LayerSwapConfig(num_layers=3, layers=[1, 2])
+        LayerSwapConfig(num_to_remove=3, layers=[1, 2])
     with pytest.raises(ValueError, match="protocol='both'"):
-        LayerSwapConfig(num_layers=1, protocol="both")
+        LayerSwapConfig(num_to_remove=1, protocol="both")
 
 
 def test_save_pretrained_and_reload_re_read_the_same_config(tmp_path):
     base = tiny_model("llama")
     base.save_pretrained(tmp_path / "base")
-    cfg = LayerSwapConfig(num_layers=2, strategy="greedy", spacing=2, calibration=tiny_batch(), progress=False,
+    cfg = LayerSwapConfig(num_to_remove=2, strategy="greedy", spacing=2, calibration=tiny_batch(), progress=False,
                           batch_size=2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg)
     model.save_pretrained(tmp_path / "pruned")
@@ -130,57 +131,70 @@ def test_save_pretrained_and_reload_re_read_the_same_config(tmp_path):
 def test_an_unknown_key_is_an_error_naming_it_the_closest_key_and_the_allowed_ones(tmp_path):
     """A misspelt key used to be dropped with a warning, and a full score then removed nothing."""
     allowed = config_keys()
-    assert allowed[:2] == ["num_layers", "layers"] and {"recovery_epsilon", "quant_method", "version"} <= set(allowed)
-    expected = (f"LayerSwapConfig.from_dict: unknown keys ['num_layerz'] ('num_layerz': did you mean 'num_layers'?); "
+    assert allowed[:2] == ["num_to_remove", "layers"] and {"recovery_epsilon", "quant_method", "version"} <= set(allowed)
+    expected = (f"LayerSwapConfig.from_dict: unknown keys ['num_to_remve'] ('num_to_remve': did you mean 'num_to_remove'?); "
                 f"allowed {allowed}")
-    typo = {"quant_method": "layerswap", "num_layerz": 2}
+    typo = {"quant_method": "layerswap", "num_to_remve": 2}
     for read in (LayerSwapConfig.from_dict, AutoQuantizationConfig.from_dict):
         with pytest.raises(ValueError) as err:
             read(typo)
         assert str(err.value) == expected
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"unknown keys \['num_layerz'\]"):
-        prune(model, {"num_layerz": 2})
+    with pytest.raises(ValueError, match=r"unknown keys \['num_to_remve'\]"):
+        prune(model, {"num_to_remve": 2})
     model.save_pretrained(tmp_path / "base")
-    with pytest.raises(ValueError, match=r"did you mean 'num_layers'\?"):
+    with pytest.raises(ValueError, match=r"did you mean 'num_to_remove'\?"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=typo)
     with pytest.raises(ValueError) as err:  # no close match: the allowed keys only
         LayerSwapConfig.from_dict({"zzz": 1})
     assert str(err.value) == f"LayerSwapConfig.from_dict: unknown keys ['zzz']; allowed {allowed}"
 
 
+def test_a_key_renamed_before_the_first_release_is_refused_with_its_new_name():
+    """``num_layers`` became ``num_to_remove`` and the pruner's ``method`` became ``pruner``:
+    the closest-match hint pointed ``num_layers`` at ``layers`` (explicit indices), a
+    different meaning."""
+    allowed = config_keys()
+    with pytest.raises(TypeError) as err:
+        LayerSwapConfig(num_layers=2)
+    assert str(err.value) == (f"LayerSwapConfig got unexpected arguments: unknown keys ['num_layers'] "
+                              f"('num_layers' is now 'num_to_remove'); allowed {allowed}")
+    with pytest.raises(ValueError, match=r"'method' is now 'pruner'"):
+        LayerSwapConfig.from_dict({"method": "wanda", "sparsity": 0.5})
+
+
 def test_a_newer_format_version_warns_and_an_unknown_key_in_it_says_upgrade():
-    newer = {**LayerSwapConfig(num_layers=2).to_dict(), "version": CONFIG_VERSION + 1}
+    newer = {**LayerSwapConfig(num_to_remove=2).to_dict(), "version": CONFIG_VERSION + 1}
     with pytest.warns(UserWarning) as record:
         cfg = LayerSwapConfig.from_dict(newer)
     assert str(record[0].message) == (f"LayerSwapConfig.from_dict: format version {CONFIG_VERSION + 1} read as version "
                                       f"{CONFIG_VERSION} (written by a newer hf_layerswap?)")
-    assert cfg == LayerSwapConfig(num_layers=2)
+    assert cfg == LayerSwapConfig(num_to_remove=2)
     with pytest.raises(ValueError, match=rf"unknown keys \['draft_model'\].* \(format version {CONFIG_VERSION + 1} is "
                                          r"newer than this hf_layerswap's 1: upgrade hf_layerswap to read it\)"):
         LayerSwapConfig.from_dict({**newer, "draft_model": "x/y"})
     with warnings.catch_warnings():  # a config of this version reads silently
         warnings.simplefilter("error")
-        LayerSwapConfig.from_dict(LayerSwapConfig(num_layers=2).to_dict())
+        LayerSwapConfig.from_dict(LayerSwapConfig(num_to_remove=2).to_dict())
 
 
 def test_older_records_without_the_new_fields_still_read():
-    old = {"quant_method": "layerswap", "num_layers": 2, "layers": None, "protocol": "interchange", "max_gap": 1,
+    old = {"quant_method": "layerswap", "num_to_remove": 2, "layers": None, "protocol": "interchange", "max_gap": 1,
            "spacing": 0, "protect": [0, -1], "calibration": None, "num_prompts": 64, "seq_len": 128, "batch_size": 8,
-           "seed": 0, "recovery": None, "sparsity": None, "allocation": "pals", "method": "wanda",
+           "seed": 0, "recovery": None, "sparsity": None, "allocation": "pals", "pruner": "wanda",
            "sparsity_pattern": None, "progress": True, "strategy": "search", "objective": None, "max_evaluations": None}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert LayerSwapConfig.from_dict(old) == LayerSwapConfig(num_layers=2)
+        assert LayerSwapConfig.from_dict(old) == LayerSwapConfig(num_to_remove=2)
     marker = {"quant_method": "layerswap", "recovery": "ghosted", "layers": [1, 3]}  # a ghosted checkpoint's marker
     assert LayerSwapConfig.from_dict(marker).recovery == RecoveryConfig("ghosted")
 
 
 def test_unknown_constructor_argument_is_a_typo():
-    with pytest.raises(TypeError, match=r"unexpected arguments: unknown keys \['num_layer'\] \('num_layer': did "
-                                        r"you mean 'num_layers'\?\)"):
-        LayerSwapConfig(num_layer=2)
-    cfg = LayerSwapConfig(num_layers=2, recovery="fused")
+    with pytest.raises(TypeError, match=r"unexpected arguments: unknown keys \['num_to_remov'\] \('num_to_remov': did "
+                                        r"you mean 'num_to_remove'\?\)"):
+        LayerSwapConfig(num_to_remov=2)
+    cfg = LayerSwapConfig(num_to_remove=2, recovery="fused")
     assert pickle.loads(pickle.dumps(cfg)) == cfg and copy.deepcopy(cfg) == cfg
 
 
@@ -191,7 +205,7 @@ def test_sparsity_names_are_checked_against_the_registries():
         LayerSwapConfig(layers=[1], sparsity=0.5, allocation="even")
     assert all(repr(name) in str(err.value) for name in ALLOCATORS)
     with pytest.raises(ValueError) as err:
-        LayerSwapConfig(layers=[1], sparsity=0.5, method="bogus")
+        LayerSwapConfig(layers=[1], sparsity=0.5, pruner="bogus")
     assert all(repr(name) in str(err.value) for name in PRUNERS)
 
 
@@ -205,22 +219,22 @@ def test_choices_are_the_librarys_own():
     assert get_args(ObjectiveName) == OBJECTIVES
     assert get_args(AllocationName) == ALLOCATIONS
     assert get_args(PrunerName) == METHODS
-    assert get_args(RecoveryMethod) == ("ghosted", "fused")
+    assert get_args(RecoveryMethodName) == ("ghosted", "fused")
     from hf_layerswap.recovery import METHODS as RECOVERY_BUILT_INS
 
-    assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethod)  # "none" is spelt recovery=None here
+    assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethodName)  # "none" is spelt recovery=None here
 
 
 def test_sub_configs_accept_a_dataclass_a_dict_or_the_flat_form():
-    flat = LayerSwapConfig(num_layers=2, recovery="fused", recovery_epsilon=0.25)
-    assert LayerSwapConfig(num_layers=2, recovery=RecoveryConfig("fused", epsilon=0.25)) == flat
-    assert LayerSwapConfig(num_layers=2, recovery={"method": "fused", "epsilon": 0.25}) == flat
+    flat = LayerSwapConfig(num_to_remove=2, recovery="fused", recovery_epsilon=0.25)
+    assert LayerSwapConfig(num_to_remove=2, recovery=RecoveryConfig("fused", epsilon=0.25)) == flat
+    assert LayerSwapConfig(num_to_remove=2, recovery={"method": "fused", "epsilon": 0.25}) == flat
     assert flat.recovery == RecoveryConfig("fused", None, 0.25) and flat.recovery.epsilon == 0.25
-    assert LayerSwapConfig(num_layers=2).recovery is None
+    assert LayerSwapConfig(num_to_remove=2).recovery is None
 
-    flat = LayerSwapConfig(layers=[1], sparsity=0.5, allocation="owl", method="magnitude")
+    flat = LayerSwapConfig(layers=[1], sparsity=0.5, allocation="owl", pruner="magnitude")
     assert LayerSwapConfig(layers=[1], sparsity=SparsityConfig(0.5, "owl", "magnitude")) == flat
-    assert LayerSwapConfig(layers=[1], sparsity={"sparsity": 0.5, "allocation": "owl", "method": "magnitude"}) == flat
+    assert LayerSwapConfig(layers=[1], sparsity={"sparsity": 0.5, "allocation": "owl", "pruner": "magnitude"}) == flat
     assert flat.sparsity == SparsityConfig(0.5, "owl", "magnitude", None) and flat.sparsity.allocation == "owl"
     assert LayerSwapConfig(layers=[1]).sparsity is None
     assert type(LayerSwapConfig(layers=[1], sparsity=0).sparsity.sparsity) is float
@@ -235,48 +249,83 @@ def test_a_dataclass_whose_fields_carry_their_help_with_nested_sub_configs():
     for kind in (LayerSwapConfig, RecoveryConfig, SparsityConfig):
         for f in fields(kind):
             assert f.metadata["help"].strip(), (kind.__name__, f.name)
-    cfg = LayerSwapConfig(num_layers=2, recovery={"method": "ghosted", "num_tokens": 512}, sparsity=0.25)
+    cfg = LayerSwapConfig(num_to_remove=2, recovery={"method": "ghosted", "num_tokens": 512}, sparsity=0.25)
     assert cfg.recovery == RecoveryConfig("ghosted", 512, None) and cfg.sparsity == SparsityConfig(0.25)
     d = cfg.to_dict()
     assert d["recovery"] == {"method": "ghosted", "num_tokens": 512, "epsilon": None}
-    assert d["sparsity"] == {"sparsity": 0.25, "allocation": "pals", "method": "wanda", "pattern": None}
+    assert d["sparsity"] == {"sparsity": 0.25, "allocation": "pals", "pruner": "wanda", "pattern": None}
     assert json.loads(json.dumps(d)) == d and LayerSwapConfig.from_dict(d) == cfg
     assert not any(name.endswith("_config") for name in dir(cfg))  # no rebuilding properties
 
 
-def test_the_command_line_help_is_the_fields_help():
+def _prune_parser():
     from hf_layerswap.cli import build_parser
-    from hf_layerswap.cli.common import config_help
 
-    prune_parser = build_parser()._subparsers._group_actions[0].choices["prune"]
-    by_dest = {a.dest: a.help for a in prune_parser._actions}
-    mirrored = {"num_layers": "num_layers", "layers": "layers", "max_gap": "max_gap", "strategy": "strategy",
-                "objective": "objective", "max_evaluations": "max_evaluations", "protocol": "protocol",
-                "spacing": "spacing", "protect": "protect", "num_prompts": "num_prompts", "seq_len": "seq_len",
-                "batch_size": "batch_size", "seed": "seed", "recovery": "recovery", "sparsity": "sparsity",
-                "allocation": "allocation", "sparsity_method": "method", "sparsity_pattern": "sparsity_pattern"}
-    for dest, name in mirrored.items():
-        assert by_dest[dest] == config_help(name), dest
-    assert config_help("num_layers") == LayerSwapConfig.__dataclass_fields__["num_layers"].metadata["help"]
+    return build_parser()._subparsers._group_actions[0].choices["prune"]
+
+
+def test_the_command_line_help_is_the_fields_help():
+    from hf_layerswap.cli.common import cli_settings, config_help
+
+    by_flag = {flag: action for action in _prune_parser()._actions for flag in action.option_strings}
+    # every field marked as a command-line setting has exactly one flag, whose help is the field's
+    settings = cli_settings(LayerSwapConfig)
+    assert settings == ["num_to_remove", "layers", "protocol", "max_gap", "spacing", "protect", "num_prompts",
+                        "seq_len", "batch_size", "seed", "recovery", "sparsity", "strategy", "objective",
+                        "max_evaluations", "allocation", "pruner", "sparsity_pattern"]
+    marked = [f.name for f in fields(LayerSwapConfig) if f.metadata.get("cli")]
+    assert marked == settings[:-3]  # then the flat keywords of the marked sparsity fields
+    for name in settings:
+        flags = [flag for flag, action in by_flag.items() if action.dest == name]
+        assert flags == ["--" + name.replace("_", "-")], name
+        assert by_flag[flags[0]].help == config_help(name), name
+    for name in marked:
+        assert by_flag["--" + name.replace("_", "-")].help == LayerSwapConfig.__dataclass_fields__[name].metadata["help"]
     assert config_help("recovery_epsilon") == RecoveryConfig.__dataclass_fields__["epsilon"].metadata["help"]
-    assert config_help("method") == SparsityConfig.__dataclass_fields__["method"].metadata["help"]
+    assert config_help("pruner") == SparsityConfig.__dataclass_fields__["pruner"].metadata["help"]
+    assert {"--num-layers", "--sparsity-method"}.isdisjoint(by_flag)
+
+
+def test_command_line_options_are_built_from_the_fields():
+    from hf_layerswap.cli.common import add_config_options
+
+    by_flag = {flag: action for action in _prune_parser()._actions for flag in action.option_strings}
+    # types, defaults and choices come from the field: a minimum, a Literal, a registry, a list
+    assert by_flag["--max-gap"].default == 1 and by_flag["--max-gap"].type.__name__ == "int >= 1"
+    assert by_flag["--spacing"].default is None and by_flag["--spacing"].type.__name__ == "int >= 0"
+    assert by_flag["--objective"].choices == ["removal_kl", "nll", "ghosted"]
+    assert by_flag["--strategy"].choices == sorted(STRATEGIES) and by_flag["--strategy"].default == "search"
+    assert by_flag["--pruner"].choices == list(PRUNERS) and by_flag["--pruner"].default == "wanda"
+    assert by_flag["--allocation"].choices == list(ALLOCATORS) and by_flag["--allocation"].default == "pals"
+    assert by_flag["--recovery"].choices == [m for m in RECOVERY_METHODS if m != "none"]
+    assert by_flag["--layers"].nargs == "+" and by_flag["--layers"].type is int
+    assert by_flag["--protect"].nargs == "*"  # the verb's own override
+    args = _prune_parser().parse_args(["m", "out", "--num-to-remove", "2", "--pruner", "magnitude", "--spacing", "0"])
+    assert (args.num_to_remove, args.pruner, args.spacing, args.seq_len) == (2, "magnitude", 0, 128)
+    parser = argparse.ArgumentParser()
+    add_config_options(parser, ["method", "epsilon"], RecoveryConfig, types={"epsilon": float})
+    assert vars(parser.parse_args(["--method", "fused", "--epsilon", "0.5"])) == {"method": "fused", "epsilon": 0.5}
+    with pytest.raises(KeyError, match="'rank' is not a field of RecoveryConfig"):
+        add_config_options(parser, ["rank"], RecoveryConfig)
+    with pytest.raises(TypeError, match="config field 'calibration'"):
+        add_config_options(parser, ["calibration"])
 
 
 def test_transformers_update_sets_fields_and_validates_like_the_constructor():
-    cfg = LayerSwapConfig(num_layers=2, recovery="ghosted")
-    unused = cfg.update(num_layers=3, recovery_epsilon=0.5, not_ours=1)
+    cfg = LayerSwapConfig(num_to_remove=2, recovery="ghosted")
+    unused = cfg.update(num_to_remove=3, recovery_epsilon=0.5, not_ours=1)
     assert unused == {"not_ours": 1}
-    assert cfg == LayerSwapConfig(num_layers=3, recovery="ghosted", recovery_epsilon=0.5)
+    assert cfg == LayerSwapConfig(num_to_remove=3, recovery="ghosted", recovery_epsilon=0.5)
     before = cfg.to_dict()
-    with pytest.raises(ValueError, match=r"LayerSwapConfig\(num_layers=0\): must be an int >= 1"):
-        cfg.update(num_layers=0)
+    with pytest.raises(ValueError, match=r"LayerSwapConfig\(num_to_remove=0\): must be an int >= 1"):
+        cfg.update(num_to_remove=0)
     assert cfg.to_dict() == before  # unchanged when refused
     again, unused = LayerSwapConfig.from_dict(before, return_unused_kwargs=True, seed=3, other=2)
     assert again.seed == 3 and unused == {"other": 2}
     # defaults that follow another field follow it after an update too, as in the constructor
-    searched = LayerSwapConfig(num_layers=2)
+    searched = LayerSwapConfig(num_to_remove=2)
     searched.update(strategy="greedy")
-    assert searched.spacing == 1 == LayerSwapConfig(num_layers=2, strategy="greedy").spacing
+    assert searched.spacing == 1 == LayerSwapConfig(num_to_remove=2, strategy="greedy").spacing
 
 
 def test_a_field_set_after_construction_is_normalised_by_validate():
@@ -287,7 +336,7 @@ def test_a_field_set_after_construction_is_normalised_by_validate():
 
 
 def test_validate_checks_a_field_changed_after_construction():
-    cfg = LayerSwapConfig(num_layers=2)
+    cfg = LayerSwapConfig(num_to_remove=2)
     cfg.protocol = "both"
     with pytest.raises(ValueError, match=r"LayerSwapConfig\(protocol='both'\): allowed"):
         cfg.validate()
@@ -295,7 +344,7 @@ def test_validate_checks_a_field_changed_after_construction():
 
 def test_a_config_is_not_changed_by_pruning_with_it(tmp_path):
     base = tiny_model("llama")
-    cfg = LayerSwapConfig(num_layers=1, strategy="greedy", calibration=tiny_batch(), progress=False, batch_size=2)
+    cfg = LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=tiny_batch(), progress=False, batch_size=2)
     before = copy.deepcopy(cfg.to_dict())
     from hf_layerswap import prune_loaded_model
 
@@ -304,13 +353,13 @@ def test_a_config_is_not_changed_by_pruning_with_it(tmp_path):
 
 
 INVALID = [
-    (dict(num_layers=0), "LayerSwapConfig(num_layers=0): must be an int >= 1"),
-    (dict(num_layers=1.5), "LayerSwapConfig(num_layers=1.5): must be an int >= 1"),
+    (dict(num_to_remove=0), "LayerSwapConfig(num_to_remove=0): must be an int >= 1"),
+    (dict(num_to_remove=1.5), "LayerSwapConfig(num_to_remove=1.5): must be an int >= 1"),
     (dict(layers="1,2"), "LayerSwapConfig(layers='1,2'): must be a list of 0-based block indices (ints)"),
     (dict(layers=[1, "x"]), "LayerSwapConfig(layers=[1, 'x']): entries ['x'] are not ints; indices are 0-based ints"),
-    (dict(layers=[]), "LayerSwapConfig(layers=[]): give at least one block index, or use num_layers"),
+    (dict(layers=[]), "LayerSwapConfig(layers=[]): give at least one block index, or use num_to_remove"),
     (dict(layers=[1, 1]), "duplicate layer indices [1] in [1, 1] (after resolving negative indices)"),
-    (dict(layers=[1], num_layers=2), "LayerSwapConfig(num_layers=2, layers=[1]) is contradictory: layers names 1 blocks"),
+    (dict(layers=[1], num_to_remove=2), "LayerSwapConfig(num_to_remove=2, layers=[1]) is contradictory: layers names 1 blocks"),
     (dict(layers=[0], protect=[0]), "LayerSwapConfig(layers=[0], protect=[0]) is contradictory: block(s) [0] would be "
                                     "removed and protected; drop them from layers or from protect"),
     (dict(protocol="both"), "LayerSwapConfig(protocol='both'): allowed ['replacement', 'interchange', 'auto']"),
@@ -324,28 +373,28 @@ INVALID = [
     (dict(strategy="random-walk"), "LayerSwapConfig(strategy='random-walk'): allowed ["),
     (dict(objective="ppl"), "LayerSwapConfig(objective='ppl'): allowed ['removal_kl', 'nll', 'ghosted', None]"),
     (dict(max_evaluations=0), "LayerSwapConfig(max_evaluations=0): must be an int >= 1"),
-    (dict(num_layers=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused']"),
-    (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_layers or layers: nothing is removed"),
-    (dict(num_layers=1, recovery={"method": "ghosted", "rank": 4}),
+    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused']"),
+    (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers: nothing is removed"),
+    (dict(num_to_remove=1, recovery={"method": "ghosted", "rank": 4}),
      "LayerSwapConfig(recovery={'method': 'ghosted', 'rank': 4}): unknown keys ['rank']; allowed ['method', "
      "'num_tokens', 'epsilon']"),
-    (dict(num_layers=1, recovery="ghosted", recovery_num_tokens=0),
+    (dict(num_to_remove=1, recovery="ghosted", recovery_num_tokens=0),
      "LayerSwapConfig(recovery_num_tokens=0): must be an int >= 1"),
-    (dict(num_layers=1, recovery="ghosted", recovery_num_tokens=2.5),
+    (dict(num_to_remove=1, recovery="ghosted", recovery_num_tokens=2.5),
      "LayerSwapConfig(recovery_num_tokens=2.5): must be an int >= 1"),
-    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=-1.0),
+    (dict(num_to_remove=1, recovery="ghosted", recovery_epsilon=-1.0),
      "LayerSwapConfig(recovery_epsilon=-1.0): must be a float >= 0 or None"),
     # refused at construction, not after the weights load (inf) or as torch's raw LinAlgError (1e308)
-    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=math.inf),
+    (dict(num_to_remove=1, recovery="ghosted", recovery_epsilon=math.inf),
      "LayerSwapConfig(recovery_epsilon=inf): must be a finite float >= 0 and at most 2**52 = 4.504e+15 (lambda = "
      "epsilon * trace(X^T X) / H; beyond 2**52 the data term is below float64 rounding of lambda"),
-    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=math.nan),
+    (dict(num_to_remove=1, recovery="ghosted", recovery_epsilon=math.nan),
      "LayerSwapConfig(recovery_epsilon=nan): must be a float >= 0 or None"),
-    (dict(num_layers=1, recovery={"method": "fused", "epsilon": 1e308}),
+    (dict(num_to_remove=1, recovery={"method": "fused", "epsilon": 1e308}),
      "LayerSwapConfig(recovery_epsilon=1e+308): must be a finite float >= 0 and at most 2**52"),
-    (dict(num_layers=1, recovery="ghosted", recovery_epsilon=2.0**52 + 2),
+    (dict(num_to_remove=1, recovery="ghosted", recovery_epsilon=2.0**52 + 2),
      "LayerSwapConfig(recovery_epsilon=4503599627370498.0): must be a finite float >= 0 and at most 2**52"),
-    (dict(num_layers=1, quant_method="gptq"), "LayerSwapConfig(quant_method='gptq'): allowed ['layerswap']"),
+    (dict(num_to_remove=1, quant_method="gptq"), "LayerSwapConfig(quant_method='gptq'): allowed ['layerswap']"),
     (dict(sparsity=1.0), "LayerSwapConfig(sparsity=1.0): must be a float in [0, 1)"),
     (dict(sparsity="half"), "LayerSwapConfig(sparsity='half'): must be a float in [0, 1)"),
     (dict(sparsity={"allocation": "owl"}),
@@ -353,7 +402,7 @@ INVALID = [
     (dict(sparsity={"sparsity": 0.5, "allocation": "owl"}, allocation="uniform"),
      "LayerSwapConfig: ['allocation'] given both in sparsity={'sparsity': 0.5, 'allocation': 'owl'} and as arguments"),
     (dict(sparsity=0.5, allocation="even"), "LayerSwapConfig: allocation='even': allowed ["),  # the registered ones
-    (dict(sparsity=0.5, method="bogus"), "LayerSwapConfig: method='bogus': allowed ['wanda', 'sparsegpt', 'magnitude']"),
+    (dict(sparsity=0.5, pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ['wanda', 'sparsegpt', 'magnitude']"),
     (dict(sparsity=0.5, sparsity_pattern="2-4"),
      "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
     (dict(version=0), f"LayerSwapConfig(version=0): allowed 1..{CONFIG_VERSION}"),
@@ -391,11 +440,11 @@ def registered_extensions():
     on exit (also when the body fails). Yields what each was called with."""
     calls = SimpleNamespace(strategy=[], repair=[], allocator=[], pruner=0)
 
-    def fixed_set(report, num_layers, **context):
-        calls.strategy.append((num_layers, list(context["protect"])))
+    def fixed_set(report, num_to_remove, **context):
+        calls.strategy.append((num_to_remove, list(context["protect"])))
         return list(FIXED_SET)
 
-    class NotedRepair(RepairMethod):
+    class NotedRepair(RecoveryMethod):
         def apply(self, model, cuts, maps, host_modules):
             calls.repair.append([list(c["removed"]) for c in cuts])
 
@@ -432,17 +481,17 @@ def extensions():
         yield calls
 
 
-EXTENDED = dict(num_layers=2, strategy=STRATEGY, recovery=REPAIR, sparsity=0.5, allocation=ALLOCATOR, method=PRUNER)
+EXTENDED = dict(num_to_remove=2, strategy=STRATEGY, recovery=REPAIR, sparsity=0.5, allocation=ALLOCATOR, pruner=PRUNER)
 
 
 def test_registered_names_are_accepted_and_round_trip(extensions, tmp_path):
     cfg = LayerSwapConfig(**EXTENDED)
     d = cfg.to_dict()
-    assert (d["strategy"], d["recovery"]["method"], d["sparsity"]["allocation"], d["sparsity"]["method"]) == (
+    assert (d["strategy"], d["recovery"]["method"], d["sparsity"]["allocation"], d["sparsity"]["pruner"]) == (
         STRATEGY, REPAIR, ALLOCATOR, PRUNER)
     assert cfg.recovery == RecoveryConfig(REPAIR)
     assert cfg.sparsity == SparsityConfig(0.5, ALLOCATOR, PRUNER)
-    assert LayerSwapConfig(num_layers=2, strategy=STRATEGY, recovery=RecoveryConfig(REPAIR),
+    assert LayerSwapConfig(num_to_remove=2, strategy=STRATEGY, recovery=RecoveryConfig(REPAIR),
                            sparsity=SparsityConfig(0.5, ALLOCATOR, PRUNER)) == cfg
     assert LayerSwapConfig.from_dict(d) == cfg and LayerSwapConfig.from_dict(d).to_dict() == d
     assert LayerSwapConfig.from_dict(json.loads(cfg.to_json_string())) == cfg
@@ -455,12 +504,12 @@ def test_registered_names_are_accepted_and_round_trip(extensions, tmp_path):
 def test_unknown_names_list_what_is_registered_now(extensions):
     cases = [
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
-        (dict(num_layers=1, recovery="nope"),
+        (dict(num_to_remove=1, recovery="nope"),
          f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', '{REPAIR}']"),
         (dict(sparsity=0.5, allocation="nope"),
          f"LayerSwapConfig: allocation='nope': allowed ['uniform', 'pals', 'owl', 'random', 'gradient', '{ALLOCATOR}']"),
-        (dict(sparsity=0.5, method="nope"),
-         f"LayerSwapConfig: method='nope': allowed ['wanda', 'sparsegpt', 'magnitude', '{PRUNER}']"),
+        (dict(sparsity=0.5, pruner="nope"),
+         f"LayerSwapConfig(pruner='nope'): allowed ['wanda', 'sparsegpt', 'magnitude', '{PRUNER}']"),
     ]
     assert STRATEGY in sorted(STRATEGIES)
     for kwargs, message in cases:
@@ -474,14 +523,14 @@ def test_unregistered_names_are_refused_again():
     with registered_extensions():
         LayerSwapConfig(**EXTENDED)
     assert (dict(STRATEGIES), set(MODEL_STRATEGIES), dict(RECOVERY_METHODS), dict(ALLOCATORS), dict(PRUNERS)) == before
-    for field, name in [("strategy", STRATEGY), ("recovery", REPAIR), ("allocation", ALLOCATOR), ("method", PRUNER)]:
+    for field, name in [("strategy", STRATEGY), ("recovery", REPAIR), ("allocation", ALLOCATOR), ("pruner", PRUNER)]:
         with pytest.raises(ValueError) as err:
-            LayerSwapConfig(num_layers=2, sparsity=0.5, **{field: name})
+            LayerSwapConfig(num_to_remove=2, sparsity=0.5, **{field: name})
         message = str(err.value)
         assert f"{field}={name!r}" in message and "allowed [" in message
         assert message.count(name) == 1  # named as the bad value, not among the allowed ones
     with pytest.raises(ValueError, match=rf"strategy='{STRATEGY}'\): allowed"):
-        LayerSwapConfig.from_dict({"quant_method": "layerswap", "num_layers": 2, "strategy": STRATEGY})
+        LayerSwapConfig.from_dict({"quant_method": "layerswap", "num_to_remove": 2, "strategy": STRATEGY})
 
 
 def test_from_pretrained_runs_the_registered_strategy_repair_and_sparsity(extensions, tmp_path):

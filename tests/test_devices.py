@@ -112,7 +112,7 @@ def test_bf16_checkpoint_pruned_through_from_pretrained_the_cli_and_the_demo_sav
         (tmp_path / "base" / name).write_bytes((tmp_path / "fp32" / name).read_bytes())
     calib = _calibration_file(tmp_path / "calib.txt")
 
-    cfg = hl.LayerSwapConfig(num_layers=2, calibration=tiny_batch(), progress=False, strategy="greedy")
+    cfg = hl.LayerSwapConfig(num_to_remove=2, calibration=tiny_batch(), progress=False, strategy="greedy")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype="auto", quantization_config=cfg)
     assert model.config.num_hidden_layers == 4
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -123,18 +123,18 @@ def test_bf16_checkpoint_pruned_through_from_pretrained_the_cli_and_the_demo_sav
     hl.save_for_hub(cast, tmp_path / "cast")
     assert cast.config.num_hidden_layers == 4 and _safetensors_dtypes(tmp_path / "cast") == {"BF16"}
 
-    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "cli"), "--num-layers", "2", "--strategy", "greedy",
+    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "cli"), "--num-to-remove", "2", "--strategy", "greedy",
                "--calibration", str(calib), "--num-prompts", "4"])
     assert rc == 0
     assert _safetensors_dtypes(tmp_path / "cli") == {"BF16"}
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["num_hidden_layers"] == 4
-    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "cli32"), "--num-layers", "2", "--strategy", "greedy",
+    rc = main(["prune", str(tmp_path / "base"), str(tmp_path / "cli32"), "--num-to-remove", "2", "--strategy", "greedy",
                "--calibration", str(calib), "--num-prompts", "4", "--dtype", "float32"])
     assert rc == 0 and _safetensors_dtypes(tmp_path / "cli32") == {"F32"}
     held_out = tmp_path / "held_out.txt"
     held_out.write_text(" ".join(f"w{(11 * k) % 120}" for k in range(300)) + "\n")
     rc = main(["demo", "--model", str(tmp_path / "base"), "--output", str(tmp_path / "demo"), "--budgets", "1",
-               "--final-layers", "2", "--max-evaluations", "6", "--eval-text", str(held_out), "--calibration",
+               "--final-num-to-remove", "2", "--max-evaluations", "6", "--eval-text", str(held_out), "--calibration",
                str(calib), "--num-prompts", "4", "--seq-len", "16"])
     assert rc == 0 and _safetensors_dtypes(tmp_path / "demo") == {"BF16"}
 
@@ -271,7 +271,7 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
     base = _tiny_checkpoint(tmp_path / "base")
     calib = _calibration_file(tmp_path / "calib.txt")
     weights = sum(p.numel() * p.element_size() for p in base.parameters())
-    flags = ["--num-layers", "2", "--strategy", "greedy", "--calibration", str(calib), "--num-prompts", "4"]
+    flags = ["--num-to-remove", "2", "--strategy", "greedy", "--calibration", str(calib), "--num-prompts", "4"]
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "memory"), *flags]) == 0
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "offloaded"), *flags,
                  "--max-memory", f"cpu={weights // 2}", "--offload-folder", str(tmp_path / "offload")]) == 0
@@ -302,7 +302,7 @@ def test_from_pretrained_with_disk_offload_prunes_repairs_and_saves_the_in_memor
     tiny_model("llama").save_pretrained(tmp_path / "ckpt")
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
                   **{f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)}}
-    cfg = hl.LayerSwapConfig(num_layers=2, calibration=tiny_batch(), progress=False, recovery="ghosted")
+    cfg = hl.LayerSwapConfig(num_to_remove=2, calibration=tiny_batch(), progress=False, recovery="ghosted")
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=cfg, attn_implementation="eager")
     split = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=cfg, attn_implementation="eager",
                                                  device_map=device_map, offload_folder=str(tmp_path / "offload"))

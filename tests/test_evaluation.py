@@ -55,7 +55,7 @@ def tiny_lm():
     """The tiny Llama of 2 blocks with the byte tokenizer's vocabulary and special ids, and
     256 positions (the windows of the contract tests)."""
     return tiny_model(
-        "llama", num_layers=2, vocab_size=300, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        "llama", num_blocks=2, vocab_size=300, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
         pad_token_id=0,
     )
 
@@ -326,7 +326,7 @@ def test_distinct_n_hand_computed():
 
 
 def test_generation_check_tiny(byte_tokenizer):
-    model = tiny_model("llama", num_layers=2)
+    model = tiny_model("llama", num_blocks=2)
     model.resize_token_embeddings(len(byte_tokenizer))
     check = generation_check(model, byte_tokenizer, ["The quick brown", "Rivers carry"], max_new_tokens=8)
     assert check.cache_consistent and check.cache_mismatches == [] and check.cache_errors == {}
@@ -339,7 +339,7 @@ def test_generation_check_tiny(byte_tokenizer):
 
 def test_generation_check_detects_broken_cache(byte_tokenizer):
     """Two blocks sharing one ``layer_idx`` corrupt the cache: generation with it differs."""
-    model = tiny_model("llama", num_layers=2)
+    model = tiny_model("llama", num_blocks=2)
     model.resize_token_embeddings(len(byte_tokenizer))
     model.model.layers[1].self_attn.layer_idx = 0
     check = generation_check(model, byte_tokenizer, ["The quick brown", "Rivers carry"], max_new_tokens=8)
@@ -400,7 +400,7 @@ def test_one_window_has_no_confidence_interval(tiny_lm):
 
     from hf_layerswap.card import render_card
 
-    pruned = tiny_model("llama", num_layers=2)
+    pruned = tiny_model("llama", num_blocks=2)
     text = render_card(pruned, evaluation={"base": one.to_dict(), "pruned": other.to_dict()}).text
     rows = [line for line in text.splitlines() if line.startswith(("| base |", "| pruned (this model) |"))]
     assert len(rows) == 2 and all("| none (1 window) |" in row for row in rows), rows

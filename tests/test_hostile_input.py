@@ -74,7 +74,7 @@ def test_published_files_carry_no_local_path_component(hub, tmp_path):  # noqa: 
     eval_text = _write_text(home / "eval data" / "held-out.txt", PARAGRAPHS[::-1])
 
     base = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-    config = hl.LayerSwapConfig(num_layers=1, calibration=str(calibration), tokenizer=tokenizer,
+    config = hl.LayerSwapConfig(num_to_remove=1, calibration=str(calibration), tokenizer=tokenizer,
                                 num_prompts=4, seq_len=24, batch_size=2, progress=False)
     pruned = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config,
                                                   attn_implementation="eager").eval()
@@ -139,7 +139,7 @@ def test_a_missing_file_is_refused_not_scored_as_text(llama, tokenizer, tmp_path
             with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
                 call()
         with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
-            hl.prune_loaded_model(llama, hl.LayerSwapConfig(num_layers=1, calibration=missing, tokenizer=tokenizer,
+            hl.prune_loaded_model(llama, hl.LayerSwapConfig(num_to_remove=1, calibration=missing, tokenizer=tokenizer,
                                                             progress=False))
     finally:
         handle.remove()
@@ -206,7 +206,7 @@ def test_cli_refuses_a_binary_calibration_file_before_loading(tmp_path, capsys):
     tiny_tokenizer().save_pretrained(checkpoint)
     capsys.readouterr()
     for argv in (["score", str(checkpoint), "--calibration", str(path), "-o", str(tmp_path / "r.json")],
-                 ["prune", str(checkpoint), str(tmp_path / "out"), "--num-layers", "1", "--calibration", str(path)],
+                 ["prune", str(checkpoint), str(tmp_path / "out"), "--num-to-remove", "1", "--calibration", str(path)],
                  ["demo", "--model", str(checkpoint), "--eval-text", str(path), "--output", str(tmp_path / "demo")]):
         assert main(argv) == 2
         err = capsys.readouterr().err
@@ -246,11 +246,11 @@ ONE_BLOCK = "a model with one block has nothing removable (at least one block mu
 def test_a_one_block_model_has_nothing_removable():
     from hf_layerswap.rule import check_budget
 
-    model = build("llama", num_layers=1)
+    model = build("llama", num_blocks=1)
     calls = [
-        ("num_layers=1: ", lambda: hl.prune_loaded_model(model, hl.LayerSwapConfig(
-            num_layers=1, calibration=prompts(), progress=False))),
-        ("num_layers=1: ", lambda: check_budget(1, 1)),
+        ("num_to_remove=1: ", lambda: hl.prune_loaded_model(model, hl.LayerSwapConfig(
+            num_to_remove=1, calibration=prompts(), progress=False))),
+        ("num_to_remove=1: ", lambda: check_budget(1, 1)),
         ("removing [0] would leave no block: ", lambda: hl.remove_layers(model, [0])),
         ("removing [0] would leave no block: ", lambda: hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[-1]))),
         ("the model has 1 block(s); swap tests need at least 2, and ",
@@ -338,7 +338,7 @@ def test_prefix_tokenizing_matches_a_real_tokenizer(smollm2, wikitext_test_raw):
 def test_a_calibration_shortfall_is_recorded_in_the_report_and_the_card(tokenizer, tmp_path):
     path = _write_text(tmp_path / "two.txt", PARAGRAPHS[:2])
     model = build("llama")
-    config = hl.LayerSwapConfig(num_layers=1, strategy="greedy", calibration=str(path), tokenizer=tokenizer,
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=str(path), tokenizer=tokenizer,
                                 num_prompts=5, seq_len=24, batch_size=2, progress=False)
     with pytest.warns(hl.CalibrationShortfallWarning, match=re.escape(
             "5 prompt(s) requested, the source gave 2 (48 real tokens of the 120 that 5 x 24 could hold)")):
@@ -562,13 +562,13 @@ def test_the_search_bar_shows_the_block_passes_of_each_batch_of_sets(bars, llama
 def test_layers_on_a_pruned_checkpoint_name_its_current_blocks_and_the_card_shows_both(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = build("llama", num_layers=8)
+    model = build("llama", num_blocks=8)
     first = tmp_path / "first"
     hl.save_for_hub(hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[1, 4])), first)  # 6 blocks left
     again = AutoModelForCausalLM.from_pretrained(first, quantization_config=hl.LayerSwapConfig(layers=[2]))
     steps = again.config.layerswap["steps"]
     # current block 2 of the 6 is original block 3 (0, 2, 3, 5, 6, 7 were left)
-    assert [(s["num_layers_before"], s["removed_layers"], s["removed_original_layers"]) for s in steps] == [
+    assert [(s["num_blocks_before"], s["removed_layers"], s["removed_original_layers"]) for s in steps] == [
         (8, [1, 4], [1, 4]), (6, [2], [3])]
     assert again.config.layerswap["removed_layers"] == [1, 3, 4]
     assert again.config.layerswap["kept_layers"] == [0, 2, 5, 6, 7]

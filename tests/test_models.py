@@ -74,7 +74,7 @@ def test_cache_build_is_atomic_and_reused(monkeypatch, tmp_path):
 
     def build(entry, scratch, out_dir, fail=False):
         calls.append(entry.name)
-        tiny_model("llama", num_layers=2).save_pretrained(out_dir)
+        tiny_model("llama", num_blocks=2).save_pretrained(out_dir)
         if fail:
             raise RuntimeError("interrupted")
         return {"upstream": entry.upstream, "package": entry.package, "package_version": "9",
@@ -105,7 +105,7 @@ def test_cache_build_is_atomic_and_reused(monkeypatch, tmp_path):
 
 
 def test_identity_of_a_plain_model_falls_back_to_name_or_path():
-    model = tiny_model("llama", num_layers=2)
+    model = tiny_model("llama", num_blocks=2)
     ident = model_identity(model)
     assert ident["source"] is None
     assert ident["name"] == (model.name_or_path or None)

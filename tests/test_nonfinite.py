@@ -81,8 +81,8 @@ def test_a_newly_registered_strategy_passes_through_the_same_check(overflow):
     model, calibration, report = overflow
 
     @register_strategy("first_unprotected_for_test")
-    def first(report, num_layers, **_):
-        return list(range(1, 1 + num_layers))  # ignores the scores entirely
+    def first(report, num_to_remove, **_):
+        return list(range(1, 1 + num_to_remove))  # ignores the scores entirely
 
     try:
         with pytest.raises(hl.NonFiniteScoresError, match=r"^cannot select 2 block\(s\) on finite interchange"):
@@ -136,7 +136,7 @@ def test_prune_refuses_and_leaves_the_model_as_it_was(overflow):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(hl.NonFiniteScoresError, match=r"^cannot select 1 block\(s\) on finite interchange"):
-            hl.prune(model, hl.LayerSwapConfig(num_layers=1, calibration=calibration, progress=False))
+            hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=calibration, progress=False))
     assert num_blocks(model) == 6 and getattr(model.config, "layerswap", None) is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -170,7 +170,7 @@ def test_score_verbs_warn_with_the_first_broken_batch():
 
 def test_adaptive_scoring_stops_at_non_finite_scores_and_reports_them():
     model, calibration = _overflowing(), tiny_batch(4, 12)
-    budget = hl.scoring.AdaptiveBudget(num_layers=1, min_prompts=2, step=2)
+    budget = hl.scoring.AdaptiveBudget(num_to_remove=1, min_prompts=2, step=2)
     with pytest.warns(hl.NonFiniteScoresWarning, match=r"^15 of 15 swap-KL probe values are non-finite"):
         report = hl.score_layers(model, calibration, batch_size=2, num_prompts=4, adaptive=budget, progress=False)
     record = report.metadata["adaptive"]
@@ -197,7 +197,7 @@ def test_cli_score_warns_once_and_keeps_the_values(tmp_path, capsys):
            "replacement_ij = NaN; " in err and "; and 3 more; the values first broke at calibration batch 0" in err
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["pairs"][0]["interchange"] == "NaN" and len(saved["metadata"]["nonfinite"]["values"]) == 15
-    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-layers", "1", "--strategy",
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy",
                  "greedy", "--report", str(tmp_path / "r.json")]) == 2
     assert "error: cannot select 1 block(s) on finite interchange swap-KL scores" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -226,10 +226,10 @@ def test_save_for_hub_refuses_a_removal_chosen_on_non_finite_values(tmp_path):
     model = tiny_model("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = hl.prune(model, hl.LayerSwapConfig(num_layers=1, calibration=tiny_batch(4, 12), progress=False))
+        result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=tiny_batch(4, 12), progress=False))
     step = model.config.layerswap["steps"][-1]
-    assert step["strategy"] == "search" and math.isfinite(step["search"]["value"])
-    step["search"]["value"] = math.nan  # as an older version recorded it
+    assert step["strategy"] == "search" and math.isfinite(step["decision"]["value"])
+    step["decision"]["value"] = math.nan  # as an older version recorded it
     with pytest.raises(hl.PushRefusedError, match=(
             rf"^the removal was chosen on non-finite values: step 0 \(search\) removed {re.escape(str(step['removed_layers']))} on the "
             rf"search's value = NaN; {ADVICE}, then select again \(or remove explicit layers\)$")):

@@ -57,7 +57,7 @@ EVAL = skip_bigram(32, 32, seed=2)
 def trained():
     """A 4-block tiny Llama trained 80 AdamW steps on the skip-bigram task, with block 2
     identity-like: its attention and MLP writes scaled by 1e-3 and frozen during training."""
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     blocks = decoder_blocks(model)[2]
     frozen = [blocks[2].self_attn.o_proj.weight, blocks[2].mlp.down_proj.weight]
     with torch.no_grad():
@@ -104,7 +104,7 @@ def independent_ce(model, batch) -> float:
 
 
 def test_exactly_linear_blocks_are_matched_to_numerical_precision():
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     owner, name, blocks = decoder_blocks(model)
     g = torch.Generator().manual_seed(11)
     hidden = model.config.hidden_size
@@ -130,7 +130,7 @@ def test_exactly_linear_blocks_are_matched_to_numerical_precision():
 
 def test_deletion_probe_equals_an_independent_removal():
     """The plan-based substitution with ĥ = h_k is plain removal: compare with surgery."""
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     base = independent_ce(model, EVAL)
     report = peel(model, CALIB, EVAL, spans=(1, 2), targets="own", reference="deletion", sites=[0, 2, 3])
     assert report.base_ce == pytest.approx(base, abs=1e-6)
@@ -233,7 +233,7 @@ def test_default_calibration_and_evaluation_text_never_overlap():
     evalset = build_evaluation(None, tokenizer, num_prompts=1000, seq_len=48)
     assert evalset.texts == eval_list
     check_disjoint(build_calibration(None, tokenizer, num_prompts=1000, seq_len=48), evalset)
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     report = peel(model, None, None, tokenizer=tokenizer, spans=(1,), targets="own", sites=[1],
                   num_prompts=24, seq_len=48, eval_prompts=8, eval_seq_len=48, bootstrap=200)
     assert "calibration split" in report.metadata["calibration"]["description"]
@@ -244,7 +244,7 @@ def test_default_calibration_and_evaluation_text_never_overlap():
 
 
 def test_overlapping_calibration_and_evaluation_are_refused():
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     with pytest.raises(ValueError, match="also a calibration prompt"):
         peel(model, CALIB, CALIB, spans=(1,))
     mixed = {k: torch.cat([EVAL[k][:4], CALIB[k][5:6]]) for k in EVAL}
@@ -260,7 +260,7 @@ def test_overlapping_calibration_and_evaluation_are_refused():
 
 
 def test_bad_arguments_name_the_value():
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     for kwargs, pattern in [
         ({"spans": (0,)}, r"span 0"),
         ({"spans": (3,)}, r"span 3 .* 1\.\.2"),
@@ -303,7 +303,7 @@ def test_report_round_trip_table_and_plot(trained, tmp_path):
 def checkpoints(tmp_path_factory, trained):
     root = tmp_path_factory.mktemp("run")
     dirs = []
-    for step, model in ((0, tiny_model("llama", num_layers=4)), (80, trained)):
+    for step, model in ((0, tiny_model("llama", num_blocks=4)), (80, trained)):
         d = root / f"step-{step}"
         model.save_pretrained(d)
         dirs.append(d)

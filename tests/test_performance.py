@@ -41,13 +41,13 @@ def _pair_values(report):
     return [(p.i, p.j, p.replacement_ij, p.replacement_ji, p.interchange) for p in report.pairs]
 
 
-def _adjacent_plans(num_layers):
-    return swap_plans(num_layers, 1)
+def _adjacent_plans(num_blocks):
+    return swap_plans(num_blocks, 1)
 
 
 # ---------------------------------------------------------------- prefix reuse
 def test_prefix_reuse_and_sharing_change_no_value():
-    model = tiny_model("gemma3", num_layers=4)  # sliding and full attention blocks move with their type
+    model = tiny_model("gemma3", num_blocks=4)  # sliding and full attention blocks move with their type
     calib = build_calibration(tiny_batch(batch=4, length=10))
     plans = _adjacent_plans(4)
     # a gap-2 pair, removals (rm3 drops the last block: its last kept block is re-run) and the identity
@@ -75,7 +75,7 @@ def test_prefix_reuse_and_sharing_change_no_value():
 
 
 def test_score_layers_records_engine_settings():
-    model = tiny_model("qwen3", num_layers=4)
+    model = tiny_model("qwen3", num_blocks=4)
     report = hl.score_layers(model, tiny_batch(), progress=False, prefix_reuse=False)
     reused = hl.score_layers(model, tiny_batch(), progress=False)
     assert _pair_values(report) == _pair_values(reused)
@@ -113,7 +113,7 @@ def test_streamed_kl_equals_the_models_full_logits(family):
         model = build("gemma2", 4, dtype=None, final_logit_softcapping=2.0, sliding_window=4096,
                       max_position_embeddings=8192)
     else:
-        model = tiny_model(family, num_layers=4)
+        model = tiny_model(family, num_blocks=4)
     layers = num_blocks(model)
     batch = tiny_batch(batch=4, length=11, pad_last=4)
     calib = build_calibration(batch)
@@ -260,7 +260,7 @@ _RUN_SCRIPT = textwrap.dedent(
     from hf_layerswap.scoring.checkpoint import ScoringCheckpoint
 
     mode, out, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
-    model = tiny_model("gemma3", num_layers=4)
+    model = tiny_model("gemma3", num_blocks=4)
     batch = tiny_batch(batch=12, length=8)
     if mode == "slow":  # checkpoint parts appear slowly, so the parent can kill us mid-run
         save = ScoringCheckpoint.save
@@ -320,11 +320,11 @@ def test_resume_after_kill_gives_the_uninterrupted_values(tmp_path):
     assert resumed["checkpoint"]["resumed_values"] >= 2 * 15
     assert len(list(ckpt.glob("part-*.pt"))) == 6 and not list(ckpt.glob(".*.tmp"))
     # the folder belongs to this run: another model, calibration or setting is refused
-    other = tiny_model("gemma3", num_layers=4, seed=1)
+    other = tiny_model("gemma3", num_blocks=4, seed=1)
     with pytest.raises(CheckpointMismatchError, match="model.fingerprint"):
         hl.score_layers(other, tiny_batch(batch=12, length=8), progress=False, batch_size=2, max_gap=2,
                         checkpoint_path=ckpt)
-    model = tiny_model("gemma3", num_layers=4)
+    model = tiny_model("gemma3", num_blocks=4)
     with pytest.raises(CheckpointMismatchError, match="content_hash"):
         hl.score_layers(model, tiny_batch(batch=12, length=8, seed=5), progress=False, batch_size=2, max_gap=2,
                         checkpoint_path=ckpt)
@@ -364,9 +364,9 @@ def test_probe_shards_are_disjoint_and_keep_shared_prefixes_together():
 
 
 # ---------------------------------------------------------------- adaptive budget
-def _synthetic_report(means, num_layers=5):
+def _synthetic_report(means, num_blocks=5):
     pairs = [PairResult(i, i + 1, interchange=m) for i, m in enumerate(means)]
-    return SwapReport(num_layers, pairs, protocols=("interchange",))
+    return SwapReport(num_blocks, pairs, protocols=("interchange",))
 
 
 def test_selection_stability_by_hand():
@@ -397,17 +397,17 @@ def test_selection_stability_by_hand():
 
 
 def test_adaptive_budget_rounds_and_stop_reasons():
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     batch = tiny_batch(batch=8, length=8)
     full = hl.score_layers(model, batch, progress=False, batch_size=2)
     never = hl.score_layers(model, batch, progress=False, batch_size=2,
-                            adaptive=AdaptiveBudget(num_layers=1, z=1e9, min_prompts=3, step=2))
+                            adaptive=AdaptiveBudget(num_to_remove=1, z=1e9, min_prompts=3, step=2))
     record = never.metadata["adaptive"]
     assert record["stopped"] == "max_prompts" and "maximum of 8 prompts" in record["reason"]
     assert [r["num_prompts"] for r in record["rounds"]] == [4, 6, 8]  # 3 rounded up to whole batches of 2
     assert _pair_values(never) == _pair_values(full)  # same batches: the full run's numbers exactly
     quick = hl.score_layers(model, batch, progress=False, batch_size=2,
-                            adaptive=AdaptiveBudget(num_layers=1, z=1e-9, min_prompts=4, step=2))
+                            adaptive=AdaptiveBudget(num_to_remove=1, z=1e-9, min_prompts=4, step=2))
     record = quick.metadata["adaptive"]
     assert record["stopped"] == "stable" and [r["num_prompts"] for r in record["rounds"]] == [4]
     assert quick.metadata["num_prompts"] == 4 and record["rounds"][0]["selected"] == hl.select_layers(quick, 1)

@@ -109,14 +109,14 @@ def _budget_flags(calib):
 
 def test_search_cut_is_written_identically_by_plugin_cli_and_demo(setup, capsys):
     root, base, calib, held_out = setup
-    model = _plugin(base, root / "plugin", calibration=str(calib), num_layers=2, max_evaluations=12)
-    _plugin(base, root / "plugin-eval", evaluation_text=held_out, calibration=str(calib), num_layers=2,
+    model = _plugin(base, root / "plugin", calibration=str(calib), num_to_remove=2, max_evaluations=12)
+    _plugin(base, root / "plugin-eval", evaluation_text=held_out, calibration=str(calib), num_to_remove=2,
             max_evaluations=12)
-    assert main(["prune", str(base), str(root / "cli"), "--num-layers", "2", "--max-evaluations", "12",
+    assert main(["prune", str(base), str(root / "cli"), "--num-to-remove", "2", "--max-evaluations", "12",
                  *_budget_flags(calib)]) == 0
     # the demo's own perplexity default reads 1,000 words; the plugin's contract reads 5,000
     assert main(["demo", "--model", str(base), "--output", str(root / "demo"), "--eval-max-words", "5000",
-                 "--budgets", "1", "--final-layers", "2",
+                 "--budgets", "1", "--final-num-to-remove", "2",
                  "--max-evaluations", "12", "--eval-text", str(held_out), *_budget_flags(calib)]) == 0
     out = capsys.readouterr().out
     removed = model.config.layerswap["removed_layers"]
@@ -125,9 +125,9 @@ def test_search_cut_is_written_identically_by_plugin_cli_and_demo(setup, capsys)
     _assert_same_files(root / "plugin-eval", root / "demo")
     step = json.loads((root / "cli" / "config.json").read_text())["layerswap"]["steps"][0]
     assert PruneProvenance.from_dict(step).config == hl.LayerSwapConfig(
-        num_layers=2, max_evaluations=12, calibration="calib.txt", num_prompts=NUM_PROMPTS, seq_len=SEQ_LEN,
+        num_to_remove=2, max_evaluations=12, calibration="calib.txt", num_prompts=NUM_PROMPTS, seq_len=SEQ_LEN,
         batch_size=BATCH).to_dict()
-    assert step["strategy"] == "search" and step["search"]["selected"] == removed
+    assert step["strategy"] == "search" and step["decision"]["selected"] == removed
 
 
 def test_greedy_cut_scores_one_protocol_and_records_its_spacing_on_every_path(setup):
@@ -135,9 +135,9 @@ def test_greedy_cut_scores_one_protocol_and_records_its_spacing_on_every_path(se
     protocols and to write no selection config, so its card recomputed the protocol sets
     with spacing 1."""
     root, base, calib, _ = setup
-    model = _plugin(base, root / "g-plugin", calibration=str(calib), num_layers=2, strategy="greedy",
+    model = _plugin(base, root / "g-plugin", calibration=str(calib), num_to_remove=2, strategy="greedy",
                     protocol="interchange", spacing=2)
-    assert main(["prune", str(base), str(root / "g-cli"), "--num-layers", "2", "--strategy", "greedy",
+    assert main(["prune", str(base), str(root / "g-cli"), "--num-to-remove", "2", "--strategy", "greedy",
                  "--protocol", "interchange", "--spacing", "2", *_budget_flags(calib)]) == 0
     _assert_same_files(root / "g-plugin", root / "g-cli")
     saved = hl.SwapReport.from_json(root / "g-cli" / "layerswap_report.json")
@@ -151,13 +151,13 @@ def test_greedy_cut_scores_one_protocol_and_records_its_spacing_on_every_path(se
 
 def test_auto_cut_matches_between_plugin_cli_and_demo(setup, capsys):
     root, base, calib, held_out = setup
-    _plugin(base, root / "a-plugin", calibration=str(calib), num_layers=1, strategy="auto", protocol="auto")
-    _plugin(base, root / "a-plugin-eval", evaluation_text=held_out, calibration=str(calib), num_layers=1,
+    _plugin(base, root / "a-plugin", calibration=str(calib), num_to_remove=1, strategy="auto", protocol="auto")
+    _plugin(base, root / "a-plugin-eval", evaluation_text=held_out, calibration=str(calib), num_to_remove=1,
             strategy="auto", protocol="auto")
-    assert main(["prune", str(base), str(root / "a-cli"), "--num-layers", "1", "--strategy", "auto",
+    assert main(["prune", str(base), str(root / "a-cli"), "--num-to-remove", "1", "--strategy", "auto",
                  "--protocol", "auto", *_budget_flags(calib)]) == 0
     assert main(["demo", "--model", str(base), "--output", str(root / "a-demo"), "--eval-max-words", "5000",
-                 "--budgets", "1", "--final-layers",
+                 "--budgets", "1", "--final-num-to-remove",
                  "1", "--final-strategy", "greedy", "--final-protocol", "auto", "--eval-text", str(held_out),
                  *_budget_flags(calib)]) == 0
     capsys.readouterr()
@@ -171,7 +171,7 @@ def test_prune_reuses_a_given_report_and_calibration(setup):
     _, base, _, _ = setup
     batch = hl.build_calibration({"input_ids": torch.arange(1, 25).reshape(3, 8) % 120,
                                   "attention_mask": torch.ones(3, 8, dtype=torch.long)})
-    cfg = hl.LayerSwapConfig(num_layers=2, strategy="greedy", calibration=batch, progress=False)
+    cfg = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", calibration=batch, progress=False)
     scored = prune(AutoModelForCausalLM.from_pretrained(base), cfg)
     assert isinstance(scored, PruneResult) and scored.report.protocols == ("interchange",)
     model = AutoModelForCausalLM.from_pretrained(base)
@@ -194,7 +194,7 @@ def test_prune_refuses_a_report_without_the_protocol_it_reads(setup):
     model = AutoModelForCausalLM.from_pretrained(base)
     batch = {"input_ids": torch.arange(1, 17).reshape(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     report = hl.score_layers(model, batch, protocols=["replacement"], progress=False)
-    cfg = hl.LayerSwapConfig(num_layers=1, strategy="greedy", protocol="interchange", calibration=batch)
+    cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", protocol="interchange", calibration=batch)
     with pytest.raises(ValueError) as err:
         prune(model, cfg, report=report)
     assert str(err.value) == ("the report scored ['replacement'] but strategy='greedy' with protocol='interchange' "

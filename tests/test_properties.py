@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from arch_matrix import FAMILIES, NUM_LAYERS, build, prompts, single_thread
+from arch_matrix import FAMILIES, NUM_BLOCKS, build, prompts, single_thread
 from hf_layerswap import build_calibration, remove_layers
 from hf_layerswap.plan import apply_plan, decoder_blocks
 from hf_layerswap.scoring import plan_kl, removal_kl
@@ -64,7 +64,7 @@ class _Boom(Exception):
     pass
 
 
-plans = st.lists(st.integers(0, NUM_LAYERS - 1), min_size=1, max_size=NUM_LAYERS + 2)
+plans = st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=NUM_BLOCKS + 2)
 
 
 @PROPERTY
@@ -75,7 +75,7 @@ def test_any_plan_restores_the_model_exactly(plan, fail_inside):
         with torch.no_grad(), apply_plan(model, plan):
             out = model(**batch, use_cache=False).logits
             assert out.shape == ref["logits"].shape and bool(torch.isfinite(out).all())
-            if plan == list(range(NUM_LAYERS)):
+            if plan == list(range(NUM_BLOCKS)):
                 assert torch.equal(out, ref["logits"])
             if fail_inside:
                 raise _Boom
@@ -89,7 +89,7 @@ def test_any_plan_restores_the_model_exactly(plan, fail_inside):
 def test_plan_kl_restores_the_model_exactly_and_identity_costs_nothing(probes):
     model, batch, ref = _model_and_reference()
     named = dict(enumerate(probes))
-    named["identity"] = list(range(NUM_LAYERS))
+    named["identity"] = list(range(NUM_BLOCKS))
     values, _ = plan_kl(model, build_calibration(batch), named, batch_size=1)
     assert torch.equal(values["identity"], torch.zeros(2, dtype=torch.float64))
     for key, plan in enumerate(probes):
@@ -100,13 +100,13 @@ def test_plan_kl_restores_the_model_exactly_and_identity_costs_nothing(probes):
 @settings(PROPERTY, max_examples=15)
 @given(
     family=st.sampled_from([f.name for f in FAMILIES]),
-    removed=st.sets(st.integers(0, NUM_LAYERS - 1), min_size=1, max_size=NUM_LAYERS - 1),
+    removed=st.sets(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=NUM_BLOCKS - 1),
 )
 def test_removal_commutes_with_save_and_reload(family, removed):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     removed = sorted(removed)
-    kept = [i for i in range(NUM_LAYERS) if i not in removed]
+    kept = [i for i in range(NUM_BLOCKS) if i not in removed]
     batch = prompts()
     base = build(family)
     pruned = remove_layers(build(family), removed)
@@ -180,7 +180,7 @@ def test_selection_respects_spacing_protection_and_the_greedy_order(scores, data
 @given(
     seed=st.integers(0, 2**16),
     lengths=st.lists(st.integers(2, 12), min_size=1, max_size=3),
-    removed=st.sets(st.integers(0, NUM_LAYERS - 1), min_size=1, max_size=NUM_LAYERS - 1),
+    removed=st.sets(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=NUM_BLOCKS - 1),
 )
 def test_removal_kl_of_the_empty_set_is_zero(seed, lengths, removed):
     model, _, _ = _model_and_reference()

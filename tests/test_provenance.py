@@ -80,13 +80,13 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
 # ----------------------------------------------------------------------------- JSON contract
 def _examples() -> list[JsonResult]:
     swap = SwapReport(
-        num_layers=3,
+        num_blocks=3,
         pairs=[PairResult(0, 1, 0.5, 0.25, 0.125), PairResult(1, 2, math.inf, 0.5, math.nan)],
         metadata={"note": [1.5, math.nan]},
     )
     probe = PeelProbe(site=1, span=1, reference="linear", kind="probe", dce=0.1, ci_low=0.05, ci_high=0.2,
                       ce=2.0, explained_variance=0.9, nmse=0.1)
-    peel = PeelReport(num_layers=3, base_ce=1.9, base_ce_ci=(1.8, 2.0), probes=[probe], settings={"spans": [1]})
+    peel = PeelReport(num_blocks=3, base_ce=1.9, base_ce_ci=(1.8, 2.0), probes=[probe], settings={"spans": [1]})
     return [
         swap,
         RecoveryReport(method="ghosted", removed_layers=[1], epsilon=1e-4, num_tokens=10, hidden_size=4,

@@ -263,7 +263,7 @@ def test_fused_refuses_post_norm_and_no_down_proj(calib):
     with pytest.raises(ValueError, match=r"gemma3_text block 1 .*post-norm"):
         recover(gemma, [2], calib, method="fused")
     assert gemma.config.num_hidden_layers == 6
-    gpt2 = build("gpt2", num_layers=4)
+    gpt2 = build("gpt2", num_blocks=4)
     with pytest.raises(ValueError, match="gpt2 block 1 .*no mlp.down_proj"):
         recover(gpt2, [2], calib, method="fused")
     assert len(gpt2.transformer.h) == 4

@@ -31,8 +31,8 @@ def test_report_definitions_and_json_round_trip(tmp_path):
 
 
 def test_provenance_round_trip():
-    record = PruneProvenance(selection="explicit layers", config={"num_layers": None})
-    assert record.to_dict() == {"selection": "explicit layers", "config": {"num_layers": None}}
+    record = PruneProvenance(selection="explicit layers", config={"num_to_remove": None})
+    assert record.to_dict() == {"selection": "explicit layers", "config": {"num_to_remove": None}}
     assert PruneProvenance.from_dict({**record.to_dict(), "removed_layers": [1]}) == record
     assert PruneProvenance.from_dict({}).selection == "not recorded"
     with pytest.raises(TypeError, match="needs a mapping, got list"):
@@ -73,21 +73,21 @@ def test_a_negative_kl_is_refused_naming_the_pair_and_field(tmp_path):
 
 def test_a_deleted_pair_or_a_wrong_depth_is_refused(tmp_path):
     path = _hand_edited(tmp_path, lambda d: d["pairs"].pop(2))
-    assert _refused(path) == ("pairs do not match num_layers = 6 and max_gap = 1 (every pair with 1 <= j - i <= 1, "
+    assert _refused(path) == ("pairs do not match num_blocks = 6 and max_gap = 1 (every pair with 1 <= j - i <= 1, "
                               "5 in all): missing [(2, 3)]")
-    path = _hand_edited(tmp_path, lambda d: d.update(num_layers=9))
-    assert _refused(path) == ("pairs do not match num_layers = 9 and max_gap = 1 (every pair with 1 <= j - i <= 1, "
+    path = _hand_edited(tmp_path, lambda d: d.update(num_blocks=9))
+    assert _refused(path) == ("pairs do not match num_blocks = 9 and max_gap = 1 (every pair with 1 <= j - i <= 1, "
                               "8 in all): missing [(5, 6), (6, 7), (7, 8)]")
     path = _hand_edited(tmp_path, lambda d: d.update(max_gap=2))
     assert _refused(path).endswith("9 in all): missing [(0, 2), (1, 3), (2, 4), (3, 5)]")
     path = _hand_edited(tmp_path, lambda d: d["pairs"].append({**_pair(d, 1, 2), "i": 0, "j": 2}))
     assert _refused(path).endswith("5 in all): extra [(0, 2)]")
-    path = _hand_edited(tmp_path, lambda d: d.update(num_layers=6.0))
-    assert _refused(path) == "num_layers = 6.0: must be an int"
+    path = _hand_edited(tmp_path, lambda d: d.update(num_blocks=6.0))
+    assert _refused(path) == "num_blocks = 6.0: must be an int"
     path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(j=2.5))
     assert _refused(path) == "pairs[1] j = 2.5: must be an int block index"
     path = _hand_edited(tmp_path, lambda d: d.update(max_gap=6))
-    assert _refused(path) == "max_gap = 6: allowed 1..5 for num_layers = 6"
+    assert _refused(path) == "max_gap = 6: allowed 1..5 for num_blocks = 6"
 
 
 def test_values_the_engine_cannot_produce_are_refused(tmp_path):
@@ -137,7 +137,7 @@ def test_prune_report_refuses_a_hand_edited_report_before_the_model_loads(tmp_pa
     path = _hand_edited(tmp_path, lambda d: _pair(d, 1, 2).update(interchange=-5.0), report)
     # an empty folder where the model would be: the report is refused before it would load
     (tmp_path / "no-model-here").mkdir()
-    rc = main(["prune", str(tmp_path / "no-model-here"), str(tmp_path / "out"), "--num-layers", "1", "--strategy",
+    rc = main(["prune", str(tmp_path / "no-model-here"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy",
                "greedy", "--report", str(path)])
     assert rc == 2
     assert (f"error: {path} is not a valid SwapReport JSON file: pairs[1] (1, 2) interchange = -5.0: a KL is >= 0"

@@ -188,7 +188,7 @@ def test_prompts_longer_than_a_learned_position_table_are_refused_before_any_for
         perplexity_from_ids(model, torch.arange(1, 100) % 50, window=33, stride=16)
     assert calls == []
     report = hl.score_layers(model, tiny_batch(batch=2, length=32, pad_last=0), num_prompts=2, progress=False)  # the limit itself
-    assert report.num_layers == 4 and calls
+    assert report.num_blocks == 4 and calls
 
 
 def test_a_compiled_model_is_scored_through_its_eager_module_without_recompiling():

@@ -92,7 +92,7 @@ def test_autocast_dtype_against_the_models_dtype():
 
 
 def test_every_verb_checks_its_settings_in_the_one_place():
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     calib = hl.build_calibration(tiny_batch(), num_prompts=3)
     message = "^" + re.escape("batch_size=0: must be an int >= 1 or 'auto'") + "$"
     with pytest.raises(ValueError, match=message):
@@ -104,7 +104,7 @@ def test_every_verb_checks_its_settings_in_the_one_place():
 
 
 def test_run_plans_with_a_settings_object_equals_plan_kl():
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     calib = hl.build_calibration(tiny_batch(), num_prompts=3)
     plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1), "c": removal_plan(4, [3])}
     kw = dict(batch_size=2, prefix_reuse="start", max_memory="64MiB")
@@ -155,7 +155,7 @@ def test_budget_from_an_accelerators_free_memory(monkeypatch):
 
 def test_device_sized_defaults_keep_the_cpu_results_and_are_recorded(monkeypatch):
     _available(monkeypatch, 16 * GiB)
-    model = tiny_model("llama", num_layers=5)
+    model = tiny_model("llama", num_blocks=5)
     batch = tiny_batch(batch=10, length=16)
     fixed = score_layers(model, batch, num_prompts=10, progress=False, max_memory=GiB, batch_size=8)
     auto = score_layers(model, batch, num_prompts=10, progress=False)
@@ -174,7 +174,7 @@ def test_device_sized_defaults_keep_the_cpu_results_and_are_recorded(monkeypatch
 def test_accelerator_sized_kl_row_blocks_give_the_same_values(monkeypatch):
     # on an accelerator the KL runs on large row blocks (max_memory / 16): per-row values do
     # not depend on the block, so whole-vocabulary and sliced KLs equal the cache-sized ones
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     calib = hl.build_calibration(tiny_batch(batch=6, length=16), num_prompts=6)
     plans = swap_plans(4, 2)
     for vocab_chunk in (None, 40):
@@ -216,7 +216,7 @@ def test_built_in_protocols_and_their_probes():
 
 
 def test_unknown_protocols_are_refused_with_the_registered_ones():
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     with pytest.raises(ValueError, match=re.escape(f"protocols=('skip',): allowed a non-empty subset of {BUILT_IN}")):
         score_layers(model, tiny_batch(), num_prompts=3, protocols=["skip"], progress=False)
     with pytest.raises(ValueError, match=re.escape(f"protocols=(): allowed a non-empty subset of {BUILT_IN}")):
@@ -265,12 +265,12 @@ def skip_protocols():
     and each block removed alone (two probes: the pair's value is the larger)."""
 
     @register_protocol("skip_both")
-    def skip_both(num_layers, i, j):
-        return {"skip_both": removal_plan(num_layers, [i, j])}
+    def skip_both(num_blocks, i, j):
+        return {"skip_both": removal_plan(num_blocks, [i, j])}
 
     @register_protocol("skip_each", probes=("skip_i", "skip_j"))
-    def skip_each(num_layers, i, j):
-        return {"skip_i": removal_plan(num_layers, [i]), "skip_j": removal_plan(num_layers, [j])}
+    def skip_each(num_blocks, i, j):
+        return {"skip_i": removal_plan(num_blocks, [i]), "skip_j": removal_plan(num_blocks, [j])}
 
     try:
         yield
@@ -281,7 +281,7 @@ def skip_protocols():
 
 
 def test_a_registered_protocol_is_scored_as_the_removal_kl_of_its_sets(skip_protocols):
-    model = tiny_model("llama", num_layers=5)
+    model = tiny_model("llama", num_blocks=5)
     batch = tiny_batch()
     report = score_layers(model, batch, num_prompts=3, protocols=["skip_both", "skip_each"], max_gap=2, progress=False)
     assert report.protocols == ("skip_both", "skip_each") and len(report.pairs) == 4 + 3
@@ -309,7 +309,7 @@ def test_a_registered_protocol_is_scored_as_the_removal_kl_of_its_sets(skip_prot
 
 
 def test_a_registered_protocol_leaves_the_built_in_values_unchanged(skip_protocols):
-    model = tiny_model("llama", num_layers=4)
+    model = tiny_model("llama", num_blocks=4)
     alone = score_layers(model, tiny_batch(), num_prompts=3, protocols=["interchange"], progress=False)
     mixed = score_layers(model, tiny_batch(), num_prompts=3, protocols=["interchange", "skip_both"], progress=False)
     assert [p.interchange for p in mixed.pairs] == [p.interchange for p in alone.pairs]
@@ -320,8 +320,8 @@ def test_a_registered_protocol_leaves_the_built_in_values_unchanged(skip_protoco
 
 def test_a_protocol_must_return_the_probes_it_declares():
     @register_protocol("broken")
-    def broken(num_layers, i, j):
-        return {"other": removal_plan(num_layers, [i])}
+    def broken(num_blocks, i, j):
+        return {"other": removal_plan(num_blocks, [i])}
 
     try:
         with pytest.raises(ValueError, match=re.escape("protocol 'broken' returned plans for ['other']; it declares probes ['broken']")):
@@ -340,12 +340,12 @@ def test_a_registered_protocol_is_selectable_everywhere(skip_protocols):
     from hf_layerswap.rule import greedy_select
     from hf_layerswap.selection import select_layers
 
-    model = tiny_model("llama", num_layers=6)
+    model = tiny_model("llama", num_blocks=6)
     report = score_layers(model, tiny_batch(), num_prompts=3, protocols=["skip_both"], progress=False)
     chosen = select_layers(report, 2, protocol="skip_both")
     assert chosen == greedy_select(report.layer_scores("skip_both"), 2, spacing=1, protect=(0, -1))
-    assert LayerSwapConfig(num_layers=2, protocol="skip_both", strategy="greedy").protocol == "skip_both"
-    args = build_parser().parse_args(["prune", "m", "out", "--num-layers", "2", "--strategy", "greedy",
+    assert LayerSwapConfig(num_to_remove=2, protocol="skip_both", strategy="greedy").protocol == "skip_both"
+    args = build_parser().parse_args(["prune", "m", "out", "--num-to-remove", "2", "--strategy", "greedy",
                                       "--protocol", "skip_both"])
     assert args.protocol == "skip_both"
     assert build_parser().parse_args(["score", "m", "--protocols", "skip_both"]).protocols == ["skip_both"]

@@ -128,7 +128,7 @@ def test_registry_refuses_unknown_names(setup, tmp_path):
     with pytest.raises(ValueError, match=r"strategy='nope': allowed \[.*'search'.*\]"):
         hl.select_layers(report, 1, strategy="nope")
     with pytest.raises(ValueError, match=r"LayerSwapConfig\(strategy='nope'\): allowed"):
-        hl.LayerSwapConfig(num_layers=1, strategy="nope")
+        hl.LayerSwapConfig(num_to_remove=1, strategy="nope")
     with pytest.raises(ValueError, match="objective='bad'"):
         hl.select_layers(report, 1, strategy="search", model=model, calibration=calib, objective="bad")
     with pytest.raises(ValueError, match="pass model= and calibration="):
@@ -136,7 +136,7 @@ def test_registry_refuses_unknown_names(setup, tmp_path):
     assert {"greedy", "auto", "search", "beam", "block_influence", "angular_distance", "single_removal_kl",
             "sleb"} <= set(STRATEGIES)
     with pytest.raises(SystemExit) as err:
-        main(["prune", "x", str(tmp_path / "out"), "--num-layers", "1", "--strategy", "nope"])
+        main(["prune", "x", str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "nope"])
     assert err.value.code == 2
 
 
@@ -154,12 +154,12 @@ def test_baseline_strategies_share_the_interface(setup):
 def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
     from tests.conftest import tiny_batch, tiny_model
 
-    model = tiny_model("llama", num_layers=6)
+    model = tiny_model("llama", num_blocks=6)
     batch = tiny_batch()
     dense = copy.deepcopy(model)
     calib = CalibrationSet(batch["input_ids"], batch["attention_mask"], "tensors")
     # the default objective stays the removal KL with the repair (measured better after it)
-    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, recovery="ghosted"))
+    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_to_remove=2, calibration=batch, progress=False, recovery="ghosted"))
     record = model.layerswap_report.selections[-1]
     assert record["strategy"] == "search" and record["objective"] == "removal_kl"
     assert model.config.layerswap["removed_layers"] == record["selected"]
@@ -167,7 +167,7 @@ def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
     assert record["selected"] == best and record["value"] == value
     # the repair in the loop, when asked for
     model = copy.deepcopy(dense)
-    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_layers=2, calibration=batch, progress=False, recovery="ghosted",
+    hl.prune_loaded_model(model, hl.LayerSwapConfig(num_to_remove=2, calibration=batch, progress=False, recovery="ghosted",
                                                     objective="ghosted"))
     record = model.layerswap_report.selections[-1]
     assert record["objective"] == "ghosted" and model.config.layerswap["removed_layers"] == record["selected"]
@@ -222,7 +222,7 @@ def test_each_budget_has_its_own_allowance_and_pairs_steer_the_prediction():
     the additive prediction) is never tried; every budget scores at most its allowance."""
     from tests.conftest import tiny_model
 
-    model = tiny_model("llama", num_layers=8)
+    model = tiny_model("llama", num_blocks=8)
     single = {1: 0.5, 2: 0.4, 3: 0.1, 4: 0.2, 5: 0.3, 6: 0.6}
     f = _TableObjective(single, {frozenset({3, 4}): 5.0})
     found = search_select(None, [1, 2, 3, 4], model=model, calibration=None, evaluator=f, exhaustive_below=0,

@@ -355,7 +355,7 @@ def test_pals_statistic_linear_inputs_pools_each_distinct_input_once():
 
 
 def test_gradient_statistic_equals_autograd():
-    model = tiny_model("llama", num_layers=3)
+    model = tiny_model("llama", num_blocks=3)
     batch = tiny_batch(batch=3, length=12)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     model.zero_grad()
@@ -372,8 +372,8 @@ def test_gradient_statistic_equals_autograd():
 
 
 def test_owl_statistic_matches_hand_lod():
-    dense = tiny_model("llama", num_layers=4)
-    model = tiny_model("llama", num_layers=4)
+    dense = tiny_model("llama", num_blocks=4)
+    model = tiny_model("llama", num_blocks=4)
     batch = tiny_batch(batch=3, length=12)
     report = sparsify(model, batch, sparsity=0.5, allocation="owl", method="wanda", owl_m=3, owl_lambda=0.05)
     _, _, blocks = decoder_blocks(dense)
@@ -441,7 +441,7 @@ def test_save_reload_identical_logits_and_zero_count(tmp_path):
 
 
 def test_bad_arguments_change_nothing():
-    model = tiny_model("llama", num_layers=2)
+    model = tiny_model("llama", num_blocks=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = tiny_batch()
     with pytest.raises(ValueError, match="allocation='uniform'"):
@@ -612,7 +612,7 @@ def test_unknown_allocation_or_method_lists_the_registered_ones():
 
     assert list(ALLOCATORS) == ["uniform", "pals", "owl", "random", "gradient"]
     assert list(PRUNERS) == ["wanda", "sparsegpt", "magnitude"]
-    model = tiny_model("llama", num_layers=2)
+    model = tiny_model("llama", num_blocks=2)
     with pytest.raises(ValueError, match=re.escape("allocation='best': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']")):
         sparsify(model, build_calibration(tiny_batch()), allocation="best")
     with pytest.raises(ValueError, match=re.escape("method='obc': allowed ['wanda', 'sparsegpt', 'magnitude']")):
@@ -654,7 +654,7 @@ def test_a_registered_toy_allocator_and_pruner_run_end_to_end():
     try:
         with pytest.raises(ValueError, match="already registered"):
             register_pruner("toy_magnitude", label="again")(toy_magnitude)
-        model = tiny_model("llama", num_layers=3)
+        model = tiny_model("llama", num_blocks=3)
         calib = build_calibration(tiny_batch())
         with pytest.warns(UserWarning, match=r"options \['delta'\] have no effect with allocation='toy_front'"):
             sparsify(copy.deepcopy(model), calib, sparsity=0.25, allocation="toy_front", method="toy_magnitude", delta=0.1)

@@ -28,7 +28,7 @@ SUBPROCESS_RELOAD = textwrap.dedent(
     assert "hf_layerswap" not in sys.modules
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
-    torch.save({"logits": logits, "num_layers": len(model.model.layers)}, path + "/reloaded.pt")
+    torch.save({"logits": logits, "num_blocks": len(model.model.layers)}, path + "/reloaded.pt")
     """
 )
 
@@ -64,5 +64,5 @@ def test_surgery_generate_and_plain_reload(family, tmp_path):
         check=True,
     )
     out = torch.load(tmp_path / "reloaded.pt")
-    assert out["num_layers"] == 4
+    assert out["num_blocks"] == 4
     assert torch.equal(out["logits"], pruned_logits)

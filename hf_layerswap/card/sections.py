@@ -15,22 +15,22 @@ from huggingface_hub import EvalResult
 from ..calibration import shortfall_text
 from ..config import LayerSwapConfig
 from ..provenance import library_versions
-from ..protocols import PROTOCOLS
+from ..protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
 from ..report import set_key, SwapReport
 from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
-from .checks import _provenance, _search_record, _step_config
+from .checks import _provenance, _step_config, last_decision, step_strategy
 from .format import _DASH, _HUB_ID, MAX_PAIR_ROWS, _METRIC_ARGS, _NOT_CONTRACT, REPORT_FILE, _cell, _indices, _kl, _pct, _ratio
 
 
 
 # ---------------------------------------------------------------------- sections
 def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequence[int]) -> dict:
-    protected = resolve_protect(protect, report.num_layers)
+    protected = resolve_protect(protect, report.num_blocks)
     scores = {p: report.layer_scores(p) for p in report.protocols}
     ranks = {p: {layer: n + 1 for n, layer in enumerate(report.ranking(p))} for p in report.protocols}
     layer_rows = []
-    for layer in range(report.num_layers):
+    for layer in range(report.num_blocks):
         status = "**removed**" if layer in removed else ("protected" if layer in protected else "")
         if layer in removed and not any(math.isfinite(scores[p][layer]) for p in report.protocols):
             status = "**removed** (its score is non-finite: not a basis for the removal)"
@@ -44,7 +44,7 @@ def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequenc
         )
     pairs, note = report.pairs, None
     if len(pairs) > MAX_PAIR_ROWS:
-        key = "interchange" if "interchange" in report.protocols else "replacement"
+        key = next((p for p in reversed(PROTOCOLS) if p in report.protocols), report.protocols[0])
         adjacent = [r for r in pairs if r.gap == 1]
         rest = sorted((r for r in pairs if r.gap > 1), key=lambda r: (_nan_last(r.value(key)), r.i, r.j))
         pairs = sorted(adjacent + rest[: max(0, MAX_PAIR_ROWS - len(adjacent))], key=lambda r: (r.i, r.j))
@@ -83,7 +83,7 @@ def _report_section(report: SwapReport, removed: Sequence[int], protect: Sequenc
                 f" {nonfinite} pair(s) have a non-finite value (shown as NaN/inf: a result, not dropped)."
             )
     return {
-        "protocols": list(report.protocols),
+        "protocols": [protocol_label(p) for p in report.protocols],
         "max_gap": report.max_gap,
         "layer_rows": layer_rows,
         "pair_rows": pair_rows,
@@ -102,9 +102,14 @@ def _layers_named(err: NonFiniteScoresError) -> str:
 
 def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
     rows, sets = [], {}
-    search = _search_record(steps)
-    if search is not None and list(search.get("selected", [])) == list(removed):
-        return _search_candidates(search, report, removed, steps)
+    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    entry, decision = last_decision(steps)
+    own = entry.card_candidates(decision, report, removed, _kl, _indices) if entry and entry.card_candidates else None
+    if own is not None:  # the strategy's record carries its candidates and the reason
+        rows, reason = own
+        if len(steps) > 1:
+            reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: " + reason
+        return rows, reason, removed_kl
     for p in report.protocols:
         try:
             chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
@@ -118,74 +123,29 @@ def _candidates(report, removed, spacing, protect, steps) -> tuple[list[dict], s
         sets[p] = chosen
         rows.append(
             {
-                "protocol": p,
+                "protocol": protocol_label(p),
                 "layers": _indices(chosen),
                 "removal_kl": _kl(report.removal_kl.get(set_key(chosen))),
             }
         )
-    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
     return rows, _why(steps, removed, sets), removed_kl
 
 
-def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str, str]:
-    """Rows for each protocol's greedy set (paper's rule, spacing >= 1) as the search scored them."""
-    rows, sets = [], {}
-    objective = search.get("objective", "removal_kl")
-    for p in report.protocols:
-        entry = (search.get("protocol_sets") or {}).get(p)
-        if entry is None:
-            rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
-                         "removal_kl": _DASH})
-            continue
-        sets[p] = list(entry["set"])
-        value = entry.get("value")
-        if objective != "removal_kl":
-            value = report.removal_kl.get(set_key(entry["set"]))
-        rows.append({"protocol": p, "layers": _indices(entry["set"]), "removal_kl": _kl(value)})
-    removed_kl = _kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
-    cost = search.get("cost") or {}
-    values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
-    unit = search.get("unit", "nats")
-    reason = (
-        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
-        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
-        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
-        f"{_kl(search.get('value'))} {unit}"
-    )
-    if values:
-        reason += " against " + ", ".join(f"{p} {_kl(v)}" for p, v in values.items())
-    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
-               "passes). It has the lowest value of every set scored.")
-    if len(steps) > 1:
-        reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: " + reason
-    matching = [p for p, s in sets.items() if s == list(removed)]
-    if matching:
-        reason += f" It is also the set the {' and '.join(matching)} rule picks."
-    else:
-        reason += " Neither protocol's greedy rule picks it."
-    return rows, reason, removed_kl
-
-
 def _why(steps, removed, sets) -> str:
-    record = _provenance(steps[-1] if steps else {})
-    auto = record.auto
+    entry, record = step_strategy(steps[-1] if steps else {})
+    own = entry.card_reason(record, _kl, _indices) if entry is not None and entry.card_reason else None
     if len(steps) > 1:
         reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: "
     else:
         reason = ""
-    if auto:
-        kl = auto.get("removal_kl", {})
-        reason += (
-            "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
-            f"calibration prompts (interchange {_kl(kl.get('interchange'))}, replacement "
-            f"{_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
-            f"({auto.get('reason')})."
-        )
+    if own:
+        reason += own
     elif record.selection == "explicit layers":
         reason += "the blocks were given explicitly (`LayerSwapConfig(layers=...)` or `remove_layers`)."
-    elif record.protocol in PROTOCOLS:
-        selection = record.selection if record.selection != "not recorded" else "greedy"
-        reason += f"greedy selection on the **{record.protocol}** scores ({selection})."
+    elif record.strategy and record.selection != "not recorded":
+        reason += f"strategy **{record.strategy}** ({record.selection})."
+    elif record.protocol in SWAP_PROTOCOLS:
+        reason += f"greedy selection on the **{record.protocol}** scores (the paper's rule)."
     elif steps:
         reason += "`remove_layers` was called without a selection record."
     else:
@@ -360,9 +320,9 @@ def _versions(report, steps, evaluation) -> dict:
     return {"columns": list(columns), "rows": [(n, [_cell(c.get(n, _DASH)) for c in columns.values()]) for n in names]}
 
 
-def _load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
+def _load_snippet(repo: str, tokenizer_repo: str | None, *, attaches: bool = False) -> str:
     lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
-    if ghosted:
+    if attaches:
         lines = ["import hf_layerswap  # registers the loader that re-attaches the repair operators", *lines]
     lines.append(f'model = AutoModelForCausalLM.from_pretrained("{repo}")')
     if tokenizer_repo:
@@ -378,7 +338,7 @@ def _reproduce(base_model, removed, steps, report, ident) -> tuple[str, str | No
     cfg = _step_config(steps)
     defaults = LayerSwapConfig().to_dict()
     if cfg and len(steps) == 1:
-        keep = ("num_layers", "layers", "protocol")
+        keep = ("num_to_remove", "layers", "protocol")
         args = {k: v for k, v in cfg.items() if k != "quant_method" and (k in keep or v != defaults.get(k)) and v is not None}
         args.pop("progress", None)
     else:

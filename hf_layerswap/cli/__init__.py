@@ -1,4 +1,4 @@
-"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune``, ``push``, ``peel``, ``eval`` and ``export-gguf``
+"""``hf-layerswap`` command line: ``demo``, ``score``, ``prune``, ``heal``, ``push``, ``peel``, ``eval`` and ``export-gguf``
 (``--help`` of each verb shows its defaults).
 
 Every verb takes the same options as the Python API (0-based layer indices everywhere).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, export_gguf, peel, prune, push, score
+from . import demo, export_gguf, heal, peel, prune, push, score
 from . import eval as eval_verb
 from .demo import DEFAULT_MODEL, demo_config, run_demo
 from .eval import add_eval_arguments, run_eval
@@ -26,7 +26,7 @@ from .score import format_scores_table, run_score
 __all__ = ["build_parser", "main"]
 
 #: The verbs in the order ``--help`` lists them.
-VERBS = (demo, score, prune, push, peel, eval_verb, export_gguf)
+VERBS = (demo, score, prune, heal, push, peel, eval_verb, export_gguf)
 
 
 def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:

@@ -8,7 +8,12 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 from accelerate.utils import convert_file_size_to_int
 
@@ -21,6 +26,7 @@ from ..scoring.settings import parse_memory
 __all__ = [
     "HELP_FORMATTER",
     "add_calibration_args",
+    "add_config_options",
     "add_device_args",
     "add_model_args",
     "add_resume_arg",
@@ -29,6 +35,7 @@ __all__ = [
     "check_output",
     "check_paths",
     "check_text_files",
+    "cli_settings",
     "config_help",
     "count",
     "count_or_auto",
@@ -57,6 +64,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 HELP_FORMATTER = HelpFormatter
 
 
+def _config_field(kind, name: str):
+    """``(owner dataclass, its field, the type hint)`` of ``name``: a field of ``kind``, or
+    for :class:`~hf_layerswap.LayerSwapConfig` a flat keyword (its sub-config's field)."""
+    if kind is LayerSwapConfig and name in FLAT_KEYWORDS:
+        parent, name = FLAT_KEYWORDS[name]
+        kind = {"recovery": RecoveryConfig, "sparsity": SparsityConfig}[parent]
+    try:
+        spec = kind.__dataclass_fields__[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a field of {kind.__name__}: allowed {list(kind.__dataclass_fields__)}") from None
+    return kind, spec, get_type_hints(kind)[name]
+
+
 def config_help(name: str) -> str:
     """The help text of the :class:`~hf_layerswap.LayerSwapConfig` field (or flat keyword,
     e.g. ``allocation``: its sub-config field's) that an option mirrors: the field's
@@ -65,9 +85,73 @@ def config_help(name: str) -> str:
     Raises:
         KeyError: ``name`` is neither a field nor a flat keyword.
     """
-    parent, sub = FLAT_KEYWORDS.get(name, (None, name))
-    kind = {None: LayerSwapConfig, "recovery": RecoveryConfig, "sparsity": SparsityConfig}[parent]
-    return kind.__dataclass_fields__[sub].metadata["help"]
+    return _config_field(LayerSwapConfig, name)[1].metadata["help"]
+
+
+def cli_settings(kind=LayerSwapConfig) -> list[str]:
+    """The fields of the config dataclass ``kind`` marked as command-line settings
+    (``metadata["cli"]``), in field order; for :class:`~hf_layerswap.LayerSwapConfig`
+    the flat keywords of sub-config fields so marked follow (e.g. ``allocation``)."""
+    names = [f.name for f in dataclass_fields(kind) if f.metadata.get("cli")]
+    if kind is LayerSwapConfig:
+        names += [key for key in FLAT_KEYWORDS if _config_field(kind, key)[1].metadata.get("cli")]
+    return names
+
+
+def _option_kwargs(name: str, spec, hint, given_type=None) -> dict:
+    """argparse keywords of one config field: ``type`` (an int with ``metadata["minimum"]``
+    becomes :func:`count`), ``nargs="+"`` for a list, ``choices`` from ``metadata["choices"]``
+    (a callable: the registry's names now) or a ``Literal`` type, ``default`` and ``help``;
+    ``given_type`` replaces the built ``type``."""
+    args = [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) in (Union, UnionType) else [hint]
+    base = args[0] if len(args) == 1 else hint
+    out = {"help": spec.metadata["help"], "default": None if spec.default is MISSING else spec.default}
+    if given_type is not None:
+        out["type"] = given_type
+    elif "choices" in spec.metadata:
+        out["choices"] = list(spec.metadata["choices"]())
+    elif get_origin(base) is Literal:
+        out["choices"] = list(get_args(base))
+    elif get_origin(base) is list and get_args(base) == (int,):
+        out.update(type=int, nargs="+")
+    elif base is int:
+        out["type"] = count(spec.metadata["minimum"]) if "minimum" in spec.metadata else int
+    elif base in (float, str):
+        out["type"] = base
+    else:
+        raise TypeError(f"config field {name!r} of type {hint}: no command-line form; pass types={{{name!r}: ...}}")
+    return out
+
+
+def add_config_options(parser, names: Sequence[str], kind=LayerSwapConfig, *, types: Mapping | None = None,
+                       options: Mapping | None = None) -> None:
+    """Add one option per config field in ``names`` to ``parser`` (a parser or an argument
+    group), built from the field: ``num_to_remove`` -> ``--num-to-remove``, its type (an int
+    with a ``minimum`` is checked, a list takes ``nargs="+"``), its default, its choices (a
+    ``Literal`` type, or the registry's names now for a field with ``metadata["choices"]``)
+    and its ``metadata["help"]``. For :class:`~hf_layerswap.LayerSwapConfig` a name may be a
+    flat keyword (``allocation``, ``sparsity_pattern``): the option is its sub-config field's.
+
+    Args:
+        parser: an ``argparse.ArgumentParser`` or group (e.g. a mutually exclusive one).
+        names: field names (or flat keywords) of ``kind``.
+        kind: the config dataclass (:class:`~hf_layerswap.LayerSwapConfig`,
+            :class:`~hf_layerswap.config.RecoveryConfig`, :class:`~hf_layerswap.config.SparsityConfig`).
+        types: ``{name: argparse type}`` where the field's type has no command-line form
+            (e.g. ``sparsity``: :func:`fraction`).
+        options: ``{name: {add_argument keyword: value}}`` that replace the built ones
+            (e.g. ``{"protect": {"nargs": "*"}}``).
+
+    Raises:
+        KeyError: a name that is not a field (the message lists the fields).
+        TypeError: a field whose type has no command-line form and no ``types`` entry.
+    """
+    types, options = dict(types or {}), dict(options or {})
+    for name in names:
+        _, spec, hint = _config_field(kind, name)
+        kwargs = _option_kwargs(name, spec, hint, types.get(name))
+        kwargs.update(options.get(name, {}))
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def count(minimum: int):
@@ -176,13 +260,10 @@ def add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64"
         help="calibration text: a text file (e.g. WikiText-2 valid.txt) or 'embedded' (prose shipped with Python)",
     )
     auto = num_prompts_default == "auto"
-    p.add_argument(
-        "--num-prompts", default=num_prompts_default, type=count_or_auto if auto else count(1),
-        help=config_help("num_prompts") + (", or 'auto' to fit --scoring-seconds" if auto else ""),
-    )
-    p.add_argument("--seq-len", type=count(2), default=128, help=config_help("seq_len"))
-    p.add_argument("--batch-size", type=count(1), default=8, help=config_help("batch_size"))
-    p.add_argument("--seed", type=int, default=0, help=config_help("seed"))
+    num_prompts = {"default": num_prompts_default}
+    if auto:
+        num_prompts.update(type=count_or_auto, help=config_help("num_prompts") + ", or 'auto' to fit --scoring-seconds")
+    add_config_options(p, ["num_prompts", "seq_len", "batch_size", "seed"], options={"num_prompts": num_prompts})
 
 
 def scoring_memory(text):

@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
+from ..cost import estimate_cost
+from ..devices import input_device
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
 from ..evaluation.contract import _read_source, _tokenize
 from ..pipeline import prune
@@ -60,7 +62,7 @@ def add_parser(subparsers):
     demo.add_argument("--eval-max-words", type=count(1), default=DEMO_EVAL_WORDS,
                       help="words of held-out text (the matched contract reads 5,000; the demo's default keeps it short)")
     demo.add_argument("--budgets", type=count(1), nargs="+", default=[1, 2, 3], help="numbers of layers to compare")
-    demo.add_argument("--final-layers", type=count(1), default=2, help="layers removed from the saved checkpoint")
+    demo.add_argument("--final-num-to-remove", type=count(1), default=2, help="layers removed from the saved checkpoint")
     demo.add_argument("--final-protocol", default="auto", choices=["interchange", "replacement", "auto"],
                       help="with --final-strategy greedy: the protocol whose set is removed")
     demo.add_argument("--final-strategy", default="search", choices=["search", "greedy"],
@@ -95,7 +97,7 @@ class _WorkPlan:
 
     def __init__(self, model, probe_batch):
         _, _, blocks = decoder_blocks(model)
-        self.num_layers = len(blocks)
+        self.num_blocks = len(blocks)
         block_params = sum(p.numel() for b in blocks for p in b.parameters())
         head = model.get_output_embeddings()
         head_params = head.weight.numel() if head is not None else 0
@@ -105,15 +107,15 @@ class _WorkPlan:
     def probe_cost(self, first_changed_slot: int) -> float:
         """Forward-pass tokens of one probe per calibration token: the blocks from the first
         changed slot on (the prefix before it is reused) and the head."""
-        rest = (self.num_layers - first_changed_slot) / self.num_layers
+        rest = (self.num_blocks - first_changed_slot) / self.num_blocks
         return rest * (1 - self.head_share) + self.head_share
 
     def scoring(self, tokens: int) -> float:
-        plans = swap_plans(self.num_layers, 1).values()
-        return tokens * (1 + sum(self.probe_cost(first_difference(p, self.num_layers)) for p in plans))
+        plans = swap_plans(self.num_blocks, 1).values()
+        return tokens * (1 + sum(self.probe_cost(first_difference(p, self.num_blocks)) for p in plans))
 
     def search(self, tokens: int, sets: int) -> float:
-        return tokens * sets * self.probe_cost(self.num_layers // 2)  # a set starts mid-stack on average
+        return tokens * sets * self.probe_cost(self.num_blocks // 2)  # a set starts mid-stack on average
 
     def perplexity(self, window_tokens: int, scored_tokens: int) -> float:
         return window_tokens * (1 - self.head_share) + scored_tokens * self.head_share
@@ -134,16 +136,16 @@ def _seconds_per_token(model, batch) -> float:
     return elapsed / max(int(ids.numel()), 1)
 
 
-def _search_allowance(num_layers: int, protect: int = 2) -> int:
+def _search_allowance(num_blocks: int, protect: int = 2) -> int:
     """The demo's search allowance per budget n >= 2: a third of the removable blocks."""
-    return max(1, (num_layers - protect) // 3)
+    return max(1, (num_blocks - protect) // 3)
 
 
-def _search_sets(num_layers: int, top: int, allowance: int, max_evaluations: int | None) -> int:
+def _search_sets(num_blocks: int, top: int, allowance: int, max_evaluations: int | None) -> int:
     """Most sets a search up to budget ``top`` scores: the single-removal sweep, then per
     further budget its ``allowance`` and each protocol's own greedy set; at most
     ``max_evaluations`` in all."""
-    sets = (num_layers - 2) + (top - 1) * (allowance + 2)
+    sets = (num_blocks - 2) + (top - 1) * (allowance + 2)
     return sets if max_evaluations is None else min(sets, max_evaluations)
 
 
@@ -158,16 +160,16 @@ def _eval_tokens(model, eval_text, tokenizer, max_words) -> tuple[int, int]:
     return sum(end - begin for begin, end, _ in spans), sum(end - score_from for _, end, score_from in spans)
 
 
-def demo_config(args, num_layers: int, num_prompts: int, max_evaluations: int | None = None):
-    """The :class:`~hf_layerswap.LayerSwapConfig` of the demo's final cut: ``--final-layers``
+def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | None = None):
+    """The :class:`~hf_layerswap.LayerSwapConfig` of the demo's final cut: ``--final-num-to-remove``
     blocks by ``--final-strategy`` (greedy: ``--final-protocol``'s set, ``auto`` = the better
-    of the two), on the demo's calibration budget. ``num_layers`` is the model's block count;
+    of the two), on the demo's calibration budget. ``num_blocks`` is the model's block count;
     ``max_evaluations`` caps the search (default ``--max-evaluations``, else 3 per block)."""
     search = args.final_strategy == "search"
     strategy = "search" if search else ("auto" if args.final_protocol == "auto" else "greedy")
     return LayerSwapConfig(
-        num_layers=args.final_layers, strategy=strategy, **({} if search else {"protocol": args.final_protocol}),
-        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_layers) if search else None,
+        num_to_remove=args.final_num_to_remove, strategy=strategy, **({} if search else {"protocol": args.final_protocol}),
+        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_blocks) if search else None,
         calibration=calibration_source(args.calibration), num_prompts=num_prompts, seq_len=args.seq_len,
         batch_size=args.batch_size, seed=args.seed, progress=True,
     )
@@ -183,8 +185,8 @@ def run_demo(args) -> int:
     check_before_loading(args, outputs=[("--output", args.output, "new folder")])
     model, tokenizer = load(args)
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
-    num_layers = num_blocks(model)
-    num_probes = 3 * (num_layers - 1)
+    total = num_blocks(model)
+    num_probes = 3 * (total - 1)
     probe = build_calibration(args.calibration, tokenizer, num_prompts=args.batch_size, seq_len=args.seq_len,
                               seed=args.seed)
     work = _WorkPlan(model, probe)
@@ -199,16 +201,16 @@ def run_demo(args) -> int:
     calib = build_calibration(args.calibration, tokenizer, num_prompts=n_prompts, seq_len=args.seq_len, seed=args.seed)
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     search_budgets = sorted(set(args.budgets))
-    per_budget = _search_allowance(num_layers)
+    per_budget = _search_allowance(total)
     window_tokens, scored_tokens = _eval_tokens(model, eval_text, tokenizer, args.eval_max_words)
     evaluations = 1 + 3 * len(search_budgets)  # at most: the base model and every distinct set
-    search_sets = _search_sets(num_layers, search_budgets[-1], per_budget, args.max_evaluations)
+    search_sets = _search_sets(total, search_budgets[-1], per_budget, args.max_evaluations)
     if args.final_strategy != "search":
         final_sets = 0
-    elif args.final_layers in search_budgets:  # the same candidates as the search above, up to that budget
-        final_sets = _search_sets(num_layers, args.final_layers, per_budget, args.max_evaluations)
+    elif args.final_num_to_remove in search_budgets:  # the same candidates as the search above, up to that budget
+        final_sets = _search_sets(total, args.final_num_to_remove, per_budget, args.max_evaluations)
     else:
-        final_sets = _search_sets(num_layers, args.final_layers, num_layers - 2, args.max_evaluations or 3 * num_layers)
+        final_sets = _search_sets(total, args.final_num_to_remove, total - 2, args.max_evaluations or 3 * total)
     estimate = {
         "scoring": work.seconds(work.scoring(calib.num_tokens)),
         "search": work.seconds(work.search(calib.num_tokens, search_sets + final_sets)),
@@ -226,6 +228,9 @@ def run_demo(args) -> int:
         f"of {1 / work.seconds_per_token:.0f} tokens/s on this machine",
         flush=True,
     )
+    cut = estimate_cost(model, demo_config(args, total, n_prompts, None), calibration=calib,
+                        device=input_device(model))
+    print("the final cut as a prune from scratch (hl.estimate_cost):\n" + "\n".join(cut.lines()), flush=True)
     report = score_layers(model, calib, batch_size=args.batch_size, progress=True, seed=args.seed)
     print(f"\nper-layer swap-KL scores, s(i) = min over adjacent partners (nats; low = removable), "
           f"{model.config.num_hidden_layers} blocks, 0-based:\n")
@@ -281,11 +286,11 @@ def run_demo(args) -> int:
     # the final cut: the one pipeline, on the report and prompts above (nothing is scored twice). Where the
     # final budget was searched above, its search gets the evaluations that search spent up to that budget:
     # the same candidates in the same order, so the same set.
-    spent = searched[args.final_layers]["cost"]["evaluator_calls"] if args.final_layers in searched else None
-    result = prune(model, demo_config(args, num_layers, n_prompts, spent), tokenizer=tokenizer, report=report,
+    spent = searched[args.final_num_to_remove]["cost"]["evaluator_calls"] if args.final_num_to_remove in searched else None
+    result = prune(model, demo_config(args, total, n_prompts, spent), tokenizer=tokenizer, report=report,
                    calibration=calib)
     pruned, final = result.model, result.removed
-    decision = (result.provenance.search or result.provenance.auto or {}) if result.provenance else {}
+    decision = (result.provenance.decision or {}) if result.provenance else {}
     reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
               if args.final_strategy == "search" else decision.get("reason", "as selected"))
     key = tuple(final)

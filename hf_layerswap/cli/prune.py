@@ -4,27 +4,27 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from ..config import LayerSwapConfig
+from ..cost import estimate_cost
+from ..devices import input_device
 from ..pipeline import prune
 from ..report import SwapReport
-from ..recovery import RECOVERY_METHODS
 from ..scoring.processes import is_main_process
-from ..selection import STRATEGIES
-from ..selection.core import selection_protocols
-from ..selection.objectives import OBJECTIVES
-from ..sparsity import ALLOCATORS, PRUNERS
+from ..healing import HEAL_METHODS
+from .heal import add_heal_args, checkpoint_folder, heal_config
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
+    add_config_options,
     add_model_args,
     add_resume_arg,
     add_scoring_memory_arg,
     calibration_source,
     check_before_loading,
     config_help,
-    count,
     fraction,
     load,
     prompt_count,
@@ -40,37 +40,22 @@ def add_parser(subparsers):
                               help="remove layers (scored or explicit) and save a plain transformers checkpoint")
     add_model_args(p)
     p.add_argument("output", help="directory for the pruned checkpoint (a new or empty folder)")
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--num-layers", type=count(1), help=config_help("num_layers"))
-    group.add_argument("--layers", type=int, nargs="+", help=config_help("layers"))
+    add_config_options(p.add_mutually_exclusive_group(required=True), ["num_to_remove", "layers"])
     p.add_argument("--report", default=None, help="reuse an existing report JSON instead of scoring")
     add_calibration_args(p)
     add_scoring_memory_arg(p)
-    p.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
-    _add_selection_args(p)
-    _add_repair_args(p)
+    add_config_options(p, ["max_gap", "strategy", "objective", "max_evaluations", "protocol", "spacing", "protect",
+                           "recovery", "sparsity", "allocation", "pruner", "sparsity_pattern"],
+                       types={"sparsity": fraction}, options={"protect": {"nargs": "*"}})
+    p.add_argument("--heal", nargs="?", const="lora", default=None, choices=sorted(HEAL_METHODS), metavar="METHOD",
+                   help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
+    add_heal_args(p, prefix="heal-")
     add_resume_arg(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the estimated cost (block/head passes, FLOPs, peak memory, seconds; "
+                        "hl.estimate_cost on the meta device, no weight read) and exit without writing anything")
     p.set_defaults(func=run_prune)
     return p
-
-
-def _add_selection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="search", choices=sorted(STRATEGIES), help=config_help("strategy"))
-    p.add_argument("--objective", default=None, choices=list(OBJECTIVES), help=config_help("objective"))
-    p.add_argument("--max-evaluations", type=count(1), default=None, help=config_help("max_evaluations"))
-    p.add_argument("--protocol", default="interchange", choices=list(selection_protocols()),
-                   help=config_help("protocol"))
-    p.add_argument("--spacing", type=count(0), default=None, help=config_help("spacing"))
-    p.add_argument("--protect", type=int, nargs="*", default=None, help=config_help("protect"))
-
-
-def _add_repair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recovery", default=None, choices=[m for m in RECOVERY_METHODS if m != "none"],
-                   help=config_help("recovery"))
-    p.add_argument("--sparsity", type=fraction, default=None, help=config_help("sparsity"))
-    p.add_argument("--allocation", default="pals", choices=list(ALLOCATORS), help=config_help("allocation"))
-    p.add_argument("--sparsity-method", default="wanda", choices=list(PRUNERS), help=config_help("method"))
-    p.add_argument("--sparsity-pattern", default=None, help=config_help("sparsity_pattern"))
 
 
 def prune_config(args):
@@ -82,20 +67,39 @@ def prune_config(args):
     """
     if args.max_evaluations is not None and args.strategy != "search":
         raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
+    heal = heal_config(args, prefix="heal-", method=args.heal) if args.heal is not None else None
+    if heal is None and heal_config(args, prefix="heal-", method="lora") != heal_config(
+            _defaults(args), prefix="heal-", method="lora"):
+        raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
     return LayerSwapConfig(
-        num_layers=args.num_layers, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
+        num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
-        recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, method=args.sparsity_method,
-        sparsity_pattern=args.sparsity_pattern, progress=True,
+        recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, pruner=args.pruner,
+        sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
     )
+
+
+def _defaults(args):
+    """``args`` with every ``--heal-*`` option at its parser default."""
+    parser = argparse.ArgumentParser()
+    add_heal_args(parser, prefix="heal-")
+    return argparse.Namespace(**{**vars(args), **vars(parser.parse_args([]))})
 
 
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
-    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")])
+    if args.dry_run:
+        if args.gguf_file is not None:
+            raise ValueError(f"--dry-run with --gguf-file {args.gguf_file!r}: the estimate reads a checkpoint's "
+                             "config.json; give the (dequantized) checkpoint folder instead")
+        estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype)
+        print("\n".join(estimate.lines()))
+        return 0
+    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
+                         + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
     if args.resume is not None and (args.layers is not None or args.report):
         given = "--layers" if args.layers is not None else "--report"
         raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
@@ -104,12 +108,18 @@ def run_prune(args) -> int:
         if not Path(args.report).is_file():
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
+    heal_dir = checkpoint_folder(args.output) if config.heal is not None else None
     model, tokenizer = load(args)
+    if report is None and args.layers is None and is_main_process():
+        print("\n".join(estimate_cost(model, config, device=input_device(model)).lines()), flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
+        heal_checkpoint_dir=heal_dir,
     )
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
+    if heal_dir is not None:
+        shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..card import EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE
 from ..hub import HubPushError, PushRefusedError, push_to_hub, read_evaluation_file, save_for_hub
+from ..card.healing import HEALING_FILE
+from ..healing import HealReport
 from ..report import SwapReport
 from ..sparsity import SparsityReport
 from .common import check_paths
@@ -83,6 +85,8 @@ def _load_folder(args):
             sparsity_report = SparsityReport.from_json(sparsity_path)
         except (ValueError, KeyError, TypeError) as err:
             raise PushRefusedError(f"{sparsity_path} is not a SparsityReport JSON file: {err!r}") from None
+    if (directory / HEALING_FILE).is_file():  # the healing plot is drawn again from it
+        model.layerswap_heal_report = HealReport.from_json(directory / HEALING_FILE)
     return model, tokenizer, report, evaluation, sparsity_report
 
 

@@ -16,12 +16,11 @@ from ..scoring.processes import is_main_process
 from .common import (
     HELP_FORMATTER,
     add_calibration_args,
+    add_config_options,
     add_model_args,
     add_resume_arg,
     add_scoring_memory_arg,
     check_before_loading,
-    config_help,
-    count,
     load,
     needs_tokenizer,
     prompt_count,
@@ -39,7 +38,7 @@ def add_parser(subparsers):
     add_scoring_memory_arg(score)
     score.add_argument("--protocols", nargs="+", default=["replacement", "interchange"],
                        choices=list(SWAP_PROTOCOLS))
-    score.add_argument("--max-gap", type=count(1), default=1, help=config_help("max_gap"))
+    add_config_options(score, ["max_gap"])
     score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
     add_resume_arg(score)
     score.set_defaults(func=run_score)
@@ -83,7 +82,7 @@ def format_scores_table(report) -> str:
     header = "| layer | " + " | ".join(f"{p} s(i) | rank" for p in protocols) + " |"
     sep = "|---:|" + "---:|---:|" * len(protocols)
     lines = [header, sep]
-    for layer in range(report.num_layers):
+    for layer in range(report.num_blocks):
         cells = " | ".join(f"{_fmt(scores[p][layer])} | {ranks[p][layer]}" for p in protocols)
         lines.append(f"| {layer} | {cells} |")
     return "\n".join(lines)

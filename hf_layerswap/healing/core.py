@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PrinterCallback, TrainingArguments
+from transformers import PrinterCallback, TrainingArguments, set_seed
 
 from ..calibration import build_calibration
+from ..evaluation.perplexity import evaluate_perplexity
+from ..jsonio import write_json_atomic
 from ..provenance import library_versions
+from .loss import teacher_top_k
 from .methods import get_heal_method
 from .report import HealReport
-from .trainer import BestWeights, DistillationTrainer
+from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint
 
-__all__ = ["check_teacher", "heal"]
+__all__ = ["RUN_FILE", "check_teacher", "heal"]
 
 
 def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
@@ -40,14 +47,20 @@ def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_
 
 
 class _Rows(torch.utils.data.Dataset):
+    """Prompts as Trainer rows, with the cached teacher's entries when ``cache`` is set."""
+
     def __init__(self, ids, mask):
         self.ids, self.mask = ids, mask
+        self.cache: dict | None = None
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
+        row = {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
+        if self.cache is not None:
+            row.update({key: values[i] for key, values in self.cache.items()})
+        return row
 
 
 def heal(
@@ -67,6 +80,11 @@ def heal(
     eval_every: int = 4,
     patience: int = 2,
     seed: int = 0,
+    checkpoint_dir: str | os.PathLike | None = None,
+    teacher_top_k: int | None = None,
+    progress: bool = False,
+    perplexity_text=None,
+    callbacks: Sequence = (),
     **options,
 ) -> HealReport:
     """Distil the pruned ``model`` from its dense ``teacher``: minimise KL(teacher ||
@@ -89,24 +107,44 @@ def heal(
         max_tokens: training budget in prompt positions (``batch_size x seq_len`` per
             step); the number of steps is ``ceil(max_tokens / (batch_size * seq_len))``.
         seq_len: tokens per prompt. options: method options (``lora_r``, ``lora_alpha``, ``k``).
+        checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
+            evaluation, the last two kept, each with the early stop's best weights): the
+            same call after an interruption resumes from the last complete one (a checkpoint
+            cut off while saving is removed) and ends with the same weights as an
+            uninterrupted run (same seed). A folder holding checkpoints
+            of a run with other settings is refused. ``None``: nothing is saved.
+        teacher_top_k: ``None`` (default): the teacher's full logits on the fly at every
+            step. An int ``k``: the teacher runs once over the training prompts and its
+            top-``k`` log-probabilities plus the rest's mass are cached
+            (:func:`~hf_layerswap.healing.loss.teacher_top_k`); training then minimises the
+            KL over those ``k + 1`` buckets, an approximation: by the data-processing
+            inequality it is a lower bound of the full KL, equal to it at ``k = V``. The
+            held-out KL (early stop, ``kl_before``/``kl_after``) is always the full KL.
+        progress: a tqdm bar over the training tokens with its ETA.
+        perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity`
+            accepts (``"embedded"``: the embedded evaluation split); when given, the
+            perplexity (``"matched"`` contract, no bootstrap) is measured before and after
+            healing and recorded in ``report.perplexity``. Needs ``tokenizer``.
+        callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging,
+            a custom stop).
 
     Returns:
-        The :class:`HealReport`. ``model`` is healed in place and stays a plain transformers
-        model (LoRA is merged back with ``merge_and_unload``; no PEFT modules), in eval
-        mode; ``model.config.layerswap["healing"]`` records the step.
+        The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is
+        healed in place and stays a plain transformers model (LoRA is merged back with
+        ``merge_and_unload``; no PEFT modules), in eval mode;
+        ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
         ValueError: a mismatched teacher (before any training), an unknown method, a bad
-            budget, or too few prompts to hold some out.
+            budget or ``teacher_top_k``, too few prompts to hold some out, or a
+            ``checkpoint_dir`` of another run.
     """
+    settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, heldout_prompts=heldout_prompts,
+                    batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
+                    patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
     entry = get_heal_method(method)
-    for name, value in (("max_tokens", max_tokens), ("batch_size", batch_size), ("eval_every", eval_every),
-                        ("patience", patience), ("heldout_prompts", heldout_prompts)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    if not (isinstance(learning_rate, (int, float)) and learning_rate > 0 and math.isfinite(learning_rate)):
-        raise ValueError(f"learning_rate={learning_rate!r}: must be a finite number > 0")
+    _check_settings(settings, model.config.vocab_size)
     steps = math.ceil(max_tokens / (batch_size * seq_len))
     wanted = min(steps * batch_size, 256) + heldout_prompts
     calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=seed)
@@ -115,43 +153,142 @@ def heal(
             f"{calib.input_ids.shape[0]} calibration prompt(s) with heldout_prompts={heldout_prompts}: "
             "at least one prompt must remain for training"
         )
+    settings["data_hash"] = calib.content_hash
+    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
+    ppl_before = _perplexity(model, perplexity_text, tokenizer, progress)
     ids, mask = calib.input_ids, calib.attention_mask
-    train, held = _Rows(ids[:-heldout_prompts], mask[:-heldout_prompts]), _Rows(ids[-heldout_prompts:], mask[-heldout_prompts:])
     device = next(model.parameters()).device
     teacher.to(device).eval()
+    train = _Rows(ids[:-heldout_prompts], mask[:-heldout_prompts])
+    held = _Rows(ids[-heldout_prompts:], mask[-heldout_prompts:])
+    if teacher_top_k is not None:
+        train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
+    set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
-    with tempfile.TemporaryDirectory() as scratch:
-        args = TrainingArguments(
-            output_dir=scratch, max_steps=steps, per_device_train_batch_size=batch_size,
-            per_device_eval_batch_size=batch_size, learning_rate=learning_rate, seed=seed,
-            eval_strategy="steps", eval_steps=eval_every, save_strategy="no", logging_steps=1,
-            report_to=[], disable_tqdm=True, remove_unused_columns=False, use_cpu=device.type == "cpu",
-        )
-        trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
-                                      teacher=teacher, ce_weight=ce_weight)
-        trainer.remove_callback(PrinterCallback)
-        kl_before = float(trainer.evaluate()["eval_loss"])
-        best = BestWeights(student, kl_before, patience)
-        trainer.add_callback(best)
-        trainer.train()
-        best.restore()
+    tokens_per_step = int(mask[:-heldout_prompts].sum()) / len(train) * batch_size
+    state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
+                         checkpoint_dir=checkpoint_dir, resume=bool(resume),
+                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
+    kl_before = best.start_kl
     healed = entry.finish(student)
     if healed is not model:
         raise RuntimeError(f"method={method!r} returned a new model object; healing works in place")
     for param in healed.parameters():
         param.requires_grad_(True)
     healed.eval()
-    real = int(mask[:-heldout_prompts].sum()) / len(train)
+    losses = [{"step": e["step"], "loss": e["loss"]} for e in state.log_history if "loss" in e]
     report = HealReport(
-        method=method, tokens=round(real * batch_size * trainer.state.global_step), steps=trainer.state.global_step,
+        method=method, tokens=round(tokens_per_step * state.global_step), steps=state.global_step,
         learning_rate=float(learning_rate), seed=seed, data=calib.description,
         heldout=f"last {heldout_prompts} prompt(s) of the calibration set", kl_before=kl_before,
-        kl_after=best.best_kl, reverted=not best.improved,
-        loss_history=[{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history if "loss" in e],
-        eval_history=best.history,
+        kl_after=best.best_kl, reverted=not best.improved, loss_history=losses, eval_history=best.history,
+        data_hash=calib.content_hash, teacher_top_k=teacher_top_k, ce_weight=float(ce_weight),
+        final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
+        options=dict(options),
     )
-    record = getattr(healed.config, "layerswap", None) or {}
-    step = {k: v for k, v in report.to_dict().items() if k not in ("loss_history", "eval_history")}
-    step["library_versions"] = library_versions()
-    healed.config.layerswap = {**record, "healing": record.get("healing", []) + [step]}
+    if ppl_before is not None:
+        contract = ppl_before.contract
+        report.perplexity = {"before": ppl_before.ppl, "after": _perplexity(healed, perplexity_text, tokenizer, progress).ppl,
+                             "contract": contract.get("name", "matched"), "text": contract.get("text")}
+    _record_step(healed, report)
+    healed.layerswap_heal_report = report
     return report
+
+
+def _train(student, teacher, train, held, settings: dict, *, steps: int, device, checkpoint_dir, resume: bool,
+           extra: list):
+    """Run transformers' Trainer on ``student`` (resuming from the last checkpoint in
+    ``checkpoint_dir`` when ``resume``); returns its final state and the early stop, whose
+    best weights are restored into ``student``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        args = TrainingArguments(
+            output_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, max_steps=steps,
+            per_device_train_batch_size=settings["batch_size"], per_device_eval_batch_size=settings["batch_size"],
+            learning_rate=settings["learning_rate"], seed=settings["seed"], eval_strategy="steps",
+            eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
+            save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
+            remove_unused_columns=False, use_cpu=device.type == "cpu",
+        )
+        trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
+                                      teacher=teacher, ce_weight=settings["ce_weight"])
+        trainer.remove_callback(PrinterCallback)
+        best = BestWeights(student, float(trainer.evaluate()["eval_loss"]), settings["patience"])
+        for callback in [best, *extra]:
+            trainer.add_callback(callback)
+        last = last_complete_checkpoint(checkpoint_dir) if resume else None
+        if last is not None:
+            best.load(last)
+        trainer.train(resume_from_checkpoint=last)
+        best.restore()
+    return trainer.state, best
+
+
+def _check_settings(settings: dict, vocab_size: int) -> None:
+    for name in ("max_tokens", "batch_size", "eval_every", "patience", "heldout_prompts"):
+        value = settings[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an int >= 1")
+    lr = settings["learning_rate"]
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"learning_rate={lr!r}: must be a finite number > 0")
+    k = settings["teacher_top_k"]
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
+        raise ValueError(f"teacher_top_k={k!r}: must be None (full logits) or an int in 1..{vocab_size} "
+                         "(the vocabulary size)")
+
+
+#: The file in a ``checkpoint_dir`` naming the run its checkpoints belong to.
+RUN_FILE = "layerswap_heal_run.json"
+
+
+def _claim_checkpoints(folder: Path, settings: dict) -> bool:
+    """Write ``settings`` into ``folder``, or check they equal those of the run whose
+    checkpoints are there; ``True`` when there is a run to resume."""
+    path = folder / RUN_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        differ = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+        if differ:
+            raise ValueError(
+                f"checkpoint_dir {os.fspath(folder)!r} holds checkpoints of a healing run with other settings "
+                f"({', '.join(f'{k}: {saved.get(k)!r} there, {settings.get(k)!r} now' for k in differ)}): "
+                "choose another folder, or remove it to start over"
+            )
+        return True
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"checkpoint_dir {os.fspath(folder)!r} is not empty and holds no {RUN_FILE}: "
+                         "not a healing checkpoint folder; choose an empty or new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(settings, path)
+    return False
+
+
+def _teacher_cache(teacher, rows: _Rows, k: int, batch_size: int, device) -> dict:
+    """The teacher's :func:`teacher_top_k` over every row, on the CPU."""
+    parts = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            ids = rows.ids[start:start + batch_size].to(device)
+            mask = rows.mask[start:start + batch_size].to(device)
+            logits = teacher(input_ids=ids, attention_mask=mask).logits
+            parts.append([t.cpu() for t in teacher_top_k(logits, k)])
+    return {key: torch.cat([p[i] for p in parts]) for i, key in enumerate(TEACHER_CACHE_KEYS)}
+
+
+def _perplexity(model, text, tokenizer, progress):
+    if text is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("perplexity_text needs tokenizer= (the student's tokenizer)")
+    return evaluate_perplexity(model, None if text == "embedded" else text, tokenizer=tokenizer, bootstrap=0,
+                               progress=progress)
+
+
+def _record_step(model, report: HealReport) -> None:
+    """Append the report (less its histories) to ``config.layerswap["healing"]``, with the
+    removal step it follows and the library versions."""
+    record = getattr(model.config, "layerswap", None) or {}
+    step = {k: v for k, v in report.to_dict().items() if k not in ("loss_history", "eval_history")}
+    step["after_removal_step"] = len(record.get("steps", []))
+    step["library_versions"] = library_versions()
+    model.config.layerswap = {**record, "healing": record.get("healing", []) + [step]}

@@ -27,6 +27,16 @@ class HealReport(JsonResult):
             starting weights were returned (then ``kl_after == kl_before``).
         loss_history: ``[{"step": s, "loss": nats}]`` training losses as logged.
         eval_history: ``[{"step": s, "kl": nats}]`` held-out KL at each evaluation.
+        data_hash: sha256 of the training and held-out token ids
+            (:attr:`~hf_layerswap.calibration.CalibrationSet.content_hash`).
+        teacher_top_k: ``None`` (the teacher's full logits) or the ``k`` of the cached
+            top-k teacher.
+        ce_weight: weight of the cross-entropy term.
+        final_loss: the last logged training loss (nats), ``None`` without a step.
+        tokens_per_step: mean real tokens per optimiser step (converts steps to tokens).
+        options: the method's options (``lora_r``, ``k``, ...).
+        perplexity: ``{"before", "after", "contract", "text"}`` when ``perplexity_text``
+            was given, else empty.
     """
 
     method: str
@@ -41,6 +51,13 @@ class HealReport(JsonResult):
     reverted: bool = False
     loss_history: list = field(default_factory=list)
     eval_history: list = field(default_factory=list)
+    data_hash: str = ""
+    teacher_top_k: int | None = None
+    ce_weight: float = 0.0
+    final_loss: float | None = None
+    tokens_per_step: float = 0.0
+    options: dict = field(default_factory=dict)
+    perplexity: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

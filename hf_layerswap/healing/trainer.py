@@ -1,19 +1,38 @@
-"""transformers' ``Trainer`` with the distillation loss and a best-weights early stop."""
+"""transformers' ``Trainer`` with the distillation loss, a best-weights early stop that
+survives a resume, and a progress bar in tokens."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 
-from .loss import distillation_loss
+from ..jsonio import write_json_atomic
+from .loss import distillation_loss, next_token_cross_entropy, top_k_distillation_loss
 
-__all__ = ["BestWeights", "DistillationTrainer"]
+__all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "HealProgress", "TEACHER_CACHE_KEYS",
+           "last_complete_checkpoint"]
+
+#: Files :class:`BestWeights` adds to each Trainer checkpoint folder.
+BEST_FILE = "layerswap_best.safetensors"
+BEST_STATE = "layerswap_best.json"
+#: Batch keys of a cached teacher (:func:`~hf_layerswap.healing.loss.teacher_top_k`).
+TEACHER_CACHE_KEYS = ("teacher_top_log_probs", "teacher_top_indices", "teacher_rest_log_mass")
 
 
 class DistillationTrainer(Trainer):
     """A ``Trainer`` whose loss is :func:`~hf_layerswap.healing.loss.distillation_loss`
-    against ``teacher``'s logits, computed on the fly (teacher in eval mode, no grad). The
-    evaluation loss is the same KL with ``ce_weight=0``."""
+    against ``teacher``'s logits, computed on the fly (teacher in eval mode, no grad), or
+    :func:`~hf_layerswap.healing.loss.top_k_distillation_loss` against a cached teacher
+    when the batch carries :data:`TEACHER_CACHE_KEYS` (then ``ce_weight`` is added on the
+    text as well). The evaluation loss is the full KL with ``ce_weight=0`` (the teacher
+    on the fly: exact held-out numbers whatever the training reads)."""
 
     def __init__(self, *args, teacher, ce_weight: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -21,6 +40,12 @@ class DistillationTrainer(Trainer):
         self.ce_weight = ce_weight
 
     def _loss(self, model, inputs, ce_weight):
+        if TEACHER_CACHE_KEYS[0] in inputs:
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            loss = top_k_distillation_loss(logits, *(inputs[k] for k in TEACHER_CACHE_KEYS), inputs["attention_mask"])
+            if ce_weight:
+                loss = loss + ce_weight * next_token_cross_entropy(logits, inputs["input_ids"], inputs["attention_mask"])
+            return loss
         with torch.no_grad():
             teacher_logits = self.teacher(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
@@ -39,11 +64,15 @@ class DistillationTrainer(Trainer):
 class BestWeights(TrainerCallback):
     """Keeps the trainable weights of the best held-out KL seen (starting with ``start_kl``
     and the weights before training) and stops after ``patience`` evaluations without an
-    improvement of more than ``min_delta`` nats."""
+    improvement of more than ``min_delta`` nats.
+
+    Its state (best weights, best KL, the evaluations so far) is written into each Trainer
+    checkpoint folder (:data:`BEST_FILE` and a JSON file) and read back by
+    :meth:`load`, so a resumed run stops and restores exactly as an uninterrupted one."""
 
     def __init__(self, model, start_kl: float, patience: int, min_delta: float = 0.0):
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.best_kl = start_kl
+        self.start_kl = self.best_kl = start_kl
         self.best = self.snapshot()
         self.improved = False
         self.patience, self.min_delta, self.waited = patience, min_delta, 0
@@ -57,6 +86,29 @@ class BestWeights(TrainerCallback):
             for name, param in self.params.items():
                 param.copy_(self.best[name])
 
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            save_file({n: t.contiguous() for n, t in self.best.items()}, str(folder / BEST_FILE))
+            state_ = {"best_kl": self.best_kl, "improved": self.improved, "waited": self.waited,
+                      "history": self.history}
+            write_json_atomic(state_, folder / BEST_STATE)  # written last: marks the checkpoint complete
+
+    def load(self, folder) -> None:
+        """Read the state :meth:`on_save` wrote into the checkpoint ``folder``.
+
+        Raises:
+            FileNotFoundError: the folder has no saved state (not a healing checkpoint).
+        """
+        folder = Path(folder)
+        if not (folder / BEST_STATE).is_file():
+            raise FileNotFoundError(f"{folder} holds no {BEST_STATE}: not a checkpoint of hf_layerswap's heal")
+        state = json.loads((folder / BEST_STATE).read_text(encoding="utf-8"))
+        best = load_file(str(folder / BEST_FILE))
+        self.best = {n: best[n].to(p.device) for n, p in self.params.items()}
+        self.best_kl, self.improved, self.waited = state["best_kl"], state["improved"], state["waited"]
+        self.history = state["history"]
+
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         kl = float(metrics["eval_loss"])
         self.history.append({"step": state.global_step, "kl": kl})
@@ -66,3 +118,51 @@ class BestWeights(TrainerCallback):
             self.waited += 1
             if self.waited >= self.patience:
                 control.should_training_stop = True
+
+
+class HealProgress(TrainerCallback):
+    """A tqdm bar over the training tokens (``tokens_per_step`` per optimiser step), with
+    tqdm's rate and ETA and the last loss and held-out KL as its postfix."""
+
+    def __init__(self, total_steps: int, tokens_per_step: float):
+        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.bar = None
+        self.shown: dict[str, str] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bar = tqdm(total=round(self.total_steps * self.tokens_per_step), unit="tok", unit_scale=True,
+                        desc="healing", initial=round(state.global_step * self.tokens_per_step))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(round(state.global_step * self.tokens_per_step) - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs:
+            for key, name in (("loss", "loss"), ("eval_loss", "heldout_kl")):
+                if logs.get(key) is not None:
+                    self.shown[name] = f"{logs[key]:.4f}"
+            self.bar.set_postfix(self.shown, refresh=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def last_complete_checkpoint(folder) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``folder`` that :class:`BestWeights` finished
+    (transformers writes a checkpoint file by file, so a run killed while saving leaves an
+    incomplete one); newer incomplete ones are removed. ``None`` when there is none."""
+    found = []
+    for path in Path(folder).iterdir():
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    found.sort()
+    complete = [path for _, path in found if (path / BEST_STATE).is_file()]
+    last = complete[-1] if complete else None
+    for step, path in found:
+        if last is None or step > int(last.name.split("-")[1]):
+            shutil.rmtree(path, ignore_errors=True)
+    return None if last is None else str(last)

@@ -124,8 +124,8 @@ def _replace_output_hook(hidden: torch.Tensor):
 
 def _substituted_logits(model, blocks, site: int, span: int, hidden: torch.Tensor, streams: dict, ids, mask):
     """Logits with blocks ``site..site+span-1`` removed and ``hidden`` at the cut (plan mechanism)."""
-    num_layers = len(blocks)
-    plan = removal_plan(num_layers, list(range(site, site + span)))
+    num_blocks = len(blocks)
+    plan = removal_plan(num_blocks, list(range(site, site + span)))
     if site < len(plan):  # a kept block follows the cut: inject its input
         with apply_plan(model, plan, start=site, start_hidden=hidden):
             return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -162,7 +162,7 @@ def _check_int(value, name: str, minimum: int) -> int:
     return value
 
 
-def _probe_list(num_layers, spans, targets, references, sites) -> list[tuple[int, int, str, str]]:
+def _probe_list(num_blocks, spans, targets, references, sites) -> list[tuple[int, int, str, str]]:
     """``(site, span, reference, kind)`` for every probe, in report order."""
     probes = []
     own = targets in ("own", "own+later")
@@ -170,9 +170,9 @@ def _probe_list(num_layers, spans, targets, references, sites) -> list[tuple[int
     for ref in references:
         if own:
             for span in spans:
-                probes += [(k, span, ref, "own") for k in sites if k + span <= num_layers]
+                probes += [(k, span, ref, "own") for k in sites if k + span <= num_blocks]
         if later and ref != "gradient":
-            probes += [(k, num_layers - k, ref, "later") for k in sites if k > 0 and not (own and num_layers - k in spans)]
+            probes += [(k, num_blocks - k, ref, "later") for k in sites if k > 0 and not (own and num_blocks - k in spans)]
     return probes
 
 
@@ -246,13 +246,13 @@ def peel(
         TypeError: a text source without a tokenizer.
     """
     _, _, blocks = decoder_blocks(model)
-    num_layers = len(blocks)
-    if num_layers < 2:
-        raise ValueError(f"the model has {num_layers} block(s); peeling needs at least 2")
+    num_blocks = len(blocks)
+    if num_blocks < 2:
+        raise ValueError(f"the model has {num_blocks} block(s); peeling needs at least 2")
     spans = tuple(dict.fromkeys(spans))
     for m in spans:
-        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= num_layers - 1:
-            raise ValueError(f"span {m!r} in spans={list(spans)}: allowed ints 1..{num_layers - 1} for {num_layers} blocks")
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= num_blocks - 1:
+            raise ValueError(f"span {m!r} in spans={list(spans)}: allowed ints 1..{num_blocks - 1} for {num_blocks} blocks")
     if not spans:
         raise ValueError("spans is empty: pass at least one span, e.g. (1, 2)")
     if targets not in TARGETS:
@@ -267,8 +267,8 @@ def peel(
     _check_int(bootstrap, "bootstrap", 100)
     _check_int(batch_size, "batch_size", 1)
     _check_int(gradient_steps, "gradient_steps", 0)
-    site_list = list(range(num_layers)) if sites is None else resolve_layer_indices(list(sites), num_layers)
-    probes = _probe_list(num_layers, spans, targets, references, site_list)
+    site_list = list(range(num_blocks)) if sites is None else resolve_layer_indices(list(sites), num_blocks)
+    probes = _probe_list(num_blocks, spans, targets, references, site_list)
     if not probes:
         raise ValueError(f"no probe to run for sites={site_list}, spans={list(spans)}, targets={targets!r}")
 
@@ -366,7 +366,7 @@ def peel(
         "timings": timings,
     }
     lo, hi = _bootstrap(nll0, den, index)
-    return PeelReport(num_layers, base_ce, (lo, hi), out_probes, settings, metadata)
+    return PeelReport(num_blocks, base_ce, (lo, hi), out_probes, settings, metadata)
 
 
 def _fit_pass(model, blocks, calib, fitted, trained, batch_size, bias, ridge, maps, fits, device):

@@ -42,7 +42,7 @@ def peel_table_markdown(report: PeelReport, *, reference: str = "linear") -> str
         raise ValueError(f"reference={reference!r}: allowed {list(REFERENCES)}")
     spans = report.settings.get("spans", sorted({p.span for p in report.probes if p.kind == "own"}))
     others = [r for r in report.settings.get("references", []) if r != reference]
-    L = report.num_layers
+    L = report.num_blocks
     head = ["layer"]
     for m in spans:
         label = "k" if m == 1 else f"k..k+{m - 1}"
@@ -105,7 +105,7 @@ def peel_plot(report: PeelReport, path: str | os.PathLike, *, reference: str = "
     Raises:
         ImportError: matplotlib is not installed.
     """
-    L = report.num_layers
+    L = report.num_blocks
     fig, (ax, ax2) = _plot_canvas(max(6.0, 0.3 * L + 2.5), 5.6, rows=2)
     series = [(f"span {m}", [report.probe(k, m, reference) for k in range(L)]) for m in report.settings.get("spans", [1])]
     if any(p.kind == "later" and p.reference == reference for p in report.probes):
@@ -157,7 +157,7 @@ def trajectory_table_markdown(trajectory: PeelTrajectory, *, span: int = 1, refe
     I/R over pairs."""
     if not trajectory.points:
         return ""
-    L = trajectory.points[0].peel.num_layers
+    L = trajectory.points[0].peel.num_blocks
     def site(k: int) -> str:
         return f"{k}→end" if span == 0 else (str(k) if span == 1 else f"{k}..{k + span - 1}")
 
@@ -186,7 +186,7 @@ def trajectory_plot(trajectory: PeelTrajectory, path: str | os.PathLike, *, refe
     """
     pts = trajectory.points
     x = np.array([p.step if p.step is not None else n for n, p in enumerate(pts)], dtype=float)
-    L = pts[0].peel.num_layers
+    L = pts[0].peel.num_blocks
     fig, axes = _plot_canvas(10.0, 7.0, rows=2, cols=2)
     cmap = __import__("matplotlib").colormaps["viridis"]
     ax = axes[0]

@@ -109,7 +109,7 @@ class PeelReport(JsonResult):
     """Result of :func:`peel` (all CE values in nats per predicted token).
 
     Attributes:
-        num_layers: L.
+        num_blocks: L.
         base_ce: CE of the unmodified model on the evaluation tokens.
         base_ce_ci: 95% bootstrap CI of ``base_ce``.
         probes: every probe, ordered by reference, span (later probes last), site.
@@ -119,7 +119,7 @@ class PeelReport(JsonResult):
             token counts and timings.
     """
 
-    num_layers: int
+    num_blocks: int
     base_ce: float
     base_ce_ci: tuple[float, float]
     probes: list[PeelProbe]
@@ -135,7 +135,7 @@ class PeelReport(JsonResult):
 
     def layer_gaps(self, span: int = 1, reference: str = "linear") -> list[float | None]:
         """Per site k (length L): ΔCE of the probe (k, ``span``), None where absent."""
-        out: list[float | None] = [None] * self.num_layers
+        out: list[float | None] = [None] * self.num_blocks
         for p in self.probes:
             if p.span == span and p.reference == reference:
                 out[p.site] = p.dce
@@ -143,9 +143,9 @@ class PeelReport(JsonResult):
 
     def later_gaps(self, reference: str = "linear") -> list[float | None]:
         """Per site k: ΔCE of the probe mapping ``h_k`` onto ``h_L`` (None where absent)."""
-        out: list[float | None] = [None] * self.num_layers
+        out: list[float | None] = [None] * self.num_blocks
         for p in self.probes:
-            if p.target == self.num_layers and p.reference == reference:
+            if p.target == self.num_blocks and p.reference == reference:
                 out[p.site] = p.dce
         return out
 
@@ -165,7 +165,7 @@ class PeelReport(JsonResult):
         """Short JSON-able summary (for cards and trajectories)."""
         bound = self.peel_bound
         out = {
-            "num_layers": self.num_layers,
+            "num_blocks": self.num_blocks,
             "base_ce": encode_float(self.base_ce),
             "peel_bound": None if bound is None else {
                 "site": bound.site, "span": bound.span, "reference": bound.reference, "dce": encode_float(bound.dce)
@@ -184,7 +184,7 @@ class PeelReport(JsonResult):
         meta = {k: v for k, v in self.metadata.items() if timings or k != "timings"}
         return {
             "format": _REPORT_FORMAT,
-            "num_layers": self.num_layers,
+            "num_blocks": self.num_blocks,
             "base_ce": encode_float(self.base_ce),
             "base_ce_ci": [encode_float(x) for x in self.base_ce_ci],
             "probes": [p.to_dict(timings=timings) for p in self.probes],
@@ -197,7 +197,7 @@ class PeelReport(JsonResult):
         if d.get("format") != _REPORT_FORMAT:
             raise ValueError(f"not a PeelReport dict (format={d.get('format')!r}, expected {_REPORT_FORMAT!r})")
         return cls(
-            num_layers=int(d["num_layers"]),
+            num_blocks=int(d["num_blocks"]),
             base_ce=decode_float(d["base_ce"]),
             base_ce_ci=tuple(decode_float(x) for x in d["base_ce_ci"]),
             probes=[PeelProbe.from_dict(p) for p in d["probes"]],

@@ -88,18 +88,18 @@ def recover(
         epsilon = entry.default_epsilon
     epsilon = check_epsilon(epsilon)
     _, _, blocks = decoder_blocks(model)
-    num_layers = len(blocks)
-    removed = resolve_layer_indices(removed, num_layers, allow_empty=True)
+    num_blocks = len(blocks)
+    removed = resolve_layer_indices(removed, num_blocks, allow_empty=True)
     if not removed:
         return RecoveryReport(method, [], float(epsilon), 0, _hidden_size(model))
-    if len(removed) >= num_layers:
-        raise ValueError(f"removing {removed} would leave no block: at most {num_layers - 1} of {num_layers} can go")
+    if len(removed) >= num_blocks:
+        raise ValueError(f"removing {removed} would leave no block: at most {num_blocks - 1} of {num_blocks} can go")
     if attached_operators(model):
         raise ValueError(
             "this model already carries ghosted recovery operators; recover() fits on the dense model: "
             "start from the dense checkpoint (or detach_recovery(model) first)"
         )
-    cuts = cut_boundaries(num_layers, removed)
+    cuts = cut_boundaries(num_blocks, removed)
     entry.check(model, blocks, cuts)
     if not isinstance(calibration, CalibrationSet):
         if num_prompts is None:

@@ -89,16 +89,16 @@ def _quadratic_residual(w: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor
 # ----------------------------------------------------------------------------- cuts
 
 
-def cut_boundaries(num_layers: int, removed: Sequence[int]) -> list[dict]:
+def cut_boundaries(num_blocks: int, removed: Sequence[int]) -> list[dict]:
     """Group removed blocks into cuts (maximal runs of consecutive indices).
 
     Returns:
         One dict per cut, in order: ``removed`` (the run s..e-1), ``start`` s, ``end`` e
-        (first kept block after it, or ``num_layers``), ``host`` (s-1, or ``None`` for
+        (first kept block after it, or ``num_blocks``), ``host`` (s-1, or ``None`` for
         s = 0) and ``boundary`` (s minus the number of removed blocks before s: the slot
         of the pruned model where the map acts).
     """
-    removed = resolve_layer_indices(removed, num_layers, allow_empty=True)
+    removed = resolve_layer_indices(removed, num_blocks, allow_empty=True)
     runs: list[list[int]] = []
     for p in removed:
         if runs and runs[-1][-1] == p - 1:

@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import align_module_device
 from torch import nn
 
-from ..devices import execution_device
+from ..devices import execution_device, offloaded_modules, onloaded
 
 
 # ----------------------------------------------------------------------------- model plumbing
@@ -66,6 +66,24 @@ class _Head:
         # hooked (accelerate offload) or custom heads run whole, on position chunks
         self.sliceable = self.linear and not hasattr(m, "_hf_hook") and m.weight.device.type != "meta"
         self._w32: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @contextlib.contextmanager
+    def resident(self):
+        """For the duration of a head phase: an offloaded plain ``nn.Linear`` head's
+        weight brought to its execution device once (:func:`hf_layerswap.devices.onloaded`)
+        and used as a head in memory, instead of read again for every block of positions
+        and every probe. Nothing changes for a head in memory or any other head."""
+        m = self.module
+        if m is None or self.sliceable or not self.linear or not offloaded_modules(m):
+            yield
+            return
+        with onloaded(m):
+            self.sliceable = m.weight.device.type != "meta"
+            try:
+                yield
+            finally:
+                self.sliceable = False
+                self.release()
 
     def weight32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight (V, H), bias (V,) or None)`` of a sliceable head in fp32: the head's own
@@ -154,3 +172,7 @@ def _hooks(handles: list):
 
 #: The output head as a function of the decoder output (``lm_head`` + logit soft-capping).
 Head = _Head
+#: The hidden state ``(B, T, H)`` a decoder's forward returns (``last_hidden_state`` or its first output).
+decoder_output = _decoder_output
+#: A context that removes the given hook handles on exit.
+hooks_removed = _hooks

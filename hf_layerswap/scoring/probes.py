@@ -103,3 +103,5 @@ make_probes = _make_probes
 schedule = _schedule
 #: Deterministic, cost-balanced share of the probes for one rank.
 shard = _shard
+#: One deduplicated non-identity plan: ``key`` (the plan), ``start`` (its first changed slot), ``run``.
+Probe = _Probe

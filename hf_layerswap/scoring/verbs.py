@@ -53,13 +53,13 @@ def _warn_nonfinite(what: str, count: int, total: int, first_batch: int | None) 
                   NonFiniteScoresWarning, stacklevel=3)
 
 
-def _pair_list(num_layers: int, max_gap: int) -> list[tuple[int, int]]:
-    if isinstance(max_gap, bool) or not isinstance(max_gap, int) or not 1 <= max_gap <= num_layers - 1:
-        raise ValueError(f"max_gap={max_gap!r}: allowed 1..{num_layers - 1} (L-1 = all pairs) for {num_layers} blocks")
-    return [(i, j) for i in range(num_layers) for j in range(i + 1, min(num_layers, i + max_gap + 1))]
+def _pair_list(num_blocks: int, max_gap: int) -> list[tuple[int, int]]:
+    if isinstance(max_gap, bool) or not isinstance(max_gap, int) or not 1 <= max_gap <= num_blocks - 1:
+        raise ValueError(f"max_gap={max_gap!r}: allowed 1..{num_blocks - 1} (L-1 = all pairs) for {num_blocks} blocks")
+    return [(i, j) for i in range(num_blocks) for j in range(i + 1, min(num_blocks, i + max_gap + 1))]
 
 
-def swap_plans(num_layers: int, max_gap: int = 1, protocols: Sequence[str] = PROTOCOLS) -> dict[tuple, list[int]]:
+def swap_plans(num_blocks: int, max_gap: int = 1, protocols: Sequence[str] = PROTOCOLS) -> dict[tuple, list[int]]:
     """The probes of a swap sweep: ``{(kind, i, j): plan}`` for every pair
     ``1 <= j - i <= max_gap`` and every probe kind of the chosen protocols
     (:mod:`hf_layerswap.protocols`): ``replacement_ij`` (slot i runs block j),
@@ -72,9 +72,9 @@ def swap_plans(num_layers: int, max_gap: int = 1, protocols: Sequence[str] = PRO
     protocols = check_protocols(protocols)
     chosen = [SWAP_PROTOCOLS[p] for p in SWAP_PROTOCOLS if p in protocols]
     plans: dict[tuple, list[int]] = {}
-    for i, j in _pair_list(num_layers, max_gap):
+    for i, j in _pair_list(num_blocks, max_gap):
         for protocol in chosen:
-            for kind, plan in protocol.pair_plans(num_layers, i, j).items():
+            for kind, plan in protocol.pair_plans(num_blocks, i, j).items():
                 plans[(kind, i, j)] = plan
     return plans
 
@@ -90,7 +90,7 @@ class AdaptiveBudget:
     """Add calibration prompts in rounds until the selection at a budget is stable.
 
     After each round the layers are selected as :func:`~hf_layerswap.select_layers`
-    would (``num_layers``, ``protocol``, ``spacing``, ``protect``); the selection is
+    would (``num_to_remove``, ``protocol``, ``spacing``, ``protect``); the selection is
     *stable* when no single exchange of a selected layer a for an unselected eligible
     layer b (one the spacing rule would allow in a's place) is within the error bars:
     the paired per-prompt difference s_b(x) - s_a(x) has mean > ``z`` x its standard
@@ -101,7 +101,7 @@ class AdaptiveBudget:
     ``report.metadata["adaptive"]``.
 
     Attributes:
-        num_layers: the removal budget n.
+        num_to_remove: the removal budget n.
         protocol: ``"interchange"`` or ``"replacement"`` (must be scored).
         spacing, protect: the selection rule (see :func:`~hf_layerswap.select_layers`).
         z: error-bar width in standard errors (2.0 ~ 95 %).
@@ -110,7 +110,7 @@ class AdaptiveBudget:
             adaptive run that reaches the maximum gives the full run's numbers.
     """
 
-    num_layers: int
+    num_to_remove: int
     protocol: str = "interchange"
     spacing: int = 1
     protect: tuple[int, ...] = (0, -1)
@@ -121,8 +121,8 @@ class AdaptiveBudget:
     def __post_init__(self):
         if self.protocol not in SWAP_PROTOCOLS:
             raise ValueError(f"AdaptiveBudget protocol={self.protocol!r}: allowed {list(SWAP_PROTOCOLS)}")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"AdaptiveBudget num_layers={self.num_layers!r}: must be an int >= 1")
+        if isinstance(self.num_to_remove, bool) or not isinstance(self.num_to_remove, int) or self.num_to_remove < 1:
+            raise ValueError(f"AdaptiveBudget num_to_remove={self.num_to_remove!r}: must be an int >= 1")
         if not (isinstance(self.z, (int, float)) and math.isfinite(self.z) and self.z > 0):
             raise ValueError(f"AdaptiveBudget z={self.z!r}: must be a finite number > 0")
         for name in ("min_prompts", "step"):
@@ -134,8 +134,8 @@ class AdaptiveBudget:
 
 def _layer_choices(report: SwapReport, protocol: str) -> list[tuple | None]:
     """For each layer, the probe whose mean defines s(i): ``(kind, i, j)`` or None."""
-    best: list[tuple | None] = [None] * report.num_layers
-    best_val = [math.inf] * report.num_layers
+    best: list[tuple | None] = [None] * report.num_blocks
+    best_val = [math.inf] * report.num_blocks
     owner = get_protocol(protocol_of(protocol) or protocol)  # a probe kind stands for its protocol
     for r in report.pairs:
         val = r.value(owner.name)
@@ -151,21 +151,21 @@ def _layer_choices(report: SwapReport, protocol: str) -> list[tuple | None]:
 def selection_stability(
     report: SwapReport,
     values: Mapping[tuple, torch.Tensor],
-    num_layers: int,
+    num_to_remove: int,
     *,
     protocol: str = "interchange",
     spacing: int = 1,
     protect: Sequence[int] = (0, -1),
     z: float = 2.0,
 ) -> dict:
-    """Is the set selected at budget ``num_layers`` distinguishable from its alternatives?
+    """Is the set selected at budget ``num_to_remove`` distinguishable from its alternatives?
 
     Args:
         report: the swap-KL report (pair means).
         values: per-prompt probe values ``{(kind, i, j): (N,) tensor}`` with kind in
             ``replacement_ij``, ``replacement_ji``, ``interchange`` (what
             :func:`score_layers` computes).
-        num_layers, protocol, spacing, protect: the selection rule.
+        num_to_remove, protocol, spacing, protect: the selection rule.
         z: error-bar width in standard errors.
 
     Returns:
@@ -176,11 +176,11 @@ def selection_stability(
         prompts nothing is stable.
     """
     scores = report.layer_scores(protocol)
-    selected = greedy_select(scores, num_layers, spacing=spacing, protect=protect)
-    protected = resolve_protect(protect, report.num_layers)
+    selected = greedy_select(scores, num_to_remove, spacing=spacing, protect=protect)
+    protected = resolve_protect(protect, report.num_blocks)
     choice = _layer_choices(report, protocol)
     closest, stable = None, True
-    for b in range(report.num_layers):
+    for b in range(report.num_blocks):
         if b in selected or b in protected or scores[b] is None or not math.isfinite(scores[b]) or choice[b] is None:
             continue
         for a in selected:
@@ -239,6 +239,7 @@ def score_layers(
     checkpoint_path: str | os.PathLike | None = None,
     adaptive: AdaptiveBudget | None = None,
     distributed: bool | None = None,
+    slot_major: bool | None = None,
 ) -> SwapReport:
     """Score block pairs with the replacement and/or interchange swap-KL.
 
@@ -265,7 +266,7 @@ def score_layers(
         batch_size: prompts per forward pass (int), ``"auto"`` (fits ``max_memory``) or
             ``None`` (by the device: 8 on a CPU, ``"auto"`` on an accelerator).
         progress: show a progress bar with an ETA.
-        prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype: engine
+        prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype, slot_major: engine
             settings, see :class:`~hf_layerswap.scoring.settings.EngineSettings`; all are
             recorded in ``report.metadata``. ``max_memory=None`` (or ``"auto"``) derives
             the working-memory budget from the device's free memory
@@ -304,20 +305,20 @@ def score_layers(
     settings = EngineSettings(
         batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits, kl_chunk=kl_chunk,
         vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
-        distributed=distributed, progress=progress, desc="swap-KL probes",
+        distributed=distributed, progress=progress, desc="swap-KL probes", slot_major=slot_major,
     )
     model = uncompiled(model)
-    num_layers = num_blocks(model)
-    if num_layers < 2:
-        raise ValueError(f"the model has {num_layers} block(s); swap tests need at least 2, and {ONE_BLOCK}")
-    pairs = _pair_list(num_layers, max_gap)
+    total = num_blocks(model)
+    if total < 2:
+        raise ValueError(f"the model has {total} block(s); swap tests need at least 2, and {ONE_BLOCK}")
+    pairs = _pair_list(total, max_gap)
     if adaptive is not None:
         if not isinstance(adaptive, AdaptiveBudget):
             raise TypeError(f"adaptive must be an AdaptiveBudget, got {type(adaptive).__name__}")
         if adaptive.protocol not in protocols:
             raise ValueError(f"adaptive.protocol={adaptive.protocol!r} is not among the scored protocols {list(protocols)}")
     calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
-    plans = swap_plans(num_layers, max_gap, protocols)
+    plans = swap_plans(total, max_gap, protocols)
     engine = _Engine(model, calib, plans, settings)
     adaptive_record = None
     if adaptive is None:
@@ -336,12 +337,12 @@ def score_layers(
             done_batches = target
             used = list(range(done_batches))
             values = engine.values(used)
-            partial = SwapReport(num_layers, _build_report(pairs, protocols, values),
+            partial = SwapReport(total, _build_report(pairs, protocols, values),
                                  protocols=protocols, max_gap=max_gap)
             n_used = int(values[next(iter(values))].numel())
             try:
                 check = selection_stability(
-                    partial, values, adaptive.num_layers, protocol=adaptive.protocol, spacing=adaptive.spacing,
+                    partial, values, adaptive.num_to_remove, protocol=adaptive.protocol, spacing=adaptive.spacing,
                     protect=adaptive.protect, z=adaptive.z,
                 )
             except NonFiniteScoresError:  # a result to report: more prompts cannot make it a selection
@@ -351,7 +352,7 @@ def score_layers(
                 break
             rounds.append({"num_prompts": n_used, **check})
             if check["stable"]:
-                reason = f"stable: the selection at budget {adaptive.num_layers} is separated by more than z={adaptive.z} standard errors from every alternative"
+                reason = f"stable: the selection at budget {adaptive.num_to_remove} is separated by more than z={adaptive.z} standard errors from every alternative"
                 stopped = "stable"
                 break
             if done_batches >= len(engine.batches):
@@ -383,7 +384,7 @@ def score_layers(
     if bad:
         metadata["nonfinite"] = {"first_batch": first_batch}
         _warn_nonfinite("swap-KL probe values are", len(bad), len(values), first_batch)
-    return SwapReport(num_layers, results, protocols=protocols, max_gap=max_gap, metadata=metadata)
+    return SwapReport(total, results, protocols=protocols, max_gap=max_gap, metadata=metadata)
 
 
 def removal_kl(
@@ -421,10 +422,10 @@ def removal_kl(
     settings = EngineSettings(batch_size=batch_size, progress=progress, desc="removal KL", max_memory=max_memory,
                               dtype=dtype)
     model = uncompiled(model)
-    num_layers = num_blocks(model)
+    total = num_blocks(model)
     single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
     sets = [list(removed)] if single else [list(s) for s in removed]
-    plans = {n: removal_plan(num_layers, s) for n, s in enumerate(sets)}
+    plans = {n: removal_plan(total, s) for n, s in enumerate(sets)}
     calib = _calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     values, _ = run_plans(model, calib, plans, settings)
     out = [float(values[n].mean()) for n in range(len(sets))]

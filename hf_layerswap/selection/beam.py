@@ -12,7 +12,7 @@ from ..report import SwapReport, _score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _allowed, _check_resume, _gap1, _out, _report_cost, _score, _setup, as_strategy
 from .objectives import _removal_kl_values, _removal_nll_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["BEAM_EVALUATORS", "interchange_beam"]
 
@@ -76,8 +76,8 @@ def interchange_beam(
     for name, value in (("width", width), ("seed_size", seed_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    allowed = _allowed(num_layers, protect)
+    calib, num_blocks, budgets, single = _setup(model, calibration, tokenizer, n)
+    allowed = _allowed(num_blocks, protect)
     if budgets[-1] > len(allowed):
         raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
     if report is None:
@@ -96,7 +96,7 @@ def interchange_beam(
     first_level = 1
     if resume is not None:
         _check_resume(resume, "interchange_beam", budgets, evaluator=evaluator, width=width, seed_size=seed_size,
-                      seeds=seeds, include_greedy=include_greedy, protect=sorted(resolve_protect(protect, num_layers)))
+                      seeds=seeds, include_greedy=include_greedy, protect=sorted(resolve_protect(protect, num_blocks)))
         levels = copy.deepcopy(resume.details["levels"])
         beams = [list(b["set"]) for b in levels[-1]["beams"]]
         passes, blocks, seconds, calls = resume.forward_passes, resume.block_passes, resume.seconds, resume.evaluator_calls
@@ -133,11 +133,12 @@ def interchange_beam(
             results[level] = CriterionResult(
                 "interchange_beam", level, list(beams[0]), scores, passes, blocks, seconds, evaluator_calls=calls,
                 details={"evaluator": evaluator, "width": width, "seconds_estimated": estimated, "seed_size": seed_size, "seeds": seeds,
-                         "protect": sorted(resolve_protect(protect, num_layers)), "include_greedy": include_greedy,
+                         "protect": sorted(resolve_protect(protect, num_blocks)), "include_greedy": include_greedy,
                          "score": cache[set_key(beams[0])], "levels": copy.deepcopy(levels),
                          "unit": "nats" if evaluator == "removal_kl" else "nats per token"},
             )
     return _out(results, single)
 
 
-register_strategy("beam", needs_model=True)(as_strategy("beam", interchange_beam, reads_report=True))
+register_strategy("beam", needs_model=True, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
+    as_strategy("beam", interchange_beam, reads_report=True))

@@ -74,13 +74,13 @@ def _calibration(model, calibration, tokenizer) -> CalibrationSet:
     return build_calibration(calibration, tokenizer)
 
 
-def _budgets(n, num_layers: int) -> tuple[list[int], bool]:
+def _budgets(n, num_blocks: int) -> tuple[list[int], bool]:
     """(sorted unique budgets, whether a single int was given)."""
     single = isinstance(n, int) and not isinstance(n, bool)
     values = [n] if single else list(n)
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= num_layers - 1:
-            raise ValueError(f"budget n={v!r}: allowed ints 1..{num_layers - 1} for a model with {num_layers} blocks")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= num_blocks - 1:
+            raise ValueError(f"budget n={v!r}: allowed ints 1..{num_blocks - 1} for a model with {num_blocks} blocks")
     if not values:
         raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
     return sorted(set(values)), single
@@ -90,19 +90,19 @@ def _out(results: dict[int, CriterionResult], single: bool):
     return next(iter(results.values())) if single else results
 
 
-def _allowed(num_layers: int, protect) -> list[int]:
-    protected = resolve_protect(protect, num_layers)
-    return [i for i in range(num_layers) if i not in protected]
+def _allowed(num_blocks: int, protect) -> list[int]:
+    protected = resolve_protect(protect, num_blocks)
+    return [i for i in range(num_blocks) if i not in protected]
 
 
 def _setup(model, calibration, tokenizer, n) -> tuple[CalibrationSet, int, list[int], bool]:
     """(calibration set, L, sorted budgets, whether one int budget was given)."""
     calib = _calibration(model, calibration, tokenizer)
-    num_layers = num_blocks(model)
-    if num_layers < 2:
-        raise ValueError(f"the model has {num_layers} block(s); layer removal needs at least 2")
-    budgets, single = _budgets(n, num_layers)
-    return calib, num_layers, budgets, single
+    total = num_blocks(model)
+    if total < 2:
+        raise ValueError(f"the model has {total} block(s); layer removal needs at least 2")
+    budgets, single = _budgets(n, total)
+    return calib, total, budgets, single
 
 
 def _check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **expected) -> None:
@@ -119,7 +119,7 @@ def _gap1(report: SwapReport) -> SwapReport:
     """The adjacent-pair part of a report (the paper's selection uses gap-1 scores)."""
     if report.max_gap == 1:
         return report
-    sub = SwapReport(report.num_layers, [p for p in report.pairs if p.gap == 1], protocols=report.protocols,
+    sub = SwapReport(report.num_blocks, [p for p in report.pairs if p.gap == 1], protocols=report.protocols,
                      max_gap=1, metadata=report.metadata)
     sub.removal_kl = report.removal_kl
     return sub
@@ -132,20 +132,20 @@ def _report_cost(report: SwapReport, protocols: Sequence[str]) -> tuple[int, int
     Passes are exact counts of the probes. Seconds are the report's measured time when it
     scored exactly these probes; otherwise that time scaled by the share of block passes,
     and ``estimated`` is True."""
-    num_layers = report.num_layers
+    num_blocks = report.num_blocks
 
     def plans_for(pairs, protos):
         plans = {}
         for p in pairs:
             if "interchange" in protos:
-                plans[("interchange", p.i, p.j)] = interchange_plan(num_layers, p.i, p.j)
+                plans[("interchange", p.i, p.j)] = interchange_plan(num_blocks, p.i, p.j)
             if "replacement" in protos:
-                plans[("replacement_ij", p.i, p.j)] = replacement_plan(num_layers, p.i, p.j)
-                plans[("replacement_ji", p.i, p.j)] = replacement_plan(num_layers, p.j, p.i)
+                plans[("replacement_ij", p.i, p.j)] = replacement_plan(num_blocks, p.i, p.j)
+                plans[("replacement_ji", p.i, p.j)] = replacement_plan(num_blocks, p.j, p.i)
         return plans
 
-    passes, blocks = _plans_cost(plans_for([p for p in report.pairs if p.gap == 1], protocols), num_layers)
-    all_passes, all_blocks = _plans_cost(plans_for(report.pairs, report.protocols), num_layers)
+    passes, blocks = _plans_cost(plans_for([p for p in report.pairs if p.gap == 1], protocols), num_blocks)
+    all_passes, all_blocks = _plans_cost(plans_for(report.pairs, report.protocols), num_blocks)
     seconds = float(report.metadata.get("seconds", 0.0))
     estimated = (passes, blocks) != (all_passes, all_blocks)
     if estimated:
@@ -161,13 +161,13 @@ def _score(model, calib, protocols, batch_size, checkpoint_path=None) -> SwapRep
 def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -> Callable:
     """A criterion ``(model, calibration, n, **kw) -> CriterionResult`` as a selection
     strategy (see :func:`~hf_layerswap.selection.register_strategy`): it returns the
-    removed blocks and appends ``{"strategy", "num_layers", "selected", "cost"}`` to
+    removed blocks and appends ``{"strategy", "num_to_remove", "selected", "cost"}`` to
     ``report.selections``. Its ``options`` attribute names the criterion's keyword
     arguments a caller may set. With ``reads_report`` the criterion gets the report
     (``report=``) and the objective as its ``evaluator``; otherwise an objective is refused.
     """
 
-    def run(report, num_layers, *, protect, model, calibration, batch_size, objective, options, **_):
+    def run(report, num_to_remove, *, protect, model, calibration, batch_size, objective, options, **_):
         kwargs = dict(options)
         if reads_report:
             kwargs.setdefault("report", report)
@@ -175,9 +175,9 @@ def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -
                 kwargs["evaluator"] = objective
         elif objective is not None:
             raise TypeError(f"strategy {name!r} takes no objective")
-        result = criterion(model, calibration, num_layers, protect=protect, batch_size=batch_size, **kwargs)
+        result = criterion(model, calibration, num_to_remove, protect=protect, batch_size=batch_size, **kwargs)
         report.selections.append({
-            "strategy": name, "num_layers": num_layers, "selected": list(result.removed),
+            "strategy": name, "num_to_remove": num_to_remove, "selected": list(result.removed),
             "cost": {"evaluator_calls": result.evaluator_calls, "forward_passes": result.forward_passes,
                      "block_passes": result.block_passes, "seconds": round(result.seconds, 3)},
         })

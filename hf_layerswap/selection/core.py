@@ -10,7 +10,7 @@ from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 from ..report import SwapReport
 from ..scoring.verbs import _calibration_from_args
 from .finite import finite_selection
-from .registry import MODEL_STRATEGIES, check_options, get_strategy
+from .registry import MODEL_STRATEGIES, check_options, get_strategy, strategy_entry
 
 __all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
 
@@ -26,7 +26,7 @@ def selection_protocols() -> tuple[str, ...]:
 
 def select_layers(
     report: SwapReport,
-    num_layers: int,
+    num_to_remove: int,
     *,
     protocol: str = "interchange",
     spacing: int | None = None,
@@ -39,11 +39,11 @@ def select_layers(
     objective: str | None = None,
     **options,
 ) -> list[int]:
-    """Select ``num_layers`` blocks to remove (0-based, ascending).
+    """Select ``num_to_remove`` blocks to remove (0-based, ascending).
 
     Args:
         report: swap-KL scores of the model.
-        num_layers: the budget n.
+        num_to_remove: the budget n.
         strategy: a name in :data:`STRATEGIES`. ``None``: ``"auto"`` when
             ``protocol="auto"``, else ``"greedy"`` (the paper's rule on ``protocol``).
             ``"search"`` (:func:`hf_layerswap.selection.search_select`, the default of
@@ -111,7 +111,7 @@ def select_layers(
         model = uncompiled(model)
         check_report_matches(report, model)
     if spacing is None:
-        spacing = 1 if strategy in ("greedy", "auto") else 0
+        spacing = strategy_entry(strategy).spacing
     if strategy in MODEL_STRATEGIES:
         if model is None:
             raise ValueError(f"strategy={strategy!r} scores candidate sets on the calibration prompts: pass model= and calibration=")
@@ -120,8 +120,8 @@ def select_layers(
             report.metadata.get("seed", 0),
         )
     return finite_selection(
-        report, num_layers,
-        lambda: fn(report, num_layers, protocol=protocol, spacing=spacing, protect=protect, model=model,
+        report, num_to_remove,
+        lambda: fn(report, num_to_remove, protocol=protocol, spacing=spacing, protect=protect, model=model,
                    calibration=calibration, tokenizer=tokenizer, batch_size=batch_size, objective=objective,
                    options=options),
         protocol=protocol, spacing=spacing, protect=protect,
@@ -131,9 +131,9 @@ def select_layers(
 def check_report_matches(report: SwapReport, model) -> None:
     """Raise ValueError if ``report`` was not computed on ``model`` (block count, and the
     weight fingerprint when the report carries one)."""
-    if num_blocks(model) != report.num_layers:
+    if num_blocks(model) != report.num_blocks:
         raise ValueError(
-            f"the report was computed on a model with {report.num_layers} blocks but this model has "
+            f"the report was computed on a model with {report.num_blocks} blocks but this model has "
             f"{num_blocks(model)}: score the model you select for"
         )
     expected = (report.metadata.get("model") or {}).get("fingerprint")

@@ -74,21 +74,21 @@ def _checked_protocols(report: SwapReport, protocol: str | None) -> list[str]:
     return list(report.protocols)
 
 
-def check_report_basis(report: SwapReport, num_layers: int, *, protocol: str | None, spacing: int,
+def check_report_basis(report: SwapReport, num_to_remove: int, *, protocol: str | None, spacing: int,
                        protect: Sequence[int]) -> None:
     """Refuse a budget the report's layer scores cannot fill with finite values.
 
     Raises:
-        NonFiniteScoresError: under a checked protocol, fewer than ``num_layers``
+        NonFiniteScoresError: under a checked protocol, fewer than ``num_to_remove``
             unprotected layers (kept more than ``spacing`` apart) have a finite score; the
             message names the pairs whose values are non-finite.
     """
     for p in _checked_protocols(report, protocol):
         try:
-            greedy_select(report.layer_scores(p), num_layers, spacing=spacing, protect=protect)
+            greedy_select(report.layer_scores(p), num_to_remove, spacing=spacing, protect=protect)
         except NonFiniteScoresError:
             bad = {f"pair ({r.i}, {r.j}) {p}": r.value(p) for r in report.pairs if not _finite(r.value(p))}
-            what = f"cannot select {num_layers} block(s) on finite {p} swap-KL scores"
+            what = f"cannot select {num_to_remove} block(s) on finite {p} swap-KL scores"
             raise NonFiniteScoresError(nonfinite_message(what, bad, first_nonfinite_batch(report)), bad,
                                        first_nonfinite_batch(report)) from None
         except ValueError:
@@ -107,7 +107,7 @@ def _nonfinite_basis(report: SwapReport, chosen: Sequence[int], ledger: Mapping,
         recorded[f"{label} (joint removal KL)"] = report.removal_kl[key]
     if recorded:
         return {k: v for k, v in recorded.items() if not _finite(v)}
-    blocks = [i for i in chosen if isinstance(i, int) and 0 <= i < report.num_layers]  # others: remove_layers says
+    blocks = [i for i in chosen if isinstance(i, int) and 0 <= i < report.num_blocks]  # others: remove_layers says
     if ledger["layers"] is not None:
         return {f"layer {i}": ledger["layers"][i] for i in blocks if not _finite(ledger["layers"][i])}
     scores = {p: report.layer_scores(p) for p in _checked_protocols(report, protocol)}
@@ -127,7 +127,7 @@ def _restored_on_error(report: SwapReport) -> Iterator[None]:
         raise
 
 
-def finite_selection(report: SwapReport, num_layers: int, run: Callable[[], list[int]], *, protocol: str | None,
+def finite_selection(report: SwapReport, num_to_remove: int, run: Callable[[], list[int]], *, protocol: str | None,
                      spacing: int, protect: Sequence[int]) -> list[int]:
     """Run the strategy call ``run()`` under the finite-basis check (see the module text).
 
@@ -137,7 +137,7 @@ def finite_selection(report: SwapReport, num_layers: int, run: Callable[[], list
     Raises:
         NonFiniteScoresError: no finite basis for the budget; the report is left as it was.
     """
-    check_report_basis(report, num_layers, protocol=protocol, spacing=spacing, protect=protect)
+    check_report_basis(report, num_to_remove, protocol=protocol, spacing=spacing, protect=protect)
     token = _LEDGER.set({"sets": {}, "layers": None})
     try:
         with _restored_on_error(report):
@@ -145,7 +145,7 @@ def finite_selection(report: SwapReport, num_layers: int, run: Callable[[], list
             bad = _nonfinite_basis(report, chosen, _LEDGER.get(), protocol)
             if bad:
                 raise NonFiniteScoresError(
-                    nonfinite_message(f"cannot select {num_layers} block(s) with a finite value: the best set the "
+                    nonfinite_message(f"cannot select {num_to_remove} block(s) with a finite value: the best set the "
                                       f"strategy found is {sorted(chosen)}", bad, first_nonfinite_batch(report)),
                     bad, first_nonfinite_batch(report))
     finally:

@@ -31,7 +31,7 @@ from ..report import _score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _out, _setup, as_strategy
 from .finite import record_layer_values, record_set_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["angular_distance", "block_influence"]
 
@@ -40,7 +40,7 @@ __all__ = ["angular_distance", "block_influence"]
 def _stream_geometry(model, calibration: CalibrationSet, batch_size: int):
     """One stream-capture sweep: per-prompt BI per block ``(N, L)`` (float64) and the
     residual stream at each prompt's last real token for every slot ``(N, L+1, H)``."""
-    num_layers = num_blocks(model)
+    total = num_blocks(model)
     bi_rows, last_rows = [], []
     device = input_device(model)
     was_training = model.training
@@ -52,13 +52,13 @@ def _stream_geometry(model, calibration: CalibrationSet, batch_size: int):
             # the streams of blocks on different devices meet on the CPU, in float64
             real = mask.bool().cpu()
             per_prompt = mask.sum(dim=1).double().cpu()
-            bi = torch.empty(ids.shape[0], num_layers, dtype=torch.float64)
-            for layer in range(num_layers):
+            bi = torch.empty(ids.shape[0], total, dtype=torch.float64)
+            for layer in range(total):
                 cos = F.cosine_similarity(streams[layer].double().cpu(), streams[layer + 1].double().cpu(), dim=-1)
                 bi[:, layer] = ((1.0 - cos) * real).sum(dim=1) / per_prompt
             last = (mask.sum(dim=1) - 1).cpu()
             rows = torch.arange(ids.shape[0])
-            stacked = torch.stack([streams[s].double().cpu()[rows, last] for s in range(num_layers + 1)], dim=1)
+            stacked = torch.stack([streams[s].double().cpu()[rows, last] for s in range(total + 1)], dim=1)
             bi_rows.append(bi)
             last_rows.append(stacked)
             del streams
@@ -100,7 +100,7 @@ def block_influence(
     Raises:
         ValueError: a budget outside ``1..L-1`` or larger than the unprotected blocks.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    calib, num_blocks, budgets, single = _setup(model, calibration, tokenizer, n)
     t0 = time.perf_counter()
     bi, _ = _stream_geometry(model, calib, batch_size)
     seconds = time.perf_counter() - t0
@@ -110,8 +110,8 @@ def block_influence(
     for b in budgets:
         removed = greedy_select(scores, b, spacing=0, protect=protect)
         results[b] = CriterionResult(
-            "block_influence", b, removed, scores, 1, num_layers, seconds,
-            details={"protect": sorted(resolve_protect(protect, num_layers)), "token_averaging": "per prompt, then prompts",
+            "block_influence", b, removed, scores, 1, num_blocks, seconds,
+            details={"protect": sorted(resolve_protect(protect, num_blocks)), "token_averaging": "per prompt, then prompts",
                      "capture": "forward hooks on the blocks (raw residual stream, before the final norm)"},
         )
     return _out(results, single)
@@ -148,15 +148,15 @@ def angular_distance(
     Raises:
         ValueError: a budget outside ``1..L-1``, or no run of ``n`` unprotected blocks.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    protected = resolve_protect(protect, num_layers)
+    calib, num_blocks, budgets, single = _setup(model, calibration, tokenizer, n)
+    protected = resolve_protect(protect, num_blocks)
     t0 = time.perf_counter()
     _, last = _stream_geometry(model, calib, batch_size)
     seconds = time.perf_counter() - t0
     results = {}
     for b in budgets:
         distances: list[float | None] = []
-        for start in range(num_layers - b + 1):
+        for start in range(num_blocks - b + 1):
             if protected & set(range(start, start + b)):
                 distances.append(None)
                 continue
@@ -168,12 +168,14 @@ def angular_distance(
         best = min(valid, key=lambda t: (_score_key(t[0]), t[1]))[1]
         record_set_values({set_key(range(s, s + b)): d for d, s in valid})
         results[b] = CriterionResult(
-            "angular_distance", b, list(range(best, best + b)), None, 1, num_layers, seconds,
+            "angular_distance", b, list(range(best, best + b)), None, 1, num_blocks, seconds,
             details={"distance_by_start": distances, "best_start": best, "protect": sorted(protected),
                      "token": "last real token of each prompt"},
         )
     return _out(results, single)
 
 
-register_strategy("block_influence", needs_model=True)(as_strategy("block_influence", block_influence))
-register_strategy("angular_distance", needs_model=True)(as_strategy("angular_distance", angular_distance))
+register_strategy("block_influence", needs_model=True, criteria={"block_influence": Criterion(block_influence)})(
+    as_strategy("block_influence", block_influence))
+register_strategy("angular_distance", needs_model=True, criteria={"angular_distance": Criterion(angular_distance)})(
+    as_strategy("angular_distance", angular_distance))

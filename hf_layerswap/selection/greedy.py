@@ -22,26 +22,65 @@ from ..scoring import removal_kl
 from .common import CriterionResult, _gap1, _out, _report_cost, _score, _setup
 from .core import candidates_set, select_layers
 from .objectives import _plans_cost, _removal_kl_values
-from .registry import check_options, register_strategy
+from .registry import Criterion, check_options, register_strategy
 
 __all__ = ["swap_guided"]
 
 
-@register_strategy("greedy", options=())
-def _greedy(report, num_layers, *, protocol, spacing, protect, options, **_):
+def _rule_text(cfg) -> str:
+    return f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
+
+
+def _greedy_reason(record, kl, indices) -> str:
+    selection = record.selection if record.selection != "not recorded" else "greedy"
+    return f"greedy selection on the **{record.protocol}** scores ({selection})."
+
+
+def _auto_reason(record, kl, indices) -> str:
+    auto = record.decision or {}
+    values = auto.get("removal_kl", {})
+    return (
+        "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
+        f"calibration prompts (interchange {kl(values.get('interchange'))}, replacement "
+        f"{kl(values.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
+        f"({auto.get('reason')})."
+    )
+
+
+def _auto_values(decision) -> list:
+    chosen = decision.get("chosen_protocol")
+    value = (decision.get("removal_kl") or {}).get(chosen) if chosen in PROTOCOLS else None
+    return [] if value is None else [("its joint removal KL", value)]
+
+
+@register_strategy(
+    "greedy", options=(), spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
+    resolve=lambda protocol: "auto" if protocol == "auto" else "greedy", describe=_rule_text, ranks_by_scores=True,
+    card_reason=_greedy_reason,
+    criteria={p: Criterion(lambda model, calib, n, p=p, **kw: swap_guided(model, calib, n, protocol=p, **kw), reads=(p,))
+              for p in PROTOCOLS},
+)
+def _greedy(report, num_to_remove, *, protocol, spacing, protect, options, **_):
     """The paper's rule on one protocol's layer scores."""
     if protocol == "auto":
         raise ValueError("strategy='greedy' needs protocol='interchange' or 'replacement' (or use strategy='auto')")
     check_options("greedy", options)
-    return greedy_select(report.layer_scores(protocol), num_layers, spacing=spacing, protect=protect)
+    return greedy_select(report.layer_scores(protocol), num_to_remove, spacing=spacing, protect=protect)
 
 
-@register_strategy("auto", options=())
-def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
+@register_strategy(
+    "auto", options=(), spacing=1, reads_calibration=True, scores=lambda protocol: PROTOCOLS,
+    reads=lambda protocol: PROTOCOLS, config_options=lambda cfg: {}, describe=_rule_text, ranks_by_scores=True,
+    guided_by=lambda decision, protocol: decision.get("chosen_protocol") or protocol, values=_auto_values,
+    card_reason=_auto_reason,
+    criteria={"auto": Criterion(lambda model, calib, n, **kw: swap_guided(model, calib, n, protocol="auto", **kw),
+                                reads=PROTOCOLS)},
+)
+def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
     """Each protocol's greedy set; the one with the lower joint removal KL is kept."""
     check_options("auto", options)
     candidates = {
-        p: greedy_select(report.layer_scores(p), num_layers, spacing=spacing, protect=protect) for p in PROTOCOLS
+        p: greedy_select(report.layer_scores(p), num_to_remove, spacing=spacing, protect=protect) for p in PROTOCOLS
     }
     keys = {p: set_key(s) for p, s in candidates.items()}
     missing = [k for k in dict.fromkeys(keys.values()) if k not in report.removal_kl]
@@ -65,9 +104,9 @@ def _auto(report, num_layers, *, spacing, protect, model, calibration, tokenizer
         chosen_protocol = "replacement" if _score_key(kr) < _score_key(ki) else "interchange"
         reason = "lower joint removal KL on the calibration prompts"
     record = {
-        "num_layers": as_index(num_layers),
+        "num_to_remove": as_index(num_to_remove),
         "spacing": as_index(spacing),
-        "protect": sorted(resolve_protect(protect, report.num_layers)),
+        "protect": sorted(resolve_protect(protect, report.num_blocks)),
         "candidates": {p: candidates[p] for p in PROTOCOLS},
         "removal_kl": {p: report.removal_kl.get(keys[p]) for p in PROTOCOLS},
         "chosen_protocol": chosen_protocol,
@@ -117,22 +156,22 @@ def swap_guided(
     """
     if protocol not in ("replacement", "interchange", "auto"):
         raise ValueError(f"protocol={protocol!r}: allowed 'replacement', 'interchange' or 'auto'")
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    calib, num_blocks, budgets, single = _setup(model, calibration, tokenizer, n)
     needed = ("replacement", "interchange") if protocol == "auto" else (protocol,)
     if report is None:
         report = _score(model, calib, needed, batch_size)
     missing = [p for p in needed if p not in report.protocols]
     if missing:
         raise ValueError(f"the report did not score {missing} (scored: {list(report.protocols)})")
-    if report.num_layers != num_layers:
-        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
+    if report.num_blocks != num_blocks:
+        raise ValueError(f"the report has {report.num_blocks} blocks but the model has {num_blocks}")
     sub = _gap1(report)
     passes, blocks, seconds, estimated = _report_cost(report, needed)
     results = {}
     for b in budgets:
         extra_passes = extra_blocks = 0
         extra_seconds = 0.0
-        details = {"protocol": protocol, "spacing": spacing, "protect": sorted(resolve_protect(protect, num_layers)),
+        details = {"protocol": protocol, "spacing": spacing, "protect": sorted(resolve_protect(protect, num_blocks)),
                    "score_pairs": "adjacent (gap 1)", "seconds_estimated": estimated, "unit": "nats"}
         if protocol == "auto":
             candidates = {p: greedy_select(sub.layer_scores(p), b, spacing=spacing, protect=protect) for p in needed}
@@ -140,7 +179,7 @@ def swap_guided(
             todo = [s for k, s in distinct.items() if k not in sub.removal_kl]
             if len(distinct) > 1:
                 extra_passes, extra_blocks = _plans_cost(
-                    {k: removal_plan(num_layers, s) for k, s in distinct.items()}, num_layers)
+                    {k: removal_plan(num_blocks, s) for k, s in distinct.items()}, num_blocks)
                 if todo:
                     values, stats = _removal_kl_values(model, calib, todo, batch_size)
                     sub.removal_kl.update({set_key(s): v for s, v in zip(todo, values)})

@@ -52,11 +52,12 @@ from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
 from ..plan import num_blocks
+from ..protocols import PROTOCOLS
 from ..report import SwapReport, _score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from .common import CriterionResult, _calibration, _gap1, _report_cost
 from .objectives import OBJECTIVES, SetObjective
-from .registry import keyword_options, register_strategy
+from .registry import Criterion, keyword_options, register_strategy
 
 __all__ = ["search_criterion", "search_select"]
 
@@ -66,10 +67,10 @@ def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int
     return sorted(sorted(finite, key=lambda i: (_score_key(scores[i]), i))[:n])
 
 
-def _best_runs(scores: Sequence[float], allowed: set[int], num_layers: int, n: int, k: int = 2) -> list[list[int]]:
+def _best_runs(scores: Sequence[float], allowed: set[int], num_blocks: int, n: int, k: int = 2) -> list[list[int]]:
     """The ``k`` contiguous runs of ``n`` allowed blocks with the lowest summed score (ties: earliest)."""
     runs = []
-    for a in range(num_layers - n + 1):
+    for a in range(num_blocks - n + 1):
         run = list(range(a, a + n))
         if all(i in allowed and scores[i] is not None and math.isfinite(scores[i]) for i in run):
             runs.append((sum(scores[i] for i in run), a, run))
@@ -149,16 +150,16 @@ def search_select(
         ValueError: an unknown objective, a budget above the unprotected blocks the
             spacing allows, or a report of another block count.
     """
-    num_layers = num_blocks(model)
+    total = num_blocks(model)
     single_budget = isinstance(budgets, int)
     wanted = sorted({budgets} if single_budget else set(budgets))
     if not wanted:
         raise ValueError("no budget given: pass n as an int or a non-empty list of ints")
-    top = max(check_budget(b, num_layers, spacing=spacing, protect=protect) for b in wanted)
-    if report is not None and report.num_layers != num_layers:
-        raise ValueError(f"the report has {report.num_layers} blocks but the model has {num_layers}")
-    protected = resolve_protect(protect, num_layers)
-    allowed = [i for i in range(num_layers) if i not in protected]
+    top = max(check_budget(b, total, spacing=spacing, protect=protect) for b in wanted)
+    if report is not None and report.num_blocks != total:
+        raise ValueError(f"the report has {report.num_blocks} blocks but the model has {total}")
+    protected = resolve_protect(protect, total)
+    allowed = [i for i in range(total) if i not in protected]
     allowed_set = set(allowed)
     if exhaustive_below is None:
         exhaustive_below = moves_per_round * max_rounds
@@ -201,7 +202,7 @@ def search_select(
         return sorted(pool, key=lambda s: (_score_key(f.value(s)), s))
 
     singles_pool = score([[i] for i in allowed])
-    single = [None] * num_layers
+    single = [None] * total
     for s in singles_pool:
         single[s[0]] = f.value(s)
 
@@ -260,7 +261,7 @@ def search_select(
             pool.append(_lowest(sources[p], allowed, n))
         pool.append(rank[:n] if n <= len(rank) else [])
         for scores in sources.values():
-            pool.extend(_best_runs(scores, allowed_set, num_layers, n))
+            pool.extend(_best_runs(scores, allowed_set, total, n))
         if n > 1:
             for prev in ranked_by_n[n - 1][1:extend_best]:
                 pool.extend(extensions(prev, n + 2))
@@ -307,7 +308,7 @@ def search_select(
     out = {}
     for n in wanted:
         out[n] = {
-            "strategy": "search", "objective": objective, "num_layers": n, "selected": list(best[n]),
+            "strategy": "search", "objective": objective, "num_to_remove": n, "selected": list(best[n]),
             "value": f.value(best[n]), "spacing": spacing, "protect": sorted(protected),
             "protocol_sets": copy.deepcopy(protocol_sets[n]), "trace": copy.deepcopy(trace[n]),
             "cost": dict(costs[n]), "total_cost": dict(final_cost), "max_evaluations": max_evaluations,
@@ -325,12 +326,77 @@ def _default_objective(objective):
 _SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size")
 
 
-@register_strategy("search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED))
-def _search(report, num_layers, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
+def _config_options(cfg) -> dict:
+    """``select_layers`` keywords from a :class:`~hf_layerswap.LayerSwapConfig`."""
+    out = {"objective": _default_objective(cfg.objective), "progress": cfg.progress}
+    if cfg.max_evaluations is not None:
+        out["max_evaluations"] = cfg.max_evaluations
+    return out
+
+
+def _describe(cfg) -> str:
+    return (f"search over candidate sets ({_default_objective(cfg.objective)} on the calibration prompts), "
+            f"spacing={cfg.spacing}, protect={cfg.protect}")
+
+
+def _card_candidates(search, report, removed, kl, indices):
+    """The card's rows for each protocol's greedy set (paper's rule, spacing >= 1) as the
+    search scored them, and why the chosen set won; ``None`` when the record is of another set."""
+    if list(search.get("selected", [])) != list(removed):
+        return None
+    rows, sets = [], {}
+    objective = search.get("objective", "removal_kl")
+    for p in report.protocols:
+        entry = (search.get("protocol_sets") or {}).get(p)
+        if entry is None:
+            rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
+                         "removal_kl": kl(None)})
+            continue
+        sets[p] = list(entry["set"])
+        value = entry.get("value")
+        if objective != "removal_kl":
+            value = report.removal_kl.get(set_key(entry["set"]))
+        rows.append({"protocol": p, "layers": indices(entry["set"]), "removal_kl": kl(value)})
+    cost = search.get("cost") or {}
+    values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
+    reason = (
+        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
+        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
+        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
+        f"{kl(search.get('value'))} {search.get('unit', 'nats')}"
+    )
+    if values:
+        reason += " against " + ", ".join(f"{p} {kl(v)}" for p, v in values.items())
+    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
+               "passes). It has the lowest value of every set scored.")
+    matching = [p for p, s in sets.items() if s == list(removed)]
+    if matching:
+        reason += f" It is also the set the {' and '.join(matching)} rule picks."
+    else:
+        reason += " Neither protocol's greedy rule picks it."
+    return rows, reason
+
+
+@register_strategy(
+    "search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
+    describe=_describe, guided_by=lambda decision, protocol: None,
+    values=lambda decision: [("the search's value", decision["value"])] if "value" in decision else [],
+    card_summary=" by a search over candidate sets guided by both swap-KL protocols.",
+    card_rule=lambda spacing, protect: (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; "
+                                        f"the search itself used spacing={spacing}"),
+    card_candidates=_card_candidates,
+    criteria={
+        "search": Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
+                            reads=PROTOCOLS),
+        "search_ghosted": Criterion(
+            lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
+    },
+)
+def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
     """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
     objective = _default_objective(objective)
-    record = search_select(report, num_layers, model=model, calibration=calibration, objective=objective,
-                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_layers]
+    record = search_select(report, num_to_remove, model=model, calibration=calibration, objective=objective,
+                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_to_remove]
     _record(report, record)
     return list(record["selected"])
 

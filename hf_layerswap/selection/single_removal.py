@@ -10,7 +10,7 @@ from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, _check_resume, _out, _setup, as_strategy
 from .finite import record_layer_values
 from .objectives import _removal_kl_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["single_removal_kl"]
 
@@ -42,22 +42,24 @@ def single_removal_kl(
         ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks, or a
             ``resume`` of another criterion, budget or protection.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
+    calib, num_blocks, budgets, single = _setup(model, calibration, tokenizer, n)
     if resume is not None:
-        _check_resume(resume, "single_removal_kl", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        _check_resume(resume, "single_removal_kl", budgets, protect=sorted(resolve_protect(protect, num_blocks)))
         values = list(resume.scores)
         stats = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
     else:
-        values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_layers)], batch_size)
+        values, stats = _removal_kl_values(model, calib, [[i] for i in range(num_blocks)], batch_size)
     record_layer_values(values)
     results = {}
     for b in budgets:
         removed = greedy_select(values, b, spacing=0, protect=protect)
         results[b] = CriterionResult(
             "single_removal_kl", b, removed, values, stats["forward_passes"], stats["block_passes"], stats["seconds"],
-            details={"protect": sorted(resolve_protect(protect, num_layers)), "unit": "nats"},
+            details={"protect": sorted(resolve_protect(protect, num_blocks)), "unit": "nats"},
         )
     return _out(results, single)
 
 
-register_strategy("single_removal_kl", needs_model=True)(as_strategy("single_removal_kl", single_removal_kl))
+register_strategy(
+    "single_removal_kl", needs_model=True, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
+)(as_strategy("single_removal_kl", single_removal_kl))

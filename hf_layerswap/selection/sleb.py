@@ -12,7 +12,7 @@ from ..report import _score_key
 from ..rule import resolve_protect
 from .common import CriterionResult, _allowed, _check_resume, _out, _setup, as_strategy
 from .objectives import _removal_nll_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["sleb"]
 
@@ -50,19 +50,19 @@ def sleb(
     Raises:
         ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
     """
-    calib, num_layers, budgets, single = _setup(model, calibration, tokenizer, n)
-    allowed = _allowed(num_layers, protect)
+    calib, num_blocks, budgets, single = _setup(model, calibration, tokenizer, n)
+    allowed = _allowed(num_blocks, protect)
     if budgets[-1] > len(allowed):
         raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
     removed: list[int] = []
     steps, results = [], {}
     passes = blocks = calls = 0
     seconds = 0.0
-    first_scores: list[float | None] = [None] * num_layers
+    first_scores: list[float | None] = [None] * num_blocks
     base_nll = None
     first_step = 1
     if resume is not None:
-        _check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_layers)))
+        _check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_blocks)))
         removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
@@ -85,7 +85,7 @@ def sleb(
         if k in budgets:
             results[k] = CriterionResult(
                 "sleb", k, list(removed), first_scores, passes, blocks, seconds, evaluator_calls=calls,
-                details={"protect": sorted(resolve_protect(protect, num_layers)), "base_nll": base_nll,
+                details={"protect": sorted(resolve_protect(protect, num_blocks)), "base_nll": base_nll,
                          "unit": "nats per token", "steps": copy.deepcopy(steps)},
             )
     return _out(results, single)
@@ -96,4 +96,4 @@ def _num_targets(calib: CalibrationSet) -> int:
     return int((m[:, 1:] * m[:, :-1]).sum())
 
 
-register_strategy("sleb", needs_model=True)(as_strategy("sleb", sleb))
+register_strategy("sleb", needs_model=True, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
