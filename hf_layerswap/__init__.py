@@ -18,6 +18,7 @@ from . import integration  # noqa: F401
 from .baselines import compare_criteria
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
 from .config import HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
+from .cost import CostEstimate, estimate_cost
 from .evaluation import PerplexityResult, delta_ppl_percent, evaluate_perplexity, generation_check
 from .gguf_export import GGUFLayoutError, export_gguf, save_gguf
 from .healing import HealReport, heal
@@ -46,6 +47,8 @@ __all__ = [
     "PruneResult",
     "prune_loaded_model",
     "load_model",
+    "estimate_cost",
+    "CostEstimate",
     # step by step
     "build_calibration",
     "CalibrationSet",

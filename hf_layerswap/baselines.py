@@ -17,7 +17,7 @@ and seconds. :func:`compare_criteria` then evaluates every removed set with one
 perplexity contract (:func:`~hf_layerswap.evaluation.evaluate_perplexity`) and one joint
 removal KL on the calibration prompts, so the numbers are comparable.
 
-Criteria (:data:`CRITERIA`): ``block_influence`` (ShortGPT) and ``angular_distance``
+Criteria (:func:`harness_criteria`: each registered strategy's ``criteria``, then the controls): ``block_influence`` (ShortGPT) and ``angular_distance``
 (Gromov et al.) in :mod:`hf_layerswap.selection.geometry`; ``single_removal_kl``
 (:mod:`~hf_layerswap.selection.single_removal`); ``sleb`` (:mod:`~hf_layerswap.selection.sleb`);
 ``replacement`` / ``interchange`` / ``auto``, the paper's rule per protocol and the better of
@@ -58,23 +58,20 @@ from .recovery import RECOVERY_METHODS, recover
 from .jsonio import decode_tree, encode_tree, write_json_atomic
 from .report import PairResult, SwapReport, set_key
 from .rule import resolve_protect
-from .selection.beam import BEAM_EVALUATORS, interchange_beam
+from .selection.beam import BEAM_EVALUATORS
 from .selection.common import CriterionResult, allowed_blocks, parse_budgets, criterion_output, score_adjacent, setup_criterion
-from .selection.geometry import angular_distance, block_influence
-from .selection.greedy import swap_guided
 from .selection.objectives import plan_nll
 from .selection.objectives import removal_kl_values
-from .selection.search import search_criterion
-from .selection.single_removal import single_removal_kl
-from .selection.sleb import sleb
+from .selection.registry import STRATEGIES, Criterion, strategy_entry
 from .surgery import remove_layers
 
 __all__ = [
-    "CRITERIA",
+    "CONTROLS",
     "DEFAULT_CRITERIA",
     "CriterionComparison",
     "compare_criteria",
     "evaluate_removed",
+    "harness_criteria",
     "merge_criteria_states",
     "merge_reports",
     "protocol_gap_quartiles",
@@ -206,40 +203,26 @@ def merge_reports(*reports: SwapReport) -> SwapReport:
 # ----------------------------------------------------------------------------- registry
 
 
-def _interchange(model, calib, n, **kw):
-    return swap_guided(model, calib, n, protocol="interchange", **kw)
-
-
-def _replacement(model, calib, n, **kw):
-    return swap_guided(model, calib, n, protocol="replacement", **kw)
-
-
-def _auto(model, calib, n, **kw):
-    return swap_guided(model, calib, n, protocol="auto", **kw)
-
-
-#: Criterion name -> function ``(model, calibration_set, budgets, **options) -> {n: CriterionResult}``.
-CRITERIA: dict[str, Callable] = {
-    "block_influence": block_influence,
-    "angular_distance": angular_distance,
-    "single_removal_kl": single_removal_kl,
-    "sleb": sleb,
-    "random": lambda model, calib, n, **kw: random_removal(model, n, **kw),
-    "tail": lambda model, calib, n, **kw: tail_removal(model, n),
-    "replacement": _replacement,
-    "interchange": _interchange,
-    "auto": _auto,
-    "interchange_beam": interchange_beam,
-    "search": lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
-    "search_ghosted": lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw),
+#: The harness's own controls (not strategies): ``random`` draws, the ``tail`` blocks.
+CONTROLS: dict[str, Criterion] = {
+    "random": Criterion(lambda model, calib, n, **kw: random_removal(model, n, **kw), batched=False),
+    "tail": Criterion(lambda model, calib, n, **kw: tail_removal(model, n), batched=False),
 }
 
-DEFAULT_CRITERIA = tuple(CRITERIA)
 
-#: Criteria that can reuse a shared SwapReport (``report=``).
-_REPORT_CRITERIA = {"replacement", "interchange", "auto", "interchange_beam", "search", "search_ghosted"}
-#: Criteria that read both protocols' scores.
-_BOTH_PROTOCOLS = {"auto", "search", "search_ghosted"}
+def harness_criteria() -> dict[str, Criterion]:
+    """Every criterion :func:`compare_criteria` runs, by the name the benchmark pages show:
+    each registered strategy's :attr:`~hf_layerswap.selection.registry.Strategy.criteria`
+    (registration order), then :data:`CONTROLS`. A strategy registered with ``criteria=``
+    is compared at once."""
+    out: dict[str, Criterion] = {}
+    for name in STRATEGIES:
+        out.update(strategy_entry(name).criteria)
+    return {**out, **CONTROLS}
+
+
+#: The criteria of the built-in strategies and the controls (:func:`harness_criteria` at import).
+DEFAULT_CRITERIA = tuple(harness_criteria())
 
 
 # ----------------------------------------------------------------------------- protocol-gap summary
@@ -467,7 +450,8 @@ def compare_criteria(
         calibration: a CalibrationSet or a source for
             :func:`~hf_layerswap.calibration.build_calibration` (with ``tokenizer``).
         budgets: the n values (blocks removed), each in ``1..L-2``.
-        criteria: names from :data:`CRITERIA`.
+        criteria: names from :func:`harness_criteria` (each registered strategy's
+            criteria, and the controls ``random`` and ``tail``).
         eval_text: evaluation text for ``evaluate_perplexity`` (path, string, or ``None``
             = the embedded evaluation split).
         tokenizer: the model's tokenizer (needed for text sources and evaluation).
@@ -513,18 +497,8 @@ def compare_criteria(
     """
 
     log = log or logger.info
-    unknown = [c for c in criteria if c not in CRITERIA]
-    if unknown:
-        raise ValueError(f"unknown criteria {unknown}: allowed {list(CRITERIA)}")
-    if evaluation_method not in ("copy", "plan"):
-        raise ValueError(f"evaluation_method={evaluation_method!r}: allowed 'copy' or 'plan'")
-    repairs = [m for m in RECOVERY_METHODS if m != "none"]
-    if recovery is not None and recovery not in repairs:
-        raise ValueError(f"recovery={recovery!r}: allowed None or one of {repairs}")
-    repair = [c for c in (recovery_criteria or criteria) if c != "random"]
-    unknown = [c for c in repair if c not in criteria]
-    if unknown:
-        raise ValueError(f"recovery_criteria {unknown} are not among the criteria run: allowed {list(criteria)}")
+    table = harness_criteria()
+    repair = _check_harness_arguments(table, criteria, evaluation_method, recovery, recovery_criteria)
     calib, num_blocks, budgets, _ = setup_criterion(model, calibration, tokenizer, list(budgets))
     options = {k: dict(v) for k, v in (options or {}).items()}
     fingerprint = {
@@ -536,6 +510,54 @@ def compare_criteria(
         "evaluation_options": encode_tree(dict(evaluation_options or {})),
         "options": encode_tree(options),
     }
+    run = _HarnessRun(model, calib, _load_state(fingerprint, state_path, log), state_path, log, batch_size)
+    reports = run.shared_reports(table, criteria) if report is None else {}
+    results = run.select(table, criteria, budgets, options, report, reports)
+    eval_kwargs = {"batch_size": eval_batch_size, **dict(evaluation_options or {})}
+    all_sets = run.evaluate(results, eval_text, tokenizer, contract, evaluation_method, eval_kwargs)
+    ppl = {k: PerplexityResult.from_dict(decode_tree(v)) for k, v in run.state["ppl"].items()}
+    kl = run.joint_kl(all_sets) if joint_kl else {}
+    repaired = {}
+    if recovery is not None:
+        repaired = run.repaired(results, repair, recovery, eval_text, tokenizer, contract, eval_kwargs)
+    base = ppl[""]
+    rows = [_row(name, b, results[name][b], base, ppl, kl, repaired, joint_kl,
+                 recovery_criteria is None or name in recovery_criteria)
+            for name in criteria for b in budgets]
+    return CriterionComparison(
+        rows=rows,
+        base={"ppl": base.ppl, "ci_low": base.ci_low, "ci_high": base.ci_high, "nll": base.nll, "tokens": base.tokens},
+        contract=base.contract,
+        calibration=calib.spec(),
+        evaluation_method=evaluation_method,
+        results={name: {b: r.to_dict() for b, r in per_n.items()} for name, per_n in results.items()},
+        model=_public_identity(model_identity(model)),
+        params={"budgets": budgets, "criteria": list(criteria), "options": encode_tree(options), "batch_size": batch_size},
+        reports={"shared": report.to_dict()} if report is not None else {k: r.to_dict() for k, r in reports.items()},
+        evaluation_seconds={k: run.state.get("ppl_seconds", {}).get(k) for k in all_sets},
+        recovery=recovery,
+    )
+
+
+def _check_harness_arguments(table, criteria, evaluation_method, recovery, recovery_criteria) -> list[str]:
+    """Refuse bad arguments before any work; returns the criteria whose sets are repaired."""
+    unknown = [c for c in criteria if c not in table]
+    if unknown:
+        raise ValueError(f"unknown criteria {unknown}: allowed {list(table)}")
+    if evaluation_method not in ("copy", "plan"):
+        raise ValueError(f"evaluation_method={evaluation_method!r}: allowed 'copy' or 'plan'")
+    repairs = [name for name, m in RECOVERY_METHODS.items() if m.fits]
+    if recovery is not None and recovery not in repairs:
+        raise ValueError(f"recovery={recovery!r}: allowed None or one of {repairs}")
+    repair = [c for c in (recovery_criteria or criteria) if c != "random"]
+    unknown = [c for c in repair if c not in criteria]
+    if unknown:
+        raise ValueError(f"recovery_criteria {unknown} are not among the criteria run: allowed {list(criteria)}")
+    return repair
+
+
+def _load_state(fingerprint: dict, state_path, log) -> dict:
+    """A fresh harness state, or the one at ``state_path`` when it was recorded for ``fingerprint``."""
     state = {"format": "hf_layerswap.compare_criteria/1", "fingerprint": fingerprint, "criteria": {}, "ppl": {},
              "removal_kl": {}, "reports": {}}
     if state_path is not None and Path(state_path).is_file():
@@ -547,146 +569,138 @@ def compare_criteria(
             )
         state = loaded
         log(f"resuming from {state_path}")
+    return state
 
-    def save():
-        if state_path is not None:
-            write_json_atomic(state, state_path)
 
-    # ---- shared swap-KL reports (one per protocol, so every criterion's cost is its own)
-    reports: dict[str, SwapReport] = {}
-    wanted = set(criteria) & _REPORT_CRITERIA
-    if wanted and report is None:
-        protos = set()
-        if wanted & ({"interchange", "interchange_beam"} | _BOTH_PROTOCOLS):
-            protos.add("interchange")
-        if wanted & ({"replacement"} | _BOTH_PROTOCOLS):
-            protos.add("replacement")
-        for proto in sorted(protos):
-            if proto in state["reports"]:
-                reports[proto] = SwapReport.from_dict(state["reports"][proto])
-            else:
-                log(f"scoring {proto} swap-KL (adjacent pairs)")
-                # completed probes survive a killed run next to the state file until the report is in it
-                probes = None if state_path is None else Path(state_path).with_name(f"{Path(state_path).stem}.{proto}-probes")
-                reports[proto] = score_adjacent(model, calib, (proto,), batch_size, checkpoint_path=probes)
-                reports[proto].metadata["model"] = _public_identity(model_identity(model))
-                state["reports"][proto] = reports[proto].to_dict()
-                save()
-                if probes is not None:
-                    shutil.rmtree(probes, ignore_errors=True)
+def _sets_of(res: CriterionResult) -> list[list[int]]:
+    return res.details["draws"] if res.name == "random" else [res.removed]
 
-    def report_for(name: str) -> SwapReport:
-        if report is not None:
-            return report
-        if name in _BOTH_PROTOCOLS:
-            return merge_reports(reports["replacement"], reports["interchange"])
-        return reports["interchange" if name in ("interchange", "interchange_beam") else "replacement"]
 
-    # ---- selection (calibration prompts only)
-    results: dict[str, dict[int, CriterionResult]] = {}
-    for name in criteria:
-        done = {int(k): CriterionResult.from_dict(v) for k, v in state["criteria"].get(name, {}).items()}
-        todo = [b for b in budgets if b not in done]
+class _HarnessRun:
+    """One :func:`compare_criteria` run: its state (saved after every step) and its steps."""
+
+    def __init__(self, model, calib, state: dict, state_path, log, batch_size: int):
+        self.model, self.calib, self.state, self.state_path = model, calib, state, state_path
+        self.log, self.batch_size = log, batch_size
+
+    def save(self) -> None:
+        if self.state_path is not None:
+            write_json_atomic(self.state, self.state_path)
+
+    def shared_reports(self, table, criteria) -> dict[str, SwapReport]:
+        """One adjacent-pair report per protocol a criterion reads, so each criterion's cost is its own."""
+        reports: dict[str, SwapReport] = {}
+        for proto in sorted({p for name in criteria for p in table[name].reads}):
+            if proto in self.state["reports"]:
+                reports[proto] = SwapReport.from_dict(self.state["reports"][proto])
+                continue
+            self.log(f"scoring {proto} swap-KL (adjacent pairs)")
+            # completed probes survive a killed run next to the state file until the report is in it
+            probes = None if self.state_path is None else Path(self.state_path).with_name(
+                f"{Path(self.state_path).stem}.{proto}-probes")
+            reports[proto] = score_adjacent(self.model, self.calib, (proto,), self.batch_size, checkpoint_path=probes)
+            reports[proto].metadata["model"] = _public_identity(model_identity(self.model))
+            self.state["reports"][proto] = reports[proto].to_dict()
+            self.save()
+            if probes is not None:
+                shutil.rmtree(probes, ignore_errors=True)
+        return reports
+
+    def select(self, table, criteria, budgets, options, report, reports) -> dict[str, dict[int, CriterionResult]]:
+        """Every criterion's sets at every budget (calibration prompts only)."""
+        results: dict[str, dict[int, CriterionResult]] = {}
+        for name in criteria:
+            entry = table[name]
+            done = {int(k): CriterionResult.from_dict(v) for k, v in self.state["criteria"].get(name, {}).items()}
+            todo = [b for b in budgets if b not in done]
+            if todo:
+                self.log(f"criterion {name}: budgets {todo}")
+                kwargs = dict(options.get(name, {}))
+                if entry.reads:
+                    shared = [reports[p] for p in entry.reads] if report is None else [report]
+                    kwargs["report"] = shared[0] if len(shared) == 1 else merge_reports(*shared)
+                if entry.batched:
+                    kwargs.setdefault("batch_size", self.batch_size)
+                earlier = [b for b in done if b < min(todo)]
+                if entry.resumes and earlier:
+                    # iterative searches continue, not restart; a one-shot ranking reuses its scores
+                    kwargs["resume"] = done[max(earlier)]
+                out = entry.run(self.model, self.calib, todo, **kwargs)
+                out = out if isinstance(out, dict) else {todo[0]: out}
+                done.update(out)
+                self.state["criteria"][name] = {str(k): v.to_dict() for k, v in sorted(done.items())}
+                self.save()
+            results[name] = {b: done[b] for b in budgets}
+        return results
+
+    def evaluate(self, results, eval_text, tokenizer, contract, evaluation_method, eval_kwargs) -> dict:
+        """The perplexity of every removed set (the only place ``eval_text`` is read); returns the sets."""
+        all_sets = {"": []}
+        for per_n in results.values():
+            for res in per_n.values():
+                for s in _sets_of(res):
+                    all_sets[set_key(s)] = list(s)
+        for key, s in all_sets.items():
+            if key in self.state["ppl"]:
+                continue
+            self.log(f"perplexity with removed = [{key}]")
+            t0 = time.perf_counter()
+            res = _evaluate_removed(self.model, s, eval_text, tokenizer, contract, evaluation_method, eval_kwargs)
+            res.contract = _public_contract(res.contract)
+            self.state["ppl"][key] = encode_tree(res.to_dict())
+            self.state.setdefault("ppl_seconds", {})[key] = time.perf_counter() - t0
+            self.save()
+        return all_sets
+
+    def joint_kl(self, all_sets) -> dict:
+        """Every set's joint removal KL on the calibration prompts (nats)."""
+        todo = [k for k in all_sets if k and k not in self.state["removal_kl"]]
         if todo:
-            log(f"criterion {name}: budgets {todo}")
-            kwargs = dict(options.get(name, {}))
-            if name in _REPORT_CRITERIA:
-                kwargs["report"] = report_for(name)
-            if name not in ("random", "tail"):
-                kwargs.setdefault("batch_size", batch_size)
-            earlier = [b for b in done if b < min(todo)]
-            if name in ("sleb", "interchange_beam", "single_removal_kl") and earlier:
-                # iterative searches continue, not restart; a one-shot ranking reuses its scores
-                kwargs["resume"] = done[max(earlier)]
-            out = CRITERIA[name](model, calib, todo, **kwargs)
-            out = out if isinstance(out, dict) else {todo[0]: out}
-            done.update(out)
-            state["criteria"][name] = {str(k): v.to_dict() for k, v in sorted(done.items())}
-            save()
-        results[name] = {b: done[b] for b in budgets}
+            self.log(f"joint removal KL of {len(todo)} sets on the calibration prompts")
+            values, _ = removal_kl_values(self.model, self.calib, [all_sets[k] for k in todo], self.batch_size)
+            self.state["removal_kl"].update(dict(zip(todo, encode_tree(values))))
+            self.save()
+        return {k: decode_tree(v) for k, v in self.state["removal_kl"].items()}
 
-    # ---- evaluation (the only place eval_text is read)
-    def sets_of(res: CriterionResult) -> list[list[int]]:
-        return res.details["draws"] if res.name == "random" else [res.removed]
-
-    all_sets = {"": []}
-    for per_n in results.values():
-        for res in per_n.values():
-            for s in sets_of(res):
-                all_sets[set_key(s)] = list(s)
-    eval_kwargs = {"batch_size": eval_batch_size, **dict(evaluation_options or {})}
-    for key, s in all_sets.items():
-        if key in state["ppl"]:
-            continue
-        log(f"perplexity with removed = [{key}]")
-        t0 = time.perf_counter()
-        res = _evaluate_removed(model, s, eval_text, tokenizer, contract, evaluation_method, eval_kwargs)
-        res.contract = _public_contract(res.contract)
-        state["ppl"][key] = encode_tree(res.to_dict())
-        state.setdefault("ppl_seconds", {})[key] = time.perf_counter() - t0
-        save()
-    ppl = {k: PerplexityResult.from_dict(decode_tree(v)) for k, v in state["ppl"].items()}
-    if joint_kl:
-        todo = [k for k in all_sets if k and k not in state["removal_kl"]]
-        if todo:
-            log(f"joint removal KL of {len(todo)} sets on the calibration prompts")
-            values, _ = removal_kl_values(model, calib, [all_sets[k] for k in todo], batch_size)
-            state["removal_kl"].update(dict(zip(todo, encode_tree(values))))
-            save()
-    kl = {k: decode_tree(v) for k, v in state["removal_kl"].items()}
-    repaired: dict[str, PerplexityResult] = {}
-    if recovery is not None:
-        done = state.setdefault("ppl_recovered", {}).setdefault(recovery, {})
+    def repaired(self, results, repair, recovery, eval_text, tokenizer, contract, eval_kwargs) -> dict:
+        """The perplexity of the ``repair`` criteria's sets after ``recovery``."""
+        done = self.state.setdefault("ppl_recovered", {}).setdefault(recovery, {})
         keys = {set_key(r.removed): list(r.removed) for name, per_n in results.items() if name in repair
                 for r in per_n.values()}
         for key, s in keys.items():
             if key in done:
                 continue
-            log(f"perplexity with removed = [{key}] after {recovery} recovery")
+            self.log(f"perplexity with removed = [{key}] after {recovery} recovery")
             t0 = time.perf_counter()
-            res = _evaluate_recovered(model, s, recovery, calib, eval_text, tokenizer, contract, eval_kwargs, batch_size)
+            res = _evaluate_recovered(self.model, s, recovery, self.calib, eval_text, tokenizer, contract, eval_kwargs,
+                                      self.batch_size)
             res.contract = _public_contract(res.contract)
             done[key] = {**encode_tree(res.to_dict()), "seconds": time.perf_counter() - t0}
-            save()
-        repaired = {k: PerplexityResult.from_dict(decode_tree({f: x for f, x in v.items() if f != "seconds"}))
-                    for k, v in done.items()}
+            self.save()
+        return {k: PerplexityResult.from_dict(decode_tree({f: x for f, x in v.items() if f != "seconds"}))
+                for k, v in done.items()}
 
-    base = ppl[""]
-    rows = []
-    for name in criteria:
-        for b in budgets:
-            res = results[name][b]
-            row = {"criterion": name, "n": b, "removed": res.removed, "forward_passes": res.forward_passes,
-                   "block_passes": res.block_passes, "evaluator_calls": res.evaluator_calls, "seconds": res.seconds}
-            if name == "random":
-                keys = [set_key(s) for s in res.details["draws"]]
-                d = [delta_ppl_percent(base, ppl[k]) for k in keys]
-                row.update({"draws": res.details["draws"], "ppl": statistics.fmean(ppl[k].ppl for k in keys),
-                            "dppl": statistics.fmean(d), "dppl_sd": statistics.stdev(d) if len(d) > 1 else 0.0,
-                            "dppl_min": min(d), "dppl_max": max(d), "dppl_draws": d, "dppl_ci": None,
-                            "removal_kl": statistics.fmean(kl[k] for k in keys) if joint_kl else None})
-            else:
-                k = set_key(res.removed)
-                row.update({"ppl": ppl[k].ppl, "dppl": delta_ppl_percent(base, ppl[k]),
-                            "dppl_ci": list(delta_ppl_ci(base, ppl[k])), "ppl_ci": [ppl[k].ci_low, ppl[k].ci_high],
-                            "removal_kl": kl.get(k) if joint_kl else None})
-                if k in repaired and (recovery_criteria is None or name in recovery_criteria):
-                    row.update({"ppl_recovered": repaired[k].ppl, "dppl_recovered": delta_ppl_percent(base, repaired[k]),
-                                "dppl_recovered_ci": list(delta_ppl_ci(base, repaired[k]))})
-            rows.append(row)
-    return CriterionComparison(
-        rows=rows,
-        base={"ppl": base.ppl, "ci_low": base.ci_low, "ci_high": base.ci_high, "nll": base.nll, "tokens": base.tokens},
-        contract=base.contract,
-        calibration=calib.spec(),
-        evaluation_method=evaluation_method,
-        results={name: {b: r.to_dict() for b, r in per_n.items()} for name, per_n in results.items()},
-        model=_public_identity(model_identity(model)),
-        params={"budgets": budgets, "criteria": list(criteria), "options": encode_tree(options), "batch_size": batch_size},
-        reports={"shared": report.to_dict()} if report is not None else {k: r.to_dict() for k, r in reports.items()},
-        evaluation_seconds={k: state.get("ppl_seconds", {}).get(k) for k in all_sets},
-        recovery=recovery,
-    )
+
+def _row(name, n, res: CriterionResult, base, ppl, kl, repaired, joint_kl: bool, with_repair: bool) -> dict:
+    """One (criterion, n) row of :class:`CriterionComparison`."""
+    row = {"criterion": name, "n": n, "removed": res.removed, "forward_passes": res.forward_passes,
+           "block_passes": res.block_passes, "evaluator_calls": res.evaluator_calls, "seconds": res.seconds}
+    if name == "random":
+        keys = [set_key(s) for s in res.details["draws"]]
+        d = [delta_ppl_percent(base, ppl[k]) for k in keys]
+        row.update({"draws": res.details["draws"], "ppl": statistics.fmean(ppl[k].ppl for k in keys),
+                    "dppl": statistics.fmean(d), "dppl_sd": statistics.stdev(d) if len(d) > 1 else 0.0,
+                    "dppl_min": min(d), "dppl_max": max(d), "dppl_draws": d, "dppl_ci": None,
+                    "removal_kl": statistics.fmean(kl[k] for k in keys) if joint_kl else None})
+        return row
+    k = set_key(res.removed)
+    row.update({"ppl": ppl[k].ppl, "dppl": delta_ppl_percent(base, ppl[k]),
+                "dppl_ci": list(delta_ppl_ci(base, ppl[k])), "ppl_ci": [ppl[k].ci_low, ppl[k].ci_high],
+                "removal_kl": kl.get(k) if joint_kl else None})
+    if k in repaired and with_repair:
+        row.update({"ppl_recovered": repaired[k].ppl, "dppl_recovered": delta_ppl_percent(base, repaired[k]),
+                    "dppl_recovered_ci": list(delta_ppl_ci(base, repaired[k]))})
+    return row
 
 
 #: Parts of a :func:`compare_criteria` state that several runs can fill independently.

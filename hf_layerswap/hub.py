@@ -62,7 +62,7 @@ from .card import (
 from .history import history_problems, probable_cause
 from .jsonio import STAGING_PREFIX, move_into_place, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
-from .recovery import attached_operators
+from .recovery import recovery_entry
 from .jsonio import default_mode
 from .report import SwapReport
 from .rule import NONFINITE_ADVICE
@@ -155,9 +155,10 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
     if problems:
         raise PushRefusedError(sparsity_refusal(problems, sparsity_report))
     recovery = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
-    if recovery.get("method") == "ghosted" and not attached_operators(model):
+    method = recovery_entry(recovery.get("method"))
+    if method is not None and method.attaches_at_load and not method.attached(model):
         raise PushRefusedError(
-            f"config.layerswap records ghosted recovery operators at boundaries {recovery.get('boundaries')} but none "
+            f"config.layerswap records {method.name} recovery modules at boundaries {recovery.get('boundaries')} but none "
             "is attached, so the published folder would lack them: load the checkpoint with hf_layerswap imported "
             "(or call hf_layerswap.recovery.attach_saved_recovery(model, path)), or detach_recovery(model) to publish "
             "the plainly pruned model"

@@ -68,7 +68,7 @@ class LayerSwapQuantizer(HfQuantizer):
         cfg = self.quantization_config
         try:
             verify_history(model)  # a loaded config.layerswap record is checked before anything extends it
-            if self.pre_quantized:  # a saved layerswap checkpoint: re-attach its ghosted operators
+            if self.pre_quantized:  # a saved layerswap checkpoint: re-attach its saved repair modules
                 try:
                     attach_saved_recovery(model)
                 except (FileNotFoundError, ValueError) as err:  # the weights loaded; say what is missing

@@ -48,11 +48,11 @@ from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
 from .recovery import RecoveryReport, recover
-from .protocols import PROTOCOLS
 from .report import PruneProvenance, SwapReport
 from .scoring import score_layers
 from .rule import check_budget
 from .selection import check_report_matches, select_layers
+from .selection.registry import strategy_entry
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
 
@@ -143,7 +143,8 @@ def prune(
     if heal_checkpoint_dir is not None and cfg.heal is None:
         raise ValueError(f"heal_checkpoint_dir={os.fspath(heal_checkpoint_dir)!r} resumes healing, but the config "
                          "heals nothing: set heal= or drop heal_checkpoint_dir")
-    strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
+    strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)
+    entry = strategy_entry(strategy)
     total = num_blocks(model)
     _check_before_work(model, cfg, report, strategy, total)
     if checkpoint_path is not None and (cfg.layers is not None or report is not None):
@@ -154,7 +155,7 @@ def prune(
     selects = cfg.layers is None and cfg.num_to_remove is not None
     needs_text = (
         (cfg.layers is None and report is None)  # scoring
-        or (selects and strategy != "greedy")  # every other strategy reads the model on the prompts
+        or (selects and entry.calibrated())  # the strategy reads the model on the prompts
         or cfg.recovery is not None
         or cfg.sparsity is not None
     )
@@ -162,7 +163,7 @@ def prune(
     if needs_text or isinstance(source, CalibrationSet):
         calib = _calibration(model, cfg, source, tokenizer)
     if cfg.layers is None and report is None:
-        protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
+        protocols = entry.scores(cfg.protocol)
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
             progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path, max_memory=max_memory,
@@ -180,14 +181,13 @@ def prune(
         before = len(report.selections)
         layers = select_layers(
             report, cfg.num_to_remove, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
-            model=model, calibration=calib, batch_size=cfg.batch_size, **_strategy_options(cfg, strategy),
+            model=model, calibration=calib, batch_size=cfg.batch_size, strategy=strategy,
+            **entry.config_options(cfg),
         )
         decision = report.selections[-1] if len(report.selections) > before else None
         provenance = PruneProvenance(
-            selection=_selection_text(cfg, strategy), protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
-            scores=report.summary_dict(),
-            search=decision if decision is not None and decision.get("strategy") == "search" else None,
-            auto=decision if decision is not None and decision.get("strategy") != "search" else None,
+            selection=entry.rule_text(cfg), protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
+            scores=report.summary_dict(), decision=None if decision is None else entry.provenance(decision),
         )
     if calib is not None:
         provenance.calibration = calib.spec()
@@ -243,7 +243,7 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     if not isinstance(report, SwapReport):
         raise TypeError(f"report must be a SwapReport, got {type(report).__name__}")
     check_report_matches(report, model)
-    needed = [cfg.protocol] if strategy == "greedy" else list(PROTOCOLS) if strategy == "auto" else []
+    needed = list(strategy_entry(strategy).reads(cfg.protocol))
     missing = [p for p in needed if p not in report.protocols]
     if cfg.layers is None and cfg.num_to_remove is not None and missing:
         raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
@@ -279,31 +279,6 @@ def _tokenizer_for(model, tokenizer):
         f"({why}): pass tokenizer= (LayerSwapConfig(tokenizer=...) or prune(..., tokenizer=...); --tokenizer on the "
         "command line), or tokenized calibration (a dict of input_ids and attention_mask)"
     )
-
-
-def _strategy_options(cfg: LayerSwapConfig, strategy: str) -> dict:
-    """``select_layers`` keywords for the config's strategy."""
-    if strategy == "search":
-        out = {"strategy": "search", "objective": _objective(cfg), "progress": cfg.progress}
-        if cfg.max_evaluations is not None:
-            out["max_evaluations"] = cfg.max_evaluations
-        return out
-    if strategy == "auto":
-        return {"strategy": "auto"}
-    return {"strategy": strategy, **({"objective": cfg.objective} if cfg.objective else {})}
-
-
-def _objective(cfg: LayerSwapConfig) -> str:
-    return cfg.objective or "removal_kl"
-
-
-def _selection_text(cfg: LayerSwapConfig, strategy: str) -> str:
-    if strategy == "search":
-        return (f"search over candidate sets ({_objective(cfg)} on the calibration prompts), "
-                f"spacing={cfg.spacing}, protect={cfg.protect}")
-    if strategy in ("greedy", "auto"):
-        return f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
-    return f"{strategy}, protect={cfg.protect}"
 
 
 def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:

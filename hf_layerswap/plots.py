@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocols import PROTOCOLS
+from .protocols import PROTOCOLS, protocol_color, protocol_label
 from .report import SwapReport
 
 __all__ = ["PLOT_FILES", "figure", "planned_plots", "save_png", "write_healing_plot", "write_plots",
@@ -92,7 +92,7 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
     written = {}
     L = report.num_blocks
     x = np.arange(L)
-    colors = {"replacement": "#d95f02", "interchange": "#1b9e77"}
+    colors = {p: protocol_color(p) for p in report.protocols}
 
     fig = figure(min(14.0, max(6.0, 0.28 * L + 2)), 3.6)
     ax = fig.add_subplot()
@@ -103,9 +103,9 @@ def write_plots(report: SwapReport, directory: str | os.PathLike, *, removed: Se
         scores = np.array(report.layer_scores(p), dtype=float)
         ok = np.isfinite(scores)
         offset = (k - (len(report.protocols) - 1) / 2) * width
-        ax.bar(x[ok] + offset, scores[ok], width=width, color=colors[p], label=f"{p} s(i)")
+        ax.bar(x[ok] + offset, scores[ok], width=width, color=colors[p], label=f"{protocol_label(p)} s(i)")
         if (~ok).any():
-            ax.scatter(x[~ok] + offset, np.full((~ok).sum(), top), marker="x", color=colors[p], label=f"{p}: non-finite")
+            ax.scatter(x[~ok] + offset, np.full((~ok).sum(), top), marker="x", color=colors[p], label=f"{protocol_label(p)}: non-finite")
     for layer in removed:
         ax.axvspan(layer - 0.5, layer + 0.5, color="#999999", alpha=0.25, lw=0)
     if finite_all:

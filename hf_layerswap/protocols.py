@@ -28,12 +28,15 @@ from dataclasses import dataclass
 from .plan import interchange_plan, replacement_plan
 
 __all__ = [
+    "PALETTE",
     "PROTOCOLS",
     "SWAP_PROTOCOLS",
     "SwapProtocol",
     "check_protocols",
     "get_protocol",
     "probe_kinds",
+    "protocol_color",
+    "protocol_label",
     "protocol_of",
     "register_protocol",
     "unregister_protocol",
@@ -41,6 +44,9 @@ __all__ = [
 
 #: The paper's protocols, always registered: the default of ``score_layers(protocols=)``.
 PROTOCOLS = ("replacement", "interchange")
+
+#: Plot colours given to protocols registered without one, in registration order.
+PALETTE = ("#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 
 #: Names a probe may not take: the pair's own fields and derived values in
 #: :class:`~hf_layerswap.report.PairResult`.
@@ -57,11 +63,16 @@ class SwapProtocol:
         probes: the probe kinds it runs per pair, in order (report fields ``<kind>`` and
             ``<kind>_se``).
         plans: ``fn(num_blocks, i, j) -> {kind: plan}`` with one plan per probe kind.
+        label: how the model card and the plots name it (default: :attr:`name`).
+        color: its matplotlib colour in the plots (default: one of a fixed palette, by
+            registration order).
     """
 
     name: str
     probes: tuple[str, ...]
     plans: Callable[[int, int, int], dict]
+    label: str = ""
+    color: str = ""
 
     def pair_plans(self, num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
         """The probes' plans for pair ``(i, j)``, in :attr:`probes` order.
@@ -94,9 +105,11 @@ def protocol_of(name: str) -> str | None:
     return next((p.name for p in SWAP_PROTOCOLS.values() if name in p.probes), None)
 
 
-def register_protocol(name: str, *, probes: Sequence[str] | None = None):
+def register_protocol(name: str, *, probes: Sequence[str] | None = None, label: str | None = None,
+                      color: str | None = None):
     """Decorator registering ``fn(num_blocks, i, j) -> {kind: plan}`` as the swap protocol
-    ``name`` (see :class:`SwapProtocol`); ``probes`` defaults to ``(name,)``.
+    ``name`` (see :class:`SwapProtocol`); ``probes`` defaults to ``(name,)``, ``label`` (the
+    card's and plots' name) to ``name``, ``color`` (the plots') to the next of :data:`PALETTE`.
 
     Raises:
         ValueError: a name or probe kind that is not lower-case ``[a-z][a-z0-9_]*``, ends
@@ -104,19 +117,20 @@ def register_protocol(name: str, *, probes: Sequence[str] | None = None):
     """
     kinds = (name,) if probes is None else tuple(probes)
     taken = set(SWAP_PROTOCOLS) | set(probe_kinds())
-    for label in dict.fromkeys((name, *kinds)):
-        if not isinstance(label, str) or not _NAME.fullmatch(label) or label.endswith("_se") or label in _RESERVED:
+    for word in dict.fromkeys((name, *kinds)):
+        if not isinstance(word, str) or not _NAME.fullmatch(word) or word.endswith("_se") or word in _RESERVED:
             raise ValueError(
-                f"protocol name or probe {label!r}: must match [a-z][a-z0-9_]*, not end in '_se' and not be one of "
+                f"protocol name or probe {word!r}: must match [a-z][a-z0-9_]*, not end in '_se' and not be one of "
                 f"{sorted(_RESERVED)}"
             )
-        if label in taken:
-            raise ValueError(f"protocol name or probe {label!r} is already registered (protocols: {list(SWAP_PROTOCOLS)})")
+        if word in taken:
+            raise ValueError(f"protocol name or probe {word!r} is already registered (protocols: {list(SWAP_PROTOCOLS)})")
     if not kinds or len(set(kinds)) != len(kinds):
         raise ValueError(f"protocol {name!r}: probes={list(kinds)} must be distinct and at least one")
 
     def decorate(fn):
-        SWAP_PROTOCOLS[name] = SwapProtocol(name, kinds, fn)
+        shade = color or PALETTE[len(SWAP_PROTOCOLS) % len(PALETTE)]
+        SWAP_PROTOCOLS[name] = SwapProtocol(name, kinds, fn, label=label or name, color=shade)
         return fn
 
     return decorate
@@ -132,6 +146,19 @@ def unregister_protocol(name: str) -> None:
         raise ValueError(f"protocol {name!r} is built in and cannot be unregistered")
     get_protocol(name)
     del SWAP_PROTOCOLS[name]
+
+
+def protocol_label(name: str) -> str:
+    """How the card and the plots name protocol ``name`` (its :attr:`SwapProtocol.label`;
+    the name itself for one this process has not registered, e.g. in a loaded report)."""
+    entry = SWAP_PROTOCOLS.get(name)
+    return entry.label if entry is not None else str(name)
+
+
+def protocol_color(name: str) -> str:
+    """The plots' colour of protocol ``name`` (:attr:`SwapProtocol.color`; grey if unregistered)."""
+    entry = SWAP_PROTOCOLS.get(name)
+    return entry.color if entry is not None else "#777777"
 
 
 def get_protocol(name) -> SwapProtocol:
@@ -162,11 +189,11 @@ def check_protocols(protocols) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- built-ins
-@register_protocol("replacement", probes=("replacement_ij", "replacement_ji"))
+@register_protocol("replacement", probes=("replacement_ij", "replacement_ji"), color="#d95f02")
 def _replacement(num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
     return {"replacement_ij": replacement_plan(num_blocks, i, j), "replacement_ji": replacement_plan(num_blocks, j, i)}
 
 
-@register_protocol("interchange")
+@register_protocol("interchange", color="#1b9e77")
 def _interchange(num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
     return {"interchange": interchange_plan(num_blocks, i, j)}

@@ -471,9 +471,11 @@ class PruneProvenance:
             protect among them: the card recomputes each protocol's set with these).
         scores: :meth:`SwapReport.summary_dict` of the report the set was chosen from.
         calibration: :meth:`~hf_layerswap.calibration.CalibrationSet.spec` of the prompts.
-        search: the ``strategy="search"`` record (chosen set, value, each protocol's greedy
-            set, trace, cost), as appended to ``SwapReport.selections``.
-        auto: the ``protocol="auto"`` decision record, likewise.
+        decision: the strategy's decision record as it appended it to
+            ``SwapReport.selections`` (e.g. the chosen set, its value, each protocol's set,
+            trace, cost), kept as the strategy's entry says
+            (:attr:`hf_layerswap.selection.registry.Strategy.provenance`); the card reads it
+            through the same entry.
     """
 
     selection: str
@@ -482,8 +484,7 @@ class PruneProvenance:
     config: dict | None = None
     scores: dict | None = None
     calibration: dict | None = None
-    search: dict | None = None
-    auto: dict | None = None
+    decision: dict | None = None
 
     def to_dict(self) -> dict:
         """The set fields in declaration order (``None`` fields are left out); JSON-able."""
@@ -498,7 +499,7 @@ class PruneProvenance:
             raise TypeError(f"PruneProvenance.from_dict needs a mapping, got {type(data).__name__}")
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         known.setdefault("selection", "not recorded")
-        for name in ("config", "scores", "calibration", "search", "auto"):
+        for name in ("config", "scores", "calibration", "decision"):
             if name in known and not hasattr(known[name], "keys"):
                 known[name] = None  # a hand-edited record: read what is readable
         return cls(**known)

@@ -19,6 +19,7 @@ request                                          route name  answer
 ``GET /api/models/{repo}/tree/{rev}[/{path}]``   tree        ``[{"type": "file", "path", "oid", "size"}]``
 ``HEAD|GET /{repo}/resolve/{rev}/{path}``        resolve     bytes with ``ETag`` and ``X-Repo-Commit``;
                                                              404 + ``X-Error-Code: EntryNotFound``
+``GET /api/agent-harnesses``                     agents      an empty registry (public, no token)
 ===============================================  ==========  ======================================
 
 Commits live in memory: a repo starts with one initial commit holding ``.gitattributes``
@@ -56,6 +57,8 @@ _REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
 _ROUTES = [
     ("create", "POST", re.compile(r"^/api/repos/create$")),
     ("validate", "POST", re.compile(r"^/api/validate-yaml$")),
+    # public and unauthenticated: huggingface_hub fetches it at most once a day (agent detection)
+    ("agents", "GET", re.compile(r"^/api/agent-harnesses$")),
     ("preupload", "POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$")),
     ("commit", "POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$")),
     ("branch", "POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$")),
@@ -336,6 +339,9 @@ class _Handler(BaseHTTPRequestHandler):
             )
             self.hub.repos[repo_id] = _Repo(repo_id, bool(private), {"main": [initial]})
         self._json(200, {"url": url, "name": repo_id, "id": repo_id})
+
+    def _agents(self, match, query, body, method):
+        self._json(200, {"standardEnvVars": [], "harnesses": {}})
 
     def _validate(self, match, query, body, method):
         import yaml

@@ -1,5 +1,5 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
-the quality pages and their index, speed, recovery, precision and the two sparsity pages are
+the quality pages and their index, speed, recovery, precision, streaming, heal and the two sparsity pages are
 rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here."""
 
@@ -59,3 +59,16 @@ def test_precision_page_rerenders_unchanged(tmp_path):
     _run([str(ROOT / "benchmarks" / "precision.py"), "--render-only", "--json", str(RESULTS / "precision.json"),
           "--out", str(out)], ROOT)
     assert out.read_bytes() == (RESULTS / "precision.md").read_bytes()
+
+
+def test_heal_page_rerenders_unchanged(tmp_path):
+    shutil.copy(RESULTS / "heal.json", tmp_path / "heal.json")
+    _run([str(ROOT / "benchmarks" / "heal.py"), "--render-only", "--json", str(tmp_path / "heal.json"),
+          "--out", str(tmp_path / "heal.md")], ROOT)
+    assert (tmp_path / "heal.md").read_bytes() == (RESULTS / "heal.md").read_bytes()
+
+
+def test_streaming_page_rerenders_unchanged(tmp_path):
+    shutil.copy(RESULTS / "streaming.json", tmp_path / "streaming.json")
+    _run([str(ROOT / "benchmarks" / "streaming.py"), "--render-only", "--out", str(tmp_path / "streaming.md")], ROOT)
+    assert (tmp_path / "streaming.md").read_bytes() == (RESULTS / "streaming.md").read_bytes()

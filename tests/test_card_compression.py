@@ -333,7 +333,7 @@ def test_ghosted_checkpoint_reloads_repaired_and_a_detached_one_is_refused(tmp_p
     (folder / "config.json").write_text(json.dumps(config))
     bare = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
     assert attached_operators(bare) == [] and bare.config.layerswap["recovery"]["method"] == "ghosted"
-    with pytest.raises(PushRefusedError, match=r"records ghosted recovery operators at boundaries \[2\] but none is attached"):
+    with pytest.raises(PushRefusedError, match=r"records ghosted recovery modules at boundaries \[2\] but none is attached"):
         save_for_hub(bare, tmp_path / "never")
     # a later removal drops the record, but the card still sees the attached operator
     remove_layers(again, [0])

@@ -149,3 +149,52 @@ def test_architectures_page_shows_the_generated_support_table():
     from arch_matrix import support_table
 
     assert support_table() in (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- extending, executed
+def _extension_examples() -> list[tuple[str, str]]:
+    """(file, test) code pairs of docs/architecture.md's "Extending" section: the strategy,
+    the protocol and the recovery method, each one file and its test."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Extending: one module, one decorator", 1)[1].split("**Sparsity.**", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return list(zip(blocks[::2], blocks[1::2]))
+
+
+def _unregister(names: set[str]) -> None:
+    from hf_layerswap.protocols import SWAP_PROTOCOLS, unregister_protocol
+    from hf_layerswap.recovery import RECOVERY_METHODS
+    from hf_layerswap.selection.registry import MODEL_STRATEGIES, STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS
+
+    for name in names:
+        for table in (STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS, RECOVERY_METHODS):
+            table.pop(name, None)
+        MODEL_STRATEGIES.discard(name)
+        if name in SWAP_PROTOCOLS:
+            unregister_protocol(name)
+
+
+def test_the_extension_examples_run_as_shown(tmp_path):
+    from hf_layerswap.protocols import SWAP_PROTOCOLS
+    from hf_layerswap.recovery import RECOVERY_METHODS
+    from hf_layerswap.selection import STRATEGIES
+
+    def registered():
+        return set(STRATEGIES) | set(SWAP_PROTOCOLS) | set(RECOVERY_METHODS)
+
+    examples = _extension_examples()
+    assert len(examples) == 3
+    before = registered()
+    try:
+        for k, (module, test) in enumerate(examples):
+            exec(compile(module, f"architecture.md example {k}", "exec"), {"__name__": f"docs_example_{k}"})
+            namespace: dict = {"__name__": f"docs_example_test_{k}"}
+            exec(compile(test, f"architecture.md example {k} test", "exec"), namespace)
+            tests = [fn for name, fn in namespace.items() if name.startswith("test_")]
+            assert len(tests) == 1
+            (tmp_path / str(k)).mkdir()
+            tests[0](tmp_path / str(k))
+        assert registered() - before == {"lowest_interchange", "skip_pair", "measured_only"}
+    finally:
+        _unregister(registered() - before)
+    assert registered() == before

@@ -110,7 +110,8 @@ def test_push_then_plain_transformers_download(hub, pruned, report, tmp_path, ca
     # the private flag and the token reached the server ...
     assert hub.repos["user/tiny-pruned"].private is True
     assert json.loads(hub.requests_to("create")[0].body)["visibility"] == "private"
-    assert {r.headers["authorization"] for r in hub.requests} == {f"Bearer {TOKEN}"}
+    # (huggingface_hub's own public registry fetch, when it makes one, carries no token)
+    assert {r.headers["authorization"] for r in hub.requests if r.route != "agents"} == {f"Bearer {TOKEN}"}
     # ... and the token is in no uploaded file, log record or console line
     assert not [name for name, data in files.items() if TOKEN.encode() in data]
     out, err = capfd.readouterr()

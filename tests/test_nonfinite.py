@@ -228,8 +228,8 @@ def test_save_for_hub_refuses_a_removal_chosen_on_non_finite_values(tmp_path):
         warnings.simplefilter("ignore")
         result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=tiny_batch(4, 12), progress=False))
     step = model.config.layerswap["steps"][-1]
-    assert step["strategy"] == "search" and math.isfinite(step["search"]["value"])
-    step["search"]["value"] = math.nan  # as an older version recorded it
+    assert step["strategy"] == "search" and math.isfinite(step["decision"]["value"])
+    step["decision"]["value"] = math.nan  # as an older version recorded it
     with pytest.raises(hl.PushRefusedError, match=(
             rf"^the removal was chosen on non-finite values: step 0 \(search\) removed {re.escape(str(step['removed_layers']))} on the "
             rf"search's value = NaN; {ADVICE}, then select again \(or remove explicit layers\)$")):

@@ -127,7 +127,7 @@ def test_search_cut_is_written_identically_by_plugin_cli_and_demo(setup, capsys)
     assert PruneProvenance.from_dict(step).config == hl.LayerSwapConfig(
         num_to_remove=2, max_evaluations=12, calibration="calib.txt", num_prompts=NUM_PROMPTS, seq_len=SEQ_LEN,
         batch_size=BATCH).to_dict()
-    assert step["strategy"] == "search" and step["search"]["selected"] == removed
+    assert step["strategy"] == "search" and step["decision"]["selected"] == removed
 
 
 def test_greedy_cut_scores_one_protocol_and_records_its_spacing_on_every_path(setup):

@@ -29,8 +29,8 @@ def test_from_pretrained_removes_what_select_layers_picks(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg, attn_implementation="eager")
     assert model.config.layerswap["removed_layers"] == expected
     step = model.config.layerswap["steps"][0]
-    assert step["strategy"] == "search" and step["search"]["selected"] == expected
-    assert step["search"]["value"] == report.selections[-1]["value"]
+    assert step["strategy"] == "search" and step["decision"]["selected"] == expected
+    assert step["decision"]["value"] == report.selections[-1]["value"]
     greedy = hl.LayerSwapConfig(num_to_remove=2, calibration=batch, progress=False, strategy="greedy")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=greedy, attn_implementation="eager")
     assert plain.config.layerswap["removed_layers"] == hl.select_layers(report, 2)

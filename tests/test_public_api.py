@@ -29,6 +29,8 @@ PUBLIC = {
     "PruneResult": "hf_layerswap.pipeline",
     "prune_loaded_model": "hf_layerswap.integration",
     "load_model": "hf_layerswap.models",
+    "estimate_cost": "hf_layerswap.cost",
+    "CostEstimate": "hf_layerswap.cost",
     "build_calibration": "hf_layerswap.calibration",
     "CalibrationSet": "hf_layerswap.calibration",
     "CalibrationShortfallWarning": "hf_layerswap.calibration",

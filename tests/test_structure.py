@@ -405,3 +405,52 @@ def test_no_private_names_imported_across_package_modules():
     bad = [use for module, path in MODULES.items() for use in _private_imports(module, path)]
     assert bad == [], ("private names imported from another module (make the name public in its owner, "
                        "with a docstring and in its __all__):\n" + "\n".join(bad))
+# ----------------------------------------------------------------------------- no built-in method named
+#: The decorators that register a built-in method (first argument: its name).
+REGISTERING = ("register_strategy", "register_protocol", "register_recovery_method", "register_allocator",
+               "register_pruner")
+
+#: Modules that read the registries' entries instead of naming a method: what differs
+#: between methods lives in the entry (the strategy's rule text and card hooks, the
+#: recovery method's load-time modules, the protocol's label).
+GENERIC_MODULES = ("hf_layerswap.pipeline", "hf_layerswap.hub", "hf_layerswap.integration", "hf_layerswap.card")
+
+
+def _registered_names(paths) -> dict[str, str]:
+    """Name -> decorator for every ``register_*("name", ...)`` call in ``paths``."""
+    names = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if func in REGISTERING and isinstance(node.args[0].value, str):
+                    names[node.args[0].value] = func
+    return names
+
+
+def _named_methods(path: Path, names) -> list[str]:
+    """``path:line 'name'`` for every string constant that is a method's name (docstrings and
+    prose are longer strings and do not count)."""
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    return [f"{where}:{node.lineno} {node.value!r}"
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+
+
+def test_named_method_finder(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('@register_strategy("mine", needs_model=True)\ndef f(): ...\nregister_pruner("cut")(g)\n'
+                     'x = "mine" if y else "a mine of text"\n')
+    names = _registered_names([probe])
+    assert names == {"mine": "register_strategy", "cut": "register_pruner"}
+    assert sorted(hit.split(" ", 1)[1] for hit in _named_methods(probe, names)) == ["'cut'", "'mine'", "'mine'"]
+
+
+def test_generic_modules_name_no_built_in_method():
+    names = _registered_names(MODULES.values())
+    assert {"greedy", "auto", "search", "beam", "interchange", "replacement", "ghosted", "fused", "none", "wanda",
+            "uniform"} <= set(names)  # the finder sees every registry
+    names.pop("none")  # the recovery method "none" is also the card's word for an empty list of blocks
+    paths = [p for m, p in MODULES.items() if any(m == g or m.startswith(g + ".") for g in GENERIC_MODULES)]
+    hits = [hit for path in paths for hit in _named_methods(path, names)]
+    assert not hits, "modules that must read the registries name a built-in method:\n" + "\n".join(hits)

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from ..plan import decoder_blocks, model_fingerprint, num_blocks
 from ..provenance import model_identity
-from ..recovery import RECOVERY_FILE, attached_operators
+from ..recovery import RECOVERY_FILE, RECOVERY_METHODS, recovery_entry
 from ..jsonio import decode_float, encode_float
-from ..protocols import PROTOCOLS
+from ..protocols import SWAP_PROTOCOLS
 from ..report import PruneProvenance, SwapReport, set_key
+from ..selection.registry import Strategy, strategy_entry
 from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, SparsityReport
 from ..sparsity.engine import prunable_linears
 from ..surgery import original_indices
@@ -26,10 +27,10 @@ from ..surgery import original_indices
 from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell, format_indices
 
 __all__ = [
-    "current_blocks", "format_pct_plain", "layerswap_record", "nonfinite_basis", "normalize_evaluation",
+    "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis", "normalize_evaluation",
     "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches",
-    "resolve_base_model", "resolve_license", "search_record", "selection_rule", "sparsity_mismatches",
-    "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance",
+    "resolve_base_model", "resolve_license", "selection_rule", "sparsity_mismatches",
+    "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance", "step_strategy",
     "weights_identity",
 ]
 
@@ -253,10 +254,12 @@ def sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
             for e in earlier
         ) + " (the zeros they left count in the achieved sparsity above)"))
     cal = summary.get("calibration") or {}
-    data_free = summary["method"] == "magnitude" and allocation in ("uniform", "random")
+    pruner, allocator = PRUNERS.get(summary["method"]), ALLOCATORS.get(allocation)
+    weights_only = pruner is not None and pruner.statistics is None  # the mask reads the weights alone
+    data_free = weights_only and allocator is not None and allocator.observe is None and not allocator.needs_gradients
     if cal.get("description") and not data_free:
         rows.append(("Calibration", f"{cal['description']} (content hash {str(cal.get('content_hash'))[:12]})"))
-    if summary["method"] == "magnitude":
+    if weights_only:
         intro = ("The linear layers inside the decoder blocks were pruned one-shot by weight magnitude"
                  + ("" if data_free else "; the calibration set only fed the allocator's per-block statistics") + ".")
     else:
@@ -287,13 +290,15 @@ def format_pct_plain(fraction: float, digits: int = 2) -> str:
 
 
 def recovery_record(model, record: Mapping) -> dict:
-    """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the ghosted
-    operators actually attached (the record can lag behind a later removal)."""
+    """The repair of the cut: ``config.layerswap["recovery"]``, or for a model the modules a
+    method attaches that are actually attached (the record can lag behind a later removal)."""
     recovery = dict(record.get("recovery")) if isinstance(record.get("recovery"), Mapping) else {}
     if model is not None:
-        ops = attached_operators(model)
-        if ops:
-            recovery.update(method="ghosted", boundaries=[b for b, _ in ops], file=recovery.get("file", RECOVERY_FILE))
+        for method in RECOVERY_METHODS.values():
+            boundaries = method.attached(model) if method.attaches_at_load else []
+            if boundaries:
+                recovery.update(method=method.name, boundaries=boundaries, file=recovery.get("file", RECOVERY_FILE))
+                break
     return recovery
 
 
@@ -301,14 +306,9 @@ def recovery_row(recovery: Mapping) -> tuple[str, str] | None:
     """The card's "Repair of the cut" row for a recovery record, ``None`` when nothing was repaired."""
     if not recovery.get("method"):
         return None
-    boundaries = format_indices(recovery.get("boundaries", []))
-    if recovery["method"] == "ghosted":
-        return ("Repair of the cut", f"Ghosted Layers closed-form operator I + M at boundaries {boundaries} "
-                f"(pruned numbering), stored in `{recovery.get('file')}`")
-    if recovery["method"] == "fused":
-        return ("Repair of the cut", f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
-                f"{boundaries} (pruned numbering): plain transformers weights")
-    return ("Repair of the cut", format_cell(recovery["method"]))
+    method = recovery_entry(recovery["method"])
+    cell = method.card_row(recovery, format_indices) if method is not None else format_cell(recovery["method"])
+    return ("Repair of the cut", cell)
 
 
 def normalize_evaluation(evaluation) -> dict[str, dict] | None:
@@ -454,22 +454,32 @@ def selection_rule(steps, report) -> tuple[int, list[int], str]:
 
 
 def protocol_of(steps) -> str | None:
-    """The protocol whose scores chose the last removal (``None`` for a search or when no step names one)."""
-    if search_record(steps) is not None:
-        return None
+    """The swap protocol that guided the last removal (``None`` when a strategy with its own card
+    summary, e.g. a search over sets, chose it or no step names one)."""
+    entry, last = step_strategy(steps[-1]) if steps else (None, None)
+    if entry is not None and last.decision is not None and entry.card_summary is not None:
+        return None  # no single protocol guided the last step (e.g. a search over sets)
     for step in reversed(steps):
-        record = step_provenance(step)
-        if record.auto is not None and record.auto.get("chosen_protocol") in PROTOCOLS:
-            return record.auto["chosen_protocol"]
-        if record.protocol in PROTOCOLS:
-            return record.protocol
+        entry, record = step_strategy(step)
+        guided = record.protocol if entry is None else entry.guided_by(record.decision or {}, record.protocol)
+        if guided in SWAP_PROTOCOLS:
+            return guided
     return None
 
 
-def search_record(steps) -> Mapping | None:
-    """The ``search`` record of the last removal step when the search strategy chose it, else ``None``."""
-    rec = step_provenance(steps[-1]).search if steps else None
-    return rec if rec is not None and rec.get("strategy") == "search" else None
+def step_strategy(step: Mapping) -> tuple[Strategy | None, PruneProvenance]:
+    """The entry of the strategy that chose a removal step's blocks (``None`` for explicit
+    blocks or a step without a selection record) and the step's record."""
+    record = step_provenance(step)
+    return (strategy_entry(record.strategy) if record.strategy else None), record
+
+
+def last_decision(steps) -> tuple[Strategy | None, Mapping | None]:
+    """The last step's strategy entry and its decision record (``None`` when it has none)."""
+    if not steps:
+        return None, None
+    entry, record = step_strategy(steps[-1])
+    return (entry, record.decision) if entry is not None and record.decision is not None else (None, None)
 
 
 def _nonfinite(v) -> bool:
@@ -494,28 +504,22 @@ def nonfinite_basis(model_or_config, report: SwapReport | None = None) -> list[s
     steps = layerswap_record(config).get("steps") or []
     problems = []
     for k, step in enumerate(steps):
-        record = step_provenance(step)
-        if record.strategy is None or not isinstance(step.get("removed_layers"), list):
+        entry, record = step_strategy(step)
+        if entry is None or not isinstance(step.get("removed_layers"), list):
             continue
         removed = list(step["removed_layers"])
         where = f"step {k} ({record.strategy}) removed {removed}"
-        sets = []
-        if record.search is not None and "value" in record.search:
-            sets.append(("the search's value", record.search["value"]))
-        if record.auto is not None and record.auto.get("chosen_protocol") in PROTOCOLS:
-            value = (record.auto.get("removal_kl") or {}).get(record.auto["chosen_protocol"])
-            if value is not None:
-                sets.append(("its joint removal KL", value))
+        sets = list(entry.values(record.decision)) if record.decision is not None else []
         if report is not None and k == len(steps) - 1 and set_key(removed) in report.removal_kl:
             sets.append(("its joint removal KL in the report", report.removal_kl[set_key(removed)]))
         problems += [f"{where} on {what} = {encode_float(decode_float(v))}" for what, v in sets if _nonfinite(v)]
         if sets:
             continue
         scores = record.scores or {}
-        by_protocol = {p: scores[f"{p}_layer_scores"] for p in PROTOCOLS
+        by_protocol = {p: scores[f"{p}_layer_scores"] for p in SWAP_PROTOCOLS
                        if isinstance(scores.get(f"{p}_layer_scores"), list)}
-        used = (record.auto or {}).get("chosen_protocol") or record.protocol
-        if record.strategy in ("greedy", "auto") and used in by_protocol:
+        used = entry.guided_by(record.decision or {}, record.protocol)
+        if entry.ranks_by_scores and used in by_protocol:
             bad = [i for i in removed if i >= len(by_protocol[used]) or _nonfinite(by_protocol[used][i])]
         else:
             bad = [i for i in removed if by_protocol and all(

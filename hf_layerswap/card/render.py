@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
@@ -16,12 +17,13 @@ from ..history import card_notice, history_status
 from ..jsonio import write_json_atomic
 from ..plots import PLOT_FILES, planned_plots, write_healing_plot, write_plots, write_sparsity_plot
 from ..provenance import __version__
+from ..recovery import recovery_entry
 from ..report import SwapReport
 from ..sparsity import sparsity_in_model
 from ..surgery import original_indices
 from ..tasks import task_card_section
 
-from .checks import current_blocks, weights_identity, normalize_evaluation, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, search_record, selection_rule, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
+from .checks import current_blocks, weights_identity, normalize_evaluation, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
 from .healing import HEALING_FILE, healing_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
 from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
@@ -100,133 +102,210 @@ def render_card(
     if problems:
         raise ValueError(sparsity_refusal(problems, sparsity_report))
     evaluation = normalize_evaluation(evaluation)
-    record = layerswap_record(config)
-    steps = [dict(s) for s in record.get("steps", [])]
-    current = current_blocks(model, config)
-    original = int(record.get("original_num_hidden_layers", current))
-    removed = sorted(record.get("removed_layers", []))
-    kept = list(record.get("kept_layers", range(current)))
-    ident = weights_identity(model, report)
-    base = resolve_base_model(base_model, config, record, ident)
-    license_ = resolve_license(license, base, config)
-    protocol = protocol_of(steps)
-    spacing, protect, rule = selection_rule(steps, report)
-    if search_record(steps) is not None:
-        rule = (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; the search itself used "
-                f"spacing={spacing}")
-    before, after = parameter_counts(model, config, len(removed), steps)
-    sparse = sparsity_summary(config, sparsity_report)
-    recovery = recovery_record(model, record)
-    ghosted = recovery.get("method") == "ghosted"
-    plot_keys = planned_plots(report, sparsity=sparse is not None) if plots is None else list(plots)
+    f = _card_facts(model, config, report, base_model, license, sparsity_report)
+    plot_keys = planned_plots(report, sparsity=f.sparse is not None) if plots is None else list(plots)
     unknown = [k for k in plot_keys if k not in PLOT_FILES]
     if unknown:
         raise ValueError(f"plots={unknown}: allowed {sorted(PLOT_FILES)}")
-    name = repo_id or (f"{base.split('/')[-1]}-layerswap-{current}L" if base else f"layerswap-{current}L")
-
-    # --- front matter
-    tags = ["layerswap", "layer-pruning"] + ([protocol] if protocol else [])
-    if sparse is not None:
-        tags += ["sparsity", sparse["method"]]
-    front = {
-        "original_num_hidden_layers": original,
-        "num_hidden_layers": current,
-        "removed_layers": removed,
-        "protocol": protocol,
-        "report": REPORT_FILE if report is not None else None,
-    }
-    if recovery.get("method"):
-        front["recovery"] = recovery["method"]
-    if sparse is not None:
-        in_model = sparsity_in_model(sparse, original_indices(config, current))
-        front["sparsity"] = {k: sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity")}
-        front["sparsity"]["achieved_sparsity"] = in_model
-        front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
+    name = repo_id or (f"{f.base.split('/')[-1]}-layerswap-{f.current}L" if f.base else f"layerswap-{f.current}L")
+    front = _front_matter(f, config, report, sparsity_report)
     eval_section, eval_results = evaluation_section(evaluation) if evaluation else (None, None)
-
     task_md, task_evals = task_card_section(tasks) if tasks else (None, [])
     eval_results = (eval_results or []) + task_evals
+    tags = ["layerswap", "layer-pruning"] + ([f.protocol] if f.protocol else [])
+    if f.sparse is not None:
+        tags += ["sparsity", f.sparse["method"]]
     card_data = ModelCardData(
-        base_model=base,
+        base_model=f.base,
         library_name="transformers",
-        license=license_,
+        license=f.license,
         pipeline_tag="text-generation",
         tags=tags,
         model_name=name if eval_results else None,
         eval_results=eval_results or None,
         layerswap=front,
     )
+    title, summary = _title_and_summary(f, name, front, evaluation, eval_section)
+    context = _body(f, config, report, eval_section, sparsity_report, plot_keys, evaluation,
+                    repo_id or "path/to/this/checkpoint", tokenizer_included)
+    context.update(title=title, summary=summary)
+    card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
+    text = re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n"
+    heal_md = healing_section(f.record, plot=PLOT_FILES["healing"] if "healing" in plot_keys else None)
+    if heal_md:
+        text += "\n## Healing\n\n" + heal_md + "\n"
+    if task_md:
+        text += "\n## Task evaluation (lm-evaluation-harness)\n\n" + task_md + "\n"
+    return ModelCard(text)
 
-    # --- body
-    base_label = f"[{base}](https://huggingface.co/{base})" if base else "the original model"
-    if removed:
-        title = f"{name}: {len(removed)} of {original} decoder blocks removed"
+
+def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plot_keys, evaluation, repo: str,
+          tokenizer_included: bool) -> dict:
+    """The template's context for the card body (all but the title and summary)."""
+    candidates, why, removed_kl = ([], None, None)
+    if report is not None and f.removed:
+        candidates, why, removed_kl = candidates_section(report, f.removed, f.spacing, f.protect, f.steps)
+    reproduce, reproduce_note = reproduce_section(f.base, f.removed, f.steps, report, f.ident) if f.removed else (
+        "# nothing was removed: see the diagnostics above", None
+    )
+    tokenizer_repo = repo if tokenizer_included else f.base
+    return dict(
+        base_model=f.base,
+        removal_rows=_removal_rows(f),
+        steps=[
+            {
+                "before": s.get("num_blocks_before", DASH),
+                "removed_local": format_indices(s.get("removed_layers", [])),
+                "removed_original": format_indices(s.get("removed_original_layers", [])),
+                "selection": format_cell(step_provenance(s).selection),
+            }
+            for s in f.steps
+        ],
+        report=report_section(report, f.removed, f.protect) if report is not None else None,
+        plots={k: ([{"file": PLOT_FILES[k], "alt": _PLOT_ALT[k]}] if k in plot_keys else []) for k in PLOT_FILES},
+        candidates=candidates,
+        budget=f"{len(f.removed)} block{'s' if len(f.removed) != 1 else ''}",
+        rule=f.rule,
+        removed_layers=format_indices(f.removed),
+        removed_kl=removed_kl,
+        why=why,
+        evaluation=eval_section,
+        calibration=calibration_rows(report, f.steps, f.ident),
+        cost=cost_rows(report),
+        sparsity=sparsity_section(f.sparse, sparsity_report, config, f.current) if f.sparse is not None else None,
+        attached_modules=f.repairer.card_modules if f.attaches else None,
+        load_snippet=load_snippet(repo, tokenizer_repo, attaches=f.attaches),
+        reproduce_snippet=reproduce,
+        reproduce_note=reproduce_note,
+        files=_files(f, report, evaluation, sparsity_report, plot_keys),
+        versions=versions_section(report, f.steps, evaluation),
+        library_version=__version__,
+    )
+
+
+#: Alt text of each plot the card shows.
+_PLOT_ALT = {
+    "layer_scores": "Per-layer swap-KL scores of both protocols; removed layers shaded",
+    "protocol_gap": "I/R = interchange / replacement per pair",
+    "pair_heatmap": "Pair swap-KL heatmap: replacement above, interchange below the diagonal",
+    "sparsity": "Per-block target and achieved sparsity",
+    "healing": "Healing: training loss and held-out KL against training tokens",
+}
+
+
+def _card_facts(model, config, report, base_model, license, sparsity_report) -> SimpleNamespace:
+    """What the card reads from the model's record, the report and the arguments, once."""
+    record = layerswap_record(config)
+    steps = [dict(s) for s in record.get("steps", [])]
+    current = current_blocks(model, config)
+    removed = sorted(record.get("removed_layers", []))
+    ident = weights_identity(model, report)
+    base = resolve_base_model(base_model, config, record, ident)
+    spacing, protect, rule = selection_rule(steps, report)
+    chooser, _ = last_decision(steps)
+    if chooser is not None and chooser.card_rule is not None:
+        rule = chooser.card_rule(spacing, protect)
+    before, after = parameter_counts(model, config, len(removed), steps)
+    recovery = recovery_record(model, record)
+    repairer = recovery_entry(recovery.get("method"))
+    return SimpleNamespace(
+        record=record, steps=steps, current=current, original=int(record.get("original_num_hidden_layers", current)),
+        removed=removed, kept=list(record.get("kept_layers", range(current))), ident=ident, base=base,
+        license=resolve_license(license, base, config), protocol=protocol_of(steps), spacing=spacing,
+        protect=protect, rule=rule, chooser=chooser, before=before, after=after,
+        sparse=sparsity_summary(config, sparsity_report), recovery=recovery, repairer=repairer,
+        attaches=repairer is not None and repairer.attaches_at_load, in_model=None,
+        history=history_status(config),
+    )
+
+
+def _front_matter(f: SimpleNamespace, config, report, sparsity_report) -> dict:
+    """The ``layerswap`` entry of the card's YAML front matter (sets ``f.in_model``)."""
+    front = {
+        "original_num_hidden_layers": f.original,
+        "num_hidden_layers": f.current,
+        "removed_layers": f.removed,
+        "protocol": f.protocol,
+        "report": REPORT_FILE if report is not None else None,
+    }
+    chosen_by = step_provenance(f.steps[-1]).strategy if f.steps else None
+    if chosen_by:
+        front["strategy"] = chosen_by
+    if f.recovery.get("method"):
+        front["recovery"] = f.recovery["method"]
+    if f.sparse is not None:
+        f.in_model = sparsity_in_model(f.sparse, original_indices(config, f.current))
+        front["sparsity"] = {k: f.sparse[k] for k in ("method", "allocation", "pattern", "target_sparsity")}
+        front["sparsity"]["achieved_sparsity"] = f.in_model
+        front["sparsity"]["report"] = SPARSITY_FILE if sparsity_report is not None else None
+    if f.history == "unverified":
+        front["history"] = "unverified"
+    return front
+
+
+def _title_and_summary(f: SimpleNamespace, name: str, front: dict, evaluation, eval_section) -> tuple[str, str]:
+    base_label = _base_label(f.base)
+    if f.removed:
+        title = f"{name}: {len(f.removed)} of {f.original} decoder blocks removed"
         params = ""
-        if before and after:
-            params = f", {100 * (before - after) / before:.1f}% of the parameters"
+        if f.before and f.after:
+            params = f", {100 * (f.before - f.after) / f.before:.1f}% of the parameters"
         summary = (
-            f"This checkpoint is {base_label} with decoder blocks **{format_indices(removed)}** removed "
-            f"({len(removed)} of {original} blocks, {100 * len(removed) / original:.1f}% of the depth{params}), "
-            f"selected with `hf_layerswap`" + (f" using the **{protocol}** swap-KL protocol." if protocol else (
-                " by a search over candidate sets guided by both swap-KL protocols." if search_record(steps) else "."))
+            f"This checkpoint is {base_label} with decoder blocks **{format_indices(f.removed)}** removed "
+            f"({len(f.removed)} of {f.original} blocks, {100 * len(f.removed) / f.original:.1f}% of the depth{params}), "
+            f"selected with `hf_layerswap`" + (f" using the **{f.protocol}** swap-KL protocol." if f.protocol else (
+                f.chooser.card_summary if f.chooser is not None and f.chooser.card_summary else "."))
         )
-    elif sparse is not None:
-        title = f"{name}: {format_pct_plain(sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed
+    elif f.sparse is not None:
+        title = f"{name}: {format_pct_plain(f.sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed
         summary = f"No blocks were removed from {base_label}."
     else:
         title = f"{name}: swap-KL layer-redundancy scores"
         summary = f"No blocks were removed from {base_label}; this card records its swap-KL diagnostics."
-    if ghosted:
-        summary += " The cut is repaired with Ghosted Layers operators (load with `import hf_layerswap`, see below)."
-    elif recovery.get("method") == "fused":
-        summary += " The cut is repaired with a least-squares map folded into the weights."
-    if sparse is not None:
+    if f.repairer is not None:
+        summary += f.repairer.card_summary
+    if f.sparse is not None:
         summary += (
-            f" The linear layers of its decoder blocks are {format_pct_plain(in_model, 2)} sparse (one-shot "
-            f"{sparse['method']}, {sparse['pattern'] or 'unstructured'}, {sparse['allocation']} allocation)."
+            f" The linear layers of its decoder blocks are {format_pct_plain(f.in_model, 2)} sparse (one-shot "
+            f"{f.sparse['method']}, {f.sparse['pattern'] or 'unstructured'}, {f.sparse['allocation']} allocation)."
         )
     if evaluation and "base" in evaluation and "pruned" in evaluation:
         summary += (
             f" Perplexity {evaluation['base']['ppl']:.2f} → {evaluation['pruned']['ppl']:.2f} "
             f"({eval_section['delta']}) under the contract below."
         )
+    if card_notice(f.record):
+        summary += " " + card_notice(f.record)
+    return title, summary
 
-    if history_status(config) == "unverified":
-        front["history"] = "unverified"
-    if card_notice(record):
-        summary += " " + card_notice(record)
-    ident_revision = ident.get("revision") if isinstance(ident.get("source"), Mapping) else None
-    removal_rows = [
-        ("Base model", base_label + (f" (weights: {ident_revision})" if ident_revision else "")),
-        ("Decoder blocks", f"{original} → {current}" + (f" ({len(removed)} removed)" if removed else "")),
-        ("Removed blocks (0-based, original numbering)", format_indices(removed)),
-        ("Kept blocks (0-based, original numbering)", format_indices(kept)),
+
+def _base_label(base) -> str:
+    return f"[{base}](https://huggingface.co/{base})" if base else "the original model"
+
+
+def _removal_rows(f: SimpleNamespace) -> list[tuple[str, str]]:
+    ident_revision = f.ident.get("revision") if isinstance(f.ident.get("source"), Mapping) else None
+    rows = [
+        ("Base model", _base_label(f.base) + (f" (weights: {ident_revision})" if ident_revision else "")),
+        ("Decoder blocks", f"{f.original} → {f.current}" + (f" ({len(f.removed)} removed)" if f.removed else "")),
+        ("Removed blocks (0-based, original numbering)", format_indices(f.removed)),
+        ("Kept blocks (0-based, original numbering)", format_indices(f.kept)),
     ]
+    before, after = f.before, f.after
     if before is not None and after is not None:
         change = f" ({after - before:+,}, {format_pct(100 * (after - before) / before)})" if before != after else ""
-        removal_rows.append(("Parameters", f"{before:,} → {after:,}{change}"))
+        rows.append(("Parameters", f"{before:,} → {after:,}{change}"))
     elif after is not None:
-        removal_rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
-    if removed:
-        removal_rows.append(("Protocol guiding the removal", protocol or "none recorded"))
-    repair = recovery_row(recovery)
+        rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
+    if f.removed:
+        rows.append(("Protocol guiding the removal", f.protocol or "none recorded"))
+    repair = recovery_row(f.recovery)
     if repair is not None:
-        removal_rows.append(repair)
-    step_rows = [
-        {
-            "before": s.get("num_blocks_before", DASH),
-            "removed_local": format_indices(s.get("removed_layers", [])),
-            "removed_original": format_indices(s.get("removed_original_layers", [])),
-            "selection": format_cell(step_provenance(s).selection),
-        }
-        for s in steps
-    ]
-    candidates, why, removed_kl = ([], None, None)
-    if report is not None and removed:
-        candidates, why, removed_kl = candidates_section(report, removed, spacing, protect, steps)
-    reproduce, reproduce_note = reproduce_section(base, removed, steps, report, ident) if removed else (
-        "# nothing was removed: see the diagnostics above", None
-    )
+        rows.append(repair)
+    return rows
+
+
+def _files(f: SimpleNamespace, report, evaluation, sparsity_report, plot_keys) -> list[tuple[str, str]]:
     files = [("README.md", "this card"), ("config.json", "model config; `layerswap` holds the removal record (0-based)"),
              ("*.safetensors", "weights of the kept blocks")]
     if report is not None:
@@ -235,53 +314,11 @@ def render_card(
         files.append((EVALUATION_FILE, "perplexity results with their contracts"))
     if sparsity_report is not None:
         files.append((SPARSITY_FILE, "per-block and per-linear sparsity: `hf_layerswap.sparsity.SparsityReport.from_json(path)`"))
-    if ghosted:
-        files.append((str(recovery.get("file")), "Ghosted Layers operators (float32 (H, H) per boundary), applied by `hf_layerswap`"))
+    if f.attaches:
+        files.append((str(f.recovery.get("file")), f.repairer.card_file))
     if "healing" in plot_keys:
         files.append((HEALING_FILE, "the healing run's loss and held-out KL histories: `hf_layerswap.HealReport.from_json(path)`"))
-    files += [(PLOT_FILES[k], "plot") for k in plot_keys]
-    tokenizer_repo = (repo_id or "path/to/this/checkpoint") if tokenizer_included else base
-    plot_alt = {
-        "layer_scores": "Per-layer swap-KL scores of both protocols; removed layers shaded",
-        "protocol_gap": "I/R = interchange / replacement per pair",
-        "pair_heatmap": "Pair swap-KL heatmap: replacement above, interchange below the diagonal",
-        "sparsity": "Per-block target and achieved sparsity",
-        "healing": "Healing: training loss and held-out KL against training tokens",
-    }
-    context = dict(
-        title=title,
-        summary=summary,
-        base_model=base,
-        removal_rows=removal_rows,
-        steps=step_rows,
-        report=report_section(report, removed, protect) if report is not None else None,
-        plots={k: ([{"file": PLOT_FILES[k], "alt": plot_alt[k]}] if k in plot_keys else []) for k in PLOT_FILES},
-        candidates=candidates,
-        budget=f"{len(removed)} block{'s' if len(removed) != 1 else ''}",
-        rule=rule,
-        removed_layers=format_indices(removed),
-        removed_kl=removed_kl,
-        why=why,
-        evaluation=eval_section,
-        calibration=calibration_rows(report, steps, ident),
-        cost=cost_rows(report),
-        sparsity=sparsity_section(sparse, sparsity_report, config, current) if sparse is not None else None,
-        ghosted=ghosted,
-        load_snippet=load_snippet(repo_id or "path/to/this/checkpoint", tokenizer_repo, ghosted=ghosted),
-        reproduce_snippet=reproduce,
-        reproduce_note=reproduce_note,
-        files=files,
-        versions=versions_section(report, steps, evaluation),
-        library_version=__version__,
-    )
-    card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
-    text = re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n"
-    heal_md = healing_section(record, plot=PLOT_FILES["healing"] if "healing" in plot_keys else None)
-    if heal_md:
-        text += "\n## Healing\n\n" + heal_md + "\n"
-    if task_md:
-        text += "\n## Task evaluation (lm-evaluation-harness)\n\n" + task_md + "\n"
-    return ModelCard(text)
+    return files + [(PLOT_FILES[k], "plot") for k in plot_keys]
 
 
 def check_card(card, directory: str | os.PathLike | None = None) -> list[str]:

@@ -15,18 +15,17 @@ from huggingface_hub import EvalResult
 from ..calibration import shortfall_text
 from ..config import LayerSwapConfig
 from ..provenance import library_versions
-from ..protocols import PROTOCOLS
+from ..protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
 from ..report import set_key, SwapReport
 from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
-from .checks import step_provenance, search_record, step_config
+from .checks import step_provenance, step_config, last_decision, step_strategy
 from .format import DASH, HUB_ID, MAX_PAIR_ROWS, METRIC_ARGS, NOT_CONTRACT, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
 
 __all__ = [
     "calibration_rows", "candidates_section", "cost_rows", "evaluation_section", "load_snippet", "report_section",
     "reproduce_section", "versions_section",
 ]
-
 
 
 # ---------------------------------------------------------------------- sections
@@ -50,7 +49,7 @@ def report_section(report: SwapReport, removed: Sequence[int], protect: Sequence
         )
     pairs, note = report.pairs, None
     if len(pairs) > MAX_PAIR_ROWS:
-        key = "interchange" if "interchange" in report.protocols else "replacement"
+        key = next((p for p in reversed(PROTOCOLS) if p in report.protocols), report.protocols[0])
         adjacent = [r for r in pairs if r.gap == 1]
         rest = sorted((r for r in pairs if r.gap > 1), key=lambda r: (_nan_last(r.value(key)), r.i, r.j))
         pairs = sorted(adjacent + rest[: max(0, MAX_PAIR_ROWS - len(adjacent))], key=lambda r: (r.i, r.j))
@@ -89,7 +88,7 @@ def report_section(report: SwapReport, removed: Sequence[int], protect: Sequence
                 f" {nonfinite} pair(s) have a non-finite value (shown as NaN/inf: a result, not dropped)."
             )
     return {
-        "protocols": list(report.protocols),
+        "protocols": [protocol_label(p) for p in report.protocols],
         "max_gap": report.max_gap,
         "layer_rows": layer_rows,
         "pair_rows": pair_rows,
@@ -109,9 +108,14 @@ def _layers_named(err: NonFiniteScoresError) -> str:
 def candidates_section(report, removed, spacing, protect, steps) -> tuple[list[dict], str, str]:
     """``(rows, why, removed_kl)``: each protocol's chosen set with its joint removal KL, why the removed set won, and its KL."""
     rows, sets = [], {}
-    search = search_record(steps)
-    if search is not None and list(search.get("selected", [])) == list(removed):
-        return _search_candidates(search, report, removed, steps)
+    removed_kl = format_kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
+    entry, decision = last_decision(steps)
+    own = entry.card_candidates(decision, report, removed, format_kl, format_indices) if entry and entry.card_candidates else None
+    if own is not None:  # the strategy's record carries its candidates and the reason
+        rows, reason = own
+        if len(steps) > 1:
+            reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: " + reason
+        return rows, reason, removed_kl
     for p in report.protocols:
         try:
             chosen = greedy_select(report.layer_scores(p), len(removed), spacing=spacing, protect=protect)
@@ -125,74 +129,29 @@ def candidates_section(report, removed, spacing, protect, steps) -> tuple[list[d
         sets[p] = chosen
         rows.append(
             {
-                "protocol": p,
+                "protocol": protocol_label(p),
                 "layers": format_indices(chosen),
                 "removal_kl": format_kl(report.removal_kl.get(set_key(chosen))),
             }
         )
-    removed_kl = format_kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
     return rows, _why(steps, removed, sets), removed_kl
 
 
-def _search_candidates(search, report, removed, steps) -> tuple[list[dict], str, str]:
-    """Rows for each protocol's greedy set (paper's rule, spacing >= 1) as the search scored them."""
-    rows, sets = [], {}
-    objective = search.get("objective", "removal_kl")
-    for p in report.protocols:
-        entry = (search.get("protocol_sets") or {}).get(p)
-        if entry is None:
-            rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
-                         "removal_kl": DASH})
-            continue
-        sets[p] = list(entry["set"])
-        value = entry.get("value")
-        if objective != "removal_kl":
-            value = report.removal_kl.get(set_key(entry["set"]))
-        rows.append({"protocol": p, "layers": format_indices(entry["set"]), "removal_kl": format_kl(value)})
-    removed_kl = format_kl(report.removal_kl.get(set_key(removed))) if set_key(removed) in report.removal_kl else "not measured"
-    cost = search.get("cost") or {}
-    values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
-    unit = search.get("unit", "nats")
-    reason = (
-        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
-        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
-        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
-        f"{format_kl(search.get('value'))} {unit}"
-    )
-    if values:
-        reason += " against " + ", ".join(f"{p} {format_kl(v)}" for p, v in values.items())
-    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
-               "passes). It has the lowest value of every set scored.")
-    if len(steps) > 1:
-        reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: " + reason
-    matching = [p for p, s in sets.items() if s == list(removed)]
-    if matching:
-        reason += f" It is also the set the {' and '.join(matching)} rule picks."
-    else:
-        reason += " Neither protocol's greedy rule picks it."
-    return rows, reason, removed_kl
-
-
 def _why(steps, removed, sets) -> str:
-    record = step_provenance(steps[-1] if steps else {})
-    auto = record.auto
+    entry, record = step_strategy(steps[-1] if steps else {})
+    own = entry.card_reason(record, format_kl, format_indices) if entry is not None and entry.card_reason else None
     if len(steps) > 1:
         reason = f"the blocks were removed in {len(steps)} steps (table above); the last step: "
     else:
         reason = ""
-    if auto:
-        kl = auto.get("removal_kl", {})
-        reason += (
-            "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
-            f"calibration prompts (interchange {format_kl(kl.get('interchange'))}, replacement "
-            f"{format_kl(kl.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
-            f"({auto.get('reason')})."
-        )
+    if own:
+        reason += own
     elif record.selection == "explicit layers":
         reason += "the blocks were given explicitly (`LayerSwapConfig(layers=...)` or `remove_layers`)."
-    elif record.protocol in PROTOCOLS:
-        selection = record.selection if record.selection != "not recorded" else "greedy"
-        reason += f"greedy selection on the **{record.protocol}** scores ({selection})."
+    elif record.strategy and record.selection != "not recorded":
+        reason += f"strategy **{record.strategy}** ({record.selection})."
+    elif record.protocol in SWAP_PROTOCOLS:
+        reason += f"greedy selection on the **{record.protocol}** scores (the paper's rule)."
     elif steps:
         reason += "`remove_layers` was called without a selection record."
     else:
@@ -371,10 +330,11 @@ def versions_section(report, steps, evaluation) -> dict:
     return {"columns": list(columns), "rows": [(n, [format_cell(c.get(n, DASH)) for c in columns.values()]) for n in names]}
 
 
-def load_snippet(repo: str, tokenizer_repo: str | None, *, ghosted: bool = False) -> str:
-    """The Python snippet that loads the checkpoint from ``repo`` (with ``import hf_layerswap`` first when ``ghosted``)."""
+def load_snippet(repo: str, tokenizer_repo: str | None, *, attaches: bool = False) -> str:
+    """The Python snippet that loads the checkpoint from ``repo`` (with ``import hf_layerswap`` first when
+    the repair ``attaches`` modules that a loader re-attaches)."""
     lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
-    if ghosted:
+    if attaches:
         lines = ["import hf_layerswap  # registers the loader that re-attaches the repair operators", *lines]
     lines.append(f'model = AutoModelForCausalLM.from_pretrained("{repo}")')
     if tokenizer_repo:

@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
+from ..cost import estimate_cost
+from ..devices import input_device
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
 from ..evaluation.contract import read_source, tokenize_text
 from ..pipeline import prune
@@ -226,6 +228,9 @@ def run_demo(args) -> int:
         f"of {1 / work.seconds_per_token:.0f} tokens/s on this machine",
         flush=True,
     )
+    cut = estimate_cost(model, demo_config(args, total, n_prompts, None), calibration=calib,
+                        device=input_device(model))
+    print("the final cut as a prune from scratch (hl.estimate_cost):\n" + "\n".join(cut.lines()), flush=True)
     report = score_layers(model, calib, batch_size=args.batch_size, progress=True, seed=args.seed)
     print(f"\nper-layer swap-KL scores, s(i) = min over adjacent partners (nats; low = removable), "
           f"{model.config.num_hidden_layers} blocks, 0-based:\n")
@@ -265,7 +270,7 @@ def run_demo(args) -> int:
     result = prune(model, demo_config(args, total, n_prompts, spent), tokenizer=tokenizer, report=report,
                    calibration=calib)
     pruned, final = result.model, result.removed
-    decision = (result.provenance.search or result.provenance.auto or {}) if result.provenance else {}
+    decision = (result.provenance.decision or {}) if result.provenance else {}
     reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
               if args.final_strategy == "search" else decision.get("reason", "as selected"))
     key = tuple(final)

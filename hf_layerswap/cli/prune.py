@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 from ..config import LayerSwapConfig
+from ..cost import estimate_cost
+from ..devices import input_device
 from ..pipeline import prune
 from ..report import SwapReport
 from ..scoring.processes import is_main_process
@@ -49,6 +51,9 @@ def add_parser(subparsers):
                    help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
     add_heal_args(p, prefix="heal-")
     add_resume_arg(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the estimated cost (block/head passes, FLOPs, peak memory, seconds; "
+                        "hl.estimate_cost on the meta device, no weight read) and exit without writing anything")
     p.set_defaults(func=run_prune)
     return p
 
@@ -86,6 +91,13 @@ def _defaults(args):
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
+    if args.dry_run:
+        if args.gguf_file is not None:
+            raise ValueError(f"--dry-run with --gguf-file {args.gguf_file!r}: the estimate reads a checkpoint's "
+                             "config.json; give the (dequantized) checkpoint folder instead")
+        estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype)
+        print("\n".join(estimate.lines()))
+        return 0
     check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
                          + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
     if args.resume is not None and (args.layers is not None or args.report):
@@ -98,6 +110,8 @@ def run_prune(args) -> int:
         report = SwapReport.from_json(args.report)
     heal_dir = checkpoint_folder(args.output) if config.heal is not None else None
     model, tokenizer = load(args)
+    if report is None and args.layers is None and is_main_process():
+        print("\n".join(estimate_cost(model, config, device=input_device(model)).lines()), flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
         heal_checkpoint_dir=heal_dir,

@@ -145,14 +145,7 @@ def heal(
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
-    steps = math.ceil(max_tokens / (batch_size * seq_len))
-    wanted = min(steps * batch_size, 256) + heldout_prompts
-    calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=seed)
-    if calib.input_ids.shape[0] <= heldout_prompts:
-        raise ValueError(
-            f"{calib.input_ids.shape[0]} calibration prompt(s) with heldout_prompts={heldout_prompts}: "
-            "at least one prompt must remain for training"
-        )
+    calib, steps = _training_text(calibration, tokenizer, settings)
     settings["data_hash"] = calib.content_hash
     resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
     ppl_before = _perplexity(model, perplexity_text, tokenizer, progress)
@@ -169,23 +162,8 @@ def heal(
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume),
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
-    kl_before = best.start_kl
-    healed = entry.finish(student)
-    if healed is not model:
-        raise RuntimeError(f"method={method!r} returned a new model object; healing works in place")
-    for param in healed.parameters():
-        param.requires_grad_(True)
-    healed.eval()
-    losses = [{"step": e["step"], "loss": e["loss"]} for e in state.log_history if "loss" in e]
-    report = HealReport(
-        method=method, tokens=round(tokens_per_step * state.global_step), steps=state.global_step,
-        learning_rate=float(learning_rate), seed=seed, data=calib.description,
-        heldout=f"last {heldout_prompts} prompt(s) of the calibration set", kl_before=kl_before,
-        kl_after=best.best_kl, reverted=not best.improved, loss_history=losses, eval_history=best.history,
-        data_hash=calib.content_hash, teacher_top_k=teacher_top_k, ce_weight=float(ce_weight),
-        final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
-        options=dict(options),
-    )
+    healed = _finished(entry, student, model, method)
+    report = _heal_report(settings, state, best, calib, tokens_per_step)
     if ppl_before is not None:
         contract = ppl_before.contract
         report.perplexity = {"before": ppl_before.ppl, "after": _perplexity(healed, perplexity_text, tokenizer, progress).ppl,
@@ -193,6 +171,57 @@ def heal(
     _record_step(healed, report)
     healed.layerswap_heal_report = report
     return report
+
+
+def _training_text(calibration, tokenizer, settings: dict):
+    """``(calibration set, training steps)`` for :func:`heal`: enough prompts of
+    ``settings["seq_len"]`` tokens for ``ceil(max_tokens / (batch_size * seq_len))`` steps
+    (at most 256 for training) plus the held-out ones.
+
+    Raises:
+        ValueError: no prompt remains for training once ``heldout_prompts`` are held out.
+    """
+    batch_size, heldout_prompts = settings["batch_size"], settings["heldout_prompts"]
+    steps = math.ceil(settings["max_tokens"] / (batch_size * settings["seq_len"]))
+    wanted = min(steps * batch_size, 256) + heldout_prompts
+    calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=settings["seq_len"],
+                              seed=settings["seed"])
+    if calib.input_ids.shape[0] <= heldout_prompts:
+        raise ValueError(
+            f"{calib.input_ids.shape[0]} calibration prompt(s) with heldout_prompts={heldout_prompts}: "
+            "at least one prompt must remain for training"
+        )
+    return calib, steps
+
+
+def _finished(entry, student, model: nn.Module, method: str) -> nn.Module:
+    """The method's ``finish`` of the trained ``student``: the same object as ``model``, all
+    parameters trainable again, in eval mode.
+
+    Raises:
+        RuntimeError: the method returned a new model object.
+    """
+    healed = entry.finish(student)
+    if healed is not model:
+        raise RuntimeError(f"method={method!r} returned a new model object; healing works in place")
+    for param in healed.parameters():
+        param.requires_grad_(True)
+    healed.eval()
+    return healed
+
+
+def _heal_report(settings: dict, state, best, calib, tokens_per_step: float) -> HealReport:
+    """The :class:`HealReport` of a finished run (perplexity not yet filled in)."""
+    losses = [{"step": e["step"], "loss": e["loss"]} for e in state.log_history if "loss" in e]
+    return HealReport(
+        method=settings["method"], tokens=round(tokens_per_step * state.global_step), steps=state.global_step,
+        learning_rate=float(settings["learning_rate"]), seed=settings["seed"], data=calib.description,
+        heldout=f"last {settings['heldout_prompts']} prompt(s) of the calibration set", kl_before=best.start_kl,
+        kl_after=best.best_kl, reverted=not best.improved, loss_history=losses, eval_history=best.history,
+        data_hash=calib.content_hash, teacher_top_k=settings["teacher_top_k"], ce_weight=float(settings["ce_weight"]),
+        final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
+        options=dict(settings["options"]),
+    )
 
 
 def _train(student, teacher, train, held, settings: dict, *, steps: int, device, checkpoint_dir, resume: bool,

@@ -65,7 +65,9 @@ from .methods import (
     RECOVERY_METHODS,
     RecoveryMethod,
     get_recovery_method,
+    recovery_entry,
     register_recovery_method,
+    search_objectives,
 )
 from .operators import (
     LOADER_NOTE,
@@ -96,7 +98,9 @@ __all__ = [
     "detach_recovery",
     "get_recovery_method",
     "recover",
+    "recovery_entry",
     "register_recovery_method",
     "ridge_toward_identity",
     "save_recovery",
+    "search_objectives",
 ]

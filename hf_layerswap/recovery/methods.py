@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .fit import block_down_proj, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
-from .operators import LOADER_NOTE, RECOVERY_FILE, attach_operator
+from .operators import LOADER_NOTE, RECOVERY_FILE, attach_operator, attached_operators
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -28,6 +28,8 @@ __all__ = [
     "RECOVERY_METHODS",
     "RecoveryMethod",
     "get_recovery_method",
+    "recovery_entry",
+    "search_objectives",
     "register_recovery_method",
 ]
 
@@ -55,11 +57,44 @@ class RecoveryMethod:
         name: the ``method=`` value (set by :func:`register_recovery_method`).
         default_epsilon: the relative ridge used when ``epsilon=None``.
         fits: ``False`` for plain removal: nothing is solved, applied or recorded.
+        attaches_at_load: the repair is modules saved next to the weights that the loader
+            re-attaches (``import hf_layerswap`` needed to load it; a folder without them is
+            not published), not weights of plain transformers.
+        search_objective: it serves as ``select_layers(strategy="search", objective=<name>)``:
+            candidate sets are scored after this repair, with :meth:`cut_operator` acting on
+            the residual stream entering the block after each cut.
+        card_summary: the sentence the model card's summary adds for this repair.
+        card_modules: what the card calls the saved modules (``attaches_at_load``).
+        card_file: what the card's file list says of them.
     """
 
     name: str = ""
     default_epsilon: float = 0.0
     fits: bool = True
+    attaches_at_load: bool = False
+    search_objective: bool = False
+    card_summary: str = ""
+    card_modules: str = "repair modules"
+    card_file: str = ""
+
+    def attached(self, model: nn.Module) -> list[int]:
+        """Boundaries (pruned numbering) where this method's modules sit on ``model`` now."""
+        return []
+
+    def card_row(self, recovery: dict, indices) -> str:
+        """The removal table's "Repair of the cut" cell for the record ``config.layerswap["recovery"]``
+        (``indices``: the card's formatter of a list of blocks)."""
+        return self.name
+
+    def cut_operator(self, moments, removed, epsilon: float) -> torch.Tensor:
+        """``(H, H)`` float64 operator for one cut of the consecutive blocks ``removed`` from
+        per-block moments (``moments.gram[("h", p)]``, ``moments.cross[("h", p, p + 1)]``);
+        needed when :attr:`search_objective` is set.
+
+        Raises:
+            NotImplementedError: the method is no search objective.
+        """
+        raise NotImplementedError(f"recovery method {self.name!r} is no search objective")
 
     def check(self, model: nn.Module, blocks: nn.ModuleList, cuts: list[dict]) -> None:
         """Refuse (``ValueError``) a model the method cannot repair, before any forward pass."""
@@ -130,6 +165,17 @@ def get_recovery_method(name) -> RecoveryMethod:
     return RECOVERY_METHODS[name]
 
 
+def recovery_entry(name) -> RecoveryMethod | None:
+    """The registered method ``name``, or ``None`` for no name or an unregistered one (a
+    record read back from a checkpoint made with a method this process does not know)."""
+    return RECOVERY_METHODS.get(name) if isinstance(name, str) else None
+
+
+def search_objectives() -> tuple[str, ...]:
+    """The registered methods that serve as a search objective (:attr:`RecoveryMethod.search_objective`)."""
+    return tuple(n for n, m in RECOVERY_METHODS.items() if m.search_objective)
+
+
 # ----------------------------------------------------------------------------- built-ins
 @register_recovery_method("none")
 class PlainRemoval(RecoveryMethod):
@@ -145,6 +191,31 @@ class Ghosted(RecoveryMethod):
     kept on the model as a forward hook (saved next to the weights)."""
 
     default_epsilon = DEFAULT_EPSILON["ghosted"]
+    attaches_at_load = True
+    search_objective = True
+    card_summary = " The cut is repaired with Ghosted Layers operators (load with `import hf_layerswap`, see below)."
+    card_modules = "Ghosted Layers operators"
+    card_file = "Ghosted Layers operators (float32 (H, H) per boundary), applied by `hf_layerswap`"
+
+    def attached(self, model):
+        return [b for b, _ in attached_operators(model)]
+
+    def card_row(self, recovery, indices):
+        return (f"Ghosted Layers closed-form operator I + M at boundaries {indices(recovery.get('boundaries', []))} "
+                f"(pruned numbering), stored in `{recovery.get('file')}`")
+
+    def cut_operator(self, moments, removed, epsilon):
+        return self._product(moments, removed, epsilon)[0]
+
+    @staticmethod
+    def _product(moments, removed, epsilon):
+        total, lams, conds = None, [], []
+        for p in removed:
+            w, lam, cond = ridge_toward_identity(moments.gram[("h", p)], moments.cross[("h", p, p + 1)], epsilon)
+            total = w if total is None else total @ w
+            lams.append(lam)
+            conds.append(cond)
+        return total, lams, conds
 
     def slots(self, cut):
         return tuple(range(cut["start"], cut["end"] + 1))
@@ -159,12 +230,8 @@ class Ghosted(RecoveryMethod):
 
     def solve(self, moments, cut, fit, epsilon):
         s, e = cut["start"], cut["end"]
-        total, conds = None, []
-        for p in cut["removed"]:
-            w, lam, cond = ridge_toward_identity(moments.gram[("h", p)], moments.cross[("h", p, p + 1)], epsilon)
-            total = w if total is None else total @ w
-            fit.ridge.append(lam)
-            conds.append(cond)
+        total, lams, conds = self._product(moments, cut["removed"], epsilon)
+        fit.ridge.extend(lams)
         cross = moments.cross[("h", s, e)] if e != s + 1 else moments.cross[("h", s, s + 1)]
         after = quadratic_residual(total, moments.gram[("h", s)], cross, moments.sq[("y", e)])
         fit.condition_number = max(conds)
@@ -184,6 +251,11 @@ class Fused(RecoveryMethod):
     the input embedding for a cut at block 0): a plain transformers checkpoint."""
 
     default_epsilon = DEFAULT_EPSILON["fused"]
+    card_summary = " The cut is repaired with a least-squares map folded into the weights."
+
+    def card_row(self, recovery, indices):
+        return (f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
+                f"{indices(recovery.get('boundaries', []))} (pruned numbering): plain transformers weights")
 
     def check(self, model, blocks, cuts):
         for cut in cuts:

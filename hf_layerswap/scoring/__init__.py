@@ -45,6 +45,11 @@ probe needs:
   (accelerate's ``PartialState``, ``split_between_processes``, ``gather_object``); the
   result equals one process's bit for bit. A model sharded over the processes (tensor
   parallel, FSDP, ZeRO-3) is refused before any forward pass (:mod:`.processes`).
+- **Streaming offloaded models.** When accelerate offloads the decoder blocks (CPU or
+  disk), every probe of a batch is advanced slot by slot and each block is read once per
+  batch instead of at every call (:mod:`.slotmajor`); the values are the same. The
+  report's metadata records the blocks and bytes moved (``movement``) and the peak memory
+  per device (``peak_memory``).
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
   selected at a budget is stable under paired standard errors.
 
@@ -55,7 +60,8 @@ Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and th
 state), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
 hands the engine), :mod:`.streamed` (the head/KL phase on blocks of positions x
 vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
-:mod:`.probes` (probe deduplication, order, each process's share), :mod:`.checkpoint`
+:mod:`.probes` (probe deduplication, order, each process's share), :mod:`.slotmajor`
+(slot-major streaming of offloaded blocks), :mod:`.checkpoint`
 (resumable runs), :mod:`.processes` (launched processes, sharded-model refusal).
 """
 

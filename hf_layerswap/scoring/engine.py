@@ -1,13 +1,23 @@
-"""The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
+"""One module on purpose: both batch paths (depth-first and slot-major) share the engine's
+state (budget, reference, head/KL flush, checkpoint, counters, progress bar), which one
+class keeps in one place; the per-batch reference cache lives in :mod:`.reference`.
+
+The scoring engine: :func:`plan_kl` runs a set of layer plans over a calibration set
 with prefix reuse, streamed KL under a memory budget, optional reduced precision,
 checkpointing and the probes partitioned over launched processes (see
 :mod:`hf_layerswap.scoring` for what each does).
-
 ``Engine`` is one state object (reference pass, prefix tree of probes, memory budget,
 checkpoint and ranks) whose passes share that state. Its settings arrive as one
 :class:`~hf_layerswap.scoring.settings.EngineSettings`; its building blocks live next
 door (:mod:`.settings`, :mod:`.streamed` for the head/KL blocks, :mod:`.kl`, :mod:`.head`,
-:mod:`.probes`, :mod:`.checkpoint`), each importable from its own module.
+:mod:`.probes`, :mod:`.checkpoint`, :mod:`.slotmajor` for offloaded blocks), each
+importable from its own module.
+
+A batch runs depth-first (probe after probe, prefix reuse) or, when the decoder blocks are
+offloaded, slot-major (:mod:`.slotmajor`: every probe advanced slot by slot, each block
+moved once per batch); the head/KL phase, the budget, the checkpoint and the counters are
+the same for both. The summary records the blocks moved (``movement``) and the peak memory
+per device (``peak_memory``).
 """
 
 from __future__ import annotations
@@ -23,18 +33,21 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_positions, check_token_ids
-from ..devices import execution_device
+from ..devices import execution_device, offloaded_bytes, peak_memory
 from ..plan import StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
 from ..provenance import library_versions, report_identity
 from .checkpoint import ScoringCheckpoint, plans_digest
-from .head import maybe_autocast, decoder_output, Head, removed_on_exit, param_dtype, text_config
+from .head import decoder_output, Head, hooks_removed, maybe_autocast, param_dtype, text_config
 from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import make_probes, Probe, schedule, shard
 from .processes import check_model_replica, Processes
+from .reference import ReferenceCache
 from .settings import dtype_name, EngineSettings, kl_block_bytes
+from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
+                        probe_groups, run_pass)
 from .streamed import StreamedKL
 
-__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_kl", "run_plans"]
+__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine", "plan_kl", "run_plans"]
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
@@ -57,8 +70,10 @@ class Engine:
         calibration: CalibrationSet,
         plans: Mapping[Hashable, Sequence[int]],
         settings: EngineSettings,
+        reference_cache: ReferenceCache | None = None,
     ):
         model = uncompiled(model)
+        self.reference_cache = reference_cache
         check_model_replica(model)  # before any forward pass
         self.model = model
         self.calib = calibration
@@ -107,6 +122,25 @@ class Engine:
         self.seconds = 0.0
         self.batches = list(range(math.ceil(calibration.num_prompts / self.batch_size)))
         self.verified_head = False
+        self._init_movement(settings.slot_major)
+
+    def _init_movement(self, slot_major: bool | None) -> None:
+        """Slot-major streaming (:mod:`.slotmajor`) or depth-first, and the counters of
+        the blocks moved."""
+        _, _, blocks = decoder_blocks(self.model)
+        self.movable = movable_blocks(blocks)
+        self.norm = final_norm(self.model)
+        self.slot_major = blocks_offloaded(self.model) if slot_major is None else bool(slot_major)
+        self.slot_major_note = None
+        why = ("the model's logits are not streamed (stream_logits=False or no separate head)"
+               if not self.stream_logits else None if self.norm is not None else
+               "the decoder has no final norm under a known name")
+        if self.slot_major and why:
+            if slot_major:
+                raise ValueError(f"slot_major=True: {why}; leave slot_major=None")
+            self.slot_major, self.slot_major_note = False, f"depth-first: {why}"
+        self.moved = {"block_onloads": 0, "bytes_moved": 0}
+        self.onloads_per_batch: list[int] = []
 
     # -- sizing -----------------------------------------------------------------------
     def _activation_bytes(self, bsz: int, cfg) -> int:
@@ -238,7 +272,7 @@ class Engine:
 
             handles.append(self.decoder.register_forward_hook(dec_hook))
         logits = None
-        with removed_on_exit(handles), self._autocast():
+        with hooks_removed(handles), self._autocast():
             kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
             try:
                 if verify:
@@ -261,6 +295,14 @@ class Engine:
             if not self.stream_logits:  # the check failed: recompute the reference the slow way
                 return self._reference_pass(ids, mask, slots, rows)
         return streams, hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
+
+    def _reference(self, b: int, ids, mask, slots: set[int], rows: torch.Tensor):
+        """The reference of batch ``b``: one identity pass, or the one kept by the
+        :class:`~hf_layerswap.scoring.reference.ReferenceCache` given to the engine (the
+        same tensors, so the same values)."""
+        if self.reference_cache is None:
+            return self._reference_pass(ids, mask, slots, rows)
+        return self.reference_cache.engine_reference(self, b, ids, mask, slots, rows, self._reference_pass)
 
     def _verify_head(self, last_hidden, model_logits) -> None:
         rows = last_hidden.reshape(-1, last_hidden.shape[-1])
@@ -311,7 +353,7 @@ class Engine:
 
                 handles.append(self.decoder.register_forward_hook(dec_hook))
             out = None
-            with removed_on_exit(handles), self._autocast():
+            with hooks_removed(handles), self._autocast():
                 try:
                     out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 except StopForward:
@@ -339,10 +381,13 @@ class Engine:
         positions = ids.numel()
         cache = self.__dict__.setdefault("_blocks_of", {})
         key = tuple(p.key for p in probes)
-        if key not in cache:  # the schedule is the same for every batch
-            cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
-                             for p, depth0, _ in schedule(list(probes), self.mode))
-        work = float(self.num_layers + cache[key])
+        if self.slot_major:
+            work = float(sum(p.block_evaluations for p, _ in self._passes(b, probes)))
+        else:
+            if key not in cache:  # the schedule is the same for every batch
+                cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
+                                 for p, depth0, _ in schedule(list(probes), self.mode))
+            work = float(self.num_layers + cache[key])
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
         rows = int(mask.sum())
@@ -364,8 +409,12 @@ class Engine:
         bar = _WorkBar(total, self.desc, self.progress)
         _, _, blocks = decoder_blocks(self.model)
         counting = [blk.register_forward_hook(lambda *_: bar.advance(1)) for blk in blocks] if self.progress else []
+        # depth-first, every call of an offloaded block reads its weights through its hook
+        counting += [blocks[b].register_forward_pre_hook(lambda *_, b=b: None if self.slot_major else self._moved(b))
+                     for b in self.movable]
+        self._bar = bar
         try:
-            with torch.no_grad(), removed_on_exit(counting):
+            with torch.no_grad(), hooks_removed(counting):
                 for b in batch_indices:
                     self._run_batch(b, bar)
         finally:
@@ -380,6 +429,14 @@ class Engine:
         width = int(mask.sum(dim=1).max())
         return ids[:, :width], mask[:, :width]
 
+    def _batch_on_device(self, b: int):
+        """Batch ``b`` on the input device: ``(ids, mask)`` ``(B, T)``, real tokens per
+        prompt ``(B,)`` float64 and the flat indices of the real positions ``(R,)``."""
+        ids, mask = self._batch(b)
+        ids, mask = ids.to(self.input_device), mask.to(self.input_device)
+        mask_cpu = mask.bool().cpu()
+        return ids, mask, mask_cpu.sum(dim=1).double(), mask_cpu.reshape(-1).nonzero().squeeze(1)
+
     def _run_batch(self, b: int, bar) -> None:
         todo = [p for p in self.my_probes if (b, p.key) not in self.done]
         end = bar.pos + self._batch_work(b, self.my_probes)
@@ -387,16 +444,20 @@ class Engine:
             bar.reach(end)
             return
         bar.advance(self._batch_work(b, self.my_probes) - self._batch_work(b, todo))  # resumed from the checkpoint
-        ids, mask = self._batch(b)
+        before = self.moved["block_onloads"]
+        if not (self.slot_major and self._stream_batch(b, todo, bar)):
+            self._depth_first_batch(b, todo, bar)
+        self.onloads_per_batch.append(self.moved["block_onloads"] - before)
+        bar.reach(end)  # float rounding aside, this is where the batch's work took it already
+
+    def _depth_first_batch(self, b: int, todo: list[Probe], bar) -> None:
+        """The batch's probes one after another, sharing prefixes (:func:`.probes.schedule`)."""
+        ids, mask, counts, rows = self._batch_on_device(b)
         bsz, seqlen = ids.shape
-        ids, mask = ids.to(self.input_device), mask.to(self.input_device)
-        mask_cpu = mask.bool().cpu()
-        counts = mask_cpu.sum(dim=1).double()
-        rows = mask_cpu.reshape(-1).nonzero().squeeze(1)
         prompt_of_row = rows // seqlen
         slots = {p.start for p in todo} if self.mode != "none" else set()
         slots.discard(0)
-        streams, ref = self._reference_pass(ids, mask, slots, rows)
+        streams, ref = self._reference(b, ids, mask, slots, rows)
         head = self._head_blocks()
         if not self.stream_logits:  # the model's own head ran inside the pass
             bar.advance(head)
@@ -404,24 +465,7 @@ class Engine:
         group = self._group_size(rows.numel()) if self.stream_logits else len(order)
         nodes: dict[tuple, torch.Tensor] = {}
         pending: list[tuple[Probe, torch.Tensor]] = []
-        group_no = 0
-
-        def flush():
-            nonlocal group_no
-            if not pending:
-                return
-            if self.stream_logits:
-                values = self.kl.head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
-                                          lambda n: bar.advance(head * n / (bsz * seqlen)))
-            else:
-                values = [h for _, h in pending]
-            keys = [p.key for p, _ in pending]
-            for key, v in zip(keys, values):
-                self.computed[(b, key)] = v
-            if self.checkpoint is not None:
-                self.checkpoint.save(b, self.rank, group_no, keys, torch.stack(values))
-            group_no += 1
-            pending.clear()
+        flush = self._flusher(b, ref, prompt_of_row, counts, bsz, bar)
 
         for n, (probe, depth0, captures) in enumerate(order):
             if depth0 > 0:
@@ -450,9 +494,118 @@ class Engine:
                 pending.append((probe, masked_kl(ref, out, mask)))
             del out
             if len(pending) >= group:
-                flush()
-        flush()
-        bar.reach(end)  # float rounding aside, this is where the batch's work took it already
+                flush(pending)
+        flush(pending)
+
+    def _flusher(self, b: int, ref, prompt_of_row, counts, bsz: int, bar):
+        """``flush(pending)``: the head/KL phase of the held ``(probe, final rows or KL)``
+        pairs, their values recorded (and checkpointed as one group), ``pending`` emptied."""
+        head = self._head_blocks()
+        ids, _ = self._batch(b)
+        state = {"group": 0}
+
+        def flush(pending: list) -> None:
+            if not pending:
+                return
+            if self.stream_logits:
+                with self.head.resident():
+                    values = self.kl.head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
+                                                lambda n: bar.advance(head * n / ids.numel()))
+            else:
+                values = [h for _, h in pending]
+            keys = [p.key for p, _ in pending]
+            for key, v in zip(keys, values):
+                self.computed[(b, key)] = v
+            if self.checkpoint is not None:
+                self.checkpoint.save(b, self.rank, state["group"], keys, torch.stack(values))
+            state["group"] += 1
+            pending.clear()
+
+        return flush
+
+    # -- slot-major streaming (:mod:`.slotmajor`) ------------------------------------------
+    def _passes(self, b: int, probes: Sequence[Probe]) -> list[tuple[PassPlan, list[Probe]]]:
+        """The slot-major passes of batch ``b``: ``(pass, its probe group)`` per group (the
+        first with the reference), cached by the probes and the batch's shape."""
+        ids, _ = self._batch(b)
+        key = (tuple(p.key for p in probes), tuple(ids.shape))
+        cache = self.__dict__.setdefault("_pass_cache", {})
+        if key not in cache:
+            shape = (*ids.shape, self.hidden)
+            groups = probe_groups(list(probes), shape, self.compute_dtype, self.budget)
+            cache[key] = [(plan_pass([p.key for p in g], self.num_layers, reference=n == 0, offloaded=self.movable), g)
+                          for n, g in enumerate(groups)]
+        return cache[key]
+
+    def _moved(self, block: int, nbytes: int | None = None) -> None:
+        self.moved["block_onloads"] += 1
+        self.moved["bytes_moved"] += self._block_bytes(block) if nbytes is None else nbytes
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.note(moved=f"{self.moved['block_onloads']} blocks/{self.moved['bytes_moved'] / 2**20:.0f} MiB")
+
+    def _block_bytes(self, block: int) -> int:
+        cache = self.__dict__.setdefault("_bytes_of", {})
+        if block not in cache:
+            _, _, blocks = decoder_blocks(self.model)
+            cache[block] = offloaded_bytes(blocks[block])
+        return cache[block]
+
+    def _stream_batch(self, b: int, todo: list[Probe], bar) -> bool:
+        """Batch ``b`` slot by slot: every probe's state advanced together, each block moved
+        once per probe group. False (nothing done) when the first batch's check finds that
+        the final norm and head do not reproduce the model's logits (then depth-first)."""
+        ids, mask, counts, rows = self._batch_on_device(b)
+        bsz, seqlen = ids.shape
+        verify = not self.verified_head
+        with self._autocast():
+            inputs = capture_block_inputs(self.model, ids, mask, verify=verify)
+        self.stats["model_calls"] += 1
+        if verify and not self._verify_streamed(inputs):
+            return False
+        _, _, blocks = decoder_blocks(self.model)
+        identity = tuple(range(self.num_layers))
+        per_flush = self._group_size(rows.numel())
+        pending: list[tuple[Probe, torch.Tensor]] = []
+        flush = None
+        for n, (plan, group) in enumerate(self._passes(b, todo)):
+            finals: dict[tuple, torch.Tensor] = {}
+
+            def finish(key, state):
+                out = self.norm(state)
+                finals[key] = out.reshape(-1, out.shape[-1]).index_select(0, rows.to(out.device))
+
+            with self._autocast():
+                run_pass(plan, blocks, inputs, finish, self._moved)
+            self.stats["block_evaluations"] += plan.block_evaluations
+            if n == 0:  # the first pass streams the reference too
+                flush = self._flusher(b, finals.pop(identity), rows // seqlen, counts, bsz, bar)
+                self.stats["reference_passes"] += 1
+            for p in group:
+                pending.append((p, finals.pop(p.key)))
+                if len(pending) >= per_flush:
+                    flush(pending)
+            del finals
+        flush(pending)
+        return True
+
+    def _verify_streamed(self, inputs) -> bool:
+        """First batch: the final norm and the head applied to the decoder's input reproduce
+        the model's own output on it (the recorders pass the stream through)."""
+        with self._autocast():
+            ours = self.norm(inputs.hidden[:, -1:]).float()
+        theirs = inputs.decoder_output[:, -1:].float().to(ours.device)
+        tol = 1e-4 if self.compute_dtype == torch.float32 else 2e-2
+        if ours.shape != theirs.shape or float((ours - theirs).abs().max()) > tol * (1.0 + float(theirs.abs().max())):
+            self.slot_major = False
+            self.slot_major_note = "depth-first: the decoder's final norm did not reproduce its output"
+            warnings.warn(f"hf_layerswap scoring: {self.slot_major_note}", stacklevel=3)
+            return False
+        self._verify_head(inputs.decoder_output[:, -1:], inputs.logits)
+        if not self.stream_logits:
+            self.slot_major = False
+            self.slot_major_note = "depth-first: the model's logits are not streamed (head check failed)"
+        return self.slot_major
 
     # -- results -------------------------------------------------------------------------
     def gather(self) -> None:
@@ -495,6 +648,7 @@ class Engine:
             "forward_passes": 1 + len(self.key_of),
             "block_evaluations": stats["block_evaluations"],
             "model_calls": stats["model_calls"],
+            "reference_passes": stats["reference_passes"],
             "head_rows": stats["head_rows"],
             "seconds": seconds,
             "prefix_reuse": self.mode,
@@ -506,6 +660,16 @@ class Engine:
             "distinct_probes": len(self.probes),
             **self.settings(),
         }
+        out["slot_major"] = self.slot_major
+        out["movement"] = {
+            "offloaded_blocks": len(self.movable),
+            "block_onloads": self.moved["block_onloads"],
+            "bytes_moved": self.moved["bytes_moved"],
+            "block_onloads_per_batch": list(self.onloads_per_batch),
+        }
+        out["peak_memory"] = peak_memory()
+        if self.slot_major_note:
+            out["slot_major_note"] = self.slot_major_note
         if self.fallback_reason:
             out["stream_logits_note"] = self.fallback_reason
         if self.checkpoint is not None:
@@ -527,6 +691,10 @@ class _WorkBar:
         step = min(round(self.pos), self.bar.total) - self.bar.n  # never past the total, never back
         if step > 0:
             self.bar.update(step)
+
+    def note(self, **values) -> None:
+        """Show ``values`` in the bar's postfix (e.g. blocks and bytes moved)."""
+        self.bar.set_postfix(values, refresh=False)
 
     def reach(self, pos: float) -> None:
         self.advance(pos - self.pos)
@@ -552,6 +720,8 @@ def plan_kl(
     dtype: torch.dtype | str | None = None,
     checkpoint_path: str | os.PathLike | None = None,
     distributed: bool | None = None,
+    slot_major: bool | None = None,
+    reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """Per-prompt KL(p_M || p_plan) for every plan: the probe engine.
 
@@ -561,17 +731,26 @@ def plan_kl(
         plans: probe name -> block plan (see :mod:`hf_layerswap.plan`). Equal plans are
             computed once; the identity plan gives exactly 0 without running.
         batch_size, progress, desc, prefix_reuse, stream_logits, kl_chunk, vocab_chunk,
-            max_memory, dtype, checkpoint_path, distributed: the engine settings, each
+            max_memory, dtype, checkpoint_path, distributed, slot_major: the engine settings, each
             described at :class:`~hf_layerswap.scoring.settings.EngineSettings` (batch
             size, memory budget, precision, prefix reuse, streamed KL, resumable runs,
-            probes partitioned over launched processes).
+            probes partitioned over launched processes, slot-major streaming of offloaded
+            blocks).
+        reference_cache: a :class:`~hf_layerswap.scoring.reference.ReferenceCache` shared
+            by calls on the same model and prompts: each batch's reference pass runs once
+            and later calls reuse it (exact: the same tensors). ``None``: one per call.
+            A slot-major (streamed) run does not use it: the identity is the trunk its
+            probes branch from, streamed with them in the same pass.
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt
         mean KL in nats; ``stats`` has ``forward_passes`` (calibration-set sweeps: one
         reference plus one per plan), ``block_evaluations`` (block forward calls over all
-        batches), ``model_calls``, ``head_rows`` (positions through the output head),
-        ``seconds`` and the settings used.
+        batches), ``model_calls``, ``reference_passes`` (identity passes actually run, one
+        per batch without a cache), ``head_rows`` (positions through the output head),
+        ``seconds``, the settings used, ``slot_major``, ``movement`` (offloaded blocks,
+        block onloads and bytes moved in all and per batch) and ``peak_memory`` (bytes per
+        device: :func:`hf_layerswap.devices.peak_memory`).
 
     Raises:
         ValueError: a bad plan, batch size, chunk, memory or dtype value.
@@ -582,18 +761,27 @@ def plan_kl(
     settings = EngineSettings(
         batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits, kl_chunk=kl_chunk,
         vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
-        distributed=distributed, progress=progress, desc=desc,
+        distributed=distributed, progress=progress, desc=desc, slot_major=slot_major,
     )
-    return run_plans(model, calibration, plans, settings)
+    return run_plans(model, calibration, plans, settings, reference_cache=reference_cache)
 
 
 @torch.no_grad()
 def run_plans(
-    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings
+    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings,
+    reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """:func:`plan_kl` with its settings as one :class:`EngineSettings`: what the scoring
     verbs call once they have built theirs."""
-    engine = Engine(model, calibration, plans, settings)
+    engine = Engine(model, calibration, plans, settings, reference_cache)
     engine.run_batches(engine.batches)
     engine.gather()
     return engine.values(engine.batches), engine.summary(engine.batches)
+
+
+def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]],
+                settings: EngineSettings):
+    """The engine as :func:`run_plans` would build it, without running anything (its batch
+    size, batches, head/KL chunks, probe schedule): what :func:`hf_layerswap.cost.estimate_cost`
+    plans with. ``model`` may live on the meta device."""
+    return Engine(model, calibration, plans, settings)

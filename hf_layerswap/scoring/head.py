@@ -9,7 +9,9 @@ import torch
 from accelerate.utils import align_module_device
 from torch import nn
 
-__all__ = ["decoder_output", "Head", "maybe_autocast", "param_dtype", "removed_on_exit", "text_config"]
+from ..devices import offloaded_modules, onloaded
+
+__all__ = ["decoder_output", "Head", "hooks_removed", "maybe_autocast", "param_dtype", "text_config"]
 
 
 # ----------------------------------------------------------------------------- model plumbing
@@ -64,6 +66,24 @@ class Head:
         # hooked (accelerate offload) or custom heads run whole, on position chunks
         self.sliceable = self.linear and not hasattr(m, "_hf_hook") and m.weight.device.type != "meta"
         self._w32: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @contextlib.contextmanager
+    def resident(self):
+        """For the duration of a head phase: an offloaded plain ``nn.Linear`` head's
+        weight brought to its execution device once (:func:`hf_layerswap.devices.onloaded`)
+        and used as a head in memory, instead of read again for every block of positions
+        and every probe. Nothing changes for a head in memory or any other head."""
+        m = self.module
+        if m is None or self.sliceable or not self.linear or not offloaded_modules(m):
+            yield
+            return
+        with onloaded(m):
+            self.sliceable = m.weight.device.type != "meta"
+            try:
+                yield
+            finally:
+                self.sliceable = False
+                self.release()
 
     def weight32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight (V, H), bias (V,) or None)`` of a sliceable head in fp32: the head's own
@@ -143,7 +163,7 @@ def maybe_autocast(device_type: str, dtype: torch.dtype | None):
 
 
 @contextlib.contextmanager
-def removed_on_exit(handles: list):
+def hooks_removed(handles: list):
     """Context manager that removes the hook ``handles`` when the block exits, also on error."""
     try:
         yield

@@ -224,6 +224,11 @@ class EngineSettings:
             per process, see :mod:`.processes`); ``False``: never; ``True``: require it.
         progress: show a progress bar (rank 0 only).
         desc: the progress bar's label.
+        slot_major: ``None`` (default): advance every probe of a batch slot by slot when
+            the model's decoder blocks are offloaded (accelerate CPU/disk offload), so each
+            block is read once per batch (:mod:`.slotmajor`), else run probes depth-first
+            with prefix reuse; ``True``/``False``: always/never stream (the values are the
+            same either way).
 
     Raises:
         ValueError: a value outside what its field allows (the message names the value
@@ -241,6 +246,7 @@ class EngineSettings:
     distributed: bool | None = None
     progress: bool = False
     desc: str = "swap-KL"
+    slot_major: bool | None = None
 
     def __post_init__(self):
         _positive_int("batch_size", self.batch_size, allow=("auto", None))
@@ -249,6 +255,9 @@ class EngineSettings:
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r}: allowed None (partition the probes when launched "
                              "with several processes), True (require it), False (never)")
+        if self.slot_major not in (None, True, False):
+            raise ValueError(f"slot_major={self.slot_major!r}: allowed None (stream slot by slot when the blocks are "
+                             "offloaded), True (always), False (never)")
         if self.checkpoint_path is not None and not isinstance(self.checkpoint_path, (str, os.PathLike)):
             raise ValueError(f"checkpoint_path={self.checkpoint_path!r}: give a folder path (str or os.PathLike) or None")
         normal = {

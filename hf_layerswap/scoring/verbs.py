@@ -244,6 +244,7 @@ def score_layers(
     checkpoint_path: str | os.PathLike | None = None,
     adaptive: AdaptiveBudget | None = None,
     distributed: bool | None = None,
+    slot_major: bool | None = None,
 ) -> SwapReport:
     """Score block pairs with the replacement and/or interchange swap-KL.
 
@@ -270,7 +271,7 @@ def score_layers(
         batch_size: prompts per forward pass (int), ``"auto"`` (fits ``max_memory``) or
             ``None`` (by the device: 8 on a CPU, ``"auto"`` on an accelerator).
         progress: show a progress bar with an ETA.
-        prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype: engine
+        prefix_reuse, stream_logits, kl_chunk, vocab_chunk, max_memory, dtype, slot_major: engine
             settings, see :class:`~hf_layerswap.scoring.settings.EngineSettings`; all are
             recorded in ``report.metadata``. ``max_memory=None`` (or ``"auto"``) derives
             the working-memory budget from the device's free memory
@@ -309,7 +310,7 @@ def score_layers(
     settings = EngineSettings(
         batch_size=batch_size, prefix_reuse=prefix_reuse, stream_logits=stream_logits, kl_chunk=kl_chunk,
         vocab_chunk=vocab_chunk, max_memory=max_memory, dtype=dtype, checkpoint_path=checkpoint_path,
-        distributed=distributed, progress=progress, desc="swap-KL probes",
+        distributed=distributed, progress=progress, desc="swap-KL probes", slot_major=slot_major,
     )
     model = uncompiled(model)
     total = num_blocks(model)

@@ -12,7 +12,7 @@ from ..report import SwapReport, score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, allowed_blocks, check_resume, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion, as_strategy
 from .objectives import removal_kl_values, removal_nll_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["BEAM_EVALUATORS", "interchange_beam"]
 
@@ -140,4 +140,5 @@ def interchange_beam(
     return criterion_output(results, single)
 
 
-register_strategy("beam", needs_model=True)(as_strategy("beam", interchange_beam, reads_report=True))
+register_strategy("beam", needs_model=True, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
+    as_strategy("beam", interchange_beam, reads_report=True))

@@ -10,7 +10,7 @@ from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 from ..report import SwapReport
 from ..scoring.verbs import calibration_from_args
 from .finite import finite_selection
-from .registry import MODEL_STRATEGIES, check_options, get_strategy
+from .registry import MODEL_STRATEGIES, check_options, get_strategy, strategy_entry
 
 __all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
 
@@ -111,7 +111,7 @@ def select_layers(
         model = uncompiled(model)
         check_report_matches(report, model)
     if spacing is None:
-        spacing = 1 if strategy in ("greedy", "auto") else 0
+        spacing = strategy_entry(strategy).spacing
     if strategy in MODEL_STRATEGIES:
         if model is None:
             raise ValueError(f"strategy={strategy!r} scores candidate sets on the calibration prompts: pass model= and calibration=")

@@ -31,7 +31,7 @@ from ..report import score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values, record_set_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["angular_distance", "block_influence"]
 
@@ -175,5 +175,7 @@ def angular_distance(
     return criterion_output(results, single)
 
 
-register_strategy("block_influence", needs_model=True)(as_strategy("block_influence", block_influence))
-register_strategy("angular_distance", needs_model=True)(as_strategy("angular_distance", angular_distance))
+register_strategy("block_influence", needs_model=True, criteria={"block_influence": Criterion(block_influence)})(
+    as_strategy("block_influence", block_influence))
+register_strategy("angular_distance", needs_model=True, criteria={"angular_distance": Criterion(angular_distance)})(
+    as_strategy("angular_distance", angular_distance))

@@ -22,12 +22,44 @@ from ..scoring import removal_kl
 from .common import CriterionResult, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion
 from .core import candidates_set, select_layers
 from .objectives import plans_cost, removal_kl_values
-from .registry import check_options, register_strategy
+from .registry import Criterion, check_options, register_strategy
 
 __all__ = ["swap_guided"]
 
 
-@register_strategy("greedy", options=())
+def _rule_text(cfg) -> str:
+    return f"greedy min-over-partners, spacing={cfg.spacing}, protect={cfg.protect}"
+
+
+def _greedy_reason(record, kl, indices) -> str:
+    selection = record.selection if record.selection != "not recorded" else "greedy"
+    return f"greedy selection on the **{record.protocol}** scores ({selection})."
+
+
+def _auto_reason(record, kl, indices) -> str:
+    auto = record.decision or {}
+    values = auto.get("removal_kl", {})
+    return (
+        "`protocol='auto'`: both candidate sets were evaluated by their joint removal KL on the "
+        f"calibration prompts (interchange {kl(values.get('interchange'))}, replacement "
+        f"{kl(values.get('replacement'))} nats) and the **{auto.get('chosen_protocol')}** set was kept "
+        f"({auto.get('reason')})."
+    )
+
+
+def _auto_values(decision) -> list:
+    chosen = decision.get("chosen_protocol")
+    value = (decision.get("removal_kl") or {}).get(chosen) if chosen in PROTOCOLS else None
+    return [] if value is None else [("its joint removal KL", value)]
+
+
+@register_strategy(
+    "greedy", options=(), spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
+    resolve=lambda protocol: "auto" if protocol == "auto" else "greedy", describe=_rule_text, ranks_by_scores=True,
+    card_reason=_greedy_reason,
+    criteria={p: Criterion(lambda model, calib, n, p=p, **kw: swap_guided(model, calib, n, protocol=p, **kw), reads=(p,))
+              for p in PROTOCOLS},
+)
 def _greedy(report, num_to_remove, *, protocol, spacing, protect, options, **_):
     """The paper's rule on one protocol's layer scores."""
     if protocol == "auto":
@@ -36,7 +68,14 @@ def _greedy(report, num_to_remove, *, protocol, spacing, protect, options, **_):
     return greedy_select(report.layer_scores(protocol), num_to_remove, spacing=spacing, protect=protect)
 
 
-@register_strategy("auto", options=())
+@register_strategy(
+    "auto", options=(), spacing=1, reads_calibration=True, scores=lambda protocol: PROTOCOLS,
+    reads=lambda protocol: PROTOCOLS, config_options=lambda cfg: {}, describe=_rule_text, ranks_by_scores=True,
+    guided_by=lambda decision, protocol: decision.get("chosen_protocol") or protocol, values=_auto_values,
+    card_reason=_auto_reason,
+    criteria={"auto": Criterion(lambda model, calib, n, **kw: swap_guided(model, calib, n, protocol="auto", **kw),
+                                reads=PROTOCOLS)},
+)
 def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
     """Each protocol's greedy set; the one with the lower joint removal KL is kept."""
     check_options("auto", options)

@@ -30,6 +30,7 @@ calls over the calibration set (a full forward of an L-block model is L block pa
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -42,26 +43,47 @@ from ..devices import input_device
 from ..plan import (
     apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
 )
-from ..recovery import DEFAULT_EPSILON, GhostedOperator, ridge_toward_identity
+from ..recovery import GhostedOperator, cut_boundaries, get_recovery_method, search_objectives
+from ..recovery.fit import collect_moments
 from ..report import set_key
 from ..scoring import masked_kl, plan_kl
+from ..scoring.reference import ReferenceCache
+from ..scoring.settings import device_memory_budget, parse_memory
 from .finite import record_set_values
 
 __all__ = ["OBJECTIVES", "SetObjective", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
 
-OBJECTIVES = ("removal_kl", "nll", "ghosted")
+OBJECTIVES = ("removal_kl", "nll") + search_objectives()
 
 
-def plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int) -> tuple[int, int]:
-    """(forward passes, block passes) of one reference sweep plus one sweep per plan with
-    prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
-    blocks = num_layers
+def plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int, reference_sweeps: int = 1) -> tuple[int, int]:
+    """(forward passes, block passes) of ``reference_sweeps`` reference sweeps (1 unless a
+    :class:`~hf_layerswap.scoring.reference.ReferenceCache` held them) plus one sweep per
+    plan with prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
+    blocks = num_layers * reference_sweeps
     for plan in plans.values():
         start = first_difference(plan, num_layers)
         if start >= len(plan) and len(plan) == num_layers:
             continue
         blocks += len(plan) - min(start, len(plan) - 1)
-    return 1 + len(plans), blocks
+    return reference_sweeps + len(plans), blocks
+
+
+def _sweeps(batch_passes: int, num_prompts: int, batch_size: int) -> int:
+    """Calibration-set sweeps that ``batch_passes`` identity passes over batches amount to
+    (a sweep covers every batch once; a partial one counts whole)."""
+    return math.ceil(batch_passes / max(1, math.ceil(num_prompts / batch_size)))
+
+
+def _all_slots(num_layers: int) -> list[int]:
+    """The streams a later candidate may start from: entering blocks 1..L-1."""
+    return list(range(1, num_layers)) or [0]
+
+
+def _stream_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of one ``(B, T, H)`` residual stream of ``model`` on batch ``ids``."""
+    weight = model.get_input_embeddings().weight
+    return ids.numel() * weight.shape[-1] * weight.element_size()
 
 
 def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -89,6 +111,7 @@ def plan_nll(
     plans: Mapping[Hashable, Sequence[int]],
     *,
     batch_size: int = 8,
+    reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], torch.Tensor, dict]:
     """Calibration next-token NLL of the model under every plan, with prefix reuse.
 
@@ -101,13 +124,17 @@ def plan_nll(
         calibration: ``N`` right-padded prompts.
         plans: name -> block plan (see :mod:`hf_layerswap.plan`).
         batch_size: prompts per forward pass.
+        reference_cache: shared by calls on the same model and prompts: each batch's
+            identity pass (streams entering every block, reference NLL) runs once
+            (:class:`~hf_layerswap.scoring.reference.ReferenceCache`); ``None``: once per call.
 
     Returns:
         ``(values, counts, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of
         per-prompt summed NLL in nats (targets: every real token after the first);
         ``counts`` the ``(N,)`` number of predicted tokens per prompt; ``stats`` has
         ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
-        ``block_passes`` and ``seconds``. Calibration NLL per token of a plan is
+        ``block_passes``, ``reference_passes`` (identity sweeps run: 1, or 0 when the
+        cache held every batch) and ``seconds``. Calibration NLL per token of a plan is
         ``values[name].sum() / counts.sum()``.
 
     The model is left exactly as it was.
@@ -122,13 +149,19 @@ def plan_nll(
     was_training = model.training
     model.eval()
     device = input_device(model)
+    cache = ReferenceCache(0) if reference_cache is None else reference_cache
+    misses = cache.misses
     t0 = time.perf_counter()
     try:
-        for ids, mask in calibration.batches(batch_size):
+        for b, (ids, mask) in enumerate(calibration.batches(batch_size)):
             ids, mask = ids.to(device), mask.to(device)
-            streams, logits = capture_residual_stream(model, ids, mask, slots=needed or [0], compute_logits=True)
-            ref = _masked_nll(logits, ids, mask)
-            del logits
+
+            def sweep(slots, ids=ids, mask=mask):
+                streams, logits = capture_residual_stream(model, ids, mask, slots=slots, compute_logits=True)
+                return streams, _masked_nll(logits, ids, mask)
+
+            key = ("nll", b, batch_size, calibration.content_hash)
+            streams, ref = cache.get(key, sweep, needed or [0], _all_slots(num_layers), _stream_bytes(model, ids))
             base.append(ref)
             counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
             for name, plan in plans.items():
@@ -145,11 +178,13 @@ def plan_nll(
             del streams
     finally:
         model.train(was_training)
-    passes, blocks = plans_cost(plans, num_layers)
+    sweeps = _sweeps(cache.misses - misses, calibration.num_prompts, batch_size)
+    passes, blocks = plans_cost(plans, num_layers, sweeps)
     stats = {
         "base": torch.cat(base),
         "forward_passes": passes,
         "block_passes": blocks,
+        "reference_passes": sweeps,
         "seconds": time.perf_counter() - t0,
     }
     return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
@@ -192,17 +227,33 @@ class SetObjective:
         prefix_reuse: start each candidate at its first removed block from the cached
             identity stream (``False`` runs every candidate from the embeddings; the
             values are the same up to float rounding of the same operations).
+        reference_memory: bytes (or ``"2GB"``) the dense reference of the calibration
+            batches may keep between calls (:class:`~hf_layerswap.scoring.reference.ReferenceCache`:
+            the streams entering every block plus the exact reference, kept per batch while
+            they fit; other batches are recomputed once per call; 0 keeps none). Default ``None``: the
+            working-memory budget scoring derives for the model's input device
+            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`, 1 GiB on a CPU).
 
     Attributes:
         calls: distinct sets scored; ``forward_passes`` (calibration sweeps, a candidate
-        starting mid-stack counts as one, plus one reference sweep per batch),
-        ``block_passes`` (block forward calls over the calibration set) and ``seconds``.
+        starting mid-stack counts as one, plus the reference sweeps actually run: one for
+        the whole search when the reference fits ``reference_memory``),
+        ``reference_passes`` (those reference sweeps), ``block_passes`` (block forward
+        calls over the calibration set) and ``seconds``; ``reference`` the cache.
+
+    Raises:
+        ValueError: an unknown objective or a bad ``reference_memory``.
     """
 
     def __init__(self, model: nn.Module, calibration: CalibrationSet, objective: str = "removal_kl", *,
-                 batch_size: int = 8, prefix_reuse: bool = True, progress=None):
+                 batch_size: int = 8, prefix_reuse: bool = True, progress=None, reference_memory=None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
+        if reference_memory is None:
+            reference_memory = device_memory_budget(input_device(model))[0]
+        self.reference = ReferenceCache(parse_memory(reference_memory) if isinstance(reference_memory, str)
+                                        else reference_memory)
+        self.reference_passes = 0
         self.model, self.calibration, self.objective = uncompiled(model), calibration, objective
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
         self.num_layers = num_blocks(model)
@@ -213,7 +264,8 @@ class SetObjective:
 
     def cost(self) -> dict:
         return {"evaluator_calls": self.calls, "forward_passes": self.forward_passes,
-                "block_passes": self.block_passes, "seconds": round(self.seconds, 3)}
+                "block_passes": self.block_passes, "reference_passes": self.reference_passes,
+                "seconds": round(self.seconds, 3)}
 
     def value(self, s: Sequence[int]) -> float:
         return self.cache[set_key(sorted(s))]
@@ -246,36 +298,37 @@ class SetObjective:
 
     def _engine_kl(self, sets):
         plans = self._plans(sets)
-        values, _ = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
-                            prefix_reuse=self.prefix_reuse, progress=self.progress is not None,
-                            desc="removal KL of the candidate sets")  # block passes, under the set bar
-        passes, blocks = plans_cost(plans, self.num_layers)
+        values, stats = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
+                                prefix_reuse=self.prefix_reuse, progress=self.progress is not None,
+                                desc="removal KL of the candidate sets",  # block passes, under the set bar
+                                reference_cache=self.reference)
+        sweeps = _sweeps(stats["reference_passes"], self.calibration.num_prompts, stats["batch_size"])
+        self.reference_passes += sweeps
+        passes, blocks = plans_cost(plans, self.num_layers, sweeps)
         return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
 
     def _nll(self, sets):
-        values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size)
+        values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size,
+                                         reference_cache=self.reference)
+        self.reference_passes += stats["reference_passes"]
         total = float(counts.sum())
         return [float(values[k].sum()) / total for k in range(len(sets))], stats["forward_passes"], stats["block_passes"]
 
     @torch.no_grad()
     def _fit_operators(self) -> dict[int, torch.Tensor]:
-        """W_p = I + M_p for every block p from one stream-capture sweep (float64 moments)."""
-        grams: dict[int, torch.Tensor] = {}
-        crosses: dict[int, torch.Tensor] = {}
-        device = input_device(self.model)
-        for ids, mask in self.calibration.batches(self.batch_size):
-            ids, mask = ids.to(device), mask.to(device)
-            streams, _ = capture_residual_stream(self.model, ids, mask)
-            keep = mask.bool()
-            rows = {s: streams[s].to(device)[keep].double() for s in streams}  # one device for the moments
-            for p in range(self.num_layers):
-                x, y = rows[p], rows[p + 1]
-                grams[p] = grams.get(p, 0) + x.T @ x
-                crosses[p] = crosses.get(p, 0) + x.T @ y
+        """The repair's operator W_p of every block p, fitted by the recovery fit itself from one
+        stream-capture sweep over every real calibration token (float64 moments,
+        :func:`~hf_layerswap.recovery.fit.collect_moments`; the method's
+        :meth:`~hf_layerswap.recovery.RecoveryMethod.cut_operator` at its default epsilon)."""
+        method = get_recovery_method(self.objective)
+        _, _, blocks = decoder_blocks(self.model)
+        cuts = [cut for p in range(self.num_layers) for cut in cut_boundaries(self.num_layers, [p])]
+        moments, _, _ = collect_moments(self.model, blocks, cuts, method, self.calibration,
+                                        self.calibration.num_tokens, self.batch_size)
         self.forward_passes += 1
         self.block_passes += self.num_layers
-        return {p: ridge_toward_identity(grams[p], crosses[p], DEFAULT_EPSILON["ghosted"])[0].float()
-                for p in range(self.num_layers)}
+        self.reference_passes += 1
+        return {p: method.cut_operator(moments, [p], method.default_epsilon).float() for p in range(self.num_layers)}
 
     def _cut_operators(self, s: Sequence[int]) -> list[tuple[int, int, torch.Tensor]]:
         """[(s, e, W)] per cut s..e-1: W = W_s ... W_{e-1} acts on the stream entering block e
@@ -309,13 +362,18 @@ class SetObjective:
         device = input_device(self.model)
         was_training = self.model.training
         self.model.eval()
-        passes, block_count = 1, self.num_layers
+        misses = self.reference.misses
         try:
-            for ids, mask in self.calibration.batches(self.batch_size):
+            for b, (ids, mask) in enumerate(self.calibration.batches(self.batch_size)):
                 ids, mask = ids.to(device), mask.to(device)
-                streams, logits = capture_residual_stream(self.model, ids, mask, slots=slots, compute_logits=True)
-                ref = torch.log_softmax(logits.float(), dim=-1)
-                del logits
+
+                def sweep(wanted, ids=ids, mask=mask):
+                    streams, logits = capture_residual_stream(self.model, ids, mask, slots=wanted, compute_logits=True)
+                    return streams, torch.log_softmax(logits.float(), dim=-1)
+
+                key = ("logprobs", b, self.batch_size, self.calibration.content_hash)
+                streams, ref = self.reference.get(key, sweep, slots, _all_slots(self.num_layers),
+                                                  _stream_bytes(self.model, ids))
                 for k, s in enumerate(sets):
                     cuts = self._cut_operators(s)
                     handles, kwargs = [], {}
@@ -338,6 +396,9 @@ class SetObjective:
                 del streams, ref
         finally:
             self.model.train(was_training)
+        sweeps = _sweeps(self.reference.misses - misses, self.calibration.num_prompts, self.batch_size)
+        self.reference_passes += sweeps
+        passes, block_count = sweeps, self.num_layers * sweeps
         for k in range(len(sets)):
             passes += 1
             block_count += len(plans[k]) - starts[k]

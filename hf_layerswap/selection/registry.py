@@ -3,15 +3,137 @@
 A strategy is ``fn(report, num_to_remove, **context) -> list[int]`` (0-based blocks,
 ascending); :func:`register_strategy` adds one, :func:`get_strategy` looks one up.
 Adding a method = one new module + one ``@register_strategy("name")``.
+
+The entry (:class:`Strategy`, :func:`strategy_entry`) carries everything that differs
+between strategies, so that the pipeline, the provenance record and the model card read
+it instead of naming a strategy: the protocols it scores and reads, its spacing default,
+the config fields it takes, the rule in words, and how its decision record (the dict it
+appends to ``SwapReport.selections``) reads in the card.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 
-__all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_OPTIONS", "check_options", "get_strategy", "keyword_options",
-           "register_strategy"]
+from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
+
+__all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Criterion", "Strategy", "check_options",
+           "get_strategy", "keyword_options", "register_strategy", "strategy_entry"]
+
+
+def _paper_and(protocol) -> tuple[str, ...]:
+    """The paper's two protocols (the card shows both), and ``protocol`` when it is another registered one."""
+    extra = (protocol,) if protocol in SWAP_PROTOCOLS and protocol not in PROTOCOLS else ()
+    return PROTOCOLS + extra
+
+
+def _objective_only(cfg) -> dict:
+    return {"objective": cfg.objective} if getattr(cfg, "objective", None) else {}
+
+
+def _named_rule(name: str):
+    return lambda cfg: f"{name}, protect={cfg.protect}"
+
+
+def _no_values(decision: Mapping) -> list:
+    return []
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """How a strategy runs in the comparison harness (:func:`hf_layerswap.baselines.compare_criteria`).
+
+    Attributes:
+        run: ``fn(model, calibration, budgets, **options) -> {n: CriterionResult}`` (or one
+            result for one budget).
+        reads: the protocols whose swap-KL report it is given (``report=``); none: no report.
+        resumes: an iterative criterion that continues from its result at a smaller budget
+            (``resume=``) instead of restarting.
+        batched: it takes ``batch_size`` (it reads the model on the calibration prompts).
+    """
+
+    run: Callable
+    reads: tuple[str, ...] = ()
+    resumes: bool = False
+    batched: bool = True
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What one registered strategy is and how it is read back.
+
+    Attributes:
+        name: the ``strategy=`` value.
+        fn: ``fn(report, num_to_remove, **context) -> list[int]``.
+        needs_model: it reads the model on the calibration prompts (``select_layers``
+            refuses it without ``model=``).
+        reads_calibration: the pipeline builds calibration prompts for it (default:
+            ``needs_model``).
+        spacing: its default ``spacing`` (minimum distance between removed blocks minus 1).
+        scores: ``fn(protocol) -> protocols`` the pipeline scores before selecting
+            (default: the paper's two, plus ``protocol`` when it is another registered one).
+        reads: ``fn(protocol) -> protocols`` a given report must carry (default: none).
+        resolve: ``fn(protocol) -> strategy name`` actually run for the config's
+            ``protocol`` (default: this one).
+        config_options: ``fn(config) -> dict`` of ``select_layers`` keywords taken from a
+            :class:`~hf_layerswap.LayerSwapConfig` (default: its ``objective`` when set).
+        describe: ``fn(config) -> str``: the rule in words, the removal step's ``selection``.
+        provenance: ``fn(record) -> dict | None``: what of the decision record (the dict
+            the strategy appended to ``SwapReport.selections``) the removal step keeps
+            (:class:`~hf_layerswap.report.PruneProvenance` ``decision``; default: all of it).
+        guided_by: ``fn(decision, protocol) -> str | None``: the protocol that guided the
+            removal, for the card (``None``: no single one; default: ``protocol``).
+        values: ``fn(decision) -> [(what, value)]``: the recorded values the chosen set
+            rests on (a non-finite one refuses publishing); default none.
+        ranks_by_scores: the set is the greedy rule on the guiding protocol's layer scores
+            (a non-finite recorded score of a removed layer then refuses publishing).
+        card_summary: phrase ending the card's first sentence when no protocol guided it.
+        card_rule: ``fn(spacing, protect) -> str | None``: the card's rule line.
+        card_reason: ``fn(record, kl, indices) -> str | None``: why the set was chosen
+            (``record`` a :class:`~hf_layerswap.report.PruneProvenance`; ``kl`` and
+            ``indices`` the card's formatters).
+        card_candidates: ``fn(decision, report, removed, kl, indices) -> (rows, reason) |
+            None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)
+            and reason, when the decision carries them.
+        criteria: ``{display name: Criterion}``: how it runs in the comparison harness, under
+            the names the benchmark pages show (one strategy may run as several criteria, e.g.
+            the paper's rule once per protocol).
+    """
+
+    name: str
+    fn: Callable
+    needs_model: bool = False
+    reads_calibration: bool | None = None
+    spacing: int = 0
+    scores: Callable[[str], tuple[str, ...]] = _paper_and
+    reads: Callable[[str], tuple[str, ...]] = lambda protocol: ()
+    resolve: Callable[[str], str] | None = None
+    config_options: Callable = _objective_only
+    describe: Callable | None = None
+    provenance: Callable[[Mapping], dict | None] = lambda decision: dict(decision)
+    guided_by: Callable = lambda decision, protocol: protocol
+    values: Callable[[Mapping], list] = _no_values
+    ranks_by_scores: bool = False
+    card_summary: str | None = None
+    card_rule: Callable | None = None
+    card_reason: Callable | None = None
+    card_candidates: Callable | None = None
+    options: tuple[str, ...] | None = field(default=None)
+    criteria: Mapping[str, Criterion] = field(default_factory=dict)
+
+    def strategy_for(self, protocol) -> str:
+        """The strategy that runs for ``protocol`` (:attr:`resolve`)."""
+        return self.name if self.resolve is None else self.resolve(protocol)
+
+    def rule_text(self, cfg) -> str:
+        """The rule in words for a config (:attr:`describe`)."""
+        return (self.describe or _named_rule(self.name))(cfg)
+
+    def calibrated(self) -> bool:
+        """Whether the pipeline builds calibration prompts for it."""
+        return self.needs_model if self.reads_calibration is None else self.reads_calibration
 
 
 #: Selection strategy name -> function ``(report, n, **context) -> list[int]``; see
@@ -19,14 +141,17 @@ __all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_OPTIONS", "check_options"
 STRATEGIES: dict[str, Callable] = {}
 #: Strategies that read the model and calibration prompts (not only the report).
 MODEL_STRATEGIES: set[str] = set()
+#: Strategy name -> its :class:`Strategy` entry (see :func:`strategy_entry`).
+STRATEGY_ENTRIES: dict[str, Strategy] = {}
 #: Strategy name -> the option names it accepts (``select_layers(..., **options)``), or
 #: ``None`` where the strategy did not declare them (its options are passed as given).
 STRATEGY_OPTIONS: dict[str, tuple[str, ...] | None] = {}
 
 
-def register_strategy(name: str, *, needs_model: bool = False, options: Collection[str] | None = None):
+def register_strategy(name: str, *, needs_model: bool = False, options: Collection[str] | None = None, **entry):
     """Decorator: register ``fn(report, num_to_remove, **context) -> list[int]`` as a selection
-    strategy. ``context`` holds ``protocol``, ``spacing``, ``protect``, ``model``,
+    strategy. ``entry``: the other fields of its :class:`Strategy` (``spacing``,
+    ``scores``, ``reads``, ``describe``, ``provenance``, the ``card_*`` hooks, ...). ``context`` holds ``protocol``, ``spacing``, ``protect``, ``model``,
     ``calibration`` (a :class:`~hf_layerswap.calibration.CalibrationSet` when
     ``needs_model``), ``batch_size``, ``objective`` and ``options`` (a dict).
     ``options``: the option names the strategy accepts (``()``: none; default: the
@@ -35,7 +160,12 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
 
     Raises:
         ValueError: the name is already registered.
+        TypeError: an ``entry`` keyword that is not a :class:`Strategy` field.
     """
+    unknown = sorted(set(entry) - set(Strategy.__dataclass_fields__) - {"name", "fn", "needs_model", "options"})
+    if unknown:
+        raise TypeError(f"register_strategy({name!r}): unknown entry field(s) {unknown}; allowed "
+                        f"{sorted(set(Strategy.__dataclass_fields__) - {'name', 'fn', 'needs_model', 'options'})}")
 
     def wrap(fn):
         if name in STRATEGIES:
@@ -45,6 +175,8 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
         STRATEGY_OPTIONS[name] = None if declared is None else tuple(sorted(declared))
         if needs_model:
             MODEL_STRATEGIES.add(name)
+        STRATEGY_ENTRIES[name] = Strategy(name, fn, needs_model=needs_model, options=STRATEGY_OPTIONS[name],
+                                          **entry)
         return fn
 
     return wrap
@@ -79,3 +211,14 @@ def get_strategy(name: str) -> Callable:
     if not isinstance(name, str) or name not in STRATEGIES:
         raise ValueError(f"strategy={name!r}: allowed {sorted(STRATEGIES)}")
     return STRATEGIES[name]
+
+
+def strategy_entry(name) -> Strategy:
+    """The :class:`Strategy` entry of ``name``; for a name registered without one (or no
+    longer registered, as in a record read back from a checkpoint) an entry with the
+    defaults, so that a record of any strategy reads in the card."""
+    entry = STRATEGY_ENTRIES.get(name)
+    fn = STRATEGIES.get(name)
+    if entry is not None and (fn is None or entry.fn is fn):
+        return entry
+    return Strategy(str(name), fn, needs_model=name in MODEL_STRATEGIES, options=STRATEGY_OPTIONS.get(name))

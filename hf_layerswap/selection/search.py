@@ -52,11 +52,12 @@ from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
 from ..plan import num_blocks
+from ..protocols import PROTOCOLS
 from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from .common import CriterionResult, as_calibration, adjacent_report, report_cost
 from .objectives import OBJECTIVES, SetObjective
-from .registry import keyword_options, register_strategy
+from .registry import Criterion, keyword_options, register_strategy
 
 __all__ = ["search_criterion", "search_select"]
 
@@ -392,7 +393,72 @@ def _default_objective(objective):
 _SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size")
 
 
-@register_strategy("search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED))
+def _config_options(cfg) -> dict:
+    """``select_layers`` keywords from a :class:`~hf_layerswap.LayerSwapConfig`."""
+    out = {"objective": _default_objective(cfg.objective), "progress": cfg.progress}
+    if cfg.max_evaluations is not None:
+        out["max_evaluations"] = cfg.max_evaluations
+    return out
+
+
+def _describe(cfg) -> str:
+    return (f"search over candidate sets ({_default_objective(cfg.objective)} on the calibration prompts), "
+            f"spacing={cfg.spacing}, protect={cfg.protect}")
+
+
+def _card_candidates(search, report, removed, kl, indices):
+    """The card's rows for each protocol's greedy set (paper's rule, spacing >= 1) as the
+    search scored them, and why the chosen set won; ``None`` when the record is of another set."""
+    if list(search.get("selected", [])) != list(removed):
+        return None
+    rows, sets = [], {}
+    objective = search.get("objective", "removal_kl")
+    for p in report.protocols:
+        entry = (search.get("protocol_sets") or {}).get(p)
+        if entry is None:
+            rows.append({"protocol": p, "layers": "not possible under the paper's rule at this budget",
+                         "removal_kl": kl(None)})
+            continue
+        sets[p] = list(entry["set"])
+        value = entry.get("value")
+        if objective != "removal_kl":
+            value = report.removal_kl.get(set_key(entry["set"]))
+        rows.append({"protocol": p, "layers": indices(entry["set"]), "removal_kl": kl(value)})
+    cost = search.get("cost") or {}
+    values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
+    reason = (
+        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
+        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
+        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
+        f"{kl(search.get('value'))} {search.get('unit', 'nats')}"
+    )
+    if values:
+        reason += " against " + ", ".join(f"{p} {kl(v)}" for p, v in values.items())
+    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
+               "passes). It has the lowest value of every set scored.")
+    matching = [p for p, s in sets.items() if s == list(removed)]
+    if matching:
+        reason += f" It is also the set the {' and '.join(matching)} rule picks."
+    else:
+        reason += " Neither protocol's greedy rule picks it."
+    return rows, reason
+
+
+@register_strategy(
+    "search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
+    describe=_describe, guided_by=lambda decision, protocol: None,
+    values=lambda decision: [("the search's value", decision["value"])] if "value" in decision else [],
+    card_summary=" by a search over candidate sets guided by both swap-KL protocols.",
+    card_rule=lambda spacing, protect: (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; "
+                                        f"the search itself used spacing={spacing}"),
+    card_candidates=_card_candidates,
+    criteria={
+        "search": Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
+                            reads=PROTOCOLS),
+        "search_ghosted": Criterion(
+            lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
+    },
+)
 def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
     """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
     objective = _default_objective(objective)

@@ -10,7 +10,7 @@ from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, check_resume, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values
 from .objectives import removal_kl_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["single_removal_kl"]
 
@@ -60,4 +60,6 @@ def single_removal_kl(
     return criterion_output(results, single)
 
 
-register_strategy("single_removal_kl", needs_model=True)(as_strategy("single_removal_kl", single_removal_kl))
+register_strategy(
+    "single_removal_kl", needs_model=True, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
+)(as_strategy("single_removal_kl", single_removal_kl))

@@ -12,7 +12,7 @@ from ..report import score_key
 from ..rule import resolve_protect
 from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
 from .objectives import removal_nll_values
-from .registry import register_strategy
+from .registry import Criterion, register_strategy
 
 __all__ = ["sleb"]
 
@@ -96,4 +96,4 @@ def _num_targets(calib: CalibrationSet) -> int:
     return int((m[:, 1:] * m[:, :-1]).sum())
 
 
-register_strategy("sleb", needs_model=True)(as_strategy("sleb", sleb))
+register_strategy("sleb", needs_model=True, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..plan import StopForward, decoder_blocks
 
-__all__ = ["BlockCall", "CalibrationCache", "capture_block_calls", "prunable_linears", "run_block"]
+__all__ = ["BlockCall", "CalibrationCache", "capture_block_calls", "prunable_linears", "run_block", "split_hidden"]
 
 
 @dataclass
@@ -47,7 +47,9 @@ def prunable_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in block.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, BlockCall]:
+def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, BlockCall]:
+    """A block call's ``(args, kwargs)`` split into its hidden state ``(B, T, H)`` (the
+    first positional argument, or ``hidden_states=``) and the rest as a :class:`BlockCall`."""
     if args:
         return args[0], BlockCall(tuple(args[1:]), dict(kwargs))
     rest = dict(kwargs)
@@ -89,7 +91,7 @@ def capture_block_calls(
 
     def pre_hook(index):
         def hook(module, args, kwargs):
-            hidden, call = _split_hidden(args, kwargs)
+            hidden, call = split_hidden(args, kwargs)
             current["calls"][index] = call
             if index == 0:
                 current["hidden"] = hidden.detach()

@@ -1,0 +1,472 @@
+"""Healing benchmark: what ``hl.heal`` (distillation from the dense model) buys after a cut.
+
+Every cell takes one removal set (read from the quality benchmark's stored runs, so the
+sets are the ones ``results/quality-<model>.md`` evaluates), cuts it from a copy of the
+dense model, optionally repairs it with the ghosted operator (``recover(method="ghosted")``),
+then heals it with :func:`hf_layerswap.heal` against the dense model as teacher, and
+evaluates the perplexity under the matched contract. Per cell: dPPL% after the cut, after
+the ghosted repair and after healing, the held-out KL before/after, steps, real tokens and
+the CPU seconds of the healing call.
+
+Text: healing and the ghosted fit use WikiText-2 *validation* (``../shared/data`` holds no
+training split); evaluation is WikiText-2 raw *test*, never seen by any fit or training.
+
+The cells come from one plan (:data:`PLAN`, groups in priority order). Each finished cell is
+appended to ``heal.json`` at once, and a rerun skips finished cells, so an interrupted run
+loses at most the cell in progress. ``--render-only`` rewrites ``heal.md`` and the plot
+from ``heal.json`` alone (no model is loaded).
+
+Usage (from the repository root)::
+
+    python benchmarks/heal.py --groups pilot n6 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from hf_layerswap import heal, recover, remove_layers  # noqa: E402
+from hf_layerswap.calibration import build_calibration  # noqa: E402
+from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
+from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.models import load_model  # noqa: E402
+from hf_layerswap.plan import num_blocks  # noqa: E402
+from hf_layerswap.provenance import library_versions  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+
+#: Healing settings shared by every cell (``heal`` keyword arguments).
+HEAL_SETTINGS = {"seq_len": 128, "batch_size": 4, "heldout_prompts": 8, "eval_every": 4, "patience": 3, "seed": 0}
+#: The ghosted repair's fit: the recovery benchmark's contract (64 prompts x 128 tokens, 8192 tokens).
+GHOSTED_FIT = {"num_prompts": 64, "seq_len": 128, "num_tokens": 8192, "seed": 0}
+
+#: Learning rates: LoRA (adapters) and the full-weight methods (adjacent, last_k), picked by the pilot.
+LR = {"lora": 1e-3, "adjacent": 1e-4, "last_k": 1e-4}
+#: The best healing at SmolLM2 n = 6, 32k tokens (the n6 group), used for the criteria group.
+BEST = "ghosted+lora"
+
+
+def _cell(model, criterion, n, method, tokens, lr=None):
+    heal_method = method.split("+")[-1]
+    return {"model": model, "criterion": criterion, "n": n, "method": method, "tokens": tokens,
+            "lr": LR[heal_method] if lr is None else lr}
+
+
+SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
+#: Token budget of the criteria comparison: 8k, not 32k, so that all five criteria fit the
+#: time the shared machine gave this run (the page says so).
+CRITERIA_TOKENS = 8192
+#: The cells, by group, in priority order; ``--groups`` picks groups.
+PLAN = {
+    "pilot": [_cell(SMOL, "search", 6, "lora", 8192, lr) for lr in (1e-4, 3e-4, 1e-3)]
+    + [_cell(SMOL, "search", 6, "adjacent", 8192, lr) for lr in (3e-5, 1e-4)],
+    "n6": [_cell(SMOL, "search", 6, m, 32768) for m in ("ghosted+lora", "lora", "last_k", "adjacent")],
+    "criteria": [_cell(SMOL, c, 6, BEST, CRITERIA_TOKENS)
+                 for c in ("search", "tail", "block_influence", "sleb", "interchange")],
+    "budgets": [_cell(model, "search", n, m, 32768) for model in (SMOL, GEMMA) for n in (2, 4)
+                for m in ("lora", "ghosted+lora")],
+    "long": [_cell(SMOL, "search", 6, BEST, 131072)],
+}
+GROUP_TITLES = {
+    "pilot": "Pilot: learning rate (SmolLM2-135M, n = 6, 8k tokens)",
+    "n6": "Methods at n = 6 (SmolLM2-135M, 32k tokens)",
+    "criteria": "Criteria after the same healing (SmolLM2-135M, n = 6, 8k tokens)",
+    "budgets": "Budgets n = 2, 4 on both models (32k tokens)",
+    "long": "A longer run of the best method (SmolLM2-135M, n = 6, 128k tokens)",
+}
+CRITERION_NAMES = {
+    "search": "default search", "interchange": "interchange greedy", "block_influence": "Block Influence (ShortGPT)",
+    "sleb": "SLEB", "tail": "tail (last n before the final block)",
+}
+
+
+def cell_key(cell: dict) -> str:
+    return f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
+
+
+def removal_set(model: str, criterion: str, n: int) -> list[int]:
+    """The set ``criterion`` removes at ``n`` in the stored quality run of ``model``."""
+    stored = json.loads((RESULTS / f"quality-{model}.json").read_text(encoding="utf-8"))
+    return list(stored["criteria"][criterion][str(n)]["removed"])
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class Runner:
+    """One model loaded at a time; base PPL and cut / ghosted PPL cached in the state."""
+
+    def __init__(self, state: dict, path: Path):
+        self.state, self.path, self.name, self.model = state, path, None, None
+
+    def save(self) -> None:
+
+        write_json_atomic(self.state, self.path)
+
+    def load(self, name: str) -> None:
+
+        if self.name == name:
+            return
+        self.model = self.tokenizer = None
+        self.model, self.tokenizer = load_model(name)
+        self.model.eval()
+        self.name = name
+        entry = self.state["models"].setdefault(name, {"sets": {}})
+        if "base" not in entry:
+            base = evaluate_perplexity(self.model, str(EVALUATION), tokenizer=self.tokenizer, contract="matched")
+            entry["base"] = base.to_dict()
+            entry["layers"] = num_blocks(self.model)
+            self.save()
+
+    def evaluate(self, model) -> dict:
+
+        base = PerplexityResult.from_dict(self.state["models"][self.name]["base"])
+        result = evaluate_perplexity(model, str(EVALUATION), tokenizer=self.tokenizer, contract="matched")
+        return {"ppl": result.ppl, "dppl": delta_ppl_percent(base, result), "ci": list(delta_ppl_ci(base, result))}
+
+    def start(self, removed: list[int], ghosted: bool):
+        """A pruned copy of the dense model (and its cut / ghosted PPL, measured once per set)."""
+
+        student = copy.deepcopy(self.model)
+        sets = self.state["models"][self.name]["sets"]
+        entry = sets.setdefault(",".join(map(str, removed)), {})
+        if ghosted:
+            fit = {k: v for k, v in GHOSTED_FIT.items() if k != "num_tokens"}
+            calib = build_calibration(str(CALIBRATION), self.tokenizer, **fit)
+            rec = recover(student, removed, calib, method="ghosted", num_tokens=GHOSTED_FIT["num_tokens"])
+            if "ghosted" not in entry:
+                entry["ghosted"] = {**self.evaluate(student), "fit_tokens": rec.num_tokens}
+        else:
+            remove_layers(student, removed)
+        if "cut" not in entry:
+            plain = student if not ghosted else remove_layers(copy.deepcopy(self.model), removed)
+            entry["cut"] = self.evaluate(plain)
+        self.save()
+        return student
+
+    def run_cell(self, cell: dict) -> dict:
+
+        self.load(cell["model"])
+        removed = removal_set(cell["model"], cell["criterion"], cell["n"])
+        ghosted = cell["method"].startswith("ghosted+")
+        student = self.start(removed, ghosted)
+        cpu, wall = time.process_time(), time.time()
+        report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
+                      tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer, max_tokens=cell["tokens"],
+                      learning_rate=cell["lr"], **HEAL_SETTINGS)
+        cpu, wall = time.process_time() - cpu, time.time() - wall
+        healed = self.evaluate(student)
+        return {**cell, "removed": removed, "healed": healed, "heal_cpu_s": cpu, "heal_wall_s": wall,
+                "report": report.to_dict()}
+
+
+def run(groups: list[str], path: Path, command: str, methods=None) -> dict:
+
+    state = load_state(path)
+    state["environment"] = {"versions": library_versions(), "machine": platform.platform(), "torch_threads": 1}
+    state["commands"] = list(dict.fromkeys([*state.get("commands", []), command]))
+    runner = Runner(state, path)
+    for group in groups:
+        for cell in PLAN[group]:
+            key = cell_key(cell)
+            if key in state["cells"] or (methods and cell["method"] not in methods):
+                continue
+            print(f"[heal] {key} ...", flush=True)
+            state["cells"][key] = runner.run_cell(cell)
+            runner.save()
+            done = state["cells"][key]
+            print(f"[heal] {key}: dPPL {done['healed']['dppl']:+.1f}% KL {done['report']['kl_before']:.4f} -> "
+                  f"{done['report']['kl_after']:.4f}, {done['report']['steps']} steps, {done['heal_cpu_s']:.0f} CPU-s",
+                  flush=True)
+    return state
+
+
+def load_state(path: Path) -> dict:
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    return {"format": 1, "heal_settings": HEAL_SETTINGS, "ghosted_fit": GHOSTED_FIT, "models": {}, "cells": {}}
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:+.1f}"
+
+
+def _start(state: dict, cell: dict) -> dict:
+    entry = state["models"][cell["model"]]["sets"][",".join(map(str, cell["removed"]))]
+    return entry["ghosted"] if cell["method"].startswith("ghosted+") else entry["cut"]
+
+
+def recovered_share(start: float, healed: float) -> float:
+    """Share (%) of the start's dPPL that healing removed: ``(start - healed) / start x 100``."""
+    return (start - healed) / start * 100.0 if start > 0 else float("nan")
+
+
+def _stop(report: dict, planned_steps: int) -> str:
+    if report["reverted"]:
+        return "reverted to start"
+    best = min(report["eval_history"], key=lambda e: e["kl"]) if report["eval_history"] else None
+    ran = report["steps"]
+    note = f"best at step {best['step']}" if best else ""
+    return f"stopped at {ran}/{planned_steps}, {note}" if ran < planned_steps else f"ran {ran}/{planned_steps}, {note}"
+
+
+def cell_row(state: dict, cell: dict) -> str:
+    entry = state["models"][cell["model"]]["sets"][",".join(map(str, cell["removed"]))]
+    start, healed, report = _start(state, cell), cell["healed"], cell["report"]
+    planned = math.ceil(cell["tokens"] / (HEAL_SETTINGS["batch_size"] * HEAL_SETTINGS["seq_len"]))
+    kl_ok = report["kl_after"] <= report["kl_before"]
+    ppl_ok = healed["ppl"] <= start["ppl"]
+    held = "yes" if kl_ok and ppl_ok else ("KL yes, PPL **no**" if kl_ok else "**no**")
+    ghosted = entry.get("ghosted", {}).get("dppl")
+    return (
+        f"| {cell['model']} | {CRITERION_NAMES[cell['criterion']]} | {cell['n']} | {{{','.join(map(str, cell['removed']))}}} "
+        f"| {cell['method']} | {cell['lr']:g} | {report['tokens']:,} | {report['steps']} | {_pct(entry['cut']['dppl'])} "
+        f"| {_pct(ghosted)} | **{_pct(healed['dppl'])}** [{healed['ci'][0]:+.1f}, {healed['ci'][1]:+.1f}] "
+        f"| {recovered_share(start['dppl'], healed['dppl']):.0f}% | {report['kl_before']:.4f} -> {report['kl_after']:.4f} "
+        f"| {_stop(report, planned)} | {held} | {cell['heal_cpu_s']:.0f} |"
+    )
+
+
+TABLE_HEAD = [
+    "| model | criterion | n | removed (0-based) | method | lr | tokens | steps | dPPL% cut | dPPL% ghosted | "
+    "dPPL% healed [95% CI] | of start recovered | held-out KL before -> after (nats) | early stop | "
+    "not worse than start | heal CPU-s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def _n6_target(state: dict) -> list[str]:
+    cells = [c for c in state["cells"].values()
+             if c["model"] == SMOL and c["criterion"] == "search" and c["n"] == 6]
+    if not cells:
+        return ["Target (SmolLM2 n = 6: the best healing recovers at least half of what remains after the ghosted "
+                "repair): not measured."]
+    entry = state["models"][SMOL]["sets"][",".join(map(str, cells[0]["removed"]))]
+    ghosted = entry.get("ghosted", {}).get("dppl")
+    best = min(cells, key=lambda c: c["healed"]["dppl"])
+    line = (f"Target (SmolLM2 n = 6, the default search's set: the best healing recovers at least half of what remains "
+            f"after the ghosted repair, with <= 512k tokens): best **{best['method']}** at {best['report']['tokens']:,} "
+            f"tokens, dPPL {best['healed']['dppl']:+.1f}%")
+    if ghosted is None:
+        return [line + "; the ghosted repair of this set was not measured."]
+    goal = ghosted / 2
+    verdict = "**met**" if best["healed"]["dppl"] <= goal else "**missed**"
+    history = best["report"]["eval_history"]
+    if history and history[-1]["kl"] == min(e["kl"] for e in history):
+        verdict += (f" (its held-out KL was still falling at its last evaluation, step {history[-1]['step']}: "
+                    "no early stop, so a larger budget would likely go further)")
+    return [line + f" against the ghosted repair's {ghosted:+.1f}% measured here (goal <= {goal:+.1f}%): {verdict}. "
+            "(The issue quotes +76.1% after the ghosted repair, i.e. a goal of <= +38%; that number is not among "
+            "the stored results, so the goal here is half of the ghosted repair measured in this run.)"]
+
+
+def _pilot_pick(cells: list[dict]) -> list[str]:
+    best = {}
+    for c in cells:
+        if c["method"] not in best or c["healed"]["dppl"] < best[c["method"]]["healed"]["dppl"]:
+            best[c["method"]] = c
+    picks = "; ".join(f"{m}: lr {c['lr']:g} ({c['healed']['dppl']:+.1f}%)" for m, c in best.items())
+    return [f"Lowest dPPL per method in the pilot: {picks}. The other groups use lr "
+            + ", ".join(f"{m} {lr:g}" for m, lr in LR.items()) + " (`last_k` takes the full-weight rate of `adjacent`)."]
+
+
+def _criteria_section(state: dict) -> list[str]:
+    cells = [state["cells"][cell_key(c)] for c in PLAN["criteria"] if cell_key(c) in state["cells"]]
+    if len(cells) < 2:
+        return ["Fewer than two criteria healed: no comparison."]
+    sets = state["models"][SMOL]["sets"]
+    rows = []
+    for c in sorted(cells, key=lambda c: c["healed"]["dppl"]):
+        entry = sets[",".join(map(str, c["removed"]))]
+        rows.append((c, entry["cut"]["dppl"], entry.get("ghosted", {}).get("dppl"), c["healed"]["dppl"]))
+    rank = {label: {id(r[0]): i + 1 for i, r in enumerate(sorted(rows, key=lambda r: r[k]))} for label, k in
+            (("cut", 1), ("ghosted", 2), ("healed", 3))}
+    lines = ["| criterion | removed | dPPL% cut (rank) | dPPL% ghosted (rank) | dPPL% healed (rank) |", "|---|---|---|---|---|"]
+    for c, cut, gh, he in rows:
+        lines.append(f"| {CRITERION_NAMES[c['criterion']]} | {{{','.join(map(str, c['removed']))}}} | {cut:+.1f} "
+                     f"(#{rank['cut'][id(c)]}) | {_pct(gh)} (#{rank['ghosted'][id(c)]}) | {he:+.1f} (#{rank['healed'][id(c)]}) |")
+    order = {label: [c["criterion"] for c, *_ in sorted(rows, key=lambda r: r[k])] for label, k in
+             (("cut", 1), ("ghosted", 2), ("healed", 3))}
+    same = [label for label in ("cut", "ghosted") if order[label] == order["healed"]]
+    ranking = ("The ranking after healing is the same as after " + " and after ".join(
+        {"cut": "the cut", "ghosted": "the ghosted repair"}[x] for x in same) + "." if same else
+        "The ranking after healing differs from the ranking after the cut and after the ghosted repair.")
+    best, worst = rows[0], rows[-1]
+    ci = best[0]["healed"]["ci"]
+    inside = [r for r in rows[1:] if r[3] <= ci[1]]
+    lines += ["", f"After healing the spread between criteria is {best[3]:+.1f}% ({CRITERION_NAMES[best[0]['criterion']]}) "
+              f"to {worst[3]:+.1f}% ({CRITERION_NAMES[worst[0]['criterion']]}), against {min(r[1] for r in rows):+.1f}% "
+              f"to {max(r[1] for r in rows):+.1f}% after the cut. "
+              + (f"Inside the best's own 95% CI (upper {ci[1]:+.1f}%; not a paired test): "
+                 + ", ".join(CRITERION_NAMES[r[0]['criterion']] for r in inside) + "." if inside else
+                 f"No other criterion lies inside the best's 95% CI (upper {ci[1]:+.1f}%): the choice of blocks still "
+                 "matters after healing.") + " " + ranking]
+    return lines
+
+
+def _not_run(state: dict) -> list[str]:
+    missing = [(g, c) for g, cells in PLAN.items() for c in cells if cell_key(c) not in state["cells"]]
+    if not missing:
+        return ["Every planned cell ran."]
+    return ["These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
+            "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
+            f"{c['tokens']:,} tokens lr {c['lr']:g}" for g, c in missing]
+
+
+def render(state: dict, out: Path) -> None:
+    """Write ``out`` (Markdown) and its plot from ``state`` (the stored JSON) alone."""
+
+    env = state.get("environment", {})
+    s, g = state["heal_settings"], state["ghosted_fit"]
+    lines = [
+        "# Healing after the cut: distillation from the dense model",
+        "",
+        "Command (from the repository root; each finished cell is stored in `heal.json` and a rerun skips it):",
+        "",
+        "```",
+        *state.get("commands", []),
+        "```",
+        "",
+        "- Cells: a removal set (the one `quality.py` stored for that criterion and n in "
+        "`results/quality-<model>.json`), cut from a copy of the dense model; **ghosted+X** first repairs the cut "
+        f"with `recover(method=\"ghosted\")` ({g['num_prompts']} prompts x {g['seq_len']} tokens, at most "
+        f"{g['num_tokens']} tokens, the recovery benchmark's fit; the operators stay fixed during healing), then "
+        "`hl.heal(student, dense, method=X)`: KL(teacher || student) at temperature 1, transformers' `Trainer` "
+        "(AdamW, linear decay, no warmup). `lora`: PEFT LoRA r = 16, alpha = 32 on every attention and MLP "
+        "projection, merged back; `adjacent`: the kept blocks on each side of every cut plus all norms; "
+        "`last_k`: the last 3 blocks, the final norm and the head (tied to the embedding on both models).",
+        f"- Healing settings: {s['batch_size']} prompts x {s['seq_len']} tokens per step, steps = ceil(token budget / "
+        f"{s['batch_size'] * s['seq_len']}); held-out KL on the last {s['heldout_prompts']} prompts of the healing set "
+        f"every {s['eval_every']} steps, stop after {s['patience']} evaluations without improvement, the best "
+        f"held-out weights kept (the starting weights when none beats them); seed {s['seed']}. \"tokens\" counts real "
+        "(non-pad) training tokens. The held-out prompts are the last of the healing set `heal` draws for a budget, so "
+        "held-out KL compares across cells of one budget, not across budgets.",
+        "- Text: healing text and the ghosted fit come from WikiText-2 *validation* (`../shared/data/wikitext-2/"
+        "valid.txt`; no training split is available there): paragraphs, seeded shuffle, truncated to 128 tokens; "
+        "at most 256 training prompts (32k token positions), so budgets above 32k repeat them (epochs). Evaluation "
+        "is WikiText-2 raw *test* under the matched contract (first 5,000 words, window 512, stride 256, PPL = "
+        "exp(total NLL / tokens)), the same text and windows as the quality and recovery pages, never seen by any "
+        "fit or training. dPPL% = (PPL / PPL_dense - 1) x 100; [95% CI] paired bootstrap over windows.",
+        "- \"of start recovered\" = (dPPL at the start - dPPL healed) / dPPL at the start (the cut, or the ghosted repair for "
+        "ghosted+X). \"not worse than start\": held-out KL after <= before (early stopping's guarantee) and the "
+        "evaluation PPL after healing <= the PPL at the start (measured, not guaranteed).",
+        f"- Machine: {env.get('machine', '?')}, one benchmark process at a time, `torch.set_num_threads(1)` (the "
+        "cores are shared with other work, so CPU seconds are the comparable cost, wall time is not); "
+        f"libraries {json.dumps(env.get('versions', {}))}.",
+        "",
+    ]
+    for name, entry in sorted(state["models"].items()):
+        lines.append(f"Dense PPL {name}: {entry['base']['ppl']:.3f} ({entry['layers']} blocks).")
+    lines.append("")
+    for group, title in GROUP_TITLES.items():
+        keys = [cell_key(c) for c in PLAN[group]]
+        done = [state["cells"][k] for k in keys if k in state["cells"]]
+        lines += [f"## {title}", ""]
+        if not done:
+            lines += ["Not run.", ""]
+            continue
+        lines += [*TABLE_HEAD, *(cell_row(state, c) for c in done), ""]
+        if group == "pilot":
+            lines += _pilot_pick(done) + [""]
+        if group == "n6":
+            lines += _n6_target(state) + [""]
+        if group == "criteria":
+            lines += [f"Does the choice of blocks still matter after healing? Every criterion's set gets the same "
+                      f"healing ({BEST}, {CRITERIA_TOKENS:,} tokens, lr {LR[BEST.split('+')[-1]]:g}).", "",
+                      *_criteria_section(state), ""]
+    lines += ["## Plot", "", "![dPPL% per cell: cut, ghosted repair, healed](heal.png)", "",
+              "## Cells not run", "", *_not_run(state), ""]
+    write_text_atomic("\n".join(lines), out)
+    plot(state, out.with_suffix(".png"))
+
+
+def plot(state: dict, path: Path) -> None:
+    """Bars of dPPL% (log scale) per cell: after the cut, after the ghosted repair, after healing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(state["cells"].values())
+    if not cells:
+        return
+    labels, cut, ghosted, healed = [], [], [], []
+    for c in cells:
+        entry = state["models"][c["model"]]["sets"][",".join(map(str, c["removed"]))]
+        labels.append(f"{c['model'].split('-')[0]} {c['criterion']} n{c['n']}\n{c['method']} {c['tokens'] // 1024}k "
+                      f"lr{c['lr']:g}")
+        cut.append(entry["cut"]["dppl"])
+        ghosted.append(entry.get("ghosted", {}).get("dppl", float("nan")))
+        healed.append(c["healed"]["dppl"])
+    fig, (ax, kl_ax) = plt.subplots(2, 1, figsize=(max(8, 0.75 * len(cells)), 10))
+    x = range(len(cells))
+    for offset, values, name in ((-0.27, cut, "after cut"), (0, ghosted, "after ghosted repair"), (0.27, healed, "after healing")):
+        ax.bar([i + offset for i in x], values, width=0.27, label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel("dPPL % (log scale)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=75, fontsize=7)
+    ax.legend()
+    ax.set_title("Healing with hl.heal: dPPL% on WikiText-2 test")
+    per_step = state["heal_settings"]["batch_size"] * state["heal_settings"]["seq_len"]
+    for c in cells:
+        if c["model"] == SMOL and c["n"] == 6 and c["criterion"] == "search":
+            history = [{"step": 0, "kl": c["report"]["kl_before"]}, *c["report"]["eval_history"]]
+            kl_ax.plot([e["step"] * per_step for e in history], [e["kl"] for e in history], marker=".",
+                       label=f"{c['method']} {c['tokens'] // 1024}k lr{c['lr']:g}")
+    kl_ax.set_xlabel("training token positions")
+    kl_ax.set_ylabel("held-out KL (nats/token)")
+    kl_ax.set_title("SmolLM2-135M, n = 6, default search: held-out KL during healing")
+    kl_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", nargs="+", default=list(PLAN), choices=list(PLAN))
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="run only the cells of these methods (default: every method of the groups)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the page's runs: 1)")
+    parser.add_argument("--json", default=str(RESULTS / "heal.json"))
+    parser.add_argument("--out", default=str(RESULTS / "heal.md"))
+    parser.add_argument("--render-only", action="store_true", help="only rewrite the page and plot from the JSON")
+    args = parser.parse_args(argv)
+    path = Path(args.json)
+    if args.render_only:
+        if not path.is_file():
+            raise SystemExit(f"{path} does not exist: nothing to render")
+        state = load_state(path)
+    else:
+        for text in (CALIBRATION, EVALUATION):
+            if not text.is_file():
+                raise SystemExit(f"{text} is missing: this benchmark needs the shared WikiText-2 files")
+        torch.set_num_threads(args.threads)
+        command = f"python benchmarks/heal.py --groups {' '.join(args.groups)} --threads {args.threads}"
+        if args.methods:
+            command += f" --methods {' '.join(args.methods)}"
+        state = run(args.groups, path, command, args.methods)
+    render(state, Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""What a prune will cost, known before it starts: :func:`estimate_cost`.
+
+The model is built on the meta device (``accelerate.init_empty_weights`` +
+``AutoModelForCausalLM.from_config``: no weight is read) and the run is planned by the
+scoring engine's own planning (:func:`~hf_layerswap.scoring.engine.plan_engine`: batch size,
+batches, head/KL chunks, probe groups, the prefix-reuse schedule of
+:func:`~hf_layerswap.scoring.probes.schedule`), so the counts are the engine's:
+
+- **block passes**: decoder-block forward calls (one block over one batch); exact for the
+  swap-KL scoring and the rule-based strategies (``greedy``, ``auto``), an upper bound for
+  the search (from its per-budget allowances, :func:`~hf_layerswap.selection.search_select`);
+- **head passes**: output-head calls (one position chunk of one batch, the whole vocabulary
+  or one slice), the engine's head/KL phase plus its one-time head check;
+- **flops**: 2 x block parameters per position per block pass plus 4 T H per position for
+  attention scores, and 2 H V per position per head pass;
+- **bytes_moved**: 0 for a model in memory; with weights streamed from CPU memory (or
+  disk) to the compute device, each block once per batch and per sweep (slot-major
+  streaming) -- the search sweeps once per evaluator call;
+- **peak_memory_bytes** per device: weights (those on the device; a streamed model keeps
+  a window of ``2 max_gap + 1`` blocks there) + the engine's working memory (activations,
+  head/KL block, fp32 head copy, held probe states, the search's kept reference) + on a
+  CPU the process's resident memory when estimating (libraries);
+- **seconds**: flops over the throughput measured on this machine by a short probe of one
+  block of the model's real shape and its output head (random weights), plus bytes moved
+  over the host bandwidth; or from a given :class:`Throughput` (a prediction for another
+  machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from .calibration import CalibrationSet
+from .config import LayerSwapConfig
+from .models import BUNDLED, bundled_checkpoint_dir
+from .plan import decoder_blocks, num_blocks, removal_plan
+from .protocols import PROTOCOLS
+from .rule import resolve_protect
+from .scoring.engine import plan_engine
+from .scoring.kl import kl_rows
+from .scoring.probes import make_probes, schedule
+from .scoring.settings import EngineSettings, device_memory_budget
+from .scoring.verbs import swap_plans
+from .selection.search import search_select
+
+__all__ = ["CostEstimate", "ESTIMATED_STRATEGIES", "Throughput", "estimate_cost", "measure_throughput"]
+
+#: Strategies whose cost :func:`estimate_cost` plans (others raise ValueError).
+ESTIMATED_STRATEGIES = ("greedy", "auto", "search")
+
+
+@dataclass
+class Throughput:
+    """Sustained rates of the machine that will run the prune.
+
+    Attributes:
+        block_flops_per_second: decoder-block forward FLOP/s at the model's dtype.
+        head_flops_per_second: output-head GEMM FLOP/s (fp32, as the engine runs it),
+            with the time of its KL against the reference (log-softmax, the sum over the
+            vocabulary) included.
+        host_bytes_per_second: weight streaming bandwidth, host to compute device (B/s).
+        source: how the rates were obtained (a probe on this machine, or assumed).
+    """
+
+    block_flops_per_second: float
+    head_flops_per_second: float
+    host_bytes_per_second: float = 25e9
+    source: str = "given"
+
+
+@dataclass
+class CostEstimate:
+    """The predicted cost of one prune (:func:`estimate_cost`).
+
+    Attributes:
+        block_passes: decoder-block forward calls (one block over one batch).
+        head_passes: output-head calls (one position chunk of one batch).
+        flops: floating-point operations (multiply-add = 2).
+        bytes_moved: weight bytes brought to the compute device (0 for a model in memory).
+        peak_memory_bytes: ``{device: bytes}`` at the peak.
+        seconds: predicted wall time.
+        exact: whether the passes are exact (False: the search's count is an upper bound).
+        phases: per phase (``"scoring"``, ``"selection"``) its block/head passes and flops.
+        derivation: per field, how it was derived (sentences).
+        throughput: the rates used for ``seconds``.
+        memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's,
+            including ``reference_kept``, the search's kept reference) and ``process`` (this
+            process's resident memory when estimating on a CPU).
+    """
+
+    block_passes: int
+    head_passes: int
+    flops: float
+    bytes_moved: int
+    peak_memory_bytes: dict[str, int]
+    seconds: float
+    exact: bool
+    phases: dict = field(default_factory=dict)
+    derivation: dict = field(default_factory=dict)
+    throughput: Throughput | None = None
+    memory_parts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def lines(self) -> list[str]:
+        """A short block of lines for a terminal."""
+        bound = "" if self.exact else " (upper bound: the search)"
+        mem = ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in self.peak_memory_bytes.items())
+        return [
+            f"estimated cost{bound}: {self.block_passes:,} block passes, {self.head_passes:,} head passes, "
+            f"{self.flops / 1e12:.2f} TFLOP",
+            f"  peak memory: {mem}; weights moved: {self.bytes_moved / 2**30:.2f} GiB",
+            f"  about {_duration(self.seconds)} here ({self.throughput.source if self.throughput else ''})",
+        ]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# ------------------------------------------------------------------------- the model
+def _meta_model(model_or_path, dtype):
+    """A model whose weights are on the meta device (or the given model itself)."""
+    if isinstance(model_or_path, nn.Module):
+        return model_or_path
+    if isinstance(model_or_path, PretrainedConfig):
+        cfg = model_or_path
+    elif isinstance(model_or_path, (str, os.PathLike)):
+        name = os.fspath(model_or_path)
+        path = Path(name).expanduser()
+        if name in BUNDLED:
+            path = bundled_checkpoint_dir(name)
+        if path.suffix == ".gguf":
+            raise ValueError(f"model_or_path={name!r} is a GGUF file: estimate_cost reads a checkpoint's config.json; "
+                             "give the checkpoint folder, or load the model and pass it")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ValueError(f"model_or_path={name!r} is a folder without config.json; give a transformers checkpoint")
+        if not path.exists() and name.count("/") != 1:
+            raise ValueError(f"model_or_path={name!r} is neither a local checkpoint folder, a bundled name "
+                             f"({sorted(BUNDLED)}) nor a Hub id 'owner/name'")
+        cfg = AutoConfig.from_pretrained(str(path) if path.exists() else name)
+    else:
+        raise TypeError(f"model_or_path must be a model, a config, or a path / Hub id; got {type(model_or_path).__name__}")
+    dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.tie_weights()  # tied embeddings are one tensor, as after from_pretrained
+    return model
+
+
+def _calibration(model, cfg: LayerSwapConfig, calibration) -> CalibrationSet:
+    if isinstance(calibration, CalibrationSet):
+        return calibration
+    if isinstance(calibration, Mapping):
+        return CalibrationSet(calibration["input_ids"], calibration["attention_mask"], "given tensors")
+    if calibration is not None:
+        raise TypeError(f"calibration must be a CalibrationSet, a dict of input_ids/attention_mask or None; "
+                        f"got {type(calibration).__name__}")
+    ids = torch.zeros(cfg.num_prompts, cfg.seq_len, dtype=torch.long)
+    return CalibrationSet(ids, torch.ones_like(ids), f"{cfg.num_prompts} full prompts of {cfg.seq_len} tokens")
+
+
+# ---------------------------------------------------------------------- the counts
+def _head_calls(engine, rows: int, probes: int) -> tuple[int, int]:
+    """(head calls, head rows x vocabulary fraction) of one batch's head/KL phase with
+    ``probes`` probes of ``rows`` real positions (:class:`~hf_layerswap.scoring.streamed`)."""
+    if not engine.stream_logits:
+        return 1 + probes, (1 + probes) * rows
+    chunks = math.ceil(rows / engine.kl_chunk)
+    slices = math.ceil(engine.head.vocab / engine.vocab_chunk)
+    groups = math.ceil(probes / engine._group_size(rows)) if probes else 0
+    if slices == 1:
+        return chunks * (groups + probes), rows * (groups + probes)
+    # pass 1: the reference log-sum-exp over every slice; pass 2: the reference and every probe per slice
+    return chunks * slices * (2 * groups + probes), rows * (2 * groups + probes)
+
+
+def _engine_counts(model, calib, plans, settings, *, reference: bool = True, verify: bool = True) -> dict:
+    """Block passes, head calls and row-weighted head work of one engine run of ``plans``."""
+    engine = plan_engine(model, calib, plans, settings)
+    head = engine.head.module
+    if head is not None and head.weight.device.type == "meta" and not hasattr(head, "_hf_hook"):
+        # loaded, a plain Linear head in memory can be sliced: plan its chunks as the real run will
+        engine.head.sliceable = engine.head.linear
+        engine.kl_chunk, engine.vocab_chunk = engine._kl_chunks(None, None)
+    _, probes, _ = make_probes(plans, engine.num_layers)
+    todo = list(probes.values())
+    per_batch = sum(len(p.key) - (0 if engine.mode == "none" else p.start + depth0)
+                    for p, depth0, _ in schedule(todo, engine.mode))
+    blocks = heads = head_rows = tokens = ref_tokens = 0
+    for b in engine.batches:
+        ids, mask = engine._batch(b)
+        rows = int(mask.sum())
+        calls, work = _head_calls(engine, rows, len(todo))
+        blocks += per_batch + (engine.num_layers if reference else 0)
+        heads, head_rows = heads + calls, head_rows + work
+        tokens += ids.numel() * per_batch
+        ref_tokens += ids.numel() * (engine.num_layers if reference else 0)
+    if verify and engine.stream_logits:  # the one-time head check: the model's last position + ours
+        heads += 1 + math.ceil(engine.head.vocab / engine.vocab_chunk)
+    return {"block_passes": blocks, "head_passes": heads, "head_rows": head_rows,
+            "block_tokens": tokens + ref_tokens, "engine": engine}
+
+
+def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
+    """Upper bound of the search's passes (budgets 1..n) from its per-budget allowances."""
+    num_layers = num_blocks(model)
+    allowed = [i for i in range(num_layers) if i not in resolve_protect(cfg.protect, num_layers)]
+    defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
+    rounds = defaults["max_rounds"]
+    n_top, per_budget, exhaustive_below = cfg.num_to_remove, len(allowed), defaults["moves_per_round"] * rounds
+    sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
+    bound_sets = 0
+    calls = 2  # budget 1: the protocols' own sets, then the rest of the sweep
+    for n in range(2, n_top + 1):
+        combos = math.comb(len(allowed), n)
+        if combos <= exhaustive_below:  # every set is scored: exact
+            sets.extend(list(c) for c in itertools.combinations(allowed, n))
+            calls += 2
+        else:  # the allowance plus each protocol's greedy set, each from the first removable block
+            bound_sets += per_budget + len(PROTOCOLS)
+            calls += 2 + rounds  # the protocol sets, the seed pool, at most max_rounds local rounds
+    if cfg.max_evaluations is not None:  # the whole call's cap (the protocols' own sets aside)
+        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) + len(PROTOCOLS) * n_top - len(sets)))
+    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
+    # each set from its first removed block, no sharing between sets: calls share less than one run would
+    unshared = dataclasses.replace(settings, prefix_reuse="start")
+    counts = _engine_counts(model, calib, plans, unshared)
+    engine = counts.pop("engine")
+    first = min(allowed)
+    n_batches = len(engine.batches)
+    extra_blocks = bound_sets * max(num_layers - n_top - first, 1) * n_batches
+    # batches whose reference does not fit the kept budget are swept again by every further call
+    kept = _reference_batches(engine, engine.budget)
+    extra_blocks += (n_batches - kept) * num_layers * (calls - 1)
+    counts["block_passes"] += extra_blocks
+    counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * engine.batch_size
+    rows = int(calib.attention_mask.sum())
+    chunks = sum(math.ceil(int(engine._batch(b)[1].sum()) / engine.kl_chunk) for b in engine.batches)
+    # every further call runs the reference head once per group per chunk; each bound set one head pass
+    counts["head_passes"] += chunks * (bound_sets + calls)
+    counts["head_rows"] += rows * (bound_sets + calls)
+    counts["calls"] = calls
+    counts["sets"] = len(sets) + bound_sets
+    counts["engine"] = engine
+    return counts
+
+
+# ---------------------------------------------------------------------- throughput
+@torch.no_grad()
+def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, device=None, repeats: int = 5) -> Throughput:
+    """Time one block of ``model``'s shape and its output head on ``device`` (random
+    weights, ``batch_size`` x ``seq_len`` positions): FLOP/s of each, best of ``repeats``.
+
+    Returns:
+        a :class:`Throughput` (``source`` says what was timed); host bandwidth: a timed
+        copy of the block's weights to ``device`` (the CPU's memory bandwidth on a CPU).
+    """
+    device = torch.device(device or "cpu")
+    cfg = _one_block_config(model)
+    dtype = _weights_dtype(model)
+    with init_empty_weights():  # only the block gets memory; the embeddings and head stay on meta
+        small = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    for module in small.modules():  # buffers (rotary frequencies) to the probe's device
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    _, _, blocks = decoder_blocks(small)
+    block = blocks[0].to_empty(device=device)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    hidden = int(cfg.hidden_size)
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured.update(args=args, kwargs=kwargs)
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        small(inputs_embeds=torch.randn(batch_size, seq_len, hidden, dtype=dtype, device=device), use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    block_params = sum(p.numel() for p in block.parameters())
+    block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
+    # the head/KL phase on a slice of the vocabulary of up to 32k entries (the rate is the same):
+    # the fp32 GEMM, then the KL of its log-softmax against a reference (kl_rows), as the engine runs them
+    w = torch.randn(min(_vocab(model), 32768), hidden, device=device)
+    rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
+    ref = torch.log_softmax(rows @ w.t(), dim=-1)
+    head_seconds = _best(lambda: kl_rows(ref, rows @ w.t()), repeats, device)
+    flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
+    copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
+    return Throughput(
+        block_flops_per_second=_block_flops(block_params, batch_size * seq_len, seq_len, hidden) / block_seconds,
+        head_flops_per_second=2.0 * rows.shape[0] * hidden * w.shape[0] / head_seconds,
+        host_bytes_per_second=flat.numel() * flat.element_size() / copy_seconds,
+        source=f"probe on {device}: one block over {batch_size}x{seq_len} positions and the head, "
+               f"{torch.get_num_threads()} thread(s)",
+    )
+
+
+class _Captured(Exception):
+    """Stops the probe's forward once the block's inputs are captured."""
+
+
+def _vocab(model) -> int:
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(_text_config(model).vocab_size)
+
+
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _best(fn, repeats: int, device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return max(min(times), 1e-9)
+
+
+def _one_block_config(model):
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    cfg.num_hidden_layers = 1
+    for name in ("layer_types",):
+        if getattr(cfg, name, None):
+            setattr(cfg, name, list(getattr(cfg, name))[:1])
+    return cfg
+
+
+def _weights_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _block_flops(block_params: int, positions: int, seq_len: int, hidden: int) -> float:
+    """FLOPs of one block over ``positions`` (batches of ``seq_len``): 2 per parameter per
+    position plus 4 T H per position for attention scores and their weighted sum."""
+    return 2.0 * block_params * positions + 4.0 * positions * seq_len * hidden
+
+
+# ---------------------------------------------------------------------------- memory
+def _offloaded(model) -> bool:
+    """Blocks kept off the compute device (accelerate's CPU or disk offload)."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    return any(str(d) in ("cpu", "disk") for d in device_map.values()) and len(set(map(str, device_map.values()))) > 1
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _working_bytes(engine, model, search_reference: int) -> int:
+    """The engine's working memory at its peak: activations of a batch, the head/KL block,
+    the fp32 head copy of a half-precision head, the held probe states, the kept reference."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    activations = engine._activation_bytes(engine.batch_size, cfg)
+    vocab, rows = engine.head.vocab, engine.kl_chunk
+    slices = math.ceil(vocab / engine.vocab_chunk)
+    kl_block = (8 if slices == 1 else 16) * rows * engine.vocab_chunk
+    head = engine.head.module
+    head_copy = 4 * head.weight.numel() if head is not None and head.weight.dtype != torch.float32 else 0
+    es = torch.finfo(engine.compute_dtype).bits // 8
+    real = int(engine.calib.attention_mask[: engine.batch_size].sum())
+    held = min(engine._group_size(real), len(engine.my_probes)) * real * engine.hidden * es
+    return activations + kl_block + head_copy + held + search_reference
+
+
+def _reference_entries(engine, budget: int) -> list[int]:
+    """Bytes of each batch entry the search's reference cache keeps: the streams entering
+    blocks 1..L-1 and the final hidden rows, in batch order while they fit ``budget``
+    (:class:`~hf_layerswap.scoring.reference.ReferenceCache`)."""
+    es = torch.finfo(engine.compute_dtype).bits // 8
+    total, kept = 0, []
+    for b in engine.batches:
+        ids, mask = engine._batch(b)
+        entry = (engine.num_layers - 1) * ids.numel() * engine.hidden * es + int(mask.sum()) * engine.hidden * es
+        if total + entry > budget:
+            break
+        total += entry
+        kept.append(entry)
+    return kept
+
+
+def _reference_bytes(engine, budget: int) -> int:
+    return sum(_reference_entries(engine, budget))
+
+
+def _reference_batches(engine, budget: int) -> int:
+    return len(_reference_entries(engine, budget))
+
+
+def _resident_bytes() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+# --------------------------------------------------------------------------- the verb
+def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=None, device=None,
+                  dtype=None, throughput: Throughput | None = None, stream_weights: bool | None = None,
+                  max_memory: int | None = None) -> CostEstimate:
+    """Predict what ``prune(model, config)`` will cost, without reading a weight.
+
+    Args:
+        model_or_path: a bundled name, a checkpoint folder or Hub id (its ``config.json``
+            is read and the model built on the meta device), a ``PretrainedConfig``, or a
+            loaded model (used as is; nothing runs on it).
+        config: the :class:`~hf_layerswap.LayerSwapConfig` (or its dict) of the prune; it
+            needs ``num_to_remove`` (or ``layers``) as ``prune`` does.
+        calibration: the prompts (a :class:`~hf_layerswap.calibration.CalibrationSet` or a
+            dict of ``input_ids``/``attention_mask``, shape ``(N, T)``); default
+            ``num_prompts`` full prompts of ``seq_len`` tokens (an upper bound on positions).
+        device: where the prune will compute (default: the CPU); sets the working-memory
+            budget, the throughput probe's device and the key of ``peak_memory_bytes``.
+        dtype: the parameter dtype (default: the checkpoint's ``torch_dtype``, else fp32).
+        throughput: rates to predict with (default: :func:`measure_throughput` on ``device``).
+        stream_weights: the blocks live in CPU memory and are streamed to ``device``, each
+            block once per batch and sweep (default: detected from the model's
+            ``hf_device_map``).
+        max_memory: the scoring working-memory budget in bytes (default: what scoring
+            derives for ``device``, :func:`~hf_layerswap.scoring.settings.device_memory_budget`).
+
+    Returns:
+        a :class:`CostEstimate`; its ``derivation`` says how each number was obtained.
+
+    Raises:
+        ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
+            budget, a path that is no checkpoint (the message names it).
+        TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
+    """
+    cfg = _config(config)
+    device = torch.device(device or "cpu")
+    model = _meta_model(model_or_path, dtype)
+    calib = _calibration(model, cfg, calibration)
+    budget = max_memory or device_memory_budget(device)[0]
+    settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
+    num_layers = num_blocks(model)
+    strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
+    phases, notes = {}, {}
+    scoring_engine = None
+    if cfg.layers is None:
+        protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
+        plans = swap_plans(num_layers, min(cfg.max_gap, num_layers - 1), protocols)
+        phases["scoring"] = _engine_counts(model, calib, plans, settings)
+        scoring_engine = phases["scoring"].pop("engine")
+        phases["scoring"]["sweeps"] = 1
+    exact = True
+    if cfg.layers is None and strategy == "search":
+        phases["selection"] = _search_counts(model, calib, cfg, settings)
+        exact = False
+    elif cfg.layers is None and strategy == "auto":  # the two protocols' greedy sets, scored jointly
+        plans = {k: removal_plan(num_layers, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
+        phases["selection"] = _engine_counts(model, calib, plans, settings)
+        exact = False
+    return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+
+
+def _config(config) -> LayerSwapConfig:
+    if config is None:
+        raise ValueError("config=None: give the LayerSwapConfig of the prune (with num_to_remove or layers)")
+    if isinstance(config, Mapping):
+        config = LayerSwapConfig(**config)
+    if not isinstance(config, LayerSwapConfig):
+        raise TypeError(f"config must be a LayerSwapConfig or a dict of its fields; got {type(config).__name__}")
+    if config.layers is None and config.num_to_remove is None:
+        raise ValueError("the config removes nothing (num_to_remove=None, layers=None): give num_to_remove or layers")
+    if config.strategy not in ESTIMATED_STRATEGIES and config.layers is None:
+        raise ValueError(f"strategy={config.strategy!r}: estimate_cost plans {list(ESTIMATED_STRATEGIES)}")
+    return config
+
+
+def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughput, stream_weights) -> CostEstimate:
+    num_layers = num_blocks(model)
+    _, _, blocks = decoder_blocks(model)
+    block_params = sum(p.numel() for p in blocks[0].parameters())
+    hidden = int(getattr(model.config.get_text_config(), "hidden_size", 0))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    seq = calib.input_ids.shape[1]
+    block_passes = sum(p["block_passes"] for p in phases.values())
+    head_passes = sum(p["head_passes"] for p in phases.values())
+    for p in phases.values():
+        p["flops"] = (_block_flops(block_params, p["block_tokens"], seq, hidden) + 2.0 * p["head_rows"] * hidden * vocab)
+    flops = sum(p["flops"] for p in phases.values())
+    streamed = _offloaded(model) if stream_weights is None else bool(stream_weights)
+    block_bytes = _param_bytes(blocks[0])
+    n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
+    sweeps = sum(p.get("sweeps", p.get("calls", 1)) for p in phases.values())
+    bytes_moved = block_bytes * num_layers * n_batches * sweeps if streamed else 0
+    weights = _param_bytes(model)
+    search_ref = 0
+    if engine is not None and "selection" in phases and cfg.strategy == "search":
+        search_ref = _reference_bytes(engine, budget)
+    working = _working_bytes(engine, model, search_ref) if engine is not None else 0
+    key = str(device)
+    if streamed:
+        window = (2 * cfg.max_gap + 1) * block_bytes
+        peak = {key: weights - num_layers * block_bytes + window + working, "cpu": weights}
+    else:
+        peak = {key: weights + working}
+    resident = _resident_bytes() if device.type == "cpu" else 0
+    if device.type == "cpu":
+        peak["cpu"] = peak.get("cpu", 0) + resident + (working if streamed else 0)
+    if throughput is None:
+        throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
+    block_flops = sum(_block_flops(block_params, p["block_tokens"], seq, hidden) for p in phases.values())
+    seconds = (block_flops / throughput.block_flops_per_second + (flops - block_flops) / throughput.head_flops_per_second
+               + bytes_moved / throughput.host_bytes_per_second)
+    derivation = {
+        "block_passes": "the scoring engine's own plan (batches, prefix-reuse schedule) on the meta-device model"
+                        + ("" if exact else "; the search: an upper bound from its per-budget allowances"),
+        "head_passes": "head/KL phase per batch: (probe groups + probes) x position chunks (x vocabulary slices), "
+                       "plus the one-time head check",
+        "flops": "2 x block parameters (+ 4 T H attention) per position per block pass; 2 H V per head row",
+        "bytes_moved": ("each block once per batch and sweep, streamed from CPU memory" if streamed
+                        else "0: the weights stay on the device"),
+        "peak_memory_bytes": "weights + the engine's working memory (activations, head/KL block, fp32 head copy, "
+                             "held probe states, the search's kept reference)"
+                             + ("; CPU: plus this process's resident memory now" if device.type == "cpu" else ""),
+        "seconds": f"flops / throughput ({throughput.source}) + bytes moved / host bandwidth",
+    }
+    return CostEstimate(
+        block_passes=int(block_passes), head_passes=int(head_passes), flops=float(flops), bytes_moved=int(bytes_moved),
+        peak_memory_bytes={k: int(v) for k, v in peak.items()}, seconds=float(seconds), exact=exact,
+        phases={k: {kk: vv for kk, vv in v.items() if kk != "engine"} for k, v in phases.items()},
+        derivation=derivation, throughput=throughput,
+        memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
+                      "process": int(resident)},
+    )

@@ -1,0 +1,118 @@
+"""hl.estimate_cost and ``prune --dry-run``: the cost of a prune, planned before it starts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_layerswap as hl
+from hf_layerswap.calibration import CalibrationSet
+from hf_layerswap.cli import main
+from hf_layerswap.cost import Throughput
+
+FIXED = Throughput(1e9, 1e9, 1e9, source="fixed for the test")
+
+
+def _tiny(layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def _calibration() -> CalibrationSet:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (6, 16))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    return CalibrationSet(ids, mask, "random tokens")
+
+
+def _counted_prune(cfg: LlamaConfig, config: hl.LayerSwapConfig, calib) -> tuple[int, int]:
+    """(block forward calls, output-head calls) that forward hooks count in the real prune."""
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(copy.deepcopy(cfg)).eval()
+    counts = {"block": 0, "head": 0}
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
+    model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
+    hl.prune(model, config, calibration=calib)
+    return counts["block"], counts["head"]
+
+
+@pytest.mark.parametrize("batch_size", [4, 8])
+def test_scoring_and_greedy_passes_equal_the_counted_prune(batch_size):
+    cfg, calib = _tiny(8), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=batch_size, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    assert (estimate.block_passes, estimate.head_passes) == _counted_prune(cfg, config, calib)
+    assert estimate.exact and estimate.bytes_moved == 0
+    # interchange probes of 7 adjacent pairs per batch from their first changed slot, plus the reference
+    per_batch = 8 + sum(8 - i for i in range(7))
+    assert estimate.block_passes == per_batch * (2 if batch_size == 4 else 1)
+
+
+@pytest.mark.parametrize("layers,n", [(8, 2), (12, 3)])
+def test_the_default_search_is_bounded_between_the_count_and_one_and_a_half_times_it(layers, n):
+    cfg, calib = _tiny(layers), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=n, batch_size=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    blocks, heads = _counted_prune(cfg, config, calib)
+    assert not estimate.exact
+    assert blocks <= estimate.block_passes <= 1.5 * blocks
+    assert heads <= estimate.head_passes <= 1.5 * heads
+
+
+def test_streamed_weights_move_each_block_once_per_batch_and_sweep():
+    cfg, calib = _tiny(8), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=4, progress=False)
+    estimate = hl.estimate_cost(cfg, config, calibration=calib, throughput=FIXED, stream_weights=True)
+    block_bytes = sum(p.numel() * 4 for p in LlamaForCausalLM(_tiny(1)).model.layers[0].parameters())
+    assert estimate.bytes_moved == 8 * block_bytes * 2  # 8 blocks, 2 batches, the scoring's one sweep
+    assert estimate.seconds == pytest.approx(estimate.flops / 1e9 + estimate.bytes_moved / 1e9)
+
+
+def test_a_meta_device_70b_shape_reads_no_weight():
+    """A Llama-3-70B-shaped config: built on the meta device, planned, nothing allocated."""
+    cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=128256, torch_dtype="bfloat16")
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy")
+    fast = Throughput(400e12, 50e12, 25e9, source="assumed")
+    estimate = hl.estimate_cost(cfg, config, device="cuda", throughput=fast, stream_weights=True, max_memory=8 << 30)
+    # 79 interchange probes per batch from their first changed slot + the reference, 8 batches
+    assert estimate.block_passes == 8 * (80 + sum(80 - i for i in range(79)))
+    assert estimate.peak_memory_bytes["cpu"] > 130e9 and estimate.peak_memory_bytes["cuda"] < 80e9
+
+
+def test_bad_input_gets_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="strategy='nope'"):
+        hl.estimate_cost(_tiny(4), {"num_to_remove": 1, "strategy": "nope"})
+    with pytest.raises(ValueError, match="neither a local checkpoint folder"):
+        hl.estimate_cost(str(tmp_path / "missing" / "x" / "y"), hl.LayerSwapConfig(num_to_remove=1))
+    with pytest.raises(ValueError, match="without config.json"):
+        hl.estimate_cost(str(tmp_path), hl.LayerSwapConfig(num_to_remove=1))
+    with pytest.raises(ValueError, match="removes nothing"):
+        hl.estimate_cost(_tiny(4), hl.LayerSwapConfig())
+    with pytest.raises(TypeError, match="model_or_path"):
+        hl.estimate_cost(3, hl.LayerSwapConfig(num_to_remove=1))
+
+
+def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
+    torch.manual_seed(0)
+    src = tmp_path / "tiny"
+    LlamaForCausalLM(_tiny(6)).save_pretrained(src)
+    out = tmp_path / "out"
+    code = main(["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "greedy", "--num-prompts", "8",
+                 "--seq-len", "16", "--dry-run"])
+    text = capsys.readouterr().out
+    assert code == 0 and not out.exists()
+    assert "block passes" in text and "peak memory" in text
+    # 5 interchange probes per batch + the reference, one batch of 8 full prompts of 16 tokens
+    assert "26 block passes" in text
+    with pytest.raises(SystemExit):
+        main(["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "nope", "--dry-run"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    assert main(["prune", str(tmp_path / "nowhere" / "a" / "b"), str(out), "--num-to-remove", "1", "--dry-run"]) == 2
+    assert "is neither a local checkpoint folder, a bundled name" in capsys.readouterr().err
+    assert not out.exists()

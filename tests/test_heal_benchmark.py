@@ -1,0 +1,72 @@
+"""benchmarks/heal.py's page renderer on a tiny synthetic state: the rows carry the stored
+numbers, the "not worse than start" verdict reads both the held-out KL and the PPL, the
+n = 6 target is judged against half the ghosted repair, and unrun cells are listed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from conftest import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "heal.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("heal_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["heal_benchmark"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cell(bench, method, healed_ppl, healed_dppl, kl_after, steps=64):
+    cell = next(c for c in bench.PLAN["n6"] if c["method"] == method)
+    return {
+        **cell, "removed": [13, 14, 16, 17, 18, 26], "heal_cpu_s": 412.4, "heal_wall_s": 500.0,
+        "healed": {"ppl": healed_ppl, "dppl": healed_dppl, "ci": [healed_dppl - 5, healed_dppl + 5]},
+        "report": {"method": method.split("+")[-1], "tokens": 30000, "steps": steps, "learning_rate": cell["lr"],
+                   "seed": 0, "data": "d", "heldout": "h", "kl_before": 0.5, "kl_after": kl_after,
+                   "reverted": kl_after == 0.5, "loss_history": [],
+                   "eval_history": [{"step": 4, "kl": 0.45}, {"step": 8, "kl": kl_after}]},
+    }
+
+
+def _state(bench):
+    state = bench.load_state(REPO_ROOT / "missing-heal.json")
+    state["commands"] = ["python benchmarks/heal.py --groups n6 --threads 1"]
+    state["models"]["smollm2-135m"] = {
+        "base": {"ppl": 28.0}, "layers": 30,
+        "sets": {"13,14,16,17,18,26": {"cut": {"ppl": 72.0, "dppl": 157.0, "ci": [140.0, 170.0]},
+                                       "ghosted": {"ppl": 54.0, "dppl": 92.0, "ci": [85.0, 100.0], "fit_tokens": 8000}}},
+    }
+    cells = [_cell(bench, "ghosted+lora", 39.2, 40.0, 0.30), _cell(bench, "lora", 80.0, 185.7, 0.40, steps=12)]
+    state["cells"] = {bench.cell_key(c): c for c in cells}
+    return state
+
+
+def test_heal_page_renders_rows_target_and_unrun_cells(tmp_path):
+    bench = _module()
+    out = tmp_path / "heal.md"
+    bench.render(_state(bench), out)
+    page = out.read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| smollm2-135m |")]
+    assert rows == [
+        "| smollm2-135m | default search | 6 | {13,14,16,17,18,26} | ghosted+lora | 0.001 | 30,000 | 64 | +157.0 "
+        "| +92.0 | **+40.0** [+35.0, +45.0] | 57% | 0.5000 -> 0.3000 | ran 64/64, best at step 8 | yes | 412 |",
+        "| smollm2-135m | default search | 6 | {13,14,16,17,18,26} | lora | 0.001 | 30,000 | 12 | +157.0 "
+        "| +92.0 | **+185.7** [+180.7, +190.7] | -18% | 0.5000 -> 0.4000 | stopped at 12/64, best at step 8 "
+        "| KL yes, PPL **no** | 412 |",
+    ]
+    assert "best **ghosted+lora** at 30,000 tokens, dPPL +40.0% against the ghosted repair's +92.0% measured here " \
+           "(goal <= +46.0%): **met**" in page
+    assert "- pilot: smollm2-135m default search n=6 lora 8,192 tokens lr 0.0001" in page
+    assert "- n6: smollm2-135m default search n=6 adjacent 32,768 tokens" in page
+    assert "## Pilot: learning rate (SmolLM2-135M, n = 6, 8k tokens)\n\nNot run." in page
+    assert (tmp_path / "heal.png").stat().st_size > 0
+
+
+def test_recovered_share():
+    bench = _module()
+    assert bench.recovered_share(80.0, 40.0) == 50.0
+    assert bench.recovered_share(100.0, 120.0) == -20.0

@@ -1,0 +1,227 @@
+"""Slot-major streaming of offloaded models (:mod:`hf_layerswap.scoring.slotmajor`): a
+model whose decoder blocks accelerate offloads to disk is scored with every block read
+once per batch, and its pair KLs equal the in-memory model's; the movement and peak
+memory are in the report's metadata."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import dispatch_model, infer_auto_device_map
+from accelerate.hooks import AlignDevicesHook
+from accelerate.utils import compute_module_sizes
+from conftest import tiny_batch, tiny_model, WIKITEXT_VALID
+
+import hf_layerswap as hl
+from hf_layerswap.calibration import build_calibration
+from hf_layerswap.devices import offloaded_bytes, offloaded_modules, onloaded, peak_memory
+from hf_layerswap.models import bundled_checkpoint_dir, load_model
+from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.scoring.verbs import swap_plans
+from hf_layerswap.scoring import plan_kl
+from hf_layerswap.scoring.probes import make_probes
+from hf_layerswap.scoring.settings import EngineSettings
+from hf_layerswap.scoring.slotmajor import blocks_offloaded, plan_pass, probe_groups
+
+FIELDS = ("replacement_ij", "replacement_ji", "interchange")
+
+
+def _disk_offloaded(model, folder: Path, share: float = 0.25):
+    """``model`` dispatched by accelerate with a CPU cap of ``share`` of its weights: what
+    does not fit goes to ``folder`` on disk (``infer_auto_device_map`` + ``dispatch_model``)."""
+    cap = int(share * compute_module_sizes(model)[""])
+    device_map = infer_auto_device_map(model, max_memory={"cpu": cap}, no_split_module_classes=model._no_split_modules)
+    return dispatch_model(model, device_map, offload_dir=str(folder)).eval()
+
+
+class _Counts:
+    """Per block: onloads (accelerate's ``pre_forward`` with offload on, the call that
+    reads the weights, of the block's first offloaded module: every onload of the block
+    reads it) and calls (a forward pre-hook on the block)."""
+
+    def __init__(self, model):
+        self.onloads, self.calls = Counter(), Counter()
+        _, _, blocks = decoder_blocks(model)
+        self.handles = []
+        for b, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(lambda *_, b=b: self.calls.update([b])))
+            hooks = [m._hf_hook for m in block.modules() if isinstance(getattr(m, "_hf_hook", None), AlignDevicesHook)]
+            offloading = [h for h in hooks if h.offload]
+            if offloading:
+                offloading[0].pre_forward = self._counting(offloading[0], offloading[0].pre_forward, b)
+
+    def _counting(self, hook, pre_forward, b):
+        def counted(module, *args, **kwargs):
+            if hook.offload:
+                self.onloads.update([b])
+            return pre_forward(module, *args, **kwargs)
+
+        return counted
+
+    def reset(self):
+        self.onloads.clear()
+        self.calls.clear()
+
+
+def _max_rel(a, b) -> float:
+    out = 0.0
+    for p, q in zip(a.pairs, b.pairs, strict=True):
+        assert (p.i, p.j) == (q.i, q.j)
+        for f in FIELDS:
+            x, y = getattr(p, f), getattr(q, f)
+            out = max(out, abs(x - y) / max(abs(x), 1e-30))
+    return out
+
+
+# ----------------------------------------------------------------------------- tiny models
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_disk_offloaded_scoring_streams_each_block_once_and_equals_the_in_memory_run(family, tmp_path):
+    dense = tiny_model(family)
+    calib = build_calibration(tiny_batch(batch=5, length=12))
+    ours = hl.score_layers(dense, calib, progress=False, max_gap=2, batch_size=3)
+    split = _disk_offloaded(tiny_model(family), tmp_path / "offload")
+    _, _, blocks = decoder_blocks(split)
+    assert blocks_offloaded(split) and {p.device.type for p in blocks[5].parameters()} == {"meta"}
+    counts = _Counts(split)
+    theirs = hl.score_layers(split, calib, progress=False, max_gap=2, batch_size=3)  # two batches
+
+    assert _max_rel(ours, theirs) <= 1e-5
+    assert theirs.metadata["slot_major"] is True and ours.metadata["slot_major"] is False
+    L = len(blocks)
+    offloaded = [b for b in range(L) if offloaded_modules(blocks[b])]
+    assert offloaded == list(range(L))  # a quarter of the weights: every block on disk
+    assert counts.onloads == Counter({b: 2 for b in offloaded})  # once per batch each
+    moved = theirs.metadata["movement"]
+    assert moved["block_onloads_per_batch"] == [L, L] and moved["block_onloads"] == 2 * L
+    assert moved["bytes_moved"] == 2 * sum(offloaded_bytes(blk) for blk in blocks)
+    assert moved["bytes_moved"] == 2 * sum(p.numel() * 4 for p in dense.model.layers.parameters())
+    # every block call is one distinct prefix of a plan: the plan's count, the same as depth-first
+    assert sum(counts.calls.values()) == theirs.metadata["block_evaluations"] == ours.metadata["block_evaluations"]
+    assert theirs.metadata["peak_memory"]["cpu"] > 0
+
+
+def test_depth_first_on_an_offloaded_model_reads_each_block_at_every_call(tmp_path):
+    """The same model scored probe after probe: the same values, one onload per block call
+    (about 1.5 L^2 per batch for adjacent pairs' swap probes instead of L)."""
+    calib = build_calibration(tiny_batch(batch=3, length=12))
+    split = _disk_offloaded(tiny_model("llama", num_blocks=8), tmp_path / "offload")
+    counts = _Counts(split)
+    plans = swap_plans(8, 1, ("replacement", "interchange"))
+    streamed, s_stats = plan_kl(split, calib, plans)
+    n_streamed = sum(counts.onloads.values())
+    counts.reset()
+    depth, d_stats = plan_kl(split, calib, plans, slot_major=False)
+    assert s_stats["slot_major"] is True and d_stats["slot_major"] is False
+    assert n_streamed == s_stats["movement"]["block_onloads"] == 8
+    assert sum(counts.onloads.values()) == d_stats["movement"]["block_onloads"] == d_stats["block_evaluations"]
+    # identity, then per pair (i, i+1): replacement i<-i+1 and the interchange share block i+1
+    # at slot i (8 - i calls and 7 - i more), replacement i+1<-i runs from slot i+1 (7 - i)
+    assert d_stats["block_evaluations"] == s_stats["block_evaluations"] == 8 + sum(22 - 3 * i for i in range(7))
+    for name in plans:
+        assert torch.equal(streamed[name], depth[name])
+
+
+def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
+    """Forced on an in-memory model the streamed path gives the depth-first values bit
+    for bit; with a budget that holds few states it splits the probes into groups, each
+    one pass (blocks move once per group)."""
+    model = tiny_model("llama", num_blocks=6)
+    calib = build_calibration(tiny_batch(batch=4, length=16))
+    plans = swap_plans(6, 2, ("replacement", "interchange")) | {"removal": [0, 2, 3, 5]}
+    budget = 1 << 20
+    depth, d_stats = plan_kl(model, calib, plans, slot_major=False, max_memory=budget)
+    streamed, s_stats = plan_kl(model, calib, plans, slot_major=True)
+    grouped, g_stats = plan_kl(model, calib, plans, slot_major=True, max_memory=budget)
+    for name in plans:
+        assert torch.equal(streamed[name], depth[name]) and torch.equal(grouped[name], depth[name])
+    assert s_stats["movement"]["block_onloads"] == 0  # nothing offloaded, nothing moved
+    assert s_stats["block_evaluations"] == d_stats["block_evaluations"]
+    probes = list(make_probes(plans, 6)[1].values())
+    state = 4 * 16 * model.config.hidden_size * 4  # bytes of one (B, T, H) fp32 state
+    per_group = (budget // 4) // state // 2 - 1
+    groups = probe_groups(probes, (4, 16, model.config.hidden_size), torch.float32, budget)
+    assert len(probes) == 28 and 1 < per_group < 28
+    assert [len(g) for g in groups] == [per_group] * (28 // per_group) + ([28 % per_group] if 28 % per_group else [])
+    passes = [plan_pass([p.key for p in g], 6, reference=n == 0) for n, g in enumerate(groups)]
+    assert g_stats["block_evaluations"] == sum(p.block_evaluations for p in passes) > s_stats["block_evaluations"]
+
+
+def test_pass_plan_holds_a_window_of_2g_plus_1_blocks_and_moves_each_once():
+    L, g = 10, 2
+    probes = make_probes(swap_plans(L, g, ("replacement", "interchange")), L)[1]
+    plan = plan_pass(list(probes), L, reference=True, offloaded=frozenset(range(L)))
+    assert plan.onloads == L and sorted(plan.first) == list(range(L))
+    resident = [sum(1 for b in plan.first if plan.first[b] <= s <= plan.last[b]) for s in range(L)]
+    assert max(resident) == 2 * g + 1 and resident[0] == g + 1
+    assert {b: (plan.first[b], plan.last[b]) for b in (0, 5, 9)} == {0: (0, 2), 5: (3, 7), 9: (7, 9)}
+    # identity (L) + per probe the blocks from its start on, shared prefixes once
+    assert plan.finals[tuple(range(L))] == tuple(range(L))
+    assert plan.block_evaluations == len({k[: s + 1] for k in [*probes, tuple(range(L))] for s in range(L)})
+
+
+def test_onloaded_keeps_an_offloaded_block_resident_and_restores_the_hook(tmp_path):
+    split = _disk_offloaded(tiny_model("llama"), tmp_path / "offload")
+    block = decoder_blocks(split)[2][4]
+    hooked = offloaded_modules(block)
+    assert hooked
+    size = offloaded_bytes(block)
+    with onloaded(block) as nbytes:
+        assert nbytes == size == sum(p.numel() * 4 for p in block.parameters())
+        assert {p.device.type for p in block.parameters()} == {"cpu"}
+        assert {m._hf_hook.offload for m in hooked} == {False}
+    assert {p.device.type for p in block.parameters()} == {"meta"} and {m._hf_hook.offload for m in hooked} == {True}
+    with onloaded(tiny_model("llama").model.layers[0]) as nbytes:
+        assert nbytes == 0  # in memory: nothing moves
+
+
+def test_progress_bar_shows_the_blocks_and_bytes_moved(tmp_path, capsys):
+    split = _disk_offloaded(tiny_model("llama"), tmp_path / "offload")
+    hl.score_layers(split, build_calibration(tiny_batch()), progress=True)
+    assert "moved=6 blocks/" in capsys.readouterr().err
+
+
+def test_slot_major_setting_is_checked():
+    with pytest.raises(ValueError, match="slot_major='yes'"):
+        EngineSettings(slot_major="yes")
+    with pytest.raises(ValueError, match="slot_major=True: the model's logits are not streamed"):
+        plan_kl(tiny_model("llama"), build_calibration(tiny_batch()), {"a": [1, 0, 2, 3, 4, 5]}, slot_major=True,
+                stream_logits=False)
+    assert set(peak_memory()) >= {"cpu"}
+
+
+# ----------------------------------------------------------------------------- real models
+def _real_offloaded(name: str, folder: Path):
+    ckpt = bundled_checkpoint_dir(name)
+    weights = (ckpt / "model.safetensors").stat().st_size
+    dense, tok = load_model(ckpt, device_map=None)
+    split, _ = load_model(ckpt, max_memory={"cpu": weights // 4}, offload_folder=str(folder))
+    return dense, split, tok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_real_model_with_a_quarter_of_its_weights_in_memory_streams_to_the_in_memory_values(name, tmp_path):
+    """Both protocols' probes of three adjacent pairs (first, middle, last: a few probes keep
+    the test short; the reference still streams every block), 4 prompts x 32 tokens."""
+    if not WIKITEXT_VALID.is_file():
+        pytest.skip("WikiText-2 calibration text absent")
+    dense, split, tok = _real_offloaded(name, tmp_path / "offload")
+    calib = build_calibration(WIKITEXT_VALID, tok, num_prompts=4, seq_len=32)
+    L = len(decoder_blocks(dense)[2])
+    plans = {k: v for k, v in swap_plans(L, 1).items() if k[1] in (0, L // 2, L - 2)}
+    assert len(plans) == 9
+    counts = _Counts(split)
+    ours, o_stats = plan_kl(dense, calib, plans)
+    theirs, t_stats = plan_kl(split, calib, plans)
+    worst = max(float(((theirs[k] - ours[k]).abs() / ours[k].abs()).max()) for k in plans)
+    assert worst <= 1e-5
+    _, _, blocks = decoder_blocks(split)
+    offloaded = {b for b in range(L) if offloaded_modules(blocks[b])}
+    assert len(offloaded) >= L * 3 // 4 - 1  # about three quarters of the weights on disk
+    assert t_stats["slot_major"] is True and o_stats["slot_major"] is False
+    assert counts.onloads == Counter({b: 1 for b in offloaded})  # one batch: each offloaded block once
+    assert t_stats["movement"]["block_onloads_per_batch"] == [len(offloaded)]
+    assert t_stats["movement"]["bytes_moved"] == sum(offloaded_bytes(blocks[b]) for b in offloaded)
