@@ -204,7 +204,7 @@ def _engine_counts(model, calib, plans, settings, *, reference: bool = True, ver
         # loaded, a plain Linear head in memory can be sliced: plan its chunks as the real run will
         engine.head.sliceable = engine.head.linear
         engine.kl_chunk, engine.vocab_chunk = engine._kl_chunks(None, None)
-    _, probes, _ = make_probes(plans, engine.num_layers)
+    _, probes, _ = make_probes(plans, engine.num_blocks)
     todo = list(probes.values())
     per_batch = sum(len(p.key) - (0 if engine.mode == "none" else p.start + depth0)
                     for p, depth0, _ in schedule(todo, engine.mode))
@@ -213,10 +213,10 @@ def _engine_counts(model, calib, plans, settings, *, reference: bool = True, ver
         ids, mask = engine._batch(b)
         rows = int(mask.sum())
         calls, work = _head_calls(engine, rows, len(todo))
-        blocks += per_batch + (engine.num_layers if reference else 0)
+        blocks += per_batch + (engine.num_blocks if reference else 0)
         heads, head_rows = heads + calls, head_rows + work
         tokens += ids.numel() * per_batch
-        ref_tokens += ids.numel() * (engine.num_layers if reference else 0)
+        ref_tokens += ids.numel() * (engine.num_blocks if reference else 0)
     if verify and engine.stream_logits:  # the one-time head check: the model's last position + ours
         heads += 1 + math.ceil(engine.head.vocab / engine.vocab_chunk)
     return {"block_passes": blocks, "head_passes": heads, "head_rows": head_rows,
@@ -225,8 +225,8 @@ def _engine_counts(model, calib, plans, settings, *, reference: bool = True, ver
 
 def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     """Upper bound of the search's passes (budgets 1..n) from its per-budget allowances."""
-    num_layers = num_blocks(model)
-    allowed = [i for i in range(num_layers) if i not in resolve_protect(cfg.protect, num_layers)]
+    total_blocks = num_blocks(model)
+    allowed = [i for i in range(total_blocks) if i not in resolve_protect(cfg.protect, total_blocks)]
     defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
     rounds = defaults["max_rounds"]
     n_top, per_budget, exhaustive_below = cfg.num_to_remove, len(allowed), defaults["moves_per_round"] * rounds
@@ -243,17 +243,17 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
             calls += 2 + rounds  # the protocol sets, the seed pool, at most max_rounds local rounds
     if cfg.max_evaluations is not None:  # the whole call's cap (the protocols' own sets aside)
         bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) + len(PROTOCOLS) * n_top - len(sets)))
-    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
+    plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
     # each set from its first removed block, no sharing between sets: calls share less than one run would
     unshared = dataclasses.replace(settings, prefix_reuse="start")
     counts = _engine_counts(model, calib, plans, unshared)
     engine = counts.pop("engine")
     first = min(allowed)
     n_batches = len(engine.batches)
-    extra_blocks = bound_sets * max(num_layers - n_top - first, 1) * n_batches
+    extra_blocks = bound_sets * max(total_blocks - n_top - first, 1) * n_batches
     # batches whose reference does not fit the kept budget are swept again by every further call
     kept = _reference_batches(engine, engine.budget)
-    extra_blocks += (n_batches - kept) * num_layers * (calls - 1)
+    extra_blocks += (n_batches - kept) * total_blocks * (calls - 1)
     counts["block_passes"] += extra_blocks
     counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * engine.batch_size
     rows = int(calib.attention_mask.sum())
@@ -406,7 +406,7 @@ def _reference_entries(engine, budget: int) -> list[int]:
     total, kept = 0, []
     for b in engine.batches:
         ids, mask = engine._batch(b)
-        entry = (engine.num_layers - 1) * ids.numel() * engine.hidden * es + int(mask.sum()) * engine.hidden * es
+        entry = (engine.num_blocks - 1) * ids.numel() * engine.hidden * es + int(mask.sum()) * engine.hidden * es
         if total + entry > budget:
             break
         total += entry
@@ -465,13 +465,13 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     calib = _calibration(model, cfg, calibration)
     budget = max_memory or device_memory_budget(device)[0]
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
-    num_layers = num_blocks(model)
+    total_blocks = num_blocks(model)
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
     phases, notes = {}, {}
     scoring_engine = None
     if cfg.layers is None:
         protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
-        plans = swap_plans(num_layers, min(cfg.max_gap, num_layers - 1), protocols)
+        plans = swap_plans(total_blocks, min(cfg.max_gap, total_blocks - 1), protocols)
         phases["scoring"] = _engine_counts(model, calib, plans, settings)
         scoring_engine = phases["scoring"].pop("engine")
         phases["scoring"]["sweeps"] = 1
@@ -480,7 +480,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         phases["selection"] = _search_counts(model, calib, cfg, settings)
         exact = False
     elif cfg.layers is None and strategy == "auto":  # the two protocols' greedy sets, scored jointly
-        plans = {k: removal_plan(num_layers, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
+        plans = {k: removal_plan(total_blocks, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
         phases["selection"] = _engine_counts(model, calib, plans, settings)
         exact = False
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
@@ -501,7 +501,7 @@ def _config(config) -> LayerSwapConfig:
 
 
 def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughput, stream_weights) -> CostEstimate:
-    num_layers = num_blocks(model)
+    total_blocks = num_blocks(model)
     _, _, blocks = decoder_blocks(model)
     block_params = sum(p.numel() for p in blocks[0].parameters())
     hidden = int(getattr(model.config.get_text_config(), "hidden_size", 0))
@@ -516,7 +516,7 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
     block_bytes = _param_bytes(blocks[0])
     n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
     sweeps = sum(p.get("sweeps", p.get("calls", 1)) for p in phases.values())
-    bytes_moved = block_bytes * num_layers * n_batches * sweeps if streamed else 0
+    bytes_moved = block_bytes * total_blocks * n_batches * sweeps if streamed else 0
     weights = _param_bytes(model)
     search_ref = 0
     if engine is not None and "selection" in phases and cfg.strategy == "search":
@@ -525,7 +525,7 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
     key = str(device)
     if streamed:
         window = (2 * cfg.max_gap + 1) * block_bytes
-        peak = {key: weights - num_layers * block_bytes + window + working, "cpu": weights}
+        peak = {key: weights - total_blocks * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
     resident = _resident_bytes() if device.type == "cpu" else 0

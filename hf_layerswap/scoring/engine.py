@@ -77,8 +77,8 @@ class Engine:
         check_model_replica(model)  # before any forward pass
         self.model = model
         self.calib = calibration
-        self.num_layers = num_blocks(model)
-        self.key_of, self.probes, self.zero = make_probes(plans, self.num_layers)
+        self.num_blocks = num_blocks(model)
+        self.key_of, self.probes, self.zero = make_probes(plans, self.num_blocks)
         self.mode = settings.prefix_reuse
         self.stream_logits = settings.stream_logits
         self.fallback_reason = None
@@ -148,7 +148,7 @@ class Engine:
         es = torch.finfo(self.compute_dtype).bits // 8
         inter = int(getattr(cfg, "intermediate_size", 4 * self.hidden) or 4 * self.hidden)
         heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-        streams = (self.num_layers + 1) * bsz * seq * self.hidden * es
+        streams = (self.num_blocks + 1) * bsz * seq * self.hidden * es
         forward = bsz * seq * (8 * self.hidden + 3 * inter) * es + bsz * heads * seq * seq * 4
         logits = 0 if self.stream_logits else 3 * bsz * seq * self.head.vocab * 4
         return streams + forward + logits
@@ -225,7 +225,7 @@ class Engine:
         return {
             "model": {
                 "class": type(self.model).__name__,
-                "num_blocks": self.num_layers,
+                "num_blocks": self.num_blocks,
                 "fingerprint": model_fingerprint(self.model),
             },
             "calibration": {
@@ -285,7 +285,7 @@ class Engine:
             except StopForward:
                 pass
         self.stats["model_calls"] += 1
-        self.stats["block_evaluations"] += self.num_layers
+        self.stats["block_evaluations"] += self.num_blocks
         self.stats["reference_passes"] += 1
         if not self.stream_logits:
             return streams, torch.log_softmax(logits.float(), dim=-1)
@@ -387,7 +387,7 @@ class Engine:
             if key not in cache:  # the schedule is the same for every batch
                 cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
                                  for p, depth0, _ in schedule(list(probes), self.mode))
-            work = float(self.num_layers + cache[key])
+            work = float(self.num_blocks + cache[key])
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
         rows = int(mask.sum())
@@ -533,7 +533,7 @@ class Engine:
         if key not in cache:
             shape = (*ids.shape, self.hidden)
             groups = probe_groups(list(probes), shape, self.compute_dtype, self.budget)
-            cache[key] = [(plan_pass([p.key for p in g], self.num_layers, reference=n == 0, offloaded=self.movable), g)
+            cache[key] = [(plan_pass([p.key for p in g], self.num_blocks, reference=n == 0, offloaded=self.movable), g)
                           for n, g in enumerate(groups)]
         return cache[key]
 
@@ -564,7 +564,7 @@ class Engine:
         if verify and not self._verify_streamed(inputs):
             return False
         _, _, blocks = decoder_blocks(self.model)
-        identity = tuple(range(self.num_layers))
+        identity = tuple(range(self.num_blocks))
         per_flush = self._group_size(rows.numel())
         pending: list[tuple[Probe, torch.Tensor]] = []
         flush = None

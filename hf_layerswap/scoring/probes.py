@@ -25,7 +25,7 @@ class Probe:
         return len(self.run)
 
 
-def make_probes(plans: Mapping[Hashable, Sequence[int]], num_layers: int):
+def make_probes(plans: Mapping[Hashable, Sequence[int]], total_blocks: int):
     """Deduplicate plans: returns (name -> key, {key: Probe} for non-identity plans, identity keys)."""
     key_of, probes, zero = {}, {}, set()
     for name, plan in plans.items():
@@ -33,11 +33,11 @@ def make_probes(plans: Mapping[Hashable, Sequence[int]], num_layers: int):
         if not key:
             raise ValueError(f"plan {name!r} is empty: a plan must run at least one block")
         for p in key:
-            if not 0 <= p < num_layers:
-                raise ValueError(f"plan {name!r} has block {p}: allowed 0..{num_layers - 1}")
+            if not 0 <= p < total_blocks:
+                raise ValueError(f"plan {name!r} has block {p}: allowed 0..{total_blocks - 1}")
         key_of[name] = key
-        start = first_difference(key, num_layers)
-        if start >= len(key) and len(key) == num_layers:
+        start = first_difference(key, total_blocks)
+        if start >= len(key) and len(key) == total_blocks:
             zero.add(key)
             continue
         start = min(start, len(key) - 1)  # trailing blocks dropped: re-run the last kept one

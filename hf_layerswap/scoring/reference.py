@@ -130,7 +130,7 @@ class ReferenceCache:
 
         key = ("engine", b, engine.batch_size, engine.stream_logits, str(engine.compute_dtype), engine.calib.content_hash)
         es = torch.finfo(engine.compute_dtype).bits // 8
-        streams, ref = self.get(key, compute, slots, range(1, engine.num_layers), ids.numel() * engine.hidden * es)
+        streams, ref = self.get(key, compute, slots, range(1, engine.num_blocks), ids.numel() * engine.hidden * es)
         if key[3] != engine.stream_logits:  # the head check failed in this very sweep: keyed by what it holds
             self.discard(key)
         return streams, ref

@@ -218,7 +218,7 @@ class PassPlan:
         return sum(1 for b in self.first if b in self.offloaded)
 
 
-def plan_pass(keys: Sequence[tuple[int, ...]], num_layers: int, *, reference: bool,
+def plan_pass(keys: Sequence[tuple[int, ...]], total_blocks: int, *, reference: bool,
               offloaded: frozenset = frozenset()) -> PassPlan:
     """The pass that runs the plans ``keys`` (tuples of block indices) slot by slot, every
     distinct prefix once (the identity's prefixes up to the slot each plan starts at among
@@ -226,7 +226,7 @@ def plan_pass(keys: Sequence[tuple[int, ...]], num_layers: int, *, reference: bo
     in ``finals``).
 
     ``offloaded`` names the blocks that move (for :attr:`PassPlan.onloads`)."""
-    identity = tuple(range(num_layers))
+    identity = tuple(range(total_blocks))
     plans = list(dict.fromkeys(keys))
     if reference:
         plans.append(identity)

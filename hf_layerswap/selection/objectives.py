@@ -56,14 +56,14 @@ __all__ = ["OBJECTIVES", "SetObjective", "plan_nll", "plans_cost", "removal_kl_v
 OBJECTIVES = ("removal_kl", "nll") + search_objectives()
 
 
-def plans_cost(plans: Mapping[Hashable, Sequence[int]], num_layers: int, reference_sweeps: int = 1) -> tuple[int, int]:
+def plans_cost(plans: Mapping[Hashable, Sequence[int]], total_blocks: int, reference_sweeps: int = 1) -> tuple[int, int]:
     """(forward passes, block passes) of ``reference_sweeps`` reference sweeps (1 unless a
     :class:`~hf_layerswap.scoring.reference.ReferenceCache` held them) plus one sweep per
     plan with prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
-    blocks = num_layers * reference_sweeps
+    blocks = total_blocks * reference_sweeps
     for plan in plans.values():
-        start = first_difference(plan, num_layers)
-        if start >= len(plan) and len(plan) == num_layers:
+        start = first_difference(plan, total_blocks)
+        if start >= len(plan) and len(plan) == total_blocks:
             continue
         blocks += len(plan) - min(start, len(plan) - 1)
     return reference_sweeps + len(plans), blocks
@@ -75,9 +75,9 @@ def _sweeps(batch_passes: int, num_prompts: int, batch_size: int) -> int:
     return math.ceil(batch_passes / max(1, math.ceil(num_prompts / batch_size)))
 
 
-def _all_slots(num_layers: int) -> list[int]:
+def _all_slots(total_blocks: int) -> list[int]:
     """The streams a later candidate may start from: entering blocks 1..L-1."""
-    return list(range(1, num_layers)) or [0]
+    return list(range(1, total_blocks)) or [0]
 
 
 def _stream_bytes(model: nn.Module, ids: torch.Tensor) -> int:
@@ -140,9 +140,9 @@ def plan_nll(
     The model is left exactly as it was.
     """
     model = uncompiled(model)
-    num_layers = num_blocks(model)
+    total_blocks = num_blocks(model)
     plans = {name: list(plan) for name, plan in plans.items()}
-    starts = {name: first_difference(plan, num_layers) for name, plan in plans.items()}
+    starts = {name: first_difference(plan, total_blocks) for name, plan in plans.items()}
     needed = sorted({min(s, len(plans[k]) - 1) for k, s in starts.items() if 0 < min(s, len(plans[k]) - 1)})
     values: dict[Hashable, list[torch.Tensor]] = {name: [] for name in plans}
     base, counts = [], []
@@ -161,12 +161,12 @@ def plan_nll(
                 return streams, _masked_nll(logits, ids, mask)
 
             key = ("nll", b, batch_size, calibration.content_hash)
-            streams, ref = cache.get(key, sweep, needed or [0], _all_slots(num_layers), _stream_bytes(model, ids))
+            streams, ref = cache.get(key, sweep, needed or [0], _all_slots(total_blocks), _stream_bytes(model, ids))
             base.append(ref)
             counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
             for name, plan in plans.items():
                 start = starts[name]
-                if start >= len(plan) and len(plan) == num_layers:
+                if start >= len(plan) and len(plan) == total_blocks:
                     values[name].append(ref.clone())
                     continue
                 start = min(start, len(plan) - 1)
@@ -179,7 +179,7 @@ def plan_nll(
     finally:
         model.train(was_training)
     sweeps = _sweeps(cache.misses - misses, calibration.num_prompts, batch_size)
-    passes, blocks = plans_cost(plans, num_layers, sweeps)
+    passes, blocks = plans_cost(plans, total_blocks, sweeps)
     stats = {
         "base": torch.cat(base),
         "forward_passes": passes,
@@ -192,10 +192,10 @@ def plan_nll(
 
 def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
     """Joint removal KL (nats) of each set, one shared reference sweep (plan_kl)."""
-    num_layers = num_blocks(model)
-    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
+    total_blocks = num_blocks(model)
+    plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
     values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
-    passes, blocks = plans_cost(plans, num_layers)
+    passes, blocks = plans_cost(plans, total_blocks)
     out = [float(values[k].mean()) for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
     return out, {
@@ -207,8 +207,8 @@ def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_s
 
 def removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
     """Calibration NLL per token (nats) with each set removed, one shared reference sweep."""
-    num_layers = num_blocks(model)
-    plans = {k: removal_plan(num_layers, s) for k, s in enumerate(sets)}
+    total_blocks = num_blocks(model)
+    plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
     values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size)
     total = float(counts.sum())
     out = [float(values[k].sum()) / total for k in range(len(sets))]
@@ -256,7 +256,7 @@ class SetObjective:
         self.reference_passes = 0
         self.model, self.calibration, self.objective = uncompiled(model), calibration, objective
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
-        self.num_layers = num_blocks(model)
+        self.num_blocks = num_blocks(model)
         self.cache: dict[str, float] = {}
         self.calls = self.forward_passes = self.block_passes = 0
         self.seconds = 0.0
@@ -294,7 +294,7 @@ class SetObjective:
 
     # -- objectives
     def _plans(self, sets):
-        return {k: removal_plan(self.num_layers, s) for k, s in enumerate(sets)}
+        return {k: removal_plan(self.num_blocks, s) for k, s in enumerate(sets)}
 
     def _engine_kl(self, sets):
         plans = self._plans(sets)
@@ -304,7 +304,7 @@ class SetObjective:
                                 reference_cache=self.reference)
         sweeps = _sweeps(stats["reference_passes"], self.calibration.num_prompts, stats["batch_size"])
         self.reference_passes += sweeps
-        passes, blocks = plans_cost(plans, self.num_layers, sweeps)
+        passes, blocks = plans_cost(plans, self.num_blocks, sweeps)
         return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
 
     def _nll(self, sets):
@@ -322,13 +322,13 @@ class SetObjective:
         :meth:`~hf_layerswap.recovery.RecoveryMethod.cut_operator` at its default epsilon)."""
         method = get_recovery_method(self.objective)
         _, _, blocks = decoder_blocks(self.model)
-        cuts = [cut for p in range(self.num_layers) for cut in cut_boundaries(self.num_layers, [p])]
+        cuts = [cut for p in range(self.num_blocks) for cut in cut_boundaries(self.num_blocks, [p])]
         moments, _, _ = collect_moments(self.model, blocks, cuts, method, self.calibration,
                                         self.calibration.num_tokens, self.batch_size)
         self.forward_passes += 1
-        self.block_passes += self.num_layers
+        self.block_passes += self.num_blocks
         self.reference_passes += 1
-        return {p: method.cut_operator(moments, [p], method.default_epsilon).float() for p in range(self.num_layers)}
+        return {p: method.cut_operator(moments, [p], method.default_epsilon).float() for p in range(self.num_blocks)}
 
     def _cut_operators(self, s: Sequence[int]) -> list[tuple[int, int, torch.Tensor]]:
         """[(s, e, W)] per cut s..e-1: W = W_s ... W_{e-1} acts on the stream entering block e
@@ -355,8 +355,8 @@ class SetObjective:
         sums = [torch.zeros((), dtype=torch.float64) for _ in sets]
         starts = {}
         for k, s in enumerate(sets):
-            start = first_difference(plans[k], self.num_layers)
-            tail_cut = max(s) == self.num_layers - 1
+            start = first_difference(plans[k], self.num_blocks)
+            tail_cut = max(s) == self.num_blocks - 1
             starts[k] = 0 if (not self.prefix_reuse or tail_cut) else min(start, len(plans[k]) - 1)
         slots = sorted({v for v in starts.values() if v > 0}) or [0]
         device = input_device(self.model)
@@ -372,7 +372,7 @@ class SetObjective:
                     return streams, torch.log_softmax(logits.float(), dim=-1)
 
                 key = ("logprobs", b, self.batch_size, self.calibration.content_hash)
-                streams, ref = self.reference.get(key, sweep, slots, _all_slots(self.num_layers),
+                streams, ref = self.reference.get(key, sweep, slots, _all_slots(self.num_blocks),
                                                   _stream_bytes(self.model, ids))
                 for k, s in enumerate(sets):
                     cuts = self._cut_operators(s)
@@ -381,7 +381,7 @@ class SetObjective:
                         op = GhostedOperator(w, e).to(device)
                         if starts[k] > 0 and a == cuts[0][0]:  # the first cut acts on the cached stream
                             kwargs = {"start": starts[k], "start_hidden": op(streams[starts[k]])}
-                        elif e == self.num_layers:  # cut through the last block: after the last kept one
+                        elif e == self.num_blocks:  # cut through the last block: after the last kept one
                             handles.append(blocks[a - 1].register_forward_hook(op.output_hook))
                         else:
                             handles.append(blocks[e].register_forward_pre_hook(op.input_hook, with_kwargs=True))
@@ -398,7 +398,7 @@ class SetObjective:
             self.model.train(was_training)
         sweeps = _sweeps(self.reference.misses - misses, self.calibration.num_prompts, self.batch_size)
         self.reference_passes += sweeps
-        passes, block_count = sweeps, self.num_layers * sweeps
+        passes, block_count = sweeps, self.num_blocks * sweeps
         for k in range(len(sets)):
             passes += 1
             block_count += len(plans[k]) - starts[k]
