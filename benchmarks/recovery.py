@@ -208,7 +208,7 @@ def _observations(model_result: dict) -> list[str]:
     return notes
 
 
-def write_markdown(results: list[dict], args, path: Path, command: str) -> None:
+def write_markdown(results: list[dict], args, path: Path, command: str, libraries: str) -> None:
     lines = [
         "# Recovery of the cut: no repair vs fused vs ghosted",
         "",
@@ -233,7 +233,7 @@ def write_markdown(results: list[dict], args, path: Path, command: str) -> None:
         "ShortGPT Block Influence 1 − cos(h_i, h_{i+1}) (per token), no constraints.",
         "- Fit residual = ‖Ŷ − h_e‖_F / ‖h_e‖_F on the calibration tokens, per cut; \"before\" is plain removal "
         "(Ŷ = h_s).",
-        f"- Libraries: {json.dumps(library_versions())}",
+        f"- Libraries: {libraries}",
         "",
     ]
     for res in results:
@@ -295,8 +295,9 @@ def main(argv=None) -> None:
     if not args.render_only:
         for name in args.models:
             # one file per model, so models run in separate processes and render together
-            run_model(name, args, out.with_name(f"recovery-{name}.json"), {"command": command, "settings": settings})
-    results, commands = [], []
+            run_model(name, args, out.with_name(f"recovery-{name}.json"),
+                      {"command": command, "settings": settings, "libraries": library_versions()})
+    results, commands, libraries = [], [], []
     for path in sorted(out.parent.glob("recovery-*.json")):
         stored = json.loads(path.read_text(encoding="utf-8"))
         if stored["settings"] != settings:
@@ -304,9 +305,10 @@ def main(argv=None) -> None:
             continue
         results.append(stored["result"])
         commands.append(stored["command"])
+        libraries.append(json.dumps(stored["libraries"]))
     if not results:  # never replace a page with an empty one
         raise SystemExit(f"no recovery-*.json beside {out} was run with these settings {settings}: nothing rendered")
-    write_markdown(results, args, out, "`; `".join(dict.fromkeys(commands)))
+    write_markdown(results, args, out, "`; `".join(dict.fromkeys(commands)), "; ".join(dict.fromkeys(libraries)))
     print(f"wrote {out} from {', '.join(r['model'] for r in results)}")
 
 
