@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+import hf_layerswap as hl
+from hf_layerswap.calibration import CalibrationSet
 from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,6 +97,21 @@ def tiny_model(family: str = "llama", num_blocks: int = 6, seed: int = 0, **over
     """A tiny random causal LM in eval mode, fp32, eager attention (the config records no
     dtype); ``overrides`` as for :func:`tiny_config`."""
     return build(_row(family), num_blocks, seed, dtype=None, **{**tiny_overrides(family, num_blocks), **overrides})
+
+
+def eight_block_search_setup():
+    """An 8-block random Llama (seed 0), its six 16-token prompts (one padded from position 10)
+    and their swap-KL report: the model on which the paper's greedy rule misses the best pair
+    (tests/test_search.py), and whose search costs tests/test_reference_cache.py pins."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (6, 16))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    calib = CalibrationSet(ids, mask, "random tokens")
+    return model, calib, hl.score_layers(model, calib, progress=False)
 
 
 def tiny_checkpoint(path, model=None):

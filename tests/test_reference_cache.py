@@ -5,28 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_layerswap as hl
-from hf_layerswap.calibration import CalibrationSet
 from hf_layerswap.scoring import plan_kl
 from hf_layerswap.scoring.reference import ReferenceCache
 from hf_layerswap.selection import search_select
 from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import eight_block_search_setup
 
 
 @pytest.fixture(scope="module")
 def setup():
     """tests/test_search.py's 8-block random Llama and its six prompts."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 128, (6, 16))
-    mask = torch.ones_like(ids)
-    mask[3, 10:] = 0
-    calib = CalibrationSet(ids, mask, "random tokens")
-    report = hl.score_layers(model, calib, progress=False)
-    return model, calib, report
+    return eight_block_search_setup()
 
 
 def test_search_reuses_one_reference_sweep_and_selects_bit_identical_sets(setup):

@@ -17,22 +17,13 @@ from hf_layerswap.selection import search_select
 from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
 from hf_layerswap.rule import greedy_select
 from hf_layerswap.selection import STRATEGIES
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import eight_block_search_setup
 
 
 @pytest.fixture(scope="module")
 def setup():
     """An 8-block random Llama on which the paper's greedy rule misses the best pair."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 128, (6, 16))
-    mask = torch.ones_like(ids)
-    mask[3, 10:] = 0
-    calib = CalibrationSet(ids, mask, "random tokens")
-    report = hl.score_layers(model, {"input_ids": ids, "attention_mask": mask}, progress=False)
-    return model, calib, report
+    return eight_block_search_setup()
 
 
 def _brute_force(objective: SetObjective, n: int, allowed=range(1, 7)):
