@@ -50,14 +50,14 @@ _STAGES = {"dense": "Perplexity of the dense model (the teacher)", "after_cut": 
            "after_repair": "Perplexity after the repair ({repair})", "after_healing": "Perplexity after healing"}
 
 
-def _stages(ppl: Mapping, repaired: bool) -> dict:
+def _stages(ppl: Mapping, repair: str | None) -> dict:
     """``{stage: value}`` of a record's ``perplexity``; a record of the older form
     (``before``/``after`` only) is read as the start of healing and after healing."""
     if "after_healing" in ppl or "start" in ppl:
         return dict(ppl)
-    start = "after_repair" if repaired else "after_cut"
+    start = "after_repair" if repair else "after_cut"
     return {start: ppl.get("before"), "after_healing": ppl.get("after"), "start": start, "contract": ppl.get("contract"),
-            "text": ppl.get("text"), **({"repair": "the repair"} if repaired else {})}
+            "text": ppl.get("text"), "repair": repair}
 
 
 def _contract_text(ppl: Mapping) -> str:
@@ -68,7 +68,7 @@ def _contract_text(ppl: Mapping) -> str:
     return ", ".join(parts) + "; one contract and one text for every stage"
 
 
-def _perplexity_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
+def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     """One row per perplexity stage (dense, after the cut, after the repair, after
     healing), each with its change against the dense model; the last also against the
     start of healing. A record without the start or the end is flagged, never shown as
@@ -76,8 +76,8 @@ def _perplexity_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
     ppl = entry.get("perplexity") or {}
     if not ppl:
         return []
-    ppl = _stages(ppl, repaired)
-    start = ppl.get("start", "after_repair" if repaired else "after_cut")
+    ppl = _stages(ppl, repair)
+    start = ppl.get("start", "after_repair" if repair else "after_cut")
     dense = ppl.get("dense")
     rows = []
     for stage, label in _STAGES.items():
@@ -140,7 +140,7 @@ def _task_value(value, err) -> str:
     return f"{value:.4f}" + (f" ± {err:.4f}" if _finite(err) and err > 0 else "")
 
 
-def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
+def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     teacher = ("the dense model's full logits, on the fly" if entry.get("teacher_top_k") is None else
                f"the dense model's top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached "
                "(a lower bound of the full KL)")
@@ -156,7 +156,7 @@ def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
         ("Held-out prompts", str(entry.get("heldout", _DASH))),
         ("Final training loss", _nats(entry.get("final_loss")) + " nats/token"),
     ]
-    rows += _perplexity_rows(entry, repaired)
+    rows += _perplexity_rows(entry, repair)
     if entry.get("stale"):
         rows.append(("Status", f"**stale**: {entry['stale']}"))
     return rows
@@ -174,14 +174,14 @@ def healing_section(record: Mapping, *, plot: str | None = None) -> str | None:
     runs = [e for e in record.get("healing") or [] if isinstance(e, Mapping)]
     if not runs:
         return None
-    repaired = bool(record.get("recovery"))
+    repair = (record.get("recovery") or {}).get("method") if isinstance(record.get("recovery"), Mapping) else None
     parts = ["The pruned model was distilled from the dense model it was cut from (KL of the next-token "
              "distributions, on calibration text, never the evaluation text), with an early stop on held-out KL "
              "that keeps the best weights. Trained updates are in the weights themselves (LoRA merged back): no PEFT "
              "modules or adapter files are needed."]
     for n, entry in enumerate(runs, 1):
         title = f"### Healing run {n}" if len(runs) > 1 else None
-        table = ["| | |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in _entry_rows(entry, repaired)]
+        table = ["| | |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in _entry_rows(entry, repair)]
         parts.append("\n".join(([title, ""] if title else []) + table))
         tasks = tasks_table(entry.get("tasks") or {})
         if tasks:
