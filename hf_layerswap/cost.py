@@ -46,6 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
+from .cost_steps import ModelShape, block_flops, healing_phase, recovery_phase, sparsity_phase
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
@@ -316,7 +317,7 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
     flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
     copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
     return Throughput(
-        block_flops_per_second=_block_flops(block_params, batch_size * seq_len, seq_len, hidden) / block_seconds,
+        block_flops_per_second=block_flops(block_params, batch_size * seq_len, seq_len, hidden) / block_seconds,
         head_flops_per_second=2.0 * rows.shape[0] * hidden * w.shape[0] / head_seconds,
         host_bytes_per_second=flat.numel() * flat.element_size() / copy_seconds,
         source=f"probe on {device}: one block over {batch_size}x{seq_len} positions and the head, "
@@ -363,12 +364,6 @@ def _one_block_config(model):
 
 def _weights_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
-
-
-def _block_flops(block_params: int, positions: int, seq_len: int, hidden: int) -> float:
-    """FLOPs of one block over ``positions`` (batches of ``seq_len``): 2 per parameter per
-    position plus 4 T H per position for attention scores and their weighted sum."""
-    return 2.0 * block_params * positions + 4.0 * positions * seq_len * hidden
 
 
 # ---------------------------------------------------------------------------- memory
@@ -483,7 +478,23 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         plans = {k: removal_plan(total_blocks, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
         phases["selection"] = _engine_counts(model, calib, plans, settings)
         exact = False
+    phases.update(_after_selection(model, calib, cfg, calibration))
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+
+
+def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration) -> dict:
+    """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
+    selection (:mod:`~hf_layerswap.cost_steps`), in its order."""
+    shape = ModelShape(model)
+    removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
+    phases = {}
+    if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
+        phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
+    if cfg.heal is not None:
+        phases["healing"] = healing_phase(shape, cfg, calibration, removed)
+    if cfg.sparsity is not None:
+        phases["sparsity"] = sparsity_phase(shape, calib, cfg, removed)
+    return phases
 
 
 def _config(config) -> LayerSwapConfig:
@@ -500,6 +511,9 @@ def _config(config) -> LayerSwapConfig:
     return config
 
 
+ENGINE_PHASES = ("scoring", "selection")
+
+
 def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughput, stream_weights) -> CostEstimate:
     total_blocks = num_blocks(model)
     _, _, blocks = decoder_blocks(model)
@@ -507,16 +521,21 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
     hidden = int(getattr(model.config.get_text_config(), "hidden_size", 0))
     vocab = model.get_output_embeddings().weight.shape[0]
     seq = calib.input_ids.shape[1]
-    block_passes = sum(p["block_passes"] for p in phases.values())
-    head_passes = sum(p["head_passes"] for p in phases.values())
+    engine_phases = {k: p for k, p in phases.items() if k in ENGINE_PHASES}
+    for p in engine_phases.values():
+        p["block_flops"] = block_flops(block_params, p["block_tokens"], seq, hidden)
+        p["head_flops"] = 2.0 * p["head_rows"] * hidden * vocab
+        p.setdefault("exact", p is not phases.get("selection") or exact)
     for p in phases.values():
-        p["flops"] = (_block_flops(block_params, p["block_tokens"], seq, hidden) + 2.0 * p["head_rows"] * hidden * vocab)
-    flops = sum(p["flops"] for p in phases.values())
+        p["flops"] = p["block_flops"] + p["head_flops"]
     streamed = _offloaded(model) if stream_weights is None else bool(stream_weights)
     block_bytes = _param_bytes(blocks[0])
     n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
-    sweeps = sum(p.get("sweeps", p.get("calls", 1)) for p in phases.values())
-    bytes_moved = block_bytes * total_blocks * n_batches * sweeps if streamed else 0
+    for name, p in phases.items():  # the engine streams each block once per batch and sweep; the other
+        # steps run the model's own forward, whose offload hooks move a block at each call
+        sweeps = p.get("sweeps", p.get("calls", 1))
+        p["bytes_moved"] = 0 if not streamed else (block_bytes * total_blocks * n_batches * sweeps
+                                                   if name in ENGINE_PHASES else block_bytes * p["block_passes"])
     weights = _param_bytes(model)
     search_ref = 0
     if engine is not None and "selection" in phases and cfg.strategy == "search":
@@ -528,32 +547,52 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         peak = {key: weights - total_blocks * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
+    steps_peak = max((p["memory_bytes"] for k, p in phases.items() if k not in ENGINE_PHASES), default=0)
+    peak[key] = max(peak[key], steps_peak)
     resident = _resident_bytes() if device.type == "cpu" else 0
     if device.type == "cpu":
         peak["cpu"] = peak.get("cpu", 0) + resident + (working if streamed else 0)
     if throughput is None:
         throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
-    block_flops = sum(_block_flops(block_params, p["block_tokens"], seq, hidden) for p in phases.values())
-    seconds = (block_flops / throughput.block_flops_per_second + (flops - block_flops) / throughput.head_flops_per_second
-               + bytes_moved / throughput.host_bytes_per_second)
-    derivation = {
-        "block_passes": "the scoring engine's own plan (batches, prefix-reuse schedule) on the meta-device model"
-                        + ("" if exact else "; the search: an upper bound from its per-budget allowances"),
-        "head_passes": "head/KL phase per batch: (probe groups + probes) x position chunks (x vocabulary slices), "
-                       "plus the one-time head check",
-        "flops": "2 x block parameters (+ 4 T H attention) per position per block pass; 2 H V per head row",
-        "bytes_moved": ("each block once per batch and sweep, streamed from CPU memory" if streamed
-                        else "0: the weights stay on the device"),
-        "peak_memory_bytes": "weights + the engine's working memory (activations, head/KL block, fp32 head copy, "
-                             "held probe states, the search's kept reference)"
-                             + ("; CPU: plus this process's resident memory now" if device.type == "cpu" else ""),
-        "seconds": f"flops / throughput ({throughput.source}) + bytes moved / host bandwidth",
-    }
+    for p in phases.values():
+        p["seconds"] = (p["block_flops"] / throughput.block_flops_per_second
+                        + p["head_flops"] / throughput.head_flops_per_second
+                        + p["bytes_moved"] / throughput.host_bytes_per_second)
+    exact = all(p["exact"] for p in phases.values())
     return CostEstimate(
-        block_passes=int(block_passes), head_passes=int(head_passes), flops=float(flops), bytes_moved=int(bytes_moved),
-        peak_memory_bytes={k: int(v) for k, v in peak.items()}, seconds=float(seconds), exact=exact,
+        block_passes=int(sum(p["block_passes"] for p in phases.values())),
+        head_passes=int(sum(p["head_passes"] for p in phases.values())),
+        flops=float(sum(p["flops"] for p in phases.values())),
+        bytes_moved=int(sum(p["bytes_moved"] for p in phases.values())),
+        peak_memory_bytes={k: int(v) for k, v in peak.items()},
+        seconds=float(sum(p["seconds"] for p in phases.values())), exact=exact,
         phases={k: {kk: vv for kk, vv in v.items() if kk != "engine"} for k, v in phases.items()},
-        derivation=derivation, throughput=throughput,
+        derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
-                      "process": int(resident)},
+                      "process": int(resident), "steps": int(steps_peak)},
     )
+
+
+def _derivation(phases: dict, exact: bool, streamed: bool, device, throughput: Throughput) -> dict:
+    """Per field of :class:`CostEstimate`, how it was derived (sentences)."""
+    out = {
+        "block_passes": "the scoring engine's own plan (batches, prefix-reuse schedule) on the meta-device model"
+                        + ("" if exact else "; an upper bound where a phase says exact=False (the search from its "
+                                            "per-budget allowances, a repair of blocks not yet chosen, a healing "
+                                            "run the early stop may end sooner)"),
+        "head_passes": "head/KL phase per batch: (probe groups + probes) x position chunks (x vocabulary slices), "
+                       "plus the one-time head check; one per model forward in the later steps",
+        "flops": "2 x block parameters (+ 4 T H attention) per position per block pass; 2 H V per head row; "
+                 "a training backward as 2 forwards",
+        "bytes_moved": ("the engine: each block once per batch and sweep, streamed from CPU memory; later steps: "
+                        "each block call" if streamed else "0: the weights stay on the device"),
+        "peak_memory_bytes": "the largest of: weights + the engine's working memory (activations, head/KL block, "
+                             "fp32 head copy, held probe states, the search's kept reference), and each later "
+                             "step's peak (memory_parts['steps'])"
+                             + ("; CPU: plus this process's resident memory now" if device.type == "cpu" else ""),
+        "seconds": f"flops / throughput ({throughput.source}) + bytes moved / host bandwidth, summed over the phases",
+    }
+    for name, p in phases.items():
+        if "note" in p:
+            out[name] = p["note"]
+    return out
