@@ -9,6 +9,8 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 - **block passes**: decoder-block forward calls (one block over one batch); exact for the
   swap-KL scoring and the rule-based strategies (``greedy``, ``auto``), an upper bound for
   the search (from its per-budget allowances, :func:`~hf_layerswap.selection.search_select`);
+  the steps after the selection (a repair, healing, sparsity) are planned from their own
+  code by :mod:`~hf_layerswap.cost_steps` and reported per phase (``CostEstimate.phases``);
 - **head passes**: output-head calls (one position chunk of one batch, the whole vocabulary
   or one slice), the engine's head/KL phase plus its one-time head check;
 - **flops**: 2 x block parameters per position per block pass plus 4 T H per position for
@@ -94,12 +96,19 @@ class CostEstimate:
         bytes_moved: weight bytes brought to the compute device (0 for a model in memory).
         peak_memory_bytes: ``{device: bytes}`` at the peak.
         seconds: predicted wall time.
-        exact: whether the passes are exact (False: the search's count is an upper bound).
-        phases: per phase (``"scoring"``, ``"selection"``) its block/head passes and flops.
+        exact: whether the passes are exact (False: some phase's count is an upper bound).
+        phases: the breakdown per step, in the pipeline's order: ``"scoring"``,
+            ``"selection"``, then when configured ``"recovery"``, ``"healing"``,
+            ``"sparsity"``; each with ``block_passes``, ``head_passes``, ``block_flops``,
+            ``head_flops``, ``flops``, ``bytes_moved``, ``seconds`` and ``exact``; the later
+            steps also with ``memory_bytes`` (their peak) and ``note``; healing with
+            ``trainable_params``, ``trainable_tensors`` and ``optimizer_bytes``
+            (gradients + AdamW state + the early stop's best copy).
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
         memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's,
-            including ``reference_kept``, the search's kept reference) and ``process`` (this
+            including ``reference_kept``, the search's kept reference), ``steps`` (the
+            largest peak of the steps after the selection) and ``process`` (this
             process's resident memory when estimating on a CPU).
     """
 
@@ -120,13 +129,17 @@ class CostEstimate:
 
     def lines(self) -> list[str]:
         """A short block of lines for a terminal."""
-        bound = "" if self.exact else " (upper bound: the search)"
+        bounded = [name for name, p in self.phases.items() if not p.get("exact", True)]
+        bound = "" if self.exact else f" (upper bound: {', '.join(bounded) or 'the search'})"
         mem = ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in self.peak_memory_bytes.items())
         return [
             f"estimated cost{bound}: {self.block_passes:,} block passes, {self.head_passes:,} head passes, "
             f"{self.flops / 1e12:.2f} TFLOP",
             f"  peak memory: {mem}; weights moved: {self.bytes_moved / 2**30:.2f} GiB",
             f"  about {_duration(self.seconds)} here ({self.throughput.source if self.throughput else ''})",
+            *(f"  {name:<9} {p['block_passes']:>10,} block passes {p['head_passes']:>8,} head passes "
+              f"{p['flops'] / 1e12:8.3f} TFLOP  {_duration(p['seconds']):>7}" + ("" if p["exact"] else "  (upper bound)")
+              for name, p in self.phases.items()),
         ]
 
 
@@ -310,7 +323,7 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
     block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
     # the head/KL phase on a slice of the vocabulary of up to 32k entries (the rate is the same):
     # the fp32 GEMM, then the KL of its log-softmax against a reference (kl_rows), as the engine runs them
-    w = torch.randn(min(_vocab(model), 32768), hidden, device=device)
+    w = torch.randn(min(ModelShape(model).vocab, 32768), hidden, device=device)
     rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
     ref = torch.log_softmax(rows @ w.t(), dim=-1)
     head_seconds = _best(lambda: kl_rows(ref, rows @ w.t()), repeats, device)
@@ -327,15 +340,6 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
 
 class _Captured(Exception):
     """Stops the probe's forward once the block's inputs are captured."""
-
-
-def _vocab(model) -> int:
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(_text_config(model).vocab_size)
-
-
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def _best(fn, repeats: int, device) -> float:
@@ -371,10 +375,6 @@ def _offloaded(model) -> bool:
     """Blocks kept off the compute device (accelerate's CPU or disk offload)."""
     device_map = getattr(model, "hf_device_map", None) or {}
     return any(str(d) in ("cpu", "disk") for d in device_map.values()) and len(set(map(str, device_map.values()))) > 1
-
-
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _working_bytes(engine, model, search_reference: int) -> int:
@@ -462,7 +462,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     total_blocks = num_blocks(model)
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
-    phases, notes = {}, {}
+    phases = {}
     scoring_engine = None
     if cfg.layers is None:
         protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
@@ -515,28 +515,24 @@ ENGINE_PHASES = ("scoring", "selection")
 
 
 def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughput, stream_weights) -> CostEstimate:
-    total_blocks = num_blocks(model)
-    _, _, blocks = decoder_blocks(model)
-    block_params = sum(p.numel() for p in blocks[0].parameters())
-    hidden = int(getattr(model.config.get_text_config(), "hidden_size", 0))
-    vocab = model.get_output_embeddings().weight.shape[0]
+    shape = ModelShape(model)
+    total_blocks, block_params, hidden, block_bytes = shape.num_blocks, shape.block_params, shape.hidden, shape.block_bytes
     seq = calib.input_ids.shape[1]
     engine_phases = {k: p for k, p in phases.items() if k in ENGINE_PHASES}
     for p in engine_phases.values():
         p["block_flops"] = block_flops(block_params, p["block_tokens"], seq, hidden)
-        p["head_flops"] = 2.0 * p["head_rows"] * hidden * vocab
+        p["head_flops"] = 2.0 * p["head_rows"] * hidden * shape.vocab
         p.setdefault("exact", p is not phases.get("selection") or exact)
     for p in phases.values():
         p["flops"] = p["block_flops"] + p["head_flops"]
     streamed = _offloaded(model) if stream_weights is None else bool(stream_weights)
-    block_bytes = _param_bytes(blocks[0])
     n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
     for name, p in phases.items():  # the engine streams each block once per batch and sweep; the other
         # steps run the model's own forward, whose offload hooks move a block at each call
         sweeps = p.get("sweeps", p.get("calls", 1))
         p["bytes_moved"] = 0 if not streamed else (block_bytes * total_blocks * n_batches * sweeps
                                                    if name in ENGINE_PHASES else block_bytes * p["block_passes"])
-    weights = _param_bytes(model)
+    weights = shape.weight_bytes
     search_ref = 0
     if engine is not None and "selection" in phases and cfg.strategy == "search":
         search_ref = _reference_bytes(engine, budget)

@@ -20,9 +20,10 @@ over one batch) and of the output head:
   and backward (the backward as 2 forward FLOPs) and a teacher forward (or, with
   ``teacher_top_k``, one teacher pass over the training prompts before training), over
   transformers' Trainer batches of ``batch_size`` prompts that cycle through the training
-  prompts; held-out evaluations (student and teacher forwards) before training and every
-  ``eval_every`` steps. Exact when the early stop cannot fire (fewer evaluations in
-  training than ``patience``), otherwise an upper bound (no early stop).
+  prompts; held-out evaluations (student and teacher forwards) before training, every
+  ``eval_every`` steps and after the last step. Exact when the early stop cannot fire
+  before the last step (fewer evaluations before it than ``patience``), otherwise an upper
+  bound (no early stop).
 
 Peak memory per step: the weights held then (the dense teacher copy from before the cut
 until healing ends), the step's own tensors (captured streams and float64 moments of a
@@ -37,7 +38,6 @@ import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 
-import torch
 from torch import nn
 
 from .calibration import CalibrationSet
@@ -241,8 +241,9 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     prompts, width, rows_known = _heal_rows(cfg, calibration)
     train, held = prompts - heal.heldout_prompts, heal.heldout_prompts
     steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
-    evaluations = 1 + steps // heal.eval_every
-    no_early_stop = steps // heal.eval_every < heal.patience
+    # before training, every eval_every steps and after the last step (transformers' DefaultFlowCallback)
+    evaluations = 1 + math.ceil(steps / heal.eval_every)
+    no_early_stop = math.ceil(steps / heal.eval_every) - 1 < heal.patience  # a stop at the last one changes nothing
     phase = _phase(no_early_stop and rows_known,
                    f"{heal.method}: {steps} steps of {heal.batch_size} prompts x {width} tokens, {evaluations} "
                    f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))
@@ -260,7 +261,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
             _add_forward(phase, shape, kept, b, width)
     params, tensors, es = trainable_parameters(shape, cfg, removed_set)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
-    optimizer = 3 * params * es + 4 * tensors
+    optimizer = 4 * params * es + 4 * tensors
     adapters = params * es if heal.method == "lora" else 0
     b = heal.batch_size
     saved = kept * (b * width * (16 * shape.hidden + 2 * shape.intermediate) * shape.es
@@ -269,5 +270,5 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     phase.update(trainable_params=params, trainable_tensors=tensors, optimizer_bytes=optimizer,
                  removal_known=removal_known)
     phase["memory_bytes"] = (2 * shape.weight_bytes - removed * shape.block_bytes + adapters + optimizer
-                             + params * es + saved + logits)
+                             + saved + logits)
     return phase
