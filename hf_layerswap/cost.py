@@ -451,7 +451,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
 
     Raises:
         ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
-            budget, a path that is no checkpoint (the message names it).
+            budget, a healing method other than ``lora``, ``adjacent`` and ``last_k``, a
+            path that is no checkpoint (the message names it).
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)

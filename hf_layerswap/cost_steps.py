@@ -192,10 +192,12 @@ def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
     return wanted, heal.seq_len, False
 
 
-def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[int]) -> tuple[int, int, int]:
+def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[int],
+                         known: bool = True) -> tuple[int, int, int]:
     """(trainable parameters, their tensors, bytes per element) of ``cfg.heal``'s method on
     the pruned model: LoRA's A and B (fp32, rank ``lora_r``) on the kept blocks'
-    projections, or the full weights the method unfreezes.
+    projections, or the full weights the method unfreezes (``"adjacent"`` with ``removed``
+    not ``known``: two neighbours per removed block, the most there can be).
 
     Raises:
         ValueError: a healing method whose trainable set is not planned here.
@@ -211,7 +213,8 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
         total = shape.num_blocks
         kept_layers = [i for i in range(total) if i not in removed]
         record = {"kept_layers": kept_layers, "removed_layers": removed, "original_num_hidden_layers": total}
-        chosen = len(cut_neighbours(SimpleNamespace(config=SimpleNamespace(layerswap=record))))
+        chosen = (len(cut_neighbours(SimpleNamespace(config=SimpleNamespace(layerswap=record)))) if known
+                  else min(2 * len(removed), kept))
         params = list(block.parameters())
         norm_params = sum(p.numel() for p in norms)
         return (chosen * shape.block_params + (kept - chosen) * norm_params,
@@ -259,7 +262,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
         for b in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)):
             _add_forward(phase, shape, shape.num_blocks, b, width)
             _add_forward(phase, shape, kept, b, width)
-    params, tensors, es = trainable_parameters(shape, cfg, removed_set)
+    params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
     optimizer = 4 * params * es + 4 * tensors
     adapters = params * es if heal.method == "lora" else 0
