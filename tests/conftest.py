@@ -2,7 +2,7 @@
 models, ``arch_matrix.py``), the real WikiText-2 text, the real pretrained
 SmolLM2-135M / Gemma-3-270M checkpoints (marked ``slow``), and the helpers several
 component test modules share (short texts, a model snapshot, a forward-pass counter, a
-recorder of progress bars)."""
+recorder of progress bars, a model whose scores overflow)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import copy
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,29 @@ def progress_bars(monkeypatch):
             monkeypatch.setattr(module, "tqdm", Recording)
     monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
     return opened
+
+
+#: The advice every non-finite refusal and warning ends with (a regular expression).
+NONFINITE_ADVICE = (r"non-finite values are reported, never a basis for removal: load the model in float32 "
+                    r"\(from_pretrained\(\.\.\., dtype=torch\.float32\), or --dtype float32 on the command line\) "
+                    r"or score on another calibration set")
+
+
+def overflowing_model(dtype=torch.float16, scale=300.0, family="llama"):
+    """A tiny model whose block 3 MLP overflows (fp16 max is 65504): the model's own output is NaN."""
+    model = tiny_model(family).to(dtype)
+    with torch.no_grad():
+        for p in model.model.layers[3].mlp.parameters():
+            p.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def overflow():
+    """(model, calibration, report): :func:`overflowing_model` in fp16, four 12-token prompts
+    and its swap-KL report, every value NaN (scored without the non-finite warning)."""
+    model, calibration = overflowing_model(), tiny_batch(4, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hl.NonFiniteScoresWarning)
+        warnings.simplefilter("ignore", hl.CalibrationShortfallWarning)
+        return model, calibration, hl.score_layers(model, calibration, progress=False)

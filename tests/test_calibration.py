@@ -1,4 +1,7 @@
-"""Calibration sources -> right-padded prompts."""
+"""Calibration sources -> right-padded prompts; what is refused by name (empty sets, prompts
+shorter than two tokens, mismatched shapes, wrong dtypes, token ids outside the embedding,
+missing and binary files, before any forward pass), a tokenizer without a pad token, the
+shortfall warning and its record, and prefix tokenizing of long texts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """How the command line fails: paths checked before the model loads, a full disk at write
-time, a corrupt GGUF file, a Hub id while offline, and Ctrl-C (exit 130, then ``--resume``).
+time, a corrupt GGUF file, a Hub id while offline, bad reports, budgets and binary calibration
+files (exit 2, nothing written), and Ctrl-C (exit 130, then ``--resume``).
 
 Read-only outputs: the tests run as root, for whom permission bits do not stop writes, so a
 path that cannot be created is made portably as a path *under a regular file* (the kernel

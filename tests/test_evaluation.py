@@ -1,4 +1,5 @@
-"""Evaluator: sliding-window perplexity contract, bootstrap, evaluate module, generation check."""
+"""Evaluator: sliding-window perplexity contract, bootstrap, evaluate module, generation check,
+models without a language-model head refused, and the progress bar."""
 
 from __future__ import annotations
 

@@ -21,18 +21,20 @@ import getpass
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from arch_matrix import build, tiny_tokenizer
-from conftest import PARAGRAPHS, write_paragraphs
+from conftest import NONFINITE_ADVICE, PARAGRAPHS, tiny_batch, tiny_model, write_paragraphs
 from hub_server import HubStandIn
 from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
     BASE_MODEL,
@@ -524,3 +526,21 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
     os.close(lock)
     assert hl.jsonio.remove_stale_staging(parent) == [live.name] and not live.exists()
+
+
+# --------------- non-finite scores: a removal chosen on them is not published
+
+
+def test_save_for_hub_refuses_a_removal_chosen_on_non_finite_values(tmp_path):
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=tiny_batch(4, 12), progress=False))
+    step = model.config.layerswap["steps"][-1]
+    assert step["strategy"] == "search" and math.isfinite(step["decision"]["value"])
+    step["decision"]["value"] = math.nan  # as an older version recorded it
+    with pytest.raises(hl.PushRefusedError, match=(
+            rf"^the removal was chosen on non-finite values: step 0 \(search\) removed {re.escape(str(step['removed_layers']))} on the "
+            rf"search's value = NaN; {NONFINITE_ADVICE}, then select again \(or remove explicit layers\)$")):
+        hl.save_for_hub(model, tmp_path / "out", report=result.report)
+    assert not (tmp_path / "out").exists()

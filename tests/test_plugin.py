@@ -1,7 +1,9 @@
 """The from_pretrained plugin: ``quantization_config=LayerSwapConfig(...)`` removes the
 set select_layers picks from the same report (the default search, or the greedy rule),
 saves a plain checkpoint that reloads without pruning twice, records an explicit second
-pruning; and (slow) the same path on the real SmolLM2-135M with WikiText-2 calibration."""
+pruning (its indices name the pruned checkpoint's blocks), needs no tokenizer for tokenized
+calibration and asks for one for text; and (slow) the same path on the real SmolLM2-135M
+with WikiText-2 calibration."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Recovery of the cut: Ghosted Layers' closed-form operator and the fused (ReplaceMe-style)
-variant folded into down_proj. Tiny random models, plus one real-model test on SmolLM2-135M."""
+variant folded into down_proj, and the calibration shortfall it warns of. Tiny random
+models, plus one real-model test on SmolLM2-135M."""
 
 from __future__ import annotations
 

@@ -1,16 +1,25 @@
 """Swap-KL scoring: the masked KL against a hand computation, the probes' symmetries
 (identity exactly 0, interchange symmetric, replacement not), prefix reuse equal to a full
 forward, right padding changing no value, and a model left exactly as it was after scoring,
-also when a probe raises."""
+also when a probe raises; non-finite KL kept as a result (warned with the first broken
+batch), bad indices refused by the removal KL, and the progress bar's block passes."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from arch_matrix import NUM_BLOCKS, build, prompts
-from conftest import assert_model_unchanged, snapshot_model, tiny_batch, tiny_model
+from conftest import (
+    NONFINITE_ADVICE,
+    assert_model_unchanged,
+    overflowing_model,
+    snapshot_model,
+    tiny_batch,
+    tiny_model,
+)
 
 import hf_layerswap as hl
 from hf_layerswap import NonFiniteScoresError, SwapReport, score_layers, select_layers
@@ -343,3 +352,53 @@ def test_the_scoring_bar_counts_block_passes_as_they_run(progress_bars, vocab_ch
     assert bar.updates.count(1) >= meta["block_evaluations"]  # a step for every block run
     assert max(bar.updates) <= 6
     assert bar.unit == " block pass"
+
+
+# -------------------------------- non-finite scores from an overflowing model
+
+
+def test_the_overflowing_model_gives_all_nan_scores(overflow):
+    _, _, report = overflow
+    assert all(math.isnan(v) for r in report.pairs for v in (r.replacement_ij, r.replacement_ji, r.interchange))
+    assert report.metadata["nonfinite"] == {"first_batch": 0}
+    assert list(report.nonfinite_values())[:3] == [
+        "pair (0, 1) replacement_ij", "pair (0, 1) replacement_ji", "pair (0, 1) interchange"]
+
+
+def test_score_verbs_warn_with_the_first_broken_batch():
+    model = tiny_model("llama")
+    calibration = prompts(4, 12, seed=3, pad_last=0, high=100)
+    calibration["input_ids"][2, 4] = 120  # only prompt 2 (batch 1 of size 2) carries the marker
+
+    def poison(module, args, output):
+        return torch.where((args[0] == 120).any(dim=1)[:, None, None], torch.full_like(output, math.nan), output)
+
+    handle = model.model.embed_tokens.register_forward_hook(poison)
+    try:
+        with pytest.warns(hl.NonFiniteScoresWarning, match=(
+                rf"^15 of 15 swap-KL probe values are non-finite \(NaN or inf\), first at calibration batch 1 "
+                rf"\(0-based\); {NONFINITE_ADVICE}$")):
+            report = hl.score_layers(model, calibration, batch_size=2, num_prompts=4, progress=False)
+        with pytest.warns(hl.NonFiniteScoresWarning, match=(
+                r"^2 of 2 removal KL values are non-finite \(NaN or inf\), first at calibration batch 1 \(0-based\)")):
+            values = removal_kl(model, calibration, [[1], [2]], batch_size=2, num_prompts=4)
+    finally:
+        handle.remove()
+    assert report.metadata["nonfinite"] == {"first_batch": 1}
+    assert all(math.isnan(v) for v in values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hl.NonFiniteScoresWarning)  # finite scores: no warning
+        clean = hl.score_layers(model, calibration, batch_size=2, num_prompts=4, progress=False)
+    assert "nonfinite" not in clean.metadata and clean.nonfinite_values() == {}
+
+
+def test_adaptive_scoring_stops_at_non_finite_scores_and_reports_them():
+    model, calibration = overflowing_model(), tiny_batch(4, 12)
+    budget = hl.scoring.AdaptiveBudget(num_to_remove=1, min_prompts=2, step=2)
+    with pytest.warns(hl.NonFiniteScoresWarning, match=r"^15 of 15 swap-KL probe values are non-finite"):
+        report = hl.score_layers(model, calibration, batch_size=2, num_prompts=4, adaptive=budget, progress=False)
+    record = report.metadata["adaptive"]
+    assert record["stopped"] == "nonfinite" and record["rounds"] == [
+        {"num_prompts": 2, "selected": None, "stable": False, "closest": None}]
+    assert record["reason"] == "stopped: the interchange scores cannot fill the budget with finite values"
+    assert report.metadata["num_prompts"] == 2 and report.metadata["nonfinite"] == {"first_batch": 0}

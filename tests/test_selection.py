@@ -1,6 +1,7 @@
 """Selection: the paper's greedy rule (spacing, protected blocks, non-finite scores never
 selected, unmeetable budgets refused) on a hand-built report, and the "auto" protocol
-choice recording both candidate sets and their removal KL."""
+choice recording both candidate sets and their removal KL; every registered strategy
+refusing non-finite scores, budgets the rule cannot meet, and reports of another model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 from arch_matrix import NUM_BLOCKS, build, prompts, tiny_tokenizer
-from conftest import assert_model_unchanged, nonfinite_report, snapshot_model, tiny_batch, tiny_model
+from conftest import (
+    NONFINITE_ADVICE,
+    assert_model_unchanged,
+    nonfinite_report,
+    snapshot_model,
+    tiny_batch,
+    tiny_model,
+)
 
 import hf_layerswap as hl
 from hf_layerswap import (
@@ -24,6 +32,8 @@ from hf_layerswap import (
 )
 from hf_layerswap.plan import decoder_blocks, num_blocks
 from hf_layerswap.report import PairResult
+from hf_layerswap.rule import greedy_select
+from hf_layerswap.selection import STRATEGIES, register_strategy
 from hf_layerswap.scoring import removal_kl
 
 
@@ -188,3 +198,76 @@ def test_protect_as_a_bare_int_is_refused(matrix_report):
         assert str(err.value) == f"protect={protect!r}: must be a list of 0-based block indices, e.g. [0, -1] (or [] for none)"
     with pytest.raises(ValueError, match=r"^protect entry 1.0 is not an int: allowed ints in -6..5$"):
         select_layers(matrix_report, 1, protect=[1.0])
+
+
+# ----------------------------- non-finite scores: every strategy refuses them
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_registered_strategy_refuses_nan_scores(overflow, strategy):
+    model, calibration, report = overflow
+    protocol = "auto" if strategy == "auto" else "interchange"
+    checked = "replacement" if strategy == "auto" else "interchange"  # auto checks each scored protocol
+    probes = ["replacement_ij", "replacement_ji"] if checked == "replacement" else ["interchange"]
+    named = "; ".join(f"pair \\({i}, {i + 1}\\) {checked} = NaN" for i in range(5))
+    with pytest.raises(hl.NonFiniteScoresError, match=(
+            rf"^cannot select 1 block\(s\) on finite {checked} swap-KL scores: non-finite values: {named}; the values "
+            rf"first broke at calibration batch 0 \(0-based\)\. {NONFINITE_ADVICE}$")) as err:
+        hl.select_layers(report, 1, strategy=strategy, protocol=protocol, model=model, calibration=calibration)
+    assert err.value.first_batch == 0 and isinstance(err.value, ValueError)
+    assert len(err.value.nonfinite) == 5 and probes  # one per pair, each NaN
+    assert all(math.isnan(v) for v in err.value.nonfinite.values())
+    assert report.selections == [] and report.removal_kl == {}  # nothing recorded
+
+
+def test_a_newly_registered_strategy_passes_through_the_same_check(overflow):
+    model, calibration, report = overflow
+
+    @register_strategy("first_unprotected_for_test")
+    def first(report, num_to_remove, **_):
+        return list(range(1, 1 + num_to_remove))  # ignores the scores entirely
+
+    try:
+        with pytest.raises(hl.NonFiniteScoresError, match=r"^cannot select 2 block\(s\) on finite interchange"):
+            hl.select_layers(report, 2, strategy="first_unprotected_for_test")
+        # finite scores enough for the budget, but the strategy takes block 2, whose score is NaN
+        partial = SwapReport(6, [PairResult(i, i + 1, 0.1, 0.1, math.nan if i in (1, 2) else 0.1) for i in range(5)])
+        assert partial.layer_scores("interchange")[2] != partial.layer_scores("interchange")[2]  # NaN
+        with pytest.raises(hl.NonFiniteScoresError, match=(
+                r"^cannot select 2 block\(s\) with a finite value: the best set the strategy found is \[1, 2\]: "
+                r"non-finite values: layer 2 \(interchange score\) = NaN\. ")):
+            hl.select_layers(partial, 2, strategy="first_unprotected_for_test")
+        assert hl.select_layers(partial, 1, strategy="first_unprotected_for_test") == [1]  # block 1: finite (0-1)
+    finally:
+        STRATEGIES.pop("first_unprotected_for_test")
+
+
+@pytest.mark.parametrize("strategy", ["search", "beam", "single_removal_kl"])
+def test_a_set_objective_that_is_non_finite_is_refused_and_the_report_left_as_it_was(overflow, strategy):
+    # finite swap-KL values, but every removal set's objective on the model is NaN
+    model, calibration, _ = overflow
+    report = SwapReport(6, [PairResult(i, i + 1, 0.1 * (i + 1), 0.2 * (i + 1), 0.05 * (i + 1)) for i in range(5)])
+    report.removal_kl["2"] = 0.5
+    message = {
+        "search": r"the best set the strategy found is \[1\]: non-finite values: set 1 \(objective\) = NaN; "
+                  r"set 1 \(joint removal KL\) = NaN\. ",
+        "beam": r"the best set the strategy found is \[1\]: non-finite values: set 1 \(objective\) = NaN\. ",
+        # a per-layer rule: every unprotected block's single-removal KL is NaN
+        "single_removal_kl": r"found 0: \[\]\): non-finite values: layer 1 = NaN; layer 2 = NaN; layer 3 = NaN; "
+                             r"layer 4 = NaN\. ",
+    }[strategy]
+    with pytest.raises(hl.NonFiniteScoresError, match=message + NONFINITE_ADVICE):
+        hl.select_layers(report, 1, strategy=strategy, model=model, calibration=calibration)
+    assert report.selections == [] and report.removal_kl == {"2": 0.5}
+
+
+def test_greedy_rule_names_the_layers_when_only_non_finite_scores_could_fill_the_budget():
+    with pytest.raises(hl.NonFiniteScoresError, match=(
+            r"^cannot select 2 layers of 5 with finite scores \(found 1: \[1\]\): non-finite values: layer 2 = NaN; "
+            r"layer 3 = inf\. ")) as err:
+        greedy_select([0.0, 0.1, math.nan, math.inf, 0.2], 2, spacing=0)
+    assert list(err.value.nonfinite) == ["layer 2", "layer 3"] and err.value.first_batch is None
+    # gaps the score order leaves are not a question of finiteness, even with a NaN among them
+    with pytest.raises(ValueError, match=r"the rule found only 2 \(\[2, 4\]\)") as plain:
+        greedy_select([0.0, 0.5, 0.0, 0.5, 0.0, math.nan, 0.0], 3, spacing=1, protect=(0, -1))
+    assert not isinstance(plain.value, hl.NonFiniteScoresError)

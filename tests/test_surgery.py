@@ -1,7 +1,8 @@
 """Surgery: remove_layers on tiny Llama, Qwen3 (sliding/full) and Gemma3 models keeps
 the invariants and the per-layer config, the pruned model's KL equals the removal KL that
 scoring measured, generation with and without cache agree, and plain transformers reloads
-the checkpoint (in a process without hf_layerswap) with identical logits."""
+the checkpoint (in a process without hf_layerswap) with identical logits; bad indices and
+provenance are refused by name and leave the model as it was."""
 
 from __future__ import annotations
 
