@@ -398,7 +398,7 @@ def test_optimum_command_delegates_to_the_hf_layerswap_parser(monkeypatch, capsy
 # ------------------------------------- no local path published; a killed save
 
 
-def _fetch_every_file(hub, repo_id: str, out: Path) -> Path:  # noqa: F811 (hub: the fixture's server)
+def _fetch_every_file(hub, repo_id: str, out: Path) -> Path:
     """Download every file of ``repo_id`` through the stand-in, in a fresh process (the
     download helpers read the endpoint when huggingface_hub is imported)."""
     script = "import sys; from huggingface_hub import snapshot_download; snapshot_download(sys.argv[1], local_dir=sys.argv[2])"
@@ -411,7 +411,7 @@ def _fetch_every_file(hub, repo_id: str, out: Path) -> Path:  # noqa: F811 (hub:
     return out
 
 
-def test_published_files_carry_no_local_path_component(hub, tmp_path):  # noqa: F811 (fixture)
+def test_published_files_carry_no_local_path_component(hub, tmp_path):
     from transformers import AutoModelForCausalLM
 
     user = getpass.getuser()
