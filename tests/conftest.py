@@ -176,6 +176,20 @@ def gemma3_270m():
     return load_model("gemma3-270m")
 
 
+def counted_prune(cfg: LlamaConfig, config, calibration) -> tuple[int, int]:
+    """(decoder-block forward calls, output-head calls) that forward hooks count in the real
+    ``hl.prune`` of a fresh model of ``cfg`` (seed 1); a healing teacher, a deep copy of the
+    model, carries the hooks too."""
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg.__class__.from_dict(cfg.to_dict())).eval()
+    counts = {"block": 0, "head": 0}
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
+    model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
+    hl.prune(model, config, calibration=calibration)
+    return counts["block"], counts["head"]
+
+
 # --------------------------------------------------------------------------- shared by component tests
 
 #: Three one-line prompts of different lengths (the character tokenizer pads the shorter two).
