@@ -41,7 +41,6 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from hf_layerswap import heal, recover, remove_layers  # noqa: E402
-from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
@@ -50,6 +49,7 @@ from hf_layerswap.provenance import library_versions  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -138,8 +138,8 @@ class Runner:
         sets = self.state["models"][self.name]["sets"]
         entry = sets.setdefault(",".join(map(str, removed)), {})
         if ghosted:
-            fit = {k: v for k, v in GHOSTED_FIT.items() if k != "num_tokens"}
-            calib = build_calibration(str(CALIBRATION), self.tokenizer, **fit)
+            fit = GHOSTED_FIT
+            calib = wikitext_calibration(self.tokenizer, fit["num_prompts"], fit["seq_len"], seed=fit["seed"])
             rec = recover(student, removed, calib, method="ghosted", num_tokens=GHOSTED_FIT["num_tokens"])
             if "ghosted" not in entry:
                 entry["ghosted"] = {**self.evaluate(student), "fit_tokens": rec.num_tokens}

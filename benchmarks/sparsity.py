@@ -34,8 +34,6 @@ import fcntl
 import itertools
 import json
 import math
-import random
-import re
 import shlex
 import statistics
 import sys
@@ -46,16 +44,16 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from hf_layerswap.calibration import build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
 from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 
-CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -65,17 +63,6 @@ ISSUE_SEEDS = 9  # calibration seeds per cell the grid asks for
 
 # two-sided 97.5% Student t quantiles for small samples (df -> t)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def calibration_prompts(seed: int, num_prompts: int) -> list[str]:
-    """WikiText-2 validation paragraphs (headings dropped), shuffled with ``seed``.
-
-    The tokenized release separates paragraphs by lines holding a single space; they are
-    normalised to blank lines before splitting."""
-    text = re.sub(r"\n[ \t]+(?=\n)", "\n", CALIBRATION.read_text(encoding="utf-8"))
-    paragraphs = split_paragraphs(text)
-    random.Random(seed).shuffle(paragraphs)
-    return paragraphs[:num_prompts]
 
 
 def parse_allocation(spec: str) -> tuple[str, dict]:
@@ -206,9 +193,7 @@ def run(args) -> dict:
             print(f"{key}: cached PPL {store['runs'][key]['ppl']['ppl']:.3f}", flush=True)
             continue
         model.load_state_dict(dense_state)
-        calib = build_calibration(
-            calibration_prompts(seed, args.num_prompts), tokenizer, num_prompts=args.num_prompts, seq_len=args.seq_len
-        )
+        calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len, seed)
         t = time.perf_counter()
         name, extra = parse_allocation(allocation)
         report = sparsify(

@@ -24,6 +24,7 @@ from runner import (  # noqa: E402
     merge_states,
     run_cells,
 )
+from wikitext import VARIANTS, wikitext_prompts  # noqa: E402
 
 
 def test_expand_grid_first_axis_slowest_and_scalars_copied():
@@ -119,3 +120,15 @@ def test_heal_runs_only_missing_cells_of_the_chosen_methods(tmp_path, monkeypatc
     on_disk = json.loads(path.read_text())
     assert on_disk["cells"] == state["cells"] and on_disk["cells"][bench.cell_key(stored)] == {"kept": True}
     assert on_disk["commands"] == ["python benchmarks/heal.py --groups n6 --threads 1"]
+
+
+def test_wikitext_variants_name_what_a_prompt_is(wikitext_valid):
+    sections = wikitext_prompts(1000, seed=0, path=wikitext_valid)
+    lines = wikitext_prompts(5000, seed=0, variant="lines", path=wikitext_valid)
+    assert (len(sections), len(lines)) == (538, 1713)  # every prompt of the validation split
+    assert sorted(VARIANTS) == ["lines", "sections"]
+    # a section joins the paragraphs (lines) under one heading: every line lies inside one section
+    assert all(any(line in section for section in sections) for line in lines[:20])
+    assert wikitext_prompts(3, seed=1) != wikitext_prompts(3, seed=0)
+    with pytest.raises(ValueError, match=r"variant='paragraphs': allowed \['lines', 'sections'\]"):
+        wikitext_prompts(3, variant="paragraphs")
