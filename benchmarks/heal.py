@@ -442,7 +442,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     path = Path(args.json)
     if args.merge_from:
-        merge_files(path, args.merge_from, union=("commands",), first=("environment",))
+        merge_files(path, args.merge_from, union=("commands",), first=("environment",),
+                    volatile=("heal_cpu_s", "heal_wall_s"))
     if args.render_only:
         if not path.is_file():
             raise SystemExit(f"{path} does not exist: nothing to render")

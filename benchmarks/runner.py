@@ -111,18 +111,23 @@ def experiment_cells(experiment: dict) -> dict[str, list[dict]]:
     return out
 
 
-def merge_values(a, b, where: str = "$"):
+def merge_values(a, b, where: str = "$", volatile: Iterable[str] = ()):
     """``a`` and ``b`` combined: mappings key by key (recursively), any other value only
-    when both are equal.
+    when both are equal. Under a key named in ``volatile`` (timings such as ``eval_s``, or a
+    mapping of them: a second measurement of the same result) the first value is kept whole.
 
     Raises:
         MergeConflict: a key holds different values in ``a`` and ``b``; the message names
             the key path and both values.
     """
+    volatile = frozenset(volatile)
     if isinstance(a, dict) and isinstance(b, dict):
         out = dict(a)
         for key, value in b.items():
-            out[key] = merge_values(a[key], value, f"{where}.{key}") if key in a else value
+            if key not in a:
+                out[key] = value
+            elif key not in volatile:
+                out[key] = merge_values(a[key], value, f"{where}.{key}", volatile)
         return out
     if a != b:
         raise MergeConflict(f"{where}: {json.dumps(a)[:200]} != {json.dumps(b)[:200]}; the results differ, "
@@ -131,15 +136,17 @@ def merge_values(a, b, where: str = "$"):
 
 
 def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",),
-                 first: Iterable[str] = ()) -> dict:
+                 first: Iterable[str] = (), volatile: Iterable[str] = ()) -> dict:
     """One results state from several (runs of disjoint cells in other processes or machines).
 
     Args:
         states: parsed results JSON, in order.
         union: top-level keys holding lists: their entries are concatenated, duplicates dropped.
         first: top-level keys whose first stored value is kept (e.g. the machine description).
+        volatile: key names, at any depth, whose values may differ (timings); the first is kept.
 
-    Every other key is merged with :func:`merge_values`: cells present in two states must be equal.
+    Every other key is merged with :func:`merge_values`: cells present in two states must be
+    equal (but for their ``volatile`` fields).
 
     Raises:
         ValueError: no states.
@@ -156,7 +163,7 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
             elif key in union:
                 merged[key] = list(dict.fromkeys([*merged[key], *value]))
             elif key not in first:
-                merged[key] = merge_values(merged[key], value, f"$.{key}")
+                merged[key] = merge_values(merged[key], value, f"$.{key}", volatile)
     return merged
 
 
@@ -221,6 +228,7 @@ class CellStore:
     def update(self, change: Callable[[dict], None] | None = None) -> dict:
         """Apply ``change`` to the state (in a shared store: to the file's latest state, under
         the lock) and write it. Returns the state."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._locked():
             if change is not None:
                 change(self.state)

@@ -11,9 +11,12 @@ same evaluation windows (paired bootstrap over windows, :func:`delta_ppl_ci`); w
 calibration seeds, the across-seed mean, a t-based 95% interval and an exact sign-flip
 (permutation) test of the paired per-seed differences are reported.
 
-Results are cached per configuration in the JSON file, so an interrupted run resumes. Several
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``): results
+are cached per configuration in the JSON file, so an interrupted run resumes. Several
 processes may share one model's cache (e.g. one per core, each with its own ``--seeds``): every
 write merges under a file lock, and a configuration another process has stored is not run again.
+Caches filled on other machines merge with ``--merge-from`` (a configuration stored with
+different values is refused).
 
 Usage (from the repository root)::
 
@@ -30,7 +33,6 @@ residual stream entering each block instead of the linears' inputs).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import itertools
 import json
 import math
@@ -49,9 +51,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
+from runner import CellStore, add_runner_arguments, merge_files, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -131,19 +134,10 @@ def bos_text(bos) -> str:
     return f"{'added' if bos.get('add_bos') else 'none'} ({bos.get('bos_choice')})"
 
 
-def update_store(path: Path, change=None) -> dict:
-    """Read the result cache, apply ``change(store)`` and write it back atomically, all under an
-    exclusive lock (``<json>.lock``), so processes sharing one cache never lose each other's runs.
-    Returns the store as written (or as read, with no change)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        store = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        store.setdefault("runs", {})
-        if change is not None:
-            change(store)
-            write_json_atomic(store, path)
-        return store
+def open_store(path: Path) -> CellStore:
+    """The result cache, shared by the processes that fill it (the runner's locked store: each
+    configuration is merged into the file under ``<json>.lock``, so none loses another's runs)."""
+    return CellStore(path, fresh=lambda: {"runs": {}}, cells="runs", shared=True)
 
 
 def run(args) -> dict:
@@ -164,7 +158,8 @@ def run(args) -> dict:
             )
         store["model"] = identity
 
-    store = update_store(out_json, claim)
+    cache = open_store(out_json)
+    store = cache.update(claim)
     dense_state = {k: v.clone() for k, v in model.state_dict().items()}
 
     def evaluate():
@@ -176,40 +171,21 @@ def run(args) -> dict:
     if dense_key not in store:
         t = time.perf_counter()
         record = {"ppl": without_local_paths(evaluate().to_dict()), "eval_s": time.perf_counter() - t}
-        store = update_store(out_json, lambda s: s.setdefault(dense_key, record))
+        store = cache.update(lambda s: s.setdefault(dense_key, record))
     print(f"dense PPL {store[dense_key]['ppl']['ppl']:.3f}", flush=True)
 
-    configs = []
-    for pattern in args.patterns:
-        pattern = None if pattern == "unstructured" else pattern
-        for allocation in args.allocations if pattern is None else ["uniform"]:
-            for method in args.methods:
-                for seed in args.seeds:
-                    configs.append((pattern, allocation, method, seed))
-    for pattern, allocation, method, seed in configs:
-        key = config_key(pattern, allocation, method, seed, vars(args))
-        store = update_store(out_json)  # another process sharing the cache may have run it meanwhile
-        if key in store["runs"]:
-            print(f"{key}: cached PPL {store['runs'][key]['ppl']['ppl']:.3f}", flush=True)
-            continue
+    def run_one(config):
+        pattern, allocation, method, seed = config
         model.load_state_dict(dense_state)
         calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len, seed)
         t = time.perf_counter()
         name, extra = parse_allocation(allocation)
-        report = sparsify(
-            model,
-            calib,
-            sparsity=args.sparsity,
-            allocation=name,
-            method=method,
-            pattern=pattern,
-            batch_size=args.batch_size,
-            **extra,
-        )
+        report = sparsify(model, calib, sparsity=args.sparsity, allocation=name, method=method, pattern=pattern,
+                          batch_size=args.batch_size, **extra)
         sparsify_s = time.perf_counter() - t
         t = time.perf_counter()
         ppl = evaluate()
-        record = {
+        return {
             "pattern": pattern,
             "allocation": allocation,
             "method": method,
@@ -219,11 +195,17 @@ def run(args) -> dict:
             "sparsify_s": sparsify_s,
             "eval_s": time.perf_counter() - t,
         }
-        store = update_store(out_json, lambda s: s["runs"].__setitem__(key, record))
-        print(f"{key}: sparsity {report.achieved_sparsity:.4f} PPL {ppl.ppl:.3f} ({sparsify_s:.0f} s)", flush=True)
+
+    configs = [(None if pattern == "unstructured" else pattern, allocation, method, seed)
+               for pattern in args.patterns
+               for allocation in (args.allocations if pattern == "unstructured" else ["uniform"])
+               for method in args.methods for seed in args.seeds]
+    run_cells(cache, [(config_key(*c, vars(args)), c) for c in configs], run_one, tag="sparsity",
+              describe=lambda r: f"sparsity {r['report']['achieved_sparsity']:.4f} PPL {r['ppl']['ppl']:.3f} "
+                                 f"({r['sparsify_s']:.0f} s)")
     model.load_state_dict(dense_state)
-    settings = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "json", "output")}
-    return update_store(out_json, lambda s: s.__setitem__("settings", settings))
+    settings = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "merge_from", "json", "output")}
+    return cache.update(lambda s: s.__setitem__("settings", settings))
 
 
 def levels(store: dict) -> list[float]:
@@ -503,10 +485,13 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="result cache (default: results/sparsity-<model>.json)")
     parser.add_argument("--output", default=None, help="Markdown (default: results/sparsity-<model>.md)")
     parser.add_argument("--fresh", action="store_true", help="start --json over: its stored runs are discarded")
-    parser.add_argument("--render-only", action="store_true", help="rewrite --output from --json, run nothing")
+    add_runner_arguments(parser)
     args = parser.parse_args(argv)
     args.json = args.json or str(RESULTS / f"sparsity-{args.model}.json")
     args.output = args.output or str(RESULTS / f"sparsity-{args.model}.md")
+    if args.merge_from:  # caches filled on other machines: the first file's settings are kept
+        merge_files(Path(args.json), args.merge_from, union=("commands",), first=("settings",),
+                    volatile=("eval_s", "sparsify_s", "seconds"))
     if args.render_only:
         store = json.loads(Path(args.json).read_text())
         text = render(store, "", Path(args.json).name)
@@ -520,7 +505,7 @@ def main(argv=None):
     def record_command(store):
         store["commands"] = merge_command(store.get("commands", []), command)
 
-    store = update_store(Path(args.json), record_command)
+    store = open_store(Path(args.json)).update(record_command)
     text = render(store, command, Path(args.json).name)
     write_index(write_text_atomic(text, args.output).parent)
     print(text)

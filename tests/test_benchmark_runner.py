@@ -85,6 +85,10 @@ def test_merge_combines_disjoint_runs_and_refuses_conflicting_cells(tmp_path):
                       "cells": {"k1": {"v": 1}, "k2": {"v": 2}}, "models": {"s": {"base": 2.0}, "g": {"base": 3.0}}}
     with pytest.raises(MergeConflict, match=r"\$\.cells\.k1\.v: 1 != 5"):
         merge_states([a, {"cells": {"k1": {"v": 5}}}])
+    # the same cell measured twice: equal results merge, a timing differs and the first is kept
+    again = merge_states([a, {"cells": {"k1": {"v": 1, "eval_s": 9.0}}}, {"cells": {"k1": {"v": 1, "eval_s": 7.0}}}],
+                         volatile=("eval_s",))
+    assert again["cells"]["k1"] == {"v": 1, "eval_s": 9.0}
     dest, src = tmp_path / "dest.json", tmp_path / "src.json"
     dest.write_text(json.dumps(a))
     src.write_text(json.dumps({"cells": {"k1": {"v": 5}}}))

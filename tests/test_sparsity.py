@@ -536,8 +536,9 @@ def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
     path = tmp_path / "cache.json"
 
     def add(prefix):
+        store = bench.open_store(path)
         for i in range(25):
-            bench.update_store(path, lambda s, k=f"{prefix}{i}": s["runs"].__setitem__(k, {"i": i}))
+            store.put(f"{prefix}{i}", {"i": i})
 
     ctx = multiprocessing.get_context("fork")
     workers = [ctx.Process(target=add, args=(p,)) for p in "ab"]
@@ -546,9 +547,9 @@ def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
     for w in workers:
         w.join(60)
     assert [w.exitcode for w in workers] == [0, 0]
-    runs = bench.update_store(path)["runs"]
+    runs = bench.open_store(path).cells
     assert sorted(runs) == sorted(f"{p}{i}" for p in "ab" for i in range(25))
-    assert bench.update_store(path) == json.loads(path.read_text())
+    assert bench.open_store(path).state == json.loads(path.read_text())
 
 
 def test_benchmark_commands_differing_only_in_seeds_share_one_line():
