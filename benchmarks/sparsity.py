@@ -54,7 +54,14 @@ from hf_layerswap.provenance import library_versions, model_identity  # noqa: E4
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
-from runner import CellStore, add_runner_arguments, merge_files, run_cells  # noqa: E402
+from runner import (  # noqa: E402
+    CellStore,
+    add_runner_arguments,
+    experiment_cells,
+    load_experiment,
+    merge_files,
+    run_cells,
+)
 from wikitext import wikitext_calibration  # noqa: E402
 
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -140,6 +147,15 @@ def open_store(path: Path) -> CellStore:
     return CellStore(path, fresh=lambda: {"runs": {}}, cells="runs", shared=True)
 
 
+def configurations(args) -> list[tuple]:
+    """``(pattern, allocation, method, seed)`` of every configuration a run with ``args`` covers, in
+    run order (pattern ``None`` is unstructured; an N:M pattern runs uniform allocation only)."""
+    return [(None if pattern == "unstructured" else pattern, allocation, method, seed)
+            for pattern in args.patterns
+            for allocation in (args.allocations if pattern == "unstructured" else ["uniform"])
+            for method in args.methods for seed in args.seeds]
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     out_json = Path(args.json)
@@ -196,15 +212,12 @@ def run(args) -> dict:
             "eval_s": time.perf_counter() - t,
         }
 
-    configs = [(None if pattern == "unstructured" else pattern, allocation, method, seed)
-               for pattern in args.patterns
-               for allocation in (args.allocations if pattern == "unstructured" else ["uniform"])
-               for method in args.methods for seed in args.seeds]
-    run_cells(cache, [(config_key(*c, vars(args)), c) for c in configs], run_one, tag="sparsity",
+    run_cells(cache, [(config_key(*c, vars(args)), c) for c in configurations(args)], run_one, tag="sparsity",
               describe=lambda r: f"sparsity {r['report']['achieved_sparsity']:.4f} PPL {r['ppl']['ppl']:.3f} "
                                  f"({r['sparsify_s']:.0f} s)")
     model.load_state_dict(dense_state)
-    settings = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "merge_from", "json", "output")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("fresh", "render_only", "merge_from", "experiment", "groups", "json", "output")}
     return cache.update(lambda s: s.__setitem__("settings", settings))
 
 
@@ -469,7 +482,23 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     return out
 
 
-def main(argv=None):
+def experiment_argvs(name: str, groups=None) -> list[list[str]]:
+    """The ``sparsity.py`` argument lists of experiment ``name`` (``benchmarks/experiments/<name>.toml``):
+    one per cell (model x target sparsity) of the chosen groups (default: all), in the file's order.
+
+    Raises:
+        ValueError: a group the experiment does not have (the message lists those it has).
+    """
+    experiment = load_experiment(name)
+    cells = experiment_cells(experiment)
+    unknown = [g for g in groups or [] if g not in cells]
+    if unknown:
+        raise ValueError(f"--groups {unknown}: experiment {name!r} has the groups {list(cells)}")
+    return [["--model", cell["model"], "--sparsity", f"{cell['sparsity']:g}", *experiment.get("options", "").split(),
+             *cell.get("options", "").split()] for group in groups or list(cells) for cell in cells[group]]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--sparsity", type=float, default=0.5)
@@ -485,8 +514,20 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="result cache (default: results/sparsity-<model>.json)")
     parser.add_argument("--output", default=None, help="Markdown (default: results/sparsity-<model>.md)")
     parser.add_argument("--fresh", action="store_true", help="start --json over: its stored runs are discarded")
+    parser.add_argument("--experiment", default=None,
+                        help="run the cells of benchmarks/experiments/<name>.toml instead (each one sparsity.py run)")
+    parser.add_argument("--groups", nargs="+", default=None, help="with --experiment: only these groups")
     add_runner_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.experiment:
+        for cell_argv in experiment_argvs(args.experiment, args.groups):
+            print("[sparsity] python benchmarks/sparsity.py " + " ".join(cell_argv), flush=True)
+            main(cell_argv)
+        return
     args.json = args.json or str(RESULTS / f"sparsity-{args.model}.json")
     args.output = args.output or str(RESULTS / f"sparsity-{args.model}.md")
     if args.merge_from:  # caches filled on other machines: the first file's settings are kept

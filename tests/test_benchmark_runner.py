@@ -136,3 +136,24 @@ def test_wikitext_variants_name_what_a_prompt_is(wikitext_valid):
     assert wikitext_prompts(3, seed=1) != wikitext_prompts(3, seed=0)
     with pytest.raises(ValueError, match=r"variant='paragraphs': allowed \['lines', 'sections'\]"):
         wikitext_prompts(3, variant="paragraphs")
+
+
+def test_sparsity_experiment_is_exactly_the_stored_grid():
+    """experiments/sparsity.toml expands to the configurations the committed pages store, no more, no less."""
+    spec = importlib.util.spec_from_file_location("sparsity_benchmark_runner", REPO_ROOT / "benchmarks" / "sparsity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argvs = bench.experiment_argvs("sparsity")
+    assert argvs[-1] == ["--model", "smollm2-135m", "--sparsity", "0.5", "--num-prompts", "32", "--seq-len", "128",
+                         "--threads", "1", "--allocations", "pals/source=block_input", "pals/invert=true", "--methods",
+                         "wanda", "--seeds", "0"]
+    planned = {}
+    for argv in argvs:
+        args = bench.build_parser().parse_args(argv)
+        planned.setdefault(args.model, set()).update(bench.config_key(*c, vars(args)) for c in bench.configurations(args))
+    for model, keys in planned.items():
+        stored = json.loads((REPO_ROOT / "benchmarks" / "results" / f"sparsity-{model}.json").read_text())["runs"]
+        assert keys == set(stored), model
+    assert {m: len(k) for m, k in planned.items()} == {"smollm2-135m": 200, "gemma3-270m": 198}
+    with pytest.raises(ValueError, match=r"--groups \['nope'\]: experiment 'sparsity' has the groups \['unstructured', 'nm', 'pals_variants'\]"):
+        bench.experiment_argvs("sparsity", ["nope"])
