@@ -138,7 +138,7 @@ class Runner:
         sets = self.state["models"][self.name]["sets"]
         entry = sets.setdefault(",".join(map(str, removed)), {})
         if ghosted:
-            fit = GHOSTED_FIT
+            fit = GHOSTED_FIT  # WikiText-2 validation, variant sections: the recovery benchmark's prompts
             calib = wikitext_calibration(self.tokenizer, fit["num_prompts"], fit["seq_len"], seed=fit["seed"])
             rec = recover(student, removed, calib, method="ghosted", num_tokens=GHOSTED_FIT["num_tokens"])
             if "ghosted" not in entry:

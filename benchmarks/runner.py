@@ -21,7 +21,8 @@ The runner owns the rest:
 - **render** (``--render-only``, :func:`add_runner_arguments`): the page is rewritten from
   the JSON alone; no model is loaded.
 
-Usage from a benchmark script::
+On the runner: ``heal.py`` (``experiments/heal.toml``) and ``sparsity.py``
+(``experiments/sparsity.toml``, a shared store). Usage from a benchmark script::
 
     store = CellStore(path, fresh=new_state)
     run_cells(store, ((cell_key(c), c) for c in cells), run_one, tag="heal")
