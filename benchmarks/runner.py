@@ -21,8 +21,10 @@ The runner owns the rest:
 - **render** (``--render-only``, :func:`add_runner_arguments`): the page is rewritten from
   the JSON alone; no model is loaded.
 
-On the runner: ``heal.py`` (``experiments/heal.toml``) and ``sparsity.py``
-(``experiments/sparsity.toml``, a shared store). Usage from a benchmark script::
+On the runner: ``heal.py`` (``experiments/heal.toml``), ``sparsity.py``
+(``experiments/sparsity.toml``, a shared store) and ``precision.py``
+(``experiments/precision.toml``; its models are a list of records, :class:`ListCellStore`).
+Usage from a benchmark script::
 
     store = CellStore(path, fresh=new_state)
     run_cells(store, ((cell_key(c), c) for c in cells), run_one, tag="heal")
@@ -45,12 +47,14 @@ from hf_layerswap.jsonio import write_json_atomic
 __all__ = [
     "EXPERIMENTS",
     "CellStore",
+    "ListCellStore",
     "MergeConflict",
     "add_runner_arguments",
     "expand_grid",
     "experiment_cells",
     "load_experiment",
     "merge_files",
+    "merge_keyed_lists",
     "merge_states",
     "merge_values",
     "run_cells",
@@ -136,8 +140,25 @@ def merge_values(a, b, where: str = "$", volatile: Iterable[str] = ()):
     return a
 
 
+def merge_keyed_lists(a: list, b: list, key: Callable[[dict], str], where: str = "$",
+                      volatile: Iterable[str] = ()) -> list:
+    """Two lists of records (a store older than the mapping layout, see :class:`ListCellStore`)
+    combined by ``key(record)``: ``a``'s order, then ``b``'s new records; records with one key
+    are merged with :func:`merge_values`.
+
+    Raises:
+        MergeConflict: a record with different values in ``a`` and ``b``.
+    """
+    out = {key(r): r for r in a}
+    for record in b:
+        k = key(record)
+        out[k] = merge_values(out[k], record, f"{where}[{k}]", volatile) if k in out else record
+    return list(out.values())
+
+
 def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",),
-                 first: Iterable[str] = (), volatile: Iterable[str] = ()) -> dict:
+                 first: Iterable[str] = (), volatile: Iterable[str] = (),
+                 keyed: dict[str, Callable[[dict], str]] | None = None) -> dict:
     """One results state from several (runs of disjoint cells in other processes or machines).
 
     Args:
@@ -145,6 +166,9 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
         union: top-level keys holding lists: their entries are concatenated, duplicates dropped.
         first: top-level keys whose first stored value is kept (e.g. the machine description).
         volatile: key names, at any depth, whose values may differ (timings); the first is kept.
+        keyed: top-level keys holding lists of records, each named by the given key function
+            (``{"models": lambda m: m["model"]}``): merged record by record
+            (:func:`merge_keyed_lists`).
 
     Every other key is merged with :func:`merge_values`: cells present in two states must be
     equal (but for their ``volatile`` fields).
@@ -155,7 +179,7 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
     """
     if not states:
         raise ValueError("merge_states: no states given; pass at least one results file")
-    union, first = set(union), set(first)
+    union, first, keyed = set(union), set(first), dict(keyed or {})
     merged: dict = {}
     for state in states:
         for key, value in state.items():
@@ -163,6 +187,8 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
                 merged[key] = list(value) if key in union else value
             elif key in union:
                 merged[key] = list(dict.fromkeys([*merged[key], *value]))
+            elif key in keyed:
+                merged[key] = merge_keyed_lists(merged[key], value, keyed[key], f"$.{key}", volatile)
             elif key not in first:
                 merged[key] = merge_values(merged[key], value, f"$.{key}", volatile)
     return merged
@@ -243,6 +269,43 @@ class CellStore:
     def put(self, key: str, record: dict) -> None:
         """Store the finished cell ``key`` and write the file."""
         self.update(lambda state: state.setdefault(self.cells_key, {}).__setitem__(key, record))
+
+
+class ListCellStore(CellStore):
+    """A :class:`CellStore` over a results JSON that keeps its cells as a list of records under
+    ``state[cells]`` (a layout older than the mapping), each record naming its own key:
+    ``key(record)``. :meth:`has` and :meth:`put` take that key; :meth:`put` replaces the stored
+    record of the key in place, or appends. Merge such files with ``keyed={cells: key}``
+    (:func:`merge_states`).
+
+    Raises:
+        ValueError (from :meth:`put`): a record whose ``key(record)`` is not the key it is put under.
+    """
+
+    def __init__(self, path: Path, fresh: Callable[[], dict], *, key: Callable[[dict], str],
+                 cells: str = "cells", shared: bool = False):
+        self.key = key
+        super().__init__(path, fresh, cells=cells, shared=shared)
+
+    @property
+    def cells(self) -> dict:
+        """``{key: record}`` of the stored list (a view: change records through :meth:`put`)."""
+        return {self.key(r): r for r in self.state.setdefault(self.cells_key, [])}
+
+    def put(self, key: str, record: dict) -> None:
+        """Store the finished cell ``key`` (replacing its stored record) and write the file."""
+        if self.key(record) != key:
+            raise ValueError(f"record named {self.key(record)!r} put under the key {key!r}; they must match")
+
+        def change(state: dict) -> None:
+            records = state.setdefault(self.cells_key, [])
+            keys = [self.key(r) for r in records]
+            if key in keys:
+                records[keys.index(key)] = record
+            else:
+                records.append(record)
+
+        self.update(change)
 
 
 def _log(tag: str, message: str) -> None:

@@ -2,7 +2,7 @@
 the quality pages and their index, speed, recovery, precision, streaming, heal and the two sparsity pages are
 rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
-of the benchmarks on the runner (heal, sparsity) are rendered from their state split in two
+of the benchmarks on the runner (heal, sparsity, precision) are rendered from their state split in two
 files and merged back with ``--merge-from``, so the merge keeps every stored value too."""
 
 from __future__ import annotations
@@ -22,13 +22,19 @@ def _split(state_path: Path, cells: str, folder: Path) -> tuple[Path, Path]:
     """The stored state cut in two files, as two processes of the runner would leave them: the
     first half of the cells with everything else, and the second half of the cells alone."""
     state = json.loads(state_path.read_text(encoding="utf-8"))
-    keys = list(state[cells])
-    half = len(keys) // 2
+    stored = state[cells]  # a mapping of cells, or a list of records (precision's models)
+    half = len(stored) // 2
+    if isinstance(stored, list):
+        head, tail = stored[:half], stored[half:]
+    else:
+        keys = list(stored)
+        head, tail = {k: stored[k] for k in keys[:half]}, {k: stored[k] for k in keys[half:]}
+    assert head and tail, f"{state_path.name}: too few cells to split"
     first, second = folder / "a" / state_path.name, folder / "b" / state_path.name  # the page may name its file
     first.parent.mkdir(exist_ok=True)
     second.parent.mkdir(exist_ok=True)
-    first.write_text(json.dumps({**state, cells: {k: state[cells][k] for k in keys[:half]}}), encoding="utf-8")
-    second.write_text(json.dumps({cells: {k: state[cells][k] for k in keys[half:]}}), encoding="utf-8")
+    first.write_text(json.dumps({**state, cells: head}), encoding="utf-8")
+    second.write_text(json.dumps({cells: tail}), encoding="utf-8")
     return first, second
 
 
@@ -74,10 +80,13 @@ def test_sparsity_pages_rerender_unchanged(tmp_path):
 
 
 def test_precision_page_rerenders_unchanged(tmp_path):
+    """The page from its stored models (a list), split in two and merged back by the runner first."""
     out = tmp_path / "precision.md"
-    _run([str(ROOT / "benchmarks" / "precision.py"), "--render-only", "--json", str(RESULTS / "precision.json"),
+    first, second = _split(RESULTS / "precision.json", "models", tmp_path)
+    _run([str(ROOT / "benchmarks" / "precision.py"), "--render-only", "--json", str(first), "--merge-from", str(second),
           "--out", str(out)], ROOT)
     assert out.read_bytes() == (RESULTS / "precision.md").read_bytes()
+    assert json.loads(first.read_text(encoding="utf-8")) == json.loads((RESULTS / "precision.json").read_text(encoding="utf-8"))
 
 
 def test_heal_page_rerenders_unchanged(tmp_path):
