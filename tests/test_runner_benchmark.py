@@ -165,3 +165,26 @@ def test_precision_runs_only_models_not_stored_and_keeps_the_others(tmp_path, mo
     precision.main(argv[:-5] + ["--search", "--json", str(path), "--out", str(page)])  # other settings: anew
     assert calls == ["smollm2-135m", "gemma3-270m"]
     assert [m["model"] for m in json.loads(path.read_text())["models"]] == ["smollm2-135m", "gemma3-270m"]
+
+
+def test_nested_list_store_counts_a_partial_record_as_not_done_and_merges_at_depth(tmp_path):
+    path = tmp_path / "r.json"
+
+    def key(entry):
+        return ",".join(map(str, entry["removed"]))
+
+    store = ListCellStore(path, fresh=lambda: {"result": {"evaluated": []}}, key=key, cells=("result", "evaluated"),
+                          done=lambda e: set(e["results"]) == {"none", "fused"})
+    store.put("1,3", {"removed": [1, 3], "results": {"none": 1.0}})
+    assert not store.has("1,3") and store.get("1,3") == {"removed": [1, 3], "results": {"none": 1.0}}
+    store.put("1,3", {"removed": [1, 3], "results": {"none": 1.0, "fused": 0.5}})
+    assert store.has("1,3") and json.loads(path.read_text()) == {
+        "result": {"evaluated": [{"removed": [1, 3], "results": {"none": 1.0, "fused": 0.5}}]}}
+    other = {"result": {"evaluated": [{"removed": [2], "results": {"none": 4.0}},
+                                      {"removed": [1, 3], "results": {"none": 1.0, "ghosted": 0.7}}], "seconds": 9.0}}
+    merged = merge_states([store.state, other], keyed={"evaluated": key}, volatile=("seconds",))
+    assert merged["result"]["evaluated"] == [{"removed": [1, 3], "results": {"none": 1.0, "fused": 0.5, "ghosted": 0.7}},
+                                             {"removed": [2], "results": {"none": 4.0}}]
+    with pytest.raises(MergeConflict, match=r"\$\.result\.evaluated\[1,3\]\.results\.none: 1\.0 != 2\.0"):
+        merge_states([store.state, {"result": {"evaluated": [{"removed": [1, 3], "results": {"none": 2.0}}]}}],
+                     keyed={"evaluated": key})
