@@ -106,6 +106,67 @@ def _search_part(name, num_prompts, seq_len, report_path, queue):
     queue.put(out)
 
 
+def _passes_part(name, num_prompts, seq_len, queue):
+    """The search for n = 1..6 and SLEB for n = 6 with the same engine tricks, in block and head passes."""
+    import torch
+    import hf_layerswap as hl
+    from transformers import AutoModelForCausalLM
+    from hf_layerswap.plan import num_blocks, removal_plan
+    from hf_layerswap.selection.objectives import SetObjective, plans_cost
+    from hf_layerswap.selection.sleb import sleb
+
+    torch.set_num_threads(1)
+    path, calib = _calibration(name, num_prompts, seq_len)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    total = num_blocks(model)
+    report = hl.score_layers(model, calib, max_gap=1, progress=False)  # the prune's scoring: both protocols, adjacent
+    f = SetObjective(model, calib)
+    t0 = time.perf_counter()
+    found = hl.search_select(report, list(range(1, 7)), model=model, calibration=calib, evaluator=f)
+    search_seconds = time.perf_counter() - t0
+    scored = {k: removal_plan(total, [int(x) for x in k.split(",")]) for k in f.cache}
+    _, untreed = plans_cost(scored, total, f.reference_passes)  # each candidate from its first removed block, no tree
+    t0 = time.perf_counter()
+    r = sleb(model, calib, 6)
+    sleb_seconds = time.perf_counter() - t0
+    block_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    queue.put({
+        "search": {"cost": found[6]["total_cost"], "block_passes_without_tree": untreed, "seconds": search_seconds,
+                   "selected": {n: found[n]["selected"] for n in found},
+                   "values": {n: float(found[n]["value"]).hex() for n in found}},
+        "sleb": {"forward_passes": r.forward_passes, "block_passes": r.block_passes,
+                 "head_passes": r.details["head_passes"], "evaluator_calls": r.evaluator_calls,
+                 "removed": r.removed, "seconds": sleb_seconds,
+                 "values": [float(s["nll"]).hex() for s in r.details["steps"]], "steps": r.details["steps"]},
+        "num_blocks": total, "head_per_block": model.get_output_embeddings().weight.numel() / block_params,
+    })
+
+
+def sleb_counts(steps, num_blocks: int, protect=(0, -1)) -> dict:
+    """SLEB's forward, block and head passes, recomputed from its stored steps (each step's
+    candidates are every unprotected block not yet removed): ``before`` with each candidate
+    run alone from its first removed block and the dense reference once per step, ``after``
+    with the candidates of a step sharing their prefix tree and the reference once in all
+    (what :func:`~hf_layerswap.selection.sleb.sleb` now runs). Deterministic: the same
+    schedule the code runs."""
+    from hf_layerswap.plan import removal_plan
+    from hf_layerswap.rule import resolve_protect
+    from hf_layerswap.scoring.probes import make_probes, schedule_blocks
+    from hf_layerswap.selection.objectives import plans_cost
+
+    protected = resolve_protect(protect, num_blocks)
+    allowed = [b for b in range(num_blocks) if b not in protected]
+    removed, before, tree, sets = [], 0, 0, 0
+    for step in steps:
+        plans = {b: removal_plan(num_blocks, sorted(removed + [b])) for b in allowed if b not in removed}
+        before += plans_cost(plans, num_blocks)[1]
+        tree += schedule_blocks(list(make_probes(plans, num_blocks)[1].values()), "shared")
+        sets += len(plans)
+        removed.append(int(step["removed"]))
+    return {"sets": sets, "before": {"forward_passes": sets + len(steps), "block_passes": before},
+            "after": {"forward_passes": sets + 1, "block_passes": tree + num_blocks, "head_passes": sets + 1}}
+
+
 def _child(target, *args):
     queue = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=target, args=(*args, queue))
@@ -275,15 +336,21 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--models", nargs="+", default=list(MODELS))
-    p.add_argument("--parts", nargs="+", default=["prune", "search", "default", "70b"])
+    p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b"],
+                   help="parts to run; the others keep their results stored in scale.json")
     p.add_argument("--render-only", action="store_true", help="write scale.md from scale.json")
     args = p.parse_args(argv)
     if args.render_only:
         out = json.loads((RESULTS / "scale.json").read_text())
         (RESULTS / "scale.md").write_text(render(out))
         return
-    out = {"command": command_line("scale.py", argv), "threads": 1, "num_prompts": args.num_prompts,
-           "seq_len": args.seq_len, "prune": {}, "search": {}}
+    stored = json.loads((RESULTS / "scale.json").read_text()) if (RESULTS / "scale.json").exists() else {}
+    out = {**stored, "threads": 1, "num_prompts": args.num_prompts, "seq_len": args.seq_len}
+    out.setdefault("commands", {})
+    for part in args.parts:
+        out[part] = {}
+        out["commands"][part] = command_line("scale.py", argv)
+    out.setdefault("command", command_line("scale.py", argv))
     if "70b" in args.parts:
         out["70b"] = _seventy_b()
     for name in args.models:
@@ -294,6 +361,9 @@ def main(argv=None):
             out["prune"][name] = {"predicted": _child(_estimate_part, name, args.num_prompts, args.seq_len),
                                   "measured": _child(_prune_part, name, args.num_prompts, args.seq_len, report_path)}
             print(name, out["prune"][name], flush=True)
+        if "passes" in args.parts:
+            out["passes"][name] = _child(_passes_part, name, args.num_prompts, args.seq_len)
+            print(name, out["passes"][name]["search"]["cost"], out["passes"][name]["sleb"]["block_passes"], flush=True)
         if "search" in args.parts:
             out["search"][name] = _child(_search_part, name, args.num_prompts, args.seq_len, report_path)
             print(name, out["search"][name]["kept"]["cost"], out["search"][name]["recomputed"]["cost"], flush=True)
