@@ -52,14 +52,13 @@ def spearman(a, b) -> float:
 def score(name: str, dtype, calib_args, threads: int):
     import torch
 
-    from hf_layerswap.calibration import build_calibration
     from hf_layerswap.models import load_model
     from hf_layerswap.scoring import score_layers
+    from wikitext import wikitext_calibration
 
     torch.set_num_threads(threads)
     model, tokenizer = load_model(name, dtype=dtype, device_map=None)
-    calib = build_calibration(str(CALIBRATION), tokenizer, num_prompts=calib_args["num_prompts"],
-                              seq_len=calib_args["seq_len"], seed=0)
+    calib = wikitext_calibration(tokenizer, calib_args["num_prompts"], calib_args["seq_len"], seed=0)
     c0, w0 = time.process_time(), time.perf_counter()
     report = score_layers(model, calib, protocols=PROTOCOLS, max_gap=1, batch_size=calib_args["batch_size"],
                           progress=False)

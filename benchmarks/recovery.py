@@ -33,9 +33,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.selection.geometry import block_influence  # noqa: E402
-from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
@@ -45,15 +45,16 @@ from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E4
 from hf_layerswap.report import SwapReport  # noqa: E402
 from hf_layerswap.scoring import score_layers  # noqa: E402
 from hf_layerswap.selection import select_layers  # noqa: E402
+from wikitext import VALID as CALIBRATION  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 
-CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 METHODS = ("none", "fused", "ghosted")
 
 
 def calibration_set(tokenizer, num_prompts: int, seq_len: int):
-    """WikiText-2 validation paragraphs (seeded shuffle, seed 0), truncated to ``seq_len``."""
-    return build_calibration(str(CALIBRATION), tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=0)
+    """WikiText-2 validation, variant ``sections`` (seeded shuffle, seed 0), truncated to ``seq_len``."""
+    return wikitext_calibration(tokenizer, num_prompts, seq_len, seed=0)
 
 
 def swap_report(model, calib, args, cache: Path) -> SwapReport:

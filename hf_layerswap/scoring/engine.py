@@ -40,7 +40,7 @@ from .checkpoint import ScoringCheckpoint, plans_digest
 from .head import decoder_output, Head, hooks_removed, maybe_autocast, param_dtype, text_config
 from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import make_probes, position_hooks, Probe, schedule, schedule_blocks, shard, walk_schedule
-from .processes import check_model_replica, Processes
+from .processes import check_model_replica, Processes, sum_movement
 from .reference import ReferenceCache
 from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
@@ -588,14 +588,15 @@ class Engine:
         if self.world <= 1:
             return
         local = {k: v.cpu() for k, v in self.computed.items()}
-        parts = self.processes.gather((local, self.stats, self.seconds))
+        parts = self.processes.gather((local, self.stats, self.seconds, (dict(self.moved), self.onloads_per_batch)))
         stats = {k: 0 for k in self.stats}
-        for part_values, part_stats, _ in parts:
+        for part_values, part_stats, _, _ in parts:
             self.computed.update(part_values)
             for k in stats:
                 stats[k] += part_stats[k]
         self.gathered_stats = stats
         self.seconds_max = max(p[2] for p in parts)
+        self.gathered_movement = sum_movement([p[3] for p in parts])
 
     def values(self, batch_indices: Sequence[int]) -> dict[Hashable, torch.Tensor]:
         out = {}
@@ -641,6 +642,7 @@ class Engine:
             "block_onloads": self.moved["block_onloads"],
             "bytes_moved": self.moved["bytes_moved"],
             "block_onloads_per_batch": list(self.onloads_per_batch),
+            **getattr(self, "gathered_movement", {}),
         }
         out["peak_memory"] = peak_memory()
         if self.slot_major_note:
@@ -724,8 +726,10 @@ def plan_kl(
         batches), ``model_calls``, ``reference_passes`` (identity passes actually run, one
         per batch without a cache), ``head_rows`` (positions through the output head),
         ``seconds``, the settings used, ``slot_major``, ``movement`` (offloaded blocks,
-        block onloads and bytes moved in all and per batch) and ``peak_memory`` (bytes per
-        device: :func:`hf_layerswap.devices.peak_memory`).
+        block onloads and bytes moved in all and per batch; under several processes the
+        sum over them, with each one's own under ``per_process``:
+        :func:`~hf_layerswap.scoring.processes.sum_movement`) and ``peak_memory`` (bytes per
+        device of this process: :func:`hf_layerswap.devices.peak_memory`).
 
     Raises:
         ValueError: a bad plan, batch size, chunk, memory or dtype value.
