@@ -72,8 +72,8 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     import hf_layerswap as hl
-    from hf_layerswap.calibration import build_calibration
     from hf_layerswap.models import bundled_checkpoint_dir, load_model
+    from wikitext import wikitext_calibration
 
     ckpt = bundled_checkpoint_dir(args.model)
     weights = (ckpt / "model.safetensors").stat().st_size
@@ -83,7 +83,7 @@ def worker(args) -> None:
         else:
             model, tok = load_model(ckpt, max_memory={"cpu": int(args.cap * weights)}, offload_folder=folder)
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        calib = build_calibration(VALID, tok, num_prompts=args.num_prompts, seq_len=args.seq_len)
+        calib = wikitext_calibration(tok, args.num_prompts, args.seq_len)
         c0, t0 = time.process_time(), time.perf_counter()
         report = hl.score_layers(model, calib, progress=False, **({"slot_major": False} if args.depth_first else {}))
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0

@@ -230,6 +230,16 @@ class HealConfig:
             its top-k log-probs plus the rest's mass (KL over ``k + 1`` buckets, a lower
             bound of the full KL).
         options: the method's options (``{"lora_r": 8}``, ``{"k": 3}``), JSON-able values.
+        perplexity_text: ``None`` (no perplexity), ``"embedded"`` (the embedded evaluation
+            text) or a text file: the perplexity of the dense model, after the cut, after
+            the repair (when one ran) and after healing, one contract and one text for all,
+            recorded in ``config.layerswap["healing"]`` for the card.
+        eval_tasks: lm-eval task names measured before and after healing
+            (:func:`~hf_layerswap.evaluate_tasks`, zero-shot; needs the ``lm-eval`` extra);
+            ``None`` = none.
+        eval_tasks_path: a folder of lm-eval task YAML files (``include_path``; lm-eval's
+            built-in index is not scanned then); ``None`` = lm-eval's own tasks.
+        eval_tasks_limit: documents per task (int >= 1) or a fraction in (0, 1); ``None`` = all.
 
     Raises:
         ValueError: a bad field, naming it, its value and what is allowed.
@@ -256,6 +266,15 @@ class HealConfig:
         "cache the teacher's top-k log-probs plus the rest's mass instead of its full logits (default: full)"))
     options: dict = field(default_factory=dict, metadata=_help(
         "method options, e.g. lora_r=8, lora_alpha=16 (lora) or k=3 (last_k)"))
+    perplexity_text: str | None = field(default=None, metadata=_help(
+        "measure perplexity of the dense model, after the cut, after the repair and after healing on TEXT "
+        "(a text file; without a value the embedded evaluation text) and record it for the card"))
+    eval_tasks: list[str] | None = field(default=None, metadata=_help(
+        "lm-eval tasks measured before and after healing (needs the lm-eval extra)"))
+    eval_tasks_path: str | None = field(default=None, metadata=_help(
+        "folder of lm-eval task YAML files for the healing's task evaluation (default: lm-eval's own tasks)"))
+    eval_tasks_limit: int | float | None = field(default=None, metadata=_help(
+        "documents per task of the healing's task evaluation: an int >= 1 or a fraction in (0, 1) (default: all)"))
 
     def __post_init__(self):
         what = "HealConfig"
@@ -285,8 +304,30 @@ class HealConfig:
         except (TypeError, ValueError) as err:
             raise ValueError(f"{what}(options={self.options!r}): values must be JSON-able ({err})") from None
         object.__setattr__(self, "options", dict(self.options))
-        if isinstance(self.calibration, os.PathLike):
-            object.__setattr__(self, "calibration", os.fspath(self.calibration))
+        for name in ("calibration", "perplexity_text", "eval_tasks_path"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{what}({name}={value!r}): must be a path or None")
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+        self._check_tasks(what)
+
+    def _check_tasks(self, what: str) -> None:
+        tasks = self.eval_tasks
+        if tasks is not None:
+            names = [tasks] if isinstance(tasks, str) else tasks
+            if not isinstance(names, Sequence) or not names or not all(isinstance(t, str) and t for t in names):
+                raise ValueError(f"{what}(eval_tasks={tasks!r}): must be None or a non-empty list of lm-eval task names")
+            object.__setattr__(self, "eval_tasks", list(names))
+        limit = self.eval_tasks_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1)):
+            raise ValueError(f"{what}(eval_tasks_limit={limit!r}): must be None, an int >= 1 or a fraction in (0, 1)")
+        if isinstance(limit, float) and limit >= 1:
+            object.__setattr__(self, "eval_tasks_limit", int(limit))
+        if self.eval_tasks is None and (self.eval_tasks_path is not None or limit is not None):
+            raise ValueError(f"{what}(eval_tasks_path={self.eval_tasks_path!r}, eval_tasks_limit={limit!r}) without "
+                             "eval_tasks: name the lm-eval tasks to measure")
 
     def heal_kwargs(self) -> dict:
         """Keywords of :func:`~hf_layerswap.healing.heal` (all fields but ``calibration``,
@@ -297,7 +338,9 @@ class HealConfig:
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (a calibration file by its name only)."""
         out = asdict(self)
-        out["calibration"] = public_name(self.calibration) if self.calibration is not None else None
+        for name in ("calibration", "perplexity_text", "eval_tasks_path"):  # files by their name only
+            value = getattr(self, name)
+            out[name] = value if value in (None, "embedded") else public_name(value)
         return out
 
 

@@ -205,7 +205,9 @@ def test_heal_config_round_trip_and_refusals():
     data = json.loads(json.dumps(cfg.to_dict()))
     assert data["heal"] == {"method": "last_k", "max_tokens": 512, "calibration": None, "seq_len": 128,
                             "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
-                            "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2}}
+                            "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2},
+                            "perplexity_text": None, "eval_tasks": None, "eval_tasks_path": None,
+                            "eval_tasks_limit": None}
     assert LayerSwapConfig.from_dict(data) == cfg and LayerSwapConfig.from_dict(data).heal == cfg.heal
     assert LayerSwapConfig(num_to_remove=2, heal="adjacent").heal == HealConfig(method="adjacent")
     assert LayerSwapConfig(num_to_remove=2).to_dict()["heal"] is None
@@ -272,7 +274,8 @@ def test_card_section_never_shows_healing_without_before_and_after():
               "recovery": {"method": "ghosted"}}
     text = healing_section(record, plot="layerswap_healing.png")
     assert "| Held-out KL(teacher ‖ student) before → after | 0.2000 → 0.1500 nats/token (-25.0%) |" in text
-    assert "| Perplexity after repair → after healing (matched contract) | 30.000 → 24.000 (-20.0%) |" in text
+    assert "| Perplexity after the repair (ghosted) | 30.000 |" in text
+    assert "| Perplexity after healing | 24.000; -20.0% vs the start of healing (after the repair) |" in text
     assert "![Healing: training loss and held-out KL against training tokens](layerswap_healing.png)" in text
     bare = healing_section({"healing": [{"method": "lora", "tokens": 10, "steps": 1}]})
     assert "not recorded: this healing cannot be judged" in bare

@@ -14,10 +14,10 @@ from torch import nn
 from transformers import PrinterCallback, TrainingArguments, set_seed
 
 from ..calibration import build_calibration
-from ..evaluation.perplexity import evaluate_perplexity
 from ..jsonio import write_json_atomic
 from ..provenance import library_versions
 from .loss import teacher_top_k
+from .measure import HealMeasures
 from .methods import get_heal_method
 from .report import HealReport
 from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint
@@ -84,6 +84,9 @@ def heal(
     teacher_top_k: int | None = None,
     progress: bool = False,
     perplexity_text=None,
+    eval_tasks: Sequence[str] | None = None,
+    eval_tasks_path=None,
+    eval_tasks_limit: int | float | None = None,
     callbacks: Sequence = (),
     **options,
 ) -> HealReport:
@@ -123,8 +126,16 @@ def heal(
         progress: a tqdm bar over the training tokens with its ETA.
         perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity`
             accepts (``"embedded"``: the embedded evaluation split); when given, the
-            perplexity (``"matched"`` contract, no bootstrap) is measured before and after
-            healing and recorded in ``report.perplexity``. Needs ``tokenizer``.
+            perplexity (``"matched"`` contract, no bootstrap, the same text for all) of the
+            dense teacher, after the cut, after the repair (when the student's last removal
+            step repaired its cut; "after the cut" is then the teacher run without the
+            removed blocks, see :mod:`~hf_layerswap.healing.measure`) and after healing is
+            recorded in ``report.perplexity``. Needs ``tokenizer``.
+        eval_tasks: lm-eval task names measured on the student before and after healing
+            (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times),
+            recorded in ``report.tasks``; ``eval_tasks_path`` (task YAML folder) and
+            ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
+            Needs ``tokenizer`` and lm-eval.
         callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging,
             a custom stop).
 
@@ -136,22 +147,25 @@ def heal(
 
     Raises:
         ValueError: a mismatched teacher (before any training), an unknown method, a bad
-            budget or ``teacher_top_k``, too few prompts to hold some out, or a
-            ``checkpoint_dir`` of another run.
+            budget or ``teacher_top_k``, too few prompts to hold some out, a
+            ``checkpoint_dir`` of another run, or ``perplexity_text`` / ``eval_tasks``
+            without ``tokenizer``.
     """
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
+    measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
+    measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
     calib, steps = _training_text(calibration, tokenizer, settings)
     settings["data_hash"] = calib.content_hash
     resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
-    ppl_before = _perplexity(model, perplexity_text, tokenizer, progress)
     ids, mask = calib.input_ids, calib.attention_mask
     device = next(model.parameters()).device
     teacher.to(device).eval()
+    start = measures.start(model, teacher)
     train = _Rows(ids[:-heldout_prompts], mask[:-heldout_prompts])
     held = _Rows(ids[-heldout_prompts:], mask[-heldout_prompts:])
     if teacher_top_k is not None:
@@ -164,10 +178,7 @@ def heal(
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step)
-    if ppl_before is not None:
-        contract = ppl_before.contract
-        report.perplexity = {"before": ppl_before.ppl, "after": _perplexity(healed, perplexity_text, tokenizer, progress).ppl,
-                             "contract": contract.get("name", "matched"), "text": contract.get("text")}
+    report.perplexity, report.tasks = measures.finish(healed, start)
     _record_step(healed, report)
     healed.layerswap_heal_report = report
     return report
@@ -302,15 +313,6 @@ def _teacher_cache(teacher, rows: _Rows, k: int, batch_size: int, device) -> dic
             logits = teacher(input_ids=ids, attention_mask=mask).logits
             parts.append([t.cpu() for t in teacher_top_k(logits, k)])
     return {key: torch.cat([p[i] for p in parts]) for i, key in enumerate(TEACHER_CACHE_KEYS)}
-
-
-def _perplexity(model, text, tokenizer, progress):
-    if text is None:
-        return None
-    if tokenizer is None:
-        raise ValueError("perplexity_text needs tokenizer= (the student's tokenizer)")
-    return evaluate_perplexity(model, None if text == "embedded" else text, tokenizer=tokenizer, bootstrap=0,
-                               progress=progress)
 
 
 def _record_step(model, report: HealReport) -> None:
