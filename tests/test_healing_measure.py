@@ -193,3 +193,19 @@ def test_bad_perplexity_text_leaves_no_checkpoint_folder(tmp_path):
         hl.heal(student, teacher, _calibration(), tokenizer=tok, checkpoint_dir=tmp_path / "ck",
                 **_heal_config(perplexity_text=str(empty)).heal_kwargs())
     assert not (tmp_path / "ck").exists() and "healing" not in student.config.layerswap
+
+
+def test_heal_verb_refuses_a_missing_task_folder_before_loading(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "pruned"), "--layers", "2"]) == 0
+    capsys.readouterr()
+    missing = tmp_path / "no_tasks"
+    assert main(["heal", str(tmp_path / "pruned"), str(tmp_path / "base"), str(tmp_path / "h"), "--eval-tasks", "t",
+                 "--eval-tasks-path", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--eval-tasks-path {str(missing)!r} is not a folder" in err and "loading" not in err
+    assert not (tmp_path / "h").exists() and not (tmp_path / "h.heal-checkpoints").exists()
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p2"), "--layers", "2", "--heal", "--heal-eval-tasks",
+                 "t", "--heal-eval-tasks-path", str(missing)]) == 2
+    assert f"--heal-eval-tasks-path {str(missing)!r} is not a folder" in capsys.readouterr().err
+    assert not (tmp_path / "p2").exists()
