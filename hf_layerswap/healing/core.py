@@ -146,11 +146,9 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: a mismatched teacher (before any training), an unknown method, a bad
-            budget, ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field
-            (``eval_tasks_limit`` or ``eval_tasks_path`` without ``eval_tasks``), too few prompts to hold some out, a
-            ``checkpoint_dir`` of another run, or ``perplexity_text`` / ``eval_tasks``
-            without ``tokenizer``.
+        ValueError: before any training: a mismatched teacher, an unknown method, a bad budget,
+            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
+            to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
     """
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
