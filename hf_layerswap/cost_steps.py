@@ -188,6 +188,9 @@ def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
     wanted = min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS) + heal.heldout_prompts
     if heal.calibration is None and isinstance(calibration, Mapping):
         ids = calibration["input_ids"]
+        if int(ids.shape[0]) <= heal.heldout_prompts:  # heal refuses it the same way
+            raise ValueError(f"{int(ids.shape[0])} calibration prompt(s) with heldout_prompts={heal.heldout_prompts}: "
+                             "at least one prompt must remain for healing's training")
         return min(wanted, int(ids.shape[0])), int(ids.shape[1]), True
     return wanted, heal.seq_len, False
 
@@ -200,7 +203,8 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
     not ``known``: two neighbours per removed block, the most there can be).
 
     Raises:
-        ValueError: a healing method whose trainable set is not planned here.
+        ValueError: a healing method whose trainable set is not planned here, or a
+            ``last_k`` ``k`` outside 1..(kept blocks).
     """
     heal, kept = cfg.heal, shape.num_blocks - len(removed)
     block = shape.blocks[0]
@@ -221,6 +225,8 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
                 chosen * len(params) + (kept - chosen) * len(norms), shape.es)
     if heal.method == "last_k":
         k = heal.options.get("k", 3)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= kept:
+            raise ValueError(f"heal option k={k!r}: must be an int in 1..{kept} (the pruned model's block count)")
         extra = [m for m in (shape.model.get_output_embeddings(), getattr(shape.model.get_decoder(), "norm", None))
                  if m is not None]
         extra_params = [p for m in extra for p in m.parameters()]
