@@ -21,8 +21,11 @@ The runner owns the rest:
 - **render** (``--render-only``, :func:`add_runner_arguments`): the page is rewritten from
   the JSON alone; no model is loaded.
 
-On the runner: ``heal.py`` (``experiments/heal.toml``) and ``sparsity.py``
-(``experiments/sparsity.toml``, a shared store). Usage from a benchmark script::
+On the runner: ``heal.py`` (``experiments/heal.toml``), ``sparsity.py``
+(``experiments/sparsity.toml``, a shared store), ``precision.py``
+(``experiments/precision.toml``) and ``recovery.py`` (``experiments/recovery.toml``): these two keep
+their cells as lists of records (:class:`ListCellStore`).
+Usage from a benchmark script::
 
     store = CellStore(path, fresh=new_state)
     run_cells(store, ((cell_key(c), c) for c in cells), run_one, tag="heal")
@@ -45,12 +48,14 @@ from hf_layerswap.jsonio import write_json_atomic
 __all__ = [
     "EXPERIMENTS",
     "CellStore",
+    "ListCellStore",
     "MergeConflict",
     "add_runner_arguments",
     "expand_grid",
     "experiment_cells",
     "load_experiment",
     "merge_files",
+    "merge_keyed_lists",
     "merge_states",
     "merge_values",
     "run_cells",
@@ -112,23 +117,28 @@ def experiment_cells(experiment: dict) -> dict[str, list[dict]]:
     return out
 
 
-def merge_values(a, b, where: str = "$", volatile: Iterable[str] = ()):
+def merge_values(a, b, where: str = "$", volatile: Iterable[str] = (),
+                 keyed: dict[str, Callable[[dict], str]] | None = None):
     """``a`` and ``b`` combined: mappings key by key (recursively), any other value only
     when both are equal. Under a key named in ``volatile`` (timings such as ``eval_s``, or a
     mapping of them: a second measurement of the same result) the first value is kept whole.
+    Under a key named in ``keyed`` (at any depth) two lists of records are merged record by
+    record, each named by the given key function (:func:`merge_keyed_lists`).
 
     Raises:
         MergeConflict: a key holds different values in ``a`` and ``b``; the message names
             the key path and both values.
     """
-    volatile = frozenset(volatile)
+    volatile, keyed = frozenset(volatile), dict(keyed or {})
     if isinstance(a, dict) and isinstance(b, dict):
         out = dict(a)
         for key, value in b.items():
             if key not in a:
                 out[key] = value
+            elif key in keyed and isinstance(a[key], list) and isinstance(value, list):
+                out[key] = merge_keyed_lists(a[key], value, keyed[key], f"{where}.{key}", volatile, keyed)
             elif key not in volatile:
-                out[key] = merge_values(a[key], value, f"{where}.{key}", volatile)
+                out[key] = merge_values(a[key], value, f"{where}.{key}", volatile, keyed)
         return out
     if a != b:
         raise MergeConflict(f"{where}: {json.dumps(a)[:200]} != {json.dumps(b)[:200]}; the results differ, "
@@ -136,8 +146,25 @@ def merge_values(a, b, where: str = "$", volatile: Iterable[str] = ()):
     return a
 
 
+def merge_keyed_lists(a: list, b: list, key: Callable[[dict], str], where: str = "$",
+                      volatile: Iterable[str] = (), keyed: dict[str, Callable[[dict], str]] | None = None) -> list:
+    """Two lists of records (a store older than the mapping layout, see :class:`ListCellStore`)
+    combined by ``key(record)``: ``a``'s order, then ``b``'s new records; records with one key
+    are merged with :func:`merge_values`.
+
+    Raises:
+        MergeConflict: a record with different values in ``a`` and ``b``.
+    """
+    out = {key(r): r for r in a}
+    for record in b:
+        k = key(record)
+        out[k] = merge_values(out[k], record, f"{where}[{k}]", volatile, keyed) if k in out else record
+    return list(out.values())
+
+
 def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",),
-                 first: Iterable[str] = (), volatile: Iterable[str] = ()) -> dict:
+                 first: Iterable[str] = (), volatile: Iterable[str] = (),
+                 keyed: dict[str, Callable[[dict], str]] | None = None) -> dict:
     """One results state from several (runs of disjoint cells in other processes or machines).
 
     Args:
@@ -145,6 +172,9 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
         union: top-level keys holding lists: their entries are concatenated, duplicates dropped.
         first: top-level keys whose first stored value is kept (e.g. the machine description).
         volatile: key names, at any depth, whose values may differ (timings); the first is kept.
+        keyed: key names, at any depth, holding lists of records, each named by the given key
+            function (``{"models": lambda m: m["model"]}``): merged record by record
+            (:func:`merge_keyed_lists`).
 
     Every other key is merged with :func:`merge_values`: cells present in two states must be
     equal (but for their ``volatile`` fields).
@@ -155,7 +185,7 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
     """
     if not states:
         raise ValueError("merge_states: no states given; pass at least one results file")
-    union, first = set(union), set(first)
+    union, first, keyed = set(union), set(first), dict(keyed or {})
     merged: dict = {}
     for state in states:
         for key, value in state.items():
@@ -164,7 +194,7 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
             elif key in union:
                 merged[key] = list(dict.fromkeys([*merged[key], *value]))
             elif key not in first:
-                merged[key] = merge_values(merged[key], value, f"$.{key}", volatile)
+                merged = merge_values(merged, {key: value}, "$", volatile, keyed)
     return merged
 
 
@@ -243,6 +273,71 @@ class CellStore:
     def put(self, key: str, record: dict) -> None:
         """Store the finished cell ``key`` and write the file."""
         self.update(lambda state: state.setdefault(self.cells_key, {}).__setitem__(key, record))
+
+
+class ListCellStore(CellStore):
+    """A :class:`CellStore` over a results JSON that keeps its cells as a list of records (a
+    layout older than the mapping), each record naming its own key: ``key(record)``.
+
+    Args:
+        path, fresh, shared: as for :class:`CellStore`.
+        key: ``record -> str``, the cell key a record is stored under.
+        cells: where the list is: a key of the state, or a tuple of keys (nested, e.g.
+            ``("result", "evaluated")``).
+        done: ``record -> bool``; a stored record counts as finished (:meth:`has`) only when
+            true, so a cell can store partial records as it goes (default: every record).
+
+    :meth:`put` replaces the stored record of its key in place, or appends. Merge such files
+    with ``keyed={last key of cells: key}`` (:func:`merge_states`).
+
+    Raises:
+        ValueError (from :meth:`put`): a record whose ``key(record)`` is not the key it is put under.
+    """
+
+    def __init__(self, path: Path, fresh: Callable[[], dict], *, key: Callable[[dict], str],
+                 cells: str | tuple[str, ...] = "cells", shared: bool = False,
+                 done: Callable[[dict], bool] | None = None):
+        self.key, self.done = key, done or (lambda record: True)
+        super().__init__(path, fresh, cells=cells, shared=shared)
+
+    def records(self, state: dict | None = None) -> list:
+        """The stored list of records (created empty where missing)."""
+        node = self.state if state is None else state
+        path = (self.cells_key,) if isinstance(self.cells_key, str) else tuple(self.cells_key)
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        return node.setdefault(path[-1], [])
+
+    @property
+    def cells(self) -> dict:
+        """``{key: record}`` of the stored list (a view: change records through :meth:`put`)."""
+        return {self.key(r): r for r in self.records()}
+
+    def has(self, key: str) -> bool:
+        """Whether the cell ``key`` is stored and finished (``done``)."""
+        if self.shared:
+            self.state = self._read()
+        record = self.cells.get(key)
+        return record is not None and self.done(record)
+
+    def get(self, key: str) -> dict | None:
+        """The stored record of ``key`` (finished or not), or None."""
+        return self.cells.get(key)
+
+    def put(self, key: str, record: dict) -> None:
+        """Store the record of the cell ``key`` (replacing its stored one) and write the file."""
+        if self.key(record) != key:
+            raise ValueError(f"record named {self.key(record)!r} put under the key {key!r}; they must match")
+
+        def change(state: dict) -> None:
+            records = self.records(state)
+            keys = [self.key(r) for r in records]
+            if key in keys:
+                records[keys.index(key)] = record
+            else:
+                records.append(record)
+
+        self.update(change)
 
 
 def _log(tag: str, message: str) -> None:

@@ -39,7 +39,7 @@ from ..provenance import library_versions, report_identity
 from .checkpoint import ScoringCheckpoint, plans_digest
 from .head import decoder_output, Head, hooks_removed, maybe_autocast, param_dtype, text_config
 from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
-from .probes import make_probes, Probe, schedule, shard
+from .probes import make_probes, position_hooks, Probe, schedule, schedule_blocks, shard, walk_schedule
 from .processes import check_model_replica, Processes, sum_movement
 from .reference import ReferenceCache
 from .settings import dtype_name, EngineSettings, kl_block_bytes
@@ -329,22 +329,9 @@ class Engine:
         slot = probe.start + depth0
         plan = list(probe.key)
         kwargs = {"start": slot, "start_hidden": start_hidden} if slot > 0 else {}
-        captured: dict[int, torch.Tensor] = {}
         final: dict[str, torch.Tensor] = {}
-        handles = []
         with apply_plan(self.model, plan, **kwargs):
-            if captures:
-                counter = {"pos": depth0}
-                wanted = set(captures)
-
-                def count_hook(module, args, kwargs_):
-                    pos = counter["pos"]
-                    if pos in wanted:
-                        captured[pos] = (args[0] if args else kwargs_["hidden_states"]).detach()
-                    counter["pos"] = pos + 1
-
-                for b in dict.fromkeys(probe.run[depth0:]):
-                    handles.append(blocks[b].register_forward_pre_hook(count_hook, with_kwargs=True))
+            captured, handles = position_hooks(blocks, probe.run, depth0, captures)
             if self.stream_logits:
 
                 def dec_hook(module, args, output):
@@ -385,8 +372,7 @@ class Engine:
             work = float(sum(p.block_evaluations for p, _ in self._passes(b, probes)))
         else:
             if key not in cache:  # the schedule is the same for every batch
-                cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
-                                 for p, depth0, _ in schedule(list(probes), self.mode))
+                cache[key] = schedule_blocks(list(probes), self.mode)
             work = float(self.num_blocks + cache[key])
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
@@ -463,31 +449,20 @@ class Engine:
             bar.advance(head)
         order = schedule(todo, self.mode)
         group = self._group_size(rows.numel()) if self.stream_logits else len(order)
-        nodes: dict[tuple, torch.Tensor] = {}
         pending: list[tuple[Probe, torch.Tensor]] = []
         flush = self._flusher(b, ref, prompt_of_row, counts, bsz, bar)
 
-        for n, (probe, depth0, captures) in enumerate(order):
-            if depth0 > 0:
-                start_hidden = nodes[(probe.start, probe.run[:depth0])]
-            elif probe.start > 0 and self.mode != "none":
-                start_hidden = streams[probe.start]
-            else:
-                start_hidden = None
+        def start_stream(slot):
+            return streams[slot] if slot > 0 and self.mode != "none" else None
+
+        def run(probe, depth0, start_hidden, captures):
             if self.mode == "none":
-                out, captured = self._probe_pass(Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
-            else:
-                out, captured = self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
+                return self._probe_pass(Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
+            return self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
+
+        for probe, out in walk_schedule(order, start_stream, run):
             if not self.stream_logits:
                 bar.advance(head)
-            for d, stream in captured.items():
-                nodes[(probe.start, probe.run[:d])] = stream
-            # keep only the tree nodes the next probe can start from (sorted order: no later one needs others)
-            nxt = order[n + 1][0] if n + 1 < len(order) else None
-            nodes = {
-                k: v for k, v in nodes.items()
-                if nxt is not None and k[0] == nxt.start and nxt.run[: len(k[1])] == k[1]
-            }
             if self.stream_logits:
                 pending.append((probe, out.reshape(-1, out.shape[-1]).index_select(0, rows.to(out.device))))
             else:
