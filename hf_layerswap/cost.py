@@ -48,11 +48,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
-from .cost_steps import ModelShape, block_flops, healing_phase, recovery_phase, sparsity_phase
+from .cost_steps import ModelShape, block_flops, check_removal, healing_phase, recovery_phase, sparsity_phase
 from .models import BUNDLED, bundled_checkpoint_dir
-from .plan import ONE_BLOCK, decoder_blocks, num_blocks, removal_plan, resolve_layer_indices
+from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
-from .rule import check_budget, resolve_protect
+from .rule import resolve_protect
 from .scoring.engine import plan_engine
 from .scoring.kl import kl_rows
 from .scoring.probes import make_probes, schedule
@@ -459,7 +459,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     cfg = _config(config)
     device = torch.device(device or "cpu")
     model = _meta_model(model_or_path, dtype)
-    _check_removal(cfg, num_blocks(model))
+    check_removal(cfg, num_blocks(model))
     calib = _calibration(model, cfg, calibration)
     budget = max_memory or device_memory_budget(device)[0]
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
@@ -512,19 +512,6 @@ def _config(config) -> LayerSwapConfig:
     if config.strategy not in ESTIMATED_STRATEGIES and config.layers is None:
         raise ValueError(f"strategy={config.strategy!r}: estimate_cost plans {list(ESTIMATED_STRATEGIES)}")
     return config
-
-
-def _check_removal(cfg: LayerSwapConfig, total: int) -> None:
-    """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
-    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), layers
-    out of range or duplicated, or every block."""
-    if cfg.layers is None:
-        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
-        return
-    removed = resolve_layer_indices(cfg.layers, total)
-    if len(removed) >= total:
-        most = ONE_BLOCK if total == 1 else f"at most {total - 1} of {total} can go"
-        raise ValueError(f"layers={list(cfg.layers)}: removing {removed} would leave no block: {most}")
 
 
 ENGINE_PHASES = ("scoring", "selection")

@@ -43,15 +43,15 @@ from torch import nn
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .healing.methods import LORA_TARGETS, cut_neighbours
-from .plan import decoder_blocks
+from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
 from .recovery.fit import cut_boundaries, select_rows
 from .recovery.methods import get_recovery_method
-from .rule import resolve_protect
+from .rule import check_budget, resolve_protect
 from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
 
-__all__ = ["ModelShape", "block_flops", "healing_phase", "recovery_phase", "sparsity_phase"]
+__all__ = ["ModelShape", "block_flops", "check_removal", "healing_phase", "recovery_phase", "sparsity_phase"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -120,6 +120,23 @@ def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
         return sorted(i % total for i in cfg.layers), True
     allowed = [i for i in range(total) if i not in resolve_protect(cfg.protect, total)]
     return allowed[-cfg.num_to_remove:], False
+
+
+def check_removal(cfg: LayerSwapConfig, total: int) -> None:
+    """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
+    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), layers
+    out of range or duplicated, or every block.
+
+    Raises:
+        ValueError: naming the budget or the layers and what the model allows.
+    """
+    if cfg.layers is None:
+        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        return
+    removed = resolve_layer_indices(cfg.layers, total)
+    if len(removed) >= total:
+        most = ONE_BLOCK if total == 1 else f"at most {total - 1} of {total} can go"
+        raise ValueError(f"layers={list(cfg.layers)}: removing {removed} would leave no block: {most}")
 
 
 # ---------------------------------------------------------------------------- recovery
