@@ -307,8 +307,8 @@ class HealConfig:
         object.__setattr__(self, "options", dict(self.options))
         for name in ("calibration", "perplexity_text", "eval_tasks_path"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"{what}({name}={value!r}): must be a path or None")
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+                raise ValueError(f"{what}({name}={value!r}): must be a non-empty path or None")
             if isinstance(value, os.PathLike):
                 object.__setattr__(self, name, os.fspath(value))
         self._check_tasks(what)
