@@ -38,6 +38,7 @@ from typing import Any, Literal, get_args
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .healing import HEAL_METHODS
+from .healing.measure import check_eval_tasks
 from .plan import as_index
 from .provenance import public_name
 from .recovery import RECOVERY_METHODS, check_epsilon
@@ -306,28 +307,16 @@ class HealConfig:
         object.__setattr__(self, "options", dict(self.options))
         for name in ("calibration", "perplexity_text", "eval_tasks_path"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"{what}({name}={value!r}): must be a path or None")
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+                raise ValueError(f"{what}({name}={value!r}): must be a non-empty path or None")
             if isinstance(value, os.PathLike):
                 object.__setattr__(self, name, os.fspath(value))
         self._check_tasks(what)
 
     def _check_tasks(self, what: str) -> None:
-        tasks = self.eval_tasks
-        if tasks is not None:
-            names = [tasks] if isinstance(tasks, str) else tasks
-            if not isinstance(names, Sequence) or not names or not all(isinstance(t, str) and t for t in names):
-                raise ValueError(f"{what}(eval_tasks={tasks!r}): must be None or a non-empty list of lm-eval task names")
-            object.__setattr__(self, "eval_tasks", list(names))
-        limit = self.eval_tasks_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                                  or not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1)):
-            raise ValueError(f"{what}(eval_tasks_limit={limit!r}): must be None, an int >= 1 or a fraction in (0, 1)")
-        if isinstance(limit, float) and limit >= 1:
-            object.__setattr__(self, "eval_tasks_limit", int(limit))
-        if self.eval_tasks is None and (self.eval_tasks_path is not None or limit is not None):
-            raise ValueError(f"{what}(eval_tasks_path={self.eval_tasks_path!r}, eval_tasks_limit={limit!r}) without "
-                             "eval_tasks: name the lm-eval tasks to measure")
+        tasks, limit = check_eval_tasks(self.eval_tasks, self.eval_tasks_path, self.eval_tasks_limit, what)
+        object.__setattr__(self, "eval_tasks", tasks)
+        object.__setattr__(self, "eval_tasks_limit", limit)
 
     def heal_kwargs(self) -> dict:
         """Keywords of :func:`~hf_layerswap.healing.heal` (all fields but ``calibration``,

@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
-from .cost_steps import ModelShape, block_flops, healing_phase, recovery_phase, sparsity_phase
+from .cost_steps import ModelShape, block_flops, check_removal, healing_phase, recovery_phase, sparsity_phase
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
@@ -451,13 +451,15 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
 
     Raises:
         ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
-            budget, a healing method other than ``lora``, ``adjacent`` and ``last_k``, a
-            path that is no checkpoint (the message names it).
+            budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
+            a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
+            with no training prompt, a path that is no checkpoint (the message names it).
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
     device = torch.device(device or "cpu")
     model = _meta_model(model_or_path, dtype)
+    check_removal(cfg, num_blocks(model))
     calib = _calibration(model, cfg, calibration)
     budget = max_memory or device_memory_budget(device)[0]
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)

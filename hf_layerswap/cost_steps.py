@@ -43,15 +43,15 @@ from torch import nn
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .healing.methods import LORA_TARGETS, cut_neighbours
-from .plan import decoder_blocks
+from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
 from .recovery.fit import cut_boundaries, select_rows
 from .recovery.methods import get_recovery_method
-from .rule import resolve_protect
+from .rule import check_budget, resolve_protect
 from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
 
-__all__ = ["ModelShape", "block_flops", "healing_phase", "recovery_phase", "sparsity_phase"]
+__all__ = ["ModelShape", "block_flops", "check_removal", "healing_phase", "recovery_phase", "sparsity_phase"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -122,6 +122,23 @@ def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
     return allowed[-cfg.num_to_remove:], False
 
 
+def check_removal(cfg: LayerSwapConfig, total: int) -> None:
+    """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
+    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), layers
+    out of range or duplicated, or every block.
+
+    Raises:
+        ValueError: naming the budget or the layers and what the model allows.
+    """
+    if cfg.layers is None:
+        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        return
+    removed = resolve_layer_indices(cfg.layers, total)
+    if len(removed) >= total:
+        most = ONE_BLOCK if total == 1 else f"at most {total - 1} of {total} can go"
+        raise ValueError(f"layers={list(cfg.layers)}: removing {removed} would leave no block: {most}")
+
+
 # ---------------------------------------------------------------------------- recovery
 def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfig, teacher_bytes: int) -> dict:
     """Passes, FLOPs and peak bytes of ``cfg.recovery``'s fit (see the module's text)."""
@@ -188,6 +205,9 @@ def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
     wanted = min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS) + heal.heldout_prompts
     if heal.calibration is None and isinstance(calibration, Mapping):
         ids = calibration["input_ids"]
+        if int(ids.shape[0]) <= heal.heldout_prompts:  # heal refuses it the same way
+            raise ValueError(f"{int(ids.shape[0])} calibration prompt(s) with heldout_prompts={heal.heldout_prompts}: "
+                             "at least one prompt must remain for healing's training")
         return min(wanted, int(ids.shape[0])), int(ids.shape[1]), True
     return wanted, heal.seq_len, False
 
@@ -200,7 +220,8 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
     not ``known``: two neighbours per removed block, the most there can be).
 
     Raises:
-        ValueError: a healing method whose trainable set is not planned here.
+        ValueError: a healing method whose trainable set is not planned here, or a
+            ``last_k`` ``k`` outside 1..(kept blocks).
     """
     heal, kept = cfg.heal, shape.num_blocks - len(removed)
     block = shape.blocks[0]
@@ -221,6 +242,8 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
                 chosen * len(params) + (kept - chosen) * len(norms), shape.es)
     if heal.method == "last_k":
         k = heal.options.get("k", 3)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= kept:
+            raise ValueError(f"heal option k={k!r}: must be an int in 1..{kept} (the pruned model's block count)")
         extra = [m for m in (shape.model.get_output_embeddings(), getattr(shape.model.get_decoder(), "norm", None))
                  if m is not None]
         extra_params = [p for m in extra for p in m.parameters()]

@@ -49,3 +49,14 @@ def test_older_before_after_record_and_stale_marking_still_render():
     text = healing_section(student.config.layerswap)
     assert "| Perplexity after healing | 20.000 (+100.0% vs the dense model); -33.3% vs the start" in text
     assert "**stale**: removal step 2 came after this healing" in text
+
+
+def test_malformed_or_empty_records_render_as_cannot_be_judged():
+    judged = "lm-eval tasks: not recorded before and after healing: these task results cannot be judged and are not shown."
+    assert tasks_table({"before": {}, "after": {}}) == judged
+    assert tasks_table({"before": {"t": 0.5}, "after": {"t": 0.6}}) == judged
+    one_sided = tasks_table({"before": {"t": {"acc": 0.5}}, "after": {"t": 0.6}})
+    assert "| t | acc | 0.5000 | — | cannot be judged |" in one_sided
+    card = healing_section({"healing": [_entry(tokens=None, perplexity=[1, 2])]})
+    assert "| Training | — tokens, 1 steps," in card
+    assert "| Perplexity before → after healing | not recorded in a readable form: this healing cannot be judged" in card

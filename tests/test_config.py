@@ -36,6 +36,7 @@ from hf_layerswap.config import (
     CONFIG_VERSION,
     FLAT_KEYWORDS,
     AllocationName,
+    HealConfig,
     ObjectiveName,
     ProtocolName,
     PrunerName,
@@ -641,3 +642,10 @@ def test_a_protected_block_named_from_the_other_end_is_caught_with_the_model():
     assert num_blocks(model) == 4 and model.config.layerswap["removed_layers"] == [0, 5]
     assert "_protect_given" not in hl.LayerSwapConfig(layers=[0]).to_dict()
     assert hl.LayerSwapConfig().protect == [0, -1]
+
+
+@pytest.mark.parametrize("name", ["calibration", "perplexity_text", "eval_tasks_path"])
+def test_heal_config_refuses_an_empty_path(name):
+    extra = {"eval_tasks": ["t"]} if name == "eval_tasks_path" else {}
+    with pytest.raises(ValueError, match=rf"HealConfig\({name}=''\): must be a non-empty path or None"):
+        HealConfig(**{name: ""}, **extra)

@@ -87,6 +87,18 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         hl.estimate_cost(3, hl.LayerSwapConfig(num_to_remove=1))
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"num_to_remove": 10}, r"num_to_remove=10: allowed 1\.\.3 for a model with 4 blocks"),
+    ({"num_to_remove": 3, "strategy": "greedy"}, r"cannot select 3 layers of 4 .* allow at most 1"),  # 0, 3 protected
+    ({"layers": [10]}, r"layer index 10 is out of range for a model with 4 blocks: allowed 0\.\.3"),
+    ({"layers": [1, -3], "recovery": "ghosted"}, r"duplicate layer indices \[1\]"),
+    ({"layers": [0, 1, 2, 3]}, r"layers=\[0, 1, 2, 3\]: removing \[0, 1, 2, 3\] would leave no block"),
+])
+def test_a_removal_the_model_cannot_take_is_refused_as_prune_refuses_it(config, message):
+    with pytest.raises(ValueError, match=message):
+        hl.estimate_cost(_tiny(4), config, throughput=FIXED)
+
+
 def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
     torch.manual_seed(0)
     src = tmp_path / "tiny"

@@ -153,3 +153,10 @@ def test_the_steps_peak_memory_holds_the_teacher_copy_and_the_training_state():
     assert phase["memory_bytes"] > 2 * weights - 2 * weights // 8 + phase["optimizer_bytes"]
     assert estimate.memory_parts["steps"] == phase["memory_bytes"]
     assert estimate.peak_memory_bytes["cpu"] >= phase["memory_bytes"]
+
+
+def test_healing_the_real_run_would_refuse_is_refused():
+    with pytest.raises(ValueError, match="4 calibration prompt\\(s\\) with heldout_prompts=4"):
+        _estimate({"layers": [2], "heal": {"method": "lora", "heldout_prompts": 4}}, _calibration(4))
+    with pytest.raises(ValueError, match=r"heal option k=9: must be an int in 1\.\.7"):
+        _estimate({"layers": [2], "heal": {"method": "last_k", "options": {"k": 9}}}, _calibration())

@@ -130,6 +130,23 @@ def test_mismatched_teacher_refused_before_training():
     assert "healing" not in student.config.layerswap
 
 
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(seq_len=0), "seq_len=0: must be an int >= 2"),
+    (dict(seq_len=-4), "seq_len=-4: must be an int >= 2"),
+    (dict(ce_weight=-1.0), "ce_weight=-1.0: must be a finite number >= 0"),
+    (dict(ce_weight=float("nan")), "ce_weight=nan: must be a finite number >= 0"),
+    (dict(seed="a"), "seed='a': must be an int"),
+])
+def test_heal_refuses_what_heal_config_refuses(bad, message):
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=2, **bad)
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    assert "healing" not in student.config.layerswap
+
+
 # ---------------------------------------------------------------- top-k teacher cache
 def test_top_k_loss_equals_full_kl_at_vocab_size_and_bounds_it_below():
     gen = torch.Generator().manual_seed(0)
@@ -341,6 +358,10 @@ def test_heal_verb_refusals_leave_inputs_alone(tmp_path, capsys):
     assert "has 8 blocks but PRUNED was cut from a model of 6" in capsys.readouterr().err
     assert main([*run, str(tmp_path / "o3"), "--learning-rate", "0"]) == 2
     assert "HealConfig(learning_rate=0.0)" in capsys.readouterr().err
+    for resume in (tmp_path / "pruned" / "ck", tmp_path / "o4", tmp_path / "o4" / "ck", tmp_path / "base"):
+        assert main([*run, str(tmp_path / "o4"), *HEAL_FLAGS, "--resume", str(resume)]) == 2
+        assert f"--resume {resume} is " in capsys.readouterr().err
+    assert not (tmp_path / "o4").exists() and not (tmp_path / "pruned" / "ck").exists()
     assert _digest(tmp_path / "pruned") == before and (tmp_path / "busy" / "x").read_text() == "x"
 
 

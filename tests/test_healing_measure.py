@@ -19,7 +19,7 @@ from hf_layerswap.card import check_card, render_card
 from hf_layerswap.card.healing import healing_section
 from hf_layerswap.cli import main
 from hf_layerswap.config import HealConfig, LayerSwapConfig
-from hf_layerswap.healing.measure import replayed_cut, repair_of_last_cut
+from hf_layerswap.healing.measure import HealMeasures, replayed_cut, repair_of_last_cut
 from hf_layerswap.pipeline import prune
 
 TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
@@ -169,3 +169,43 @@ def test_prune_heal_measurement_flags(tmp_path, capsys):
     assert "--heal-perplexity" in capsys.readouterr().err and not (tmp_path / "p").exists()
     assert main([*run, "--heal-eval-tasks", "a", "b"]) == 2
     assert "--heal-* options given without --heal" in capsys.readouterr().err
+
+
+def test_heal_measures_check_task_fields_like_heal_config():
+    tok = tiny_tokenizer()
+    measures = HealMeasures(eval_tasks="hellaswag", eval_tasks_limit=20.0, tokenizer=tok)
+    measures.check()  # one name is one task, not its letters
+    assert measures.eval_tasks == ["hellaswag"] and measures.eval_tasks_limit == 20
+    teacher = tiny_model("llama")
+    student = hl.remove_layers(copy.deepcopy(teacher), REMOVED)
+    with pytest.raises(ValueError, match=r"heal\(eval_tasks_path=None, eval_tasks_limit=5\) without eval_tasks"):
+        hl.heal(student, teacher, _calibration(), tokenizer=tok, eval_tasks_limit=5)
+    with pytest.raises(ValueError, match=r"heal\(eval_tasks_limit=-3\): must be None, an int >= 1"):
+        hl.heal(student, teacher, _calibration(), tokenizer=tok, eval_tasks=["t"], eval_tasks_limit=-3)
+
+
+def test_bad_perplexity_text_leaves_no_checkpoint_folder(tmp_path):
+    tok, empty = tiny_tokenizer(), tmp_path / "empty.txt"
+    empty.write_text("")
+    teacher = _dense()
+    student = hl.remove_layers(copy.deepcopy(teacher), REMOVED)
+    with pytest.raises(ValueError, match="0 token"):
+        hl.heal(student, teacher, _calibration(), tokenizer=tok, checkpoint_dir=tmp_path / "ck",
+                **_heal_config(perplexity_text=str(empty)).heal_kwargs())
+    assert not (tmp_path / "ck").exists() and "healing" not in student.config.layerswap
+
+
+def test_heal_verb_refuses_a_missing_task_folder_before_loading(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "pruned"), "--layers", "2"]) == 0
+    capsys.readouterr()
+    missing = tmp_path / "no_tasks"
+    assert main(["heal", str(tmp_path / "pruned"), str(tmp_path / "base"), str(tmp_path / "h"), "--eval-tasks", "t",
+                 "--eval-tasks-path", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--eval-tasks-path {str(missing)!r} is not a folder" in err and "loading" not in err
+    assert not (tmp_path / "h").exists() and not (tmp_path / "h.heal-checkpoints").exists()
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p2"), "--layers", "2", "--heal", "--heal-eval-tasks",
+                 "t", "--heal-eval-tasks-path", str(missing)]) == 2
+    assert f"--heal-eval-tasks-path {str(missing)!r} is not a folder" in capsys.readouterr().err
+    assert not (tmp_path / "p2").exists()

@@ -76,6 +76,9 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
     ppl = entry.get("perplexity") or {}
     if not ppl:
         return []
+    if not isinstance(ppl, Mapping):
+        return [("Perplexity before → after healing",
+                 "not recorded in a readable form: this healing cannot be judged on perplexity")]
     ppl = _stages(ppl, repair)
     start = ppl.get("start", "after_repair" if repair else "after_cut")
     dense = ppl.get("dense")
@@ -108,7 +111,8 @@ def tasks_table(tasks: Mapping) -> str | None:
     if not tasks:
         return None
     before, after = tasks.get("before"), tasks.get("after")
-    if not isinstance(before, Mapping) or not isinstance(after, Mapping):
+    if (not isinstance(before, Mapping) or not isinstance(after, Mapping) or not before
+            or not all(isinstance(m, Mapping) for m in before.values())):
         return ("lm-eval tasks: not recorded before and after healing: these task results cannot be judged "
                 "and are not shown.")
     lines = ["lm-eval tasks before and after healing:", "",
@@ -117,10 +121,10 @@ def tasks_table(tasks: Mapping) -> str | None:
         for metric, value in metrics.items():
             if metric.endswith("_stderr"):
                 continue
-            new = (after.get(task) or {}).get(metric)
-            cells = [_task_value(value, metrics.get(f"{metric}_stderr")),
-                     _task_value(new, (after.get(task) or {}).get(f"{metric}_stderr")),
-                     f"{new - value:+.4f}" if _finite(value) and _finite(new) else _DASH]
+            later = after.get(task) if isinstance(after.get(task), Mapping) else {}
+            new = later.get(metric)
+            cells = [_task_value(value, metrics.get(f"{metric}_stderr")), _task_value(new, later.get(f"{metric}_stderr")),
+                     f"{new - value:+.4f}" if _finite(value) and _finite(new) else "cannot be judged"]
             lines.append(f"| {_cell(task)} | {_cell(metric)} | " + " | ".join(cells) + " |")
     s, versions = tasks.get("settings") or {}, tasks.get("versions") or {}
     hashes, counts = tasks.get("task_hashes") or {}, tasks.get("n_samples") or {}
@@ -140,6 +144,10 @@ def _task_value(value, err) -> str:
     return f"{value:.4f}" + (f" ± {err:.4f}" if _finite(err) and err > 0 else "")
 
 
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _DASH
+
+
 def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     teacher = ("the dense model's full logits, on the fly" if entry.get("teacher_top_k") is None else
                f"the dense model's top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached "
@@ -148,7 +156,7 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     data = str(entry.get("data", _DASH)) + (f" (sha256 {entry['data_hash'][:12]}…)" if entry.get("data_hash") else "")
     rows = [
         ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
-        ("Training", f"{entry.get('tokens', 0):,} tokens, {entry.get('steps', 0)} steps, learning rate "
+        ("Training", f"{_count(entry.get('tokens'))} tokens, {_count(entry.get('steps'))} steps, learning rate "
                      f"{entry.get('learning_rate', _DASH)}, seed {entry.get('seed', _DASH)}"),
         ("Teacher", teacher),
         ("Data", data),

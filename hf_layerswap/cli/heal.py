@@ -134,6 +134,14 @@ def _check_distinct(args) -> None:
                          "its input; choose a new folder")
     if Path(args.base).expanduser().resolve() == output:
         raise ValueError(f"OUTPUT {args.output} is BASE: choose a new folder")
+    if args.resume is not None:
+        resume = Path(args.resume).expanduser().resolve()
+        base = Path(args.base).expanduser()
+        folders = [("PRUNED", pruned), ("OUTPUT", output)] + ([("BASE", base.resolve())] if base.is_dir() else [])
+        for name, path in folders:
+            if resume == path or path in resume.parents:
+                raise ValueError(f"--resume {args.resume} is {name} {path} or inside it: the Trainer checkpoints "
+                                 "need a folder of their own; choose another (default: OUTPUT.heal-checkpoints)")
 
 
 def run_heal(args) -> int:

@@ -146,10 +146,9 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: a mismatched teacher (before any training), an unknown method, a bad
-            budget or ``teacher_top_k``, too few prompts to hold some out, a
-            ``checkpoint_dir`` of another run, or ``perplexity_text`` / ``eval_tasks``
-            without ``tokenizer``.
+        ValueError: before any training: a mismatched teacher, an unknown method, a bad budget,
+            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
+            to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
     """
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
@@ -161,11 +160,13 @@ def heal(
     _check_settings(settings, model.config.vocab_size)
     calib, steps = _training_text(calibration, tokenizer, settings)
     settings["data_hash"] = calib.content_hash
-    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
     ids, mask = calib.input_ids, calib.attention_mask
     device = next(model.parameters()).device
     teacher.to(device).eval()
+    if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
+        _claim_checkpoints(Path(checkpoint_dir), settings, write=False)
     start = measures.start(model, teacher)
+    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
     train = _Rows(ids[:-heldout_prompts], mask[:-heldout_prompts])
     held = _Rows(ids[-heldout_prompts:], mask[-heldout_prompts:])
     if teacher_top_k is not None:
@@ -264,13 +265,18 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
 
 
 def _check_settings(settings: dict, vocab_size: int) -> None:
-    for name in ("max_tokens", "batch_size", "eval_every", "patience", "heldout_prompts"):
+    for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
+                          ("heldout_prompts", 1)):
         value = settings[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    lr = settings["learning_rate"]
-    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"learning_rate={lr!r}: must be a finite number > 0")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
+    for name, positive in (("learning_rate", True), ("ce_weight", False)):
+        value = settings[name]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (value <= 0 if positive else value < 0):
+            raise ValueError(f"{name}={value!r}: must be a finite number {'> 0' if positive else '>= 0'}")
+    if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
+        raise ValueError(f"seed={settings['seed']!r}: must be an int")
     k = settings["teacher_top_k"]
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
         raise ValueError(f"teacher_top_k={k!r}: must be None (full logits) or an int in 1..{vocab_size} "
@@ -281,9 +287,10 @@ def _check_settings(settings: dict, vocab_size: int) -> None:
 RUN_FILE = "layerswap_heal_run.json"
 
 
-def _claim_checkpoints(folder: Path, settings: dict) -> bool:
-    """Write ``settings`` into ``folder``, or check they equal those of the run whose
-    checkpoints are there; ``True`` when there is a run to resume."""
+def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> bool:
+    """Write ``settings`` into ``folder`` (only check it could be, with ``write=False``), or
+    check they equal those of the run whose checkpoints are there; ``True`` when there is a
+    run to resume."""
     path = folder / RUN_FILE
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -298,6 +305,8 @@ def _claim_checkpoints(folder: Path, settings: dict) -> bool:
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"checkpoint_dir {os.fspath(folder)!r} is not empty and holds no {RUN_FILE}: "
                          "not a healing checkpoint folder; choose an empty or new folder")
+    if not write:
+        return False
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(settings, path)
     return False

@@ -20,10 +20,36 @@ from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
 from ..tasks import evaluate_tasks
 
-__all__ = ["HealMeasures", "PERPLEXITY_STAGES", "contract_summary", "replayed_cut", "repair_of_last_cut"]
+__all__ = ["HealMeasures", "PERPLEXITY_STAGES", "check_eval_tasks", "contract_summary", "replayed_cut", "repair_of_last_cut"]
 
 #: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
 PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_healing")
+
+
+def check_eval_tasks(tasks, path, limit, what: str) -> tuple[list[str] | None, int | float | None]:
+    """``(tasks, limit)`` of a healing's task evaluation, checked: ``tasks`` ``None``, one
+    lm-eval task name or a non-empty list of them (returned as a list); ``limit`` ``None``,
+    an int >= 1 (a whole float becomes an int) or a fraction in (0, 1); ``path`` and
+    ``limit`` only with ``tasks``.
+
+    Raises:
+        ValueError: naming ``what`` (``"HealConfig"``, ``"heal"``), the field, its value
+            and what is allowed.
+    """
+    if tasks is not None:
+        names = [tasks] if isinstance(tasks, str) else tasks
+        if not isinstance(names, Sequence) or not names or not all(isinstance(t, str) and t for t in names):
+            raise ValueError(f"{what}(eval_tasks={tasks!r}): must be None or a non-empty list of lm-eval task names")
+        tasks = list(names)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1)):
+        raise ValueError(f"{what}(eval_tasks_limit={limit!r}): must be None, an int >= 1 or a fraction in (0, 1)")
+    if isinstance(limit, float) and limit >= 1:
+        limit = int(limit)
+    if tasks is None and (path is not None or limit is not None):
+        raise ValueError(f"{what}(eval_tasks_path={path!r}, eval_tasks_limit={limit!r}) without "
+                         "eval_tasks: name the lm-eval tasks to measure")
+    return tasks, limit
 
 
 def contract_summary(contract: Mapping) -> dict:
@@ -93,8 +119,11 @@ class HealMeasures:
         """Refuse, before any work, measurements that need a tokenizer there is not.
 
         Raises:
-            ValueError: ``perplexity_text`` or ``eval_tasks`` without a tokenizer.
+            ValueError: ``perplexity_text`` or ``eval_tasks`` without a tokenizer, or bad
+                task fields (:func:`check_eval_tasks`).
         """
+        self.eval_tasks, self.eval_tasks_limit = check_eval_tasks(self.eval_tasks, self.eval_tasks_path,
+                                                                  self.eval_tasks_limit, "heal")
         for name in ("perplexity_text", "eval_tasks"):
             if getattr(self, name) is not None and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs tokenizer= (the student's tokenizer)")
