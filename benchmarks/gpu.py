@@ -56,7 +56,7 @@ from hf_layerswap.models import bundled_checkpoint_dir  # noqa: E402
 from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.config import LayerSwapConfig  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
-from hf_layerswap.report import write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 
 PAGE = REPO / "benchmarks" / "results" / "gpu.md"
 GiB = 2**30
@@ -450,13 +450,28 @@ def pending_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_stored(path: Path) -> str:
+    """The page from the stored results at ``path``: ``render`` when all three parts are there,
+    else ``pending_page`` (no GPU run stored, or one that ran only some parts)."""
+    results = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if results.get("agreement") and results.get("llama_8b") and results.get("split"):
+        return render(results)
+    return pending_page()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, seconds)")
     parser.add_argument("--out", type=Path, default=None, help=f"page path (default {PAGE.relative_to(REPO)}); "
                         "the JSON goes next to it")
     parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    parser.add_argument("--render-only", action="store_true", help="write the page from the JSON beside it "
+                        "(the page before any GPU run when there is none, or it lacks a part); measures nothing")
     args = parser.parse_args(argv)
+    if args.render_only:
+        out = args.out or PAGE
+        write_text_atomic(render_stored(out.with_suffix(".json")), out)
+        return 0
     if args.smoke and args.out is None:
         parser.error("--smoke needs --out (a smoke run must not write over the measured page)")
     if not args.smoke and not torch.cuda.is_available():

@@ -620,10 +620,11 @@ def render_header(real: list[dict], traj: dict | None, kept: bool, render_comman
     ]
 
 
-def write_results(head: list[str], body: list[str]) -> Path:
+def write_results(head: list[str], body: list[str], page: Path | None = None) -> Path:
+    """Write the page (default ``results/peeling.md``) from its header and sections."""
     text = "\n".join(["# Peeling reference bounds: real checkpoints and a training run", ""] + head) + "\n" + \
         "\n".join(body)
-    return write_text_atomic(text, RESULTS / "peeling.md")
+    return write_text_atomic(text, page or RESULTS / "peeling.md")
 
 
 def render_only(args, log, render_command: str) -> int:
@@ -644,9 +645,22 @@ def render_only(args, log, render_command: str) -> int:
         body.append(trajectory_section(traj))
     elif kept is not None:
         body.append(kept.rstrip("\n") + "\n")
-    path = write_results(head, body)
+    path = write_results(head, body, args.out)
     log(f"wrote {path}")
     return 0
+
+
+def without_option(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``flag VALUE`` or ``flag=VALUE``)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            kept.append(arg)
+    return kept
 
 
 def main(argv=None) -> int:
@@ -660,14 +674,20 @@ def main(argv=None) -> int:
     parser.add_argument("--render-only", action="store_true",
                         help="rebuild peeling.md from the JSON of earlier runs under benchmarks/results/peeling/ "
                              "for --models (and the trajectory): loads no model, computes nothing")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="page written by --render-only (default benchmarks/results/peeling.md; the stored "
+                             "JSON is read from benchmarks/results/peeling/ either way; not named in the page)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    command = " ".join([SCRIPT] + ([shlex.join(argv)] if argv else []))
+    shown_argv = without_option(argv, "--out")
+    command = " ".join([SCRIPT] + ([shlex.join(shown_argv)] if shown_argv else []))
     if args.render_only:
         clash = [flag for flag, on in (("--smoke", args.smoke), ("--reuse-checkpoints", args.reuse_checkpoints),
                                        ("--checkpoints", args.checkpoints is not None)) if on]
         if clash:
             parser.error(f"--render-only computes nothing and cannot be combined with {', '.join(clash)}")
+    elif args.out is not None:
+        parser.error("--out names the page of --render-only; a run writes benchmarks/results/peeling.md")
     if args.smoke:
         for budget in REAL.values():
             budget.update(num_prompts=8, seq_len=32, eval_prompts=4, eval_seq_len=32, bootstrap=100, sites=[1, 2])

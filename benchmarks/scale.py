@@ -456,10 +456,11 @@ def main(argv=None):
     p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b"],
                    help="parts to run; the others keep their results stored in scale.json")
     p.add_argument("--render-only", action="store_true", help="write scale.md from scale.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "scale.json", help="stored results read by --render-only")
+    p.add_argument("--out", type=Path, default=RESULTS / "scale.md", help="page written by --render-only")
     args = p.parse_args(argv)
     if args.render_only:
-        out = json.loads((RESULTS / "scale.json").read_text())
-        (RESULTS / "scale.md").write_text(render(out))
+        args.out.write_text(render(json.loads(args.json.read_text())))
         return
     out = {"threads": 1, "num_prompts": args.num_prompts, "seq_len": args.seq_len,
            "commands": {part: command_line("scale.py", argv) for part in args.parts},

@@ -1,6 +1,7 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
-the quality pages and their index, speed, recovery, precision, streaming, heal and the two sparsity pages are
-rewritten from the JSON beside them with each script's ``--render-only`` (no model is
+the quality pages and their index, speed, recovery, precision, streaming, heal, the two sparsity
+pages, scale, gpu and peeling (its training-trajectory section is kept from the page: that run's
+record was not stored) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
 of the benchmarks on the runner (heal, sparsity, precision, recovery) are rendered from their state split in two
 files and merged back with ``--merge-from``, so the merge keeps every stored value too."""
@@ -120,3 +121,28 @@ def test_streaming_page_rerenders_unchanged(tmp_path):
     shutil.copy(RESULTS / "streaming.json", tmp_path / "streaming.json")
     _run([str(ROOT / "benchmarks" / "streaming.py"), "--render-only", "--out", str(tmp_path / "streaming.md")], ROOT)
     assert (tmp_path / "streaming.md").read_bytes() == (RESULTS / "streaming.md").read_bytes()
+
+
+def test_scale_page_rerenders_unchanged(tmp_path):
+    """scale.md from scale.json (and the quality runs' stored SLEB rows it quotes)."""
+    _run([str(ROOT / "benchmarks" / "scale.py"), "--render-only", "--json", str(RESULTS / "scale.json"),
+          "--out", str(tmp_path / "scale.md")], ROOT)
+    assert (tmp_path / "scale.md").read_bytes() == (RESULTS / "scale.md").read_bytes()
+
+
+def test_gpu_page_rerenders_unchanged(tmp_path):
+    """From gpu.json beside the page; while no GPU run is stored (none yet) the page is the one
+    before any run, every target 'not yet measured'."""
+    if (RESULTS / "gpu.json").exists():
+        shutil.copy(RESULTS / "gpu.json", tmp_path / "gpu.json")
+    _run([str(ROOT / "benchmarks" / "gpu.py"), "--render-only", "--out", str(tmp_path / "gpu.md")], ROOT)
+    assert (tmp_path / "gpu.md").read_bytes() == (RESULTS / "gpu.md").read_bytes()
+
+
+def test_peeling_page_rerenders_unchanged(tmp_path):
+    """peeling.md from the stored reports under results/peeling/, with the command its header names.
+    The training-trajectory section is not re-rendered: its run record (trajectory_run.json) was
+    never stored, so --render-only keeps that section from the existing page."""
+    _run([str(ROOT / "benchmarks" / "peeling.py"), "--render-only", "--models", "smollm2-135m", "gemma3-270m",
+          "--out", str(tmp_path / "peeling.md")], ROOT)
+    assert (tmp_path / "peeling.md").read_bytes() == (RESULTS / "peeling.md").read_bytes()
