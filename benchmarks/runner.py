@@ -23,8 +23,9 @@ The runner owns the rest:
 
 On the runner: ``heal.py`` (``experiments/heal.toml``), ``sparsity.py``
 (``experiments/sparsity.toml``, a shared store), ``precision.py``
-(``experiments/precision.toml``) and ``recovery.py`` (``experiments/recovery.toml``): these two keep
-their cells as lists of records (:class:`ListCellStore`).
+(``experiments/precision.toml``), ``recovery.py`` (``experiments/recovery.toml``) and
+``streaming.py`` (``experiments/streaming.toml``): these three keep their cells as lists of
+records (:class:`ListCellStore`).
 Usage from a benchmark script::
 
     store = CellStore(path, fresh=new_state)

@@ -15,10 +15,19 @@ run's.
 Targets (issue 29): streamed with 1/4 of the weights in memory at most 1.5x the in-memory
 CPU time, and peak RSS at most the in-memory peak less half the weights.
 
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``,
+``experiments/streaming.toml``: the option defaults and the configurations): each model and
+configuration is one cell, stored as one record of the ``rows`` list of the JSON
+(:class:`runner.ListCellStore`, keyed by :func:`row_key`) as soon as its process ends; a rerun
+with the same calibration skips a stored row; ``--merge-from`` first merges runs of other
+models or configurations made elsewhere (a row stored with different values in two files is
+refused).
+
 Usage (from the repository root; fp32 on the CPU)::
 
     python benchmarks/streaming.py                  # both models, 4 prompts x 32 tokens
     python benchmarks/streaming.py --render-only    # rewrite the page from the JSON
+    python benchmarks/streaming.py --render-only --merge-from other/streaming.json
 """
 
 from __future__ import annotations
@@ -38,11 +47,20 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _cmdline import command_line  # noqa: E402
-from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
+from runner import (  # noqa: E402
+    ListCellStore,
+    add_runner_arguments,
+    experiment_cells,
+    load_experiment,
+    merge_files,
+    run_cells,
+)
 
-VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
-#: Configurations: None is the model in memory; a fraction is the CPU cap (share of the weights).
-CAPS = (None, 0.5, 0.25, 0.125)
+from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+
+EXPERIMENT = load_experiment("streaming")
+SETTINGS = EXPERIMENT["settings"]
+IN_MEMORY = "in memory"  # the experiment's cap of the model loaded whole (TOML has no null)
 FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 
 
@@ -124,6 +142,28 @@ def _max_rel(a: list, b: list) -> float:
     return worst
 
 
+def configurations(depth_first_rows: bool) -> list[tuple[float | None, bool]]:
+    """``(cap, depth_first)`` of each row per model, in the page's order (experiments/streaming.toml;
+    cap None: the model in memory)."""
+    groups = experiment_cells(EXPERIMENT)
+    cells = groups["configs"] + (groups["depth_first"] if depth_first_rows else [])
+    return [(None if c["cap"] == IN_MEMORY else float(c["cap"]), bool(c["depth_first"])) for c in cells]
+
+
+def row_key(row: dict) -> str:
+    """The cell key of a stored row: ``model/cap/streamed`` (cap ``in-memory`` or the share)."""
+    cap = "in-memory" if row["cap"] is None else f"{row['cap']:g}"
+    return f"{row['model']}/{cap}/{'depth-first' if row['depth_first'] else 'streamed'}"
+
+
+def sort_rows(state: dict) -> None:
+    """Rows in the page's order: by the state's model list, then configuration (depth-first last)."""
+    models = {m: i for i, m in enumerate(state["models"])}
+    configs = {c: i for i, c in enumerate(configurations(True))}
+    state["rows"].sort(key=lambda r: (models.get(r["model"], len(models)),
+                                      configs.get((r["cap"], r["depth_first"]), len(configs))))
+
+
 # ----------------------------------------------------------------------------- the page
 def _label(r: dict) -> str:
     if r["cap"] is None:
@@ -194,56 +234,69 @@ def write_markdown(out: Path, stored: dict) -> None:
     write_text_atomic("\n".join(lines) + "\n", out)
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--models", nargs="+", default=list(SETTINGS["models"]))
+    ap.add_argument("--num-prompts", type=int, default=SETTINGS["num_prompts"])
+    ap.add_argument("--seq-len", type=int, default=SETTINGS["seq_len"])
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "streaming.md"),
                     help="Markdown page; its JSON goes beside it")
     ap.add_argument("--depth-first-rows", action="store_true",
                     help="also score the 1/4 configuration depth-first (slot_major=False): slow, for the contrast")
-    ap.add_argument("--render-only", action="store_true", help="rewrite the Markdown from the stored JSON")
+    add_runner_arguments(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--depth-first", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def merge(state_path: Path, sources: list[Path]) -> dict:
+    """``--merge-from``: rows measured elsewhere into ``state_path``; the first file's command,
+    machine and torch are kept, the models listed in any; a row stored with different values
+    in two files, or another calibration, is refused (:class:`runner.MergeConflict`)."""
+    merged = merge_files(state_path, sources, union=("models",), keyed={"rows": row_key},
+                         first=("command", "machine", "torch"))
+    sort_rows(merged)
+    write_json_atomic(merged, state_path)
+    return merged
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     if args.worker:
         args.model = args.models[0]
         worker(args)
         return
     out = Path(args.out)
+    state = out.with_suffix(".json")
+    if args.merge_from:
+        merge(state, args.merge_from)
     if args.render_only:
-        write_markdown(out, json.loads(out.with_suffix(".json").read_text()))
+        write_markdown(out, json.loads(state.read_text()))
         log("wrote", out)
         return
     import torch
 
-    state = out.with_suffix(".json")
-    stored = {
+    header = {
         "command": command_line("streaming.py", argv),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "torch": torch.__version__,
-        "num_prompts": args.num_prompts, "seq_len": args.seq_len, "models": args.models, "rows": [],
+        "num_prompts": args.num_prompts, "seq_len": args.seq_len,
     }
-    if state.is_file():  # resume: keep the configurations measured with the same calibration
-        old = json.loads(state.read_text())
-        if (old["num_prompts"], old["seq_len"]) == (args.num_prompts, args.seq_len):
-            stored["rows"] = [r for r in old["rows"] if r["model"] in args.models]
-    done = {(r["model"], r["cap"], r["depth_first"]) for r in stored["rows"]}
-    for model in args.models:
-        configs = [(cap, False) for cap in CAPS] + ([(0.25, True)] if args.depth_first_rows else [])
-        for cap, depth_first in configs:
-            if (model, cap, depth_first) in done:
-                continue
-            stored["rows"].append(run_config(model, cap, depth_first, args))
-            write_text_atomic(json.dumps(stored, indent=1) + "\n", state)  # a stopped run keeps what it measured
-    order = {(m, c, d): n for n, (m, c, d) in enumerate((m, c, d) for m in args.models for c, d in
-                                                        [(c, False) for c in CAPS] + [(0.25, True)])}
-    stored["rows"].sort(key=lambda r: order[(r["model"], r["cap"], r["depth_first"])])
-    write_text_atomic(json.dumps(stored, indent=1) + "\n", state)
-    write_markdown(out, stored)
+    store = ListCellStore(state, fresh=lambda: {**header, "models": [], "rows": []}, key=row_key, cells="rows")
+    if (store.state.get("num_prompts"), store.state.get("seq_len")) != (args.num_prompts, args.seq_len):
+        if state.is_file():  # another calibration: a new run (the old rows do not resume)
+            log(f"{state}: stored with another calibration; starting anew")
+        store.state = store.fresh()
+    store.state.update(header)  # the latest command; stored rows are kept
+    store.state["models"] = list(dict.fromkeys([*store.state.get("models", []), *args.models]))
+    cells = [(row_key({"model": m, "cap": cap, "depth_first": d}), (m, cap, d))
+             for m in args.models for cap, d in configurations(args.depth_first_rows)]
+    run_cells(store, cells, lambda cell: run_config(*cell, args), tag="streaming",
+              describe=lambda r: f"cpu {r['cpu_s']:.1f} s, peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
+    store.update(sort_rows)
+    write_markdown(out, store.state)
     log("wrote", out)
 
 

@@ -3,7 +3,7 @@ the quality pages and their index, speed, recovery, precision, streaming, heal, 
 pages, scale, gpu and peeling (its training-trajectory section is kept from the page: that run's
 record was not stored) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
-of the benchmarks on the runner (heal, sparsity, precision, recovery) are rendered from their state split in two
+of the benchmarks on the runner (heal, sparsity, precision, recovery, streaming) are rendered from their state split in two
 files and merged back with ``--merge-from``, so the merge keeps every stored value too."""
 
 from __future__ import annotations
@@ -118,9 +118,13 @@ def test_heal_page_rerenders_unchanged(tmp_path):
 
 
 def test_streaming_page_rerenders_unchanged(tmp_path):
-    shutil.copy(RESULTS / "streaming.json", tmp_path / "streaming.json")
-    _run([str(ROOT / "benchmarks" / "streaming.py"), "--render-only", "--out", str(tmp_path / "streaming.md")], ROOT)
-    assert (tmp_path / "streaming.md").read_bytes() == (RESULTS / "streaming.md").read_bytes()
+    """The page from its stored rows (a list), split in two and merged back by the runner first."""
+    first, second = _split(RESULTS / "streaming.json", "rows", tmp_path)
+    out = first.with_suffix(".md")  # the JSON is read beside the page
+    _run([str(ROOT / "benchmarks" / "streaming.py"), "--render-only", "--merge-from", str(second), "--out", str(out)],
+         ROOT)
+    assert out.read_bytes() == (RESULTS / "streaming.md").read_bytes()
+    assert json.loads(first.read_text(encoding="utf-8")) == json.loads((RESULTS / "streaming.json").read_text(encoding="utf-8"))
 
 
 def test_scale_page_rerenders_unchanged(tmp_path):

@@ -188,3 +188,37 @@ def test_nested_list_store_counts_a_partial_record_as_not_done_and_merges_at_dep
     with pytest.raises(MergeConflict, match=r"\$\.result\.evaluated\[1,3\]\.results\.none: 1\.0 != 2\.0"):
         merge_states([store.state, {"result": {"evaluated": [{"removed": [1, 3], "results": {"none": 2.0}}]}}],
                      keyed={"evaluated": key})
+
+
+def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeypatch):
+    import streaming
+
+    calls = []
+
+    def fake_run_config(model, cap, depth_first, args):
+        calls.append((model, cap, depth_first))
+        return {"model": model, "cap": cap, "depth_first": depth_first, "cpu_s": 1.0, "peak_rss": 2**20}
+
+    monkeypatch.setattr(streaming, "run_config", fake_run_config)
+    monkeypatch.setattr(streaming, "write_markdown", lambda out, state: out.write_text(
+        ",".join(streaming.row_key(r) for r in state["rows"])))
+    page = tmp_path / "s.md"
+    stored = {"model": "gemma3-270m", "cap": 0.5, "depth_first": False, "cpu_s": 7.0, "peak_rss": 1}
+    page.with_suffix(".json").write_text(json.dumps({"command": "old", "num_prompts": 2, "seq_len": 8,
+                                                     "models": ["gemma3-270m"], "rows": [stored]}))
+    argv = ["--models", "smollm2-135m", "gemma3-270m", "--num-prompts", "2", "--seq-len", "8", "--out", str(page)]
+    streaming.main(argv)
+    caps = [None, 0.5, 0.25, 0.125]
+    assert calls == [("smollm2-135m", c, False) for c in caps] + [("gemma3-270m", c, False) for c in caps if c != 0.5]
+    state = json.loads(page.with_suffix(".json").read_text())
+    assert state["models"] == ["gemma3-270m", "smollm2-135m"]  # the stored model first, then the new one
+    assert page.read_text().split(",") == [f"{m}/{c}/streamed" for m in ("gemma3-270m", "smollm2-135m")
+                                           for c in ("in-memory", "0.5", "0.25", "0.125")]
+    assert state["rows"][1] == stored  # kept, not rerun
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"num_prompts": 4, "rows": []}))
+    with pytest.raises(MergeConflict, match="num_prompts"):  # another calibration is not merged
+        streaming.main(["--render-only", "--out", str(page), "--merge-from", str(other)])
+    calls.clear()
+    streaming.main(argv[:5] + ["--seq-len", "16", "--out", str(page)])  # another calibration: anew
+    assert len(calls) == 8 and len(json.loads(page.with_suffix(".json").read_text())["rows"]) == 8
