@@ -9,12 +9,15 @@ the ghosted repair and after healing, the held-out KL before/after, steps, real 
 the CPU seconds of the healing call.
 
 Text: healing and the ghosted fit use WikiText-2 *validation* (``../shared/data`` holds no
-training split); evaluation is WikiText-2 raw *test*, never seen by any fit or training.
+training split); evaluation is WikiText-2 raw *test*, never seen by any fit or training. A
+cell's ``text`` is ``"paragraphs"`` (one prompt per paragraph, ``heal(packing=False)``) or
+``"packed"`` (full windows of packed text, ``heal(packing=True)``).
 
 The cells come from one plan (:data:`PLAN`, groups in priority order). Each finished cell is
 appended to ``heal.json`` at once, and a rerun skips finished cells, so an interrupted run
 loses at most the cell in progress. ``--render-only`` rewrites ``heal.md`` and the plot
-from ``heal.json`` alone (no model is loaded).
+from ``heal.json`` alone (no model is loaded). ``--state PATH`` keeps the cells in another
+JSON file (and writes its page next to it), e.g. for a run beside another one.
 
 Usage (from the repository root)::
 
@@ -60,10 +63,10 @@ LR = {"lora": 1e-3, "adjacent": 1e-4, "last_k": 1e-4}
 BEST = "ghosted+lora"
 
 
-def _cell(model, criterion, n, method, tokens, lr=None):
+def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs"):
     heal_method = method.split("+")[-1]
     return {"model": model, "criterion": criterion, "n": n, "method": method, "tokens": tokens,
-            "lr": LR[heal_method] if lr is None else lr}
+            "lr": LR[heal_method] if lr is None else lr, "text": text}
 
 
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
@@ -80,6 +83,7 @@ PLAN = {
     "budgets": [_cell(model, "search", n, m, 32768) for model in (SMOL, GEMMA) for n in (2, 4)
                 for m in ("lora", "ghosted+lora")],
     "long": [_cell(SMOL, "search", 6, BEST, 131072)],
+    "packed": [_cell(SMOL, "search", 6, BEST, tokens, text="packed") for tokens in (131072, 262144)],
 }
 GROUP_TITLES = {
     "pilot": "Pilot: learning rate (SmolLM2-135M, n = 6, 8k tokens)",
@@ -87,6 +91,7 @@ GROUP_TITLES = {
     "criteria": "Criteria after the same healing (SmolLM2-135M, n = 6, 8k tokens)",
     "budgets": "Budgets n = 2, 4 on both models (32k tokens)",
     "long": "A longer run of the best method (SmolLM2-135M, n = 6, 128k tokens)",
+    "packed": "Packed text: the best method on full windows (SmolLM2-135M, n = 6, 128k and 256k tokens)",
 }
 CRITERION_NAMES = {
     "search": "default search", "interchange": "interchange greedy", "block_influence": "Block Influence (ShortGPT)",
@@ -94,8 +99,16 @@ CRITERION_NAMES = {
 }
 
 
+def cell_text(cell: dict) -> str:
+    """The cell's healing text (cells stored before the field existed are ``"paragraphs"``)."""
+    return cell.get("text", "paragraphs")
+
+
 def cell_key(cell: dict) -> str:
-    return f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
+    """``model|criterion|nN|method|tokens|lrX``, then ``|packed`` for packed text (paragraph
+    cells keep the keys they were stored under)."""
+    key = f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
+    return key if cell_text(cell) == "paragraphs" else f"{key}|{cell_text(cell)}"
 
 
 def removal_set(model: str, criterion: str, n: int) -> list[int]:
@@ -167,7 +180,7 @@ class Runner:
         cpu, wall = time.process_time(), time.time()
         report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
                       tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer, max_tokens=cell["tokens"],
-                      learning_rate=cell["lr"], **HEAL_SETTINGS)
+                      learning_rate=cell["lr"], packing=cell_text(cell) == "packed", **HEAL_SETTINGS)
         cpu, wall = time.process_time() - cpu, time.time() - wall
         healed = self.evaluate(student)
         return {**cell, "removed": removed, "healed": healed, "heal_cpu_s": cpu, "heal_wall_s": wall,
@@ -446,11 +459,13 @@ def main(argv=None) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="run only the cells of these methods (default: every method of the groups)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the page's runs: 1)")
-    parser.add_argument("--json", default=str(RESULTS / "heal.json"))
-    parser.add_argument("--out", default=str(RESULTS / "heal.md"))
+    parser.add_argument("--state", "--json", dest="json", default=str(RESULTS / "heal.json"),
+                        help="the JSON of finished cells, read and extended (default results/heal.json)")
+    parser.add_argument("--out", default=None, help="the page (default: the state's path with .md)")
     parser.add_argument("--render-only", action="store_true", help="only rewrite the page and plot from the JSON")
     args = parser.parse_args(argv)
     path = Path(args.json)
+    args.out = args.out or str(path.with_suffix(".md"))
     if args.render_only:
         if not path.is_file():
             raise SystemExit(f"{path} does not exist: nothing to render")

@@ -37,6 +37,13 @@ class HealReport(JsonResult):
         options: the method's options (``lora_r``, ``k``, ...).
         perplexity: ``{"before", "after", "contract", "text"}`` when ``perplexity_text``
             was given, else empty.
+        packing: ``True`` when the training text was packed into full windows
+            (``heal(packing=True)`` on a text source), ``False`` for one prompt per
+            paragraph or given tensors.
+        distinct_tokens: real tokens of the distinct training prompts (held-out ones not
+            counted); ``None`` in reports written before it was recorded.
+        epochs: ``tokens / distinct_tokens``: above 1 when the text was shorter than the
+            budget and repeated; ``None`` when not recorded.
     """
 
     method: str
@@ -58,6 +65,9 @@ class HealReport(JsonResult):
     tokens_per_step: float = 0.0
     options: dict = field(default_factory=dict)
     perplexity: dict = field(default_factory=dict)
+    packing: bool = False
+    distinct_tokens: int | None = None
+    epochs: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
