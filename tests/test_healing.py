@@ -408,6 +408,8 @@ def test_packed_healing_trains_each_distinct_window_once_and_never_the_heldout(t
     assert report.heldout == "first 4 window(s) of the packed text (never trained on)"
     entry = student.config.layerswap["healing"][-1]
     assert (entry["packing"], entry["distinct_tokens"], entry["tokens"], entry["epochs"]) == (True, 640, 640, 1.0)
+    assert "| Training | 640 tokens (640 distinct, packed text, 1.00 epochs), 10 steps," in \
+        healing_section(student.config.layerswap)
 
 
 def test_packed_healing_beyond_the_text_repeats_it_in_epochs_and_says_so(tmp_path):

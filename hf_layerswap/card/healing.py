@@ -49,6 +49,14 @@ def _perplexity_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
              f"{ppl['before']:.3f} → {ppl['after']:.3f} ({_change(ppl['before'], ppl['after'])})")]
 
 
+def _distinct(entry: Mapping) -> str:
+    """`` (D distinct, packed text, E epochs)`` when the entry records its distinct tokens."""
+    if entry.get("distinct_tokens") is None or entry.get("epochs") is None:
+        return ""
+    text = "packed text" if entry.get("packing") else "one paragraph per prompt"
+    return f" ({entry['distinct_tokens']:,} distinct, {text}, {entry['epochs']:.2f} epochs)"
+
+
 def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
     teacher = ("the dense model's full logits, on the fly" if entry.get("teacher_top_k") is None else
                f"the dense model's top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached "
@@ -57,7 +65,7 @@ def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
     data = str(entry.get("data", _DASH)) + (f" (sha256 {entry['data_hash'][:12]}…)" if entry.get("data_hash") else "")
     rows = [
         ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
-        ("Training", f"{entry.get('tokens', 0):,} tokens, {entry.get('steps', 0)} steps, learning rate "
+        ("Training", f"{entry.get('tokens', 0):,} tokens{_distinct(entry)}, {entry.get('steps', 0)} steps, learning rate "
                      f"{entry.get('learning_rate', _DASH)}, seed {entry.get('seed', _DASH)}"),
         ("Teacher", teacher),
         ("Data", data),
