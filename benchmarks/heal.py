@@ -13,11 +13,14 @@ training split); evaluation is WikiText-2 raw *test*, never seen by any fit or t
 cell's ``text`` is ``"paragraphs"`` (one prompt per paragraph, ``heal(packing=False)``) or
 ``"packed"`` (full windows of packed text, ``heal(packing=True)``).
 
-The cells come from one plan (:data:`PLAN`, groups in priority order). Each finished cell is
-appended to ``heal.json`` at once, and a rerun skips finished cells, so an interrupted run
-loses at most the cell in progress. ``--render-only`` rewrites ``heal.md`` and the plot
-from ``heal.json`` alone (no model is loaded). ``--state PATH`` keeps the cells in another
-JSON file (and writes its page next to it), e.g. for a run beside another one.
+The cells and settings come from the experiment file ``benchmarks/experiments/heal.toml``
+(:data:`PLAN`, groups in priority order); running, resuming and merging are the benchmark
+runner's (``benchmarks/runner.py``): each finished cell is stored in ``heal.json`` at once,
+a rerun skips finished cells (an interrupted run loses at most the cell in progress),
+``--merge-from`` first merges the ``heal.json`` of runs made elsewhere (refusing a cell stored
+with different values), and ``--render-only`` rewrites ``heal.md`` and the plot from
+``heal.json`` alone (no model is loaded). ``--state PATH`` keeps the cells in another JSON
+file (and writes its page next to it), e.g. for a run beside another one.
 
 Usage (from the repository root)::
 
@@ -42,26 +45,31 @@ import torch  # noqa: E402
 
 from hf_layerswap import heal, recover, remove_layers  # noqa: E402
 from hf_layerswap.healing.core import PARAGRAPH_PROMPTS  # noqa: E402
-from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.plan import num_blocks  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
+#: The experiment: settings and cells by group (``benchmarks/experiments/heal.toml``).
+EXPERIMENT = load_experiment("heal")
 #: Healing settings shared by every cell (``heal`` keyword arguments).
-HEAL_SETTINGS = {"seq_len": 128, "batch_size": 4, "heldout_prompts": 8, "eval_every": 4, "patience": 3, "seed": 0}
+HEAL_SETTINGS = EXPERIMENT["heal_settings"]
 #: The ghosted repair's fit: the recovery benchmark's contract (64 prompts x 128 tokens, 8192 tokens).
-GHOSTED_FIT = {"num_prompts": 64, "seq_len": 128, "num_tokens": 8192, "seed": 0}
+GHOSTED_FIT = EXPERIMENT["ghosted_fit"]
 
 #: Learning rates: LoRA (adapters) and the full-weight methods (adjacent, last_k), picked by the pilot.
-LR = {"lora": 1e-3, "adjacent": 1e-4, "last_k": 1e-4}
+LR = EXPERIMENT["lr"]
 #: The best healing at SmolLM2 n = 6, 32k tokens (the n6 group), used for the criteria group.
-BEST = "ghosted+lora"
+BEST = EXPERIMENT["best"]
 
 
 def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs"):
@@ -73,27 +81,12 @@ def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs"):
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
 #: Token budget of the criteria comparison: 8k, not 32k, so that all five criteria fit the
 #: time the shared machine gave this run (the page says so).
-CRITERIA_TOKENS = 8192
+CRITERIA_TOKENS = EXPERIMENT["criteria_tokens"]
 #: The cells, by group, in priority order; ``--groups`` picks groups.
-PLAN = {
-    "pilot": [_cell(SMOL, "search", 6, "lora", 8192, lr) for lr in (1e-4, 3e-4, 1e-3)]
-    + [_cell(SMOL, "search", 6, "adjacent", 8192, lr) for lr in (3e-5, 1e-4)],
-    "n6": [_cell(SMOL, "search", 6, m, 32768) for m in ("ghosted+lora", "lora", "last_k", "adjacent")],
-    "criteria": [_cell(SMOL, c, 6, BEST, CRITERIA_TOKENS)
-                 for c in ("search", "tail", "block_influence", "sleb", "interchange")],
-    "budgets": [_cell(model, "search", n, m, 32768) for model in (SMOL, GEMMA) for n in (2, 4)
-                for m in ("lora", "ghosted+lora")],
-    "long": [_cell(SMOL, "search", 6, BEST, 131072)],
-    "packed": [_cell(SMOL, "search", 6, BEST, tokens, text="packed") for tokens in (131072, 262144)],
-}
-GROUP_TITLES = {
-    "pilot": "Pilot: learning rate (SmolLM2-135M, n = 6, 8k tokens)",
-    "n6": "Methods at n = 6 (SmolLM2-135M, 32k tokens)",
-    "criteria": "Criteria after the same healing (SmolLM2-135M, n = 6, 8k tokens)",
-    "budgets": "Budgets n = 2, 4 on both models (32k tokens)",
-    "long": "A longer run of the best method (SmolLM2-135M, n = 6, 128k tokens)",
-    "packed": "Packed text: the best method on full windows (SmolLM2-135M, n = 6, 128k and 256k tokens)",
-}
+PLAN = {group: [_cell(c["model"], c["criterion"], c["n"], c["method"], c["tokens"], c.get("lr"),
+                      c.get("text", "paragraphs")) for c in cells]
+        for group, cells in experiment_cells(EXPERIMENT).items()}
+GROUP_TITLES = EXPERIMENT["titles"]
 CRITERION_NAMES = {
     "search": "default search", "interchange": "interchange greedy", "block_influence": "Block Influence (ShortGPT)",
     "sleb": "SLEB", "tail": "tail (last n before the final block)",
@@ -124,12 +117,11 @@ def removal_set(model: str, criterion: str, n: int) -> list[int]:
 class Runner:
     """One model loaded at a time; base PPL and cut / ghosted PPL cached in the state."""
 
-    def __init__(self, state: dict, path: Path):
-        self.state, self.path, self.name, self.model = state, path, None, None
+    def __init__(self, store: CellStore):
+        self.store, self.state, self.name, self.model = store, store.state, None, None
 
     def save(self) -> None:
-
-        write_json_atomic(self.state, self.path)
+        self.store.save()
 
     def load(self, name: str) -> None:
 
@@ -159,8 +151,8 @@ class Runner:
         sets = self.state["models"][self.name]["sets"]
         entry = sets.setdefault(",".join(map(str, removed)), {})
         if ghosted:
-            fit = {k: v for k, v in GHOSTED_FIT.items() if k != "num_tokens"}
-            calib = build_calibration(str(CALIBRATION), self.tokenizer, **fit)
+            fit = GHOSTED_FIT  # WikiText-2 validation, variant sections: the recovery benchmark's prompts
+            calib = wikitext_calibration(self.tokenizer, fit["num_prompts"], fit["seq_len"], seed=fit["seed"])
             rec = recover(student, removed, calib, method="ghosted", num_tokens=GHOSTED_FIT["num_tokens"])
             if "ghosted" not in entry:
                 entry["ghosted"] = {**self.evaluate(student), "fit_tokens": rec.num_tokens}
@@ -189,30 +181,27 @@ class Runner:
 
 
 def run(groups: list[str], path: Path, command: str, methods=None) -> dict:
-
-    state = load_state(path)
+    """Run the cells of ``groups`` (only ``methods`` when given) not stored in ``path`` yet."""
+    store = CellStore(path, fresh=new_state)
+    state = store.state
     state["environment"] = {"versions": library_versions(), "machine": platform.platform(), "torch_threads": 1}
     state["commands"] = list(dict.fromkeys([*state.get("commands", []), command]))
-    runner = Runner(state, path)
-    for group in groups:
-        for cell in PLAN[group]:
-            key = cell_key(cell)
-            if key in state["cells"] or (methods and cell["method"] not in methods):
-                continue
-            print(f"[heal] {key} ...", flush=True)
-            state["cells"][key] = runner.run_cell(cell)
-            runner.save()
-            done = state["cells"][key]
-            print(f"[heal] {key}: dPPL {done['healed']['dppl']:+.1f}% KL {done['report']['kl_before']:.4f} -> "
-                  f"{done['report']['kl_after']:.4f}, {done['report']['steps']} steps, {done['heal_cpu_s']:.0f} CPU-s",
-                  flush=True)
-    return state
+    runner = Runner(store)
+    cells = [(cell_key(c), c) for group in groups for c in PLAN[group] if not methods or c["method"] in methods]
+    return run_cells(store, cells, runner.run_cell, tag="heal", describe=lambda done: (
+        f"dPPL {done['healed']['dppl']:+.1f}% KL {done['report']['kl_before']:.4f} -> {done['report']['kl_after']:.4f}, "
+        f"{done['report']['steps']} steps, {done['heal_cpu_s']:.0f} CPU-s"))
+
+
+def new_state() -> dict:
+    """The state of a new ``heal.json``."""
+    return {"format": 1, "heal_settings": HEAL_SETTINGS, "ghosted_fit": GHOSTED_FIT, "models": {}, "cells": {}}
 
 
 def load_state(path: Path) -> dict:
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
-    return {"format": 1, "heal_settings": HEAL_SETTINGS, "ghosted_fit": GHOSTED_FIT, "models": {}, "cells": {}}
+    return new_state()
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -520,10 +509,13 @@ def main(argv=None) -> None:
     parser.add_argument("--state", "--json", dest="json", default=str(RESULTS / "heal.json"),
                         help="the JSON of finished cells, read and extended (default results/heal.json)")
     parser.add_argument("--out", default=None, help="the page (default: the state's path with .md)")
-    parser.add_argument("--render-only", action="store_true", help="only rewrite the page and plot from the JSON")
+    add_runner_arguments(parser)
     args = parser.parse_args(argv)
     path = Path(args.json)
     args.out = args.out or str(path.with_suffix(".md"))
+    if args.merge_from:
+        merge_files(path, args.merge_from, union=("commands",), first=("environment",),
+                    volatile=("heal_cpu_s", "heal_wall_s"))
     if args.render_only:
         if not path.is_file():
             raise SystemExit(f"{path} does not exist: nothing to render")

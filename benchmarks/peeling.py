@@ -19,7 +19,8 @@ Per real model (:func:`hf_layerswap.models.load_model`, fp32 dequantized GGUF we
 
 1. :func:`hf_layerswap.peeling.peel` with linear references, spans 1 and 2, plus the map
    onto the final stream; references fitted on WikiText-2 validation paragraphs
-   (``../shared/data/wikitext-2/valid.txt``), hybrids scored on WikiText-2 raw *test*
+   (``../shared/data/wikitext-2/valid.txt``, variant ``lines`` of ``benchmarks/wikitext.py``:
+   one paragraph per prompt, not the ``sections`` the other benchmarks calibrate on), hybrids scored on WikiText-2 raw *test*
    paragraphs (``../shared/data/wikitext-2-raw/wiki.test.raw``): disjoint splits;
 2. the same with ``reference="deletion"`` at span 1: single-layer removal ΔCE on the same
    held-out tokens, reported as removal dPPL% = 100 (exp(ΔCE) - 1) (the PPL ratio on these
@@ -57,7 +58,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from train_tiny import sample_paragraphs, split_data, train, wikitext_articles  # noqa: E402
+from train_tiny import split_data, train  # noqa: E402
+from wikitext import sample_paragraphs, wikitext_prompts  # noqa: E402
 
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 
@@ -78,11 +80,6 @@ REAL = {
 }
 SWAP = dict(num_prompts=8, seq_len=64)
 TRAJ = dict(num_prompts=32, seq_len=128, eval_prompts=32, eval_seq_len=128, bootstrap=1000)
-
-
-def paragraphs(path: Path) -> list[str]:
-    """All paragraphs (one per line) of a WikiText-2 file, headings dropped."""
-    return [p for article in wikitext_articles(path) for p in article]
 
 
 def spearman(a, b) -> float:
@@ -153,8 +150,8 @@ def run_real(name: str, log, command: str) -> dict:
     model, tokenizer = load_model(name)
     load_s = time.perf_counter() - t0
     kw = dict(REAL[name])
-    calib = sample_paragraphs(paragraphs(VALID), kw["num_prompts"], seed=0)
-    evals = sample_paragraphs(paragraphs(TEST_RAW), kw["eval_prompts"], seed=1)
+    calib = wikitext_prompts(kw["num_prompts"], seed=0, variant="lines")
+    evals = wikitext_prompts(kw["eval_prompts"], seed=1, variant="lines", path=TEST_RAW)
     log(f"[{name}] loaded in {load_s:.0f} s; linear peel ...")
     t1 = time.perf_counter()
     linear = peel(model, calib, evals, tokenizer=tokenizer, spans=(1, 2), targets="own+later", **kw)

@@ -12,15 +12,20 @@ few prompts, to keep the CPU cost to minutes per model). Reported per model:
   differ, with the paired 95% bootstrap interval of the fp32 set's dPPL;
 - the CPU time of the two scoring runs (process CPU seconds, same thread count).
 
-Writes ``benchmarks/results/precision.json`` (after each model) and renders
-``benchmarks/results/precision.md`` from it; ``--render-only`` re-renders the page from
-the JSON without loading a model.
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``,
+``experiments/precision.toml``: the option defaults and the models): each model is one cell,
+a record of the ``models`` list of ``benchmarks/results/precision.json``
+(:class:`runner.ListCellStore`), written after its scoring and after its search; a rerun with
+the same settings skips a stored model; ``--merge-from`` first merges runs of other models
+made in other processes; ``benchmarks/results/precision.md`` is rendered from the JSON, and
+``--render-only`` re-renders it without loading a model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -31,6 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _cmdline import command_line  # noqa: E402
+from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -40,6 +46,9 @@ FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 #: Targets of the issue: Spearman per protocol, and bf16 / fp32 scoring CPU time.
 SPEARMAN_TARGET = 0.98
 CPU_RATIO_TARGET = 0.7
+#: The experiment: the option defaults ([settings]) and the models (one cell each).
+EXPERIMENT = load_experiment("precision")
+SETTINGS = EXPERIMENT["settings"]
 
 
 def spearman(a, b) -> float:
@@ -52,14 +61,13 @@ def spearman(a, b) -> float:
 def score(name: str, dtype, calib_args, threads: int):
     import torch
 
-    from hf_layerswap.calibration import build_calibration
     from hf_layerswap.models import load_model
     from hf_layerswap.scoring import score_layers
+    from wikitext import wikitext_calibration
 
     torch.set_num_threads(threads)
     model, tokenizer = load_model(name, dtype=dtype, device_map=None)
-    calib = build_calibration(str(CALIBRATION), tokenizer, num_prompts=calib_args["num_prompts"],
-                              seq_len=calib_args["seq_len"], seed=0)
+    calib = wikitext_calibration(tokenizer, calib_args["num_prompts"], calib_args["seq_len"], seed=0)
     c0, w0 = time.process_time(), time.perf_counter()
     report = score_layers(model, calib, protocols=PROTOCOLS, max_gap=1, batch_size=calib_args["batch_size"],
                           progress=False)
@@ -273,53 +281,73 @@ def render(state: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def model_key(record: dict) -> str:
+    """The cell key of a stored model record (the ``models`` list of ``precision.json``)."""
+    return record["model"]
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-n", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--search", action="store_true", help="also compare the default search's sets at n = 1..max-n")
+    ap.add_argument("--models", nargs="+", default=[c["model"] for c in experiment_cells(EXPERIMENT)["models"]])
+    ap.add_argument("--num-prompts", type=int, default=SETTINGS["num_prompts"])
+    ap.add_argument("--seq-len", type=int, default=SETTINGS["seq_len"])
+    ap.add_argument("--batch-size", type=int, default=SETTINGS["batch_size"])
+    ap.add_argument("--max-n", type=int, default=SETTINGS["max_n"])
+    ap.add_argument("--threads", type=int, default=SETTINGS["threads"])
+    ap.add_argument("--search", action=argparse.BooleanOptionalAction, default=SETTINGS["search"],
+                    help="also compare the default search's sets at n = 1..max-n")
     ap.add_argument("--json", type=Path, default=RESULTS / "precision.json")
     ap.add_argument("--out", type=Path, default=RESULTS / "precision.md")
-    ap.add_argument("--render-only", action="store_true", help="re-render the page from --json; no model is loaded")
-    ap.add_argument("--merge-from", nargs="+", type=Path, default=[],
-                    help="JSON files of runs of other models with the same settings (--search aside), e.g. one "
-                         "process per model; their entries are taken as they are")
-    args = ap.parse_args(argv)
+    add_runner_arguments(ap)
+    return ap
+
+
+def _merge(args) -> None:
+    """``--merge-from``: runs of other models (e.g. one process per model) into ``--json``; the
+    first file's header (command, settings, machine) is kept, a model stored with different
+    values in two files is refused."""
+    reference = json.loads(args.json.read_text(encoding="utf-8"))["settings"]["max_n"] if args.json.is_file() else args.max_n
+    for path in args.merge_from:
+        other = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        max_n = other.get("settings", {}).get("max_n", reference)  # a file of bare records takes the header's
+        if max_n != reference:
+            raise SystemExit(f"--merge-from {path}: max_n {max_n} differs from {reference} (the greedy sets' budgets)")
+    merge_files(args.json, args.merge_from, union=(), keyed={"models": model_key},
+                first=("command", "settings", "machine", "versions", "started"))
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if args.merge_from:
+        _merge(args)
     if args.render_only:
         state = json.loads(args.json.read_text(encoding="utf-8"))
         args.out.write_text(render(state), encoding="utf-8")
         return
-    from hf_layerswap.jsonio import write_json_atomic, write_text_atomic
+    from hf_layerswap.jsonio import write_text_atomic
     from hf_layerswap.provenance import library_versions
 
     settings = {k: getattr(args, k) for k in ("num_prompts", "seq_len", "batch_size", "max_n", "threads", "search")}
-    previous = json.loads(args.json.read_text(encoding="utf-8")) if args.json.is_file() else None
-    done = {m["model"]: m for m in previous["models"]} if previous and previous["settings"] == settings else {}
-    for path in args.merge_from:
-        other = json.loads(path.read_text(encoding="utf-8"))
-        if other["settings"]["max_n"] != settings["max_n"]:
-            raise SystemExit(f"--merge-from {path}: max_n {other['settings']['max_n']} differs from {settings['max_n']}")
-        for m in other["models"]:
-            done.setdefault(m["model"], m)
-    state = {"command": command_line("precision.py", argv).rstrip(), "settings": settings,
-             "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
-             "versions": library_versions(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "models": []}
-    def save(entry):
-        models = [m for m in state["models"] if m["model"] != entry["model"]] + [entry]
-        state["models"] = sorted(models, key=lambda m: args.models.index(m["model"]))
-        write_json_atomic(state, args.json)
-        write_text_atomic(render(state), args.out)
+    header = {"command": command_line("precision.py", argv).rstrip(), "settings": settings,
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+              "versions": library_versions(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    store = ListCellStore(args.json, fresh=lambda: {**header, "models": []}, key=model_key, cells="models")
+    if store.state.get("settings") != settings:  # other settings: a new run (the old numbers do not resume)
+        if store.path.is_file():
+            print(f"{args.json}: stored with other settings {store.state.get('settings')}; starting anew", flush=True)
+        store.state = store.fresh()
+    store.state.update(header)  # the latest command and time; stored models are kept
+    order = {name: i for i, name in enumerate(args.models)}
 
-    for name in args.models:
-        if name in done:
-            save(done[name])
-        else:
-            run_model(name, args, save)
+    def save(entry):
+        store.put(model_key(entry), entry)
+        store.update(lambda state: state["models"].sort(key=lambda m: order.get(model_key(m), len(order))))
+        write_text_atomic(render(store.state), args.out)
+
+    run_cells(store, [(name, name) for name in args.models], lambda name: run_model(name, args, save),
+              tag="precision", describe=lambda m: f"spearman {m['spearman']}")
+    store.save()
+    write_text_atomic(render(store.state), args.out)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ measured with one calibration set and one perplexity contract.
 For the model (:func:`hf_layerswap.models.load_model`: the dequantized GGUF checkpoints
 that install from the package index):
 
-1. calibration: WikiText-2 validation paragraphs (``../shared/data/wikitext-2/valid.txt``,
-   seeded shuffle); every criterion sees exactly these prompts;
+1. calibration: WikiText-2 validation, variant ``sections`` of ``benchmarks/wikitext.py``
+   (``../shared/data/wikitext-2/valid.txt``, seeded shuffle); every criterion sees exactly these prompts;
 2. :func:`hf_layerswap.baselines.compare_criteria` runs every criterion at every budget n
    (Block Influence, angular distance, single-removal KL, SLEB, random x5, tail,
    replacement-, interchange- and auto-guided selection, interchange-seeded beam scored
@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -59,16 +58,16 @@ from hf_layerswap.baselines import (  # noqa: E402
     merge_reports,
     protocol_gap_quartiles,
 )
-from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
+from hf_layerswap.calibration import CalibrationSet  # noqa: E402
 from hf_layerswap.jsonio import atomic_path, write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
 from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
 from hf_layerswap.report import PairResult, SwapReport  # noqa: E402
 from hf_layerswap.scoring import plan_kl  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
-CALIBRATION = DATA / "wikitext-2" / "valid.txt"
 EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -92,24 +91,6 @@ OURS = ("interchange", "replacement", "auto", "interchange_beam", "search", "sea
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def wikitext_calibration(tokenizer, num_prompts: int, seq_len: int, seed: int = 0) -> CalibrationSet:
-    """WikiText-2 validation paragraphs, seeded shuffle. The file's blank lines hold a single
-    space, so lines are stripped before the paragraph split (headings dropped, paragraphs
-    of at least 50 characters), then shuffled as ``build_calibration`` shuffles a file."""
-    text = "\n".join(line.strip() for line in CALIBRATION.read_text(encoding="utf-8").split("\n"))
-    paragraphs = split_paragraphs(text)
-    order = list(range(len(paragraphs)))
-    random.Random(seed).shuffle(order)
-    chosen = [paragraphs[i] for i in order[:num_prompts]]
-    calib = build_calibration(chosen, tokenizer, num_prompts=num_prompts, seq_len=seq_len)
-    tail = calib.description.split(";", 1)[1] if ";" in calib.description else ""
-    calib.description = (
-        f"file:wikitext-2/valid.txt (WikiText-2 validation, {len(paragraphs)} paragraphs >= 50 chars, headings "
-        f"dropped, random.Random({seed}) shuffle, first {len(chosen)});{tail}"
-    )
-    return calib
 
 
 def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:

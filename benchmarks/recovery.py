@@ -14,6 +14,14 @@ prompts drive scoring, BI and the recovery fits. Evaluation: the matched contrac
 :func:`hf_layerswap.evaluation.evaluate_perplexity` on WikiText-2 raw test. Writes a
 Markdown table and a JSON file with every number and the full contract.
 
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``;
+``experiments/recovery.toml`` holds the option defaults and the models): one results file per
+model, ``recovery-<model>.json``, whose cells are the removal sets, stored as the list
+``result.evaluated`` (:class:`runner.ListCellStore`) after each method's evaluation, so a rerun
+with the same settings resumes set by set and method by method; ``--merge-from`` first merges
+files of other processes or machines into their models' files, refusing a set stored with
+different values; ``--render-only`` rewrites the page from the JSON files, loading no model.
+
 Usage (from the repository root)::
 
     python benchmarks/recovery.py --models smollm2-135m --budgets 1 2 3
@@ -33,9 +41,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.selection.geometry import block_influence  # noqa: E402
-from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
@@ -45,15 +53,21 @@ from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E4
 from hf_layerswap.report import SwapReport  # noqa: E402
 from hf_layerswap.scoring import score_layers  # noqa: E402
 from hf_layerswap.selection import select_layers  # noqa: E402
+from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from wikitext import VALID as CALIBRATION  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 
-CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 METHODS = ("none", "fused", "ghosted")
+SELECTIONS = ("interchange", "block-influence")
+#: The experiment: the option defaults ([settings]) and the models (one results file each).
+EXPERIMENT = load_experiment("recovery")
+SETTINGS = EXPERIMENT["settings"]
 
 
 def calibration_set(tokenizer, num_prompts: int, seq_len: int):
-    """WikiText-2 validation paragraphs (seeded shuffle, seed 0), truncated to ``seq_len``."""
-    return build_calibration(str(CALIBRATION), tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=0)
+    """WikiText-2 validation, variant ``sections`` (seeded shuffle, seed 0), truncated to ``seq_len``."""
+    return wikitext_calibration(tokenizer, num_prompts, seq_len, seed=0)
 
 
 def swap_report(model, calib, args, cache: Path) -> SwapReport:
@@ -72,92 +86,122 @@ def evaluate(model, tokenizer):
     return evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, contract="matched")
 
 
+def removal_key(entry: dict) -> str:
+    """The cell key of a stored removal set (a record of ``result.evaluated``): ``"4,6,12"``."""
+    return ",".join(map(str, entry["removed"]))
+
+
+def row_key(row: dict) -> str:
+    """The key of a page row (a record of ``result.rows``): ``"3/interchange"``."""
+    return f"{row['n']}/{row['selection']}"
+
+
+def open_store(store: Path, header: dict) -> ListCellStore:
+    """The model's results file: its removal sets are cells, a set finished when every method is stored."""
+    return ListCellStore(store, fresh=lambda: {**header, "result": {"evaluated": []}}, key=removal_key,
+                         cells=("result", "evaluated"), done=lambda e: all(m in e["results"] for m in METHODS))
+
+
+def complete(result: dict, budgets) -> bool:
+    """Whether every budget's two rows are stored, every method done."""
+    rows = {row_key(r): r for r in result.get("rows", [])}
+    return all(f"{n}/{s}" in rows and all(m in rows[f"{n}/{s}"]["results"] for m in METHODS)
+               for n in budgets for s in SELECTIONS)
+
+
 def run_model(name: str, args, store: Path, header: dict) -> dict:
-    """Every number for one model; written to ``store`` after each evaluation, so an
-    interrupted run resumes where it stopped (same settings) and a partial run renders."""
+    """Every number for one model. The runner's cells are the removal sets (every method of
+    each), stored in ``store`` after each evaluation, so an interrupted run resumes where it
+    stopped (same settings: other settings start anew) and a partial run renders."""
     t0 = time.time()
-    previous = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else None
-    done = {}
-    if previous and previous.get("settings") == header["settings"]:
-        done = {tuple(e["removed"]): e["results"] for e in previous["result"].get("evaluated", [])}
-        print(f"[{name}] resuming: {sum(len(v) for v in done.values())} evaluations stored", flush=True)
+    cells = open_store(store, header)
+    if cells.state.get("settings") != header["settings"]:
+        cells.state = cells.fresh()
+    previous = cells.state["result"]
+    if previous["evaluated"]:
+        print(f"[{name}] resuming: {sum(len(e['results']) for e in previous['evaluated'])} evaluations stored", flush=True)
     model, tokenizer = load_model(name)
     model.eval()
     calib = calibration_set(tokenizer, args.num_prompts, args.seq_len)
     score_calib = calibration_set(tokenizer, args.score_prompts, args.seq_len)  # the first prompts of ``calib``
-    if done:
-        base = PerplexityResult.from_dict({k: v for k, v in previous["result"]["base"].items() if k != "ci"})
+    if previous["evaluated"]:
+        base = PerplexityResult.from_dict({k: v for k, v in previous["base"].items() if k != "ci"})
     else:
         base = evaluate(model, tokenizer)
     print(f"[{name}] base PPL {base.ppl:.3f} ({time.time() - t0:.0f}s)", flush=True)
-    cache = store.with_name(f"recovery_swap_report_{name}.json")
-    report = swap_report(model, score_calib, args, cache)
-    inter = report.layer_scores("interchange")
+    report = swap_report(model, score_calib, args, store.with_name(f"recovery_swap_report_{name}.json"))
     bi = block_influence(model, calib, args.budgets, batch_size=args.batch_size)
-    total = num_blocks(model)
     out = {
         "model": name,
         "identity": {k: v for k, v in model_identity(model).items() if k != "path"},
-        "num_blocks": total,
+        "num_blocks": num_blocks(model),
         "hidden_size": model.get_input_embeddings().weight.shape[1],
         "base": {**base.to_dict(), "ci": [base.ci_low, base.ci_high]},
         "calibration": calib.spec(),
         "score_calibration": score_calib.spec(),
-        "interchange_scores": inter,
+        "interchange_scores": report.layer_scores("interchange"),
         "block_influence": bi[args.budgets[0]].scores,
         "rows": [],
-        "evaluated": [],
-        "seconds": (previous or {}).get("result", {}).get("seconds", 0.0) if done else 0.0,
+        "evaluated": previous["evaluated"],
+        "seconds": previous.get("seconds", 0.0) if previous["evaluated"] else 0.0,
         "complete": False,
     }
     started = time.time() - out["seconds"]
+    cells.state = {**header, "result": out}
+    rows = [{"n": n, "selection": selection, "removed": removed}
+            for n in args.budgets
+            for selection, removed in (("interchange", select_layers(report, n, protocol="interchange")),
+                                       ("block-influence", bi[n].removed))]
 
-    def save():
-        out["evaluated"] = [{"removed": list(k), "results": v} for k, v in done.items()]
-        out["seconds"] = time.time() - started
-        write_json_atomic({**header, "result": out}, store)
+    def refresh(state: dict) -> None:  # the page's rows: the finished sets, in budget order
+        result = state["result"]
+        stored = {removal_key(e): e for e in result["evaluated"]}
+        result["rows"] = [{**row, "results": stored[removal_key(row)]["results"]} for row in rows
+                          if removal_key(row) in stored and cells.done(stored[removal_key(row)])]
+        result["seconds"] = time.time() - started
+        result["complete"] = complete(result, args.budgets)
 
-    for n in args.budgets:
-        sets = {"interchange": select_layers(report, n, protocol="interchange"), "block-influence": bi[n].removed}
-        for selection, removed in sets.items():
-            key = tuple(removed)
-            results = done.setdefault(key, {})
-            for method in METHODS:
-                if method in results:
-                    continue
-                pruned = copy.deepcopy(model)
-                try:
-                    rec = recover(
-                        pruned, removed, calib, method=method, num_tokens=args.num_tokens,
-                        epsilon=args.epsilon, batch_size=args.batch_size,
-                    )
-                except ValueError as err:
-                    results[method] = {"refused": str(err)}
-                    print(f"[{name}] {removed} {method}: refused ({err})", flush=True)
-                    save()
-                    continue
-                result = evaluate(pruned, tokenizer)
-                results[method] = {
-                    "ppl": result.ppl,
-                    "ci": [result.ci_low, result.ci_high],
-                    "dppl_percent": delta_ppl_percent(base, result),
-                    "dppl_ci": list(delta_ppl_ci(base, result)),
-                    "recovery": rec.to_dict(),
-                }
-                print(
-                    f"[{name}] n={n} {selection} {removed} {method}: PPL {result.ppl:.3f} "
-                    f"dPPL {results[method]['dppl_percent']:+.1f}% "
-                    f"residuals {[(round(b.residual_before, 3), round(b.residual_after, 3)) for b in rec.boundaries]} "
-                    f"({time.time() - t0:.0f}s)",
-                    flush=True,
-                )
-                del pruned
-                save()
-            out["rows"].append({"n": n, "selection": selection, "removed": removed, "results": results})
-            save()
-    out["complete"] = True
-    save()
-    return out
+    def save(key: str, entry: dict) -> None:
+        cells.put(key, entry)
+        cells.update(refresh)
+
+    def run_set(row: dict) -> dict:
+        key = removal_key(row)
+        entry = cells.get(key) or {"removed": list(row["removed"]), "results": {}}
+        for method in METHODS:
+            if method not in entry["results"]:
+                entry["results"][method] = run_method(name, model, tokenizer, base, calib, row, method, args, t0)
+                save(key, entry)
+        return entry
+
+    run_cells(cells, [(removal_key(row), row) for row in rows], run_set, tag=name)
+    cells.update(refresh)  # rows and completeness also when every set was stored
+    return cells.state["result"]
+
+
+def run_method(name: str, model, tokenizer, base, calib, row: dict, method: str, args, t0: float) -> dict:
+    """One method on one removal set: the recovery fit, then the matched evaluation (or the refusal)."""
+    removed = row["removed"]
+    pruned = copy.deepcopy(model)
+    try:
+        rec = recover(pruned, removed, calib, method=method, num_tokens=args.num_tokens,
+                      epsilon=args.epsilon, batch_size=args.batch_size)
+    except ValueError as err:
+        print(f"[{name}] {removed} {method}: refused ({err})", flush=True)
+        return {"refused": str(err)}
+    result = evaluate(pruned, tokenizer)
+    entry = {
+        "ppl": result.ppl,
+        "ci": [result.ci_low, result.ci_high],
+        "dppl_percent": delta_ppl_percent(base, result),
+        "dppl_ci": list(delta_ppl_ci(base, result)),
+        "recovery": rec.to_dict(),
+    }
+    print(f"[{name}] n={row['n']} {row['selection']} {removed} {method}: PPL {result.ppl:.3f} "
+          f"dPPL {entry['dppl_percent']:+.1f}% "
+          f"residuals {[(round(b.residual_before, 3), round(b.residual_after, 3)) for b in rec.boundaries]} "
+          f"({time.time() - t0:.0f}s)", flush=True)
+    return entry
 
 
 def _fmt_method(entry: dict) -> str:
@@ -267,20 +311,51 @@ def write_markdown(results: list[dict], args, path: Path, command: str, librarie
     write_text_atomic("\n".join(lines), path)
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
-    parser.add_argument("--budgets", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--num-prompts", type=int, default=64, help="calibration prompts (BI, recovery fits)")
-    parser.add_argument("--score-prompts", type=int, default=16, help="the first prompts, for the swap-KL")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--num-tokens", type=int, default=8192)
-    parser.add_argument("--epsilon", type=float, default=None, help="relative ridge (default: per method)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--models", nargs="+", default=[c["model"] for c in experiment_cells(EXPERIMENT)["models"]])
+    parser.add_argument("--budgets", nargs="+", type=int, default=SETTINGS["budgets"])
+    parser.add_argument("--num-prompts", type=int, default=SETTINGS["num_prompts"],
+                        help="calibration prompts (BI, recovery fits)")
+    parser.add_argument("--score-prompts", type=int, default=SETTINGS["score_prompts"],
+                        help="the first prompts, for the swap-KL")
+    parser.add_argument("--seq-len", type=int, default=SETTINGS["seq_len"])
+    parser.add_argument("--num-tokens", type=int, default=SETTINGS["num_tokens"])
+    parser.add_argument("--epsilon", type=float, default=SETTINGS.get("epsilon"), help="relative ridge (default: per method)")
+    parser.add_argument("--batch-size", type=int, default=SETTINGS["batch_size"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: up to 2)")
-    parser.add_argument("--render-only", action="store_true", help="only rewrite the Markdown from the stored JSON")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recovery.md"))
-    args = parser.parse_args(argv)
+    add_runner_arguments(parser)
+    return parser
+
+
+def merge_runs(out: Path, sources) -> None:
+    """``--merge-from``: each source (a ``recovery-<model>.json`` of another process or machine)
+    into this model's file beside ``out``, removal set by removal set; the first file's command
+    and libraries are kept; a set or setting stored with different values is refused
+    (:class:`runner.MergeConflict`)."""
+    for source in map(Path, sources):
+        if not source.is_file():
+            raise SystemExit(f"--merge-from {source}: no such results file")
+        stored = json.loads(source.read_text(encoding="utf-8"))
+        model = stored.get("result", {}).get("model")
+        if model is None:
+            raise SystemExit(f"--merge-from {source}: not a recovery results file (no result.model)")
+        merged = merge_files(out.with_name(f"recovery-{model}.json"), [source], union=(),
+                             first=("command", "libraries"), volatile=("seconds", "complete"),
+                             keyed={"evaluated": removal_key, "rows": row_key})
+        result = merged["result"]
+        order = {f"{n}/{s}": i for i, (n, s) in enumerate((n, s) for n in merged["settings"]["budgets"] for s in SELECTIONS)}
+        result["rows"].sort(key=lambda r: order.get(row_key(r), len(order)))
+        result["complete"] = complete(result, merged["settings"]["budgets"])
+        write_json_atomic(merged, out.with_name(f"recovery-{model}.json"))
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    if args.merge_from:
+        merge_runs(out, args.merge_from)
     for path in (CALIBRATION, EVALUATION):
         if not path.is_file():
             raise SystemExit(f"{path} is missing: this benchmark needs the shared WikiText-2 files")
@@ -290,8 +365,7 @@ def main(argv=None) -> None:
          f"--num-prompts {args.num_prompts}", f"--score-prompts {args.score_prompts}", f"--seq-len {args.seq_len}", f"--num-tokens {args.num_tokens}",
          *([f"--epsilon {args.epsilon:g}"] if args.epsilon is not None else [])]
     )
-    out = Path(args.out)
-    settings = {k: v for k, v in vars(args).items() if k not in ("models", "out", "threads", "render_only")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("models", "out", "threads", "render_only", "merge_from")}
     if not args.render_only:
         for name in args.models:
             # one file per model, so models run in separate processes and render together

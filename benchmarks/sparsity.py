@@ -11,9 +11,12 @@ same evaluation windows (paired bootstrap over windows, :func:`delta_ppl_ci`); w
 calibration seeds, the across-seed mean, a t-based 95% interval and an exact sign-flip
 (permutation) test of the paired per-seed differences are reported.
 
-Results are cached per configuration in the JSON file, so an interrupted run resumes. Several
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``): results
+are cached per configuration in the JSON file, so an interrupted run resumes. Several
 processes may share one model's cache (e.g. one per core, each with its own ``--seeds``): every
 write merges under a file lock, and a configuration another process has stored is not run again.
+Caches filled on other machines merge with ``--merge-from`` (a configuration stored with
+different values is refused).
 
 Usage (from the repository root)::
 
@@ -30,12 +33,9 @@ residual stream entering each block instead of the linears' inputs).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import itertools
 import json
 import math
-import random
-import re
 import shlex
 import statistics
 import sys
@@ -46,16 +46,24 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from hf_layerswap.calibration import build_calibration, split_paragraphs  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
+from runner import (  # noqa: E402
+    CellStore,
+    add_runner_arguments,
+    experiment_cells,
+    load_experiment,
+    merge_files,
+    run_cells,
+)
+from wikitext import wikitext_calibration  # noqa: E402
 
-CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -65,17 +73,6 @@ ISSUE_SEEDS = 9  # calibration seeds per cell the grid asks for
 
 # two-sided 97.5% Student t quantiles for small samples (df -> t)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def calibration_prompts(seed: int, num_prompts: int) -> list[str]:
-    """WikiText-2 validation paragraphs (headings dropped), shuffled with ``seed``.
-
-    The tokenized release separates paragraphs by lines holding a single space; they are
-    normalised to blank lines before splitting."""
-    text = re.sub(r"\n[ \t]+(?=\n)", "\n", CALIBRATION.read_text(encoding="utf-8"))
-    paragraphs = split_paragraphs(text)
-    random.Random(seed).shuffle(paragraphs)
-    return paragraphs[:num_prompts]
 
 
 def parse_allocation(spec: str) -> tuple[str, dict]:
@@ -144,19 +141,19 @@ def bos_text(bos) -> str:
     return f"{'added' if bos.get('add_bos') else 'none'} ({bos.get('bos_choice')})"
 
 
-def update_store(path: Path, change=None) -> dict:
-    """Read the result cache, apply ``change(store)`` and write it back atomically, all under an
-    exclusive lock (``<json>.lock``), so processes sharing one cache never lose each other's runs.
-    Returns the store as written (or as read, with no change)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        store = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        store.setdefault("runs", {})
-        if change is not None:
-            change(store)
-            write_json_atomic(store, path)
-        return store
+def open_store(path: Path) -> CellStore:
+    """The result cache, shared by the processes that fill it (the runner's locked store: each
+    configuration is merged into the file under ``<json>.lock``, so none loses another's runs)."""
+    return CellStore(path, fresh=lambda: {"runs": {}}, cells="runs", shared=True)
+
+
+def configurations(args) -> list[tuple]:
+    """``(pattern, allocation, method, seed)`` of every configuration a run with ``args`` covers, in
+    run order (pattern ``None`` is unstructured; an N:M pattern runs uniform allocation only)."""
+    return [(None if pattern == "unstructured" else pattern, allocation, method, seed)
+            for pattern in args.patterns
+            for allocation in (args.allocations if pattern == "unstructured" else ["uniform"])
+            for method in args.methods for seed in args.seeds]
 
 
 def run(args) -> dict:
@@ -177,7 +174,8 @@ def run(args) -> dict:
             )
         store["model"] = identity
 
-    store = update_store(out_json, claim)
+    cache = open_store(out_json)
+    store = cache.update(claim)
     dense_state = {k: v.clone() for k, v in model.state_dict().items()}
 
     def evaluate():
@@ -189,42 +187,21 @@ def run(args) -> dict:
     if dense_key not in store:
         t = time.perf_counter()
         record = {"ppl": without_local_paths(evaluate().to_dict()), "eval_s": time.perf_counter() - t}
-        store = update_store(out_json, lambda s: s.setdefault(dense_key, record))
+        store = cache.update(lambda s: s.setdefault(dense_key, record))
     print(f"dense PPL {store[dense_key]['ppl']['ppl']:.3f}", flush=True)
 
-    configs = []
-    for pattern in args.patterns:
-        pattern = None if pattern == "unstructured" else pattern
-        for allocation in args.allocations if pattern is None else ["uniform"]:
-            for method in args.methods:
-                for seed in args.seeds:
-                    configs.append((pattern, allocation, method, seed))
-    for pattern, allocation, method, seed in configs:
-        key = config_key(pattern, allocation, method, seed, vars(args))
-        store = update_store(out_json)  # another process sharing the cache may have run it meanwhile
-        if key in store["runs"]:
-            print(f"{key}: cached PPL {store['runs'][key]['ppl']['ppl']:.3f}", flush=True)
-            continue
+    def run_one(config):
+        pattern, allocation, method, seed = config
         model.load_state_dict(dense_state)
-        calib = build_calibration(
-            calibration_prompts(seed, args.num_prompts), tokenizer, num_prompts=args.num_prompts, seq_len=args.seq_len
-        )
+        calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len, seed)
         t = time.perf_counter()
         name, extra = parse_allocation(allocation)
-        report = sparsify(
-            model,
-            calib,
-            sparsity=args.sparsity,
-            allocation=name,
-            method=method,
-            pattern=pattern,
-            batch_size=args.batch_size,
-            **extra,
-        )
+        report = sparsify(model, calib, sparsity=args.sparsity, allocation=name, method=method, pattern=pattern,
+                          batch_size=args.batch_size, **extra)
         sparsify_s = time.perf_counter() - t
         t = time.perf_counter()
         ppl = evaluate()
-        record = {
+        return {
             "pattern": pattern,
             "allocation": allocation,
             "method": method,
@@ -234,11 +211,14 @@ def run(args) -> dict:
             "sparsify_s": sparsify_s,
             "eval_s": time.perf_counter() - t,
         }
-        store = update_store(out_json, lambda s: s["runs"].__setitem__(key, record))
-        print(f"{key}: sparsity {report.achieved_sparsity:.4f} PPL {ppl.ppl:.3f} ({sparsify_s:.0f} s)", flush=True)
+
+    run_cells(cache, [(config_key(*c, vars(args)), c) for c in configurations(args)], run_one, tag="sparsity",
+              describe=lambda r: f"sparsity {r['report']['achieved_sparsity']:.4f} PPL {r['ppl']['ppl']:.3f} "
+                                 f"({r['sparsify_s']:.0f} s)")
     model.load_state_dict(dense_state)
-    settings = {k: v for k, v in vars(args).items() if k not in ("fresh", "render_only", "json", "output")}
-    return update_store(out_json, lambda s: s.__setitem__("settings", settings))
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("fresh", "render_only", "merge_from", "experiment", "groups", "json", "output")}
+    return cache.update(lambda s: s.__setitem__("settings", settings))
 
 
 def levels(store: dict) -> list[float]:
@@ -502,7 +482,23 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
     return out
 
 
-def main(argv=None):
+def experiment_argvs(name: str, groups=None) -> list[list[str]]:
+    """The ``sparsity.py`` argument lists of experiment ``name`` (``benchmarks/experiments/<name>.toml``):
+    one per cell (model x target sparsity) of the chosen groups (default: all), in the file's order.
+
+    Raises:
+        ValueError: a group the experiment does not have (the message lists those it has).
+    """
+    experiment = load_experiment(name)
+    cells = experiment_cells(experiment)
+    unknown = [g for g in groups or [] if g not in cells]
+    if unknown:
+        raise ValueError(f"--groups {unknown}: experiment {name!r} has the groups {list(cells)}")
+    return [["--model", cell["model"], "--sparsity", f"{cell['sparsity']:g}", *experiment.get("options", "").split(),
+             *cell.get("options", "").split()] for group in groups or list(cells) for cell in cells[group]]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--sparsity", type=float, default=0.5)
@@ -518,10 +514,25 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="result cache (default: results/sparsity-<model>.json)")
     parser.add_argument("--output", default=None, help="Markdown (default: results/sparsity-<model>.md)")
     parser.add_argument("--fresh", action="store_true", help="start --json over: its stored runs are discarded")
-    parser.add_argument("--render-only", action="store_true", help="rewrite --output from --json, run nothing")
-    args = parser.parse_args(argv)
+    parser.add_argument("--experiment", default=None,
+                        help="run the cells of benchmarks/experiments/<name>.toml instead (each one sparsity.py run)")
+    parser.add_argument("--groups", nargs="+", default=None, help="with --experiment: only these groups")
+    add_runner_arguments(parser)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.experiment:
+        for cell_argv in experiment_argvs(args.experiment, args.groups):
+            print("[sparsity] python benchmarks/sparsity.py " + " ".join(cell_argv), flush=True)
+            main(cell_argv)
+        return
     args.json = args.json or str(RESULTS / f"sparsity-{args.model}.json")
     args.output = args.output or str(RESULTS / f"sparsity-{args.model}.md")
+    if args.merge_from:  # caches filled on other machines: the first file's settings are kept
+        merge_files(Path(args.json), args.merge_from, union=("commands",), first=("settings",),
+                    volatile=("eval_s", "sparsify_s", "seconds"))
     if args.render_only:
         store = json.loads(Path(args.json).read_text())
         text = render(store, "", Path(args.json).name)
@@ -535,7 +546,7 @@ def main(argv=None):
     def record_command(store):
         store["commands"] = merge_command(store.get("commands", []), command)
 
-    store = update_store(Path(args.json), record_command)
+    store = open_store(Path(args.json)).update(record_command)
     text = render(store, command, Path(args.json).name)
     write_index(write_text_atomic(text, args.output).parent)
     print(text)

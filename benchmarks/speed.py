@@ -36,8 +36,6 @@ import hashlib
 import json
 import os
 import platform
-import random
-import re
 import statistics
 import subprocess
 import sys
@@ -51,10 +49,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from hf_layerswap.calibration import CalibrationSet, build_calibration, split_paragraphs  # noqa: E402
+from hf_layerswap.calibration import CalibrationSet, build_calibration  # noqa: E402
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from _cmdline import command_line  # noqa: E402
+from wikitext import wikitext_calibration  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
 from hf_layerswap.scoring import Head, kl_rows, make_probes, plan_kl, row_blocks, schedule, swap_plans  # noqa: E402
@@ -62,7 +61,6 @@ from hf_layerswap.scoring import Head, kl_rows, make_probes, plan_kl, row_blocks
 #: The engine measured: a digest of the scoring package's source. Batches measured with
 #: another version are not resumed (their times would mix two engines).
 ENGINE = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(scoring.__file__).parent.glob("*.py")))).hexdigest()[:12]
-VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 #: CPU seconds of the work: the main thread's with one torch thread (the RSS sampler's own
 #: time excluded), the whole process's with more. Set in main().
@@ -244,19 +242,6 @@ def fresh_peak_child(args) -> None:
 
 def subset(calib: CalibrationSet, lo: int, hi: int) -> CalibrationSet:
     return CalibrationSet(calib.input_ids[lo:hi], calib.attention_mask[lo:hi], f"{calib.description} [{lo}:{hi}]")
-
-
-def wikitext_calibration(tokenizer, num_prompts: int, seq_len: int, seed: int = 0) -> CalibrationSet:
-    # valid.txt separates paragraphs by lines holding one space: normalise them to blank lines
-    text = re.sub(r"\n[ \t]+(?=\n)", "\n", VALID.read_text(encoding="utf-8"))
-    paragraphs = split_paragraphs(text)
-    random.Random(seed).shuffle(paragraphs)
-    calib = build_calibration(paragraphs[:num_prompts], tokenizer, num_prompts=num_prompts, seq_len=seq_len)
-    calib.description = (
-        f"WikiText-2 valid.txt paragraphs (>= 50 chars, headings dropped), shuffled with seed {seed}, "
-        f"first {num_prompts}, truncated to {seq_len} tokens"
-    )
-    return calib
 
 
 def model_bytes(model) -> int:

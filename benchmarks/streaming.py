@@ -46,6 +46,21 @@ CAPS = (None, 0.5, 0.25, 0.125)
 FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 
 
+def rss_parts() -> dict:
+    """Resident memory now, in bytes: anonymous (``RssAnon``) and file-backed (``RssFile``,
+    mmapped weights among them) from ``/proc/self/status`` (Linux; empty elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key = line.split(":")[0]
+                if key in ("RssAnon", "RssFile"):
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -57,8 +72,8 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     import hf_layerswap as hl
-    from hf_layerswap.calibration import build_calibration
     from hf_layerswap.models import bundled_checkpoint_dir, load_model
+    from wikitext import wikitext_calibration
 
     ckpt = bundled_checkpoint_dir(args.model)
     weights = (ckpt / "model.safetensors").stat().st_size
@@ -68,7 +83,7 @@ def worker(args) -> None:
         else:
             model, tok = load_model(ckpt, max_memory={"cpu": int(args.cap * weights)}, offload_folder=folder)
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        calib = build_calibration(VALID, tok, num_prompts=args.num_prompts, seq_len=args.seq_len)
+        calib = wikitext_calibration(tok, args.num_prompts, args.seq_len)
         c0, t0 = time.process_time(), time.perf_counter()
         report = hl.score_layers(model, calib, progress=False, **({"slot_major": False} if args.depth_first else {}))
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
@@ -78,6 +93,7 @@ def worker(args) -> None:
         "cpu_s": cpu, "wall_s": wall, "peak_rss": meta["peak_memory"]["cpu"], "peak_rss_after_load": rss_loaded,
         "slot_major": meta["slot_major"], "movement": meta["movement"], "block_evaluations": meta["block_evaluations"],
         "num_blocks": report.num_blocks,
+        "rss_after_scoring": rss_parts(),
         "pairs": [[p.i, p.j, *(getattr(p, f) for f in FIELDS)] for p in report.pairs],
     }
     Path(args.record).write_text(json.dumps(record))
@@ -133,7 +149,20 @@ def write_markdown(out: Path, stored: dict) -> None:
         "offloaded to disk by accelerate (`offload_folder`). Peak RSS is the whole process's "
         "(`resource.getrusage`, loading included). *Blocks moved* counts the decoder blocks read from the offload "
         "per batch (`movement` in the report's metadata); *max rel* is the largest relative difference of any pair "
-        "KL from the in-memory run.",
+        "KL from the in-memory run. *RSS anon / file* splits the resident memory after scoring "
+        "(`/proc/self/status`): anonymous memory, and file-backed pages (the mmapped safetensors weights: an "
+        "in-memory model's weights are file pages of its checkpoint, an offloaded block's while it is onloaded).",
+        "",
+        "What the peaks are made of (measured per phase with `/proc/self/status`): about 470 MiB is the imports "
+        "(torch, transformers) before anything loads, and Gemma-3's tokenizer adds about 320 MiB of anonymous "
+        "memory to every row. Loading with an offload map reads no offloaded weight. A head held in memory under "
+        "an accelerate hook that does not offload it (SmolLM2 at 1/2 and 1/4: embeddings and head on the map's "
+        "\"cpu\" entry) used to get a fresh logit tensor per probe, which fragmented the heap by up to the size of "
+        "the weights (1197 MiB at 1/4 in an earlier run); it now writes into the reused logit buffer like a head in "
+        "memory. Gemma-3-270M's tied embedding and head is 640 MiB, 62.5% of its weights, and offloaded at every "
+        "cap: the first batch's head check and every head phase map all of it (file-backed pages of the "
+        "checkpoint, released after the phase: *RSS file* after scoring is back to about 157 MiB), so its streamed "
+        "peak is the rest plus the whole head; streaming an offloaded head in vocabulary slices is not done yet.",
         "",
     ]
     for model in stored["models"]:
@@ -142,14 +171,17 @@ def write_markdown(out: Path, stored: dict) -> None:
         w = base["weights_bytes"]
         lines += [f"## {model} ({base['num_blocks']} blocks, weights {w / 2**20:.0f} MiB)", "",
                   "| configuration | CPU s | CPU vs in memory | wall s | peak RSS MiB | peak RSS after load MiB "
-                  "| blocks moved per batch | MiB moved | block calls | max rel |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| RSS anon / file after scoring MiB | blocks moved per batch | MiB moved | block calls | max rel |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             mv = r["movement"]
+            parts = r.get("rss_after_scoring") or {}
+            anon_file = (f"{parts['RssAnon'] / 2**20:.0f} / {parts['RssFile'] / 2**20:.0f}"
+                         if "RssAnon" in parts else "n/a")
             lines.append(
                 f"| {_label(r)} | {r['cpu_s']:.1f} | {r['cpu_s'] / base['cpu_s']:.2f}x | {r['wall_s']:.1f} "
                 f"| {r['peak_rss'] / 2**20:.0f} | {r['peak_rss_after_load'] / 2**20:.0f} "
-                f"| {', '.join(map(str, mv['block_onloads_per_batch']))} | {mv['bytes_moved'] / 2**20:.0f} "
+                f"| {anon_file} | {', '.join(map(str, mv['block_onloads_per_batch']))} | {mv['bytes_moved'] / 2**20:.0f} "
                 f"| {r['block_evaluations']} | {_max_rel(base['pairs'], r['pairs']):.1e} |")
         quarter = next((r for r in rows if r["cap"] == 0.25 and not r["depth_first"]), None)
         if quarter is not None:

@@ -34,8 +34,6 @@ import argparse
 import json
 import math
 import os
-import random
-import re
 import shutil
 import sys
 import tempfile
@@ -43,23 +41,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VALID = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
-TOP_HEADING = re.compile(r"^ = [^=].* = $")
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-
-def wikitext_articles(path: Path) -> list[list[str]]:
-    """Articles of a WikiText-2 file: lists of paragraphs (one paragraph per line; headings dropped)."""
-    articles: list[list[str]] = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        if TOP_HEADING.match(line):
-            articles.append([])
-            continue
-        text = line.strip()
-        if not text or (text.startswith("=") and text.endswith("=")):
-            continue
-        if articles:
-            articles[-1].append(text)
-    return [a for a in articles if a]
+from wikitext import VALID, wikitext_articles  # noqa: E402  (the "lines" reading of WikiText-2)
 
 
 def split_data(path: Path = VALID, heldout_articles: int = 6) -> dict:
@@ -70,13 +55,6 @@ def split_data(path: Path = VALID, heldout_articles: int = 6) -> dict:
     train = [p for a in articles[:-heldout_articles] for p in a]
     heldout = [p for a in articles[-heldout_articles:] for p in a]
     return {"train": train, "heldout": heldout, "articles": (len(articles) - heldout_articles, heldout_articles)}
-
-
-def sample_paragraphs(paragraphs: list[str], n: int, seed: int, min_chars: int = 50) -> list[str]:
-    """A seeded sample of ``n`` paragraphs of at least ``min_chars`` characters."""
-    pool = [p for p in paragraphs if len(p) >= min_chars]
-    random.Random(seed).shuffle(pool)
-    return pool[:n]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 4096):

@@ -38,6 +38,7 @@ from typing import Any, Literal, get_args
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .healing import HEAL_METHODS
+from .healing.measure import check_eval_tasks
 from .plan import as_index
 from .provenance import public_name
 from .recovery import RECOVERY_METHODS, check_epsilon
@@ -232,6 +233,16 @@ class HealConfig:
             its top-k log-probs plus the rest's mass (KL over ``k + 1`` buckets, a lower
             bound of the full KL).
         options: the method's options (``{"lora_r": 8}``, ``{"k": 3}``), JSON-able values.
+        perplexity_text: ``None`` (no perplexity), ``"embedded"`` (the embedded evaluation
+            text) or a text file: the perplexity of the dense model, after the cut, after
+            the repair (when one ran) and after healing, one contract and one text for all,
+            recorded in ``config.layerswap["healing"]`` for the card.
+        eval_tasks: lm-eval task names measured before and after healing
+            (:func:`~hf_layerswap.evaluate_tasks`, zero-shot; needs the ``lm-eval`` extra);
+            ``None`` = none.
+        eval_tasks_path: a folder of lm-eval task YAML files (``include_path``; lm-eval's
+            built-in index is not scanned then); ``None`` = lm-eval's own tasks.
+        eval_tasks_limit: documents per task (int >= 1) or a fraction in (0, 1); ``None`` = all.
 
     Raises:
         ValueError: a bad field, naming it, its value and what is allowed.
@@ -261,6 +272,15 @@ class HealConfig:
         "cache the teacher's top-k log-probs plus the rest's mass instead of its full logits (default: full)"))
     options: dict = field(default_factory=dict, metadata=_help(
         "method options, e.g. lora_r=8, lora_alpha=16 (lora) or k=3 (last_k)"))
+    perplexity_text: str | None = field(default=None, metadata=_help(
+        "measure perplexity of the dense model, after the cut, after the repair and after healing on TEXT "
+        "(a text file; without a value the embedded evaluation text) and record it for the card"))
+    eval_tasks: list[str] | None = field(default=None, metadata=_help(
+        "lm-eval tasks measured before and after healing (needs the lm-eval extra)"))
+    eval_tasks_path: str | None = field(default=None, metadata=_help(
+        "folder of lm-eval task YAML files for the healing's task evaluation (default: lm-eval's own tasks)"))
+    eval_tasks_limit: int | float | None = field(default=None, metadata=_help(
+        "documents per task of the healing's task evaluation: an int >= 1 or a fraction in (0, 1) (default: all)"))
 
     def __post_init__(self):
         what = "HealConfig"
@@ -292,8 +312,18 @@ class HealConfig:
         except (TypeError, ValueError) as err:
             raise ValueError(f"{what}(options={self.options!r}): values must be JSON-able ({err})") from None
         object.__setattr__(self, "options", dict(self.options))
-        if isinstance(self.calibration, os.PathLike):
-            object.__setattr__(self, "calibration", os.fspath(self.calibration))
+        for name in ("calibration", "perplexity_text", "eval_tasks_path"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+                raise ValueError(f"{what}({name}={value!r}): must be a non-empty path or None")
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+        self._check_tasks(what)
+
+    def _check_tasks(self, what: str) -> None:
+        tasks, limit = check_eval_tasks(self.eval_tasks, self.eval_tasks_path, self.eval_tasks_limit, what)
+        object.__setattr__(self, "eval_tasks", tasks)
+        object.__setattr__(self, "eval_tasks_limit", limit)
 
     def heal_kwargs(self) -> dict:
         """Keywords of :func:`~hf_layerswap.healing.heal` (all fields but ``calibration``,
@@ -304,7 +334,9 @@ class HealConfig:
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (a calibration file by its name only)."""
         out = asdict(self)
-        out["calibration"] = public_name(self.calibration) if self.calibration is not None else None
+        for name in ("calibration", "perplexity_text", "eval_tasks_path"):  # files by their name only
+            value = getattr(self, name)
+            out[name] = value if value in (None, "embedded") else public_name(value)
         return out
 
 

@@ -9,6 +9,8 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 - **block passes**: decoder-block forward calls (one block over one batch); exact for the
   swap-KL scoring and the rule-based strategies (``greedy``, ``auto``), an upper bound for
   the search (from its per-budget allowances, :func:`~hf_layerswap.selection.search_select`);
+  the steps after the selection (a repair, healing, sparsity) are planned from their own
+  code by :mod:`~hf_layerswap.cost_steps` and reported per phase (``CostEstimate.phases``);
 - **head passes**: output-head calls (one position chunk of one batch, the whole vocabulary
   or one slice), the engine's head/KL phase plus its one-time head check;
 - **flops**: 2 x block parameters per position per block pass plus 4 T H per position for
@@ -46,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
+from .cost_steps import ModelShape, block_flops, check_removal, healing_phase, recovery_phase, sparsity_phase
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
@@ -93,12 +96,19 @@ class CostEstimate:
         bytes_moved: weight bytes brought to the compute device (0 for a model in memory).
         peak_memory_bytes: ``{device: bytes}`` at the peak.
         seconds: predicted wall time.
-        exact: whether the passes are exact (False: the search's count is an upper bound).
-        phases: per phase (``"scoring"``, ``"selection"``) its block/head passes and flops.
+        exact: whether the passes are exact (False: some phase's count is an upper bound).
+        phases: the breakdown per step, in the pipeline's order: ``"scoring"``,
+            ``"selection"``, then when configured ``"recovery"``, ``"healing"``,
+            ``"sparsity"``; each with ``block_passes``, ``head_passes``, ``block_flops``,
+            ``head_flops``, ``flops``, ``bytes_moved``, ``seconds`` and ``exact``; the later
+            steps also with ``memory_bytes`` (their peak) and ``note``; healing with
+            ``trainable_params``, ``trainable_tensors`` and ``optimizer_bytes``
+            (gradients + AdamW state + the early stop's best copy).
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
         memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's,
-            including ``reference_kept``, the search's kept reference) and ``process`` (this
+            including ``reference_kept``, the search's kept reference), ``steps`` (the
+            largest peak of the steps after the selection) and ``process`` (this
             process's resident memory when estimating on a CPU).
     """
 
@@ -119,13 +129,17 @@ class CostEstimate:
 
     def lines(self) -> list[str]:
         """A short block of lines for a terminal."""
-        bound = "" if self.exact else " (upper bound: the search)"
+        bounded = [name for name, p in self.phases.items() if not p.get("exact", True)]
+        bound = "" if self.exact else f" (upper bound: {', '.join(bounded) or 'the search'})"
         mem = ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in self.peak_memory_bytes.items())
         return [
             f"estimated cost{bound}: {self.block_passes:,} block passes, {self.head_passes:,} head passes, "
             f"{self.flops / 1e12:.2f} TFLOP",
             f"  peak memory: {mem}; weights moved: {self.bytes_moved / 2**30:.2f} GiB",
             f"  about {_duration(self.seconds)} here ({self.throughput.source if self.throughput else ''})",
+            *(f"  {name:<9} {p['block_passes']:>10,} block passes {p['head_passes']:>8,} head passes "
+              f"{p['flops'] / 1e12:8.3f} TFLOP  {_duration(p['seconds']):>7}" + ("" if p["exact"] else "  (upper bound)")
+              for name, p in self.phases.items()),
         ]
 
 
@@ -309,14 +323,14 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
     block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
     # the head/KL phase on a slice of the vocabulary of up to 32k entries (the rate is the same):
     # the fp32 GEMM, then the KL of its log-softmax against a reference (kl_rows), as the engine runs them
-    w = torch.randn(min(_vocab(model), 32768), hidden, device=device)
+    w = torch.randn(min(ModelShape(model).vocab, 32768), hidden, device=device)
     rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
     ref = torch.log_softmax(rows @ w.t(), dim=-1)
     head_seconds = _best(lambda: kl_rows(ref, rows @ w.t()), repeats, device)
     flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
     copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
     return Throughput(
-        block_flops_per_second=_block_flops(block_params, batch_size * seq_len, seq_len, hidden) / block_seconds,
+        block_flops_per_second=block_flops(block_params, batch_size * seq_len, seq_len, hidden) / block_seconds,
         head_flops_per_second=2.0 * rows.shape[0] * hidden * w.shape[0] / head_seconds,
         host_bytes_per_second=flat.numel() * flat.element_size() / copy_seconds,
         source=f"probe on {device}: one block over {batch_size}x{seq_len} positions and the head, "
@@ -326,15 +340,6 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
 
 class _Captured(Exception):
     """Stops the probe's forward once the block's inputs are captured."""
-
-
-def _vocab(model) -> int:
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(_text_config(model).vocab_size)
-
-
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def _best(fn, repeats: int, device) -> float:
@@ -365,21 +370,11 @@ def _weights_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _block_flops(block_params: int, positions: int, seq_len: int, hidden: int) -> float:
-    """FLOPs of one block over ``positions`` (batches of ``seq_len``): 2 per parameter per
-    position plus 4 T H per position for attention scores and their weighted sum."""
-    return 2.0 * block_params * positions + 4.0 * positions * seq_len * hidden
-
-
 # ---------------------------------------------------------------------------- memory
 def _offloaded(model) -> bool:
     """Blocks kept off the compute device (accelerate's CPU or disk offload)."""
     device_map = getattr(model, "hf_device_map", None) or {}
     return any(str(d) in ("cpu", "disk") for d in device_map.values()) and len(set(map(str, device_map.values()))) > 1
-
-
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _working_bytes(engine, model, search_reference: int) -> int:
@@ -456,18 +451,21 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
 
     Raises:
         ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
-            budget, a path that is no checkpoint (the message names it).
+            budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
+            a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
+            with no training prompt, a path that is no checkpoint (the message names it).
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
     device = torch.device(device or "cpu")
     model = _meta_model(model_or_path, dtype)
+    check_removal(cfg, num_blocks(model))
     calib = _calibration(model, cfg, calibration)
     budget = max_memory or device_memory_budget(device)[0]
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     total_blocks = num_blocks(model)
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
-    phases, notes = {}, {}
+    phases = {}
     scoring_engine = None
     if cfg.layers is None:
         protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
@@ -483,7 +481,23 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         plans = {k: removal_plan(total_blocks, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
         phases["selection"] = _engine_counts(model, calib, plans, settings)
         exact = False
+    phases.update(_after_selection(model, calib, cfg, calibration))
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+
+
+def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration) -> dict:
+    """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
+    selection (:mod:`~hf_layerswap.cost_steps`), in its order."""
+    shape = ModelShape(model)
+    removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
+    phases = {}
+    if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
+        phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
+    if cfg.heal is not None:
+        phases["healing"] = healing_phase(shape, cfg, calibration, removed)
+    if cfg.sparsity is not None:
+        phases["sparsity"] = sparsity_phase(shape, calib, cfg, removed)
+    return phases
 
 
 def _config(config) -> LayerSwapConfig:
@@ -500,24 +514,28 @@ def _config(config) -> LayerSwapConfig:
     return config
 
 
+ENGINE_PHASES = ("scoring", "selection")
+
+
 def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughput, stream_weights) -> CostEstimate:
-    total_blocks = num_blocks(model)
-    _, _, blocks = decoder_blocks(model)
-    block_params = sum(p.numel() for p in blocks[0].parameters())
-    hidden = int(getattr(model.config.get_text_config(), "hidden_size", 0))
-    vocab = model.get_output_embeddings().weight.shape[0]
+    shape = ModelShape(model)
+    total_blocks, block_params, hidden, block_bytes = shape.num_blocks, shape.block_params, shape.hidden, shape.block_bytes
     seq = calib.input_ids.shape[1]
-    block_passes = sum(p["block_passes"] for p in phases.values())
-    head_passes = sum(p["head_passes"] for p in phases.values())
+    engine_phases = {k: p for k, p in phases.items() if k in ENGINE_PHASES}
+    for p in engine_phases.values():
+        p["block_flops"] = block_flops(block_params, p["block_tokens"], seq, hidden)
+        p["head_flops"] = 2.0 * p["head_rows"] * hidden * shape.vocab
+        p.setdefault("exact", p is not phases.get("selection") or exact)
     for p in phases.values():
-        p["flops"] = (_block_flops(block_params, p["block_tokens"], seq, hidden) + 2.0 * p["head_rows"] * hidden * vocab)
-    flops = sum(p["flops"] for p in phases.values())
+        p["flops"] = p["block_flops"] + p["head_flops"]
     streamed = _offloaded(model) if stream_weights is None else bool(stream_weights)
-    block_bytes = _param_bytes(blocks[0])
     n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
-    sweeps = sum(p.get("sweeps", p.get("calls", 1)) for p in phases.values())
-    bytes_moved = block_bytes * total_blocks * n_batches * sweeps if streamed else 0
-    weights = _param_bytes(model)
+    for name, p in phases.items():  # the engine streams each block once per batch and sweep; the other
+        # steps run the model's own forward, whose offload hooks move a block at each call
+        sweeps = p.get("sweeps", p.get("calls", 1))
+        p["bytes_moved"] = 0 if not streamed else (block_bytes * total_blocks * n_batches * sweeps
+                                                   if name in ENGINE_PHASES else block_bytes * p["block_passes"])
+    weights = shape.weight_bytes
     search_ref = 0
     if engine is not None and "selection" in phases and cfg.strategy == "search":
         search_ref = _reference_bytes(engine, budget)
@@ -528,32 +546,52 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         peak = {key: weights - total_blocks * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
+    steps_peak = max((p["memory_bytes"] for k, p in phases.items() if k not in ENGINE_PHASES), default=0)
+    peak[key] = max(peak[key], steps_peak)
     resident = _resident_bytes() if device.type == "cpu" else 0
     if device.type == "cpu":
         peak["cpu"] = peak.get("cpu", 0) + resident + (working if streamed else 0)
     if throughput is None:
         throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
-    block_flops = sum(_block_flops(block_params, p["block_tokens"], seq, hidden) for p in phases.values())
-    seconds = (block_flops / throughput.block_flops_per_second + (flops - block_flops) / throughput.head_flops_per_second
-               + bytes_moved / throughput.host_bytes_per_second)
-    derivation = {
-        "block_passes": "the scoring engine's own plan (batches, prefix-reuse schedule) on the meta-device model"
-                        + ("" if exact else "; the search: an upper bound from its per-budget allowances"),
-        "head_passes": "head/KL phase per batch: (probe groups + probes) x position chunks (x vocabulary slices), "
-                       "plus the one-time head check",
-        "flops": "2 x block parameters (+ 4 T H attention) per position per block pass; 2 H V per head row",
-        "bytes_moved": ("each block once per batch and sweep, streamed from CPU memory" if streamed
-                        else "0: the weights stay on the device"),
-        "peak_memory_bytes": "weights + the engine's working memory (activations, head/KL block, fp32 head copy, "
-                             "held probe states, the search's kept reference)"
-                             + ("; CPU: plus this process's resident memory now" if device.type == "cpu" else ""),
-        "seconds": f"flops / throughput ({throughput.source}) + bytes moved / host bandwidth",
-    }
+    for p in phases.values():
+        p["seconds"] = (p["block_flops"] / throughput.block_flops_per_second
+                        + p["head_flops"] / throughput.head_flops_per_second
+                        + p["bytes_moved"] / throughput.host_bytes_per_second)
+    exact = all(p["exact"] for p in phases.values())
     return CostEstimate(
-        block_passes=int(block_passes), head_passes=int(head_passes), flops=float(flops), bytes_moved=int(bytes_moved),
-        peak_memory_bytes={k: int(v) for k, v in peak.items()}, seconds=float(seconds), exact=exact,
+        block_passes=int(sum(p["block_passes"] for p in phases.values())),
+        head_passes=int(sum(p["head_passes"] for p in phases.values())),
+        flops=float(sum(p["flops"] for p in phases.values())),
+        bytes_moved=int(sum(p["bytes_moved"] for p in phases.values())),
+        peak_memory_bytes={k: int(v) for k, v in peak.items()},
+        seconds=float(sum(p["seconds"] for p in phases.values())), exact=exact,
         phases={k: {kk: vv for kk, vv in v.items() if kk != "engine"} for k, v in phases.items()},
-        derivation=derivation, throughput=throughput,
+        derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
-                      "process": int(resident)},
+                      "process": int(resident), "steps": int(steps_peak)},
     )
+
+
+def _derivation(phases: dict, exact: bool, streamed: bool, device, throughput: Throughput) -> dict:
+    """Per field of :class:`CostEstimate`, how it was derived (sentences)."""
+    out = {
+        "block_passes": "the scoring engine's own plan (batches, prefix-reuse schedule) on the meta-device model"
+                        + ("" if exact else "; an upper bound where a phase says exact=False (the search from its "
+                                            "per-budget allowances, a repair of blocks not yet chosen, a healing "
+                                            "run the early stop may end sooner)"),
+        "head_passes": "head/KL phase per batch: (probe groups + probes) x position chunks (x vocabulary slices), "
+                       "plus the one-time head check; one per model forward in the later steps",
+        "flops": "2 x block parameters (+ 4 T H attention) per position per block pass; 2 H V per head row; "
+                 "a training backward as 2 forwards",
+        "bytes_moved": ("the engine: each block once per batch and sweep, streamed from CPU memory; later steps: "
+                        "each block call" if streamed else "0: the weights stay on the device"),
+        "peak_memory_bytes": "the largest of: weights + the engine's working memory (activations, head/KL block, "
+                             "fp32 head copy, held probe states, the search's kept reference), and each later "
+                             "step's peak (memory_parts['steps'])"
+                             + ("; CPU: plus this process's resident memory now" if device.type == "cpu" else ""),
+        "seconds": f"flops / throughput ({throughput.source}) + bytes moved / host bandwidth, summed over the phases",
+    }
+    for name, p in phases.items():
+        if "note" in p:
+            out[name] = p["note"]
+    return out

@@ -210,11 +210,17 @@ def prune(
 
 def _heal(model, teacher, cfg: LayerSwapConfig, source, tokenizer, checkpoint_dir) -> HealReport:
     """Distil ``model`` from ``teacher`` as ``cfg.heal`` says, on its own calibration text or
-    else the removal's source (a text source read with the model's tokenizer)."""
+    else the removal's source (a text source read with the model's tokenizer); the
+    perplexity stages and lm-eval tasks ``cfg.heal`` asks for are measured by :func:`heal`
+    (the teacher is the dense model just before the cut, so "after the cut" of a repaired
+    model is measured too)."""
     text = cfg.heal.calibration if cfg.heal.calibration is not None else source
     if isinstance(text, CalibrationSet):  # heal draws its own prompts at its own length
         text = cfg.calibration
-    tok = None if isinstance(text, Mapping) else _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
+    measures = cfg.heal.perplexity_text is not None or cfg.heal.eval_tasks is not None
+    tok = None
+    if measures or not isinstance(text, Mapping):
+        tok = _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
     return heal(model, teacher, text, tokenizer=tok, progress=cfg.progress, checkpoint_dir=checkpoint_dir,
                 **cfg.heal.heal_kwargs())
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from huggingface_hub import EvalResult
 
@@ -109,7 +110,7 @@ def evaluate_tasks(
 
     Raises:
         ImportError: lm-eval is not installed. ValueError: empty or unknown task names,
-        a negative ``num_fewshot``.
+        a negative ``num_fewshot``. FileNotFoundError: an ``include_path`` that is not a folder.
     """
     _require_lm_eval()
     from lm_eval import simple_evaluate
@@ -125,6 +126,9 @@ def evaluate_tasks(
     tokenizer = resolve_tokenizer(model, tokenizer)
     if include_path is not None:
         paths = [str(p) for p in include_path] if isinstance(include_path, (list, tuple)) else [str(include_path)]
+        missing = [p for p in paths if not Path(p).is_dir()]
+        if missing:
+            raise FileNotFoundError(f"include_path={missing[0]!r} is not a folder: give folders of task YAML files")
         manager = TaskManager(include_path=paths, include_defaults=False)
     else:
         manager = TaskManager()

@@ -1,11 +1,16 @@
 """Shared fixtures: tiny random models (fast unit tests, built from the one table of tiny
-models, ``arch_matrix.py``), the real WikiText-2 text, and the real pretrained
-SmolLM2-135M / Gemma-3-270M checkpoints (marked ``slow``)."""
+models, ``arch_matrix.py``), the real WikiText-2 text, the real pretrained
+SmolLM2-135M / Gemma-3-270M checkpoints (marked ``slow``), and the helpers several
+component test modules share (short texts, a model snapshot, a forward-pass counter, a
+recorder of progress bars, a model whose scores overflow)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import hf_layerswap as hl
 from hf_layerswap.calibration import CalibrationSet
-from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts
+from hf_layerswap.plan import decoder_blocks
+from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -168,3 +174,150 @@ def gemma3_270m():
     from hf_layerswap.models import load_model
 
     return load_model("gemma3-270m")
+
+
+def counted_prune(cfg: LlamaConfig, config, calibration) -> tuple[int, int]:
+    """(decoder-block forward calls, output-head calls) that forward hooks count in the real
+    ``hl.prune`` of a fresh model of ``cfg`` (seed 1); a healing teacher, a deep copy of the
+    model, carries the hooks too."""
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg.__class__.from_dict(cfg.to_dict())).eval()
+    counts = {"block": 0, "head": 0}
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
+    model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
+    hl.prune(model, config, calibration=calibration)
+    return counts["block"], counts["head"]
+
+
+# --------------------------------------------------------------------------- shared by component tests
+
+#: Three one-line prompts of different lengths (the character tokenizer pads the shorter two).
+SHORT_TEXTS = [
+    "Layer removal keeps the kept blocks in order.",
+    "A swap probe runs the model under a plan.",
+    "The cache is indexed by the layer index.",
+]
+
+#: Six paragraphs of real prose (each over 80 characters): a calibration or evaluation text file.
+PARAGRAPHS = [
+    "Layer removal keeps the kept blocks in order, and the cache is renumbered after the cut.",
+    "A swap probe runs the model under a temporary plan and restores the original plan exactly.",
+    "Interchange swaps two neighbouring blocks; replacement runs one block twice in a row here.",
+    "The calibration prompts are real prose, split at blank lines and truncated to a budget.",
+    "Perplexity is measured in sliding windows, and only the new tokens of a window are scored.",
+    "A model card records the removed blocks, the scores of both protocols and the contract.",
+]
+
+
+def write_paragraphs(path: Path, paragraphs=PARAGRAPHS) -> Path:
+    """``paragraphs`` as a UTF-8 text file, one blank line between them (folders created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    return path
+
+
+def random_bytes(n: int) -> list[int]:
+    """``n`` bytes (0..255) from a seeded generator: a file that is not text."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.fixture(scope="module")
+def matrix_llama():
+    """The 6-block Llama row of ``arch_matrix`` (vocabulary 128, 64 positions), shared by a
+    module's tests that leave it as it was; a test that changes a model builds its own."""
+    return build("llama")
+
+
+@pytest.fixture(scope="module")
+def matrix_report(matrix_llama):
+    """The swap-KL report of :func:`matrix_llama` on ``arch_matrix.prompts()``."""
+    return hl.score_layers(matrix_llama, prompts(), batch_size=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def matrix_tokenizer():
+    """The character-level tokenizer of the ``arch_matrix`` models (one token per character)."""
+    return tiny_tokenizer()
+
+
+def snapshot_model(model) -> dict:
+    """Everything a refused call or a probe must leave untouched: the weights, the config,
+    the decoder's block objects in order and every ``layer_idx`` by module name."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "config": copy.deepcopy(model.config.to_dict()),
+        "blocks": list(decoder_blocks(model)[2]),
+        "layer_idx": [(name, m.layer_idx) for name, m in model.named_modules()
+                      if isinstance(getattr(m, "layer_idx", None), int)],
+    }
+
+
+def assert_model_unchanged(model, snap: dict) -> None:
+    """``model`` is as :func:`snapshot_model` recorded it, weights bit for bit."""
+    now = snapshot_model(model)
+    assert now["config"] == snap["config"]
+    assert now["blocks"] == snap["blocks"]
+    assert now["layer_idx"] == snap["layer_idx"]
+    assert now["state"].keys() == snap["state"].keys()
+    for k, v in snap["state"].items():
+        assert torch.equal(now["state"][k], v), k
+
+
+def count_forwards(model) -> tuple[list, object]:
+    """(calls, handle): ``calls`` gains an entry per forward pass of ``model`` until
+    ``handle.remove()``."""
+    calls: list = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls, handle
+
+
+@pytest.fixture
+def progress_bars(monkeypatch):
+    """Every tqdm bar opened through ``tqdm.auto`` while the test runs: its description,
+    total and each update, in order."""
+    import tqdm.auto
+
+    opened: list = []
+
+    class Recording(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.updates: list = []
+            opened.append(self)
+
+        def update(self, n=1):
+            self.updates.append(n)
+            return super().update(n)
+
+    for name, module in list(sys.modules.items()):  # modules that imported the class itself
+        if name.startswith("hf_layerswap") and getattr(module, "tqdm", None) is tqdm.auto.tqdm:
+            monkeypatch.setattr(module, "tqdm", Recording)
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+    return opened
+
+
+#: The advice every non-finite refusal and warning ends with (a regular expression).
+NONFINITE_ADVICE = (r"non-finite values are reported, never a basis for removal: load the model in float32 "
+                    r"\(from_pretrained\(\.\.\., dtype=torch\.float32\), or --dtype float32 on the command line\) "
+                    r"or score on another calibration set")
+
+
+def overflowing_model(dtype=torch.float16, scale=300.0, family="llama"):
+    """A tiny model whose block 3 MLP overflows (fp16 max is 65504): the model's own output is NaN."""
+    model = tiny_model(family).to(dtype)
+    with torch.no_grad():
+        for p in model.model.layers[3].mlp.parameters():
+            p.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def overflow():
+    """(model, calibration, report): :func:`overflowing_model` in fp16, four 12-token prompts
+    and its swap-KL report, every value NaN (scored without the non-finite warning)."""
+    model, calibration = overflowing_model(), tiny_batch(4, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hl.NonFiniteScoresWarning)
+        warnings.simplefilter("ignore", hl.CalibrationShortfallWarning)
+        return model, calibration, hl.score_layers(model, calibration, progress=False)

@@ -19,7 +19,7 @@ from conftest import tiny_batch, tiny_model
 
 from hf_layerswap import baselines as B
 from hf_layerswap.calibration import build_calibration, embedded_text
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.plan import decoder_blocks, removal_plan
 from hf_layerswap.report import PairResult, SwapReport
 from hf_layerswap.scoring import removal_kl, score_layers
 from hf_layerswap.selection import select_layers
@@ -195,6 +195,28 @@ def test_plan_nll_matches_transformers_loss_on_pruned_copies():
         assert float(values[name].sum()) / total == pytest.approx(hf_nll(pruned_copy(model, removed), calib), rel=1e-5)
 
 
+def test_plan_nll_shares_the_prefix_tree_bit_identically_and_hooks_count_its_block_passes():
+    """SLEB's second step on 8 blocks after removing block 2: the candidates {2, b>2} start
+    at slot 2 and run the same blocks up to b, so they share a prefix tree (runs 3457,
+    34|67, 3|567, 4567 after the reference: 5 + 4 + 2 + 3 + 4 blocks instead of 5 + 4 * 4);
+    every value equals the plan run alone, bit for bit."""
+    model = tiny_model("llama", 8)
+    calib = calib_set()
+    plans = {b: removal_plan(8, sorted({2, b})) for b in (1, 3, 4, 5, 6)}
+    calls = []
+    handles = [blk.register_forward_hook(lambda *_: calls.append(1)) for blk in model.model.layers]
+    try:
+        values, _, stats = plan_nll(model, calib, plans, batch_size=2)
+    finally:
+        for h in handles:
+            h.remove()
+    assert (stats["block_passes"], stats["head_passes"], stats["forward_passes"]) == (8 + 18, 1 + 5, 1 + 5)
+    assert len(calls) == 2 * stats["block_passes"]  # two batches of two prompts
+    for b, plan in plans.items():
+        alone, _, _ = plan_nll(model, calib, {b: plan}, batch_size=2)
+        assert torch.equal(values[b], alone[b])
+
+
 def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():
     model = tiny_model("llama", 6, seed=3)
     calib = calib_set()
@@ -211,10 +233,12 @@ def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():
     assert res[2].removed == sorted([first, int(second)])
     assert step2[second] == pytest.approx(hf_nll(pruned_copy(model, res[2].removed), calib), rel=1e-5)
     assert (res[1].evaluator_calls, res[2].evaluator_calls) == (4, 7)
-    assert res[2].forward_passes == (1 + 4) + (1 + 3)
+    assert res[2].forward_passes == 1 + 4 + 3  # the dense reference once for both steps
+    assert res[2].details["head_passes"] == 1 + 4 + 3
     resumed = sleb(model, calib, 2, resume=res[1])  # continues from n=1, same as one run
     assert resumed.removed == res[2].removed and resumed.details["steps"] == res[2].details["steps"]
-    assert (resumed.evaluator_calls, resumed.forward_passes) == (res[2].evaluator_calls, res[2].forward_passes)
+    # a resumed run computes the dense reference once more
+    assert (resumed.evaluator_calls, resumed.forward_passes) == (res[2].evaluator_calls, res[2].forward_passes + 1)
     with pytest.raises(ValueError, match="resume"):
         sleb(model, calib, [1], resume=res[2])
 

@@ -1,10 +1,13 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
 the quality pages and their index, speed, recovery, precision, streaming, heal and the two sparsity pages are
 rewritten from the JSON beside them with each script's ``--render-only`` (no model is
-loaded), so a refactoring that changes a stored number or its rendering fails here."""
+loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
+of the benchmarks on the runner (heal, sparsity, precision, recovery) are rendered from their state split in two
+files and merged back with ``--merge-from``, so the merge keeps every stored value too."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +16,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _split(state_path: Path, cells: str, folder: Path) -> tuple[Path, Path]:
+    """The stored state cut in two files, as two processes of the runner would leave them: the
+    first half of the cells with everything else, and the second half of the cells alone."""
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    stored = state[cells]  # a mapping of cells, or a list of records (precision's models)
+    half = len(stored) // 2
+    if isinstance(stored, list):
+        head, tail = stored[:half], stored[half:]
+    else:
+        keys = list(stored)
+        head, tail = {k: stored[k] for k in keys[:half]}, {k: stored[k] for k in keys[half:]}
+    assert head and tail, f"{state_path.name}: too few cells to split"
+    first, second = folder / "a" / state_path.name, folder / "b" / state_path.name  # the page may name its file
+    first.parent.mkdir(exist_ok=True)
+    second.parent.mkdir(exist_ok=True)
+    first.write_text(json.dumps({**state, cells: head}), encoding="utf-8")
+    second.write_text(json.dumps({cells: tail}), encoding="utf-8")
+    return first, second
 
 
 def _run(args, cwd):
@@ -39,31 +62,56 @@ def test_speed_page_rerenders_unchanged(tmp_path):
 
 
 def test_recovery_page_rerenders_unchanged(tmp_path):
+    """Each model's file split in two (its removal sets and rows halved, as two processes of the
+    runner would leave them) and merged back by the runner first."""
+    pieces = []
     for state in RESULTS.glob("recovery*.json"):
         shutil.copy(state, tmp_path / state.name)
+    for model in ("smollm2-135m", "gemma3-270m"):
+        path = tmp_path / f"recovery-{model}.json"
+        state = json.loads(path.read_text(encoding="utf-8"))
+        result, half = state["result"], len(state["result"]["evaluated"]) // 2
+        head = {**state, "result": {**result, "evaluated": result["evaluated"][:half], "rows": result["rows"][:half],
+                                    "complete": False}}
+        tail = {**state, "result": {**result, "evaluated": result["evaluated"][half:], "rows": result["rows"][half:]}}
+        path.write_text(json.dumps(head), encoding="utf-8")
+        (tmp_path / "b").mkdir(exist_ok=True)
+        pieces.append(tmp_path / "b" / path.name)
+        pieces[-1].write_text(json.dumps(tail), encoding="utf-8")
     _run([str(ROOT / "benchmarks" / "recovery.py"), "--render-only", "--out", str(tmp_path / "recovery.md"),
-          "--models", "smollm2-135m", "gemma3-270m", "--budgets", "1", "2", "3", "4", "5", "6"], ROOT)
+          "--models", "smollm2-135m", "gemma3-270m", "--budgets", "1", "2", "3", "4", "5", "6",
+          "--merge-from", *map(str, pieces)], ROOT)
     assert (tmp_path / "recovery.md").read_bytes() == (RESULTS / "recovery.md").read_bytes()
+    for model in ("smollm2-135m", "gemma3-270m"):  # the merge restores each stored file's content
+        name = f"recovery-{model}.json"
+        assert json.loads((tmp_path / name).read_text(encoding="utf-8")) == json.loads(
+            (RESULTS / name).read_text(encoding="utf-8")), name
 
 
 def test_sparsity_pages_rerender_unchanged(tmp_path):
+    """Each page from its stored cache, split in two and merged back by the runner first."""
     for model in ("smollm2-135m", "gemma3-270m"):
         out = tmp_path / f"sparsity-{model}.md"
+        first, second = _split(RESULTS / f"sparsity-{model}.json", "runs", tmp_path)
         _run([str(ROOT / "benchmarks" / "sparsity.py"), "--model", model, "--render-only",
-              "--json", str(RESULTS / f"sparsity-{model}.json"), "--output", str(out)], ROOT)
+              "--json", str(first), "--merge-from", str(second), "--output", str(out)], ROOT)
         assert out.read_bytes() == (RESULTS / out.name).read_bytes(), out.name
 
 
 def test_precision_page_rerenders_unchanged(tmp_path):
+    """The page from its stored models (a list), split in two and merged back by the runner first."""
     out = tmp_path / "precision.md"
-    _run([str(ROOT / "benchmarks" / "precision.py"), "--render-only", "--json", str(RESULTS / "precision.json"),
+    first, second = _split(RESULTS / "precision.json", "models", tmp_path)
+    _run([str(ROOT / "benchmarks" / "precision.py"), "--render-only", "--json", str(first), "--merge-from", str(second),
           "--out", str(out)], ROOT)
     assert out.read_bytes() == (RESULTS / "precision.md").read_bytes()
+    assert json.loads(first.read_text(encoding="utf-8")) == json.loads((RESULTS / "precision.json").read_text(encoding="utf-8"))
 
 
 def test_heal_page_rerenders_unchanged(tmp_path):
-    shutil.copy(RESULTS / "heal.json", tmp_path / "heal.json")
-    _run([str(ROOT / "benchmarks" / "heal.py"), "--render-only", "--json", str(tmp_path / "heal.json"),
+    """The page from its stored state, split in two and merged back by the runner first."""
+    first, second = _split(RESULTS / "heal.json", "cells", tmp_path)
+    _run([str(ROOT / "benchmarks" / "heal.py"), "--render-only", "--json", str(first), "--merge-from", str(second),
           "--out", str(tmp_path / "heal.md")], ROOT)
     assert (tmp_path / "heal.md").read_bytes() == (RESULTS / "heal.md").read_bytes()
 

@@ -1,11 +1,24 @@
-"""Calibration sources -> right-padded prompts."""
+"""Calibration sources -> right-padded prompts; what is refused by name (empty sets, prompts
+shorter than two tokens, mismatched shapes, wrong dtypes, token ids outside the embedding,
+missing and binary files, before any forward pass), a tokenizer without a pad token, the
+shortfall warning and its record, and prefix tokenizing of long texts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from arch_matrix import build, prompts, tiny_tokenizer
+from conftest import PARAGRAPHS, SHORT_TEXTS, count_forwards, random_bytes, write_paragraphs
+
+import hf_layerswap as hl
+from hf_layerswap import score_layers
+from hf_layerswap.card import render_card
 
 from hf_layerswap.calibration import CalibrationShortfallWarning, build_calibration, embedded_text, split_paragraphs
+from hf_layerswap.plan import num_blocks
+from hf_layerswap.scoring import masked_kl, removal_kl
 
 
 class CharTokenizer:
@@ -142,3 +155,236 @@ def test_packing_refusals():
         build_calibration(["abc"], EosCharTokenizer(), packing="yes")
     with pytest.raises(ValueError, match="gives 4 token"):
         build_calibration(["abc"], EosCharTokenizer(), seq_len=8, packing=True)
+
+
+# -------------------------- refused sources, the shortfall, prefix tokenizing
+
+
+def test_empty_calibration_sets_are_refused(matrix_llama, tmp_path):
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"empty calibration set: list of 0 strings"):
+        build_calibration([], tok)
+    with pytest.raises(ValueError, match=r"empty calibration set: input_ids has 0 rows"):
+        score_layers(matrix_llama, {"input_ids": torch.zeros(0, 5, dtype=torch.long),
+                             "attention_mask": torch.zeros(0, 5, dtype=torch.long)}, progress=False)
+    short = tmp_path / "short.txt"
+    short.write_text("too short\n\nalso short\n")  # no paragraph reaches 50 characters
+    with pytest.raises(ValueError, match=r"empty calibration set: file:short.txt \(0 paragraphs"):
+        score_layers(matrix_llama, short, tokenizer=tok, progress=False)
+
+
+def test_prompts_shorter_than_two_real_tokens_are_refused(matrix_llama):
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"calibration prompt 1 \('a'\) has 1 token\(s\): every prompt needs at least 2"):
+        build_calibration([SHORT_TEXTS[0], "a"], tok)
+    ids = torch.ones(3, 5, dtype=torch.long)
+    one = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"calibration prompt 1 is 1 real token: every prompt needs at least 2"):
+        score_layers(matrix_llama, {"input_ids": ids, "attention_mask": one}, progress=False)
+    none = one.clone()
+    none[2] = 0
+    none[1, 1] = 1
+    with pytest.raises(ValueError, match=r"calibration prompt 2 is all padding"):
+        build_calibration({"input_ids": ids, "attention_mask": none})
+    with pytest.raises(ValueError, match=r"seq_len=1: must be an int >= 2"):
+        build_calibration(SHORT_TEXTS, tok, seq_len=1)
+
+
+def test_tokenizer_without_pad_token_is_handled(matrix_llama):
+    with_pad, without_pad = tiny_tokenizer(pad_token=True), tiny_tokenizer(pad_token=False)
+    assert without_pad.pad_token_id is None
+    a = build_calibration(SHORT_TEXTS, with_pad)
+    b = build_calibration(SHORT_TEXTS, without_pad)
+    assert torch.equal(a.attention_mask, b.attention_mask)
+    assert bool((a.attention_mask == 0).any())  # prompts of different length: there is padding
+    assert torch.equal(a.input_ids * a.attention_mask, b.input_ids * b.attention_mask)
+    assert a.content_hash == b.content_hash
+    ra = score_layers(matrix_llama, a, batch_size=3, progress=False)
+    rb = score_layers(matrix_llama, b, batch_size=3, progress=False)
+    for pa, pb in zip(ra.pairs, rb.pairs):
+        for field in ("replacement_ij", "replacement_ji", "interchange"):
+            assert getattr(pa, field) == pytest.approx(getattr(pb, field), rel=1e-6, abs=1e-12)
+
+
+def test_mismatched_input_ids_and_attention_mask_shapes(matrix_llama):
+    ids = torch.ones(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids shape \(2, 5\) and attention_mask shape \(2, 4\) must be equal"):
+        score_layers(matrix_llama, {"input_ids": ids, "attention_mask": torch.ones(2, 4, dtype=torch.long)},
+                     progress=False)
+    with pytest.raises(ValueError, match=r"input_ids shape \(5,\) and attention_mask shape \(5,\)"):
+        build_calibration({"input_ids": ids[0], "attention_mask": torch.ones(5, dtype=torch.long)})
+    with pytest.raises(ValueError, match="missing \\['attention_mask'\\]"):
+        build_calibration({"input_ids": ids})
+    with pytest.raises(ValueError, match=r"shape mismatch: ref \(2, 5, 7\), logits \(2, 5, 7\), mask \(2, 4\)"):
+        masked_kl(torch.zeros(2, 5, 7), torch.zeros(2, 5, 7), torch.ones(2, 4))
+
+
+def test_token_ids_outside_the_embedding_are_named(matrix_llama):
+    batch = prompts()
+    ids = batch["input_ids"].clone()
+    ids[1, 3] = 128  # one past the tiny vocabulary
+    message = (
+        "calibration input_ids hold token id 128, but the model's input embedding has 128 rows: allowed ids 0..127 "
+        "(is the tokenizer the model's own? padding positions count too)"
+    )
+    for call in (lambda c: score_layers(matrix_llama, c, progress=False), lambda c: removal_kl(matrix_llama, c, [1])):
+        with pytest.raises(ValueError) as err:
+            call({"input_ids": ids, "attention_mask": batch["attention_mask"]})
+        assert str(err.value) == message
+    padded = batch["input_ids"].clone()
+    padded[1, -1] = -100  # a collator's label padding at a masked position is still embedded
+    with pytest.raises(ValueError, match=r"^calibration input_ids hold token id -100, "):
+        score_layers(matrix_llama, {"input_ids": padded, "attention_mask": batch["attention_mask"]}, progress=False)
+
+
+def test_calibration_type_errors_name_the_offending_part():
+    tok = tiny_tokenizer()
+    batch = prompts()
+    with pytest.raises(TypeError) as err:
+        build_calibration({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"].float()})
+    assert str(err.value) == "attention_mask must be torch.long, torch.int32 or torch.bool, got torch.float32"
+    with pytest.raises(TypeError) as err:
+        build_calibration({"input_ids": batch["input_ids"].int(), "attention_mask": batch["attention_mask"]})
+    assert str(err.value) == "input_ids must be torch.long, got torch.int32"
+    with pytest.raises(TypeError) as err:
+        build_calibration([SHORT_TEXTS[0], 7, SHORT_TEXTS[1]], tok)
+    assert str(err.value) == (
+        "calibration list entry 1 is int (7): a list calibration holds strings, one prompt each "
+        "(token ids go in a mapping with input_ids and attention_mask tensors)"
+    )
+    with pytest.raises(ValueError, match=r"^num_prompts=True: must be an int >= 1$"):
+        build_calibration(SHORT_TEXTS, tok, num_prompts=True)
+    import datasets
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": SHORT_TEXTS})})
+    with pytest.raises(ValueError) as err:
+        build_calibration(splits, tok)
+    assert str(err.value) == (
+        "calibration mapping (DatasetDict with keys ['train']) is missing ['attention_mask', 'input_ids']; "
+        "it needs input_ids and attention_mask"
+    )
+
+
+@pytest.mark.parametrize("name", ["my data/wiki.test.raw", "wiki.test.raw", "notes.TXT", "corpus/held-out"])
+def test_a_missing_file_is_refused_not_scored_as_text(matrix_llama, matrix_tokenizer, tmp_path, name):
+    missing = str(tmp_path / name) if "/" in name else name
+    calls, handle = count_forwards(matrix_llama)
+    try:
+        with pytest.raises(FileNotFoundError) as err:
+            hl.evaluate_perplexity(matrix_llama, missing, tokenizer=matrix_tokenizer, bootstrap=0)
+        assert repr(missing) in str(err.value) and "no such file" in str(err.value)
+        assert "list of strings" in str(err.value)
+        for call in (lambda: hl.score_layers(matrix_llama, missing, tokenizer=matrix_tokenizer, progress=False),
+                     lambda: hl.build_calibration(missing, matrix_tokenizer)):
+            with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
+                call()
+        with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
+            hl.prune_loaded_model(matrix_llama, hl.LayerSwapConfig(num_to_remove=1, calibration=missing,
+                                                                   tokenizer=matrix_tokenizer, progress=False))
+    finally:
+        handle.remove()
+    assert calls == []
+    assert num_blocks(matrix_llama) == 6
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "utf-16", "nul bytes"])
+def test_a_file_that_is_not_text_is_refused_before_any_forward_pass(matrix_llama, matrix_tokenizer, tmp_path, kind):
+    path = tmp_path / "b.bin"
+    if kind == "random bytes":
+        path.write_bytes(bytes(random_bytes(4096)))
+    elif kind == "utf-16":
+        path.write_bytes("\n\n".join(PARAGRAPHS).encode("utf-16"))
+    else:
+        path.write_bytes(("\n\n".join(PARAGRAPHS) + "\0\0\0").encode("utf-8"))
+    calls, handle = count_forwards(matrix_llama)
+    try:
+        for what, call in (
+            ("calibration",
+             lambda: hl.score_layers(matrix_llama, str(path), tokenizer=matrix_tokenizer, progress=False)),
+            ("calibration", lambda: hl.score_layers(matrix_llama, path, tokenizer=matrix_tokenizer, progress=False)),
+            ("text", lambda: hl.evaluate_perplexity(matrix_llama, str(path), tokenizer=matrix_tokenizer, bootstrap=0)),
+            ("text", lambda: hl.evaluate_perplexity(matrix_llama, path, tokenizer=matrix_tokenizer, bootstrap=0)),
+        ):
+            with pytest.raises(ValueError) as err:
+                call()
+            assert type(err.value) is ValueError  # not a bare UnicodeDecodeError
+            message = str(err.value)
+            assert message.startswith(f"{what}={str(path)!r} is not a text file"), message
+            assert "allowed: UTF-8 text" in message
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_a_one_line_file_warns_of_the_shortfall_and_tokenizes_only_the_budget(matrix_tokenizer, tmp_path, monkeypatch):
+    words = ("layer", "block", "swap", "probe", "removal", "prompt")
+    line = " ".join(words[k % 6] + str(k % 97) for k in range(1_400_000))  # one line, about 10 MB
+    path = tmp_path / "one-line.txt"
+    path.write_text(line, encoding="utf-8")
+    assert path.stat().st_size > 10_000_000
+    tokenizer_class = type(matrix_tokenizer)
+    original_call, seen = tokenizer_class.__call__, []
+
+    def recording_call(self, text, *args, **kwargs):
+        seen.extend(len(t) for t in ([text] if isinstance(text, str) else text))
+        return original_call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_class, "__call__", recording_call)
+    with pytest.warns(hl.CalibrationShortfallWarning) as caught:
+        calib = hl.build_calibration(str(path), matrix_tokenizer, num_prompts=4, seq_len=16)
+    monkeypatch.undo()
+    # the character tokenizer would make 10 million tokens of the whole line; 16 are needed,
+    # so only a short prefix of the line ever reaches the tokenizer
+    assert seen and max(seen) < 100_000, max(seen, default=None)
+    assert (calib.num_prompts, calib.num_tokens) == (1, 16)
+    assert calib.input_ids[0].tolist() == matrix_tokenizer(line[:16])["input_ids"]
+    message = str(caught[0].message)
+    assert "4 prompt(s) requested, the source gave 1 (16 real tokens of the 64 that 4 x 16 could hold)" in message
+    assert "file:one-line.txt" in message
+    assert calib.spec()["shortfall"] == {"requested_prompts": 4, "prompts": 1, "max_tokens": 64, "tokens": 16}
+
+
+def test_prefix_tokenizing_gives_the_whole_text_tokens(matrix_tokenizer):
+    from hf_layerswap.calibration import encode_prefixes
+
+    texts = [" ".join(PARAGRAPHS * 40), "x" * 5000, "short", PARAGRAPHS[0], "\n".join(PARAGRAPHS * 30)]
+    for seq_len in (2, 16, 100, 400):
+        assert encode_prefixes(matrix_tokenizer, texts, seq_len) == matrix_tokenizer(
+            texts, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]
+
+
+@pytest.mark.slow
+def test_prefix_tokenizing_matches_a_real_tokenizer(smollm2, wikitext_test_raw):
+    from hf_layerswap.calibration import encode_prefixes, split_paragraphs
+
+    _, real = smollm2
+    paras = split_paragraphs(wikitext_test_raw.read_text(encoding="utf-8"))
+    texts = [" ".join(paras[k:k + 40]) for k in range(0, 200, 40)] + paras[:60] + ["\n".join(paras[:30])]
+    for seq_len in (2, 16, 512):
+        assert encode_prefixes(real, texts, seq_len) == real(
+            texts, add_special_tokens=True, truncation=True, max_length=seq_len)["input_ids"]
+
+
+def test_a_calibration_shortfall_is_recorded_in_the_report_and_the_card(matrix_tokenizer, tmp_path):
+    path = write_paragraphs(tmp_path / "two.txt", PARAGRAPHS[:2])
+    model = build("llama")
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=str(path), tokenizer=matrix_tokenizer,
+                                num_prompts=5, seq_len=24, batch_size=2, progress=False)
+    with pytest.warns(hl.CalibrationShortfallWarning, match=re.escape(
+            "5 prompt(s) requested, the source gave 2 (48 real tokens of the 120 that 5 x 24 could hold)")):
+        hl.prune_loaded_model(model, config)
+    record = {"requested_prompts": 5, "prompts": 2, "max_tokens": 120, "tokens": 48}
+    report = model.layerswap_report
+    assert report.metadata["calibration"]["shortfall"] == record
+    assert report.summary_dict()["calibration"]["shortfall"] == record
+    assert hl.SwapReport.from_dict(report.to_dict()).metadata["calibration"]["shortfall"] == record
+    card = str(render_card(model, report=report))
+    assert ("| Shortfall | **fewer prompts than requested**: 5 prompt(s) requested, the source gave 2 (48 real "
+            "tokens of the 120 that 5 x 24 could hold) |") in card
+    # a set that fills the request records nothing and warns nothing
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hl.CalibrationShortfallWarning)
+        full = hl.build_calibration(PARAGRAPHS, matrix_tokenizer, num_prompts=6, seq_len=24)
+    assert "shortfall" not in full.spec() and full.shortfall is None

@@ -1,9 +1,11 @@
 """Model card content: front matter, both protocol tables with the report's own numbers,
-the candidate sets, evaluation, calibration, plots and the offline validity checks."""
+the candidate sets, evaluation, calibration, plots and the offline validity checks, and
+non-finite scores shown as NaN."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from huggingface_hub import ModelCard
@@ -20,6 +22,7 @@ from publish_helpers import (
 )
 
 from conftest import tiny_batch, tiny_model
+import hf_layerswap as hl
 from hf_layerswap import LayerSwapConfig, SwapReport, prune_loaded_model, remove_layers
 from hf_layerswap.card import (
     EVALUATION_FILE,
@@ -31,6 +34,7 @@ from hf_layerswap.card import (
     write_card_files,
 )
 from hf_layerswap.plots import PLOT_FILES, planned_plots
+from hf_layerswap.report import PairResult
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +266,25 @@ def test_the_example_card_shows_what_the_default_path_publishes():
     assert f"decoder blocks **{', '.join(map(str, removed))}** removed" in card
     listing = (root / "README.md").read_text(encoding="utf-8")
     assert f"blocks {removed[0]} and {removed[1]} removed" in listing
+
+
+# ---------------------------------------------- non-finite scores in the card
+
+
+def _pruned_with_nan_report():
+    model = tiny_model("llama")
+    nan_pairs = [PairResult(i, i + 1, math.nan, math.nan, math.nan) for i in range(5)]
+    report = SwapReport(6, nan_pairs, metadata={"nonfinite": {"first_batch": 0}})
+    hl.remove_layers(model, [2])
+    return model, report
+
+
+def test_card_shows_nan_and_marks_no_block_removed_on_it(tmp_path):
+    model, report = _pruned_with_nan_report()  # explicit layers: the removal did not rest on the scores
+    card = str(render_card(model, report=report))
+    lines = card.splitlines()
+    assert "| 2 | NaN | NaN | — | — | **removed** (its score is non-finite: not a basis for the removal) |" in lines
+    assert "| 3 | NaN | NaN | — | — |  |" in lines  # no rank on a NaN score
+    assert "| 2 | 3 | NaN | NaN | NaN | NaN | — |" in lines  # the pair row: NaN values, no I/R
+    assert "| interchange | none: non-finite scores of layers 1, 2, 3, 4 | — |" in lines
+    assert hl.save_for_hub(model, tmp_path / "explicit", report=report)  # explicit layers are published

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_checkpoint, tiny_model
+from arch_matrix import tiny_tokenizer
+from conftest import overflowing_model, tiny_checkpoint, tiny_model
 from transformers import AutoModelForCausalLM
 
+import hf_layerswap as hl
 from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
@@ -311,3 +314,29 @@ def test_every_verbs_help_states_each_default_once(capsys):
             assert len(re.findall(r"\(default", text)) <= 1 and "(default: None)" not in text, (name, text)
     prune = verbs["prune"].format_help()
     assert "(default: 64)" in prune and "(default removal_kl)" in prune and "(default: None)" not in prune
+
+
+# ------------------------- non-finite scores: warned once, kept in the report
+
+
+def test_cli_score_warns_once_and_keeps_the_values(tmp_path, capsys):
+    model = overflowing_model(torch.float32, scale=1e15, family="qwen3")  # overflows float32 too
+    model.save_pretrained(tmp_path / "base")
+    tiny_tokenizer().save_pretrained(tmp_path / "base")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n\n".join(f"paragraph {k} of plain calibration text, long enough to count as a prompt here" for k in range(4)) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hl.NonFiniteScoresWarning)  # said once, as the warning: line below
+        warnings.simplefilter("ignore", hl.CalibrationShortfallWarning)
+        assert main(["score", str(tmp_path / "base"), "--calibration", str(calib), "--num-prompts", "4",
+                     "--seq-len", "12", "-o", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1
+    assert "warning: 15 swap-KL value(s) are kept in the report as results: non-finite values: pair (0, 1) " \
+           "replacement_ij = NaN; " in err and "; and 3 more; the values first broke at calibration batch 0" in err
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["pairs"][0]["interchange"] == "NaN" and len(saved["metadata"]["nonfinite"]["values"]) == 15
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy",
+                 "greedy", "--report", str(tmp_path / "r.json")]) == 2
+    assert "error: cannot select 1 block(s) on finite interchange swap-KL scores" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

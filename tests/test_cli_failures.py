@@ -1,5 +1,6 @@
 """How the command line fails: paths checked before the model loads, a full disk at write
-time, a corrupt GGUF file, a Hub id while offline, and Ctrl-C (exit 130, then ``--resume``).
+time, a corrupt GGUF file, a Hub id while offline, bad reports, budgets and binary calibration
+files (exit 2, nothing written), and Ctrl-C (exit 130, then ``--resume``).
 
 Read-only outputs: the tests run as root, for whom permission bits do not stop writes, so a
 path that cannot be created is made portably as a path *under a regular file* (the kernel
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+from arch_matrix import build, tiny_tokenizer
+from conftest import SHORT_TEXTS, random_bytes
 from test_cli import _calibration_file, _tiny_checkpoint
 
 import hf_layerswap.cli.common as common
@@ -270,3 +273,88 @@ def test_prune_resume_reuses_the_checkpointed_scores(base, capsys):
     assert reports[1].metadata["checkpoint"]["resumed_values"] == 5  # one interchange value per pair of 6 blocks
     assert [p.interchange for p in reports[0].pairs] == [p.interchange for p in reports[1].pairs]
     assert sorted(p.name for p in (base / "ck").glob("part-*.pt")) == parts  # nothing scored again
+
+
+# --------- bad reports, budgets and calibration files, refused before loading
+
+
+def test_cli_prune_refuses_bad_input_and_writes_nothing(matrix_report, tmp_path, capsys, monkeypatch):
+    from hf_layerswap.cli import main
+
+    ckpt = tmp_path / "four"
+    build("llama", num_blocks=4).save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    matrix_report.to_json(tmp_path / "six.json")
+    (tmp_path / "calib.txt").write_text("\n\n".join(t + " " + t for t in SHORT_TEXTS))  # paragraphs >= 50 chars
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "1", "--report", str(tmp_path / "six.json"),
+                 "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2"])
+    assert code == 2 and not out.exists()
+    assert "computed on a model with 6 blocks but this model has 4" in capsys.readouterr().err
+    code = main(["prune", str(ckpt), str(out), "--layers", "4"])
+    assert code == 2 and not out.exists()
+    assert "layer index 4 is out of range for a model with 4 blocks" in capsys.readouterr().err
+    # a budget the rules cannot meet is refused before any scoring is spent on it
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scored although the budget was impossible")
+
+    monkeypatch.setattr("hf_layerswap.pipeline.score_layers", no_scoring)
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "2", "--spacing", "1", "--calibration", str(tmp_path / "calib.txt"),
+                 "--num-prompts", "2", "--seq-len", "32"])  # within the model's 64 positions (checked by the estimate)
+    assert code == 2 and not out.exists()
+    assert "cannot select 2 layers of 4 with spacing=1 and protect=[0, 3]: the rules allow at most 1" in capsys.readouterr().err
+    # no output and no temporary folder left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "four", "six.json"]
+
+
+def test_cli_refuses_bad_report_files_and_a_folder_as_report_output(matrix_report, tmp_path, capsys):
+    from hf_layerswap.cli import main
+
+    ckpt = tmp_path / "six"
+    build("llama").save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    (tmp_path / "calib.txt").write_text("\n\n".join(t + " " + t for t in SHORT_TEXTS))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    capsys.readouterr()
+    out = tmp_path / "out"
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "1", "--report", str(bad),
+                 "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2"])
+    assert code == 2 and not out.exists()
+    assert f"error: {bad} is not a valid SwapReport JSON file: not a SwapReport dict: got list" in capsys.readouterr().err
+    # push: the sidecar is read before anything else happens (no network: the endpoint is a closed port)
+    code = main(["push", str(ckpt), "me/six", "--report", str(bad), "--endpoint", "http://127.0.0.1:9"])
+    assert code == 2
+    assert f"{bad} is not a valid SwapReport JSON file" in capsys.readouterr().err
+    (tmp_path / "ev.json").write_text('{"base": ')
+    code = main(["push", str(ckpt), "me/six", "--evaluation", str(tmp_path / "ev.json"), "--endpoint", "http://127.0.0.1:9"])
+    assert code == 2
+    assert f"error: {tmp_path / 'ev.json'} is not valid JSON: Expecting value" in capsys.readouterr().err
+    # score -o FOLDER: refused before the model loads (it used to fail after scoring, with a traceback)
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    code = main(["score", str(ckpt), "--calibration", str(tmp_path / "calib.txt"), "--num-prompts", "2", "-o", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "loading" not in err
+    assert f"error: --output {folder} is a folder; give the report's file path, e.g. {folder / 'layerswap_report.json'}" in err
+    assert list(folder.iterdir()) == []
+
+
+def test_cli_refuses_a_binary_calibration_file_before_loading(tmp_path, capsys):
+    from hf_layerswap.cli import main
+
+    path = tmp_path / "b.bin"
+    path.write_bytes(bytes(random_bytes(4096)))
+    checkpoint = tmp_path / "ckpt"
+    build("llama").save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    capsys.readouterr()
+    for argv in (["score", str(checkpoint), "--calibration", str(path), "-o", str(tmp_path / "r.json")],
+                 ["prune", str(checkpoint), str(tmp_path / "out"), "--num-to-remove", "1", "--calibration", str(path)],
+                 ["demo", "--model", str(checkpoint), "--eval-text", str(path), "--output", str(tmp_path / "demo")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and f"{str(path)!r} is not a text file" in err and "UTF-8" in err
+        assert "loading" not in err
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import pickle
+import re
 import warnings
 from dataclasses import fields, is_dataclass
 from types import SimpleNamespace
@@ -19,11 +20,14 @@ from typing import get_args
 
 import pytest
 import torch
+from arch_matrix import build
 from conftest import tiny_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.quantizers.auto import AutoQuantizationConfig
 
+import hf_layerswap as hl
 from hf_layerswap import LayerSwapConfig, prune
+from hf_layerswap.plan import num_blocks
 from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
 from hf_layerswap.recovery import RecoveryMethod
 from hf_layerswap.selection import MODEL_STRATEGIES, STRATEGIES, register_strategy
@@ -32,6 +36,7 @@ from hf_layerswap.config import (
     CONFIG_VERSION,
     FLAT_KEYWORDS,
     AllocationName,
+    HealConfig,
     ObjectiveName,
     ProtocolName,
     PrunerName,
@@ -560,3 +565,87 @@ def test_from_pretrained_runs_the_registered_strategy_repair_and_sparsity(extens
             k = round(target * lin.in_features)
             assert bool((lin.weight[:, :k] == 0).all()) and bool((lin.weight[:, k:] != 0).all())
     assert model.config.layerswap_sparsity["allocation"] == ALLOCATOR
+
+
+# -------------------------------------- contradictory and out-of-range fields
+
+
+CONTRADICTORY = [
+    (dict(num_to_remove=2, layers=[1, 2, 3]), "LayerSwapConfig(num_to_remove=2, layers=[1, 2, 3]) is contradictory"),
+    (dict(layers=[]), "LayerSwapConfig(layers=[])"),
+    (dict(layers=3), "LayerSwapConfig(layers=3): must be a list of 0-based block indices"),
+    (dict(num_to_remove=0), "LayerSwapConfig(num_to_remove=0): must be an int >= 1"),
+    (dict(protocol="swap"), "LayerSwapConfig(protocol='swap'): allowed ['replacement', 'interchange', 'auto']"),
+    (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers"),
+    (dict(recovery="magic", num_to_remove=1), "LayerSwapConfig(recovery='magic'): allowed"),
+    (dict(spacing=-1), "LayerSwapConfig(spacing=-1): must be an int >= 0"),
+    (dict(max_gap=0), "LayerSwapConfig(max_gap=0): must be an int >= 1"),
+    (dict(seq_len=1), "LayerSwapConfig(seq_len=1): must be an int >= 2"),
+    (dict(sparsity=1.5), "LayerSwapConfig(sparsity=1.5): must be a float in [0, 1)"),
+    (dict(sparsity=0.96, allocation="pals"), "LayerSwapConfig(allocation='pals'): sparsity=0.96 with delta=0.05 lets a "
+     "block reach sparsity 1 (every weight zero); use delta < 1 - sparsity = 0.04 (the default delta here; choose "
+     "allocation='uniform' or 'owl'"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), CONTRADICTORY, ids=[m.split(":")[0] for _, m in CONTRADICTORY])
+def test_contradictory_or_out_of_range_config_fields(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        LayerSwapConfig(**kwargs)
+    assert message in str(err.value)
+
+
+def test_unknown_config_argument_is_named():
+    with pytest.raises(TypeError, match=r"unexpected arguments: unknown keys \['num_to_remov'\] \('num_to_remov': did "
+                                        r"you mean 'num_to_remove'\?\); allowed \['num_to_remove', "):
+        LayerSwapConfig(num_to_remov=2)
+
+
+SPARSITY_CONFLICTS = [
+    (dict(pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ['wanda', 'sparsegpt', 'magnitude']"),
+    (dict(allocation="even"), "LayerSwapConfig: allocation='even': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']"),
+    (dict(sparsity_pattern="2-4"), "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
+    (dict(sparsity_pattern="2:4"),  # the default allocation is pals
+     "LayerSwapConfig: pattern='2:4' gives every block sparsity 0.5; use allocation='uniform' (got 'pals')"),
+    (dict(sparsity_pattern="1:4", allocation="uniform"),
+     "LayerSwapConfig: pattern='1:4' fixes the sparsity at 0.25, but sparsity=0.5"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), SPARSITY_CONFLICTS, ids=[m.split(":")[1] if m.startswith("LayerSwapConfig:") else m.split("(")[1].split(")")[0] for _, m in SPARSITY_CONFLICTS])
+def test_sparsity_settings_are_checked_with_the_config_not_after_removal(kwargs, message):
+    # these used to pass the config and fail in sparsify, after the blocks were removed
+    with pytest.raises(ValueError) as err:
+        LayerSwapConfig(layers=[1], sparsity=0.5, **kwargs)
+    assert str(err.value) == message
+    with pytest.warns(UserWarning, match=r"\['pruner'\] ignored: sparsity is None"):  # not used without sparsity
+        assert LayerSwapConfig(layers=[1], pruner="bogus").sparsity is None
+
+
+@pytest.mark.parametrize(("layers", "protect", "clash"), [([0], [0], [0]), ([2, -1], [1, -1], [-1]), ([1, 3], [3], [3])])
+def test_layers_that_are_also_protected_are_contradictory(layers, protect, clash):
+    with pytest.raises(ValueError) as err:
+        hl.LayerSwapConfig(layers=layers, protect=protect)
+    assert str(err.value) == (f"LayerSwapConfig(layers={layers}, protect={protect}) is contradictory: block(s) {clash} "
+                              "would be removed and protected; drop them from layers or from protect")
+
+
+def test_a_protected_block_named_from_the_other_end_is_caught_with_the_model():
+    model = build("llama")  # 6 blocks: -1 is block 5
+    config = hl.LayerSwapConfig(layers=[5], protect=[-1])
+    with pytest.raises(ValueError, match=re.escape("layers=[5], protect=[-1]) is contradictory: block(s) [5]")):
+        hl.prune_loaded_model(model, config)
+    assert num_blocks(model) == 6
+    # explicit layers without an explicit protect are taken as given (block 0 included), and the
+    # hidden flag never reaches the serialized config
+    hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[0, 5]))
+    assert num_blocks(model) == 4 and model.config.layerswap["removed_layers"] == [0, 5]
+    assert "_protect_given" not in hl.LayerSwapConfig(layers=[0]).to_dict()
+    assert hl.LayerSwapConfig().protect == [0, -1]
+
+
+@pytest.mark.parametrize("name", ["calibration", "perplexity_text", "eval_tasks_path"])
+def test_heal_config_refuses_an_empty_path(name):
+    extra = {"eval_tasks": ["t"]} if name == "eval_tasks_path" else {}
+    with pytest.raises(ValueError, match=rf"HealConfig\({name}=''\): must be a non-empty path or None"):
+        HealConfig(**{name: ""}, **extra)

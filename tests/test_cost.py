@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_layerswap as hl
+from conftest import counted_prune
 from hf_layerswap.calibration import CalibrationSet
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
@@ -29,24 +30,12 @@ def _calibration() -> CalibrationSet:
     return CalibrationSet(ids, mask, "random tokens")
 
 
-def _counted_prune(cfg: LlamaConfig, config: hl.LayerSwapConfig, calib) -> tuple[int, int]:
-    """(block forward calls, output-head calls) that forward hooks count in the real prune."""
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(copy.deepcopy(cfg)).eval()
-    counts = {"block": 0, "head": 0}
-    for block in model.model.layers:
-        block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
-    model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
-    hl.prune(model, config, calibration=calib)
-    return counts["block"], counts["head"]
-
-
 @pytest.mark.parametrize("batch_size", [4, 8])
-def test_scoring_and_greedy_passes_equal_the_counted_prune(batch_size):
+def test_scoring_and_greedy_passes_equal_thecounted_prune(batch_size):
     cfg, calib = _tiny(8), _calibration()
     config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=batch_size, progress=False)
     estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
-    assert (estimate.block_passes, estimate.head_passes) == _counted_prune(cfg, config, calib)
+    assert (estimate.block_passes, estimate.head_passes) == counted_prune(cfg, config, calib)
     assert estimate.exact and estimate.bytes_moved == 0
     # interchange probes of 7 adjacent pairs per batch from their first changed slot, plus the reference
     per_batch = 8 + sum(8 - i for i in range(7))
@@ -58,7 +47,7 @@ def test_the_default_search_is_bounded_between_the_count_and_one_and_a_half_time
     cfg, calib = _tiny(layers), _calibration()
     config = hl.LayerSwapConfig(num_to_remove=n, batch_size=4, progress=False)
     estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
-    blocks, heads = _counted_prune(cfg, config, calib)
+    blocks, heads = counted_prune(cfg, config, calib)
     assert not estimate.exact
     assert blocks <= estimate.block_passes <= 1.5 * blocks
     assert heads <= estimate.head_passes <= 1.5 * heads
@@ -98,6 +87,18 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         hl.estimate_cost(3, hl.LayerSwapConfig(num_to_remove=1))
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"num_to_remove": 10}, r"num_to_remove=10: allowed 1\.\.3 for a model with 4 blocks"),
+    ({"num_to_remove": 3, "strategy": "greedy"}, r"cannot select 3 layers of 4 .* allow at most 1"),  # 0, 3 protected
+    ({"layers": [10]}, r"layer index 10 is out of range for a model with 4 blocks: allowed 0\.\.3"),
+    ({"layers": [1, -3], "recovery": "ghosted"}, r"duplicate layer indices \[1\]"),
+    ({"layers": [0, 1, 2, 3]}, r"layers=\[0, 1, 2, 3\]: removing \[0, 1, 2, 3\] would leave no block"),
+])
+def test_a_removal_the_model_cannot_take_is_refused_as_prune_refuses_it(config, message):
+    with pytest.raises(ValueError, match=message):
+        hl.estimate_cost(_tiny(4), config, throughput=FIXED)
+
+
 def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
     torch.manual_seed(0)
     src = tmp_path / "tiny"
@@ -110,6 +111,11 @@ def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
     assert "block passes" in text and "peak memory" in text
     # 5 interchange probes per batch + the reference, one batch of 8 full prompts of 16 tokens
     assert "26 block passes" in text
+    # the steps after the selection, one line each: a ghosted repair of block 2, one batch up to block 3
+    assert main(["prune", str(src), str(out), "--layers", "2", "--recovery", "ghosted", "--num-prompts", "8",
+                 "--seq-len", "16", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "estimated cost: 3 block passes" in text and "  recovery           3 block passes" in text
     with pytest.raises(SystemExit):
         main(["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "nope", "--dry-run"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err

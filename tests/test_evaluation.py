@@ -1,14 +1,17 @@
-"""Evaluator: sliding-window perplexity contract, bootstrap, evaluate module, generation check."""
+"""Evaluator: sliding-window perplexity contract, bootstrap, evaluate module, generation check,
+models without a language-model head refused, and the progress bar."""
 
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import numpy as np
 import pytest
 import torch
 
+import hf_layerswap as hl
 from hf_layerswap.evaluation import (
     CONTRACTS,
     GenerationCheck,
@@ -23,7 +26,7 @@ from hf_layerswap.evaluation import (
     prepare_text,
     sliding_windows,
 )
-from conftest import tiny_model
+from conftest import PARAGRAPHS, count_forwards, tiny_model
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
@@ -404,3 +407,56 @@ def test_one_window_has_no_confidence_interval(tiny_lm):
     text = render_card(pruned, evaluation={"base": one.to_dict(), "pruned": other.to_dict()}).text
     rows = [line for line in text.splitlines() if line.startswith(("| base |", "| pruned (this model) |"))]
     assert len(rows) == 2 and all("| none (1 window) |" in row for row in rows), rows
+
+
+# ------- text that looks like a path, models without a head, the progress bar
+
+
+def test_literal_text_that_looks_like_a_path_goes_in_a_list(matrix_llama, matrix_tokenizer):
+    path_like = "see docs/usage.txt"
+    as_list = hl.evaluate_perplexity(matrix_llama, [path_like], tokenizer=matrix_tokenizer, window=16, stride=8,
+                                     bootstrap=0)
+    assert as_list.contract["source"] == "list of 1 strings"
+    assert as_list.tokens == len(path_like) - 1  # one token per character, the first is context only
+    # prose with no separator and no file suffix stays text, and so does several lines of it
+    prose = hl.evaluate_perplexity(matrix_llama, "A plain sentence, no path.", tokenizer=matrix_tokenizer, window=16,
+                                   stride=8, bootstrap=0)
+    assert prose.contract["source"] == "string" and prose.tokens == 25
+    lines = hl.evaluate_perplexity(matrix_llama, "first line with a/b\nsecond line.txt", tokenizer=matrix_tokenizer,
+                                   window=16, stride=8, bootstrap=0)
+    assert lines.contract["source"] == "string"
+
+
+def test_perplexity_refuses_a_model_without_a_language_model_head(matrix_tokenizer):
+    from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
+
+    bert = BertModel(BertConfig(vocab_size=128, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32)).eval()
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                             num_heads=2)).eval()
+    for model, message in ((bert, "BertModel has no language-model head (get_output_embeddings() is None)"),
+                           (t5, "T5ForConditionalGeneration is an encoder-decoder model")):
+        calls, handle = count_forwards(model)
+        try:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                hl.evaluate_perplexity(model, PARAGRAPHS, tokenizer=matrix_tokenizer, bootstrap=0)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                perplexity_from_ids(model, torch.arange(4, 40), window=16, stride=8, bootstrap=0)
+        finally:
+            handle.remove()
+        assert calls == []
+
+
+def test_the_perplexity_bar_counts_tokens_per_batch_of_windows(progress_bars, matrix_llama, matrix_tokenizer):
+    result = hl.evaluate_perplexity(matrix_llama, PARAGRAPHS, tokenizer=matrix_tokenizer, window=32, stride=16,
+                                    batch_size=2, bootstrap=0, progress=True)
+    (bar,) = [b for b in progress_bars if b.desc == "perplexity windows"]
+    windows = result.windows
+    fed = sum(min(begin + 32, result.contract["num_input_tokens"]) - begin
+              for begin in range(0, result.contract["num_input_tokens"] - 16, 16))
+    assert bar.total == fed and sum(bar.updates) == fed
+    assert len(bar.updates) >= windows // 2
+    assert max(bar.updates) == 2 * 32
+    hl.evaluate_perplexity(matrix_llama, PARAGRAPHS, tokenizer=matrix_tokenizer, window=32, stride=16, bootstrap=0,
+                           progress=False)
+    assert all(b.disable for b in progress_bars[1:])

@@ -5,9 +5,13 @@ n = 6 target is judged against half the ghosted repair, and unrun cells are list
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from runner import experiment_cells, load_experiment  # noqa: E402
 
 SCRIPT = REPO_ROOT / "benchmarks" / "heal.py"
 
@@ -102,3 +106,31 @@ def test_packed_cells_keep_paragraph_keys_and_report_distinct_tokens(tmp_path):
             "measured here (goal <= +46.0%): **met**. Against the issue's own numbers (+76.1% after the ghosted "
             "repair, goal <= +38%): **met** (+36.5% <= +38.0%).") in page
     assert "- packed: smollm2-135m default search n=6 ghosted+lora 262,144 tokens lr 0.001, packed text" in page
+
+
+def test_heal_experiment_lists_the_groups_in_priority_order():
+    cells = experiment_cells(load_experiment("heal"))
+    assert list(cells) == ["pilot", "n6", "criteria", "budgets", "long", "packed"]
+    assert [c["lr"] for c in cells["pilot"]] == [1e-4, 3e-4, 1e-3, 3e-5, 1e-4]
+    assert [(c["model"], c["n"], c["method"]) for c in cells["budgets"]][:3] == [
+        ("smollm2-135m", 2, "lora"), ("smollm2-135m", 2, "ghosted+lora"), ("smollm2-135m", 4, "lora")]
+
+
+def test_heal_runs_only_missing_cells_of_the_chosen_methods(tmp_path, monkeypatch):
+    bench = _module()
+    ran = []
+
+    def fake_cell(self, cell):
+        ran.append(bench.cell_key(cell))
+        return {**cell, "removed": [1], "healed": {"dppl": 1.0}, "heal_cpu_s": 1.0,
+                "report": {"kl_before": 0.5, "kl_after": 0.4, "steps": 3}}
+
+    monkeypatch.setattr(bench.Runner, "run_cell", fake_cell)
+    path = tmp_path / "heal.json"
+    stored = bench.PLAN["n6"][0]
+    path.write_text(json.dumps({**bench.new_state(), "cells": {bench.cell_key(stored): {"kept": True}}}))
+    state = bench.run(["n6"], path, "python benchmarks/heal.py --groups n6 --threads 1", methods=["ghosted+lora", "lora"])
+    assert ran == ["smollm2-135m|search|n6|lora|32768|lr0.001"]
+    on_disk = json.loads(path.read_text())
+    assert on_disk["cells"] == state["cells"] and on_disk["cells"][bench.cell_key(stored)] == {"kept": True}
+    assert on_disk["commands"] == ["python benchmarks/heal.py --groups n6 --threads 1"]

@@ -133,6 +133,23 @@ def test_mismatched_teacher_refused_before_training():
     assert "healing" not in student.config.layerswap
 
 
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(seq_len=0), "seq_len=0: must be an int >= 2"),
+    (dict(seq_len=-4), "seq_len=-4: must be an int >= 2"),
+    (dict(ce_weight=-1.0), "ce_weight=-1.0: must be a finite number >= 0"),
+    (dict(ce_weight=float("nan")), "ce_weight=nan: must be a finite number >= 0"),
+    (dict(seed="a"), "seed='a': must be an int"),
+])
+def test_heal_refuses_what_heal_config_refuses(bad, message):
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=2, **bad)
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    assert "healing" not in student.config.layerswap
+
+
 # ---------------------------------------------------------------- top-k teacher cache
 def test_top_k_loss_equals_full_kl_at_vocab_size_and_bounds_it_below():
     gen = torch.Generator().manual_seed(0)
@@ -208,7 +225,9 @@ def test_heal_config_round_trip_and_refusals():
     data = json.loads(json.dumps(cfg.to_dict()))
     assert data["heal"] == {"method": "last_k", "max_tokens": 512, "calibration": None, "seq_len": 128,
                             "packing": True, "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
-                            "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2}}
+                            "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2},
+                            "perplexity_text": None, "eval_tasks": None, "eval_tasks_path": None,
+                            "eval_tasks_limit": None}
     assert LayerSwapConfig.from_dict(data) == cfg and LayerSwapConfig.from_dict(data).heal == cfg.heal
     assert LayerSwapConfig(num_to_remove=2, heal="adjacent").heal == HealConfig(method="adjacent")
     assert LayerSwapConfig(num_to_remove=2).to_dict()["heal"] is None
@@ -277,7 +296,8 @@ def test_card_section_never_shows_healing_without_before_and_after():
               "recovery": {"method": "ghosted"}}
     text = healing_section(record, plot="layerswap_healing.png")
     assert "| Held-out KL(teacher ‖ student) before → after | 0.2000 → 0.1500 nats/token (-25.0%) |" in text
-    assert "| Perplexity after repair → after healing (matched contract) | 30.000 → 24.000 (-20.0%) |" in text
+    assert "| Perplexity after the repair (ghosted) | 30.000 |" in text
+    assert "| Perplexity after healing | 24.000; -20.0% vs the start of healing (after the repair) |" in text
     assert "![Healing: training loss and held-out KL against training tokens](layerswap_healing.png)" in text
     bare = healing_section({"healing": [{"method": "lora", "tokens": 10, "steps": 1}]})
     assert "not recorded: this healing cannot be judged" in bare
@@ -343,6 +363,10 @@ def test_heal_verb_refusals_leave_inputs_alone(tmp_path, capsys):
     assert "has 8 blocks but PRUNED was cut from a model of 6" in capsys.readouterr().err
     assert main([*run, str(tmp_path / "o3"), "--learning-rate", "0"]) == 2
     assert "HealConfig(learning_rate=0.0)" in capsys.readouterr().err
+    for resume in (tmp_path / "pruned" / "ck", tmp_path / "o4", tmp_path / "o4" / "ck", tmp_path / "base"):
+        assert main([*run, str(tmp_path / "o4"), *HEAL_FLAGS, "--resume", str(resume)]) == 2
+        assert f"--resume {resume} is " in capsys.readouterr().err
+    assert not (tmp_path / "o4").exists() and not (tmp_path / "pruned" / "ck").exists()
     assert _digest(tmp_path / "pruned") == before and (tmp_path / "busy" / "x").read_text() == "x"
 
 

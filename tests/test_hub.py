@@ -17,18 +17,24 @@ Why this layout is robust:
 from __future__ import annotations
 
 import argparse
+import getpass
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from arch_matrix import build, tiny_tokenizer
+from conftest import NONFINITE_ADVICE, PARAGRAPHS, tiny_batch, tiny_model, write_paragraphs
 from hub_server import HubStandIn
 from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
     BASE_MODEL,
@@ -39,6 +45,7 @@ from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
     report,
 )
 
+import hf_layerswap as hl
 from hf_layerswap import SwapReport
 from hf_layerswap.card import REPORT_FILE
 from hf_layerswap.plots import PLOT_FILES
@@ -386,3 +393,154 @@ def test_optimum_command_delegates_to_the_hf_layerswap_parser(monkeypatch, capsy
         parser.parse_args(["layerswap", "-h"])
     assert "usage: optimum-cli layerswap" in capsys.readouterr().out
     assert command.COMMAND.name == "layerswap"
+
+
+# ------------------------------------- no local path published; a killed save
+
+
+def _fetch_every_file(hub, repo_id: str, out: Path) -> Path:
+    """Download every file of ``repo_id`` through the stand-in, in a fresh process (the
+    download helpers read the endpoint when huggingface_hub is imported)."""
+    script = "import sys; from huggingface_hub import snapshot_download; snapshot_download(sys.argv[1], local_dir=sys.argv[2])"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(out.parent / "hf_home"), HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0",
+               HF_HUB_DISABLE_TELEMETRY="1")
+    result = subprocess.run([sys.executable, "-c", script, repo_id, str(out)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_published_files_carry_no_local_path_component(hub, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    user = getpass.getuser()
+    home = tmp_path / "home" / f"{user}-x7q" / "private projects" / "run-2031"
+    checkpoint = home / "ckpt-final"
+    build("llama").save_pretrained(checkpoint)
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(checkpoint)
+    calibration = write_paragraphs(home / "calib data" / "valid.txt")
+    eval_text = write_paragraphs(home / "eval data" / "held-out.txt", PARAGRAPHS[::-1])
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    config = hl.LayerSwapConfig(num_to_remove=1, calibration=str(calibration), tokenizer=tokenizer,
+                                num_prompts=4, seq_len=24, batch_size=2, progress=False)
+    pruned_model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config,
+                                                  attn_implementation="eager").eval()
+    options = dict(tokenizer=tokenizer, window=64, stride=32, bootstrap=20)
+    evaluation = {"base": hl.evaluate_perplexity(base, eval_text, **options),
+                  "pruned": hl.evaluate_perplexity(pruned_model, eval_text, **options)}
+    # the identity names the folder and the weights, nothing above the folder
+    assert evaluation["base"].contract["model"]["name"] == "ckpt-final"
+    assert len(evaluation["base"].contract["model"]["fingerprint"]) == 64
+    assert pruned_model.layerswap_report.metadata["model"]["name"] == "ckpt-final"
+
+    hl.push_to_hub(pruned_model, "user/private-check", tokenizer=tokenizer, report=pruned_model.layerswap_report,
+                   evaluation=evaluation, token=TOKEN, endpoint=hub.url)
+    fetched = _fetch_every_file(hub, "user/private-check", tmp_path / "fetched")
+    files = {p.relative_to(fetched).as_posix(): p.read_bytes() for p in fetched.rglob("*")
+             if p.is_file() and ".cache" not in p.relative_to(fetched).parts}
+    assert {"config.json", "model.safetensors", "README.md", "layerswap_report.json",
+            "layerswap_evaluation.json", "tokenizer.json"} <= set(files)
+    assert files == hub.files("user/private-check") | {".gitattributes": files[".gitattributes"]}
+
+    private = {part for path in (checkpoint, calibration, eval_text) for part in path.parent.parts if part != "/"}
+    private |= {user, str(tmp_path)}
+    leaks = {name: sorted(part for part in private if part.encode() in data) for name, data in files.items()}
+    assert {name: parts for name, parts in leaks.items() if parts} == {}
+    # the folder and file names may be named, but only bare, never after a separator
+    for bare in ("ckpt-final", "valid.txt", "held-out.txt"):
+        behind_separator = [name for name, data in files.items() if re.search(rb"[/\\]" + re.escape(bare.encode()), data)]
+        assert behind_separator == []
+    assert b'"ckpt-final"' in files["layerswap_report.json"]
+
+
+_SAVE_AND_BLOCK = """
+import sys, time
+from pathlib import Path
+import hf_layerswap.hub as hub
+from transformers import AutoModelForCausalLM
+
+def block(folder, *args, **kwargs):  # the card step: weights and tokenizer are written by now
+    Path(sys.argv[3]).write_text(str(folder))
+    time.sleep(600)
+
+hub.write_card_files = block
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+hub.save_for_hub(model, sys.argv[2])
+"""
+
+
+def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tmp_path):
+    import signal
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_layerswap.hub import HELD_CONFIG
+    from hf_layerswap.jsonio import STAGING_PREFIX
+    from hf_layerswap.jsonio import staging_folder
+
+    checkpoint = tmp_path / "ckpt"
+    model = build("llama")
+    model.save_pretrained(checkpoint)
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    # look-alikes that are not ours, and a save of ours that is still running (its lock is held)
+    (parent / ".out.tmp-abc").mkdir()
+    (parent / ".hf_layerswap-stagingX").mkdir()
+    (parent / f"{STAGING_PREFIX}a-file").write_text("not a folder")
+    live, lock = staging_folder(parent / "other", "new")
+
+    marker = tmp_path / "reached"
+    env = {**os.environ, "PYTHONPATH": str(Path(hl.__file__).parent.parent)}
+    child = subprocess.Popen([sys.executable, "-c", _SAVE_AND_BLOCK, str(checkpoint), str(parent / "out"), str(marker)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the child never reached the card step"
+            time.sleep(0.2)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    staging = Path(marker.read_text())
+    assert child.returncode == -signal.SIGKILL
+    assert staging.parent == parent and staging.name.startswith(f"{STAGING_PREFIX}out.new-")
+    assert (staging / "model.safetensors").is_file() and (staging / HELD_CONFIG).is_file()
+    assert not (staging / "config.json").exists() and not (parent / "out").exists()
+    with pytest.raises((OSError, ValueError), match="config.json"):
+        AutoModelForCausalLM.from_pretrained(staging)
+
+    # the next save into the same parent removes the killed save's folder, and nothing else
+    hl.save_for_hub(model, parent / "second")
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [".out.tmp-abc", ".hf_layerswap-stagingX", f"{STAGING_PREFIX}a-file", live.name, "second"])
+    assert live.is_dir()
+    reloaded = AutoModelForCausalLM.from_pretrained(parent / "second")
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+    os.close(lock)
+    assert hl.jsonio.remove_stale_staging(parent) == [live.name] and not live.exists()
+
+
+# --------------- non-finite scores: a removal chosen on them is not published
+
+
+def test_save_for_hub_refuses_a_removal_chosen_on_non_finite_values(tmp_path):
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=tiny_batch(4, 12), progress=False))
+    step = model.config.layerswap["steps"][-1]
+    assert step["strategy"] == "search" and math.isfinite(step["decision"]["value"])
+    step["decision"]["value"] = math.nan  # as an older version recorded it
+    with pytest.raises(hl.PushRefusedError, match=(
+            rf"^the removal was chosen on non-finite values: step 0 \(search\) removed {re.escape(str(step['removed_layers']))} on the "
+            rf"search's value = NaN; {NONFINITE_ADVICE}, then select again \(or remove explicit layers\)$")):
+        hl.save_for_hub(model, tmp_path / "out", report=result.report)
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 import hf_layerswap as hl
 from hf_layerswap.cli import main
 from hf_layerswap.pipeline import PruneResult, prune
+from hf_layerswap.plan import num_blocks
 from hf_layerswap.report import PruneProvenance
 
 #: The only run-dependent values in the written files: wall-clock seconds. In config.json
@@ -214,3 +216,17 @@ def test_repair_and_sparsity_cut_is_the_same_through_the_cli(setup):
     assert record["removed_layers"] == [2, 3] and record["recovery"]["method"] == "fused"
     assert (root / "r-cli" / "layerswap_sparsity.json").is_file()
     assert json.loads((root / "r-cli" / "config.json").read_text())["layerswap_sparsity"]["target_sparsity"] == 0.5
+
+
+# ------------------------------------------- non-finite scores: prune refuses
+
+
+def test_prune_refuses_and_leaves_the_model_as_it_was(overflow):
+    model, calibration, _ = overflow
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(hl.NonFiniteScoresError, match=r"^cannot select 1 block\(s\) on finite interchange"):
+            hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=calibration, progress=False))
+    assert num_blocks(model) == 6 and getattr(model.config, "layerswap", None) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

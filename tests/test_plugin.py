@@ -1,7 +1,9 @@
 """The from_pretrained plugin: ``quantization_config=LayerSwapConfig(...)`` removes the
 set select_layers picks from the same report (the default search, or the greedy rule),
 saves a plain checkpoint that reloads without pruning twice, records an explicit second
-pruning; and (slow) the same path on the real SmolLM2-135M with WikiText-2 calibration."""
+pruning (its indices name the pruned checkpoint's blocks), needs no tokenizer for tokenized
+calibration and asks for one for text; and (slow) the same path on the real SmolLM2-135M
+with WikiText-2 calibration."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import math
 
 import pytest
 import torch
+from arch_matrix import NUM_BLOCKS, build, prompts
 from conftest import tiny_batch, tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
-from hf_layerswap.plan import model_fingerprint
+from hf_layerswap import LayerSwapConfig, prune_loaded_model
+from hf_layerswap.card import render_card
+from hf_layerswap.plan import apply_plan, decoder_config, model_fingerprint, num_blocks
 from hf_layerswap.report import SwapReport
 
 
@@ -85,3 +90,108 @@ def test_real_smollm2_wikitext(smollm2, wikitext_valid, tmp_path):
     assert [p.interchange for p in pruned.layerswap_report.pairs] == pytest.approx(
         [p.interchange for p in report.pairs], rel=1e-5
     )
+
+
+# ------------------ pruned checkpoints pruned again; calibration at load time
+
+
+def test_already_pruned_checkpoint_reloads_as_is_and_prunes_again_with_both_steps(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base = build("qwen3")  # sliding/full layer_types: the per-layer list must follow both steps
+    base.save_pretrained(tmp_path / "base")
+    batch = prompts()
+    once = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", quantization_config=LayerSwapConfig(layers=[1, 3]), attn_implementation="eager"
+    ).eval()
+    assert num_blocks(once) == 4 and once.config.layerswap["kept_layers"] == [0, 2, 4, 5]
+    once.save_pretrained(tmp_path / "once")
+    assert "quantization_config" not in (tmp_path / "once" / "config.json").read_text()
+
+    # reload (library imported, no config passed): a no-op, the same model
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "once", attn_implementation="eager").eval()
+    assert num_blocks(again) == 4 and len(again.config.layerswap["steps"]) == 1
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, once(**batch).logits)
+
+    # pruning it again with an explicit config: indices refer to the pruned model's blocks
+    twice = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "once", quantization_config=LayerSwapConfig(layers=[1]), attn_implementation="eager"
+    ).eval()
+    record = twice.config.layerswap
+    assert num_blocks(twice) == 3
+    assert record["original_num_hidden_layers"] == NUM_BLOCKS
+    assert record["removed_layers"] == [1, 2, 3] and record["kept_layers"] == [0, 4, 5]
+    assert [s["removed_layers"] for s in record["steps"]] == [[1, 3], [1]]
+    assert [s["removed_original_layers"] for s in record["steps"]] == [[1, 3], [2]]
+    assert [s["num_blocks_before"] for s in record["steps"]] == [6, 4]
+    base_types = decoder_config(base).layer_types
+    assert decoder_config(twice).layer_types == [base_types[i] for i in (0, 4, 5)]
+    with torch.no_grad(), apply_plan(base, [0, 4, 5]):
+        expected = base(**batch, use_cache=False).logits
+    with torch.no_grad():
+        torch.testing.assert_close(twice(**batch, use_cache=False).logits, expected, rtol=0, atol=1e-6)
+    # both steps survive save -> reload
+    twice.save_pretrained(tmp_path / "twice")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "twice")
+    assert reloaded.config.layerswap == record
+
+
+def test_layers_on_a_pruned_checkpoint_name_its_current_blocks_and_the_card_shows_both(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build("llama", num_blocks=8)
+    first = tmp_path / "first"
+    hl.save_for_hub(hl.prune_loaded_model(model, hl.LayerSwapConfig(layers=[1, 4])), first)  # 6 blocks left
+    again = AutoModelForCausalLM.from_pretrained(first, quantization_config=hl.LayerSwapConfig(layers=[2]))
+    steps = again.config.layerswap["steps"]
+    # current block 2 of the 6 is original block 3 (0, 2, 3, 5, 6, 7 were left)
+    assert [(s["num_blocks_before"], s["removed_layers"], s["removed_original_layers"]) for s in steps] == [
+        (8, [1, 4], [1, 4]), (6, [2], [3])]
+    assert again.config.layerswap["removed_layers"] == [1, 3, 4]
+    assert again.config.layerswap["kept_layers"] == [0, 2, 5, 6, 7]
+    second = tmp_path / "second"
+    hl.save_for_hub(again, second)
+    third = AutoModelForCausalLM.from_pretrained(second, quantization_config=hl.LayerSwapConfig(layers=[-1, 0]))
+    assert third.config.layerswap["kept_layers"] == [2, 5, 6]
+    card = str(render_card(third))
+    assert ("Removal ran in 3 steps. Each step numbered the blocks of the checkpoint it\nstarted from (what "
+            "`layers=` named then); the original numbering is the base model's:") in card
+    table = card[card.index("| Step | Blocks before"):].split("\n\n")[0].splitlines()
+    assert table == [
+        "| Step | Blocks before | Removed (numbering at that step) | Removed (original numbering) | Selection |",
+        "|---|---|---|---|---|",
+        "| 0 | 8 | 1, 4 | 1, 4 | explicit layers |",
+        "| 1 | 6 | 2 | 3 | explicit layers |",
+        "| 2 | 5 | 0, 4 | 0, 7 | explicit layers |",
+    ]
+    assert "| Removed blocks (0-based, original numbering) | 0, 1, 3, 4, 7 |" in card
+    doc = hl.LayerSwapConfig.__doc__ or hl.LayerSwapConfig.__init__.__doc__
+    assert "*current* block 2" in doc
+
+
+def test_tokenized_batch_encoding_needs_no_tokenizer_at_load_time():
+    # a BatchEncoding is a Mapping but not a dict: the loader used to look for a tokenizer
+    from transformers import BatchEncoding
+
+    batch = prompts()
+    by_dict, by_encoding = build("llama"), build("llama")
+    prune_loaded_model(by_dict, LayerSwapConfig(num_to_remove=1, calibration=dict(batch), progress=False, batch_size=2))
+    prune_loaded_model(by_encoding, LayerSwapConfig(num_to_remove=1, calibration=BatchEncoding(batch), progress=False,
+                                                    batch_size=2))
+    assert by_encoding.config.layerswap["removed_layers"] == by_dict.config.layerswap["removed_layers"]
+    assert by_encoding.layerswap_report.pairs == by_dict.layerswap_report.pairs
+
+
+def test_text_calibration_on_a_checkpoint_without_tokenizer_says_to_pass_one(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    build("llama").save_pretrained(tmp_path / "weights-only")
+    with pytest.raises(ValueError) as err:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "weights-only",
+                                             quantization_config=LayerSwapConfig(num_to_remove=1, progress=False))
+    message = str(err.value)
+    assert message.startswith("text calibration needs a tokenizer and none could be loaded from the checkpoint "
+                              "'weights-only' (it has no tokenizer files): ")
+    assert "pass tokenizer= (LayerSwapConfig(tokenizer=...) or prune(..., tokenizer=...)" in message
+    assert str(tmp_path) not in message

@@ -136,3 +136,16 @@ def test_swap_report_json_text_is_unchanged(tmp_path):
     expected = json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
     assert report.to_json() == expected
     assert report.to_json(tmp_path / "a.json").read_text(encoding="utf-8") == expected
+
+
+# ------------------------------------------ a save killed between its renames
+
+
+def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):
+    from hf_layerswap.jsonio import STAGING_PREFIX, remove_stale_staging
+
+    stale = tmp_path / f"{STAGING_PREFIX}run.v2.previous-x1y2z3"
+    (stale / "previous").mkdir(parents=True)
+    (stale / "previous" / "config.json").write_text("{}")
+    assert remove_stale_staging(tmp_path) == [stale.name]
+    assert (tmp_path / "run.v2" / "config.json").read_text() == "{}" and not stale.exists()

@@ -1,24 +1,27 @@
 """Recovery of the cut: Ghosted Layers' closed-form operator and the fused (ReplaceMe-style)
-variant folded into down_proj. Tiny random models, plus one real-model test on SmolLM2-135M."""
+variant folded into down_proj, and the calibration shortfall it warns of. Tiny random
+models, plus one real-model test on SmolLM2-135M."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 from arch_matrix import build
-from conftest import tiny_batch, tiny_model
+from conftest import PARAGRAPHS, tiny_batch, tiny_model
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-import hf_layerswap  # noqa: F401  (registers the layerswap plugin, as a user would)
+import hf_layerswap as hl  # (the import registers the layerswap plugin, as a user would)
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import (
@@ -547,3 +550,35 @@ def test_a_registered_toy_method_runs_end_to_end(calib):
                                plain(input_ids=ids, attention_mask=mask).logits)
     finally:
         del RECOVERY_METHODS["toy_identity"]
+
+
+# ------------------------------------------------------ calibration shortfall
+
+
+def test_recovery_warns_when_the_calibration_holds_fewer_tokens_than_requested(matrix_tokenizer):
+    from hf_layerswap.recovery import recover
+
+    model = build("llama")
+    calib = hl.build_calibration(PARAGRAPHS, matrix_tokenizer, num_prompts=6, seq_len=24)
+    with pytest.warns(hl.CalibrationShortfallWarning, match=re.escape(
+            "recovery fitted on 144 calibration tokens, fewer than the 1,000 requested (num_tokens)")):
+        recover(model, [2], calib, method="ghosted", num_tokens=1000)
+    assert model.config.layerswap["recovery"]["num_tokens"] == 144
+    assert model.config.layerswap["recovery"]["requested_tokens"] == 1000
+
+
+def test_recovery_by_default_uses_the_whole_calibration_set_without_a_warning(matrix_tokenizer):
+    """``num_tokens`` defaults to "every token, at most 65,536": the user path
+    (``LayerSwapConfig(recovery="ghosted")``, 64 x 128 prompts) must not warn on every load."""
+    from hf_layerswap.recovery import recover
+
+    model = build("llama")
+    calib = hl.build_calibration(PARAGRAPHS, matrix_tokenizer, num_prompts=6, seq_len=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hl.CalibrationShortfallWarning)
+        recover(model, [2], calib, method="ghosted")
+        hl.prune_loaded_model(build("llama"), hl.LayerSwapConfig(
+            layers=[2], recovery="ghosted", calibration=PARAGRAPHS, tokenizer=matrix_tokenizer, num_prompts=6,
+            seq_len=24))
+    record = model.config.layerswap["recovery"]
+    assert record["num_tokens"] == 144 and "requested_tokens" not in record

@@ -22,19 +22,22 @@ def test_search_reuses_one_reference_sweep_and_selects_bit_identical_sets(setup)
     """Sets and values as recomputing the reference per call gave (float.hex), with one
     reference sweep instead of five: 22 candidates + 1 model calls instead of 27."""
     model, calib, report = setup
-    calls = []
-    handle = model.model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+    calls, blocks = [], []
+    handles = [model.model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))]
+    handles += [blk.register_forward_hook(lambda *_: blocks.append(1)) for blk in model.model.layers]
     try:
         found = search_select(report, [1, 2, 3], model=model, calibration=calib, exhaustive_below=0)
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     assert [found[n]["selected"] for n in (1, 2, 3)] == [[5], [3, 5], [2, 3, 5]]
     assert [float(found[n]["value"]).hex() for n in (1, 2, 3)] == [
         "0x1.66877765dddddp-11", "0x1.715aa806eeeefp-10", "0x1.0abdd534ccccdp-9"]
     cost = found[3]["total_cost"]
     assert (cost["evaluator_calls"], cost["forward_passes"], cost["block_passes"], cost["reference_passes"]) == (
         22, 23, 72, 1)
-    assert len(calls) == 23
+    assert len(calls) == 23 and len(blocks) == 72  # one batch: block passes are the hooks' count
+    assert cost["head_passes"] == 22 + 5  # the reference's head runs again in each of the 5 calls
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

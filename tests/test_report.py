@@ -143,3 +143,39 @@ def test_prune_report_refuses_a_hand_edited_report_before_the_model_loads(tmp_pa
     assert (f"error: {path} is not a valid SwapReport JSON file: pairs[1] (1, 2) interchange = -5.0: a KL is >= 0"
             in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------- truncated or hand-edited files
+
+
+def test_truncated_or_hand_edited_report_files_name_the_file(matrix_report, tmp_path):
+    good = matrix_report.to_json(tmp_path / "good.json").read_text()
+    cases = {
+        "truncated": good[: good.index('": "', len(good) // 2) + 4],  # cut just inside a string value
+        "empty": "",
+        "a list": "[]",
+    }
+    expected = {
+        "truncated": "is not a valid SwapReport JSON file: Unterminated string starting at",
+        "empty": "is not a valid SwapReport JSON file: Expecting value: line 1 column 1 (char 0)",
+        "a list": "is not a valid SwapReport JSON file: not a SwapReport dict: got list",
+    }
+    for name, text in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError) as err:
+            SwapReport.from_json(path)
+        assert str(err.value).startswith(f"{path} {expected[name]}")
+    edits = [
+        (lambda d: d.pop("pairs"), "SwapReport dict is missing ['pairs']"),
+        (lambda d: d["pairs"][0].update(interchange="nan"),
+         "value 'nan' is not a number: allowed a JSON number, null, 'NaN', 'Infinity' or '-Infinity'"),
+        (lambda d: d["pairs"].append(d["pairs"][0]), "pairs [(0, 1)] occur more than once: each pair (i, j) has one result"),
+        (lambda d: d["pairs"][0].pop("i"),
+         "TypeError: PairResult.__init__() missing 1 required positional argument: 'i'"),
+    ]
+    for edit, message in edits:
+        path = _hand_edited(tmp_path, edit, matrix_report)
+        with pytest.raises(ValueError) as err:
+            SwapReport.from_json(path)
+        assert str(err.value) == f"{path} is not a valid SwapReport JSON file: {message}"

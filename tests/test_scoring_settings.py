@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from arch_matrix import prompts
 from conftest import tiny_batch, tiny_model
 
 import hf_layerswap as hl
@@ -352,3 +353,14 @@ def test_a_registered_protocol_is_selectable_everywhere(skip_protocols):
     with pytest.raises(ValueError, match=re.escape("protocol='nope': allowed ['replacement', 'interchange', "
                                                    "'skip_both', 'skip_each', 'auto']")):
         select_layers(report, 2, protocol="nope")
+
+
+# ---------------------------------------------- protocols given as one string
+
+
+def test_protocols_given_as_one_string_is_refused_by_name(matrix_llama):
+    with pytest.raises(ValueError) as err:
+        score_layers(matrix_llama, prompts(), protocols="interchange", progress=False)
+    assert str(err.value) == (
+        "protocols='interchange': give a list, e.g. ['interchange'], a non-empty subset of ['replacement', 'interchange']"
+    )

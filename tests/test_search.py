@@ -17,7 +17,7 @@ from hf_layerswap.selection import search_select
 from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
 from hf_layerswap.rule import greedy_select
 from hf_layerswap.selection import STRATEGIES
-from conftest import eight_block_search_setup
+from conftest import PARAGRAPHS, eight_block_search_setup
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +268,17 @@ def test_select_layers_refuses_an_option_the_strategy_does_not_take_and_sets_the
     hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, max_evaluations=7,
                      exhaustive_below=0)
     assert report.selections[-1]["total_cost"]["evaluator_calls"] == 7
+
+
+# ----------------------------------------------------------- the progress bar
+
+
+def test_the_search_bar_shows_the_block_passes_of_each_batch_of_sets(progress_bars, matrix_llama, matrix_tokenizer):
+    calib = hl.build_calibration(PARAGRAPHS, matrix_tokenizer, num_prompts=6, seq_len=24)
+    hl.search_select(None, 2, model=matrix_llama, calibration=calib, max_evaluations=12, batch_size=2, progress=True)
+    sets = [b for b in progress_bars if b.desc.startswith("removal-set search")]
+    inner = [b for b in progress_bars if b.desc == "removal KL of the candidate sets"]
+    assert len(sets) == 1 and inner
+    for bar in inner:  # each call of the objective: its own bar, moving per forward pass
+        assert sum(bar.updates) == bar.total and max(bar.updates) <= 6
+    assert sum(len(b.updates) for b in inner) > 3 * len(sets[0].updates)

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_batch, tiny_model
+from conftest import REPO_ROOT, tiny_batch, tiny_model
 
 from hf_layerswap.calibration import build_calibration, split_paragraphs
 from hf_layerswap.plan import capture_residual_stream, decoder_blocks
@@ -536,8 +536,9 @@ def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
     path = tmp_path / "cache.json"
 
     def add(prefix):
+        store = bench.open_store(path)
         for i in range(25):
-            bench.update_store(path, lambda s, k=f"{prefix}{i}": s["runs"].__setitem__(k, {"i": i}))
+            store.put(f"{prefix}{i}", {"i": i})
 
     ctx = multiprocessing.get_context("fork")
     workers = [ctx.Process(target=add, args=(p,)) for p in "ab"]
@@ -546,9 +547,9 @@ def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
     for w in workers:
         w.join(60)
     assert [w.exitcode for w in workers] == [0, 0]
-    runs = bench.update_store(path)["runs"]
+    runs = bench.open_store(path).cells
     assert sorted(runs) == sorted(f"{p}{i}" for p in "ab" for i in range(25))
-    assert bench.update_store(path) == json.loads(path.read_text())
+    assert bench.open_store(path).state == json.loads(path.read_text())
 
 
 def test_benchmark_commands_differing_only_in_seeds_share_one_line():
@@ -669,3 +670,22 @@ def test_a_registered_toy_allocator_and_pruner_run_end_to_end():
         assert "| Layerwise allocation | toy: the first block dense; dense block 0 |" in text
     finally:
         del ALLOCATORS["toy_front"], PRUNERS["toy_magnitude"]
+
+
+def test_sparsity_experiment_is_exactly_the_stored_grid():
+    """experiments/sparsity.toml expands to the configurations the committed pages store, no more, no less."""
+    bench = _sparsity_benchmark()
+    argvs = bench.experiment_argvs("sparsity")
+    assert argvs[-1] == ["--model", "smollm2-135m", "--sparsity", "0.5", "--num-prompts", "32", "--seq-len", "128",
+                         "--threads", "1", "--allocations", "pals/source=block_input", "pals/invert=true", "--methods",
+                         "wanda", "--seeds", "0"]
+    planned = {}
+    for argv in argvs:
+        args = bench.build_parser().parse_args(argv)
+        planned.setdefault(args.model, set()).update(bench.config_key(*c, vars(args)) for c in bench.configurations(args))
+    for model, keys in planned.items():
+        stored = json.loads((REPO_ROOT / "benchmarks" / "results" / f"sparsity-{model}.json").read_text())["runs"]
+        assert keys == set(stored), model
+    assert {m: len(k) for m, k in planned.items()} == {"smollm2-135m": 200, "gemma3-270m": 198}
+    with pytest.raises(ValueError, match=r"--groups \['nope'\]: experiment 'sparsity' has the groups \['unstructured', 'nm', 'pals_variants'\]"):
+        bench.experiment_argvs("sparsity", ["nope"])

@@ -22,6 +22,7 @@ from hf_layerswap.models import bundled_checkpoint_dir, load_model
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.scoring.verbs import swap_plans
 from hf_layerswap.scoring import plan_kl
+from hf_layerswap.scoring.head import Head
 from hf_layerswap.scoring.probes import make_probes
 from hf_layerswap.scoring.settings import EngineSettings
 from hf_layerswap.scoring.slotmajor import blocks_offloaded, plan_pass, probe_groups
@@ -77,6 +78,31 @@ def _max_rel(a, b) -> float:
 
 
 # ----------------------------------------------------------------------------- tiny models
+def test_a_head_held_in_memory_under_a_hook_writes_into_the_reused_logit_buffer(tmp_path, monkeypatch):
+    # the map a quarter of SmolLM2-135M's weights gives: embeddings and head on a "cpu" entry (an
+    # accelerate hook that does not offload them), the rest on disk. Such a head is run like a
+    # head in memory: its logits go into the one reused buffer (a fresh logit tensor per probe
+    # fragmented the heap by about one logit block per probe, up to the size of the weights)
+    dense = tiny_model("llama")
+    calib = build_calibration(tiny_batch(batch=3, length=12))
+    ours = hl.score_layers(dense, calib, progress=False, max_gap=2)
+    device_map = {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.layers": "disk", "model.norm": "disk",
+                  "model.rotary_emb": "disk"}
+    split = dispatch_model(tiny_model("llama"), device_map, offload_dir=str(tmp_path / "offload")).eval()
+    head = Head(split)
+    assert hasattr(split.lm_head, "_hf_hook") and not offloaded_modules(split.lm_head)
+    assert head.sliceable
+    calls = Counter()
+    for name in ("__call__", "into"):
+        original = getattr(Head, name)
+        monkeypatch.setattr(Head, name, lambda self, *a, _f=original, _n=name: (calls.update([_n]), _f(self, *a))[1])
+    theirs = hl.score_layers(split, calib, progress=False, max_gap=2)
+    assert theirs.metadata["slot_major"] is True
+    # every head GEMM goes into the buffer: the first batch's head check, the reference, one per probe
+    assert calls == Counter({"into": 1 + 1 + theirs.metadata["distinct_probes"]})
+    assert _max_rel(ours, theirs) == 0.0  # the in-memory run's GEMM, bit for bit
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_disk_offloaded_scoring_streams_each_block_once_and_equals_the_in_memory_run(family, tmp_path):
     dense = tiny_model(family)

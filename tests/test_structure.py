@@ -17,7 +17,10 @@
 - no shim: no module of the package only re-exports names defined elsewhere, none has a
   module-level ``__getattr__`` (PEP 562) to serve old names, and a module's ``__all__``
   lists only names it defines or that a module inside it (a package's own submodules)
-  defines.
+  defines;
+- every test module is named after the component it tests (:func:`test_test_modules_are_named_after_components`):
+  tests are organised by component, never by kind of input (a refusal is tested with the
+  component that refuses), apart from the few suites of :data:`CROSS_CUTTING_SUITES`.
 """
 
 from __future__ import annotations
@@ -454,3 +457,112 @@ def test_generic_modules_name_no_built_in_method():
     paths = [p for m, p in MODULES.items() if any(m == g or m.startswith(g + ".") for g in GENERIC_MODULES)]
     hits = [hit for path in paths for hit in _named_methods(path, names)]
     assert not hits, "modules that must read the registries name a built-in method:\n" + "\n".join(hits)
+
+
+# ----------------------------------------------------------------------------- test modules by component
+TESTS = ROOT / "tests"
+BENCHMARKS = ROOT / "benchmarks"
+
+#: Test modules that are about no single component, each with why. Keep it short: a new test
+#: goes into the module of the component it exercises (``test_<module>.py``).
+CROSS_CUTTING_SUITES = {
+    "architectures": "every family of arch_matrix.py through scoring, removal, generation and reload",
+    "contract": "one end-to-end contract run by every registered strategy, protocol, recovery method and pruner",
+    "structure": "static facts of the source tree (this module)",
+    "docs": "README.md and docs/*.md: links, the names their code shows, the generated tables",
+    "public_api": "the top-level namespace against __all__, and the plugin registered on import",
+    "properties": "property-based (hypothesis) checks that span plans, removal and selection",
+    "benchmark_pages": "every page of benchmarks/results re-rendered from its stored runs",
+    "mergekit": "round trips with mergekit, a tool outside the package",
+}
+
+#: Test modules named after their component under another name: test module -> component
+#: (a module or subpackage of ``hf_layerswap``, dotted below it).
+COMPONENT_ALIASES = {
+    "plugin": "integration",  # the from_pretrained quantizer plugin
+    "search": "selection.search",
+    "processes": "scoring.processes",
+    "gguf": "gguf_export",
+    "streaming": "scoring.slotmajor",  # slot-major streaming of offloaded models
+    "reference_cache": "scoring.reference",
+    "performance": "scoring.engine",  # the engine's performance features
+    "card_compression": "card",  # the card after width compression and repair
+    "cli_failures": "cli",  # how the command line fails (split from test_cli for length)
+}
+
+
+def _cli_commands(cli_package: Path) -> set[str]:
+    """The verbs of the command line: the names given to ``subparsers.add_parser`` in the CLI
+    package, ``-`` written ``_`` (``export-gguf`` -> ``export_gguf``)."""
+    names = set()
+    for path in cli_package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_parser"
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                names.add(node.args[0].value.replace("-", "_"))
+    return names
+
+
+def _component_names(modules, cli_package: Path, benchmarks: Path) -> set[str]:
+    """Names a test module may carry (``test_<name>.py``): each module or subpackage of the
+    package by its dotted path below ``hf_layerswap`` with ``_`` (``calibration``,
+    ``scoring_settings``, ``cli_eval``); each CLI command; ``<script>_benchmark`` for each
+    script of ``benchmarks/``."""
+    names = {"_".join(m.split(".")[1:]) for m in modules if "." in m}
+    names |= _cli_commands(cli_package)
+    names |= {f"{p.stem}_benchmark" for p in benchmarks.glob("*.py") if not p.stem.startswith("_")}
+    return names
+
+
+def _misnamed_test_modules(tests: Path, components: set[str]) -> list[str]:
+    """One line per test module named after no component, no alias and no cross-cutting suite."""
+    allowed = components | set(CROSS_CUTTING_SUITES) | set(COMPONENT_ALIASES)
+    return [
+        f"{path.relative_to(tests.parent)}: not named after a component of hf_layerswap (test_<module>.py for a "
+        f"module or subpackage, e.g. test_calibration.py or test_scoring_settings.py; test_<command>.py for a CLI "
+        f"command; test_<script>_benchmark.py for a benchmark script). Move each of its tests into the test module "
+        f"of the component it exercises (conftest.py for shared helpers); a suite that really cuts across "
+        f"components goes into CROSS_CUTTING_SUITES in tests/test_structure.py with its reason"
+        for path in sorted(tests.rglob("test_*.py"))
+        if path.stem.removeprefix("test_") not in allowed
+    ]
+
+
+COMPONENTS = _component_names(MODULES, PACKAGE / "cli", BENCHMARKS)
+
+
+def test_component_names_cover_modules_commands_and_benchmarks():
+    assert {"calibration", "scoring", "scoring_settings", "cli", "cli_eval", "selection_search", "plan", "surgery",
+            "hub", "recovery", "sparsity", "healing", "healing_core", "evaluation", "evaluation_perplexity"} <= COMPONENTS
+    assert {"prune", "score", "push", "eval", "demo", "heal", "peel", "export_gguf"} <= COMPONENTS  # the verbs
+    assert {"gpu_benchmark", "heal_benchmark", "quality_benchmark"} <= COMPONENTS
+    # a module's last part alone is not its name (``core``, ``contract``: which one?)
+    assert {"core", "methods", "perplexity", "settings", "contract"}.isdisjoint(COMPONENTS)
+
+
+def test_misnamed_test_module_finder(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name in ("test_bad_input", "test_hostile_input", "test_errors", "test_edge_cases", "test_calibration",
+                 "test_scoring_settings", "test_cli_eval", "test_export_gguf", "test_gpu_benchmark", "test_docs",
+                 "test_plugin", "conftest", "arch_matrix"):
+        (tests / f"{name}.py").write_text("")
+    found = _misnamed_test_modules(tests, COMPONENTS)
+    assert [line.split(":")[0] for line in found] == [
+        "tests/test_bad_input.py", "tests/test_edge_cases.py", "tests/test_errors.py", "tests/test_hostile_input.py"]
+    assert "Move each of its tests into the test module of the component it exercises" in found[0]
+
+
+def test_exceptions_to_the_naming_rule_are_current():
+    present = {p.stem.removeprefix("test_") for p in TESTS.glob("test_*.py")}
+    stale = sorted((set(CROSS_CUTTING_SUITES) | set(COMPONENT_ALIASES)) - present)
+    assert not stale, f"listed in tests/test_structure.py but no such test module: {stale}"
+    unknown = {alias: target for alias, target in COMPONENT_ALIASES.items() if f"hf_layerswap.{target}" not in MODULES}
+    assert not unknown, f"aliases of components that do not exist: {unknown}"
+    needless = sorted((set(CROSS_CUTTING_SUITES) | set(COMPONENT_ALIASES)) & COMPONENTS)
+    assert not needless, f"named after a component already, no exception needed: {needless}"
+
+
+def test_test_modules_are_named_after_components():
+    bad = _misnamed_test_modules(TESTS, COMPONENTS)
+    assert not bad, "test modules organised by something other than a component:\n" + "\n".join(bad)

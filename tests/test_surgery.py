@@ -1,7 +1,8 @@
 """Surgery: remove_layers on tiny Llama, Qwen3 (sliding/full) and Gemma3 models keeps
 the invariants and the per-layer config, the pruned model's KL equals the removal KL that
 scoring measured, generation with and without cache agree, and plain transformers reloads
-the checkpoint (in a process without hf_layerswap) with identical logits."""
+the checkpoint (in a process without hf_layerswap) with identical logits; bad indices and
+provenance are refused by name and leave the model as it was."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_batch, tiny_model
+from arch_matrix import NUM_BLOCKS, build
+from conftest import assert_model_unchanged, snapshot_model, tiny_batch, tiny_model
 
 import hf_layerswap as hl
+from hf_layerswap import LayerSwapConfig, prune_loaded_model, remove_layers
 from hf_layerswap.scoring import masked_kl, removal_kl
 from hf_layerswap.surgery import check_surgery_invariants
 
@@ -66,3 +69,66 @@ def test_surgery_generate_and_plain_reload(family, tmp_path):
     out = torch.load(tmp_path / "reloaded.pt")
     assert out["num_blocks"] == 4
     assert torch.equal(out["logits"], pruned_logits)
+
+
+# ---------------------------- refused indices and provenance: nothing changes
+
+
+BAD_INDICES = [
+    ([6], "layer index 6 is out of range for a model with 6 blocks: allowed 0..5 (or -6..-1 from the end)"),
+    ([0, 99], "layer index 99 is out of range"),
+    ([-7], "layer index -7 is out of range"),
+    ([1, 1], "duplicate layer indices [1] in [1, 1]"),
+    ([1, -5], "duplicate layer indices [1] in [1, -5] (after resolving negative indices)"),
+    ([], "no layer indices given"),
+    (list(range(NUM_BLOCKS)), "would leave no block: at most 5 of 6 can go"),
+    ([-6, -5, -4, -3, -2, -1], "would leave no block"),
+]
+
+
+@pytest.mark.parametrize(("layers", "message"), BAD_INDICES, ids=[str(x[0]) for x in BAD_INDICES])
+def test_bad_removal_indices_are_refused_and_change_nothing(layers, message):
+    model = build("llama")
+    snap = snapshot_model(model)
+    with pytest.raises(ValueError) as err:
+        remove_layers(model, layers)
+    assert message in str(err.value)
+    assert_model_unchanged(model, snap)
+    if layers:  # the load-time path gives the same error (an empty list is refused by the config itself)
+        with pytest.raises(ValueError) as err2:
+            prune_loaded_model(model, LayerSwapConfig(layers=layers))
+        assert str(err2.value) == str(err.value)
+        assert_model_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("layers", [[True], [1.0], ["1"], 2, "12"])
+def test_non_integer_indices_are_type_errors(matrix_llama, layers):
+    with pytest.raises(TypeError, match=r"int"):
+        remove_layers(matrix_llama, layers)
+
+
+def test_a_generator_of_indices_is_reported_as_given():
+    with pytest.raises(ValueError) as err:
+        remove_layers(build("llama"), (i for i in (2, 2)))
+    assert str(err.value) == "duplicate layer indices [2] in [2, 2] (after resolving negative indices)"
+
+
+@pytest.mark.parametrize(
+    ("provenance", "kind", "message"),
+    [
+        ("by hand", TypeError, "provenance must be a dict of JSON-able facts, got str"),
+        ({"removed_layers": [4]}, ValueError,
+         "provenance keys ['removed_layers'] are computed by remove_layers and cannot be given"),
+        ({"note": {1, 2}}, TypeError,
+         "provenance must be JSON-able (it is saved in config.json): Object of type set is not JSON serializable"),
+    ],
+    ids=["str", "reserved", "not-json"],
+)
+def test_bad_provenance_is_refused_before_the_model_changes(provenance, kind, message):
+    model = build("llama")
+    snap = snapshot_model(model)
+    with pytest.raises(kind) as err:
+        remove_layers(model, [1], provenance=provenance)
+    assert str(err.value) == message
+    assert_model_unchanged(model, snap)
+    assert getattr(model.config, "layerswap", None) is None

@@ -132,3 +132,6 @@ def test_card_renders_task_table_and_model_index(results, base_and_pruned):
 def test_unknown_task_is_refused(base_and_pruned, tok):
     with pytest.raises(ValueError, match="unknown lm-eval task"):
         hl.evaluate_tasks(base_and_pruned[0], "no_such_task", tokenizer=tok, include_path=TASKS)
+    missing = TASKS.parent / "no_such_folder"
+    with pytest.raises(FileNotFoundError, match=f"include_path={str(missing)!r} is not a folder"):
+        hl.evaluate_tasks(base_and_pruned[0], "layerswap_mc", tokenizer=tok, include_path=[TASKS, missing])

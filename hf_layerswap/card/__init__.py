@@ -17,8 +17,10 @@ card carries what a reviewer needs to trust a pruned checkpoint:
 - the repair of the cut when ``config.layerswap["recovery"]`` records one, and for Ghosted
   Layers operators that ``hf_layerswap`` must be imported to apply them;
 - after healing (:func:`hf_layerswap.heal`): a Healing section per run with its held-out
-  KL before and after, budget, teacher, data hash, perplexity before and after when
-  measured, stale runs marked, and the loss / held-out KL plot (:mod:`.healing`);
+  KL before and after, budget, teacher, data hash, when measured the perplexity of the
+  dense model, after the cut, after the repair and after healing (one row each) and
+  lm-eval tasks before and after healing, runs without their before and after numbers
+  flagged, stale runs marked, and the loss / held-out KL plot (:mod:`.healing`);
 - evaluation (perplexity with its CI, dPPL%, the contract), calibration (source, content
   hash, prompts x tokens, BOS handling, dtype), scoring cost, library versions, a
   reproduction snippet and the loading snippet;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["HEALING_FILE", "healing_section"]
+__all__ = ["HEALING_FILE", "healing_section", "tasks_table"]
 
 #: The healing report sidecar (``HealReport.to_json``: the loss and held-out KL histories).
 HEALING_FILE = "layerswap_healing.json"
@@ -28,25 +28,81 @@ def _change(before, after) -> str:
     return f"{100 * (after - before) / before:+.1f}%"
 
 
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _kl_row(entry: Mapping) -> str:
     before, after = entry.get("kl_before"), entry.get("kl_after")
-    if before is None or after is None:
-        return "not recorded: this healing cannot be judged (no held-out KL before and after)"
+    if not (_finite(before) and _finite(after)):
+        return ("not recorded: this healing cannot be judged (no finite held-out KL before and after: "
+                f"{_nats(before)} → {_nats(after)})")
     text = f"{_nats(before)} → {_nats(after)} nats/token ({_change(before, after)})"
     if entry.get("reverted"):
         text += "; no evaluation beat the start, so the starting weights were kept"
+    elif after > before:
+        text += "; **worse than before healing**"
     return text
 
 
-def _perplexity_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
+#: Row labels of the perplexity stages of a healing record (``{repair}``: the repair method).
+_STAGES = {"dense": "Perplexity of the dense model (the teacher)", "after_cut": "Perplexity after the cut",
+           "after_repair": "Perplexity after the repair ({repair})", "after_healing": "Perplexity after healing"}
+
+
+def _stages(ppl: Mapping, repair: str | None) -> dict:
+    """``{stage: value}`` of a record's ``perplexity``; a record of the older form
+    (``before``/``after`` only) is read as the start of healing and after healing."""
+    if "after_healing" in ppl or "start" in ppl:
+        return dict(ppl)
+    start = "after_repair" if repair else "after_cut"
+    return {start: ppl.get("before"), "after_healing": ppl.get("after"), "start": start, "contract": ppl.get("contract"),
+            "text": ppl.get("text"), "repair": repair}
+
+
+def _contract_text(ppl: Mapping) -> str:
+    parts = [f"{ppl.get('contract') or 'unrecorded'} contract"]
+    if ppl.get("text"):
+        parts.append(str(ppl["text"]) + (f" (sha256 {ppl['text_sha256'][:12]}…)" if ppl.get("text_sha256") else ""))
+    parts += [f"{k} {ppl[k]:,}" for k in ("window", "stride", "words") if isinstance(ppl.get(k), int)]
+    return ", ".join(parts) + "; one contract and one text for every stage"
+
+
+def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
+    """One row per perplexity stage (dense, after the cut, after the repair, after
+    healing), each with its change against the dense model; the last also against the
+    start of healing. A record without the start or the end is flagged, never shown as
+    an improvement."""
     ppl = entry.get("perplexity") or {}
-    if "before" not in ppl or "after" not in ppl:
+    if not ppl:
         return []
-    where = f" ({ppl['contract']} contract" + (f", {ppl['text']}" if ppl.get("text") else "") + ")" if ppl.get(
-        "contract") else ""
-    start = "after repair" if repaired else "after the cut"
-    return [(f"Perplexity {start} → after healing{where}",
-             f"{ppl['before']:.3f} → {ppl['after']:.3f} ({_change(ppl['before'], ppl['after'])})")]
+    if not isinstance(ppl, Mapping):
+        return [("Perplexity before → after healing",
+                 "not recorded in a readable form: this healing cannot be judged on perplexity")]
+    ppl = _stages(ppl, repair)
+    start = ppl.get("start", "after_repair" if repair else "after_cut")
+    dense = ppl.get("dense")
+    rows = []
+    for stage, label in _STAGES.items():
+        if stage == "after_repair" and start != "after_repair" and ppl.get(stage) is None:
+            continue
+        value = ppl.get(stage)
+        if not _finite(value):
+            rows.append((label.format(repair=ppl.get("repair") or "repair"), "not measured" if value is None else str(value)))
+            continue
+        text = f"{value:.3f}"
+        if _finite(dense) and stage != "dense":
+            text += f" ({_change(dense, value)} vs the dense model)"
+        if stage == "after_healing" and _finite(ppl.get(start)):
+            text += f"; {_change(ppl[start], value)} vs the start of healing ({start.replace('_', ' the ')})"
+            if value > ppl[start]:
+                text += ": **worse than before healing**"
+        rows.append((label.format(repair=ppl.get("repair") or "repair"), text))
+    if not (_finite(ppl.get(start)) and _finite(ppl.get("after_healing"))):
+        rows.append(("Perplexity before → after healing",
+                     "not recorded: this healing cannot be judged on perplexity (no value before and after)"))
+    rows.append(("Perplexity contract", _contract_text(ppl)))
+    return rows
 
 
 def _distinct(entry: Mapping) -> str:
@@ -57,7 +113,50 @@ def _distinct(entry: Mapping) -> str:
     return f" ({entry['distinct_tokens']:,} distinct, {text}, {entry['epochs']:.2f} epochs)"
 
 
-def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
+def tasks_table(tasks: Mapping) -> str | None:
+    """The markdown of a healing record's lm-eval tasks before and after healing (``None``
+    when none were measured); a record without both sides is flagged."""
+    if not tasks:
+        return None
+    before, after = tasks.get("before"), tasks.get("after")
+    if (not isinstance(before, Mapping) or not isinstance(after, Mapping) or not before
+            or not all(isinstance(m, Mapping) for m in before.values())):
+        return ("lm-eval tasks: not recorded before and after healing: these task results cannot be judged "
+                "and are not shown.")
+    lines = ["lm-eval tasks before and after healing:", "",
+             "| task | metric | before healing | after healing | change |", "|---|---|---:|---:|---:|"]
+    for task, metrics in before.items():
+        for metric, value in metrics.items():
+            if metric.endswith("_stderr"):
+                continue
+            later = after.get(task) if isinstance(after.get(task), Mapping) else {}
+            new = later.get(metric)
+            cells = [_task_value(value, metrics.get(f"{metric}_stderr")), _task_value(new, later.get(f"{metric}_stderr")),
+                     f"{new - value:+.4f}" if _finite(value) and _finite(new) else "cannot be judged"]
+            lines.append(f"| {_cell(task)} | {_cell(metric)} | " + " | ".join(cells) + " |")
+    s, versions = tasks.get("settings") or {}, tasks.get("versions") or {}
+    hashes, counts = tasks.get("task_hashes") or {}, tasks.get("n_samples") or {}
+    lines += ["", f"lm-evaluation-harness {versions.get('lm_eval', _DASH)} (`simple_evaluate`, HFLM on the in-memory "
+                  f"model, the same settings before and after), {s.get('num_fewshot')}-shot, limit {s.get('limit')}, "
+                  f"max_length {s.get('max_length')}, seed {s.get('seed')}; documents and task hashes: "
+              + ", ".join(f"{t} {counts.get(t)} docs `{str(hashes.get(t))[:12]}` (v{versions.get(t)})" for t in before)
+              + "."]
+    if tasks.get("mismatch"):
+        lines.append(f"**Not like for like**: {tasks['mismatch']}.")
+    return "\n".join(lines)
+
+
+def _task_value(value, err) -> str:
+    if not _finite(value):
+        return _DASH
+    return f"{value:.4f}" + (f" ± {err:.4f}" if _finite(err) and err > 0 else "")
+
+
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _DASH
+
+
+def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     teacher = ("the dense model's full logits, on the fly" if entry.get("teacher_top_k") is None else
                f"the dense model's top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached "
                "(a lower bound of the full KL)")
@@ -65,7 +164,7 @@ def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
     data = str(entry.get("data", _DASH)) + (f" (sha256 {entry['data_hash'][:12]}…)" if entry.get("data_hash") else "")
     rows = [
         ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
-        ("Training", f"{entry.get('tokens', 0):,} tokens{_distinct(entry)}, {entry.get('steps', 0)} steps, learning rate "
+        ("Training", f"{_count(entry.get('tokens'))} tokens{_distinct(entry)}, {_count(entry.get('steps'))} steps, learning rate "
                      f"{entry.get('learning_rate', _DASH)}, seed {entry.get('seed', _DASH)}"),
         ("Teacher", teacher),
         ("Data", data),
@@ -73,7 +172,7 @@ def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
         ("Held-out prompts", str(entry.get("heldout", _DASH))),
         ("Final training loss", _nats(entry.get("final_loss")) + " nats/token"),
     ]
-    rows += _perplexity_rows(entry, repaired)
+    rows += _perplexity_rows(entry, repair)
     if entry.get("stale"):
         rows.append(("Status", f"**stale**: {entry['stale']}"))
     return rows
@@ -82,21 +181,27 @@ def _entry_rows(entry: Mapping, repaired: bool) -> list[tuple[str, str]]:
 def healing_section(record: Mapping, *, plot: str | None = None) -> str | None:
     """The card's ``## Healing`` markdown for ``config.layerswap`` (``None`` when it records no
     healing): one table per healing run, newest last, each with its held-out KL before and
-    after, its perplexity after the cut or repair and after healing when measured, and
-    ``plot`` (a PNG file name next to the card) under the last run.
+    after and, when measured, one perplexity row per stage (the dense model, after the cut,
+    after the repair when one ran, after healing; one contract) and its lm-eval tasks
+    before and after healing (:func:`tasks_table`); ``plot`` (a PNG file name next to the
+    card) under the last run. A run without its before and after numbers is shown as
+    "cannot be judged", one that ended worse than it started as such, a stale run as stale.
     """
     runs = [e for e in record.get("healing") or [] if isinstance(e, Mapping)]
     if not runs:
         return None
-    repaired = bool(record.get("recovery"))
+    repair = (record.get("recovery") or {}).get("method") if isinstance(record.get("recovery"), Mapping) else None
     parts = ["The pruned model was distilled from the dense model it was cut from (KL of the next-token "
              "distributions, on calibration text, never the evaluation text), with an early stop on held-out KL "
              "that keeps the best weights. Trained updates are in the weights themselves (LoRA merged back): no PEFT "
              "modules or adapter files are needed."]
     for n, entry in enumerate(runs, 1):
         title = f"### Healing run {n}" if len(runs) > 1 else None
-        table = ["| | |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in _entry_rows(entry, repaired)]
+        table = ["| | |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in _entry_rows(entry, repair)]
         parts.append("\n".join(([title, ""] if title else []) + table))
+        tasks = tasks_table(entry.get("tasks") or {})
+        if tasks:
+            parts.append(tasks)
     if plot:
         parts.append(f"![Healing: training loss and held-out KL against training tokens]({plot})")
     return "\n\n".join(parts)

@@ -390,14 +390,19 @@ def _check_writable(option, path: Path, kind: str) -> None:
 
 
 def check_text_files(args) -> None:
-    """Refuse a --calibration or --eval-text that is missing or not UTF-8 text before the model loads."""
-    for flag in ("calibration", "eval_text"):
-        value = getattr(args, flag, "embedded")
+    """Refuse a --calibration, --eval-text or healing --perplexity text that is missing or not
+    UTF-8 text, and a healing task folder that is not a folder, before the model loads."""
+    for flag, option in (("calibration", "--calibration"), ("eval_text", "--eval-text"),
+                         ("perplexity_text", "--perplexity"), ("heal_perplexity_text", "--heal-perplexity")):
+        value = getattr(args, flag, None) or "embedded"
         if value != "embedded":
-            option = "--" + flag.replace("_", "-")
             if not Path(value).is_file():
                 raise FileNotFoundError(f"{option} {value!r} is not a file; give a text file or 'embedded'")
             read_text_file(value, option)
+    for flag, option in (("eval_tasks_path", "--eval-tasks-path"), ("heal_eval_tasks_path", "--heal-eval-tasks-path")):
+        value = getattr(args, flag, None)
+        if value is not None and not Path(value).is_dir():
+            raise FileNotFoundError(f"{option} {value!r} is not a folder; give a folder of lm-eval task YAML files")
 
 
 def check_before_loading(args, outputs=()) -> None:

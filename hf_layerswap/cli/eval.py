@@ -23,12 +23,12 @@ from ..plan import num_blocks
 from ..tasks import evaluate_tasks
 from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
 
-__all__ = ["CONTRACT_CHOICES", "add_eval_arguments", "add_parser", "run_eval"]
+__all__ = ["CONTRACT_CHOICES", "add_eval_arguments", "add_parser", "run_eval", "task_limit"]
 
 CONTRACT_CHOICES = ("matched", "full", "rolling")
 
 
-def _limit(value: str):
+def task_limit(value: str):
     """lm-eval's ``limit``: documents per task (int) or a fraction in (0, 1)."""
     try:
         number = float(value)
@@ -77,7 +77,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     tasks.add_argument("--include-path", nargs="+", default=None,
                        help="folders of task YAML files (lm-eval's built-in index is then not scanned)")
     tasks.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples per prompt")
-    tasks.add_argument("--limit", type=_limit, default=None, help="documents per task (int) or fraction (0, 1)")
+    tasks.add_argument("--limit", type=task_limit, default=None, help="documents per task (int) or fraction (0, 1)")
     tasks.add_argument("--max-length", type=int, default=None, help="lm-eval context length (default: the model's)")
     parser.add_argument("--output", "-o", default="layerswap_eval.json", help="result JSON path")
     return parser

@@ -18,6 +18,7 @@ from ..healing import HEAL_METHODS, heal
 from ..models import load_model
 from ..plan import num_blocks
 from ..report import SwapReport
+from .eval import task_limit
 from .common import (
     HELP_FORMATTER,
     add_model_args,
@@ -33,7 +34,10 @@ from .common import (
 __all__ = ["add_heal_args", "add_parser", "checkpoint_folder", "heal_config", "run_heal"]
 
 #: HealConfig fields whose default is ``None``: their argparse type.
-_NONE_TYPES = {"teacher_top_k": count(1), "calibration": str}
+_NONE_TYPES = {"teacher_top_k": count(1), "calibration": str, "eval_tasks_path": str, "eval_tasks_limit": task_limit}
+#: HealConfig fields with a flag other than their name, and their argparse keywords.
+_SPECIAL = {"perplexity_text": ("perplexity", dict(nargs="?", const="embedded", metavar="TEXT")),
+            "eval_tasks": ("eval-tasks", dict(nargs="+", metavar="TASK"))}
 #: The least value of HealConfig's int fields on the command line.
 _INT_MINIMUM = {"seq_len": 2, "seed": -(2**63)}
 
@@ -76,6 +80,10 @@ def add_heal_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
         elif isinstance(f.default, bool):  # --packing / --no-packing
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text,
                            dest=(prefix + f.name).replace("-", "_"))
+        elif f.name in _SPECIAL:
+            name, keywords = _SPECIAL[f.name]
+            p.add_argument("--" + prefix + name, default=None, help=text, dest=(prefix + f.name).replace("-", "_"),
+                           **keywords)
         else:
             default = None if f.default is MISSING else f.default
             kind = _NONE_TYPES.get(f.name) or (count(_INT_MINIMUM.get(f.name, 1)) if isinstance(default, int) else _finite)
@@ -109,9 +117,6 @@ def add_parser(subparsers):
     p.add_argument("output", help="directory for the healed checkpoint (a new or empty folder, not PRUNED)")
     add_model_args(p, positional=False)
     add_heal_args(p)
-    p.add_argument("--perplexity", nargs="?", const="embedded", default=None, metavar="TEXT",
-                   help="measure perplexity before and after healing on TEXT (a text file; without a value the "
-                        "embedded evaluation text) and record it")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="folder of the Trainer checkpoints (default: OUTPUT.heal-checkpoints next to OUTPUT, removed "
                         "after a successful save); the same command after an interruption continues from the last one")
@@ -133,6 +138,14 @@ def _check_distinct(args) -> None:
                          "its input; choose a new folder")
     if Path(args.base).expanduser().resolve() == output:
         raise ValueError(f"OUTPUT {args.output} is BASE: choose a new folder")
+    if args.resume is not None:
+        resume = Path(args.resume).expanduser().resolve()
+        base = Path(args.base).expanduser()
+        folders = [("PRUNED", pruned), ("OUTPUT", output)] + ([("BASE", base.resolve())] if base.is_dir() else [])
+        for name, path in folders:
+            if resume == path or path in resume.parents:
+                raise ValueError(f"--resume {args.resume} is {name} {path} or inside it: the Trainer checkpoints "
+                                 "need a folder of their own; choose another (default: OUTPUT.heal-checkpoints)")
 
 
 def run_heal(args) -> int:
@@ -158,7 +171,7 @@ def run_heal(args) -> int:
                          f"from a model of {original}: give the model PRUNED was pruned from")
     report = heal(model, teacher, calibration_source(args.calibration), tokenizer=tokenizer,
                   teacher_tokenizer=teacher_tokenizer, checkpoint_dir=args.resume, progress=True,
-                  perplexity_text=args.perplexity, **config.heal_kwargs())
+                  **config.heal_kwargs())
     del teacher
     sidecar = Path(args.pruned) / REPORT_FILE
     swap_report = SwapReport.from_json(sidecar) if sidecar.is_file() else None

@@ -110,7 +110,8 @@ def run_prune(args) -> int:
         report = SwapReport.from_json(args.report)
     heal_dir = checkpoint_folder(args.output) if config.heal is not None else None
     model, tokenizer = load(args)
-    if report is None and args.layers is None and is_main_process():
+    steps_after = any(x is not None for x in (config.recovery, config.heal, config.sparsity))
+    if report is None and (args.layers is None or steps_after) and is_main_process():
         print("\n".join(estimate_cost(model, config, device=input_device(model)).lines()), flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,

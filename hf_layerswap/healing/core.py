@@ -15,10 +15,10 @@ from torch import nn
 from transformers import PrinterCallback, TrainingArguments, set_seed
 
 from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, shortfall_text
-from ..evaluation.perplexity import evaluate_perplexity
 from ..jsonio import write_json_atomic
 from ..provenance import library_versions
 from .loss import teacher_top_k
+from .measure import HealMeasures
 from .methods import get_heal_method
 from .report import HealReport
 from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint
@@ -89,6 +89,9 @@ def heal(
     teacher_top_k: int | None = None,
     progress: bool = False,
     perplexity_text=None,
+    eval_tasks: Sequence[str] | None = None,
+    eval_tasks_path=None,
+    eval_tasks_limit: int | float | None = None,
     callbacks: Sequence = (),
     **options,
 ) -> HealReport:
@@ -96,20 +99,13 @@ def heal(
     student) of next-token distributions (temperature 1, fp32 log-softmax, real tokens
     only), plus ``ce_weight`` x cross-entropy on the text, with transformers' ``Trainer``.
 
-    The text comes from :func:`~hf_layerswap.calibration.build_calibration` (calibration
-    text, never the evaluation text). A text source is packed by default
-    (``packing=True``): the paragraphs in their seeded order, joined by EOS, cut into full
-    windows of ``seq_len`` tokens; the first ``heldout_prompts`` windows are held out and
-    the next ``steps x batch_size`` are trained on, each a distinct piece of the text, so
-    the budget reads new text until the source runs out; only then are the windows
-    repeated (epochs, with a :class:`~hf_layerswap.calibration.CalibrationShortfallWarning`
-    and ``report.epochs > 1``). With ``packing=False`` (or given tensors) the prompts are
-    one paragraph each, truncated and padded, at most :data:`PARAGRAPH_PROMPTS` for
-    training, and the last ``heldout_prompts`` are held out. The held-out KL is measured
-    before training and at every ``eval_every`` steps, training stops after ``patience``
-    evaluations without improvement, and the weights of the best evaluation are kept. When
-    no evaluation beats the start, the starting weights are returned and
-    ``report.reverted`` is ``True``. The held-out prompts are never trained on.
+    The text (:func:`~hf_layerswap.calibration.build_calibration`, never the evaluation
+    text) is packed by default: paragraphs joined by EOS in full ``seq_len`` windows, the
+    first ``heldout_prompts`` held out, the next ``steps x batch_size`` trained on, distinct
+    until the text runs out, then repeated (epochs, with a warning; ``report.epochs``).
+    ``packing=False``/tensors: one paragraph per prompt, at most :data:`PARAGRAPH_PROMPTS`,
+    the last held out. Held-out KL every ``eval_every`` steps; stop after ``patience``
+    without improvement, keeping the best weights (the start's: ``report.reverted``).
 
     Args:
         model: the pruned student, healed in place.
@@ -119,10 +115,8 @@ def heal(
         method: a name registered in :data:`~hf_layerswap.healing.HEAL_METHODS`.
         max_tokens: training budget in prompt positions (``batch_size x seq_len`` per
             step); the number of steps is ``ceil(max_tokens / (batch_size * seq_len))``.
-        seq_len: tokens per prompt (per window when packed).
-        packing: pack a text source into full windows (above); ignored for tensors or a
-            :class:`~hf_layerswap.calibration.CalibrationSet` (``report.packing`` is then
-            ``False``). options: method options (``lora_r``, ``lora_alpha``, ``k``).
+        seq_len: tokens per prompt. packing: pack a text source (above; ignored for
+            tensors). options: method options (``lora_r``, ``lora_alpha``, ``k``).
         checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
             evaluation, the last two kept, each with the early stop's best weights): the
             same call after an interruption resumes from the last complete one (a checkpoint
@@ -139,8 +133,16 @@ def heal(
         progress: a tqdm bar over the training tokens with its ETA.
         perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity`
             accepts (``"embedded"``: the embedded evaluation split); when given, the
-            perplexity (``"matched"`` contract, no bootstrap) is measured before and after
-            healing and recorded in ``report.perplexity``. Needs ``tokenizer``.
+            perplexity (``"matched"`` contract, no bootstrap, the same text for all) of the
+            dense teacher, after the cut, after the repair (when the student's last removal
+            step repaired its cut; "after the cut" is then the teacher run without the
+            removed blocks, see :mod:`~hf_layerswap.healing.measure`) and after healing is
+            recorded in ``report.perplexity``. Needs ``tokenizer``.
+        eval_tasks: lm-eval task names measured on the student before and after healing
+            (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times),
+            recorded in ``report.tasks``; ``eval_tasks_path`` (task YAML folder) and
+            ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
+            Needs ``tokenizer`` and lm-eval.
         callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging,
             a custom stop).
 
@@ -151,22 +153,26 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: a mismatched teacher (before any training), an unknown method, a bad
-            budget or ``teacher_top_k``, too few prompts to hold some out, or a
-            ``checkpoint_dir`` of another run.
+        ValueError: before any training: a mismatched teacher, an unknown method, a bad budget,
+            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
+            to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
     """
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
+    measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
+    measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
     settings["data_hash"] = calib.content_hash
-    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
-    ppl_before = _perplexity(model, perplexity_text, tokenizer, progress)
     device = next(model.parameters()).device
     teacher.to(device).eval()
+    if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
+        _claim_checkpoints(Path(checkpoint_dir), settings, write=False)
+    start = measures.start(model, teacher)
+    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
     if teacher_top_k is not None:
         train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
@@ -177,10 +183,7 @@ def heal(
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
-    if ppl_before is not None:
-        contract = ppl_before.contract
-        report.perplexity = {"before": ppl_before.ppl, "after": _perplexity(healed, perplexity_text, tokenizer, progress).ppl,
-                             "contract": contract.get("name", "matched"), "text": contract.get("text")}
+    report.perplexity, report.tasks = measures.finish(healed, start)
     _record_step(healed, report)
     healed.layerswap_heal_report = report
     return report
@@ -288,16 +291,21 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
 
 
 def _check_settings(settings: dict, vocab_size: int) -> None:
-    for name in ("max_tokens", "batch_size", "eval_every", "patience", "heldout_prompts"):
+    for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
+                          ("heldout_prompts", 1)):
         value = settings[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
+    for name, positive in (("learning_rate", True), ("ce_weight", False)):
+        value = settings[name]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (value <= 0 if positive else value < 0):
+            raise ValueError(f"{name}={value!r}: must be a finite number {'> 0' if positive else '>= 0'}")
+    if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
+        raise ValueError(f"seed={settings['seed']!r}: must be an int")
     if not isinstance(settings["packing"], bool):
         raise ValueError(f"packing={settings['packing']!r}: must be True (full windows of packed text) or False "
                          "(one prompt per paragraph)")
-    lr = settings["learning_rate"]
-    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"learning_rate={lr!r}: must be a finite number > 0")
     k = settings["teacher_top_k"]
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
         raise ValueError(f"teacher_top_k={k!r}: must be None (full logits) or an int in 1..{vocab_size} "
@@ -308,9 +316,10 @@ def _check_settings(settings: dict, vocab_size: int) -> None:
 RUN_FILE = "layerswap_heal_run.json"
 
 
-def _claim_checkpoints(folder: Path, settings: dict) -> bool:
-    """Write ``settings`` into ``folder``, or check they equal those of the run whose
-    checkpoints are there; ``True`` when there is a run to resume."""
+def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> bool:
+    """Write ``settings`` into ``folder`` (only check it could be, with ``write=False``), or
+    check they equal those of the run whose checkpoints are there; ``True`` when there is a
+    run to resume."""
     path = folder / RUN_FILE
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -325,6 +334,8 @@ def _claim_checkpoints(folder: Path, settings: dict) -> bool:
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"checkpoint_dir {os.fspath(folder)!r} is not empty and holds no {RUN_FILE}: "
                          "not a healing checkpoint folder; choose an empty or new folder")
+    if not write:
+        return False
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(settings, path)
     return False
@@ -340,15 +351,6 @@ def _teacher_cache(teacher, rows: _Rows, k: int, batch_size: int, device) -> dic
             logits = teacher(input_ids=ids, attention_mask=mask).logits
             parts.append([t.cpu() for t in teacher_top_k(logits, k)])
     return {key: torch.cat([p[i] for p in parts]) for i, key in enumerate(TEACHER_CACHE_KEYS)}
-
-
-def _perplexity(model, text, tokenizer, progress):
-    if text is None:
-        return None
-    if tokenizer is None:
-        raise ValueError("perplexity_text needs tokenizer= (the student's tokenizer)")
-    return evaluate_perplexity(model, None if text == "embedded" else text, tokenizer=tokenizer, bootstrap=0,
-                               progress=progress)
 
 
 def _record_step(model, report: HealReport) -> None:

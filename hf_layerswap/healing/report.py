@@ -35,8 +35,17 @@ class HealReport(JsonResult):
         final_loss: the last logged training loss (nats), ``None`` without a step.
         tokens_per_step: mean real tokens per optimiser step (converts steps to tokens).
         options: the method's options (``lora_r``, ``k``, ...).
-        perplexity: ``{"before", "after", "contract", "text"}`` when ``perplexity_text``
-            was given, else empty.
+        perplexity: when ``perplexity_text`` was given (else empty): the perplexity of
+            each stage (:data:`~hf_layerswap.healing.measure.PERPLEXITY_STAGES`):
+            ``dense`` (the teacher), ``after_cut``, ``after_repair`` (only when the last
+            removal step repaired its cut; ``repair`` names the method) and
+            ``after_healing``, ``None`` for a stage that could not be measured; ``start``
+            names the stage healing started from; ``contract``, ``text``,
+            ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
+            were measured under.
+        tasks: when ``eval_tasks`` was given (else empty): ``before`` and ``after``
+            (``{task: {metric: value}}`` of :class:`~hf_layerswap.tasks.TaskResults`) and the
+            ``settings``, ``versions``, ``task_hashes`` and ``n_samples`` they share.
         packing: ``True`` when the training text was packed into full windows
             (``heal(packing=True)`` on a text source), ``False`` for one prompt per
             paragraph or given tensors.
@@ -65,6 +74,7 @@ class HealReport(JsonResult):
     tokens_per_step: float = 0.0
     options: dict = field(default_factory=dict)
     perplexity: dict = field(default_factory=dict)
+    tasks: dict = field(default_factory=dict)
     packing: bool = False
     distinct_tokens: int | None = None
     epochs: float | None = None

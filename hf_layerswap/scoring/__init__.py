@@ -48,7 +48,8 @@ probe needs:
 - **Streaming offloaded models.** When accelerate offloads the decoder blocks (CPU or
   disk), every probe of a batch is advanced slot by slot and each block is read once per
   batch instead of at every call (:mod:`.slotmajor`); the values are the same. The
-  report's metadata records the blocks and bytes moved (``movement``) and the peak memory
+  report's metadata records the blocks and bytes moved (``movement``; under several
+  processes the sum over them, each one's own under ``per_process``) and the peak memory
   per device (``peak_memory``).
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
   selected at a budget is stable under paired standard errors.

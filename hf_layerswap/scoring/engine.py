@@ -39,8 +39,8 @@ from ..provenance import library_versions, report_identity
 from .checkpoint import ScoringCheckpoint, plans_digest
 from .head import decoder_output, Head, hooks_removed, maybe_autocast, param_dtype, text_config
 from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
-from .probes import make_probes, Probe, schedule, shard
-from .processes import check_model_replica, Processes
+from .probes import make_probes, position_hooks, Probe, schedule, schedule_blocks, shard, walk_schedule
+from .processes import check_model_replica, Processes, sum_movement
 from .reference import ReferenceCache
 from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
@@ -329,22 +329,9 @@ class Engine:
         slot = probe.start + depth0
         plan = list(probe.key)
         kwargs = {"start": slot, "start_hidden": start_hidden} if slot > 0 else {}
-        captured: dict[int, torch.Tensor] = {}
         final: dict[str, torch.Tensor] = {}
-        handles = []
         with apply_plan(self.model, plan, **kwargs):
-            if captures:
-                counter = {"pos": depth0}
-                wanted = set(captures)
-
-                def count_hook(module, args, kwargs_):
-                    pos = counter["pos"]
-                    if pos in wanted:
-                        captured[pos] = (args[0] if args else kwargs_["hidden_states"]).detach()
-                    counter["pos"] = pos + 1
-
-                for b in dict.fromkeys(probe.run[depth0:]):
-                    handles.append(blocks[b].register_forward_pre_hook(count_hook, with_kwargs=True))
+            captured, handles = position_hooks(blocks, probe.run, depth0, captures)
             if self.stream_logits:
 
                 def dec_hook(module, args, output):
@@ -385,8 +372,7 @@ class Engine:
             work = float(sum(p.block_evaluations for p, _ in self._passes(b, probes)))
         else:
             if key not in cache:  # the schedule is the same for every batch
-                cache[key] = sum(len(p.key) - (0 if self.mode == "none" else p.start + depth0)
-                                 for p, depth0, _ in schedule(list(probes), self.mode))
+                cache[key] = schedule_blocks(list(probes), self.mode)
             work = float(self.num_blocks + cache[key])
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
@@ -463,31 +449,20 @@ class Engine:
             bar.advance(head)
         order = schedule(todo, self.mode)
         group = self._group_size(rows.numel()) if self.stream_logits else len(order)
-        nodes: dict[tuple, torch.Tensor] = {}
         pending: list[tuple[Probe, torch.Tensor]] = []
         flush = self._flusher(b, ref, prompt_of_row, counts, bsz, bar)
 
-        for n, (probe, depth0, captures) in enumerate(order):
-            if depth0 > 0:
-                start_hidden = nodes[(probe.start, probe.run[:depth0])]
-            elif probe.start > 0 and self.mode != "none":
-                start_hidden = streams[probe.start]
-            else:
-                start_hidden = None
+        def start_stream(slot):
+            return streams[slot] if slot > 0 and self.mode != "none" else None
+
+        def run(probe, depth0, start_hidden, captures):
             if self.mode == "none":
-                out, captured = self._probe_pass(Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
-            else:
-                out, captured = self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
+                return self._probe_pass(Probe(probe.key, 0, probe.key), 0, None, ids, mask, [])
+            return self._probe_pass(probe, depth0, start_hidden, ids, mask, captures)
+
+        for probe, out in walk_schedule(order, start_stream, run):
             if not self.stream_logits:
                 bar.advance(head)
-            for d, stream in captured.items():
-                nodes[(probe.start, probe.run[:d])] = stream
-            # keep only the tree nodes the next probe can start from (sorted order: no later one needs others)
-            nxt = order[n + 1][0] if n + 1 < len(order) else None
-            nodes = {
-                k: v for k, v in nodes.items()
-                if nxt is not None and k[0] == nxt.start and nxt.run[: len(k[1])] == k[1]
-            }
             if self.stream_logits:
                 pending.append((probe, out.reshape(-1, out.shape[-1]).index_select(0, rows.to(out.device))))
             else:
@@ -613,14 +588,15 @@ class Engine:
         if self.world <= 1:
             return
         local = {k: v.cpu() for k, v in self.computed.items()}
-        parts = self.processes.gather((local, self.stats, self.seconds))
+        parts = self.processes.gather((local, self.stats, self.seconds, (dict(self.moved), self.onloads_per_batch)))
         stats = {k: 0 for k in self.stats}
-        for part_values, part_stats, _ in parts:
+        for part_values, part_stats, _, _ in parts:
             self.computed.update(part_values)
             for k in stats:
                 stats[k] += part_stats[k]
         self.gathered_stats = stats
         self.seconds_max = max(p[2] for p in parts)
+        self.gathered_movement = sum_movement([p[3] for p in parts])
 
     def values(self, batch_indices: Sequence[int]) -> dict[Hashable, torch.Tensor]:
         out = {}
@@ -666,6 +642,7 @@ class Engine:
             "block_onloads": self.moved["block_onloads"],
             "bytes_moved": self.moved["bytes_moved"],
             "block_onloads_per_batch": list(self.onloads_per_batch),
+            **getattr(self, "gathered_movement", {}),
         }
         out["peak_memory"] = peak_memory()
         if self.slot_major_note:
@@ -749,8 +726,10 @@ def plan_kl(
         batches), ``model_calls``, ``reference_passes`` (identity passes actually run, one
         per batch without a cache), ``head_rows`` (positions through the output head),
         ``seconds``, the settings used, ``slot_major``, ``movement`` (offloaded blocks,
-        block onloads and bytes moved in all and per batch) and ``peak_memory`` (bytes per
-        device: :func:`hf_layerswap.devices.peak_memory`).
+        block onloads and bytes moved in all and per batch; under several processes the
+        sum over them, with each one's own under ``per_process``:
+        :func:`~hf_layerswap.scoring.processes.sum_movement`) and ``peak_memory`` (bytes per
+        device of this process: :func:`hf_layerswap.devices.peak_memory`).
 
     Raises:
         ValueError: a bad plan, batch size, chunk, memory or dtype value.

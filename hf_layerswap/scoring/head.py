@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from accelerate.utils import align_module_device
+from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
 from ..devices import offloaded_modules, onloaded
@@ -62,9 +62,11 @@ class Head:
             and type(m).forward is nn.Linear.forward
             and m.weight.is_floating_point()
         )
-        # a plain Linear with its weight in memory can be run on vocabulary slices; quantized,
-        # hooked (accelerate offload) or custom heads run whole, on position chunks
-        self.sliceable = self.linear and not hasattr(m, "_hf_hook") and m.weight.device.type != "meta"
+        # a plain Linear with its weight in memory can be run on vocabulary slices and into the
+        # reused logit buffer (also under an accelerate hook that does not offload it: a "cpu"
+        # entry of a CPU device map; a fresh logit tensor per probe there fragments the heap by
+        # about one logit block per probe); quantized, offloaded or custom heads run whole
+        self.sliceable = self.linear and not has_offloaded_params(m) and m.weight.device.type != "meta"
         self._w32: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @contextlib.contextmanager

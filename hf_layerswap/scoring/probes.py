@@ -3,13 +3,15 @@ with shared prefixes and the deterministic, cost-balanced share of each rank."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import nn
 
 from ..plan import first_difference
 
-__all__ = ["make_probes", "Probe", "schedule", "shard"]
+__all__ = ["make_probes", "Probe", "position_hooks", "schedule", "schedule_blocks", "shard", "walk_schedule"]
 
 
 # ----------------------------------------------------------------------------- probes
@@ -80,6 +82,57 @@ def schedule(probes: list[Probe], mode: str) -> list[tuple[Probe, int, list[int]
         available.update((p.start, p.run[:d]) for d in depths)
         out.append((p, depth0, depths))
     return out
+
+
+def schedule_blocks(probes: list[Probe], mode: str) -> int:
+    """Block forward calls of one batch's probes run in :func:`schedule` order (a probe
+    runs ``len(key) - start - depth0`` blocks; ``mode="none"`` runs every plan whole)."""
+    return sum(len(p.key) - (0 if mode == "none" else p.start + d0) for p, d0, _ in schedule(probes, mode))
+
+
+def position_hooks(blocks: nn.ModuleList, run: Sequence[int], depth0: int,
+                   wanted: Sequence[int]) -> tuple[dict[int, torch.Tensor], list]:
+    """Forward pre-hooks on the blocks of ``run[depth0:]`` that capture the residual stream
+    entering each run position in ``wanted`` (``(B, T, H)``) while the probe runs from
+    position ``depth0``. Returns ``(captured, handles)``: ``captured`` fills during the
+    forward; remove the handles after it."""
+    captured: dict[int, torch.Tensor] = {}
+    handles: list = []
+    if not wanted:
+        return captured, handles
+    counter = {"pos": depth0}
+    wanted = set(wanted)
+
+    def hook(module, args, kwargs):
+        pos = counter["pos"]
+        if pos in wanted:
+            captured[pos] = (args[0] if args else kwargs["hidden_states"]).detach()
+        counter["pos"] = pos + 1
+
+    for b in dict.fromkeys(run[depth0:]):
+        handles.append(blocks[b].register_forward_pre_hook(hook, with_kwargs=True))
+    return captured, handles
+
+
+def walk_schedule(order: list[tuple[Probe, int, list[int]]], start_stream: Callable[[int], torch.Tensor | None],
+                  run: Callable[[Probe, int, torch.Tensor | None, list[int]], tuple[object, dict[int, torch.Tensor]]],
+                  ) -> Iterator[tuple[Probe, object]]:
+    """Run a :func:`schedule` order with its prefix tree: each probe starts from the tree
+    node it shares with the probes before it (else from ``start_stream(probe.start)``, the
+    identity's stream entering that slot, ``None`` at slot 0). ``run(probe, depth0,
+    start_hidden, captures)`` returns ``(output, {depth: stream})``; only the nodes a later
+    probe can start from are held. Yields ``(probe, output)`` in order."""
+    nodes: dict[tuple, torch.Tensor] = {}
+    for n, (probe, depth0, captures) in enumerate(order):
+        start_hidden = nodes[(probe.start, probe.run[:depth0])] if depth0 > 0 else start_stream(probe.start)
+        out, captured = run(probe, depth0, start_hidden, captures)
+        for d, stream in captured.items():
+            nodes[(probe.start, probe.run[:d])] = stream
+        # keep only the tree nodes the next probe can start from (sorted order: no later one needs others)
+        nxt = order[n + 1][0] if n + 1 < len(order) else None
+        nodes = {k: v for k, v in nodes.items()
+                 if nxt is not None and k[0] == nxt.start and nxt.run[: len(k[1])] == k[1]}
+        yield probe, out
 
 
 def shard(probes: list[Probe], world: int, rank: int) -> list[Probe]:

@@ -28,7 +28,7 @@ try:  # a torch built without distributed support has neither (and no model can 
 except ImportError:
     _FSDP_TYPES, DTensor = (), None
 
-__all__ = ["Processes", "ShardedModelError", "check_model_replica", "is_main_process", "sharded_layout"]
+__all__ = ["Processes", "ShardedModelError", "check_model_replica", "is_main_process", "sharded_layout", "sum_movement"]
 
 
 class ShardedModelError(ValueError):
@@ -144,3 +144,27 @@ class Processes:
 def is_main_process() -> bool:
     """True in the first (or only) launched process: the one that writes shared outputs."""
     return Processes().rank == 0
+
+
+def sum_movement(parts: list[tuple[dict, list[int]]]) -> dict:
+    """The weight movement of every process of one run, as the report records it.
+
+    Args:
+        parts: per process, in process order (:meth:`Processes.gather`), its counters
+            ``({"block_onloads": int, "bytes_moved": int}, onloads per batch)``.
+
+    Returns:
+        ``block_onloads``, ``bytes_moved`` (bytes) and ``block_onloads_per_batch`` summed
+        over the processes (each process streams the blocks for its own share of the
+        probes), and ``per_process``: each process's own counters, in process order.
+    """
+    per_process = [{"block_onloads": int(moved["block_onloads"]), "bytes_moved": int(moved["bytes_moved"]),
+                    "block_onloads_per_batch": list(batches)} for moved, batches in parts]
+    width = max((len(p["block_onloads_per_batch"]) for p in per_process), default=0)
+    return {
+        "block_onloads": sum(p["block_onloads"] for p in per_process),
+        "bytes_moved": sum(p["bytes_moved"] for p in per_process),
+        "block_onloads_per_batch": [sum(p["block_onloads_per_batch"][b] for p in per_process
+                                        if b < len(p["block_onloads_per_batch"])) for b in range(width)],
+        "per_process": per_process,
+    }

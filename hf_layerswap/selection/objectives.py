@@ -47,11 +47,13 @@ from ..recovery import GhostedOperator, cut_boundaries, get_recovery_method, sea
 from ..recovery.fit import collect_moments
 from ..report import set_key
 from ..scoring import masked_kl, plan_kl
+from ..scoring.head import hooks_removed
+from ..scoring.probes import make_probes, position_hooks, schedule, schedule_blocks, walk_schedule
 from ..scoring.reference import ReferenceCache
 from ..scoring.settings import device_memory_budget, parse_memory
 from .finite import record_set_values
 
-__all__ = ["OBJECTIVES", "SetObjective", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
+__all__ = ["OBJECTIVES", "SetObjective", "engine_cost", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
 
 OBJECTIVES = ("removal_kl", "nll") + search_objectives()
 
@@ -73,6 +75,26 @@ def _sweeps(batch_passes: int, num_prompts: int, batch_size: int) -> int:
     """Calibration-set sweeps that ``batch_passes`` identity passes over batches amount to
     (a sweep covers every batch once; a partial one counts whole)."""
     return math.ceil(batch_passes / max(1, math.ceil(num_prompts / batch_size)))
+
+
+def engine_cost(stats: Mapping, calibration: CalibrationSet, total_blocks: int, num_plans: int) -> tuple[int, int, int]:
+    """(reference sweeps, block passes, head passes) of a :func:`~hf_layerswap.scoring.plan_kl`
+    call over ``num_plans`` plans, from the engine's counters.
+
+    Reference sweeps: the identity passes it ran (a partial sweep counts whole). Block
+    passes: block forward calls per calibration sweep, prefix-tree sharing included
+    (every batch runs the same probes, so their block calls divide evenly by the
+    batches). Head passes: output-head passes over the calibration set's real positions;
+    with the streamed KL the reference's head runs again for each group of probes
+    (``head_rows``), otherwise once per reference sweep and once per plan.
+    """
+    num_prompts = calibration.num_prompts
+    batches = max(1, math.ceil(num_prompts / stats["batch_size"]))
+    sweeps = _sweeps(stats["reference_passes"], num_prompts, stats["batch_size"])
+    probe_blocks = stats["block_evaluations"] - total_blocks * stats["reference_passes"]
+    rows = int(calibration.attention_mask.sum())
+    heads = round(stats["head_rows"] / rows) if stats.get("head_rows") else sweeps + num_plans
+    return sweeps, total_blocks * sweeps + probe_blocks // batches, heads
 
 
 def _all_slots(total_blocks: int) -> list[int]:
@@ -117,7 +139,10 @@ def plan_nll(
 
     The identity plan runs once per batch (it gives the reference NLL and the residual
     stream entering every slot); a plan that first differs from identity at slot s starts
-    from the cached stream entering s.
+    from the cached stream entering s, and plans that then run the same blocks share them
+    as a prefix tree (:func:`~hf_layerswap.scoring.probes.schedule`, as the scoring engine
+    does): the stream at each branch point is captured by the first plan through it. Equal
+    plans run once.
 
     Args:
         model: a causal LM with L decoder blocks.
@@ -133,17 +158,19 @@ def plan_nll(
         per-prompt summed NLL in nats (targets: every real token after the first);
         ``counts`` the ``(N,)`` number of predicted tokens per prompt; ``stats`` has
         ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
-        ``block_passes``, ``reference_passes`` (identity sweeps run: 1, or 0 when the
-        cache held every batch) and ``seconds``. Calibration NLL per token of a plan is
+        ``block_passes`` (block forward calls per calibration sweep), ``head_passes``,
+        ``reference_passes`` (identity sweeps run: 1, or 0 when the cache held every batch)
+        and ``seconds``. Calibration NLL per token of a plan is
         ``values[name].sum() / counts.sum()``.
 
     The model is left exactly as it was.
     """
     model = uncompiled(model)
     total_blocks = num_blocks(model)
-    plans = {name: list(plan) for name, plan in plans.items()}
-    starts = {name: first_difference(plan, total_blocks) for name, plan in plans.items()}
-    needed = sorted({min(s, len(plans[k]) - 1) for k, s in starts.items() if 0 < min(s, len(plans[k]) - 1)})
+    _, _, blocks = decoder_blocks(model)
+    key_of, probes, _ = make_probes(plans, total_blocks)
+    order = schedule(list(probes.values()), "shared")
+    needed = sorted({p.start for p in probes.values() if p.start > 0})
     values: dict[Hashable, list[torch.Tensor]] = {name: [] for name in plans}
     base, counts = [], []
     was_training = model.training
@@ -164,26 +191,29 @@ def plan_nll(
             streams, ref = cache.get(key, sweep, needed or [0], _all_slots(total_blocks), _stream_bytes(model, ids))
             base.append(ref)
             counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
-            for name, plan in plans.items():
-                start = starts[name]
-                if start >= len(plan) and len(plan) == total_blocks:
-                    values[name].append(ref.clone())
-                    continue
-                start = min(start, len(plan) - 1)
-                kwargs = {"start": start, "start_hidden": streams[start]} if start > 0 else {}
-                with apply_plan(model, plan, **kwargs):
-                    out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                values[name].append(_masked_nll(out, ids, mask))
-                del out
-            del streams
+
+            def run(probe, depth0, start_hidden, captures, ids=ids, mask=mask):
+                slot = probe.start + depth0
+                kwargs = {"start": slot, "start_hidden": start_hidden} if slot > 0 else {}
+                with apply_plan(model, probe.key, **kwargs):
+                    captured, handles = position_hooks(blocks, probe.run, depth0, captures)
+                    with hooks_removed(handles):
+                        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                return _masked_nll(out, ids, mask), captured
+
+            nll = {p.key: v for p, v in walk_schedule(order, lambda slot, s=streams: s[slot] if slot > 0 else None, run)}
+            for name in plans:
+                key = key_of[name]
+                values[name].append(nll[key].clone() if key in nll else ref.clone())
+            del streams, nll
     finally:
         model.train(was_training)
     sweeps = _sweeps(cache.misses - misses, calibration.num_prompts, batch_size)
-    passes, blocks = plans_cost(plans, total_blocks, sweeps)
     stats = {
         "base": torch.cat(base),
-        "forward_passes": passes,
-        "block_passes": blocks,
+        "forward_passes": sweeps + len(plans),
+        "block_passes": total_blocks * sweeps + schedule_blocks(list(probes.values()), "shared"),
+        "head_passes": sweeps + len(probes),
         "reference_passes": sweeps,
         "seconds": time.perf_counter() - t0,
     }
@@ -195,21 +225,24 @@ def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_s
     total_blocks = num_blocks(model)
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
     values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
-    passes, blocks = plans_cost(plans, total_blocks)
+    sweeps, blocks, heads = engine_cost(stats, calibration, total_blocks, len(plans))
     out = [float(values[k].mean()) for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
     return out, {
-        "forward_passes": passes,
+        "forward_passes": sweeps + len(plans),
         "block_passes": blocks,
+        "head_passes": heads,
         "seconds": stats["seconds"],
     }
 
 
-def removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
-    """Calibration NLL per token (nats) with each set removed, one shared reference sweep."""
+def removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int,
+                       reference_cache: ReferenceCache | None = None) -> tuple[list[float], dict]:
+    """Calibration NLL per token (nats) with each set removed, one shared reference sweep
+    (none when ``reference_cache`` holds it from an earlier call, :func:`plan_nll`)."""
     total_blocks = num_blocks(model)
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
-    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size)
+    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size, reference_cache=reference_cache)
     total = float(counts.sum())
     out = [float(values[k].sum()) / total for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
@@ -239,7 +272,11 @@ class SetObjective:
         starting mid-stack counts as one, plus the reference sweeps actually run: one for
         the whole search when the reference fits ``reference_memory``),
         ``reference_passes`` (those reference sweeps), ``block_passes`` (block forward
-        calls over the calibration set) and ``seconds``; ``reference`` the cache.
+        calls per calibration sweep: each candidate from its first removed block, candidates
+        of one call sharing their common prefixes as a tree, :func:`~hf_layerswap.scoring.probes.schedule`),
+        ``head_passes`` (output-head passes over the calibration prompts: one per candidate
+        plus the reference's, which the streamed KL runs again per group of candidates) and
+        ``seconds``; ``reference`` the cache.
 
     Raises:
         ValueError: an unknown objective or a bad ``reference_memory``.
@@ -258,13 +295,14 @@ class SetObjective:
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
         self.num_blocks = num_blocks(model)
         self.cache: dict[str, float] = {}
-        self.calls = self.forward_passes = self.block_passes = 0
+        self.calls = self.forward_passes = self.block_passes = self.head_passes = 0
         self.seconds = 0.0
         self._operators: dict[int, torch.Tensor] | None = None
 
     def cost(self) -> dict:
         return {"evaluator_calls": self.calls, "forward_passes": self.forward_passes,
-                "block_passes": self.block_passes, "reference_passes": self.reference_passes,
+                "block_passes": self.block_passes, "head_passes": self.head_passes,
+                "reference_passes": self.reference_passes,
                 "seconds": round(self.seconds, 3)}
 
     def value(self, s: Sequence[int]) -> float:
@@ -278,10 +316,9 @@ class SetObjective:
             t0 = time.perf_counter()
             if self.objective == "removal_kl":
                 values, passes, blocks = self._engine_kl(todo)
-            elif self.objective == "nll":
-                values, passes, blocks = self._nll(todo)
             else:
-                values, passes, blocks = self._ghosted(todo)
+                values, passes, blocks = self._nll(todo) if self.objective == "nll" else self._ghosted(todo)
+                self.head_passes += passes  # the model's own head in every sweep (reference and candidates)
             self.cache.update({set_key(s): float(v) for s, v in zip(todo, values)})
             record_set_values({set_key(s): v for s, v in zip(todo, values)})
             self.calls += len(todo)
@@ -302,10 +339,10 @@ class SetObjective:
                                 prefix_reuse=self.prefix_reuse, progress=self.progress is not None,
                                 desc="removal KL of the candidate sets",  # block passes, under the set bar
                                 reference_cache=self.reference)
-        sweeps = _sweeps(stats["reference_passes"], self.calibration.num_prompts, stats["batch_size"])
+        sweeps, blocks, heads = engine_cost(stats, self.calibration, self.num_blocks, len(plans))
         self.reference_passes += sweeps
-        passes, blocks = plans_cost(plans, self.num_blocks, sweeps)
-        return [float(values[k].mean()) for k in range(len(sets))], passes, blocks
+        self.head_passes += heads
+        return [float(values[k].mean()) for k in range(len(sets))], sweeps + len(plans), blocks
 
     def _nll(self, sets):
         values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size,

@@ -8,8 +8,11 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..calibration import CalibrationSet
+from ..devices import input_device
 from ..report import score_key
 from ..rule import resolve_protect
+from ..scoring.reference import ReferenceCache
+from ..scoring.settings import device_memory_budget
 from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
 from .objectives import removal_nll_values
 from .registry import Criterion, register_strategy
@@ -36,6 +39,14 @@ def sleb(
     re-scored after each removal. SLEB's first and last blocks are never removed
     (``protect=(0, -1)``, its ``early_barrier``/``latter_barrier`` of 1).
 
+    Cost: the same engine tricks as the search's evaluator. Each candidate starts at its
+    first removed block from the dense model's stream, the candidates of a step share
+    their common prefixes as a tree (:func:`plan_nll`), and the dense reference (the
+    streams entering every block) is computed once for all steps while it fits the
+    working-memory budget (:class:`~hf_layerswap.scoring.reference.ReferenceCache`, as
+    :class:`~hf_layerswap.selection.objectives.SetObjective` keeps it). A resumed run
+    computes it once more.
+
     Args:
         n: budget or list of budgets; the search runs once to the largest, and each
             budget's result is the prefix of that run with the cost spent up to it.
@@ -45,7 +56,7 @@ def sleb(
     Returns:
         :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
         for protected blocks); ``details["steps"]`` = per step the chosen block and every
-        candidate's NLL. ``evaluator_calls`` = candidate sets scored.
+        candidate's NLL; ``details["head_passes"]`` = output-head passes over the prompts. ``evaluator_calls`` = candidate sets scored.
 
     Raises:
         ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
@@ -56,7 +67,7 @@ def sleb(
         raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
     removed: list[int] = []
     steps, results = [], {}
-    passes = blocks = calls = 0
+    passes = blocks = calls = heads = 0
     seconds = 0.0
     first_scores: list[float | None] = [None] * num_blocks
     base_nll = None
@@ -65,15 +76,18 @@ def sleb(
         check_resume(resume, "sleb", budgets, protect=sorted(resolve_protect(protect, num_blocks)))
         removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
+        heads = resume.details.get("head_passes", 0)
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
+    reference = ReferenceCache(device_memory_budget(input_device(model))[0])
     for k in range(first_step, budgets[-1] + 1):
         candidates = [b for b in allowed if b not in removed]
         sets = [sorted(removed + [b]) for b in candidates]
-        nll, stats = removal_nll_values(model, calib, sets, batch_size)
+        nll, stats = removal_nll_values(model, calib, sets, batch_size, reference_cache=reference)
         if base_nll is None:
             base_nll = float(stats["base"].sum()) / float(_num_targets(calib))
         passes += stats["forward_passes"]
         blocks += stats["block_passes"]
+        heads += stats["head_passes"]
         seconds += stats["seconds"]
         calls += len(sets)
         best = min(range(len(candidates)), key=lambda c: (score_key(nll[c]), candidates[c]))
@@ -86,7 +100,7 @@ def sleb(
             results[k] = CriterionResult(
                 "sleb", k, list(removed), first_scores, passes, blocks, seconds, evaluator_calls=calls,
                 details={"protect": sorted(resolve_protect(protect, num_blocks)), "base_nll": base_nll,
-                         "unit": "nats per token", "steps": copy.deepcopy(steps)},
+                         "unit": "nats per token", "head_passes": heads, "steps": copy.deepcopy(steps)},
             )
     return criterion_output(results, single)
 

@@ -1,0 +1,300 @@
+"""The cost of the pipeline's steps after the selection (:func:`~hf_layerswap.prune`'s
+repair, healing and sparsity), planned on a meta-device model for
+:func:`~hf_layerswap.cost.estimate_cost`.
+
+Each step's passes follow its code, counted as forward calls of a decoder block (one block
+over one batch) and of the output head:
+
+- **recovery** (:func:`~hf_layerswap.recovery.recover`): one pass over the batches that
+  hold the first ``num_tokens`` real tokens (:func:`~hf_layerswap.recovery.fit.select_rows`),
+  each stopping at the last stream slot the method reads (blocks ``0..end-1`` run, ``end``
+  the first kept block after the last cut); ``"fused"`` first checks each cut's host block
+  on one batch of at most 2 prompts (two forwards to the slot after the host). Exact when
+  the blocks are given (``layers``); otherwise an upper bound (the last removable block
+  taken as the last cut);
+- **sparsity** (:func:`~hf_layerswap.sparsity.sparsify`, batches of 8 prompts): the dense
+  pass over every kept block, a gradient pass (forward, head, backward) for allocators that
+  need one, then block by block a statistics replay (pruners with statistics) and the
+  propagation to the next block. Exact;
+- **healing** (:func:`~hf_layerswap.healing.heal`): per optimiser step a student forward
+  and backward (the backward as 2 forward FLOPs) and a teacher forward (or, with
+  ``teacher_top_k``, one teacher pass over the training prompts before training), over
+  transformers' Trainer batches of ``batch_size`` prompts that cycle through the training
+  prompts; held-out evaluations (student and teacher forwards) before training, every
+  ``eval_every`` steps and after the last step. Exact when the early stop cannot fire
+  before the last step (fewer evaluations before it than ``patience``), otherwise an upper
+  bound (no early stop).
+
+Peak memory per step: the weights held then (the dense teacher copy from before the cut
+until healing ends), the step's own tensors (captured streams and float64 moments of a
+repair; the cached block inputs and per-linear statistics of a sparsification; the
+trainable parameters' gradients, AdamW's two moments and step counter, the early stop's
+best copy, the saved activations of the backward and the logits of a healing step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import SimpleNamespace
+
+from torch import nn
+
+from .calibration import CalibrationSet
+from .config import LayerSwapConfig
+from .healing.methods import LORA_TARGETS, cut_neighbours
+from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
+from .recovery.core import DEFAULT_NUM_TOKENS
+from .recovery.fit import cut_boundaries, select_rows
+from .recovery.methods import get_recovery_method
+from .rule import check_budget, resolve_protect
+from .sparsity.registry import get_allocator, get_pruner
+from .sparsity.stats import HessianAccumulator
+
+__all__ = ["ModelShape", "block_flops", "check_removal", "healing_phase", "recovery_phase", "sparsity_phase"]
+
+#: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
+SPARSIFY_BATCH = 8
+#: Prompts of the healing text for training, at most (:func:`~hf_layerswap.healing.heal`).
+HEAL_MAX_TRAIN_PROMPTS = 256
+
+
+def block_flops(block_params: int, positions: int, seq_len: int, hidden: int) -> float:
+    """FLOPs of one block's forward over ``positions`` (batches of ``seq_len``): 2 per
+    parameter per position plus 4 T H per position for attention scores and their
+    weighted sum."""
+    return 2.0 * block_params * positions + 4.0 * positions * seq_len * hidden
+
+
+class ModelShape:
+    """What the step costs read of a (meta-device) model: block count, one block's
+    parameters and bytes, hidden/intermediate sizes, heads, vocabulary, weight bytes."""
+
+    def __init__(self, model: nn.Module):
+        _, _, blocks = decoder_blocks(model)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model = model
+        self.blocks = blocks
+        self.num_blocks = len(blocks)
+        self.block_params = sum(p.numel() for p in blocks[0].parameters())
+        self.block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.hidden = int(text.hidden_size)
+        self.intermediate = int(getattr(text, "intermediate_size", 0) or 4 * self.hidden)
+        self.heads = int(getattr(text, "num_attention_heads", 1) or 1)
+        head = model.get_output_embeddings()
+        self.vocab = int(head.weight.shape[0]) if head is not None else int(text.vocab_size)
+        self.es = next(model.parameters()).element_size()
+
+    def forward_flops(self, blocks: int, batch: int, width: int, head: bool = True) -> tuple[float, float]:
+        """(block FLOPs, head FLOPs) of a model forward over ``batch`` x ``width`` positions
+        through ``blocks`` blocks (and the head over every position)."""
+        positions = batch * width
+        return (blocks * block_flops(self.block_params, positions, width, self.hidden),
+                2.0 * positions * self.hidden * self.vocab if head else 0.0)
+
+    def activation_bytes(self, batch: int, width: int) -> int:
+        """One block's forward working memory over ``batch`` x ``width`` positions."""
+        return batch * width * (8 * self.hidden + 3 * self.intermediate) * self.es + batch * self.heads * width**2 * 4
+
+
+def _phase(exact: bool, note: str) -> dict:
+    return {"block_passes": 0, "head_passes": 0, "block_flops": 0.0, "head_flops": 0.0, "exact": exact,
+            "memory_bytes": 0, "note": note}
+
+
+def _add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width: int, head: bool = True,
+                 factor: float = 1.0) -> None:
+    fb, fh = shape.forward_flops(blocks, batch, width, head)
+    phase["block_passes"] += blocks
+    phase["head_passes"] += int(head)
+    phase["block_flops"] += factor * fb
+    phase["head_flops"] += factor * fh
+
+
+def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
+    """The removed blocks when given (exact), else a worst case for the passes: the
+    ``num_to_remove`` last removable blocks (the last cut as deep as it can be)."""
+    total = shape.num_blocks
+    if cfg.layers is not None:
+        return sorted(i % total for i in cfg.layers), True
+    allowed = [i for i in range(total) if i not in resolve_protect(cfg.protect, total)]
+    return allowed[-cfg.num_to_remove:], False
+
+
+def check_removal(cfg: LayerSwapConfig, total: int) -> None:
+    """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
+    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), layers
+    out of range or duplicated, or every block.
+
+    Raises:
+        ValueError: naming the budget or the layers and what the model allows.
+    """
+    if cfg.layers is None:
+        check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        return
+    removed = resolve_layer_indices(cfg.layers, total)
+    if len(removed) >= total:
+        most = ONE_BLOCK if total == 1 else f"at most {total - 1} of {total} can go"
+        raise ValueError(f"layers={list(cfg.layers)}: removing {removed} would leave no block: {most}")
+
+
+# ---------------------------------------------------------------------------- recovery
+def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfig, teacher_bytes: int) -> dict:
+    """Passes, FLOPs and peak bytes of ``cfg.recovery``'s fit (see the module's text)."""
+    rec = cfg.recovery
+    entry = get_recovery_method(rec.method)
+    removed, exact = _removal(shape, cfg)
+    cuts = cut_boundaries(shape.num_blocks, removed)
+    slots = set()
+    for cut in cuts:
+        slots.update((cut["start"], cut["end"]), entry.slots(cut))
+    blocks = min(max(slots), shape.num_blocks)  # blocks 0..last slot - 1 run (all of them when the last is L)
+    phase = _phase(exact, f"{rec.method} fit on the first {rec.num_tokens or DEFAULT_NUM_TOKENS:,} real tokens, "
+                          f"each batch up to slot {max(slots)}" + ("" if exact else " (the deepest possible cut)"))
+    num_tokens = rec.num_tokens or DEFAULT_NUM_TOKENS
+    if rec.method == "fused":  # the host check: two forwards to the slot after each host, on one batch
+        ids, _, _ = next(select_rows(calib, min(cfg.batch_size, 2), num_tokens))
+        for cut in cuts:
+            if cut["host"] is not None:
+                for _ in range(2):
+                    _add_forward(phase, shape, cut["host"] + 1, ids.shape[0], ids.shape[1], head=False)
+    most = 0
+    for ids, mask, keep in select_rows(calib, cfg.batch_size, num_tokens):
+        _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
+        held = len(slots) * ids.numel() * shape.hidden * shape.es + len(slots) * int(keep.sum()) * shape.hidden * 8
+        most = max(most, held + shape.activation_bytes(ids.shape[0], ids.shape[1]))
+    moments = 8 * shape.hidden**2 * (2 * len(removed) + len(cuts))  # float64 XᵀX, XᵀY per removed block and cut
+    phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + most + moments
+    return phase
+
+
+# ---------------------------------------------------------------------------- sparsity
+def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfig, removed: int) -> dict:
+    """Passes, FLOPs and peak bytes of ``cfg.sparsity`` on the pruned model (see the module's text)."""
+    sp = cfg.sparsity
+    kept = shape.num_blocks - removed
+    allocator, pruner = get_allocator(sp.allocation), get_pruner(sp.pruner)
+    phase = _phase(True, f"{sp.pruner} with {sp.allocation} on {kept} blocks, batches of {SPARSIFY_BATCH} prompts")
+    cached = 0
+    for ids, _ in calib.batches(SPARSIFY_BATCH):
+        b, w = ids.shape
+        if allocator.needs_gradients:  # forward with the head, then a backward (2 forward FLOPs)
+            _add_forward(phase, shape, kept, b, w, head=True, factor=3.0)
+        _add_forward(phase, shape, kept, b, w, head=False)  # the dense pass
+        if pruner.statistics is not None:  # block by block: the statistics replay
+            _add_forward(phase, shape, kept, b, w, head=False)
+        _add_forward(phase, shape, kept - 1, b, w, head=False)  # the propagation to the next block
+        cached += 2 * ids.numel() * shape.hidden * shape.es  # inputs of the block and its outputs
+    linears = [m for m in shape.blocks[0].modules() if isinstance(m, nn.Linear)]
+    if pruner.statistics is HessianAccumulator:
+        stats = sum(4 * lin.in_features**2 for lin in linears)
+    else:
+        stats = sum(4 * lin.in_features for lin in linears)
+    pruned_weights = shape.weight_bytes - removed * shape.block_bytes
+    phase["memory_bytes"] = pruned_weights + cached + stats + shape.activation_bytes(SPARSIFY_BATCH, calib.seq_len)
+    return phase
+
+
+# ----------------------------------------------------------------------------- healing
+def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
+    """(prompts of the healing text, their width, whether known exactly): given tensors
+    read as :func:`~hf_layerswap.calibration.build_calibration` does, else full prompts."""
+    heal = cfg.heal
+    steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
+    wanted = min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS) + heal.heldout_prompts
+    if heal.calibration is None and isinstance(calibration, Mapping):
+        ids = calibration["input_ids"]
+        if int(ids.shape[0]) <= heal.heldout_prompts:  # heal refuses it the same way
+            raise ValueError(f"{int(ids.shape[0])} calibration prompt(s) with heldout_prompts={heal.heldout_prompts}: "
+                             "at least one prompt must remain for healing's training")
+        return min(wanted, int(ids.shape[0])), int(ids.shape[1]), True
+    return wanted, heal.seq_len, False
+
+
+def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[int],
+                         known: bool = True) -> tuple[int, int, int]:
+    """(trainable parameters, their tensors, bytes per element) of ``cfg.heal``'s method on
+    the pruned model: LoRA's A and B (fp32, rank ``lora_r``) on the kept blocks'
+    projections, or the full weights the method unfreezes (``"adjacent"`` with ``removed``
+    not ``known``: two neighbours per removed block, the most there can be).
+
+    Raises:
+        ValueError: a healing method whose trainable set is not planned here, or a
+            ``last_k`` ``k`` outside 1..(kept blocks).
+    """
+    heal, kept = cfg.heal, shape.num_blocks - len(removed)
+    block = shape.blocks[0]
+    if heal.method == "lora":
+        rank = heal.options.get("lora_r", 16)
+        lins = [m for n, m in block.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]
+        return kept * sum(rank * (m.in_features + m.out_features) for m in lins), kept * 2 * len(lins), 4
+    norms = [p for m in block.modules() if "norm" in type(m).__name__.lower() for p in m.parameters(recurse=False)]
+    if heal.method == "adjacent":
+        total = shape.num_blocks
+        kept_layers = [i for i in range(total) if i not in removed]
+        record = {"kept_layers": kept_layers, "removed_layers": removed, "original_num_hidden_layers": total}
+        chosen = (len(cut_neighbours(SimpleNamespace(config=SimpleNamespace(layerswap=record)))) if known
+                  else min(2 * len(removed), kept))
+        params = list(block.parameters())
+        norm_params = sum(p.numel() for p in norms)
+        return (chosen * shape.block_params + (kept - chosen) * norm_params,
+                chosen * len(params) + (kept - chosen) * len(norms), shape.es)
+    if heal.method == "last_k":
+        k = heal.options.get("k", 3)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= kept:
+            raise ValueError(f"heal option k={k!r}: must be an int in 1..{kept} (the pruned model's block count)")
+        extra = [m for m in (shape.model.get_output_embeddings(), getattr(shape.model.get_decoder(), "norm", None))
+                 if m is not None]
+        extra_params = [p for m in extra for p in m.parameters()]
+        return (k * shape.block_params + sum(p.numel() for p in extra_params),
+                k * len(list(block.parameters())) + len(extra_params), shape.es)
+    raise ValueError(f"heal method={heal.method!r}: estimate_cost plans 'lora', 'adjacent' and 'last_k'")
+
+
+def _trainer_batches(rows: int, batch: int, steps: int) -> list[int]:
+    """Prompts of each of ``steps`` Trainer batches cycling through ``rows`` prompts (the
+    last batch of an epoch may be short)."""
+    epoch = [min(batch, rows - s) for s in range(0, rows, batch)]
+    return [epoch[i % len(epoch)] for i in range(steps)]
+
+
+def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int) -> dict:
+    """Passes, FLOPs and peak bytes of ``cfg.heal`` (see the module's text)."""
+    heal = cfg.heal
+    removed_set, removal_known = _removal(shape, cfg)
+    kept = shape.num_blocks - removed
+    prompts, width, rows_known = _heal_rows(cfg, calibration)
+    train, held = prompts - heal.heldout_prompts, heal.heldout_prompts
+    steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
+    # before training, every eval_every steps and after the last step (transformers' DefaultFlowCallback)
+    evaluations = 1 + math.ceil(steps / heal.eval_every)
+    no_early_stop = math.ceil(steps / heal.eval_every) - 1 < heal.patience  # a stop at the last one changes nothing
+    phase = _phase(no_early_stop and rows_known,
+                   f"{heal.method}: {steps} steps of {heal.batch_size} prompts x {width} tokens, {evaluations} "
+                   f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))
+    batches = _trainer_batches(train, heal.batch_size, steps)
+    if heal.teacher_top_k is not None:  # the teacher once over the training prompts
+        for b in _trainer_batches(train, heal.batch_size, math.ceil(train / heal.batch_size)):
+            _add_forward(phase, shape, shape.num_blocks, b, width)
+    for b in batches:
+        if heal.teacher_top_k is None:
+            _add_forward(phase, shape, shape.num_blocks, b, width)
+        _add_forward(phase, shape, kept, b, width, factor=3.0)  # forward + backward (2 forward FLOPs)
+    for _ in range(evaluations):
+        for b in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)):
+            _add_forward(phase, shape, shape.num_blocks, b, width)
+            _add_forward(phase, shape, kept, b, width)
+    params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
+    # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
+    optimizer = 4 * params * es + 4 * tensors
+    adapters = params * es if heal.method == "lora" else 0
+    b = heal.batch_size
+    saved = kept * (b * width * (16 * shape.hidden + 2 * shape.intermediate) * shape.es
+                    + 2 * b * shape.heads * width**2 * 4)  # what the backward keeps per block
+    logits = 5 * b * width * shape.vocab * 4  # student, teacher, their log-softmaxes, the gradient (fp32)
+    phase.update(trainable_params=params, trainable_tensors=tensors, optimizer_bytes=optimizer,
+                 removal_known=removal_known)
+    phase["memory_bytes"] = (2 * shape.weight_bytes - removed * shape.block_bytes + adapters + optimizer
+                             + saved + logits)
+    return phase

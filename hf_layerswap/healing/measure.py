@@ -1,0 +1,180 @@
+"""What :func:`~hf_layerswap.healing.heal` measures around the training, for the record and
+the card: perplexity of the dense model, after the cut, after the repair and after healing
+(one contract, one text), and lm-eval tasks before and after healing.
+
+The stage "after the cut" of a repaired student is the dense teacher run under the removal
+plan of the student's last cut (:func:`~hf_layerswap.plan.apply_plan`: the same blocks
+skipped, no repair, no weight copied); the stage healing starts from is the student as it
+is handed in (after the repair when its last step repaired the cut, else after the cut).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..evaluation.perplexity import evaluate_perplexity
+from ..plan import apply_plan, num_blocks, removal_plan
+from ..recovery import attached_operators
+from ..tasks import evaluate_tasks
+
+__all__ = ["HealMeasures", "PERPLEXITY_STAGES", "check_eval_tasks", "contract_summary", "replayed_cut", "repair_of_last_cut"]
+
+#: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
+PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_healing")
+
+
+def check_eval_tasks(tasks, path, limit, what: str) -> tuple[list[str] | None, int | float | None]:
+    """``(tasks, limit)`` of a healing's task evaluation, checked: ``tasks`` ``None``, one
+    lm-eval task name or a non-empty list of them (returned as a list); ``limit`` ``None``,
+    an int >= 1 (a whole float becomes an int) or a fraction in (0, 1); ``path`` and
+    ``limit`` only with ``tasks``.
+
+    Raises:
+        ValueError: naming ``what`` (``"HealConfig"``, ``"heal"``), the field, its value
+            and what is allowed.
+    """
+    if tasks is not None:
+        names = [tasks] if isinstance(tasks, str) else tasks
+        if not isinstance(names, Sequence) or not names or not all(isinstance(t, str) and t for t in names):
+            raise ValueError(f"{what}(eval_tasks={tasks!r}): must be None or a non-empty list of lm-eval task names")
+        tasks = list(names)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not (limit >= 1 and float(limit).is_integer() or 0 < limit < 1)):
+        raise ValueError(f"{what}(eval_tasks_limit={limit!r}): must be None, an int >= 1 or a fraction in (0, 1)")
+    if isinstance(limit, float) and limit >= 1:
+        limit = int(limit)
+    if tasks is None and (path is not None or limit is not None):
+        raise ValueError(f"{what}(eval_tasks_path={path!r}, eval_tasks_limit={limit!r}) without "
+                         "eval_tasks: name the lm-eval tasks to measure")
+    return tasks, limit
+
+
+def contract_summary(contract: Mapping) -> dict:
+    """The part of a perplexity contract a healing record keeps: ``contract`` (its name),
+    ``text`` (the source, a file by its name only), ``text_sha256``, ``window``,
+    ``stride`` and ``words``."""
+    return {"contract": contract.get("name", "matched"), "text": contract.get("source"),
+            "text_sha256": contract.get("text_sha256"), "window": contract.get("window"),
+            "stride": contract.get("stride"), "words": contract.get("words")}
+
+
+def repair_of_last_cut(model: nn.Module) -> str | None:
+    """The repair method of the last removal step of ``model.config.layerswap`` when that
+    step repaired its cut (``"ghosted"``, ``"fused"``, ...), else ``None`` (plain removal,
+    ``recovery="none"`` or no record)."""
+    record = getattr(model.config, "layerswap", None) or {}
+    steps = record.get("steps") or []
+    method = steps[-1].get("recovery") if steps and isinstance(steps[-1], Mapping) else None
+    return method if method not in (None, "none") and record.get("recovery") else None
+
+
+def replayed_cut(student: nn.Module, teacher: nn.Module) -> list[int] | None:
+    """The blocks of ``teacher`` whose removal gives the student's last cut without its
+    repair, or ``None`` when the record does not say: the whole record's
+    ``removed_layers`` when the teacher has the original depth (``heal PRUNED BASE``), the
+    last step's ``removed_layers`` when it has the depth before that step (the pipeline's
+    copy taken just before the cut). A teacher carrying repair operators itself gives
+    ``None`` (its hooks would sit on the wrong blocks)."""
+    record = getattr(student.config, "layerswap", None) or {}
+    steps = record.get("steps") or []
+    total, kept = num_blocks(teacher), num_blocks(student)
+    if attached_operators(teacher):
+        return None
+    if total == record.get("original_num_hidden_layers"):
+        removed = record.get("removed_layers")
+    elif steps and isinstance(steps[-1], Mapping) and total == steps[-1].get("num_blocks_before"):
+        removed = steps[-1].get("removed_layers")
+    else:
+        return None
+    if not isinstance(removed, list) or not removed or total - len(removed) != kept:
+        return None
+    return list(removed)
+
+
+@dataclass
+class HealMeasures:
+    """The measurements :func:`heal` was asked for.
+
+    Attributes:
+        perplexity_text: ``None`` (no perplexity), ``"embedded"`` or a text source
+            :func:`~hf_layerswap.evaluation.evaluate_perplexity` accepts (``"matched"``
+            contract, no bootstrap).
+        eval_tasks: lm-eval task names (``None`` = none); ``eval_tasks_path`` their YAML
+            folder, ``eval_tasks_limit`` documents per task (see :func:`evaluate_tasks`).
+        tokenizer: the student's tokenizer (both need one).
+        progress: the perplexity's progress bar.
+    """
+
+    perplexity_text: object = None
+    eval_tasks: Sequence[str] | None = None
+    eval_tasks_path: object = None
+    eval_tasks_limit: int | float | None = None
+    tokenizer: object = None
+    progress: bool = False
+
+    def check(self) -> None:
+        """Refuse, before any work, measurements that need a tokenizer there is not.
+
+        Raises:
+            ValueError: ``perplexity_text`` or ``eval_tasks`` without a tokenizer, or bad
+                task fields (:func:`check_eval_tasks`).
+        """
+        self.eval_tasks, self.eval_tasks_limit = check_eval_tasks(self.eval_tasks, self.eval_tasks_path,
+                                                                  self.eval_tasks_limit, "heal")
+        for name in ("perplexity_text", "eval_tasks"):
+            if getattr(self, name) is not None and self.tokenizer is None:
+                raise ValueError(f"{name}={getattr(self, name)!r} needs tokenizer= (the student's tokenizer)")
+
+    def start(self, student: nn.Module, teacher: nn.Module) -> dict:
+        """Everything measured before training: ``{"perplexity": {stage: ppl, ...}, "tasks":
+        TaskResults or None, "contract": ...}``."""
+        out: dict = {"perplexity": {}, "tasks": None, "contract": None}
+        if self.perplexity_text is not None:
+            dense = self._perplexity(teacher)
+            out["contract"] = dense.contract
+            stages = {"dense": dense.ppl}
+            repair = repair_of_last_cut(student)
+            if repair is not None:
+                cut = replayed_cut(student, teacher)
+                if cut is not None:
+                    with apply_plan(teacher, removal_plan(num_blocks(teacher), cut)):
+                        stages["after_cut"] = self._perplexity(teacher).ppl
+                stages["after_repair"] = self._perplexity(student).ppl
+            else:
+                stages["after_cut"] = self._perplexity(student).ppl
+            out["perplexity"] = {"stages": stages, "repair": repair}
+        if self.eval_tasks is not None:
+            out["tasks"] = self._tasks(student)
+        return out
+
+    def finish(self, healed: nn.Module, start: dict) -> tuple[dict, dict]:
+        """``(perplexity, tasks)`` of the report: the stages with ``after_healing`` added,
+        and the tasks before and after (``{}`` for what was not asked)."""
+        perplexity, tasks = {}, {}
+        if self.perplexity_text is not None:
+            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed).ppl}
+            contract = start["contract"] or {}
+            repair = start["perplexity"]["repair"]
+            perplexity = {**{k: stages.get(k) for k in PERPLEXITY_STAGES},
+                          "start": "after_repair" if repair else "after_cut", "repair": repair,
+                          **contract_summary(contract)}
+            if not repair:
+                del perplexity["after_repair"]
+        if self.eval_tasks is not None:
+            before, after = start["tasks"], self._tasks(healed)
+            tasks = {"before": before.results, "after": after.results, "settings": before.settings,
+                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples}
+            if after.task_hashes != before.task_hashes:
+                tasks["mismatch"] = "the task documents or prompts differ between before and after"
+        return perplexity, tasks
+
+    def _perplexity(self, model):
+        text = None if self.perplexity_text == "embedded" else self.perplexity_text
+        return evaluate_perplexity(model, text, tokenizer=self.tokenizer, bootstrap=0, progress=self.progress)
+
+    def _tasks(self, model):
+        return evaluate_tasks(model, list(self.eval_tasks), tokenizer=self.tokenizer, include_path=self.eval_tasks_path,
+                              limit=self.eval_tasks_limit)

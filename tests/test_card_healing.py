@@ -1,0 +1,62 @@
+"""The card's healing section (hf_layerswap.card.healing): a healing run is never shown
+without its before and after numbers, one that ended worse than it started is marked, and
+older records and stale runs still render."""
+
+from __future__ import annotations
+
+import hf_layerswap as hl
+from conftest import tiny_model
+from hf_layerswap.card.healing import healing_section, tasks_table
+
+REMOVED = [2, 3]
+
+
+def _entry(**extra):
+    return {"method": "lora", "tokens": 10, "steps": 1, "kl_before": 0.2, "kl_after": 0.15, **extra}
+
+
+def test_healing_without_its_numbers_is_flagged_never_shown_as_an_improvement():
+    bare = healing_section({"healing": [{"method": "lora", "tokens": 10, "steps": 1}]})
+    assert "not recorded: this healing cannot be judged (no finite held-out KL before and after: — → —)" in bare
+    nan = healing_section({"healing": [_entry(kl_after=float("nan"))]})
+    assert "cannot be judged" in nan and "nats/token (" not in nan
+    worse = healing_section({"healing": [_entry(kl_after=0.25)]})
+    assert "0.2000 → 0.2500 nats/token (+25.0%); **worse than before healing**" in worse
+    no_end = healing_section({"healing": [_entry(perplexity={"dense": 10.0, "after_cut": 30.0, "start": "after_cut",
+                                                               "contract": "matched"})]})
+    assert "| Perplexity after healing | not measured |" in no_end
+    assert "cannot be judged on perplexity (no value before and after)" in no_end
+    ppl_worse = healing_section({"healing": [_entry(perplexity={"dense": 10.0, "after_cut": 30.0, "after_healing": 33.0,
+                                                                  "start": "after_cut", "contract": "matched"})]})
+    assert ("| Perplexity after healing | 33.000 (+230.0% vs the dense model); +10.0% vs the start of healing (after "
+            "the cut): **worse than before healing** |") in ppl_worse
+    one_side = tasks_table({"before": {"t": {"acc": 0.5}}})
+    assert "cannot be judged" in one_side and "0.5000" not in one_side
+    assert tasks_table({}) is None
+
+
+def test_older_before_after_record_and_stale_marking_still_render():
+    record = {"healing": [_entry(perplexity={"before": 30.0, "after": 24.0, "contract": "matched"})],
+              "recovery": {"method": "ghosted"}}
+    text = healing_section(record)
+    assert "| Perplexity after the repair (ghosted) | 30.000 |" in text
+    assert "| Perplexity after healing | 24.000; -20.0% vs the start of healing (after the repair) |" in text
+    assert "| Perplexity of the dense model (the teacher) | not measured |" in text
+    student = hl.remove_layers(tiny_model("llama", num_blocks=6), REMOVED)
+    student.config.layerswap["healing"] = [_entry(perplexity={"dense": 10.0, "after_cut": 30.0, "after_healing": 20.0,
+                                                              "start": "after_cut", "contract": "matched"})]
+    hl.remove_layers(student, [1])
+    text = healing_section(student.config.layerswap)
+    assert "| Perplexity after healing | 20.000 (+100.0% vs the dense model); -33.3% vs the start" in text
+    assert "**stale**: removal step 2 came after this healing" in text
+
+
+def test_malformed_or_empty_records_render_as_cannot_be_judged():
+    judged = "lm-eval tasks: not recorded before and after healing: these task results cannot be judged and are not shown."
+    assert tasks_table({"before": {}, "after": {}}) == judged
+    assert tasks_table({"before": {"t": 0.5}, "after": {"t": 0.6}}) == judged
+    one_sided = tasks_table({"before": {"t": {"acc": 0.5}}, "after": {"t": 0.6}})
+    assert "| t | acc | 0.5000 | — | cannot be judged |" in one_sided
+    card = healing_section({"healing": [_entry(tokens=None, perplexity=[1, 2])]})
+    assert "| Training | — tokens, 1 steps," in card
+    assert "| Perplexity before → after healing | not recorded in a readable form: this healing cannot be judged" in card

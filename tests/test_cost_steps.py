@@ -1,0 +1,162 @@
+"""estimate_cost of the steps after the selection (hf_layerswap/cost_steps.py): a repair,
+healing and sparsity, against forward hooks in the real prune of a tiny model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+import hf_layerswap as hl
+from conftest import counted_prune
+from hf_layerswap.cost import Throughput
+from hf_layerswap.healing import heal
+from hf_layerswap.healing.methods import get_heal_method
+
+FIXED = Throughput(1e9, 2e9, 1e9, source="fixed for the test")
+
+
+def _tiny(layers: int = 8) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def _calibration(prompts: int = 6) -> dict:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (prompts, 16))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _estimate(config, calib, layers: int = 8):
+    return hl.estimate_cost(_tiny(layers), config, calibration=calib, throughput=FIXED)
+
+
+@pytest.mark.parametrize("method", ["ghosted", "fused"])
+def test_a_repair_of_given_blocks_is_counted_exactly(method):
+    calib = _calibration()
+    config = hl.LayerSwapConfig(layers=[3, 5], recovery=hl.RecoveryConfig(method=method), batch_size=4,
+                                progress=False)
+    estimate = _estimate(config, calib)
+    assert (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny(), config, calib)
+    assert estimate.exact and list(estimate.phases) == ["recovery"]
+    # 2 batches, each up to the stream entering block 6 (blocks 0..5); fused: two forwards up to
+    # block 3 and two up to block 5 first (the host checks of cuts 3 and 5)
+    assert estimate.block_passes == 2 * 6 + (0 if method == "ghosted" else 2 * 3 + 2 * 5)
+
+
+def test_a_repair_after_the_greedy_rule_is_bounded_by_the_deepest_cut():
+    calib = _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", recovery=hl.RecoveryConfig(), batch_size=4,
+                                progress=False)
+    estimate = _estimate(config, calib)
+    blocks, heads = counted_prune(_tiny(), config, calib)
+    assert not estimate.exact and not estimate.phases["recovery"]["exact"] and estimate.phases["scoring"]["exact"]
+    assert blocks <= estimate.block_passes <= 1.5 * blocks and heads == estimate.head_passes
+    # the last removable block is 6 (block 7 protected): each batch runs blocks 0..6
+    assert estimate.phases["recovery"]["block_passes"] == 2 * 7
+
+
+@pytest.mark.parametrize("pruner,allocation", [("wanda", "pals"), ("sparsegpt", "uniform"),
+                                               ("magnitude", "gradient")])
+def test_sparsity_passes_are_counted_exactly(pruner, allocation):
+    calib = _calibration(prompts=10)
+    sparsity = hl.SparsityConfig(sparsity=0.5, allocation=allocation, pruner=pruner)
+    config = hl.LayerSwapConfig(layers=[2], sparsity=sparsity, batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    assert (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny(), config, calib)
+    # 7 kept blocks, 2 batches of 8 prompts: the dense pass, the statistics replay (not for
+    # magnitude), the propagation over 6 blocks; the gradient allocator's forwards with the head
+    replay = 0 if pruner == "magnitude" else 7
+    gradient = 7 if allocation == "gradient" else 0
+    assert estimate.block_passes == 2 * (7 + replay + 6 + gradient)
+    assert estimate.head_passes == (2 if allocation == "gradient" else 0)
+
+
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_healing_passes_are_counted_exactly_when_the_early_stop_cannot_fire(top_k):
+    calib = _calibration(prompts=7)
+    # 3 steps of 2 prompts x 16 tokens; 7 prompts: 5 for training, 2 held out; evaluations before
+    # training and after the last step (eval_every=4 > 3 steps: the early stop cannot fire)
+    healing = hl.HealConfig(max_tokens=96, seq_len=16, batch_size=2, eval_every=4, heldout_prompts=2,
+                            teacher_top_k=top_k)
+    config = hl.LayerSwapConfig(layers=[3, 5], heal=healing, batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    assert estimate.exact and estimate.phases["healing"]["exact"]
+    assert (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny(), config, calib)
+    # per step the student's 6 blocks and (without a cache) the teacher's 8; the cache: the
+    # teacher over 3 batches of the 5 training prompts; each evaluation: both on one batch
+    teacher = 3 * 8  # 3 steps, or the cache's 3 batches (2 + 2 + 1 prompts)
+    assert estimate.block_passes == 3 * 6 + teacher + 2 * (8 + 6)
+    # training FLOPs: the student's forward + backward (3 forwards) and the teacher's forward
+    phase = estimate.phases["healing"]
+    assert phase["flops"] == phase["block_flops"] + phase["head_flops"]
+    assert estimate.seconds == pytest.approx(estimate.flops / 1e9 - phase["head_flops"] / 2e9)
+
+
+def test_healing_with_a_possible_early_stop_is_an_upper_bound():
+    calib = _calibration(prompts=12)
+    healing = hl.HealConfig(max_tokens=8 * 32, seq_len=16, batch_size=2, eval_every=2, patience=2, heldout_prompts=2)
+    config = hl.LayerSwapConfig(layers=[3, 5], heal=healing, batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    blocks, heads = counted_prune(_tiny(), config, calib)
+    assert not estimate.phases["healing"]["exact"]
+    # 8 steps and 1 + 4 evaluations at most
+    assert estimate.block_passes == 8 * (6 + 8) + 5 * (8 + 6)
+    assert estimate.head_passes == 8 * 2 + 5 * 2
+    assert blocks <= estimate.block_passes <= 1.5 * blocks and heads <= estimate.head_passes <= 1.5 * heads
+
+
+class _OptimizerBytes(TrainerCallback):
+    """Bytes of AdamW's state after the first step (exp_avg, exp_avg_sq, step per tensor)."""
+
+    def __init__(self):
+        self.state = None
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self.state is None:
+            self.state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                             if torch.is_tensor(t))
+
+
+@pytest.mark.parametrize("method,options", [("lora", {"lora_r": 4}), ("adjacent", {}), ("last_k", {"k": 2})])
+def test_trainable_parameters_and_optimizer_state_equal_the_real_healing(method, options):
+    calib = _calibration(prompts=7)
+    healing = hl.HealConfig(method=method, max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=2, options=options)
+    config = hl.LayerSwapConfig(layers=[3, 4], heal=healing, batch_size=4, progress=False)
+    phase = _estimate(config, calib).phases["healing"]
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(_tiny()).eval()
+    teacher = copy.deepcopy(model)
+    hl.remove_layers(model, [3, 4])
+    trained = get_heal_method(method).prepare(copy.deepcopy(model), options)
+    params = [p for p in trained.parameters() if p.requires_grad]
+    assert (phase["trainable_params"], phase["trainable_tensors"]) == (sum(p.numel() for p in params), len(params))
+    seen = _OptimizerBytes()
+    heal(model, teacher, calib, method=method, max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=2,
+         callbacks=[seen], **options)
+    grads_and_best = 2 * sum(p.numel() * p.element_size() for p in params)
+    assert seen.state + grads_and_best == phase["optimizer_bytes"]
+
+
+def test_the_steps_peak_memory_holds_the_teacher_copy_and_the_training_state():
+    calib = _calibration(prompts=7)
+    healing = hl.HealConfig(method="last_k", max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=2)
+    config = hl.LayerSwapConfig(layers=[3, 4], heal=healing, batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    weights = sum(p.numel() * 4 for p in LlamaForCausalLM(_tiny()).parameters())
+    phase = estimate.phases["healing"]
+    # the dense teacher and the pruned student, plus the optimizer state: at least that much
+    assert phase["memory_bytes"] > 2 * weights - 2 * weights // 8 + phase["optimizer_bytes"]
+    assert estimate.memory_parts["steps"] == phase["memory_bytes"]
+    assert estimate.peak_memory_bytes["cpu"] >= phase["memory_bytes"]
+
+
+def test_healing_the_real_run_would_refuse_is_refused():
+    with pytest.raises(ValueError, match="4 calibration prompt\\(s\\) with heldout_prompts=4"):
+        _estimate({"layers": [2], "heal": {"method": "lora", "heldout_prompts": 4}}, _calibration(4))
+    with pytest.raises(ValueError, match=r"heal option k=9: must be an int in 1\.\.7"):
+        _estimate({"layers": [2], "heal": {"method": "last_k", "options": {"k": 9}}}, _calibration())
