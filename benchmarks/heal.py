@@ -9,7 +9,9 @@ the ghosted repair and after healing, the held-out KL before/after, steps, real 
 the CPU seconds of the healing call.
 
 Text: healing and the ghosted fit use WikiText-2 *validation* (``../shared/data`` holds no
-training split); evaluation is WikiText-2 raw *test*, never seen by any fit or training.
+training split); evaluation is WikiText-2 raw *test*, never seen by any fit or training. A
+cell's ``text`` is ``"paragraphs"`` (one prompt per paragraph, ``heal(packing=False)``) or
+``"packed"`` (full windows of packed text, ``heal(packing=True)``).
 
 The cells and settings come from the experiment file ``benchmarks/experiments/heal.toml``
 (:data:`PLAN`, groups in priority order); running, resuming and merging are the benchmark
@@ -17,7 +19,8 @@ runner's (``benchmarks/runner.py``): each finished cell is stored in ``heal.json
 a rerun skips finished cells (an interrupted run loses at most the cell in progress),
 ``--merge-from`` first merges the ``heal.json`` of runs made elsewhere (refusing a cell stored
 with different values), and ``--render-only`` rewrites ``heal.md`` and the plot from
-``heal.json`` alone (no model is loaded).
+``heal.json`` alone (no model is loaded). ``--state PATH`` keeps the cells in another JSON
+file (and writes its page next to it), e.g. for a run beside another one.
 
 Usage (from the repository root)::
 
@@ -41,6 +44,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from hf_layerswap import heal, recover, remove_layers  # noqa: E402
+from hf_layerswap.healing.core import PARAGRAPH_PROMPTS  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
@@ -68,10 +72,10 @@ LR = EXPERIMENT["lr"]
 BEST = EXPERIMENT["best"]
 
 
-def _cell(model, criterion, n, method, tokens, lr=None):
+def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs"):
     heal_method = method.split("+")[-1]
     return {"model": model, "criterion": criterion, "n": n, "method": method, "tokens": tokens,
-            "lr": LR[heal_method] if lr is None else lr}
+            "lr": LR[heal_method] if lr is None else lr, "text": text}
 
 
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
@@ -79,7 +83,8 @@ SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
 #: time the shared machine gave this run (the page says so).
 CRITERIA_TOKENS = EXPERIMENT["criteria_tokens"]
 #: The cells, by group, in priority order; ``--groups`` picks groups.
-PLAN = {group: [_cell(c["model"], c["criterion"], c["n"], c["method"], c["tokens"], c.get("lr")) for c in cells]
+PLAN = {group: [_cell(c["model"], c["criterion"], c["n"], c["method"], c["tokens"], c.get("lr"),
+                      c.get("text", "paragraphs")) for c in cells]
         for group, cells in experiment_cells(EXPERIMENT).items()}
 GROUP_TITLES = EXPERIMENT["titles"]
 CRITERION_NAMES = {
@@ -88,8 +93,16 @@ CRITERION_NAMES = {
 }
 
 
+def cell_text(cell: dict) -> str:
+    """The cell's healing text (cells stored before the field existed are ``"paragraphs"``)."""
+    return cell.get("text", "paragraphs")
+
+
 def cell_key(cell: dict) -> str:
-    return f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
+    """``model|criterion|nN|method|tokens|lrX``, then ``|packed`` for packed text (paragraph
+    cells keep the keys they were stored under)."""
+    key = f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
+    return key if cell_text(cell) == "paragraphs" else f"{key}|{cell_text(cell)}"
 
 
 def removal_set(model: str, criterion: str, n: int) -> list[int]:
@@ -160,7 +173,7 @@ class Runner:
         cpu, wall = time.process_time(), time.time()
         report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
                       tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer, max_tokens=cell["tokens"],
-                      learning_rate=cell["lr"], **HEAL_SETTINGS)
+                      learning_rate=cell["lr"], packing=cell_text(cell) == "packed", **HEAL_SETTINGS)
         cpu, wall = time.process_time() - cpu, time.time() - wall
         healed = self.evaluate(student)
         return {**cell, "removed": removed, "healed": healed, "heal_cpu_s": cpu, "heal_wall_s": wall,
@@ -242,6 +255,10 @@ TABLE_HEAD = [
 ]
 
 
+#: The issue's numbers for SmolLM2-135M n = 6: dPPL% after the ghosted repair and the goal (half of it).
+ISSUE_GHOSTED, ISSUE_GOAL = 76.1, 38.0
+
+
 def _n6_target(state: dict) -> list[str]:
     cells = [c for c in state["cells"].values()
              if c["model"] == SMOL and c["criterion"] == "search" and c["n"] == 6]
@@ -251,20 +268,64 @@ def _n6_target(state: dict) -> list[str]:
     entry = state["models"][SMOL]["sets"][",".join(map(str, cells[0]["removed"]))]
     ghosted = entry.get("ghosted", {}).get("dppl")
     best = min(cells, key=lambda c: c["healed"]["dppl"])
+    healed = best["healed"]["dppl"]
+    text = " on packed text" if cell_text(best) == "packed" else ""
     line = (f"Target (SmolLM2 n = 6, the default search's set: the best healing recovers at least half of what remains "
-            f"after the ghosted repair, with <= 512k tokens): best **{best['method']}** at {best['report']['tokens']:,} "
-            f"tokens, dPPL {best['healed']['dppl']:+.1f}%")
+            f"after the ghosted repair, with <= 512k tokens): best **{best['method']}**{text} at "
+            f"{best['report']['tokens']:,} tokens, dPPL {healed:+.1f}%")
     if ghosted is None:
         return [line + "; the ghosted repair of this set was not measured."]
     goal = ghosted / 2
-    verdict = "**met**" if best["healed"]["dppl"] <= goal else "**missed**"
+    verdict = "**met**" if healed <= goal else "**missed**"
     history = best["report"]["eval_history"]
     if history and history[-1]["kl"] == min(e["kl"] for e in history):
         verdict += (f" (its held-out KL was still falling at its last evaluation, step {history[-1]['step']}: "
                     "no early stop, so a larger budget would likely go further)")
+    issue = "**met**" if healed <= ISSUE_GOAL else "**missed**"
     return [line + f" against the ghosted repair's {ghosted:+.1f}% measured here (goal <= {goal:+.1f}%): {verdict}. "
-            "(The issue quotes +76.1% after the ghosted repair, i.e. a goal of <= +38%; that number is not among "
-            "the stored results, so the goal here is half of the ghosted repair measured in this run.)"]
+            f"Against the issue's own numbers (+{ISSUE_GHOSTED:.1f}% after the ghosted repair, goal <= +{ISSUE_GOAL:.0f}%): "
+            f"{issue} ({healed:+.1f}% {'<=' if healed <= ISSUE_GOAL else '>'} +{ISSUE_GOAL:.1f}%). The issue's "
+            f"+{ISSUE_GHOSTED:.1f}% is not among the stored results: the ghosted repair of this set measures {ghosted:+.1f}% "
+            f"here, so half of it (<= {goal:+.1f}%) is a {'looser' if goal > ISSUE_GOAL else 'stricter'} goal than the "
+            f"issue's +{ISSUE_GOAL:.0f}%."]
+
+
+def paragraph_distinct_tokens(cell: dict) -> int:
+    """Real tokens of the distinct training prompts of a paragraph cell: ``min(steps x batch,
+    256)`` prompts at the report's mean (``tokens_per_step / batch_size`` each); reports since
+    packing record it as ``distinct_tokens``."""
+    report = cell["report"]
+    if report.get("distinct_tokens") is not None:
+        return int(report["distinct_tokens"])
+    batch = HEAL_SETTINGS["batch_size"]
+    prompts = min(math.ceil(cell["tokens"] / (batch * HEAL_SETTINGS["seq_len"])) * batch, PARAGRAPH_PROMPTS)
+    return round(report["tokens_per_step"] / batch * prompts)
+
+
+def _packed_section(state: dict, done: list[dict]) -> list[str]:
+    """Per packed cell: distinct vs trained tokens, against the paragraph cell of the same budget."""
+    seq_len = state["heal_settings"]["seq_len"]
+    same = ("model", "criterion", "n", "method", "lr", "tokens")
+    lines = []
+    for c in done:
+        report = c["report"]
+        distinct = report["distinct_tokens"]
+        repeated = "none repeated" if report["epochs"] <= 1 else f"repeated, {report['epochs']:.2f} epochs"
+        line = (f"- {c['tokens']:,}-token budget, packed: {distinct // seq_len:,} distinct windows ({distinct:,} tokens) "
+                f"in the healing set; {report['steps']} steps trained on {report['tokens']:,} of them "
+                f"({report['tokens'] / distinct:.2f} of the distinct text, {repeated}), dPPL {c['healed']['dppl']:+.1f}%")
+        twin = next((p for p in state["cells"].values()
+                     if cell_text(p) == "paragraphs" and all(p[k] == c[k] for k in same)), None)
+        if twin is not None:
+            p_distinct = paragraph_distinct_tokens(twin)
+            line += (f"; the paragraph cell of the same budget: {p_distinct:,} distinct real tokens, "
+                     f"{twin['report']['tokens']:,} trained ({twin['report']['tokens'] / p_distinct:.2f} epochs) in "
+                     f"{twin['report']['steps']} steps, dPPL {twin['healed']['dppl']:+.1f}%")
+        lines.append(line + ".")
+    return lines + ["", "The held-out KL of packed cells is measured on the first 8 windows of the packed text, that "
+                    "of paragraph cells on the last 8 paragraph prompts of their set: compare the two kinds by dPPL "
+                    "(the same test text), not by held-out KL. Packed cells of different budgets share their "
+                    "held-out windows."]
 
 
 def _pilot_pick(cells: list[dict]) -> list[str]:
@@ -317,7 +378,8 @@ def _not_run(state: dict) -> list[str]:
         return ["Every planned cell ran."]
     return ["These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
             "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
-            f"{c['tokens']:,} tokens lr {c['lr']:g}" for g, c in missing]
+            f"{c['tokens']:,} tokens lr {c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f", {cell_text(c)} text")
+            for g, c in missing]
 
 
 def render(state: dict, out: Path) -> None:
@@ -347,10 +409,15 @@ def render(state: dict, out: Path) -> None:
         f"every {s['eval_every']} steps, stop after {s['patience']} evaluations without improvement, the best "
         f"held-out weights kept (the starting weights when none beats them); seed {s['seed']}. \"tokens\" counts real "
         "(non-pad) training tokens. The held-out prompts are the last of the healing set `heal` draws for a budget, so "
-        "held-out KL compares across cells of one budget, not across budgets.",
+        "held-out KL compares across cells of one budget, not across budgets (packed cells: the first windows, below).",
         "- Text: healing text and the ghosted fit come from WikiText-2 *validation* (`../shared/data/wikitext-2/"
         "valid.txt`; no training split is available there): paragraphs, seeded shuffle, truncated to 128 tokens; "
-        "at most 256 training prompts (32k token positions), so budgets above 32k repeat them (epochs). Evaluation "
+        "at most 256 training prompts (32k token positions), so budgets above 32k repeat them (epochs). **packed** cells "
+        "(`heal(packing=True)`, the library's default for text): the same paragraphs in the same seeded order, each "
+        "followed by the tokenizer's EOS, concatenated and cut into consecutive full windows of 128 tokens (every "
+        "position a real token, no padding; a paragraph may run across two windows), as transformers' `run_clm` "
+        "(`group_texts`) and TRL's packing do; the first 8 windows are held out, the next steps x 4 are trained on, "
+        "each once while the text lasts (epochs only beyond it, recorded per cell). Evaluation "
         "is WikiText-2 raw *test* under the matched contract (first 5,000 words, window 512, stride 256, PPL = "
         "exp(total NLL / tokens)), the same text and windows as the quality and recovery pages, never seen by any "
         "fit or training. dPPL% = (PPL / PPL_dense - 1) x 100; [95% CI] paired bootstrap over windows.",
@@ -377,6 +444,8 @@ def render(state: dict, out: Path) -> None:
             lines += _pilot_pick(done) + [""]
         if group == "n6":
             lines += _n6_target(state) + [""]
+        if group == "packed":
+            lines += _packed_section(state, done) + [""]
         if group == "criteria":
             lines += [f"Does the choice of blocks still matter after healing? Every criterion's set gets the same "
                       f"healing ({BEST}, {CRITERIA_TOKENS:,} tokens, lr {LR[BEST.split('+')[-1]]:g}).", "",
@@ -401,7 +470,7 @@ def plot(state: dict, path: Path) -> None:
     for c in cells:
         entry = state["models"][c["model"]]["sets"][",".join(map(str, c["removed"]))]
         labels.append(f"{c['model'].split('-')[0]} {c['criterion']} n{c['n']}\n{c['method']} {c['tokens'] // 1024}k "
-                      f"lr{c['lr']:g}")
+                      f"lr{c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f" {cell_text(c)}"))
         cut.append(entry["cut"]["dppl"])
         ghosted.append(entry.get("ghosted", {}).get("dppl", float("nan")))
         healed.append(c["healed"]["dppl"])
@@ -420,7 +489,8 @@ def plot(state: dict, path: Path) -> None:
         if c["model"] == SMOL and c["n"] == 6 and c["criterion"] == "search":
             history = [{"step": 0, "kl": c["report"]["kl_before"]}, *c["report"]["eval_history"]]
             kl_ax.plot([e["step"] * per_step for e in history], [e["kl"] for e in history], marker=".",
-                       label=f"{c['method']} {c['tokens'] // 1024}k lr{c['lr']:g}")
+                       label=f"{c['method']} {c['tokens'] // 1024}k lr{c['lr']:g}"
+                       + ("" if cell_text(c) == "paragraphs" else f" {cell_text(c)}"))
     kl_ax.set_xlabel("training token positions")
     kl_ax.set_ylabel("held-out KL (nats/token)")
     kl_ax.set_title("SmolLM2-135M, n = 6, default search: held-out KL during healing")
@@ -436,11 +506,13 @@ def main(argv=None) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="run only the cells of these methods (default: every method of the groups)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the page's runs: 1)")
-    parser.add_argument("--json", default=str(RESULTS / "heal.json"))
-    parser.add_argument("--out", default=str(RESULTS / "heal.md"))
+    parser.add_argument("--state", "--json", dest="json", default=str(RESULTS / "heal.json"),
+                        help="the JSON of finished cells, read and extended (default results/heal.json)")
+    parser.add_argument("--out", default=None, help="the page (default: the state's path with .md)")
     add_runner_arguments(parser)
     args = parser.parse_args(argv)
     path = Path(args.json)
+    args.out = args.out or str(path.with_suffix(".md"))
     if args.merge_from:
         merge_files(path, args.merge_from, union=("commands",), first=("environment",),
                     volatile=("heal_cpu_s", "heal_wall_s"))

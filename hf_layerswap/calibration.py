@@ -10,6 +10,11 @@ Accepted sources (:func:`build_calibration`):
 - a list of strings: one prompt per string.
 - a ``datasets.Dataset``: its ``text`` column (or its only string column).
 - a mapping with ``input_ids`` and ``attention_mask`` long tensors of shape ``(B, T)``.
+
+Text sources give one prompt per paragraph (truncated, right-padded), or with
+``packing=True`` full windows of packed text: the paragraphs in the same seeded order joined
+by the tokenizer's EOS and cut into windows of ``seq_len`` tokens (as transformers'
+``run_clm`` ``group_texts`` and TRL's packing do), no padding.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hashlib
 import os
 import random
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +39,10 @@ __all__ = [
     "check_token_ids",
     "embedded_text",
     "looks_like_path",
+    "pack_windows",
     "read_text_file",
     "split_paragraphs",
+    "tokenizer_adds_bos",
 ]
 
 EMBEDDED_SOURCE = "pydoc_data.topics"
@@ -146,8 +154,10 @@ class CalibrationSet:
         attention_mask: ``(N, T)`` long tensor of 0/1, 1 = real token; every row has at
             least 2 real tokens and all its real tokens before its padding.
         description: where the text came from (source, split, selection rule).
-        add_special_tokens: whether the tokenizer added BOS/EOS (None for given tensors).
-        texts: the texts the prompts were tokenized from (text sources only).
+        add_special_tokens: whether the tokenizer added BOS/EOS (None for given tensors; for
+            a packed set whether the packer placed any BOS or EOS).
+        texts: the texts the prompts were tokenized from (text sources only; for a packed
+            set the paragraphs whose tokens are in its windows, in order).
         shortfall: ``None``, or what the source could not give when the set was built:
             ``{"requested_prompts": N, "prompts": n, "max_tokens": N * seq_len,
             "tokens": t}`` (``n < N``); kept when a prefix of the set is taken.
@@ -295,6 +305,16 @@ def _validate_tensors(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Te
     return input_ids, mask
 
 
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts its BOS token first when it adds special tokens."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > len(plain) and with_special[0] == bos
+
+
 def _texts_from_source(calibration, *, num_prompts: int, seed: int) -> tuple[list[str], str]:
     if calibration is None or (isinstance(calibration, str) and calibration == "embedded"):
         paras = split_paragraphs(embedded_text("calibration"))
@@ -355,8 +375,9 @@ def build_calibration(
     num_prompts: int = 64,
     seq_len: int = 128,
     seed: int = 0,
+    packing: bool = False,
 ) -> CalibrationSet:
-    """Turn a calibration source into right-padded prompts.
+    """Turn a calibration source into right-padded prompts, or into packed windows.
 
     Args:
         calibration: see the module docstring. A :class:`CalibrationSet` is returned as is.
@@ -367,6 +388,15 @@ def build_calibration(
         seq_len: prompts are truncated to this many tokens; only the prefix of each text that
             the budget needs is tokenized (:func:`encode_prefixes`).
         seed: shuffle seed for paragraph sources.
+        packing: ``False`` (default): one prompt per paragraph, as above. ``True``: the
+            paragraphs in the same order (a list of strings in its order) are tokenized
+            without special tokens, joined with the tokenizer's EOS after each (none when it
+            has no EOS) and cut into ``num_prompts`` consecutive windows of ``seq_len`` real
+            tokens each, no padding (transformers' ``run_clm`` ``group_texts``, TRL's
+            packing); when the tokenizer puts a BOS first by default, every window is that
+            BOS and ``seq_len - 1`` text tokens. Only as many paragraphs as the windows need
+            are tokenized; a paragraph may run across two windows; a last piece shorter than
+            a window is dropped. Text sources only.
 
     Warns:
         CalibrationShortfallWarning: the source gives fewer than ``num_prompts`` prompts
@@ -375,9 +405,17 @@ def build_calibration(
 
     Raises:
         ValueError: ``num_prompts``/``seq_len`` below their minimum (1 and 2), an empty
-            set, a prompt with fewer than 2 real tokens, mismatched tensor shapes.
-        TypeError: an unsupported source or a text source without a tokenizer.
+            set, a prompt with fewer than 2 real tokens, mismatched tensor shapes; with
+            ``packing``: given tensors, or a text shorter than one window.
+        TypeError: an unsupported source or a text source without a tokenizer, or
+            ``packing`` not a bool.
     """
+    if not isinstance(packing, bool):
+        raise TypeError(f"packing={packing!r}: must be True (full windows of packed text) or False (one prompt per "
+                        "paragraph)")
+    if packing and isinstance(calibration, (CalibrationSet, Mapping)):
+        raise ValueError(f"packing=True needs a text source, got {type(calibration).__name__} (prompts already "
+                         "tokenized): pass the text, or packing=False")
     if isinstance(calibration, CalibrationSet):
         return calibration
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
@@ -395,11 +433,13 @@ def build_calibration(
         ids, mask = ids[:num_prompts], mask[:num_prompts]
         given = CalibrationSet(ids.clone(), mask.clone(), f"tensors ({ids.shape[0]} x {ids.shape[1]}, given)")
         return _note_shortfall(given, num_prompts, int(ids.shape[1]))
-    texts, description = _texts_from_source(calibration, num_prompts=num_prompts, seed=seed)
+    texts, description = _texts_from_source(calibration, num_prompts=sys.maxsize if packing else num_prompts, seed=seed)
     if not texts:
         raise ValueError(f"empty calibration set: {description} yields no prompt")
     if tokenizer is None:
         raise TypeError("a text calibration source needs a tokenizer (pass tokenizer=...)")
+    if packing:
+        return _note_shortfall(pack_windows(tokenizer, texts, description, num_prompts, seq_len), num_prompts, seq_len)
     encoded = encode_prefixes(tokenizer, texts, seq_len)
     for row, ids in enumerate(encoded):
         if len(ids) < 2:
@@ -425,6 +465,49 @@ def build_calibration(
         texts=texts,
     )
     return _note_shortfall(built, num_prompts, seq_len)
+
+
+#: Paragraphs :func:`pack_windows` tokenizes at once (the first call; each next one doubles it).
+PACK_CHUNK = 64
+
+
+def pack_windows(tokenizer, texts: Sequence[str], description: str, num_windows: int, seq_len: int) -> CalibrationSet:
+    """At most ``num_windows`` windows of ``seq_len`` real tokens packed from ``texts`` in
+    order (the ``packing=True`` rule of :func:`build_calibration`, which documents it):
+    ``(N, seq_len)`` ids, an all-ones mask, ``N < num_windows`` only when the text runs out.
+    The texts are tokenized a chunk at a time until the windows are full.
+
+    Raises:
+        ValueError: the texts hold fewer tokens than one window.
+    """
+    bos = [int(tokenizer.bos_token_id)] if tokenizer_adds_bos(tokenizer) else []
+    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    body = seq_len - len(bos)
+    stream: list[int] = []
+    ends: list[int] = []  # stream length after each tokenized text
+    chunk = PACK_CHUNK
+    while len(stream) < num_windows * body and len(ends) < len(texts):
+        part = list(texts[len(ends) : len(ends) + chunk])
+        for ids in tokenizer(part, add_special_tokens=False)["input_ids"]:
+            stream.extend([*ids, *eos])
+            ends.append(len(stream))
+        chunk *= 2
+    count = min(num_windows, len(stream) // body)
+    if count == 0:
+        raise ValueError(f"packing: {description} gives {len(stream)} token(s), fewer than one window of "
+                         f"seq_len={seq_len}: give more text or a lower seq_len")
+    used = next(k for k, end in enumerate(ends) if end >= count * body) + 1
+    windows = torch.tensor(stream[: count * body], dtype=torch.long).view(count, body)
+    if bos:
+        windows = torch.cat([torch.full((count, 1), bos[0], dtype=torch.long), windows], dim=1)
+    joint = f"EOS (id {eos[0]}) after each" if eos else "nothing between them (the tokenizer has no EOS)"
+    first = f"each a BOS (id {bos[0]}) then {body} text tokens" if bos else "no BOS"
+    return CalibrationSet(
+        windows, torch.ones_like(windows),
+        f"{description}; packed: the first {used} text(s) of that order, {joint}, cut into {count} windows of "
+        f"{seq_len} tokens ({first}; no padding, a text may run across windows)",
+        add_special_tokens=bool(bos or eos), texts=list(texts[:used]),
+    )
 
 
 #: Characters per wanted token of the first prefix :func:`encode_prefixes` tokenizes (it

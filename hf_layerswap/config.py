@@ -223,6 +223,8 @@ class HealConfig:
         calibration: the training text (a text file); ``None`` = the removal's calibration
             source (:class:`LayerSwapConfig`'s ``calibration``).
         seq_len, batch_size: tokens per prompt (>= 2) and prompts per step (>= 1).
+        packing: ``True`` (default): the text packed into full windows of ``seq_len``
+            tokens; ``False``: one paragraph per prompt (:func:`~hf_layerswap.healing.heal`).
         learning_rate: peak learning rate (finite, > 0).
         ce_weight: weight of the cross-entropy on the text (finite, >= 0).
         heldout_prompts, eval_every, patience: the early stop on held-out KL (ints >= 1).
@@ -253,6 +255,9 @@ class HealConfig:
     calibration: str | None = field(default=None, metadata=_help(
         "healing text: a text file (default: the removal's calibration source; for the heal verb the embedded text)"))
     seq_len: int = field(default=128, metadata=_help("tokens per healing prompt"))
+    packing: bool = field(default=True, metadata=_help(
+        "pack the healing text into full windows of seq_len tokens (paragraphs joined by EOS, no padding; epochs "
+        "only when the text runs out); off: one paragraph per prompt, truncated and padded, at most 256 prompts"))
     batch_size: int = field(default=4, metadata=_help("healing prompts per optimiser step"))
     learning_rate: float = field(default=1e-4, metadata=_help("peak learning rate of healing"))
     ce_weight: float = field(default=0.0, metadata=_help(
@@ -293,6 +298,8 @@ class HealConfig:
                 raise ValueError(f"{what}({name}={value!r}): must be a finite number {'> 0' if low is None else '>= 0'}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"{what}(seed={self.seed!r}): must be an int")
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"{what}(packing={self.packing!r}): must be True or False")
         k = self.teacher_top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"{what}(teacher_top_k={k!r}): must be None (full logits) or an int >= 1")

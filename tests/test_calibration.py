@@ -16,7 +16,7 @@ import hf_layerswap as hl
 from hf_layerswap import score_layers
 from hf_layerswap.card import render_card
 
-from hf_layerswap.calibration import build_calibration, embedded_text, split_paragraphs
+from hf_layerswap.calibration import CalibrationShortfallWarning, build_calibration, embedded_text, split_paragraphs
 from hf_layerswap.plan import num_blocks
 from hf_layerswap.scoring import masked_kl, removal_kl
 
@@ -33,10 +33,10 @@ class CharTokenizer:
 
     def __call__(self, texts, add_special_tokens=True, truncation=True, max_length=None):
         out = []
-        for t in texts:
+        for t in [texts] if isinstance(texts, str) else texts:
             ids = ([1] if self.bos and add_special_tokens else []) + [3 + (ord(c) % 50) for c in t]
             out.append(ids[:max_length] if truncation and max_length else ids)
-        return {"input_ids": out}
+        return {"input_ids": out[0] if isinstance(texts, str) else out}
 
 
 def test_split_paragraphs_wikitext_style_blank_lines():
@@ -92,6 +92,69 @@ def test_bad_calibration_input(tmp_path):
         build_calibration({"input_ids": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1]])})
     with pytest.raises(TypeError, match="needs a tokenizer"):
         build_calibration(["abc"])
+
+
+class EosCharTokenizer(CharTokenizer):
+    """:class:`CharTokenizer` with an EOS token (id 2)."""
+
+    eos_token_id = 2
+
+
+def _char(text):
+    return [3 + (ord(c) % 50) for c in text]
+
+
+def test_packing_cuts_eos_joined_texts_into_full_windows():
+    a, b, c = _char("abc"), _char("defgh"), _char("ij")
+    packed = build_calibration(["abc", "defgh", "ij"], EosCharTokenizer(), num_prompts=3, seq_len=4, packing=True)
+    # stream a b c EOS d e f g h EOS i j EOS: three full windows, the last token dropped
+    assert packed.input_ids.tolist() == [[*a, 2], b[:4], [b[4], 2, *c]]
+    assert packed.attention_mask.tolist() == [[1] * 4] * 3 and packed.num_tokens == 12
+    assert packed.texts == ["abc", "defgh", "ij"] and packed.shortfall is None
+    assert "packed: the first 3 text(s) of that order, EOS (id 2) after each, cut into 3 windows of 4 tokens (no BOS" \
+        in packed.description
+    # a BOS-adding tokenizer: every window is BOS + 3 text tokens; only the texts the windows need are kept
+    tok = EosCharTokenizer(bos=True)
+    with_bos = build_calibration(["abc", "defgh", "ij"], tok, num_prompts=2, seq_len=4, packing=True)
+    assert with_bos.input_ids.tolist() == [[1, *a], [1, 2, *b[:2]]]
+    assert with_bos.texts == ["abc", "defgh"] and "each a BOS (id 1) then 3 text tokens" in with_bos.description
+
+
+def test_packing_covers_the_seeded_paragraph_order_without_overlap(tmp_path):
+    paras = [f"paragraph number {i} " + "x" * (40 + i) for i in range(10)]
+    path = tmp_path / "c.txt"
+    path.write_text(" \n \n".join(paras) + "\n")
+    tok = EosCharTokenizer()
+    order = build_calibration(path, tok, num_prompts=10, seq_len=200, seed=3).texts  # every paragraph, seeded order
+    stream = [t for text in order for t in [*_char(text), 2]]
+    with pytest.warns(CalibrationShortfallWarning, match="100 prompt"):
+        packed = build_calibration(path, tok, num_prompts=100, seq_len=32, seed=3, packing=True)
+    count = len(stream) // 32
+    assert packed.input_ids.shape == (count, 32) and bool(packed.attention_mask.all())
+    assert packed.input_ids.flatten().tolist() == stream[: count * 32]  # consecutive: no overlap, no gap
+    assert packed.texts == order and packed.shortfall["prompts"] == count
+    head = build_calibration(path, tok, num_prompts=3, seq_len=32, seed=3, packing=True)
+    assert torch.equal(head.input_ids, packed.input_ids[:3])
+
+
+def test_packing_false_is_the_paragraph_set_unchanged():
+    tok = CharTokenizer(bos=True)
+    calib = build_calibration(None, tok, num_prompts=16, seq_len=32, seed=5)
+    # the content hash of this set before packing existed
+    assert calib.content_hash == "8f4c48bf26888fa62c6527406dc00e9b723121cacc00d5de8c9988d253c09ced"
+    assert calib.content_hash == build_calibration(None, tok, num_prompts=16, seq_len=32, seed=5,
+                                                   packing=False).content_hash
+    assert calib.description.endswith("seed 5; truncated to 32 tokens; BOS prepended")
+
+
+def test_packing_refusals():
+    given = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match="packing=True needs a text source, got dict"):
+        build_calibration(given, packing=True)
+    with pytest.raises(TypeError, match="packing='yes'"):
+        build_calibration(["abc"], EosCharTokenizer(), packing="yes")
+    with pytest.raises(ValueError, match="gives 4 token"):
+        build_calibration(["abc"], EosCharTokenizer(), seq_len=8, packing=True)
 
 
 # -------------------------- refused sources, the shortfall, prefix tokenizing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import hashlib
 import json
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 import hf_layerswap as hl
 from hf_layerswap.card import check_card
 from hf_layerswap.card.healing import healing_section
 from hf_layerswap.cli import main
+from hf_layerswap.cli.heal import add_heal_args, heal_config
 from hf_layerswap.config import HealConfig, LayerSwapConfig
 from hf_layerswap.healing import distillation_loss
 from hf_layerswap.healing.core import RUN_FILE
@@ -221,7 +224,7 @@ def test_heal_config_round_trip_and_refusals():
     cfg = LayerSwapConfig(num_to_remove=2, heal=HealConfig(method="last_k", max_tokens=512, options={"k": 2}))
     data = json.loads(json.dumps(cfg.to_dict()))
     assert data["heal"] == {"method": "last_k", "max_tokens": 512, "calibration": None, "seq_len": 128,
-                            "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
+                            "packing": True, "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
                             "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2},
                             "perplexity_text": None, "eval_tasks": None, "eval_tasks_path": None,
                             "eval_tasks_limit": None}
@@ -236,6 +239,8 @@ def test_heal_config_round_trip_and_refusals():
         HealConfig(learning_rate=float("nan"))
     with pytest.raises(ValueError, match=r"teacher_top_k=0"):
         HealConfig(teacher_top_k=0)
+    with pytest.raises(ValueError, match=r"HealConfig\(packing='no'\): must be True or False"):
+        HealConfig(packing="no")
     with pytest.raises(ValueError, match="needs num_to_remove or layers"):
         LayerSwapConfig(heal="lora")
     with pytest.raises(ValueError, match="not both in one run"):
@@ -381,3 +386,82 @@ def test_prune_with_heal_flag(tmp_path):
     assert not any("lora" in n for n, _ in reloaded.named_modules())
     assert "## Healing" in (tmp_path / "p" / "README.md").read_text()
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "q"), "--layers", "2", "--heal-max-tokens", "9"]) == 2
+
+
+# ---------------------------------------------------------------- packed healing text
+def _eos_tokenizer(vocab_size):
+    """A word-level tokenizer of ``w0``, ``w1``, ... with ``[UNK]`` and an EOS ``[EOS]`` (the last id)."""
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab.update({"[UNK]": vocab_size - 2, "[EOS]": vocab_size - 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+
+
+def _heal_recording(tmp_path, paragraphs, steps, **kwargs):
+    """Heal (last_k) on a text file of ``paragraphs``; returns the report, the rows the student
+    trained on and the rows it was evaluated on (as tuples of ids), and the text's path."""
+    student, teacher = _pair()
+    path = _calibration_file(tmp_path / "calib.txt", n=paragraphs)
+    seen = {True: [], False: []}
+
+    def record(module, args, inputs):
+        seen[module.training].extend(tuple(row) for row in inputs["input_ids"].tolist())
+
+    student.register_forward_pre_hook(record, with_kwargs=True)
+    report = hl.heal(student, teacher, str(path), tokenizer=_eos_tokenizer(student.config.vocab_size),
+                     method="last_k", k=2, max_tokens=steps * 4 * 16, seq_len=16, batch_size=4, heldout_prompts=4,
+                     learning_rate=1e-3, eval_every=steps, patience=1, **kwargs)
+    return report, seen[True], seen[False], path, student
+
+
+def _rows(calib, part=slice(None)):
+    return [tuple(row) for row in calib.input_ids[part].tolist()]
+
+
+def test_packed_healing_trains_each_distinct_window_once_and_never_the_heldout(tmp_path):
+    report, trained, evaluated, path, student = _heal_recording(tmp_path, paragraphs=24, steps=10)
+    windows = hl.build_calibration(str(path), _eos_tokenizer(student.config.vocab_size), num_prompts=44, seq_len=16,
+                                   packing=True)
+    assert windows.input_ids.shape == (44, 16) and bool(windows.attention_mask.all())  # 24 x 41 tokens hold 61
+    assert set(evaluated) == set(_rows(windows, slice(0, 4)))  # the first 4 windows are held out
+    assert sorted(trained) == sorted(_rows(windows, slice(4, None)))  # each of the next 40 exactly once
+    assert not set(trained) & set(evaluated)
+    assert (report.packing, report.tokens, report.distinct_tokens, report.epochs) == (True, 640, 640, 1.0)
+    assert report.data_hash == windows.content_hash and "packed: the first" in report.data
+    assert report.heldout == "first 4 window(s) of the packed text (never trained on)"
+    entry = student.config.layerswap["healing"][-1]
+    assert (entry["packing"], entry["distinct_tokens"], entry["tokens"], entry["epochs"]) == (True, 640, 640, 1.0)
+    assert "| Training | 640 tokens (640 distinct, packed text, 1.00 epochs), 10 steps," in \
+        healing_section(student.config.layerswap)
+
+
+def test_packed_healing_beyond_the_text_repeats_it_in_epochs_and_says_so(tmp_path):
+    # 6 paragraphs x (40 words + EOS) = 246 tokens = 15 windows of 16: 4 held out, 11 to train on
+    with pytest.warns(hl.CalibrationShortfallWarning, match=r"11 distinct training windows \(176 tokens\) are "
+                                                            r"repeated about 2\.91 times \(epochs\)"):
+        report, trained, evaluated, path, student = _heal_recording(tmp_path, paragraphs=6, steps=8)
+    # an epoch is 3 batches (4 + 4 + 3 windows): 8 steps = 2 epochs and 2 batches = 30 windows, counted exactly
+    assert (report.tokens, report.distinct_tokens, report.steps) == (30 * 16, 176, 8)
+    assert report.epochs == pytest.approx(480 / 176)
+    assert len(set(trained)) == 11 and len(trained) == 30 and not set(trained) & set(evaluated)
+    assert all(len(row) == 16 for row in trained)
+
+
+def test_unpacked_healing_is_the_paragraph_prompts_as_before(tmp_path):
+    report, trained, evaluated, path, student = _heal_recording(tmp_path, paragraphs=24, steps=3, packing=False)
+    # the old rule: min(steps x batch, 256) paragraph prompts for training, then the held-out ones, last
+    calib = hl.build_calibration(str(path), _eos_tokenizer(student.config.vocab_size), num_prompts=16, seq_len=16)
+    assert report.data_hash == calib.content_hash and report.data == calib.description
+    assert set(evaluated) == set(_rows(calib, slice(-4, None))) and sorted(trained) == sorted(_rows(calib, slice(0, 12)))
+    assert report.packing is False and report.heldout == "last 4 prompt(s) of the calibration set"
+    assert report.distinct_tokens == int(calib.attention_mask[:12].sum()) == report.tokens
+
+
+def test_packing_flags_on_the_command_line():
+    for prefix, flag in (("", "--no-packing"), ("heal-", "--no-heal-packing")):
+        parser = argparse.ArgumentParser()
+        add_heal_args(parser, prefix=prefix)
+        method = None if not prefix else "lora"
+        assert heal_config(parser.parse_args([]), prefix=prefix, method=method).packing is True
+        assert heal_config(parser.parse_args([flag]), prefix=prefix, method=method).packing is False

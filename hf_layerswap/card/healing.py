@@ -105,6 +105,14 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
     return rows
 
 
+def _distinct(entry: Mapping) -> str:
+    """`` (D distinct, packed text, E epochs)`` when the entry records its distinct tokens."""
+    if entry.get("distinct_tokens") is None or entry.get("epochs") is None:
+        return ""
+    text = "packed text" if entry.get("packing") else "one paragraph per prompt"
+    return f" ({entry['distinct_tokens']:,} distinct, {text}, {entry['epochs']:.2f} epochs)"
+
+
 def tasks_table(tasks: Mapping) -> str | None:
     """The markdown of a healing record's lm-eval tasks before and after healing (``None``
     when none were measured); a record without both sides is flagged."""
@@ -156,7 +164,7 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     data = str(entry.get("data", _DASH)) + (f" (sha256 {entry['data_hash'][:12]}…)" if entry.get("data_hash") else "")
     rows = [
         ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
-        ("Training", f"{_count(entry.get('tokens'))} tokens, {_count(entry.get('steps'))} steps, learning rate "
+        ("Training", f"{_count(entry.get('tokens'))} tokens{_distinct(entry)}, {_count(entry.get('steps'))} steps, learning rate "
                      f"{entry.get('learning_rate', _DASH)}, seed {entry.get('seed', _DASH)}"),
         ("Teacher", teacher),
         ("Data", data),

@@ -65,7 +65,8 @@ def _finite(text):
 def add_heal_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     """One option per :class:`~hf_layerswap.HealConfig` field, ``--{prefix}{field}`` (``prefix``
     ``"heal-"`` on ``prune``, whose ``--heal [METHOD]`` names the method), its help the
-    field's metadata; ``options`` becomes ``--{prefix}option KEY=VALUE`` (repeatable)."""
+    field's metadata; ``options`` becomes ``--{prefix}option KEY=VALUE`` (repeatable), a bool
+    field a pair ``--{prefix}{field}`` / ``--no-{prefix}{field}``."""
     for f in fields(HealConfig):
         if prefix and f.name == "method":
             continue
@@ -76,6 +77,9 @@ def add_heal_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                            type=_option_value, default=None, metavar="KEY=VALUE", help=text)
         elif f.name == "method":
             p.add_argument(flag, default=f.default, choices=sorted(HEAL_METHODS), help=text)
+        elif isinstance(f.default, bool):  # --packing / --no-packing
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text,
+                           dest=(prefix + f.name).replace("-", "_"))
         elif f.name in _SPECIAL:
             name, keywords = _SPECIAL[f.name]
             p.add_argument("--" + prefix + name, default=None, help=text, dest=(prefix + f.name).replace("-", "_"),

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from ..calibration import EMBEDDED_SOURCE, embedded_text, looks_like_path, read_text_file
+from ..calibration import EMBEDDED_SOURCE, embedded_text, looks_like_path, read_text_file, tokenizer_adds_bos
 from ..jsonio import JsonResult, decode_tree
 
 __all__ = [
     "bootstrap_ci", "BOOTSTRAP_RNG", "check_causal_lm", "CONTRACTS", "KNOWN_SOURCES", "MIN_CI_WINDOWS",
     "PerplexityResult", "prepare_text", "read_source", "resolve_tokenizer", "sha256_text", "sliding_windows",
-    "tokenize_text", "tokenizer_adds_bos",
+    "tokenize_text",
 ]
 
 
@@ -155,16 +155,6 @@ def check_causal_lm(model, what: str = "perplexity") -> None:
 def sha256_text(text: str) -> str:
     """SHA-256 (hex) of ``text`` encoded as UTF-8."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def tokenizer_adds_bos(tokenizer) -> bool:
-    """Whether ``tokenizer`` puts its BOS token first when it adds special tokens."""
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        return False
-    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return len(with_special) > len(plain) and with_special[0] == bos
 
 
 def tokenize_text(tokenizer, text: str, add_bos: bool | None) -> tuple[torch.Tensor, dict]:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..calibration import check_positions, check_token_ids
+from ..calibration import check_positions, check_token_ids, tokenizer_adds_bos
 from ..devices import input_device
 from ..provenance import library_versions, public_identity
 from .contract import (
@@ -43,7 +43,6 @@ from .contract import (
     bootstrap_ci,
     read_source,
     sha256_text,
-    tokenizer_adds_bos,
     resolve_tokenizer,
 )
 

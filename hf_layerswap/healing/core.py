@@ -6,14 +6,15 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PrinterCallback, TrainingArguments, set_seed
 
-from ..calibration import build_calibration
+from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, shortfall_text
 from ..jsonio import write_json_atomic
 from ..provenance import library_versions
 from .loss import teacher_top_k
@@ -22,7 +23,10 @@ from .methods import get_heal_method
 from .report import HealReport
 from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint
 
-__all__ = ["RUN_FILE", "check_teacher", "heal"]
+__all__ = ["PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
+
+#: Training prompts of ``packing=False`` at most (budgets beyond them repeat them, epochs).
+PARAGRAPH_PROMPTS = 256
 
 
 def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
@@ -73,6 +77,7 @@ def heal(
     teacher_tokenizer=None,
     max_tokens: int = 4096,
     seq_len: int = 128,
+    packing: bool = True,
     heldout_prompts: int = 4,
     batch_size: int = 4,
     learning_rate: float = 1e-4,
@@ -94,12 +99,13 @@ def heal(
     student) of next-token distributions (temperature 1, fp32 log-softmax, real tokens
     only), plus ``ce_weight`` x cross-entropy on the text, with transformers' ``Trainer``.
 
-    The text comes from :func:`~hf_layerswap.calibration.build_calibration` (calibration
-    text, never the evaluation text); its last ``heldout_prompts`` prompts are held out:
-    the KL on them is measured before training and at every ``eval_every`` steps, training
-    stops after ``patience`` evaluations without improvement, and the weights of the best
-    evaluation are kept. When no evaluation beats the start, the starting weights are
-    returned and ``report.reverted`` is ``True``.
+    The text (:func:`~hf_layerswap.calibration.build_calibration`, never the evaluation
+    text) is packed by default: paragraphs joined by EOS in full ``seq_len`` windows, the
+    first ``heldout_prompts`` held out, the next ``steps x batch_size`` trained on, distinct
+    until the text runs out, then repeated (epochs, with a warning; ``report.epochs``).
+    ``packing=False``/tensors: one paragraph per prompt, at most :data:`PARAGRAPH_PROMPTS`,
+    the last held out. Held-out KL every ``eval_every`` steps; stop after ``patience``
+    without improvement, keeping the best weights (the start's: ``report.reverted``).
 
     Args:
         model: the pruned student, healed in place.
@@ -109,7 +115,8 @@ def heal(
         method: a name registered in :data:`~hf_layerswap.healing.HEAL_METHODS`.
         max_tokens: training budget in prompt positions (``batch_size x seq_len`` per
             step); the number of steps is ``ceil(max_tokens / (batch_size * seq_len))``.
-        seq_len: tokens per prompt. options: method options (``lora_r``, ``lora_alpha``, ``k``).
+        seq_len: tokens per prompt. packing: pack a text source (above; ignored for
+            tensors). options: method options (``lora_r``, ``lora_alpha``, ``k``).
         checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
             evaluation, the last two kept, each with the early stop's best weights): the
             same call after an interruption resumes from the last complete one (a checkpoint
@@ -150,7 +157,7 @@ def heal(
             ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
             to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
     """
-    settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, heldout_prompts=heldout_prompts,
+    settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
@@ -158,27 +165,24 @@ def heal(
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
-    calib, steps = _training_text(calibration, tokenizer, settings)
+    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
     settings["data_hash"] = calib.content_hash
-    ids, mask = calib.input_ids, calib.attention_mask
     device = next(model.parameters()).device
     teacher.to(device).eval()
     if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
         _claim_checkpoints(Path(checkpoint_dir), settings, write=False)
     start = measures.start(model, teacher)
     resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
-    train = _Rows(ids[:-heldout_prompts], mask[:-heldout_prompts])
-    held = _Rows(ids[-heldout_prompts:], mask[-heldout_prompts:])
     if teacher_top_k is not None:
         train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
-    tokens_per_step = int(mask[:-heldout_prompts].sum()) / len(train) * batch_size
+    tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume),
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
-    report = _heal_report(settings, state, best, calib, tokens_per_step)
+    report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
     report.perplexity, report.tasks = measures.finish(healed, start)
     _record_step(healed, report)
     healed.layerswap_heal_report = report
@@ -186,24 +190,41 @@ def heal(
 
 
 def _training_text(calibration, tokenizer, settings: dict):
-    """``(calibration set, training steps)`` for :func:`heal`: enough prompts of
-    ``settings["seq_len"]`` tokens for ``ceil(max_tokens / (batch_size * seq_len))`` steps
-    (at most 256 for training) plus the held-out ones.
+    """``(calibration set, training steps, training rows, held-out rows, packed)`` for :func:`heal`:
+    ``steps = ceil(max_tokens / (batch_size * seq_len))``. Packed (a text source with
+    ``settings["packing"]``): the first ``heldout_prompts`` windows held out, then
+    ``steps x batch_size`` distinct windows, or every window the source has (the Trainer
+    then repeats them, epochs; a warning says so). Otherwise: ``min(steps x batch_size,``
+    :data:`PARAGRAPH_PROMPTS` ``)`` prompts for training, then the held-out ones, last.
 
     Raises:
         ValueError: no prompt remains for training once ``heldout_prompts`` are held out.
     """
-    batch_size, heldout_prompts = settings["batch_size"], settings["heldout_prompts"]
-    steps = math.ceil(settings["max_tokens"] / (batch_size * settings["seq_len"]))
-    wanted = min(steps * batch_size, 256) + heldout_prompts
-    calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=settings["seq_len"],
-                              seed=settings["seed"])
-    if calib.input_ids.shape[0] <= heldout_prompts:
+    batch_size, heldout, seq_len = settings["batch_size"], settings["heldout_prompts"], settings["seq_len"]
+    steps = math.ceil(settings["max_tokens"] / (batch_size * seq_len))
+    packing = settings["packing"] and not isinstance(calibration, (CalibrationSet, Mapping))
+    wanted = (steps * batch_size if packing else min(steps * batch_size, PARAGRAPH_PROMPTS)) + heldout
+    with warnings.catch_warnings():
+        if packing:  # said below in healing's own words
+            warnings.simplefilter("ignore", CalibrationShortfallWarning)
+        calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=settings["seed"],
+                                  packing=packing)
+    count = calib.num_prompts
+    if count <= heldout:
         raise ValueError(
-            f"{calib.input_ids.shape[0]} calibration prompt(s) with heldout_prompts={heldout_prompts}: "
-            "at least one prompt must remain for training"
+            f"{count} calibration prompt(s) with heldout_prompts={heldout}: at least one prompt must remain for training"
         )
-    return calib, steps
+    ids, mask = calib.input_ids, calib.attention_mask
+    if not packing:
+        return calib, steps, _Rows(ids[:-heldout], mask[:-heldout]), _Rows(ids[-heldout:], mask[-heldout:]), False
+    if calib.shortfall:
+        epochs = steps * batch_size / (count - heldout)
+        warnings.warn(CalibrationShortfallWarning(
+            f"healing text shorter than the budget: {shortfall_text(calib.shortfall)}; after the {heldout} held-out "
+            f"window(s) {count - heldout} distinct training windows ({(count - heldout) * seq_len:,} tokens) are repeated "
+            f"about {epochs:.2f} times (epochs) for the {steps} steps of max_tokens={settings['max_tokens']:,}: give a "
+            "larger text for distinct tokens, or lower max_tokens"), stacklevel=3)
+    return calib, steps, _Rows(ids[heldout:], mask[heldout:]), _Rows(ids[:heldout], mask[:heldout]), True
 
 
 def _finished(entry, student, model: nn.Module, method: str) -> nn.Module:
@@ -222,17 +243,22 @@ def _finished(entry, student, model: nn.Module, method: str) -> nn.Module:
     return healed
 
 
-def _heal_report(settings: dict, state, best, calib, tokens_per_step: float) -> HealReport:
-    """The :class:`HealReport` of a finished run (perplexity not yet filled in)."""
+def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, distinct: int,
+                 packed: bool) -> HealReport:
+    """The :class:`HealReport` of a finished run (perplexity not yet filled in); ``distinct``:
+    the real tokens of the training prompts, ``packed``: whether they are packed windows."""
     losses = [{"step": e["step"], "loss": e["loss"]} for e in state.log_history if "loss" in e]
+    held = settings["heldout_prompts"]
+    trained = int(state.num_input_tokens_seen)  # counted per batch by the Trainer (a last short batch of an epoch too)
     return HealReport(
-        method=settings["method"], tokens=round(tokens_per_step * state.global_step), steps=state.global_step,
+        method=settings["method"], tokens=trained, steps=state.global_step,
         learning_rate=float(settings["learning_rate"]), seed=settings["seed"], data=calib.description,
-        heldout=f"last {settings['heldout_prompts']} prompt(s) of the calibration set", kl_before=best.start_kl,
+        heldout=(f"first {held} window(s) of the packed text (never trained on)" if packed else
+                 f"last {held} prompt(s) of the calibration set"), kl_before=best.start_kl,
         kl_after=best.best_kl, reverted=not best.improved, loss_history=losses, eval_history=best.history,
         data_hash=calib.content_hash, teacher_top_k=settings["teacher_top_k"], ce_weight=float(settings["ce_weight"]),
         final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
-        options=dict(settings["options"]),
+        options=dict(settings["options"]), packing=packed, distinct_tokens=distinct, epochs=trained / distinct,
     )
 
 
@@ -248,7 +274,7 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
             learning_rate=settings["learning_rate"], seed=settings["seed"], eval_strategy="steps",
             eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
             save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
-            remove_unused_columns=False, use_cpu=device.type == "cpu",
+            remove_unused_columns=False, use_cpu=device.type == "cpu", include_num_input_tokens_seen="non_padding",
         )
         trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
                                       teacher=teacher, ce_weight=settings["ce_weight"])
@@ -277,6 +303,9 @@ def _check_settings(settings: dict, vocab_size: int) -> None:
             raise ValueError(f"{name}={value!r}: must be a finite number {'> 0' if positive else '>= 0'}")
     if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
         raise ValueError(f"seed={settings['seed']!r}: must be an int")
+    if not isinstance(settings["packing"], bool):
+        raise ValueError(f"packing={settings['packing']!r}: must be True (full windows of packed text) or False "
+                         "(one prompt per paragraph)")
     k = settings["teacher_top_k"]
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
         raise ValueError(f"teacher_top_k={k!r}: must be None (full logits) or an int in 1..{vocab_size} "

@@ -46,6 +46,13 @@ class HealReport(JsonResult):
         tasks: when ``eval_tasks`` was given (else empty): ``before`` and ``after``
             (``{task: {metric: value}}`` of :class:`~hf_layerswap.tasks.TaskResults`) and the
             ``settings``, ``versions``, ``task_hashes`` and ``n_samples`` they share.
+        packing: ``True`` when the training text was packed into full windows
+            (``heal(packing=True)`` on a text source), ``False`` for one prompt per
+            paragraph or given tensors.
+        distinct_tokens: real tokens of the distinct training prompts (held-out ones not
+            counted); ``None`` in reports written before it was recorded.
+        epochs: ``tokens / distinct_tokens``: above 1 when the text was shorter than the
+            budget and repeated; ``None`` when not recorded.
     """
 
     method: str
@@ -68,6 +75,9 @@ class HealReport(JsonResult):
     options: dict = field(default_factory=dict)
     perplexity: dict = field(default_factory=dict)
     tasks: dict = field(default_factory=dict)
+    packing: bool = False
+    distinct_tokens: int | None = None
+    epochs: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
