@@ -124,7 +124,7 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
     plan = next(k for k, line in enumerate(lines) if line.startswith("planned work: scoring 27 probes; the search at most 12 "))
     estimate = next(k for k, line in enumerate(lines) if line.startswith("estimated time: about "))
     assert plan < estimate < next(k for k, line in enumerate(lines) if line.startswith("per-layer swap-KL scores"))
-    cost = next(k for k, line in enumerate(lines) if line.startswith("estimated cost (upper bound: the search): "))
+    cost = next(k for k, line in enumerate(lines) if line.startswith("estimated cost (upper bound: selection): "))
     assert estimate < cost < next(k for k, line in enumerate(lines) if line.startswith("per-layer swap-KL scores"))
     assert "at most 7 perplexity evaluations of 999 tokens (1512 through the model)" in lines[plan]
     assert "matched contract on the first 1000 words" in out  # the demo's default held-out text
