@@ -48,8 +48,8 @@ class TrajectoryPoint:
         swap = None
         if self.swap is not None:
             swap = self.swap.to_dict()
-            if not timings:
-                swap["metadata"] = {k: v for k, v in swap["metadata"].items() if k != "seconds"}
+            if not timings:  # the machine's measurements of the run, not its results
+                swap["metadata"] = {k: v for k, v in swap["metadata"].items() if k not in ("seconds", "peak_memory")}
         return {"checkpoint": self.checkpoint, "step": self.step, "peel": self.peel.to_dict(timings=timings), "swap": swap}
 
     @classmethod
