@@ -55,7 +55,7 @@ from .protocols import PROTOCOLS
 from .rule import resolve_protect
 from .scoring.engine import plan_engine
 from .scoring.kl import kl_rows
-from .scoring.probes import make_probes, schedule
+from .scoring.probes import make_probes, schedule_blocks
 from .scoring.settings import EngineSettings, device_memory_budget
 from .scoring.verbs import swap_plans
 from .selection.search import search_select
@@ -220,8 +220,7 @@ def _engine_counts(model, calib, plans, settings, *, reference: bool = True, ver
         engine.kl_chunk, engine.vocab_chunk = engine._kl_chunks(None, None)
     _, probes, _ = make_probes(plans, engine.num_blocks)
     todo = list(probes.values())
-    per_batch = sum(len(p.key) - (0 if engine.mode == "none" else p.start + depth0)
-                    for p, depth0, _ in schedule(todo, engine.mode))
+    per_batch = schedule_blocks(todo, engine.mode)
     blocks = heads = head_rows = tokens = ref_tokens = 0
     for b in engine.batches:
         ids, mask = engine._batch(b)
