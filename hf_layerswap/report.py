@@ -36,6 +36,7 @@ from .jsonio import (
 from .protocols import PROTOCOLS, probe_kinds, protocol_of, SWAP_PROTOCOLS
 
 __all__ = [
+    "MACHINE_MEASUREMENTS",
     "PairResult",
     "PruneProvenance",
     "SwapReport",
@@ -44,6 +45,10 @@ __all__ = [
 ]
 
 _PAIR_VALUE_FIELDS = ("replacement_ij", "replacement_ji", "interchange")
+
+#: Keys of ``SwapReport.metadata`` that measure the machine a run happened on, not the run:
+#: two runs of the same scoring differ only in these (``SwapReport.to_dict(timings=False)``).
+MACHINE_MEASUREMENTS = frozenset({"seconds", "peak_memory", "max_memory_source"})
 
 
 def _max_kl(*values: float | None) -> float | None:
@@ -259,7 +264,13 @@ class SwapReport(JsonResult):
         return sorted(range(self.num_blocks), key=lambda i: (score_key(scores[i]), i))
 
     # ------------------------------------------------------------------ JSON
-    def to_dict(self) -> dict:
+    def to_dict(self, *, timings: bool = True) -> dict:
+        """JSON-able dict. ``timings=False`` leaves out the metadata that measures the machine
+        rather than the run (:data:`MACHINE_MEASUREMENTS`: wall seconds, peak memory, the free
+        memory an automatic ``max_memory`` was derived from), so that two runs compare equal."""
+        metadata = self._metadata_with_nonfinite()
+        if not timings:
+            metadata = {k: v for k, v in metadata.items() if k not in MACHINE_MEASUREMENTS}
         return {
             "format": "hf_layerswap.SwapReport/1",
             "num_blocks": self.num_blocks,
@@ -268,7 +279,7 @@ class SwapReport(JsonResult):
             "pairs": [r.to_dict() for r in self.pairs],
             "removal_kl": {k: encode_float(v) for k, v in self.removal_kl.items()},
             "selections": encode_tree(self.selections),
-            "metadata": encode_tree(self._metadata_with_nonfinite()),
+            "metadata": encode_tree(metadata),
         }
 
     def _metadata_with_nonfinite(self) -> dict:

@@ -179,3 +179,19 @@ def test_truncated_or_hand_edited_report_files_name_the_file(matrix_report, tmp_
         with pytest.raises(ValueError) as err:
             SwapReport.from_json(path)
         assert str(err.value) == f"{path} is not a valid SwapReport JSON file: {message}"
+
+
+def test_two_runs_that_differ_only_in_the_machine_compare_equal_without_timings():
+    """The free memory an automatic ``max_memory`` was read from, wall seconds and peak memory
+    describe the machine; ``to_dict(timings=False)`` compares the runs themselves."""
+    first = nonfinite_report()
+    second = nonfinite_report()
+    first.metadata.update(seconds=1.5, peak_memory={"cpu": 10}, max_memory=2**30,
+                          max_memory_source="auto: 25% of 21.6 GiB free on cpu")
+    second.metadata.update(seconds=2.5, peak_memory={"cpu": 20}, max_memory=2**30,
+                           max_memory_source="auto: 25% of 21.5 GiB free on cpu")
+    assert first.to_dict() != second.to_dict()
+    assert first.to_dict(timings=False) == second.to_dict(timings=False)
+    assert first.to_dict(timings=False)["metadata"]["max_memory"] == 2**30  # the setting itself stays
+    second.metadata["max_memory"] = 2**29
+    assert first.to_dict(timings=False) != second.to_dict(timings=False)

@@ -47,9 +47,7 @@ class TrajectoryPoint:
     def to_dict(self, *, timings: bool = True) -> dict:
         swap = None
         if self.swap is not None:
-            swap = self.swap.to_dict()
-            if not timings:  # the machine's measurements of the run, not its results
-                swap["metadata"] = {k: v for k, v in swap["metadata"].items() if k not in ("seconds", "peak_memory")}
+            swap = self.swap.to_dict(timings=timings)
         return {"checkpoint": self.checkpoint, "step": self.step, "peel": self.peel.to_dict(timings=timings), "swap": swap}
 
     @classmethod
