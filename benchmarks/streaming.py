@@ -110,6 +110,7 @@ def worker(args) -> None:
         "model": args.model, "cap": args.cap, "depth_first": args.depth_first, "weights_bytes": weights,
         "cpu_s": cpu, "wall_s": wall, "peak_rss": meta["peak_memory"]["cpu"], "peak_rss_after_load": rss_loaded,
         "slot_major": meta["slot_major"], "movement": meta["movement"], "block_evaluations": meta["block_evaluations"],
+        "head_streaming": meta["head_streaming"],
         "num_blocks": report.num_blocks,
         "rss_after_scoring": rss_parts(),
         "pairs": [[p.i, p.j, *(getattr(p, f) for f in FIELDS)] for p in report.pairs],
