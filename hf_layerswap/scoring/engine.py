@@ -187,7 +187,7 @@ class Engine:
                     vocab_chunk = vocab
                 elif kl_chunk is None and fit >= MIN_WHOLE_VOCAB_CHUNK:
                     # fewer positions, whole vocabulary: one head GEMM and one fp32 log-softmax per
-                    # block, the arithmetic of the naive computation, instead of two passes over slices
+                    # block, the arithmetic of the naive computation, instead of a pass over slices
                     rows, vocab_chunk = fit, vocab
                 else:
                     width = max(1, head_budget // (16 * rows))

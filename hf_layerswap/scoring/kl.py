@@ -67,7 +67,7 @@ class OnlineKL:
     (:meth:`reference`, which returns exp(z - m) for that slice), then each probe's
     (:meth:`add`), so each slice of the head is needed once for all rows and probes.
     Everything is float64 (the logits stay fp32): the two terms nearly cancel when the
-    distributions are close, and the result is the KL of the fp32 logits to ~1e-7 relative.
+    distributions are close, and the result is the KL of the fp32 logits to float64 rounding.
 
     Args:
         rows: positions ``R``; probes: probes ``N``; block_bytes: the row blocks' fp32 bytes.
@@ -100,7 +100,7 @@ class OnlineKL:
         :meth:`reference`)."""
         logits = logits.float()
         for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
-            diff = (ref_logits[r0:r1] - logits[r0:r1]).double()
+            diff = ref_logits[r0:r1].double() - logits[r0:r1].double()
             self.dot[n, a + r0:a + r1] += diff.mul_(weights[r0:r1]).sum(dim=-1)
         self.lse[n, a:b] = torch.logaddexp(self.lse[n, a:b], lse64(logits, self.block_bytes))
 
