@@ -60,3 +60,20 @@ def test_malformed_or_empty_records_render_as_cannot_be_judged():
     card = healing_section({"healing": [_entry(tokens=None, perplexity=[1, 2])]})
     assert "| Training | — tokens, 1 steps," in card
     assert "| Perplexity before → after healing | not recorded in a readable form: this healing cannot be judged" in card
+
+
+def test_a_bool_in_a_numeric_field_is_never_printed_as_a_value():
+    """``True`` where a perplexity stage, a loss or a setting belongs is no measurement: the card
+    says so instead of printing ``True`` (or ``1.0000`` nats)."""
+    card = healing_section({"healing": [_entry(final_loss=True, learning_rate=True, seed=False,
+                                               perplexity={"dense": 10.0, "after_cut": True, "after_healing": 9.0,
+                                                           "start": "after_cut", "contract": "matched"})]})
+    assert "True" not in card and "False" not in card
+    assert "| Perplexity after the cut | not recorded as a number: cannot be judged |" in card
+    assert "| Final training loss | — nats/token |" in card
+    assert "learning rate —, seed —" in card
+    assert "| Perplexity after healing | 9.000 (-10.0% vs the dense model) |" in card
+    assert "cannot be judged on perplexity (no value before and after)" in card
+    nan = healing_section({"healing": [_entry(perplexity={"dense": 10.0, "after_cut": float("nan"), "after_healing": 9.0,
+                                                            "start": "after_cut", "contract": "matched"})]})
+    assert "| Perplexity after the cut | nan |" in nan

@@ -18,18 +18,30 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _finite(value) -> bool:
+    """A finite number (a bool is not one: ``True`` is no measurement)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _nats(value) -> str:
-    return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else _DASH
+    return f"{value:.4f}" if _finite(value) else _DASH
 
 
 def _change(before, after) -> str:
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (before, after)) or not before:
+    if not (_finite(before) and _finite(after)) or not before:
         return _DASH
     return f"{100 * (after - before) / before:+.1f}%"
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _not_finite(value) -> str:
+    """The cell of a perplexity stage without a finite value: ``nan``/``inf`` kept visible
+    (a result to report), anything that is no number (a bool, a string) never printed as
+    if it were one."""
+    if value is None:
+        return "not measured"
+    if isinstance(value, float):
+        return str(value)
+    return "not recorded as a number: cannot be judged"
 
 
 def _kl_row(entry: Mapping) -> str:
@@ -88,7 +100,7 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
             continue
         value = ppl.get(stage)
         if not _finite(value):
-            rows.append((label.format(repair=ppl.get("repair") or "repair"), "not measured" if value is None else str(value)))
+            rows.append((label.format(repair=ppl.get("repair") or "repair"), _not_finite(value)))
             continue
         text = f"{value:.3f}"
         if _finite(dense) and stage != "dense":
@@ -152,6 +164,11 @@ def _task_value(value, err) -> str:
     return f"{value:.4f}" + (f" ± {err:.4f}" if _finite(err) and err > 0 else "")
 
 
+def _setting(value) -> str:
+    """A training setting as recorded (the dash for a missing one or a bool, which no setting is)."""
+    return _DASH if value is None or isinstance(value, bool) else str(value)
+
+
 def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _DASH
 
@@ -165,7 +182,7 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     rows = [
         ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
         ("Training", f"{_count(entry.get('tokens'))} tokens{_distinct(entry)}, {_count(entry.get('steps'))} steps, learning rate "
-                     f"{entry.get('learning_rate', _DASH)}, seed {entry.get('seed', _DASH)}"),
+                     f"{_setting(entry.get('learning_rate'))}, seed {_setting(entry.get('seed'))}"),
         ("Teacher", teacher),
         ("Data", data),
         ("Held-out KL(teacher ‖ student) before → after", _kl_row(entry)),
