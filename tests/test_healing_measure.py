@@ -108,6 +108,7 @@ def test_heal_measures_lm_eval_tasks_before_and_after():
     assert report.tasks["before"] == before.results and report.tasks["after"] == after.results
     assert report.tasks["n_samples"] == {"layerswap_mc": 4} and report.tasks["settings"]["limit"] == 4
     assert report.tasks["task_hashes"] == before.task_hashes == after.task_hashes
+    assert report.tasks["higher_is_better"] == before.higher_is_better == {"layerswap_mc": {"acc": True, "acc_norm": True}}
     entry = student.config.layerswap["healing"][-1]
     assert entry["tasks"] == json.loads(json.dumps(report.tasks))
     card = healing_section(student.config.layerswap)

@@ -125,9 +125,37 @@ def _distinct(entry: Mapping) -> str:
     return f" ({entry['distinct_tokens']:,} distinct, {text}, {entry['epochs']:.2f} epochs)"
 
 
+#: lm-eval's direction of its standard metrics, for records that do not carry
+#: ``higher_is_better`` (measured before it was kept): ``True`` = higher is better.
+_METRIC_DIRECTION = {
+    **dict.fromkeys(("acc", "acc_norm", "acc_mutual_info", "exact_match", "f1", "mcc", "bleu", "chrf"), True),
+    **dict.fromkeys(("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter", "brier_score"), False),
+}
+
+
+def _higher_is_better(tasks: Mapping, task: str, metric: str) -> bool | None:
+    """The recorded direction of ``metric`` (lm-eval's ``higher_is_better``), else the
+    standard one of :data:`_METRIC_DIRECTION`, else ``None`` (unknown: not judged)."""
+    recorded = tasks.get("higher_is_better")
+    per_task = recorded.get(task) if isinstance(recorded, Mapping) else None
+    direction = per_task.get(metric) if isinstance(per_task, Mapping) else None
+    return direction if isinstance(direction, bool) else _METRIC_DIRECTION.get(metric)
+
+
+def _task_change(tasks: Mapping, task: str, metric: str, before, after) -> str:
+    """The change cell: ``after - before``, marked **worse than before healing** when the
+    metric moved the wrong way (by its direction; none known: not marked)."""
+    if not (_finite(before) and _finite(after)):
+        return "cannot be judged"
+    higher = _higher_is_better(tasks, task, metric)
+    worse = higher is not None and (after < before if higher else after > before)
+    return f"{after - before:+.4f}" + ("; **worse than before healing**" if worse else "")
+
+
 def tasks_table(tasks: Mapping) -> str | None:
     """The markdown of a healing record's lm-eval tasks before and after healing (``None``
-    when none were measured); a record without both sides is flagged."""
+    when none were measured); a record without both sides is flagged, a metric that moved
+    the wrong way (lm-eval's ``higher_is_better``) is marked **worse than before healing**."""
     if not tasks:
         return None
     before, after = tasks.get("before"), tasks.get("after")
@@ -144,7 +172,7 @@ def tasks_table(tasks: Mapping) -> str | None:
             later = after.get(task) if isinstance(after.get(task), Mapping) else {}
             new = later.get(metric)
             cells = [_task_value(value, metrics.get(f"{metric}_stderr")), _task_value(new, later.get(f"{metric}_stderr")),
-                     f"{new - value:+.4f}" if _finite(value) and _finite(new) else "cannot be judged"]
+                     _task_change(tasks, task, metric, value, new)]
             lines.append(f"| {_cell(task)} | {_cell(metric)} | " + " | ".join(cells) + " |")
     s, versions = tasks.get("settings") or {}, tasks.get("versions") or {}
     hashes, counts = tasks.get("task_hashes") or {}, tasks.get("n_samples") or {}

@@ -166,7 +166,8 @@ class HealMeasures:
         if self.eval_tasks is not None:
             before, after = start["tasks"], self._tasks(healed)
             tasks = {"before": before.results, "after": after.results, "settings": before.settings,
-                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples}
+                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples,
+                     "higher_is_better": before.higher_is_better}
             if after.task_hashes != before.task_hashes:
                 tasks["mismatch"] = "the task documents or prompts differ between before and after"
         return perplexity, tasks
