@@ -1,11 +1,13 @@
 """Sliding-window perplexity under a contract (:func:`evaluate_perplexity`,
-:func:`perplexity_from_ids`) and comparisons of two results (:func:`delta_ppl_percent`,
-:func:`delta_ppl_ci`)."""
+:func:`perplexity_from_ids`; a text tokenized once and scored on several models:
+:func:`tokenize_contract_text`, :func:`perplexity_of_text`) and comparisons of two results
+(:func:`delta_ppl_percent`, :func:`delta_ppl_ci`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -210,6 +212,63 @@ def evaluate_perplexity(
                                 bootstrap=bootstrap, seed=seed, batch_size=batch_size)
     if contract not in CONTRACTS:
         raise ValueError(f"contract={contract!r}: allowed {sorted(CONTRACTS) + ['rolling']}")
+    prepared = tokenize_contract_text(text, tokenizer=tokenizer, model=model, contract=contract, window=window,
+                                      stride=stride, max_words=max_words, add_bos=add_bos)
+    return perplexity_of_text(model, prepared, bootstrap=bootstrap, seed=seed, batch_size=batch_size,
+                              paper_token_count=paper_token_count, progress=progress)
+
+
+@dataclass(frozen=True)
+class ContractText:
+    """A text prepared and tokenized once under a sliding-window contract, to be scored on
+    several models by :func:`perplexity_of_text` (the same tokens :func:`evaluate_perplexity`
+    would make for each of them).
+
+    Attributes:
+        ids: ``(N,)`` long tensor of token ids (a BOS first when the contract adds one).
+        window, stride: the contract's window and step, tokens.
+        record: the contract entries of the text: ``name``, the source, ``raw_text_sha256``,
+            ``text_sha256``, ``preparation``, ``max_words``, ``words``, ``bos``, ``tokenizer``.
+    """
+
+    ids: torch.Tensor
+    window: int
+    stride: int
+    record: dict
+
+
+def tokenize_contract_text(
+    text=None,
+    *,
+    tokenizer=None,
+    model=None,
+    contract: str = "matched",
+    window: int | None = None,
+    stride: int | None = None,
+    max_words: int | None = None,
+    add_bos: bool | None = None,
+) -> ContractText:
+    """Read, prepare and tokenize ``text`` once under a sliding-window contract (the text
+    half of :func:`evaluate_perplexity`, same arguments).
+
+    Args:
+        text, contract, window, stride, max_words, add_bos: as in :func:`evaluate_perplexity`
+            (``contract`` ``"matched"`` or ``"full"``; ``"rolling"`` scores each document on
+            its own and has no single token sequence).
+        tokenizer: the tokenizer; default the one saved with ``model``.
+        model: only to find the tokenizer when none is given.
+
+    Returns:
+        :class:`ContractText`.
+
+    Raises:
+        ValueError: unknown ``contract``, a bad ``max_words``, no tokenizer available, a BOS
+            asked of a tokenizer without one, a file that is not UTF-8 text.
+        FileNotFoundError: ``text`` names a file that does not exist.
+        TypeError: ``text`` of an unsupported type.
+    """
+    if contract not in CONTRACTS:
+        raise ValueError(f"contract={contract!r}: allowed {sorted(CONTRACTS)} (a text tokenized once)")
     spec = CONTRACTS[contract]
     window = spec["window"] if window is None else int(window)
     stride = spec["stride"] if stride is None else int(stride)
@@ -233,21 +292,45 @@ def evaluate_perplexity(
         "words": words,
         "bos": bos,
         "tokenizer": type(tokenizer).__name__,
-        # the local folder the weights were read from stays out: contracts get published
-        "model": {**public_identity(model), "fingerprint": model_fingerprint(model)},
     }
-    return perplexity_from_ids(
-        model,
-        ids,
-        window=window,
-        stride=stride,
-        bootstrap=bootstrap,
-        seed=seed,
-        batch_size=batch_size,
-        paper_token_count=paper_token_count,
-        contract=record,
-        progress=progress,
-    )
+    return ContractText(ids, window, stride, record)
+
+
+def perplexity_of_text(
+    model,
+    text: ContractText,
+    *,
+    bootstrap: int = 1000,
+    seed: int = 42,
+    batch_size: int = 2,
+    paper_token_count: bool = False,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on a text tokenized once (:func:`tokenize_contract_text`):
+    the result :func:`evaluate_perplexity` gives on the same text, bit for bit, without
+    tokenizing it again.
+
+    Args:
+        model: a causal LM (any dtype/device; evaluated in eval mode, no grad).
+        text: a :class:`ContractText`.
+        bootstrap, seed, batch_size, paper_token_count, progress: as in
+            :func:`evaluate_perplexity`.
+
+    Returns:
+        :class:`PerplexityResult`; its ``contract`` is the text's record plus the window,
+        scoring, dtype, model identity and library versions.
+
+    Raises:
+        TypeError: ``text`` is not a :class:`ContractText`.
+        ValueError: as :func:`perplexity_from_ids`.
+    """
+    if not isinstance(text, ContractText):
+        raise TypeError(f"text must be a ContractText (tokenize_contract_text), got {type(text).__name__}")
+    # the local folder the weights were read from stays out: contracts get published
+    record = {**text.record, "model": {**public_identity(model), "fingerprint": model_fingerprint(model)}}
+    return perplexity_from_ids(model, text.ids, window=text.window, stride=text.stride, bootstrap=bootstrap, seed=seed,
+                               batch_size=batch_size, paper_token_count=paper_token_count, contract=record,
+                               progress=progress)
 
 
 # ----------------------------------------------------------------------------- comparisons

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..evaluation.perplexity import evaluate_perplexity
+from ..evaluation.perplexity import perplexity_of_text, tokenize_contract_text
 from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
 from ..tasks import evaluate_tasks
@@ -130,10 +130,13 @@ class HealMeasures:
 
     def start(self, student: nn.Module, teacher: nn.Module) -> dict:
         """Everything measured before training: ``{"perplexity": {stage: ppl, ...}, "tasks":
-        TaskResults or None, "contract": ...}``."""
-        out: dict = {"perplexity": {}, "tasks": None, "contract": None}
+        TaskResults or None, "contract": ..., "text": ContractText or None}`` (the perplexity
+        text is tokenized once here, with the student's tokenizer, and scored at every stage)."""
+        out: dict = {"perplexity": {}, "tasks": None, "contract": None, "text": None}
         if self.perplexity_text is not None:
-            dense = self._perplexity(teacher)
+            text = out["text"] = tokenize_contract_text(
+                None if self.perplexity_text == "embedded" else self.perplexity_text, tokenizer=self.tokenizer)
+            dense = self._perplexity(teacher, text)
             out["contract"] = dense.contract
             stages = {"dense": dense.ppl}
             repair = repair_of_last_cut(student)
@@ -141,10 +144,10 @@ class HealMeasures:
                 cut = replayed_cut(student, teacher)
                 if cut is not None:
                     with apply_plan(teacher, removal_plan(num_blocks(teacher), cut)):
-                        stages["after_cut"] = self._perplexity(teacher).ppl
-                stages["after_repair"] = self._perplexity(student).ppl
+                        stages["after_cut"] = self._perplexity(teacher, text).ppl
+                stages["after_repair"] = self._perplexity(student, text).ppl
             else:
-                stages["after_cut"] = self._perplexity(student).ppl
+                stages["after_cut"] = self._perplexity(student, text).ppl
             out["perplexity"] = {"stages": stages, "repair": repair}
         if self.eval_tasks is not None:
             out["tasks"] = self._tasks(student)
@@ -155,7 +158,7 @@ class HealMeasures:
         and the tasks before and after (``{}`` for what was not asked)."""
         perplexity, tasks = {}, {}
         if self.perplexity_text is not None:
-            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed).ppl}
+            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed, start["text"]).ppl}
             contract = start["contract"] or {}
             repair = start["perplexity"]["repair"]
             perplexity = {**{k: stages.get(k) for k in PERPLEXITY_STAGES},
@@ -172,9 +175,8 @@ class HealMeasures:
                 tasks["mismatch"] = "the task documents or prompts differ between before and after"
         return perplexity, tasks
 
-    def _perplexity(self, model):
-        text = None if self.perplexity_text == "embedded" else self.perplexity_text
-        return evaluate_perplexity(model, text, tokenizer=self.tokenizer, bootstrap=0, progress=self.progress)
+    def _perplexity(self, model, text):
+        return perplexity_of_text(model, text, bootstrap=0, progress=self.progress)
 
     def _tasks(self, model):
         return evaluate_tasks(model, list(self.eval_tasks), tokenizer=self.tokenizer, include_path=self.eval_tasks_path,
