@@ -52,6 +52,8 @@ from .cost_steps import ModelShape, block_flops, check_removal, healing_phase, r
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
+from .recovery.fit import select_rows
+from .recovery.methods import search_objectives
 from .rule import resolve_protect
 from .scoring.engine import plan_engine
 from .scoring.kl import kl_rows
@@ -276,8 +278,35 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     counts["head_rows"] += rows * (bound_sets + calls)
     counts["calls"] = calls
     counts["sets"] = len(sets) + bound_sets
+    counts["exact_sets"] = sets
     counts["engine"] = engine
     return counts
+
+
+def _add_repair_objective(counts: dict, model, calib: CalibrationSet, cfg: LayerSwapConfig) -> None:
+    """Add to the search's bound what a repair-aware objective (``objective="ghosted"``,
+    :class:`~hf_layerswap.selection.objectives.SetObjective`) runs beyond the removal KL's
+    passes: the one stream-capture sweep that fits every block's operator (each batch of
+    :func:`~hf_layerswap.recovery.fit.select_rows` over every real token, through all
+    blocks, no head), and for the sets that cut through the last block (their operator acts
+    after the last kept block, so they run from the embeddings) the blocks before their
+    first removed one, which the removal KL's count starts after."""
+    total_blocks = num_blocks(model)
+    fit_batches = sum(1 for _ in select_rows(calib, cfg.batch_size, calib.num_tokens))
+    fit = fit_batches * total_blocks
+    tail = 0
+    protected = resolve_protect(cfg.protect, total_blocks)
+    if total_blocks - 1 not in protected:
+        n_batches = len(counts["engine"].batches)
+        exact_sets = counts["exact_sets"]
+        first = min(i for i in range(total_blocks) if i not in protected)
+        # an exact set runs its min(s) blocks more; a bound set, counted from the first
+        # removable block, at most that many more
+        tail = n_batches * (sum(min(x) for x in exact_sets if total_blocks - 1 in x)
+                            + (counts["sets"] - len(exact_sets)) * first)
+    counts["block_passes"] += fit + tail
+    counts["block_tokens"] += (fit + tail) * calib.input_ids.shape[1] * cfg.batch_size
+    counts["sweeps"] = counts["calls"] + 1
 
 
 # ---------------------------------------------------------------------- throughput
@@ -475,6 +504,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     exact = True
     if cfg.layers is None and strategy == "search":
         phases["selection"] = _search_counts(model, calib, cfg, settings)
+        if cfg.objective in search_objectives():
+            _add_repair_objective(phases["selection"], model, calib, cfg)
         exact = False
     elif cfg.layers is None and strategy == "auto":  # the two protocols' greedy sets, scored jointly
         plans = {k: removal_plan(total_blocks, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
@@ -564,7 +595,7 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         bytes_moved=int(sum(p["bytes_moved"] for p in phases.values())),
         peak_memory_bytes={k: int(v) for k, v in peak.items()},
         seconds=float(sum(p["seconds"] for p in phases.values())), exact=exact,
-        phases={k: {kk: vv for kk, vv in v.items() if kk != "engine"} for k, v in phases.items()},
+        phases={k: {kk: vv for kk, vv in v.items() if kk not in ("engine", "exact_sets")} for k, v in phases.items()},
         derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
                       "process": int(resident), "steps": int(steps_peak)},
