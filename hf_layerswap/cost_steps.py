@@ -399,12 +399,18 @@ def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: i
     (:func:`~hf_layerswap.tasks.request_forwards`: one per ``loglikelihood`` request, one
     per rolling window of a ``loglikelihood_rolling`` document), each through the ``kept``
     blocks and the head over every position. Not estimated, with the reason in
-    ``phase["not_estimated"]``: ``generate_until`` tasks (one forward per generated token),
-    tasks whose documents are not on this machine, every task when lm-eval is not installed.
+    ``phase["not_estimated"]``: lm-eval's own tasks (no ``eval_tasks_path``: their documents
+    come from the Hub, and an estimate downloads nothing), ``generate_until`` tasks (one
+    forward per generated token), tasks whose documents cannot be loaded, every task when
+    lm-eval is not installed.
     """
     heal = cfg.heal
     phase["exact"] = False
     skipped = phase.setdefault("not_estimated", [])
+    if heal.eval_tasks_path is None:
+        skipped.append(f"lm-eval tasks {heal.eval_tasks}: lm-eval's own tasks read their documents from the Hub; "
+                       "the estimate builds requests only from a local task folder (eval_tasks_path)")
+        return
     try:
         built = task_requests(heal.eval_tasks, limit=heal.eval_tasks_limit, include_path=heal.eval_tasks_path)
     except ImportError:

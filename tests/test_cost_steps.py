@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 import hf_layerswap as hl
 from arch_matrix import tiny_tokenizer
 from conftest import counted_prune, tiny_checkpoint
+from hf_layerswap import cost_steps
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
 from hf_layerswap.healing import heal
@@ -238,6 +239,22 @@ def test_healing_lm_eval_tasks_are_bounded_or_said_not_estimated(tmp_path):
     assert "not estimated: lm-eval task 'layerswap_gen' (generate_until): its forwards depend on the generated" in lines
     assert "not estimated: lm-eval task 'layerswap_gone': its requests could not be built here" in lines
     assert estimate.phases["healing"]["tasks"]["block_passes"] == 240
+    estimate = _estimate(_measuring(eval_tasks=["hellaswag"]), calib)  # lm-eval's own task: nothing downloaded
+    assert estimate.phases["healing"]["not_estimated"] == [
+        "lm-eval tasks ['hellaswag']: lm-eval's own tasks read their documents from the Hub; the estimate builds "
+        "requests only from a local task folder (eval_tasks_path)"]
+
+
+def test_healing_lm_eval_without_lm_eval_installed_is_said_not_estimated(monkeypatch):
+    def missing(*_, **__):
+        raise ImportError("No module named 'lm_eval'")
+
+    monkeypatch.setattr(cost_steps, "task_requests", missing)
+    config = _measuring(eval_tasks=["layerswap_mc"], eval_tasks_path=str(TASKS))
+    phase = _estimate(config, _calibration(prompts=7)).phases["healing"]
+    assert phase["not_estimated"] == ["lm-eval tasks ['layerswap_mc']: lm-eval is not installed (pip install "
+                                      "'hf-layerswap[lm-eval]'), so their requests cannot be built"]
+    assert not phase["exact"] and "tasks" not in phase
 
 
 def test_healing_measurements_need_a_tokenizer(tmp_path):
