@@ -21,11 +21,16 @@ The runner owns the rest:
 - **render** (``--render-only``, :func:`add_runner_arguments`): the page is rewritten from
   the JSON alone; no model is loaded.
 
-On the runner: ``heal.py`` (``experiments/heal.toml``), ``sparsity.py``
-(``experiments/sparsity.toml``, a shared store), ``precision.py``
-(``experiments/precision.toml``), ``recovery.py`` (``experiments/recovery.toml``) and
-``streaming.py`` (``experiments/streaming.toml``): these three keep their cells as lists of
-records (:class:`ListCellStore`).
+Every benchmark with cells runs on the runner: ``heal.py`` (``experiments/heal.toml``),
+``sparsity.py`` (``experiments/sparsity.toml``, a shared store), ``quality.py``
+(``experiments/quality.toml``: a cell is a criterion at a budget, run by the library's
+``compare_criteria`` into its own state, read back through a nested store, ``depth=2``),
+``precision.py``, ``recovery.py``, ``streaming.py`` and ``speed.py`` (their ``.toml`` files):
+these four keep their cells as lists of records (:class:`ListCellStore`), and ``speed.py``
+stores a model's record batch by batch and merges with ``progress`` (the record further along
+is kept). ``scale.py``, ``gpu.py``, ``peeling.py`` and ``train_tiny.py`` are single runs with
+no cells.
+
 Usage from a benchmark script::
 
     store = CellStore(path, fresh=new_state)
