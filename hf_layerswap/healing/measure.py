@@ -15,15 +15,41 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..evaluation.perplexity import evaluate_perplexity
+from ..evaluation.contract import sliding_windows
+from ..evaluation.perplexity import contract_tokens, evaluate_perplexity, window_batches
 from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
 from ..tasks import evaluate_tasks
 
-__all__ = ["HealMeasures", "PERPLEXITY_STAGES", "check_eval_tasks", "contract_summary", "replayed_cut", "repair_of_last_cut"]
+__all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
+           "contract_summary", "perplexity_forwards", "replayed_cut", "repair_of_last_cut"]
 
 #: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
 PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_healing")
+#: The contract of every perplexity healing measures, and its windows per forward.
+PERPLEXITY_CONTRACT = "matched"
+PERPLEXITY_BATCH = 2
+
+
+def _evaluated_text(perplexity_text):
+    return None if perplexity_text == "embedded" else perplexity_text
+
+
+def perplexity_forwards(perplexity_text, tokenizer) -> list[tuple[int, int, int]]:
+    """The forward passes of one perplexity evaluation :class:`HealMeasures` runs (the
+    :data:`PERPLEXITY_CONTRACT` contract's windows over ``perplexity_text`` read by
+    ``tokenizer``, :data:`PERPLEXITY_BATCH` windows per forward; no model needed).
+
+    Returns:
+        one ``(windows, length, keep)`` per forward: windows in the batch, their length
+        (tokens) and the positions whose logits the head computes.
+
+    Raises:
+        ValueError, FileNotFoundError: a text the evaluation would refuse (the message names it).
+    """
+    ids, window, stride, _ = contract_tokens(_evaluated_text(perplexity_text), tokenizer, contract=PERPLEXITY_CONTRACT)
+    spans = sliding_windows(len(ids), window, stride)
+    return [(len(members), length, keep) for length, keep, members in window_batches(spans, PERPLEXITY_BATCH)]
 
 
 def check_eval_tasks(tasks, path, limit, what: str) -> tuple[list[str] | None, int | float | None]:
@@ -172,8 +198,9 @@ class HealMeasures:
         return perplexity, tasks
 
     def _perplexity(self, model):
-        text = None if self.perplexity_text == "embedded" else self.perplexity_text
-        return evaluate_perplexity(model, text, tokenizer=self.tokenizer, bootstrap=0, progress=self.progress)
+        return evaluate_perplexity(model, _evaluated_text(self.perplexity_text), tokenizer=self.tokenizer,
+                                   contract=PERPLEXITY_CONTRACT, batch_size=PERPLEXITY_BATCH, bootstrap=0,
+                                   progress=self.progress)
 
     def _tasks(self, model):
         return evaluate_tasks(model, list(self.eval_tasks), tokenizer=self.tokenizer, include_path=self.eval_tasks_path,
