@@ -54,6 +54,22 @@ def test_the_default_search_is_bounded_between_the_count_and_one_and_a_half_time
     assert heads <= estimate.head_passes <= 1.5 * heads
 
 
+@pytest.mark.parametrize("layers,n,protect", [(8, 2, None), (12, 3, None), (8, 2, [0])])
+def test_the_repair_aware_search_is_bounded_between_the_count_and_one_and_a_half_times_it(layers, n, protect):
+    """objective="ghosted": the operator fit's sweep, each candidate from its first removed
+    block (a cut through the last block, with it unprotected, from the embeddings)."""
+    cfg, calib = _tiny(layers), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=n, batch_size=4, objective="ghosted", recovery="ghosted",
+                                progress=False, **({} if protect is None else {"protect": protect}))
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    blocks, heads = counted_prune(cfg, config, calib)
+    assert not estimate.exact
+    assert blocks <= estimate.block_passes <= 1.5 * blocks
+    assert heads <= estimate.head_passes <= 1.5 * heads
+    if (layers, protect) == (8, None):  # every pair of blocks 1..6 is scored: the bound is the count
+        assert estimate.block_passes == blocks
+
+
 def test_streamed_weights_move_each_block_once_per_batch_and_sweep():
     cfg, calib = _tiny(8), _calibration()
     config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=4, progress=False)
