@@ -61,8 +61,8 @@ from .protocols import PROTOCOLS
 from .recovery.fit import select_rows
 from .recovery.methods import search_objectives
 from .rule import resolve_protect
-from .scoring.engine import plan_engine
-from .scoring.kl import kl_rows
+from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
+from .scoring.kl import OnlineKL
 from .scoring.probes import make_probes, schedule_blocks
 from .scoring.settings import EngineSettings, device_memory_budget
 from .scoring.verbs import swap_plans
@@ -81,8 +81,8 @@ class Throughput:
     Attributes:
         block_flops_per_second: decoder-block forward FLOP/s at the model's dtype.
         head_flops_per_second: output-head GEMM FLOP/s (fp32, as the engine runs it),
-            with the time of its KL against the reference (log-softmax, the sum over the
-            vocabulary) included.
+            with the time of its KL against the reference (:class:`~.scoring.kl.OnlineKL`'s
+            float64 sums over the vocabulary) included.
         host_bytes_per_second: weight streaming bandwidth, host to compute device (B/s).
         source: how the rates were obtained (a probe on this machine, or assumed).
     """
@@ -358,11 +358,12 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
     block_params = sum(p.numel() for p in block.parameters())
     block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
     # the head/KL phase on a slice of the vocabulary of up to 32k entries (the rate is the same):
-    # the fp32 GEMM, then the KL of its log-softmax against a reference (kl_rows), as the engine runs them
+    # a probe's fp32 GEMM, then its KL against the reference folded in (OnlineKL.add), as the engine runs them
     w = torch.randn(min(ModelShape(model).vocab, 32768), hidden, device=device)
     rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
-    ref = torch.log_softmax(rows @ w.t(), dim=-1)
-    head_seconds = _best(lambda: kl_rows(ref, rows @ w.t()), repeats, device)
+    acc = OnlineKL(rows.shape[0], 1, device)
+    weights = acc.reference(0, rows.shape[0], rows @ w.t())
+    head_seconds = _best(lambda: acc.add(0, 0, rows.shape[0], weights, rows @ w.t()), repeats, device)
     flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
     copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
     return Throughput(
@@ -419,9 +420,7 @@ def _working_bytes(engine, model, search_reference: int) -> int:
     which is streamed), the held probe states, the kept reference."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     activations = engine._activation_bytes(engine.batch_size, cfg)
-    vocab, rows = engine.head.vocab, engine.kl_chunk
-    slices = math.ceil(vocab / engine.vocab_chunk)
-    kl_block = (8 if slices == 1 else 16) * rows * engine.vocab_chunk
+    kl_block = KL_BLOCK_ENTRY_BYTES * engine.kl_chunk * engine.vocab_chunk  # OnlineKL's weights and logits
     head = engine.head.module
     head_copy = 4 * head.weight.numel() if head is not None and head.weight.dtype != torch.float32 else 0
     if engine.head.streamed:  # an offloaded head is read one vocabulary slice at a time (fp32 rows of it)

@@ -79,7 +79,8 @@ def test_score_layers_records_engine_settings():
     assert _pair_values(report) == _pair_values(reused)
     meta = reused.metadata
     assert meta["prefix_reuse"] == "shared" and report.metadata["prefix_reuse"] == "none"
-    assert meta["compute_dtype"] == "float32" and meta["softmax_dtype"] == "float32" and meta["autocast"] is False
+    # the engine's own head: the float64 online KL (OnlineKL) whatever the blocks
+    assert meta["compute_dtype"] == "float32" and meta["softmax_dtype"] == "float64" and meta["autocast"] is False
     assert meta["stream_logits"] is True and meta["world_size"] == 1
     # 3 prompts, one padded by 3: 33 real positions, through the head once for the reference + 9 probes
     assert meta["head_rows"] == 33 * 10
@@ -127,7 +128,7 @@ def test_streamed_kl_equals_the_models_full_logits(family):
             truth[name] = ((ref.exp() * (ref - lq)).sum(-1) * mask).sum(1) / mask.sum(1)
     full, stats = plan_kl(model, calib, plans, batch_size=4, stream_logits=False)
     assert stats["kl_chunk_vocab"] == 128 and stats["stream_logits"] is False
-    # everything in one block: masked_kl's arithmetic (fp32 log-softmax) on the decoder output's head
+    # everything in one block: the whole vocabulary as one slice of the same float64 online KL
     whole, stats = plan_kl(model, calib, plans, batch_size=4)
     assert stats["kl_chunk_vocab"] == 128 and stats["kl_chunk_positions"] == 4 * 11
     # 40 real positions in chunks of 5, 128 vocabulary entries in 3 slices (43, 43, 42): float64 sums, one
@@ -136,11 +137,13 @@ def test_streamed_kl_equals_the_models_full_logits(family):
     assert stats["kl_chunk_vocab"] == 43 and stats["head_rows"] == 40 * (1 + len(plans))
     for name in plans:
         assert bool((truth[name] > 0).all())
-        assert torch.allclose(whole[name], full[name], rtol=1e-6, atol=0), name
-        # fp32 log-softmax loses up to ~1e-4 relative on KLs of ~1e-3 (log-probs near -5 carry ~5e-7)
+        # the model's own logits through masked_kl (stream_logits=False): fp32 log-softmax loses up to
+        # ~1e-4 relative on KLs of ~1e-3 (log-probs near -5 carry ~5e-7)
         assert torch.allclose(full[name], truth[name], rtol=1e-3, atol=0), name
-        # the sliced sums are the KL of the fp32 logits to float64 precision
+        # one slice or three: the KL of the fp32 logits to float64 precision, and equal to each other
+        assert torch.allclose(whole[name], truth[name], rtol=1e-6, atol=0), name
         assert torch.allclose(sliced[name], truth[name], rtol=1e-6, atol=0), name
+        assert torch.allclose(sliced[name], whole[name], rtol=1e-10, atol=0), name  # float64 rounding
 
 
 @pytest.mark.parametrize("bias,softcap", [(False, None), (True, 3.0)])
@@ -191,11 +194,11 @@ def test_memory_budget_sets_chunk_and_batch():
     model = tiny_model("llama")  # vocab 128
     calib = build_calibration(tiny_batch(batch=6, length=12))
     _, stats = plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)}, max_memory="1MiB", kl_chunk=1024)
-    # the whole vocabulary needs 8 * 1024 * 128 bytes = 1 MiB > 0.4 MiB; sliced: fp32 reference logits,
-    # float64 probabilities, fp32 probe logits = 16 bytes per position and vocabulary entry:
-    # floor(0.4 * 2**20 / (16 * 1024)) = 25 entries -> 6 slices of the 128 -> 22 per slice
-    assert scoring.HEAD_BUDGET_FRACTION == 0.4
-    assert stats["kl_chunk_vocab"] == 22 and stats["kl_chunk_positions"] == 1024
+    # float64 reference weights and fp32 logits: 12 bytes per position and vocabulary entry; the whole
+    # vocabulary needs 12 * 1024 * 128 bytes = 1.5 MiB > 0.4 MiB, so sliced:
+    # floor(0.4 * 2**20 / (12 * 1024)) = 34 entries -> 4 slices of the 128 -> 32 per slice
+    assert scoring.HEAD_BUDGET_FRACTION == 0.4 and scoring.engine.KL_BLOCK_ENTRY_BYTES == 12
+    assert stats["kl_chunk_vocab"] == 32 and stats["kl_chunk_positions"] == 1024
     assert stats["max_memory"] == 2**20
     _, stats = plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)})
     assert stats["kl_chunk_positions"] == 8 * 12  # one chunk holds a whole batch (8 prompts x 12 tokens)
@@ -208,26 +211,29 @@ def test_memory_budget_sets_chunk_and_batch():
 
 def test_large_vocabulary_keeps_whole_vocabulary_blocks_of_fewer_positions(monkeypatch):
     """When a block of the default positions x the whole vocabulary exceeds the budget,
-    fewer positions keep the whole vocabulary (the naive fp32 arithmetic, one head pass);
-    the vocabulary is sliced only when even the minimum of positions does not fit."""
+    fewer positions keep the whole vocabulary (one head GEMM per block); the vocabulary is
+    sliced only when even the minimum of positions does not fit. The KL is the same
+    arithmetic either way (float64 online log-sum-exp): equal to float64 rounding."""
     model = tiny_model("llama", 4, vocab_size=8192)
     ids = torch.randint(0, 8192, (8, 12), generator=torch.Generator().manual_seed(0))
     calib = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1)}
     whole, stats = plan_kl(model, calib, plans, batch_size=8)
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] == 8192
-    # 4 MiB: 0.4 x budget / (8 bytes x 8192 entries) = 25 positions fit with the whole vocabulary
+    # 4 MiB: 0.4 x budget / (12 bytes x 8192 entries) = 17 positions fit with the whole vocabulary
     monkeypatch.setattr(scoring.engine, "MIN_WHOLE_VOCAB_CHUNK", 16)
     fewer, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
-    assert stats["kl_chunk_positions"] == int(0.4 * 4 * 2**20) // (8 * 8192) == 25
-    assert stats["kl_chunk_vocab"] == 8192 and "whole vocabulary, fp32" in stats["kl_streaming"]
+    assert stats["kl_chunk_positions"] == int(0.4 * 4 * 2**20) // (12 * 8192) == 17
+    assert stats["kl_chunk_vocab"] == 8192
+    assert stats["kl_streaming"] == "position chunks, whole vocabulary, float64 online log-sum-exp (one pass)"
     assert stats["head_rows"] == 96 * (1 + len(plans))  # one head pass per probe and the reference
-    monkeypatch.setattr(scoring.engine, "MIN_WHOLE_VOCAB_CHUNK", 32)  # 25 < 32: slices instead
+    monkeypatch.setattr(scoring.engine, "MIN_WHOLE_VOCAB_CHUNK", 32)  # 17 < 32: slices instead
     sliced, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] < 8192
     assert "vocabulary slices" in stats["kl_streaming"] and set(sliced) == set(plans)
-    for name in plans:  # same arithmetic on fewer positions per block
-        assert torch.allclose(fewer[name], whole[name], rtol=1e-6, atol=0), name
+    for name in plans:  # the same arithmetic on fewer positions per block, and in slices
+        assert torch.equal(fewer[name], whole[name]), name  # a row's sums do not depend on its block
+        assert torch.allclose(sliced[name], whole[name], rtol=1e-10, atol=0), name  # KLs of 1e-4: float64 rounding
 
 
 def test_bf16_autocast_keeps_weights_and_fp32_softmax():
@@ -236,7 +242,7 @@ def test_bf16_autocast_keeps_weights_and_fp32_softmax():
     fp32 = hl.score_layers(model, tiny_batch(), progress=False)
     bf16 = hl.score_layers(model, tiny_batch(), progress=False, dtype=torch.bfloat16)
     assert bf16.metadata["compute_dtype"] == "bfloat16" and bf16.metadata["autocast"] is True
-    assert bf16.metadata["softmax_dtype"] == "float32" and bf16.metadata["dtype"] == "float32"
+    assert bf16.metadata["softmax_dtype"] == "float64" and bf16.metadata["dtype"] == "float32"
     for k, v in model.state_dict().items():
         assert v.dtype == torch.float32 and torch.equal(v, before[k]), k
     a = [p.interchange for p in fp32.pairs]

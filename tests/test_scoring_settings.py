@@ -196,22 +196,28 @@ def test_accelerator_sized_kl_row_blocks_give_the_same_values(monkeypatch):
 def test_online_kl_over_vocabulary_slices_equals_the_float64_kl():
     """One pass over slices (the reference's running maximum rising from slice to slice, rows in
     two position blocks, row blocks of 64 bytes) gives KL(p || q) of the whole vocabulary computed
-    in float64 at once, to float64 rounding; with equal logits exactly 0."""
+    in float64 at once, to float64 rounding; with equal logits exactly 0. The whole vocabulary as
+    one slice (what the engine does when it fits) is the same arithmetic: equal to float64 rounding."""
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(7, 1000, generator=gen) * 4 + torch.linspace(0, 12, 1000)  # maxima in the last slices
     probes = [ref + 0.3 * torch.randn(7, 1000, generator=gen), ref.clone(), torch.randn(7, 1000, generator=gen)]
-    acc = OnlineKL(7, len(probes), "cpu", block_bytes=64)
-    for v0, v1 in chunk_bounds(1000, 128):
-        for a, b in ((0, 4), (4, 7)):
-            weights = acc.reference(a, b, ref[a:b, v0:v1])
-            for n, q in enumerate(probes):
-                acc.add(n, a, b, ref[a:b, v0:v1], weights, q[a:b, v0:v1])
     lp = torch.log_softmax(ref.double(), -1)
     truth = torch.stack([(lp.exp() * (lp - torch.log_softmax(q.double(), -1))).sum(-1) for q in probes])
-    got = acc.result()
-    assert got.shape == (3, 7) and got.dtype == torch.float64
-    assert torch.allclose(got[[0, 2]], truth[[0, 2]], rtol=1e-12, atol=0)
-    assert bool((truth[0] > 1e-3).all()) and float(got[1].abs().max()) < 1e-13
+    results = []
+    for width, block_bytes in ((128, 64), (1000, 64), (1000, 1 << 21)):
+        acc = OnlineKL(7, len(probes), "cpu", block_bytes=block_bytes)
+        for v0, v1 in chunk_bounds(1000, width):
+            for a, b in ((0, 4), (4, 7)):
+                weights = acc.reference(a, b, ref[a:b, v0:v1])
+                for n, q in enumerate(probes):
+                    acc.add(n, a, b, weights, q[a:b, v0:v1])
+        got = acc.result()
+        assert got.shape == (3, 7) and got.dtype == torch.float64
+        assert torch.allclose(got[[0, 2]], truth[[0, 2]], rtol=1e-12, atol=0)
+        assert bool((truth[0] > 1e-3).all()) and float(got[1].abs().max()) < 1e-13
+        results.append(got)
+    assert torch.allclose(results[0], results[1], rtol=2e-12, atol=0)  # both within 1e-12 of the truth
+    assert torch.equal(results[1], results[2])  # row blocks do not change a row's sums
 
 
 def test_kl_block_bytes_by_device_kind():

@@ -47,18 +47,24 @@ from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, mova
                         probe_groups, run_pass)
 from .streamed import StreamedKL
 
-__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine", "plan_kl", "run_plans"]
+__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine", "plan_kl", "run_plans"]
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
 
-#: Share of ``max_memory`` a head/KL block (logits, log-probabilities) may take; the rest
+#: Share of ``max_memory`` a head/KL block (fp32 logits, float64 reference weights) may take; the rest
 #: covers the held final hidden states of probe groups, activations and allocator slack.
 HEAD_BUDGET_FRACTION = 0.4
 
 #: Fewest positions per head/KL block for which the whole vocabulary is kept in one slice
-#: when the default block does not fit the budget; below it the vocabulary is sliced.
+#: when the default block does not fit the budget (one head GEMM per block); below it the
+#: vocabulary is sliced. Either way the KL is the same (:class:`.kl.OnlineKL`).
 MIN_WHOLE_VOCAB_CHUNK = 128
+
+#: Bytes per position and vocabulary entry of a head/KL block (:class:`.kl.OnlineKL`): the
+#: reference's float64 weights exp(z - m) (8) and one fp32 logit block (4), whole
+#: vocabulary or slice.
+KL_BLOCK_ENTRY_BYTES = 12
 
 #: Fewest vocabulary slices of a streamed (offloaded) head: at most ``1 / STREAMED_HEAD_SLICES``
 #: of its weight is read and resident at a time.
@@ -169,28 +175,28 @@ class Engine:
 
     def _kl_chunks(self, kl_chunk, vocab_chunk) -> tuple[int, int]:
         """(positions, vocabulary entries) per head/KL block, kept under
-        :data:`HEAD_BUDGET_FRACTION` of the budget:
-        one slice (the whole vocabulary) holds reference log-probs and probe logits, 8
-        bytes per position and entry; several hold fp32 reference logits, float64
-        reference weights and fp32 probe logits, 16 bytes. A streamed (offloaded) head is
-        always sliced, in at least :data:`STREAMED_HEAD_SLICES` slices."""
+        :data:`HEAD_BUDGET_FRACTION` of the budget at :data:`KL_BLOCK_ENTRY_BYTES` (12)
+        bytes per position and entry, the whole vocabulary or a slice of it (float64
+        reference weights and fp32 logits). A streamed (offloaded) head is always sliced,
+        in at least :data:`STREAMED_HEAD_SLICES` slices. The KL does not depend on the
+        blocks (:class:`.kl.OnlineKL`); they only bound memory and set the GEMMs' shapes."""
         vocab = self.head.vocab
         head_budget = int(HEAD_BUDGET_FRACTION * self.budget)
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
         if self.head.sliceable:
             if vocab_chunk is None:
-                fit = head_budget // (8 * vocab)  # positions whose whole-vocabulary block fits
+                entry = KL_BLOCK_ENTRY_BYTES
+                fit = head_budget // (entry * vocab)  # positions whose whole-vocabulary block fits
                 if self.head.streamed:  # never the whole head at once: slices under the budget and 1/16
-                    width = min(max(1, head_budget // (16 * rows)), math.ceil(vocab / STREAMED_HEAD_SLICES))
+                    width = min(max(1, head_budget // (entry * rows)), math.ceil(vocab / STREAMED_HEAD_SLICES))
                     vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
-                elif 8 * rows * vocab <= head_budget:
+                elif entry * rows * vocab <= head_budget:
                     vocab_chunk = vocab
                 elif kl_chunk is None and fit >= MIN_WHOLE_VOCAB_CHUNK:
-                    # fewer positions, whole vocabulary: one head GEMM and one fp32 log-softmax per
-                    # block, the arithmetic of the naive computation, instead of a pass over slices
+                    # fewer positions, whole vocabulary: one head GEMM per block instead of one per slice
                     rows, vocab_chunk = fit, vocab
                 else:
-                    width = max(1, head_budget // (16 * rows))
+                    width = max(1, head_budget // (entry * rows))
                     vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
             return rows, min(vocab, vocab_chunk)
         if vocab_chunk is not None and vocab_chunk < vocab:
@@ -199,7 +205,7 @@ class Engine:
                 f"this model's head ({type(self.head.module).__name__}) runs whole"
             )
         if kl_chunk is None:  # the whole vocabulary at once: fewer positions per block
-            rows = max(1, min(rows, head_budget // (8 * vocab)))
+            rows = max(1, min(rows, head_budget // (KL_BLOCK_ENTRY_BYTES * vocab)))
         return rows, vocab
 
     def _group_size(self, real_rows: int) -> int:
@@ -214,7 +220,7 @@ class Engine:
             "batch_size": self.batch_size,
             "compute_dtype": dtype_name(self.compute_dtype),
             "autocast": self.autocast is not None,
-            "softmax_dtype": "float32",
+            "softmax_dtype": "float64" if self.stream_logits else "float32",
             "stream_logits": self.stream_logits,
             "kl_chunk_positions": self.kl_chunk if self.stream_logits else KL_CHUNK_POSITIONS,
             "kl_chunk_vocab": self.vocab_chunk if self.stream_logits else self.head.vocab,
@@ -235,7 +241,7 @@ class Engine:
         if not self.stream_logits:
             return "model logits (B, T, V), positions in chunks"
         if self.vocab_chunk >= self.head.vocab:
-            return "position chunks, whole vocabulary, fp32 log-softmax"
+            return "position chunks, whole vocabulary, float64 online log-sum-exp (one pass)"
         return "vocabulary slices x position chunks, float64 online log-sum-exp (one pass)"
 
     def fingerprint(self) -> dict:

@@ -1,6 +1,9 @@
-"""The KL arithmetic of scoring: per-row KL(p_ref || softmax(logits)) in fp32 on row
-blocks (cache-sized on a CPU, large on an accelerator: the engine sizes them), the vocabulary-sliced one-pass online form with float64 log-sum-exps (:class:`OnlineKL`), and
-:func:`masked_kl` over real positions. Pure tensor maths, no model."""
+"""The KL arithmetic of scoring. :class:`OnlineKL`: the one-pass online form with float64
+log-sum-exps over vocabulary slices (the whole vocabulary being one slice), which the
+engine uses for every output head it runs itself; :func:`kl_rows` (per-row KL(p_ref ||
+softmax(logits)) in fp32 on row blocks, cache-sized on a CPU, large on an accelerator) and
+:func:`masked_kl` over real positions, for the model's own full logits
+(``stream_logits=False``). Pure tensor maths, no model."""
 
 from __future__ import annotations
 
@@ -64,10 +67,18 @@ class OnlineKL:
     with z the reference's logits and y a probe's. Per slice and row it keeps the running
     maximum m of z, s = sum exp(z - m) and, per probe, d = sum exp(z - m) (z - y) and lse(y);
     at the end sum_v p_v (z_v - y_v) = d / s. The reference's slice is folded in first
-    (:meth:`reference`, which returns exp(z - m) for that slice), then each probe's
-    (:meth:`add`), so each slice of the head is needed once for all rows and probes.
-    Everything is float64 (the logits stay fp32): the two terms nearly cancel when the
-    distributions are close, and the result is the KL of the fp32 logits to float64 rounding.
+    (:meth:`reference`: it adds sum exp(z - m) (z - m) to every probe's d and returns
+    exp(z - m) for that slice), then each probe's (:meth:`add`: it subtracts
+    sum exp(z - m) (y - m); m cancels, and centring keeps the two sums near the few nats
+    of an entropy instead of the logits' size), so each slice of the head is needed once
+    for all rows and probes and the reference's logits are not needed after
+    :meth:`reference`. Everything is float64 (the logits stay
+    fp32): the terms nearly cancel when the distributions are close, and the result is the
+    KL of the fp32 logits to float64 rounding. The whole vocabulary is one slice: the same
+    arithmetic whatever the slices (the engine's only KL for a head it runs itself).
+
+    Memory: the float64 weights ``(rows, slice)`` (8 bytes per entry) beside the fp32
+    logits of one slice (4 bytes), plus row blocks of ``block_bytes``.
 
     Args:
         rows: positions ``R``; probes: probes ``N``; block_bytes: the row blocks' fp32 bytes.
@@ -82,7 +93,9 @@ class OnlineKL:
 
     def reference(self, a: int, b: int, logits: torch.Tensor) -> torch.Tensor:
         """Fold the reference's fp32 logits ``(b - a, W)`` of rows ``a:b`` (one vocabulary
-        slice) in; returns exp(z - m) ``(b - a, W)`` float64 for the probes' :meth:`add`."""
+        slice, or the whole vocabulary) in; returns exp(z - m) ``(b - a, W)`` float64 for
+        the probes' :meth:`add` (``logits`` may be overwritten once this returns)."""
+        logits = logits.float()
         new_max = torch.maximum(self.max[a:b], logits.amax(dim=-1).double())
         scale = (self.max[a:b] - new_max).exp_()  # 0 on the first slice (exp(-inf))
         self.max[a:b] = new_max
@@ -90,18 +103,19 @@ class OnlineKL:
         self.dot[:, a:b] *= scale
         weights = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
         for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
-            weights[r0:r1] = (logits[r0:r1].double() - new_max[r0:r1].unsqueeze(-1)).exp_()
+            centred = logits[r0:r1].double() - new_max[r0:r1].unsqueeze(-1)
+            weights[r0:r1] = centred.exp()
+            self.dot[:, a + r0:a + r1] += centred.mul_(weights[r0:r1]).sum(dim=-1)
         self.sum[a:b] += weights.sum(dim=-1)
         return weights
 
-    def add(self, n: int, a: int, b: int, ref_logits: torch.Tensor, weights: torch.Tensor,
-            logits: torch.Tensor) -> None:
+    def add(self, n: int, a: int, b: int, weights: torch.Tensor, logits: torch.Tensor) -> None:
         """Fold probe ``n``'s logits ``(b - a, W)`` of the same slice in (``weights`` from
         :meth:`reference`)."""
         logits = logits.float()
         for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
-            diff = ref_logits[r0:r1].double() - logits[r0:r1].double()
-            self.dot[n, a + r0:a + r1] += diff.mul_(weights[r0:r1]).sum(dim=-1)
+            centred = logits[r0:r1].double() - self.max[a + r0:a + r1].unsqueeze(-1)
+            self.dot[n, a + r0:a + r1] -= centred.mul_(weights[r0:r1]).sum(dim=-1)
         self.lse[n, a:b] = torch.logaddexp(self.lse[n, a:b], lse64(logits, self.block_bytes))
 
     def result(self) -> torch.Tensor:

@@ -2,17 +2,18 @@
 positions only) and the reference's go through the output head on blocks of
 ``kl_chunk`` positions x ``vocab_chunk`` vocabulary entries, and KL(p_M || p_probe) is
 summed per prompt; logits are never held for a whole batch (see
-:mod:`hf_layerswap.scoring`). With the vocabulary in several slices the phase runs slice by
-slice (:class:`.kl.OnlineKL`): each slice of the head's weight is taken once per phase
-(read from the offload for a streamed head) and used for every position and probe. The
-engine sizes the blocks (:mod:`.engine`); the maths is :mod:`.kl`."""
+:mod:`hf_layerswap.scoring`). The phase runs slice by slice of the vocabulary (the whole
+vocabulary is one slice) with one float64 online accumulation (:class:`.kl.OnlineKL`), so
+the values do not depend on the slicing: each slice of the head's weight is taken once per
+phase (read from the offload for a streamed head) and used for every position and probe.
+The engine sizes the blocks (:mod:`.engine`); the maths is :mod:`.kl`."""
 
 from __future__ import annotations
 
 import torch
 
 from .head import maybe_autocast, Head
-from .kl import chunk_bounds, kl_rows, KL_SUB_BYTES, OnlineKL, row_blocks
+from .kl import chunk_bounds, KL_SUB_BYTES, OnlineKL
 
 __all__ = ["StreamedKL"]
 
@@ -47,46 +48,45 @@ class StreamedKL:
     def head_phase(self, ref_hidden, hiddens: list[torch.Tensor], prompt_of_row, counts, bsz,
                    done=None) -> list[torch.Tensor]:
         """Per-prompt mean KL for each probe's final hidden rows ``(R, H)``; ``done(n)`` is
-        told the head rows each chunk ran (for the progress bar)."""
+        told the head rows each chunk ran (for the progress bar).
+
+        Slice by slice of the vocabulary (one slice: the whole vocabulary; each slice of
+        the head's weight taken once, :meth:`Head.weight_slice`), every block of
+        ``kl_chunk`` positions of the reference and then of each probe is folded into one
+        :class:`.kl.OnlineKL`: the same float64 arithmetic for every slicing, placement and
+        budget."""
         done = done or (lambda n: None)
         rows = ref_hidden.shape[0]
         bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
-        if len(bounds) > 1:
-            per_row = self._sliced_phase(ref_hidden, hiddens, bounds, done)
-        else:
-            blocks = [self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens], done)
-                      for a, b in chunk_bounds(rows, self.kl_chunk)]
-            per_row = [torch.cat([blk[n] for blk in blocks]) for n in range(len(hiddens))]
+        self.stats["head_rows"] += rows * (1 + len(hiddens))
+        acc = OnlineKL(rows, len(hiddens), ref_hidden.device, self.block_bytes)
+        with torch.autocast(device_type=ref_hidden.device.type, enabled=False):  # float64 sums, fp32 logits
+            for v0, v1 in bounds:
+                sliced = self.head.weight_slice(v0, v1) if len(bounds) > 1 else None
+                for a, c in chunk_bounds(rows, self.kl_chunk):
+                    share = (c - a) * (v1 - v0) / self.head.vocab
+                    weights = acc.reference(a, c, self._block_logits(ref_hidden[a:c], sliced))
+                    done(share)
+                    for n, h in enumerate(hiddens):
+                        acc.add(n, a, c, weights, self._block_logits(h[a:c], sliced))
+                        done(share)
+                    del weights
+                del sliced
         self.release()
         out = []
-        for kl in per_row:
+        for kl in acc.result().unbind(0):
             sums = torch.zeros(bsz, dtype=torch.float64)
-            sums.index_add_(0, prompt_of_row, kl.double().cpu())
+            sums.index_add_(0, prompt_of_row, kl.cpu())
             out.append(sums / counts)
         return out
 
-    def _sliced_phase(self, ref_hidden, hiddens, bounds, done) -> list[torch.Tensor]:
-        """Per-row KL ``(R,)`` of each probe with the vocabulary in slices: slice by slice
-        (each slice of the head's weight taken once: :meth:`Head.weight_slice`), every block
-        of ``kl_chunk`` positions of the reference and then of each probe folded into one
-        :class:`.kl.OnlineKL`."""
-        rows = ref_hidden.shape[0]
-        self.stats["head_rows"] += rows * (1 + len(hiddens))
-        acc = OnlineKL(rows, len(hiddens), ref_hidden.device, self.block_bytes)
-        for v0, v1 in bounds:
-            w, b = self.head.weight_slice(v0, v1)
-            for a, c in chunk_bounds(rows, self.kl_chunk):
-                share = (c - a) * (v1 - v0) / self.head.vocab
-                with torch.autocast(device_type=ref_hidden.device.type, enabled=False):
-                    z_ref = self.head.slice_logits(ref_hidden[a:c], w, b)
-                    weights = acc.reference(a, c, z_ref)
-                    done(share)
-                    for n, h in enumerate(hiddens):
-                        acc.add(n, a, c, z_ref, weights, self.head.slice_logits(h[a:c], w, b))
-                        done(share)
-                del z_ref, weights
-            del w, b
-        return list(acc.result().to(ref_hidden.device).unbind(0))
+    def _block_logits(self, hidden, sliced) -> torch.Tensor:
+        """fp32 logits of hidden rows ``(R, H)``: of the whole vocabulary (``sliced`` None,
+        :meth:`logits`) or of the vocabulary slice whose fp32 weight and bias ``sliced``
+        holds."""
+        if sliced is None:
+            return self.logits(hidden, 0, self.head.vocab)
+        return self.head.slice_logits(hidden, *sliced)
 
     def logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
         """fp32 logits of vocabulary entries ``v0:v1`` of hidden rows ``(R, H)``.
@@ -118,21 +118,3 @@ class StreamedKL:
         w = getattr(m, "weight", None)
         return (self.head.sliceable and type(w.data) is torch.Tensor and w.device == hidden.device
                 and not m._forward_hooks and not m._forward_pre_hooks)
-
-    def _kl_block(self, ref_rows, rows, done) -> list[torch.Tensor]:
-        """Per-position KL of each probe over a block of positions with the whole vocabulary
-        in one slice (:func:`masked_kl`'s arithmetic: fp32 log-softmax); ``done(n)`` is told
-        after each head GEMM how many whole-vocabulary head rows it was worth."""
-        self.stats["head_rows"] += ref_rows.shape[0] * (1 + len(rows))
-        ref_lp = torch.log_softmax(self.logits(ref_rows, 0, self.head.vocab), dim=-1)
-        done(ref_rows.shape[0])
-        out = []
-        for h in rows:
-            logits = self.logits(h, 0, self.head.vocab)
-            kl = torch.empty(logits.shape[0], device=logits.device)
-            for a, b in row_blocks(*logits.shape, self.block_bytes):
-                kl[a:b] = kl_rows(ref_lp[a:b], logits[a:b])
-            out.append(kl)
-            done(ref_rows.shape[0])
-            del logits  # else the next probe's logits are made while these are still held
-        return out
