@@ -17,16 +17,20 @@ probe needs:
 - **Streamed KL.** Probes stop at the decoder output (the normalised final hidden state)
   and only real (non-pad) positions are kept. The output head then runs on blocks of
   ``kl_chunk`` positions x ``vocab_chunk`` vocabulary entries (a slice of the head's
-  weight rows). With the whole vocabulary in one slice the KL is fp32 ``log_softmax``
-  arithmetic; with several, the phase runs slice by slice (each slice of the head taken
-  once for all positions and probes) and KL(p_M || p_probe) is accumulated per position
-  in one pass with an online log-sum-exp (the reference's running maximum rescales the
-  sums so far, :class:`.kl.OnlineKL`):
+  weight rows). The phase runs slice by slice (each slice of the head taken once for all
+  positions and probes; the whole vocabulary, when it fits, is one slice) and
+  KL(p_M || p_probe) is accumulated per position in one pass with an online log-sum-exp
+  (the reference's running maximum rescales the sums so far, :class:`.kl.OnlineKL`):
 
       KL = sum_v p_v (z_ref,v - z_v) - lse(z_ref) + lse(z),   p = softmax(z_ref)
 
-  (an exact rearrangement of sum_v p_v (log p_v - log q_v), summed in float64, so it is
-  more accurate than fp32 ``log_softmax`` arithmetic). Neither logits nor log-probs are
+  (an exact rearrangement of sum_v p_v (log p_v - log q_v), summed in float64: the KL of
+  the fp32 logits to float64 rounding, where an fp32 ``log_softmax`` rounds KLs of 1e-3
+  nats by up to ~1e-4 relative). It is the one arithmetic for every head the engine runs,
+  so a value does not depend on the head's placement (in memory or offloaded), the budget
+  or the slicing beyond float64 rounding (about 1e-12 relative). ``stream_logits=False``
+  takes the model's own logits through :func:`masked_kl` (fp32 ``log_softmax``) instead.
+  Neither logits nor log-probs are
   ever held for a whole batch, let alone the calibration set: peak memory is
   ``O(kl_chunk * vocab_chunk)`` plus the residual streams of one batch, while the head
   GEMM keeps a large row count. An accelerate-offloaded head (CPU or disk offload) is
@@ -40,7 +44,8 @@ probe needs:
   held before their heads run, the KL's row blocks on an accelerator, and (with
   ``batch_size="auto"``, or ``None`` on an accelerator) the batch.
 - **Reduced precision.** ``dtype=torch.bfloat16`` (or float16) runs the model under
-  ``torch.autocast``; the softmax and KL stay fp32. The weights are never cast.
+  ``torch.autocast``; the output head runs in fp32 and the KL in float64 (fp32
+  ``log_softmax`` with ``stream_logits=False``). The weights are never cast.
 - **Resumable.** ``checkpoint_path`` keeps completed (batch, probe) values in a folder,
   each part written atomically; a rerun with the same model, calibration and settings
   skips them and ends with the same numbers, bit for bit.

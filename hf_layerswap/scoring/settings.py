@@ -196,18 +196,22 @@ class EngineSettings:
             probe runs the whole model (for checks: the numbers are identical). Stored as
             the mode's name (:data:`PREFIX_REUSE_MODES`).
         stream_logits: ``True`` (default): stop at the decoder output and run the head
-            and KL in blocks of real positions x vocabulary entries; ``False``: take the
-            model's own full ``(B, T, V)`` logits and :func:`~hf_layerswap.scoring.masked_kl`
-            (more memory).
+            and KL in blocks of real positions x vocabulary entries, with one KL
+            arithmetic whatever the blocks (float64 online log-sum-exp,
+            :class:`~hf_layerswap.scoring.kl.OnlineKL`; the report's ``kl_streaming``
+            names the blocks); ``False``: take the model's own full ``(B, T, V)`` logits
+            and :func:`~hf_layerswap.scoring.masked_kl` (fp32 log-softmax, more memory).
         kl_chunk: real positions per head/KL block. Default: ``min(1024, batch_size *
-            seq_len)``; when that block of the whole vocabulary (8 bytes per position and
-            entry) exceeds ``0.4 * max_memory``, the most positions that fit, if at least
+            seq_len)``; when that block of the whole vocabulary (12 bytes per position and
+            entry: float64 reference weights and fp32 logits, ``KL_BLOCK_ENTRY_BYTES``)
+            exceeds ``0.4 * max_memory``, the most positions that fit, if at least
             ``MIN_WHOLE_VOCAB_CHUNK`` (always, for a head that cannot be sliced).
         vocab_chunk: vocabulary entries per block (sliceable heads only). Default: the
             whole vocabulary, unless even ``MIN_WHOLE_VOCAB_CHUNK`` positions of it do
             not fit (or ``kl_chunk`` is given); then the vocabulary split into the fewest
-            equal slices with ``16 * kl_chunk * vocab_chunk <= 0.4 * max_memory`` bytes
-            (``HEAD_BUDGET_FRACTION``; both constants in :mod:`.engine`).
+            equal slices with ``12 * kl_chunk * vocab_chunk <= 0.4 * max_memory`` bytes
+            (``HEAD_BUDGET_FRACTION``; the constants in :mod:`.engine`). The blocks set
+            memory and the GEMMs' shapes, not the values (equal to float64 rounding).
         max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights,
             stored in bytes; or ``None``/``"auto"`` (default, stored as ``"auto"``): derived
             from the free memory of the device the model's input embeddings run on
@@ -215,7 +219,8 @@ class EngineSettings:
             8 GiB on an accelerator). The bytes used and how they were chosen are in the
             report's metadata (``max_memory``, ``max_memory_source``).
         dtype: ``None`` (the model's dtype) or ``torch.bfloat16``/``torch.float16`` (or
-            their names) to run under ``torch.autocast``; softmax and KL are always fp32.
+            their names) to run under ``torch.autocast``; the head is always fp32 and the
+            KL float64 (fp32 log-softmax with ``stream_logits=False``).
             Stored as a torch dtype.
         checkpoint_path: folder for resumable runs (see
             :func:`~hf_layerswap.scoring.score_layers`).
