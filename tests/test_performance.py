@@ -421,3 +421,26 @@ def test_adaptive_budget_rounds_and_stop_reasons():
     assert quick.metadata["num_prompts"] == 4 and record["rounds"][0]["selected"] == hl.select_layers(quick, 1)
     with pytest.raises(ValueError, match="not among the scored protocols"):
         hl.score_layers(model, batch, progress=False, protocols=("replacement",), adaptive=AdaptiveBudget(1))
+
+
+def test_a_head_run_by_its_own_forward_takes_the_same_kl_arithmetic():
+    """A head the engine cannot slice (a custom forward) runs whole through its own forward;
+    its KL is the same float64 online arithmetic as a plain head's: the same values (its fp32
+    GEMM gives the plain head's logits here)."""
+
+    class CustomHead(torch.nn.Linear):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight)
+
+    plain = tiny_model("llama")
+    custom = tiny_model("llama")
+    head = plain.get_output_embeddings()
+    custom.lm_head = CustomHead(head.in_features, head.out_features, bias=False)
+    custom.lm_head.weight = head.weight
+    calib = build_calibration(tiny_batch())
+    plans = _adjacent_plans(6)
+    ours, stats = plan_kl(plain, calib, plans)
+    theirs, own = plan_kl(custom, calib, plans)
+    assert not scoring.Head(custom).sliceable and scoring.Head(custom).own_forward
+    assert own["kl_streaming"] == stats["kl_streaming"] == "position chunks, whole vocabulary, float64 online log-sum-exp (one pass)"
+    assert all(torch.equal(theirs[name], ours[name]) for name in plans)

@@ -330,7 +330,9 @@ def _real_offloaded(name: str, folder: Path):
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_with_a_quarter_of_its_weights_in_memory_streams_to_the_in_memory_values(name, tmp_path):
     """Both protocols' probes of three adjacent pairs (first, middle, last: a few probes keep
-    the test short; the reference still streams every block), 4 prompts x 32 tokens."""
+    the test short; the reference still streams every block), 4 prompts x 32 tokens. Pair KLs
+    equal to the in-memory run's to float64 rounding (measured: SmolLM2 0, Gemma-3 5e-15
+    relative)."""
     if not WIKITEXT_VALID.is_file():
         pytest.skip("WikiText-2 calibration text absent")
     dense, split, tok = _real_offloaded(name, tmp_path / "offload")
@@ -348,7 +350,6 @@ def test_real_model_with_a_quarter_of_its_weights_in_memory_streams_to_the_in_me
     theirs, t_stats = plan_kl(split, calib, plans)
     assert head_onloads == Counter()
     worst = max(float(((theirs[k] - ours[k]).abs() / ours[k].abs()).max()) for k in plans)
-    print(f"{name}: pair KLs, 1/4-cap streamed vs in memory, max relative difference {worst:.3g}")
     head = split.get_output_embeddings().weight
     head_bytes = head.numel() * head.element_size()
     if name == "gemma3-270m":
