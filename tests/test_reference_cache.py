@@ -32,7 +32,7 @@ def test_search_reuses_one_reference_sweep_and_selects_bit_identical_sets(setup)
             h.remove()
     assert [found[n]["selected"] for n in (1, 2, 3)] == [[5], [3, 5], [2, 3, 5]]
     assert [float(found[n]["value"]).hex() for n in (1, 2, 3)] == [
-        "0x1.66886c6359700p-11", "0x1.715a3d8c12d5dp-10", "0x1.0abd47e8f8367p-9"]
+        "0x1.66886c63597abp-11", "0x1.715a3d8c12d4dp-10", "0x1.0abd47e8f837cp-9"]
     cost = found[3]["total_cost"]
     assert (cost["evaluator_calls"], cost["forward_passes"], cost["block_passes"], cost["reference_passes"]) == (
         22, 23, 72, 1)

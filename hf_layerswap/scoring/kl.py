@@ -12,7 +12,7 @@ import math
 import torch
 
 __all__ = [
-    "chunk_bounds", "KL_CHUNK_POSITIONS", "kl_rows", "KL_SUB_BYTES", "lse64", "masked_kl", "OnlineKL", "row_blocks",
+    "chunk_bounds", "KL_CHUNK_POSITIONS", "kl_rows", "KL_SUB_BYTES", "masked_kl", "OnlineKL", "row_blocks",
 ]
 
 #: Positions per chunk in :func:`masked_kl` (bounds temporary memory).
@@ -47,17 +47,6 @@ def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(edges[k], edges[k + 1]) for k in range(n) if edges[k + 1] > edges[k]]
 
 
-def lse64(logits: torch.Tensor, block_bytes: int = KL_SUB_BYTES) -> torch.Tensor:
-    """Row log-sum-exp of fp32 logits ``(R, V)``, computed in float64 on row blocks of
-    ``block_bytes`` fp32 bytes."""
-    out = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
-    for a, b in row_blocks(*logits.shape, block_bytes):
-        z = logits[a:b].double()
-        m = z.amax(dim=-1, keepdim=True)
-        out[a:b] = (m + (z - m).exp_().sum(dim=-1, keepdim=True).log_()).squeeze(-1)
-    return out
-
-
 class OnlineKL:
     """KL(p_ref || q_n) per row and probe n, accumulated over vocabulary slices in one pass
     (online log-sum-exp: the reference's running maximum rescales what was summed before):
@@ -88,6 +77,7 @@ class OnlineKL:
         self.block_bytes = block_bytes
         self.max = torch.full((rows,), -math.inf, dtype=torch.float64, device=device)
         self.sum = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.slice_sum = torch.zeros(rows, dtype=torch.float64, device=device)  # of the current slice
         self.dot = torch.zeros(probes, rows, dtype=torch.float64, device=device)
         self.lse = torch.full((probes, rows), -math.inf, dtype=torch.float64, device=device)
 
@@ -103,20 +93,27 @@ class OnlineKL:
         self.dot[:, a:b] *= scale
         weights = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
         for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
-            centred = logits[r0:r1].double() - new_max[r0:r1].unsqueeze(-1)
-            weights[r0:r1] = centred.exp()
+            centred = logits[r0:r1] - new_max[r0:r1].unsqueeze(-1)  # float64 (type promotion)
+            torch.exp(centred, out=weights[r0:r1])
             self.dot[:, a + r0:a + r1] += centred.mul_(weights[r0:r1]).sum(dim=-1)
-        self.sum[a:b] += weights.sum(dim=-1)
+        self.slice_sum[a:b] = weights.sum(dim=-1)
+        self.sum[a:b] += self.slice_sum[a:b]
         return weights
 
     def add(self, n: int, a: int, b: int, weights: torch.Tensor, logits: torch.Tensor) -> None:
         """Fold probe ``n``'s logits ``(b - a, W)`` of the same slice in (``weights`` from
-        :meth:`reference`)."""
+        :meth:`reference`). One float64 pass per row block serves both sums: centred on the
+        probe's own maximum M, sum exp(z - m) (y - m) = sum exp(z - m) (y - M) + (M - m) s_slice
+        and lse(y) = M + log sum exp(y - M)."""
         logits = logits.float()
+        lse = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
         for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
-            centred = logits[r0:r1].double() - self.max[a + r0:a + r1].unsqueeze(-1)
-            self.dot[n, a + r0:a + r1] -= centred.mul_(weights[r0:r1]).sum(dim=-1)
-        self.lse[n, a:b] = torch.logaddexp(self.lse[n, a:b], lse64(logits, self.block_bytes))
+            top = logits[r0:r1].amax(dim=-1).double()
+            centred = logits[r0:r1] - top.unsqueeze(-1)  # float64 (type promotion)
+            shift = (top - self.max[a + r0:a + r1]) * self.slice_sum[a + r0:a + r1]
+            self.dot[n, a + r0:a + r1] -= (centred * weights[r0:r1]).sum(dim=-1) + shift
+            lse[r0:r1] = top + centred.exp_().sum(dim=-1).log_()
+        self.lse[n, a:b] = torch.logaddexp(self.lse[n, a:b], lse)
 
     def result(self) -> torch.Tensor:
         """Per probe and row KL ``(N, R)`` float64, clamped at 0."""
