@@ -47,13 +47,14 @@ from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, mova
                         probe_groups, run_pass)
 from .streamed import StreamedKL
 
-__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine", "plan_kl", "run_plans"]
+__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
+           "plan_kl", "run_plans"]
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
 
-#: Share of ``max_memory`` a head/KL block (fp32 logits, float64 reference weights) may take; the rest
-#: covers the held final hidden states of probe groups, activations and allocator slack.
+#: Share of ``max_memory`` a head/KL block (fp32 logits, float64 reference weights) may take;
+#: the rest covers the held final hidden states of probe groups, activations and allocator slack.
 HEAD_BUDGET_FRACTION = 0.4
 
 #: Fewest positions per head/KL block for which the whole vocabulary is kept in one slice
