@@ -276,3 +276,41 @@ def test_prune_dry_run_prints_the_healing_measurements(tmp_path, capsys):
     # the word-level tokenizer: 130 words, 130 tokens, one window; 6 blocks dense, 5 at three stages
     assert "of which perplexity: 21 block passes, 4 head passes (4 stages x 1 forwards: dense, after_cut, " in out
     assert "of which lm-eval: at most " in out and "(8 forwards per run, before and after healing)" in out
+
+
+def test_building_lm_eval_requests_writes_no_cache_and_reaches_no_hub(tmp_path, monkeypatch):
+    """The estimate loads a local task's documents offline and into a throwaway cache: with
+    the Hub online and the user's datasets cache set, nothing lands in that cache, and a
+    task whose documents would need the Hub is built under the offline switch."""
+    pytest.importorskip("lm_eval")
+    import datasets.config
+    from huggingface_hub import constants
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "j.yaml").write_text(
+        "task: layerswap_json\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {TASKS / 'layerswap_mc.jsonl'}\noutput_type: multiple_choice\ntest_split: test\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n")
+    (tasks / "offline.yaml").write_text(  # its loader refuses to run while the Hub is reachable
+        "task: layerswap_offline\ncustom_dataset: !function offline_data.load\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n")
+    (tasks / "offline_data.py").write_text(
+        "import datasets\nfrom huggingface_hub import constants\n\n\ndef load(**_):\n"
+        "    if not constants.is_offline_mode():\n        raise RuntimeError('the Hub is reachable')\n"
+        f"    return datasets.DatasetDict({{'test': datasets.Dataset.from_list([{{'question': 'q', "
+        "'choices': ['a', 'b'], 'answer': 0}])})\n")
+    user_cache = tmp_path / "user_cache"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", user_cache)
+    monkeypatch.setattr(datasets.config, "DOWNLOADED_DATASETS_PATH", user_cache / "downloads")
+    config = _measuring(eval_tasks=["layerswap_json", "layerswap_offline"], eval_tasks_path=str(tasks),
+                        eval_tasks_limit=2)
+    phase = _estimate(config, _calibration(prompts=7)).phases["healing"]
+    # 2 questions of 4 choices; 1 question of 2 choices
+    assert phase["tasks"]["forwards"] == {"layerswap_json": 8, "layerswap_offline": 2}
+    assert phase["not_estimated"] == []
+    assert not user_cache.exists()
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)
+    assert datasets.config.HF_DATASETS_CACHE == user_cache
