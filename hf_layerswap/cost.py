@@ -64,7 +64,7 @@ from .rule import resolve_protect
 from .scoring.engine import plan_engine
 from .scoring.kl import kl_rows
 from .scoring.probes import make_probes, schedule_blocks
-from .scoring.settings import EngineSettings, device_memory_budget
+from .scoring.settings import EngineSettings, device_memory_budget, parse_memory
 from .scoring.verbs import swap_plans
 from .selection.search import search_select
 
@@ -462,7 +462,7 @@ def _resident_bytes() -> int:
 # --------------------------------------------------------------------------- the verb
 def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=None, device=None,
                   dtype=None, throughput: Throughput | None = None, stream_weights: bool | None = None,
-                  max_memory: int | None = None, tokenizer=None) -> CostEstimate:
+                  max_memory: int | str | None = None, tokenizer=None) -> CostEstimate:
     """Predict what ``prune(model, config)`` will cost, without reading a weight.
 
     Args:
@@ -481,8 +481,10 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         stream_weights: the blocks live in CPU memory and are streamed to ``device``, each
             block once per batch and sweep (default: detected from the model's
             ``hf_device_map``).
-        max_memory: the scoring working-memory budget in bytes (default: what scoring
-            derives for ``device``, :func:`~hf_layerswap.scoring.settings.device_memory_budget`).
+        max_memory: the scoring working-memory budget as ``prune`` takes it: bytes or a
+            size such as ``"2GiB"`` (:func:`~hf_layerswap.scoring.settings.parse_memory`);
+            ``None``/``"auto"`` (default): what scoring derives for ``device``
+            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`).
         tokenizer: reads the texts of healing's measurements (``perplexity_text``,
             ``eval_tasks``), whose passes are counted from their tokens; a tokenizer, a
             folder or Hub id; default ``config.tokenizer``, else the checkpoint's own
@@ -504,7 +506,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
     calib = _calibration(model, cfg, calibration)
-    budget = max_memory or device_memory_budget(device)[0]
+    budget = device_memory_budget(device)[0] if max_memory in (None, "auto") else parse_memory(max_memory)
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     total_blocks = num_blocks(model)
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy

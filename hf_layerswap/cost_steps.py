@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 from torch import nn
@@ -50,6 +51,7 @@ from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, perplexity_forwards
 from .healing.methods import LORA_TARGETS, cut_neighbours
+from .models import is_hub_id
 from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
 from .recovery.fit import cut_boundaries, select_rows
@@ -365,13 +367,17 @@ def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
 
     Raises:
         ValueError: none given and none can be loaded (the message says to pass one).
+        FileNotFoundError: a ``tokenizer`` path that is neither a folder nor a Hub id.
     """
     heal = cfg.heal
     if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
         return None
     tokenizer = tokenizer if tokenizer is not None else cfg.tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
-        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        name = os.fspath(tokenizer)
+        if not Path(name).expanduser().is_dir() and not is_hub_id(name):
+            raise FileNotFoundError(f"tokenizer={name!r} is not a folder, and not a Hub id of the form 'owner/name'")
+        return AutoTokenizer.from_pretrained(name)
     return resolve_tokenizer(model, tokenizer)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -136,5 +137,70 @@ def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
         main(["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "nope", "--dry-run"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert main(["prune", str(tmp_path / "nowhere" / "a" / "b"), str(out), "--num-to-remove", "1", "--dry-run"]) == 2
-    assert "is neither a local checkpoint folder, a bundled name" in capsys.readouterr().err
+    assert "is not a bundled name (allowed: " in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_prune_dry_run_refuses_what_the_real_run_refuses_before_loading(tmp_path, capsys):
+    """--dry-run checks the inputs the real run checks before loading (and writes nothing):
+    a missing calibration text, an output folder that is not empty, a tokenizer that is not
+    there, --resume with --layers, --report (the estimate plans a prune that scores)."""
+    torch.manual_seed(0)
+    src = tmp_path / "tiny"
+    LlamaForCausalLM(_tiny(6)).save_pretrained(src)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "kept.txt").write_text("x")
+    out = tmp_path / "out"
+    base = ["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "greedy", "--dry-run"]
+    cases = [
+        (["--calibration", str(tmp_path / "missing.txt")], "--calibration '.*missing.txt' is not a file"),
+        (["--tokenizer", str(tmp_path / "no_tokenizer")], "--tokenizer '.*no_tokenizer' is not a folder, and not a Hub id"),
+        (["--report", str(tmp_path / "report.json")], "--dry-run with --report '.*report.json': the estimate plans"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        assert re.search(message, capsys.readouterr().err)
+    assert main(["prune", str(src), str(full), "--num-to-remove", "1", "--dry-run"]) == 2
+    assert f"output {full} exists and is not an empty folder" in capsys.readouterr().err
+    assert main(["prune", str(src), str(out), "--layers", "2", "--resume", str(tmp_path / "r"), "--dry-run"]) == 2
+    assert "--resume resumes scoring, but with --layers nothing is scored" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "tiny"] and list(full.iterdir()) == [full / "kept.txt"]
+
+
+def test_a_tokenizer_path_that_is_not_there_is_named(tmp_path):
+    healing = hl.HealConfig(max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=2, perplexity_text="embedded")
+    config = hl.LayerSwapConfig(layers=[2], heal=healing)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer='.*nowhere' is not a folder, and not a Hub id"):
+        hl.estimate_cost(_tiny(4), config, throughput=FIXED, tokenizer=str(tmp_path / "nowhere"))
+
+
+def test_the_scoring_memory_budget_is_taken_as_prune_takes_it(tmp_path, capsys):
+    """A working-memory budget small enough to change the engine's plan (its head/KL chunks):
+    bytes or a size string, "auto" as the device's budget, and prune's --scoring-memory in
+    --dry-run's estimate."""
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (8, 64))
+    calib = CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    passes = {}
+    for strategy in ("greedy", "search"):
+        config = hl.LayerSwapConfig(num_to_remove=1, strategy=strategy, batch_size=8, progress=False)
+        for budget in (None, "auto", 1 << 20, "1MiB"):
+            estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED,
+                                        max_memory=budget)
+            passes[strategy, budget] = (estimate.block_passes, estimate.head_passes)
+    for strategy in ("greedy", "search"):
+        assert passes[strategy, None] == passes[strategy, "auto"]
+        assert passes[strategy, 1 << 20] == passes[strategy, "1MiB"]
+        assert passes[strategy, "1MiB"][1] > passes[strategy, None][1]  # 1 MiB: the head/KL phase in chunks
+    # the reference (4 blocks) + 3 interchange probes from their first changed slot (4 + 3 + 2)
+    assert passes["greedy", None] == (13, 6)
+    src = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    for memory in ("auto", "1MiB"):
+        assert main(["prune", str(src), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "greedy",
+                     "--num-prompts", "8", "--seq-len", "64", "--scoring-memory", memory, "--dry-run"]) == 0
+        blocks, heads = passes["greedy", None if memory == "auto" else "1MiB"]
+        assert f"estimated cost: {blocks} block passes, {heads:,} head passes" in capsys.readouterr().out
