@@ -11,7 +11,8 @@ The runner owns the rest:
 - **run** (:func:`run_cells`): cell by cell; each finished cell is stored at once in the
   results JSON (:class:`CellStore`, written all or nothing with
   :func:`hf_layerswap.jsonio.write_json_atomic`), so a stopped run loses at most the cell in
-  progress;
+  progress; a results file that is not one complete JSON object (cut short by another tool,
+  edited by hand) is refused with its name (:func:`read_state`) and never written over;
 - **resume**: a cell whose key is stored is not run again; with ``shared=True`` the store
   re-reads the file under a lock (``<json>.lock``) before each cell and merges each new cell
   into the file under that lock, so several processes can fill one results file at once;
