@@ -140,6 +140,7 @@ class CostEstimate:
 
     def lines(self) -> list[str]:
         """A short block of lines for a terminal."""
+        source = f" ({self.throughput.source})" if self.throughput is not None else ""
         bounded = [name for name, p in self.phases.items() if not p.get("exact", True)]
         bound = "" if self.exact else f" (upper bound: {', '.join(bounded) or 'the search'})"
         mem = ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in self.peak_memory_bytes.items())
@@ -147,7 +148,7 @@ class CostEstimate:
             f"estimated cost{bound}: {self.block_passes:,} block passes, {self.head_passes:,} head passes, "
             f"{self.flops / 1e12:.2f} TFLOP",
             f"  peak memory: {mem}; weights moved: {self.bytes_moved / 2**30:.2f} GiB",
-            f"  about {_duration(self.seconds)} here ({self.throughput.source if self.throughput else ''})",
+            f"  about {_duration(self.seconds)}{source}",
             *(f"  {name:<9} {p['block_passes']:>10,} block passes {p['head_passes']:>8,} head passes "
               f"{p['flops'] / 1e12:8.3f} TFLOP  {_duration(p['seconds']):>7}" + ("" if p["exact"] else "  (upper bound)")
               for name, p in self.phases.items()),
@@ -498,11 +499,14 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
             a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
             with no training prompt, healing measurements without a tokenizer to read their
-            texts, a path that is no checkpoint (the message names it).
+            texts, a path that is no checkpoint (the message names it), a CUDA ``device``
+            this machine lacks without ``max_memory`` and ``throughput`` (what would be read
+            of it), a ``max_memory`` that is no size.
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
     device = torch.device(device or "cpu")
+    _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
     calib = _calibration(model, cfg, calibration)
@@ -530,6 +534,20 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         exact = False
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+
+
+def _check_device(device: torch.device, max_memory, throughput) -> None:
+    """Refuse a CUDA device this machine lacks when the estimate would read it (its free
+    memory for the budget, its speed for the rates)."""
+    here = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type != "cuda" or (here and (device.index is None or device.index < here)):
+        return
+    missing = [name for name, unset in (("max_memory", max_memory in (None, "auto")), ("throughput", throughput is None))
+               if unset]
+    if missing:
+        raise ValueError(f"device={str(device)!r} is not on this machine ({here} CUDA device(s)): to predict for "
+                         f"another machine pass {' and '.join(m + '=' for m in missing)} (its scoring memory "
+                         "budget, its rates)")
 
 
 def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer) -> dict:

@@ -204,3 +204,23 @@ def test_the_scoring_memory_budget_is_taken_as_prune_takes_it(tmp_path, capsys):
                      "--num-prompts", "8", "--seq-len", "64", "--scoring-memory", memory, "--dry-run"]) == 0
         blocks, heads = passes["greedy", None if memory == "auto" else "1MiB"]
         assert f"estimated cost: {blocks} block passes, {heads:,} head passes" in capsys.readouterr().out
+
+
+def test_a_cuda_device_this_machine_lacks_needs_the_budget_and_rates_of_that_machine():
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy")
+    for given, missing in (({}, "max_memory= and throughput="), ({"throughput": FIXED}, "max_memory="),
+                           ({"max_memory": "1GiB"}, "throughput=")):
+        with pytest.raises(ValueError, match=rf"device='cuda:99' is not on this machine \(\d+ CUDA device\(s\)\): "
+                                             rf"to predict for another machine pass {missing} \("):
+            hl.estimate_cost(_tiny(4), config, device="cuda:99", **given)
+    estimate = hl.estimate_cost(_tiny(4), config, device="cuda:99", throughput=FIXED, max_memory="1GiB")
+    # 8 batches (64 prompts by 8): the reference (4 blocks) and 3 interchange probes (4 + 3 + 2)
+    assert set(estimate.peak_memory_bytes) == {"cuda:99"} and estimate.block_passes == 8 * (4 + 4 + 3 + 2)
+
+
+def test_the_printed_lines_name_the_rates_only_when_there_are_some():
+    estimate = hl.estimate_cost(_tiny(4), hl.LayerSwapConfig(num_to_remove=1, strategy="greedy"), throughput=FIXED)
+    assert estimate.lines()[2] == f"  about {estimate.seconds:.0f} s (fixed for the test)"
+    estimate.throughput = None
+    assert estimate.lines()[2] == f"  about {estimate.seconds:.0f} s"
+    assert not any("None" in line or "()" in line for line in estimate.lines())
