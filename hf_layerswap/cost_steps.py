@@ -59,7 +59,7 @@ from .recovery.methods import get_recovery_method
 from .rule import check_budget, resolve_protect
 from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
-from .tasks import request_forwards, task_requests
+from .tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase"]
@@ -406,14 +406,21 @@ def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: i
     per rolling window of a ``loglikelihood_rolling`` document), each through the ``kept``
     blocks and the head over every position. Not estimated, with the reason in
     ``phase["not_estimated"]``: lm-eval's own tasks (no ``eval_tasks_path``: their documents
-    come from the Hub, and an estimate downloads nothing), ``generate_until`` tasks (one
-    forward per generated token), tasks whose documents cannot be loaded, every task when
-    lm-eval is not installed.
+    come from the Hub, and an estimate downloads nothing; their names are still checked
+    against lm-eval's index), ``generate_until`` tasks (one forward per generated token), tasks
+    whose documents cannot be loaded, every task when lm-eval is not installed.
+
+    Raises:
+        ValueError: a task name lm-eval does not know (:func:`~hf_layerswap.tasks.check_task_names`).
     """
     heal = cfg.heal
     phase["exact"] = False
     skipped = phase.setdefault("not_estimated", [])
     if heal.eval_tasks_path is None:
+        try:  # a name lm-eval does not know would stop the real run after the scoring
+            check_task_names(heal.eval_tasks)
+        except ImportError:
+            pass  # said below: the requests are not built either way
         skipped.append(f"lm-eval tasks {heal.eval_tasks}: lm-eval's own tasks read their documents from the Hub; "
                        "the estimate builds requests only from a local task folder (eval_tasks_path)")
         return

@@ -32,7 +32,7 @@ from .evaluation import resolve_tokenizer
 from .jsonio import JsonResult, decode_tree
 from .provenance import public_identity
 
-__all__ = ["TaskResults", "evaluate_tasks", "offline_documents", "request_forwards", "task_card_section",
+__all__ = ["TaskResults", "check_task_names", "evaluate_tasks", "offline_documents", "request_forwards", "task_card_section",
            "task_requests"]
 
 
@@ -172,6 +172,19 @@ def evaluate_tasks(
         loglikelihoods=lls,
         model=public_identity(model),
     )
+
+
+def check_task_names(tasks: str | Sequence[str], include_path=None) -> list[str]:
+    """``tasks`` as a list, each checked against lm-eval's task index (its own tasks, or the
+    YAML folders ``include_path`` only), as :func:`evaluate_tasks` checks them; nothing is
+    downloaded (the index is read from the installed task files).
+
+    Raises:
+        ImportError: lm-eval is not installed. ValueError: empty or unknown task names (the
+        message names them). FileNotFoundError: an ``include_path`` that is not a folder.
+    """
+    _require_lm_eval()
+    return _task_manager(tasks, include_path)[0]
 
 
 def _task_manager(tasks, include_path):

@@ -314,3 +314,11 @@ def test_building_lm_eval_requests_writes_no_cache_and_reaches_no_hub(tmp_path, 
     assert not user_cache.exists()
     assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)
     assert datasets.config.HF_DATASETS_CACHE == user_cache
+
+
+def test_an_lm_eval_task_name_lm_eval_does_not_know_is_refused_before_the_prune(tmp_path):
+    """lm-eval's own tasks are not counted (their documents are on the Hub), but their names
+    are checked: the real run would stop on an unknown one only after the scoring and the cut."""
+    pytest.importorskip("lm_eval")
+    with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['layerswap_no_such_task'\]"):
+        _estimate(_measuring(eval_tasks=["hellaswag", "layerswap_no_such_task"]), _calibration(prompts=7))
