@@ -322,3 +322,11 @@ def test_an_lm_eval_task_name_lm_eval_does_not_know_is_refused_before_the_prune(
     pytest.importorskip("lm_eval")
     with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['layerswap_no_such_task'\]"):
         _estimate(_measuring(eval_tasks=["hellaswag", "layerswap_no_such_task"]), _calibration(prompts=7))
+
+
+def test_a_perplexity_text_too_short_to_score_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match=r"perplexity_text='.*empty\.txt': the text has 0 token\(s\); at least 2"):
+        _estimate(_measuring(str(tmp_path / "empty.txt")), _calibration(prompts=7))
+    with pytest.raises(FileNotFoundError, match=r"text='.*missing\.txt': no such file"):
+        _estimate(_measuring(str(tmp_path / "missing.txt")), _calibration(prompts=7))

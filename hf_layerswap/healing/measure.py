@@ -48,7 +48,10 @@ def perplexity_forwards(perplexity_text, tokenizer) -> list[tuple[int, int, int]
         ValueError, FileNotFoundError: a text the evaluation would refuse (the message names it).
     """
     ids, window, stride, _ = contract_tokens(_evaluated_text(perplexity_text), tokenizer, contract=PERPLEXITY_CONTRACT)
-    spans = sliding_windows(len(ids), window, stride)
+    try:
+        spans = sliding_windows(len(ids), window, stride)
+    except ValueError as err:  # a text too short to score: name it
+        raise ValueError(f"perplexity_text={perplexity_text!r}: {err}") from None
     return [(len(members), length, keep) for length, keep, members in window_batches(spans, PERPLEXITY_BATCH)]
 
 
