@@ -51,7 +51,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .calibration import CalibrationSet
+from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
 from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
                          recovery_phase, sparsity_phase)
@@ -199,8 +199,8 @@ def _meta_model(model_or_path, dtype):
 def _calibration(model, cfg: LayerSwapConfig, calibration) -> CalibrationSet:
     if isinstance(calibration, CalibrationSet):
         return calibration
-    if isinstance(calibration, Mapping):
-        return CalibrationSet(calibration["input_ids"], calibration["attention_mask"], "given tensors")
+    if isinstance(calibration, Mapping):  # checked and cut to num_prompts as prune reads it
+        return build_calibration(calibration, None, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed)
     if calibration is not None:
         raise TypeError(f"calibration must be a CalibrationSet, a dict of input_ids/attention_mask or None; "
                         f"got {type(calibration).__name__}")
@@ -473,7 +473,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         config: the :class:`~hf_layerswap.LayerSwapConfig` (or its dict) of the prune; it
             needs ``num_to_remove`` (or ``layers``) as ``prune`` does.
         calibration: the prompts (a :class:`~hf_layerswap.calibration.CalibrationSet` or a
-            dict of ``input_ids``/``attention_mask``, shape ``(N, T)``); default
+            dict of ``input_ids``/``attention_mask``, shape ``(N, T)``, read as ``prune``
+            reads it: checked, its first ``num_prompts`` rows); default
             ``num_prompts`` full prompts of ``seq_len`` tokens (an upper bound on positions).
         device: where the prune will compute (default: the CPU); sets the working-memory
             budget, the throughput probe's device and the key of ``peak_memory_bytes``.

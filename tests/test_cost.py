@@ -224,3 +224,20 @@ def test_the_printed_lines_name_the_rates_only_when_there_are_some():
     estimate.throughput = None
     assert estimate.lines()[2] == f"  about {estimate.seconds:.0f} s"
     assert not any("None" in line or "()" in line for line in estimate.lines())
+
+
+def test_given_tensors_are_read_as_prune_reads_them():
+    """A dict of tensors is cut to num_prompts, as prune's build_calibration does, and one that
+    prune would refuse is refused with the same message."""
+    cfg = _tiny(8)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (12, 16))
+    calib = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=4, num_prompts=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    assert (estimate.block_passes, estimate.head_passes) == counted_prune(cfg, config, calib)
+    # one batch of the first 4 prompts: the reference (8 blocks) and 7 interchange probes (8 + 7 + ... + 2)
+    assert estimate.block_passes == 8 + sum(8 - i for i in range(7))
+    with pytest.raises(ValueError, match=r"calibration mapping \(dict with keys \['input_ids'\]\) is missing "
+                                         r"\['attention_mask'\]"):
+        hl.estimate_cost(copy.deepcopy(cfg), config, calibration={"input_ids": ids}, throughput=FIXED)
