@@ -54,7 +54,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
 from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
-                         recovery_phase, sparsity_phase)
+                         recovery_phase, sparsity_phase, text_tokenizer)
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
@@ -196,16 +196,28 @@ def _meta_model(model_or_path, dtype):
     return model
 
 
-def _calibration(model, cfg: LayerSwapConfig, calibration) -> CalibrationSet:
+def _calibration(model, cfg: LayerSwapConfig, calibration, tokenizer) -> tuple[CalibrationSet, bool]:
+    """``(the prompts prune will score, whether they are the real ones)``: ``calibration`` or
+    ``cfg.calibration`` read as :func:`~hf_layerswap.prune` reads it
+    (:func:`~hf_layerswap.calibration.build_calibration`: given tensors checked and cut to
+    ``num_prompts``, a text source tokenized); ``num_prompts`` full prompts of ``seq_len``
+    tokens (the most there can be) without a tokenizer to read a text source, or when the
+    prune reads no prompt (given ``layers``, no repair, no sparsity)."""
     if isinstance(calibration, CalibrationSet):
-        return calibration
-    if isinstance(calibration, Mapping):  # checked and cut to num_prompts as prune reads it
-        return build_calibration(calibration, None, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed)
-    if calibration is not None:
+        return calibration, True
+    if calibration is not None and not isinstance(calibration, Mapping):
         raise TypeError(f"calibration must be a CalibrationSet, a dict of input_ids/attention_mask or None; "
                         f"got {type(calibration).__name__}")
-    ids = torch.zeros(cfg.num_prompts, cfg.seq_len, dtype=torch.long)
-    return CalibrationSet(ids, torch.ones_like(ids), f"{cfg.num_prompts} full prompts of {cfg.seq_len} tokens")
+    source = cfg.calibration if calibration is None else calibration
+    reads = cfg.layers is None or cfg.recovery is not None or cfg.sparsity is not None
+    reader = None
+    if not isinstance(source, (CalibrationSet, Mapping)):
+        reader = text_tokenizer(model, cfg, tokenizer, required=False) if reads else None
+        if reader is None:
+            ids = torch.zeros(cfg.num_prompts, cfg.seq_len, dtype=torch.long)
+            return CalibrationSet(ids, torch.ones_like(ids), f"{cfg.num_prompts} full prompts of {cfg.seq_len} "
+                                  "tokens (no tokenizer to read the calibration text: the most there can be)"), False
+    return build_calibration(source, reader, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed), True
 
 
 # ---------------------------------------------------------------------- the counts
@@ -474,8 +486,10 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             needs ``num_to_remove`` (or ``layers``) as ``prune`` does.
         calibration: the prompts (a :class:`~hf_layerswap.calibration.CalibrationSet` or a
             dict of ``input_ids``/``attention_mask``, shape ``(N, T)``, read as ``prune``
-            reads it: checked, its first ``num_prompts`` rows); default
-            ``num_prompts`` full prompts of ``seq_len`` tokens (an upper bound on positions).
+            reads it: checked, its first ``num_prompts`` rows); default ``config.calibration``
+            read as ``prune`` reads it (a text source tokenized with ``tokenizer``); without a
+            tokenizer, ``num_prompts`` full prompts of ``seq_len`` tokens (the scoring then
+            an upper bound, ``exact=False``).
         device: where the prune will compute (default: the CPU); sets the working-memory
             budget, the throughput probe's device and the key of ``peak_memory_bytes``.
         dtype: the parameter dtype (default: the checkpoint's ``torch_dtype``, else fp32).
@@ -487,10 +501,10 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             size such as ``"2GiB"`` (:func:`~hf_layerswap.scoring.settings.parse_memory`);
             ``None``/``"auto"`` (default): what scoring derives for ``device``
             (:func:`~hf_layerswap.scoring.settings.device_memory_budget`).
-        tokenizer: reads the texts of healing's measurements (``perplexity_text``,
-            ``eval_tasks``), whose passes are counted from their tokens; a tokenizer, a
-            folder or Hub id; default ``config.tokenizer``, else the checkpoint's own
-            (only loaded when healing measures something).
+        tokenizer: reads the calibration text and the texts of healing's measurements
+            (``perplexity_text``, ``eval_tasks``), whose passes are counted from their
+            tokens; a tokenizer, a folder or Hub id; default ``config.tokenizer``, else the
+            checkpoint's own (loaded only when a text is read).
 
     Returns:
         a :class:`CostEstimate`; its ``derivation`` says how each number was obtained.
@@ -510,7 +524,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
-    calib = _calibration(model, cfg, calibration)
+    calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
     budget = device_memory_budget(device)[0] if max_memory in (None, "auto") else parse_memory(max_memory)
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     total_blocks = num_blocks(model)
@@ -523,6 +537,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         phases["scoring"] = _engine_counts(model, calib, plans, settings)
         scoring_engine = phases["scoring"].pop("engine")
         phases["scoring"]["sweeps"] = 1
+        phases["scoring"]["exact"] = calib_known
     exact = True
     if cfg.layers is None and strategy == "search":
         phases["selection"] = _search_counts(model, calib, cfg, settings)

@@ -62,7 +62,8 @@ from .sparsity.stats import HessianAccumulator
 from .tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_measures", "healing_phase",
-           "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase"]
+           "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
+           "text_tokenizer"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -360,10 +361,32 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
         lm_eval_passes(phase, shape, cfg, kept, tokenizer)
 
 
+def text_tokenizer(model, cfg: LayerSwapConfig, tokenizer, required: bool = True):
+    """The tokenizer that reads a prune's texts (its calibration, healing's measurements):
+    ``tokenizer`` (an object, a folder or Hub id), else ``cfg.tokenizer``, else the model's
+    own; ``None`` when none is given and the model's own cannot be loaded, unless ``required``.
+
+    Raises:
+        ValueError: ``required`` and none given nor loaded (the message says to pass one).
+        FileNotFoundError: a ``tokenizer`` path that is neither a folder nor a Hub id.
+    """
+    tokenizer = tokenizer if tokenizer is not None else cfg.tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        name = os.fspath(tokenizer)
+        if not Path(name).expanduser().is_dir() and not is_hub_id(name):
+            raise FileNotFoundError(f"tokenizer={name!r} is not a folder, and not a Hub id of the form 'owner/name'")
+        return AutoTokenizer.from_pretrained(name)
+    if tokenizer is not None or required:
+        return resolve_tokenizer(model, tokenizer)
+    try:
+        return resolve_tokenizer(model, None)
+    except ValueError:
+        return None
+
+
 def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
-    """The tokenizer that reads healing's measurement texts: ``tokenizer`` (an object, a
-    folder or Hub id), else ``cfg.tokenizer``, else the model's own; ``None`` when healing
-    measures nothing.
+    """The tokenizer that reads healing's measurement texts (:func:`text_tokenizer`);
+    ``None`` when healing measures nothing.
 
     Raises:
         ValueError: none given and none can be loaded (the message says to pass one).
@@ -372,13 +395,7 @@ def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
     heal = cfg.heal
     if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
         return None
-    tokenizer = tokenizer if tokenizer is not None else cfg.tokenizer
-    if isinstance(tokenizer, (str, os.PathLike)):
-        name = os.fspath(tokenizer)
-        if not Path(name).expanduser().is_dir() and not is_hub_id(name):
-            raise FileNotFoundError(f"tokenizer={name!r} is not a folder, and not a Hub id of the form 'owner/name'")
-        return AutoTokenizer.from_pretrained(name)
-    return resolve_tokenizer(model, tokenizer)
+    return text_tokenizer(model, cfg, tokenizer)
 
 
 def measure_lines(phase: dict) -> list[str]:

@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_layerswap as hl
-from conftest import counted_prune
-from hf_layerswap.calibration import CalibrationSet
+from conftest import counted_prune, tiny_checkpoint
+from hf_layerswap.calibration import CalibrationSet, build_calibration
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
 
@@ -203,7 +203,9 @@ def test_the_scoring_memory_budget_is_taken_as_prune_takes_it(tmp_path, capsys):
         assert main(["prune", str(src), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "greedy",
                      "--num-prompts", "8", "--seq-len", "64", "--scoring-memory", memory, "--dry-run"]) == 0
         blocks, heads = passes["greedy", None if memory == "auto" else "1MiB"]
-        assert f"estimated cost: {blocks} block passes, {heads:,} head passes" in capsys.readouterr().out
+        # a checkpoint without a tokenizer: full prompts of the calibration, the most there can be
+        assert (f"estimated cost (upper bound: scoring): {blocks} block passes, {heads:,} head passes"
+                in capsys.readouterr().out)
 
 
 def test_a_cuda_device_this_machine_lacks_needs_the_budget_and_rates_of_that_machine():
@@ -241,3 +243,30 @@ def test_given_tensors_are_read_as_prune_reads_them():
     with pytest.raises(ValueError, match=r"calibration mapping \(dict with keys \['input_ids'\]\) is missing "
                                          r"\['attention_mask'\]"):
         hl.estimate_cost(copy.deepcopy(cfg), config, calibration={"input_ids": ids}, throughput=FIXED)
+
+
+def test_a_calibration_text_is_read_as_prune_reads_it(tmp_path, capsys):
+    """A text with fewer paragraphs than num_prompts gives fewer prompts: the estimate reads it
+    with the prune's tokenizer, as prune does, and counts what the real prune runs (the
+    estimate printed by prune and by --dry-run alike); without a tokenizer it counts
+    num_prompts full prompts and says it is an upper bound."""
+    text = tmp_path / "three.txt"
+    text.write_text("\n\n".join(" ".join(f"w{p + k}" for k in range(20)) for p in range(3)) + "\n")
+    model = LlamaForCausalLM(_tiny(6))
+    tiny_checkpoint(tmp_path / "base", model)
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=str(text), num_prompts=8,
+                                seq_len=16, batch_size=2, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    estimate = hl.estimate_cost(tmp_path / "base", config, throughput=FIXED)
+    real = counted_prune(_tiny(6), config, build_calibration(str(text), tokenizer, num_prompts=8, seq_len=16))
+    # 3 prompts: 2 batches of the reference (6 blocks) and 5 interchange probes (6 + 5 + ... + 2)
+    assert estimate.exact and (estimate.block_passes, estimate.head_passes) == real
+    assert estimate.block_passes == 2 * (6 + sum(6 - i for i in range(5)))
+    for extra in (["--dry-run"], []):
+        assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy",
+                     "greedy", "--calibration", str(text), "--num-prompts", "8", "--seq-len", "16", "--batch-size",
+                     "2", *extra]) == 0
+        assert f"estimated cost: {estimate.block_passes} block passes," in capsys.readouterr().out
+    blind = hl.estimate_cost(_tiny(6), config, throughput=FIXED)  # a config: no tokenizer to read the text
+    assert not blind.exact and not blind.phases["scoring"]["exact"]
+    assert blind.block_passes == 4 * (6 + sum(6 - i for i in range(5)))  # 8 full prompts, 4 batches
