@@ -270,3 +270,15 @@ def test_a_calibration_text_is_read_as_prune_reads_it(tmp_path, capsys):
     blind = hl.estimate_cost(_tiny(6), config, throughput=FIXED)  # a config: no tokenizer to read the text
     assert not blind.exact and not blind.phases["scoring"]["exact"]
     assert blind.block_passes == 4 * (6 + sum(6 - i for i in range(5)))  # 8 full prompts, 4 batches
+
+
+def test_prune_dry_run_estimates_on_the_device_the_real_run_computes_on(tmp_path, capsys):
+    torch.manual_seed(0)
+    LlamaForCausalLM(_tiny(6)).save_pretrained(tmp_path / "tiny")
+    base = ["prune", str(tmp_path / "tiny"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "greedy",
+            "--num-prompts", "8", "--seq-len", "16", "--dry-run"]
+    assert main(base + ["--device-map", "cuda:99"]) == 2
+    assert "device='cuda:99' is not on this machine" in capsys.readouterr().err
+    assert main(base + ["--device-map", "cpu"]) == 0
+    assert "(probe on cpu: one block over 8x16 positions" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..config import LayerSwapConfig
 from ..cost import estimate_cost
 from ..devices import input_device
@@ -139,7 +141,18 @@ def _dry_run(args, config) -> int:
     check_text_files(args)
     check_paths(model=args.model, revision=args.revision, tokenizer=args.tokenizer)
     check_output(args.output)
-    estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype,
-                             tokenizer=args.tokenizer, max_memory=args.scoring_memory)
+    estimate = estimate_cost(args.model, config, device=_compute_device(args.device_map),
+                             dtype=None if args.dtype == "auto" else args.dtype, tokenizer=args.tokenizer,
+                             max_memory=args.scoring_memory)
     print("\n".join(estimate.lines()))
     return 0
+
+
+def _compute_device(device_map: str) -> torch.device:
+    """Where the real run computes (``input_device`` of the loaded model): the device
+    ``--device-map`` names, else (``auto``, ``balanced``, ``sequential``) the first
+    accelerator when one is present, else the CPU."""
+    try:
+        return torch.device(device_map)
+    except RuntimeError:  # a placement strategy, not a device
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
