@@ -11,7 +11,8 @@ over one batch) and of the output head:
   the first kept block after the last cut); ``"fused"`` first checks each cut's host block
   on one batch of at most 2 prompts (two forwards to the slot after the host). Exact when
   the blocks are given (``layers``); otherwise an upper bound (the last removable block
-  taken as the last cut);
+  taken as the last cut; for ``"fused"``'s host checks, each of the deepest removable blocks
+  a cut of its own);
 - **sparsity** (:func:`~hf_layerswap.sparsity.sparsify`, batches of 8 prompts): the dense
   pass over every kept block, a gradient pass (forward, head, backward) for allocators that
   need one, then block by block a statistics replay (pruners with statistics) and the
@@ -167,18 +168,20 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     phase = _phase(exact, f"{rec.method} fit on the first {rec.num_tokens or DEFAULT_NUM_TOKENS:,} real tokens, "
                           f"each batch up to slot {max(slots)}" + ("" if exact else " (the deepest possible cut)"))
     num_tokens = rec.num_tokens or DEFAULT_NUM_TOKENS
-    if rec.method == "fused":  # the host check: two forwards to the slot after each host, on one batch
+    if rec.method == "fused":  # the host check: two forwards to the slot after each host, on one batch;
+        # blocks not yet chosen: each of the deepest removable ones a cut of its own (the most checks there can be)
         ids, _, _ = next(select_rows(calib, min(cfg.batch_size, 2), num_tokens))
-        for cut in cuts:
-            if cut["host"] is not None:
-                for _ in range(2):
-                    _add_forward(phase, shape, cut["host"] + 1, ids.shape[0], ids.shape[1], head=False)
+        hosts = [c["host"] for c in cuts] if exact else [i - 1 for i in removed]
+        for host in (h for h in hosts if h is not None and h >= 0):
+            for _ in range(2):
+                _add_forward(phase, shape, host + 1, ids.shape[0], ids.shape[1], head=False)
     most = 0
     for ids, mask, keep in select_rows(calib, cfg.batch_size, num_tokens):
         _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
         held = len(slots) * ids.numel() * shape.hidden * shape.es + len(slots) * int(keep.sum()) * shape.hidden * 8
         most = max(most, held + shape.activation_bytes(ids.shape[0], ids.shape[1]))
-    moments = 8 * shape.hidden**2 * (2 * len(removed) + len(cuts))  # float64 XᵀX, XᵀY per removed block and cut
+    # float64 XᵀX, XᵀY per removed block and cut (blocks not yet chosen: up to one cut each)
+    moments = 8 * shape.hidden**2 * (2 * len(removed) + (len(cuts) if exact else len(removed)))
     phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + most + moments
     return phase
 

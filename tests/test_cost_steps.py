@@ -65,6 +65,21 @@ def test_a_repair_after_the_greedy_rule_is_bounded_by_the_deepest_cut():
     assert estimate.phases["recovery"]["block_passes"] == 2 * 7
 
 
+@pytest.mark.parametrize("protocol", ["interchange", "replacement"])
+def test_a_fused_repair_after_the_greedy_rule_bounds_every_host_check(protocol):
+    """fused checks each cut's host: with the blocks not yet chosen, separate cuts (two host
+    checks) can cost more than the deepest run of blocks (one): each of the deepest removable
+    blocks is counted as a cut of its own."""
+    calib = _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", protocol=protocol, recovery="fused",
+                                batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    blocks, heads = counted_prune(_tiny(), config, calib)
+    assert not estimate.exact and blocks <= estimate.block_passes <= 1.5 * blocks and heads == estimate.head_passes
+    # 2 batches up to block 6, then two forwards up to the hosts of blocks 5 and 6 (blocks 0..4, 0..5)
+    assert estimate.phases["recovery"]["block_passes"] == 2 * 7 + 2 * 5 + 2 * 6
+
+
 @pytest.mark.parametrize("pruner,allocation", [("wanda", "pals"), ("sparsegpt", "uniform"),
                                                ("magnitude", "gradient")])
 def test_sparsity_passes_are_counted_exactly(pruner, allocation):
