@@ -229,10 +229,8 @@ def _head_calls(engine, rows: int, probes: int) -> tuple[int, int]:
     chunks = math.ceil(rows / engine.kl_chunk)
     slices = math.ceil(engine.head.vocab / engine.vocab_chunk)
     groups = math.ceil(probes / engine._group_size(rows)) if probes else 0
-    if slices == 1:
-        return chunks * (groups + probes), rows * (groups + probes)
-    # pass 1: the reference log-sum-exp over every slice; pass 2: the reference and every probe per slice
-    return chunks * slices * (2 * groups + probes), rows * (2 * groups + probes)
+    # several slices: one pass, slice by slice, the reference and every probe per slice and chunk
+    return chunks * slices * (groups + probes), rows * (groups + probes)
 
 
 def _engine_counts(model, calib, plans, settings, *, reference: bool = True, verify: bool = True) -> dict:
@@ -430,7 +428,8 @@ def _offloaded(model) -> bool:
 
 def _working_bytes(engine, model, search_reference: int) -> int:
     """The engine's working memory at its peak: activations of a batch, the head/KL block,
-    the fp32 head copy of a half-precision head, the held probe states, the kept reference."""
+    the fp32 head copy of a half-precision head (one vocabulary slice of an offloaded head,
+    which is streamed), the held probe states, the kept reference."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     activations = engine._activation_bytes(engine.batch_size, cfg)
     vocab, rows = engine.head.vocab, engine.kl_chunk
@@ -438,6 +437,8 @@ def _working_bytes(engine, model, search_reference: int) -> int:
     kl_block = (8 if slices == 1 else 16) * rows * engine.vocab_chunk
     head = engine.head.module
     head_copy = 4 * head.weight.numel() if head is not None and head.weight.dtype != torch.float32 else 0
+    if engine.head.streamed:  # an offloaded head is read one vocabulary slice at a time (fp32 rows of it)
+        head_copy = 4 * engine.vocab_chunk * head.weight.shape[1]
     es = torch.finfo(engine.compute_dtype).bits // 8
     real = int(engine.calib.attention_mask[: engine.batch_size].sum())
     held = min(engine._group_size(real), len(engine.my_probes)) * real * engine.hidden * es

@@ -61,6 +61,9 @@ class TaskResults(JsonResult):
         loglikelihoods: ``{task: [per-document rolling loglikelihood, nats]}`` for
             ``loglikelihood_rolling`` tasks (lets a perplexity be cross-checked).
         model: identity of the evaluated model (see :func:`hf_layerswap.provenance.model_identity`).
+        higher_is_better: ``{task: {metric: bool}}``, lm-eval's direction of each metric
+            (``False`` for perplexities and bits per byte); empty in results recorded before
+            it was kept.
     """
 
     results: dict
@@ -70,6 +73,7 @@ class TaskResults(JsonResult):
     n_samples: dict
     loglikelihoods: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
+    higher_is_better: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,6 +175,8 @@ def evaluate_tasks(
         n_samples=counts,
         loglikelihoods=lls,
         model=public_identity(model),
+        higher_is_better={t: {m: bool(v) for m, v in (out.get("higher_is_better", {}).get(t) or {}).items()}
+                          for t in names},
     )
 
 

@@ -1,7 +1,7 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
 the quality pages and their index, speed, recovery, precision, streaming, heal, the two sparsity
-pages, scale, gpu and peeling (its training-trajectory section is kept from the page: that run's
-record was not stored) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
+pages, scale, gpu and peeling (its training-trajectory section too, from the training run's
+record) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
 of the benchmarks on the runner (all but scale, gpu and peeling) are rendered from their state split in two
 files and merged back with ``--merge-from``, so the merge keeps every stored value too."""
@@ -153,9 +153,23 @@ def test_gpu_page_rerenders_unchanged(tmp_path):
 
 
 def test_peeling_page_rerenders_unchanged(tmp_path):
-    """peeling.md from the stored reports under results/peeling/, with the command its header names.
-    The training-trajectory section is not re-rendered: its run record (trajectory_run.json) was
-    never stored, so --render-only keeps that section from the existing page."""
+    """peeling.md from the stored reports under results/peeling/, with the command its header names,
+    the training-trajectory section included: drawn from trajectory.json and the training run's
+    record trajectory_run.json (blocks, parameters, vocabulary, steps, tokens, seconds), never
+    copied from the page (``--skip-trajectory`` leaves the section and its recorded times out)."""
     _run([str(ROOT / "benchmarks" / "peeling.py"), "--render-only", "--models", "smollm2-135m", "gemma3-270m",
           "--out", str(tmp_path / "peeling.md")], ROOT)
-    assert (tmp_path / "peeling.md").read_bytes() == (RESULTS / "peeling.md").read_bytes()
+    page = (RESULTS / "peeling.md").read_bytes()
+    assert (tmp_path / "peeling.md").read_bytes() == page
+    _run([str(ROOT / "benchmarks" / "peeling.py"), "--render-only", "--models", "smollm2-135m", "gemma3-270m",
+          "--skip-trajectory", "--out", str(tmp_path / "without.md")], ROOT)
+    without = (tmp_path / "without.md").read_text(encoding="utf-8")
+    assert "## Training trajectory" not in without and "training run:" not in without
+    assert "training run:" in page.decode("utf-8")
+    section = page.decode("utf-8").split("\n## Training trajectory", 1)[1]
+    run = json.loads((RESULTS / "peeling" / "trajectory_run.json").read_text(encoding="utf-8"))
+    record = run["record"]
+    assert (f"{record['model']['parameters']:,} parameters, BPE vocabulary {record['tokenizer']['vocab_size']} "
+            f"trained on the training articles; {record['training']['steps']} AdamW steps") in section
+    assert f"{record['seconds']['training']:.0f} s of training" in section
+    assert f"Peeling + swap-KL of 6 checkpoints: {run['seconds']:.0f} s." in section

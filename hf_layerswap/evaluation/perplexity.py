@@ -1,5 +1,6 @@
 """Sliding-window perplexity under a contract (:func:`evaluate_perplexity`,
-:func:`perplexity_from_ids`) and comparisons of two results (:func:`delta_ppl_percent`,
+:func:`perplexity_from_ids`; a text tokenized once and scored on several models:
+:func:`contract_tokens`, :func:`perplexity_of_tokens`) and comparisons of two results (:func:`delta_ppl_percent`,
 :func:`delta_ppl_ci`)."""
 
 from __future__ import annotations
@@ -266,22 +267,46 @@ def evaluate_perplexity(
     if contract not in CONTRACTS:
         raise ValueError(f"contract={contract!r}: allowed {sorted(CONTRACTS) + ['rolling']}")
     tokenizer = resolve_tokenizer(model, tokenizer)
-    ids, window, stride, record = contract_tokens(text, tokenizer, contract=contract, window=window, stride=stride,
-                                                  max_words=max_words, add_bos=add_bos)
+    tokens = contract_tokens(text, tokenizer, contract=contract, window=window, stride=stride, max_words=max_words,
+                             add_bos=add_bos)
+    return perplexity_of_tokens(model, tokens, bootstrap=bootstrap, seed=seed, batch_size=batch_size,
+                                paper_token_count=paper_token_count, progress=progress)
+
+
+def perplexity_of_tokens(
+    model,
+    tokens: tuple[torch.Tensor, int, int, dict],
+    *,
+    bootstrap: int = 1000,
+    seed: int = 42,
+    batch_size: int = 2,
+    paper_token_count: bool = False,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on a text tokenized once by :func:`contract_tokens`: bit for bit
+    what :func:`evaluate_perplexity` gives on that text, without tokenizing it again (one
+    text scored on several models, e.g. the stages of a healing).
+
+    Args:
+        model: a causal LM (any dtype/device; evaluated in eval mode, no grad).
+        tokens: ``(ids, window, stride, record)`` of :func:`contract_tokens`; ``record`` is
+            not modified.
+        bootstrap, seed, batch_size, paper_token_count, progress: as for
+            :func:`evaluate_perplexity`.
+
+    Returns:
+        :class:`PerplexityResult`; ``contract`` is the text's record, the model's identity
+        and what :func:`perplexity_from_ids` records.
+
+    Raises:
+        ValueError: as :func:`perplexity_from_ids`.
+    """
+    ids, window, stride, record = tokens
     # the local folder the weights were read from stays out: contracts get published
-    record["model"] = {**public_identity(model), "fingerprint": model_fingerprint(model)}
-    return perplexity_from_ids(
-        model,
-        ids,
-        window=window,
-        stride=stride,
-        bootstrap=bootstrap,
-        seed=seed,
-        batch_size=batch_size,
-        paper_token_count=paper_token_count,
-        contract=record,
-        progress=progress,
-    )
+    record = {**record, "model": {**public_identity(model), "fingerprint": model_fingerprint(model)}}
+    return perplexity_from_ids(model, ids, window=window, stride=stride, bootstrap=bootstrap, seed=seed,
+                               batch_size=batch_size, paper_token_count=paper_token_count, contract=record,
+                               progress=progress)
 
 
 # ----------------------------------------------------------------------------- comparisons

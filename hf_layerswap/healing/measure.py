@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..evaluation.contract import sliding_windows
-from ..evaluation.perplexity import contract_tokens, evaluate_perplexity, window_batches
+from ..evaluation.perplexity import contract_tokens, perplexity_of_tokens, window_batches
 from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
 from ..tasks import check_task_names, evaluate_tasks
@@ -175,10 +175,14 @@ class HealMeasures:
 
     def start(self, student: nn.Module, teacher: nn.Module) -> dict:
         """Everything measured before training: ``{"perplexity": {stage: ppl, ...}, "tasks":
-        TaskResults or None, "contract": ...}``."""
-        out: dict = {"perplexity": {}, "tasks": None, "contract": None}
+        TaskResults or None, "contract": ..., "tokens": ...}`` (the perplexity text is
+        tokenized once here, by :func:`contract_tokens` with the student's tokenizer, and
+        scored at every stage)."""
+        out: dict = {"perplexity": {}, "tasks": None, "contract": None, "tokens": None}
         if self.perplexity_text is not None:
-            dense = self._perplexity(teacher)
+            tokens = out["tokens"] = contract_tokens(_evaluated_text(self.perplexity_text), self.tokenizer,
+                                                     contract=PERPLEXITY_CONTRACT)
+            dense = self._perplexity(teacher, tokens)
             out["contract"] = dense.contract
             stages = {"dense": dense.ppl}
             repair = repair_of_last_cut(student)
@@ -186,10 +190,10 @@ class HealMeasures:
                 cut = replayed_cut(student, teacher)
                 if cut is not None:
                     with apply_plan(teacher, removal_plan(num_blocks(teacher), cut)):
-                        stages["after_cut"] = self._perplexity(teacher).ppl
-                stages["after_repair"] = self._perplexity(student).ppl
+                        stages["after_cut"] = self._perplexity(teacher, tokens).ppl
+                stages["after_repair"] = self._perplexity(student, tokens).ppl
             else:
-                stages["after_cut"] = self._perplexity(student).ppl
+                stages["after_cut"] = self._perplexity(student, tokens).ppl
             out["perplexity"] = {"stages": stages, "repair": repair}
         if self.eval_tasks is not None:
             out["tasks"] = self._tasks(student)
@@ -200,7 +204,7 @@ class HealMeasures:
         and the tasks before and after (``{}`` for what was not asked)."""
         perplexity, tasks = {}, {}
         if self.perplexity_text is not None:
-            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed).ppl}
+            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed, start["tokens"]).ppl}
             contract = start["contract"] or {}
             repair = start["perplexity"]["repair"]
             perplexity = {**{k: stages.get(k) for k in PERPLEXITY_STAGES},
@@ -211,15 +215,14 @@ class HealMeasures:
         if self.eval_tasks is not None:
             before, after = start["tasks"], self._tasks(healed)
             tasks = {"before": before.results, "after": after.results, "settings": before.settings,
-                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples}
+                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples,
+                     "higher_is_better": before.higher_is_better}
             if after.task_hashes != before.task_hashes:
                 tasks["mismatch"] = "the task documents or prompts differ between before and after"
         return perplexity, tasks
 
-    def _perplexity(self, model):
-        return evaluate_perplexity(model, _evaluated_text(self.perplexity_text), tokenizer=self.tokenizer,
-                                   contract=PERPLEXITY_CONTRACT, batch_size=PERPLEXITY_BATCH, bootstrap=0,
-                                   progress=self.progress)
+    def _perplexity(self, model, tokens):
+        return perplexity_of_tokens(model, tokens, batch_size=PERPLEXITY_BATCH, bootstrap=0, progress=self.progress)
 
     def _tasks(self, model):
         return evaluate_tasks(model, list(self.eval_tasks), tokenizer=self.tokenizer, include_path=self.eval_tasks_path,
