@@ -24,7 +24,6 @@ made in other processes; ``benchmarks/results/precision.md`` is rendered from th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -306,9 +305,9 @@ def _merge(args) -> None:
     """``--merge-from``: runs of other models (e.g. one process per model) into ``--json``; the
     first file's header (command, machine) is kept; a piece measured with other settings, or a
     model stored with different values in two files, is refused."""
-    reference = json.loads(args.json.read_text(encoding="utf-8"))["settings"]["max_n"] if args.json.is_file() else args.max_n
+    reference = read_state(args.json)["settings"]["max_n"] if args.json.is_file() else args.max_n
     for path in args.merge_from:
-        other = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        other = read_state(path, "--merge-from results file") if path.is_file() else {}
         max_n = other.get("settings", {}).get("max_n", reference)  # a file of bare records takes the header's
         if max_n != reference:
             raise SystemExit(f"--merge-from {path}: max_n {max_n} differs from {reference} (the greedy sets' budgets)")

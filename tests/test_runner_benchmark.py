@@ -315,6 +315,9 @@ def test_precision_merge_refuses_a_piece_measured_with_other_settings(tmp_path):
     merged = precision.merge_files(path, [piece], union=(), keyed={"models": precision.model_key},
                                    first=("command", "machine", "versions", "started"))
     assert [m["model"] for m in merged["models"]] == ["m1", "m2"] and merged["command"] == "a"
+    piece.write_text('{"settings": {"max_n"')  # cut short: named, not a JSONDecodeError
+    with pytest.raises(ValueError, match=f"--merge-from results file {piece} is not complete JSON"):
+        precision.main(argv)
 
 
 @pytest.mark.parametrize("script, argv", [
