@@ -724,7 +724,7 @@ def merge_pieces(path: Path, sources, settings: dict | None) -> None:
     for source in sources:
         if not Path(source).is_file():
             raise SystemExit(f"--merge-from {source}: no such file (the JSON beside another run's --out page)")
-        pieces.append(json.loads(Path(source).read_text()))
+        pieces.append(read_state(Path(source), "--merge-from results file"))
         measured = {k: pieces[-1].get(k) for k in SETTING_KEYS}
         if settings is not None and measured != settings:
             raise SystemExit(f"--merge-from {source}: measured with {measured}, not this run's {settings}")
