@@ -52,12 +52,13 @@ from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, perplexity_forwards
 from .healing.methods import LORA_TARGETS, cut_neighbours
-from .models import is_hub_id
+from .models import has_tokenizer_files, is_hub_id
 from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
 from .recovery.fit import cut_boundaries, select_rows
 from .recovery.methods import get_recovery_method
 from .rule import check_budget, resolve_protect
+from .selection.registry import strategy_entry
 from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
 from .tasks import check_task_names, request_forwards, task_requests
@@ -139,14 +140,18 @@ def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
 
 def check_removal(cfg: LayerSwapConfig, total: int) -> None:
     """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
-    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), layers
-    out of range or duplicated, or every block.
+    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), what the
+    strategy refuses after the scoring (its ``check_config``, e.g. a search's
+    ``max_evaluations`` below its first sweep), layers out of range or duplicated, or every
+    block.
 
     Raises:
         ValueError: naming the budget or the layers and what the model allows.
     """
     if cfg.layers is None:
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        entry = strategy_entry(cfg.strategy)
+        strategy_entry(entry.strategy_for(cfg.protocol)).check_config(cfg, total)
         return
     removed = resolve_layer_indices(cfg.layers, total)
     if len(removed) >= total:
@@ -379,11 +384,18 @@ def text_tokenizer(model, cfg: LayerSwapConfig, tokenizer, required: bool = True
         if not Path(name).expanduser().is_dir() and not is_hub_id(name):
             raise FileNotFoundError(f"tokenizer={name!r} is not a folder, and not a Hub id of the form 'owner/name'")
         return AutoTokenizer.from_pretrained(name)
-    if tokenizer is not None or required:
-        return resolve_tokenizer(model, tokenizer)
+    if tokenizer is not None:
+        return tokenizer
+    source = getattr(model, "name_or_path", None)
+    if source and os.path.isdir(source) and not has_tokenizer_files(source):  # transformers would build an empty one
+        if required:
+            raise ValueError(f"no tokenizer given and the checkpoint {source!r} has none; pass tokenizer=...")
+        return None
     try:
         return resolve_tokenizer(model, None)
     except ValueError:
+        if required:
+            raise
         return None
 
 

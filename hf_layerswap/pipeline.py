@@ -242,6 +242,7 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     """Everything that can be refused before a forward pass."""
     if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        strategy_entry(strategy).check_config(cfg, total)  # nor what the strategy refuses after the scoring
     if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
         clash = sorted({i % total for i in cfg.layers if -total <= i < total}
                        & {i % total for i in cfg.protect if -total <= i < total})
