@@ -195,9 +195,10 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
 
     calls = []
 
-    def fake_run_config(model, cap, depth_first, args):
-        calls.append((model, cap, depth_first))
-        return {"model": model, "cap": cap, "depth_first": depth_first, "cpu_s": 1.0, "peak_rss": 2**20}
+    def fake_run_config(model, cap, depth_first, head_slices, args):
+        calls.append((model, cap, depth_first, head_slices))
+        return {"model": model, "cap": cap, "depth_first": depth_first, "head_slices": head_slices,
+                "cpu_s": 1.0, "peak_rss": 2**20}
 
     monkeypatch.setattr(streaming, "run_config", fake_run_config)
     monkeypatch.setattr(streaming, "write_markdown", lambda out, state: out.write_text(
@@ -209,11 +210,14 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
     argv = ["--models", "smollm2-135m", "gemma3-270m", "--num-prompts", "2", "--seq-len", "8", "--out", str(page)]
     streaming.main(argv)
     caps = [None, 0.5, 0.25, 0.125]
-    assert calls == [("smollm2-135m", c, False) for c in caps] + [("gemma3-270m", c, False) for c in caps if c != 0.5]
+    rows = [(c, False) for c in caps] + [(None, True)]  # the caps, then the in-memory run in the head's slices
+    assert calls == ([("smollm2-135m", c, False, h) for c, h in rows]
+                     + [("gemma3-270m", c, False, h) for c, h in rows if c != 0.5])
     state = json.loads(page.with_suffix(".json").read_text())
     assert state["models"] == ["gemma3-270m", "smollm2-135m"]  # the stored model first, then the new one
-    assert page.read_text().split(",") == [f"{m}/{c}/streamed" for m in ("gemma3-270m", "smollm2-135m")
-                                           for c in ("in-memory", "0.5", "0.25", "0.125")]
+    assert page.read_text().split(",") == [key for m in ("gemma3-270m", "smollm2-135m")
+                                           for key in [f"{m}/{c}/streamed" for c in ("in-memory", "0.5", "0.25", "0.125")]
+                                           + [f"{m}/in-memory/vocabulary-slices"]]
     assert state["rows"][1] == stored  # kept, not rerun
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"num_prompts": 4, "rows": []}))
@@ -221,7 +225,7 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
         streaming.main(["--render-only", "--out", str(page), "--merge-from", str(other)])
     calls.clear()
     streaming.main(argv[:5] + ["--seq-len", "16", "--out", str(page)])  # another calibration: anew
-    assert len(calls) == 8 and len(json.loads(page.with_suffix(".json").read_text())["rows"]) == 8
+    assert len(calls) == 10 and len(json.loads(page.with_suffix(".json").read_text())["rows"]) == 10
 
 
 def test_nested_store_names_a_cell_by_its_keys_at_each_level(tmp_path):
