@@ -59,7 +59,7 @@ from .common import CriterionResult, as_calibration, adjacent_report, report_cos
 from .objectives import OBJECTIVES, SetObjective
 from .registry import Criterion, keyword_options, register_strategy
 
-__all__ = ["search_criterion", "search_select"]
+__all__ = ["check_max_evaluations", "search_criterion", "search_select"]
 
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
@@ -152,6 +152,7 @@ def search_select(
     """
     total = num_blocks(model)
     wanted, top = _check_budgets(report, budgets, total, spacing, protect)
+    check_max_evaluations(max_evaluations, total, protect)
     protected = resolve_protect(protect, total)
     allowed = [i for i in range(total) if i not in protected]
     if exhaustive_below is None:
@@ -226,12 +227,23 @@ def _check_budgets(report: SwapReport | None, budgets, total: int, spacing: int,
     return wanted, top
 
 
+def check_max_evaluations(max_evaluations, total: int, protect) -> None:
+    """Refuse a ``max_evaluations`` below the single-removal sweep the search starts with (one
+    set per removable block of a model of ``total`` blocks with ``protect``); ``None`` (no cap)
+    passes. :func:`~hf_layerswap.prune` checks it before the scoring.
+
+    Raises:
+        ValueError: naming the cap and the least allowed.
+    """
+    removable = total - len(resolve_protect(protect, total))
+    if max_evaluations is not None and int(max_evaluations) < removable:
+        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {removable} (one per removable block)")
+
+
 def _allowances(allowed: Sequence[int], top: int, max_evaluations, evaluations_per_budget, extend_best,
                 exhaustive_below: int) -> tuple[int, list[int]]:
     """(new sets per budget, the allowance of each budget 1..top): budget 1 scores the
     single removals; a budget small enough to score exhaustively gets all its sets."""
-    if max_evaluations is not None and int(max_evaluations) < len(allowed):
-        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
     per_budget = len(allowed) if evaluations_per_budget is None else int(evaluations_per_budget)
     if per_budget < 1:
         raise ValueError(f"evaluations_per_budget={evaluations_per_budget!r}: must be an int >= 1")
@@ -452,6 +464,7 @@ def _card_candidates(search, report, removed, kl, indices):
     card_rule=lambda spacing, protect: (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; "
                                         f"the search itself used spacing={spacing}"),
     card_candidates=_card_candidates,
+    check_config=lambda cfg, total: check_max_evaluations(cfg.max_evaluations, total, cfg.protect),
     criteria={
         "search": Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
                             reads=PROTOCOLS),
