@@ -77,37 +77,48 @@ def main(argv=None) -> int:
     report = adjacent_report(merge_reports(*[SwapReport.from_dict(stored["reports"][p]) for p in PROTOCOLS]))
     budgets = list(range(1, args.budgets + 1))
     log(f"{args.model}: search n = 1..{args.budgets}, calibration {calib.num_prompts} x {args.seq_len}")
-    t0 = time.perf_counter()
-    found = search_select(report, budgets, model=model, calibration=calib, batch_size=args.batch_size)
-    seconds = time.perf_counter() - t0
     out = {"model": args.model, "threads": args.threads, "calibration": calib.content_hash,
-           "num_prompts": args.num_prompts, "seq_len": args.seq_len, "seconds": seconds,
-           "command": command_line("search_schedule.py", argv), "allowances": found[budgets[-1]]["allowances"],
-           "budgets": {}}
+           "num_prompts": args.num_prompts, "seq_len": args.seq_len, "seconds": None,
+           "command": command_line("search_schedule.py", argv), "allowances": None, "budgets": {}}
+    path = RESULTS / f"search-schedule-{args.model}.json"
+    t0 = time.perf_counter()
+
+    def keep(n, rec):  # each budget as it finishes: a run stopped early keeps what it has
+        out["budgets"][str(n)] = _row(rec, stored["criteria"]["search"][str(n)])
+        out["allowances"], out["seconds"] = rec["allowances"], time.perf_counter() - t0
+        row = out["budgets"][str(n)]
+        log(f"n = {n}: {row['removed']} {row['value']:.6f} (stored {row['stored']['removed']} "
+            f"{row['stored']['value']:.6f}), {row['evaluator_calls']} sets, {row['forward_passes']} forward passes")
+        write_json_atomic(out, path)
+
+    search_select(report, budgets, model=model, calibration=calib, batch_size=args.batch_size, on_budget=keep)
+    out["seconds"] = time.perf_counter() - t0
     for n in budgets:
-        rec, old = found[n], stored["criteria"]["search"][str(n)]
-        new_set, old_set = list(rec["selected"]), list(old["removed"])
-        row = {"removed": new_set, "value": rec["value"], "value_hex": float(rec["value"]).hex(),
-               "evaluator_calls": rec["cost"]["evaluator_calls"], "forward_passes": rec["cost"]["forward_passes"],
-               "block_passes": rec["cost"]["block_passes"],
-               "stored": {"removed": old_set, "value": old["details"]["value"],
-                          "evaluator_calls": old["details"]["search_cost"]["evaluator_calls"],
-                          "forward_passes": old["details"]["search_cost"]["forward_passes"]},
-               "same_set": new_set == old_set}
-        log(f"n = {n}: {new_set} {rec['value']:.6f} (stored {old_set} {old['details']['value']:.6f}), "
-            f"{row['evaluator_calls']} sets, {row['forward_passes']} forward passes")
+        row = out["budgets"][str(n)]
         if not row["same_set"] and not args.no_ppl:
-            key = set_key(new_set)
+            key = set_key(row["removed"])
             if key in stored["ppl"]:
                 row["ppl"], row["ppl_source"] = stored["ppl"][key]["ppl"], "stored quality run"
             else:
-                log(f"perplexity with removed = {new_set}")
-                row["ppl"] = evaluate_removed(model, new_set, EVALUATION, tok, "matched", "copy", {}).ppl
+                log(f"perplexity with removed = {row['removed']}")
+                row["ppl"] = evaluate_removed(model, row["removed"], EVALUATION, tok, "matched", "copy", {}).ppl
                 row["ppl_source"] = "measured here"
-            row["stored"]["ppl"] = stored["ppl"][set_key(old_set)]["ppl"]
-        out["budgets"][str(n)] = row
-        write_json_atomic(out, RESULTS / f"search-schedule-{args.model}.json")
+            row["stored"]["ppl"] = stored["ppl"][set_key(row["stored"]["removed"])]["ppl"]
+            write_json_atomic(out, path)
     return 0
+
+
+def _row(rec: dict, old: dict) -> dict:
+    """One budget's record of the new search next to the stored run's."""
+    new_set, old_set = list(rec["selected"]), list(old["removed"])
+    return {"removed": new_set, "value": rec["value"], "value_hex": float(rec["value"]).hex(),
+            "evaluator_calls": rec["cost"]["evaluator_calls"], "forward_passes": rec["cost"]["forward_passes"],
+            "block_passes": rec["cost"]["block_passes"],
+            "stored": {"removed": old_set, "value": old["details"]["value"],
+                       "value_hex": float(old["details"]["value"]).hex(),
+                       "evaluator_calls": old["details"]["search_cost"]["evaluator_calls"],
+                       "forward_passes": old["details"]["search_cost"]["forward_passes"]},
+            "same_set": new_set == old_set}
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -113,6 +113,7 @@ def search_select(
     prefix_reuse: bool = True,
     progress: bool = False,
     evaluator: SetObjective | None = None,
+    on_budget: Callable[[int, dict], None] | None = None,
 ) -> dict[int, dict]:
     """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
 
@@ -143,6 +144,9 @@ def search_select(
             they fit in what budgets 1..n may spend together (their allowances less what
             budgets 1..n-1 spent); such a budget's allowance is raised to all its sets.
         evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
+        on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets)
+            is done (``record`` as returned, ``total_cost`` the cost so far), so a long
+            search can keep its results as they come.
 
     Returns:
         ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
@@ -186,6 +190,9 @@ def search_select(
     for p in protocols:
         sources[p] = report.layer_scores(p)
 
+    common = {"strategy": "search", "objective": objective, "spacing": spacing, "protect": sorted(protected),
+              "max_evaluations": max_evaluations, "evaluations_per_budget": evaluations_per_budget,
+              "allowances": allowances, "unit": "nats per token" if objective == "nll" else "nats"}
     best: dict[int, list[int]] = {}
     ranked_by_n: dict[int, list[list[int]]] = {}
     trace: dict[int, dict] = {}
@@ -211,13 +218,12 @@ def search_select(
         trace[n] = {"candidates": len(ranked), "seed_best": ranked[0], "seed_value": f.value(ranked[0]),
                     "rounds": rounds}
         costs[n] = f.cost()
+        if on_budget is not None:
+            on_budget(n, _record_of(n, best[n], f.value(best[n]), protocol_sets[n], trace[n], costs[n], costs[n],
+                                    common))
     if bar is not None:
         bar.close()
     final_cost = f.cost()
-    common = {"strategy": "search", "objective": objective, "spacing": spacing, "protect": sorted(protected),
-              "max_evaluations": max_evaluations, "evaluations_per_budget": evaluations_per_budget,
-              "allowances": list(allowances),
-              "unit": "nats per token" if objective == "nll" else "nats"}
     return {n: _record_of(n, best[n], f.value(best[n]), protocol_sets[n], trace[n], costs[n], final_cost, common)
             for n in wanted}
 
