@@ -171,15 +171,10 @@ def search_select(
         exhaustive_below = moves_per_round * max_rounds
     schedule = search_allowances(len(allowed), top, evaluations_per_budget)
     allowances = list(schedule)  # an exhaustive budget raises its own
-    if max_evaluations is not None and int(max_evaluations) < len(allowed):
-        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {len(allowed)} (one per removable block)")
-    if int(extend_best) < 1:
-        raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
+    _check_options(len(allowed), max_evaluations, extend_best)
     budget_total = math.inf if max_evaluations is None else int(max_evaluations)
-    bar = None
-    if progress and evaluator is None:
-        bar = tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
-                   dynamic_ncols=True)
+    bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
+                dynamic_ncols=True) if progress and evaluator is None else None)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
                                   progress=bar)
     search = _SetSearch(f, allowed, spacing, budget_total, total)
@@ -189,22 +184,15 @@ def search_select(
     protocols = list(report.protocols) if report is not None else []
     for p in protocols:
         sources[p] = report.layer_scores(p)
-
     common = {"strategy": "search", "objective": objective, "spacing": spacing, "protect": sorted(protected),
               "max_evaluations": max_evaluations, "evaluations_per_budget": evaluations_per_budget,
               "allowances": allowances, "unit": "nats per token" if objective == "nll" else "nats"}
-    best: dict[int, list[int]] = {}
-    ranked_by_n: dict[int, list[list[int]]] = {}
-    trace: dict[int, dict] = {}
-    protocol_sets: dict[int, dict] = {}
-    costs: dict[int, dict] = {}
+    # per budget: the best set, the sets scored best first, the trace, the protocols' own sets, the cost so far
+    best, ranked_by_n, trace, protocol_sets, costs = {}, {}, {}, {}, {}
     for n in range(1, top + 1):
-        # every set of the budget when there are few and they fit in what budgets 1..n may spend together
-        combos = math.comb(len(allowed), n)
-        # (budget 1: the sweep has scored them all already)
-        exhaustive = combos <= exhaustive_below and (n == 1 or (f.calls - first_call) + combos <= sum(schedule[:n]))
+        exhaustive = _exhaustive(len(allowed), n, exhaustive_below, f.calls - first_call, schedule)
         if n > 1 and exhaustive:
-            allowances[n - 1] = max(allowances[n - 1], combos)
+            allowances[n - 1] = max(allowances[n - 1], math.comb(len(allowed), n))
         greedy, ranked, current, rounds = search.run_budget(
             n, sources, protocols, protect, ranked_by_n.get(n - 1), extend_best=extend_best,
             exhaustive=exhaustive, allowance=allowances[n - 1], moves_per_round=moves_per_round,
@@ -252,6 +240,22 @@ def _check_budgets(report: SwapReport | None, budgets, total: int, spacing: int,
     if report is not None and report.num_blocks != total:
         raise ValueError(f"the report has {report.num_blocks} blocks but the model has {total}")
     return wanted, top
+
+
+def _check_options(removable: int, max_evaluations, extend_best) -> None:
+    """Raises ``ValueError`` for a total cap below one set per removable block or ``extend_best`` < 1."""
+    if max_evaluations is not None and int(max_evaluations) < removable:
+        raise ValueError(f"max_evaluations={max_evaluations!r}: at least {removable} (one per removable block)")
+    if int(extend_best) < 1:
+        raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
+
+
+def _exhaustive(removable: int, n: int, exhaustive_below: int, spent: int, schedule: Sequence[int]) -> bool:
+    """Whether budget ``n`` scores every set: there are at most ``exhaustive_below`` and they
+    fit in what budgets 1..n may spend together (``schedule[:n]`` less the ``spent`` of budgets
+    1..n-1), so the search never passes the schedule's sum. Budget 1: the sweep scored them all."""
+    combos = math.comb(removable, n)
+    return combos <= exhaustive_below and (n == 1 or spent + combos <= sum(schedule[:n]))
 
 
 def search_allowances(removable: int, top: int, evaluations_per_budget: int | None = None) -> list[int]:
