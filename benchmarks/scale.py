@@ -325,10 +325,15 @@ def _schedule_rows() -> list[str]:
                         f"{{{','.join(map(str, old['removed']))}}} | {old['value']:.4f} | "
                         f"{'yes' if r['same_set'] else '**no**'} | {ppl} | {r['evaluator_calls']} | "
                         f"{old['evaluator_calls']} | {r['forward_passes']} | {sleb_passes} |")
-        done = sorted(int(k) for k in run["budgets"])
+        done, rows_run = sorted(int(k) for k in run["budgets"]), run["budgets"].values()
+        drift = max(abs(r["value"] - r["stored"]["value"]) / abs(r["stored"]["value"]) for r in rows_run)
+        same = sum(r["same_set"] for r in rows_run)
         notes.append(f"- {name}: `{run['command']}`, n = {done[0]}..{done[-1]} done"
-                     + (f" of 1..6 when this page was written" if done[-1] < 6 else "")
-                     + f", {run['seconds']:.0f} s; allowances per budget {run['allowances']}.")
+                     + (" of 1..6 when this page was written" if done[-1] < 6 else "")
+                     + f", {run['seconds']:.0f} s; allowances per budget {run['allowances']}. The same set as before "
+                     f"at {same} of {len(done)} budgets; removal KL within {drift:.1e} relative of the stored run's "
+                     f"(equal in `float.hex`: {sum(r['value_hex'] == r['stored']['value_hex'] for r in rows_run)} of "
+                     f"{len(done)}).")
     return rows + [""] + notes
 
 
