@@ -371,7 +371,23 @@ def _default_rows(out) -> list[str]:
         share = sc["flops"] / (sc["flops"] + se["flops"])
         rows.append(f"| {name} | {sc['block_passes']:,} / {se['block_passes']:,} | {_gib(d['peak_memory_bytes'])} | "
                     f"{d['seconds'] * share / 60:.0f} min | {d['seconds'] / 60:.0f} min |")
-    return rows + ["", "(seconds: split between scoring and search by their FLOPs.)", ""]
+    return rows + ["", "(seconds: split between scoring and search by their FLOPs.)", *_allowance_note(out), ""]
+
+
+def _allowance_note(out) -> list[str]:
+    """Where the stored estimates bound more candidate sets than the search's allowance now
+    scores (SLEB's schedule), say so: they stay upper bounds, looser ones."""
+    older = []
+    for name, d in out["prune"].items():
+        sets = d["predicted"]["phases"].get("selection", {}).get("sets")
+        now = sum(QUALITY_BLOCKS[name] - 2 - k for k in range(2))  # SLEB's steps 1 and 2
+        if sets is not None and sets > now:
+            older.append(f"{name} {sets} candidate sets at n = 2, now at most {now}")
+    if not older:
+        return []
+    return ["", "The estimates of this section (and the prune rows above, with their measured prunes) were run with "
+            "the search's allowance before SLEB's schedule (next sections): " + "; ".join(older) + ". Their search "
+            "bounds stay upper bounds of the search as it is now, looser ones; not rerun for this page."]
 
 
 def _prune_verdict(out) -> str:
