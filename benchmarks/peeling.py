@@ -12,8 +12,9 @@ Writes ``benchmarks/results/peeling.md``, ``benchmarks/results/peeling_trajector
 ``--render-only`` rebuilds ``peeling.md`` from those JSON files (for the models given by
 ``--models``) without loading a model or computing anything, so that runs made in separate
 processes end up in one results file. Totals that no JSON recorded are written as "not
-recorded"; without ``trajectory.json`` + ``trajectory_run.json`` the training-trajectory
-section of the existing ``peeling.md`` is kept as it is.
+recorded"; the training-trajectory section is drawn from ``trajectory.json`` +
+``trajectory_run.json`` (left out, with a log line, when either is missing). ``--models``
+with no name runs the training trajectory alone.
 
 Per real model (:func:`hf_layerswap.models.load_model`, fp32 dequantized GGUF weights):
 
@@ -428,6 +429,8 @@ def run_trajectory(out_dir: Path, reuse: bool, log, command: str, threads: int) 
                            **{k: TRAJ[k] for k in ("num_prompts", "seq_len", "eval_prompts", "eval_seq_len", "bootstrap")})
     seconds = time.perf_counter() - t0
     log(f"[trajectory] peeled {len(traj.points)} checkpoints in {seconds:.0f} s")
+    for point in traj.points:  # the checkpoint folders by name only: the local cache stays out of the results
+        point.checkpoint = Path(point.checkpoint).name
     traj.to_json(RESULTS / "peeling" / "trajectory.json")
     # what trajectory_section needs besides trajectory.json; checkpoint folders by name only
     stored = dict(record, checkpoints=[Path(c).name for c in record["checkpoints"]])
@@ -435,7 +438,8 @@ def run_trajectory(out_dir: Path, reuse: bool, log, command: str, threads: int) 
                        "seconds": seconds, "budget": dict(TRAJ), "machine": machine_record(threads, load_start)},
                       RESULTS / "peeling" / "trajectory_run.json")
     trajectory_plot(traj, RESULTS / "peeling_trajectory.png")
-    return {"trajectory": traj, "record": stored, "seconds": seconds, "budget": dict(TRAJ), "command": command}
+    return {"trajectory": traj, "record": stored, "seconds": seconds, "budget": dict(TRAJ), "command": command,
+            "machine": machine_record(threads, load_start)}
 
 
 TRAJECTORY_HEADING = "## Training trajectory"
@@ -456,17 +460,6 @@ def load_trajectory(log) -> dict | None:
         log(f"[trajectory] drew {shown(png)} from {shown(traj_path)}")
     return {"trajectory": traj, "record": run["record"], "seconds": run["seconds"], "budget": run.get("budget"),
             "command": run.get("command"), "machine": run.get("machine")}
-
-
-def kept_trajectory_section(path: Path) -> str | None:
-    """Everything from the '## Training trajectory' heading to the end of an existing results file."""
-    if not path.is_file():
-        return None
-    text = path.read_text(encoding="utf-8")
-    if text.startswith(TRAJECTORY_HEADING):
-        return text
-    at = text.find("\n" + TRAJECTORY_HEADING)
-    return text[at + 1:] if at >= 0 else None
 
 
 def _pairs_phrase(max_gap, num_blocks) -> str:
@@ -578,13 +571,11 @@ def recorded_times(res: dict) -> str:
     return f"{res['name']}: " + ", ".join(parts)
 
 
-def render_header(real: list[dict], traj: dict | None, kept: bool, render_command: str) -> list[str]:
+def render_header(real: list[dict], traj: dict | None, render_command: str) -> list[str]:
     """Header of a file rebuilt from stored JSON: which commands made the data, and what they recorded."""
     sources = [(r["name"], r.get("command") or COMMAND) for r in real]
     if traj is not None:
         sources.append(("training run", traj.get("command") or COMMAND))
-    elif kept:
-        sources.append(("training run", COMMAND))
     by_command = {}
     for who, cmd in sources:
         by_command.setdefault(cmd, []).append(who)
@@ -597,13 +588,6 @@ def render_header(real: list[dict], traj: dict | None, kept: bool, render_comman
                  f"{machine['load_average_start']:.1f} → {machine['load_average_end']:.1f}" if machine else "")
         times.append(f"training run: peeling + swap-KL of {len(traj['trajectory'].points)} checkpoints "
                      f"{traj['seconds']:.0f} s, training {traj['record']['seconds']['training']:.0f} s{extra}")
-    elif kept:
-        stored = RESULTS / "peeling" / "trajectory.json"
-        if stored.is_file():
-            seconds = json.loads(stored.read_text()).get("metadata", {}).get("timings", {}).get("seconds")
-            if seconds is not None:
-                times.append(f"training run: peeling + swap-KL {seconds:.0f} s (`peeling/trajectory.json`; its "
-                             "section below is kept from the earlier results file)")
     return [
         f"Commands: the data come from {made}, each run in its own process; this file was rendered from their "
         f"stored JSON by `{render_command}`.",
@@ -631,20 +615,13 @@ def render_only(args, log, render_command: str) -> int:
     """Rebuild peeling.md from the stored JSON of earlier runs (no model is loaded)."""
     real = [load_real(name, log) for name in args.models]
     traj = None if args.skip_trajectory else load_trajectory(log)
-    kept = None
     if traj is None and not args.skip_trajectory:
-        kept = kept_trajectory_section(RESULTS / "peeling.md")
-        if kept is None:
-            log("[trajectory] no trajectory.json + trajectory_run.json and no earlier section: section left out")
-        else:
-            log("[trajectory] no trajectory_run.json: keeping the section of the existing peeling.md")
-    head = render_header(real, traj, kept is not None, render_command)
+        log("[trajectory] no trajectory.json + trajectory_run.json under results/peeling/: section left out")
+    head = render_header(real, traj, render_command)
     head += ["", data_line(real), ""] if real else [""]
     body = [real_section(r) for r in real]
     if traj is not None:
         body.append(trajectory_section(traj))
-    elif kept is not None:
-        body.append(kept.rstrip("\n") + "\n")
     path = write_results(head, body, args.out)
     log(f"wrote {path}")
     return 0
@@ -666,7 +643,8 @@ def without_option(argv: list[str], flag: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="peeling benchmark")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS),
+                        help="real checkpoints to run or render (no name: the training trajectory alone)")
     parser.add_argument("--skip-trajectory", action="store_true")
     parser.add_argument("--checkpoints", type=Path, default=None, help="training-run folder (default: cache)")
     parser.add_argument("--reuse-checkpoints", action="store_true", help="reuse an earlier training run")

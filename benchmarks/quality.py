@@ -2,7 +2,7 @@
 measured with one calibration set and one perplexity contract.
 
     python benchmarks/quality.py --model smollm2-135m --budgets 1 2 3
-    python benchmarks/quality.py --model gemma3-270m --budgets 1 2 3
+    python benchmarks/quality.py --model gemma3-270m --groups pages    # the committed page's cells
 
 For the model (:func:`hf_layerswap.models.load_model`: the dequantized GGUF checkpoints
 that install from the package index):
@@ -20,15 +20,30 @@ that install from the package index):
 4. one removed set is evaluated both by a pruned deep copy and by a removal plan (the
    numbers must agree).
 
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``,
+``experiments/quality.toml``: the option defaults and, as group ``pages``, the cells of the
+committed pages with each model's repair). A cell is one criterion at one budget n: the library's
+:func:`~hf_layerswap.baselines.compare_criteria` runs it (its selection, continuing a search from
+the criterion's smaller budgets, then the perplexity and removal KL of its sets) and stores it in
+its own resumable state, ``quality-<model>.json``, under ``criteria.<criterion>.<n>``; the runner
+reads the cells there, so a rerun skips a stored cell and a stopped run loses at most the cell in
+progress (and keeps the probes finished within a protocol's scoring). The table is then built by
+one ``compare_criteria`` call over every cell, which computes nothing stored; the protocol gap
+and the copy-vs-plan check are the model's two further cells (``extras``).
+
 Writes ``benchmarks/results/quality-<model>.md`` (command, contract, table, winners,
-protocol gap), ``quality-<model>.png`` (dPPL% vs n per criterion) and
-``quality-<model>.json`` (every number; also the resumable state: a crashed run restarts
-where it stopped, and extra budgets reuse what is done).
+protocol gap), ``quality-<model>.png`` (dPPL% vs n per criterion), ``quality-<model>.json``
+(every number, and the state above) and the index ``quality.md``; ``--render-only`` rewrites
+every page and the index from the JSON (no model is loaded; the plots are left as they are).
+
+One module on purpose: the run and every section of the pages read one state and share its
+labels; split, each part would pass the state and the table around.
 
 A long run splits over processes: run disjoint ``--criteria`` with their own ``--results``
 folders (only one of them with ``--max-gap`` above 1), then run once more with every
-criterion and ``--merge-from`` their ``quality-<model>.json`` files; that run recomputes
-nothing the pieces finished.
+criterion and ``--merge-from`` their ``quality-<model>.json`` files (the runner's merge: a value
+stored differently in two pieces is refused, timings excepted); that run recomputes nothing the
+pieces finished.
 """
 
 from __future__ import annotations
@@ -54,22 +69,33 @@ from hf_layerswap.baselines import (  # noqa: E402
     DEFAULT_CRITERIA,
     CriterionComparison,
     compare_criteria,
-    merge_criteria_states,
+    evaluate_removed,
     merge_reports,
     protocol_gap_quartiles,
 )
 from hf_layerswap.calibration import CalibrationSet  # noqa: E402
-from hf_layerswap.jsonio import atomic_path, write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.jsonio import atomic_path, write_text_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
 from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
 from hf_layerswap.report import PairResult, SwapReport  # noqa: E402
 from hf_layerswap.scoring import plan_kl  # noqa: E402
+from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 EVALUATION = DATA / "wikitext-2-raw" / "wiki.test.raw"
 RESULTS = REPO / "benchmarks" / "results"
+#: The experiment: the option defaults ([settings]), the fixed criterion options, and the cells
+#: of the committed pages by group, with each model's repair (``benchmarks/experiments/quality.toml``).
+EXPERIMENT = load_experiment("quality")
+SETTINGS = EXPERIMENT["settings"]
+GROUPS = experiment_cells(EXPERIMENT)
+#: A run's summary of the whole table: a merge keeps the first file's until the next run rebuilds it.
+RUN_SUMMARY = ("comparison", "protocol_gap", "command", "environment", "merged_runs")
+#: Measurements of the machine in a result (seconds, the memory budget of a scoring): two runs of
+#: one cell measure them differently, and a merge keeps the first.
+TIMINGS = ("seconds", "ppl_seconds", "max_memory")
 
 LABELS = {
     "block_influence": "Block Influence (ShortGPT)",
@@ -362,31 +388,78 @@ def plot(table: CriterionComparison, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line; the defaults are the experiment's ``[settings]``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=sorted(BUNDLED_MODELS), help="required unless --index-only")
+    p.add_argument("--model", choices=sorted(BUNDLED_MODELS), help="required unless --index-only or --render-only")
     p.add_argument("--index-only", action="store_true", help="only rewrite quality.md from the existing results")
-    p.add_argument("--render-only", action="store_true",
-                   help="rewrite every per-model page and quality.md from the stored results (no model is loaded)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--groups", nargs="+", default=None, choices=list(GROUPS),
+                   help="run the model's cells of these experiment groups (criteria x budgets, and the repair, "
+                        "of experiments/quality.toml) instead of --criteria x --budgets")
+    p.add_argument("--budgets", type=int, nargs="+", default=SETTINGS["budgets"])
     p.add_argument("--criteria", nargs="+", default=list(DEFAULT_CRITERIA), choices=list(DEFAULT_CRITERIA))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-gap", type=int, default=3, help="protocol-gap summary over pairs with gap <= this")
-    p.add_argument("--beam-evaluator", default="removal_kl", choices=["removal_kl", "nll"])
-    p.add_argument("--random-draws", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=SETTINGS["num_prompts"])
+    p.add_argument("--seq-len", type=int, default=SETTINGS["seq_len"])
+    p.add_argument("--batch-size", type=int, default=SETTINGS["batch_size"])
+    p.add_argument("--max-gap", type=int, default=SETTINGS["max_gap"],
+                   help="protocol-gap summary over pairs with gap <= this")
+    p.add_argument("--beam-evaluator", default=SETTINGS["beam_evaluator"], choices=["removal_kl", "nll"])
+    p.add_argument("--random-draws", type=int, default=SETTINGS["random_draws"])
     p.add_argument("--recovery", choices=["ghosted", "fused"], default=None,
                    help="also evaluate every criterion's set after this repair of the cut (fitted on the calibration prompts)")
     p.add_argument("--recovery-criteria", nargs="+", default=None, choices=list(DEFAULT_CRITERIA),
                    help="only these criteria's sets are repaired (default: all but random)")
     p.add_argument("--max-words", type=int, default=None, help="override the contract's 5,000 words (smoke tests only)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core machine)")
+    p.add_argument("--threads", type=int, default=SETTINGS["threads"],
+                   help="torch CPU threads (1 is fastest on a shared 2-core machine)")
     p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--merge-from", type=Path, nargs="+", default=[], metavar="STATE",
-                   help="first merge these state files (runs of disjoint --criteria, e.g. in parallel processes "
-                        "with their own --results) into this run's state")
-    args = p.parse_args(argv)
+    add_runner_arguments(p)  # --render-only: every page and quality.md; --merge-from: runs of other cells
+    return p
+
+
+def model_cells(args) -> tuple[list[str], list[int], list[tuple[str, int]]]:
+    """The criteria, budgets and cells ``(criterion, n)`` (criterion slowest, the table's row
+    order) of this run: ``--criteria`` x ``--budgets``, or the model's cells of ``--groups``
+    (then also the experiment's repair for the model, unless ``--recovery`` is given).
+
+    Raises:
+        SystemExit: groups without a cell of the model, or whose cells are not a full grid of
+            criteria x budgets (one table needs every criterion at every budget).
+    """
+    if not args.groups:
+        return list(args.criteria), list(args.budgets), [(c, n) for c in args.criteria for n in args.budgets]
+    cells = list(dict.fromkeys((c["criterion"], c["n"]) for g in args.groups for c in GROUPS[g]
+                               if c["model"] == args.model))
+    criteria, budgets = list(dict.fromkeys(c for c, _ in cells)), sorted({n for _, n in cells})
+    if not cells or len(cells) != len(criteria) * len(budgets):
+        raise SystemExit(f"--groups {args.groups}: {len(cells)} cells of {args.model}, not a full grid of criteria "
+                         "x budgets (each group lists every criterion of a model at every budget)")
+    repair = EXPERIMENT.get("repair", {}).get(args.model)
+    if args.recovery is None and repair:
+        args.recovery, args.recovery_criteria = repair["method"], list(repair["criteria"])
+    return criteria, budgets, [(c, n) for c in criteria for n in budgets]
+
+
+def merge_pieces(state_path: Path, sources, run: bool) -> None:
+    """``--merge-from``: the states of runs of other cells (other processes, other ``--results``
+    folders) into ``state_path``; a cell, perplexity or report stored with different values in
+    two files is refused (timings excepted: the first is kept). The run summary (table, command,
+    number of merged runs) stays the first file's until a run builds it from the merged cells:
+    ``run`` (not ``--render-only``) records the files merged as ``merged_runs``, which the page
+    states."""
+    runs = (1 if state_path.is_file() else 0) + len(sources)
+    merge_files(state_path, sources, union=(), first=RUN_SUMMARY, volatile=TIMINGS)
+    if run:
+        CellStore(state_path, fresh=dict).update(lambda state: state.__setitem__("merged_runs", runs))
+    log(f"merged {runs} state files into {state_path.name}")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.merge_from:
+        if args.model is None:
+            parser().error("--merge-from needs --model (the results file the pieces go into)")
+        merge_pieces(args.results / f"quality-{args.model}.json", args.merge_from, not args.render_only)
     if args.index_only:
         write_index(args.results)
         return 0
@@ -396,73 +469,86 @@ def main(argv=None) -> int:
         write_index(args.results)
         return 0
     if args.model is None:
-        p.error("--model is required (or pass --index-only)")
-
+        parser().error("--model is required (or pass --index-only or --render-only)")
+    criteria, budgets, cells = model_cells(args)
     torch.set_num_threads(args.threads)
     t_start = time.time()
     log(f"loading {args.model}")
     model, tok = load_model(args.model)
-    total = num_blocks(model)
     calib = wikitext_calibration(tok, args.num_prompts, args.seq_len)
-    log(f"{total} blocks; calibration {calib.num_prompts} prompts, {calib.num_tokens} tokens")
-
+    log(f"{num_blocks(model)} blocks; calibration {calib.num_prompts} prompts, {calib.num_tokens} tokens")
     args.results.mkdir(parents=True, exist_ok=True)
-    stem = args.results / f"quality-{args.model}"
-    state_path = stem.with_suffix(".json")
-    if args.merge_from:
-        sources = ([state_path] if state_path.is_file() else []) + list(args.merge_from)
-        merged = merge_criteria_states(sources, state_path)
-        merged["merged_runs"] = len(sources)
-        write_json_atomic(merged, state_path)
-        log(f"merged {len(sources)} state files into {state_path.name}")
-    options = {"random": {"draws": args.random_draws, "seed": 0},
-               "interchange_beam": {"evaluator": args.beam_evaluator, "width": 3, "seed_size": 12}}
-    table = compare_criteria(
-        model, calib, args.budgets, criteria=args.criteria, eval_text=EVALUATION, tokenizer=tok,
-        contract="matched", evaluation_method="copy", options=options, batch_size=args.batch_size,
-        evaluation_options={"max_words": args.max_words} if args.max_words else None,
-        state_path=state_path, log=log, recovery=args.recovery, recovery_criteria=args.recovery_criteria,
-    )
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    state_path = args.results / f"quality-{args.model}.json"
+    fixed = EXPERIMENT["criterion_options"]
+    harness = {
+        "eval_text": EVALUATION, "tokenizer": tok, "contract": "matched", "evaluation_method": "copy",
+        "options": {"random": {"draws": args.random_draws, **fixed["random"]},
+                    "interchange_beam": {"evaluator": args.beam_evaluator, **fixed["interchange_beam"]}},
+        "batch_size": args.batch_size, "evaluation_options": {"max_words": args.max_words} if args.max_words else None,
+        "state_path": state_path, "log": log,
+    }
+    repaired = [c for c in (args.recovery_criteria or criteria) if c != "random"] if args.recovery else []
 
-    # protocol gap over gap <= max_gap, and the copy-vs-plan check (kept in the same state file)
+    def run_cell(cell) -> dict:
+        """One criterion at one budget: its selection (continuing a search from its smaller
+        budgets), the perplexity and removal KL of its sets, and its repair; stored by the
+        library's harness in the state, from which the cell's record is read back."""
+        criterion, n = cell
+        compare_criteria(model, calib, [n], criteria=[criterion],
+                         recovery=args.recovery if criterion in repaired else None, **harness)
+        return json.loads(state_path.read_text(encoding="utf-8"))["criteria"][criterion][str(n)]
+
+    # the harness writes the file itself: the store re-reads it before each cell (shared)
+    run_cells(CellStore(state_path, fresh=dict, cells="criteria", depth=2, shared=True),
+              [(f"{c}/{n}", (c, n)) for c, n in cells], run_cell, tag="quality",
+              describe=lambda record: f"removed {record['removed']}")
+    # the table from the stored cells (computes only what a stopped cell left undone)
+    table = compare_criteria(model, calib, budgets, criteria=criteria, recovery=args.recovery,
+                             recovery_criteria=args.recovery_criteria, **harness)
+    run_extras(model, tok, calib, table, state_path, args)
+    finish(model, table, state_path, args, argv)
+    log(f"done in {time.time() - t_start:.0f} s; wrote {state_path.with_suffix('.md').name} and quality.md")
+    return 0
+
+
+def run_extras(model, tok, calib, table: CriterionComparison, state_path: Path, args) -> None:
+    """The model's two cells beside the table, stored under ``extras``: the protocol gap over
+    the pairs with 2 <= gap <= ``--max-gap`` and the copy-vs-plan check of one removed set."""
+    check_set = next((r["removed"] for r in table.rows if r["criterion"] == "interchange"), None)
+    names = (["gap_extension"] if args.max_gap > 1 else []) + (["plan_check"] if check_set else [])
+
+    def run_extra(name: str) -> dict:
+        if name == "gap_extension":
+            return gap_extension(model, calib, args.max_gap, args.batch_size).to_dict()
+        opts = {"batch_size": 2, **({"max_words": args.max_words} if args.max_words else {})}
+        by_plan = evaluate_removed(model, check_set, EVALUATION, tok, "matched", "plan", opts)
+        stored = json.loads(state_path.read_text(encoding="utf-8"))["ppl"][",".join(map(str, sorted(check_set)))]
+        return {"removed": check_set, "ppl_by_plan": by_plan.ppl, "ppl_by_copy": stored["ppl"]}
+
+    run_cells(CellStore(state_path, fresh=dict, cells="extras", shared=True), [(k, k) for k in names], run_extra,
+              tag="quality")
+
+
+def finish(model, table: CriterionComparison, state_path: Path, args, argv) -> None:
+    """Store the run summary (table, protocol gap, command, machine) and write the page, the plot
+    and quality.md."""
+    state = json.loads(state_path.read_text(encoding="utf-8"))
     extras = state.get("extras", {})
-    if args.max_gap > 1 and "gap_extension" not in extras:
-        log(f"protocol gap: pairs with 2 <= gap <= {args.max_gap}")
-        extras["gap_extension"] = gap_extension(model, calib, args.max_gap, args.batch_size).to_dict()
-        state["extras"] = extras
-        write_json_atomic(state, state_path)
     parts = [SwapReport.from_dict(table.reports[p]) for p in ("replacement", "interchange") if p in table.reports]
     if "gap_extension" in extras:
         # this script's own partial report (only the pairs 2 <= gap <= max_gap): trusted as written
         parts.append(SwapReport.from_dict(extras["gap_extension"], trust=True))
     gap = protocol_gap_quartiles(merge_reports(*parts)) if len(parts) >= 2 else None
-    check_set = next((r["removed"] for r in table.rows if r["criterion"] == "interchange"), None)
-    if check_set and "plan_check" not in extras:
-        from hf_layerswap.baselines import evaluate_removed
-
-        log(f"copy-vs-plan check on {check_set}")
-        opts = {"batch_size": 2, **({"max_words": args.max_words} if args.max_words else {})}
-        by_plan = evaluate_removed(model, check_set, EVALUATION, tok, "matched", "plan", opts)
-        key = ",".join(map(str, sorted(check_set)))
-        extras["plan_check"] = {"removed": check_set, "ppl_by_plan": by_plan.ppl,
-                                "ppl_by_copy": state["ppl"][key]["ppl"]}
-        state["extras"] = extras
-        write_json_atomic(state, state_path)
-    state = json.loads(state_path.read_text(encoding="utf-8"))
-    state["comparison"] = table.to_dict()
-    state["protocol_gap"] = gap
-    state["command"] = command(argv)
-    state["environment"] = environment(args)
-    write_json_atomic(state, state_path)
-
+    summary = {"comparison": table.to_dict(), "protocol_gap": gap, "command": command(argv),
+               "environment": environment(args)}
+    state = CellStore(state_path, fresh=dict, shared=True).update(lambda s: s.update(summary))
+    total = num_blocks(model)
     title = f"{model_identity(model)['name']} ({total} blocks)"
+    stem = state_path.with_suffix("")
     plot(table, stem.with_suffix(".png"), title)
     write_markdown(stem.with_suffix(".md"), table, gap, extras, total, title, state["command"],
                    state["environment"], state)
     write_index(args.results)
-    log(f"done in {time.time() - t_start:.0f} s; wrote {stem.with_suffix('.md').name} and quality.md")
-    return 0
 
 
 def command(argv) -> str:

@@ -21,11 +21,16 @@ The runner owns the rest:
 - **render** (``--render-only``, :func:`add_runner_arguments`): the page is rewritten from
   the JSON alone; no model is loaded.
 
-On the runner: ``heal.py`` (``experiments/heal.toml``), ``sparsity.py``
-(``experiments/sparsity.toml``, a shared store), ``precision.py``
-(``experiments/precision.toml``), ``recovery.py`` (``experiments/recovery.toml``) and
-``streaming.py`` (``experiments/streaming.toml``): these three keep their cells as lists of
-records (:class:`ListCellStore`).
+Every benchmark with cells runs on the runner: ``heal.py`` (``experiments/heal.toml``),
+``sparsity.py`` (``experiments/sparsity.toml``, a shared store), ``quality.py``
+(``experiments/quality.toml``: a cell is a criterion at a budget, run by the library's
+``compare_criteria`` into its own state, read back through a nested store, ``depth=2``),
+``precision.py``, ``recovery.py``, ``streaming.py`` and ``speed.py`` (their ``.toml`` files):
+these four keep their cells as lists of records (:class:`ListCellStore`), and ``speed.py``
+stores a model's record batch by batch and merges with ``progress`` (the record further along
+is kept). ``scale.py``, ``gpu.py``, ``peeling.py`` and ``train_tiny.py`` are single runs with
+no cells.
+
 Usage from a benchmark script::
 
     store = CellStore(path, fresh=new_state)
@@ -52,6 +57,7 @@ __all__ = [
     "ListCellStore",
     "MergeConflict",
     "add_runner_arguments",
+    "cell_node",
     "expand_grid",
     "experiment_cells",
     "load_experiment",
@@ -119,27 +125,30 @@ def experiment_cells(experiment: dict) -> dict[str, list[dict]]:
 
 
 def merge_values(a, b, where: str = "$", volatile: Iterable[str] = (),
-                 keyed: dict[str, Callable[[dict], str]] | None = None):
+                 keyed: dict[str, Callable[[dict], str]] | None = None,
+                 progress: dict[str, Callable[[dict], int]] | None = None):
     """``a`` and ``b`` combined: mappings key by key (recursively), any other value only
     when both are equal. Under a key named in ``volatile`` (timings such as ``eval_s``, or a
     mapping of them: a second measurement of the same result) the first value is kept whole.
     Under a key named in ``keyed`` (at any depth) two lists of records are merged record by
-    record, each named by the given key function (:func:`merge_keyed_lists`).
+    record, each named by the given key function (:func:`merge_keyed_lists`); ``progress``
+    as for :func:`merge_keyed_lists`.
 
     Raises:
         MergeConflict: a key holds different values in ``a`` and ``b``; the message names
             the key path and both values.
     """
-    volatile, keyed = frozenset(volatile), dict(keyed or {})
+    volatile, keyed, progress = frozenset(volatile), dict(keyed or {}), dict(progress or {})
     if isinstance(a, dict) and isinstance(b, dict):
         out = dict(a)
         for key, value in b.items():
             if key not in a:
                 out[key] = value
             elif key in keyed and isinstance(a[key], list) and isinstance(value, list):
-                out[key] = merge_keyed_lists(a[key], value, keyed[key], f"{where}.{key}", volatile, keyed)
+                out[key] = merge_keyed_lists(a[key], value, keyed[key], f"{where}.{key}", volatile, keyed,
+                                             progress.get(key), progress)
             elif key not in volatile:
-                out[key] = merge_values(a[key], value, f"{where}.{key}", volatile, keyed)
+                out[key] = merge_values(a[key], value, f"{where}.{key}", volatile, keyed, progress)
         return out
     if a != b:
         raise MergeConflict(f"{where}: {json.dumps(a)[:200]} != {json.dumps(b)[:200]}; the results differ, "
@@ -148,24 +157,38 @@ def merge_values(a, b, where: str = "$", volatile: Iterable[str] = (),
 
 
 def merge_keyed_lists(a: list, b: list, key: Callable[[dict], str], where: str = "$",
-                      volatile: Iterable[str] = (), keyed: dict[str, Callable[[dict], str]] | None = None) -> list:
+                      volatile: Iterable[str] = (), keyed: dict[str, Callable[[dict], str]] | None = None,
+                      step: Callable[[dict], int] | None = None,
+                      progress: dict[str, Callable[[dict], int]] | None = None) -> list:
     """Two lists of records (a store older than the mapping layout, see :class:`ListCellStore`)
     combined by ``key(record)``: ``a``'s order, then ``b``'s new records; records with one key
     are merged with :func:`merge_values`.
 
+    ``step``: ``record -> int``, how far a cell stored part by part has got (e.g. its finished
+    batches, see ``done`` of :class:`ListCellStore`). Of two records of one key at different
+    steps the further one is kept whole (it holds the other's parts and more); records at the
+    same step are merged as above. ``progress`` is passed on to nested merges.
+
     Raises:
-        MergeConflict: a record with different values in ``a`` and ``b``.
+        MergeConflict: a record with different values in ``a`` and ``b`` (at the same step).
     """
     out = {key(r): r for r in a}
     for record in b:
         k = key(record)
-        out[k] = merge_values(out[k], record, f"{where}[{k}]", volatile, keyed) if k in out else record
+        if k not in out:
+            out[k] = record
+        elif step is not None and step(out[k]) != step(record):
+            out[k] = max(out[k], record, key=step)
+        else:
+            out[k] = merge_values(out[k], record, f"{where}[{k}]", volatile, keyed, progress)
     return list(out.values())
 
 
 def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",),
                  first: Iterable[str] = (), volatile: Iterable[str] = (),
-                 keyed: dict[str, Callable[[dict], str]] | None = None) -> dict:
+                 keyed: dict[str, Callable[[dict], str]] | None = None,
+                 progress: dict[str, Callable[[dict], int]] | None = None,
+                 drop: Iterable[str] = ()) -> dict:
     """One results state from several (runs of disjoint cells in other processes or machines).
 
     Args:
@@ -176,6 +199,11 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
         keyed: key names, at any depth, holding lists of records, each named by the given key
             function (``{"models": lambda m: m["model"]}``): merged record by record
             (:func:`merge_keyed_lists`).
+        progress: for keys of ``keyed`` whose records are cells stored part by part, ``record ->
+            int``, how far each has got: the further record of a key is kept (``step`` of
+            :func:`merge_keyed_lists`).
+        drop: top-level keys left out of the merged state: summaries of a whole run (its table,
+            its command) that the run after the merge writes anew from the merged cells.
 
     Every other key is merged with :func:`merge_values`: cells present in two states must be
     equal (but for their ``volatile`` fields).
@@ -186,16 +214,18 @@ def merge_states(states: Sequence[dict], *, union: Iterable[str] = ("commands",)
     """
     if not states:
         raise ValueError("merge_states: no states given; pass at least one results file")
-    union, first, keyed = set(union), set(first), dict(keyed or {})
+    union, first, keyed, dropped = set(union), set(first), dict(keyed or {}), set(drop)
     merged: dict = {}
     for state in states:
         for key, value in state.items():
+            if key in dropped:
+                continue
             if key not in merged:
                 merged[key] = list(value) if key in union else value
             elif key in union:
                 merged[key] = list(dict.fromkeys([*merged[key], *value]))
             elif key not in first:
-                merged = merge_values(merged, {key: value}, "$", volatile, keyed)
+                merged = merge_values(merged, {key: value}, "$", volatile, keyed, progress)
     return merged
 
 
@@ -216,20 +246,41 @@ def merge_files(destination: Path, sources: Sequence[Path], **options) -> dict:
     return merged
 
 
+def cell_node(state: dict, path: str | tuple[str, ...], fresh: Callable[[], object] = dict):
+    """The value at ``path`` (a key of ``state``, or a tuple of keys, nested) of a results state,
+    created (``fresh()``, and empty mappings on the way) where missing."""
+    path = (path,) if isinstance(path, str) else tuple(path)
+    node = state
+    for name in path[:-1]:
+        node = node.setdefault(name, {})
+    return node.setdefault(path[-1], fresh())
+
+
 class CellStore:
     """A results JSON holding finished cells under ``state[cells]`` (a mapping key -> record).
 
     Args:
         path: the JSON file (read when it exists, else ``fresh()`` is the state).
         fresh: builds the state of a new file.
-        cells: the key of the cell mapping in the state.
+        cells: the key of the cell mapping in the state, or a tuple of keys (nested).
         shared: other processes may fill the same file at once: each :meth:`has` re-reads it,
             and :meth:`put` / :meth:`update` merge into the file under an exclusive lock
-            (``<path>.lock``), so no process loses another's cells.
+            (``<path>.lock``), so no process loses another's cells. Use it also when the cell's
+            own code writes the file (a library function with its own resumable state): the
+            store then writes over the latest file, never over what it read before.
+        depth: the cell mapping is nested ``depth`` levels deep; a cell key names a record by
+            its keys at each level joined with ``/`` (``depth=2``: ``"search/3"`` is
+            ``state[cells]["search"]["3"]``, the layout of a table by criterion and budget).
+
+    Raises:
+        ValueError: ``depth`` below 1, or (from :meth:`put`) a key without ``depth`` parts.
     """
 
-    def __init__(self, path: Path, fresh: Callable[[], dict], *, cells: str = "cells", shared: bool = False):
-        self.path, self.fresh, self.cells_key, self.shared = Path(path), fresh, cells, shared
+    def __init__(self, path: Path, fresh: Callable[[], dict], *, cells: str | tuple[str, ...] = "cells",
+                 shared: bool = False, depth: int = 1):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth={depth!r}: the cell mapping's nesting must be an int >= 1")
+        self.path, self.fresh, self.cells_key, self.shared, self.depth = Path(path), fresh, cells, shared, depth
         self.state = self._read()
 
     def _read(self) -> dict:
@@ -247,9 +298,20 @@ class CellStore:
             self.state = self._read()
             yield
 
+    def _parts(self, key: str) -> list[str]:
+        parts = key.split("/", self.depth - 1) if self.depth > 1 else [key]
+        if len(parts) != self.depth:
+            raise ValueError(f"cell key {key!r}: a store of depth {self.depth} names a cell by {self.depth} "
+                             "keys joined with '/'")
+        return parts
+
     @property
     def cells(self) -> dict:
-        return self.state.setdefault(self.cells_key, {})
+        """The cell mapping (``depth`` 1), or ``{key: record}`` of every stored cell (a view)."""
+        node = cell_node(self.state, self.cells_key)
+        for _ in range(self.depth - 1):
+            node = {f"{outer}/{inner}": record for outer, sub in node.items() for inner, record in sub.items()}
+        return node
 
     def has(self, key: str) -> bool:
         """Whether the cell ``key`` is stored (in a shared store: by any process so far)."""
@@ -273,7 +335,11 @@ class CellStore:
 
     def put(self, key: str, record: dict) -> None:
         """Store the finished cell ``key`` and write the file."""
-        self.update(lambda state: state.setdefault(self.cells_key, {}).__setitem__(key, record))
+        *outer, last = self._parts(key)
+        self.update(lambda state: cell_node(state, (*self._path(), *outer)).__setitem__(last, record))
+
+    def _path(self) -> tuple[str, ...]:
+        return (self.cells_key,) if isinstance(self.cells_key, str) else tuple(self.cells_key)
 
 
 class ListCellStore(CellStore):
@@ -303,11 +369,7 @@ class ListCellStore(CellStore):
 
     def records(self, state: dict | None = None) -> list:
         """The stored list of records (created empty where missing)."""
-        node = self.state if state is None else state
-        path = (self.cells_key,) if isinstance(self.cells_key, str) else tuple(self.cells_key)
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        return node.setdefault(path[-1], [])
+        return cell_node(self.state if state is None else state, self.cells_key, list)
 
     @property
     def cells(self) -> dict:

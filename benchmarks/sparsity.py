@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
-from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
+from hf_layerswap.provenance import model_identity  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
@@ -98,6 +98,14 @@ def config_key(pattern, allocation, method, seed, settings) -> str:
         f"{pattern or 'unstructured'}|{allocation}|{method}|seed{seed}|s{settings['sparsity']:g}"
         f"|{settings['num_prompts']}x{settings['seq_len']}|words{settings['eval_words']}"
     )
+
+
+def interval(low, high, spec: str) -> str:
+    """``[low, high]`` in format ``spec``, or ``[—]`` when there is no interval (``None``:
+    fewer than two evaluation windows score a token, e.g. ``--eval-words 200``)."""
+    if low is None or high is None:
+        return "[—]"
+    return f"[{low:{spec}}, {high:{spec}}]"
 
 
 def mean_ci(values: list[float]) -> tuple[float, float | None]:
@@ -272,7 +280,7 @@ def render(store: dict, command: str, json_name: str) -> str:
         f"in {dense.windows} windows, BOS {bos_text(contract.get('bos'))}, dtype {contract.get('dtype')}. "
         "PPL 95% interval: bootstrap over windows (1,000 resamples, seed 42).",
         "",
-        f"Dense PPL: **{dense.ppl:.3f}** [{dense.ci_low:.3f}, {dense.ci_high:.3f}].",
+        f"Dense PPL: **{dense.ppl:.3f}** {interval(dense.ci_low, dense.ci_high, '.3f')}.",
         "",
         f"Allocator options: PALS percentile {opts['percentile']:g} of |activation| (source {opts['source']}, "
         f"pool {opts['pool']}, estimator {opts['estimator']} with {opts['bins_per_octave']} bins per octave), "
@@ -315,11 +323,11 @@ def level_section(store: dict, settings: dict, dense: PerplexityResult) -> list[
         if r["allocation"] != "uniform" and ukey in runs:
             base = PerplexityResult.from_dict(runs[ukey]["ppl"])
             lo, hi = delta_ppl_ci(base, ppl)
-            versus = f"{delta_ppl_percent(base, ppl):+.2f} [{lo:+.2f}, {hi:+.2f}]"
+            versus = f"{delta_ppl_percent(base, ppl):+.2f} {interval(lo, hi, '+.2f')}"
         lines.append(
             f"| {r['pattern'] or 'unstructured'} | {r['allocation']} | {r['method']} | {r['seed']} "
             f"| {rep.achieved_sparsity:.4f} | {min(rep.block_targets):.3f}-{max(rep.block_targets):.3f} "
-            f"| {ppl.ppl:.3f} [{ppl.ci_low:.3f}, {ppl.ci_high:.3f}] | {delta_ppl_percent(dense, ppl):+.1f} "
+            f"| {ppl.ppl:.3f} {interval(ppl.ci_low, ppl.ci_high, '.3f')} | {delta_ppl_percent(dense, ppl):+.1f} "
             f"| {versus} | {r['sparsify_s']:.0f} |"
         )
     # across seeds
@@ -451,7 +459,7 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
         if allocation == "uniform" or not common:
             continue
         per_seed = []
-        worse = excluded = 0
+        worse = excluded = no_interval = 0
         for seed in common:
             key = config_key(None if pattern == "unstructured" else pattern, allocation, method, seed, settings)
             ukey = config_key(None if pattern == "unstructured" else pattern, "uniform", method, seed, settings)
@@ -460,7 +468,10 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
             lo, hi = delta_ppl_ci(base, pruned)
             per_seed.append(f"{d:+.2f}%")
             worse += d > 0
-            excluded += lo > 0 or hi < 0
+            if lo is None:
+                no_interval += 1
+            else:
+                excluded += lo > 0 or hi < 0
         n = len(common)
         verdict = (
             f"worse than uniform on {'every' if n > 1 else 'the'} seed"
@@ -471,7 +482,8 @@ def findings(runs: dict, groups: dict, settings: dict) -> list[str]:
         )
         out.append(
             f"- {pattern} {method}, **{allocation}** vs uniform: PPL change {', '.join(per_seed)} on calibration "
-            f"seed(s) {common}; {verdict}; the paired window-bootstrap 95% interval excludes 0 on {excluded} of {n}."
+            f"seed(s) {common}; {verdict}; the paired window-bootstrap 95% interval excludes 0 on {excluded} of {n}"
+            + (f" (no interval on {no_interval}: fewer than two windows score a token)" if no_interval else "") + "."
         )
     for method in sorted({k[2] for k in groups if k[0] == "unstructured" and k[1] == "pals"}):
         out += ["", pals_verdict(groups, method, settings["sparsity"])]

@@ -21,6 +21,19 @@ Peak memory of ours is also measured alone, in a fresh process on the first batc
 comparison process the allocator keeps memory the other method freed, which inflates the
 later batches' peaks.
 
+Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``,
+``experiments/speed.toml``: the option defaults, the models and the cost-growth rows). A model is
+one cell, a record of the ``models`` list of ``speed.json`` (:class:`runner.ListCellStore`)
+stored after every batch, so a stopped run continues from its next batch (only with the same
+settings and scoring engine: a file measured otherwise is started anew) and the cell is finished
+with ours' fresh-process peak; each cost-growth row is a cell of the ``growth`` list.
+``--merge-from`` first merges runs of other processes (e.g. one per model, each with its own
+``--out``): of two records of one model the one with more finished batches is kept, the run then
+measures what the pieces lack (a fresh-process peak, the growth rows), and the page states how
+many runs were merged and the longest one. ``--render-only`` rewrites the page from the JSON.
+
+One module on purpose: the measurements, the cells and the page share the record's fields.
+
 Usage (from the repository root; fp32 on the CPU)::
 
     python benchmarks/speed.py                      # both models, 64 prompts x 128 tokens
@@ -53,6 +66,7 @@ from hf_layerswap.calibration import CalibrationSet, build_calibration  # noqa: 
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from _cmdline import command_line  # noqa: E402
+from runner import CellStore, ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
@@ -62,6 +76,16 @@ from hf_layerswap.scoring import Head, kl_rows, make_probes, plan_kl, row_blocks
 #: another version are not resumed (their times would mix two engines).
 ENGINE = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(scoring.__file__).parent.glob("*.py")))).hexdigest()[:12]
 PAGE = os.sysconf("SC_PAGE_SIZE")
+#: The experiment: the option defaults ([settings]), the models, the cost-growth rows
+#: (``benchmarks/experiments/speed.toml``).
+EXPERIMENT = load_experiment("speed")
+SETTINGS = EXPERIMENT["settings"]
+GROWTH = EXPERIMENT["growth"]
+#: What a stored record was measured with: a file measured otherwise is not resumed or merged.
+SETTING_KEYS = ("threads", "batch_size", "engine", "num_prompts", "seq_len")
+#: The run's description: a merge keeps the first file's (a run then writes its own).
+HEADER = ("machine", "libraries", "started", "load_before", "load_after", "requested", "command", "calibration",
+          "total_seconds", "merged_runs", "longest_run_seconds")
 #: CPU seconds of the work: the main thread's with one torch thread (the RSS sampler's own
 #: time excluded), the whole process's with more. Set in main().
 cpu_clock = time.process_time
@@ -405,60 +429,60 @@ def random_llama(vocab, num_blocks, like):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def run_growth(model, tokenizer, batch_size, seq_len, save, done=()):
-    """Cost as L, prompts, sequence length and vocabulary change (one batch unless noted).
-    Rows in ``done`` (from an interrupted run with the same settings) are kept, not rerun."""
+def growth_cells(load, batch_size: int, seq_len: int) -> list[tuple[str, object]]:
+    """The cells of the cost-growth table (``[growth]`` of the experiment), in the page's order:
+    ``(label, measure)``, ``measure()`` giving the row. ``load()`` gives the growth model and its
+    tokenizer (loaded on the first row measured, so a run with every row stored loads nothing)."""
     from hf_layerswap.surgery import remove_layers
 
-    rows = list(done)
-    have = {r["label"] for r in rows}
-    full_layers = len(decoder_blocks(model)[2])
-
-    def add(label, make):
-        if label not in have:
-            rows.append(make(label))
-            gc.collect()
-            save(rows)
+    blocks, cells = GROWTH["blocks"], []
 
     def first_blocks(label):
-        small = remove_layers(copy.deepcopy(model), list(range(10, full_layers)))
-        return growth_row(label, small, wikitext_calibration(tokenizer, batch_size, seq_len), adjacent_plans(10),
+        model, tokenizer = load()
+        small = remove_layers(copy.deepcopy(model), list(range(blocks, len(decoder_blocks(model)[2]))))
+        return growth_row(label, small, wikitext_calibration(tokenizer, batch_size, seq_len), adjacent_plans(blocks),
                           batch_size)
 
-    add("L = 10 (first 10 blocks)", first_blocks)
-    sample = {k: v for k, v in adjacent_plans(full_layers).items() if k[1] in (full_layers // 2, full_layers // 2 + 1)}
-    for prompts in (batch_size, 4 * batch_size, 8 * batch_size):
-        add(f"prompts = {prompts} (6 probes)", lambda label, p=prompts: growth_row(
-            label, model, wikitext_calibration(tokenizer, p, seq_len), sample, batch_size, naive=False))
-    add(f"T = {seq_len // 4}", lambda label: growth_row(
-        label, model, wikitext_calibration(tokenizer, batch_size, seq_len // 4), adjacent_plans(full_layers), batch_size))
-    for vocab in (8192, 65536):
-        def random_weights(label, vocab=vocab):
-            ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
-            part = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-            return growth_row(label, random_llama(vocab, 8, model), part, adjacent_plans(8), batch_size)
+    def prompts_row(label, prompts):
+        model, tokenizer = load()
+        full = len(decoder_blocks(model)[2])
+        sample = {k: v for k, v in adjacent_plans(full).items() if k[1] in (full // 2, full // 2 + 1)}
+        return growth_row(label, model, wikitext_calibration(tokenizer, prompts, seq_len), sample, batch_size,
+                          naive=False)
 
-        add(f"V = {vocab} (random weights, L = 8)", random_weights)
-    save(rows)  # also when every row was done before (a resumed or merged run)
-    return rows
+    def short_row(label):
+        model, tokenizer = load()
+        return growth_row(label, model, wikitext_calibration(tokenizer, batch_size, seq_len // GROWTH["seq_len_divisor"]),
+                          adjacent_plans(len(decoder_blocks(model)[2])), batch_size)
+
+    def vocab_row(label, vocab):
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+        part = build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        return growth_row(label, random_llama(vocab, GROWTH["vocab_blocks"], load()[0]), part,
+                          adjacent_plans(GROWTH["vocab_blocks"]), batch_size)
+
+    cells.append((f"L = {blocks} (first {blocks} blocks)", first_blocks))
+    for k in GROWTH["prompts"]:
+        label = f"prompts = {k * batch_size} (6 probes)"
+        cells.append((label, lambda label, p=k * batch_size: prompts_row(label, p)))
+    cells.append((f"T = {seq_len // GROWTH['seq_len_divisor']}", short_row))
+    for vocab in GROWTH["vocab"]:
+        label = f"V = {vocab} (random weights, L = {GROWTH['vocab_blocks']})"
+        cells.append((label, lambda label, v=vocab: vocab_row(label, v)))
+    return [(label, lambda label=label, measure=measure: measure(label)) for label, measure in cells]
 
 
-def resumable(stored: dict, args) -> tuple[dict, list, float]:
-    """What an earlier run with the same settings and engine measured: model records by name
-    (complete, or with their finished batches, which the new run continues), growth rows,
-    and its elapsed seconds. Nothing is reused when a setting or the engine differs."""
-    same = (stored.get("threads") == args.threads and stored.get("batch_size") == args.batch_size
-            and stored.get("engine") == ENGINE)
-    if not same:
-        return {}, [], 0.0
-    models = {
-        r["model"]: r for r in stored.get("models", [])
-        if r.get("num_prompts") == args.num_prompts and r.get("seq_len") == args.seq_len
-        and r.get("engine") == ENGINE and r.get("batches_done", 0) >= 1 and "values" in r and r["model"] in args.models
-    }
-    growth = stored.get("growth", []) if (stored.get("growth_model") == args.models[0]
-                                          and stored.get("seq_len") == args.seq_len) else []
-    return models, growth, float(stored.get("total_seconds", 0.0)) if models or growth else 0.0
+def run_growth(store: ListCellStore, load, batch_size: int, seq_len: int) -> list[dict]:
+    """Measure the rows of the cost-growth table that ``store`` lacks (the runner's cells,
+    stored as the ``growth`` list); returns every row."""
+    def measure(cell) -> dict:
+        row = cell()
+        gc.collect()
+        return row
+
+    run_cells(store, growth_cells(load, batch_size, seq_len), measure, tag="speed",
+              describe=lambda row: f"ours {row['ours_seconds']:.1f}s")
+    return store.records()
 
 
 # ----------------------------------------------------------------------------- report
@@ -647,143 +671,198 @@ def findings(results: dict, models: list[dict]) -> list[str]:
     return out
 
 
-def main(argv=None):
+def model_key(record: dict) -> str:
+    """The cell key of a model record (the ``models`` list of ``speed.json``)."""
+    return record["model"]
+
+
+def growth_key(row: dict) -> str:
+    """The cell key of a cost-growth row (the ``growth`` list)."""
+    return row["label"]
+
+
+def batches_done(record: dict) -> int:
+    """How far a model's cell has got: its finished batches (a merge keeps the further record)."""
+    return record.get("batches_done", 0)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--models", nargs="+", default=[c["model"] for c in experiment_cells(EXPERIMENT)["models"]])
+    ap.add_argument("--num-prompts", type=int, default=SETTINGS["num_prompts"])
+    ap.add_argument("--seq-len", type=int, default=SETTINGS["seq_len"])
+    ap.add_argument("--batch-size", type=int, default=SETTINGS["batch_size"])
     ap.add_argument("--batches", type=int, default=None,
                     help="compare on the first N batches of the calibration set only (default: all)")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=int, default=SETTINGS["threads"],
                     help="torch threads (1: CPU time is the main thread's, robust to other jobs on the machine)")
     ap.add_argument("--no-growth", action="store_true", help="skip the cost-growth table")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model, few prompts (checks the script); needs --out")
     ap.add_argument("--out", default=None, help="Markdown page; its JSON goes beside it "
                     "(default: benchmarks/results/speed.md; a smoke run must name another)")
-    ap.add_argument("--render-only", action="store_true", help="rewrite the Markdown from the stored JSON")
     ap.add_argument("--no-checks", action="store_true",
                     help="skip the batch-0 float64 recomputation and first-slot-reuse timing (default: run them "
                          "on the first model)")
-    ap.add_argument("--merge-from", nargs="+", type=Path, default=[], metavar="JSON",
-                    help="first take the model records and growth rows of these runs (same settings and engine; "
-                         "e.g. one process per model, each with its own --out) into this run")
+    add_runner_arguments(ap)  # --render-only; --merge-from: runs of other models (same settings and engine)
     ap.add_argument("--fresh-peak", default=None, metavar="MODEL", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def merge_pieces(path: Path, sources, settings: dict | None) -> None:
+    """``--merge-from``: the records of runs in other processes (e.g. one per model, each with its
+    own ``--out``) into ``path`` by the runner: a model's record with more finished batches replaces
+    one with fewer, a record or growth row stored with different values at the same point is
+    refused. ``settings`` (a run, not ``--render-only``): each piece must have been measured with
+    them, and the page's facts of a merged run are recorded (the runs merged, the first start, the
+    longest run).
+
+    Raises:
+        SystemExit: a missing piece, or one measured with other settings or another engine.
+    """
+    pieces = []
+    for source in sources:
+        if not Path(source).is_file():
+            raise SystemExit(f"--merge-from {source}: no such file (the JSON beside another run's --out page)")
+        pieces.append(json.loads(Path(source).read_text()))
+        measured = {k: pieces[-1].get(k) for k in SETTING_KEYS}
+        if settings is not None and measured != settings:
+            raise SystemExit(f"--merge-from {source}: measured with {measured}, not this run's {settings}")
+    merge_files(path, sources, union=(), first=HEADER, keyed={"models": model_key, "growth": growth_key},
+                progress={"models": batches_done})
+    if settings is not None:
+        def facts(state):
+            state["started"] = min([state["started"], *(p["started"] for p in pieces)])
+            state["longest_run_seconds"] = max([state.get("longest_run_seconds", 0.0),
+                                                *(float(p.get("total_seconds", 0.0)) for p in pieces)])
+            state["merged_runs"] = 1 + len(sources)
+
+        CellStore(path, fresh=dict).update(facts)
+    log("merged", len(sources), "run(s) into", path.name)
+
+
+def open_stores(path: Path, args, header: dict) -> tuple[ListCellStore, ListCellStore]:
+    """The model cells and the growth cells of ``path`` (one file; both stores re-read it before
+    each write). A file measured with other settings or another engine is started anew."""
+    def model_done(record: dict) -> bool:
+        return "fresh_peak" in record and record["batches_done"] >= min(args.batches, record["batches_total"])
+
+    models = ListCellStore(path, fresh=lambda: {**header, "models": []}, key=model_key, cells="models",
+                           shared=True, done=model_done)
+    if not path.is_file():
+        pass
+    elif {k: models.state.get(k) for k in SETTING_KEYS} != {k: header[k] for k in SETTING_KEYS}:
+        log(f"{path.name}: measured with other settings or another engine; starting anew")
+        models.update(lambda state: (state.clear(), state.update(models.fresh())))
+    else:
+        log("resuming: stored", ", ".join(r["model"] for r in models.records()) or "no model",
+            f"and {len(models.state.get('growth', []))} growth rows")
+        header["started"] = models.state["started"]
+    growth = ListCellStore(path, fresh=dict, key=growth_key, cells="growth", shared=True)
+    return models, growth
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.fresh_peak:
         fresh_peak_child(args)
         return
     if args.smoke and args.out is None:
-        ap.error("--smoke needs --out (a smoke run must not replace the measured results page)")
-    args.out = args.out or str(REPO / "benchmarks" / "results" / "speed.md")
-    if args.smoke:
-        args.models = ["tiny-gemma3"]
+        parser().error("--smoke needs --out (a smoke run must not replace the measured results page)")
+    out = Path(args.out or REPO / "benchmarks" / "results" / "speed.md")
+    args.out = str(out)
+    path = out.with_suffix(".json")
     if args.render_only:
-        out = Path(args.out)
-        stored = json.loads(out.with_suffix(".json").read_text())
+        if args.merge_from:
+            merge_pieces(path, args.merge_from, None)
+        stored = json.loads(path.read_text())
         write_markdown(out, stored["command"], stored)
         log("wrote", out)
         return
+    if args.smoke:
+        args.models = ["tiny-gemma3"]
     torch.set_num_threads(args.threads)
     global cpu_clock
     cpu_clock = time.thread_time if args.threads == 1 else time.process_time
     args.batches = args.batches or -(-args.num_prompts // args.batch_size)
     command = command_line("speed.py", argv)
-    results = {
+    header = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "libraries": ", ".join(f"{k} {v}" for k, v in library_versions().items()),
         "started": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads, "batch_size": args.batch_size,
         "engine": ENGINE, "num_prompts": args.num_prompts, "seq_len": args.seq_len,
-        "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "models": [],
-        "requested": list(args.models), "command": command,
+        "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "requested": list(args.models),
+        "command": command,
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stored_models, stored_growth, earlier_seconds = {}, [], 0.0
-    if out.with_suffix(".json").is_file():
-        stored_models, stored_growth, earlier_seconds = resumable(json.loads(out.with_suffix(".json").read_text()), args)
-        if stored_models or stored_growth:
-            log("resuming: stored", ", ".join(stored_models) or "no model", f"and {len(stored_growth)} growth rows")
-            results["started"] = json.loads(out.with_suffix(".json").read_text())["started"]
-    for source in args.merge_from:
-        if not source.is_file():
-            raise SystemExit(f"--merge-from {source}: no such file (the JSON beside another run's --out page)")
-        source_results = json.loads(source.read_text())
-        models, growth, source_seconds = resumable(source_results, args)
-        if not models and not growth:
-            raise SystemExit(f"--merge-from {source}: no model record or growth row with these settings "
-                             f"(threads {args.threads}, batch size {args.batch_size}, engine {ENGINE}, "
-                             f"{args.num_prompts} x {args.seq_len})")
-        for name, rec in models.items():
-            if rec["batches_done"] > stored_models.get(name, {}).get("batches_done", 0):
-                stored_models[name] = rec
-        have = {g["label"] for g in stored_growth}
-        stored_growth = stored_growth + [g for g in growth if g["label"] not in have]
-        log("merged from", source, ":", ", ".join(models) or "no model", f"and {len(growth)} growth rows")
-        results["started"] = min(results["started"], source_results["started"])
-        results["longest_run_seconds"] = max(results.get("longest_run_seconds", 0.0), source_seconds)
+    models, growth = open_stores(path, args, header)
+    t0 = time.perf_counter() - float(models.state.get("total_seconds", 0.0))
+    models.update(lambda state: state.update(header))  # this run's command and machine; the cells are kept
     if args.merge_from:
-        results["merged_runs"] = 1 + len(args.merge_from)
-    t0 = time.perf_counter() - earlier_seconds
+        merge_pieces(path, args.merge_from, {k: header[k] for k in SETTING_KEYS})
 
-    def save(growth=None):
-        if growth is not None:
-            results["growth"] = growth
-        results["total_seconds"] = time.perf_counter() - t0
-        results["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        write_text_atomic(json.dumps(results, indent=1, default=str), out.with_suffix(".json"))
-        write_markdown(out, command, results)
+    def page() -> None:
+        state = models.update(lambda s: s.update({"total_seconds": time.perf_counter() - t0,
+                                                  "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg())}))
+        write_markdown(out, command, state)
 
-    def publish(rec):
-        results["models"][-1] = rec
-        save()
+    run_models(args, models, page)
+    if not args.no_growth:
+        def growth_model(state: dict) -> None:
+            if state.get("growth_model") not in (None, args.models[0]):  # rows of another model: measure anew
+                state.pop("growth", None)
+            state["growth_model"] = args.models[0]
 
-    def with_fresh_peak(rec):
-        if "fresh_peak" not in rec:
-            rec["fresh_peak"] = measure_fresh_peak(args, rec["model"])
-            save()
+        models.update(growth_model)
+        loaded = {}
 
-    if args.smoke:
-        model, calib = smoke_model_and_calibration(args.num_prompts, args.seq_len)
-        results["calibration"] = "random token ids (smoke run)"
-        if stored_models.get("tiny-gemma3"):
-            stored_models["tiny-gemma3"]["calibration"] = results["calibration"]
-        results["models"].append({})
-        run_model("tiny-gemma3", model, calib, args.batch_size, args.batches, publish,
-                  resume=stored_models.get("tiny-gemma3"))
-        with_fresh_peak(results["models"][-1])
-    else:
-        from hf_layerswap.models import load_model
+        def load():
+            if not loaded:
+                from hf_layerswap.models import load_model
 
-        for name in args.models:
-            stored = stored_models.get(name)
-            if stored is not None and stored["batches_done"] >= min(args.batches, stored["batches_total"]):
-                results["models"].append(stored)
-                with_fresh_peak(stored)
-                continue
-            model, tokenizer = load_model(name)
-            torch.set_num_threads(args.threads)
-            calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len)
-            results["calibration"] = calib.description
+                loaded["model"] = load_model(args.models[0])
+                torch.set_num_threads(args.threads)
+            return loaded["model"]
+
+        run_growth(growth, load, args.batch_size, args.seq_len)
+    page()
+    log("wrote", out)
+
+
+def run_models(args, store: ListCellStore, page) -> None:
+    """The model cells: naive vs ours batch by batch (each batch stored at once; a stored record
+    continues from its next batch), then ours' peak memory alone in a fresh process."""
+    def publish(rec: dict) -> None:
+        store.put(rec["model"], rec)
+        page()
+
+    def run_one(name: str) -> dict:
+        stored = store.get(name)
+        if stored is None or stored["batches_done"] < min(args.batches, stored["batches_total"]):
+            if args.smoke:
+                model, calib = smoke_model_and_calibration(args.num_prompts, args.seq_len)
+                description = "random token ids (smoke run)"
+            else:
+                from hf_layerswap.models import load_model
+
+                model, tokenizer = load_model(name)
+                torch.set_num_threads(args.threads)
+                calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len)
+                description = calib.description
+            store.update(lambda state: state.__setitem__("calibration", description))
             if stored is not None:
-                stored["calibration"] = calib.description
+                stored["calibration"] = description
             log("start", name, calib.num_tokens, "real tokens")
-            results["models"].append({})
-            run_model(name, model, calib, args.batch_size, args.batches, publish,
-                      checks=name == args.models[0] and not args.no_checks, resume=stored)
+            stored = run_model(name, model, calib, args.batch_size, args.batches, publish,
+                               checks=args.smoke or (name == args.models[0] and not args.no_checks), resume=stored)
             del model
             gc.collect()
-            with_fresh_peak(results["models"][-1])
-        if args.no_growth and stored_growth:  # keep what earlier runs measured
-            results["growth_model"], results["growth"] = args.models[0], stored_growth
-        if not args.no_growth:
-            results["growth_model"] = args.models[0]
-            model, tokenizer = load_model(args.models[0])
-            torch.set_num_threads(args.threads)
-            run_growth(model, tokenizer, args.batch_size, args.seq_len, save, done=stored_growth)
-    save()
-    log("wrote", out)
+        if "fresh_peak" not in stored:
+            stored["fresh_peak"] = measure_fresh_peak(args, name)
+        return stored
+
+    run_cells(store, [(name, name) for name in args.models], run_one, tag="speed",
+              describe=lambda r: f"{r['batches_done']} batches")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ set size (``resource.getrusage``, the whole process: loading included) is its ow
 ``torch.set_num_threads(1)`` (the machine is shared; CPU time is then the work's). One
 more subprocess per model scores the 1/4 configuration depth-first (``slot_major=False``,
 probe after probe: every block call reads the block again) to show the movement
-streaming saves, with ``--depth-first-rows`` (slow). The pair KLs of every configuration are compared with the in-memory
-run's.
+streaming saves, with ``--depth-first-rows`` (slow). One more runs the model in memory with its head taken in
+the vocabulary slices an offloaded head is streamed in (the same KL arithmetic). The pair KLs of every
+configuration are compared with the in-memory run's, and with the in-memory run of the same arithmetic.
 
 Targets (issue 29): streamed with 1/4 of the weights in memory at most 1.5x the in-memory
 CPU time, and peak RSS at most the in-memory peak less half the weights.
@@ -93,6 +94,8 @@ def worker(args) -> None:
     from hf_layerswap.models import bundled_checkpoint_dir, load_model
     from wikitext import wikitext_calibration
 
+    from hf_layerswap.scoring.engine import STREAMED_HEAD_SLICES
+
     ckpt = bundled_checkpoint_dir(args.model)
     weights = (ckpt / "model.safetensors").stat().st_size
     with tempfile.TemporaryDirectory(prefix="offload-") as folder:
@@ -102,14 +105,19 @@ def worker(args) -> None:
             model, tok = load_model(ckpt, max_memory={"cpu": int(args.cap * weights)}, offload_folder=folder)
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         calib = wikitext_calibration(tok, args.num_prompts, args.seq_len)
+        options = {"slot_major": False} if args.depth_first else {}
+        if args.head_slices:  # the vocabulary slices a streamed head is read in
+            options["vocab_chunk"] = -(-model.get_output_embeddings().weight.shape[0] // STREAMED_HEAD_SLICES)
         c0, t0 = time.process_time(), time.perf_counter()
-        report = hl.score_layers(model, calib, progress=False, **({"slot_major": False} if args.depth_first else {}))
+        report = hl.score_layers(model, calib, progress=False, **options)
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     meta = report.metadata
     record = {
-        "model": args.model, "cap": args.cap, "depth_first": args.depth_first, "weights_bytes": weights,
+        "model": args.model, "cap": args.cap, "depth_first": args.depth_first, "head_slices": args.head_slices,
+        "weights_bytes": weights, "kl_chunk_vocab": meta["kl_chunk_vocab"],
         "cpu_s": cpu, "wall_s": wall, "peak_rss": meta["peak_memory"]["cpu"], "peak_rss_after_load": rss_loaded,
         "slot_major": meta["slot_major"], "movement": meta["movement"], "block_evaluations": meta["block_evaluations"],
+        "head_streaming": meta["head_streaming"],
         "num_blocks": report.num_blocks,
         "rss_after_scoring": rss_parts(),
         "pairs": [[p.i, p.j, *(getattr(p, f) for f in FIELDS)] for p in report.pairs],
@@ -117,7 +125,7 @@ def worker(args) -> None:
     Path(args.record).write_text(json.dumps(record))
 
 
-def run_config(model: str, cap, depth_first: bool, args) -> dict:
+def run_config(model: str, cap, depth_first: bool, head_slices: bool, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         record = fh.name
     cmd = [sys.executable, __file__, "--worker", "--models", model, "--record", record,
@@ -126,6 +134,8 @@ def run_config(model: str, cap, depth_first: bool, args) -> dict:
         cmd += ["--cap", str(cap)]
     if depth_first:
         cmd += ["--depth-first"]
+    if head_slices:
+        cmd += ["--head-slices"]
     t = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=REPO)
     out = json.loads(Path(record).read_text())
@@ -142,18 +152,21 @@ def _max_rel(a: list, b: list) -> float:
     return worst
 
 
-def configurations(depth_first_rows: bool) -> list[tuple[float | None, bool]]:
-    """``(cap, depth_first)`` of each row per model, in the page's order (experiments/streaming.toml;
-    cap None: the model in memory)."""
+def configurations(depth_first_rows: bool) -> list[tuple[float | None, bool, bool]]:
+    """``(cap, depth_first, head_slices)`` of each row per model, in the page's order
+    (experiments/streaming.toml; cap None: the model in memory)."""
     groups = experiment_cells(EXPERIMENT)
-    cells = groups["configs"] + (groups["depth_first"] if depth_first_rows else [])
-    return [(None if c["cap"] == IN_MEMORY else float(c["cap"]), bool(c["depth_first"])) for c in cells]
+    cells = groups["configs"] + groups["same_slices"] + (groups["depth_first"] if depth_first_rows else [])
+    return [(None if c["cap"] == IN_MEMORY else float(c["cap"]), bool(c["depth_first"]), bool(c.get("head_slices")))
+            for c in cells]
 
 
 def row_key(row: dict) -> str:
-    """The cell key of a stored row: ``model/cap/streamed`` (cap ``in-memory`` or the share)."""
+    """The cell key of a stored row: ``model/cap/streamed`` (cap ``in-memory`` or the share;
+    ``depth-first``, or ``vocabulary-slices`` for the in-memory run with a streamed head's slices)."""
     cap = "in-memory" if row["cap"] is None else f"{row['cap']:g}"
-    return f"{row['model']}/{cap}/{'depth-first' if row['depth_first'] else 'streamed'}"
+    kind = "depth-first" if row["depth_first"] else "vocabulary-slices" if row.get("head_slices") else "streamed"
+    return f"{row['model']}/{cap}/{kind}"
 
 
 def sort_rows(state: dict) -> None:
@@ -161,13 +174,13 @@ def sort_rows(state: dict) -> None:
     models = {m: i for i, m in enumerate(state["models"])}
     configs = {c: i for i, c in enumerate(configurations(True))}
     state["rows"].sort(key=lambda r: (models.get(r["model"], len(models)),
-                                      configs.get((r["cap"], r["depth_first"]), len(configs))))
+                                      configs.get((r["cap"], r["depth_first"], bool(r.get("head_slices"))), len(configs))))
 
 
 # ----------------------------------------------------------------------------- the page
 def _label(r: dict) -> str:
     if r["cap"] is None:
-        return "in memory"
+        return f"in memory, head in vocabulary slices of {r['kl_chunk_vocab']}" if r.get("head_slices") else "in memory"
     frac = f"1/{round(1 / r['cap'])}"
     return f"{frac} of the weights, " + ("depth-first" if r["depth_first"] else "streamed")
 
@@ -197,12 +210,19 @@ def write_markdown(out: Path, stored: dict) -> None:
         "(torch, transformers) before anything loads, and Gemma-3's tokenizer adds about 320 MiB of anonymous "
         "memory to every row. Loading with an offload map reads no offloaded weight. A head held in memory under "
         "an accelerate hook that does not offload it (SmolLM2 at 1/2 and 1/4: embeddings and head on the map's "
-        "\"cpu\" entry) used to get a fresh logit tensor per probe, which fragmented the heap by up to the size of "
-        "the weights (1197 MiB at 1/4 in an earlier run); it now writes into the reused logit buffer like a head in "
-        "memory. Gemma-3-270M's tied embedding and head is 640 MiB, 62.5% of its weights, and offloaded at every "
-        "cap: the first batch's head check and every head phase map all of it (file-backed pages of the "
-        "checkpoint, released after the phase: *RSS file* after scoring is back to about 157 MiB), so its streamed "
-        "peak is the rest plus the whole head; streaming an offloaded head in vocabulary slices is not done yet.",
+        "\"cpu\" entry) writes into the reused logit buffer like a head in memory.",
+        "",
+        "An offloaded head (Gemma-3-270M's tied embedding and head, 640 MiB or 62.5% of its weights, at every cap; "
+        "SmolLM2's at 1/8) is never mapped whole: it is read from the offload's own storage (here the checkpoint's "
+        "safetensors file) in vocabulary slices of 1/16 of the vocabulary, each slice once per head phase for all "
+        "positions and probes, and the KL runs slice by slice with an online log-sum-exp in float64 "
+        "(`head_streaming` in the report's metadata); the first batch's head check reads the head twice more "
+        "(ours and the model's own call, which runs in the same slices); an offloaded embedding reads only the rows "
+        "of the batch's ids. *Head MiB read* counts both (`head_bytes_moved` + `embedding_bytes_moved` in "
+        "`movement`). The in-memory whole-vocabulary KL is fp32 `log_softmax` arithmetic, which rounds these KLs "
+        "by up to a few 1e-5 relative: *max rel, same slices* compares each row with the in-memory run of the same "
+        "arithmetic (the whole vocabulary for a head in memory, the row *in memory, head in vocabulary slices* for "
+        "a streamed head).",
         "",
     ]
     for model in stored["models"]:
@@ -211,25 +231,31 @@ def write_markdown(out: Path, stored: dict) -> None:
         w = base["weights_bytes"]
         lines += [f"## {model} ({base['num_blocks']} blocks, weights {w / 2**20:.0f} MiB)", "",
                   "| configuration | CPU s | CPU vs in memory | wall s | peak RSS MiB | peak RSS after load MiB "
-                  "| RSS anon / file after scoring MiB | blocks moved per batch | MiB moved | block calls | max rel |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| RSS anon / file after scoring MiB | blocks moved per batch | MiB moved | head MiB read | block calls "
+                  "| max rel | max rel, same slices |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        sliced = next((r for r in rows if r.get("head_slices")), None)
         for r in rows:
             mv = r["movement"]
             parts = r.get("rss_after_scoring") or {}
             anon_file = (f"{parts['RssAnon'] / 2**20:.0f} / {parts['RssFile'] / 2**20:.0f}"
                          if "RssAnon" in parts else "n/a")
+            same = sliced if r["kl_chunk_vocab"] != base["kl_chunk_vocab"] else base
+            head_read = (mv.get("head_bytes_moved", 0) + mv.get("embedding_bytes_moved", 0)) / 2**20
             lines.append(
                 f"| {_label(r)} | {r['cpu_s']:.1f} | {r['cpu_s'] / base['cpu_s']:.2f}x | {r['wall_s']:.1f} "
                 f"| {r['peak_rss'] / 2**20:.0f} | {r['peak_rss_after_load'] / 2**20:.0f} "
                 f"| {anon_file} | {', '.join(map(str, mv['block_onloads_per_batch']))} | {mv['bytes_moved'] / 2**20:.0f} "
-                f"| {r['block_evaluations']} | {_max_rel(base['pairs'], r['pairs']):.1e} |")
+                f"| {head_read:.0f} | {r['block_evaluations']} | {_max_rel(base['pairs'], r['pairs']):.1e} "
+                f"| {'n/a' if same is None else format(_max_rel(same['pairs'], r['pairs']), '.1e')} |")
         quarter = next((r for r in rows if r["cap"] == 0.25 and not r["depth_first"]), None)
         if quarter is not None:
             ratio = quarter["cpu_s"] / base["cpu_s"]
             saved = (base["peak_rss"] - quarter["peak_rss"]) / w
             lines += ["", f"Targets at 1/4 of the weights: CPU time {ratio:.2f}x the in-memory run (target <= 1.5x: "
                       f"{'met' if ratio <= 1.5 else 'missed'}); peak RSS {saved:.0%} of the weights below the "
-                      f"in-memory peak (target >= 50%: {'met' if saved >= 0.5 else 'missed'})."]
+                      f"in-memory peak (target >= 50%: {'met' if saved >= 0.5 else 'missed'}). Head at 1/4: "
+                      f"{quarter.get('head_streaming', 'in memory')}."]
         lines.append("")
     write_text_atomic("\n".join(lines) + "\n", out)
 
@@ -247,6 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--depth-first", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--head-slices", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -291,8 +318,8 @@ def main(argv=None):
         store.state = store.fresh()
     store.state.update(header)  # the latest command; stored rows are kept
     store.state["models"] = list(dict.fromkeys([*store.state.get("models", []), *args.models]))
-    cells = [(row_key({"model": m, "cap": cap, "depth_first": d}), (m, cap, d))
-             for m in args.models for cap, d in configurations(args.depth_first_rows)]
+    cells = [(row_key({"model": m, "cap": cap, "depth_first": d, "head_slices": h}), (m, cap, d, h))
+             for m in args.models for cap, d, h in configurations(args.depth_first_rows)]
     run_cells(store, cells, lambda cell: run_config(*cell, args), tag="streaming",
               describe=lambda r: f"cpu {r['cpu_s']:.1f} s, peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
     store.update(sort_rows)

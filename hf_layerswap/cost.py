@@ -1,5 +1,10 @@
 """What a prune will cost, known before it starts: :func:`estimate_cost`.
 
+One module on purpose: the scoring engine's counts, the search's bound built on them,
+the peak memory of the planned engine and the throughput probe that turns FLOPs into
+seconds are one walk over the same planned engine; the steps after the selection are
+planned in :mod:`~hf_layerswap.cost_steps`.
+
 The model is built on the meta device (``accelerate.init_empty_weights`` +
 ``AutoModelForCausalLM.from_config``: no weight is read) and the run is planned by the
 scoring engine's own planning (:func:`~hf_layerswap.scoring.engine.plan_engine`: batch size,
@@ -47,10 +52,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
-from .cost_steps import ModelShape, block_flops, check_removal, healing_phase, recovery_phase, sparsity_phase
+from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
+                         recovery_phase, sparsity_phase)
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
+from .recovery.fit import select_rows
+from .recovery.methods import search_objectives
 from .rule import resolve_protect
 from .scoring.engine import plan_engine
 from .scoring.kl import kl_rows
@@ -102,7 +110,10 @@ class CostEstimate:
             ``head_flops``, ``flops``, ``bytes_moved``, ``seconds`` and ``exact``; the later
             steps also with ``memory_bytes`` (their peak) and ``note``; healing with
             ``trainable_params``, ``trainable_tensors`` and ``optimizer_bytes``
-            (gradients + AdamW state + the early stop's best copy).
+            (gradients + AdamW state + the early stop's best copy), and for its
+            measurements ``perplexity`` (stages, forwards per stage, passes: exact),
+            ``tasks`` (lm-eval forwards per task and run, passes: an upper bound) and ``not_estimated``
+            (what is left out, and why) (:func:`~hf_layerswap.cost_steps.heal_measures`).
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
         memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's,
@@ -139,6 +150,7 @@ class CostEstimate:
             *(f"  {name:<9} {p['block_passes']:>10,} block passes {p['head_passes']:>8,} head passes "
               f"{p['flops'] / 1e12:8.3f} TFLOP  {_duration(p['seconds']):>7}" + ("" if p["exact"] else "  (upper bound)")
               for name, p in self.phases.items()),
+            *measure_lines(self.phases.get("healing", {})),
         ]
 
 
@@ -203,10 +215,8 @@ def _head_calls(engine, rows: int, probes: int) -> tuple[int, int]:
     chunks = math.ceil(rows / engine.kl_chunk)
     slices = math.ceil(engine.head.vocab / engine.vocab_chunk)
     groups = math.ceil(probes / engine._group_size(rows)) if probes else 0
-    if slices == 1:
-        return chunks * (groups + probes), rows * (groups + probes)
-    # pass 1: the reference log-sum-exp over every slice; pass 2: the reference and every probe per slice
-    return chunks * slices * (2 * groups + probes), rows * (2 * groups + probes)
+    # several slices: one pass, slice by slice, the reference and every probe per slice and chunk
+    return chunks * slices * (groups + probes), rows * (groups + probes)
 
 
 def _engine_counts(model, calib, plans, settings, *, reference: bool = True, verify: bool = True) -> dict:
@@ -269,8 +279,35 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     counts["head_rows"] += rows * (bound_sets + calls)
     counts["calls"] = calls
     counts["sets"] = len(sets) + bound_sets
+    counts["exact_sets"] = sets
     counts["engine"] = engine
     return counts
+
+
+def _add_repair_objective(counts: dict, model, calib: CalibrationSet, cfg: LayerSwapConfig) -> None:
+    """Add to the search's bound what a repair-aware objective (``objective="ghosted"``,
+    :class:`~hf_layerswap.selection.objectives.SetObjective`) runs beyond the removal KL's
+    passes: the one stream-capture sweep that fits every block's operator (each batch of
+    :func:`~hf_layerswap.recovery.fit.select_rows` over every real token, through all
+    blocks, no head), and for the sets that cut through the last block (their operator acts
+    after the last kept block, so they run from the embeddings) the blocks before their
+    first removed one, which the removal KL's count starts after."""
+    total_blocks = num_blocks(model)
+    fit_batches = sum(1 for _ in select_rows(calib, cfg.batch_size, calib.num_tokens))
+    fit = fit_batches * total_blocks
+    tail = 0
+    protected = resolve_protect(cfg.protect, total_blocks)
+    if total_blocks - 1 not in protected:
+        n_batches = len(counts["engine"].batches)
+        exact_sets = counts["exact_sets"]
+        first = min(i for i in range(total_blocks) if i not in protected)
+        # an exact set runs its min(s) blocks more; a bound set, counted from the first
+        # removable block, at most that many more
+        tail = n_batches * (sum(min(x) for x in exact_sets if total_blocks - 1 in x)
+                            + (counts["sets"] - len(exact_sets)) * first)
+    counts["block_passes"] += fit + tail
+    counts["block_tokens"] += (fit + tail) * calib.input_ids.shape[1] * cfg.batch_size
+    counts["sweeps"] = counts["calls"] + 1
 
 
 # ---------------------------------------------------------------------- throughput
@@ -371,7 +408,8 @@ def _offloaded(model) -> bool:
 
 def _working_bytes(engine, model, search_reference: int) -> int:
     """The engine's working memory at its peak: activations of a batch, the head/KL block,
-    the fp32 head copy of a half-precision head, the held probe states, the kept reference."""
+    the fp32 head copy of a half-precision head (one vocabulary slice of an offloaded head,
+    which is streamed), the held probe states, the kept reference."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     activations = engine._activation_bytes(engine.batch_size, cfg)
     vocab, rows = engine.head.vocab, engine.kl_chunk
@@ -379,6 +417,8 @@ def _working_bytes(engine, model, search_reference: int) -> int:
     kl_block = (8 if slices == 1 else 16) * rows * engine.vocab_chunk
     head = engine.head.module
     head_copy = 4 * head.weight.numel() if head is not None and head.weight.dtype != torch.float32 else 0
+    if engine.head.streamed:  # an offloaded head is read one vocabulary slice at a time (fp32 rows of it)
+        head_copy = 4 * engine.vocab_chunk * head.weight.shape[1]
     es = torch.finfo(engine.compute_dtype).bits // 8
     real = int(engine.calib.attention_mask[: engine.batch_size].sum())
     held = min(engine._group_size(real), len(engine.my_probes)) * real * engine.hidden * es
@@ -416,7 +456,7 @@ def _resident_bytes() -> int:
 # --------------------------------------------------------------------------- the verb
 def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=None, device=None,
                   dtype=None, throughput: Throughput | None = None, stream_weights: bool | None = None,
-                  max_memory: int | None = None) -> CostEstimate:
+                  max_memory: int | None = None, tokenizer=None) -> CostEstimate:
     """Predict what ``prune(model, config)`` will cost, without reading a weight.
 
     Args:
@@ -437,6 +477,10 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             ``hf_device_map``).
         max_memory: the scoring working-memory budget in bytes (default: what scoring
             derives for ``device``, :func:`~hf_layerswap.scoring.settings.device_memory_budget`).
+        tokenizer: reads the texts of healing's measurements (``perplexity_text``,
+            ``eval_tasks``), whose passes are counted from their tokens; a tokenizer, a
+            folder or Hub id; default ``config.tokenizer``, else the checkpoint's own
+            (only loaded when healing measures something).
 
     Returns:
         a :class:`CostEstimate`; its ``derivation`` says how each number was obtained.
@@ -445,7 +489,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
             budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
             a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
-            with no training prompt, a path that is no checkpoint (the message names it).
+            with no training prompt, healing measurements without a tokenizer to read their
+            texts, a path that is no checkpoint (the message names it).
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
@@ -468,16 +513,18 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     exact = True
     if cfg.layers is None and strategy == "search":
         phases["selection"] = _search_counts(model, calib, cfg, settings)
+        if cfg.objective in search_objectives():
+            _add_repair_objective(phases["selection"], model, calib, cfg)
         exact = False
     elif cfg.layers is None and strategy == "auto":  # the two protocols' greedy sets, scored jointly
         plans = {k: removal_plan(total_blocks, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
         phases["selection"] = _engine_counts(model, calib, plans, settings)
         exact = False
-    phases.update(_after_selection(model, calib, cfg, calibration))
+    phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
 
 
-def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration) -> dict:
+def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer) -> dict:
     """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
     selection (:mod:`~hf_layerswap.cost_steps`), in its order."""
     shape = ModelShape(model)
@@ -486,7 +533,7 @@ def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibra
     if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
         phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
     if cfg.heal is not None:
-        phases["healing"] = healing_phase(shape, cfg, calibration, removed)
+        phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer)
     if cfg.sparsity is not None:
         phases["sparsity"] = sparsity_phase(shape, calib, cfg, removed)
     return phases
@@ -557,7 +604,7 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         bytes_moved=int(sum(p["bytes_moved"] for p in phases.values())),
         peak_memory_bytes={k: int(v) for k, v in peak.items()},
         seconds=float(sum(p["seconds"] for p in phases.values())), exact=exact,
-        phases={k: {kk: vv for kk, vv in v.items() if kk != "engine"} for k, v in phases.items()},
+        phases={k: {kk: vv for kk, vv in v.items() if kk not in ("engine", "exact_sets")} for k, v in phases.items()},
         derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
                       "process": int(resident), "steps": int(steps_peak)},

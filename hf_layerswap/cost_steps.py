@@ -23,7 +23,10 @@ over one batch) and of the output head:
   prompts; held-out evaluations (student and teacher forwards) before training, every
   ``eval_every`` steps and after the last step. Exact when the early stop cannot fire
   before the last step (fewer evaluations before it than ``patience``), otherwise an upper
-  bound (no early stop).
+  bound (no early stop). Its measurements (:func:`heal_measures`): the perplexity stages,
+  each the evaluator's own windows and batches over the tokenized text (exact), and the
+  lm-eval tasks before and after (an upper bound from the requests lm-eval builds without
+  the model, or named as not estimated, with the reason).
 
 Peak memory per step: the weights held then (the dense teacher copy from before the cut
 until healing ends), the step's own tensors (captured streams and float64 moments of a
@@ -36,12 +39,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+import os
 from types import SimpleNamespace
 
 from torch import nn
+from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
+from .evaluation.contract import resolve_tokenizer
+from .healing.measure import PERPLEXITY_STAGES, perplexity_forwards
 from .healing.methods import LORA_TARGETS, cut_neighbours
 from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
@@ -50,8 +57,10 @@ from .recovery.methods import get_recovery_method
 from .rule import check_budget, resolve_protect
 from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
+from .tasks import request_forwards, task_requests
 
-__all__ = ["ModelShape", "block_flops", "check_removal", "healing_phase", "recovery_phase", "sparsity_phase"]
+__all__ = ["ModelShape", "block_flops", "check_removal", "heal_measures", "healing_phase",
+           "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -104,12 +113,14 @@ def _phase(exact: bool, note: str) -> dict:
 
 
 def _add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width: int, head: bool = True,
-                 factor: float = 1.0) -> None:
+                 factor: float = 1.0, head_rows: int | None = None) -> None:
+    """One model forward of ``batch`` x ``width`` positions through ``blocks`` blocks and
+    (``head``) the head over every position, or over its last ``head_rows`` per prompt."""
     fb, fh = shape.forward_flops(blocks, batch, width, head)
     phase["block_passes"] += blocks
     phase["head_passes"] += int(head)
     phase["block_flops"] += factor * fb
-    phase["head_flops"] += factor * fh
+    phase["head_flops"] += factor * (fh if head_rows is None or not head else fh * head_rows / width)
 
 
 def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
@@ -259,8 +270,9 @@ def _trainer_batches(rows: int, batch: int, steps: int) -> list[int]:
     return [epoch[i % len(epoch)] for i in range(steps)]
 
 
-def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int) -> dict:
-    """Passes, FLOPs and peak bytes of ``cfg.heal`` (see the module's text)."""
+def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None) -> dict:
+    """Passes, FLOPs and peak bytes of ``cfg.heal`` (see the module's text), its
+    measurements included (:func:`heal_measures`; ``tokenizer`` reads their texts)."""
     heal = cfg.heal
     removed_set, removal_known = _removal(shape, cfg)
     kept = shape.num_blocks - removed
@@ -297,4 +309,132 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
                  removal_known=removal_known)
     phase["memory_bytes"] = (2 * shape.weight_bytes - removed * shape.block_bytes + adapters + optimizer
                              + saved + logits)
+    heal_measures(phase, shape, cfg, kept, tokenizer)
     return phase
+
+
+def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: int, tokenizer) -> None:
+    """Add to the healing ``phase`` what :class:`~hf_layerswap.healing.measure.HealMeasures`
+    runs for ``cfg.heal``'s ``perplexity_text`` and ``eval_tasks`` (on a student of ``kept``
+    blocks):
+
+    - **perplexity**: the forwards of one evaluation under its contract
+      (:func:`~hf_layerswap.healing.measure.perplexity_forwards`: the text tokenized, the
+      windows and batches the evaluator makes), once on the dense teacher (every block),
+      then on the kept blocks after the cut (the teacher under the removal plan), after the
+      repair (when one is configured) and after healing; the head over the kept logits of
+      each window. Exact; recorded in ``phase["perplexity"]``;
+    - **lm-eval tasks** (:func:`lm_eval_passes`), before and after healing; recorded in
+      ``phase["tasks"]``, with ``phase["not_estimated"]`` naming what could not be counted.
+
+    Raises:
+        ValueError: measurements without a tokenizer; a text or task the measurement
+            would refuse.
+    """
+    heal = cfg.heal
+    if heal.perplexity_text is None and heal.eval_tasks is None:
+        return
+    if tokenizer is None:
+        raise ValueError(f"heal perplexity_text={heal.perplexity_text!r} / eval_tasks={heal.eval_tasks!r}: counting "
+                         "their passes needs the tokenizer; pass tokenizer=")
+    if heal.perplexity_text is not None:
+        forwards = perplexity_forwards(heal.perplexity_text, tokenizer)
+        repaired = cfg.recovery is not None and cfg.recovery.method != "none"
+        stages = [s for s in PERPLEXITY_STAGES if repaired or s != "after_repair"]
+        before = (phase["block_passes"], phase["head_passes"])
+        for stage in stages:
+            depth = shape.num_blocks if stage == "dense" else kept
+            for windows, length, keep in forwards:
+                _add_forward(phase, shape, depth, windows, length, head_rows=keep)
+        phase["perplexity"] = {"stages": stages, "forwards_per_stage": len(forwards),
+                               "block_passes": phase["block_passes"] - before[0],
+                               "head_passes": phase["head_passes"] - before[1]}
+        widest = max(w * length for w, length, _ in forwards)
+        logits = max(w * keep for w, _, keep in forwards) * shape.vocab * 4 * 2  # the logits and their fp32 copy
+        ppl_peak = 2 * shape.weight_bytes + shape.activation_bytes(1, widest) + logits
+        phase["memory_bytes"] = max(phase["memory_bytes"], ppl_peak)
+        phase["note"] += f"; perplexity at {len(stages)} stages, {len(forwards)} forwards each"
+    if heal.eval_tasks is not None:
+        lm_eval_passes(phase, shape, cfg, kept, tokenizer)
+
+
+def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
+    """The tokenizer that reads healing's measurement texts: ``tokenizer`` (an object, a
+    folder or Hub id), else ``cfg.tokenizer``, else the model's own; ``None`` when healing
+    measures nothing.
+
+    Raises:
+        ValueError: none given and none can be loaded (the message says to pass one).
+    """
+    heal = cfg.heal
+    if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
+        return None
+    tokenizer = tokenizer if tokenizer is not None else cfg.tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    return resolve_tokenizer(model, tokenizer)
+
+
+def measure_lines(phase: dict) -> list[str]:
+    """Terminal lines of a healing ``phase``: its measurements' share of the passes, and
+    what is not estimated (and why)."""
+    out = []
+    if "perplexity" in phase:
+        ppl = phase["perplexity"]
+        out.append(f"    of which perplexity: {ppl['block_passes']:,} block passes, {ppl['head_passes']:,} head passes "
+                   f"({len(ppl['stages'])} stages x {ppl['forwards_per_stage']} forwards: {', '.join(ppl['stages'])})")
+    if phase.get("tasks", {}).get("forwards"):
+        tasks = phase["tasks"]
+        out.append(f"    of which lm-eval: at most {tasks['block_passes']:,} block passes, {tasks['head_passes']:,} head "
+                   f"passes ({sum(tasks['forwards'].values())} forwards per run, before and after healing)")
+    out += [f"  not estimated: {why}" for why in phase.get("not_estimated", ())]
+    return out
+
+
+def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: int, tokenizer) -> None:
+    """Add an upper bound of the lm-eval task evaluations (before and after healing) to
+    ``phase``: the requests lm-eval builds without a model
+    (:func:`~hf_layerswap.tasks.task_requests`, over the local task folder and documents)
+    and the forwards ``HFLM`` runs for them at most
+    (:func:`~hf_layerswap.tasks.request_forwards`: one per ``loglikelihood`` request, one
+    per rolling window of a ``loglikelihood_rolling`` document), each through the ``kept``
+    blocks and the head over every position. Not estimated, with the reason in
+    ``phase["not_estimated"]``: lm-eval's own tasks (no ``eval_tasks_path``: their documents
+    come from the Hub, and an estimate downloads nothing), ``generate_until`` tasks (one
+    forward per generated token), tasks whose documents cannot be loaded, every task when
+    lm-eval is not installed.
+    """
+    heal = cfg.heal
+    phase["exact"] = False
+    skipped = phase.setdefault("not_estimated", [])
+    if heal.eval_tasks_path is None:
+        skipped.append(f"lm-eval tasks {heal.eval_tasks}: lm-eval's own tasks read their documents from the Hub; "
+                       "the estimate builds requests only from a local task folder (eval_tasks_path)")
+        return
+    try:
+        built = task_requests(heal.eval_tasks, limit=heal.eval_tasks_limit, include_path=heal.eval_tasks_path)
+    except ImportError:
+        skipped.append(f"lm-eval tasks {heal.eval_tasks}: lm-eval is not installed (pip install "
+                       "'hf-layerswap[lm-eval]'), so their requests cannot be built")
+        return
+    text = shape.model.config.get_text_config() if hasattr(shape.model.config, "get_text_config") else shape.model.config
+    max_length = int(getattr(text, "max_position_embeddings", 0) or 2048)  # evaluate_tasks' default
+    counted = {}
+    before = (phase["block_passes"], phase["head_passes"])
+    for name, task in built.items():
+        if "error" in task:
+            skipped.append(f"lm-eval task {name!r}: its requests could not be built here ({task['error']})")
+            continue
+        widths = request_forwards(tokenizer, task["output_type"], task["requests"], max_length)
+        if widths is None:
+            skipped.append(f"lm-eval task {name!r} ({task['output_type']}): its forwards depend on the generated "
+                           "lengths, not known without the model")
+            continue
+        counted[name] = len(widths)
+        for width in widths:
+            for _ in range(2):  # before and after healing
+                _add_forward(phase, shape, kept, 1, width)
+    phase["tasks"] = {"forwards": counted, "runs": 2, "block_passes": phase["block_passes"] - before[0],
+                      "head_passes": phase["head_passes"] - before[1]}
+    if counted:
+        phase["note"] += f"; lm-eval forwards at most {counted} per run, before and after healing"

@@ -12,20 +12,34 @@ stretch of calls (accelerate's own ``align_module_device``, with the hook's per-
 offload paused meanwhile), so that a block that runs many times in a row is read from CPU
 memory or disk once: what the scoring engine's slot-major streaming does
 (:mod:`hf_layerswap.scoring.slotmajor`).
+
+:class:`OffloadedTensor` reads row ranges of one offloaded weight from the offload's own
+storage (the hook's weights map: the checkpoint's safetensors file, accelerate's ``.dat``
+memmaps or tensors in CPU memory) without reading the rest, and :func:`sliced_calls` makes
+an offloaded vocabulary-sized module compute from such reads: an ``nn.Embedding`` reads only
+the rows of the token ids it is given, an ``nn.Linear`` (an output head) its output features
+in slices. A head of 262k entries (Gemma-3's tied embedding and head: 62.5% of its weights)
+is then never resident whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import numpy as np
 import torch
-from accelerate.utils import align_module_device, has_offloaded_params
+from accelerate.utils import align_module_device, has_offloaded_params, OffloadedWeightsLoader, PrefixedDataset
+from safetensors import safe_open
 from torch import nn
 
-__all__ = ["execution_device", "input_device", "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory"]
+__all__ = [
+    "execution_device", "input_device", "OffloadedTensor", "offloaded_bytes", "offloaded_modules", "onloaded",
+    "peak_memory", "sliced_calls",
+]
 
 
 def execution_device(module: nn.Module) -> torch.device:
@@ -111,3 +125,154 @@ def peak_memory() -> dict[str, int]:
         for i in range(torch.cuda.device_count()):
             out[f"cuda:{i}"] = int(torch.cuda.max_memory_allocated(i))
     return out
+
+
+class OffloadedTensor:
+    """One tensor of an offloaded module (``module.<name>`` on "meta" between calls), read in
+    row ranges from where accelerate keeps it: the hook's ``weights_map`` (a
+    ``PrefixedDataset`` over an ``OffloadedWeightsLoader``, or a mapping of tensors in CPU
+    memory). An entry of the checkpoint's safetensors file is read with
+    ``safe_open(...).get_slice(name)[a:b]`` (a view of the file's pages of those rows only),
+    an accelerate ``.dat`` file as a ``np.memmap`` of those rows, a tensor in memory as a view.
+    Build it with :meth:`of`.
+
+    Attributes:
+        shape, dtype: the tensor's (the module's meta tensor).
+        bytes_read: bytes of all rows returned so far (rows x row bytes at the tensor's dtype).
+    """
+
+    def __init__(self, loader: Mapping, key: str, shape: torch.Size, dtype: torch.dtype):
+        self.loader, self.key, self.shape, self.dtype = loader, key, shape, dtype
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        self.bytes_read = 0
+
+    @classmethod
+    def of(cls, module: nn.Module, name: str = "weight") -> OffloadedTensor | None:
+        """The reader of ``module``'s own tensor ``name`` when accelerate offloads it (an
+        ``AlignDevicesHook`` with offload on and a weights map); None otherwise (held in
+        memory, or no such tensor)."""
+        tensor = getattr(module, name, None)
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or not has_offloaded_params(module):
+            return None
+        weights = getattr(module._hf_hook, "weights_map", None)
+        if weights is None:
+            return None
+        loader, key = weights, name
+        if isinstance(weights, PrefixedDataset):
+            loader, key = weights.dataset, weights.prefix + name
+        return cls(loader, key, tensor.shape, tensor.dtype)
+
+    def rows(self, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Rows ``a:b`` for each ``(a, b)`` of ``ranges``, on the CPU at the tensor's dtype
+        (``(b - a, *shape[1:])`` each); one open of the storage for all of them."""
+        loader, key = self.loader, self.key
+        if isinstance(loader, OffloadedWeightsLoader) and key not in loader.state_dict:
+            info = loader.index[key]
+            if info.get("safetensors_file") is not None:
+                with safe_open(info["safetensors_file"], framework="pt", device="cpu") as f:
+                    part = f.get_slice(info.get("weight_name", key))
+                    out = [part[a:b] for a, b in ranges]
+                out = [t.to(self.dtype) for t in out]  # accelerate's loader casts to the model's dtype too
+            else:
+                out = self._dat_rows(os.path.join(loader.save_folder, f"{key}.dat"), info, ranges)
+        else:  # tensors in CPU memory
+            whole = loader[key]
+            out = [whole[a:b] for a, b in ranges]
+        self.bytes_read += sum(b - a for a, b in ranges) * self.row_bytes
+        return out
+
+    @staticmethod
+    def _dat_rows(path: str, info: dict, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Rows of an accelerate ``.dat`` memmap (``accelerate.utils.offload_weight``'s
+        format: bfloat16 stored as int16, float8 as int8)."""
+        dtype = info["dtype"]
+        stored = "int16" if dtype == "bfloat16" else "int8" if dtype.startswith("float8_") else dtype
+        array = np.memmap(path, dtype=stored, mode="r", shape=tuple(info["shape"]))
+        out = [torch.from_numpy(np.array(array[a:b])) for a, b in ranges]
+        del array
+        return [t.view(getattr(torch, dtype)) for t in out] if stored != dtype else out
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (sorted unique ``(U,)`` int64) as one ``(U, *shape[1:])`` tensor,
+        read as runs of consecutive indices."""
+        idx = index.tolist()
+        starts = [k for k in range(len(idx)) if k == 0 or idx[k] != idx[k - 1] + 1]
+        ends = [*starts[1:], len(idx)]
+        return torch.cat(self.rows([(idx[a], idx[b - 1] + 1) for a, b in zip(starts, ends)]))
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, **tensors: torch.Tensor | None) -> Iterator[None]:
+    """``module``'s parameters named in ``tensors`` replaced (as frozen parameters) for the block."""
+    saved = {name: module._parameters[name] for name in tensors}
+    try:
+        for name, t in tensors.items():
+            module._parameters[name] = None if t is None else nn.Parameter(t, requires_grad=False)
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+@contextlib.contextmanager
+def sliced_calls(module: nn.Module | None, slice_rows: int = 1 << 14) -> Iterator[OffloadedTensor | None]:
+    """While inside, calls of an offloaded ``module`` read only parts of its weight from the
+    offload (:class:`OffloadedTensor`) instead of the whole (accelerate's hook reads all of it
+    at every call):
+
+    - ``nn.Embedding`` on ids ``(...)``: the rows of the distinct ids only; the module's own
+      forward runs on them with the ids renumbered (a scaled embedding keeps its scale);
+    - ``nn.Linear`` on inputs ``(..., in)``: its output features in slices of ``slice_rows``
+      weight rows (bias entries with them), the module's own forward per slice, the outputs
+      concatenated ``(..., out)``; one slice is resident at a time.
+
+    The values are those of the module's own call, exactly. Yields the weight's reader (its
+    ``bytes_read`` counts what was read), or None with nothing changed: a module held in
+    memory, one with offloaded buffers, an embedding with ``max_norm``, another module type.
+
+    Raises:
+        ValueError: ``slice_rows`` below 1.
+    """
+    if slice_rows < 1:
+        raise ValueError(f"slice_rows={slice_rows}: must be >= 1")
+    source = None if module is None else OffloadedTensor.of(module, "weight")
+    ok = source is not None and (
+        (type(module) is nn.Linear or isinstance(module, nn.Embedding) and module.max_norm is None)
+        and not any(b.device.type == "meta" for b in module.buffers()))
+    if not ok:
+        yield None
+        return
+    hook, call = module._hf_hook, module.forward  # accelerate's wrapped forward: moves inputs and outputs
+    bias = OffloadedTensor.of(module, "bias") if getattr(module, "bias", None) is not None else None
+    device = execution_device(module)
+
+    def embedding(ids, *args, **kwargs):
+        wanted = torch.unique(ids.detach().cpu())
+        pad = module.padding_idx
+        if pad is not None:  # F.embedding checks padding_idx < num_embeddings
+            wanted = torch.unique(torch.cat([wanted, torch.tensor([pad])]))
+        rows = source.take(wanted).to(device)
+        compact = torch.searchsorted(wanted, ids.detach().cpu()).to(ids.device)
+        module.padding_idx = None if pad is None else int(torch.searchsorted(wanted, torch.tensor(pad)))
+        try:
+            with _swapped(module, weight=rows):
+                return call(compact, *args, **kwargs)
+        finally:
+            module.padding_idx = pad
+
+    def linear(x, *args, **kwargs):
+        outs = []
+        for a in range(0, source.shape[0], slice_rows):
+            b = min(source.shape[0], a + slice_rows)
+            (w,) = source.rows([(a, b)])
+            bb = None if bias is None else bias.rows([(a, b)])[0].to(device)
+            with _swapped(module, weight=w.to(device), bias=bb):
+                outs.append(call(x, *args, **kwargs))
+        return torch.cat(outs, dim=-1)
+
+    hook.offload = False  # the hook only moves inputs and outputs meanwhile
+    module.forward = embedding if isinstance(module, nn.Embedding) else linear
+    try:
+        yield source
+    finally:
+        module.forward = call
+        hook.offload = True

@@ -28,7 +28,7 @@ from .evaluation import resolve_tokenizer
 from .jsonio import JsonResult, decode_tree
 from .provenance import public_identity
 
-__all__ = ["TaskResults", "evaluate_tasks", "task_card_section"]
+__all__ = ["TaskResults", "evaluate_tasks", "request_forwards", "task_card_section", "task_requests"]
 
 
 def _require_lm_eval():
@@ -56,6 +56,9 @@ class TaskResults(JsonResult):
         loglikelihoods: ``{task: [per-document rolling loglikelihood, nats]}`` for
             ``loglikelihood_rolling`` tasks (lets a perplexity be cross-checked).
         model: identity of the evaluated model (see :func:`hf_layerswap.provenance.model_identity`).
+        higher_is_better: ``{task: {metric: bool}}``, lm-eval's direction of each metric
+            (``False`` for perplexities and bits per byte); empty in results recorded before
+            it was kept.
     """
 
     results: dict
@@ -65,6 +68,7 @@ class TaskResults(JsonResult):
     n_samples: dict
     loglikelihoods: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
+    higher_is_better: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,26 +119,12 @@ def evaluate_tasks(
     _require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import hash_string
 
-    names = [tasks] if isinstance(tasks, str) else list(tasks)
-    if not names or not all(isinstance(t, str) and t for t in names):
-        raise ValueError(f"tasks={tasks!r}: give one or more lm-eval task names")
     if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
         raise ValueError(f"num_fewshot={num_fewshot!r}: must be an int >= 0")
+    names, manager = _task_manager(tasks, include_path)
     tokenizer = resolve_tokenizer(model, tokenizer)
-    if include_path is not None:
-        paths = [str(p) for p in include_path] if isinstance(include_path, (list, tuple)) else [str(include_path)]
-        missing = [p for p in paths if not Path(p).is_dir()]
-        if missing:
-            raise FileNotFoundError(f"include_path={missing[0]!r} is not a folder: give folders of task YAML files")
-        manager = TaskManager(include_path=paths, include_defaults=False)
-    else:
-        manager = TaskManager()
-    unknown = [t for t in names if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(f"unknown lm-eval task(s) {unknown}; known here: {sorted(manager.all_tasks)[:20]}")
     if max_length is None:
         max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         max_length = int(max_pos) if max_pos else 2048
@@ -180,7 +170,97 @@ def evaluate_tasks(
         n_samples=counts,
         loglikelihoods=lls,
         model=public_identity(model),
+        higher_is_better={t: {m: bool(v) for m, v in (out.get("higher_is_better", {}).get(t) or {}).items()}
+                          for t in names},
     )
+
+
+def _task_manager(tasks, include_path):
+    """``(names, TaskManager)``: the task names checked, and lm-eval's task index over
+    ``include_path`` only (or lm-eval's own tasks)."""
+    from lm_eval.tasks import TaskManager
+
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    if not names or not all(isinstance(t, str) and t for t in names):
+        raise ValueError(f"tasks={tasks!r}: give one or more lm-eval task names")
+    if include_path is not None:
+        paths = [str(p) for p in include_path] if isinstance(include_path, (list, tuple)) else [str(include_path)]
+        missing = [p for p in paths if not Path(p).is_dir()]
+        if missing:
+            raise FileNotFoundError(f"include_path={missing[0]!r} is not a folder: give folders of task YAML files")
+        manager = TaskManager(include_path=paths, include_defaults=False)
+    else:
+        manager = TaskManager()
+    unknown = [t for t in names if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}; known here: {sorted(manager.all_tasks)[:20]}")
+    return names, manager
+
+
+def task_requests(tasks: str | Sequence[str], *, limit: int | float | None = None, include_path=None,
+                  num_fewshot: int = 0, seed: int = 1234) -> dict[str, dict]:
+    """The requests :func:`evaluate_tasks` sends the model, built by lm-eval without one
+    (``Task.build_all_requests`` over the documents ``limit`` selects, zero-shot, as
+    ``simple_evaluate`` does).
+
+    Returns:
+        ``{task: {"output_type": lm-eval's output type, "requests": [(request_type,
+        arguments), ...]}}``: ``arguments`` are the request's strings (``(context,
+        continuation)`` of a ``loglikelihood`` request); ``{task: {"error": reason}}`` for a
+        task lm-eval could not build here (its documents could not be loaded).
+
+    Raises:
+        ImportError: lm-eval is not installed. ValueError, FileNotFoundError: as
+        :func:`evaluate_tasks` (empty or unknown task names, a missing ``include_path``).
+    """
+    _require_lm_eval()
+    from lm_eval.evaluator_utils import get_sample_size
+
+    names, manager = _task_manager(tasks, include_path)
+    out = {}
+    for name in names:
+        try:  # the task's documents load here (a download for most of lm-eval's own tasks)
+            built = manager.load([name])["tasks"]
+        except Exception as err:  # noqa: BLE001 - lm-eval and datasets raise many kinds; the reason is kept
+            out[name] = {"error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"}
+            continue
+        for task_name, task in built.items():
+            if task.get_config("num_fewshot") != 0:  # simple_evaluate sets num_fewshot on every task
+                task.set_config(key="num_fewshot", value=num_fewshot)
+            task.set_fewshot_seed(seed=seed)
+            task.build_all_requests(limit=get_sample_size(task, limit), rank=0, world_size=1)
+            out[task_name] = {"output_type": task.OUTPUT_TYPE,
+                              "requests": [(inst.request_type, tuple(inst.arguments)) for inst in task.instances]}
+    return out
+
+
+def request_forwards(tokenizer, output_type: str, requests, max_length: int) -> list[int] | None:
+    """The forwards ``HFLM`` (batch size 1) runs for one task's ``requests``
+    (:func:`task_requests`), at most: one per ``loglikelihood`` request (``multiple_choice``
+    included; requests sharing a context and a one-token continuation share one), one per
+    rolling window of a ``loglikelihood_rolling`` document (lm-eval's own
+    ``get_rolling_token_windows`` over the document's tokens, ``max_length`` positions
+    each); ``None`` for output types whose forwards depend on the model
+    (``generate_until``: one per generated token).
+
+    Returns:
+        the positions of each forward (tokens, at most ``max_length``), or ``None``.
+    """
+    _require_lm_eval()
+    from lm_eval.utils import get_rolling_token_windows
+
+    if output_type in ("loglikelihood", "multiple_choice"):
+        return [min(max_length, len(tokenizer.encode(context + continuation))) for _, (context, continuation, *_)
+                in requests]
+    if output_type == "loglikelihood_rolling":
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        out = []
+        for _, (text, *_) in requests:
+            windows = get_rolling_token_windows(token_list=tokenizer.encode(text), prefix_token=prefix or 0,
+                                                max_seq_len=max_length, context_len=1)
+            out += [min(max_length, len(context) + len(pred)) for context, pred in windows]
+        return out
+    return None
 
 
 def _first(value):

@@ -38,6 +38,20 @@ REAL_MODEL_THREADS = max(1, min(2, os.cpu_count() or 1))
 torch.set_num_threads(1)
 
 
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` imported as the module ``<name>_benchmark`` (a fresh copy each
+    call, registered in ``sys.modules``), with ``benchmarks/`` on the import path for its own
+    imports (``runner``, ``wikitext``)."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(autouse=True)
 def _threads_per_test_kind(request):
     threads = REAL_MODEL_THREADS if request.node.get_closest_marker("slow") else 1

@@ -1,9 +1,9 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
 the quality pages and their index, speed, recovery, precision, streaming, heal, the two sparsity
-pages, scale, gpu and peeling (its training-trajectory section is kept from the page: that run's
-record was not stored) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
+pages, scale, gpu and peeling (its training-trajectory section too, from the training run's
+record) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
-of the benchmarks on the runner (heal, sparsity, precision, recovery, streaming) are rendered from their state split in two
+of the benchmarks on the runner (all but scale, gpu and peeling) are rendered from their state split in two
 files and merged back with ``--merge-from``, so the merge keeps every stored value too."""
 
 from __future__ import annotations
@@ -46,20 +46,29 @@ def _run(args, cwd):
 
 
 def test_quality_pages_rerender_unchanged(tmp_path):
+    """Both models' pages and the index, each model's state split in two (its criteria halved, as
+    two processes of the runner would leave them) and merged back by the runner first."""
     states = sorted(RESULTS.glob("quality-*.json"))
     assert len(states) >= 2
-    for state in states:
-        shutil.copy(state, tmp_path / state.name)
-    _run([str(ROOT / "benchmarks" / "quality.py"), "--render-only", "--results", str(tmp_path)], ROOT)
+    pieces = {state.stem.removeprefix("quality-"): _split(state, "criteria", tmp_path)[1] for state in states}
+    for model, piece in pieces.items():
+        _run([str(ROOT / "benchmarks" / "quality.py"), "--render-only", "--results", str(tmp_path / "a"),
+              "--model", model, "--merge-from", str(piece)], ROOT)
     pages = [s.with_suffix(".md").name for s in states] + ["quality.md"]
     for page in pages:
-        assert (tmp_path / page).read_bytes() == (RESULTS / page).read_bytes(), page
+        assert (tmp_path / "a" / page).read_bytes() == (RESULTS / page).read_bytes(), page
+    for state in states:  # the merge restores each stored file's content
+        assert json.loads((tmp_path / "a" / state.name).read_text(encoding="utf-8")) == json.loads(
+            state.read_text(encoding="utf-8")), state.name
 
 
 def test_speed_page_rerenders_unchanged(tmp_path):
-    shutil.copy(RESULTS / "speed.json", tmp_path / "speed.json")
-    _run([str(ROOT / "benchmarks" / "speed.py"), "--render-only", "--out", str(tmp_path / "speed.md")], ROOT)
-    assert (tmp_path / "speed.md").read_bytes() == (RESULTS / "speed.md").read_bytes()
+    """The page from its stored models (a list), split in two and merged back by the runner first."""
+    first, second = _split(RESULTS / "speed.json", "models", tmp_path)
+    out = first.with_suffix(".md")  # the JSON is read beside the page
+    _run([str(ROOT / "benchmarks" / "speed.py"), "--render-only", "--merge-from", str(second), "--out", str(out)], ROOT)
+    assert out.read_bytes() == (RESULTS / "speed.md").read_bytes()
+    assert json.loads(first.read_text(encoding="utf-8")) == json.loads((RESULTS / "speed.json").read_text(encoding="utf-8"))
 
 
 def test_recovery_page_rerenders_unchanged(tmp_path):
@@ -144,9 +153,23 @@ def test_gpu_page_rerenders_unchanged(tmp_path):
 
 
 def test_peeling_page_rerenders_unchanged(tmp_path):
-    """peeling.md from the stored reports under results/peeling/, with the command its header names.
-    The training-trajectory section is not re-rendered: its run record (trajectory_run.json) was
-    never stored, so --render-only keeps that section from the existing page."""
+    """peeling.md from the stored reports under results/peeling/, with the command its header names,
+    the training-trajectory section included: drawn from trajectory.json and the training run's
+    record trajectory_run.json (blocks, parameters, vocabulary, steps, tokens, seconds), never
+    copied from the page (``--skip-trajectory`` leaves the section and its recorded times out)."""
     _run([str(ROOT / "benchmarks" / "peeling.py"), "--render-only", "--models", "smollm2-135m", "gemma3-270m",
           "--out", str(tmp_path / "peeling.md")], ROOT)
-    assert (tmp_path / "peeling.md").read_bytes() == (RESULTS / "peeling.md").read_bytes()
+    page = (RESULTS / "peeling.md").read_bytes()
+    assert (tmp_path / "peeling.md").read_bytes() == page
+    _run([str(ROOT / "benchmarks" / "peeling.py"), "--render-only", "--models", "smollm2-135m", "gemma3-270m",
+          "--skip-trajectory", "--out", str(tmp_path / "without.md")], ROOT)
+    without = (tmp_path / "without.md").read_text(encoding="utf-8")
+    assert "## Training trajectory" not in without and "training run:" not in without
+    assert "training run:" in page.decode("utf-8")
+    section = page.decode("utf-8").split("\n## Training trajectory", 1)[1]
+    run = json.loads((RESULTS / "peeling" / "trajectory_run.json").read_text(encoding="utf-8"))
+    record = run["record"]
+    assert (f"{record['model']['parameters']:,} parameters, BPE vocabulary {record['tokenizer']['vocab_size']} "
+            f"trained on the training articles; {record['training']['steps']} AdamW steps") in section
+    assert f"{record['seconds']['training']:.0f} s of training" in section
+    assert f"Peeling + swap-KL of 6 checkpoints: {run['seconds']:.0f} s." in section

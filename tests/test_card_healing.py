@@ -60,3 +60,43 @@ def test_malformed_or_empty_records_render_as_cannot_be_judged():
     card = healing_section({"healing": [_entry(tokens=None, perplexity=[1, 2])]})
     assert "| Training | — tokens, 1 steps," in card
     assert "| Perplexity before → after healing | not recorded in a readable form: this healing cannot be judged" in card
+
+
+def test_a_bool_in_a_numeric_field_is_never_printed_as_a_value():
+    """``True`` where a perplexity stage, a loss or a setting belongs is no measurement: the card
+    says so instead of printing ``True`` (or ``1.0000`` nats)."""
+    card = healing_section({"healing": [_entry(final_loss=True, learning_rate=True, seed=False,
+                                               perplexity={"dense": 10.0, "after_cut": True, "after_healing": 9.0,
+                                                           "start": "after_cut", "contract": "matched"})]})
+    assert "True" not in card and "False" not in card
+    assert "| Perplexity after the cut | not recorded as a number: cannot be judged |" in card
+    assert "| Final training loss | — nats/token |" in card
+    assert "learning rate —, seed —" in card
+    assert "| Perplexity after healing | 9.000 (-10.0% vs the dense model) |" in card
+    assert "cannot be judged on perplexity (no value before and after)" in card
+    nan = healing_section({"healing": [_entry(perplexity={"dense": 10.0, "after_cut": float("nan"), "after_healing": 9.0,
+                                                            "start": "after_cut", "contract": "matched"})]})
+    assert "| Perplexity after the cut | nan |" in nan
+
+
+def test_task_results_that_got_worse_are_marked_like_kl_and_perplexity():
+    """A task metric that moved the wrong way after healing is marked as the KL and the
+    perplexity are: by lm-eval's recorded ``higher_is_better``, else the metric's standard
+    direction; a metric of unknown direction is not judged."""
+    tasks = {"before": {"mc": {"acc": 0.5, "acc_stderr": 0.1, "acc_norm": 0.4}, "roll": {"word_perplexity": 30.0},
+                        "custom": {"score": 2.0}},
+             "after": {"mc": {"acc": 0.25, "acc_stderr": 0.1, "acc_norm": 0.6}, "roll": {"word_perplexity": 33.0},
+                       "custom": {"score": 1.0}},
+             "higher_is_better": {"mc": {"acc": True, "acc_norm": True}, "roll": {"word_perplexity": False}}}
+    table = tasks_table(tasks)
+    assert "| mc | acc | 0.5000 ± 0.1000 | 0.2500 ± 0.1000 | -0.2500; **worse than before healing** |" in table
+    assert "| mc | acc_norm | 0.4000 | 0.6000 | +0.2000 |" in table
+    assert "| roll | word_perplexity | 30.0000 | 33.0000 | +3.0000; **worse than before healing** |" in table
+    assert "| custom | score | 2.0000 | 1.0000 | -1.0000 |" in table
+    older = tasks_table({k: v for k, v in tasks.items() if k != "higher_is_better"})
+    assert "| mc | acc | 0.5000 ± 0.1000 | 0.2500 ± 0.1000 | -0.2500; **worse than before healing** |" in older
+    assert "| roll | word_perplexity | 30.0000 | 33.0000 | +3.0000; **worse than before healing** |" in older
+    flipped = tasks_table({**tasks, "higher_is_better": {"custom": {"score": True}}})
+    assert "| custom | score | 2.0000 | 1.0000 | -1.0000; **worse than before healing** |" in flipped
+    card = healing_section({"healing": [_entry(tasks=tasks)]})
+    assert "-0.2500; **worse than before healing**" in card

@@ -6,13 +6,14 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_layerswap as hl
 from conftest import counted_prune
 from hf_layerswap.calibration import CalibrationSet
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
+from hf_layerswap.scoring.head import Head
 
 FIXED = Throughput(1e9, 1e9, 1e9, source="fixed for the test")
 
@@ -53,6 +54,22 @@ def test_the_default_search_is_bounded_between_the_count_and_one_and_a_half_time
     assert heads <= estimate.head_passes <= 1.5 * heads
 
 
+@pytest.mark.parametrize("layers,n,protect", [(8, 2, None), (12, 3, None), (8, 2, [0])])
+def test_the_repair_aware_search_is_bounded_between_the_count_and_one_and_a_half_times_it(layers, n, protect):
+    """objective="ghosted": the operator fit's sweep, each candidate from its first removed
+    block (a cut through the last block, with it unprotected, from the embeddings)."""
+    cfg, calib = _tiny(layers), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=n, batch_size=4, objective="ghosted", recovery="ghosted",
+                                progress=False, **({} if protect is None else {"protect": protect}))
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    blocks, heads = counted_prune(cfg, config, calib)
+    assert not estimate.exact
+    assert blocks <= estimate.block_passes <= 1.5 * blocks
+    assert heads <= estimate.head_passes <= 1.5 * heads
+    if (layers, protect) == (8, None):  # every pair of blocks 1..6 is scored: the bound is the count
+        assert estimate.block_passes == blocks
+
+
 def test_streamed_weights_move_each_block_once_per_batch_and_sweep():
     cfg, calib = _tiny(8), _calibration()
     config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=4, progress=False)
@@ -60,6 +77,31 @@ def test_streamed_weights_move_each_block_once_per_batch_and_sweep():
     block_bytes = sum(p.numel() * 4 for p in LlamaForCausalLM(_tiny(1)).model.layers[0].parameters())
     assert estimate.bytes_moved == 8 * block_bytes * 2  # 8 blocks, 2 batches, the scoring's one sweep
     assert estimate.seconds == pytest.approx(estimate.flops / 1e9 + estimate.bytes_moved / 1e9)
+
+
+def test_an_offloaded_head_is_planned_in_vocabulary_slices_as_the_engine_streams_it(tmp_path, monkeypatch):
+    """A loaded model with its head on disk: the estimate plans the head in the vocabulary slices the
+    engine reads it in (one pass per slice), so its head passes and head rows are the scoring run's,
+    and its working memory holds one fp32 slice of the head, not the whole."""
+    cfg, calib = _tiny(4), _calibration()
+    torch.manual_seed(1)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    split = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map={"": "disk"},
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", batch_size=4, progress=False)
+    estimate = hl.estimate_cost(split, config, calibration=calib, throughput=FIXED, max_memory=1 << 30)
+    gemms = []
+    monkeypatch.setattr(Head, "slice_logits", lambda self, *a, _f=Head.slice_logits: (gemms.append(1), _f(self, *a))[1])
+    run = hl.score_layers(split, calib, batch_size=4, max_memory=1 << 30, protocols=("interchange",), progress=False)
+    assert run.metadata["head_streaming"] == "vocabulary slices of 8 entries read from the offload (16 per head phase)"
+    scoring = estimate.phases["scoring"]
+    assert scoring["head_rows"] == run.metadata["head_rows"]
+    assert scoring["head_passes"] == len(gemms) + 1  # and the model's own head call of the first batch's check
+    # in memory: one whole-vocabulary head/KL block of 64 positions (8 bytes per entry), the fp32 head used as is;
+    # streamed: a block of 64 positions x 8 entries (16 bytes per entry) and one fp32 slice of 8 x 32 of the head
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=None).eval()
+    in_memory = hl.estimate_cost(dense, config, calibration=calib, throughput=FIXED, max_memory=1 << 30)
+    assert in_memory.memory_parts["working"] - estimate.memory_parts["working"] == 8 * 64 * 128 - (16 * 64 * 8 + 4 * 8 * 32)
 
 
 def test_a_meta_device_70b_shape_reads_no_weight():

@@ -4,18 +4,23 @@ healing and sparsity, against forward hooks in the real prune of a tiny model.""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 import hf_layerswap as hl
-from conftest import counted_prune
+from arch_matrix import tiny_tokenizer
+from conftest import counted_prune, tiny_checkpoint
+from hf_layerswap import cost_steps
+from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
 from hf_layerswap.healing import heal
 from hf_layerswap.healing.methods import get_heal_method
 
 FIXED = Throughput(1e9, 2e9, 1e9, source="fixed for the test")
+TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
 
 
 def _tiny(layers: int = 8) -> LlamaConfig:
@@ -160,3 +165,114 @@ def test_healing_the_real_run_would_refuse_is_refused():
         _estimate({"layers": [2], "heal": {"method": "lora", "heldout_prompts": 4}}, _calibration(4))
     with pytest.raises(ValueError, match=r"heal option k=9: must be an int in 1\.\.7"):
         _estimate({"layers": [2], "heal": {"method": "last_k", "options": {"k": 9}}}, _calibration())
+
+
+# ------------------------------------------------------------------ healing's measurements
+def _text_of_1299_tokens(path):
+    """130 words of 9 letters: 1,299 characters, one token each under the character tokenizer."""
+    path.write_text(" ".join(["abcdefghi"] * 130) + "\n")
+    return str(path)
+
+
+def _measuring(text=None, recovery=None, **tasks):
+    healing = hl.HealConfig(max_tokens=96, seq_len=16, batch_size=2, eval_every=4, heldout_prompts=2,
+                            perplexity_text=text, **tasks)
+    return hl.LayerSwapConfig(layers=[3, 5], heal=healing, recovery=recovery, batch_size=4, progress=False,
+                              tokenizer=tiny_tokenizer())
+
+
+@pytest.mark.parametrize("recovery", [None, "ghosted"])
+def test_healing_perplexity_passes_equal_what_hooks_count_in_the_real_heal(tmp_path, recovery):
+    calib = _calibration(prompts=7)
+    config = _measuring(_text_of_1299_tokens(tmp_path / "eval.txt"), recovery)
+    estimate = _estimate(config, calib)
+    assert estimate.exact and estimate.phases["healing"]["exact"]
+    counted = counted_prune(_tiny(), config, calib)
+    assert (estimate.block_passes, estimate.head_passes) == counted
+    # the measurements' share alone: the same prune without them, subtracted
+    plain = counted_prune(_tiny(), _measuring(None, recovery), calib)
+    ppl = estimate.phases["healing"]["perplexity"]
+    assert (ppl["block_passes"], ppl["head_passes"]) == (counted[0] - plain[0], counted[1] - plain[1])
+    # matched windows of 512 tokens every 256 over 1,299 tokens: [0, 512) alone, three windows of
+    # 512 scoring 256 tokens each (2 forwards of 2 windows and 1), the last 275 tokens: 4 forwards
+    # per stage; the dense teacher runs 8 blocks, each later stage the 6 kept ones
+    stages = ["dense", "after_cut"] + (["after_repair"] if recovery else []) + ["after_healing"]
+    assert ppl["stages"] == stages and ppl["forwards_per_stage"] == 4
+    assert ppl["block_passes"] == 4 * 8 + (len(stages) - 1) * 4 * 6 and ppl["head_passes"] == 4 * len(stages)
+
+
+def test_healing_lm_eval_tasks_are_bounded_or_said_not_estimated(tmp_path):
+    pytest.importorskip("lm_eval")
+    calib = _calibration(prompts=7)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tmp_path / "missing.jsonl"
+    (tasks / "gen.yaml").write_text(
+        "task: layerswap_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {TASKS / 'layerswap_mc.jsonl'}\noutput_type: generate_until\ntest_split: test\n"
+        "doc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: exact_match\n")
+    (tasks / "gone.yaml").write_text(
+        "task: layerswap_gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\noutput_type: multiple_choice\ntest_split: test\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n")
+    for name in ("layerswap_mc.yaml", "layerswap_mc.jsonl", "layerswap_rolling.yaml", "layerswap_rolling.jsonl",
+                 "local_data.py"):
+        (tasks / name).write_text((TASKS / name).read_text())
+    counted_tasks = ["layerswap_mc", "layerswap_rolling"]
+    config = _measuring(eval_tasks=counted_tasks, eval_tasks_path=str(tasks), eval_tasks_limit=4)
+    estimate = _estimate(config, calib)
+    phase = estimate.phases["healing"]
+    blocks, heads = counted_prune(_tiny(), config, calib)
+    plain = counted_prune(_tiny(), _measuring(), calib)
+    assert not estimate.exact and not phase["exact"]
+    assert blocks <= estimate.block_passes and heads <= estimate.head_passes
+    assert (phase["tasks"]["block_passes"], phase["tasks"]["head_passes"]) == (blocks - plain[0], heads - plain[1])
+    # 4 questions of 4 choices: 16 loglikelihood requests, one forward each; 4 short documents, one window each
+    assert phase["tasks"]["forwards"] == {"layerswap_mc": 16, "layerswap_rolling": 4}
+    assert phase["tasks"]["block_passes"] == 2 * 20 * 6 and phase["not_estimated"] == []
+    lines = "\n".join(estimate.lines())
+    assert "of which lm-eval: at most 240 block passes, 40 head passes (20 forwards per run" in lines
+    every = _measuring(eval_tasks=[*counted_tasks, "layerswap_gen", "layerswap_gone"], eval_tasks_path=str(tasks),
+                       eval_tasks_limit=4)
+    estimate = _estimate(every, calib)
+    lines = "\n".join(estimate.lines())
+    assert "not estimated: lm-eval task 'layerswap_gen' (generate_until): its forwards depend on the generated" in lines
+    assert "not estimated: lm-eval task 'layerswap_gone': its requests could not be built here" in lines
+    assert estimate.phases["healing"]["tasks"]["block_passes"] == 240
+    estimate = _estimate(_measuring(eval_tasks=["hellaswag"]), calib)  # lm-eval's own task: nothing downloaded
+    assert estimate.phases["healing"]["not_estimated"] == [
+        "lm-eval tasks ['hellaswag']: lm-eval's own tasks read their documents from the Hub; the estimate builds "
+        "requests only from a local task folder (eval_tasks_path)"]
+
+
+def test_healing_lm_eval_without_lm_eval_installed_is_said_not_estimated(monkeypatch):
+    def missing(*_, **__):
+        raise ImportError("No module named 'lm_eval'")
+
+    monkeypatch.setattr(cost_steps, "task_requests", missing)
+    config = _measuring(eval_tasks=["layerswap_mc"], eval_tasks_path=str(TASKS))
+    phase = _estimate(config, _calibration(prompts=7)).phases["healing"]
+    assert phase["not_estimated"] == ["lm-eval tasks ['layerswap_mc']: lm-eval is not installed (pip install "
+                                      "'hf-layerswap[lm-eval]'), so their requests cannot be built"]
+    assert not phase["exact"] and "tasks" not in phase
+
+
+def test_healing_measurements_need_a_tokenizer(tmp_path):
+    config = _measuring(_text_of_1299_tokens(tmp_path / "eval.txt"))
+    config.tokenizer = None
+    with pytest.raises(ValueError, match="no tokenizer given and none could be loaded"):
+        _estimate(config, _calibration(prompts=7))
+
+
+def test_prune_dry_run_prints_the_healing_measurements(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base", LlamaForCausalLM(_tiny(6)))
+    text = _text_of_1299_tokens(tmp_path / "eval.txt")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--layers", "2", "--recovery", "ghosted",
+                 "--num-prompts", "8", "--seq-len", "16", "--heal", "--heal-perplexity", text,
+                 "--heal-eval-tasks", "layerswap_mc", "--heal-eval-tasks-path", str(TASKS),
+                 "--heal-eval-tasks-limit", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    # the word-level tokenizer: 130 words, 130 tokens, one window; 6 blocks dense, 5 at three stages
+    assert "of which perplexity: 21 block passes, 4 head passes (4 stages x 1 forwards: dense, after_cut, " in out
+    assert "of which lm-eval: at most " in out and "(8 forwards per run, before and after healing)" in out

@@ -279,6 +279,7 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
     split, _ = load_model(tmp_path / "base", max_memory=max_memory_map(f"cpu={weights // 2}"),
                           offload_folder=str(tmp_path / "offload"))
     assert "disk" in split.hf_device_map.values() and "cpu" in split.hf_device_map.values()
+    assert split.hf_device_map["lm_head"] == "disk"
     ours, theirs = (json.loads((tmp_path / n / "layerswap_report.json").read_text()) for n in ("memory", "offloaded"))
     assert len(ours["pairs"]) == len(theirs["pairs"]) > 0
     compared = 0
@@ -286,7 +287,10 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
         for f in FIELDS:
             assert (a[f] is None) == (b[f] is None), (a, b, f)  # the same protocols scored
             if a[f] is not None:
-                assert _rel(a[f], b[f]) <= 1e-5, (a, b, f)
+                # the head on disk is read in vocabulary slices (float64 online KL, test_streaming.py: the
+                # in-memory values with the same slices, bit for bit); in memory the whole vocabulary's
+                # fp32 log-softmax rounds these KLs of 1e-4 to 1e-3 nats by ~3e-8 nats (up to 2e-4 relative)
+                assert _rel(a[f], b[f]) <= 1e-3, (a, b, f)
                 compared += 1
     assert compared >= len(ours["pairs"])
     cuts = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["removed_layers"]

@@ -4,24 +4,17 @@ n = 6 target is judged against half the ghosted repair, and unrun cells are list
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, benchmark_script
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from runner import experiment_cells, load_experiment  # noqa: E402
 
-SCRIPT = REPO_ROOT / "benchmarks" / "heal.py"
-
 
 def _module():
-    spec = importlib.util.spec_from_file_location("heal_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["heal_benchmark"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("heal")
 
 
 def _cell(bench, method, healed_ppl, healed_dppl, kl_after, steps=64):

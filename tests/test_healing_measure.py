@@ -81,6 +81,32 @@ def test_pipeline_records_every_stage_with_one_contract(tmp_path, recovery):
     assert f"vs the start of healing ({'after the repair' if recovery else 'after the cut'})" in card
 
 
+def test_heal_measures_tokenize_the_perplexity_text_once(tmp_path, monkeypatch):
+    """Four stages (dense, after the cut, after the repair, after healing), one tokenization
+    of the text; every value bit for bit what evaluate_perplexity gives for that model alone."""
+    from hf_layerswap.evaluation import perplexity as perplexity_module
+
+    tok, text = tiny_tokenizer(), _text(tmp_path / "eval.txt")
+    dense = _dense()
+    repaired = copy.deepcopy(dense)
+    hl.recover(repaired, REMOVED, _calibration(), method="ghosted")
+    tokenized = []
+    tokenize = perplexity_module.tokenize_text
+    monkeypatch.setattr(perplexity_module, "tokenize_text", lambda *args: tokenized.append(args) or tokenize(*args))
+    measures = HealMeasures(perplexity_text=str(text), tokenizer=tok)
+    measures.check()
+    perplexity, _ = measures.finish(repaired, measures.start(repaired, dense))
+    assert len(tokenized) == 1
+    monkeypatch.undo()
+    cut = hl.remove_layers(copy.deepcopy(dense), REMOVED)
+    expected = {"dense": _ppl(dense, text, tok), "after_cut": _ppl(cut, text, tok),
+                "after_repair": _ppl(repaired, text, tok), "after_healing": _ppl(repaired, text, tok)}
+    assert {stage: perplexity[stage] for stage in expected} == expected
+    contract = hl.evaluate_perplexity(dense, str(text), tokenizer=tok, bootstrap=0, progress=False).contract
+    assert perplexity["text_sha256"] == contract["text_sha256"] and perplexity["words"] == contract["words"]
+    assert (perplexity["window"], perplexity["stride"], perplexity["start"]) == (512, 256, "after_repair")
+
+
 def test_replayed_cut_reads_the_record_for_both_teachers():
     dense = tiny_model("llama", num_blocks=6)
     once = hl.remove_layers(copy.deepcopy(dense), [1])
@@ -108,6 +134,7 @@ def test_heal_measures_lm_eval_tasks_before_and_after():
     assert report.tasks["before"] == before.results and report.tasks["after"] == after.results
     assert report.tasks["n_samples"] == {"layerswap_mc": 4} and report.tasks["settings"]["limit"] == 4
     assert report.tasks["task_hashes"] == before.task_hashes == after.task_hashes
+    assert report.tasks["higher_is_better"] == before.higher_is_better == {"layerswap_mc": {"acc": True, "acc_norm": True}}
     entry = student.config.layerswap["healing"][-1]
     assert entry["tasks"] == json.loads(json.dumps(report.tasks))
     card = healing_section(student.config.layerswap)

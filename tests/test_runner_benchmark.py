@@ -222,3 +222,33 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
     calls.clear()
     streaming.main(argv[:5] + ["--seq-len", "16", "--out", str(page)])  # another calibration: anew
     assert len(calls) == 8 and len(json.loads(page.with_suffix(".json").read_text())["rows"]) == 8
+
+
+def test_nested_store_names_a_cell_by_its_keys_at_each_level(tmp_path):
+    """depth=2: the layout of a table by criterion and budget (quality.py's compare_criteria state);
+    a cell written into the file by other code is seen, and put keeps what that code wrote."""
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"fingerprint": {"m": 1}, "criteria": {"tail": {"1": {"removed": [4]}}}}))
+    store = CellStore(path, fresh=dict, cells="criteria", depth=2, shared=True)
+    assert store.has("tail/1") and not store.has("tail/2") and store.cells == {"tail/1": {"removed": [4]}}
+    state = json.loads(path.read_text())
+    state["ppl"] = {"4": 30.0}  # the cell's own code writes the file ...
+    path.write_text(json.dumps(state))
+    store.put("search/2", {"removed": [2, 3]})  # ... and the store writes over the latest file
+    assert json.loads(path.read_text()) == {"fingerprint": {"m": 1}, "ppl": {"4": 30.0},
+                                            "criteria": {"tail": {"1": {"removed": [4]}},
+                                                         "search": {"2": {"removed": [2, 3]}}}}
+    with pytest.raises(ValueError, match=r"cell key 'search': a store of depth 2 names a cell by 2 keys"):
+        store.put("search", {})
+    with pytest.raises(ValueError, match=r"depth=0"):
+        CellStore(path, fresh=dict, depth=0)
+
+
+def test_keyed_merge_with_progress_keeps_the_record_further_along():
+    a = {"models": [{"model": "s", "done": 2, "v": [1, 2]}, {"model": "g", "done": 1, "v": [5]}]}
+    b = {"models": [{"model": "s", "done": 3, "v": [1, 2, 3]}, {"model": "g", "done": 1, "v": [5]}]}
+    options = {"union": (), "keyed": {"models": _model}, "progress": {"models": lambda r: r["done"]}}
+    assert merge_states([a, b], **options) == {"models": [b["models"][0], a["models"][1]]}
+    assert merge_states([b, a], **options) == b
+    with pytest.raises(MergeConflict, match=r"\$\.models\[g\]\.v"):  # the same point, other values
+        merge_states([a, {"models": [{"model": "g", "done": 1, "v": [6]}]}], **options)

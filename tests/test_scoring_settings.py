@@ -34,7 +34,7 @@ from hf_layerswap.scoring import AdaptiveBudget, plan_kl, removal_kl, score_laye
 from hf_layerswap.scoring import engine as scoring_engine
 from hf_layerswap.scoring.engine import run_plans
 from hf_layerswap.scoring.settings import DEFAULT_MAX_MEMORY, EngineSettings
-from hf_layerswap.scoring.kl import kl_rows, row_blocks
+from hf_layerswap.scoring.kl import chunk_bounds, kl_rows, OnlineKL, row_blocks
 from hf_layerswap.scoring.settings import device_batch_size, device_memory_budget, kl_block_bytes
 
 BUILT_IN = "['replacement', 'interchange']"
@@ -191,6 +191,27 @@ def test_accelerator_sized_kl_row_blocks_give_the_same_values(monkeypatch):
     blocks = row_blocks(300, 5000)  # 104 rows of 5000 fp32 per 2 MiB
     assert blocks[:2] == [(0, 104), (104, 208)] and row_blocks(300, 5000, GiB) == [(0, 300)]
     assert torch.equal(torch.cat([kl_rows(ref[a:b], logits[a:b]) for a, b in blocks]), kl_rows(ref, logits))
+
+
+def test_online_kl_over_vocabulary_slices_equals_the_float64_kl():
+    """One pass over slices (the reference's running maximum rising from slice to slice, rows in
+    two position blocks, row blocks of 64 bytes) gives KL(p || q) of the whole vocabulary computed
+    in float64 at once, to float64 rounding; with equal logits exactly 0."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(7, 1000, generator=gen) * 4 + torch.linspace(0, 12, 1000)  # maxima in the last slices
+    probes = [ref + 0.3 * torch.randn(7, 1000, generator=gen), ref.clone(), torch.randn(7, 1000, generator=gen)]
+    acc = OnlineKL(7, len(probes), "cpu", block_bytes=64)
+    for v0, v1 in chunk_bounds(1000, 128):
+        for a, b in ((0, 4), (4, 7)):
+            weights = acc.reference(a, b, ref[a:b, v0:v1])
+            for n, q in enumerate(probes):
+                acc.add(n, a, b, ref[a:b, v0:v1], weights, q[a:b, v0:v1])
+    lp = torch.log_softmax(ref.double(), -1)
+    truth = torch.stack([(lp.exp() * (lp - torch.log_softmax(q.double(), -1))).sum(-1) for q in probes])
+    got = acc.result()
+    assert got.shape == (3, 7) and got.dtype == torch.float64
+    assert torch.allclose(got[[0, 2]], truth[[0, 2]], rtol=1e-12, atol=0)
+    assert bool((truth[0] > 1e-3).all()) and float(got[1].abs().max()) < 1e-13
 
 
 def test_kl_block_bytes_by_device_kind():

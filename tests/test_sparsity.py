@@ -527,6 +527,35 @@ def test_benchmark_pals_verdict_rests_on_the_paired_sign_flip_test():
     assert "below uniform sparsegpt" in one and "1 calibration seed (PALS better on 1), no paired test" in one
 
 
+def test_benchmark_page_renders_results_scored_in_one_window():
+    """``--eval-words 200`` scores one 512-token window: the perplexities have no bootstrap
+    interval (``ci_low`` None) and the paired test vs uniform none either; the page shows the
+    dash where the interval goes instead of failing."""
+    bench = _sparsity_benchmark()
+    store = json.loads((REPO_ROOT / "benchmarks" / "results" / "sparsity-smollm2-135m.json").read_text())
+
+    def one_window(ppl):
+        return {**ppl, "windows": 1, "ci_low": None, "ci_high": None, "window_nll": [ppl["nll"]],
+                "window_tokens": [ppl["tokens"]]}
+
+    dense = store["dense|wordsNone"]
+    dense["ppl"] = one_window(dense["ppl"])
+    for run in store["runs"].values():
+        run["ppl"] = one_window(run["ppl"])
+    text = bench.render(store, "python benchmarks/sparsity.py --eval-words 200", "sparsity-smollm2-135m.json")
+    assert f"Dense PPL: **{dense['ppl']['ppl']:.3f}** [—]." in text
+    uniform = next(r for r in store["runs"].values() if r["allocation"] == "uniform" and r["pattern"] is None)
+    pals = next(r for r in store["runs"].values() if r["allocation"] == "pals" and r["pattern"] is None
+                and r["method"] == uniform["method"] and r["seed"] == uniform["seed"]
+                and r["report"]["target_sparsity"] == uniform["report"]["target_sparsity"])
+    assert f"| {uniform['ppl']['ppl']:.3f} [—] |" in text
+    change = 100 * (pals["ppl"]["ppl"] / uniform["ppl"]["ppl"] - 1)
+    assert f"| {change:+.2f} [—] |" in text
+    assert "the paired window-bootstrap 95% interval excludes 0 on 0 of 1 (no interval on 1: fewer than two windows " \
+           "score a token)." in text
+    assert "None" not in text
+
+
 def test_benchmark_cache_shared_by_processes_loses_no_run(tmp_path):
     """Two processes writing one result cache at once (each read-modify-write under the lock)
     keep every run of both."""

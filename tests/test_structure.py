@@ -5,6 +5,8 @@
 - ``benchmarks/`` and ``tests/`` use public names only: no ``from hf_layerswap.x import
   _private`` and no ``module._private`` attribute of an ``hf_layerswap`` module (a
   private attribute of a public class, e.g. to patch it in a test, is not counted);
+- no module of ``benchmarks/`` or ``tests/`` imports a name at module level that it never
+  uses;
 - no module is over :data:`MAX_LINES` lines unless the top of its docstring says why
   (the :data:`LARGE_MODULE_MARKER` phrase);
 - no function or method of the package is over :data:`MAX_FUNCTION_LINES` lines;
@@ -325,6 +327,36 @@ def test_private_use_finder(tmp_path):
 def test_no_private_names_outside_the_package(folder):
     bad = [use for path in sorted((ROOT / folder).rglob("*.py")) for use in _private_uses(path)]
     assert not bad, f"{folder}/ uses private hf_layerswap names:\n" + "\n".join(bad)
+
+
+def _unused_imports(path: Path) -> list[str]:
+    """``file:line name`` for every name a module-level import binds that the module never
+    reads (as a name, an attribute's root or an entry of ``__all__``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            for alias in node.names:
+                bound.setdefault(alias.asname or alias.name.split(".")[0], node.lineno)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            used |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return [f"{path.name}:{line} {name}" for name, line in bound.items() if name != "*" and name not in used]
+
+
+def test_unused_import_finder(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from __future__ import annotations\nimport os, sys\nimport numpy as np\n"
+                    "from a.b import c, d  # noqa: E402\nimport x.y\n__all__ = ['d']\n\n\n"
+                    "def f():\n    import json\n    return sys.argv, x.y\n")
+    assert _unused_imports(path) == ["probe.py:2 os", "probe.py:3 np", "probe.py:4 c"]
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "tests"])
+def test_no_unused_imports_outside_the_package(folder):
+    bad = [name for path in sorted((ROOT / folder).rglob("*.py")) for name in _unused_imports(path)]
+    assert not bad, f"{folder}/ imports names it never uses:\n" + "\n".join(bad)
 
 
 def test_large_modules_say_why():

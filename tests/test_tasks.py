@@ -73,6 +73,9 @@ def test_multiple_choice_accuracy_matches_direct_scoring(results, base_and_prune
     assert got.versions["layerswap_mc"] == 1.0
     assert len(got.task_hashes["layerswap_mc"]) == 64
     assert got.settings["num_fewshot"] == 0 and got.settings["max_length"] == WINDOW
+    assert got.higher_is_better == {"layerswap_mc": {"acc": True, "acc_norm": True},
+                                    "layerswap_rolling": {"word_perplexity": False, "byte_perplexity": False,
+                                                          "bits_per_byte": False}}
 
 
 @pytest.mark.parametrize("which", ["base", "pruned"])

@@ -18,18 +18,30 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _finite(value) -> bool:
+    """A finite number (a bool is not one: ``True`` is no measurement)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _nats(value) -> str:
-    return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else _DASH
+    return f"{value:.4f}" if _finite(value) else _DASH
 
 
 def _change(before, after) -> str:
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (before, after)) or not before:
+    if not (_finite(before) and _finite(after)) or not before:
         return _DASH
     return f"{100 * (after - before) / before:+.1f}%"
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _not_finite(value) -> str:
+    """The cell of a perplexity stage without a finite value: ``nan``/``inf`` kept visible
+    (a result to report), anything that is no number (a bool, a string) never printed as
+    if it were one."""
+    if value is None:
+        return "not measured"
+    if isinstance(value, float):
+        return str(value)
+    return "not recorded as a number: cannot be judged"
 
 
 def _kl_row(entry: Mapping) -> str:
@@ -88,7 +100,7 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
             continue
         value = ppl.get(stage)
         if not _finite(value):
-            rows.append((label.format(repair=ppl.get("repair") or "repair"), "not measured" if value is None else str(value)))
+            rows.append((label.format(repair=ppl.get("repair") or "repair"), _not_finite(value)))
             continue
         text = f"{value:.3f}"
         if _finite(dense) and stage != "dense":
@@ -113,9 +125,37 @@ def _distinct(entry: Mapping) -> str:
     return f" ({entry['distinct_tokens']:,} distinct, {text}, {entry['epochs']:.2f} epochs)"
 
 
+#: lm-eval's direction of its standard metrics, for records that do not carry
+#: ``higher_is_better`` (measured before it was kept): ``True`` = higher is better.
+_METRIC_DIRECTION = {
+    **dict.fromkeys(("acc", "acc_norm", "acc_mutual_info", "exact_match", "f1", "mcc", "bleu", "chrf"), True),
+    **dict.fromkeys(("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter", "brier_score"), False),
+}
+
+
+def _higher_is_better(tasks: Mapping, task: str, metric: str) -> bool | None:
+    """The recorded direction of ``metric`` (lm-eval's ``higher_is_better``), else the
+    standard one of :data:`_METRIC_DIRECTION`, else ``None`` (unknown: not judged)."""
+    recorded = tasks.get("higher_is_better")
+    per_task = recorded.get(task) if isinstance(recorded, Mapping) else None
+    direction = per_task.get(metric) if isinstance(per_task, Mapping) else None
+    return direction if isinstance(direction, bool) else _METRIC_DIRECTION.get(metric)
+
+
+def _task_change(tasks: Mapping, task: str, metric: str, before, after) -> str:
+    """The change cell: ``after - before``, marked **worse than before healing** when the
+    metric moved the wrong way (by its direction; none known: not marked)."""
+    if not (_finite(before) and _finite(after)):
+        return "cannot be judged"
+    higher = _higher_is_better(tasks, task, metric)
+    worse = higher is not None and (after < before if higher else after > before)
+    return f"{after - before:+.4f}" + ("; **worse than before healing**" if worse else "")
+
+
 def tasks_table(tasks: Mapping) -> str | None:
     """The markdown of a healing record's lm-eval tasks before and after healing (``None``
-    when none were measured); a record without both sides is flagged."""
+    when none were measured); a record without both sides is flagged, a metric that moved
+    the wrong way (lm-eval's ``higher_is_better``) is marked **worse than before healing**."""
     if not tasks:
         return None
     before, after = tasks.get("before"), tasks.get("after")
@@ -132,7 +172,7 @@ def tasks_table(tasks: Mapping) -> str | None:
             later = after.get(task) if isinstance(after.get(task), Mapping) else {}
             new = later.get(metric)
             cells = [_task_value(value, metrics.get(f"{metric}_stderr")), _task_value(new, later.get(f"{metric}_stderr")),
-                     f"{new - value:+.4f}" if _finite(value) and _finite(new) else "cannot be judged"]
+                     _task_change(tasks, task, metric, value, new)]
             lines.append(f"| {_cell(task)} | {_cell(metric)} | " + " | ".join(cells) + " |")
     s, versions = tasks.get("settings") or {}, tasks.get("versions") or {}
     hashes, counts = tasks.get("task_hashes") or {}, tasks.get("n_samples") or {}
@@ -152,6 +192,11 @@ def _task_value(value, err) -> str:
     return f"{value:.4f}" + (f" ± {err:.4f}" if _finite(err) and err > 0 else "")
 
 
+def _setting(value) -> str:
+    """A training setting as recorded (the dash for a missing one or a bool, which no setting is)."""
+    return _DASH if value is None or isinstance(value, bool) else str(value)
+
+
 def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _DASH
 
@@ -165,7 +210,7 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     rows = [
         ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
         ("Training", f"{_count(entry.get('tokens'))} tokens{_distinct(entry)}, {_count(entry.get('steps'))} steps, learning rate "
-                     f"{entry.get('learning_rate', _DASH)}, seed {entry.get('seed', _DASH)}"),
+                     f"{_setting(entry.get('learning_rate'))}, seed {_setting(entry.get('seed'))}"),
         ("Teacher", teacher),
         ("Data", data),
         ("Held-out KL(teacher ‖ student) before → after", _kl_row(entry)),

@@ -95,7 +95,8 @@ def run_prune(args) -> int:
         if args.gguf_file is not None:
             raise ValueError(f"--dry-run with --gguf-file {args.gguf_file!r}: the estimate reads a checkpoint's "
                              "config.json; give the (dequantized) checkpoint folder instead")
-        estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype)
+        estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype,
+                                 tokenizer=args.tokenizer)
         print("\n".join(estimate.lines()))
         return 0
     check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
@@ -112,7 +113,8 @@ def run_prune(args) -> int:
     model, tokenizer = load(args)
     steps_after = any(x is not None for x in (config.recovery, config.heal, config.sparsity))
     if report is None and (args.layers is None or steps_after) and is_main_process():
-        print("\n".join(estimate_cost(model, config, device=input_device(model)).lines()), flush=True)
+        print("\n".join(estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer).lines()),
+              flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
         heal_checkpoint_dir=heal_dir,

@@ -1,5 +1,6 @@
 """Sliding-window perplexity under a contract (:func:`evaluate_perplexity`,
-:func:`perplexity_from_ids`) and comparisons of two results (:func:`delta_ppl_percent`,
+:func:`perplexity_from_ids`; a text tokenized once and scored on several models:
+:func:`contract_tokens`, :func:`perplexity_of_tokens`) and comparisons of two results (:func:`delta_ppl_percent`,
 :func:`delta_ppl_ci`)."""
 
 from __future__ import annotations
@@ -31,6 +32,67 @@ from .contract import (
     sliding_windows,
 )
 from .rolling import evaluate_rolling
+
+
+def window_batches(spans: Sequence[tuple[int, int, int]], batch_size: int) -> list[tuple[int, int, list[int]]]:
+    """The forward passes of :func:`perplexity_from_ids` over ``spans``
+    (:func:`~hf_layerswap.evaluation.contract.sliding_windows`): windows of equal shape
+    (length, kept logits) grouped in order of first appearance, ``batch_size`` at a time.
+
+    Returns:
+        one ``(length, keep, members)`` per forward: the window length (tokens), the
+        logits kept (``end - score_from + 1``: the last position of the context and one
+        per scored token) and the indices into ``spans`` of its windows.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for k, (begin, end, score_from) in enumerate(spans):
+        groups.setdefault((end - begin, end - score_from + 1), []).append(k)
+    return [(length, keep, members[start : start + batch_size])
+            for (length, keep), members in groups.items() for start in range(0, len(members), batch_size)]
+
+
+def contract_tokens(text=None, tokenizer=None, *, contract: str = "matched", window: int | None = None,
+                    stride: int | None = None, max_words: int | None = None,
+                    add_bos: bool | None = None) -> tuple[torch.Tensor, int, int, dict]:
+    """The tokens :func:`evaluate_perplexity` scores under a named contract, and its windows.
+
+    Args:
+        text, contract, window, stride, max_words, add_bos: as for :func:`evaluate_perplexity`
+            (``contract`` ``"matched"`` or ``"full"``).
+        tokenizer: the tokenizer (required here).
+
+    Returns:
+        ``(ids, window, stride, record)``: the ``(T,)`` token ids, the window and stride
+        (tokens) in force, and the contract record (source, hashes, words, BOS handling).
+
+    Raises:
+        ValueError: an unknown ``contract`` or a bad ``max_words``; the errors of
+            :func:`~hf_layerswap.evaluation.contract.read_source`.
+    """
+    if contract not in CONTRACTS:
+        raise ValueError(f"contract={contract!r}: allowed {sorted(CONTRACTS) + ['rolling']}")
+    spec = CONTRACTS[contract]
+    window = spec["window"] if window is None else int(window)
+    stride = spec["stride"] if stride is None else int(stride)
+    words_limit = spec["max_words"] if max_words is None else int(max_words)
+    if words_limit is not None and words_limit < 1:
+        raise ValueError(f"max_words={max_words}: must be a positive number of words")
+    raw, source = read_source(text)
+    prepared, words = prepare_text(raw, words_limit)
+    ids, bos = tokenize_text(tokenizer, prepared, add_bos)
+    record = {
+        "name": contract,
+        **source,
+        "raw_text_sha256": sha256_text(raw),
+        "text_sha256": sha256_text(prepared),
+        "preparation": "non-empty lines joined with '\\n\\n'"
+        + (f"; first {words_limit} whitespace words rejoined with spaces" if words_limit else ""),
+        "max_words": words_limit,
+        "words": words,
+        "bos": bos,
+        "tokenizer": type(tokenizer).__name__,
+    }
+    return ids, window, stride, record
 
 
 @torch.no_grad()
@@ -87,26 +149,20 @@ def perplexity_from_ids(
 
     nll = np.zeros(len(spans), dtype=np.float64)
     counts = np.array([end - score_from for _, end, score_from in spans], dtype=np.int64)
-    # group windows of equal shape (length, number of kept logits) into batches
-    groups: dict[tuple[int, int], list[int]] = {}
-    for k, (begin, end, score_from) in enumerate(spans):
-        groups.setdefault((end - begin, end - score_from + 1), []).append(k)
 
     bar = tqdm(total=sum(end - begin for begin, end, _ in spans), desc="perplexity windows", unit=" token",
                disable=not progress, dynamic_ncols=True, leave=None)
     try:
-        for (length, keep), members in groups.items():
-            for start in range(0, len(members), batch_size):
-                chunk = members[start : start + batch_size]
-                batch = torch.stack([ids[spans[k][0] : spans[k][1]] for k in chunk]).to(device)
-                out = model(input_ids=batch, use_cache=False, logits_to_keep=keep)
-                # logits at positions length-keep .. length-1 predict tokens length-keep+1 .. length
-                logits = out.logits[:, -keep:-1, :]
-                targets = batch[:, length - keep + 1 :]
-                for row, k in enumerate(chunk):
-                    token_nll = F.cross_entropy(logits[row].float(), targets[row].to(logits.device), reduction="none")
-                    nll[k] = token_nll.double().sum().item()
-                bar.update(length * len(chunk))
+        for length, keep, chunk in window_batches(spans, batch_size):
+            batch = torch.stack([ids[spans[k][0] : spans[k][1]] for k in chunk]).to(device)
+            out = model(input_ids=batch, use_cache=False, logits_to_keep=keep)
+            # logits at positions length-keep .. length-1 predict tokens length-keep+1 .. length
+            logits = out.logits[:, -keep:-1, :]
+            targets = batch[:, length - keep + 1 :]
+            for row, k in enumerate(chunk):
+                token_nll = F.cross_entropy(logits[row].float(), targets[row].to(logits.device), reduction="none")
+                nll[k] = token_nll.double().sum().item()
+            bar.update(length * len(chunk))
     finally:
         bar.close()
         model.train(was_training)
@@ -210,44 +266,47 @@ def evaluate_perplexity(
                                 bootstrap=bootstrap, seed=seed, batch_size=batch_size)
     if contract not in CONTRACTS:
         raise ValueError(f"contract={contract!r}: allowed {sorted(CONTRACTS) + ['rolling']}")
-    spec = CONTRACTS[contract]
-    window = spec["window"] if window is None else int(window)
-    stride = spec["stride"] if stride is None else int(stride)
-    words_limit = spec["max_words"] if max_words is None else int(max_words)
-    if words_limit is not None and words_limit < 1:
-        raise ValueError(f"max_words={max_words}: must be a positive number of words")
     tokenizer = resolve_tokenizer(model, tokenizer)
+    tokens = contract_tokens(text, tokenizer, contract=contract, window=window, stride=stride, max_words=max_words,
+                             add_bos=add_bos)
+    return perplexity_of_tokens(model, tokens, bootstrap=bootstrap, seed=seed, batch_size=batch_size,
+                                paper_token_count=paper_token_count, progress=progress)
 
-    raw, source = read_source(text)
-    prepared, words = prepare_text(raw, words_limit)
-    ids, bos = tokenize_text(tokenizer, prepared, add_bos)
 
-    record = {
-        "name": contract,
-        **source,
-        "raw_text_sha256": sha256_text(raw),
-        "text_sha256": sha256_text(prepared),
-        "preparation": "non-empty lines joined with '\\n\\n'"
-        + (f"; first {words_limit} whitespace words rejoined with spaces" if words_limit else ""),
-        "max_words": words_limit,
-        "words": words,
-        "bos": bos,
-        "tokenizer": type(tokenizer).__name__,
-        # the local folder the weights were read from stays out: contracts get published
-        "model": {**public_identity(model), "fingerprint": model_fingerprint(model)},
-    }
-    return perplexity_from_ids(
-        model,
-        ids,
-        window=window,
-        stride=stride,
-        bootstrap=bootstrap,
-        seed=seed,
-        batch_size=batch_size,
-        paper_token_count=paper_token_count,
-        contract=record,
-        progress=progress,
-    )
+def perplexity_of_tokens(
+    model,
+    tokens: tuple[torch.Tensor, int, int, dict],
+    *,
+    bootstrap: int = 1000,
+    seed: int = 42,
+    batch_size: int = 2,
+    paper_token_count: bool = False,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on a text tokenized once by :func:`contract_tokens`: bit for bit
+    what :func:`evaluate_perplexity` gives on that text, without tokenizing it again (one
+    text scored on several models, e.g. the stages of a healing).
+
+    Args:
+        model: a causal LM (any dtype/device; evaluated in eval mode, no grad).
+        tokens: ``(ids, window, stride, record)`` of :func:`contract_tokens`; ``record`` is
+            not modified.
+        bootstrap, seed, batch_size, paper_token_count, progress: as for
+            :func:`evaluate_perplexity`.
+
+    Returns:
+        :class:`PerplexityResult`; ``contract`` is the text's record, the model's identity
+        and what :func:`perplexity_from_ids` records.
+
+    Raises:
+        ValueError: as :func:`perplexity_from_ids`.
+    """
+    ids, window, stride, record = tokens
+    # the local folder the weights were read from stays out: contracts get published
+    record = {**record, "model": {**public_identity(model), "fingerprint": model_fingerprint(model)}}
+    return perplexity_from_ids(model, ids, window=window, stride=stride, bootstrap=bootstrap, seed=seed,
+                               batch_size=batch_size, paper_token_count=paper_token_count, contract=record,
+                               progress=progress)
 
 
 # ----------------------------------------------------------------------------- comparisons

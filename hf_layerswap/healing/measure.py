@@ -15,15 +15,41 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..evaluation.perplexity import evaluate_perplexity
+from ..evaluation.contract import sliding_windows
+from ..evaluation.perplexity import contract_tokens, perplexity_of_tokens, window_batches
 from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
 from ..tasks import evaluate_tasks
 
-__all__ = ["HealMeasures", "PERPLEXITY_STAGES", "check_eval_tasks", "contract_summary", "replayed_cut", "repair_of_last_cut"]
+__all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
+           "contract_summary", "perplexity_forwards", "replayed_cut", "repair_of_last_cut"]
 
 #: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
 PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_healing")
+#: The contract of every perplexity healing measures, and its windows per forward.
+PERPLEXITY_CONTRACT = "matched"
+PERPLEXITY_BATCH = 2
+
+
+def _evaluated_text(perplexity_text):
+    return None if perplexity_text == "embedded" else perplexity_text
+
+
+def perplexity_forwards(perplexity_text, tokenizer) -> list[tuple[int, int, int]]:
+    """The forward passes of one perplexity evaluation :class:`HealMeasures` runs (the
+    :data:`PERPLEXITY_CONTRACT` contract's windows over ``perplexity_text`` read by
+    ``tokenizer``, :data:`PERPLEXITY_BATCH` windows per forward; no model needed).
+
+    Returns:
+        one ``(windows, length, keep)`` per forward: windows in the batch, their length
+        (tokens) and the positions whose logits the head computes.
+
+    Raises:
+        ValueError, FileNotFoundError: a text the evaluation would refuse (the message names it).
+    """
+    ids, window, stride, _ = contract_tokens(_evaluated_text(perplexity_text), tokenizer, contract=PERPLEXITY_CONTRACT)
+    spans = sliding_windows(len(ids), window, stride)
+    return [(len(members), length, keep) for length, keep, members in window_batches(spans, PERPLEXITY_BATCH)]
 
 
 def check_eval_tasks(tasks, path, limit, what: str) -> tuple[list[str] | None, int | float | None]:
@@ -130,10 +156,14 @@ class HealMeasures:
 
     def start(self, student: nn.Module, teacher: nn.Module) -> dict:
         """Everything measured before training: ``{"perplexity": {stage: ppl, ...}, "tasks":
-        TaskResults or None, "contract": ...}``."""
-        out: dict = {"perplexity": {}, "tasks": None, "contract": None}
+        TaskResults or None, "contract": ..., "tokens": ...}`` (the perplexity text is
+        tokenized once here, by :func:`contract_tokens` with the student's tokenizer, and
+        scored at every stage)."""
+        out: dict = {"perplexity": {}, "tasks": None, "contract": None, "tokens": None}
         if self.perplexity_text is not None:
-            dense = self._perplexity(teacher)
+            tokens = out["tokens"] = contract_tokens(_evaluated_text(self.perplexity_text), self.tokenizer,
+                                                     contract=PERPLEXITY_CONTRACT)
+            dense = self._perplexity(teacher, tokens)
             out["contract"] = dense.contract
             stages = {"dense": dense.ppl}
             repair = repair_of_last_cut(student)
@@ -141,10 +171,10 @@ class HealMeasures:
                 cut = replayed_cut(student, teacher)
                 if cut is not None:
                     with apply_plan(teacher, removal_plan(num_blocks(teacher), cut)):
-                        stages["after_cut"] = self._perplexity(teacher).ppl
-                stages["after_repair"] = self._perplexity(student).ppl
+                        stages["after_cut"] = self._perplexity(teacher, tokens).ppl
+                stages["after_repair"] = self._perplexity(student, tokens).ppl
             else:
-                stages["after_cut"] = self._perplexity(student).ppl
+                stages["after_cut"] = self._perplexity(student, tokens).ppl
             out["perplexity"] = {"stages": stages, "repair": repair}
         if self.eval_tasks is not None:
             out["tasks"] = self._tasks(student)
@@ -155,7 +185,7 @@ class HealMeasures:
         and the tasks before and after (``{}`` for what was not asked)."""
         perplexity, tasks = {}, {}
         if self.perplexity_text is not None:
-            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed).ppl}
+            stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed, start["tokens"]).ppl}
             contract = start["contract"] or {}
             repair = start["perplexity"]["repair"]
             perplexity = {**{k: stages.get(k) for k in PERPLEXITY_STAGES},
@@ -166,14 +196,14 @@ class HealMeasures:
         if self.eval_tasks is not None:
             before, after = start["tasks"], self._tasks(healed)
             tasks = {"before": before.results, "after": after.results, "settings": before.settings,
-                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples}
+                     "versions": before.versions, "task_hashes": before.task_hashes, "n_samples": before.n_samples,
+                     "higher_is_better": before.higher_is_better}
             if after.task_hashes != before.task_hashes:
                 tasks["mismatch"] = "the task documents or prompts differ between before and after"
         return perplexity, tasks
 
-    def _perplexity(self, model):
-        text = None if self.perplexity_text == "embedded" else self.perplexity_text
-        return evaluate_perplexity(model, text, tokenizer=self.tokenizer, bootstrap=0, progress=self.progress)
+    def _perplexity(self, model, tokens):
+        return perplexity_of_tokens(model, tokens, batch_size=PERPLEXITY_BATCH, bootstrap=0, progress=self.progress)
 
     def _tasks(self, model):
         return evaluate_tasks(model, list(self.eval_tasks), tokenizer=self.tokenizer, include_path=self.eval_tasks_path,

@@ -45,7 +45,8 @@ class HealReport(JsonResult):
             were measured under.
         tasks: when ``eval_tasks`` was given (else empty): ``before`` and ``after``
             (``{task: {metric: value}}`` of :class:`~hf_layerswap.tasks.TaskResults`) and the
-            ``settings``, ``versions``, ``task_hashes`` and ``n_samples`` they share.
+            ``settings``, ``versions``, ``task_hashes``, ``n_samples`` and ``higher_is_better``
+            (lm-eval's direction of each metric) they share.
         packing: ``True`` when the training text was packed into full windows
             (``heal(packing=True)`` on a text source), ``False`` for one prompt per
             paragraph or given tensors.

@@ -17,18 +17,23 @@ probe needs:
 - **Streamed KL.** Probes stop at the decoder output (the normalised final hidden state)
   and only real (non-pad) positions are kept. The output head then runs on blocks of
   ``kl_chunk`` positions x ``vocab_chunk`` vocabulary entries (a slice of the head's
-  weight rows), and KL(p_M || p_probe) is accumulated per position with an online
-  log-sum-exp, against the reference logits of the same block:
+  weight rows). With the whole vocabulary in one slice the KL is fp32 ``log_softmax``
+  arithmetic; with several, the phase runs slice by slice (each slice of the head taken
+  once for all positions and probes) and KL(p_M || p_probe) is accumulated per position
+  in one pass with an online log-sum-exp (the reference's running maximum rescales the
+  sums so far, :class:`.kl.OnlineKL`):
 
-      KL = sum_v p_v (z_ref,v - z_v) + (lse(z) - lse(z_ref)) sum_v p_v,   p = softmax(z_ref)
+      KL = sum_v p_v (z_ref,v - z_v) - lse(z_ref) + lse(z),   p = softmax(z_ref)
 
-  (an exact rearrangement of sum_v p_v (log p_v - log q_v); differences are taken before
-  products and log-sum-exps are summed in float64, so it is more accurate than fp32
-  ``log_softmax`` arithmetic). Neither logits nor log-probs are ever held for a whole
-  batch, let alone the calibration set: peak memory is ``O(kl_chunk * vocab_chunk)``
-  plus the residual streams of one batch, while the head GEMM keeps a large row count.
-  Heads that cannot be sliced (quantized, accelerate-offloaded) run whole, on fewer
-  positions per block.
+  (an exact rearrangement of sum_v p_v (log p_v - log q_v), summed in float64, so it is
+  more accurate than fp32 ``log_softmax`` arithmetic). Neither logits nor log-probs are
+  ever held for a whole batch, let alone the calibration set: peak memory is
+  ``O(kl_chunk * vocab_chunk)`` plus the residual streams of one batch, while the head
+  GEMM keeps a large row count. An accelerate-offloaded head (CPU or disk offload) is
+  read from the offload one vocabulary slice at a time, never whole (at least 16 slices;
+  :class:`~hf_layerswap.devices.OffloadedTensor`), and an offloaded input embedding reads
+  only the rows of the batch's ids (:func:`~hf_layerswap.devices.sliced_calls`). Heads
+  that cannot be sliced (quantized, custom) run whole, on fewer positions per block.
 - **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``; default ``"auto"``: a share of
   the device's free memory, capped at 1 GiB on a CPU and 8 GiB on an accelerator) sizes
   the vocabulary slice (or the position chunk), how many probes' final hidden states are
@@ -48,7 +53,8 @@ probe needs:
 - **Streaming offloaded models.** When accelerate offloads the decoder blocks (CPU or
   disk), every probe of a batch is advanced slot by slot and each block is read once per
   batch instead of at every call (:mod:`.slotmajor`); the values are the same. The
-  report's metadata records the blocks and bytes moved (``movement``; under several
+  report's metadata records how the head was taken (``head_streaming``), the blocks and
+  bytes moved and the bytes of the head and embedding read (``movement``; under several
   processes the sum over them, each one's own under ``per_process``) and the peak memory
   per device (``peak_memory``).
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set

@@ -33,7 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_positions, check_token_ids
-from ..devices import execution_device, offloaded_bytes, peak_memory
+from ..devices import execution_device, offloaded_bytes, peak_memory, sliced_calls
 from ..plan import StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
 from ..provenance import library_versions, report_identity
 from .checkpoint import ScoringCheckpoint, plans_digest
@@ -59,6 +59,10 @@ HEAD_BUDGET_FRACTION = 0.4
 #: Fewest positions per head/KL block for which the whole vocabulary is kept in one slice
 #: when the default block does not fit the budget; below it the vocabulary is sliced.
 MIN_WHOLE_VOCAB_CHUNK = 128
+
+#: Fewest vocabulary slices of a streamed (offloaded) head: at most ``1 / STREAMED_HEAD_SLICES``
+#: of its weight is read and resident at a time.
+STREAMED_HEAD_SLICES = 16
 
 
 class Engine:
@@ -139,7 +143,7 @@ class Engine:
             if slot_major:
                 raise ValueError(f"slot_major=True: {why}; leave slot_major=None")
             self.slot_major, self.slot_major_note = False, f"depth-first: {why}"
-        self.moved = {"block_onloads": 0, "bytes_moved": 0}
+        self.moved = {"block_onloads": 0, "bytes_moved": 0, "head_bytes_moved": 0, "embedding_bytes_moved": 0}
         self.onloads_per_batch: list[int] = []
 
     # -- sizing -----------------------------------------------------------------------
@@ -168,18 +172,22 @@ class Engine:
         :data:`HEAD_BUDGET_FRACTION` of the budget:
         one slice (the whole vocabulary) holds reference log-probs and probe logits, 8
         bytes per position and entry; several hold fp32 reference logits, float64
-        reference probabilities and fp32 probe logits, 16 bytes."""
+        reference weights and fp32 probe logits, 16 bytes. A streamed (offloaded) head is
+        always sliced, in at least :data:`STREAMED_HEAD_SLICES` slices."""
         vocab = self.head.vocab
         head_budget = int(HEAD_BUDGET_FRACTION * self.budget)
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
         if self.head.sliceable:
             if vocab_chunk is None:
                 fit = head_budget // (8 * vocab)  # positions whose whole-vocabulary block fits
-                if 8 * rows * vocab <= head_budget:
+                if self.head.streamed:  # never the whole head at once: slices under the budget and 1/16
+                    width = min(max(1, head_budget // (16 * rows)), math.ceil(vocab / STREAMED_HEAD_SLICES))
+                    vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
+                elif 8 * rows * vocab <= head_budget:
                     vocab_chunk = vocab
                 elif kl_chunk is None and fit >= MIN_WHOLE_VOCAB_CHUNK:
                     # fewer positions, whole vocabulary: one head GEMM and one fp32 log-softmax per
-                    # block, the arithmetic of the naive computation, instead of two passes over slices
+                    # block, the arithmetic of the naive computation, instead of a pass over slices
                     rows, vocab_chunk = fit, vocab
                 else:
                     width = max(1, head_budget // (16 * rows))
@@ -214,12 +222,21 @@ class Engine:
         }
 
     @property
+    def head_streaming(self) -> str:
+        """How the output head's weight is taken: in memory, or (offloaded) read from the
+        offload in vocabulary slices."""
+        if not self.head.streamed:
+            return "in memory"
+        return (f"vocabulary slices of {self.vocab_chunk} entries read from the offload "
+                f"({math.ceil(self.head.vocab / self.vocab_chunk)} per head phase)")
+
+    @property
     def kl_streaming(self) -> str:
         if not self.stream_logits:
             return "model logits (B, T, V), positions in chunks"
         if self.vocab_chunk >= self.head.vocab:
             return "position chunks, whole vocabulary, fp32 log-softmax"
-        return "position chunks x vocabulary slices, float64 online log-sum-exp"
+        return "vocabulary slices x position chunks, float64 online log-sum-exp (one pass)"
 
     def fingerprint(self) -> dict:
         return {
@@ -377,8 +394,7 @@ class Engine:
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
         rows = int(mask.sum())
-        passes = 1 if len(chunk_bounds(self.head.vocab, self.vocab_chunk)) == 1 else 2
-        refs = math.ceil(len(probes) / self._group_size(rows)) * passes
+        refs = math.ceil(len(probes) / self._group_size(rows))
         return work + self._head_blocks() * rows / positions * (refs + len(probes))
 
     def run_batches(self, batch_indices: Sequence[int]) -> None:
@@ -399,12 +415,20 @@ class Engine:
         counting += [blocks[b].register_forward_pre_hook(lambda *_, b=b: None if self.slot_major else self._moved(b))
                      for b in self.movable]
         self._bar = bar
+        head_read = self.head.bytes_read
         try:
-            with torch.no_grad(), hooks_removed(counting):
+            # an offloaded embedding reads only the rows of the batch's ids; the model's own call of an
+            # offloaded head (the first batch's check, stream_logits=False) reads it in vocabulary slices
+            with (torch.no_grad(), hooks_removed(counting),
+                  sliced_calls(self.model.get_input_embeddings()) as embedding,
+                  sliced_calls(self.head.module if self.head.streamed else None, self.vocab_chunk) as head_call):
                 for b in batch_indices:
                     self._run_batch(b, bar)
         finally:
             bar.close()
+            self.moved["head_bytes_moved"] += self.head.bytes_read - head_read
+            for key, source in (("embedding_bytes_moved", embedding), ("head_bytes_moved", head_call)):
+                self.moved[key] += source.bytes_read if source is not None else 0
             self.model.train(was_training)
             self.seconds += time.perf_counter() - t0
 
@@ -483,9 +507,8 @@ class Engine:
             if not pending:
                 return
             if self.stream_logits:
-                with self.head.resident():
-                    values = self.kl.head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
-                                                lambda n: bar.advance(head * n / ids.numel()))
+                values = self.kl.head_phase(ref, [h for _, h in pending], prompt_of_row, counts, bsz,
+                                            lambda n: bar.advance(head * n / ids.numel()))
             else:
                 values = [h for _, h in pending]
             keys = [p.key for p, _ in pending]
@@ -637,10 +660,13 @@ class Engine:
             **self.settings(),
         }
         out["slot_major"] = self.slot_major
+        out["head_streaming"] = self.head_streaming
         out["movement"] = {
             "offloaded_blocks": len(self.movable),
             "block_onloads": self.moved["block_onloads"],
             "bytes_moved": self.moved["bytes_moved"],
+            "head_bytes_moved": self.moved["head_bytes_moved"],
+            "embedding_bytes_moved": self.moved["embedding_bytes_moved"],
             "block_onloads_per_batch": list(self.onloads_per_batch),
             **getattr(self, "gathered_movement", {}),
         }

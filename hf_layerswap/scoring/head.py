@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
-from ..devices import offloaded_modules, onloaded
+from ..devices import execution_device, OffloadedTensor
 
 __all__ = ["decoder_output", "Head", "hooks_removed", "maybe_autocast", "param_dtype", "text_config"]
 
@@ -47,6 +47,12 @@ class Head:
     :meth:`release`); an fp32 head uses its own weight, so nothing changes there. Other
     heads (quantized or custom modules, or heads with forward hooks) run their own forward
     and their logits are upcast.
+
+    An offloaded plain ``nn.Linear`` head (accelerate disk or CPU offload: Gemma-3's tied
+    embedding and head is 62.5% of its weights) is *streamed*: :meth:`weight_slice` reads
+    only the vocabulary entries asked for from the offload's storage
+    (:class:`~hf_layerswap.devices.OffloadedTensor`), so the head/KL phase holds one slice
+    of it at a time (:class:`~hf_layerswap.scoring.streamed.StreamedKL`).
     """
 
     def __init__(self, model: nn.Module):
@@ -62,33 +68,26 @@ class Head:
             and type(m).forward is nn.Linear.forward
             and m.weight.is_floating_point()
         )
-        # a plain Linear with its weight in memory can be run on vocabulary slices and into the
-        # reused logit buffer (also under an accelerate hook that does not offload it: a "cpu"
-        # entry of a CPU device map; a fresh logit tensor per probe there fragments the heap by
-        # about one logit block per probe); quantized, offloaded or custom heads run whole
-        self.sliceable = self.linear and not has_offloaded_params(m) and m.weight.device.type != "meta"
+        #: an offloaded plain Linear: its weight is read from the offload in vocabulary slices
+        #: (:class:`~hf_layerswap.devices.OffloadedTensor`), never whole
+        self.source = OffloadedTensor.of(m, "weight") if self.linear else None
+        self._bias_source = OffloadedTensor.of(m, "bias") if self.source is not None and m.bias is not None else None
+        self.streamed = self.source is not None
+        # a plain Linear with its weight in memory (also under an accelerate hook that does not
+        # offload it: a "cpu" entry of a CPU device map; a fresh logit tensor per probe there
+        # fragments the heap by about one logit block per probe), or streamed from the offload,
+        # can be run on vocabulary slices; quantized or custom heads run whole
+        self.sliceable = self.streamed or (self.linear and not has_offloaded_params(m)
+                                           and m.weight.device.type != "meta")
         self._w32: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    @contextlib.contextmanager
-    def resident(self):
-        """For the duration of a head phase: an offloaded plain ``nn.Linear`` head's
-        weight brought to its execution device once (:func:`hf_layerswap.devices.onloaded`)
-        and used as a head in memory, instead of read again for every block of positions
-        and every probe. Nothing changes for a head in memory or any other head."""
-        m = self.module
-        if m is None or self.sliceable or not self.linear or not offloaded_modules(m):
-            yield
-            return
-        with onloaded(m):
-            self.sliceable = m.weight.device.type != "meta"
-            try:
-                yield
-            finally:
-                self.sliceable = False
-                self.release()
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of a streamed head's weight (and bias) read from the offload so far (0 in memory)."""
+        return sum(s.bytes_read for s in (self.source, self._bias_source) if s is not None)
 
     def weight32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(weight (V, H), bias (V,) or None)`` of a sliceable head in fp32: the head's own
+        """``(weight (V, H), bias (V,) or None)`` of a head in memory in fp32: the head's own
         tensors when they are fp32, else an fp32 copy kept until :meth:`release`."""
         w, b = self.module.weight, self.module.bias
         if w.dtype == torch.float32 and (b is None or b.dtype == torch.float32):
@@ -96,6 +95,18 @@ class Head:
         if self._w32 is None:
             self._w32 = (w.detach().float(), None if b is None else b.detach().float())
         return self._w32
+
+    def weight_slice(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 ``(weight (v1 - v0, H), bias (v1 - v0,) or None)`` of vocabulary entries
+        ``v0:v1``: views of :meth:`weight32` for a head in memory; for a streamed head those
+        rows read from the offload (only them) onto the head's execution device."""
+        if not self.streamed:
+            w, b = self.weight32()
+            return w[v0:v1], None if b is None else b[v0:v1]
+        device = execution_device(self.module)
+        (w,) = self.source.rows([(v0, v1)])
+        b = None if self._bias_source is None else self._bias_source.rows([(v0, v1)])[0].to(device, torch.float32)
+        return w.to(device, torch.float32), b
 
     def release(self) -> None:
         """Free the fp32 copy of a half-precision head's weight."""
@@ -121,8 +132,7 @@ class Head:
         if self.own_forward:
             return self._cap(m(hidden))
         if self.sliceable:
-            w, b = self.weight32()
-            return self._cap(nn.functional.linear(hidden.to(w.device, torch.float32), w, b))
+            return self.vocab_slice(hidden, 0, self.vocab)
         with align_module_device(m):  # accelerate brings offloaded weights to the execution device
             w, b = m.weight, m.bias
             out = nn.functional.linear(hidden.to(w.device, torch.float32), w.float(), None if b is None else b.float())
@@ -143,9 +153,12 @@ class Head:
 
     def vocab_slice(self, hidden: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
         """fp32 logits of vocabulary entries ``v0:v1`` only: ``(R, v1 - v0)``."""
-        w, b = self.weight32()
-        rows = hidden.to(w.device, torch.float32)
-        return self._cap(nn.functional.linear(rows, w[v0:v1], None if b is None else b[v0:v1]))
+        return self.slice_logits(hidden, *self.weight_slice(v0, v1))
+
+    def slice_logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits ``(R, W)`` of hidden rows ``(R, H)`` against a :meth:`weight_slice`
+        ``(W, H)`` (soft-capped)."""
+        return self._cap(nn.functional.linear(hidden.to(weight.device, torch.float32), weight, bias))
 
 
 def decoder_output(output) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The KL arithmetic of scoring: per-row KL(p_ref || softmax(logits)) in fp32 on row
-blocks (cache-sized on a CPU, large on an accelerator: the engine sizes them), the vocabulary-sliced online form with float64 log-sum-exps, and
+blocks (cache-sized on a CPU, large on an accelerator: the engine sizes them), the vocabulary-sliced one-pass online form with float64 log-sum-exps (:class:`OnlineKL`), and
 :func:`masked_kl` over real positions. Pure tensor maths, no model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import torch
 
 __all__ = [
-    "chunk_bounds", "KL_CHUNK_POSITIONS", "kl_rows", "KL_SUB_BYTES", "lse64", "masked_kl", "row_blocks", "VocabKL",
+    "chunk_bounds", "KL_CHUNK_POSITIONS", "kl_rows", "KL_SUB_BYTES", "lse64", "masked_kl", "OnlineKL", "row_blocks",
 ]
 
 #: Positions per chunk in :func:`masked_kl` (bounds temporary memory).
@@ -55,30 +55,59 @@ def lse64(logits: torch.Tensor, block_bytes: int = KL_SUB_BYTES) -> torch.Tensor
     return out
 
 
-class VocabKL:
-    """KL(p_ref || q) per row accumulated over vocabulary slices, exactly rearranged:
+class OnlineKL:
+    """KL(p_ref || q_n) per row and probe n, accumulated over vocabulary slices in one pass
+    (online log-sum-exp: the reference's running maximum rescales what was summed before):
 
-    sum_v p_v (log p_v - log q_v) = sum_v p_v (z_ref,v - z_v) + (lse(z) - lse(z_ref)) sum_v p_v
+    KL(P || Q) = sum_v p_v (z_v - y_v) - lse(z) + lse(y),   p = softmax(z)
 
-    with p = softmax(z_ref). Per slice a probe needs only its logits of that slice. The
-    two terms nearly cancel when the distributions are close, so p, the products and the
-    log-sum-exps are float64 (the logits stay fp32): the result is the KL of the fp32
-    logits to ~1e-7 relative."""
+    with z the reference's logits and y a probe's. Per slice and row it keeps the running
+    maximum m of z, s = sum exp(z - m) and, per probe, d = sum exp(z - m) (z - y) and lse(y);
+    at the end sum_v p_v (z_v - y_v) = d / s. The reference's slice is folded in first
+    (:meth:`reference`, which returns exp(z - m) for that slice), then each probe's
+    (:meth:`add`), so each slice of the head is needed once for all rows and probes.
+    Everything is float64 (the logits stay fp32): the two terms nearly cancel when the
+    distributions are close, and the result is the KL of the fp32 logits to float64 rounding.
 
-    def __init__(self, rows: int, device, block_bytes: int = KL_SUB_BYTES):
+    Args:
+        rows: positions ``R``; probes: probes ``N``; block_bytes: the row blocks' fp32 bytes.
+    """
+
+    def __init__(self, rows: int, probes: int, device, block_bytes: int = KL_SUB_BYTES):
         self.block_bytes = block_bytes
-        self.dot = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.lse = torch.full((rows,), -math.inf, dtype=torch.float64, device=device)
+        self.max = torch.full((rows,), -math.inf, dtype=torch.float64, device=device)
+        self.sum = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.dot = torch.zeros(probes, rows, dtype=torch.float64, device=device)
+        self.lse = torch.full((probes, rows), -math.inf, dtype=torch.float64, device=device)
 
-    def add(self, ref_logits: torch.Tensor, ref_probs: torch.Tensor, logits: torch.Tensor) -> None:
+    def reference(self, a: int, b: int, logits: torch.Tensor) -> torch.Tensor:
+        """Fold the reference's fp32 logits ``(b - a, W)`` of rows ``a:b`` (one vocabulary
+        slice) in; returns exp(z - m) ``(b - a, W)`` float64 for the probes' :meth:`add`."""
+        new_max = torch.maximum(self.max[a:b], logits.amax(dim=-1).double())
+        scale = (self.max[a:b] - new_max).exp_()  # 0 on the first slice (exp(-inf))
+        self.max[a:b] = new_max
+        self.sum[a:b] *= scale
+        self.dot[:, a:b] *= scale
+        weights = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
+        for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
+            weights[r0:r1] = (logits[r0:r1].double() - new_max[r0:r1].unsqueeze(-1)).exp_()
+        self.sum[a:b] += weights.sum(dim=-1)
+        return weights
+
+    def add(self, n: int, a: int, b: int, ref_logits: torch.Tensor, weights: torch.Tensor,
+            logits: torch.Tensor) -> None:
+        """Fold probe ``n``'s logits ``(b - a, W)`` of the same slice in (``weights`` from
+        :meth:`reference`)."""
         logits = logits.float()
-        for a, b in row_blocks(*logits.shape, self.block_bytes):
-            diff = (ref_logits[a:b] - logits[a:b]).double()
-            self.dot[a:b] += diff.mul_(ref_probs[a:b]).sum(dim=-1)
-        self.lse = torch.logaddexp(self.lse, lse64(logits, self.block_bytes))
+        for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
+            diff = ref_logits[r0:r1].double() - logits[r0:r1].double()
+            self.dot[n, a + r0:a + r1] += diff.mul_(weights[r0:r1]).sum(dim=-1)
+        self.lse[n, a:b] = torch.logaddexp(self.lse[n, a:b], lse64(logits, self.block_bytes))
 
-    def result(self, ref_lse: torch.Tensor, ref_mass: torch.Tensor) -> torch.Tensor:
-        return (self.dot + (self.lse - ref_lse) * ref_mass).clamp_min(0.0)
+    def result(self) -> torch.Tensor:
+        """Per probe and row KL ``(N, R)`` float64, clamped at 0."""
+        ref_lse = self.max + self.sum.log()
+        return (self.dot / self.sum - ref_lse + self.lse).clamp_min(0.0)
 
 
 @torch.no_grad()

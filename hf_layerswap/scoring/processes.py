@@ -156,7 +156,9 @@ def sum_movement(parts: list[tuple[dict, list[int]]]) -> dict:
     Returns:
         ``block_onloads``, ``bytes_moved`` (bytes) and ``block_onloads_per_batch`` summed
         over the processes (each process streams the blocks for its own share of the
-        probes), and ``per_process``: each process's own counters, in process order.
+        probes), the same for ``head_bytes_moved`` and ``embedding_bytes_moved`` where the
+        counters have them (a streamed head and embedding), and ``per_process``: each
+        process's own block counters, in process order.
     """
     per_process = [{"block_onloads": int(moved["block_onloads"]), "bytes_moved": int(moved["bytes_moved"]),
                     "block_onloads_per_batch": list(batches)} for moved, batches in parts]
@@ -166,5 +168,7 @@ def sum_movement(parts: list[tuple[dict, list[int]]]) -> dict:
         "bytes_moved": sum(p["bytes_moved"] for p in per_process),
         "block_onloads_per_batch": [sum(p["block_onloads_per_batch"][b] for p in per_process
                                         if b < len(p["block_onloads_per_batch"])) for b in range(width)],
+        **{key: sum(int(moved.get(key, 0)) for moved, _ in parts) for key in ("head_bytes_moved", "embedding_bytes_moved")
+           if any(key in moved for moved, _ in parts)},
         "per_process": per_process,
     }

@@ -2,15 +2,17 @@
 positions only) and the reference's go through the output head on blocks of
 ``kl_chunk`` positions x ``vocab_chunk`` vocabulary entries, and KL(p_M || p_probe) is
 summed per prompt; logits are never held for a whole batch (see
-:mod:`hf_layerswap.scoring`). The engine sizes the blocks (:mod:`.engine`); the maths is
-:mod:`.kl`."""
+:mod:`hf_layerswap.scoring`). With the vocabulary in several slices the phase runs slice by
+slice (:class:`.kl.OnlineKL`): each slice of the head's weight is taken once per phase
+(read from the offload for a streamed head) and used for every position and probe. The
+engine sizes the blocks (:mod:`.engine`); the maths is :mod:`.kl`."""
 
 from __future__ import annotations
 
 import torch
 
 from .head import maybe_autocast, Head
-from .kl import chunk_bounds, kl_rows, KL_SUB_BYTES, lse64, row_blocks, VocabKL
+from .kl import chunk_bounds, kl_rows, KL_SUB_BYTES, OnlineKL, row_blocks
 
 __all__ = ["StreamedKL"]
 
@@ -46,14 +48,45 @@ class StreamedKL:
                    done=None) -> list[torch.Tensor]:
         """Per-prompt mean KL for each probe's final hidden rows ``(R, H)``; ``done(n)`` is
         told the head rows each chunk ran (for the progress bar)."""
-        sums = [torch.zeros(bsz, dtype=torch.float64) for _ in hiddens]
-        for a, b in chunk_bounds(ref_hidden.shape[0], self.kl_chunk):
-            kls = self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens], done or (lambda n: None))
-            idx = prompt_of_row[a:b]
-            for n, kl in enumerate(kls):
-                sums[n].index_add_(0, idx, kl.double().cpu())
+        done = done or (lambda n: None)
+        rows = ref_hidden.shape[0]
+        bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
+        if len(bounds) > 1:
+            per_row = self._sliced_phase(ref_hidden, hiddens, bounds, done)
+        else:
+            blocks = [self._kl_block(ref_hidden[a:b], [h[a:b] for h in hiddens], done)
+                      for a, b in chunk_bounds(rows, self.kl_chunk)]
+            per_row = [torch.cat([blk[n] for blk in blocks]) for n in range(len(hiddens))]
         self.release()
-        return [s / counts for s in sums]
+        out = []
+        for kl in per_row:
+            sums = torch.zeros(bsz, dtype=torch.float64)
+            sums.index_add_(0, prompt_of_row, kl.double().cpu())
+            out.append(sums / counts)
+        return out
+
+    def _sliced_phase(self, ref_hidden, hiddens, bounds, done) -> list[torch.Tensor]:
+        """Per-row KL ``(R,)`` of each probe with the vocabulary in slices: slice by slice
+        (each slice of the head's weight taken once: :meth:`Head.weight_slice`), every block
+        of ``kl_chunk`` positions of the reference and then of each probe folded into one
+        :class:`.kl.OnlineKL`."""
+        rows = ref_hidden.shape[0]
+        self.stats["head_rows"] += rows * (1 + len(hiddens))
+        acc = OnlineKL(rows, len(hiddens), ref_hidden.device, self.block_bytes)
+        for v0, v1 in bounds:
+            w, b = self.head.weight_slice(v0, v1)
+            for a, c in chunk_bounds(rows, self.kl_chunk):
+                share = (c - a) * (v1 - v0) / self.head.vocab
+                with torch.autocast(device_type=ref_hidden.device.type, enabled=False):
+                    z_ref = self.head.slice_logits(ref_hidden[a:c], w, b)
+                    weights = acc.reference(a, c, z_ref)
+                    done(share)
+                    for n, h in enumerate(hiddens):
+                        acc.add(n, a, c, z_ref, weights, self.head.slice_logits(h[a:c], w, b))
+                        done(share)
+                del z_ref, weights
+            del w, b
+        return list(acc.result().to(ref_hidden.device).unbind(0))
 
     def logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
         """fp32 logits of vocabulary entries ``v0:v1`` of hidden rows ``(R, H)``.
@@ -87,44 +120,19 @@ class StreamedKL:
                 and not m._forward_hooks and not m._forward_pre_hooks)
 
     def _kl_block(self, ref_rows, rows, done) -> list[torch.Tensor]:
-        """Per-position KL of each probe over a block of positions; ``done(n)`` is told
-        after each head GEMM how many whole-vocabulary head rows it was worth.
-
-        With the whole vocabulary in one slice this is :func:`masked_kl`'s arithmetic (fp32
-        log-softmax); with several slices, :class:`VocabKL` (float64 accumulation, equal
-        to it within the fp32 log-softmax's own rounding)."""
-        bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
-        if len(bounds) == 1:
-            self.stats["head_rows"] += ref_rows.shape[0] * (1 + len(rows))
-            ref_lp = torch.log_softmax(self.logits(ref_rows, 0, self.head.vocab), dim=-1)
-            done(ref_rows.shape[0])
-            out = []
-            for h in rows:
-                logits = self.logits(h, 0, self.head.vocab)
-                kl = torch.empty(logits.shape[0], device=logits.device)
-                for a, b in row_blocks(*logits.shape, self.block_bytes):
-                    kl[a:b] = kl_rows(ref_lp[a:b], logits[a:b])
-                out.append(kl)
-                done(ref_rows.shape[0])
-                del logits  # else the next probe's logits are made while these are still held
-            return out
-        self.stats["head_rows"] += ref_rows.shape[0] * (2 + len(rows))
-        # pass 1: the reference log-sum-exp over the whole vocabulary
-        ref_lse = torch.logsumexp(torch.stack([lse64(self.logits(ref_rows, v0, v1), self.block_bytes)
-                                               for v0, v1 in bounds]), dim=0)
+        """Per-position KL of each probe over a block of positions with the whole vocabulary
+        in one slice (:func:`masked_kl`'s arithmetic: fp32 log-softmax); ``done(n)`` is told
+        after each head GEMM how many whole-vocabulary head rows it was worth."""
+        self.stats["head_rows"] += ref_rows.shape[0] * (1 + len(rows))
+        ref_lp = torch.log_softmax(self.logits(ref_rows, 0, self.head.vocab), dim=-1)
         done(ref_rows.shape[0])
-        mass = torch.zeros_like(ref_lse)
-        acc = [VocabKL(ref_rows.shape[0], ref_rows.device, self.block_bytes) for _ in rows]
-        for v0, v1 in bounds:  # pass 2: every probe against the same reference slice
-            share = ref_rows.shape[0] * (v1 - v0) / self.head.vocab
-            z_ref = self.logits(ref_rows, v0, v1)
-            probs = torch.empty(z_ref.shape, dtype=torch.float64, device=z_ref.device)
-            for a, b in row_blocks(*z_ref.shape, self.block_bytes):
-                probs[a:b] = (z_ref[a:b].double() - ref_lse[a:b].unsqueeze(-1)).exp_()
-            mass += probs.sum(dim=-1)
-            done(share)
-            for n, h in enumerate(rows):
-                acc[n].add(z_ref, probs, self.logits(h, v0, v1))
-                done(share)
-            del z_ref, probs
-        return [a.result(ref_lse, mass) for a in acc]
+        out = []
+        for h in rows:
+            logits = self.logits(h, 0, self.head.vocab)
+            kl = torch.empty(logits.shape[0], device=logits.device)
+            for a, b in row_blocks(*logits.shape, self.block_bytes):
+                kl[a:b] = kl_rows(ref_lp[a:b], logits[a:b])
+            out.append(kl)
+            done(ref_rows.shape[0])
+            del logits  # else the next probe's logits are made while these are still held
+        return out

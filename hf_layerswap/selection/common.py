@@ -35,7 +35,7 @@ class CriterionResult(JsonResult):
     """What a criterion chose for budget ``n`` and what it cost.
 
     Attributes:
-        name: criterion name (a key of :data:`CRITERIA`).
+        name: criterion name (a key of :func:`hf_layerswap.baselines.harness_criteria`).
         n: the budget (number of blocks removed).
         removed: removed blocks, 0-based, ascending (for ``random``: the first draw; all
             draws are in ``details["draws"]``).
