@@ -52,7 +52,7 @@ from hf_layerswap.plan import num_blocks  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -200,7 +200,7 @@ def new_state() -> dict:
 
 def load_state(path: Path) -> dict:
     if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_state(path)
     return new_state()
 
 

@@ -24,7 +24,6 @@ made in other processes; ``benchmarks/results/precision.md`` is rendered from th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _cmdline import command_line  # noqa: E402
-from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CALIBRATION = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -304,16 +303,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _merge(args) -> None:
     """``--merge-from``: runs of other models (e.g. one process per model) into ``--json``; the
-    first file's header (command, settings, machine) is kept, a model stored with different
-    values in two files is refused."""
-    reference = json.loads(args.json.read_text(encoding="utf-8"))["settings"]["max_n"] if args.json.is_file() else args.max_n
+    first file's header (command, machine) is kept; a piece measured with other settings, or a
+    model stored with different values in two files, is refused."""
+    reference = read_state(args.json)["settings"]["max_n"] if args.json.is_file() else args.max_n
     for path in args.merge_from:
-        other = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        other = read_state(path, "--merge-from results file") if path.is_file() else {}
         max_n = other.get("settings", {}).get("max_n", reference)  # a file of bare records takes the header's
         if max_n != reference:
             raise SystemExit(f"--merge-from {path}: max_n {max_n} differs from {reference} (the greedy sets' budgets)")
     merge_files(args.json, args.merge_from, union=(), keyed={"models": model_key},
-                first=("command", "settings", "machine", "versions", "started"))
+                first=("command", "machine", "versions", "started"))
 
 
 def main(argv=None):
@@ -321,7 +320,7 @@ def main(argv=None):
     if args.merge_from:
         _merge(args)
     if args.render_only:
-        state = json.loads(args.json.read_text(encoding="utf-8"))
+        state = read_state(args.json, "--render-only: results file")
         args.out.write_text(render(state), encoding="utf-8")
         return
     from hf_layerswap.jsonio import write_text_atomic

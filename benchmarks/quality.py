@@ -80,7 +80,7 @@ from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # 
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
 from hf_layerswap.report import PairResult, SwapReport  # noqa: E402
 from hf_layerswap.scoring import plan_kl  # noqa: E402
-from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -464,7 +464,10 @@ def main(argv=None) -> int:
         write_index(args.results)
         return 0
     if args.render_only:
-        for state_path in sorted(args.results.glob("quality-*.json")):
+        stored = sorted(args.results.glob("quality-*.json"))
+        if not stored:
+            raise SystemExit(f"--render-only: no quality-*.json in {args.results}: nothing to render")
+        for state_path in stored:
             render_stored(state_path)
         write_index(args.results)
         return 0
@@ -632,7 +635,10 @@ def write_markdown(path: Path, table, gap, extras, num_blocks, title, command_te
 def render_stored(state_path: Path) -> None:
     """Rewrite one model's page from its stored state (command, environment and numbers as
     recorded); the plot is left as it is."""
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    state = read_state(state_path, "--render-only: results file")
+    if "comparison" not in state:
+        raise SystemExit(f"--render-only: {state_path} holds cells but no table (a run stopped before its end, or "
+                         "merged pieces): run the model's command to build the table from the stored cells")
     table = CriterionComparison.from_dict(state["comparison"])
     num_blocks = next(iter(state["reports"].values()))["num_blocks"]
     title = f"{table.model['name']} ({num_blocks} blocks)"

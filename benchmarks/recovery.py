@@ -53,7 +53,7 @@ from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E4
 from hf_layerswap.report import SwapReport  # noqa: E402
 from hf_layerswap.scoring import score_layers  # noqa: E402
 from hf_layerswap.selection import select_layers  # noqa: E402
-from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 from wikitext import VALID as CALIBRATION  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
@@ -337,7 +337,7 @@ def merge_runs(out: Path, sources) -> None:
     for source in map(Path, sources):
         if not source.is_file():
             raise SystemExit(f"--merge-from {source}: no such results file")
-        stored = json.loads(source.read_text(encoding="utf-8"))
+        stored = read_state(source, "--merge-from results file")
         model = stored.get("result", {}).get("model")
         if model is None:
             raise SystemExit(f"--merge-from {source}: not a recovery results file (no result.model)")
@@ -373,7 +373,7 @@ def main(argv=None) -> None:
                       {"command": command, "settings": settings, "libraries": library_versions()})
     results, commands, libraries = [], [], []
     for path in sorted(out.parent.glob("recovery-*.json")):
-        stored = json.loads(path.read_text(encoding="utf-8"))
+        stored = read_state(path)
         if stored["settings"] != settings:
             print(f"{path.name}: other settings than this run ({stored['command']}); not rendered", flush=True)
             continue

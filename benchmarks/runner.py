@@ -11,7 +11,8 @@ The runner owns the rest:
 - **run** (:func:`run_cells`): cell by cell; each finished cell is stored at once in the
   results JSON (:class:`CellStore`, written all or nothing with
   :func:`hf_layerswap.jsonio.write_json_atomic`), so a stopped run loses at most the cell in
-  progress;
+  progress; a results file that is not one complete JSON object (cut short by another tool,
+  edited by hand) is refused with its name (:func:`read_state`) and never written over;
 - **resume**: a cell whose key is stored is not run again; with ``shared=True`` the store
   re-reads the file under a lock (``<json>.lock``) before each cell and merges each new cell
   into the file under that lock, so several processes can fill one results file at once;
@@ -65,6 +66,7 @@ __all__ = [
     "merge_keyed_lists",
     "merge_states",
     "merge_values",
+    "read_state",
     "run_cells",
 ]
 
@@ -75,6 +77,31 @@ EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
 class MergeConflict(ValueError):
     """Two results files hold different values under one key (a cell run twice with
     different outcomes, or other settings): the merge is refused."""
+
+
+def read_state(path: Path, what: str = "results file") -> dict:
+    """The results state stored at ``path`` (a JSON object).
+
+    Raises:
+        FileNotFoundError: no such file (the message names ``what`` and the path).
+        ValueError: a file that is not one complete JSON object (a copy or a write cut short,
+            an edit by hand): the message names it, where it breaks and what to do; the file
+            is left as it is (no store overwrites it, so no stored cell is lost).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path}: no such file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        state = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} {path} is not complete JSON ({err.msg} at character {err.pos} of {len(text)}): "
+                         "cut short or edited; restore it (e.g. from version control) or move it away to start "
+                         "anew; it is left as it is") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{what} {path} holds a JSON {type(state).__name__}, not a results state (an object); "
+                         "restore it or move it away to start anew")
+    return state
 
 
 def load_experiment(name: str | Path) -> dict:
@@ -235,13 +262,11 @@ def merge_files(destination: Path, sources: Sequence[Path], **options) -> dict:
 
     Raises:
         FileNotFoundError: a source that does not exist.
+        ValueError: a file that is not a complete results state (:func:`read_state`).
         MergeConflict: see :func:`merge_states` (``destination`` is then left as it was).
     """
-    paths = ([destination] if destination.is_file() else []) + [Path(s) for s in sources]
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"--merge-from {path}: no such results file")
-    merged = merge_states([json.loads(p.read_text(encoding="utf-8")) for p in paths], **options)
+    pieces = [read_state(s, "--merge-from results file") for s in sources]
+    merged = merge_states(([read_state(destination)] if destination.is_file() else []) + pieces, **options)
     write_json_atomic(merged, destination)
     return merged
 
@@ -273,7 +298,9 @@ class CellStore:
             ``state[cells]["search"]["3"]``, the layout of a table by criterion and budget).
 
     Raises:
-        ValueError: ``depth`` below 1, or (from :meth:`put`) a key without ``depth`` parts.
+        ValueError: ``depth`` below 1; a file that is not a complete results state
+            (:func:`read_state`: refused, never overwritten); from :meth:`put` and
+            :func:`run_cells` (before the cell runs), a key without ``depth`` parts.
     """
 
     def __init__(self, path: Path, fresh: Callable[[], dict], *, cells: str | tuple[str, ...] = "cells",
@@ -285,7 +312,7 @@ class CellStore:
 
     def _read(self) -> dict:
         if self.path.is_file():
-            return json.loads(self.path.read_text(encoding="utf-8"))
+            return read_state(self.path)
         return self.fresh()
 
     @contextlib.contextmanager
@@ -298,11 +325,17 @@ class CellStore:
             self.state = self._read()
             yield
 
-    def _parts(self, key: str) -> list[str]:
-        parts = key.split("/", self.depth - 1) if self.depth > 1 else [key]
-        if len(parts) != self.depth:
+    def check_key(self, key: str) -> list[str]:
+        """The keys of the cell ``key`` at each level.
+
+        Raises:
+            ValueError: a store of ``depth`` > 1 and a key that is not ``depth`` non-empty
+                keys joined with ``/`` (a key holding ``/`` itself would land at another level).
+        """
+        parts = key.split("/") if self.depth > 1 else [key]
+        if len(parts) != self.depth or not all(parts):
             raise ValueError(f"cell key {key!r}: a store of depth {self.depth} names a cell by {self.depth} "
-                             "keys joined with '/'")
+                             "non-empty keys joined with '/' (none of them holding '/')")
         return parts
 
     @property
@@ -335,7 +368,7 @@ class CellStore:
 
     def put(self, key: str, record: dict) -> None:
         """Store the finished cell ``key`` and write the file."""
-        *outer, last = self._parts(key)
+        *outer, last = self.check_key(key)
         self.update(lambda state: cell_node(state, (*self._path(), *outer)).__setitem__(last, record))
 
     def _path(self) -> tuple[str, ...]:
@@ -416,8 +449,12 @@ def run_cells(store: CellStore, cells: Iterable[tuple[str, object]], run_one: Ca
         cells: ``(key, cell)`` pairs; the key is what a rerun looks up.
         run_one: ``cell -> record`` (the JSON-able result stored under the key).
         tag: log prefix. describe: ``record -> str`` for the log line of a finished cell.
+
+    Raises:
+        ValueError: a key the store cannot hold (:meth:`CellStore.check_key`), before its cell runs.
     """
     for key, cell in cells:
+        store.check_key(key)  # refused before the cell runs, not after
         if store.has(key):
             continue
         _log(tag, f"{key} ...")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import shlex
 import statistics
@@ -60,6 +59,7 @@ from runner import (  # noqa: E402
     experiment_cells,
     load_experiment,
     merge_files,
+    read_state,
     run_cells,
 )
 from wikitext import wikitext_calibration  # noqa: E402
@@ -546,7 +546,7 @@ def main(argv=None):
         merge_files(Path(args.json), args.merge_from, union=("commands",), first=("settings",),
                     volatile=("eval_s", "sparsify_s", "seconds"))
     if args.render_only:
-        store = json.loads(Path(args.json).read_text())
+        store = read_state(Path(args.json), "--render-only: results file")
         text = render(store, "", Path(args.json).name)
         write_text_atomic(text, args.output)
         write_index(Path(args.output).parent)

@@ -66,7 +66,7 @@ from hf_layerswap.calibration import CalibrationSet, build_calibration  # noqa: 
 from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 from _cmdline import command_line  # noqa: E402
-from runner import CellStore, ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, run_cells  # noqa: E402
+from runner import CellStore, ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
 from hf_layerswap.provenance import library_versions  # noqa: E402
@@ -724,7 +724,7 @@ def merge_pieces(path: Path, sources, settings: dict | None) -> None:
     for source in sources:
         if not Path(source).is_file():
             raise SystemExit(f"--merge-from {source}: no such file (the JSON beside another run's --out page)")
-        pieces.append(json.loads(Path(source).read_text()))
+        pieces.append(read_state(Path(source), "--merge-from results file"))
         measured = {k: pieces[-1].get(k) for k in SETTING_KEYS}
         if settings is not None and measured != settings:
             raise SystemExit(f"--merge-from {source}: measured with {measured}, not this run's {settings}")
@@ -775,7 +775,7 @@ def main(argv=None):
     if args.render_only:
         if args.merge_from:
             merge_pieces(path, args.merge_from, None)
-        stored = json.loads(path.read_text())
+        stored = read_state(path, "--render-only: results file")
         write_markdown(out, stored["command"], stored)
         log("wrote", out)
         return

@@ -54,6 +54,7 @@ from runner import (  # noqa: E402
     experiment_cells,
     load_experiment,
     merge_files,
+    read_state,
     run_cells,
 )
 
@@ -300,7 +301,7 @@ def main(argv=None):
     if args.merge_from:
         merge(state, args.merge_from)
     if args.render_only:
-        write_markdown(out, json.loads(state.read_text()))
+        write_markdown(out, read_state(state, "--render-only: results file"))
         log("wrote", out)
         return
     import torch

@@ -50,10 +50,10 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .calibration import CalibrationSet
+from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
 from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
-                         recovery_phase, sparsity_phase)
+                         recovery_phase, sparsity_phase, text_tokenizer)
 from .models import BUNDLED, bundled_checkpoint_dir
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
@@ -63,7 +63,7 @@ from .rule import resolve_protect
 from .scoring.engine import plan_engine
 from .scoring.kl import kl_rows
 from .scoring.probes import make_probes, schedule_blocks
-from .scoring.settings import EngineSettings, device_memory_budget
+from .scoring.settings import EngineSettings, device_memory_budget, parse_memory
 from .scoring.verbs import swap_plans
 from .selection.search import search_allowances, search_select
 
@@ -139,6 +139,7 @@ class CostEstimate:
 
     def lines(self) -> list[str]:
         """A short block of lines for a terminal."""
+        source = f" ({self.throughput.source})" if self.throughput is not None else ""
         bounded = [name for name, p in self.phases.items() if not p.get("exact", True)]
         bound = "" if self.exact else f" (upper bound: {', '.join(bounded) or 'the search'})"
         mem = ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in self.peak_memory_bytes.items())
@@ -146,7 +147,7 @@ class CostEstimate:
             f"estimated cost{bound}: {self.block_passes:,} block passes, {self.head_passes:,} head passes, "
             f"{self.flops / 1e12:.2f} TFLOP",
             f"  peak memory: {mem}; weights moved: {self.bytes_moved / 2**30:.2f} GiB",
-            f"  about {_duration(self.seconds)} here ({self.throughput.source if self.throughput else ''})",
+            f"  about {_duration(self.seconds)}{source}",
             *(f"  {name:<9} {p['block_passes']:>10,} block passes {p['head_passes']:>8,} head passes "
               f"{p['flops'] / 1e12:8.3f} TFLOP  {_duration(p['seconds']):>7}" + ("" if p["exact"] else "  (upper bound)")
               for name, p in self.phases.items()),
@@ -194,16 +195,28 @@ def _meta_model(model_or_path, dtype):
     return model
 
 
-def _calibration(model, cfg: LayerSwapConfig, calibration) -> CalibrationSet:
+def _calibration(model, cfg: LayerSwapConfig, calibration, tokenizer) -> tuple[CalibrationSet, bool]:
+    """``(the prompts prune will score, whether they are the real ones)``: ``calibration`` or
+    ``cfg.calibration`` read as :func:`~hf_layerswap.prune` reads it
+    (:func:`~hf_layerswap.calibration.build_calibration`: given tensors checked and cut to
+    ``num_prompts``, a text source tokenized); ``num_prompts`` full prompts of ``seq_len``
+    tokens (the most there can be) without a tokenizer to read a text source, or when the
+    prune reads no prompt (given ``layers``, no repair, no sparsity)."""
     if isinstance(calibration, CalibrationSet):
-        return calibration
-    if isinstance(calibration, Mapping):
-        return CalibrationSet(calibration["input_ids"], calibration["attention_mask"], "given tensors")
-    if calibration is not None:
+        return calibration, True
+    if calibration is not None and not isinstance(calibration, Mapping):
         raise TypeError(f"calibration must be a CalibrationSet, a dict of input_ids/attention_mask or None; "
                         f"got {type(calibration).__name__}")
-    ids = torch.zeros(cfg.num_prompts, cfg.seq_len, dtype=torch.long)
-    return CalibrationSet(ids, torch.ones_like(ids), f"{cfg.num_prompts} full prompts of {cfg.seq_len} tokens")
+    source = cfg.calibration if calibration is None else calibration
+    reads = cfg.layers is None or cfg.recovery is not None or cfg.sparsity is not None
+    reader = None
+    if not isinstance(source, (CalibrationSet, Mapping)):
+        reader = text_tokenizer(model, cfg, tokenizer, required=False) if reads else None
+        if reader is None:
+            ids = torch.zeros(cfg.num_prompts, cfg.seq_len, dtype=torch.long)
+            return CalibrationSet(ids, torch.ones_like(ids), f"{cfg.num_prompts} full prompts of {cfg.seq_len} "
+                                  "tokens (no tokenizer to read the calibration text: the most there can be)"), False
+    return build_calibration(source, reader, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed), True
 
 
 # ---------------------------------------------------------------------- the counts
@@ -456,7 +469,7 @@ def _resident_bytes() -> int:
 # --------------------------------------------------------------------------- the verb
 def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=None, device=None,
                   dtype=None, throughput: Throughput | None = None, stream_weights: bool | None = None,
-                  max_memory: int | None = None, tokenizer=None) -> CostEstimate:
+                  max_memory: int | str | None = None, tokenizer=None) -> CostEstimate:
     """Predict what ``prune(model, config)`` will cost, without reading a weight.
 
     Args:
@@ -466,8 +479,11 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         config: the :class:`~hf_layerswap.LayerSwapConfig` (or its dict) of the prune; it
             needs ``num_to_remove`` (or ``layers``) as ``prune`` does.
         calibration: the prompts (a :class:`~hf_layerswap.calibration.CalibrationSet` or a
-            dict of ``input_ids``/``attention_mask``, shape ``(N, T)``); default
-            ``num_prompts`` full prompts of ``seq_len`` tokens (an upper bound on positions).
+            dict of ``input_ids``/``attention_mask``, shape ``(N, T)``, read as ``prune``
+            reads it: checked, its first ``num_prompts`` rows); default ``config.calibration``
+            read as ``prune`` reads it (a text source tokenized with ``tokenizer``); without a
+            tokenizer, ``num_prompts`` full prompts of ``seq_len`` tokens (the scoring then
+            an upper bound, ``exact=False``).
         device: where the prune will compute (default: the CPU); sets the working-memory
             budget, the throughput probe's device and the key of ``peak_memory_bytes``.
         dtype: the parameter dtype (default: the checkpoint's ``torch_dtype``, else fp32).
@@ -475,12 +491,14 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         stream_weights: the blocks live in CPU memory and are streamed to ``device``, each
             block once per batch and sweep (default: detected from the model's
             ``hf_device_map``).
-        max_memory: the scoring working-memory budget in bytes (default: what scoring
-            derives for ``device``, :func:`~hf_layerswap.scoring.settings.device_memory_budget`).
-        tokenizer: reads the texts of healing's measurements (``perplexity_text``,
-            ``eval_tasks``), whose passes are counted from their tokens; a tokenizer, a
-            folder or Hub id; default ``config.tokenizer``, else the checkpoint's own
-            (only loaded when healing measures something).
+        max_memory: the scoring working-memory budget as ``prune`` takes it: bytes or a
+            size such as ``"2GiB"`` (:func:`~hf_layerswap.scoring.settings.parse_memory`);
+            ``None``/``"auto"`` (default): what scoring derives for ``device``
+            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`).
+        tokenizer: reads the calibration text and the texts of healing's measurements
+            (``perplexity_text``, ``eval_tasks``), whose passes are counted from their
+            tokens; a tokenizer, a folder or Hub id; default ``config.tokenizer``, else the
+            checkpoint's own (loaded only when a text is read).
 
     Returns:
         a :class:`CostEstimate`; its ``derivation`` says how each number was obtained.
@@ -490,15 +508,18 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
             a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
             with no training prompt, healing measurements without a tokenizer to read their
-            texts, a path that is no checkpoint (the message names it).
+            texts, a path that is no checkpoint (the message names it), a CUDA ``device``
+            this machine lacks without ``max_memory`` and ``throughput`` (what would be read
+            of it), a ``max_memory`` that is no size.
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
     device = torch.device(device or "cpu")
+    _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
-    calib = _calibration(model, cfg, calibration)
-    budget = max_memory or device_memory_budget(device)[0]
+    calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
+    budget = device_memory_budget(device)[0] if max_memory in (None, "auto") else parse_memory(max_memory)
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     total_blocks = num_blocks(model)
     strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
@@ -510,6 +531,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         phases["scoring"] = _engine_counts(model, calib, plans, settings)
         scoring_engine = phases["scoring"].pop("engine")
         phases["scoring"]["sweeps"] = 1
+        phases["scoring"]["exact"] = calib_known
     exact = True
     if cfg.layers is None and strategy == "search":
         phases["selection"] = _search_counts(model, calib, cfg, settings)
@@ -522,6 +544,20 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         exact = False
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+
+
+def _check_device(device: torch.device, max_memory, throughput) -> None:
+    """Refuse a CUDA device this machine lacks when the estimate would read it (its free
+    memory for the budget, its speed for the rates)."""
+    here = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type != "cuda" or (here and (device.index is None or device.index < here)):
+        return
+    missing = [name for name, unset in (("max_memory", max_memory in (None, "auto")), ("throughput", throughput is None))
+               if unset]
+    if missing:
+        raise ValueError(f"device={str(device)!r} is not on this machine ({here} CUDA device(s)): to predict for "
+                         f"another machine pass {' and '.join(m + '=' for m in missing)} (its scoring memory "
+                         "budget, its rates)")
 
 
 def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer) -> dict:

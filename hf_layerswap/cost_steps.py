@@ -11,7 +11,8 @@ over one batch) and of the output head:
   the first kept block after the last cut); ``"fused"`` first checks each cut's host block
   on one batch of at most 2 prompts (two forwards to the slot after the host). Exact when
   the blocks are given (``layers``); otherwise an upper bound (the last removable block
-  taken as the last cut);
+  taken as the last cut; for ``"fused"``'s host checks, each of the deepest removable blocks
+  a cut of its own);
 - **sparsity** (:func:`~hf_layerswap.sparsity.sparsify`, batches of 8 prompts): the dense
   pass over every kept block, a gradient pass (forward, head, backward) for allocators that
   need one, then block by block a statistics replay (pruners with statistics) and the
@@ -40,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 from torch import nn
@@ -50,17 +52,20 @@ from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, perplexity_forwards
 from .healing.methods import LORA_TARGETS, cut_neighbours
+from .models import has_tokenizer_files, is_hub_id
 from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
 from .recovery.fit import cut_boundaries, select_rows
 from .recovery.methods import get_recovery_method
 from .rule import check_budget, resolve_protect
+from .selection.registry import strategy_entry
 from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
-from .tasks import request_forwards, task_requests
+from .tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_measures", "healing_phase",
-           "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase"]
+           "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
+           "text_tokenizer"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -135,14 +140,18 @@ def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
 
 def check_removal(cfg: LayerSwapConfig, total: int) -> None:
     """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
-    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), layers
-    out of range or duplicated, or every block.
+    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), what the
+    strategy refuses after the scoring (its ``check_config``, e.g. a search's
+    ``max_evaluations`` below its first sweep), layers out of range or duplicated, or every
+    block.
 
     Raises:
         ValueError: naming the budget or the layers and what the model allows.
     """
     if cfg.layers is None:
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        entry = strategy_entry(cfg.strategy)
+        strategy_entry(entry.strategy_for(cfg.protocol)).check_config(cfg, total)
         return
     removed = resolve_layer_indices(cfg.layers, total)
     if len(removed) >= total:
@@ -164,18 +173,20 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     phase = _phase(exact, f"{rec.method} fit on the first {rec.num_tokens or DEFAULT_NUM_TOKENS:,} real tokens, "
                           f"each batch up to slot {max(slots)}" + ("" if exact else " (the deepest possible cut)"))
     num_tokens = rec.num_tokens or DEFAULT_NUM_TOKENS
-    if rec.method == "fused":  # the host check: two forwards to the slot after each host, on one batch
+    if rec.method == "fused":  # the host check: two forwards to the slot after each host, on one batch;
+        # blocks not yet chosen: each of the deepest removable ones a cut of its own (the most checks there can be)
         ids, _, _ = next(select_rows(calib, min(cfg.batch_size, 2), num_tokens))
-        for cut in cuts:
-            if cut["host"] is not None:
-                for _ in range(2):
-                    _add_forward(phase, shape, cut["host"] + 1, ids.shape[0], ids.shape[1], head=False)
+        hosts = [c["host"] for c in cuts] if exact else [i - 1 for i in removed]
+        for host in (h for h in hosts if h is not None and h >= 0):
+            for _ in range(2):
+                _add_forward(phase, shape, host + 1, ids.shape[0], ids.shape[1], head=False)
     most = 0
     for ids, mask, keep in select_rows(calib, cfg.batch_size, num_tokens):
         _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
         held = len(slots) * ids.numel() * shape.hidden * shape.es + len(slots) * int(keep.sum()) * shape.hidden * 8
         most = max(most, held + shape.activation_bytes(ids.shape[0], ids.shape[1]))
-    moments = 8 * shape.hidden**2 * (2 * len(removed) + len(cuts))  # float64 XᵀX, XᵀY per removed block and cut
+    # float64 XᵀX, XᵀY per removed block and cut (blocks not yet chosen: up to one cut each)
+    moments = 8 * shape.hidden**2 * (2 * len(removed) + (len(cuts) if exact else len(removed)))
     phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + most + moments
     return phase
 
@@ -358,21 +369,48 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
         lm_eval_passes(phase, shape, cfg, kept, tokenizer)
 
 
+def text_tokenizer(model, cfg: LayerSwapConfig, tokenizer, required: bool = True):
+    """The tokenizer that reads a prune's texts (its calibration, healing's measurements):
+    ``tokenizer`` (an object, a folder or Hub id), else ``cfg.tokenizer``, else the model's
+    own; ``None`` when none is given and the model's own cannot be loaded, unless ``required``.
+
+    Raises:
+        ValueError: ``required`` and none given nor loaded (the message says to pass one).
+        FileNotFoundError: a ``tokenizer`` path that is neither a folder nor a Hub id.
+    """
+    tokenizer = tokenizer if tokenizer is not None else cfg.tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        name = os.fspath(tokenizer)
+        if not Path(name).expanduser().is_dir() and not is_hub_id(name):
+            raise FileNotFoundError(f"tokenizer={name!r} is not a folder, and not a Hub id of the form 'owner/name'")
+        return AutoTokenizer.from_pretrained(name)
+    if tokenizer is not None:
+        return tokenizer
+    source = getattr(model, "name_or_path", None)
+    if source and os.path.isdir(source) and not has_tokenizer_files(source):  # transformers would build an empty one
+        if required:
+            raise ValueError(f"no tokenizer given and the checkpoint {source!r} has none; pass tokenizer=...")
+        return None
+    try:
+        return resolve_tokenizer(model, None)
+    except ValueError:
+        if required:
+            raise
+        return None
+
+
 def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
-    """The tokenizer that reads healing's measurement texts: ``tokenizer`` (an object, a
-    folder or Hub id), else ``cfg.tokenizer``, else the model's own; ``None`` when healing
-    measures nothing.
+    """The tokenizer that reads healing's measurement texts (:func:`text_tokenizer`);
+    ``None`` when healing measures nothing.
 
     Raises:
         ValueError: none given and none can be loaded (the message says to pass one).
+        FileNotFoundError: a ``tokenizer`` path that is neither a folder nor a Hub id.
     """
     heal = cfg.heal
     if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
         return None
-    tokenizer = tokenizer if tokenizer is not None else cfg.tokenizer
-    if isinstance(tokenizer, (str, os.PathLike)):
-        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
-    return resolve_tokenizer(model, tokenizer)
+    return text_tokenizer(model, cfg, tokenizer)
 
 
 def measure_lines(phase: dict) -> list[str]:
@@ -400,14 +438,21 @@ def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: i
     per rolling window of a ``loglikelihood_rolling`` document), each through the ``kept``
     blocks and the head over every position. Not estimated, with the reason in
     ``phase["not_estimated"]``: lm-eval's own tasks (no ``eval_tasks_path``: their documents
-    come from the Hub, and an estimate downloads nothing), ``generate_until`` tasks (one
-    forward per generated token), tasks whose documents cannot be loaded, every task when
-    lm-eval is not installed.
+    come from the Hub, and an estimate downloads nothing; their names are still checked
+    against lm-eval's index), ``generate_until`` tasks (one forward per generated token), tasks
+    whose documents cannot be loaded, every task when lm-eval is not installed.
+
+    Raises:
+        ValueError: a task name lm-eval does not know (:func:`~hf_layerswap.tasks.check_task_names`).
     """
     heal = cfg.heal
     phase["exact"] = False
     skipped = phase.setdefault("not_estimated", [])
     if heal.eval_tasks_path is None:
+        try:  # a name lm-eval does not know would stop the real run after the scoring
+            check_task_names(heal.eval_tasks)
+        except ImportError:
+            pass  # said below: the requests are not built either way
         skipped.append(f"lm-eval tasks {heal.eval_tasks}: lm-eval's own tasks read their documents from the Hub; "
                        "the estimate builds requests only from a local task folder (eval_tasks_path)")
         return

@@ -44,6 +44,7 @@ from transformers import AutoTokenizer
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig, protect_clash
 from .healing import HealReport, heal
+from .healing.measure import HealMeasures
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
@@ -131,7 +132,8 @@ def prune(
 
     Raises:
         ValueError: an impossible budget or contradictory ``layers``/``protect`` (before
-            any scoring), a ``report`` of another model or without the protocol the
+            any scoring), a healing perplexity text or lm-eval task that healing would refuse
+            (before any scoring too; FileNotFoundError for a missing text), a ``report`` of another model or without the protocol the
             strategy reads, ``checkpoint_path`` when nothing is scored, a text calibration
             without a tokenizer to read it (the message says to pass ``tokenizer=``), and
             the errors of the steps (see
@@ -147,6 +149,7 @@ def prune(
     entry = strategy_entry(strategy)
     total = num_blocks(model)
     _check_before_work(model, cfg, report, strategy, total)
+    _check_heal_measures(model, cfg, tokenizer)
     if checkpoint_path is not None and (cfg.layers is not None or report is not None):
         given = "explicit layers" if cfg.layers is not None else "a report"
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
@@ -239,6 +242,7 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     """Everything that can be refused before a forward pass."""
     if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
+        strategy_entry(strategy).check_config(cfg, total)  # nor what the strategy refuses after the scoring
     if cfg.layers is not None and getattr(cfg, "_protect_given", False):  # -1 and L-1 are one block
         clash = sorted({i % total for i in cfg.layers if -total <= i < total}
                        & {i % total for i in cfg.protect if -total <= i < total})
@@ -254,6 +258,16 @@ def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total
     if cfg.layers is None and cfg.num_to_remove is not None and missing:
         raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
                          f"protocol={cfg.protocol!r} reads {missing}: score those protocols or choose another strategy")
+
+
+def _check_heal_measures(model, cfg: LayerSwapConfig, tokenizer) -> None:
+    """Healing's perplexity text and lm-eval task names, refused before the scoring rather
+    than when healing measures them (:meth:`~hf_layerswap.healing.measure.HealMeasures.check_sources`)."""
+    heal = cfg.heal
+    if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
+        return
+    tok = _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
+    HealMeasures(heal.perplexity_text, heal.eval_tasks, heal.eval_tasks_path, heal.eval_tasks_limit, tok).check_sources()
 
 
 def _calibration(model, cfg: LayerSwapConfig, source, tokenizer) -> CalibrationSet:

@@ -16,19 +16,24 @@ task index is not scanned then, which keeps the call offline-fast).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import datasets.config
 from huggingface_hub import EvalResult
+from huggingface_hub import constants as hub_constants
 
 from .devices import input_device
 from .evaluation import resolve_tokenizer
 from .jsonio import JsonResult, decode_tree
 from .provenance import public_identity
 
-__all__ = ["TaskResults", "evaluate_tasks", "request_forwards", "task_card_section", "task_requests"]
+__all__ = ["TaskResults", "check_task_names", "evaluate_tasks", "offline_documents", "request_forwards", "task_card_section",
+           "task_requests"]
 
 
 def _require_lm_eval():
@@ -175,6 +180,19 @@ def evaluate_tasks(
     )
 
 
+def check_task_names(tasks: str | Sequence[str], include_path=None) -> list[str]:
+    """``tasks`` as a list, each checked against lm-eval's task index (its own tasks, or the
+    YAML folders ``include_path`` only), as :func:`evaluate_tasks` checks them; nothing is
+    downloaded (the index is read from the installed task files).
+
+    Raises:
+        ImportError: lm-eval is not installed. ValueError: empty or unknown task names (the
+        message names them). FileNotFoundError: an ``include_path`` that is not a folder.
+    """
+    _require_lm_eval()
+    return _task_manager(tasks, include_path)[0]
+
+
 def _task_manager(tasks, include_path):
     """``(names, TaskManager)``: the task names checked, and lm-eval's task index over
     ``include_path`` only (or lm-eval's own tasks)."""
@@ -209,17 +227,47 @@ def task_requests(tasks: str | Sequence[str], *, limit: int | float | None = Non
         continuation)`` of a ``loglikelihood`` request); ``{task: {"error": reason}}`` for a
         task lm-eval could not build here (its documents could not be loaded).
 
+    The documents load offline (the Hub switched off for ``huggingface_hub`` and
+    ``datasets``: a task whose documents are on the Hub gets an error, nothing is
+    downloaded) into a throwaway ``datasets`` cache (nothing is written to the user's
+    cache); both are restored on return (:func:`offline_documents`).
+
     Raises:
         ImportError: lm-eval is not installed. ValueError, FileNotFoundError: as
         :func:`evaluate_tasks` (empty or unknown task names, a missing ``include_path``).
     """
     _require_lm_eval()
+    names, manager = _task_manager(tasks, include_path)
+    with offline_documents():
+        return _built_requests(names, manager, limit, num_fewshot, seed)
+
+
+@contextlib.contextmanager
+def offline_documents():
+    """Within: the Hub offline (``huggingface_hub``'s and ``datasets``' switches, so any
+    request raises instead of downloading) and ``datasets``' cache and downloads in a
+    temporary folder removed on exit; the settings before are restored on exit."""
+    names = ("HF_DATASETS_CACHE", "DOWNLOADED_DATASETS_PATH", "EXTRACTED_DATASETS_PATH", "HF_HUB_OFFLINE")
+    saved = hub_constants.HF_HUB_OFFLINE, {n: getattr(datasets.config, n) for n in names}
+    with tempfile.TemporaryDirectory(prefix="layerswap-documents-") as folder:
+        hub_constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+        datasets.config.HF_DATASETS_CACHE = Path(folder)
+        datasets.config.DOWNLOADED_DATASETS_PATH = Path(folder) / "downloads"
+        datasets.config.EXTRACTED_DATASETS_PATH = Path(folder) / "downloads" / "extracted"
+        try:
+            yield
+        finally:
+            hub_constants.HF_HUB_OFFLINE = saved[0]
+            for name, value in saved[1].items():
+                setattr(datasets.config, name, value)
+
+
+def _built_requests(names, manager, limit, num_fewshot: int, seed: int) -> dict[str, dict]:
     from lm_eval.evaluator_utils import get_sample_size
 
-    names, manager = _task_manager(tasks, include_path)
     out = {}
     for name in names:
-        try:  # the task's documents load here (a download for most of lm-eval's own tasks)
+        try:  # the task's documents load here (offline: lm-eval's own tasks get an error)
             built = manager.load([name])["tasks"]
         except Exception as err:  # noqa: BLE001 - lm-eval and datasets raise many kinds; the reason is kept
             out[name] = {"error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"}

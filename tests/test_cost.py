@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_layerswap as hl
-from conftest import counted_prune
-from hf_layerswap.calibration import CalibrationSet
+from conftest import counted_prune, tiny_checkpoint
+from hf_layerswap.calibration import CalibrationSet, build_calibration
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
 from hf_layerswap.scoring.head import Head
@@ -162,5 +163,148 @@ def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
         main(["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "nope", "--dry-run"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     assert main(["prune", str(tmp_path / "nowhere" / "a" / "b"), str(out), "--num-to-remove", "1", "--dry-run"]) == 2
-    assert "is neither a local checkpoint folder, a bundled name" in capsys.readouterr().err
+    assert "is not a bundled name (allowed: " in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_prune_dry_run_refuses_what_the_real_run_refuses_before_loading(tmp_path, capsys):
+    """--dry-run checks the inputs the real run checks before loading (and writes nothing):
+    a missing calibration text, an output folder that is not empty, a tokenizer that is not
+    there, --resume with --layers, --report (the estimate plans a prune that scores)."""
+    torch.manual_seed(0)
+    src = tmp_path / "tiny"
+    LlamaForCausalLM(_tiny(6)).save_pretrained(src)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "kept.txt").write_text("x")
+    out = tmp_path / "out"
+    base = ["prune", str(src), str(out), "--num-to-remove", "1", "--strategy", "greedy", "--dry-run"]
+    cases = [
+        (["--calibration", str(tmp_path / "missing.txt")], "--calibration '.*missing.txt' is not a file"),
+        (["--tokenizer", str(tmp_path / "no_tokenizer")], "--tokenizer '.*no_tokenizer' is not a folder, and not a Hub id"),
+        (["--report", str(tmp_path / "report.json")], "--dry-run with --report '.*report.json': the estimate plans"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        assert re.search(message, capsys.readouterr().err)
+    assert main(["prune", str(src), str(full), "--num-to-remove", "1", "--dry-run"]) == 2
+    assert f"output {full} exists and is not an empty folder" in capsys.readouterr().err
+    assert main(["prune", str(src), str(out), "--layers", "2", "--resume", str(tmp_path / "r"), "--dry-run"]) == 2
+    assert "--resume resumes scoring, but with --layers nothing is scored" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "tiny"] and list(full.iterdir()) == [full / "kept.txt"]
+
+
+def test_a_tokenizer_path_that_is_not_there_is_named(tmp_path):
+    healing = hl.HealConfig(max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=2, perplexity_text="embedded")
+    config = hl.LayerSwapConfig(layers=[2], heal=healing)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer='.*nowhere' is not a folder, and not a Hub id"):
+        hl.estimate_cost(_tiny(4), config, throughput=FIXED, tokenizer=str(tmp_path / "nowhere"))
+
+
+def test_the_scoring_memory_budget_is_taken_as_prune_takes_it(tmp_path, capsys):
+    """A working-memory budget small enough to change the engine's plan (its head/KL chunks):
+    bytes or a size string, "auto" as the device's budget, and prune's --scoring-memory in
+    --dry-run's estimate."""
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (8, 64))
+    calib = CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    passes = {}
+    for strategy in ("greedy", "search"):
+        config = hl.LayerSwapConfig(num_to_remove=1, strategy=strategy, batch_size=8, progress=False)
+        for budget in (None, "auto", 1 << 20, "1MiB"):
+            estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED,
+                                        max_memory=budget)
+            passes[strategy, budget] = (estimate.block_passes, estimate.head_passes)
+    for strategy in ("greedy", "search"):
+        assert passes[strategy, None] == passes[strategy, "auto"]
+        assert passes[strategy, 1 << 20] == passes[strategy, "1MiB"]
+        assert passes[strategy, "1MiB"][1] > passes[strategy, None][1]  # 1 MiB: the head/KL phase in chunks
+    # the reference (4 blocks) + 3 interchange probes from their first changed slot (4 + 3 + 2)
+    assert passes["greedy", None] == (13, 6)
+    src = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    for memory in ("auto", "1MiB"):
+        assert main(["prune", str(src), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "greedy",
+                     "--num-prompts", "8", "--seq-len", "64", "--scoring-memory", memory, "--dry-run"]) == 0
+        blocks, heads = passes["greedy", None if memory == "auto" else "1MiB"]
+        # a checkpoint without a tokenizer: full prompts of the calibration, the most there can be
+        assert (f"estimated cost (upper bound: scoring): {blocks} block passes, {heads:,} head passes"
+                in capsys.readouterr().out)
+
+
+def test_a_cuda_device_this_machine_lacks_needs_the_budget_and_rates_of_that_machine():
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy")
+    for given, missing in (({}, "max_memory= and throughput="), ({"throughput": FIXED}, "max_memory="),
+                           ({"max_memory": "1GiB"}, "throughput=")):
+        with pytest.raises(ValueError, match=rf"device='cuda:99' is not on this machine \(\d+ CUDA device\(s\)\): "
+                                             rf"to predict for another machine pass {missing} \("):
+            hl.estimate_cost(_tiny(4), config, device="cuda:99", **given)
+    estimate = hl.estimate_cost(_tiny(4), config, device="cuda:99", throughput=FIXED, max_memory="1GiB")
+    # 8 batches (64 prompts by 8): the reference (4 blocks) and 3 interchange probes (4 + 3 + 2)
+    assert set(estimate.peak_memory_bytes) == {"cuda:99"} and estimate.block_passes == 8 * (4 + 4 + 3 + 2)
+
+
+def test_the_printed_lines_name_the_rates_only_when_there_are_some():
+    estimate = hl.estimate_cost(_tiny(4), hl.LayerSwapConfig(num_to_remove=1, strategy="greedy"), throughput=FIXED)
+    assert estimate.lines()[2] == f"  about {estimate.seconds:.0f} s (fixed for the test)"
+    estimate.throughput = None
+    assert estimate.lines()[2] == f"  about {estimate.seconds:.0f} s"
+    assert not any("None" in line or "()" in line for line in estimate.lines())
+
+
+def test_given_tensors_are_read_as_prune_reads_them():
+    """A dict of tensors is cut to num_prompts, as prune's build_calibration does, and one that
+    prune would refuse is refused with the same message."""
+    cfg = _tiny(8)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (12, 16))
+    calib = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", batch_size=4, num_prompts=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    assert (estimate.block_passes, estimate.head_passes) == counted_prune(cfg, config, calib)
+    # one batch of the first 4 prompts: the reference (8 blocks) and 7 interchange probes (8 + 7 + ... + 2)
+    assert estimate.block_passes == 8 + sum(8 - i for i in range(7))
+    with pytest.raises(ValueError, match=r"calibration mapping \(dict with keys \['input_ids'\]\) is missing "
+                                         r"\['attention_mask'\]"):
+        hl.estimate_cost(copy.deepcopy(cfg), config, calibration={"input_ids": ids}, throughput=FIXED)
+
+
+def test_a_calibration_text_is_read_as_prune_reads_it(tmp_path, capsys):
+    """A text with fewer paragraphs than num_prompts gives fewer prompts: the estimate reads it
+    with the prune's tokenizer, as prune does, and counts what the real prune runs (the
+    estimate printed by prune and by --dry-run alike); without a tokenizer it counts
+    num_prompts full prompts and says it is an upper bound."""
+    text = tmp_path / "three.txt"
+    text.write_text("\n\n".join(" ".join(f"w{p + k}" for k in range(20)) for p in range(3)) + "\n")
+    model = LlamaForCausalLM(_tiny(6))
+    tiny_checkpoint(tmp_path / "base", model)
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=str(text), num_prompts=8,
+                                seq_len=16, batch_size=2, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    estimate = hl.estimate_cost(tmp_path / "base", config, throughput=FIXED)
+    real = counted_prune(_tiny(6), config, build_calibration(str(text), tokenizer, num_prompts=8, seq_len=16))
+    # 3 prompts: 2 batches of the reference (6 blocks) and 5 interchange probes (6 + 5 + ... + 2)
+    assert estimate.exact and (estimate.block_passes, estimate.head_passes) == real
+    assert estimate.block_passes == 2 * (6 + sum(6 - i for i in range(5)))
+    for extra in (["--dry-run"], []):
+        assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy",
+                     "greedy", "--calibration", str(text), "--num-prompts", "8", "--seq-len", "16", "--batch-size",
+                     "2", *extra]) == 0
+        assert f"estimated cost: {estimate.block_passes} block passes," in capsys.readouterr().out
+    blind = hl.estimate_cost(_tiny(6), config, throughput=FIXED)  # a config: no tokenizer to read the text
+    assert not blind.exact and not blind.phases["scoring"]["exact"]
+    assert blind.block_passes == 4 * (6 + sum(6 - i for i in range(5)))  # 8 full prompts, 4 batches
+
+
+def test_prune_dry_run_estimates_on_the_device_the_real_run_computes_on(tmp_path, capsys):
+    torch.manual_seed(0)
+    LlamaForCausalLM(_tiny(6)).save_pretrained(tmp_path / "tiny")
+    base = ["prune", str(tmp_path / "tiny"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy", "greedy",
+            "--num-prompts", "8", "--seq-len", "16", "--dry-run"]
+    assert main(base + ["--device-map", "cuda:99"]) == 2
+    assert "device='cuda:99' is not on this machine" in capsys.readouterr().err
+    assert main(base + ["--device-map", "cpu"]) == 0
+    assert "(probe on cpu: one block over 8x16 positions" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

@@ -65,6 +65,21 @@ def test_a_repair_after_the_greedy_rule_is_bounded_by_the_deepest_cut():
     assert estimate.phases["recovery"]["block_passes"] == 2 * 7
 
 
+@pytest.mark.parametrize("protocol", ["interchange", "replacement"])
+def test_a_fused_repair_after_the_greedy_rule_bounds_every_host_check(protocol):
+    """fused checks each cut's host: with the blocks not yet chosen, separate cuts (two host
+    checks) can cost more than the deepest run of blocks (one): each of the deepest removable
+    blocks is counted as a cut of its own."""
+    calib = _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", protocol=protocol, recovery="fused",
+                                batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    blocks, heads = counted_prune(_tiny(), config, calib)
+    assert not estimate.exact and blocks <= estimate.block_passes <= 1.5 * blocks and heads == estimate.head_passes
+    # 2 batches up to block 6, then two forwards up to the hosts of blocks 5 and 6 (blocks 0..4, 0..5)
+    assert estimate.phases["recovery"]["block_passes"] == 2 * 7 + 2 * 5 + 2 * 6
+
+
 @pytest.mark.parametrize("pruner,allocation", [("wanda", "pals"), ("sparsegpt", "uniform"),
                                                ("magnitude", "gradient")])
 def test_sparsity_passes_are_counted_exactly(pruner, allocation):
@@ -276,3 +291,57 @@ def test_prune_dry_run_prints_the_healing_measurements(tmp_path, capsys):
     # the word-level tokenizer: 130 words, 130 tokens, one window; 6 blocks dense, 5 at three stages
     assert "of which perplexity: 21 block passes, 4 head passes (4 stages x 1 forwards: dense, after_cut, " in out
     assert "of which lm-eval: at most " in out and "(8 forwards per run, before and after healing)" in out
+
+
+def test_building_lm_eval_requests_writes_no_cache_and_reaches_no_hub(tmp_path, monkeypatch):
+    """The estimate loads a local task's documents offline and into a throwaway cache: with
+    the Hub online and the user's datasets cache set, nothing lands in that cache, and a
+    task whose documents would need the Hub is built under the offline switch."""
+    pytest.importorskip("lm_eval")
+    import datasets.config
+    from huggingface_hub import constants
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "j.yaml").write_text(
+        "task: layerswap_json\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {TASKS / 'layerswap_mc.jsonl'}\noutput_type: multiple_choice\ntest_split: test\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n")
+    (tasks / "offline.yaml").write_text(  # its loader refuses to run while the Hub is reachable
+        "task: layerswap_offline\ncustom_dataset: !function offline_data.load\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n")
+    (tasks / "offline_data.py").write_text(
+        "import datasets\nfrom huggingface_hub import constants\n\n\ndef load(**_):\n"
+        "    if not constants.is_offline_mode():\n        raise RuntimeError('the Hub is reachable')\n"
+        f"    return datasets.DatasetDict({{'test': datasets.Dataset.from_list([{{'question': 'q', "
+        "'choices': ['a', 'b'], 'answer': 0}])})\n")
+    user_cache = tmp_path / "user_cache"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", user_cache)
+    monkeypatch.setattr(datasets.config, "DOWNLOADED_DATASETS_PATH", user_cache / "downloads")
+    config = _measuring(eval_tasks=["layerswap_json", "layerswap_offline"], eval_tasks_path=str(tasks),
+                        eval_tasks_limit=2)
+    phase = _estimate(config, _calibration(prompts=7)).phases["healing"]
+    # 2 questions of 4 choices; 1 question of 2 choices
+    assert phase["tasks"]["forwards"] == {"layerswap_json": 8, "layerswap_offline": 2}
+    assert phase["not_estimated"] == []
+    assert not user_cache.exists()
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)
+    assert datasets.config.HF_DATASETS_CACHE == user_cache
+
+
+def test_an_lm_eval_task_name_lm_eval_does_not_know_is_refused_before_the_prune(tmp_path):
+    """lm-eval's own tasks are not counted (their documents are on the Hub), but their names
+    are checked: the real run would stop on an unknown one only after the scoring and the cut."""
+    pytest.importorskip("lm_eval")
+    with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['layerswap_no_such_task'\]"):
+        _estimate(_measuring(eval_tasks=["hellaswag", "layerswap_no_such_task"]), _calibration(prompts=7))
+
+
+def test_a_perplexity_text_too_short_to_score_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match=r"perplexity_text='.*empty\.txt': the text has 0 token\(s\); at least 2"):
+        _estimate(_measuring(str(tmp_path / "empty.txt")), _calibration(prompts=7))
+    with pytest.raises(FileNotFoundError, match=r"text='.*missing\.txt': no such file"):
+        _estimate(_measuring(str(tmp_path / "missing.txt")), _calibration(prompts=7))

@@ -236,3 +236,28 @@ def test_heal_verb_refuses_a_missing_task_folder_before_loading(tmp_path, capsys
                  "t", "--heal-eval-tasks-path", str(missing)]) == 2
     assert f"--heal-eval-tasks-path {str(missing)!r} is not a folder" in capsys.readouterr().err
     assert not (tmp_path / "p2").exists()
+
+
+@pytest.mark.parametrize("measures, error, message", [
+    ({"perplexity_text": "missing.txt"}, FileNotFoundError, r"text='.*missing\.txt': no such file"),
+    ({"perplexity_text": "empty.txt"}, ValueError, r"perplexity_text='.*empty\.txt': the text has 0 token\(s\)"),
+    ({"eval_tasks": ["layerswap_mc", "layerswap_nope"], "eval_tasks_path": str(TASKS)}, ValueError,
+     r"unknown lm-eval task\(s\) \['layerswap_nope'\]"),
+])
+def test_prune_refuses_healing_measurements_before_scoring(tmp_path, measures, error, message):
+    """What healing would refuse when it measures (after the scoring and the cut) is refused
+    before the first forward pass."""
+    if "eval_tasks" in measures:
+        pytest.importorskip("lm_eval")
+    (tmp_path / "empty.txt").write_text("\n")
+    if "perplexity_text" in measures:
+        measures = {"perplexity_text": str(tmp_path / measures["perplexity_text"])}
+    model = _dense()
+    calls = []
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    config = LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=_calibration(), progress=False,
+                             heal=_heal_config(**measures))
+    with pytest.raises(error, match=message):
+        prune(model, config, tokenizer=tiny_tokenizer())
+    assert calls == []

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import hf_layerswap as hl
@@ -230,3 +230,21 @@ def test_prune_refuses_and_leaves_the_model_as_it_was(overflow):
             hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, calibration=calibration, progress=False))
     assert num_blocks(model) == 6 and getattr(model.config, "layerswap", None) is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_search_cap_below_its_first_sweep_is_refused_before_the_scoring():
+    """max_evaluations below one set per removable block: prune refuses it before a forward
+    pass (it stopped the search after the scoring), and estimate_cost refuses it too."""
+    model = tiny_model("llama", num_blocks=12)
+    calls = []
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    config = hl.LayerSwapConfig(num_to_remove=3, strategy="search", max_evaluations=5, progress=False)
+    ids = torch.arange(1, 33).reshape(4, 8) % 100
+    calibration = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    message = r"max_evaluations=5: at least 10 \(one per removable block\)"  # blocks 0 and 11 protected
+    with pytest.raises(ValueError, match=message):
+        prune(model, config, calibration=calibration)
+    assert calls == []
+    with pytest.raises(ValueError, match=message):
+        hl.estimate_cost(model.config, config)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, benchmark_script
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from runner import (  # noqa: E402
@@ -195,9 +195,10 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
 
     calls = []
 
-    def fake_run_config(model, cap, depth_first, args):
-        calls.append((model, cap, depth_first))
-        return {"model": model, "cap": cap, "depth_first": depth_first, "cpu_s": 1.0, "peak_rss": 2**20}
+    def fake_run_config(model, cap, depth_first, head_slices, args):
+        calls.append((model, cap, depth_first, head_slices))
+        return {"model": model, "cap": cap, "depth_first": depth_first, "head_slices": head_slices,
+                "cpu_s": 1.0, "peak_rss": 2**20}
 
     monkeypatch.setattr(streaming, "run_config", fake_run_config)
     monkeypatch.setattr(streaming, "write_markdown", lambda out, state: out.write_text(
@@ -209,11 +210,14 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
     argv = ["--models", "smollm2-135m", "gemma3-270m", "--num-prompts", "2", "--seq-len", "8", "--out", str(page)]
     streaming.main(argv)
     caps = [None, 0.5, 0.25, 0.125]
-    assert calls == [("smollm2-135m", c, False) for c in caps] + [("gemma3-270m", c, False) for c in caps if c != 0.5]
+    rows = [(c, False) for c in caps] + [(None, True)]  # the caps, then the in-memory run in the head's slices
+    assert calls == ([("smollm2-135m", c, False, h) for c, h in rows]
+                     + [("gemma3-270m", c, False, h) for c, h in rows if c != 0.5])
     state = json.loads(page.with_suffix(".json").read_text())
     assert state["models"] == ["gemma3-270m", "smollm2-135m"]  # the stored model first, then the new one
-    assert page.read_text().split(",") == [f"{m}/{c}/streamed" for m in ("gemma3-270m", "smollm2-135m")
-                                           for c in ("in-memory", "0.5", "0.25", "0.125")]
+    assert page.read_text().split(",") == [key for m in ("gemma3-270m", "smollm2-135m")
+                                           for key in [f"{m}/{c}/streamed" for c in ("in-memory", "0.5", "0.25", "0.125")]
+                                           + [f"{m}/in-memory/vocabulary-slices"]]
     assert state["rows"][1] == stored  # kept, not rerun
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"num_prompts": 4, "rows": []}))
@@ -221,7 +225,7 @@ def test_streaming_runs_only_rows_not_stored_in_the_page_order(tmp_path, monkeyp
         streaming.main(["--render-only", "--out", str(page), "--merge-from", str(other)])
     calls.clear()
     streaming.main(argv[:5] + ["--seq-len", "16", "--out", str(page)])  # another calibration: anew
-    assert len(calls) == 8 and len(json.loads(page.with_suffix(".json").read_text())["rows"]) == 8
+    assert len(calls) == 10 and len(json.loads(page.with_suffix(".json").read_text())["rows"]) == 10
 
 
 def test_nested_store_names_a_cell_by_its_keys_at_each_level(tmp_path):
@@ -238,7 +242,7 @@ def test_nested_store_names_a_cell_by_its_keys_at_each_level(tmp_path):
     assert json.loads(path.read_text()) == {"fingerprint": {"m": 1}, "ppl": {"4": 30.0},
                                             "criteria": {"tail": {"1": {"removed": [4]}},
                                                          "search": {"2": {"removed": [2, 3]}}}}
-    with pytest.raises(ValueError, match=r"cell key 'search': a store of depth 2 names a cell by 2 keys"):
+    with pytest.raises(ValueError, match=r"cell key 'search': a store of depth 2 names a cell by 2 non-empty keys"):
         store.put("search", {})
     with pytest.raises(ValueError, match=r"depth=0"):
         CellStore(path, fresh=dict, depth=0)
@@ -252,3 +256,93 @@ def test_keyed_merge_with_progress_keeps_the_record_further_along():
     assert merge_states([b, a], **options) == b
     with pytest.raises(MergeConflict, match=r"\$\.models\[g\]\.v"):  # the same point, other values
         merge_states([a, {"models": [{"model": "g", "done": 1, "v": [6]}]}], **options)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"cells": {"a": {"v": 1}, "b": {"v"', r"is not complete JSON \(Expecting ':' delimiter at character 35 of 35\): cut short"),
+    ("", r"is not complete JSON \(Expecting value at character 0 of 0\)"),
+    ('[{"v": 1}]', r"holds a JSON list, not a results state"),
+])
+def test_a_cut_short_results_file_is_refused_and_left_as_it_is(tmp_path, text, message):
+    """A state file cut short (a copy, a write of another tool) or not a state: every store and
+    merge refuses it, naming the file, and no write replaces it (its cells would be lost)."""
+    path, other = tmp_path / "r.json", tmp_path / "other.json"
+    path.write_text(text)
+    other.write_text(json.dumps({"cells": {"c": {"v": 3}}}))
+    calls = []
+    for make in (lambda: CellStore(path, fresh=lambda: {"cells": {}}),
+                 lambda: ListCellStore(path, fresh=dict, key=lambda r: r["k"])):
+        with pytest.raises(ValueError, match=f"results file {path} " + message):
+            run_cells(make(), [("a", 1)], calls.append, tag="t")
+    shared = CellStore(other, fresh=dict, shared=True)
+    other.write_text(text)  # cut short under a running shared store: its next look is refused
+    with pytest.raises(ValueError, match=message):
+        shared.has("c")
+    with pytest.raises(ValueError, match=f"--merge-from results file {path} " + message):
+        merge_files(tmp_path / "merged.json", [path])
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"cells": {"d": {"v": 4}}}))
+    with pytest.raises(ValueError, match=f"results file {path} " + message):  # the destination itself
+        merge_files(path, [good])
+    assert calls == [] and path.read_text() == text and not (tmp_path / "merged.json").exists()
+
+
+def test_a_nested_cell_key_holding_a_slash_is_refused_before_the_cell_runs(tmp_path):
+    """depth=2: "a/b/3" would land as criterion "a", budget "b/3" (or criterion "a/b" seen as
+    another): refused before the cell runs, as a key with an empty part is."""
+    store = CellStore(tmp_path / "q.json", fresh=dict, cells="criteria", depth=2)
+    calls = []
+    for key in ("a/b/3", "a/", "/3"):
+        with pytest.raises(ValueError, match=f"cell key '{key}': a store of depth 2 names a cell by 2 non-empty"):
+            run_cells(store, [(key, 1)], calls.append, tag="t")
+    assert calls == [] and not (tmp_path / "q.json").exists()
+    run_cells(store, [("a/3", 1)], lambda cell: {"v": cell}, tag="t")
+    assert json.loads((tmp_path / "q.json").read_text()) == {"criteria": {"a": {"3": {"v": 1}}}}
+    flat = CellStore(tmp_path / "f.json", fresh=dict)  # depth 1: a key is one name, '/' included
+    run_cells(flat, [("a/b/3", 1)], lambda cell: {"v": cell}, tag="t")
+    assert json.loads((tmp_path / "f.json").read_text()) == {"cells": {"a/b/3": {"v": 1}}}
+
+
+def test_precision_merge_refuses_a_piece_measured_with_other_settings(tmp_path):
+    import precision
+
+    settings = {"num_prompts": 2, "seq_len": 8, "batch_size": 1, "max_n": 2, "threads": 1, "search": False}
+    path, piece = tmp_path / "p.json", tmp_path / "piece.json"
+    path.write_text(json.dumps({"command": "a", "settings": settings, "models": [{"model": "m1", "v": 1}]}))
+    piece.write_text(json.dumps({"command": "b", "settings": {**settings, "num_prompts": 4},
+                                 "models": [{"model": "m2", "v": 2}]}))
+    argv = ["--json", str(path), "--out", str(tmp_path / "p.md"), "--merge-from", str(piece), "--render-only"]
+    with pytest.raises(MergeConflict, match=r"\$\.settings\.num_prompts: 2 != 4"):
+        precision.main(argv)
+    assert json.loads(path.read_text())["models"] == [{"model": "m1", "v": 1}]
+    piece.write_text(json.dumps({"command": "b", "settings": settings, "models": [{"model": "m2", "v": 2}]}))
+    merged = precision.merge_files(path, [piece], union=(), keyed={"models": precision.model_key},
+                                   first=("command", "machine", "versions", "started"))
+    assert [m["model"] for m in merged["models"]] == ["m1", "m2"] and merged["command"] == "a"
+    piece.write_text('{"settings": {"max_n"')  # cut short: named, not a JSONDecodeError
+    with pytest.raises(ValueError, match=f"--merge-from results file {piece} is not complete JSON"):
+        precision.main(argv)
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("speed", ["--render-only", "--out", "{d}/speed.md"]),
+    ("sparsity", ["--render-only", "--json", "{d}/s.json", "--output", "{d}/s.md"]),
+    ("precision", ["--render-only", "--json", "{d}/p.json", "--out", "{d}/p.md"]),
+    ("streaming", ["--render-only", "--out", "{d}/st.md"]),
+])
+def test_render_only_without_a_results_file_names_it_and_writes_nothing(tmp_path, script, argv):
+    module = benchmark_script(script)
+    with pytest.raises(FileNotFoundError, match=r"--render-only: results file .*\.json: no such file"):
+        module.main([a.format(d=tmp_path) for a in argv])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quality_render_only_refuses_a_folder_without_results_and_a_state_without_its_table(tmp_path):
+    quality = benchmark_script("quality")
+    with pytest.raises(SystemExit, match=r"--render-only: no quality-\*\.json in .*: nothing to render"):
+        quality.main(["--render-only", "--results", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "quality-smollm2-135m.json").write_text(json.dumps({"criteria": {"tail": {"1": {"removed": [4]}}}}))
+    with pytest.raises(SystemExit, match=r"holds cells but no table .*: run the model's command"):
+        quality.main(["--render-only", "--results", str(tmp_path)])
+    assert [p.name for p in tmp_path.iterdir()] == ["quality-smollm2-135m.json"]

@@ -7,6 +7,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..config import LayerSwapConfig
 from ..cost import estimate_cost
 from ..devices import input_device
@@ -24,6 +26,9 @@ from .common import (
     add_scoring_memory_arg,
     calibration_source,
     check_before_loading,
+    check_output,
+    check_paths,
+    check_text_files,
     config_help,
     fraction,
     load,
@@ -91,19 +96,13 @@ def _defaults(args):
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
-    if args.dry_run:
-        if args.gguf_file is not None:
-            raise ValueError(f"--dry-run with --gguf-file {args.gguf_file!r}: the estimate reads a checkpoint's "
-                             "config.json; give the (dequantized) checkpoint folder instead")
-        estimate = estimate_cost(args.model, config, dtype=None if args.dtype == "auto" else args.dtype,
-                                 tokenizer=args.tokenizer)
-        print("\n".join(estimate.lines()))
-        return 0
-    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
-                         + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
     if args.resume is not None and (args.layers is not None or args.report):
         given = "--layers" if args.layers is not None else "--report"
         raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
+    if args.dry_run:
+        return _dry_run(args, config)
+    check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
+                         + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
     report = None
     if args.report:
         if not Path(args.report).is_file():
@@ -113,8 +112,9 @@ def run_prune(args) -> int:
     model, tokenizer = load(args)
     steps_after = any(x is not None for x in (config.recovery, config.heal, config.sparsity))
     if report is None and (args.layers is None or steps_after) and is_main_process():
-        print("\n".join(estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer).lines()),
-              flush=True)
+        estimate = estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer,
+                                 max_memory=args.scoring_memory)
+        print("\n".join(estimate.lines()), flush=True)
     result = prune(
         model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
         heal_checkpoint_dir=heal_dir,
@@ -126,3 +126,33 @@ def run_prune(args) -> int:
         shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
+
+
+def _dry_run(args, config) -> int:
+    """``--dry-run``: what the real run checks before loading, less what writes (the text
+    files, MODEL, ``--tokenizer``, an output folder that exists and is not empty), then
+    :func:`~hf_layerswap.cost.estimate_cost` printed."""
+    if args.gguf_file is not None:
+        raise ValueError(f"--dry-run with --gguf-file {args.gguf_file!r}: the estimate reads a checkpoint's "
+                         "config.json; give the (dequantized) checkpoint folder instead")
+    if args.report:
+        raise ValueError(f"--dry-run with --report {args.report!r}: the estimate plans a prune that scores the "
+                         "model; drop --report to estimate that prune")
+    check_text_files(args)
+    check_paths(model=args.model, revision=args.revision, tokenizer=args.tokenizer)
+    check_output(args.output)
+    estimate = estimate_cost(args.model, config, device=_compute_device(args.device_map),
+                             dtype=None if args.dtype == "auto" else args.dtype, tokenizer=args.tokenizer,
+                             max_memory=args.scoring_memory)
+    print("\n".join(estimate.lines()))
+    return 0
+
+
+def _compute_device(device_map: str) -> torch.device:
+    """Where the real run computes (``input_device`` of the loaded model): the device
+    ``--device-map`` names, else (``auto``, ``balanced``, ``sequential``) the first
+    accelerator when one is present, else the CPU."""
+    try:
+        return torch.device(device_map)
+    except RuntimeError:  # a placement strategy, not a device
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")

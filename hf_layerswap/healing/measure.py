@@ -19,7 +19,7 @@ from ..evaluation.contract import sliding_windows
 from ..evaluation.perplexity import contract_tokens, perplexity_of_tokens, window_batches
 from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
-from ..tasks import evaluate_tasks
+from ..tasks import check_task_names, evaluate_tasks
 
 __all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
            "contract_summary", "perplexity_forwards", "replayed_cut", "repair_of_last_cut"]
@@ -48,7 +48,10 @@ def perplexity_forwards(perplexity_text, tokenizer) -> list[tuple[int, int, int]
         ValueError, FileNotFoundError: a text the evaluation would refuse (the message names it).
     """
     ids, window, stride, _ = contract_tokens(_evaluated_text(perplexity_text), tokenizer, contract=PERPLEXITY_CONTRACT)
-    spans = sliding_windows(len(ids), window, stride)
+    try:
+        spans = sliding_windows(len(ids), window, stride)
+    except ValueError as err:  # a text too short to score: name it
+        raise ValueError(f"perplexity_text={perplexity_text!r}: {err}") from None
     return [(len(members), length, keep) for length, keep, members in window_batches(spans, PERPLEXITY_BATCH)]
 
 
@@ -153,6 +156,22 @@ class HealMeasures:
         for name in ("perplexity_text", "eval_tasks"):
             if getattr(self, name) is not None and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs tokenizer= (the student's tokenizer)")
+
+    def check_sources(self) -> None:
+        """Refuse, before a prune's scoring, what :meth:`start` would refuse only after it:
+        a perplexity text that cannot be read or is too short to score
+        (:func:`perplexity_forwards`), lm-eval task names lm-eval does not know
+        (:func:`~hf_layerswap.tasks.check_task_names`); :meth:`check` first.
+
+        Raises:
+            ValueError, FileNotFoundError: naming the text or the tasks. ImportError:
+                tasks without lm-eval installed.
+        """
+        self.check()
+        if self.perplexity_text is not None:
+            perplexity_forwards(self.perplexity_text, self.tokenizer)
+        if self.eval_tasks is not None:
+            check_task_names(self.eval_tasks, self.eval_tasks_path)
 
     def start(self, student: nn.Module, teacher: nn.Module) -> dict:
         """Everything measured before training: ``{"perplexity": {stage: ppl, ...}, "tasks":

@@ -97,6 +97,9 @@ class Strategy:
         card_candidates: ``fn(decision, report, removed, kl, indices) -> (rows, reason) |
             None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)
             and reason, when the decision carries them.
+        check_config: ``fn(config, num_blocks) -> None``: refuses, before any forward pass,
+            a :class:`~hf_layerswap.LayerSwapConfig` the strategy would refuse only after
+            the scoring (raises ``ValueError``; default: nothing to check).
         criteria: ``{display name: Criterion}``: how it runs in the comparison harness, under
             the names the benchmark pages show (one strategy may run as several criteria, e.g.
             the paper's rule once per protocol).
@@ -121,6 +124,7 @@ class Strategy:
     card_reason: Callable | None = None
     card_candidates: Callable | None = None
     options: tuple[str, ...] | None = field(default=None)
+    check_config: Callable = lambda config, num_blocks: None
     criteria: Mapping[str, Criterion] = field(default_factory=dict)
 
     def strategy_for(self, protocol) -> str:

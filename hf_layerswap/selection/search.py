@@ -63,7 +63,7 @@ from .common import CriterionResult, as_calibration, adjacent_report, report_cos
 from .objectives import OBJECTIVES, SetObjective
 from .registry import Criterion, keyword_options, register_strategy
 
-__all__ = ["search_allowances", "search_criterion", "search_select"]
+__all__ = ["check_max_evaluations", "search_allowances", "search_criterion", "search_select"]
 
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
@@ -165,13 +165,13 @@ def search_select(
     """
     total = num_blocks(model)
     wanted, top = _check_budgets(report, budgets, total, spacing, protect)
+    check_max_evaluations(max_evaluations, total, protect)
     protected = resolve_protect(protect, total)
     allowed = [i for i in range(total) if i not in protected]
-    if exhaustive_below is None:
-        exhaustive_below = moves_per_round * max_rounds
+    exhaustive_below = moves_per_round * max_rounds if exhaustive_below is None else exhaustive_below
     schedule = search_allowances(len(allowed), top, evaluations_per_budget)
     allowances = list(schedule)  # an exhaustive budget raises its own
-    _check_options(len(allowed), max_evaluations, extend_best)
+    _check_extend_best(extend_best)
     budget_total = math.inf if max_evaluations is None else int(max_evaluations)
     bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
                 dynamic_ncols=True) if progress and evaluator is None else None)
@@ -242,10 +242,21 @@ def _check_budgets(report: SwapReport | None, budgets, total: int, spacing: int,
     return wanted, top
 
 
-def _check_options(removable: int, max_evaluations, extend_best) -> None:
-    """Raises ``ValueError`` for a total cap below one set per removable block or ``extend_best`` < 1."""
+def check_max_evaluations(max_evaluations, total: int, protect) -> None:
+    """Refuse a ``max_evaluations`` below the single-removal sweep the search starts with (one
+    set per removable block of a model of ``total`` blocks with ``protect``); ``None`` (no cap)
+    passes. :func:`~hf_layerswap.prune` checks it before the scoring.
+
+    Raises:
+        ValueError: naming the cap and the least allowed.
+    """
+    removable = total - len(resolve_protect(protect, total))
     if max_evaluations is not None and int(max_evaluations) < removable:
         raise ValueError(f"max_evaluations={max_evaluations!r}: at least {removable} (one per removable block)")
+
+
+def _check_extend_best(extend_best) -> None:
+    """Raises ``ValueError`` for ``extend_best`` < 1."""
     if int(extend_best) < 1:
         raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
 
@@ -486,6 +497,7 @@ def _card_candidates(search, report, removed, kl, indices):
     card_rule=lambda spacing, protect: (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; "
                                         f"the search itself used spacing={spacing}"),
     card_candidates=_card_candidates,
+    check_config=lambda cfg, total: check_max_evaluations(cfg.max_evaluations, total, cfg.protect),
     criteria={
         "search": Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
                             reads=PROTOCOLS),
