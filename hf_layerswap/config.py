@@ -401,7 +401,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
             picks are better after the repair than those the in-sample ``"ghosted"``
             objective picks, at every n = 1..6 (``benchmarks/results/quality-smollm2-135m.md``).
         max_evaluations: most candidate sets ``"search"`` scores in all (default ``None``: no cap
-            beyond each budget's allowance of one set per removable block).
+            beyond each budget's allowance, SLEB's schedule: U - (n - 1) sets at budget n for
+            U removable blocks).
         recovery_num_tokens, recovery_epsilon: constructor keywords for the other
             :class:`RecoveryConfig` fields when ``recovery`` is a method name; read them
             back as ``config.recovery.num_tokens`` and ``config.recovery.epsilon``.
@@ -454,8 +455,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
     objective: ObjectiveName | None = field(default=None, metadata=_cli(
         "what the search strategy minimises on the calibration prompts (default removal_kl)"))
     max_evaluations: int | None = field(default=None, metadata=_cli(
-        "most candidate sets search scores in all (default: no cap beyond each budget's allowance of one set "
-        "per removable block)", minimum=1))
+        "most candidate sets search scores in all (default: no cap beyond each budget's allowance, SLEB's "
+        "schedule: U - (n - 1) sets at budget n for U removable blocks)", minimum=1))
     heal: HealConfig | None = field(default=None, metadata=_help(
         "heal after the cut and its repair: distil the pruned model from the dense one (a HealConfig, a dict "
         "of its fields or a method name; default: no healing)"))

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import math
 import os
 import time
@@ -66,7 +65,7 @@ from .scoring.kl import OnlineKL
 from .scoring.probes import make_probes, schedule_blocks
 from .scoring.settings import EngineSettings, device_memory_budget, parse_memory
 from .scoring.verbs import swap_plans
-from .selection.search import search_select
+from .selection.search import search_allowances, search_select
 
 __all__ = ["CostEstimate", "ESTIMATED_STRATEGIES", "Throughput", "estimate_cost", "measure_throughput"]
 
@@ -265,20 +264,14 @@ def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
     allowed = [i for i in range(total_blocks) if i not in resolve_protect(cfg.protect, total_blocks)]
     defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
     rounds = defaults["max_rounds"]
-    n_top, per_budget, exhaustive_below = cfg.num_to_remove, len(allowed), defaults["moves_per_round"] * rounds
+    n_top = cfg.num_to_remove
     sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
-    bound_sets = 0
-    calls = 2  # budget 1: the protocols' own sets, then the rest of the sweep
-    for n in range(2, n_top + 1):
-        combos = math.comb(len(allowed), n)
-        if combos <= exhaustive_below:  # every set is scored: exact
-            sets.extend(list(c) for c in itertools.combinations(allowed, n))
-            calls += 2
-        else:  # the allowance plus each protocol's greedy set, each from the first removable block
-            bound_sets += per_budget + len(PROTOCOLS)
-            calls += 2 + rounds  # the protocol sets, the seed pool, at most max_rounds local rounds
-    if cfg.max_evaluations is not None:  # the whole call's cap (the protocols' own sets aside)
-        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) + len(PROTOCOLS) * n_top - len(sets)))
+    # budgets 2..n: SLEB's schedule, U - (n - 1) sets each, each protocol's greedy set inside; an
+    # exhaustive budget only spends what budgets 1..n may spend together, so the sum bounds it too
+    bound_sets = sum(search_allowances(len(allowed), n_top)[1:])
+    calls = 2 + (2 + rounds) * (n_top - 1)  # the sweep; per budget the seed pool, a fallback, max_rounds rounds
+    if cfg.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
+        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) - len(sets) + n_top - 1))
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
     # each set from its first removed block, no sharing between sets: calls share less than one run would
     unshared = dataclasses.replace(settings, prefix_reuse="start")

@@ -14,6 +14,8 @@ from hf_layerswap.cli import main
 from hf_layerswap.recovery import recover
 from hf_layerswap.scoring import masked_kl
 from hf_layerswap.selection import search_select
+from hf_layerswap.selection.search import search_allowances
+from hf_layerswap.selection.sleb import sleb
 from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
 from hf_layerswap.rule import greedy_select
 from hf_layerswap.selection import STRATEGIES
@@ -36,14 +38,17 @@ def _brute_force(objective: SetObjective, n: int, allowed=range(1, 7)):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_search_finds_the_exhaustive_optimum_at_every_budget(setup, objective):
     model, calib, report = setup
+    # an allowance of 20 a budget: every budget's sets (at most 20) fit, so each is scored exhaustively
     found = search_select(report, [1, 2, 3, 4, 5], model=model, calibration=calib, objective=objective,
-                          max_evaluations=100)
+                          evaluations_per_budget=20, max_evaluations=100)
     brute = SetObjective(model, calib, objective)
     for n in range(1, 6):
         best, value = _brute_force(brute, n)
         assert found[n]["selected"] == best, (objective, n)
         assert found[n]["value"] == value
         assert found[n]["strategy"] == "search" and found[n]["objective"] == objective
+    assert found[5]["total_cost"]["evaluator_calls"] == 6 + 15 + 20 + 15 + 6
+    assert found[5]["allowances"] == [6, 20, 20, 20, 20]
 
 
 def test_greedy_rule_misses_the_best_pair_that_search_finds(setup):
@@ -62,9 +67,11 @@ def test_greedy_rule_misses_the_best_pair_that_search_finds(setup):
 
 
 def test_local_search_alone_reaches_the_optimum_here(setup):
-    """With exhaustive scoring switched off, seeds + local moves still find the optimum."""
+    """With exhaustive scoring switched off and one set per removable block a budget,
+    seeds + local moves still find the optimum."""
     model, calib, report = setup
-    found = search_select(report, [1, 2, 3], model=model, calibration=calib, exhaustive_below=0)
+    found = search_select(report, [1, 2, 3], model=model, calibration=calib, exhaustive_below=0,
+                          evaluations_per_budget=6)
     brute = SetObjective(model, calib, "removal_kl")
     for n in (1, 2, 3):
         assert found[n]["selected"] == _brute_force(brute, n)[0]
@@ -226,14 +233,50 @@ def test_each_budget_has_its_own_allowance_and_pairs_steer_the_prediction():
     assert found[4]["evaluations_per_budget"] == 3 and found[4]["max_evaluations"] is None
 
 
-def test_a_deep_budget_is_not_starved_by_shallow_ones(setup):
-    """Without a total cap every budget n >= 2 scores new sets (at most L - |protect| each)."""
+def test_the_default_allowance_is_slebs_schedule_and_never_costs_more_than_sleb(setup):
+    """6 removable blocks: budget n scores at most U - (n - 1) = 6, 5, 4, 3, 2 sets (the
+    protocols' own sets inside), as SLEB's step n does, so budgets 1..n together cost at
+    most SLEB for n, in candidate sets and in forward passes (one reference sweep each).
+    Here every budget spends its whole allowance: the counts are equal."""
     model, calib, report = setup
-    found = search_select(report, [1, 2, 3, 4, 5], model=model, calibration=calib, exhaustive_below=0)
+    found = search_select(report, [1, 2, 3, 4, 5], model=model, calibration=calib)
+    assert found[5]["allowances"] == search_allowances(6, 5) == [6, 5, 4, 3, 2]
+    assert found[5]["evaluations_per_budget"] is None
     calls = [found[n]["cost"]["evaluator_calls"] for n in range(1, 6)]
-    protocol_sets = 2  # each protocol's own set is scored for the record, outside the allowance
-    assert calls[0] == 6 + protocol_sets - 2  # n = 1: the sweep (the protocol sets are singles in it)
-    assert all(0 < b - a <= 6 + protocol_sets for a, b in zip(calls, calls[1:]))
+    assert calls == [6, 11, 15, 18, 20]
+    assert [found[n]["cost"]["forward_passes"] for n in range(1, 6)] == [c + 1 for c in calls]
+    slebs = sleb(model, calib, [1, 2, 3, 4, 5])
+    for n in range(1, 6):
+        assert found[n]["cost"]["evaluator_calls"] <= slebs[n].evaluator_calls == sum(6 - k for k in range(n))
+        assert found[n]["cost"]["forward_passes"] <= slebs[n].forward_passes
+    # every protocol's own set was scored inside the allowance, its value in the record
+    assert all(e is None or e["value"] is not None for n in range(2, 6) for e in found[n]["protocol_sets"].values())
+
+
+def test_an_exhaustive_budget_stays_within_what_budgets_one_to_n_may_spend():
+    """5 removable blocks. By default budget 2's 10 sets are not all scored (5 + 10 would pass
+    SLEB's 5 + 4): each budget scores its U - (n - 1). With 10 sets a budget, budgets 2, 3, 4
+    and 5 fit (10, 10, 5 and 1 sets) and are scored exhaustively, their allowances raised."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", num_blocks=7)
+    f = _TableObjective({i: 0.1 * i for i in range(1, 6)}, {})
+    found = search_select(None, [1, 2, 3, 4, 5], model=model, calibration=None, evaluator=f)
+    assert [found[n]["cost"]["evaluator_calls"] for n in range(1, 6)] == [5, 9, 12, 14, 15]
+    assert found[5]["allowances"] == [5, 4, 3, 2, 1]
+    f = _TableObjective({i: 0.1 * i for i in range(1, 6)}, {})
+    found = search_select(None, [1, 2, 3, 4, 5], model=model, calibration=None, evaluator=f, evaluations_per_budget=10)
+    assert [found[n]["cost"]["evaluator_calls"] for n in range(1, 6)] == [5, 15, 25, 30, 31]
+    assert found[5]["allowances"] == [5, 10, 10, 10, 10] and found[2]["selected"] == [1, 2]
+
+
+def test_search_allowances_refuses_bad_input():
+    assert search_allowances(28, 6) == [28, 27, 26, 25, 24, 23] and sum(search_allowances(28, 6)) == 153
+    assert search_allowances(16, 3, evaluations_per_budget=4) == [16, 4, 4]
+    with pytest.raises(ValueError, match="evaluations_per_budget=0"):
+        search_allowances(16, 3, evaluations_per_budget=0)
+    with pytest.raises(ValueError, match="removable=4, top=5"):
+        search_allowances(4, 5)
 
 
 def test_select_layers_refuses_an_option_the_strategy_does_not_take_and_sets_the_search_budget(setup):
@@ -254,9 +297,9 @@ def test_select_layers_refuses_an_option_the_strategy_does_not_take_and_sets_the
         hl.select_layers(report, 2, strategy="sleb", model=model, calibration=calib, width=2)
     handle.remove()
     assert calls == []
-    # the budget: 6 removable blocks; budget 1 scores the sweep (6 sets), budget 2 each protocol's
-    # greedy pair (for the record, outside the allowance) and at most 2 more (exhaustive_below=0:
-    # else its 15 sets, fewer than the local search's 24, are all scored)
+    # the budget: 6 removable blocks; budget 1 scores the sweep (6 sets), budget 2 at most 2 sets,
+    # the protocols' greedy pairs included (exhaustive_below=0: else its 15 sets, fewer than the
+    # local search's 24, would be scored had they fit)
     before = len(report.selections)
     chosen = hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, evaluations_per_budget=2,
                               exhaustive_below=0)
@@ -264,7 +307,7 @@ def test_select_layers_refuses_an_option_the_strategy_does_not_take_and_sets_the
     assert len(report.selections) == before + 1 and record["selected"] == chosen
     pairs = {tuple(e["set"]) for e in record["protocol_sets"].values()}
     assert len(pairs) == 2 and record["evaluations_per_budget"] == 2
-    assert record["total_cost"]["evaluator_calls"] == 6 + 2 + 2
+    assert record["total_cost"]["evaluator_calls"] == 6 + 2
     hl.select_layers(report, 2, strategy="search", model=model, calibration=calib, max_evaluations=7,
                      exhaustive_below=0)
     assert report.selections[-1]["total_cost"]["evaluator_calls"] == 7

@@ -27,6 +27,7 @@ from ..plan import decoder_blocks, first_difference, num_blocks
 from ..scoring import score_layers, swap_plans
 from ..selection import search_select
 from ..selection import select_layers
+from ..selection.search import search_allowances
 from ..surgery import remove_layers
 from .common import (
     HELP_FORMATTER,
@@ -141,11 +142,11 @@ def _search_allowance(num_blocks: int, protect: int = 2) -> int:
     return max(1, (num_blocks - protect) // 3)
 
 
-def _search_sets(num_blocks: int, top: int, allowance: int, max_evaluations: int | None) -> int:
+def _search_sets(num_blocks: int, top: int, allowance: int | None, max_evaluations: int | None) -> int:
     """Most sets a search up to budget ``top`` scores: the single-removal sweep, then per
-    further budget its ``allowance`` and each protocol's own greedy set; at most
-    ``max_evaluations`` in all."""
-    sets = (num_blocks - 2) + (top - 1) * (allowance + 2)
+    further budget its ``allowance`` (``None``: the search's default, SLEB's schedule), each
+    protocol's own greedy set inside it; at most ``max_evaluations`` in all."""
+    sets = sum(search_allowances(num_blocks - 2, top, allowance))
     return sets if max_evaluations is None else min(sets, max_evaluations)
 
 
@@ -210,7 +211,7 @@ def run_demo(args) -> int:
     elif args.final_num_to_remove in search_budgets:  # the same candidates as the search above, up to that budget
         final_sets = _search_sets(total, args.final_num_to_remove, per_budget, args.max_evaluations)
     else:
-        final_sets = _search_sets(total, args.final_num_to_remove, total - 2, args.max_evaluations or 3 * total)
+        final_sets = _search_sets(total, args.final_num_to_remove, None, args.max_evaluations or 3 * total)
     estimate = {
         "scoring": work.seconds(work.scoring(calib.num_tokens)),
         "search": work.seconds(work.search(calib.num_tokens, search_sets + final_sets)),

@@ -62,7 +62,8 @@ def select_layers(
             keyword arguments of :func:`~hf_layerswap.search.search_select` it does not set
             itself; its budget of candidate sets: ``max_evaluations`` (most sets scored in
             all, the single-removal sweep included) and ``evaluations_per_budget`` (most
-            new sets per budget n >= 2; default L - |protect|), and ``max_rounds``,
+            new sets per budget n >= 2, each protocol's greedy set included; default SLEB's
+            schedule, U - (n - 1) for U = L - |protect|), and ``max_rounds``,
             ``moves_per_round``, ``extend_best``, ``exhaustive_below``, ``progress``. The
             calibration size is not an option: it comes from ``calibration=`` (a
             :class:`~hf_layerswap.CalibrationSet`) or the report's ``num_prompts``.

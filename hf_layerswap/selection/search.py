@@ -15,7 +15,7 @@ Candidates at budget n (each scored once, cached across levels and budgets):
     - each of the ``extend_best`` best sets of budget n-1 grown by one of its neighbours
       or the most removable blocks, the best predicted first (when a budget's allowance
       is spent, it still scores the first of these: the best set of n-1 grown by the
-      block predicted to cost least).
+      block predicted to cost least, before any other candidate).
 
 Predictions are second order: f(S + {c}) ~ f(S) + d({c}) + sum over s in S of the
 interaction f({s, c}) - d({s}) - d({c}) of every pair scored so far (0 for a pair not
@@ -28,12 +28,16 @@ the set by one block, then the swaps with the lowest prediction of f(S - {r} + {
 and takes the best if it improves. Rounds stop when no move improves, after
 ``max_rounds``, or when the budget's allowance is spent.
 
-Allowance: budget 1 scores the single-removal sweep (L - |protect| sets); every budget
-n >= 2 scores at most ``evaluations_per_budget`` new sets (default L - |protect|, what
-one step of SLEB scores), so a deep budget is never starved by shallower ones; an
-optional ``max_evaluations`` caps the whole call. When a budget has at most
-``exhaustive_below`` sets in all, every set is scored instead. Budget n only depends on
-the work for budgets 1..n, so one call for 1..N returns what N separate calls would.
+Allowance (SLEB's schedule): budget n scores at most what step n of SLEB scores,
+U - (n - 1) new sets for U = L - |protect| removable blocks (budget 1: the single-removal
+sweep, U sets); each protocol's own greedy set counts inside it. So budgets 1..N together
+score at most sum_{k<N} (U - k) sets, SLEB's count for N, and never more forward passes
+(one per set plus one dense reference sweep each). ``evaluations_per_budget`` replaces
+U - (n - 1) by one number for every budget n >= 2; an optional ``max_evaluations`` caps
+the whole call. A budget with at most ``exhaustive_below`` sets in all scores every set
+instead when they fit in what budgets 1..n may spend together (the allowances of 1..n less
+what 1..n-1 spent), so the cumulative bound holds there too. Budget n only depends on the
+work for budgets 1..n, so one call for 1..N returns what N separate calls would.
 Everything is deterministic (ties: the lexicographically smallest set).
 
 Objectives: :data:`~hf_layerswap.selection.objectives.OBJECTIVES` (removal KL, calibration
@@ -45,7 +49,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -59,7 +63,7 @@ from .common import CriterionResult, as_calibration, adjacent_report, report_cos
 from .objectives import OBJECTIVES, SetObjective
 from .registry import Criterion, keyword_options, register_strategy
 
-__all__ = ["check_max_evaluations", "search_criterion", "search_select"]
+__all__ = ["check_max_evaluations", "search_allowances", "search_criterion", "search_select"]
 
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
@@ -109,6 +113,7 @@ def search_select(
     prefix_reuse: bool = True,
     progress: bool = False,
     evaluator: SetObjective | None = None,
+    on_budget: Callable[[int, dict], None] | None = None,
 ) -> dict[int, dict]:
     """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
 
@@ -123,19 +128,25 @@ def search_select(
         protect: blocks never removed (negative = from the end; default first and last).
         spacing: every two removed blocks satisfy ``|a - b| > spacing`` (default 0: none).
         max_evaluations: most distinct sets to score in all (default ``None``: no cap
-            beyond ``evaluations_per_budget``); the single-removal sweep counts. At least
+            beyond the per-budget allowances); the single-removal sweep counts. At least
             one set per removable block.
-        evaluations_per_budget: most new sets each budget n >= 2 scores (default: the
-            removable blocks, L - |protect|, what one step of SLEB scores); budget 1 scores
-            the single-removal sweep. A later budget is never starved by an earlier one,
-            and budgets 1..N together score at most N * (L - |protect|) sets.
+        evaluations_per_budget: most new sets each budget n >= 2 scores, each protocol's
+            greedy set included (default ``None``: SLEB's schedule, U - (n - 1) for
+            U = L - |protect| removable blocks, what step n of SLEB scores); budget 1
+            scores the single-removal sweep (U sets). A later budget is never starved by an
+            earlier one; by default budgets 1..N together score at most SLEB's count for N,
+            sum_{k<N} (U - k) sets (with the option: U + (N - 1) * evaluations_per_budget).
         extend_best: how many of the best sets of budget n - 1 are grown into candidates
             of budget n (the best one first).
         moves_per_round, max_rounds: local-search breadth and depth per budget.
         exhaustive_below: score every set of a budget when there are at most this many
-            (default ``moves_per_round * max_rounds``, what the local search may spend;
-            such a budget's allowance is raised to all its sets).
+            (default ``moves_per_round * max_rounds``, what the local search may spend) and
+            they fit in what budgets 1..n may spend together (their allowances less what
+            budgets 1..n-1 spent); such a budget's allowance is raised to all its sets.
         evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
+        on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets)
+            is done (``record`` as returned, ``total_cost`` the cost so far), so a long
+            search can keep its results as they come.
 
     Returns:
         ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
@@ -144,7 +155,9 @@ def search_select(
         value, or ``None`` where the rule cannot fill the budget), ``trace`` (the
         candidates scored, the best seed and its value, each local-search round),
         ``cost`` (cumulative evaluator calls, forward passes, block passes, seconds up to
-        this budget) and ``total_cost`` (the whole call).
+        this budget), ``total_cost`` (the whole call), ``evaluations_per_budget`` (as
+        given) and ``allowances`` (the most new sets of each budget 1..max(budgets), an
+        exhaustive budget's raised one included).
 
     Raises:
         ValueError: an unknown objective, a budget above the unprotected blocks the
@@ -155,33 +168,34 @@ def search_select(
     check_max_evaluations(max_evaluations, total, protect)
     protected = resolve_protect(protect, total)
     allowed = [i for i in range(total) if i not in protected]
-    if exhaustive_below is None:
-        exhaustive_below = moves_per_round * max_rounds
-    per_budget, allowances = _allowances(allowed, top, max_evaluations, evaluations_per_budget, extend_best,
-                                         exhaustive_below)
+    exhaustive_below = moves_per_round * max_rounds if exhaustive_below is None else exhaustive_below
+    schedule = search_allowances(len(allowed), top, evaluations_per_budget)
+    allowances = list(schedule)  # an exhaustive budget raises its own
+    _check_extend_best(extend_best)
     budget_total = math.inf if max_evaluations is None else int(max_evaluations)
-    bar = None
-    if progress and evaluator is None:
-        bar = tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
-                   dynamic_ncols=True)
+    bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
+                dynamic_ncols=True) if progress and evaluator is None else None)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
                                   progress=bar)
     search = _SetSearch(f, allowed, spacing, budget_total, total)
+    first_call = f.calls
     search.score_singles()
     sources = {"single_removal": search.single}
     protocols = list(report.protocols) if report is not None else []
     for p in protocols:
         sources[p] = report.layer_scores(p)
-
-    best: dict[int, list[int]] = {}
-    ranked_by_n: dict[int, list[list[int]]] = {}
-    trace: dict[int, dict] = {}
-    protocol_sets: dict[int, dict] = {}
-    costs: dict[int, dict] = {}
+    common = {"strategy": "search", "objective": objective, "spacing": spacing, "protect": sorted(protected),
+              "max_evaluations": max_evaluations, "evaluations_per_budget": evaluations_per_budget,
+              "allowances": allowances, "unit": "nats per token" if objective == "nll" else "nats"}
+    # per budget: the best set, the sets scored best first, the trace, the protocols' own sets, the cost so far
+    best, ranked_by_n, trace, protocol_sets, costs = {}, {}, {}, {}, {}
     for n in range(1, top + 1):
+        exhaustive = _exhaustive(len(allowed), n, exhaustive_below, f.calls - first_call, schedule)
+        if n > 1 and exhaustive:
+            allowances[n - 1] = max(allowances[n - 1], math.comb(len(allowed), n))
         greedy, ranked, current, rounds = search.run_budget(
             n, sources, protocols, protect, ranked_by_n.get(n - 1), extend_best=extend_best,
-            exhaustive_below=exhaustive_below, allowance=allowances[n - 1], moves_per_round=moves_per_round,
+            exhaustive=exhaustive, allowance=allowances[n - 1], moves_per_round=moves_per_round,
             max_rounds=max_rounds,
         )
         ranked_by_n[n] = sorted({set_key(s): s for s in [current] + ranked}.values(),
@@ -192,12 +206,12 @@ def search_select(
         trace[n] = {"candidates": len(ranked), "seed_best": ranked[0], "seed_value": f.value(ranked[0]),
                     "rounds": rounds}
         costs[n] = f.cost()
+        if on_budget is not None:
+            on_budget(n, _record_of(n, best[n], f.value(best[n]), protocol_sets[n], trace[n], costs[n], costs[n],
+                                    common))
     if bar is not None:
         bar.close()
     final_cost = f.cost()
-    common = {"strategy": "search", "objective": objective, "spacing": spacing, "protect": sorted(protected),
-              "max_evaluations": max_evaluations, "evaluations_per_budget": per_budget,
-              "unit": "nats per token" if objective == "nll" else "nats"}
     return {n: _record_of(n, best[n], f.value(best[n]), protocol_sets[n], trace[n], costs[n], final_cost, common)
             for n in wanted}
 
@@ -210,7 +224,8 @@ def _record_of(n: int, selected, value, protocol_sets: dict, trace: dict, cost: 
         "value": value, "spacing": common["spacing"], "protect": list(common["protect"]),
         "protocol_sets": copy.deepcopy(protocol_sets), "trace": copy.deepcopy(trace),
         "cost": dict(cost), "total_cost": dict(total_cost), "max_evaluations": common["max_evaluations"],
-        "evaluations_per_budget": common["evaluations_per_budget"], "unit": common["unit"],
+        "evaluations_per_budget": common["evaluations_per_budget"], "allowances": list(common["allowances"]),
+        "unit": common["unit"],
     }
 
 
@@ -240,18 +255,39 @@ def check_max_evaluations(max_evaluations, total: int, protect) -> None:
         raise ValueError(f"max_evaluations={max_evaluations!r}: at least {removable} (one per removable block)")
 
 
-def _allowances(allowed: Sequence[int], top: int, max_evaluations, evaluations_per_budget, extend_best,
-                exhaustive_below: int) -> tuple[int, list[int]]:
-    """(new sets per budget, the allowance of each budget 1..top): budget 1 scores the
-    single removals; a budget small enough to score exhaustively gets all its sets."""
-    per_budget = len(allowed) if evaluations_per_budget is None else int(evaluations_per_budget)
-    if per_budget < 1:
-        raise ValueError(f"evaluations_per_budget={evaluations_per_budget!r}: must be an int >= 1")
+def _check_extend_best(extend_best) -> None:
+    """Raises ``ValueError`` for ``extend_best`` < 1."""
     if int(extend_best) < 1:
         raise ValueError(f"extend_best={extend_best!r}: must be an int >= 1")
-    allowances = [len(allowed)] + [max(per_budget, math.comb(len(allowed), n) if math.comb(len(allowed), n)
-                                       <= exhaustive_below else 0) for n in range(2, top + 1)]
-    return per_budget, allowances
+
+
+def _exhaustive(removable: int, n: int, exhaustive_below: int, spent: int, schedule: Sequence[int]) -> bool:
+    """Whether budget ``n`` scores every set: there are at most ``exhaustive_below`` and they
+    fit in what budgets 1..n may spend together (``schedule[:n]`` less the ``spent`` of budgets
+    1..n-1), so the search never passes the schedule's sum. Budget 1: the sweep scored them all."""
+    combos = math.comb(removable, n)
+    return combos <= exhaustive_below and (n == 1 or spent + combos <= sum(schedule[:n]))
+
+
+def search_allowances(removable: int, top: int, evaluations_per_budget: int | None = None) -> list[int]:
+    """The most new sets :func:`search_select` scores at each budget 1..``top`` (before an
+    exhaustive budget raises its own): budget 1 the single-removal sweep (``removable``
+    sets, U = L - |protect|); budget n >= 2 ``evaluations_per_budget`` or, by default,
+    SLEB's step n: U - (n - 1). The default list sums to SLEB's count of candidate sets for
+    ``top`` (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification
+    and Elimination of Transformer Blocks").
+
+    Raises:
+        ValueError: ``evaluations_per_budget`` below 1, ``removable`` below 1 or ``top``
+            above ``removable``.
+    """
+    if int(removable) < 1 or not 1 <= int(top) <= int(removable):
+        raise ValueError(f"removable={removable!r}, top={top!r}: need 1 <= top <= removable")
+    if evaluations_per_budget is not None and int(evaluations_per_budget) < 1:
+        raise ValueError(f"evaluations_per_budget={evaluations_per_budget!r}: must be an int >= 1 or None")
+    if evaluations_per_budget is None:
+        return [int(removable) - k for k in range(int(top))]
+    return [int(removable)] + [int(evaluations_per_budget)] * (int(top) - 1)
 
 
 class _SetSearch:
@@ -322,9 +358,9 @@ class _SetSearch:
         return [sorted(list(prev) + [c]) for c in cands]
 
     def run_budget(self, n: int, sources: dict, protocols: list[str], protect, ranked_prev: list[list[int]] | None, *,
-                   extend_best: int, exhaustive_below: int, allowance: int, moves_per_round: int, max_rounds: int):
-        """Budget ``n``: each protocol's greedy set (scored for the record), the seeds, then
-        the local search. Returns ``(greedy sets, seeds ranked, best set, rounds)``."""
+                   extend_best: int, exhaustive: bool, allowance: int, moves_per_round: int, max_rounds: int):
+        """Budget ``n``: the seeds (each protocol's greedy set among them, inside the
+        allowance), then the local search. Returns ``(greedy sets, seeds ranked, best set, rounds)``."""
         f, spacing = self.f, self.spacing
         greedy = {}
         for p in protocols:
@@ -332,10 +368,6 @@ class _SetSearch:
                 greedy[p] = greedy_select(sources[p], n, spacing=max(1, spacing), protect=protect)
             except ValueError:
                 greedy[p] = None
-        # each protocol's own set is scored for the record, outside the budget's allowance
-        required = [g for g in greedy.values() if g is not None and self.ok(g) and set_key(g) not in f.cache]
-        f(required[: max(int(min(self.budget_total - f.calls, len(required))), 0)])
-        exhaustive = math.comb(len(self.allowed), n) <= exhaustive_below  # cheaper than the local search
         if n > 1:
             self.level.update(start=f.calls, allowance=allowance)
         ranked = self.score(self.seeds(n, greedy, sources, protocols, ranked_prev, extend_best, exhaustive))
@@ -349,13 +381,14 @@ class _SetSearch:
         """Candidate sets of budget ``n``: the best sets of ``n - 1`` grown, each protocol's
         greedy and lowest-score sets, the ``n`` most removable blocks, the best contiguous
         runs of every score, and every set when ``exhaustive``."""
-        pool = []
-        if n > 1:  # first, so that a spent evaluation budget still extends the best set of n - 1
-            # best prediction first: the set a spent budget still scores
-            pool.extend(self.extensions(ranked_prev[0], n + 2))
+        pool, grown = [], []
+        if n > 1:  # first, so that a small allowance still extends the best set of n - 1
+            grown = self.extensions(ranked_prev[0], n + 2)  # best prediction first
+            pool.extend(grown[:1])
+        # each protocol's own set next (its value goes to the record), inside the allowance
+        pool.extend(greedy[p] for p in protocols if greedy[p] is not None)
+        pool.extend(grown[1:])
         for p in protocols:
-            if greedy[p] is not None:
-                pool.append(greedy[p])
             pool.append(_lowest(sources[p], self.allowed, n))
         pool.append(self.rank[:n] if n <= len(self.rank) else [])
         for scores in sources.values():
