@@ -57,7 +57,9 @@ def test_speed_benchmark_resumes_batch_by_batch(tmp_path):
     for part in ("naive", "ours"):
         for count in ("model_calls", "block_evaluations", "head_positions"):
             assert a[part][count] == b[part][count], (part, count)
-    assert a["max_rel_diff_prompt"] == 0.0
+    # the naive scheme rounds its log-softmax in fp32, the engine sums in float64 (one KL arithmetic):
+    # they differ by the naive scheme's rounding, and a resumed run by nothing
+    assert a["max_rel_diff_prompt"] == b["max_rel_diff_prompt"] < 1e-4
     assert "4 of 4 batches of 2" in (tmp_path / "a.md").read_text()
     # a run in another process merges in: nothing is measured again, the recorded command omits the piece
     merged = _speed(tmp_path, "--out", str(tmp_path / "c.md"), "--merge-from", str(tmp_path / "a.json"))
