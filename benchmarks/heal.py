@@ -72,10 +72,11 @@ LR = EXPERIMENT["lr"]
 BEST = EXPERIMENT["best"]
 
 
-def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs"):
+def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs", patience=None):
     heal_method = method.split("+")[-1]
-    return {"model": model, "criterion": criterion, "n": n, "method": method, "tokens": tokens,
+    cell = {"model": model, "criterion": criterion, "n": n, "method": method, "tokens": tokens,
             "lr": LR[heal_method] if lr is None else lr, "text": text}
+    return cell if patience is None else {**cell, "patience": patience}
 
 
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
@@ -84,7 +85,7 @@ SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
 CRITERIA_TOKENS = EXPERIMENT["criteria_tokens"]
 #: The cells, by group, in priority order; ``--groups`` picks groups.
 PLAN = {group: [_cell(c["model"], c["criterion"], c["n"], c["method"], c["tokens"], c.get("lr"),
-                      c.get("text", "paragraphs")) for c in cells]
+                      c.get("text", "paragraphs"), c.get("patience")) for c in cells]
         for group, cells in experiment_cells(EXPERIMENT).items()}
 GROUP_TITLES = EXPERIMENT["titles"]
 CRITERION_NAMES = {
@@ -98,11 +99,20 @@ def cell_text(cell: dict) -> str:
     return cell.get("text", "paragraphs")
 
 
+def cell_patience(cell: dict):
+    """The early stop's ``patience=`` of the cell: the shared setting, or the cell's own
+    (``"default"``: ``heal``'s default, ``patience=None``)."""
+    patience = cell.get("patience", HEAL_SETTINGS["patience"])
+    return None if patience == "default" else patience
+
+
 def cell_key(cell: dict) -> str:
-    """``model|criterion|nN|method|tokens|lrX``, then ``|packed`` for packed text (paragraph
-    cells keep the keys they were stored under)."""
+    """``model|criterion|nN|method|tokens|lrX``, then ``|packed`` for packed text and
+    ``|patience-P`` for a cell's own patience (cells without them keep the keys they were
+    stored under)."""
     key = f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
-    return key if cell_text(cell) == "paragraphs" else f"{key}|{cell_text(cell)}"
+    key = key if cell_text(cell) == "paragraphs" else f"{key}|{cell_text(cell)}"
+    return key if "patience" not in cell else f"{key}|patience-{cell['patience']}"
 
 
 def removal_set(model: str, criterion: str, n: int) -> list[int]:
@@ -173,7 +183,8 @@ class Runner:
         cpu, wall = time.process_time(), time.time()
         report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
                       tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer, max_tokens=cell["tokens"],
-                      learning_rate=cell["lr"], packing=cell_text(cell) == "packed", **HEAL_SETTINGS)
+                      learning_rate=cell["lr"], packing=cell_text(cell) == "packed",
+                      **{**HEAL_SETTINGS, "patience": cell_patience(cell)})
         cpu, wall = time.process_time() - cpu, time.time() - wall
         healed = self.evaluate(student)
         return {**cell, "removed": removed, "healed": healed, "heal_cpu_s": cpu, "heal_wall_s": wall,
@@ -227,6 +238,8 @@ def _stop(report: dict, planned_steps: int) -> str:
     best = min(report["eval_history"], key=lambda e: e["kl"]) if report["eval_history"] else None
     ran = report["steps"]
     note = f"best at step {best['step']}" if best else ""
+    if report.get("patience") is not None:
+        note += f", patience {report['patience']}"
     return f"stopped at {ran}/{planned_steps}, {note}" if ran < planned_steps else f"ran {ran}/{planned_steps}, {note}"
 
 

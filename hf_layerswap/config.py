@@ -227,7 +227,8 @@ class HealConfig:
             tokens; ``False``: one paragraph per prompt (:func:`~hf_layerswap.healing.heal`).
         learning_rate: peak learning rate (finite, > 0).
         ce_weight: weight of the cross-entropy on the text (finite, >= 0).
-        heldout_prompts, eval_every, patience: the early stop on held-out KL (ints >= 1).
+        heldout_prompts, eval_every, patience: the early stop on held-out KL (ints >= 1;
+            ``patience=None``: a tenth of the planned evaluations, at least 2).
         seed: training seed (int).
         teacher_top_k: ``None`` = the teacher's full logits; an int ``k`` >= 1 = a cache of
             its top-k log-probs plus the rest's mass (KL over ``k + 1`` buckets, a lower
@@ -265,8 +266,9 @@ class HealConfig:
     heldout_prompts: int = field(default=4, metadata=_help(
         "calibration prompts held out for the early stop's KL (never trained on)"))
     eval_every: int = field(default=4, metadata=_help("optimiser steps between held-out evaluations"))
-    patience: int = field(default=2, metadata=_help(
-        "stop after this many evaluations without a lower held-out KL (the best weights are kept)"))
+    patience: int | None = field(default=None, metadata=_help(
+        "stop after this many evaluations without a lower held-out KL (the best weights are kept; "
+        "default: a tenth of the planned evaluations, at least 2)"))
     seed: int = field(default=0, metadata=_help("healing seed (data order, LoRA initialisation)"))
     teacher_top_k: int | None = field(default=None, metadata=_help(
         "cache the teacher's top-k log-probs plus the rest's mass instead of its full logits (default: full)"))
@@ -289,6 +291,8 @@ class HealConfig:
         for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("heldout_prompts", 1),
                               ("eval_every", 1), ("patience", 1)):
             value = getattr(self, name)
+            if name == "patience" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}")
         for name, low in (("learning_rate", None), ("ce_weight", 0.0)):

@@ -52,6 +52,7 @@ from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, perplexity_forwards
 from .healing.methods import LORA_TARGETS, cut_neighbours
+from .healing.trainer import resolve_patience
 from .models import has_tokenizer_files, is_hub_id
 from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
@@ -292,7 +293,8 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
     # before training, every eval_every steps and after the last step (transformers' DefaultFlowCallback)
     evaluations = 1 + math.ceil(steps / heal.eval_every)
-    no_early_stop = math.ceil(steps / heal.eval_every) - 1 < heal.patience  # a stop at the last one changes nothing
+    patience = resolve_patience(heal.patience, steps, heal.eval_every)
+    no_early_stop = math.ceil(steps / heal.eval_every) - 1 < patience  # a stop at the last one changes nothing
     phase = _phase(no_early_stop and rows_known,
                    f"{heal.method}: {steps} steps of {heal.batch_size} prompts x {width} tokens, {evaluations} "
                    f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))

@@ -24,6 +24,7 @@ from hf_layerswap.healing import distillation_loss
 from hf_layerswap.healing.core import RUN_FILE
 from hf_layerswap.healing.loss import teacher_top_k, top_k_distillation_loss
 from hf_layerswap.healing.methods import cut_neighbours
+from hf_layerswap.healing.trainer import resolve_patience
 from hf_layerswap.history import verify_history, weights_changed_later
 from hf_layerswap.pipeline import prune
 
@@ -113,6 +114,21 @@ def test_divergent_learning_rate_returns_start_weights():
                      batch_size=4, learning_rate=1e4, eval_every=1, patience=2)
     assert report.reverted and report.kl_after == report.kl_before
     assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    assert report.patience == 2 and report.steps == 2  # two evaluations without improvement, then the stop
+
+
+def test_default_patience_is_a_tenth_of_the_planned_evaluations():
+    assert resolve_patience(None, 512, 4) == 13  # 128 evaluations planned
+    assert resolve_patience(None, 400, 1) == 40
+    assert resolve_patience(None, 8, 4) == 2 and resolve_patience(None, 1, 1) == 2  # at least 2
+    assert resolve_patience(5, 512, 4) == 5  # a given count is kept
+    student, teacher = _pair()
+    # 24 steps, held-out KL after each: 24 evaluations planned, patience ceil(2.4) = 3; a divergent
+    # rate never improves, so training stops after the third evaluation
+    report = hl.heal(student, teacher, _calibration(), method="last_k", max_tokens=24 * 16 * 4, seq_len=16,
+                     batch_size=4, learning_rate=1e4, eval_every=1)
+    assert report.patience == 3 and report.steps == 3 and report.reverted
+    assert student.config.layerswap["healing"][-1]["patience"] == 3
 
 
 def test_mismatched_teacher_refused_before_training():
@@ -225,7 +241,7 @@ def test_heal_config_round_trip_and_refusals():
     data = json.loads(json.dumps(cfg.to_dict()))
     assert data["heal"] == {"method": "last_k", "max_tokens": 512, "calibration": None, "seq_len": 128,
                             "packing": True, "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
-                            "eval_every": 4, "patience": 2, "seed": 0, "teacher_top_k": None, "options": {"k": 2},
+                            "eval_every": 4, "patience": None, "seed": 0, "teacher_top_k": None, "options": {"k": 2},
                             "perplexity_text": None, "eval_tasks": None, "eval_tasks_path": None,
                             "eval_tasks_limit": None}
     assert LayerSwapConfig.from_dict(data) == cfg and LayerSwapConfig.from_dict(data).heal == cfg.heal

@@ -21,7 +21,8 @@ from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import get_heal_method
 from .report import HealReport
-from .trainer import TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint
+from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint,
+                      resolve_patience)
 
 __all__ = ["PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
 
@@ -83,7 +84,7 @@ def heal(
     learning_rate: float = 1e-4,
     ce_weight: float = 0.0,
     eval_every: int = 4,
-    patience: int = 2,
+    patience: int | None = None,
     seed: int = 0,
     checkpoint_dir: str | os.PathLike | None = None,
     teacher_top_k: int | None = None,
@@ -105,7 +106,9 @@ def heal(
     until the text runs out, then repeated (epochs, with a warning; ``report.epochs``).
     ``packing=False``/tensors: one paragraph per prompt, at most :data:`PARAGRAPH_PROMPTS`,
     the last held out. Held-out KL every ``eval_every`` steps; stop after ``patience``
-    without improvement, keeping the best weights (the start's: ``report.reverted``).
+    without improvement (``None``: a tenth of the planned evaluations, at least 2,
+    :func:`~hf_layerswap.healing.trainer.resolve_patience`; the report records the count),
+    keeping the best weights (the start's: ``report.reverted``).
 
     Args:
         model: the pruned student, healed in place.
@@ -166,6 +169,7 @@ def heal(
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
+    settings["patience"] = resolve_patience(patience, steps, eval_every)
     settings["data_hash"] = calib.content_hash
     device = next(model.parameters()).device
     teacher.to(device).eval()
@@ -259,6 +263,7 @@ def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, dis
         data_hash=calib.content_hash, teacher_top_k=settings["teacher_top_k"], ce_weight=float(settings["ce_weight"]),
         final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
         options=dict(settings["options"]), packing=packed, distinct_tokens=distinct, epochs=trained / distinct,
+        patience=settings["patience"],
     )
 
 
@@ -294,6 +299,8 @@ def _check_settings(settings: dict, vocab_size: int) -> None:
     for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
                           ("heldout_prompts", 1)):
         value = settings[name]
+        if name == "patience" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
     for name, positive in (("learning_rate", True), ("ce_weight", False)):

@@ -54,6 +54,9 @@ class HealReport(JsonResult):
             counted); ``None`` in reports written before it was recorded.
         epochs: ``tokens / distinct_tokens``: above 1 when the text was shorter than the
             budget and repeated; ``None`` when not recorded.
+        patience: the early stop's patience in held-out evaluations (the ``patience=``
+            count, or the one ``None`` resolved to); ``None`` in reports written before it
+            was recorded.
     """
 
     method: str
@@ -79,6 +82,7 @@ class HealReport(JsonResult):
     packing: bool = False
     distinct_tokens: int | None = None
     epochs: float | None = None
+    patience: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
