@@ -385,11 +385,30 @@ def _criteria_section(state: dict) -> list[str]:
     return lines
 
 
+#: The issue's largest token budget: not planned (its CPU time on this machine, below).
+UNPLANNED_TOKENS = 524288
+
+
+def _unplanned(state: dict) -> list[str]:
+    """The 512k budget's line: its CPU time extrapolated from the longest stored run's seconds
+    per step (every step of a budget costs the same: one batch of full windows)."""
+    runs = [c for c in state["cells"].values() if c["model"] == SMOL and c["report"]["steps"]]
+    if not runs:
+        return []
+    longest = max(runs, key=lambda c: c["report"]["steps"])
+    per_step = longest["heal_cpu_s"] / longest["report"]["steps"]
+    steps = math.ceil(UNPLANNED_TOKENS / (HEAL_SETTINGS["batch_size"] * HEAL_SETTINGS["seq_len"]))
+    return [f"- Not planned: a {UNPLANNED_TOKENS:,}-token budget (SmolLM2-135M): {steps:,} steps at the "
+            f"{per_step:.1f} CPU-s per step of the longest stored run ({longest['report']['steps']} steps) is about "
+            f"{steps * per_step / 3600:.1f} CPU-hours without an early stop, more than this machine gave the run."]
+
+
 def _not_run(state: dict) -> list[str]:
     missing = [(g, c) for g, cells in PLAN.items() for c in cells if cell_key(c) not in state["cells"]]
     if not missing:
-        return ["Every planned cell ran."]
-    return ["These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
+        return ["Every planned cell ran.", *_unplanned(state)]
+    unplanned = _unplanned(state)
+    return unplanned + ([""] if unplanned else []) + ["These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
             "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
             f"{c['tokens']:,} tokens lr {c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f", {cell_text(c)} text")
             for g, c in missing]

@@ -103,7 +103,13 @@ def test_packed_cells_keep_paragraph_keys_and_report_distinct_tokens(tmp_path):
 
 def test_heal_experiment_lists_the_groups_in_priority_order():
     cells = experiment_cells(load_experiment("heal"))
-    assert list(cells) == ["pilot", "n6", "criteria", "budgets", "long", "packed"]
+    assert list(cells) == ["pilot", "n6", "criteria", "budgets", "long", "packed", "patience"]
+    bench = _module()
+    own, shared = bench.PLAN["patience"][0], bench.PLAN["packed"][1]
+    assert bench.cell_key(own) == "smollm2-135m|search|n6|ghosted+lora|262144|lr0.001|packed|patience-default"
+    assert bench.cell_patience(own) is None  # heal's default
+    assert bench.cell_key(shared) == "smollm2-135m|search|n6|ghosted+lora|262144|lr0.001|packed"
+    assert bench.cell_patience(shared) == bench.HEAL_SETTINGS["patience"] == 3
     assert [c["lr"] for c in cells["pilot"]] == [1e-4, 3e-4, 1e-3, 3e-5, 1e-4]
     assert [(c["model"], c["n"], c["method"]) for c in cells["budgets"]][:3] == [
         ("smollm2-135m", 2, "lora"), ("smollm2-135m", 2, "ghosted+lora"), ("smollm2-135m", 4, "lora")]
