@@ -28,7 +28,7 @@ from hf_layerswap.healing.trainer import resolve_patience
 from hf_layerswap.history import verify_history, weights_changed_later
 from hf_layerswap.pipeline import prune
 
-from conftest import tiny_batch, tiny_checkpoint, tiny_model
+from conftest import assert_model_unchanged, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
 
 REMOVED = [2, 3]
 
@@ -481,3 +481,27 @@ def test_packing_flags_on_the_command_line():
         method = None if not prefix else "lora"
         assert heal_config(parser.parse_args([]), prefix=prefix, method=method).packing is True
         assert heal_config(parser.parse_args([flag]), prefix=prefix, method=method).packing is False
+
+
+# ---------------------------------------------------------------- a real model
+@pytest.mark.slow
+def test_smollm2_lora_healing_of_a_real_cut_lowers_heldout_kl_and_saves_plain(smollm2, wikitext_valid, tmp_path):
+    dense, tokenizer = smollm2
+    dense_snapshot = snapshot_model(dense)
+    student = copy.deepcopy(dense)
+    hl.remove_layers(student, [13, 14])  # the default search's set at n = 2 (model_cards/smollm2-135m)
+    report = hl.heal(student, dense, str(wikitext_valid), tokenizer=tokenizer, method="lora", learning_rate=1e-3,
+                     max_tokens=8 * 4 * 128, seq_len=128, batch_size=4, heldout_prompts=4, eval_every=2)
+    assert_model_unchanged(dense, dense_snapshot)  # the teacher is never trained
+    assert report.packing and report.steps >= 2 and report.tokens == report.steps * 4 * 128  # full windows, no padding
+    assert report.kl_after < report.kl_before and not report.reverted
+    assert [e["step"] for e in report.eval_history] == list(range(2, report.steps + 1, 2))
+    assert not any("lora" in name for name, _ in student.named_modules())
+    student.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = tokenizer("The tower is 324 metres tall.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, student(input_ids=ids).logits)
+    record = reloaded.config.layerswap
+    assert record["removed_layers"] == [13, 14] and reloaded.config.num_hidden_layers == 28
+    assert record["healing"][-1]["kl_after"] == report.kl_after and record["healing"][-1]["method"] == "lora"
