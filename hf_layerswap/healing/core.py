@@ -105,16 +105,14 @@ def heal(
     first ``heldout_prompts`` held out, the next ``steps x batch_size`` trained on, distinct
     until the text runs out, then repeated (epochs, with a warning; ``report.epochs``).
     ``packing=False``/tensors: one paragraph per prompt, at most :data:`PARAGRAPH_PROMPTS`,
-    the last held out. Held-out KL every ``eval_every`` steps; stop after ``patience``
-    without improvement (``None``: a tenth of the planned evaluations, at least 2,
-    :func:`~hf_layerswap.healing.trainer.resolve_patience`; the report records the count),
-    keeping the best weights (the start's: ``report.reverted``).
+    the last held out. Held-out KL every ``eval_every`` steps; stop after ``patience`` without
+    improvement (``None``: :func:`~hf_layerswap.healing.trainer.resolve_patience`), keeping
+    the best weights (the start's: ``report.reverted``).
 
     Args:
-        model: the pruned student, healed in place.
-        teacher: the dense model, same vocabulary and tokenizer; it is not trained.
-        calibration: any source :func:`build_calibration` accepts (``None``: the
-            embedded calibration text; needs ``tokenizer``).
+        model: the pruned student, healed in place. teacher: the dense model, same
+            vocabulary and tokenizer; it is not trained.
+        calibration: any :func:`build_calibration` source (``None``: the embedded text, needs ``tokenizer``).
         method: a name registered in :data:`~hf_layerswap.healing.HEAL_METHODS`.
         max_tokens: training budget in prompt positions (``batch_size x seq_len`` per
             step); the number of steps is ``ceil(max_tokens / (batch_size * seq_len))``.
@@ -169,8 +167,7 @@ def heal(
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
-    settings["patience"] = resolve_patience(patience, steps, eval_every)
-    settings["data_hash"] = calib.content_hash
+    settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash)
     device = next(model.parameters()).device
     teacher.to(device).eval()
     if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
