@@ -408,8 +408,9 @@ def _not_run(state: dict) -> list[str]:
     if not missing:
         return ["Every planned cell ran.", *_unplanned(state)]
     unplanned = _unplanned(state)
-    return unplanned + ([""] if unplanned else []) + ["These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
-            "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
+    return unplanned + ([""] if unplanned else []) + [
+        "These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
+        "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
             f"{c['tokens']:,} tokens lr {c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f", {cell_text(c)} text")
             for g, c in missing]
 
