@@ -145,6 +145,9 @@ def test_mismatched_teacher_refused_before_training():
         hl.heal(student, teacher, _calibration(), tokenizer=_Vocab({"a": 0, "b": 1}), teacher_tokenizer=_Vocab({"a": 0, "c": 1}))
     with pytest.raises(ValueError, match="k=9"):
         hl.heal(student, teacher, _calibration(), method="last_k", k=9)
+    deeper = tiny_model("llama", num_blocks=8, seed=0)  # same vocabulary, not the model the student was cut from
+    with pytest.raises(ValueError, match="teacher has 8 blocks but the student was cut from a model of 6"):
+        hl.heal(student, deeper, _calibration(), method="last_k", k=2)
     assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
     assert "healing" not in student.config.layerswap
 
@@ -233,6 +236,39 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, capsys, m
     other, teacher = _pair()
     with pytest.raises(ValueError, match="learning_rate"):
         hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path, **{**kw, "learning_rate": lr / 2})
+
+
+def test_rerun_after_the_early_stop_trains_no_further(tmp_path):
+    # a run that stopped early and was cut off afterwards (its measurements, the save) ends, run again,
+    # with the stopped run's steps and weights, instead of training on from its last checkpoint
+    kw = dict(method="last_k", k=2, max_tokens=8 * 16 * 4, seq_len=16, batch_size=4, learning_rate=1e4, eval_every=1,
+              patience=2)
+    first, teacher = _pair()
+    stopped = hl.heal(first, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
+    again, teacher = _pair()
+    report = hl.heal(again, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
+    assert stopped.steps == report.steps == 2 and report.eval_history == stopped.eval_history
+    assert report.tokens == stopped.tokens and report.loss_history == stopped.loss_history
+    for (name, x), y in zip(first.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_checkpoints_of_another_student_or_teacher_are_refused(tmp_path):
+    kw = dict(method="last_k", k=2, max_tokens=8 * 16 * 4, seq_len=16, batch_size=4, learning_rate=1e-3, eval_every=2,
+              patience=3)
+    cut, teacher = _pair()
+    with pytest.raises(KeyboardInterrupt):
+        hl.heal(cut, teacher, _calibration(), checkpoint_dir=tmp_path, callbacks=[_Interrupt(5)], **kw)
+    teacher = tiny_model("llama", num_blocks=6, seed=0)
+    other = copy.deepcopy(teacher)
+    hl.remove_layers(other, [1, 4])  # another cut of the same base, the same settings
+    start = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="other settings.*student: "):
+        hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
+    student, _ = _pair()
+    with pytest.raises(ValueError, match="other settings.*teacher: "):
+        hl.heal(student, tiny_model("llama", num_blocks=6, seed=1), _calibration(), checkpoint_dir=tmp_path, **kw)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in start.items())
 
 
 # ---------------------------------------------------------------- config and pipeline

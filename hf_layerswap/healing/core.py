@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PrinterCallback, TrainingArguments, set_seed
+from transformers import PrinterCallback, TrainerState, TrainingArguments, set_seed
+from transformers.trainer import TRAINER_STATE_NAME
 
 from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, shortfall_text
 from ..jsonio import write_json_atomic
+from ..plan import model_fingerprint, num_blocks
 from ..provenance import library_versions
 from .loss import teacher_top_k
 from .measure import HealMeasures
@@ -32,7 +34,8 @@ PARAGRAPH_PROMPTS = 256
 
 def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
     """Refuse a teacher that cannot teach ``model``: the same object, a different
-    ``config.vocab_size`` or output-head shape, or a tokenizer with a different vocabulary.
+    ``config.vocab_size`` or output-head shape, another block count than the model the
+    student was cut from (``config.layerswap``), or a tokenizer with a different vocabulary.
 
     Raises:
         ValueError: naming the mismatching values.
@@ -45,6 +48,10 @@ def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_
             f"teacher vocabulary (vocab_size={sizes[1][0]}, lm_head {sizes[1][1]}) differs from the student's "
             f"(vocab_size={sizes[0][0]}, lm_head {sizes[0][1]}): the KL needs the same vocabulary"
         )
+    original = (getattr(model.config, "layerswap", None) or {}).get("original_num_hidden_layers")
+    if original is not None and num_blocks(teacher) != original:
+        raise ValueError(f"teacher has {num_blocks(teacher)} blocks but the student was cut from a model of {original}: "
+                         "pass the dense model it was pruned from as teacher")
     if tokenizer is not None and teacher_tokenizer is not None and tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
         raise ValueError(
             f"teacher tokenizer ({len(teacher_tokenizer)} tokens) differs from the student's ({len(tokenizer)} tokens)"
@@ -122,8 +129,8 @@ def heal(
             evaluation, the last two kept, each with the early stop's best weights): the
             same call after an interruption resumes from the last complete one (a checkpoint
             cut off while saving is removed) and ends with the same weights as an
-            uninterrupted run (same seed). A folder holding checkpoints
-            of a run with other settings is refused. ``None``: nothing is saved.
+            uninterrupted run (same seed; a run that had stopped early trains no further). A folder
+            holding checkpoints of another student, teacher or settings is refused. ``None``: nothing is saved.
         teacher_top_k: ``None`` (default): the teacher's full logits on the fly at every
             step. An int ``k``: the teacher runs once over the training prompts and its
             top-``k`` log-probabilities plus the rest's mass are cached
@@ -144,8 +151,7 @@ def heal(
             recorded in ``report.tasks``; ``eval_tasks_path`` (task YAML folder) and
             ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
             Needs ``tokenizer`` and lm-eval.
-        callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging,
-            a custom stop).
+        callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop).
 
     Returns:
         The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is
@@ -167,7 +173,8 @@ def heal(
     entry = get_heal_method(method)
     _check_settings(settings, model.config.vocab_size)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
-    settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash)
+    settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
+                    student=model_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
     device = next(model.parameters()).device
     teacher.to(device).eval()
     if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
@@ -287,7 +294,10 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
         last = last_complete_checkpoint(checkpoint_dir) if resume else None
         if last is not None:
             best.load(last)
-        trainer.train(resume_from_checkpoint=last)
+        if best.stopped:  # the checkpoint of the early stop itself: the run had ended, nothing is trained further
+            trainer.state = TrainerState.load_from_json(os.path.join(last, TRAINER_STATE_NAME))
+        else:
+            trainer.train(resume_from_checkpoint=last)
         best.restore()
     return trainer.state, best
 

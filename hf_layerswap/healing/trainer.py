@@ -95,6 +95,11 @@ class BestWeights(TrainerCallback):
         self.patience, self.min_delta, self.waited = patience, min_delta, 0
         self.history: list[dict] = []
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the early stop has fired (a resumed run that had stopped trains no further)."""
+        return self.waited >= self.patience
+
     def snapshot(self) -> dict:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
@@ -133,7 +138,7 @@ class BestWeights(TrainerCallback):
             self.best_kl, self.best, self.improved, self.waited = kl, self.snapshot(), True, 0
         else:
             self.waited += 1
-            if self.waited >= self.patience:
+            if self.stopped:
                 control.should_training_stop = True
 
 
