@@ -119,14 +119,14 @@ def _phase(exact: bool, note: str) -> dict:
 
 
 def _add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width: int, head: bool = True,
-                 factor: float = 1.0, head_rows: int | None = None) -> None:
-    """One model forward of ``batch`` x ``width`` positions through ``blocks`` blocks and
+                 factor: float = 1.0, head_rows: int | None = None, times: int = 1) -> None:
+    """``times`` model forwards of ``batch`` x ``width`` positions through ``blocks`` blocks and
     (``head``) the head over every position, or over its last ``head_rows`` per prompt."""
     fb, fh = shape.forward_flops(blocks, batch, width, head)
-    phase["block_passes"] += blocks
-    phase["head_passes"] += int(head)
-    phase["block_flops"] += factor * fb
-    phase["head_flops"] += factor * (fh if head_rows is None or not head else fh * head_rows / width)
+    phase["block_passes"] += blocks * times
+    phase["head_passes"] += int(head) * times
+    phase["block_flops"] += times * factor * fb
+    phase["head_flops"] += times * factor * (fh if head_rows is None or not head else fh * head_rows / width)
 
 
 def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
@@ -222,11 +222,16 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
 # ----------------------------------------------------------------------------- healing
 def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
     """(prompts of the healing text, their width, whether known exactly): given tensors
-    read as :func:`~hf_layerswap.calibration.build_calibration` does, else full prompts."""
+    read as :func:`~hf_layerswap.calibration.build_calibration` does, else full prompts
+    (a packed text: every window of the budget, one paragraph per prompt: at most
+    :data:`HEAL_MAX_TRAIN_PROMPTS`)."""
     heal = cfg.heal
     steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
-    wanted = min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS) + heal.heldout_prompts
-    if heal.calibration is None and isinstance(calibration, Mapping):
+    tensors = heal.calibration is None and isinstance(calibration, Mapping)  # never packed
+    packed = heal.packing and not tensors
+    wanted = (steps * heal.batch_size if packed else min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS)) \
+        + heal.heldout_prompts
+    if tensors:
         ids = calibration["input_ids"]
         if int(ids.shape[0]) <= heal.heldout_prompts:  # heal refuses it the same way
             raise ValueError(f"{int(ids.shape[0])} calibration prompt(s) with heldout_prompts={heal.heldout_prompts}: "
@@ -275,11 +280,16 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
     raise ValueError(f"heal method={heal.method!r}: estimate_cost plans 'lora', 'adjacent' and 'last_k'")
 
 
-def _trainer_batches(rows: int, batch: int, steps: int) -> list[int]:
-    """Prompts of each of ``steps`` Trainer batches cycling through ``rows`` prompts (the
-    last batch of an epoch may be short)."""
-    epoch = [min(batch, rows - s) for s in range(0, rows, batch)]
-    return [epoch[i % len(epoch)] for i in range(steps)]
+def _trainer_batches(rows: int, batch: int, steps: int) -> dict[int, int]:
+    """``{prompts: batches}`` of ``steps`` Trainer batches cycling through ``rows`` prompts
+    (the last batch of an epoch may be short), counted without listing them (a budget of
+    billions of steps is estimated at once)."""
+    per_epoch = math.ceil(rows / batch)
+    epochs, rest = divmod(steps, per_epoch)  # the ``rest`` batches of a last partial epoch are all full
+    counts = {batch: epochs * (per_epoch - 1) + rest}
+    short = rows - (per_epoch - 1) * batch
+    counts[short] = counts.get(short, 0) + epochs
+    return {b: n for b, n in counts.items() if n}
 
 
 def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None) -> dict:
@@ -298,18 +308,16 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     phase = _phase(no_early_stop and rows_known,
                    f"{heal.method}: {steps} steps of {heal.batch_size} prompts x {width} tokens, {evaluations} "
                    f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))
-    batches = _trainer_batches(train, heal.batch_size, steps)
     if heal.teacher_top_k is not None:  # the teacher once over the training prompts
-        for b in _trainer_batches(train, heal.batch_size, math.ceil(train / heal.batch_size)):
-            _add_forward(phase, shape, shape.num_blocks, b, width)
-    for b in batches:
+        for b, n in _trainer_batches(train, heal.batch_size, math.ceil(train / heal.batch_size)).items():
+            _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
+    for b, n in _trainer_batches(train, heal.batch_size, steps).items():
         if heal.teacher_top_k is None:
-            _add_forward(phase, shape, shape.num_blocks, b, width)
-        _add_forward(phase, shape, kept, b, width, factor=3.0)  # forward + backward (2 forward FLOPs)
-    for _ in range(evaluations):
-        for b in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)):
-            _add_forward(phase, shape, shape.num_blocks, b, width)
-            _add_forward(phase, shape, kept, b, width)
+            _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
+        _add_forward(phase, shape, kept, b, width, factor=3.0, times=n)  # forward + backward (2 forward FLOPs)
+    for b, n in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)).items():
+        _add_forward(phase, shape, shape.num_blocks, b, width, times=n * evaluations)
+        _add_forward(phase, shape, kept, b, width, times=n * evaluations)
     params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
     optimizer = 4 * params * es + 4 * tensors

@@ -4,6 +4,7 @@ healing and sparsity, against forward hooks in the real prune of a tiny model.""
 from __future__ import annotations
 
 import copy
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 import hf_layerswap as hl
 from arch_matrix import tiny_tokenizer
-from conftest import counted_prune, tiny_checkpoint
+from conftest import PARAGRAPHS, counted_prune, tiny_checkpoint
 from hf_layerswap import cost_steps
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
@@ -128,6 +129,52 @@ def test_healing_with_a_possible_early_stop_is_an_upper_bound():
     assert estimate.block_passes == 8 * (6 + 8) + 5 * (8 + 6)
     assert estimate.head_passes == 8 * 2 + 5 * 2
     assert blocks <= estimate.block_passes <= 1.5 * blocks and heads <= estimate.head_passes <= 1.5 * heads
+
+
+def test_packed_healing_text_is_counted_as_every_window_of_the_budget(tmp_path):
+    # heal packs a text (its default) into steps x batch_size distinct windows, beyond the 256
+    # prompts of one paragraph per prompt: 100 steps of 3 windows, the cached teacher over all 300
+    text = tmp_path / "heal.txt"
+    text.write_text("\n\n".join(PARAGRAPHS * 10))  # 60 paragraphs, over 5,000 tokens: 302 windows of 16
+    healing = hl.HealConfig(method="last_k", options={"k": 1}, calibration=str(text), max_tokens=100 * 3 * 16,
+                            seq_len=16, batch_size=3, eval_every=200, heldout_prompts=2, teacher_top_k=5)
+    phase = _estimate(hl.LayerSwapConfig(layers=[3, 5], heal=healing, progress=False), _calibration()).phases["healing"]
+    torch.manual_seed(1)
+    teacher = LlamaForCausalLM(_tiny()).eval()
+    student = copy.deepcopy(teacher)
+    hl.remove_layers(student, [3, 5])
+    counts = {"block": 0, "head": 0}
+    for model in (teacher, student):
+        for block in model.model.layers:
+            block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
+        model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
+    report = heal(student, teacher, str(text), tokenizer=tiny_tokenizer(), **healing.heal_kwargs())
+    assert (report.steps, report.distinct_tokens) == (100, 300 * 16)
+    # 100 batches of the cache (teacher, 8 blocks), 100 steps (student, 6), 2 evaluations of one batch (both)
+    assert (phase["block_passes"], phase["head_passes"]) == tuple(counts.values()) == (100 * 8 + 100 * 6 + 2 * 14,
+                                                                                       100 + 100 + 2 * 2)
+
+
+def test_a_huge_healing_budget_is_estimated_at_once():
+    # 10**12 steps (the estimate is what tells that a budget is out of reach): its batches are
+    # counted by size, never listed one by one
+    def too_slow(*_):
+        raise TimeoutError("the healing phase walks its batches one by one")
+
+    healing = hl.HealConfig(method="last_k", options={"k": 1}, max_tokens=10**12 * 3 * 16, seq_len=16, batch_size=3,
+                            heldout_prompts=2)
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, 10)
+    try:
+        phase = _estimate(hl.LayerSwapConfig(layers=[3, 5], heal=healing, progress=False),
+                          _calibration(12)).phases["healing"]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    # each step the teacher (8 blocks) and the student (6); 1 + 10**12 / 4 evaluations of the 2 held-out prompts
+    evaluations = 1 + 10**12 // 4
+    assert (phase["block_passes"], phase["head_passes"]) == (10**12 * 14 + evaluations * 14, (10**12 + evaluations) * 2)
+    assert f"{10**12} steps of 3 prompts x 16 tokens, {evaluations} held-out evaluations" in phase["note"]
 
 
 class _OptimizerBytes(TrainerCallback):
