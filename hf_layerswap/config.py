@@ -37,7 +37,7 @@ from typing import Any, Literal, get_args
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .healing import HEAL_METHODS
+from .healing import HEAL_METHODS, get_heal_method
 from .healing.measure import check_eval_tasks
 from .plan import as_index
 from .provenance import public_name
@@ -315,6 +315,10 @@ class HealConfig:
             json.dumps(dict(self.options), allow_nan=False)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{what}(options={self.options!r}): values must be JSON-able ({err})") from None
+        try:
+            get_heal_method(self.method).check_options(self.options)
+        except ValueError as err:
+            raise ValueError(f"{what}(options={self.options!r}): {err}") from None
         object.__setattr__(self, "options", dict(self.options))
         for name in ("calibration", "perplexity_text", "eval_tasks_path"):
             value = getattr(self, name)

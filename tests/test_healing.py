@@ -6,6 +6,7 @@ import argparse
 import copy
 import hashlib
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -167,6 +168,28 @@ def test_heal_refuses_what_heal_config_refuses(bad, message):
         hl.heal(student, teacher, _calibration(), method="last_k", k=2, **bad)
     assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
     assert "healing" not in student.config.layerswap
+
+
+@pytest.mark.parametrize("method, options, message", [
+    ("lora", {"lora_rank": 8}, "method='lora' has no option 'lora_rank': its options are lora_r, lora_alpha"),
+    ("last_k", {"lora_r": 4}, "method='last_k' has no option 'lora_r': its options are k"),
+    ("adjacent", {"k": 2}, "method='adjacent' has no option 'k': it takes none"),
+    ("lora", {"lora_r": True}, "lora_r=True: must be an int >= 1 (the LoRA rank)"),
+    ("lora", {"lora_r": 2.5}, "lora_r=2.5: must be an int >= 1 (the LoRA rank)"),
+    ("lora", {"lora_alpha": float("nan")}, "lora_alpha=nan: must be a finite number > 0"),
+    ("last_k", {"k": 0}, "k=0: must be an int in 1..4 (the model's block count)"),
+])
+def test_method_options_are_checked_before_anything_runs(tmp_path, method, options, message):
+    # an option the method does not read was recorded as if it had been used; a bad value failed
+    # in PEFT with a TypeError after the checkpoint folder was claimed
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hl.heal(student, teacher, _calibration(), method=method, checkpoint_dir=tmp_path / "ck", **options)
+    assert not (tmp_path / "ck").exists()
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    with pytest.raises(ValueError, match=re.escape(f"HealConfig(options={options!r}): ")):
+        HealConfig(method=method, options=options)  # before a model is loaded
 
 
 # ---------------------------------------------------------------- top-k teacher cache

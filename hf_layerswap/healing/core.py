@@ -171,7 +171,7 @@ def heal(
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
     entry = get_heal_method(method)
-    _check_settings(settings, model.config.vocab_size)
+    _check_settings(settings, model, entry)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=model_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
@@ -302,7 +302,10 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
     return trainer.state, best
 
 
-def _check_settings(settings: dict, vocab_size: int) -> None:
+def _check_settings(settings: dict, model, entry) -> None:
+    """Refuse a bad setting of :func:`heal` or an option ``entry`` (the method) refuses."""
+    entry.check_options(settings["options"], num_blocks(model))
+    vocab_size = model.config.vocab_size
     for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
                           ("heldout_prompts", 1)):
         value = settings[name]

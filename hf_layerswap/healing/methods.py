@@ -1,7 +1,7 @@
 """Healing methods behind one registry: what :func:`~hf_layerswap.healing.heal` calls for
 ``method=``. Adding a method is one decorator on a :class:`HealMethod` subclass::
 
-    @register_heal_method("mine")
+    @register_heal_method("mine", options=("depth",))  # the options it reads (None: any)
     class Mine(HealMethod):
         def prepare(self, model, options): ...   # returns the module to train
         def finish(self, trained): ...          # returns the plain transformers model
@@ -12,6 +12,9 @@ last ``k`` blocks, the final norm and the head).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 from peft import LoraConfig, get_peft_model
 from torch import nn
@@ -27,11 +30,13 @@ HEAL_METHODS: dict[str, type] = {}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def register_heal_method(name: str):
-    """Class decorator: register a :class:`HealMethod` subclass as ``method=name``."""
+def register_heal_method(name: str, options: tuple[str, ...] | None = None):
+    """Class decorator: register a :class:`HealMethod` subclass as ``method=name``;
+    ``options``: the names of the options it reads (any other is refused), ``None``: any."""
 
     def wrap(cls):
         cls.name = name
+        cls.option_names = None if options is None else tuple(options)
         HEAL_METHODS[name] = cls
         return cls
 
@@ -53,6 +58,21 @@ class HealMethod:
     """One way to choose and train the student's weights."""
 
     name: str = ""
+    #: The options the method reads (:func:`register_heal_method`); ``None``: any.
+    option_names: tuple[str, ...] | None = None
+
+    def check_options(self, options: Mapping, blocks: int | None = None) -> None:
+        """Refuse an option the method does not read (it would be recorded as if used) and,
+        in a subclass, a value it cannot take; ``blocks``: the pruned model's block count
+        when known. Called by :func:`~hf_layerswap.healing.heal` before anything runs.
+
+        Raises:
+            ValueError: naming the option, its value and what is allowed.
+        """
+        unknown = [key for key in options if self.option_names is not None and key not in self.option_names]
+        if unknown:
+            allowed = f"its options are {', '.join(self.option_names)}" if self.option_names else "it takes none"
+            raise ValueError(f"method={self.name!r} has no option {', '.join(map(repr, unknown))}: {allowed}")
 
     def prepare(self, model: nn.Module, options: dict) -> nn.Module:
         """Set ``requires_grad`` and return the module the trainer trains."""
@@ -94,9 +114,19 @@ def cut_neighbours(model: nn.Module) -> list[int]:
     )
 
 
-@register_heal_method("lora")
+@register_heal_method("lora", options=("lora_r", "lora_alpha"))
 class LoRA(HealMethod):
-    """PEFT LoRA (``r``, ``lora_alpha`` options) on every kept block's projections."""
+    """PEFT LoRA (``lora_r``, default 16, and ``lora_alpha``, default ``2 * lora_r``,
+    options) on every kept block's projections."""
+
+    def check_options(self, options, blocks=None):
+        super().check_options(options, blocks)
+        rank = options.get("lora_r", 16)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"lora_r={rank!r}: must be an int >= 1 (the LoRA rank)")
+        alpha = options.get("lora_alpha", 2 * rank)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+            raise ValueError(f"lora_alpha={alpha!r}: must be a finite number > 0")
 
     def prepare(self, model, options):
         names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -111,7 +141,7 @@ class LoRA(HealMethod):
         return trained.merge_and_unload()
 
 
-@register_heal_method("adjacent")
+@register_heal_method("adjacent", options=())
 class Adjacent(HealMethod):
     """The kept blocks on each side of every cut, plus the norms of every block."""
 
@@ -121,15 +151,21 @@ class Adjacent(HealMethod):
         return _train_only(model, chosen + _norms(model, list(blocks)))
 
 
-@register_heal_method("last_k")
+@register_heal_method("last_k", options=("k",))
 class LastK(HealMethod):
     """The last ``k`` blocks (option ``k``, default 3), the final norm and the head."""
 
+    def check_options(self, options, blocks=None):
+        super().check_options(options, blocks)
+        k = options.get("k", 3)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= (k if blocks is None else blocks):
+            raise ValueError(f"k={k!r}: must be an int " + (">= 1" if blocks is None else
+                                                            f"in 1..{blocks} (the model's block count)"))
+
     def prepare(self, model, options):
         _, _, blocks = decoder_blocks(model)
+        self.check_options(options, len(blocks))
         k = options.get("k", 3)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(blocks):
-            raise ValueError(f"k={k!r}: must be an int in 1..{len(blocks)} (the model's block count)")
         head = model.get_output_embeddings()
         final_norm = getattr(model.get_decoder(), "norm", None)
         extra = [m for m in (head, final_norm) if m is not None]
