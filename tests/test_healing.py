@@ -149,6 +149,12 @@ def test_mismatched_teacher_refused_before_training():
     deeper = tiny_model("llama", num_blocks=8, seed=0)  # same vocabulary, not the model the student was cut from
     with pytest.raises(ValueError, match="teacher has 8 blocks but the student was cut from a model of 6"):
         hl.heal(student, deeper, _calibration(), method="last_k", k=2)
+    # a second cut: the model before it (4 blocks, the pipeline's teacher) or the original (6) teach it
+    again = copy.deepcopy(student)
+    hl.remove_layers(again, [0])
+    with pytest.raises(ValueError, match="teacher has 5 blocks but the student was cut from a model of 4 or 6"):
+        hl.heal(again, tiny_model("llama", num_blocks=5), _calibration(), method="last_k", k=2)
+    assert hl.heal(again, student, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16).steps == 1
     assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
     assert "healing" not in student.config.layerswap
 

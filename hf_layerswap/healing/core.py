@@ -35,7 +35,8 @@ PARAGRAPH_PROMPTS = 256
 def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
     """Refuse a teacher that cannot teach ``model``: the same object, a different
     ``config.vocab_size`` or output-head shape, another block count than the model the
-    student was cut from (``config.layerswap``), or a tokenizer with a different vocabulary.
+    student was cut from (``config.layerswap``: the original model, or the one its last cut
+    started from), or a tokenizer with a different vocabulary.
 
     Raises:
         ValueError: naming the mismatching values.
@@ -48,10 +49,14 @@ def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_
             f"teacher vocabulary (vocab_size={sizes[1][0]}, lm_head {sizes[1][1]}) differs from the student's "
             f"(vocab_size={sizes[0][0]}, lm_head {sizes[0][1]}): the KL needs the same vocabulary"
         )
-    original = (getattr(model.config, "layerswap", None) or {}).get("original_num_hidden_layers")
-    if original is not None and num_blocks(teacher) != original:
-        raise ValueError(f"teacher has {num_blocks(teacher)} blocks but the student was cut from a model of {original}: "
-                         "pass the dense model it was pruned from as teacher")
+    record = getattr(model.config, "layerswap", None) or {}
+    last = (record.get("steps") or [{}])[-1]
+    depths = [d for d in (record.get("original_num_hidden_layers"), last.get("num_blocks_before")
+                          if isinstance(last, Mapping) else None) if isinstance(d, int)]
+    if depths and num_blocks(teacher) not in depths:
+        raise ValueError(f"teacher has {num_blocks(teacher)} blocks but the student was cut from a model of "
+                         f"{' or '.join(map(str, sorted(set(depths))))} (config.layerswap): pass the dense model it "
+                         "was pruned from as teacher")
     if tokenizer is not None and teacher_tokenizer is not None and tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
         raise ValueError(
             f"teacher tokenizer ({len(teacher_tokenizer)} tokens) differs from the student's ({len(tokenizer)} tokens)"
