@@ -118,6 +118,15 @@ def test_divergent_learning_rate_returns_start_weights():
     assert report.patience == 2 and report.steps == 2  # two evaluations without improvement, then the stop
 
 
+def test_tokens_per_step_is_what_the_steps_trained():
+    # 8 training prompts in batches of 3: an epoch is 3 + 3 + 2 prompts, 128 real tokens in 3 steps
+    student, teacher = _pair()
+    report = hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=3 * 3 * 16, seq_len=16,
+                     batch_size=3, eval_every=1, learning_rate=1e-3)
+    assert (report.tokens, report.steps) == (128, 3)
+    assert report.tokens_per_step == student.config.layerswap["healing"][-1]["tokens_per_step"] == 128 / 3
+
+
 def test_default_patience_is_a_tenth_of_the_planned_evaluations():
     assert resolve_patience(None, 512, 4) == 13  # 128 evaluations planned
     assert resolve_patience(None, 400, 1) == 40

@@ -259,10 +259,12 @@ def _finished(entry, student, model: nn.Module, method: str) -> nn.Module:
 def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, distinct: int,
                  packed: bool) -> HealReport:
     """The :class:`HealReport` of a finished run (perplexity not yet filled in); ``distinct``:
-    the real tokens of the training prompts, ``packed``: whether they are packed windows."""
+    the real tokens of the training prompts, ``packed``: whether they are packed windows;
+    ``tokens_per_step``: the planned mean, replaced by the steps' own once there are steps."""
     losses = [{"step": e["step"], "loss": e["loss"]} for e in state.log_history if "loss" in e]
     held = settings["heldout_prompts"]
     trained = int(state.num_input_tokens_seen)  # counted per batch by the Trainer (a last short batch of an epoch too)
+    tokens_per_step = trained / state.global_step if state.global_step else tokens_per_step  # the planned one: no step
     return HealReport(
         method=settings["method"], tokens=trained, steps=state.global_step,
         learning_rate=float(settings["learning_rate"]), seed=settings["seed"], data=calib.description,
