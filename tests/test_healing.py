@@ -276,16 +276,20 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, capsys, m
         hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path, **{**kw, "learning_rate": lr / 2})
 
 
-def test_rerun_after_the_early_stop_trains_no_further(tmp_path):
-    # a run that stopped early and was cut off afterwards (its measurements, the save) ends, run again,
-    # with the stopped run's steps and weights, instead of training on from its last checkpoint
-    kw = dict(method="last_k", k=2, max_tokens=8 * 16 * 4, seq_len=16, batch_size=4, learning_rate=1e4, eval_every=1,
-              patience=2)
+@pytest.mark.parametrize("steps, lr, eval_every, patience, ended", [
+    (8, 1e4, 1, 2, 2),  # the early stop after two evaluations without improvement
+    (5, 1e-3, 2, 30, 5),  # all 5 steps: the last checkpoint is mid-epoch (8 prompts, 2 batches an epoch)
+])
+def test_rerun_of_a_finished_run_trains_no_further(tmp_path, steps, lr, eval_every, patience, ended):
+    # a run that ended and was cut off afterwards (its measurements, the save) ends, run again, with
+    # its steps and weights, instead of training on from its last checkpoint
+    kw = dict(method="last_k", k=2, max_tokens=steps * 16 * 4, seq_len=16, batch_size=4, learning_rate=lr,
+              eval_every=eval_every, patience=patience)
     first, teacher = _pair()
     stopped = hl.heal(first, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
     again, teacher = _pair()
     report = hl.heal(again, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
-    assert stopped.steps == report.steps == 2 and report.eval_history == stopped.eval_history
+    assert stopped.steps == report.steps == ended and report.eval_history == stopped.eval_history
     assert report.tokens == stopped.tokens and report.loss_history == stopped.loss_history
     for (name, x), y in zip(first.state_dict().items(), again.state_dict().values()):
         assert torch.equal(x, y), name

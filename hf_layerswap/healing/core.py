@@ -134,7 +134,7 @@ def heal(
             evaluation, the last two kept, each with the early stop's best weights): the
             same call after an interruption resumes from the last complete one (a checkpoint
             cut off while saving is removed) and ends with the same weights as an
-            uninterrupted run (same seed; a run that had stopped early trains no further). A folder
+            uninterrupted run (same seed; a run that had ended trains no further). A folder
             holding checkpoints of another student, teacher or settings is refused. ``None``: nothing is saved.
         teacher_top_k: ``None`` (default): the teacher's full logits on the fly at every
             step. An int ``k``: the teacher runs once over the training prompts and its
@@ -299,10 +299,11 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
         for callback in [best, *extra]:
             trainer.add_callback(callback)
         last = last_complete_checkpoint(checkpoint_dir) if resume else None
+        saved = None if last is None else TrainerState.load_from_json(os.path.join(last, TRAINER_STATE_NAME))
         if last is not None:
             best.load(last)
-        if best.stopped:  # the checkpoint of the early stop itself: the run had ended, nothing is trained further
-            trainer.state = TrainerState.load_from_json(os.path.join(last, TRAINER_STATE_NAME))
+        if saved is not None and (best.stopped or saved.global_step >= steps):  # the run had ended: train no further
+            trainer.state = saved  # (the Trainer would take one more step from a last checkpoint inside an epoch)
         else:
             trainer.train(resume_from_checkpoint=last)
         best.restore()
