@@ -311,6 +311,9 @@ def test_checkpoints_of_another_student_or_teacher_are_refused(tmp_path):
     with pytest.raises(ValueError, match="other settings.*teacher: "):
         hl.heal(student, tiny_model("llama", num_blocks=6, seed=1), _calibration(), checkpoint_dir=tmp_path, **kw)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in start.items())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="checkpoint_dir '.*file' is a file: give a new or empty folder"):
+        hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path / "file", **kw)
 
 
 # ---------------------------------------------------------------- config and pipeline

@@ -356,6 +356,8 @@ def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> b
                 "choose another folder, or remove it to start over"
             )
         return True
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"checkpoint_dir {os.fspath(folder)!r} is a file: give a new or empty folder")
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"checkpoint_dir {os.fspath(folder)!r} is not empty and holds no {RUN_FILE}: "
                          "not a healing checkpoint folder; choose an empty or new folder")
