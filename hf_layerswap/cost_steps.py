@@ -226,18 +226,19 @@ def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
     (a packed text: every window of the budget, one paragraph per prompt: at most
     :data:`HEAL_MAX_TRAIN_PROMPTS`)."""
     heal = cfg.heal
-    steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
-    tensors = heal.calibration is None and isinstance(calibration, Mapping)  # never packed
+    tensors = heal.calibration is None and isinstance(calibration, Mapping)  # never packed, their own width
+    width = int(calibration["input_ids"].shape[1]) if tensors else heal.seq_len
+    steps = math.ceil(heal.max_tokens / (heal.batch_size * width))
     packed = heal.packing and not tensors
     wanted = (steps * heal.batch_size if packed else min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS)) \
         + heal.heldout_prompts
     if tensors:
-        ids = calibration["input_ids"]
-        if int(ids.shape[0]) <= heal.heldout_prompts:  # heal refuses it the same way
-            raise ValueError(f"{int(ids.shape[0])} calibration prompt(s) with heldout_prompts={heal.heldout_prompts}: "
+        rows = int(calibration["input_ids"].shape[0])
+        if rows <= heal.heldout_prompts:  # heal refuses it the same way
+            raise ValueError(f"{rows} calibration prompt(s) with heldout_prompts={heal.heldout_prompts}: "
                              "at least one prompt must remain for healing's training")
-        return min(wanted, int(ids.shape[0])), int(ids.shape[1]), True
-    return wanted, heal.seq_len, False
+        return min(wanted, rows), width, True
+    return wanted, width, False
 
 
 def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[int],
@@ -300,7 +301,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     kept = shape.num_blocks - removed
     prompts, width, rows_known = _heal_rows(cfg, calibration)
     train, held = prompts - heal.heldout_prompts, heal.heldout_prompts
-    steps = math.ceil(heal.max_tokens / (heal.batch_size * heal.seq_len))
+    steps = math.ceil(heal.max_tokens / (heal.batch_size * width))  # as heal counts them: given tensors, their width
     # before training, every eval_every steps and after the last step (transformers' DefaultFlowCallback)
     evaluations = 1 + math.ceil(steps / heal.eval_every)
     patience = resolve_patience(heal.patience, steps, heal.eval_every)

@@ -118,6 +118,16 @@ def test_healing_passes_are_counted_exactly_when_the_early_stop_cannot_fire(top_
     assert estimate.seconds == pytest.approx(estimate.flops / 1e9 - phase["head_flops"] / 2e9)
 
 
+def test_healing_on_given_tensors_counts_their_width_in_the_budget():
+    # the removal's prompts (16 tokens) under heal's default seq_len=128: 96 tokens are 3 steps of 2 x 16
+    calib = _calibration(prompts=7)
+    healing = hl.HealConfig(max_tokens=96, batch_size=2, eval_every=4, heldout_prompts=2)
+    config = hl.LayerSwapConfig(layers=[3, 5], heal=healing, batch_size=4, progress=False)
+    estimate = _estimate(config, calib)
+    assert "lora: 3 steps of 2 prompts x 16 tokens, 2 held-out evaluations" in estimate.phases["healing"]["note"]
+    assert estimate.exact and (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny(), config, calib)
+
+
 def test_healing_with_a_possible_early_stop_is_an_upper_bound():
     calib = _calibration(prompts=12)
     healing = hl.HealConfig(max_tokens=8 * 32, seq_len=16, batch_size=2, eval_every=2, patience=2, heldout_prompts=2)

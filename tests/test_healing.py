@@ -127,6 +127,15 @@ def test_tokens_per_step_is_what_the_steps_trained():
     assert report.tokens_per_step == student.config.layerswap["healing"][-1]["tokens_per_step"] == 128 / 3
 
 
+def test_given_tensors_count_their_own_width_in_the_budget():
+    # 12 prompts of 32 tokens with seq_len=16 (a pipeline's removal tensors under the default 128 alike):
+    # max_tokens is spent at the prompts' own width, not at seq_len's (8 steps, twice the budget)
+    student, teacher = _pair()
+    report = hl.heal(student, teacher, tiny_batch(batch=12, length=32, seed=3, pad_last=0), method="last_k", k=2,
+                     max_tokens=4 * 4 * 32, seq_len=16, batch_size=4, eval_every=2, learning_rate=1e-3)
+    assert (report.steps, report.tokens) == (4, 4 * 4 * 32)
+
+
 def test_default_patience_is_a_tenth_of_the_planned_evaluations():
     assert resolve_patience(None, 512, 4) == 13  # 128 evaluations planned
     assert resolve_patience(None, 400, 1) == 40

@@ -126,8 +126,8 @@ def heal(
             vocabulary and tokenizer; it is not trained.
         calibration: any :func:`build_calibration` source (``None``: the embedded text, needs ``tokenizer``).
         method: a name registered in :data:`~hf_layerswap.healing.HEAL_METHODS`.
-        max_tokens: training budget in prompt positions (``batch_size x seq_len`` per
-            step); the number of steps is ``ceil(max_tokens / (batch_size * seq_len))``.
+        max_tokens: training budget in prompt positions: ``ceil(max_tokens / (batch_size * seq_len))``
+            steps (given tensors: their width for ``seq_len``).
         seq_len: tokens per prompt. packing: pack a text source (above; ignored for
             tensors). options: method options (``lora_r``, ``lora_alpha``, ``k``).
         checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
@@ -204,7 +204,8 @@ def heal(
 
 def _training_text(calibration, tokenizer, settings: dict):
     """``(calibration set, training steps, training rows, held-out rows, packed)`` for :func:`heal`:
-    ``steps = ceil(max_tokens / (batch_size * seq_len))``. Packed (a text source with
+    ``steps = ceil(max_tokens / (batch_size * seq_len))`` (given tensors: their width for
+    ``seq_len``). Packed (a text source with
     ``settings["packing"]``): the first ``heldout_prompts`` windows held out, then
     ``steps x batch_size`` distinct windows, or every window the source has (the Trainer
     then repeats them, epochs; a warning says so). Otherwise: ``min(steps x batch_size,``
@@ -214,8 +215,11 @@ def _training_text(calibration, tokenizer, settings: dict):
         ValueError: no prompt remains for training once ``heldout_prompts`` are held out.
     """
     batch_size, heldout, seq_len = settings["batch_size"], settings["heldout_prompts"], settings["seq_len"]
-    steps = math.ceil(settings["max_tokens"] / (batch_size * seq_len))
-    packing = settings["packing"] and not isinstance(calibration, (CalibrationSet, Mapping))
+    tensors = isinstance(calibration, (CalibrationSet, Mapping))
+    width = int((calibration.input_ids if isinstance(calibration, CalibrationSet) else calibration["input_ids"]).shape[1]) \
+        if tensors else seq_len  # given tensors keep their width
+    steps = math.ceil(settings["max_tokens"] / (batch_size * width))
+    packing = settings["packing"] and not tensors
     wanted = (steps * batch_size if packing else min(steps * batch_size, PARAGRAPH_PROMPTS)) + heldout
     with warnings.catch_warnings():
         if packing:  # said below in healing's own words
