@@ -38,6 +38,7 @@ from typing import Any, Literal, get_args
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .healing import HEAL_METHODS, get_heal_method
+from .healing.core import MAX_SEED
 from .healing.measure import check_eval_tasks
 from .plan import as_index
 from .provenance import public_name
@@ -300,8 +301,8 @@ class HealConfig:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or (value <= 0 if low is None else value < low):
                 raise ValueError(f"{what}({name}={value!r}): must be a finite number {'> 0' if low is None else '>= 0'}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"{what}(seed={self.seed!r}): must be an int")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"{what}(seed={self.seed!r}): must be an int in 0..{MAX_SEED}")
         if not isinstance(self.packing, bool):
             raise ValueError(f"{what}(packing={self.packing!r}): must be True or False")
         k = self.teacher_top_k

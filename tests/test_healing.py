@@ -184,6 +184,8 @@ def test_mismatched_teacher_refused_before_training():
     (dict(ce_weight=-1.0), "ce_weight=-1.0: must be a finite number >= 0"),
     (dict(ce_weight=float("nan")), "ce_weight=nan: must be a finite number >= 0"),
     (dict(seed="a"), "seed='a': must be an int"),
+    (dict(seed=-1), "seed=-1: must be an int in 0..4294967295"),  # numpy refused it after the measurements
+    (dict(seed=2**32), "seed=4294967296: must be an int in 0..4294967295"),
 ])
 def test_heal_refuses_what_heal_config_refuses(bad, message):
     student, teacher = _pair()
@@ -339,6 +341,8 @@ def test_heal_config_round_trip_and_refusals():
     assert LayerSwapConfig(num_to_remove=2).to_dict()["heal"] is None
     with pytest.raises(ValueError, match=r"HealConfig\(method='nope'\): allowed \['adjacent', 'last_k', 'lora'\]"):
         HealConfig(method="nope")
+    with pytest.raises(ValueError, match=r"HealConfig\(seed=-1\): must be an int in 0\.\.4294967295"):
+        HealConfig(seed=-1)
     with pytest.raises(ValueError, match=r"max_tokenz.*did you mean 'max_tokens'"):
         LayerSwapConfig(num_to_remove=2, heal={"max_tokenz": 5})
     with pytest.raises(ValueError, match=r"HealConfig\(learning_rate=nan\)"):

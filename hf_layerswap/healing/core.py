@@ -26,8 +26,10 @@ from .report import HealReport
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint,
                       resolve_patience)
 
-__all__ = ["PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
 
+#: The largest training seed (numpy's, under transformers' ``set_seed``).
+MAX_SEED = 2**32 - 1
 #: Training prompts of ``packing=False`` at most (budgets beyond them repeat them, epochs).
 PARAGRAPH_PROMPTS = 256
 
@@ -330,8 +332,9 @@ def _check_settings(settings: dict, model, entry) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or (value <= 0 if positive else value < 0):
             raise ValueError(f"{name}={value!r}: must be a finite number {'> 0' if positive else '>= 0'}")
-    if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
-        raise ValueError(f"seed={settings['seed']!r}: must be an int")
+    seed = settings["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed!r}: must be an int in 0..{MAX_SEED} (what transformers' set_seed takes)")
     if not isinstance(settings["packing"], bool):
         raise ValueError(f"packing={settings['packing']!r}: must be True (full windows of packed text) or False "
                          "(one prompt per paragraph)")
