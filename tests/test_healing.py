@@ -196,6 +196,18 @@ def test_heal_refuses_what_heal_config_refuses(bad, message):
     assert "healing" not in student.config.layerswap
 
 
+def test_a_sparsified_student_is_refused():
+    # healing trains dense updates: last_k filled half of the zeros while config.layerswap_sparsity
+    # still recorded 50% sparsity
+    student, teacher = _pair()
+    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", method="magnitude")
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the student is sparsified \(config\.layerswap_sparsity: magnitude, achieved "
+                                         r"sparsity 0\.5\).*heal the pruned model before sparsifying it"):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16)
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+
+
 @pytest.mark.parametrize("method, options, message", [
     ("lora", {"lora_rank": 8}, "method='lora' has no option 'lora_rank': its options are lora_r, lora_alpha"),
     ("last_k", {"lora_r": 4}, "method='last_k' has no option 'lora_r': its options are k"),

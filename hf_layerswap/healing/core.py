@@ -317,7 +317,13 @@ def _train(student, teacher, train, held, settings: dict, *, steps: int, device,
 
 
 def _check_settings(settings: dict, model, entry) -> None:
-    """Refuse a bad setting of :func:`heal` or an option ``entry`` (the method) refuses."""
+    """Refuse a bad setting of :func:`heal`, an option ``entry`` (the method) refuses, or a
+    sparsified ``model`` (training fills its zeros; its sparsity record would be false)."""
+    sparsity = getattr(model.config, "layerswap_sparsity", None)  # what sparsify records
+    if isinstance(sparsity, Mapping) and sparsity.get("method"):
+        raise ValueError(f"the student is sparsified (config.layerswap_sparsity: {sparsity.get('method')}, "
+                         f"achieved sparsity {sparsity.get('achieved_sparsity')}): healing trains dense updates into "
+                         "its weights and would fill the zeros; heal the pruned model before sparsifying it")
     entry.check_options(settings["options"], num_blocks(model))
     vocab_size = model.config.vocab_size
     for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
