@@ -299,6 +299,26 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, capsys, m
         hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path, **{**kw, "learning_rate": lr / 2})
 
 
+@pytest.mark.parametrize("method,lr,options", [("lora", 1e-2, {"lora_r": 4}), ("last_k", 1e-3, {"k": 2})])
+def test_an_interrupted_call_leaves_the_student_as_given_and_the_same_object_resumes(tmp_path, method, lr, options):
+    # the student was left half trained (LoRA: with PEFT modules in it), and the same call on the
+    # same object then met checkpoints of "another student"
+    kw = dict(method=method, max_tokens=8 * 16 * 4, seq_len=16, batch_size=4, learning_rate=lr, eval_every=2,
+              patience=3, **options)
+    whole, teacher = _pair()
+    hl.heal(whole, teacher, _calibration(), **kw)
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(KeyboardInterrupt):
+        hl.heal(student, teacher, _calibration(), checkpoint_dir=tmp_path, callbacks=[_Interrupt(5)], **kw)
+    assert student.state_dict().keys() == start.keys()
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    assert all(p.requires_grad for p in student.parameters()) and not student.training
+    hl.heal(student, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)  # the same call, the same object
+    for (name, x), y in zip(whole.state_dict().items(), student.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("steps, lr, eval_every, patience, ended", [
     (8, 1e4, 1, 2, 2),  # the early stop after two evaluations without improvement
     (5, 1e-3, 2, 30, 5),  # all 5 steps: the last checkpoint is mid-epoch (8 prompts, 2 batches an epoch)

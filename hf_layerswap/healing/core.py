@@ -194,7 +194,7 @@ def heal(
     student = entry.prepare(model, options)
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
-                         checkpoint_dir=checkpoint_dir, resume=bool(resume),
+                         checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo,
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
@@ -284,8 +284,28 @@ def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, dis
     )
 
 
-def _train(student, teacher, train, held, settings: dict, *, steps: int, device, checkpoint_dir, resume: bool,
-           extra: list):
+def _train(student, teacher, train, held, settings: dict, *, undo, **kwargs):
+    """:func:`_run_trainer`; when it raises (an interruption, an error), the model is left as
+    it was given: its trained weights put back (a copy on the CPU), the method's ``undo``
+    (LoRA's modules removed), every parameter trainable, in eval mode (as :func:`heal` leaves
+    it), so the same call with the same object resumes from ``checkpoint_dir``."""
+    start = {n: p.detach().to("cpu", copy=True) for n, p in student.named_parameters() if p.requires_grad}
+    try:
+        return _run_trainer(student, teacher, train, held, settings, **kwargs)
+    except BaseException:
+        params = dict(student.named_parameters())
+        with torch.no_grad():
+            for name, value in start.items():
+                params[name].copy_(value)
+        model = undo(student)
+        for param in model.parameters():
+            param.requires_grad_(True)
+        model.eval()
+        raise
+
+
+def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, device, checkpoint_dir, resume: bool,
+                 extra: list):
     """Run transformers' Trainer on ``student`` (resuming from the last checkpoint in
     ``checkpoint_dir`` when ``resume``); returns its final state and the early stop, whose
     best weights are restored into ``student``."""

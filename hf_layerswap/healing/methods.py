@@ -82,6 +82,10 @@ class HealMethod:
         """The plain transformers model after training."""
         return trained
 
+    def undo(self, trained: nn.Module) -> nn.Module:
+        """The plain transformers model without what :meth:`prepare` added (training failed)."""
+        return trained
+
 
 def _train_only(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
     for param in model.parameters():
@@ -139,6 +143,9 @@ class LoRA(HealMethod):
 
     def finish(self, trained):
         return trained.merge_and_unload()
+
+    def undo(self, trained):
+        return trained.unload()
 
 
 @register_heal_method("adjacent", options=())
