@@ -134,6 +134,8 @@ def test_given_tensors_count_their_own_width_in_the_budget():
     report = hl.heal(student, teacher, tiny_batch(batch=12, length=32, seed=3, pad_last=0), method="last_k", k=2,
                      max_tokens=4 * 4 * 32, seq_len=16, batch_size=4, eval_every=2, learning_rate=1e-3)
     assert (report.steps, report.tokens) == (4, 4 * 4 * 32)
+    with pytest.raises(TypeError, match="calibration mapping needs torch tensors"):  # build_calibration's own words
+        hl.heal(student, teacher, {k: v.tolist() for k, v in _calibration().items()}, method="last_k", k=2)
 
 
 def test_default_patience_is_a_tenth_of_the_planned_evaluations():

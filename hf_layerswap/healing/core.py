@@ -218,8 +218,8 @@ def _training_text(calibration, tokenizer, settings: dict):
     """
     batch_size, heldout, seq_len = settings["batch_size"], settings["heldout_prompts"], settings["seq_len"]
     tensors = isinstance(calibration, (CalibrationSet, Mapping))
-    width = int((calibration.input_ids if isinstance(calibration, CalibrationSet) else calibration["input_ids"]).shape[1]) \
-        if tensors else seq_len  # given tensors keep their width
+    ids = calibration.input_ids if isinstance(calibration, CalibrationSet) else tensors and calibration.get("input_ids")
+    width = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else seq_len  # tensors keep their width
     steps = math.ceil(settings["max_tokens"] / (batch_size * width))
     packing = settings["packing"] and not tensors
     wanted = (steps * batch_size if packing else min(steps * batch_size, PARAGRAPH_PROMPTS)) + heldout
