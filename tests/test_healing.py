@@ -118,6 +118,23 @@ def test_divergent_learning_rate_returns_start_weights():
     assert report.patience == 2 and report.steps == 2  # two evaluations without improvement, then the stop
 
 
+def test_a_measurement_failing_after_training_leaves_the_healed_model_recorded(monkeypatch):
+    # the healed weights were in the model with no healing record in config.layerswap
+    def broken(*_):
+        raise RuntimeError("the evaluation after healing failed")
+
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    monkeypatch.setattr(hl.healing.measure.HealMeasures, "finish", broken)
+    with pytest.raises(RuntimeError, match="after healing failed"):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=4 * 16 * 4, seq_len=16,
+                learning_rate=1e-3, eval_every=1)
+    entry = student.config.layerswap["healing"][-1]
+    assert not all(torch.equal(student.state_dict()[k], v) for k, v in start.items())  # healed
+    assert entry["steps"] == 4 and entry["kl_after"] < entry["kl_before"] and entry["perplexity"] == {}
+    assert student.layerswap_heal_report.kl_after == entry["kl_after"]
+
+
 def test_tokens_per_step_is_what_the_steps_trained():
     # 8 training prompts in batches of 3: an epoch is 3 + 3 + 2 prompts, 128 real tokens in 3 steps
     student, teacher = _pair()

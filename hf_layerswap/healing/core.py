@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -198,9 +199,9 @@ def heal(
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
-    report.perplexity, report.tasks = measures.finish(healed, start)
-    _record_step(healed, report)
+    _record_step(healed, report)  # before measuring: a measurement that fails leaves the healed model recorded
     healed.layerswap_heal_report = report
+    _measure_after(measures, healed, start, report)
     return report
 
 
@@ -411,6 +412,12 @@ def _teacher_cache(teacher, rows: _Rows, k: int, batch_size: int, device) -> dic
             logits = teacher(input_ids=ids, attention_mask=mask).logits
             parts.append([t.cpu() for t in teacher_top_k(logits, k)])
     return {key: torch.cat([p[i] for p in parts]) for i, key in enumerate(TEACHER_CACHE_KEYS)}
+
+
+def _measure_after(measures: HealMeasures, healed, start: dict, report: HealReport) -> None:
+    """The perplexity and tasks after healing, into ``report`` and its recorded step."""
+    report.perplexity, report.tasks = measures.finish(healed, start)
+    healed.config.layerswap["healing"][-1].update(copy.deepcopy({"perplexity": report.perplexity, "tasks": report.tasks}))
 
 
 def _record_step(model, report: HealReport) -> None:
