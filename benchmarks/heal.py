@@ -188,7 +188,7 @@ class Runner:
         cpu, wall = time.process_time() - cpu, time.time() - wall
         healed = self.evaluate(student)
         return {**cell, "removed": removed, "healed": healed, "heal_cpu_s": cpu, "heal_wall_s": wall,
-                "report": report.to_dict()}
+                "report": report.to_dict(), "versions": library_versions()}
 
 
 def run(groups: list[str], path: Path, command: str, methods=None) -> dict:
@@ -406,13 +406,45 @@ def _unplanned(state: dict) -> list[str]:
 def _not_run(state: dict) -> list[str]:
     missing = [(g, c) for g, cells in PLAN.items() for c in cells if cell_key(c) not in state["cells"]]
     if not missing:
-        return ["Every planned cell ran.", *_unplanned(state)]
+        return ["Every planned cell ran.", "", *_unplanned(state)]
     unplanned = _unplanned(state)
     return unplanned + ([""] if unplanned else []) + [
         "These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
         "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
             f"{c['tokens']:,} tokens lr {c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f", {cell_text(c)} text")
             for g, c in missing]
+
+
+def _patience_section(state: dict, done: list[dict]) -> list[str]:
+    """Each cell with its own patience against its twin under the shared patience (same
+    model, set, method, budget, rate and text)."""
+    lines = []
+    for cell in done:
+        twin = state["cells"].get(cell_key({k: v for k, v in cell.items() if k != "patience"}))
+        if twin is None:
+            continue
+        r, t = cell["report"], twin["report"]
+        lines.append(
+            f"- {cell['tokens']:,}-token budget: with the shared patience ({t.get('patience') or HEAL_SETTINGS['patience']} "
+            f"evaluations) the run stopped at step {t['steps']} with dPPL {_pct(twin['healed']['dppl'])}%; with "
+            f"`heal`'s default (patience `None`: a tenth of the planned evaluations, here {r['patience']}) it ran to step "
+            f"{r['steps']} and reached {_pct(cell['healed']['dppl'])}% ({cell['heal_cpu_s'] / max(twin['heal_cpu_s'], 1e-9):.1f}x "
+            "the CPU time).")
+    return lines
+
+
+def _other_versions(state: dict) -> list[str]:
+    """A line naming the cells run with other library versions than the state's environment
+    (cells record their own since the field exists)."""
+    base = state.get("environment", {}).get("versions", {})
+    other: dict[str, list[str]] = {}
+    for key, cell in state["cells"].items():
+        diff = {k: v for k, v in cell.get("versions", {}).items() if base.get(k) != v}
+        if diff:
+            other.setdefault(json.dumps(diff), []).append(key)
+    return [f"- Cells run with {', '.join(f'{k} {v}' for k, v in json.loads(d).items())} (the dense, cut and ghosted "
+            f"perplexities they share with the other cells measured bit-identical): {'; '.join(keys)}."
+            for d, keys in other.items()]
 
 
 def render(state: dict, out: Path) -> None:
@@ -457,9 +489,10 @@ def render(state: dict, out: Path) -> None:
         "- \"of start recovered\" = (dPPL at the start - dPPL healed) / dPPL at the start (the cut, or the ghosted repair for "
         "ghosted+X). \"not worse than start\": held-out KL after <= before (early stopping's guarantee) and the "
         "evaluation PPL after healing <= the PPL at the start (measured, not guaranteed).",
-        f"- Machine: {env.get('machine', '?')}, one benchmark process at a time, `torch.set_num_threads(1)` (the "
-        "cores are shared with other work, so CPU seconds are the comparable cost, wall time is not); "
+        f"- Machine: {env.get('machine', '?')}, one or two benchmark processes at a time, `torch.set_num_threads(1)` "
+        "in each (the cores are shared with other work, so CPU seconds are the comparable cost, wall time is not); "
         f"libraries {json.dumps(env.get('versions', {}))}.",
+        *_other_versions(state),
         "",
     ]
     for name, entry in sorted(state["models"].items()):
@@ -479,6 +512,8 @@ def render(state: dict, out: Path) -> None:
             lines += _n6_target(state) + [""]
         if group == "packed":
             lines += _packed_section(state, done) + [""]
+        if group == "patience":
+            lines += _patience_section(state, done) + [""]
         if group == "criteria":
             lines += [f"Does the choice of blocks still matter after healing? Every criterion's set gets the same "
                       f"healing ({BEST}, {CRITERIA_TOKENS:,} tokens, lr {LR[BEST.split('+')[-1]]:g}).", "",
@@ -503,7 +538,8 @@ def plot(state: dict, path: Path) -> None:
     for c in cells:
         entry = state["models"][c["model"]]["sets"][",".join(map(str, c["removed"]))]
         labels.append(f"{c['model'].split('-')[0]} {c['criterion']} n{c['n']}\n{c['method']} {c['tokens'] // 1024}k "
-                      f"lr{c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f" {cell_text(c)}"))
+                      f"lr{c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f" {cell_text(c)}")
+                      + (f" patience {c['patience']}" if "patience" in c else ""))
         cut.append(entry["cut"]["dppl"])
         ghosted.append(entry.get("ghosted", {}).get("dppl", float("nan")))
         healed.append(c["healed"]["dppl"])
