@@ -331,11 +331,15 @@ def load_model(
     common = dict(dtype=dtype, device_map=device_map, **kwargs)
     if max_memory is not None:
         common["max_memory"] = max_memory
+    # an explicit quantization_config=None reaches the checkpoint's config and erases its own
+    # (a saved layerswap marker: the ghosted operators would not be re-attached), so it is
+    # passed only when given
+    quantizing = {} if quantization_config is None else {"quantization_config": quantization_config}
 
     if target in BUNDLED:
         directory = bundled_checkpoint_dir(target)
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), quantization_config=quantization_config, **common
+            str(directory), **quantizing, **common
         )
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(str(directory))
@@ -368,14 +372,14 @@ def load_model(
         identity = {"name": name, "revision": revision, "path": repo, "source": None}
     elif path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), quantization_config=quantization_config, **common
+            str(path), **quantizing, **common
         )
         if tokenizer is None:  # a folder of weights only: the caller is told when text needs one
             tokenizer = AutoTokenizer.from_pretrained(str(path)) if has_tokenizer_files(path) else False
         identity = model_identity(model)
     elif is_hub_id(target):
         model = AutoModelForCausalLM.from_pretrained(
-            target, revision=revision, quantization_config=quantization_config, **common
+            target, revision=revision, **quantizing, **common
         )
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(target, revision=revision)

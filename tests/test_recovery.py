@@ -16,13 +16,14 @@ import warnings
 import pytest
 import torch
 from arch_matrix import build
-from conftest import PARAGRAPHS, tiny_batch, tiny_model
+from conftest import PARAGRAPHS, tiny_batch, tiny_checkpoint, tiny_model
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl  # (the import registers the layerswap plugin, as a user would)
 from hf_layerswap.calibration import build_calibration
+from hf_layerswap.models import load_model
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import (
     MAX_EPSILON,
@@ -339,6 +340,18 @@ def test_ghosted_save_and_reload_with_hf_layerswap(calib, held_out, tmp_path):
     first, second = (load_file(tmp_path / d / RECOVERY_FILE) for d in ("ckpt", "again"))
     assert sorted(first) == ["boundary_1", "boundary_3"]
     assert all(torch.equal(first[k], second[k]) and first[k].dtype == torch.float32 for k in first)
+
+
+def test_load_model_reattaches_the_operators_of_a_ghosted_folder(calib, held_out, tmp_path):
+    # every verb loads through load_model: the heal verb saved (and the eval verb measured) a
+    # ghosted checkpoint without its operators when the folder's own layerswap marker was dropped
+    model = tiny_model("llama")
+    recover(model, [1, 4], calib, method="ghosted")
+    expected = logits_of(model, held_out)
+    tiny_checkpoint(tmp_path / "ckpt", model)
+    loaded, _ = load_model(str(tmp_path / "ckpt"), attn_implementation="eager")
+    assert [b for b, _ in attached_operators(loaded)] == [1, 3]
+    assert torch.equal(logits_of(loaded, held_out), expected)
 
 
 def test_reload_without_the_operator_file_is_refused(calib, tmp_path):
