@@ -331,16 +331,12 @@ def load_model(
     common = dict(dtype=dtype, device_map=device_map, **kwargs)
     if max_memory is not None:
         common["max_memory"] = max_memory
-    # an explicit quantization_config=None reaches the checkpoint's config and erases its own
-    # (a saved layerswap marker: the ghosted operators would not be re-attached), so it is
-    # passed only when given
-    quantizing = {} if quantization_config is None else {"quantization_config": quantization_config}
+    if quantization_config is not None:  # an explicit None would erase the checkpoint's own (a layerswap marker)
+        common["quantization_config"] = quantization_config
 
     if target in BUNDLED:
         directory = bundled_checkpoint_dir(target)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(directory), **quantizing, **common
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(directory), **common)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(str(directory))
         identity = _identity_from_source(_read_source(directory), str(directory))
@@ -371,15 +367,13 @@ def load_model(
         model.config._name_or_path = repo
         identity = {"name": name, "revision": revision, "path": repo, "source": None}
     elif path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), **quantizing, **common
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(path), **common)
         if tokenizer is None:  # a folder of weights only: the caller is told when text needs one
             tokenizer = AutoTokenizer.from_pretrained(str(path)) if has_tokenizer_files(path) else False
         identity = model_identity(model)
     elif is_hub_id(target):
         model = AutoModelForCausalLM.from_pretrained(
-            target, revision=revision, **quantizing, **common
+            target, revision=revision, **common
         )
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(target, revision=revision)

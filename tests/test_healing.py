@@ -378,6 +378,21 @@ def test_checkpoints_of_another_student_or_teacher_are_refused(tmp_path):
         hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path / "file", **kw)
 
 
+def test_checkpoints_of_the_same_cut_without_its_ghosted_repair_are_refused(tmp_path):
+    # the operators are buffers, outside the weights' fingerprint: a folder left by a run on
+    # the unrepaired cut resumed the repaired one (held-out KL "healed" from 0.111 to 0.120)
+    kw = dict(method="lora", lora_r=4, max_tokens=4 * 16 * 4, seq_len=16, batch_size=4, learning_rate=1e-2,
+              eval_every=2, patience=3)
+    teacher = tiny_model("llama", num_blocks=6, seed=0)
+    plain = copy.deepcopy(teacher)
+    hl.remove_layers(plain, REMOVED)
+    hl.heal(plain, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
+    repaired = copy.deepcopy(teacher)
+    hl.recover(repaired, REMOVED, _calibration(), method="ghosted")
+    with pytest.raises(ValueError, match="other settings.*student: "):
+        hl.heal(repaired, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
+
+
 # ---------------------------------------------------------------- config and pipeline
 def test_heal_config_round_trip_and_refusals():
     cfg = LayerSwapConfig(num_to_remove=2, heal=HealConfig(method="last_k", max_tokens=512, options={"k": 2}))

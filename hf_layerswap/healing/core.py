@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_cal
 from ..jsonio import write_json_atomic
 from ..plan import model_fingerprint, num_blocks
 from ..provenance import library_versions
+from ..recovery.operators import attached_operators
 from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import get_heal_method
@@ -182,7 +184,7 @@ def heal(
     _check_settings(settings, model, entry)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
-                    student=model_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
+                    student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
     device = next(model.parameters()).device
     teacher.to(device).eval()
     if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
@@ -203,6 +205,20 @@ def heal(
     healed.layerswap_heal_report = report
     _measure_after(measures, healed, start, report)
     return report
+
+
+def student_fingerprint(model: nn.Module) -> str:
+    """:func:`~hf_layerswap.plan.model_fingerprint` of the student, with its attached ghosted
+    operators (buffers, which the weights' fingerprint leaves out) when it has any: the
+    checkpoints of a run on the plain cut never resume the repaired one (sha256 hex)."""
+    operators = attached_operators(model)
+    if not operators:
+        return model_fingerprint(model)
+    h = hashlib.sha256(model_fingerprint(model).encode())
+    for boundary, op in operators:
+        h.update(f"{boundary}:{tuple(op.weight.shape)}".encode())
+        h.update(op.weight.detach().reshape(-1)[:16].to("cpu", torch.float64).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _training_text(calibration, tokenizer, settings: dict):
