@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import re
+import shlex
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerC
 
 import hf_layerswap as hl
 from hf_layerswap.card import check_card
-from hf_layerswap.card.healing import healing_section
+from hf_layerswap.card.healing import heal_command, healing_section
 from hf_layerswap.cli import main
 from hf_layerswap.cli.heal import add_heal_args, heal_config
 from hf_layerswap.config import HealConfig, LayerSwapConfig
@@ -391,6 +392,24 @@ def test_checkpoints_of_the_same_cut_without_its_ghosted_repair_are_refused(tmp_
     hl.recover(repaired, REMOVED, _calibration(), method="ghosted")
     with pytest.raises(ValueError, match="other settings.*student: "):
         hl.heal(repaired, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
+
+
+def test_the_card_command_reproduces_the_recorded_settings():
+    student, teacher = _pair()
+    hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=3 * 16 * 4, seq_len=16, batch_size=4,
+            learning_rate=1e-3, eval_every=1, heldout_prompts=2, patience=5, ce_weight=0.5, seed=7, packing=False)
+    entry = student.config.layerswap["healing"][-1]
+    command = heal_command(entry)
+    assert command.startswith("hf-layerswap heal PRUNED BASE OUTPUT --calibration TEXT ")
+    parser = argparse.ArgumentParser()
+    add_heal_args(parser)
+    words = shlex.split(command)
+    assert words[:5] == ["hf-layerswap", "heal", "PRUNED", "BASE", "OUTPUT"]
+    assert heal_config(parser.parse_args(words[5:])) == HealConfig(
+        method="last_k", max_tokens=192, calibration="TEXT", seq_len=16, packing=False, batch_size=4, learning_rate=1e-3,
+        ce_weight=0.5, heldout_prompts=2, eval_every=1, patience=5, seed=7, options={"k": 2})
+    assert f"```bash\n{command}\n```" in healing_section(student.config.layerswap)
+    assert heal_command({k: v for k, v in entry.items() if k != "settings"}) is None  # an older record
 
 
 # ---------------------------------------------------------------- config and pipeline

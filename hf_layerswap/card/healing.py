@@ -5,9 +5,10 @@ shown as such, never as an improvement)."""
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping
 
-__all__ = ["HEALING_FILE", "healing_section", "tasks_table"]
+__all__ = ["HEALING_FILE", "heal_command", "healing_section", "tasks_table"]
 
 #: The healing report sidecar (``HealReport.to_json``: the loss and held-out KL histories).
 HEALING_FILE = "layerswap_healing.json"
@@ -223,6 +224,25 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     return rows
 
 
+def heal_command(entry: Mapping) -> str | None:
+    """The ``hf-layerswap heal`` command that reproduces a healing record (its method, rate,
+    seed, options, patience and :data:`~hf_layerswap.healing.report.RUN_SETTINGS`), with
+    ``PRUNED BASE OUTPUT`` and the training text ``TEXT`` left to the reader; ``None`` for a
+    record written before its settings were kept."""
+    settings = entry.get("settings")
+    if not isinstance(settings, Mapping) or not settings or not isinstance(entry.get("patience"), int):
+        return None
+    flags = {"method": entry.get("method"), **{k: v for k, v in settings.items() if k != "packing"},
+             "learning_rate": entry.get("learning_rate"), "ce_weight": entry.get("ce_weight") or None,
+             "patience": entry["patience"], "seed": entry.get("seed"), "teacher_top_k": entry.get("teacher_top_k")}
+    words = ["hf-layerswap heal PRUNED BASE OUTPUT --calibration TEXT"]
+    words += [f"--{k.replace('_', '-')} {repr(v) if isinstance(v, float) else shlex.quote(str(v))}"
+              for k, v in flags.items() if v is not None]
+    words += [] if settings.get("packing", True) else ["--no-packing"]
+    words += [f"--option {shlex.quote(f'{k}={v}')}" for k, v in sorted((entry.get("options") or {}).items())]
+    return " ".join(words)
+
+
 def healing_section(record: Mapping, *, plot: str | None = None) -> str | None:
     """The card's ``## Healing`` markdown for ``config.layerswap`` (``None`` when it records no
     healing): one table per healing run, newest last, each with its held-out KL before and
@@ -247,6 +267,10 @@ def healing_section(record: Mapping, *, plot: str | None = None) -> str | None:
         tasks = tasks_table(entry.get("tasks") or {})
         if tasks:
             parts.append(tasks)
+        command = heal_command(entry)
+        if command:
+            parts.append("To repeat this healing on the pruned checkpoint, with the dense model as `BASE` and the "
+                         f"training text above as `TEXT`:\n\n```bash\n{command}\n```")
     if plot:
         parts.append(f"![Healing: training loss and held-out KL against training tokens]({plot})")
     return "\n\n".join(parts)

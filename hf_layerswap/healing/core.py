@@ -25,7 +25,7 @@ from ..recovery.operators import attached_operators
 from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import get_heal_method
-from .report import HealReport
+from .report import RUN_SETTINGS, HealReport
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint,
                       resolve_patience)
 
@@ -297,7 +297,7 @@ def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, dis
         data_hash=calib.content_hash, teacher_top_k=settings["teacher_top_k"], ce_weight=float(settings["ce_weight"]),
         final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
         options=dict(settings["options"]), packing=packed, distinct_tokens=distinct, epochs=trained / distinct,
-        patience=settings["patience"],
+        patience=settings["patience"], settings={k: settings[k] for k in RUN_SETTINGS},
     )
 
 

@@ -6,7 +6,10 @@ from dataclasses import asdict, dataclass, field
 
 from ..jsonio import JsonResult
 
-__all__ = ["HealReport"]
+__all__ = ["RUN_SETTINGS", "HealReport"]
+
+#: The :func:`~hf_layerswap.healing.heal` keywords a report keeps in ``settings``.
+RUN_SETTINGS = ("max_tokens", "seq_len", "packing", "batch_size", "heldout_prompts", "eval_every")
 
 
 @dataclass
@@ -57,6 +60,11 @@ class HealReport(JsonResult):
         patience: the early stop's patience in held-out evaluations (the ``patience=``
             count, or the one ``None`` resolved to); ``None`` in reports written before it
             was recorded.
+        settings: the other :func:`~hf_layerswap.healing.heal` keywords the run was made with
+            (:data:`RUN_SETTINGS`: ``max_tokens``, ``seq_len``, ``packing``, ``batch_size``,
+            ``heldout_prompts``, ``eval_every``); with the fields above they give the command
+            that reproduces the run (the card shows it). Empty in reports written before it
+            was recorded.
     """
 
     method: str
@@ -83,6 +91,7 @@ class HealReport(JsonResult):
     distinct_tokens: int | None = None
     epochs: float | None = None
     patience: int | None = None
+    settings: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
