@@ -354,6 +354,8 @@ def reproduce_section(base_model, removed, steps, report, ident) -> tuple[str, s
         keep = ("num_to_remove", "layers", "protocol")
         args = {k: v for k, v in cfg.items() if k != "quant_method" and (k in keep or v != defaults.get(k)) and v is not None}
         args.pop("progress", None)
+        if args.get("layers") is not None:  # named blocks: no protocol guided them (the card says so)
+            args.pop("protocol", None)
     else:
         args = {"layers": list(removed)}
     call = ", ".join(f"{k}={v!r}" for k, v in args.items())
