@@ -61,6 +61,7 @@ from .recovery.fit import select_rows
 from .recovery.methods import search_objectives
 from .rule import resolve_protect
 from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
+from .scoring.head import linear32
 from .scoring.kl import OnlineKL
 from .scoring.probes import make_probes, schedule_blocks
 from .scoring.settings import EngineSettings, device_memory_budget, parse_memory
@@ -364,12 +365,13 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
     block_params = sum(p.numel() for p in block.parameters())
     block_seconds = _best(lambda: block(*captured["args"], **captured["kwargs"]), repeats, device)
     # the head/KL phase on a slice of the vocabulary of up to 32k entries (the rate is the same):
-    # a probe's fp32 GEMM, then its KL against the reference folded in (OnlineKL.add), as the engine runs them
-    w = torch.randn(min(ModelShape(model).vocab, 32768), hidden, device=device)
-    rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device)
+    # a probe's head GEMM in the weights' dtype with fp32 logits (linear32), then its KL against
+    # the reference folded in (OnlineKL.add), as the engine runs them
+    w = torch.randn(min(ModelShape(model).vocab, 32768), hidden, device=device).to(dtype)
+    rows = torch.randn(min(batch_size * seq_len, 1024), hidden, device=device).to(dtype)
     acc = OnlineKL(rows.shape[0], 1, device)
-    weights = acc.reference(0, rows.shape[0], rows @ w.t())
-    head_seconds = _best(lambda: acc.add(0, 0, rows.shape[0], weights, rows @ w.t()), repeats, device)
+    weights = acc.reference(0, rows.shape[0], linear32(rows, w))
+    head_seconds = _best(lambda: acc.add(0, 0, rows.shape[0], weights, linear32(rows, w)), repeats, device)
     flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).cpu()
     copy_seconds = _best(lambda: flat.to(device, copy=True), repeats, device)
     return Throughput(
@@ -422,15 +424,16 @@ def _offloaded(model) -> bool:
 
 def _working_bytes(engine, model, search_reference: int) -> int:
     """The engine's working memory at its peak: activations of a batch, the head/KL block,
-    the fp32 head copy of a half-precision head (one vocabulary slice of an offloaded head,
-    which is streamed), the held probe states, the kept reference."""
+    what the head's GEMM holds beside it (:meth:`~.scoring.head.Head.working_bytes`: one
+    vocabulary slice of an offloaded head, which is streamed; one upcast piece of a
+    half-precision weight on a CPU), the held probe states, the kept reference."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     activations = engine._activation_bytes(engine.batch_size, cfg)
     kl_block = KL_BLOCK_ENTRY_BYTES * engine.kl_chunk * engine.vocab_chunk  # OnlineKL's weights and logits
     head = engine.head.module
-    head_copy = 4 * head.weight.numel() if head is not None and head.weight.dtype != torch.float32 else 0
-    if engine.head.streamed:  # an offloaded head is read one vocabulary slice at a time (fp32 rows of it)
-        head_copy = 4 * engine.vocab_chunk * head.weight.shape[1]
+    # the rows of an offloaded head read one vocabulary slice at a time, and a piece of a
+    # half-precision weight upcast where the device has no GEMM with fp32 output
+    head_copy = engine.head.working_bytes(engine.vocab_chunk) if getattr(head, "weight", None) is not None else 0
     es = torch.finfo(engine.compute_dtype).bits // 8
     real = int(engine.calib.attention_mask[: engine.batch_size].sum())
     held = min(engine._group_size(real), len(engine.my_probes)) * real * engine.hidden * es

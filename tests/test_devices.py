@@ -27,6 +27,7 @@ from hf_layerswap.models import load_model, resolve_device_map, resolve_dtype
 from hf_layerswap.plan import apply_plan, identity_plan, interchange_plan, replacement_plan
 from hf_layerswap.recovery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
+from hf_layerswap.scoring import head as head_module
 from hf_layerswap.selection import select_layers
 
 FIELDS = ("replacement_ij", "replacement_ji", "interchange")
@@ -154,8 +155,98 @@ def test_half_precision_head_computes_fp32_logits_from_upcast_tensors():
     assert torch.equal(sliced, expected[:, 3:40])
     bf16_logits = model.get_output_embeddings()(hidden).float()
     assert not torch.equal(out, bf16_logits)  # the bf16 GEMM rounds the logits to 8 mantissa bits
-    head.release()
-    assert head._w32 is None
+
+
+def test_half_precision_head_never_copies_its_whole_weight_to_fp32(monkeypatch):
+    """A bf16 head on a device without a GEMM with fp32 output (the CPU) is upcast in pieces
+    of at most ``UPCAST_PIECE_BYTES`` (here 5 vocabulary rows' worth), never whole (it was
+    one ``4 H V``-byte copy per head phase, outside the memory budget), and its logits err
+    from the float64 product no more than the whole fp32 GEMM's do."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    w = model.get_output_embeddings().weight
+    hidden = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(hidden.float(), w.float())
+    exact = hidden.double() @ w.double().t()
+    fp32_err = float((expected.double() - exact).abs().max())
+    monkeypatch.setattr(head_module, "UPCAST_PIECE_BYTES", 5 * 4 * w.shape[1])
+    upcasts = []
+    real_float = torch.Tensor.float
+    weight_ptr = w.untyped_storage().data_ptr()
+
+    def upcast(t):
+        if t.untyped_storage().data_ptr() == weight_ptr:  # the head's weight or a view of it
+            upcasts.append(t.numel())
+        return real_float(t)
+
+    monkeypatch.setattr(torch.Tensor, "float", upcast)
+    head = Head(model)
+    assert head.working_bytes(head.vocab) == 5 * 4 * w.shape[1]  # what the cost model counts
+    with torch.no_grad():
+        outs = [head(hidden), head.into(hidden, torch.empty(6, head.vocab)), head.vocab_slice(hidden, 0, head.vocab)]
+    for out in outs:
+        assert out.dtype == torch.float32 and float((out.double() - exact).abs().max()) <= 2 * fp32_err
+    assert upcasts and max(upcasts) <= 5 * w.shape[1] < w.numel()
+
+
+def _emulated_mixed_gemm(monkeypatch) -> list:
+    """``torch.mm(a, b, out_dtype=torch.float32)`` on the CPU as CUDA runs it: half-precision
+    inputs, exact products and fp32 sums (the products of two bf16 or fp16 numbers are exact
+    in fp32, so the fp32 GEMM of the upcast inputs is it up to the order of the sums); the
+    dtypes of every call are recorded."""
+    calls = []
+    real_mm = torch.mm
+
+    def mm(a, b, *args, out_dtype=None, **kwargs):
+        if out_dtype is None:
+            return real_mm(a, b, *args, **kwargs)
+        assert out_dtype == torch.float32 and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+        calls.append(a.dtype)
+        return real_mm(a.float(), b.float())
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(head_module, "mixed_gemm", lambda device, dtype: True)
+    return calls
+
+
+def test_split_bf16_is_exact_and_the_mixed_gemm_is_as_accurate_as_fp32(monkeypatch):
+    """fp32 hidden rows split into three bf16 terms sum back exactly; through the mixed GEMM
+    (emulated) the logits against a bf16 weight, bias included, err from the float64 product
+    no more than twice the fp32 GEMM of the upcast tensors does (bf16 hidden rows: one GEMM,
+    fp32 ones: three), and no weight is upcast."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 96) * torch.logspace(-20, 20, 96)
+    hi, mid, lo = head_module.split_bf16(x)
+    assert {hi.dtype, mid.dtype, lo.dtype} == {torch.bfloat16} and torch.equal(hi.float() + mid.float() + lo.float(), x)
+    w = (torch.randn(4000, 96) * 0.05).bfloat16()
+    bias = torch.randn(4000).bfloat16()
+    calls = _emulated_mixed_gemm(monkeypatch)
+    for hidden, gemms in ((torch.randn(32, 96) * 4, 3), ((torch.randn(32, 96) * 4).bfloat16(), 1)):
+        exact = hidden.double() @ w.double().t() + bias.double()
+        fp32 = torch.nn.functional.linear(hidden.float(), w.float(), bias.float())
+        calls.clear()
+        fast = head_module.linear32(hidden, w, bias)
+        assert fast.dtype == torch.float32 and calls == [torch.bfloat16] * gemms
+        fast_err, fp32_err = ((fast.double() - exact).abs().max()), ((fp32.double() - exact).abs().max())
+        assert fast_err <= 2 * fp32_err and fast_err < 1e-5
+        assert (fp32.bfloat16().float().double() - exact).abs().max() > 100 * fp32_err  # bf16 output: not enough
+
+
+def test_bf16_swap_kls_with_the_mixed_gemm_head_match_float64(monkeypatch):
+    """The engine's swap-KLs of the bf16 model with the head's mixed GEMM (emulated as CUDA
+    runs it) equal the float64 KL of the model's own final hidden states as closely as the
+    fp32 head's do (relative error below 1e-4), and the head ran as bf16 GEMMs only."""
+    _, m16 = _bf16_pair()
+    batch = tiny_batch(batch=4, length=24)
+    plans = {(i, "interchange"): interchange_plan(6, i, i + 1) for i in range(5)}
+    fp32_head, _ = plan_kl(m16, build_calibration(batch), plans)
+    calls = _emulated_mixed_gemm(monkeypatch)
+    fast, _ = plan_kl(m16, build_calibration(batch), plans)
+    assert calls and set(calls) == {torch.bfloat16}
+    for key, plan in plans.items():
+        exact = _exact_kl(m16, batch, plan)
+        assert float(((fast[key] - exact).abs() / exact).max()) <= 1e-4
+        assert torch.allclose(fast[key], fp32_head[key], rtol=1e-5, atol=0)
 
 
 def _relative_errors(ref, other) -> list[float]:

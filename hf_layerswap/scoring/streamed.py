@@ -41,7 +41,7 @@ class StreamedKL:
         self._logit_buf: torch.Tensor | None = None
 
     def release(self) -> None:
-        """Free the reused logit buffer and the head's fp32 weight copy."""
+        """Free the reused logit buffer (the head's weight is never copied)."""
         self._logit_buf = None
         self.head.release()
 
@@ -54,7 +54,8 @@ class StreamedKL:
         the head's weight taken once, :meth:`Head.weight_slice`), every block of
         ``kl_chunk`` positions of the reference and then of each probe is folded into one
         :class:`.kl.OnlineKL`: the same float64 arithmetic for every slicing, placement and
-        budget."""
+        budget. A slice of a half-precision head stays in its dtype (no fp32 copy; the fp32
+        logits come from :func:`~hf_layerswap.scoring.head.linear32`)."""
         done = done or (lambda n: None)
         rows = ref_hidden.shape[0]
         bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
@@ -82,8 +83,7 @@ class StreamedKL:
 
     def _block_logits(self, hidden, sliced) -> torch.Tensor:
         """fp32 logits of hidden rows ``(R, H)``: of the whole vocabulary (``sliced`` None,
-        :meth:`logits`) or of the vocabulary slice whose fp32 weight and bias ``sliced``
-        holds."""
+        :meth:`logits`) or of the vocabulary slice whose weight and bias ``sliced`` holds."""
         if sliced is None:
             return self.logits(hidden, 0, self.head.vocab)
         return self.head.slice_logits(hidden, *sliced)
@@ -91,9 +91,9 @@ class StreamedKL:
     def logits(self, hidden, v0: int, v1: int) -> torch.Tensor:
         """fp32 logits of vocabulary entries ``v0:v1`` of hidden rows ``(R, H)``.
 
-        A plain ``nn.Linear`` head computes them in fp32 from the upcast hidden rows and
-        weight, outside any autocast (the half-precision contract of
-        :class:`~hf_layerswap.scoring.head.Head`); for the whole vocabulary of a head in
+        A plain ``nn.Linear`` head computes them with exact products and fp32 sums, outside
+        any autocast (:func:`~hf_layerswap.scoring.head.linear32`, the half-precision
+        contract of :class:`~hf_layerswap.scoring.head.Head`); for the whole vocabulary of a head in
         memory on the rows' device the GEMM writes into the reused buffer (the result is
         valid until the next call). Other heads, and heads with forward hooks, run their own
         forward under the engine's autocast and are upcast."""
