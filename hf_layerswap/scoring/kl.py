@@ -63,7 +63,10 @@ class OnlineKL:
     for all rows and probes and the reference's logits are not needed after
     :meth:`reference`. Everything is float64 (the logits stay
     fp32): the terms nearly cancel when the distributions are close, and the result is the
-    KL of the fp32 logits to float64 rounding. The whole vocabulary is one slice: the same
+    KL of the fp32 logits to float64 rounding. Numeric contract: those logits are the
+    head's fp32 logits (:func:`~hf_layerswap.scoring.head.linear32`: exact products and fp32
+    sums also for a bf16/fp16 head), so a half-precision model's pair KLs are the float64
+    KL of its final hidden states up to the fp32 GEMM's rounding, whichever device runs it. The whole vocabulary is one slice: the same
     arithmetic whatever the slices (the engine's only KL for a head it runs itself).
 
     Memory: the float64 weights ``(rows, slice)`` (8 bytes per entry) beside the fp32
