@@ -136,6 +136,13 @@ def test_streaming_page_rerenders_unchanged(tmp_path):
     assert json.loads(first.read_text(encoding="utf-8")) == json.loads((RESULTS / "streaming.json").read_text(encoding="utf-8"))
 
 
+def test_head_precision_page_rerenders_unchanged(tmp_path):
+    out = tmp_path / "head_precision.md"
+    shutil.copy(RESULTS / "head_precision.json", tmp_path / "head_precision.json")
+    _run([str(ROOT / "benchmarks" / "head_precision.py"), "--render-only", "--out", str(out)], ROOT)
+    assert out.read_bytes() == (RESULTS / "head_precision.md").read_bytes()
+
+
 def test_kl_arithmetic_page_rerenders_unchanged(tmp_path):
     out = tmp_path / "kl_arithmetic.md"
     shutil.copy(RESULTS / "kl_arithmetic.json", tmp_path / "kl_arithmetic.json")
