@@ -37,6 +37,7 @@ killed save's folder is removed by the next save into the same parent
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
@@ -60,7 +61,7 @@ from .card import (
     write_card_files,
 )
 from .history import history_problems, probable_cause
-from .jsonio import STAGING_PREFIX, move_into_place, remove_stale_staging, staging_folder, unlock
+from .jsonio import STAGING_PREFIX, carry_over, move_into_place, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
 from .recovery import recovery_entry
 from .jsonio import default_mode
@@ -74,6 +75,7 @@ __all__ = [
     "OWNED_PATTERNS",
     "HubPushError",
     "PushRefusedError",
+    "owned_stale",
     "push_to_hub",
     "read_evaluation_file",
     "save_for_hub",
@@ -81,8 +83,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Remote files a push replaces as a set: stale ones matching these patterns (older weight
-#: shards, sidecars, plots) are deleted in the same commit. Other files are left alone.
+#: Files a push (or ``save_for_hub(..., overwrite=True)``) replaces as a set: stale ones
+#: matching these patterns (older weight shards, sidecars, plots) are deleted in the same
+#: commit (locally: only such files at the top of the folder, where a save writes them).
+#: Other files are left alone.
 OWNED_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "layerswap_*"]
 
 
@@ -398,8 +402,18 @@ def save_for_hub(
     at once, exactly one succeeds and the other raises ``FileExistsError``, leaving the
     first one's folder as it is.
 
+    With ``overwrite`` an existing folder keeps everything this save does not replace
+    (a ``notes.md``, a ``data/`` folder): replaced are the files this save writes and,
+    at the top of the folder, stale files of an earlier save matching
+    :data:`OWNED_PATTERNS` (weight shards and their index, ``layerswap_*`` sidecars,
+    plots and operators), as :func:`push_to_hub` replaces them on the Hub. The kept
+    entries are hard-linked into the staged folder before the one rename
+    (:func:`~hf_layerswap.jsonio.carry_over`), so the swap stays a single step.
+
     Args:
         directory: target folder; it must not exist or be empty unless ``overwrite``.
+        overwrite: save into an existing folder, replacing only what this save writes
+            and its own stale files (see above).
         repo_id: the Hub id the folder is meant for (used in the card's loading snippet).
         others: as in :func:`push_to_hub`.
 
@@ -414,7 +428,8 @@ def save_for_hub(
     target = Path(directory).resolve()
     evaluation, sparsity_report = _preflight(model, repo_id, report, evaluation, None, None, sparsity_report)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not an empty folder: pass overwrite=True to replace it")
+        raise FileExistsError(f"{target} exists and is not an empty folder: choose another folder, or pass "
+                              "overwrite=True to save into it (replacing only the files this save writes)")
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(target.parent)
     tmp, lock = staging_folder(target, "new")
@@ -424,6 +439,8 @@ def save_for_hub(
             tmp, model, tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=base_model,
             license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
+        if overwrite and target.is_dir():
+            carry_over(target, tmp, replaced=owned_stale)
         move_into_place(tmp, target, overwrite=overwrite)  # checks the target again, at the rename
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -431,6 +448,14 @@ def save_for_hub(
     finally:
         unlock(lock)
     return target
+
+
+def owned_stale(name: str) -> bool:
+    """Whether ``name`` (a path relative to a saved folder) is a file an earlier save of
+    this library wrote and a new save replaces even when it does not write it again: a
+    top-level file matching :data:`OWNED_PATTERNS` (e.g. ``model-00002-of-00002.safetensors``
+    after a save into one shard, a ``layerswap_sparsity.json`` of an earlier sparsified model)."""
+    return "/" not in name and any(fnmatch.fnmatchcase(name, pattern) for pattern in OWNED_PATTERNS)
 
 
 def read_evaluation_file(path: str | os.PathLike) -> dict:

@@ -6,15 +6,20 @@
   floats round-trip exactly;
 - :func:`atomic_path`, :func:`write_text_atomic`, :func:`write_json_atomic`: a file is
   written completely or not at all (temporary file in the same folder + ``os.replace``),
-  with the permissions an ordinary ``open`` would give (:func:`default_mode`);
+  with the permissions an ordinary ``open`` would give (:func:`default_mode`); a symbolic
+  link is written through (the file it names is replaced, the link is kept), anything
+  that is not a regular file (a device node, a FIFO, a folder) is refused
+  (:func:`regular_target`), and ``overwrite=False`` refuses a file that exists at the
+  final rename;
 - :class:`JsonResult`: the mixin every report class uses for ``to_json``/``from_json``,
   on top of its own ``to_dict``/``from_dict``, with one contract;
 - folders written all or nothing: :func:`staging_folder` (a locked sibling folder named
   :data:`STAGING_PREFIX` ``+ <target>.<kind>-<random>``), :func:`lock_folder` /
   :func:`unlock` (``flock``, released by the kernel however the process dies),
   :func:`move_into_place` (the final rename, which refuses a target another writer filled
-  meanwhile) and :func:`remove_stale_staging` (the unlocked leftovers of killed saves, ours
-  only).
+  meanwhile), :func:`carry_over` (what a folder held besides what a save replaces, linked
+  into the staged folder before it is moved into place) and :func:`remove_stale_staging`
+  (the unlocked leftovers of killed saves, ours only).
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ import math
 import numbers
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = [
     "JsonResult",
     "STAGING_PREFIX",
     "atomic_path",
+    "carry_over",
     "decode_float",
     "decode_tree",
     "default_mode",
@@ -42,6 +49,7 @@ __all__ = [
     "encode_tree",
     "lock_folder",
     "move_into_place",
+    "regular_target",
     "remove_stale_staging",
     "staging_folder",
     "unlock",
@@ -90,37 +98,112 @@ def default_mode(path: str | os.PathLike) -> None:
     os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
 
 
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def regular_target(path: str | os.PathLike) -> Path:
+    """The file a write of ``path`` replaces: ``path`` with every symbolic link followed
+    (a link is written through, never replaced; a link to a missing file names the file
+    to create), which must be a regular file or not exist yet.
+
+    Raises:
+        FileExistsError: the target is a folder.
+        ValueError: the target is a device node, a FIFO or a socket (replacing
+            ``/dev/null`` with a regular file would break the system), or a link that
+            never resolves (a loop); the message names ``path`` and what it is.
+    """
+    given = Path(path)
+    target = Path(os.path.realpath(given))
+    try:
+        mode = os.lstat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # to be created (a path under a file fails when written)
+        return target
+    except OSError as err:  # ELOOP and the like: not a file we can name
+        raise ValueError(f"{os.fspath(path)} cannot be resolved to a file ({err.strerror}); give a regular file's "
+                         "path") from None
+    if stat.S_ISREG(mode):
+        return target
+    where = "" if target == given else f" (the link's target {target})"
+    if stat.S_ISDIR(mode):
+        raise FileExistsError(f"{os.fspath(path)}{where} is a folder; give a file's path")
+    if stat.S_ISLNK(mode):
+        raise ValueError(f"{os.fspath(path)} is a symbolic link that does not resolve (a loop); give a regular "
+                         "file's path")
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    raise ValueError(f"{os.fspath(path)}{where} is {kind}, not a regular file: results are written only to regular "
+                     "files (or through a symbolic link to one); give a file's path")
+
+
+def _place(tmp: str, target: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` onto ``target``; without ``overwrite`` the kernel
+    refuses a ``target`` that exists at that moment (a hard link made only if the name is
+    free, then the temporary name removed)."""
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    refusal = f"{target} exists (written while this result was computed?); it was left as it was"
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise FileExistsError(refusal) from None
+    except OSError as err:  # a file system without hard links: check, then rename
+        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+            raise
+        if os.path.lexists(target):
+            raise FileExistsError(refusal) from None
+        os.replace(tmp, target)
+        return
+    os.unlink(tmp)
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, suffix: str = ".tmp") -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, suffix: str = ".tmp", overwrite: bool = True) -> Iterator[Path]:
     """Context manager for an all-or-nothing write of ``path``: yields a temporary file in
     the same folder (name ending in ``suffix``, e.g. ``".png"`` for writers that read the
     format from it) for the caller to write; on a normal exit it replaces ``path`` with
     one ``os.replace``, on any exception (including KeyboardInterrupt) it is removed and
-    ``path`` is left as it was. The file gets ordinary permissions (:func:`default_mode`)."""
-    path = Path(path)
+    ``path`` is left as it was. The file gets ordinary permissions (:func:`default_mode`).
+
+    A symbolic link ``path`` is written through: the temporary file is made next to the
+    file the link names, which is replaced, and the link stays a link
+    (:func:`regular_target`). Anything that is not a regular file is refused before
+    anything is written. With ``overwrite=False`` the final rename refuses a ``path`` that
+    exists by then (``FileExistsError``, the temporary file removed, ``path`` untouched).
+
+    Raises:
+        FileExistsError, ValueError: as :func:`regular_target`; ``FileExistsError`` also
+            for an existing ``path`` without ``overwrite``.
+    """
+    path = regular_target(path)
+    if not overwrite and os.path.lexists(path):
+        raise FileExistsError(f"{path} exists; it was left as it was")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
         default_mode(tmp)
         yield Path(tmp)
-        os.replace(tmp, path)
+        _place(tmp, path, overwrite)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
 
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    """Write UTF-8 ``text`` to ``path`` all or nothing (:func:`atomic_path`)."""
-    with atomic_path(path) as tmp:
+def write_text_atomic(text: str, path: str | os.PathLike, *, overwrite: bool = True) -> Path:
+    """Write UTF-8 ``text`` to ``path`` all or nothing (:func:`atomic_path`; a symbolic link
+    is written through, a non-regular file refused, an existing file refused without
+    ``overwrite``)."""
+    with atomic_path(path, overwrite=overwrite) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 
-def write_json_atomic(data, path: str | os.PathLike) -> Path:
-    """Write ``data`` as indented JSON (no NaN/Infinity literals: ValueError) all or nothing."""
-    return write_text_atomic(json.dumps(data, indent=2, allow_nan=False) + "\n", path)
+def write_json_atomic(data, path: str | os.PathLike, *, overwrite: bool = True) -> Path:
+    """Write ``data`` as indented JSON (no NaN/Infinity literals: ValueError) all or nothing
+    (:func:`write_text_atomic`)."""
+    return write_text_atomic(json.dumps(data, indent=2, allow_nan=False) + "\n", path, overwrite=overwrite)
 
 
 def encode_tree(x):
@@ -155,9 +238,10 @@ class JsonResult:
     """``to_json`` / ``from_json`` for a result class that defines ``to_dict()`` (a
     JSON-able dict) and the classmethod ``from_dict(dict)``. One contract for every report:
 
-    - ``to_json(path=None)``: with ``path``, writes indented JSON all or nothing
-      (:func:`write_json_atomic`) and returns the :class:`~pathlib.Path`; without it,
-      returns the same JSON text as a ``str``. Non-finite floats are written as
+    - ``to_json(path=None, *, overwrite=True)``: with ``path``, writes indented JSON all
+      or nothing (:func:`write_text_atomic`: through a symbolic link, never onto a device
+      node or a FIFO; ``overwrite=False`` refuses an existing file) and returns the
+      :class:`~pathlib.Path`; without it, returns the same JSON text as a ``str``. Non-finite floats are written as
       ``"NaN"``/``"Infinity"``/``"-Infinity"`` strings, never as NaN literals.
     - ``from_json(source)``: ``source`` is a path (``str`` or ``os.PathLike``) to a file
       written by ``to_json``, or the JSON text itself (a ``str`` starting with ``{``);
@@ -169,11 +253,11 @@ class JsonResult:
             the message names the file (or "JSON text") and the class.
     """
 
-    def to_json(self, path: str | os.PathLike | None = None):
+    def to_json(self, path: str | os.PathLike | None = None, *, overwrite: bool = True):
         text = _json_text(self.to_dict())
         if path is None:
             return text
-        return write_text_atomic(text, path)
+        return write_text_atomic(text, path, overwrite=overwrite)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike, **options):
@@ -253,7 +337,8 @@ def move_into_place(staged: Path, target: Path, *, overwrite: bool) -> None:
         OSError: the rename failed for another reason (e.g. a read-only parent folder).
     """
     refusal = (f"{target} exists and is not an empty folder (another writer may have saved there while this save "
-               "ran); nothing of this save was left there: choose another folder or pass overwrite=True")
+               "ran); nothing of this save was left there: choose another folder, or remove that one and run again "
+               "(from Python, save_for_hub(..., overwrite=True) replaces the files it writes there)")
     if not overwrite:
         try:
             os.rename(staged, target)
@@ -279,6 +364,56 @@ def move_into_place(staged: Path, target: Path, *, overwrite: bool) -> None:
     finally:
         shutil.rmtree(old, ignore_errors=True)
         unlock(lock)
+
+
+def carry_over(source: Path, staged: Path, *, replaced: Callable[[str], bool]) -> list[str]:
+    """Link into the staged folder ``staged`` everything of the existing folder ``source``
+    that the new save does not replace, so that moving ``staged`` into place
+    (:func:`move_into_place` with ``overwrite``) keeps it: every file and folder, at any
+    depth, except the paths ``staged`` already holds (the save writes them) and the files
+    for which ``replaced(relative path)`` is true (stale files the saver owns, e.g. the
+    shards of an earlier save). Files are hard-linked (the same data, nothing copied;
+    copied where the file system has no hard links), symbolic links recreated as links.
+
+    Returns:
+        The relative paths carried over (files and links), sorted.
+
+    Raises:
+        FileExistsError: ``staged`` holds a file where ``source`` holds a folder or the other
+            way round (the save would drop it); nothing is moved, the caller removes ``staged``.
+    """
+    carried: list[str] = []
+    _carry(Path(source), Path(staged), "", replaced, carried)
+    return sorted(carried)
+
+
+def _carry(source: Path, staged: Path, prefix: str, replaced, carried: list[str]) -> None:
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        name, dst = prefix + entry.name, staged / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            if os.path.lexists(dst) and not dst.is_dir():
+                raise FileExistsError(f"{source / entry.name} is a folder and this save writes a file {name}: "
+                                      "rename the folder, or choose another target")
+            dst.mkdir(exist_ok=True)
+            _carry(Path(entry.path), dst, name + "/", replaced, carried)
+            continue
+        if os.path.lexists(dst):
+            if dst.is_dir() and not dst.is_symlink():
+                raise FileExistsError(f"{source / entry.name} is a file and this save writes a folder {name}: "
+                                      "rename the file, or choose another target")
+            continue  # written by this save
+        if replaced(name):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), dst)
+        else:
+            try:
+                os.link(entry.path, dst, follow_symlinks=False)
+            except OSError as err:
+                if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+                    raise
+                shutil.copy2(entry.path, dst, follow_symlinks=False)
+        carried.append(name)
 
 
 def remove_stale_staging(parent: str | os.PathLike) -> list[str]:

@@ -113,6 +113,102 @@ def test_missing_inputs_are_refused_before_the_model_loads(base, capsys):
     assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
 
 
+# ------------------------------------------------------------------ one output policy
+
+def _real(path) -> str:
+    return os.path.realpath(path)
+
+
+def test_an_output_onto_an_input_or_into_the_checkpoint_is_refused_and_they_stay_byte_identical(base, capsys):
+    """No verb writes onto a file it reads or into MODEL's folder, not even with --overwrite
+    (nor through a symbolic link to one), and a --resume folder is neither MODEL nor inside
+    it: all refused before the model loads, every input byte-identical after."""
+    model, calib, other = base / "base", base / "calib.txt", base / "other"
+    (base / "to-calib.json").symlink_to("calib.txt")
+    other.mkdir()
+    before = {p: p.read_bytes() for p in [calib, *model.iterdir()]}
+    scoring = ["--calibration", calib, "--num-prompts", "2"]
+    read_by = f"{_real(calib)}, which this run reads: an output never replaces an input"
+    inside = f"inside MODEL {_real(model)}, a folder this run reads: nothing is written into an input"
+    cases = [
+        (["score", model, *scoring, "-o", calib], f"--output {calib} is --calibration {read_by}"),
+        (["score", model, *scoring, "-o", calib, "--overwrite"], f"--output {calib} is --calibration {read_by}"),
+        (["score", model, *scoring, "-o", base / "to-calib.json", "--overwrite"],
+         f"--output {base / 'to-calib.json'} is --calibration {read_by}"),
+        (["score", model, *scoring, "-o", model / "config.json"], f"--output {model / 'config.json'} is {inside}"),
+        (["score", model, *scoring, "-o", model / "config.json", "--overwrite"],
+         f"--output {model / 'config.json'} is {inside} (not even with --overwrite)"),
+        (["eval", model, "--text", calib, "-o", calib, "--overwrite"], f"--output {calib} is --text {read_by}"),
+        (["peel", model, "-o", model / "model.safetensors", "--overwrite"], f"--output {model / 'model.safetensors'} is {inside}"),
+        (["peel", model, "--eval-text", calib, "--table", calib, "--overwrite"], f"--table {calib} is --eval-text {read_by}"),
+        (["score", model, *scoring, "-o", other / "r.json", "--resume", model],
+         f"--resume {model} is MODEL {_real(model)}, which this run reads"),
+        (["score", model, *scoring, "-o", other / "r.json", "--resume", model / "ck"], f"--resume {model / 'ck'} is {inside}"),
+        (["prune", model, other / "out", "--num-to-remove", "1", *scoring, "--resume", model / "ck"],
+         f"--resume {model / 'ck'} is {inside}"),
+        (["score", model, *scoring, "-o", other / "ck" / "manifest.json", "--resume", other / "ck"],
+         f"--output {_real(other / 'ck' / 'manifest.json')} is inside --resume {other / 'ck'}: each output needs"),
+        (["push", model, "me/tiny", "--output-dir", model / "pub"],
+         f"--output-dir {model / 'pub'} is inside DIRECTORY {_real(model)}, a folder this run reads"),
+        (["export-gguf", model, model / "m.gguf", "--overwrite"],
+         f"OUTPUT {model / 'm.gguf'} is inside CHECKPOINT {_real(model)}, a folder this run reads"),
+    ]
+    for argv, message in cases:
+        code, err = _run(argv, capsys)
+        assert code == 2, argv
+        assert err.strip().startswith(f"error: {message}"), (argv, err)
+        assert "loading" not in err
+    assert {p: p.read_bytes() for p in before} == before  # the calibration file and every checkpoint file
+    assert sorted(model.iterdir()) == sorted(p for p in before if p != calib)
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt", "other", "to-calib.json"]
+    assert list(other.iterdir()) == []
+
+
+def test_an_existing_output_file_needs_overwrite_and_a_link_is_written_through(base, capsys):
+    model, old = base / "base", base / "old.json"
+    old.write_text("keep me\n")
+    for argv, option in ((["score", model, "-o", old], "--output"), (["eval", model, "-o", old], "--output"),
+                         (["peel", model, "--plot", old], "--plot"), (["export-gguf", model, old], "OUTPUT")):
+        code, err = _run(argv, capsys)
+        assert code == 2 and "loading" not in err
+        assert err.strip() == f"error: {option} {old} exists; pass --overwrite to replace it, or choose another path"
+    assert old.read_text() == "keep me\n"
+    link = base / "link.json"
+    link.symlink_to("old.json")
+    code, err = _run(["score", model, "--calibration", base / "calib.txt", "--num-prompts", "2", "-o", link,
+                      "--overwrite"], capsys)
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == "old.json"  # the link is kept, its file replaced
+    assert SwapReport.from_json(old).num_blocks == 6
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt", "link.json", "old.json"]
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused(base, capsys):
+    """A FIFO, a device node (and a link to one) are never replaced by a regular file."""
+    import stat
+
+    model, fifo, device = base / "base", base / "fifo", base / "null"
+    os.mkfifo(fifo)
+    try:
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    except PermissionError:
+        device = None
+    (base / "to-fifo").symlink_to("fifo")
+    cases = [(["score", model, "-o", fifo], f"--output {fifo} is a FIFO"),
+             (["eval", model, "-o", base / "to-fifo", "--overwrite"],
+              f"--output {base / 'to-fifo'} (the link's target {_real(fifo)}) is a FIFO"),
+             (["peel", model, "--table", fifo], f"--table {fifo} is a FIFO")]
+    if device is not None:
+        cases.append((["score", model, "-o", device, "--overwrite"], f"--output {device} is a character device"))
+    for argv, message in cases:
+        code, err = _run(argv, capsys)
+        assert code == 2 and "loading" not in err, argv
+        assert err.strip() == (f"error: {message}, not a regular file: results are written only to regular files "
+                               "(or through a symbolic link to one); give a file's path")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert device is None or stat.S_ISCHR(os.lstat(device).st_mode)
+
+
 def test_a_corrupt_gguf_file_is_a_clear_error_naming_the_file(base, capsys):
     from hf_layerswap.models import check_gguf_file, load_model
 
@@ -161,8 +257,8 @@ def test_a_full_disk_at_write_time_is_one_error_line_and_nothing_partial(base, c
     import hf_layerswap.hub as hub
     import hf_layerswap.jsonio as jsonio
 
-    def full_disk(text, path):
-        with jsonio.atomic_path(path) as tmp:
+    def full_disk(text, path, **kwargs):
+        with jsonio.atomic_path(path, **kwargs) as tmp:
             tmp.write_text(text[: len(text) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 

@@ -271,6 +271,30 @@ def test_save_for_hub_is_atomic_and_complete(pruned, report, tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+def test_save_for_hub_overwrite_replaces_only_what_it_writes(pruned, report, tmp_path):
+    """overwrite=True keeps what the save does not write (a notes.md, a data/ folder, a
+    link) and drops only its own stale files at the top (an old shard, an old sidecar)."""
+    from transformers import AutoModelForCausalLM
+
+    target = tmp_path / "out"
+    save_for_hub(pruned, target, report=report)
+    (target / "notes.md").write_text("mine\n")
+    (target / "data").mkdir()
+    (target / "data" / "train.safetensors").write_bytes(b"user data")  # owned names only count at the top
+    (target / "data" / "notes").symlink_to("../notes.md")
+    (target / "model-00002-of-00002.safetensors").write_bytes(b"a stale shard of an earlier save")
+    save_for_hub(pruned, target, overwrite=True)  # no report this time: its sidecar is stale
+    assert (target / "notes.md").read_text() == "mine\n"
+    assert (target / "data" / "train.safetensors").read_bytes() == b"user data"
+    assert (target / "data" / "notes").is_symlink() and (target / "data" / "notes").read_text() == "mine\n"
+    names = {p.name for p in target.iterdir()}
+    assert "model-00002-of-00002.safetensors" not in names and REPORT_FILE not in names
+    assert {"README.md", "config.json", "model.safetensors", "notes.md", "data"} <= names
+    reloaded = AutoModelForCausalLM.from_pretrained(target)
+    assert all(torch.equal(v, pruned.state_dict()[k]) for k, v in reloaded.state_dict().items())
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left
+
+
 _SAVE_IN_STEP = """
 import sys, time
 from pathlib import Path
@@ -320,6 +344,7 @@ def test_two_processes_saving_into_one_folder_exactly_one_succeeds(tmp_path):
     refusal = outcomes[loser][1].strip().splitlines()[-1]  # after transformers' loading bar
     assert refusal.startswith(f"hf-layerswap push: refused: {target} exists and is not an empty folder")
     assert "nothing of this save was left there" in refusal and "Traceback" not in outcomes[loser][1]
+    assert "choose another folder, or remove that one" in refusal and "pass overwrite=True" not in refusal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt0", "ckpt1", "out", "ready0", "ready1"]
     saved = AutoModelForCausalLM.from_pretrained(target)
     expected = models[winner].state_dict()

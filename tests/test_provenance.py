@@ -77,6 +77,52 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
     assert target.stat().st_mode == plain.stat().st_mode == (tmp_path / "plot.png").stat().st_mode
 
 
+def test_atomic_writes_go_through_links_and_refuse_what_is_not_a_regular_file(tmp_path):
+    import os
+    import stat
+
+    real = tmp_path / "real.json"
+    real.write_text("old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to("real.json")
+    assert write_text_atomic("new\n", link) == link
+    assert link.is_symlink() and os.readlink(link) == "real.json" and real.read_text() == "new\n"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to("made.json")  # a link to a missing file names the file to create
+    SwapReport(num_blocks=2, pairs=[PairResult(0, 1, 0.5, 0.25, 0.125)]).to_json(dangling)
+    assert dangling.is_symlink() and SwapReport.from_json(tmp_path / "made.json").num_blocks == 2
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "to-fifo").symlink_to("fifo")
+    for path in (fifo, tmp_path / "to-fifo"):
+        with pytest.raises(ValueError, match=r"is a FIFO, not a regular file: results are written only to regular"):
+            write_json_atomic({"x": 1}, path)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(FileExistsError, match="is a folder; give a file's path"):
+        write_text_atomic("x", tmp_path)
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(ValueError, match="cannot be resolved to a file|does not resolve"):
+        write_text_atomic("x", tmp_path / "a")
+    assert (tmp_path / "a").is_symlink() and (tmp_path / "b").is_symlink()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["a", "b", "dangling.json", "fifo", "link.json", "made.json", "real.json", "to-fifo"]
+
+
+def test_overwrite_false_refuses_a_file_there_before_or_at_the_rename(tmp_path):
+    kept = tmp_path / "kept.json"
+    kept.write_text("theirs\n")
+    with pytest.raises(FileExistsError, match="exists"):
+        write_text_atomic("mine\n", kept, overwrite=False)
+    late = tmp_path / "late.json"
+    with pytest.raises(FileExistsError, match="exists"), atomic_path(late, overwrite=False) as tmp:
+        tmp.write_text("mine\n")
+        late.write_text("theirs\n")  # another writer, while the result was computed
+    assert kept.read_text() == late.read_text() == "theirs\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json", "late.json"]  # no temporary file left
+    assert write_text_atomic("mine\n", tmp_path / "new.json", overwrite=False).read_text() == "mine\n"
+
+
 # ----------------------------------------------------------------------------- JSON contract
 def _examples() -> list[JsonResult]:
     swap = SwapReport(
@@ -139,6 +185,22 @@ def test_swap_report_json_text_is_unchanged(tmp_path):
 
 
 # ------------------------------------------ a save killed between its renames
+
+
+def test_the_refusal_at_the_rename_says_what_to_do_from_the_shell_and_from_python(tmp_path):
+    from hf_layerswap.jsonio import move_into_place
+
+    target, staged = tmp_path / "out", tmp_path / "staged"
+    target.mkdir()
+    (target / "notes.md").write_text("x")
+    staged.mkdir()
+    with pytest.raises(FileExistsError) as refusal:
+        move_into_place(staged, target, overwrite=False)
+    message = str(refusal.value)
+    assert message.startswith(f"{target} exists and is not an empty folder")
+    assert "choose another folder, or remove that one and run again" in message  # the command line has no overwrite
+    assert "pass overwrite=True" not in message and "from Python, save_for_hub(..., overwrite=True)" in message
+    assert staged.is_dir() and (target / "notes.md").read_text() == "x"
 
 
 def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):

@@ -20,15 +20,18 @@ from accelerate.utils import convert_file_size_to_int
 from ..calibration import read_text_file
 from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
+from ..jsonio import regular_target
 from ..models import BUNDLED, DTYPES, check_gguf_file, is_hub_id, load_model, missing_offline
 from ..scoring.settings import parse_memory
 
 __all__ = [
     "HELP_FORMATTER",
+    "INPUT_OPTIONS",
     "add_calibration_args",
     "add_config_options",
     "add_device_args",
     "add_model_args",
+    "add_overwrite_arg",
     "add_resume_arg",
     "calibration_source",
     "check_before_loading",
@@ -41,6 +44,7 @@ __all__ = [
     "count_or_auto",
     "device_options",
     "fraction",
+    "input_paths",
     "load",
     "max_memory_map",
     "needs_tokenizer",
@@ -303,9 +307,19 @@ def add_resume_arg(p: argparse.ArgumentParser) -> None:
                         "stopped")
 
 
-def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, inputs=(), outputs=()) -> None:
+def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, inputs=(), outputs=(), reads=(),
+                overwrite: bool = False) -> None:
     """Every path a verb reads or writes, checked before any model loads (the CLI prints
-    each refusal as one ``error:`` line and exits 2).
+    each refusal as one ``error:`` line and exits 2). The one output policy of every verb:
+
+    - an output is never an input, nor inside a folder the run reads (MODEL's checkpoint
+      folder, ``--tokenizer``, an input folder), not even with ``--overwrite``; outputs
+      are compared after following symbolic links, so a link to an input is refused too;
+    - two outputs are never the same path, and none is inside another's folder;
+    - a ``"file"`` output that exists is refused unless ``overwrite``; one that is not a
+      regular file (a device node, a FIFO, a folder) is always refused; a symbolic link
+      is written through (:func:`~hf_layerswap.jsonio.regular_target`);
+    - every output must be creatable and writable.
 
     Args:
         model: MODEL: a bundled name, a local folder or ``.gguf`` file (read as GGUF
@@ -320,12 +334,19 @@ def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, in
             empty) and ``"folder"`` (may hold files, e.g. a checkpoint to resume);
             ``None`` paths are skipped. Each must be creatable and writable, tested by
             creating (and removing) a temporary file in the nearest existing folder.
+        reads: ``(option, path)`` pairs of other paths the run reads (checked elsewhere,
+            e.g. the text files): outputs may not be them or lie inside them. Missing or
+            ``None`` ones are skipped.
+        overwrite: ``--overwrite``: a ``"file"`` output may replace an existing file.
 
     Raises:
         FileNotFoundError: a missing input, a local MODEL or ``--tokenizer`` that does not exist.
-        FileExistsError: a ``"new folder"`` output that exists and is not empty.
+        FileExistsError: a ``"new folder"`` output that exists and is not empty, a
+            ``"file"`` output that exists (without ``overwrite``) or is a folder.
         ValueError: an output that cannot be written (a read-only folder, a file on its
-            path, a folder where a file goes), a corrupt GGUF file, a Hub id while offline.
+            path, a folder where a file goes, a device node), an output that is an input,
+            inside a folder the run reads or inside another output, a corrupt GGUF file, a
+            Hub id while offline.
     """
     if model is not None:
         _check_model(model, revision, gguf_file)
@@ -336,9 +357,60 @@ def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, in
     for option, path in inputs:
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{option} {os.fspath(path)!r} does not exist")
+    read = _read_paths(model, gguf_file, tokenizer, [*inputs, *reads])
+    written: list[tuple[str, Path, str]] = []
     for option, path, kind in outputs:
-        if path is not None:
-            _check_writable(option, Path(path), kind)
+        if path is None:
+            continue
+        path = Path(path)
+        where = _output_target(option, path, kind)
+        even = " (not even with --overwrite)" if kind == "file" else ""
+        for other, source in read:
+            if where == source:
+                raise ValueError(f"{option} {os.fspath(path)} is {other} {source}, which this run reads: an output "
+                                 f"never replaces an input{even}; choose another path")
+            if source in where.parents and source.is_dir():
+                raise ValueError(f"{option} {os.fspath(path)} is inside {other} {source}, a folder this run reads: "
+                                 f"nothing is written into an input{even}; choose a path outside it")
+        for other, earlier, earlier_kind in written:
+            if where == earlier or (earlier_kind != "file" and earlier in where.parents):
+                raise ValueError(f"{option} {os.fspath(path)} is {other} {earlier} or inside it: each output needs "
+                                 "a path of its own; choose another")
+            if kind != "file" and where in earlier.parents:
+                raise ValueError(f"{other} {earlier} is inside {option} {os.fspath(path)}: each output needs a path "
+                                 "of its own; choose another")
+        _check_writable(option, path, kind, where, overwrite)
+        written.append((option, where, kind))
+
+
+def _output_target(option, path: Path, kind: str) -> Path:
+    """Where ``path`` writes, symbolic links followed; a ``"file"`` output that is a folder,
+    a device node, a FIFO or a socket is refused (:func:`~hf_layerswap.jsonio.regular_target`)."""
+    if kind != "file":
+        return Path(os.path.realpath(path))
+    try:
+        return regular_target(path)
+    except FileExistsError:
+        raise FileExistsError(f"{option} {path} is a folder; give the file's path, e.g. {path / 'result.json'}") \
+            from None
+    except ValueError as err:
+        raise ValueError(f"{option} {err}") from None
+
+
+def _read_paths(model, gguf_file, tokenizer, inputs) -> list[tuple[str, Path]]:
+    """``(option, resolved path)`` of every local path the run reads: MODEL (its folder or
+    GGUF file), ``--gguf-file`` inside it, a ``--tokenizer`` folder and the given inputs."""
+    paths = [("MODEL", model), ("--tokenizer", tokenizer), *inputs]
+    if model is not None and gguf_file is not None:
+        paths.append(("--gguf-file", Path(model).expanduser() / gguf_file))
+    found = []
+    for option, path in paths:
+        if path is None or (option == "MODEL" and path in BUNDLED):
+            continue
+        path = Path(path).expanduser()
+        if path.exists():
+            found.append((option, Path(os.path.realpath(path))))
+    return found
 
 
 def _check_model(model, revision, gguf_file) -> None:
@@ -369,14 +441,16 @@ def _check_reachable(option, repo_id, revision, filename) -> None:
         )
 
 
-def _check_writable(option, path: Path, kind: str) -> None:
-    if kind == "file" and path.is_dir():
-        raise FileExistsError(f"{option} {path} is a folder; give the file's path, e.g. {path / 'result.json'}")
+def _check_writable(option, path: Path, kind: str, target: Path, overwrite: bool) -> None:
+    """``path`` (written at ``target``, :func:`_output_target`) exists only where allowed,
+    and its folder takes new files."""
+    if kind == "file" and target.exists() and not overwrite:
+        raise FileExistsError(f"{option} {path} exists; pass --overwrite to replace it, or choose another path")
     if kind == "new folder":
         check_output(path, option)
     elif kind == "folder" and path.exists() and not path.is_dir():
         raise FileExistsError(f"{option} {path} is a file; give a folder")
-    where = path if path.is_dir() else path.parent
+    where = target if target.is_dir() else target.parent
     while not where.exists() and where != where.parent:
         where = where.parent
     if not where.is_dir():
@@ -405,13 +479,44 @@ def check_text_files(args) -> None:
             raise FileNotFoundError(f"{option} {value!r} is not a folder; give a folder of lm-eval task YAML files")
 
 
+#: ``(attribute, option)`` of the input files and folders the verbs read besides MODEL and
+#: ``--tokenizer``: no output may be one of them or lie inside one (:func:`check_paths`).
+INPUT_OPTIONS = (("calibration", "--calibration"), ("eval_text", "--eval-text"), ("text", "--text"),
+                 ("perplexity_text", "--perplexity"), ("heal_perplexity_text", "--heal-perplexity"),
+                 ("report", "--report"), ("eval_tasks_path", "--eval-tasks-path"),
+                 ("heal_eval_tasks_path", "--heal-eval-tasks-path"), ("include_path", "--include-path"))
+
+
+def input_paths(args) -> list[tuple[str, str]]:
+    """``(option, path)`` of every input file or folder among ``args``'
+    :data:`INPUT_OPTIONS` (``embedded`` and unset ones left out; a list option gives one
+    pair per path)."""
+    found = []
+    for attribute, option in INPUT_OPTIONS:
+        value = getattr(args, attribute, None)
+        for path in value if isinstance(value, list) else [value]:
+            if isinstance(path, (str, os.PathLike)) and path != "embedded":
+                found.append((option, path))
+    return found
+
+
+def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
+    """--overwrite: a verb's output file may replace an existing file (never an input)."""
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (an input, or a file inside MODEL's folder, is never "
+                        "replaced)")
+
+
 def check_before_loading(args, outputs=()) -> None:
     """What a verb that loads ``args.model`` with :func:`load` checks first: its text files
-    (:func:`check_text_files`), then MODEL, ``--tokenizer`` and ``outputs`` (:func:`check_paths`)."""
+    (:func:`check_text_files`), then MODEL, ``--tokenizer`` and ``outputs`` against them and
+    the other inputs (:func:`check_paths`, :func:`input_paths`; ``args.overwrite`` where the
+    verb has ``--overwrite``)."""
     check_text_files(args)
     offload = getattr(args, "offload_folder", None)
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file, tokenizer=args.tokenizer,
-                outputs=[*outputs, ("--offload-folder", offload, "folder")])
+                outputs=[*outputs, ("--offload-folder", offload, "folder")], reads=input_paths(args),
+                overwrite=getattr(args, "overwrite", False))
 
 
 def load(args):

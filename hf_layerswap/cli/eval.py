@@ -21,7 +21,14 @@ from ..models import load_model
 from ..provenance import model_identity
 from ..plan import num_blocks
 from ..tasks import evaluate_tasks
-from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
+from .common import (
+    HELP_FORMATTER,
+    add_device_args,
+    add_overwrite_arg,
+    check_paths,
+    device_options,
+    input_paths,
+)
 
 __all__ = ["CONTRACT_CHOICES", "add_eval_arguments", "add_parser", "run_eval", "task_limit"]
 
@@ -79,7 +86,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     tasks.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples per prompt")
     tasks.add_argument("--limit", type=task_limit, default=None, help="documents per task (int) or fraction (0, 1)")
     tasks.add_argument("--max-length", type=int, default=None, help="lm-eval context length (default: the model's)")
-    parser.add_argument("--output", "-o", default="layerswap_eval.json", help="result JSON path")
+    parser.add_argument("--output", "-o", default="layerswap_eval.json",
+                        help="result JSON path (an existing file only with --overwrite)")
+    add_overwrite_arg(parser)
     return parser
 
 
@@ -100,7 +109,7 @@ def _check_args(args) -> None:
     if args.tasks and importlib.util.find_spec("lm_eval") is None:
         raise ValueError("--tasks needs lm-evaluation-harness: pip install 'hf-layerswap[lm-eval]'")
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file,
-                outputs=[("--output", args.output, "file")])
+                outputs=[("--output", args.output, "file")], reads=input_paths(args), overwrite=args.overwrite)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -130,6 +139,6 @@ def run_eval(args: argparse.Namespace) -> int:
         for task, metrics in tasks.results.items():
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if v is not None and not k.endswith("_stderr"))
             print(f"{task}: {shown} ({tasks.n_samples[task]} documents)")
-    write_json_atomic(encode_tree(result), args.output)
+    write_json_atomic(encode_tree(result), args.output, overwrite=args.overwrite)
     print(f"result written to {args.output}")
     return 0

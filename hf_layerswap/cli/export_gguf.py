@@ -40,7 +40,8 @@ def add_export_gguf_arguments(parser):
 
 def run_export_gguf(args) -> int:
     """The ``export-gguf`` verb."""
-    check_paths(inputs=[("CHECKPOINT", args.checkpoint)], outputs=[("OUTPUT", args.output, "file")])
+    check_paths(inputs=[("CHECKPOINT", args.checkpoint)], outputs=[("OUTPUT", args.output, "file")],
+                overwrite=args.overwrite)
     try:
         path = export_gguf(args.checkpoint, args.output, outtype=args.outtype, converter=args.converter,
                            overwrite=args.overwrite)

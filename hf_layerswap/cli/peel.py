@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ..jsonio import write_text_atomic
+from ..jsonio import atomic_path, write_text_atomic
 from ..models import load_model
 from ..peeling import (
     DEFAULT_RIDGE,
@@ -20,7 +21,14 @@ from ..peeling import (
     trajectory_plot,
     trajectory_table_markdown,
 )
-from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
+from .common import (
+    HELP_FORMATTER,
+    add_device_args,
+    add_overwrite_arg,
+    check_paths,
+    device_options,
+    input_paths,
+)
 
 __all__ = ["add_parser", "add_peel_arguments", "run_peel"]
 
@@ -72,9 +80,11 @@ def add_peel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--protocols", nargs="*", default=["replacement", "interchange"],
                         choices=["replacement", "interchange"], help="swap-KL protocols of a trajectory")
     parser.add_argument("--max-gap", type=int, default=1, help="swap-KL pair distance bound (trajectory)")
-    parser.add_argument("--output", "-o", default="peel_report.json", help="report JSON path")
+    parser.add_argument("--output", "-o", default="peel_report.json",
+                        help="report JSON path (an existing file only with --overwrite)")
     parser.add_argument("--plot", default=None, help="also write the PNG plot here")
     parser.add_argument("--table", default=None, help="also write the markdown table here")
+    add_overwrite_arg(parser)
     parser.add_argument("--progress", action="store_true", help="show a progress bar")
     return parser
 
@@ -90,30 +100,36 @@ def _peel_kwargs(args) -> dict:
 
 def run_peel(args) -> int:
     """Run the ``peel`` verb (see :func:`add_peel_arguments`); returns the exit code."""
+    models = [("MODEL", model) for model in args.model]
+    if args.gguf_file is not None:
+        models.append(("--gguf-file", Path(args.model[0]).expanduser() / args.gguf_file))
     check_paths(outputs=[(option, path, "file") for option, path in
-                         (("--output", args.output), ("--plot", args.plot), ("--table", args.table))])
+                         (("--output", args.output), ("--plot", args.plot), ("--table", args.table))],
+                reads=[*models, *input_paths(args)], overwrite=args.overwrite)
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     if len(args.model) == 1:
         model, tokenizer = load_model(args.model[0], gguf_file=args.gguf_file, revision=args.revision,
                                       **device_options(args))
         report = peel(model, args.calibration, eval_text, tokenizer=tokenizer, batch_size=args.batch_size,
                       seed=args.seed, progress=args.progress, **_peel_kwargs(args))
-        report.to_json(args.output)
+        report.to_json(args.output, overwrite=args.overwrite)
         table = peel_table_markdown(report)
         if args.plot:
-            peel_plot(report, args.plot)
+            with atomic_path(args.plot, suffix=".png", overwrite=args.overwrite) as tmp:
+                peel_plot(report, tmp)
     else:
         if args.gguf_file or args.revision:
             raise SystemExit("--gguf-file/--revision apply to one model; a trajectory takes checkpoint directories")
         traj = peel_trajectory(args.model, args.calibration, eval_text, protocols=tuple(args.protocols),
                                max_gap=args.max_gap, batch_size=args.batch_size, seed=args.seed,
                                progress=args.progress, **_peel_kwargs(args))
-        traj.to_json(args.output)
+        traj.to_json(args.output, overwrite=args.overwrite)
         table = trajectory_table_markdown(traj)
         if args.plot:
-            trajectory_plot(traj, args.plot)
+            with atomic_path(args.plot, suffix=".png", overwrite=args.overwrite) as tmp:
+                trajectory_plot(traj, tmp)
     if args.table:
-        write_text_atomic(table, args.table)
+        write_text_atomic(table, args.table, overwrite=args.overwrite)
     print(table)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -94,7 +94,7 @@ def run_push(args: argparse.Namespace) -> int:
     """Run the ``push`` verb. Returns the exit status (0 ok, 1 upload failed, 2 refused)."""
     check_paths(inputs=[("--report", args.report), ("--evaluation", args.evaluation),
                         ("--sparsity-report", args.sparsity_report)],
-                outputs=[("--output-dir", args.output_dir, "new folder")])
+                outputs=[("--output-dir", args.output_dir, "new folder")], reads=[("DIRECTORY", args.directory)])
     try:
         model, tokenizer, report, evaluation, sparsity_report = _load_folder(args)
         common = dict(tokenizer=tokenizer, report=report, evaluation=evaluation, base_model=args.base_model,

@@ -18,6 +18,7 @@ from .common import (
     add_calibration_args,
     add_config_options,
     add_model_args,
+    add_overwrite_arg,
     add_resume_arg,
     add_scoring_memory_arg,
     check_before_loading,
@@ -39,7 +40,9 @@ def add_parser(subparsers):
     score.add_argument("--protocols", nargs="+", default=["replacement", "interchange"],
                        choices=list(SWAP_PROTOCOLS))
     add_config_options(score, ["max_gap"])
-    score.add_argument("--output", "-o", default="layerswap_report.json", help="report JSON path")
+    score.add_argument("--output", "-o", default="layerswap_report.json",
+                       help="report JSON path (an existing file only with --overwrite)")
+    add_overwrite_arg(score)
     add_resume_arg(score)
     score.set_defaults(func=run_score)
     return score
@@ -63,7 +66,7 @@ def run_score(args) -> int:
         )
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
-    path = report.to_json(args.output)
+    path = report.to_json(args.output, overwrite=args.overwrite)
     print(format_scores_table(report))
     print(f"report written to {path}")
     bad = report.nonfinite_values()
