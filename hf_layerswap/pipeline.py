@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig, protect_clash
 from .healing import HealReport, heal
-from .healing.measure import HealMeasures
+from .healing.measure import HealMeasures, max_positions
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
@@ -267,7 +267,8 @@ def _check_heal_measures(model, cfg: LayerSwapConfig, tokenizer) -> None:
     if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
         return
     tok = _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
-    HealMeasures(heal.perplexity_text, heal.eval_tasks, heal.eval_tasks_path, heal.eval_tasks_limit, tok).check_sources()
+    HealMeasures(heal.perplexity_text, heal.eval_tasks, heal.eval_tasks_path, heal.eval_tasks_limit, tok,
+                 positions=max_positions(model)).check_sources()
 
 
 def _calibration(model, cfg: LayerSwapConfig, source, tokenizer) -> CalibrationSet:
