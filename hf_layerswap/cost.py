@@ -12,8 +12,13 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 :func:`~hf_layerswap.scoring.probes.schedule`), so the counts are the engine's:
 
 - **block passes**: decoder-block forward calls (one block over one batch); exact for the
-  swap-KL scoring and the rule-based strategies (``greedy``, ``auto``), an upper bound for
-  the search (from its per-budget allowances, :func:`~hf_layerswap.selection.search_select`);
+  swap-KL scoring; the selection is planned by each strategy's own registry entry
+  (:class:`~hf_layerswap.selection.registry.Strategy` ``cost``, given a
+  :class:`SelectionPlan`): exact where it does not depend on the scores (``greedy``,
+  ``single_removal_kl``, ``block_influence``, ``angular_distance``, ``sleb`` for one
+  block), otherwise an upper bound that its phase's ``note`` explains (``auto``: two
+  different candidate sets; the search from its per-budget allowances,
+  :func:`~hf_layerswap.selection.search_select`; ``beam``; ``sleb`` for more blocks);
   the steps after the selection (a repair, healing, sparsity) are planned from their own
   code by :mod:`~hf_layerswap.cost_steps` and reported per phase (``CostEstimate.phases``);
 - **head passes**: output-head calls (one position chunk of one batch, the whole vocabulary
@@ -54,7 +59,7 @@ from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
 from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
                          recovery_phase, sparsity_phase, text_tokenizer)
-from .models import BUNDLED, bundled_checkpoint_dir
+from .models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .protocols import PROTOCOLS
 from .rule import resolve_protect
@@ -182,15 +187,22 @@ def _meta_model(model_or_path, dtype):
                              "give the checkpoint folder, or load the model and pass it")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model_or_path={name!r} is a folder without config.json; give a transformers checkpoint")
-        if not path.exists() and name.count("/") != 1:
+        local = name.startswith((".", "/", "~"))  # a path, never a Hub id
+        if not path.exists() and (name.count("/") != 1 or local):
             raise ValueError(f"model_or_path={name!r} is neither a local checkpoint folder, a bundled name "
                              f"({sorted(BUNDLED)}) nor a Hub id 'owner/name'")
-        cfg = AutoConfig.from_pretrained(str(path) if path.exists() else name)
+        try:
+            cfg = AutoConfig.from_pretrained(str(path) if path.exists() else name)
+        except (OSError, ValueError) as err:  # a Hub id that is not there (or not cached, offline)
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"model_or_path={name!r}: no config.json could be read from it as a local folder, a "
+                             f"bundled name ({sorted(BUNDLED)}) or a Hub id ({reason})") from None
     else:
         raise TypeError(f"model_or_path must be a model, a config, or a path / Hub id; got {type(model_or_path).__name__}")
+    dtype = None if dtype in (None, "auto") else dtype
     dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        dtype = resolve_dtype(dtype) if dtype.removeprefix("torch.") in DTYPES else getattr(torch, dtype)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.tie_weights()  # tied embeddings are one tensor, as after from_pretrained
@@ -523,7 +535,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             an upper bound, ``exact=False``).
         device: where the prune will compute (default: the CPU); sets the working-memory
             budget, the throughput probe's device and the key of ``peak_memory_bytes``.
-        dtype: the parameter dtype (default: the checkpoint's ``torch_dtype``, else fp32).
+        dtype: the parameter dtype, a name of :data:`~hf_layerswap.models.DTYPES` or its torch
+            dtype (default and ``"auto"``: the checkpoint's ``torch_dtype``, else fp32).
         throughput: rates to predict with (default: :func:`measure_throughput` on ``device``).
         stream_weights: the blocks live in CPU memory and are streamed to ``device``, each
             block once per batch and sweep (default: detected from the model's
@@ -541,16 +554,23 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         a :class:`CostEstimate`; its ``derivation`` says how each number was obtained.
 
     Raises:
-        ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
-            budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
-            a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
-            with no training prompt, healing measurements without a tokenizer to read their
-            texts, a path that is no checkpoint (the message names it), a CUDA ``device``
+        ValueError: a strategy whose registry entry has no cost estimate
+            (:class:`~hf_layerswap.selection.registry.Strategy` ``cost``; every built-in one
+            has), a config without a budget, a budget or ``layers`` the model cannot take (as
+            ``prune`` refuses them), a configuration the model's architecture cannot run (as
+            ``prune`` refuses it before scoring), a healing method other than ``lora``,
+            ``adjacent`` and ``last_k``, a healing text with no training prompt, healing
+            measurements without a tokenizer to read their texts, a path that is no
+            checkpoint or a Hub id whose ``config.json`` cannot be read (the message names
+            it), a ``dtype`` outside :data:`~hf_layerswap.models.DTYPES`, a CUDA ``device``
             this machine lacks without ``max_memory`` and ``throughput`` (what would be read
-            of it), a ``max_memory`` that is no size.
+            of it), a ``max_memory`` that is no size; a :class:`Throughput` whose rates are
+            not finite numbers > 0 is refused when it is built.
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
+    if dtype is not None:
+        resolve_dtype(dtype)  # a name or dtype load_model takes, before anything is read
     device = torch.device(device or "cpu")
     _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
