@@ -41,7 +41,6 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import time
@@ -56,12 +55,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet, build_calibration
-from .config import LayerSwapConfig
+from .config import LayerSwapConfig, check_against_model
 from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
                          recovery_phase, sparsity_phase, text_tokenizer)
 from .models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from .plan import decoder_blocks, num_blocks, removal_plan
-from .protocols import PROTOCOLS
 from .rule import resolve_protect
 from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from .scoring.kl import OnlineKL
@@ -575,6 +573,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
+    check_against_model(cfg, model)  # as prune refuses it before scoring
     calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
     budget = device_memory_budget(device)[0] if max_memory in (None, "auto") else parse_memory(max_memory)
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
@@ -589,7 +588,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         scoring_engine = phases["scoring"].pop("engine")
         phases["scoring"]["sweeps"] = 1
         phases["scoring"]["exact"] = calib_known
-        own = device_memory_budget(device)[0]
+        # the strategies' own engine calls and caches take the device's budget (not prune's max_memory)
+        own = budget if max_memory in (None, "auto") or not _on_this_machine(device) else device_memory_budget(device)[0]
         plan = SelectionPlan(model, calib, cfg, EngineSettings(batch_size=cfg.batch_size, max_memory=own,
                                                                progress=False), own)
         selection = dict(entry.cost(plan))
@@ -601,11 +601,17 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
 
 
+def _on_this_machine(device: torch.device) -> bool:
+    """Whether ``device`` can be read here (the CPU, or a CUDA device this machine has)."""
+    here = torch.cuda.device_count() if device.type == "cuda" else 0
+    return device.type != "cuda" or bool(here and (device.index is None or device.index < here))
+
+
 def _check_device(device: torch.device, max_memory, throughput) -> None:
     """Refuse a CUDA device this machine lacks when the estimate would read it (its free
     memory for the budget, its speed for the rates)."""
     here = torch.cuda.device_count() if device.type == "cuda" else 0
-    if device.type != "cuda" or (here and (device.index is None or device.index < here)):
+    if _on_this_machine(device):
         return
     missing = [name for name, unset in (("max_memory", max_memory in (None, "auto")), ("throughput", throughput is None))
                if unset]

@@ -405,3 +405,30 @@ def test_a_bad_dtype_or_an_unreadable_hub_id_is_named(tmp_path, monkeypatch):
         hl.estimate_cost("./missing", config, throughput=FIXED)
     estimate = hl.estimate_cost(_tiny(4), config, dtype="bfloat16", throughput=FIXED)
     assert estimate.memory_parts["weights"] == 2 * sum(p.numel() for p in LlamaForCausalLM(_tiny(4)).parameters())
+
+
+def test_a_fused_repair_of_post_norm_blocks_is_refused_before_scoring(tmp_path, capsys):
+    """Gemma-3's blocks pass the MLP output through a norm before adding it: a map folded into
+    down_proj is no map on the stream. prune refuses it before any forward pass (it used to
+    refuse after the scoring and the selection), and the estimate and --dry-run refuse it too;
+    a cut of block 0, folded into the embeddings, stays allowed."""
+    from conftest import tiny_batch, tiny_model
+    model = tiny_model("gemma3")
+    calls = []
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    message = r"fused recovery needs blocks .* gemma3_text block \d does not \(post-norm blocks: the MLP output passes"
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", recovery="fused", progress=False)
+    with pytest.raises(ValueError, match=message):
+        hl.prune(model, config, calibration=tiny_batch())
+    assert calls == [] and len(model.model.layers) == 6
+    with pytest.raises(ValueError, match=message):
+        hl.estimate_cost(model.config, config, throughput=FIXED)
+    with pytest.raises(ValueError, match=r"gemma3_text block 2 does not"):
+        hl.estimate_cost(model.config, {"layers": [3], "recovery": "fused"}, throughput=FIXED)
+    assert hl.estimate_cost(model.config, {"layers": [0], "recovery": "fused"}, throughput=FIXED).block_passes > 0
+    model.save_pretrained(tmp_path / "gemma")
+    assert main(["prune", str(tmp_path / "gemma"), str(tmp_path / "out"), "--num-to-remove", "1", "--recovery",
+                 "fused", "--num-prompts", "8", "--seq-len", "16", "--dry-run"]) == 2
+    assert re.search("error: " + message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
