@@ -1,5 +1,9 @@
 """Protocol-guided search for the removal set, with the repair of the cut in the loop.
 
+One module on purpose: the search, its per-budget allowances and the bound of its cost that
+:func:`~hf_layerswap.cost.estimate_cost` reads from its registry entry are one schedule; the
+bound follows the allowances and defaults defined here, so they change together.
+
 The paper's greedy rule (:func:`~hf_layerswap.rule.greedy_select`) reads one number
 per layer and never looks at a set as a whole; two blocks that are each cheap to remove
 can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
