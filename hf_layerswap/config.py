@@ -40,9 +40,10 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .healing import HEAL_METHODS, get_heal_method
 from .healing.core import MAX_SEED
 from .healing.measure import check_eval_tasks
-from .plan import as_index
+from .plan import as_index, decoder_blocks
 from .provenance import public_name
-from .recovery import RECOVERY_METHODS, check_epsilon
+from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recovery_method
+from .rule import resolve_protect
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
 from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
@@ -56,6 +57,7 @@ __all__ = [
     "RENAMED_KEYS",
     "RecoveryConfig",
     "SparsityConfig",
+    "check_against_model",
     "config_keys",
     "protect_clash",
 ]
@@ -753,6 +755,29 @@ def _as_heal(value) -> HealConfig | None:
         return HealConfig(**_sub_config(HealConfig, value, "heal"))
     raise ValueError(f"LayerSwapConfig(heal={value!r}): allowed None, a method name {sorted(HEAL_METHODS)}, "
                      "a HealConfig or a dict of its fields")
+
+
+def check_against_model(cfg: LayerSwapConfig, model) -> None:
+    """Refuse, before any forward pass, a config the model's architecture cannot run: a
+    repair that cannot act on the blocks a cut may end after (its
+    :meth:`~hf_layerswap.recovery.methods.RecoveryMethod.check_hosts`, e.g. ``fused`` on
+    post-norm Gemma-3 blocks), for the given ``layers`` exactly, and for a selection every
+    unprotected block's predecessor (unless the only set the budget allows is blocks
+    ``0..n-1``, whose cut has no such block). ``model`` may be on the meta device.
+
+    Raises:
+        ValueError: naming the repair, the block and what to use instead.
+    """
+    if cfg.recovery is None or (cfg.layers is None and cfg.num_to_remove is None):
+        return
+    _, _, blocks = decoder_blocks(model)
+    total = len(blocks)
+    if cfg.layers is not None:
+        hosts = [c["host"] for c in cut_boundaries(total, list(cfg.layers)) if c["host"] is not None]
+    else:
+        allowed = [i for i in range(total) if i not in resolve_protect(cfg.protect, total)]
+        hosts = [] if allowed == list(range(cfg.num_to_remove)) else sorted({i - 1 for i in allowed if i > 0})
+    get_recovery_method(cfg.recovery.method).check_hosts(model, blocks, hosts)
 
 
 def protect_clash(layers, protect, clash) -> str:

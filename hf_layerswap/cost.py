@@ -12,8 +12,13 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 :func:`~hf_layerswap.scoring.probes.schedule`), so the counts are the engine's:
 
 - **block passes**: decoder-block forward calls (one block over one batch); exact for the
-  swap-KL scoring and the rule-based strategies (``greedy``, ``auto``), an upper bound for
-  the search (from its per-budget allowances, :func:`~hf_layerswap.selection.search_select`);
+  swap-KL scoring; the selection is planned by each strategy's own registry entry
+  (:class:`~hf_layerswap.selection.registry.Strategy` ``cost``, given a
+  :class:`SelectionPlan`): exact where it does not depend on the scores (``greedy``,
+  ``single_removal_kl``, ``block_influence``, ``angular_distance``, ``sleb`` for one
+  block), otherwise an upper bound that its phase's ``note`` explains (``auto``: two
+  different candidate sets; the search from its per-budget allowances,
+  :func:`~hf_layerswap.selection.search_select`; ``beam``; ``sleb`` for more blocks);
   the steps after the selection (a repair, healing, sparsity) are planned from their own
   code by :mod:`~hf_layerswap.cost_steps` and reported per phase (``CostEstimate.phases``);
 - **head passes**: output-head calls (one position chunk of one batch, the whole vocabulary
@@ -36,7 +41,6 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import time
@@ -51,14 +55,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet, build_calibration
-from .config import LayerSwapConfig
+from .config import LayerSwapConfig, check_against_model
 from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
                          recovery_phase, sparsity_phase, text_tokenizer)
-from .models import BUNDLED, bundled_checkpoint_dir
+from .models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from .plan import decoder_blocks, num_blocks, removal_plan
-from .protocols import PROTOCOLS
-from .recovery.fit import select_rows
-from .recovery.methods import search_objectives
 from .rule import resolve_protect
 from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from .scoring.head import linear32
@@ -66,12 +67,10 @@ from .scoring.kl import OnlineKL
 from .scoring.probes import make_probes, schedule_blocks
 from .scoring.settings import EngineSettings, device_memory_budget, parse_memory
 from .scoring.verbs import swap_plans
-from .selection.search import search_allowances, search_select
+from .selection import STRATEGIES
+from .selection.registry import strategy_entry
 
-__all__ = ["CostEstimate", "ESTIMATED_STRATEGIES", "Throughput", "estimate_cost", "measure_throughput"]
-
-#: Strategies whose cost :func:`estimate_cost` plans (others raise ValueError).
-ESTIMATED_STRATEGIES = ("greedy", "auto", "search")
+__all__ = ["CostEstimate", "SelectionPlan", "Throughput", "estimate_cost", "measure_throughput"]
 
 
 @dataclass
@@ -91,6 +90,12 @@ class Throughput:
     head_flops_per_second: float
     host_bytes_per_second: float = 25e9
     source: str = "given"
+
+    def __post_init__(self):
+        for name in ("block_flops_per_second", "head_flops_per_second", "host_bytes_per_second"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"Throughput {name}={value!r}: must be a finite number > 0 (a rate per second)")
 
 
 @dataclass
@@ -181,15 +186,22 @@ def _meta_model(model_or_path, dtype):
                              "give the checkpoint folder, or load the model and pass it")
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model_or_path={name!r} is a folder without config.json; give a transformers checkpoint")
-        if not path.exists() and name.count("/") != 1:
+        local = name.startswith((".", "/", "~"))  # a path, never a Hub id
+        if not path.exists() and (name.count("/") != 1 or local):
             raise ValueError(f"model_or_path={name!r} is neither a local checkpoint folder, a bundled name "
                              f"({sorted(BUNDLED)}) nor a Hub id 'owner/name'")
-        cfg = AutoConfig.from_pretrained(str(path) if path.exists() else name)
+        try:
+            cfg = AutoConfig.from_pretrained(str(path) if path.exists() else name)
+        except (OSError, ValueError) as err:  # a Hub id that is not there (or not cached, offline)
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"model_or_path={name!r}: no config.json could be read from it as a local folder, a "
+                             f"bundled name ({sorted(BUNDLED)}) or a Hub id ({reason})") from None
     else:
         raise TypeError(f"model_or_path must be a model, a config, or a path / Hub id; got {type(model_or_path).__name__}")
+    dtype = None if dtype in (None, "auto") else dtype
     dtype = dtype or getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        dtype = resolve_dtype(dtype) if dtype.removeprefix("torch.") in DTYPES else getattr(torch, dtype)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.tie_weights()  # tied embeddings are one tensor, as after from_pretrained
@@ -259,69 +271,105 @@ def _engine_counts(model, calib, plans, settings, *, reference: bool = True, ver
             "block_tokens": tokens + ref_tokens, "engine": engine}
 
 
-def _search_counts(model, calib, cfg: LayerSwapConfig, settings) -> dict:
-    """Upper bound of the search's passes (budgets 1..n) from its per-budget allowances."""
-    total_blocks = num_blocks(model)
-    allowed = [i for i in range(total_blocks) if i not in resolve_protect(cfg.protect, total_blocks)]
-    defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
-    rounds = defaults["max_rounds"]
-    n_top = cfg.num_to_remove
-    sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
-    # budgets 2..n: SLEB's schedule, U - (n - 1) sets each, each protocol's greedy set inside; an
-    # exhaustive budget only spends what budgets 1..n may spend together, so the sum bounds it too
-    bound_sets = sum(search_allowances(len(allowed), n_top)[1:])
-    calls = 2 + (2 + rounds) * (n_top - 1)  # the sweep; per budget the seed pool, a fallback, max_rounds rounds
-    if cfg.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
-        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) - len(sets) + n_top - 1))
-    plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
-    # each set from its first removed block, no sharing between sets: calls share less than one run would
-    unshared = dataclasses.replace(settings, prefix_reuse="start")
-    counts = _engine_counts(model, calib, plans, unshared)
-    engine = counts.pop("engine")
-    first = min(allowed)
-    n_batches = len(engine.batches)
-    extra_blocks = bound_sets * max(total_blocks - n_top - first, 1) * n_batches
-    # batches whose reference does not fit the kept budget are swept again by every further call
-    kept = _reference_batches(engine, engine.budget)
-    extra_blocks += (n_batches - kept) * total_blocks * (calls - 1)
-    counts["block_passes"] += extra_blocks
-    counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * engine.batch_size
-    rows = int(calib.attention_mask.sum())
-    chunks = sum(math.ceil(int(engine._batch(b)[1].sum()) / engine.kl_chunk) for b in engine.batches)
-    # every further call runs the reference head once per group per chunk; each bound set one head pass
-    counts["head_passes"] += chunks * (bound_sets + calls)
-    counts["head_rows"] += rows * (bound_sets + calls)
-    counts["calls"] = calls
-    counts["sets"] = len(sets) + bound_sets
-    counts["exact_sets"] = sets
-    counts["engine"] = engine
-    return counts
+@dataclass
+class SelectionPlan:
+    """What a strategy's cost estimate (its registry entry's ``cost``,
+    :class:`~hf_layerswap.selection.registry.Strategy`) plans from, and the counting helpers
+    it uses: the engine's own planning for the calls it makes (:meth:`engine`,
+    :meth:`evaluator`), plain model forwards over the batches (:meth:`forwards`), and
+    :meth:`counts` to sum them into the phase's dict.
 
+    Attributes:
+        model: the model (on the meta device, or the loaded one: nothing runs on it).
+        calibration: the prompts the prune reads (:class:`CalibrationSet`).
+        config: the prune's :class:`~hf_layerswap.LayerSwapConfig`.
+        settings: the engine settings of an evaluator call (``plan_kl`` at the config's
+            batch size and the device's working-memory budget).
+        memory_budget: the bytes a strategy's own reference cache may keep (the device's
+            working-memory budget, as the strategies take it).
+    """
 
-def _add_repair_objective(counts: dict, model, calib: CalibrationSet, cfg: LayerSwapConfig) -> None:
-    """Add to the search's bound what a repair-aware objective (``objective="ghosted"``,
-    :class:`~hf_layerswap.selection.objectives.SetObjective`) runs beyond the removal KL's
-    passes: the one stream-capture sweep that fits every block's operator (each batch of
-    :func:`~hf_layerswap.recovery.fit.select_rows` over every real token, through all
-    blocks, no head), and for the sets that cut through the last block (their operator acts
-    after the last kept block, so they run from the embeddings) the blocks before their
-    first removed one, which the removal KL's count starts after."""
-    total_blocks = num_blocks(model)
-    fit_batches = sum(1 for _ in select_rows(calib, cfg.batch_size, calib.num_tokens))
-    fit = fit_batches * total_blocks
-    tail = 0
-    protected = resolve_protect(cfg.protect, total_blocks)
-    if total_blocks - 1 not in protected:
-        n_batches = len(counts["engine"].batches)
-        exact_sets = counts["exact_sets"]
-        first = min(i for i in range(total_blocks) if i not in protected)
-        # an exact set runs its min(s) blocks more; a bound set, counted from the first
-        # removable block, at most that many more
-        tail = n_batches * (sum(min(x) for x in exact_sets if total_blocks - 1 in x)
-                            + (counts["sets"] - len(exact_sets)) * first)
-    counts["block_passes"] += fit + tail
-    counts["block_tokens"] += (fit + tail) * calib.input_ids.shape[1] * cfg.batch_size
-    counts["sweeps"] = counts["calls"] + 1
+    model: nn.Module
+    calibration: CalibrationSet
+    config: LayerSwapConfig
+    settings: EngineSettings
+    memory_budget: int
+
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.model)
+
+    @property
+    def num_to_remove(self) -> int:
+        return int(self.config.num_to_remove)
+
+    @property
+    def allowed(self) -> list[int]:
+        """The blocks the strategy may remove (not in ``config.protect``), ascending."""
+        protected = resolve_protect(self.config.protect, self.num_blocks)
+        return [i for i in range(self.num_blocks) if i not in protected]
+
+    @property
+    def batches(self) -> list[tuple[int, int]]:
+        """``(positions, real positions)`` of each batch of ``config.batch_size`` prompts,
+        trailing padding columns trimmed as :meth:`CalibrationSet.batches` yields them."""
+        return [(ids.numel(), int(mask.sum())) for ids, mask in self.calibration.batches(self.config.batch_size)]
+
+    def engine(self, plans, *, settings: EngineSettings | None = None, reference: bool = True,
+               verify: bool = True) -> dict:
+        """The passes of one scoring-engine call (``plan_kl``) over ``plans``, exact: its
+        batches, probe schedule, head/KL chunks; ``engine`` the planned engine."""
+        return _engine_counts(self.model, self.calibration, plans, self.settings if settings is None else settings,
+                              reference=reference, verify=verify)
+
+    def probe_blocks(self, set_size: int, *, mode: str = "shared") -> int:
+        """The most blocks one removal set of ``set_size`` blocks runs per batch: from its
+        first removed block, at the earliest the first removable one (``mode="none"``:
+        the whole plan)."""
+        kept = self.num_blocks - set_size
+        return kept if mode == "none" else kept - min(self.allowed[0], kept - 1)
+
+    def evaluator(self, sets: int, set_size: int, engine=None) -> dict:
+        """An upper bound of one ``plan_kl`` call over ``sets`` distinct removal sets of
+        ``set_size`` blocks: the reference sweep, each set from the first removable block
+        without prefix sharing (:meth:`probe_blocks`), the head/KL phase of ``sets``
+        probes per batch and the one-time head check (``engine``: a planned engine of
+        these settings; default one planned here)."""
+        if sets <= 0:
+            return {"block_passes": 0, "head_passes": 0, "head_rows": 0, "block_tokens": 0}
+        engine = engine if engine is not None else self.engine({0: removal_plan(self.num_blocks, [0])})["engine"]
+        per_set = self.probe_blocks(set_size, mode=engine.mode)
+        blocks = heads = rows_done = tokens = 0
+        for b in engine.batches:
+            ids, mask = engine._batch(b)
+            calls, work = _head_calls(engine, int(mask.sum()), sets)
+            per_batch = engine.num_blocks + sets * per_set
+            blocks, heads, rows_done = blocks + per_batch, heads + calls, rows_done + work
+            tokens += ids.numel() * per_batch
+        if engine.stream_logits:  # each call's engine checks its head once
+            heads += 1 + math.ceil(engine.head.vocab / engine.vocab_chunk)
+        return {"block_passes": blocks, "head_passes": heads, "head_rows": rows_done, "block_tokens": tokens}
+
+    def reference_batches(self, engine) -> int:
+        """Batches whose dense reference a kept-reference cache holds under ``engine``'s
+        budget (:class:`~hf_layerswap.scoring.reference.ReferenceCache`, in batch order)."""
+        return _reference_batches(engine, engine.budget)
+
+    def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0) -> dict:
+        """Model forwards over every batch of ``config.batch_size`` prompts: ``blocks_per_batch``
+        block calls and ``heads_per_batch`` output-head calls (over every position) each."""
+        batches = self.batches
+        return {"block_passes": blocks_per_batch * len(batches), "head_passes": heads_per_batch * len(batches),
+                "head_rows": heads_per_batch * sum(n for n, _ in batches),
+                "block_tokens": blocks_per_batch * sum(n for n, _ in batches)}
+
+    @staticmethod
+    def counts(*parts: Mapping, exact: bool, note: str, **extra) -> dict:
+        """The phase's dict: the passes of ``parts`` summed, ``exact`` (False: an upper
+        bound), ``note`` (how they were counted) and any ``extra`` fields."""
+        out = {k: sum(int(p.get(k, 0)) for p in parts)
+               for k in ("block_passes", "head_passes", "head_rows", "block_tokens")}
+        return {**out, "exact": bool(exact), "note": note, **extra}
 
 
 # ---------------------------------------------------------------------- throughput
@@ -488,7 +536,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             an upper bound, ``exact=False``).
         device: where the prune will compute (default: the CPU); sets the working-memory
             budget, the throughput probe's device and the key of ``peak_memory_bytes``.
-        dtype: the parameter dtype (default: the checkpoint's ``torch_dtype``, else fp32).
+        dtype: the parameter dtype, a name of :data:`~hf_layerswap.models.DTYPES` or its torch
+            dtype (default and ``"auto"``: the checkpoint's ``torch_dtype``, else fp32).
         throughput: rates to predict with (default: :func:`measure_throughput` on ``device``).
         stream_weights: the blocks live in CPU memory and are streamed to ``device``, each
             block once per batch and sweep (default: detected from the model's
@@ -506,53 +555,66 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         a :class:`CostEstimate`; its ``derivation`` says how each number was obtained.
 
     Raises:
-        ValueError: a strategy outside :data:`ESTIMATED_STRATEGIES`, a config without a
-            budget, a budget or ``layers`` the model cannot take (as ``prune`` refuses them),
-            a healing method other than ``lora``, ``adjacent`` and ``last_k``, a healing text
-            with no training prompt, healing measurements without a tokenizer to read their
-            texts, a path that is no checkpoint (the message names it), a CUDA ``device``
+        ValueError: a strategy whose registry entry has no cost estimate
+            (:class:`~hf_layerswap.selection.registry.Strategy` ``cost``; every built-in one
+            has), a config without a budget, a budget or ``layers`` the model cannot take (as
+            ``prune`` refuses them), a configuration the model's architecture cannot run (as
+            ``prune`` refuses it before scoring), a healing method other than ``lora``,
+            ``adjacent`` and ``last_k``, a healing text with no training prompt, healing
+            measurements without a tokenizer to read their texts, a path that is no
+            checkpoint or a Hub id whose ``config.json`` cannot be read (the message names
+            it), a ``dtype`` outside :data:`~hf_layerswap.models.DTYPES`, a CUDA ``device``
             this machine lacks without ``max_memory`` and ``throughput`` (what would be read
-            of it), a ``max_memory`` that is no size.
+            of it), a ``max_memory`` that is no size; a :class:`Throughput` whose rates are
+            not finite numbers > 0 is refused when it is built.
         TypeError: a ``model_or_path``, ``config`` or ``calibration`` of the wrong type.
     """
     cfg = _config(config)
+    if dtype is not None:
+        resolve_dtype(dtype)  # a name or dtype load_model takes, before anything is read
     device = torch.device(device or "cpu")
     _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
+    check_against_model(cfg, model)  # as prune refuses it before scoring
     calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
     budget = device_memory_budget(device)[0] if max_memory in (None, "auto") else parse_memory(max_memory)
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     total_blocks = num_blocks(model)
-    strategy = "auto" if cfg.strategy == "greedy" and cfg.protocol == "auto" else cfg.strategy
+    strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
+    entry = strategy_entry(strategy)
     phases = {}
     scoring_engine = None
     if cfg.layers is None:
-        protocols = (cfg.protocol,) if strategy == "greedy" else PROTOCOLS
-        plans = swap_plans(total_blocks, min(cfg.max_gap, total_blocks - 1), protocols)
+        plans = swap_plans(total_blocks, min(cfg.max_gap, total_blocks - 1), entry.scores(cfg.protocol))
         phases["scoring"] = _engine_counts(model, calib, plans, settings)
         scoring_engine = phases["scoring"].pop("engine")
         phases["scoring"]["sweeps"] = 1
         phases["scoring"]["exact"] = calib_known
-    exact = True
-    if cfg.layers is None and strategy == "search":
-        phases["selection"] = _search_counts(model, calib, cfg, settings)
-        if cfg.objective in search_objectives():
-            _add_repair_objective(phases["selection"], model, calib, cfg)
-        exact = False
-    elif cfg.layers is None and strategy == "auto":  # the two protocols' greedy sets, scored jointly
-        plans = {k: removal_plan(total_blocks, list(range(1, 1 + cfg.num_to_remove))) for k in range(2)}
-        phases["selection"] = _engine_counts(model, calib, plans, settings)
-        exact = False
+        # the strategies' own engine calls and caches take the device's budget (not prune's max_memory)
+        own = budget if max_memory in (None, "auto") or not _on_this_machine(device) else device_memory_budget(device)[0]
+        plan = SelectionPlan(model, calib, cfg, EngineSettings(batch_size=cfg.batch_size, max_memory=own,
+                                                               progress=False), own)
+        selection = dict(entry.cost(plan))
+        selection.pop("engine", None)
+        if selection["block_passes"] or selection["head_passes"] or not selection["exact"]:
+            phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
+    exact = all(p.get("exact", True) for p in phases.values())
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
     return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+
+
+def _on_this_machine(device: torch.device) -> bool:
+    """Whether ``device`` can be read here (the CPU, or a CUDA device this machine has)."""
+    here = torch.cuda.device_count() if device.type == "cuda" else 0
+    return device.type != "cuda" or bool(here and (device.index is None or device.index < here))
 
 
 def _check_device(device: torch.device, max_memory, throughput) -> None:
     """Refuse a CUDA device this machine lacks when the estimate would read it (its free
     memory for the budget, its speed for the rates)."""
     here = torch.cuda.device_count() if device.type == "cuda" else 0
-    if device.type != "cuda" or (here and (device.index is None or device.index < here)):
+    if _on_this_machine(device):
         return
     missing = [name for name, unset in (("max_memory", max_memory in (None, "auto")), ("throughput", throughput is None))
                if unset]
@@ -586,8 +648,12 @@ def _config(config) -> LayerSwapConfig:
         raise TypeError(f"config must be a LayerSwapConfig or a dict of its fields; got {type(config).__name__}")
     if config.layers is None and config.num_to_remove is None:
         raise ValueError("the config removes nothing (num_to_remove=None, layers=None): give num_to_remove or layers")
-    if config.strategy not in ESTIMATED_STRATEGIES and config.layers is None:
-        raise ValueError(f"strategy={config.strategy!r}: estimate_cost plans {list(ESTIMATED_STRATEGIES)}")
+    if config.layers is None:
+        strategy = strategy_entry(config.strategy).strategy_for(config.protocol)
+        if strategy_entry(strategy).cost is None:
+            estimated = sorted(name for name in STRATEGIES if strategy_entry(name).cost is not None)
+            raise ValueError(f"strategy={strategy!r} has no cost estimate: estimate_cost plans the strategies whose "
+                             f"registry entry has one ({estimated}); register it with cost=")
     return config
 
 
@@ -653,9 +719,9 @@ def _derivation(phases: dict, exact: bool, streamed: bool, device, throughput: T
     """Per field of :class:`CostEstimate`, how it was derived (sentences)."""
     out = {
         "block_passes": "the scoring engine's own plan (batches, prefix-reuse schedule) on the meta-device model"
-                        + ("" if exact else "; an upper bound where a phase says exact=False (the search from its "
-                                            "per-budget allowances, a repair of blocks not yet chosen, a healing "
-                                            "run the early stop may end sooner)"),
+                        + ("" if exact else "; an upper bound where a phase says exact=False (a selection that "
+                                            "depends on the scores, as its note says; a repair of blocks not yet "
+                                            "chosen, a healing run the early stop may end sooner)"),
         "head_passes": "head/KL phase per batch: (probe groups + probes) x position chunks (x vocabulary slices), "
                        "plus the one-time head check; one per model forward in the later steps",
         "flops": "2 x block parameters (+ 4 T H attention) per position per block pass; 2 H V per head row; "

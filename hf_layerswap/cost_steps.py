@@ -50,7 +50,7 @@ from transformers import AutoTokenizer
 from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
-from .healing.measure import PERPLEXITY_STAGES, perplexity_forwards
+from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
 from .healing.methods import LORA_TARGETS, cut_neighbours
 from .healing.trainer import resolve_patience
 from .models import has_tokenizer_files, is_hub_id
@@ -360,7 +360,7 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
         raise ValueError(f"heal perplexity_text={heal.perplexity_text!r} / eval_tasks={heal.eval_tasks!r}: counting "
                          "their passes needs the tokenizer; pass tokenizer=")
     if heal.perplexity_text is not None:
-        forwards = perplexity_forwards(heal.perplexity_text, tokenizer)
+        forwards = perplexity_forwards(heal.perplexity_text, tokenizer, max_positions(shape.model))
         repaired = cfg.recovery is not None and cfg.recovery.method != "none"
         stages = [s for s in PERPLEXITY_STAGES if repaired or s != "after_repair"]
         before = (phase["block_passes"], phase["head_passes"])

@@ -42,9 +42,9 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration
-from .config import LayerSwapConfig, protect_clash
+from .config import LayerSwapConfig, check_against_model, protect_clash
 from .healing import HealReport, heal
-from .healing.measure import HealMeasures
+from .healing.measure import HealMeasures, max_positions
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
@@ -240,6 +240,7 @@ def _as_config(config) -> LayerSwapConfig:
 
 def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
     """Everything that can be refused before a forward pass."""
+    check_against_model(cfg, model)  # what the architecture cannot run (a fused repair of post-norm blocks)
     if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
         strategy_entry(strategy).check_config(cfg, total)  # nor what the strategy refuses after the scoring
@@ -267,7 +268,8 @@ def _check_heal_measures(model, cfg: LayerSwapConfig, tokenizer) -> None:
     if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
         return
     tok = _tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
-    HealMeasures(heal.perplexity_text, heal.eval_tasks, heal.eval_tasks_path, heal.eval_tasks_limit, tok).check_sources()
+    HealMeasures(heal.perplexity_text, heal.eval_tasks, heal.eval_tasks_path, heal.eval_tasks_limit, tok,
+                 positions=max_positions(model)).check_sources()
 
 
 def _calibration(model, cfg: LayerSwapConfig, source, tokenizer) -> CalibrationSet:

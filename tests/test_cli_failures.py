@@ -454,3 +454,20 @@ def test_cli_refuses_a_binary_calibration_file_before_loading(tmp_path, capsys):
         assert err.startswith("error: ") and f"{str(path)!r} is not a text file" in err and "UTF-8" in err
         assert "loading" not in err
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()
+
+
+def test_prune_resume_into_its_own_output_is_refused_before_the_model_loads(base, capsys, monkeypatch):
+    """--resume OUTPUT (or a folder inside it): the run used to complete and then refuse to
+    save into the non-empty OUTPUT; now it is refused before loading, dry run or not."""
+    import hf_layerswap.cli.prune as prune_verb
+    monkeypatch.setattr(prune_verb, "load", lambda args: pytest.fail("the model loaded"))
+    out = base / "out"
+    scoring = ["--calibration", base / "calib.txt", "--num-prompts", "2"]
+    for resume, where in ((out, "is OUTPUT"), (out / "scoring", f"is inside OUTPUT {str(out)!r}")):
+        for extra in ([], ["--dry-run"]):
+            code, err = _run(["prune", base / "base", out, "--num-to-remove", "1", *scoring, "--resume", resume,
+                              *extra], capsys)
+            assert code == 2, (resume, extra)
+            assert err.startswith(f"error: --resume {str(resume)!r} {where}: the pruned checkpoint is saved into a "
+                                  "new or empty folder"), err
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]

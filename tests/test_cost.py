@@ -121,6 +121,13 @@ def test_a_meta_device_70b_shape_reads_no_weight():
 def test_bad_input_gets_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="strategy='nope'"):
         hl.estimate_cost(_tiny(4), {"num_to_remove": 1, "strategy": "nope"})
+    with pytest.raises(ValueError, match="no cost estimate"):  # a strategy registered without one
+        from hf_layerswap.selection.registry import STRATEGIES, STRATEGY_ENTRIES, register_strategy
+        register_strategy("uncosted_for_the_test")(lambda report, n, **_: [1])
+        try:
+            hl.estimate_cost(_tiny(4), {"num_to_remove": 1, "strategy": "uncosted_for_the_test"})
+        finally:
+            STRATEGIES.pop("uncosted_for_the_test"), STRATEGY_ENTRIES.pop("uncosted_for_the_test")
     with pytest.raises(ValueError, match="neither a local checkpoint folder"):
         hl.estimate_cost(str(tmp_path / "missing" / "x" / "y"), hl.LayerSwapConfig(num_to_remove=1))
     with pytest.raises(ValueError, match="without config.json"):
@@ -308,4 +315,120 @@ def test_prune_dry_run_estimates_on_the_device_the_real_run_computes_on(tmp_path
     assert "device='cuda:99' is not on this machine" in capsys.readouterr().err
     assert main(base + ["--device-map", "cpu"]) == 0
     assert "(probe on cpu: one block over 8x16 positions" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layers,n", [(10, 3), (12, 2)])
+def test_auto_bounds_the_removal_kl_of_two_different_candidate_sets(layers, n):
+    """The two protocols' greedy sets differ here, so auto runs the joint removal KL of both:
+    the estimate is an upper bound of what hooks count (it counted one set before), and says so."""
+    cfg, calib = _tiny(layers), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=n, strategy="auto", batch_size=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    blocks, heads = counted_prune(cfg, config, calib)
+    assert blocks > estimate.phases["scoring"]["block_passes"]  # the removal KL ran
+    assert blocks <= estimate.block_passes and heads <= estimate.head_passes
+    assert not estimate.exact and not estimate.phases["selection"]["exact"]
+    assert "upper bound" in estimate.phases["selection"]["note"] and "(upper bound: selection)" in estimate.lines()[0]
+
+
+@pytest.mark.parametrize("strategy", sorted(hl.STRATEGIES))
+def test_every_registered_strategy_is_estimated_and_bounds_what_hooks_count(strategy):
+    """Each strategy's registry entry carries its cost: the counted passes of the real prune are
+    at most the estimate, and equal to it where the estimate says exact."""
+    cfg, calib = _tiny(8), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, batch_size=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    blocks, heads = counted_prune(cfg, config, calib)
+    assert blocks <= estimate.block_passes and heads <= estimate.head_passes
+    if estimate.exact:
+        assert (blocks, heads) == (estimate.block_passes, estimate.head_passes)
+    exact = {"greedy", "single_removal_kl", "block_influence", "angular_distance"}
+    assert estimate.exact == (strategy in exact)
+    if strategy in ("block_influence", "angular_distance"):  # one capture sweep: 8 blocks x 2 batches, no head
+        assert (estimate.phases["selection"]["block_passes"], estimate.phases["selection"]["head_passes"]) == (16, 0)
+
+
+def test_every_strategy_of_prune_help_runs_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """prune --dry-run and a real prune exit 0 for every --strategy choice, and the block passes
+    hooks count in the real prune are at most the estimate it printed (equal where exact)."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("\n\n".join(" ".join(f"w{(5 * p + k) % 120}" for k in range(20)) for p in range(6)) + "\n")
+    torch.manual_seed(0)
+    tiny_checkpoint(tmp_path / "base", LlamaForCausalLM(_tiny(6)))
+    import hf_layerswap.cli.prune as prune_verb
+    counts = {}
+
+    def counted(model, config, **kwargs):
+        counts.update(block=0)
+        for block in model.model.layers:
+            block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
+        return hl.prune(model, config, **kwargs)
+
+    monkeypatch.setattr(prune_verb, "prune", counted)
+    for strategy in sorted(hl.STRATEGIES):
+        out = tmp_path / f"out-{strategy}"
+        args = ["prune", str(tmp_path / "base"), str(out), "--num-to-remove", "1", "--strategy", strategy,
+                "--calibration", str(text), "--num-prompts", "4", "--seq-len", "16", "--batch-size", "2"]
+        assert main(args + ["--dry-run"]) == 0, strategy
+        dry = capsys.readouterr().out
+        assert main(args) == 0, strategy
+        printed = capsys.readouterr().out
+        line = re.search(r"estimated cost( \(upper bound: [^)]*\))?: ([\d,]+) block passes", printed)
+        assert line is not None and line.group(0) in dry, strategy
+        estimate = int(line.group(2).replace(",", ""))
+        assert counts["block"] <= estimate, strategy
+        if line.group(1) is None:
+            assert counts["block"] == estimate, strategy
+        assert (out / "config.json").is_file()
+
+
+def test_throughput_rates_must_be_finite_and_positive():
+    for bad in (-1.0, 0, 0.0, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ValueError, match=rf"Throughput block_flops_per_second={re.escape(repr(bad))}: must be a "
+                                             r"finite number > 0"):
+            Throughput(bad, 1e9)
+    with pytest.raises(ValueError, match=r"host_bytes_per_second=nan"):
+        Throughput(1e9, 1e9, float("nan"))
+    assert Throughput(1e9, 2e9).host_bytes_per_second == 25e9
+
+
+def test_a_bad_dtype_or_an_unreadable_hub_id_is_named(tmp_path, monkeypatch):
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy")
+    with pytest.raises(ValueError, match=r"dtype='float99': allowed \['auto', 'bfloat16', 'float16', 'float32'\]"):
+        hl.estimate_cost(_tiny(4), config, dtype="float99", throughput=FIXED)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for missing in ("nobody/no-such-model", "out/x"):
+        with pytest.raises(ValueError, match=rf"model_or_path='{missing}': no config.json could be read from it"):
+            hl.estimate_cost(missing, config, throughput=FIXED)
+    with pytest.raises(ValueError, match=r"model_or_path='\./missing' is neither a local checkpoint folder"):
+        hl.estimate_cost("./missing", config, throughput=FIXED)
+    estimate = hl.estimate_cost(_tiny(4), config, dtype="bfloat16", throughput=FIXED)
+    assert estimate.memory_parts["weights"] == 2 * sum(p.numel() for p in LlamaForCausalLM(_tiny(4)).parameters())
+
+
+def test_a_fused_repair_of_post_norm_blocks_is_refused_before_scoring(tmp_path, capsys):
+    """Gemma-3's blocks pass the MLP output through a norm before adding it: a map folded into
+    down_proj is no map on the stream. prune refuses it before any forward pass (it used to
+    refuse after the scoring and the selection), and the estimate and --dry-run refuse it too;
+    a cut of block 0, folded into the embeddings, stays allowed."""
+    from conftest import tiny_batch, tiny_model
+    model = tiny_model("gemma3")
+    calls = []
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: calls.append(1))
+    message = r"fused recovery needs blocks .* gemma3_text block \d does not \(post-norm blocks: the MLP output passes"
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", recovery="fused", progress=False)
+    with pytest.raises(ValueError, match=message):
+        hl.prune(model, config, calibration=tiny_batch())
+    assert calls == [] and len(model.model.layers) == 6
+    with pytest.raises(ValueError, match=message):
+        hl.estimate_cost(model.config, config, throughput=FIXED)
+    with pytest.raises(ValueError, match=r"gemma3_text block 2 does not"):
+        hl.estimate_cost(model.config, {"layers": [3], "recovery": "fused"}, throughput=FIXED)
+    assert hl.estimate_cost(model.config, {"layers": [0], "recovery": "fused"}, throughput=FIXED).block_passes > 0
+    model.save_pretrained(tmp_path / "gemma")
+    assert main(["prune", str(tmp_path / "gemma"), str(tmp_path / "out"), "--num-to-remove", "1", "--recovery",
+                 "fused", "--num-prompts", "8", "--seq-len", "16", "--dry-run"]) == 2
+    assert re.search("error: " + message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()

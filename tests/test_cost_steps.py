@@ -273,6 +273,30 @@ def test_healing_perplexity_passes_equal_what_hooks_count_in_the_real_heal(tmp_p
     assert ppl["block_passes"] == 4 * 8 + (len(stages) - 1) * 4 * 6 and ppl["head_passes"] == 4 * len(stages)
 
 
+def test_healing_perplexity_on_a_model_of_fewer_positions_fits_its_window(tmp_path):
+    """max_position_embeddings=200, below the matched contract's 512-token window: the prune
+    heals and measures in windows of 200 every 100 tokens (it used to refuse after the cut,
+    "lower window"), and the estimate prices those windows: its passes are what hooks count."""
+    calib = _calibration(prompts=7)
+    short = _tiny()
+    short.max_position_embeddings = 200
+    config = _measuring(_text_of_1299_tokens(tmp_path / "eval.txt"))
+    estimate = hl.estimate_cost(copy.deepcopy(short), config, calibration=calib, throughput=FIXED)
+    # [0, 200) alone, ten windows of 200 scoring 100 tokens each (5 forwards of 2), the last 199 tokens
+    assert estimate.phases["healing"]["perplexity"]["forwards_per_stage"] == 7
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(short).eval()
+    counts = {"block": 0, "head": 0}
+    for block in model.model.layers:
+        block.register_forward_hook(lambda *_: counts.__setitem__("block", counts["block"] + 1))
+    model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
+    hl.prune(model, config, calibration=calib)
+    assert (estimate.block_passes, estimate.head_passes) == (counts["block"], counts["head"])
+    ppl = model.config.layerswap["healing"][-1]["perplexity"]
+    assert (ppl["window"], ppl["stride"]) == (200, 100)
+    assert all(ppl[stage] > 0 for stage in ("dense", "after_cut", "after_healing"))
+
+
 def test_healing_lm_eval_tasks_are_bounded_or_said_not_estimated(tmp_path):
     pytest.importorskip("lm_eval")
     calib = _calibration(prompts=7)

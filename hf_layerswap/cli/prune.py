@@ -99,6 +99,7 @@ def run_prune(args) -> int:
     if args.resume is not None and (args.layers is not None or args.report):
         given = "--layers" if args.layers is not None else "--report"
         raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
+    _check_resume_outside_output(args)
     if args.dry_run:
         return _dry_run(args, config)
     check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
@@ -126,6 +127,20 @@ def run_prune(args) -> int:
         shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
+
+
+def _check_resume_outside_output(args) -> None:
+    """``--resume`` keeps the scoring's checkpoint while the run lasts; OUTPUT must be a new
+    or empty folder when the pruned checkpoint is saved, so the two cannot be one folder
+    (nor the first inside the second): refused before loading, not after the run."""
+    if args.resume is None:
+        return
+    resume, output = Path(args.resume).expanduser().resolve(), Path(args.output).expanduser().resolve()
+    if resume == output or output in resume.parents:
+        where = "is OUTPUT" if resume == output else f"is inside OUTPUT {str(args.output)!r}"
+        raise ValueError(f"--resume {str(args.resume)!r} {where}: the pruned checkpoint is saved into a new or empty "
+                         "folder, so the scoring checkpoint needs a folder of its own (e.g. "
+                         f"{str(output.with_name(output.name + '.scoring'))!r})")
 
 
 def _dry_run(args, config) -> int:

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..evaluation.contract import sliding_windows
+from ..evaluation.contract import CONTRACTS, sliding_windows
 from ..evaluation.perplexity import contract_tokens, perplexity_of_tokens, window_batches
 from ..plan import apply_plan, num_blocks, removal_plan
 from ..recovery import attached_operators
 from ..tasks import check_task_names, evaluate_tasks
 
 __all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
-           "contract_summary", "perplexity_forwards", "replayed_cut", "repair_of_last_cut"]
+           "contract_summary", "max_positions", "perplexity_forwards", "perplexity_window", "replayed_cut",
+           "repair_of_last_cut"]
 
 #: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
 PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_healing")
@@ -35,10 +36,31 @@ def _evaluated_text(perplexity_text):
     return None if perplexity_text == "embedded" else perplexity_text
 
 
-def perplexity_forwards(perplexity_text, tokenizer) -> list[tuple[int, int, int]]:
+def max_positions(model: nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (its text config's), ``None`` when it has none."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def perplexity_window(positions: int | None) -> tuple[int, int]:
+    """``(window, stride)`` of the perplexities healing measures: the
+    :data:`PERPLEXITY_CONTRACT` contract's (512, 256), fitted to a model of fewer
+    ``positions`` (``max_position_embeddings``): the window is the smaller of the two, and
+    the stride keeps the contract's share of it (half)."""
+    spec = CONTRACTS[PERPLEXITY_CONTRACT]
+    window, stride = spec["window"], spec["stride"]
+    if positions is None or positions >= window:
+        return window, stride
+    fitted = max(2, int(positions))
+    return fitted, max(1, stride * fitted // window)
+
+
+def perplexity_forwards(perplexity_text, tokenizer, positions: int | None = None) -> list[tuple[int, int, int]]:
     """The forward passes of one perplexity evaluation :class:`HealMeasures` runs (the
-    :data:`PERPLEXITY_CONTRACT` contract's windows over ``perplexity_text`` read by
-    ``tokenizer``, :data:`PERPLEXITY_BATCH` windows per forward; no model needed).
+    :data:`PERPLEXITY_CONTRACT` contract's windows, fitted to ``positions``
+    (:func:`perplexity_window`), over ``perplexity_text`` read by ``tokenizer``,
+    :data:`PERPLEXITY_BATCH` windows per forward; no model needed).
 
     Returns:
         one ``(windows, length, keep)`` per forward: windows in the batch, their length
@@ -47,7 +69,9 @@ def perplexity_forwards(perplexity_text, tokenizer) -> list[tuple[int, int, int]
     Raises:
         ValueError, FileNotFoundError: a text the evaluation would refuse (the message names it).
     """
-    ids, window, stride, _ = contract_tokens(_evaluated_text(perplexity_text), tokenizer, contract=PERPLEXITY_CONTRACT)
+    window, stride = perplexity_window(positions)
+    ids, window, stride, _ = contract_tokens(_evaluated_text(perplexity_text), tokenizer, contract=PERPLEXITY_CONTRACT,
+                                             window=window, stride=stride)
     try:
         spans = sliding_windows(len(ids), window, stride)
     except ValueError as err:  # a text too short to score: name it
@@ -135,6 +159,8 @@ class HealMeasures:
             folder, ``eval_tasks_limit`` documents per task (see :func:`evaluate_tasks`).
         tokenizer: the student's tokenizer (both need one).
         progress: the perplexity's progress bar.
+        positions: the model's ``max_position_embeddings`` the perplexity window is fitted
+            to (:func:`perplexity_window`; :meth:`start` reads the student's).
     """
 
     perplexity_text: object = None
@@ -143,6 +169,7 @@ class HealMeasures:
     eval_tasks_limit: int | float | None = None
     tokenizer: object = None
     progress: bool = False
+    positions: int | None = None
 
     def check(self) -> None:
         """Refuse, before any work, measurements that need a tokenizer there is not.
@@ -169,19 +196,23 @@ class HealMeasures:
         """
         self.check()
         if self.perplexity_text is not None:
-            perplexity_forwards(self.perplexity_text, self.tokenizer)
+            perplexity_forwards(self.perplexity_text, self.tokenizer, self.positions)
         if self.eval_tasks is not None:
             check_task_names(self.eval_tasks, self.eval_tasks_path)
 
     def start(self, student: nn.Module, teacher: nn.Module) -> dict:
         """Everything measured before training: ``{"perplexity": {stage: ppl, ...}, "tasks":
         TaskResults or None, "contract": ..., "tokens": ...}`` (the perplexity text is
-        tokenized once here, by :func:`contract_tokens` with the student's tokenizer, and
-        scored at every stage)."""
+        tokenized once here, by :func:`contract_tokens` with the student's tokenizer, in
+        windows fitted to the student's positions (:func:`perplexity_window`), and scored at
+        every stage)."""
         out: dict = {"perplexity": {}, "tasks": None, "contract": None, "tokens": None}
         if self.perplexity_text is not None:
+            if self.positions is None:
+                self.positions = max_positions(student)
+            window, stride = perplexity_window(self.positions)
             tokens = out["tokens"] = contract_tokens(_evaluated_text(self.perplexity_text), self.tokenizer,
-                                                     contract=PERPLEXITY_CONTRACT)
+                                                     contract=PERPLEXITY_CONTRACT, window=window, stride=stride)
             dense = self._perplexity(teacher, tokens)
             out["contract"] = dense.contract
             stages = {"dense": dense.ppl}

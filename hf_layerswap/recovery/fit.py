@@ -15,8 +15,9 @@ from ..devices import input_device
 from ..plan import capture_residual_stream, resolve_layer_indices
 
 __all__ = [
-    "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "MAX_EPSILON", "model_hidden_size",
-    "Moments", "probe_additive_write", "quadratic_residual", "ridge_toward_identity", "select_rows",
+    "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "MAX_EPSILON", "model_family",
+    "model_hidden_size", "Moments", "POST_MLP_NORMS", "probe_additive_write", "quadratic_residual",
+    "ridge_toward_identity", "select_rows",
 ]
 
 # ----------------------------------------------------------------------------- algebra
@@ -126,7 +127,13 @@ def cut_boundaries(num_blocks: int, removed: Sequence[int]) -> list[dict]:
     return out
 
 
-def _model_family(model: nn.Module) -> str:
+#: Block attributes of a norm applied to the MLP output before it is added to the stream
+#: (post-norm blocks, e.g. Gemma-2/3): a map folded into ``down_proj`` is then no map on the stream.
+POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
+
+
+def model_family(model: nn.Module) -> str:
+    """The model's ``model_type`` (else its class name), as refusals name the family."""
     cfg = getattr(model, "config", None)
     return str(getattr(cfg, "model_type", None) or type(model).__name__)
 
@@ -138,7 +145,7 @@ def block_down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.L
     if not isinstance(down, nn.Linear):
         found = type(down).__name__ if down is not None else ("no mlp.down_proj" if mlp is not None else "no mlp")
         raise ValueError(
-            f"fused recovery folds the map into mlp.down_proj of the last kept block, but {_model_family(model)} "
+            f"fused recovery folds the map into mlp.down_proj of the last kept block, but {model_family(model)} "
             f"block {index} ({type(blocks[index]).__name__}) has no mlp.down_proj nn.Linear (found: {found}); "
             "use method='ghosted'"
         )
@@ -225,11 +232,11 @@ def probe_additive_write(model, blocks, host: int, ids, mask) -> None:
     rel = float(torch.linalg.norm(diff - m) / torch.linalg.norm(m).clamp_min(1e-30))
     if rel > 0.5:
         extra = ""
-        if any(hasattr(blocks[host], a) for a in ("post_feedforward_layernorm", "post_mlp_layernorm")):
+        if any(hasattr(blocks[host], a) for a in POST_MLP_NORMS):
             extra = " (post-norm blocks: the MLP output passes through a norm before it is added)"
         raise ValueError(
             f"fused recovery needs blocks that add the mlp.down_proj output to the residual stream unchanged; "
-            f"{_model_family(model)} block {host} does not{extra} (relative mismatch {rel:.2f}), so a map folded "
+            f"{model_family(model)} block {host} does not{extra} (relative mismatch {rel:.2f}), so a map folded "
             "into down_proj is not a map on the stream; use method='ghosted'"
         )
 

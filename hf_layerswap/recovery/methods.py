@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fit import block_down_proj, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
+from .fit import POST_MLP_NORMS, block_down_proj, model_family, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
 from .operators import LOADER_NOTE, RECOVERY_FILE, attach_operator, attached_operators
 
 __all__ = [
@@ -98,6 +98,12 @@ class RecoveryMethod:
 
     def check(self, model: nn.Module, blocks: nn.ModuleList, cuts: list[dict]) -> None:
         """Refuse (``ValueError``) a model the method cannot repair, before any forward pass."""
+
+    def check_hosts(self, model: nn.Module, blocks: nn.ModuleList, hosts) -> None:
+        """Refuse (``ValueError``), from the blocks' structure alone (a meta-device model
+        will do), an architecture the method cannot repair when a cut's last kept block is
+        one of ``hosts`` (its ``host``): what a prune checks before its scoring, for every
+        block a selected cut could end after (:func:`~hf_layerswap.config.check_against_model`)."""
 
     def probe(self, model, blocks, cuts, calibration, batch_size: int, num_tokens: int) -> None:
         """Check the model on real calibration rows before the fit (``ValueError`` to refuse)."""
@@ -258,9 +264,18 @@ class Fused(RecoveryMethod):
                 f"{indices(recovery.get('boundaries', []))} (pruned numbering): plain transformers weights")
 
     def check(self, model, blocks, cuts):
-        for cut in cuts:
-            if cut["host"] is not None:
-                block_down_proj(model, blocks, cut["host"])
+        self.check_hosts(model, blocks, [cut["host"] for cut in cuts if cut["host"] is not None])
+
+    def check_hosts(self, model, blocks, hosts):
+        for host in hosts:
+            block_down_proj(model, blocks, host)
+            norms = [a for a in POST_MLP_NORMS if getattr(blocks[host], a, None) is not None]
+            if norms:
+                raise ValueError(
+                    f"fused recovery needs blocks that add the mlp.down_proj output to the residual stream "
+                    f"unchanged; {model_family(model)} block {host} does not (post-norm blocks: the MLP output "
+                    f"passes through {norms[0]} before it is added), so a map folded into down_proj is not a map "
+                    "on the stream; use method='ghosted'")
 
     def probe(self, model, blocks, cuts, calibration, batch_size, num_tokens):
         first = next(select_rows(calibration, min(batch_size, 2), num_tokens))

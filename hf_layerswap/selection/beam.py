@@ -4,10 +4,13 @@ calibration prompts only (strategy ``beam``)."""
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 from collections.abc import Sequence
 
 from torch import nn
 
+from ..plan import removal_plan
 from ..report import SwapReport, score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, allowed_blocks, check_resume, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion, as_strategy
@@ -140,5 +143,29 @@ def interchange_beam(
     return criterion_output(results, single)
 
 
-register_strategy("beam", needs_model=True, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
+def _beam_cost(plan) -> dict:
+    """An upper bound of the beam's evaluator calls (the interchange scores come from the
+    pipeline's scoring): level 1 the seeds and the greedy set, level k the ``width`` beams
+    grown by every remaining unprotected block and the greedy set (at most every set of k
+    unprotected blocks), each set from the first removable block, no prefix shared."""
+    defaults = {k: v.default for k, v in inspect.signature(interchange_beam).parameters.items()}
+    width, seed_size, greedy = defaults["width"], defaults["seed_size"], int(bool(defaults["include_greedy"]))
+    evaluator = plan.config.objective or defaults["evaluator"]
+    total, unprotected = plan.num_blocks, len(plan.allowed)
+    engine = plan.engine({0: removal_plan(total, [plan.allowed[0]])})["engine"] if evaluator == "removal_kl" else None
+    parts, beams, sets_total = [], 0, 0
+    for level in range(1, plan.num_to_remove + 1):
+        grown = min(seed_size, unprotected) if level == 1 else beams * (unprotected - level + 1)
+        pool = min(grown + greedy, math.comb(unprotected, level))
+        beams, sets_total = min(width, pool), sets_total + pool
+        if evaluator == "removal_kl":
+            parts.append(plan.evaluator(pool, level, engine))
+        else:  # calibration NLL: a reference forward and one forward per set, each with the model's head
+            parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool))
+    return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total,
+                       note=f"an upper bound: per level at most {width} beams grown by each unprotected block and "
+                            "the greedy set, each set from the first removable block")
+
+
+register_strategy("beam", needs_model=True, cost=_beam_cost, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
     as_strategy("beam", interchange_beam, reads_report=True))

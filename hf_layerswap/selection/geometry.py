@@ -175,7 +175,15 @@ def angular_distance(
     return criterion_output(results, single)
 
 
-register_strategy("block_influence", needs_model=True, criteria={"block_influence": Criterion(block_influence)})(
+def _sweep_cost(plan) -> dict:
+    """One stream-capture sweep: every block over every batch, no output head (exact)."""
+    return plan.counts(plan.forwards(plan.num_blocks), exact=True,
+                       note="one stream-capture sweep: every block over each batch, no output head")
+
+
+register_strategy("block_influence", needs_model=True, cost=_sweep_cost,
+                  criteria={"block_influence": Criterion(block_influence)})(
     as_strategy("block_influence", block_influence))
-register_strategy("angular_distance", needs_model=True, criteria={"angular_distance": Criterion(angular_distance)})(
+register_strategy("angular_distance", needs_model=True, cost=_sweep_cost,
+                  criteria={"angular_distance": Criterion(angular_distance)})(
     as_strategy("angular_distance", angular_distance))

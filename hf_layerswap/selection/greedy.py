@@ -53,8 +53,20 @@ def _auto_values(decision) -> list:
     return [] if value is None else [("its joint removal KL", value)]
 
 
+def _greedy_cost(plan) -> dict:
+    return plan.counts(exact=True, note="the paper's rule reads the scores: no pass of its own")
+
+
+def _auto_cost(plan) -> dict:
+    """An upper bound: when the two protocols' greedy sets differ, one removal-KL call over
+    both, each from the first removable block with no prefix shared (none when they agree)."""
+    return plan.counts(plan.evaluator(2, plan.num_to_remove), exact=False,
+                       note="an upper bound: the joint removal KL of two different candidate sets, each from the "
+                            "first removable block (none when both protocols select the same set)")
+
+
 @register_strategy(
-    "greedy", options=(), spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
+    "greedy", options=(), cost=_greedy_cost, spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
     resolve=lambda protocol: "auto" if protocol == "auto" else "greedy", describe=_rule_text, ranks_by_scores=True,
     card_reason=_greedy_reason,
     criteria={p: Criterion(lambda model, calib, n, p=p, **kw: swap_guided(model, calib, n, protocol=p, **kw), reads=(p,))
@@ -69,7 +81,7 @@ def _greedy(report, num_to_remove, *, protocol, spacing, protect, options, **_):
 
 
 @register_strategy(
-    "auto", options=(), spacing=1, reads_calibration=True, scores=lambda protocol: PROTOCOLS,
+    "auto", options=(), spacing=1, cost=_auto_cost, reads_calibration=True, scores=lambda protocol: PROTOCOLS,
     reads=lambda protocol: PROTOCOLS, config_options=lambda cfg: {}, describe=_rule_text, ranks_by_scores=True,
     guided_by=lambda decision, protocol: decision.get("chosen_protocol") or protocol, values=_auto_values,
     card_reason=_auto_reason,

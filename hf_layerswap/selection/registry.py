@@ -103,6 +103,14 @@ class Strategy:
         criteria: ``{display name: Criterion}``: how it runs in the comparison harness, under
             the names the benchmark pages show (one strategy may run as several criteria, e.g.
             the paper's rule once per protocol).
+        cost: ``fn(plan) -> dict``: the passes of the selection alone (after the scoring the
+            pipeline runs for it), planned before the run from the model's shape and the
+            calibration prompts; ``plan`` a :class:`~hf_layerswap.cost.SelectionPlan`; the
+            dict has ``block_passes``, ``head_passes``, ``head_rows``, ``block_tokens``,
+            ``exact`` (False: an upper bound) and ``note`` (how it was counted), as
+            :meth:`~hf_layerswap.cost.SelectionPlan.counts` builds them.
+            :func:`~hf_layerswap.cost.estimate_cost` (and ``hf-layerswap prune --dry-run``)
+            refuses a strategy without one (default ``None``).
     """
 
     name: str
@@ -126,6 +134,7 @@ class Strategy:
     options: tuple[str, ...] | None = field(default=None)
     check_config: Callable = lambda config, num_blocks: None
     criteria: Mapping[str, Criterion] = field(default_factory=dict)
+    cost: Callable | None = None
 
     def strategy_for(self, protocol) -> str:
         """The strategy that runs for ``protocol`` (:attr:`resolve`)."""

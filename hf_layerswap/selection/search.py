@@ -1,5 +1,9 @@
 """Protocol-guided search for the removal set, with the repair of the cut in the loop.
 
+One module on purpose: the search, its per-budget allowances and the bound of its cost that
+:func:`~hf_layerswap.cost.estimate_cost` reads from its registry entry are one schedule; the
+bound follows the allowances and defaults defined here, so they change together.
+
 The paper's greedy rule (:func:`~hf_layerswap.rule.greedy_select`) reads one number
 per layer and never looks at a set as a whole; two blocks that are each cheap to remove
 can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
@@ -47,6 +51,8 @@ NLL, removal KL after the Ghosted Layers repair), all on the calibration prompts
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -55,7 +61,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
-from ..plan import num_blocks
+from ..plan import num_blocks, removal_plan
+from ..recovery.fit import select_rows
+from ..recovery.methods import search_objectives
 from ..protocols import PROTOCOLS
 from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
@@ -489,8 +497,75 @@ def _card_candidates(search, report, removed, kl, indices):
     return rows, reason
 
 
+def _search_cost(plan) -> dict:
+    """The search's passes (budgets 1..n): budget 1's single-removal sweep exactly, then an
+    upper bound from the per-budget allowances (:func:`search_allowances`), each further set
+    from the first removable block without prefix sharing, plus the reference sweeps of the
+    batches the kept reference cannot hold; a repair-aware objective adds its operator fit
+    and the sets cut through the last block."""
+    cfg, total_blocks, allowed = plan.config, plan.num_blocks, plan.allowed
+    defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
+    rounds = defaults["max_rounds"]
+    n_top = plan.num_to_remove
+    sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
+    # budgets 2..n: SLEB's schedule, U - (n - 1) sets each, each protocol's greedy set inside; an
+    # exhaustive budget only spends what budgets 1..n may spend together, so the sum bounds it too
+    bound_sets = sum(search_allowances(len(allowed), n_top)[1:])
+    calls = 2 + (2 + rounds) * (n_top - 1)  # the sweep; per budget the seed pool, a fallback, max_rounds rounds
+    if cfg.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
+        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) - len(sets) + n_top - 1))
+    plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
+    # each set from its first removed block, no sharing between sets: calls share less than one run would
+    counts = plan.engine(plans, settings=dataclasses.replace(plan.settings, prefix_reuse="start"))
+    engine = counts.pop("engine")
+    calib = plan.calibration
+    first = min(allowed)
+    n_batches = len(engine.batches)
+    extra_blocks = bound_sets * max(total_blocks - n_top - first, 1) * n_batches
+    # batches whose reference does not fit the kept budget are swept again by every further call
+    kept = plan.reference_batches(engine)
+    extra_blocks += (n_batches - kept) * total_blocks * (calls - 1)
+    counts["block_passes"] += extra_blocks
+    counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * engine.batch_size
+    rows = int(calib.attention_mask.sum())
+    chunks = sum(math.ceil(int(engine._batch(b)[1].sum()) / engine.kl_chunk) for b in engine.batches)
+    # every further call runs the reference head once per group per chunk; each bound set one head pass
+    counts["head_passes"] += chunks * (bound_sets + calls)
+    counts["head_rows"] += rows * (bound_sets + calls)
+    counts.update(calls=calls, sweeps=calls, sets=len(sets) + bound_sets)
+    if cfg.objective in search_objectives():
+        _add_repair_objective(counts, plan, sets, n_batches)
+    return plan.counts(counts, exact=False, note="an upper bound: the single-removal sweep, then each budget's "
+                       "allowance of sets from the first removable block (search_allowances)",
+                       **{k: counts[k] for k in ("calls", "sweeps", "sets")}, exact_sets=sets)
+
+
+def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
+    """Add to the search's bound what a repair-aware objective (``objective="ghosted"``,
+    :class:`~hf_layerswap.selection.objectives.SetObjective`) runs beyond the removal KL's
+    passes: the one stream-capture sweep that fits every block's operator (each batch of
+    :func:`~hf_layerswap.recovery.fit.select_rows` over every real token, through all
+    blocks, no head), and for the sets that cut through the last block (their operator acts
+    after the last kept block, so they run from the embeddings) the blocks before their
+    first removed one, which the removal KL's count starts after."""
+    cfg, calib, total_blocks = plan.config, plan.calibration, plan.num_blocks
+    fit_batches = sum(1 for _ in select_rows(calib, cfg.batch_size, calib.num_tokens))
+    fit = fit_batches * total_blocks
+    tail = 0
+    protected = resolve_protect(cfg.protect, total_blocks)
+    if total_blocks - 1 not in protected:
+        first = min(plan.allowed)
+        # an exact set runs its min(s) blocks more; a bound set, counted from the first
+        # removable block, at most that many more
+        tail = n_batches * (sum(min(x) for x in exact_sets if total_blocks - 1 in x)
+                            + (counts["sets"] - len(exact_sets)) * first)
+    counts["block_passes"] += fit + tail
+    counts["block_tokens"] += (fit + tail) * calib.input_ids.shape[1] * cfg.batch_size
+    counts["sweeps"] = counts["calls"] + 1
+
+
 @register_strategy(
-    "search", needs_model=True, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
+    "search", needs_model=True, cost=_search_cost, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
     describe=_describe, guided_by=lambda decision, protocol: None,
     values=lambda decision: [("the search's value", decision["value"])] if "value" in decision else [],
     card_summary=" by a search over candidate sets guided by both swap-KL protocols.",

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ..plan import removal_plan
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, check_resume, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values
@@ -60,6 +61,13 @@ def single_removal_kl(
     return criterion_output(results, single)
 
 
+def _single_removal_cost(plan) -> dict:
+    """One removal-KL call over every block's single removal, planned by the engine (exact)."""
+    total = plan.num_blocks
+    return plan.counts(plan.engine({i: removal_plan(total, [i]) for i in range(total)}), exact=True,
+                       note="one removal-KL call over every block's single removal (the engine's own plan)")
+
+
 register_strategy(
-    "single_removal_kl", needs_model=True, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
+    "single_removal_kl", needs_model=True, cost=_single_removal_cost, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
 )(as_strategy("single_removal_kl", single_removal_kl))

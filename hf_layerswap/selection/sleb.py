@@ -9,8 +9,10 @@ from torch import nn
 
 from ..calibration import CalibrationSet
 from ..devices import input_device
+from ..plan import removal_plan
 from ..report import score_key
 from ..rule import resolve_protect
+from ..scoring.probes import make_probes, schedule_blocks
 from ..scoring.reference import ReferenceCache
 from ..scoring.settings import device_memory_budget
 from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
@@ -110,4 +112,23 @@ def _num_targets(calib: CalibrationSet) -> int:
     return int((m[:, 1:] * m[:, :-1]).sum())
 
 
-register_strategy("sleb", needs_model=True, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
+def _sleb_cost(plan) -> dict:
+    """Step 1 exactly (every single removal, the shared prefix tree, one reference sweep);
+    step k > 1 bounded: its U - k + 1 candidate sets each from the first removable block,
+    and a reference sweep per step unless every batch's reference fits the kept budget."""
+    total, n, allowed = plan.num_blocks, plan.num_to_remove, plan.allowed
+    _, probes, _ = make_probes({b: removal_plan(total, [b]) for b in allowed}, total)
+    weight = plan.model.get_input_embeddings().weight
+    stream = weight.shape[-1] * weight.element_size()  # bytes per position of one residual stream
+    entries = sum((total - 1) * positions * stream + 8 * plan.config.batch_size for positions, _ in plan.batches)
+    sweeps = 1 if n == 1 or entries <= plan.memory_budget else n
+    later_sets = sum(len(allowed) - k + 1 for k in range(2, n + 1))
+    later_blocks = sum((len(allowed) - k + 1) * plan.probe_blocks(k) for k in range(2, n + 1))
+    per_batch = sweeps * total + schedule_blocks(list(probes.values()), "shared") + later_blocks
+    return plan.counts(plan.forwards(per_batch, sweeps + len(probes) + later_sets), exact=n == 1,
+                       note="exact for one block; for more an upper bound: each later step's candidates from the "
+                            "first removable block, a reference sweep per step unless the kept reference fits",
+                       sweeps=sweeps + len(probes) + later_sets)
+
+
+register_strategy("sleb", needs_model=True, cost=_sleb_cost, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
