@@ -60,7 +60,7 @@ from .card import (
     write_card_files,
 )
 from .history import history_problems, probable_cause
-from .jsonio import STAGING_PREFIX, move_into_place, remove_stale_staging, staging_folder, unlock
+from .jsonio import move_into_place, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
 from .recovery import recovery_entry
 from .jsonio import default_mode
