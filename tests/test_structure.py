@@ -623,3 +623,42 @@ def test_package_data_patterns_name_files_that_exist():
     missing = [f"{package}: {pattern}" for package, patterns in data.items() for pattern in patterns
                if not list((ROOT / package.replace(".", "/")).glob(pattern))]
     assert not missing, "package-data patterns that match no file:\n" + "\n".join(missing)
+
+
+#: Package files that are not imported by the package: ``evaluate.load`` runs the metric
+#: module as a script, and its imports of ``evaluate`` and ``datasets`` are what it reads.
+NOT_IMPORTED = ("hf_layerswap.metrics.perplexity.perplexity",)
+
+
+def _optional_packages() -> set[str]:
+    """The keys of ``hf_layerswap.extras.EXTRAS``, read from its source."""
+    tree = ast.parse((PACKAGE / "extras.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EXTRAS" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("hf_layerswap/extras.py defines no EXTRAS")
+
+
+def _module_level_optional_imports(module: str, path: Path, optional: set[str]) -> list[str]:
+    return [f"{path.relative_to(path.parents[len(module.split('.')) - 1])}:{line} imports {name}"
+            for name, function, line in _imports(module, path)
+            if function is None and name.split(".")[0] in optional]
+
+
+def test_optional_import_finder(tmp_path):
+    path = tmp_path / "pkg" / "probe.py"
+    path.parent.mkdir()
+    path.write_text("import os\nimport gguf\nfrom matplotlib.figure import Figure\n\n\n"
+                    "def f():\n    import peft\n    return peft\n")
+    assert _module_level_optional_imports("pkg.probe", path, {"gguf", "matplotlib", "peft"}) == [
+        "pkg/probe.py:2 imports gguf", "pkg/probe.py:3 imports matplotlib.figure"]
+
+
+def test_no_module_imports_an_optional_package_at_module_level():
+    """``import hf_layerswap`` (and every module of it) works without the extras: an optional
+    package is imported inside the function that needs it (``hf_layerswap.extras.require``)."""
+    optional = _optional_packages()
+    assert {"datasets", "gguf", "lm_eval", "matplotlib", "peft", "evaluate"} <= optional
+    bad = [hit for module, path in MODULES.items() if module not in NOT_IMPORTED
+           for hit in _module_level_optional_imports(module, path, optional)]
+    assert not bad, "module-level imports of optional packages (import them where they are used):\n" + "\n".join(bad)
