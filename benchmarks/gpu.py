@@ -21,6 +21,8 @@ the GPU and the CPU, in one run of about 8 minutes on one GPU (sized for an H200
 
 Inputs are in the working tree: the real checkpoints come from the package index
 install, the calibration text is the embedded prose, the 8B-shaped model is random.
+Before any part runs it prints ``hl.estimate_cost``'s estimate of part (b)'s prune; the
+JSON is written after each part, so a part that fails keeps the parts before it.
 
 Usage (from the repository root)::
 
@@ -270,7 +272,7 @@ def llama_8b(dev: Device, smoke: bool, budgets: tuple, prune_n: int) -> dict:
     out["prune"] = {
         "num_to_remove": prune_n, "removed": result.removed, "seconds": seconds, "peak_bytes": dev.peak(),
         "scoring_seconds": meta["seconds"], "flops": counter.flops, "compute_bound_seconds": counter.flops / best,
-        "evaluations": search.get("evaluations"), "batch_size": meta["batch_size"],
+        "evaluations": (search.get("total_cost") or {}).get("evaluator_calls"), "batch_size": meta["batch_size"],
     }
     out["prune"]["x_compute_bound"] = seconds / out["prune"]["compute_bound_seconds"]
     out["prune"]["peak_over_weights"] = out["prune"]["peak_bytes"] / weights
@@ -459,6 +461,30 @@ def render_stored(path: Path) -> str:
     return pending_page()
 
 
+def prune_estimate(dev: Device, smoke: bool, prune_n: int) -> dict:
+    """``hl.estimate_cost`` of part (b)'s default prune (the run's longest step), from the
+    8B shape's config on the meta device: printed before any part runs."""
+    from transformers import LlamaConfig
+
+    shape = LLAMA_SMOKE if smoke else LLAMA_8B
+    prompts, seq = (8, 16) if smoke else (64, 128)
+    estimate = hl.estimate_cost(LlamaConfig(**shape), LayerSwapConfig(num_to_remove=prune_n, progress=False),
+                                calibration=random_calibration(shape["vocab_size"], prompts, seq),
+                                device=dev.device, dtype=torch.bfloat16)
+    return {"lines": estimate.lines(), **estimate.to_dict()}
+
+
+def save(results: dict, out: Path, t0: float) -> None:
+    """Write the JSON of the parts measured so far (and the page once all three are there),
+    so a part that fails later loses nothing already measured."""
+    results["seconds"] = time.perf_counter() - t0
+    results["targets"] = {k: _met(v) for k, v in verdicts(results).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(json.dumps(results, indent=1, default=str) + "\n", out.with_suffix(".json"))
+    if results["agreement"] and results["llama_8b"] and results["split"]:
+        write_text_atomic(render(results), out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, seconds)")
@@ -483,25 +509,27 @@ def main(argv=None) -> int:
                "environment": {"device": dev.name(), **library_versions()},
                "agreement": [], "llama_8b": None, "split": None}
     budgets = range(1, 3) if args.smoke else range(1, 7)
+    prune_n = 2 if args.smoke else 8
+    if "b" in args.parts:
+        results["estimate"] = prune_estimate(dev, args.smoke, prune_n)
+        print("(b)'s default prune, estimated before the run (hl.estimate_cost):\n"
+              + "\n".join(results["estimate"]["lines"]), file=sys.stderr, flush=True)
     if "a" in args.parts:
         for name in ("smollm2-135m", "gemma3-270m"):
             print(f"(a) {name}", file=sys.stderr)
             results["agreement"].append(agreement(dev, "tiny-llama" if args.smoke else name, args.smoke, budgets))
+            save(results, out, t0)
             if args.smoke:
                 break
     if "b" in args.parts:
         print("(b) 8B-shaped model", file=sys.stderr)
         results["llama_8b"] = llama_8b(dev, args.smoke, ("16MiB", "64MiB", None) if args.smoke
-                                       else ("1GiB", "4GiB", None), prune_n=2 if args.smoke else 8)
+                                       else ("1GiB", "4GiB", None), prune_n=prune_n)
+        save(results, out, t0)
     if "c" in args.parts:
         print("(c) split model", file=sys.stderr)
         results["split"] = split_model(dev, args.smoke, budget=120 * 2**20, greedy=(1, 2) if args.smoke else (1, 2, 3))
-    results["seconds"] = time.perf_counter() - t0
-    results["targets"] = {k: _met(v) for k, v in verdicts(results).items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(json.dumps(results, indent=1, default=str) + "\n", out.with_suffix(".json"))
-    if results["agreement"] and results["llama_8b"] and results["split"]:
-        write_text_atomic(render(results), out)
+    save(results, out, t0)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

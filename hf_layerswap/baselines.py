@@ -58,9 +58,7 @@ from .recovery import RECOVERY_METHODS, recover
 from .jsonio import decode_tree, encode_tree, write_json_atomic
 from .report import PairResult, SwapReport, set_key
 from .rule import resolve_protect
-from .selection.beam import BEAM_EVALUATORS
 from .selection.common import CriterionResult, allowed_blocks, parse_budgets, criterion_output, score_adjacent, setup_criterion
-from .selection.objectives import plan_nll
 from .selection.objectives import removal_kl_values
 from .selection.registry import STRATEGIES, Criterion, strategy_entry
 from .surgery import remove_layers

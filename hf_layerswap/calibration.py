@@ -332,10 +332,7 @@ def _texts_from_source(calibration, *, num_prompts: int, seed: int) -> tuple[lis
         return _sample(paras, num_prompts, seed), (
             f"file:{path.name} ({len(paras)} paragraphs >= 50 chars, headings dropped, seed {seed})"
         )
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        datasets = None
+    datasets = sys.modules.get("datasets")  # a Dataset given means datasets is imported; else none was given
     if datasets is not None and isinstance(calibration, datasets.Dataset):
         columns = [c for c, f in calibration.features.items() if getattr(f, "dtype", None) == "string"]
         column = "text" if "text" in calibration.column_names else (columns[0] if len(columns) == 1 else None)

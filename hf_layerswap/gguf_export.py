@@ -44,11 +44,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
-from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 from transformers import AutoConfig
 
 from .evaluation import resolve_tokenizer
+from .extras import require
 from .jsonio import atomic_path
 from .models import cache_root
 
@@ -279,6 +278,9 @@ def _run_converter(checkpoint: Path, out: Path, outtype: str, found: tuple[Path,
 
 def _rewrite_with_metadata(src: Path, dst: Path, layout: GGUFLayout) -> None:
     """Copy ``src`` to ``dst`` with ``layout.metadata`` added (gguf's own copy routine)."""
+    gguf = _require_gguf()
+    new_metadata = require("gguf.scripts.gguf_new_metadata", "GGUF export")
+    MetadataDetails, copy_with_new_metadata = new_metadata.MetadataDetails, new_metadata.copy_with_new_metadata
     reader = gguf.GGUFReader(src, "r")
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     if layout.arch is not None and arch != layout.arch:
@@ -300,7 +302,13 @@ def _rewrite_with_metadata(src: Path, dst: Path, layout: GGUFLayout) -> None:
     copy_with_new_metadata(reader, writer, new, [])
 
 
+def _require_gguf():
+    """The ``gguf`` package (the ``gguf`` extra), which writes the per-layer metadata."""
+    return require("gguf", "GGUF export")
+
+
 def _check_target(path, outtype: str, overwrite: bool) -> Path:
+    _require_gguf()  # before the converter runs
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype={outtype!r}: allowed {list(OUTTYPES)}")
     target = Path(path).expanduser()
@@ -349,6 +357,7 @@ def export_gguf(
 
     Raises:
         GGUFLayoutError: a layout llama.cpp cannot run (checked before converting).
+        MissingExtraError: the ``gguf`` package is not installed (the ``gguf`` extra).
         GGUFConverterNotFoundError: no converter found.
         GGUFConversionError: the converter failed, or wrote another block count or architecture.
         ValueError: bad ``outtype`` or a path not ending in ``.gguf``.
@@ -391,7 +400,7 @@ def save_gguf(
         The path written.
 
     Raises:
-        GGUFLayoutError, GGUFConverterNotFoundError, GGUFConversionError, ValueError,
+        GGUFLayoutError, GGUFConverterNotFoundError, GGUFConversionError, MissingExtraError, ValueError,
         FileExistsError, FileNotFoundError: as :func:`export_gguf`; ValueError also when no
         tokenizer is given and none can be loaded.
     """

@@ -43,10 +43,10 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import CommitInfo, HfApi
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
@@ -61,7 +61,7 @@ from .card import (
     write_card_files,
 )
 from .history import history_problems, probable_cause
-from .jsonio import STAGING_PREFIX, carry_over, move_into_place, remove_stale_staging, staging_folder, unlock
+from .jsonio import carry_over, move_into_place, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
 from .recovery import recovery_entry
 from .jsonio import default_mode
@@ -111,6 +111,18 @@ class HubPushError(RuntimeError):
     def __init__(self, message: str, *, repo_id: str, revision: str, committed: bool | None):
         super().__init__(message)
         self.repo_id, self.revision, self.committed = repo_id, revision, committed
+
+
+#: The HTTP clients huggingface_hub has used (``httpx2`` from 2.0, ``httpx`` in 1.x): the
+#: base error class of whichever it imported is what a connection failure raises.
+_HTTP_CLIENTS = ("httpx2", "httpx")
+
+
+def _http_client_errors() -> tuple[type[BaseException], ...]:
+    """The base error classes (``HTTPError``) of the HTTP clients huggingface_hub imported,
+    so a push works with either generation of it without importing a client itself."""
+    return tuple(sys.modules[name].HTTPError for name in _HTTP_CLIENTS
+                 if name in sys.modules and isinstance(getattr(sys.modules[name], "HTTPError", None), type))
 
 
 # ---------------------------------------------------------------------- checks
@@ -300,7 +312,7 @@ def push_to_hub(
         )
         api = HfApi(endpoint=endpoint, token=token, library_name="hf_layerswap", library_version=__version__)
         logger.info("pushing %d files to %s/%s@%s", len(files), api.endpoint, repo_id, branch)
-        network_errors = (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError)
+        network_errors = (HfHubHTTPError, *_http_client_errors(), OSError, ValueError)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             if branch != "main":

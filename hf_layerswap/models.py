@@ -54,6 +54,7 @@ from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils.sha import sha_fileobj
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from .extras import require
 from .provenance import SOURCE_FILE, model_identity
 from .provenance import identity_from_source as _identity_from_source
 from .provenance import source_record as _read_source
@@ -237,6 +238,8 @@ def bundled_checkpoint_dir(name: str) -> Path:
         ValueError: ``name`` is not in :data:`BUNDLED_MODELS`.
         ModuleNotFoundError: the package shipping the weights is not installed (the
             message gives the pip command).
+        MissingExtraError: the checkpoint is not cached yet and ``gguf`` (the ``gguf``
+            extra), which dequantizes it, is not installed.
     """
     entry = _entry(name)
     _find_package_dir(entry.module, entry.package)
@@ -245,6 +248,7 @@ def bundled_checkpoint_dir(name: str) -> Path:
     target = root / f"{entry.name}-{entry.package}-{version}"
     if _is_complete(target):
         return target
+    require("gguf", f"dequantizing the bundled checkpoint {entry.name!r} (a GGUF file)")  # before any work
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f".{target.name}.lock")):
         if _is_complete(target):  # built by another process while we waited
@@ -418,14 +422,14 @@ def check_gguf_file(path: str | os.PathLike) -> None:
         ValueError: the file does not start with the GGUF magic, its header or tables
             cannot be parsed (a truncated or corrupt file), or it names no architecture or
             holds no tensor; the message names the file.
+        MissingExtraError: the ``gguf`` package is not installed (the ``gguf`` extra).
     """
-    import gguf
-
     path = Path(path)
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    gguf = require("gguf", f"loading the GGUF file {path}")
     try:
         reader = gguf.GGUFReader(path, "r")
         arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)

@@ -24,14 +24,10 @@ from dataclasses import dataclass, field, fields
 
 from .jsonio import (
     JsonResult,
-    atomic_path,
     decode_float,
     decode_tree,
-    default_mode,
     encode_float,
     encode_tree,
-    write_json_atomic,
-    write_text_atomic,
 )
 from .protocols import PROTOCOLS, probe_kinds, protocol_of, SWAP_PROTOCOLS
 

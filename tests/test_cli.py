@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
 from hf_layerswap import SwapReport
+from hf_layerswap.cli import demo as demo_verb
 from hf_layerswap.cli import main
+from hf_layerswap.models import load_model
 
 
 _tiny_checkpoint = tiny_checkpoint
@@ -136,6 +138,32 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
     assert final["max_evaluations"] == final["total_cost"]["evaluator_calls"] <= 8 + 2
     assert f"budgets [1, 2] in one call): {final['total_cost']['evaluator_calls']} candidate sets," in out
     assert json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]["removed_layers"] == final["selected"]
+
+
+def test_demo_runs_on_a_model_whose_embedding_is_offloaded_to_disk(tmp_path, capsys, monkeypatch):
+    """The demo's timing pass sends the prompts to the input embedding's execution device
+    (hl.devices.input_device), not to the device of the model's first parameter: an
+    embedding offloaded to disk has its weight on "meta" between calls."""
+    _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_blocks=4, max_position_embeddings=512))
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "cpu" for i in range(4)}}
+
+    def offloaded(args):
+        return load_model(args.model, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+
+    monkeypatch.setattr(demo_verb, "load", offloaded)
+    model, _ = offloaded(type("Args", (), {"model": str(tmp_path / "base")}))
+    assert next(model.parameters()).device.type == "meta"  # the embedding's weight, offloaded
+    calib = _calibration_file(tmp_path / "calib.txt", n=8)
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join(f"w{(k * 13) % 120}" for k in range(600)))
+    rc = main(["demo", "--model", str(tmp_path / "base"), "--calibration", str(calib), "--eval-text", str(text),
+               "--num-prompts", "4", "--budgets", "1", "--final-num-to-remove", "1", "--eval-max-words", "300",
+               "--output", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("estimated time: about "))
+    assert len(json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]["removed_layers"]) == 1
 
 
 def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):

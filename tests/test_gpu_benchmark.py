@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import REPO_ROOT
 
@@ -57,6 +58,13 @@ def test_gpu_benchmark_smoke_run_writes_the_page_and_its_json(tmp_path):
     assert len({r["block_evaluations"] for r in b["scoring"]}) == 1  # the budget changes how, not what
     prune = b["prune"]
     assert len(prune["removed"]) == 2 and prune["flops"] > 0 and prune["seconds"] > 0
+    # the search's candidate sets, from its cost record (the selection record has no "evaluations")
+    assert isinstance(prune["evaluations"], int) and prune["evaluations"] >= 1
+    # the estimate of (b)'s prune is printed before any part runs
+    estimate = data["estimate"]
+    assert estimate["lines"] and estimate["lines"][0] in done.stderr
+    assert done.stderr.index(estimate["lines"][0]) < done.stderr.index("(a) smollm2-135m")
+    assert done.stderr.index("(b)'s default prune, estimated before the run (hl.estimate_cost):") == 0
     # bf16 bytes of the smoke shape: embeddings and head 2 x 512 x 64, six blocks of q/o 64 x 64,
     # k/v 64 x 32 (2 KV heads of 16), gate/up/down 64 x 160 and two norms of 64, a final norm of 64
     assert b["weights_bytes"] == 2 * (2 * 512 * 64 + 6 * (2 * 4096 + 2 * 2048 + 3 * 10240 + 128) + 64)
@@ -85,3 +93,21 @@ def test_matmul_flop_counter_by_hand():
         torch.nn.functional.scaled_dot_product_attention(q, torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8))
         torch.randn(100).exp()  # not a product
     assert counter.flops == 2 * 15 * 11 * 7 + 2 * (2 * 4 * 2 * 6) + 4 * (2 * 5 * 8) * 9
+
+
+def test_a_failing_part_keeps_the_parts_measured_before_it(tmp_path, monkeypatch):
+    """Each part's results are written as it ends: a crash in part (b) leaves (a) in the JSON
+    (and no page, which needs all three parts)."""
+    gpu = _module()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("out of memory in part (b)")
+
+    monkeypatch.setattr(gpu, "llama_8b", crash)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(RuntimeError, match="out of memory in part"):
+        gpu.main(["--smoke", "--out", str(tmp_path / "gpu.md"), "--parts", "a", "b"])
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert [m["model"] for m in data["agreement"]] == ["tiny-llama"] and data["llama_8b"] is None
+    assert set(data["agreement"][0]["spearman"]) == {"replacement", "interchange"}
+    assert not (tmp_path / "gpu.md").exists()

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -154,6 +155,21 @@ def test_default_endpoint_and_branch(hub, pruned):
     assert hub.commits("user/branchy", "main") == []
     (commit,) = hub.commits("user/branchy", "v1")
     assert commit.oid == info.oid and "README.md" in commit.files
+
+
+def test_unreachable_endpoint_is_a_push_error_naming_it(pruned, monkeypatch):
+    """A connection that fails raises the HTTP client's own error (the client huggingface_hub
+    imported: httpx2 or httpx); push_to_hub turns it into HubPushError, nothing committed."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # online: the connection itself fails
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(HubPushError, match=rf"could not prepare user/nowhere@main on {re.escape(url)}: .*Nothing was "
+                                           r"committed\.") as info:
+        push_to_hub(pruned, "user/nowhere", token=TOKEN, endpoint=url)
+    assert info.value.committed is False
 
 
 @pytest.mark.parametrize("mode", [500, 503, "drop"])

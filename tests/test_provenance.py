@@ -41,7 +41,7 @@ def test_library_versions_one_collector():
 
 def test_identity_has_one_owner():
     assert peeling_core.report_identity is provenance.report_identity
-    assert surgery.model_fingerprint is plan.model_fingerprint is provenance.model_fingerprint
+    assert surgery.model_fingerprint is plan.model_fingerprint
     assert "model_identity" not in models.__all__ and "model_identity" not in scoring.__all__
 
 

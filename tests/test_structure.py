@@ -5,8 +5,9 @@
 - ``benchmarks/`` and ``tests/`` use public names only: no ``from hf_layerswap.x import
   _private`` and no ``module._private`` attribute of an ``hf_layerswap`` module (a
   private attribute of a public class, e.g. to patch it in a test, is not counted);
-- no module of ``benchmarks/`` or ``tests/`` imports a name at module level that it never
-  uses;
+- no module of the package, ``benchmarks/`` or ``tests/`` imports a name at module level that
+  it never uses (a package's ``__init__`` may import from its own submodules: those names
+  are the package's namespace, or the import registers built-ins);
 - no module is over :data:`MAX_LINES` lines unless the top of its docstring says why
   (the :data:`LARGE_MODULE_MARKER` phrase);
 - no function or method of the package is over :data:`MAX_FUNCTION_LINES` lines;
@@ -331,10 +332,13 @@ def test_no_private_names_outside_the_package(folder):
 
 def _unused_imports(path: Path) -> list[str]:
     """``file:line name`` for every name a module-level import binds that the module never
-    reads (as a name, an attribute's root or an entry of ``__all__``)."""
+    reads (as a name, an attribute's root or an entry of ``__all__``). A package's
+    ``__init__.py`` is not asked about its relative imports: they are its namespace."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     bound = {}
     for node in tree.body:
+        if path.name == "__init__.py" and isinstance(node, ast.ImportFrom) and node.level:
+            continue
         if isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.module != "__future__":
             for alias in node.names:
                 bound.setdefault(alias.asname or alias.name.split(".")[0], node.lineno)
@@ -351,10 +355,16 @@ def test_unused_import_finder(tmp_path):
                     "from a.b import c, d  # noqa: E402\nimport x.y\n__all__ = ['d']\n\n\n"
                     "def f():\n    import json\n    return sys.argv, x.y\n")
     assert _unused_imports(path) == ["probe.py:2 os", "probe.py:3 np", "probe.py:4 c"]
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import os\nfrom . import sub\nfrom .sub import thing\n")
+    (package / "mod.py").write_text("from .sub import thing\n")
+    assert _unused_imports(package / "__init__.py") == ["__init__.py:1 os"]
+    assert _unused_imports(package / "mod.py") == ["mod.py:1 thing"]
 
 
-@pytest.mark.parametrize("folder", ["benchmarks", "tests"])
-def test_no_unused_imports_outside_the_package(folder):
+@pytest.mark.parametrize("folder", ["hf_layerswap", "benchmarks", "tests"])
+def test_no_unused_imports(folder):
     bad = [name for path in sorted((ROOT / folder).rglob("*.py")) for name in _unused_imports(path)]
     assert not bad, f"{folder}/ imports names it never uses:\n" + "\n".join(bad)
 
@@ -598,3 +608,57 @@ def test_exceptions_to_the_naming_rule_are_current():
 def test_test_modules_are_named_after_components():
     bad = _misnamed_test_modules(TESTS, COMPONENTS)
     assert not bad, "test modules organised by something other than a component:\n" + "\n".join(bad)
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_package_data_patterns_name_files_that_exist():
+    """Every ``package-data`` pattern ships at least one file (``py.typed`` marks the package
+    as typed, PEP 561)."""
+    data = _pyproject()["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in data["hf_layerswap"]
+    missing = [f"{package}: {pattern}" for package, patterns in data.items() for pattern in patterns
+               if not list((ROOT / package.replace(".", "/")).glob(pattern))]
+    assert not missing, "package-data patterns that match no file:\n" + "\n".join(missing)
+
+
+#: Package files that are not imported by the package: ``evaluate.load`` runs the metric
+#: module as a script, and its imports of ``evaluate`` and ``datasets`` are what it reads.
+NOT_IMPORTED = ("hf_layerswap.metrics.perplexity.perplexity",)
+
+
+def _optional_packages() -> set[str]:
+    """The keys of ``hf_layerswap.extras.EXTRAS``, read from its source."""
+    tree = ast.parse((PACKAGE / "extras.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EXTRAS" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("hf_layerswap/extras.py defines no EXTRAS")
+
+
+def _module_level_optional_imports(module: str, path: Path, optional: set[str]) -> list[str]:
+    return [f"{path.relative_to(path.parents[len(module.split('.')) - 1])}:{line} imports {name}"
+            for name, function, line in _imports(module, path)
+            if function is None and name.split(".")[0] in optional]
+
+
+def test_optional_import_finder(tmp_path):
+    path = tmp_path / "pkg" / "probe.py"
+    path.parent.mkdir()
+    path.write_text("import os\nimport gguf\nfrom matplotlib.figure import Figure\n\n\n"
+                    "def f():\n    import peft\n    return peft\n")
+    assert _module_level_optional_imports("pkg.probe", path, {"gguf", "matplotlib", "peft"}) == [
+        "pkg/probe.py:2 imports gguf", "pkg/probe.py:3 imports matplotlib.figure"]
+
+
+def test_no_module_imports_an_optional_package_at_module_level():
+    """``import hf_layerswap`` (and every module of it) works without the extras: an optional
+    package is imported inside the function that needs it (``hf_layerswap.extras.require``)."""
+    optional = _optional_packages()
+    assert {"datasets", "gguf", "lm_eval", "matplotlib", "peft", "evaluate"} <= optional
+    bad = [hit for module, path in MODULES.items() if module not in NOT_IMPORTED
+           for hit in _module_level_optional_imports(module, path, optional)]
+    assert not bad, "module-level imports of optional packages (import them where they are used):\n" + "\n".join(bad)

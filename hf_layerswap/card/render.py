@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
+from ..extras import available, install_hint
 from ..history import card_notice, history_status
 from ..jsonio import write_json_atomic
 from ..plots import PLOT_FILES, planned_plots, write_healing_plot, write_plots, write_sparsity_plot
@@ -48,6 +49,7 @@ def render_card(
     tokenizer_included: bool = True,
     sparsity_report=None,
     tasks=None,
+    plots_not_drawn: str | None = None,
 ):
     """Render the model card of a (pruned, sparsified, repaired) model.
 
@@ -79,6 +81,8 @@ def render_card(
             (:class:`~hf_layerswap.tasks.TaskResults` from :func:`~hf_layerswap.evaluate_tasks`,
             or their dicts), rendered as a table and ``model-index`` entries; both must be
             measured under the same settings.
+        plots_not_drawn: why the plots were not drawn (e.g. matplotlib is not installed);
+            the card's Files section says so. :func:`write_card_files` passes it.
 
     A repair of the cut recorded in ``config.layerswap["recovery"]`` (see
     :mod:`hf_layerswap.recovery`) is named in the removal table; for Ghosted Layers
@@ -128,7 +132,7 @@ def render_card(
     title, summary = _title_and_summary(f, name, front, evaluation, eval_section)
     context = _body(f, config, report, eval_section, sparsity_report, plot_keys, evaluation,
                     repo_id or "path/to/this/checkpoint", tokenizer_included)
-    context.update(title=title, summary=summary)
+    context.update(title=title, summary=summary, plots_not_drawn=plots_not_drawn)
     card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
     text = re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n"
     heal_md = healing_section(f.record, plot=PLOT_FILES["healing"] if "healing" in plot_keys else None)
@@ -374,7 +378,9 @@ def write_card_files(
     ``layerswap_sparsity.json`` (when ``sparsity_report``, a ``SparsityReport``, is given; it loads
     back with ``SparsityReport.from_json``). The per-block sparsity plot is drawn whenever
     the card has a sparsity section (see :func:`render_card`).
-    Without matplotlib the card is written without plots (a warning is logged).
+    Without matplotlib (the ``plots`` extra) the card and every sidecar are written without
+    the plots, and the card's Files section says that they were not drawn and why (a
+    warning is logged too).
 
     Returns:
         ``{file name: path}`` of everything written.
@@ -404,25 +410,33 @@ def write_card_files(
     plot_keys: list[str] = []
     model, config = split_model(model_or_config)
     sparse = sparsity_summary(config, sparsity_report)
-    try:
-        if report is not None:
-            paths = write_plots(report, directory, removed=layerswap_record(config).get("removed_layers", []))
-            plot_keys = list(paths)
-            written.update({p.name: p for p in paths.values()})
-        healed = getattr(model, "layerswap_heal_report", None) if model is not None else None
-        if healed is not None and (layerswap_record(config).get("healing") or [{}])[-1].get("kl_after") == healed.kl_after:
-            written[HEALING_FILE] = healed.to_json(directory / HEALING_FILE)
+    draw = available("matplotlib")
+    planned = planned_plots(report, sparsity=sparse is not None)
+    if draw and report is not None:
+        paths = write_plots(report, directory, removed=layerswap_record(config).get("removed_layers", []))
+        plot_keys = list(paths)
+        written.update({p.name: p for p in paths.values()})
+    healed = getattr(model, "layerswap_heal_report", None) if model is not None else None
+    if healed is not None and (layerswap_record(config).get("healing") or [{}])[-1].get("kl_after") == healed.kl_after:
+        written[HEALING_FILE] = healed.to_json(directory / HEALING_FILE)
+        planned.append("healing")
+        if draw:
             path = write_healing_plot(healed.to_dict(), directory / PLOT_FILES["healing"])
             plot_keys.append("healing")
             written[path.name] = path
-        if sparse is not None:
-            kept = original_indices(config, current_blocks(model, config))
-            path = write_sparsity_plot(sparse, directory / PLOT_FILES["sparsity"], kept=kept)
-            plot_keys.append("sparsity")
-            written[path.name] = path
-    except ImportError as err:
-        logger.warning("matplotlib is not installed (%s): the card is written without plots", err)
-    card = render_card(model_or_config, plots=plot_keys, **kwargs)
+    if draw and sparse is not None:
+        kept = original_indices(config, current_blocks(model, config))
+        path = write_sparsity_plot(sparse, directory / PLOT_FILES["sparsity"], kept=kept)
+        plot_keys.append("sparsity")
+        written[path.name] = path
+    not_drawn = None
+    if not draw and planned:
+        files = ", ".join(f"`{PLOT_FILES[k]}`" for k in planned)
+        not_drawn = (f"The plots ({files}) were not drawn: matplotlib is not installed "
+                     f"(`{install_hint('matplotlib')}` draws them).")
+        logger.warning("matplotlib is not installed: the card is written without its plots (%s)",
+                       install_hint("matplotlib"))
+    card = render_card(model_or_config, plots=plot_keys, plots_not_drawn=not_drawn, **kwargs)
     problems = check_card(card, directory)
     if problems:
         raise ValueError("the rendered card is not valid: " + "; ".join(problems))

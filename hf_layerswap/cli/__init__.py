@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..extras import MissingExtraError
 from . import demo, export_gguf, heal, peel, prune, push, score
 from . import eval as eval_verb
 from .demo import DEFAULT_MODEL, demo_config, run_demo
@@ -49,6 +50,8 @@ def main(argv=None, prog: str = "hf-layerswap") -> int:
     - 2: an argument error (argparse's ``error:`` line) or a ``ValueError``,
       ``FileNotFoundError`` or ``FileExistsError`` of the run (``error: ...``); the paths
       are checked before any model loads (:func:`~hf_layerswap.cli.common.check_paths`);
+      an optional package the run needs and does not find
+      (:class:`~hf_layerswap.extras.MissingExtraError`, naming the extra to install);
     - 1: any other ``OSError`` while the verb runs, e.g. a full disk (``error: ...``; the
       writes are all or nothing, so nothing half-written is left);
     - 130: interrupted (Ctrl-C, SIGINT): ``interrupted ...``; with ``--resume DIR`` the
@@ -58,7 +61,7 @@ def main(argv=None, prog: str = "hf-layerswap") -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, MissingExtraError) as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     except OSError as err:

@@ -126,8 +126,10 @@ class _WorkPlan:
 
 
 def _seconds_per_token(model, batch) -> float:
-    """Seconds of one forward pass per real token on ``batch`` (the second of two runs)."""
-    device = next(model.parameters()).device
+    """Seconds of one forward pass per real token on ``batch`` (the second of two runs). The
+    prompts go to the input embedding's execution device (a split or offloaded model's first
+    parameter may sit on another device, or on "meta")."""
+    device = input_device(model)
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     with torch.no_grad():
         for _ in range(2):

@@ -10,12 +10,12 @@ contract (text hash, window, stride, BOS, dtype, versions) is inside each result
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
 from ..calibration import read_text_file
 from ..evaluation import evaluate_perplexity
+from ..extras import require
 from ..jsonio import encode_tree, write_json_atomic
 from ..models import load_model
 from ..provenance import model_identity
@@ -106,8 +106,8 @@ def _check_args(args) -> None:
     for path in args.include_path or []:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"--include-path {path!r} is not a folder of task YAML files")
-    if args.tasks and importlib.util.find_spec("lm_eval") is None:
-        raise ValueError("--tasks needs lm-evaluation-harness: pip install 'hf-layerswap[lm-eval]'")
+    if args.tasks:
+        require("lm_eval", "--tasks (lm-evaluation-harness)")
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file,
                 outputs=[("--output", args.output, "file")], reads=input_paths(args), overwrite=args.overwrite)
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import sys
 
-import gguf
-
+from ..extras import require
 from ..gguf_export import CONVERTER_ENV, OUTTYPES, GGUFConversionError, GGUFConverterNotFoundError, export_gguf
 from .common import HELP_FORMATTER, check_paths
 
@@ -42,6 +41,7 @@ def run_export_gguf(args) -> int:
     """The ``export-gguf`` verb."""
     check_paths(inputs=[("CHECKPOINT", args.checkpoint)], outputs=[("OUTPUT", args.output, "file")],
                 overwrite=args.overwrite)
+    gguf = require("gguf", "export-gguf")
     try:
         path = export_gguf(args.checkpoint, args.output, outtype=args.outtype, converter=args.converter,
                            overwrite=args.overwrite)

@@ -73,8 +73,8 @@ def prune_config(args):
     if args.max_evaluations is not None and args.strategy != "search":
         raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
     heal = heal_config(args, prefix="heal-", method=args.heal) if args.heal is not None else None
-    if heal is None and heal_config(args, prefix="heal-", method="lora") != heal_config(
-            _defaults(args), prefix="heal-", method="lora"):
+    defaults = vars(_defaults(args))  # the --heal-* values as given, not a HealConfig (no method is chosen)
+    if heal is None and any(value != defaults[key] for key, value in vars(args).items() if key.startswith("heal_")):
         raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
     return LayerSwapConfig(
         num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,

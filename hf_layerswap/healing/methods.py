@@ -6,7 +6,8 @@
         def prepare(self, model, options): ...   # returns the module to train
         def finish(self, trained): ...          # returns the plain transformers model
 
-The built-ins: ``"lora"`` (PEFT LoRA on the attention and MLP projections, merged back),
+The built-ins: ``"lora"`` (PEFT LoRA on the attention and MLP projections, merged back;
+needs ``peft``, the ``heal`` extra),
 ``"adjacent"`` (the blocks on each side of every cut, plus norms) and ``"last_k"`` (the
 last ``k`` blocks, the final norm and the head).
 """
@@ -16,9 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from ..extras import require
 from ..plan import decoder_blocks
 
 __all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "register_heal_method"]
@@ -125,6 +126,7 @@ class LoRA(HealMethod):
 
     def check_options(self, options, blocks=None):
         super().check_options(options, blocks)
+        require("peft", "healing with method='lora'")  # refused before any training
         rank = options.get("lora_r", 16)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"lora_r={rank!r}: must be an int >= 1 (the LoRA rank)")
@@ -138,8 +140,9 @@ class LoRA(HealMethod):
         if not targets:
             raise ValueError(f"method='lora' found none of {LORA_TARGETS} in the model's linear layers")
         rank = options.get("lora_r", 16)
-        config = LoraConfig(r=rank, lora_alpha=options.get("lora_alpha", 2 * rank), lora_dropout=0.0, target_modules=targets)
-        return get_peft_model(model, config)
+        peft = require("peft", "healing with method='lora'")
+        config = peft.LoraConfig(r=rank, lora_alpha=options.get("lora_alpha", 2 * rank), lora_dropout=0.0, target_modules=targets)
+        return peft.get_peft_model(model, config)
 
     def finish(self, trained):
         return trained.merge_and_unload()

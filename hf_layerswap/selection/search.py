@@ -68,7 +68,7 @@ from ..protocols import PROTOCOLS
 from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from .common import CriterionResult, as_calibration, adjacent_report, report_cost
-from .objectives import OBJECTIVES, SetObjective
+from .objectives import SetObjective
 from .registry import Criterion, keyword_options, register_strategy
 
 __all__ = ["check_max_evaluations", "search_allowances", "search_criterion", "search_select"]
