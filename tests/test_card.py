@@ -18,6 +18,7 @@ from publish_helpers import (
     REPLACEMENT_SET,
     hand_report,
     pruned,  # noqa: F401 (fixture)
+    pruned_tiny,
     report,  # noqa: F401 (fixture)
 )
 
@@ -259,6 +260,25 @@ def test_a_removal_of_named_blocks_reproduces_without_a_protocol(report):
     text = render_card(model.config, report=report, base_model=BASE_MODEL).text
     assert "| Protocol guiding the removal | none recorded |" in text
     assert "quantization_config=LayerSwapConfig(layers=[2, 4])," in text
+
+
+def test_the_scored_model_row_names_the_scored_base_not_the_last_model_loaded():
+    """A pruned checkpoint pushed from its folder or repo: the report names the base it scored;
+    the model as loaded names the pruned checkpoint, which was never scored."""
+    report = hand_report()
+    report.metadata["model"] = {"name": BASE_MODEL, "revision": "a1b2c3", "class": "LlamaForCausalLM"}
+    model = pruned_tiny(report)
+    model.layerswap_identity = {"name": "me/tiny-pruned-4L", "revision": "d4e5f6", "source": None}
+    text = render_card(model, report=report).text
+    assert f"| Scored model | {BASE_MODEL} @ a1b2c3 |" in text
+    assert f"[{BASE_MODEL}](https://huggingface.co/{BASE_MODEL})" in text  # the base model, not the pruned repo
+    # without a report: the base model the removal record names, never the pruned checkpoint itself
+    model.config.layerswap["base_model"] = BASE_MODEL
+    model.config.layerswap["steps"][0]["calibration"] = dict(report.metadata["calibration"])
+    text = render_card(model).text
+    assert f"| Scored model | {BASE_MODEL} |" in text and "tiny-pruned-4L" not in text.split("## Calibration")[-1]
+    del model.config.layerswap["base_model"]
+    assert "| Scored model |" not in render_card(model).text
 
 
 def test_the_example_card_shows_what_the_default_path_publishes():

@@ -29,7 +29,7 @@ from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell,
 __all__ = [
     "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis", "normalize_evaluation",
     "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches",
-    "resolve_base_model", "resolve_license", "selection_rule", "sparsity_mismatches",
+    "resolve_base_model", "resolve_license", "scored_identity", "selection_rule", "sparsity_mismatches",
     "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance", "step_strategy",
     "weights_identity",
 ]
@@ -349,10 +349,10 @@ def _is_hub_id(name) -> bool:
 
 
 def weights_identity(model, report) -> dict:
-    """What is known about the weights the model came from (see hf_layerswap.models)."""
+    """What is known about the weights the model came from (see hf_layerswap.models): the
+    loader's identity of ``model``, overlaid by the report's (the report names the base that
+    was scored; the model may since have been saved and loaded from its pruned folder or repo)."""
     ident = {}
-    if report is not None:
-        ident.update({k: v for k, v in (report.metadata.get("model") or {}).items() if v})
     if model is not None:
         recorded = getattr(model, "layerswap_identity", None)
         if not isinstance(recorded, Mapping):
@@ -362,7 +362,26 @@ def weights_identity(model, report) -> dict:
                 recorded = None
         if isinstance(recorded, Mapping):
             ident.update({k: v for k, v in recorded.items() if v})
+    if report is not None:
+        ident.update({k: v for k, v in (report.metadata.get("model") or {}).items() if v})
     return ident
+
+
+def scored_identity(report, record: Mapping, ident: Mapping) -> dict:
+    """The identity of the model the scores were computed on (the card's "Scored model"):
+    the report's; without a report, the base model ``config.layerswap`` records for a pruned
+    model (``{}`` when it records none: the model's own identity is then the pruned
+    checkpoint's, not the scored base's), and the model's own identity while nothing was
+    removed from it."""
+    if report is not None:
+        mine = {k: v for k, v in (report.metadata.get("model") or {}).items() if v}
+        if mine.get("name"):
+            return mine
+    if record.get("steps"):
+        base = record.get("base_model")
+        base = base.get("name") if isinstance(base, Mapping) else base
+        return {"name": base} if isinstance(base, str) and base else {}
+    return dict(ident)
 
 
 def resolve_base_model(explicit, config, record, ident) -> str | None:

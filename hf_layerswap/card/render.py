@@ -23,7 +23,7 @@ from ..sparsity import sparsity_in_model
 from ..surgery import original_indices
 from ..tasks import task_card_section
 
-from .checks import current_blocks, weights_identity, normalize_evaluation, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
+from .checks import current_blocks, weights_identity, normalize_evaluation, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
 from .healing import HEALING_FILE, healing_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
 from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
@@ -170,7 +170,7 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
         removed_kl=removed_kl,
         why=why,
         evaluation=eval_section,
-        calibration=calibration_rows(report, f.steps, f.ident),
+        calibration=calibration_rows(report, f.steps, scored_identity(report, f.record, f.ident)),
         cost=cost_rows(report),
         sparsity=sparsity_section(f.sparse, sparsity_report, config, f.current) if f.sparse is not None else None,
         attached_modules=f.repairer.card_modules if f.attaches else None,

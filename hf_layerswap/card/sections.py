@@ -239,7 +239,8 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
 
 
 def calibration_rows(report, steps, ident) -> list:
-    """Rows of the card's calibration table (source, content hash, prompts, tokens) from the report or the removal record."""
+    """Rows of the card's calibration table (source, content hash, prompts, tokens) from the report or the removal
+    record; ``ident`` is the scored model's identity (:func:`~hf_layerswap.card.checks.scored_identity`)."""
     meta = report.metadata if report is not None else {}
     cal = dict(meta.get("calibration") or {})
     if not cal:
