@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from publish_helpers import BASE_MODEL, EVALUATION, hand_report, pruned_tiny
+from publish_helpers import BASE_MODEL, evaluation_of, hand_report, pruned_tiny
 
 from conftest import tiny_batch, tiny_model
 from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
@@ -55,7 +55,7 @@ def test_sparsify_records_its_summary_in_the_config(sparse_pruned):
 
 def test_card_sparsity_section_carries_the_report_numbers(sparse_pruned):
     model, report = sparse_pruned
-    card = render_card(model, report=hand_report(), evaluation=EVALUATION, base_model=BASE_MODEL,
+    card = render_card(model, report=hand_report(), evaluation=evaluation_of(model), base_model=BASE_MODEL,
                        sparsity_report=report, plots=[])
     data = card.data.to_dict()
     assert data["tags"] == ["layerswap", "layer-pruning", "interchange", "sparsity", "wanda"]

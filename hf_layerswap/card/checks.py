@@ -4,7 +4,6 @@ license, parameter counts, the removal steps and their selection rule."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,7 @@ from ..surgery import original_indices
 from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell, format_indices
 
 __all__ = [
-    "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis", "normalize_evaluation",
+    "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis",
     "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches",
     "resolve_base_model", "resolve_license", "scored_identity", "selection_rule", "sparsity_mismatches",
     "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance", "step_strategy",
@@ -309,39 +308,6 @@ def recovery_row(recovery: Mapping) -> tuple[str, str] | None:
     method = recovery_entry(recovery["method"])
     cell = method.card_row(recovery, format_indices) if method is not None else format_cell(recovery["method"])
     return ("Repair of the cut", cell)
-
-
-def normalize_evaluation(evaluation) -> dict[str, dict] | None:
-    """``{"base": ..., "pruned": ...}`` of perplexity results -> plain dicts.
-
-    Each value may be a :class:`hf_layerswap.evaluation.PerplexityResult` (anything with
-    ``to_dict()``) or its dict (keys ``ppl``, ``nll``, ``tokens``, ``windows``,
-    ``ci_low``, ``ci_high``, ``contract``). Either key may be missing.
-
-    Raises:
-        TypeError: ``evaluation`` is not a mapping, or a value is neither a result nor a dict.
-        ValueError: an unknown key, or a value without a finite positive ``ppl``.
-    """
-    if evaluation is None:
-        return None
-    if not isinstance(evaluation, Mapping):
-        raise TypeError(f"evaluation must be a dict {{'base': ..., 'pruned': ...}}, got {type(evaluation).__name__}")
-    unknown = sorted(set(evaluation) - {"base", "pruned"})
-    if unknown:
-        raise ValueError(f"evaluation has unknown keys {unknown}: allowed 'base' and 'pruned'")
-    out = {}
-    for key, value in evaluation.items():
-        if value is None:
-            continue
-        if hasattr(value, "to_dict"):
-            value = value.to_dict()
-        if not isinstance(value, Mapping):
-            raise TypeError(f"evaluation[{key!r}] must be a PerplexityResult or its dict, got {type(value).__name__}")
-        ppl = value.get("ppl")
-        if not isinstance(ppl, (int, float)) or isinstance(ppl, bool) or not math.isfinite(ppl) or ppl <= 0:
-            raise ValueError(f"evaluation[{key!r}]['ppl'] must be a finite positive number, got {ppl!r}")
-        out[key] = json.loads(json.dumps(dict(value), default=str))
-    return out or None
 
 
 def _is_hub_id(name) -> bool:
