@@ -42,7 +42,7 @@ from .healing.core import MAX_SEED
 from .healing.measure import check_eval_tasks
 from .plan import as_index, decoder_blocks
 from .provenance import public_name
-from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recovery_method
+from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recovery_method, recovery_entry
 from .rule import resolve_protect
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
@@ -411,6 +411,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
             ``"removal_kl"``, also with ``recovery="ghosted"``: on SmolLM2-135M the sets it
             picks are better after the repair than those the in-sample ``"ghosted"``
             objective picks, at every n = 1..6 (``benchmarks/results/quality-smollm2-135m.md``).
+            An objective that scores sets after a repair (``"ghosted"``) needs that repair
+            as ``recovery`` (refused otherwise: the saved model would be the unrepaired cut).
         max_evaluations: most candidate sets ``"search"`` scores in all (default ``None``: no cap
             beyond each budget's allowance, SLEB's schedule: U - (n - 1) sets at budget n for
             U removable blocks).
@@ -567,6 +569,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
         self._validate_recovery()
+        self._validate_objective()
         self._validate_sparsity()
         self._validate_heal()
         if layers is not None and self._protect_given:
@@ -587,6 +590,23 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
         if eps is not None:  # inf and values where the ridge fit means nothing (recovery.MAX_EPSILON)
             check_epsilon(eps, f"LayerSwapConfig(recovery_epsilon={eps!r})")
+
+    def _validate_objective(self) -> None:
+        """An objective that scores each set after a repair (a recovery method that serves as a
+        search objective) needs that repair: without it the saved model is the unrepaired cut,
+        and the card would quote the repaired value of a model that does not exist."""
+        repair = recovery_entry(self.objective)
+        if repair is None or not repair.search_objective:
+            return
+        method = self.recovery.method if self.recovery is not None else None
+        if method != repair.name:
+            plain = [o for o in get_args(ObjectiveName) if recovery_entry(o) is None]
+            raise ValueError(
+                f"LayerSwapConfig(objective={self.objective!r}, recovery={method!r}) is contradictory: the "
+                f"{self.objective!r} objective scores each set after the {repair.name!r} repair, but "
+                f"recovery={method!r} saves the model without it; pass recovery={repair.name!r} too, or an "
+                f"objective that assumes no repair ({plain})"
+            )
 
     def _validate_heal(self) -> None:
         self.heal = _as_heal(self.heal)

@@ -8,7 +8,9 @@ checkpoint (a mergekit passthrough that drops or reorders blocks, a hand-edited
 and it then describes a model that no longer exists.
 
 :func:`verify_history` compares the record with the model: block count, the kept/removed
-lists (sorted, disjoint, covering the original depth), the last step's block count, and
+lists (sorted, disjoint, covering the original depth), the removal steps replayed from the
+original blocks (each step's indices name the original blocks it records, and together the
+steps removed exactly ``removed_layers``), the last step's block count, and
 the fingerprint recorded after the last step where one is present and comparable (same
 parameter dtype, and no later step of this library that changed the weights on purpose:
 sparsification or a repair of the cut). On a mismatch it warns once, naming the probable
@@ -113,6 +115,8 @@ def history_problems(model: nn.Module, *, fingerprint: bool = True) -> list[str]
             f"config.layerswap kept + removed blocks do not make up the original {original} blocks 0..{original - 1}"
         )
     steps = record.get("steps") or []
+    if not problems:
+        problems += _step_problems(steps, original, removed)
     last = steps[-1] if steps and isinstance(steps[-1], Mapping) else {}
     if "num_blocks_after" in last and last["num_blocks_after"] != n:
         problems.append(f"the last removal step left {last['num_blocks_after']} blocks but the model has {n}")
@@ -131,6 +135,30 @@ def history_problems(model: nn.Module, *, fingerprint: bool = True) -> list[str]
             f"{recorded[:12]} recorded, {model_fingerprint(model)[:12]} now)"
         )
     return problems
+
+
+def _step_problems(steps, original: int, removed: list[int]) -> list[str]:
+    """The removal steps replayed from the original ``0..original-1`` blocks: each step's
+    local indices must name the original blocks it records, and together the steps must
+    have removed exactly ``removed`` (empty list = they agree; steps that do not record
+    their indices are not replayed)."""
+    kept = list(range(original))
+    for k, step in enumerate(steps):
+        local = _index_list(step.get("removed_layers")) if isinstance(step, Mapping) else None
+        recorded = _index_list(step.get("removed_original_layers")) if isinstance(step, Mapping) else None
+        if local is None or recorded is None:
+            return []
+        if any(not 0 <= i < len(kept) for i in local):
+            return [f"removal step {k} removed blocks {local} but only {len(kept)} blocks were left before it"]
+        mapped = [kept[i] for i in local]
+        if mapped != recorded:
+            return [f"removal step {k} removed blocks {local} of {len(kept)}, which are original blocks {mapped}, "
+                    f"but it records original blocks {recorded}"]
+        kept = [b for j, b in enumerate(kept) if j not in set(local)]
+    if steps and sorted(set(range(original)) - set(kept)) != removed:
+        return [f"config.layerswap lists removed blocks {removed} but its removal steps removed "
+                f"{sorted(set(range(original)) - set(kept))} (original numbering)"]
+    return []
 
 
 def probable_cause(problems: list[str]) -> str:

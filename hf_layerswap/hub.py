@@ -13,7 +13,9 @@ Guarantees:
 - refusal before any network call: a model whose surgery invariants fail
   (:func:`~hf_layerswap.surgery.check_surgery_invariants`), a report that does not belong to the
   model (:func:`~hf_layerswap.card.report_mismatches`), a removal chosen on non-finite
-  values (:func:`~hf_layerswap.card.nonfinite_basis`), bad evaluation input, a bad repo id;
+  values (:func:`~hf_layerswap.card.nonfinite_basis`), bad evaluation input (no contract, two
+  contracts, or results of other weights: :func:`~hf_layerswap.card.evaluation_mismatches`), a
+  bad repo id;
 - one commit or none: the commit names the head it was prepared against
   (``parent_commit``), so a concurrent writer or a replayed request cannot stack a second
   commit; transient server errors (408, 429, 5xx, dropped connections) are retried by
@@ -53,6 +55,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
 from .card import (
+    evaluation_mismatches,
     nonfinite_basis,
     normalize_evaluation,
     report_mismatches,
@@ -60,6 +63,7 @@ from .card import (
     sparsity_refusal,
     write_card_files,
 )
+from .card.evaluation import is_eval_result
 from .history import history_problems, probable_cause
 from .jsonio import carry_over, move_into_place, remove_stale_staging, staging_folder, unlock
 from .provenance import __version__
@@ -180,9 +184,13 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
             "the plainly pruned model"
         )
     try:
-        return normalize_evaluation(evaluation), sparsity_report
+        evaluation = normalize_evaluation(evaluation)
     except ValueError as err:
         raise PushRefusedError(str(err)) from None
+    problems = evaluation_mismatches(model, evaluation, report)
+    if problems:
+        raise PushRefusedError("the evaluation does not belong to this model: " + "; ".join(problems))
+    return evaluation, sparsity_report
 
 
 def _attached_sparsity_report(model):
@@ -267,7 +275,9 @@ def push_to_hub(
         report: the :class:`SwapReport` the removal was selected from; written to
             ``layerswap_report.json`` and shown on the card.
         evaluation: ``{"base": ..., "pruned": ...}`` perplexity results
-            (``PerplexityResult`` or their dicts), shown on the card and in ``model-index``.
+            (``PerplexityResult``, their dicts, or ``hf-layerswap eval`` results), shown on the
+            card and in ``model-index``; each must record its contract (both the same one) and
+            the weights it measured: ``base`` the scored base model, ``pruned`` this model.
         private: create the repository as private (an existing one keeps its visibility).
         token: Hub token; default: huggingface_hub's (``HF_TOKEN`` or ``hf auth login``).
             It is handed to ``HfApi`` and never written or logged.
@@ -293,8 +303,9 @@ def push_to_hub(
         PushRefusedError: failed surgery invariants, a report or sparsity report of
             another model (or of weights changed since), a removal chosen on non-finite
             values (:func:`~hf_layerswap.card.nonfinite_basis`), a bad
-            ``repo_id``/``revision``/``commit_message``/``evaluation``; raised before any
-            network call, nothing is written.
+            ``repo_id``/``revision``/``commit_message``, an ``evaluation`` without a contract,
+            under two contracts or of other weights (:func:`~hf_layerswap.card.evaluation_mismatches`);
+            raised before any network call, nothing is written.
         TypeError: ``model``, ``report`` or ``sparsity_report`` of the wrong type.
         HubPushError: the Hub refused or kept failing after huggingface_hub's retries;
             ``.committed`` says whether the repository is unchanged.
@@ -471,7 +482,16 @@ def owned_stale(name: str) -> bool:
 
 
 def read_evaluation_file(path: str | os.PathLike) -> dict:
-    """Read ``layerswap_evaluation.json`` back into ``{"base": dict, "pruned": dict}``."""
+    """Read an evaluation file into ``{"base": dict, "pruned": dict}``, checked by
+    :func:`~hf_layerswap.card.normalize_evaluation` (no model needed: run it before loading one).
+
+    Accepted: ``layerswap_evaluation.json`` as :func:`save_for_hub` writes it (``base``,
+    ``pruned`` and the ``delta_ppl_percent`` derived from them), or ``{"base": ..., "pruned": ...}``
+    whose values are ``hf-layerswap eval`` results. Refused (``ValueError`` naming the file):
+    not JSON, not an object, other keys (nothing is dropped silently), one model's
+    ``hf-layerswap eval`` result on its own (it holds no pair to compare), and everything
+    ``normalize_evaluation`` refuses (no contract, two contracts, no perplexity).
+    """
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     try:
@@ -480,4 +500,17 @@ def read_evaluation_file(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'base'/'pruned' perplexity results")
-    return {k: v for k, v in data.items() if k in ("base", "pruned")}
+    if is_eval_result(data):
+        name = (data.get("model") or {}).get("name") if isinstance(data.get("model"), dict) else None
+        raise ValueError(
+            f"{path} is one model's `hf-layerswap eval` result ({name or 'unnamed model'}), not the base/pruned pair "
+            "the card compares: write {\"base\": <eval result of the base model>, \"pruned\": <eval result of this "
+            "model>} into one file and pass that"
+        )
+    unknown = sorted(set(data) - {"base", "pruned", "delta_ppl_percent"})
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}: allowed 'base', 'pruned' (and the derived 'delta_ppl_percent')")
+    try:
+        return normalize_evaluation({k: v for k, v in data.items() if k in ("base", "pruned")}) or {}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}") from None

@@ -208,7 +208,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         **{k: previous[k] for k in HISTORY_FIELDS if k in previous},
     }
     if previous.get("healing"):
-        top.layerswap["healing"] = stale_healing(previous["healing"], len(top.layerswap["steps"]))
+        top.layerswap["healing"] = stale_healing(previous["healing"], len(top.layerswap["steps"]) - 1)
     if operators and (previous.get("recovery") or {}).get("method") == "ghosted":
         top.layerswap["recovery"] = {**previous["recovery"], "boundaries": sorted(operators)}
     record_fingerprint(model, step)
@@ -217,8 +217,9 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
 
 def stale_healing(healing: list, step: int) -> list:
     """The healing records of ``config.layerswap["healing"]`` after removal step ``step``
-    (1-based): each is kept as evidence, marked ``"stale"`` (its KL and perplexity describe
-    the model before that removal) unless an earlier removal already marked it."""
+    (0-based, the index in ``config.layerswap["steps"]``, as the card's steps table numbers
+    them): each is kept as evidence, marked ``"stale"`` (its KL and perplexity describe the
+    model before that removal) unless an earlier removal already marked it."""
     note = f"removal step {step} came after this healing: its numbers describe the model before that cut"
     return [entry if entry.get("stale") else {**entry, "stale": note} for entry in healing]
 

@@ -18,6 +18,7 @@ interchange s(i) = [0.30, 0.05, 0.05, 0.02, 0.02, 0.04]: 3, 4 (adjacent: skipped
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -54,6 +55,18 @@ EVALUATION = {
         "contract": dict(CONTRACT),
     },
 }
+
+
+def evaluation_of(model) -> dict:
+    """EVALUATION as measured on ``model``: each result records the weights it measured (the
+    base before the first removal step, the pruned model as it is now), as evaluate_perplexity does."""
+    from hf_layerswap.plan import model_fingerprint
+
+    evaluation = copy.deepcopy(EVALUATION)
+    before = model.config.layerswap["steps"][0]["fingerprint_before"]
+    evaluation["base"]["contract"]["model"] = {"name": BASE_MODEL, "fingerprint": before}
+    evaluation["pruned"]["contract"]["model"] = {"name": "tiny-pruned", "fingerprint": model_fingerprint(model)}
+    return evaluation
 
 
 def hand_report() -> SwapReport:

@@ -13,11 +13,12 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from publish_helpers import (
     BASE_MODEL,
     CONTENT_HASH,
-    EVALUATION,
+    evaluation_of,
     INTERCHANGE_SET,
     REPLACEMENT_SET,
     hand_report,
     pruned,  # noqa: F401 (fixture)
+    pruned_tiny,
     report,  # noqa: F401 (fixture)
 )
 
@@ -39,7 +40,7 @@ from hf_layerswap.report import PairResult
 
 @pytest.fixture(scope="module")
 def card(pruned, report):
-    return render_card(pruned, report=report, evaluation=EVALUATION, base_model=BASE_MODEL, license="apache-2.0",
+    return render_card(pruned, report=report, evaluation=evaluation_of(pruned), base_model=BASE_MODEL, license="apache-2.0",
                        repo_id="user/tiny-pruned")
 
 
@@ -141,16 +142,56 @@ def test_evaluation_calibration_cost_and_snippets(card):
     assert "trust_remote_code" in text  # the card says it is not needed
 
 
-def test_contract_mismatch_is_flagged(pruned, report):
-    other = json.loads(json.dumps(EVALUATION))
+def test_an_evaluation_is_refused_unless_both_results_are_of_these_models_under_one_contract(pruned, report):
+    """No contract, two contracts, or results of other weights: refused, never published as the
+    pruning cost "under the contract below" (it used to read -50% with "not recorded")."""
+    good = evaluation_of(pruned)
+    with pytest.raises(ValueError, match=r"evaluation\['base'\] \(ppl 10\) records no contract"):
+        render_card(pruned, report=report, evaluation={"base": {"ppl": 10}, "pruned": {"ppl": 5}})
+    other = json.loads(json.dumps(good))
     other["base"]["contract"]["window"] = 1024
-    other["pruned"]["contract"]["model"] = {"name": "another identity"}  # identities are not compared
-    text = render_card(pruned, report=report, evaluation=other, base_model=BASE_MODEL).text
-    assert "different contracts (differing: window)" in text
+    with pytest.raises(ValueError, match=r"measured under different contracts \(differing: window; window: base 1024, "
+                                         r"pruned 512\)"):
+        render_card(pruned, report=report, evaluation=other)
+    # identities: a pair from another model (or the base measured twice) is not this model's
+    foreign = tiny_model("llama", 4, seed=5)
+    from hf_layerswap.plan import model_fingerprint
+
+    other = json.loads(json.dumps(good))
+    other["pruned"]["contract"]["model"] = {"name": "another", "fingerprint": model_fingerprint(foreign)}
+    with pytest.raises(ValueError, match=r"evaluation\['pruned'\] measured weights \w{12} \(another\), not this "
+                                         r"model's \w{12}: it is another model's result"):
+        render_card(pruned, report=report, evaluation=other)
+    other = json.loads(json.dumps(good))
+    other["base"] = other["pruned"]
+    with pytest.raises(ValueError, match=r"evaluation\['base'\] measured weights .* not the scored base model's"):
+        render_card(pruned, report=report, evaluation=other)
+    other = json.loads(json.dumps(good))
+    del other["pruned"]["contract"]["model"]
+    with pytest.raises(ValueError, match=r"evaluation\['pruned'\] does not record the weights it measured"):
+        render_card(pruned, report=report, evaluation=other)
+    # the same checks on a config: the weights recorded after the last removal step
+    with pytest.raises(ValueError, match="it is another model's result"):
+        render_card(pruned.config, report=report, evaluation={"pruned": json.loads(json.dumps(good))["base"]})
+    assert "ΔPPL = +25.0%" in render_card(pruned.config, report=report, evaluation=good).text
+
+
+def test_an_eval_verb_result_pair_is_accepted_and_a_lone_one_refused(pruned, report):
+    good = evaluation_of(pruned)
+    verb = {k: {"model": {"name": "x", "num_blocks": 4}, "perplexity": v, "tasks": None} for k, v in good.items()}
+    text = render_card(pruned, report=report, evaluation=verb, base_model=BASE_MODEL).text
+    assert "| pruned (this model) | 25.000 |" in text and "ΔPPL = +25.0%" in text
+    with pytest.raises(ValueError, match="evaluation is one model's `hf-layerswap eval` result, not the pair"):
+        render_card(pruned, report=report, evaluation=verb["pruned"])
+    verb["base"]["perplexity"] = None
+    with pytest.raises(ValueError, match=r"evaluation\['base'\] is an `hf-layerswap eval` result without perplexity"):
+        render_card(pruned, report=report, evaluation=verb)
 
 
 def test_text_that_is_not_a_hub_dataset_is_named_by_its_source(pruned, report):
-    embedded = {"pruned": {"ppl": 30.0, "contract": {"source": "embedded:pydoc_data.topics", "split": "evaluation"}}}
+    contract = {"source": "embedded:pydoc_data.topics", "split": "evaluation",
+                "model": evaluation_of(pruned)["pruned"]["contract"]["model"]}
+    embedded = {"pruned": {"ppl": 30.0, "contract": contract}}
     card = render_card(pruned, report=report, evaluation=embedded, base_model=BASE_MODEL)
     _, (result,) = model_index_to_eval_results(card.data.to_dict()["model-index"])
     assert (result.dataset_type, result.dataset_name, result.dataset_split) == (
@@ -169,7 +210,7 @@ def test_card_validates_offline_and_loads_back(card, tmp_path):
 
 
 def test_write_card_files_plots_and_sidecars(pruned, report, tmp_path):
-    written = write_card_files(tmp_path, pruned, report=report, evaluation=EVALUATION, base_model=BASE_MODEL)
+    written = write_card_files(tmp_path, pruned, report=report, evaluation=evaluation_of(pruned), base_model=BASE_MODEL)
     assert set(written) == {"README.md", REPORT_FILE, EVALUATION_FILE, PLOT_FILES["layer_scores"], PLOT_FILES["protocol_gap"]}
     for key in ("layer_scores", "protocol_gap"):
         data = (tmp_path / PLOT_FILES[key]).read_bytes()
@@ -259,6 +300,25 @@ def test_a_removal_of_named_blocks_reproduces_without_a_protocol(report):
     text = render_card(model.config, report=report, base_model=BASE_MODEL).text
     assert "| Protocol guiding the removal | none recorded |" in text
     assert "quantization_config=LayerSwapConfig(layers=[2, 4])," in text
+
+
+def test_the_scored_model_row_names_the_scored_base_not_the_last_model_loaded():
+    """A pruned checkpoint pushed from its folder or repo: the report names the base it scored;
+    the model as loaded names the pruned checkpoint, which was never scored."""
+    report = hand_report()
+    report.metadata["model"] = {"name": BASE_MODEL, "revision": "a1b2c3", "class": "LlamaForCausalLM"}
+    model = pruned_tiny(report)
+    model.layerswap_identity = {"name": "me/tiny-pruned-4L", "revision": "d4e5f6", "source": None}
+    text = render_card(model, report=report).text
+    assert f"| Scored model | {BASE_MODEL} @ a1b2c3 |" in text
+    assert f"[{BASE_MODEL}](https://huggingface.co/{BASE_MODEL})" in text  # the base model, not the pruned repo
+    # without a report: the base model the removal record names, never the pruned checkpoint itself
+    model.config.layerswap["base_model"] = BASE_MODEL
+    model.config.layerswap["steps"][0]["calibration"] = dict(report.metadata["calibration"])
+    text = render_card(model).text
+    assert f"| Scored model | {BASE_MODEL} |" in text and "tiny-pruned-4L" not in text.split("## Calibration")[-1]
+    del model.config.layerswap["base_model"]
+    assert "| Scored model |" not in render_card(model).text
 
 
 def test_the_example_card_shows_what_the_default_path_publishes():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from publish_helpers import BASE_MODEL, EVALUATION, hand_report, pruned_tiny
+from publish_helpers import BASE_MODEL, evaluation_of, hand_report, pruned_tiny
 
 from conftest import tiny_batch, tiny_model
 from hf_layerswap import LayerSwapConfig, remove_layers, save_for_hub
@@ -55,7 +55,7 @@ def test_sparsify_records_its_summary_in_the_config(sparse_pruned):
 
 def test_card_sparsity_section_carries_the_report_numbers(sparse_pruned):
     model, report = sparse_pruned
-    card = render_card(model, report=hand_report(), evaluation=EVALUATION, base_model=BASE_MODEL,
+    card = render_card(model, report=hand_report(), evaluation=evaluation_of(model), base_model=BASE_MODEL,
                        sparsity_report=report, plots=[])
     data = card.data.to_dict()
     assert data["tags"] == ["layerswap", "layer-pruning", "interchange", "sparsity", "wanda"]
@@ -229,10 +229,23 @@ def test_card_names_the_repair_and_how_to_load_it(method, tmp_path):
         assert "`hf_layerswap` is not needed to load it" not in text
         assert f"| `{RECOVERY_FILE}` |" in text and (folder / RECOVERY_FILE).is_file()
     else:
-        assert "| Repair of the cut | ReplaceMe-style least-squares map folded into `down_proj`" in text
+        assert ("| Repair of the cut | ReplaceMe-style least-squares map folded into `layers.1.mlp.down_proj` before "
+                "boundary 2 (pruned numbering): plain transformers weights |") in text
         assert "`hf_layerswap` is not needed to load it" in text
         assert "import hf_layerswap" not in text.split("## How to use this model")[1].split("## How to reproduce")[0]
     assert check_card(text, folder) == []
+
+
+def test_a_fused_repair_at_block_0_is_named_where_it_was_folded():
+    """A cut at block 0 has no block before it: the map goes into the input embedding, and
+    the card says so (it said `down_proj`)."""
+    model = tiny_model("llama", 6)
+    recover(model, [0], tiny_batch(batch=6, length=16, pad_last=0), method="fused")
+    assert model.config.layerswap["recovery"]["folded_into"] == ["embed_tokens"]
+    text = render_card(model).text
+    assert ("| Repair of the cut | ReplaceMe-style least-squares map folded into `embed_tokens` before boundary 0 "
+            "(pruned numbering): plain transformers weights |") in text
+    assert "down_proj" not in text
 
 
 def test_sparse_reload_gives_the_same_logits_through_the_folder(sparse_pruned, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hf_layerswap as hl
 from conftest import tiny_model
+from hf_layerswap.card import render_card
 from hf_layerswap.card.healing import healing_section, tasks_table
 
 REMOVED = [2, 3]
@@ -48,7 +49,11 @@ def test_older_before_after_record_and_stale_marking_still_render():
     hl.remove_layers(student, [1])
     text = healing_section(student.config.layerswap)
     assert "| Perplexity after healing | 20.000 (+100.0% vs the dense model); -33.3% vs the start" in text
-    assert "**stale**: removal step 2 came after this healing" in text
+    # numbered as the card's steps table numbers them: steps 0 and 1, the later cut is step 1
+    assert "**stale**: removal step 1 came after this healing" in text
+    card = render_card(student).text
+    assert "| 0 | 6 | 2, 3 | 2, 3 |" in card and "| 1 | 4 | 1 | 1 |" in card
+    assert "**stale**: removal step 1 came after this healing" in card
 
 
 def test_malformed_or_empty_records_render_as_cannot_be_judged():

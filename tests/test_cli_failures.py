@@ -391,6 +391,11 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(matrix_report, tmp_path,
     code = main(["prune", str(ckpt), str(out), "--layers", "4"])
     assert code == 2 and not out.exists()
     assert "layer index 4 is out of range for a model with 4 blocks" in capsys.readouterr().err
+    # the ghosted objective without the ghosted repair: refused before the model loads
+    code = main(["prune", str(ckpt), str(out), "--num-to-remove", "1", "--objective", "ghosted"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "loading" not in err
+    assert "error: LayerSwapConfig(objective='ghosted', recovery=None) is contradictory" in err
     # a budget the rules cannot meet is refused before any scoring is spent on it
     def no_scoring(*args, **kwargs):
         raise AssertionError("scored although the budget was impossible")

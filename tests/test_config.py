@@ -378,6 +378,13 @@ INVALID = [
     (dict(strategy="random-walk"), "LayerSwapConfig(strategy='random-walk'): allowed ["),
     (dict(objective="ppl"), "LayerSwapConfig(objective='ppl'): allowed ['removal_kl', 'nll', 'ghosted', None]"),
     (dict(max_evaluations=0), "LayerSwapConfig(max_evaluations=0): must be an int >= 1"),
+    # a repair-aware objective without its repair would save the unrepaired cut under the repaired value
+    (dict(num_to_remove=2, objective="ghosted"),
+     "LayerSwapConfig(objective='ghosted', recovery=None) is contradictory: the 'ghosted' objective scores each set "
+     "after the 'ghosted' repair, but recovery=None saves the model without it; pass recovery='ghosted' too, or an "
+     "objective that assumes no repair (['removal_kl', 'nll'])"),
+    (dict(num_to_remove=2, objective="ghosted", recovery="fused"),
+     "LayerSwapConfig(objective='ghosted', recovery='fused') is contradictory"),
     (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused']"),
     (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers: nothing is removed"),
     (dict(num_to_remove=1, recovery={"method": "ghosted", "rank": 4}),

@@ -267,6 +267,20 @@ def test_evaluate_perplexity_records_contract(tiny_lm, byte_tokenizer, tmp_path)
     assert PerplexityResult.from_dict(res.to_dict()) == res
 
 
+def test_every_contract_records_the_weights_it_measured(tiny_lm, byte_tokenizer):
+    """The card checks that a published perplexity was measured on the model it describes:
+    each contract, the rolling one too, names the weights by their fingerprint."""
+    from hf_layerswap.plan import model_fingerprint
+
+    for contract, options in (("matched", dict(stride=16)), ("rolling", {})):
+        res = evaluate_perplexity(tiny_lm, [CORPUS], tokenizer=byte_tokenizer, contract=contract, window=32,
+                                  bootstrap=0, **options)
+        assert res.contract["model"]["fingerprint"] == model_fingerprint(tiny_lm), contract
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(5))
+    assert perplexity_from_ids(tiny_lm, ids, window=32, stride=16).contract["model"] == {
+        "fingerprint": model_fingerprint(tiny_lm)}
+
+
 def test_evaluate_perplexity_errors(tiny_lm, byte_tokenizer):
     with pytest.raises(ValueError, match="contract='paper'"):
         evaluate_perplexity(tiny_lm, CORPUS, tokenizer=byte_tokenizer, contract="paper")
@@ -403,8 +417,7 @@ def test_one_window_has_no_confidence_interval(tiny_lm):
 
     from hf_layerswap.card import render_card
 
-    pruned = tiny_model("llama", num_blocks=2)
-    text = render_card(pruned, evaluation={"base": one.to_dict(), "pruned": other.to_dict()}).text
+    text = render_card(tiny_lm, evaluation={"base": one.to_dict(), "pruned": other.to_dict()}).text
     rows = [line for line in text.splitlines() if line.startswith(("| base |", "| pruned (this model) |"))]
     assert len(rows) == 2 and all("| none (1 window) |" in row for row in rows), rows
 

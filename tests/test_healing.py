@@ -479,10 +479,10 @@ def test_later_cut_marks_healing_stale():
     kept = student.config.layerswap["healing"][-1]
     hl.remove_layers(student, [1])
     (entry,) = student.config.layerswap["healing"]
-    assert entry == {**kept, "stale": "removal step 2 came after this healing: its numbers describe the model "
+    assert entry == {**kept, "stale": "removal step 1 came after this healing: its numbers describe the model "
                                       "before that cut"}
     assert not weights_changed_later(student.config)  # the new removal's fingerprint applies again
-    assert "**stale**: removal step 2" in healing_section(student.config.layerswap)
+    assert "**stale**: removal step 1" in healing_section(student.config.layerswap)  # steps 0 and 1
 
 
 def test_card_section_never_shows_healing_without_before_and_after():

@@ -144,3 +144,32 @@ def test_publishing_refuses_a_wrong_record_as_verified(pruned_dir, tmp_path):
     hl.save_for_hub(model, tmp_path / "out")
     card = (tmp_path / "out" / "README.md").read_text()
     assert "Removal history unverified" in card and "weights differ" in card
+
+
+def test_a_hand_edited_removed_list_is_refused_before_publishing(pruned_dir, tmp_path, capsys):
+    """config.json edited to claim blocks 1, 2 removed where the steps (and the weights) say
+    1, 3: kept and removed still make up 0..5, so only replaying the steps catches it."""
+    import json
+
+    from hf_layerswap.cli import main
+
+    config = json.loads((pruned_dir / "config.json").read_text())
+    assert config["layerswap"]["steps"][0]["removed_original_layers"] == [1, 3]
+    config["layerswap"].update(removed_layers=[1, 2], kept_layers=[0, 3, 4, 5])
+    (pruned_dir / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(pruned_dir)
+    assert history_problems(model) == [
+        "config.layerswap lists removed blocks [1, 2] but its removal steps removed [1, 3] (original numbering)"
+    ]
+    with pytest.raises(hl.PushRefusedError, match=r"cannot be published as verified.*removal steps removed \[1, 3\]"):
+        hl.save_for_hub(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    code = main(["push", str(pruned_dir), "me/edited", "--output-dir", str(tmp_path / "pushed")])
+    assert code == 2 and not (tmp_path / "pushed").exists()
+    assert "its removal steps removed [1, 3]" in capsys.readouterr().err
+    # a step whose own indices disagree is named too
+    model.config.layerswap.update(removed_layers=[1, 3], kept_layers=[0, 2, 4, 5])
+    model.config.layerswap["steps"][0]["removed_original_layers"] = [1, 2]
+    assert history_problems(model) == [
+        "removal step 0 removed blocks [1, 3] of 6, which are original blocks [1, 3], but it records original blocks [1, 2]"
+    ]

@@ -39,7 +39,7 @@ from conftest import NONFINITE_ADVICE, PARAGRAPHS, tiny_batch, tiny_model, write
 from hub_server import HubStandIn
 from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
     BASE_MODEL,
-    EVALUATION,
+    evaluation_of,
     hand_report,
     pruned,
     pruned_tiny,
@@ -48,7 +48,7 @@ from publish_helpers import (  # noqa: F401 (pruned, report: fixtures)
 
 import hf_layerswap as hl
 from hf_layerswap import SwapReport
-from hf_layerswap.card import REPORT_FILE
+from hf_layerswap.card import EVALUATION_FILE, REPORT_FILE
 from hf_layerswap.plots import PLOT_FILES
 from hf_layerswap.cli.push import add_push_arguments, run_push
 from hf_layerswap.hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
@@ -105,7 +105,7 @@ def _download(hub: HubStandIn, repo_id: str, out: Path, token: str) -> dict:
 def test_push_then_plain_transformers_download(hub, pruned, report, tmp_path, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     info = push_to_hub(
-        pruned, "user/tiny-pruned", report=report, evaluation=EVALUATION, private=True, token=TOKEN,
+        pruned, "user/tiny-pruned", report=report, evaluation=evaluation_of(pruned), private=True, token=TOKEN,
         endpoint=hub.url, base_model=BASE_MODEL, license="apache-2.0",
     )
     commits = hub.commits("user/tiny-pruned")
@@ -217,7 +217,7 @@ def test_without_xet_the_single_commit_path_behaves_the_same(hub, pruned, monkey
     assert [r.status for r in hub.requests_to("preupload")] == [503, 200]
     hub.fail("commit", 500, times=None)
     with pytest.raises(HubPushError, match="no commit was made") as caught:
-        push_to_hub(pruned, "user/noxet", token=TOKEN, endpoint=hub.url, evaluation=EVALUATION)
+        push_to_hub(pruned, "user/noxet", token=TOKEN, endpoint=hub.url, evaluation=evaluation_of(pruned))
     assert caught.value.committed is False
     assert len(hub.commits("user/noxet")) == 1 and len(hub.requests_to("commit")) == 2
 
@@ -243,6 +243,11 @@ def _foreign_scores():
         ("repo id", "repo_id='not a repo' is not a valid Hub repository id"),
         ("no namespace", "give the namespace too"),
         ("evaluation", r"evaluation\['pruned'\]\['ppl'\] must be a finite positive number"),
+        ("evaluation without contract", r"evaluation\['base'\] \(ppl 10\) records no contract"),
+        ("evaluation of other weights", r"the evaluation does not belong to this model: evaluation\['base'\] measured "
+                                        r"weights \w{12} \(HuggingFaceTB/SmolLM2-135M-Instruct\), not the scored base "
+                                        r"model's \(before removal\) \w{12}: it is another model's result; "
+                                        r"evaluation\['pruned'\] measured weights \w{12} \(tiny-pruned\), not this model's"),
     ],
 )
 def test_refusals_happen_before_any_request(hub, pruned, report, case, match):
@@ -259,6 +264,10 @@ def test_refusals_happen_before_any_request(hub, pruned, report, case, match):
         kwargs["repo_id"] = "tiny"
     elif case == "evaluation":
         kwargs["evaluation"] = {"pruned": {"ppl": -1.0}}
+    elif case == "evaluation without contract":
+        kwargs["evaluation"] = {"base": {"ppl": 10}, "pruned": {"ppl": 5}}
+    elif case == "evaluation of other weights":  # the pair of another pruned model, with its identities
+        kwargs["evaluation"] = evaluation_of(pruned_tiny(seed=3))
     model = kwargs.pop("model")
     with pytest.raises(PushRefusedError, match=match):
         push_to_hub(model, kwargs.pop("repo_id"), **kwargs)
@@ -267,7 +276,7 @@ def test_refusals_happen_before_any_request(hub, pruned, report, case, match):
 
 def test_save_for_hub_is_atomic_and_complete(pruned, report, tmp_path):
     target = tmp_path / "out"
-    save_for_hub(pruned, target, report=report, evaluation=EVALUATION, repo_id="user/tiny-pruned")
+    save_for_hub(pruned, target, report=report, evaluation=evaluation_of(pruned), repo_id="user/tiny-pruned")
     names = {p.name for p in target.iterdir()}
     assert {"README.md", "config.json", "model.safetensors", REPORT_FILE, "layerswap_evaluation.json"} <= names
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary sibling left behind
@@ -370,7 +379,7 @@ def test_two_processes_saving_into_one_folder_exactly_one_succeeds(tmp_path):
 
 
 def test_cli_push_verb(hub, pruned, report, tmp_path, capsys):
-    folder = save_for_hub(pruned, tmp_path / "ckpt", report=report, evaluation=EVALUATION)
+    folder = save_for_hub(pruned, tmp_path / "ckpt", report=report, evaluation=evaluation_of(pruned))
     parser = argparse.ArgumentParser(prog="hf-layerswap push")
     add_push_arguments(parser)
     args = parser.parse_args([str(folder), "user/from-cli", "--endpoint", hub.url, "--token", TOKEN,
@@ -384,6 +393,45 @@ def test_cli_push_verb(hub, pruned, report, tmp_path, capsys):
     bad = parser.parse_args([str(tmp_path / "missing"), "user/x", "--endpoint", hub.url])
     assert run_push(bad) == 2
     assert "is not a checkpoint folder (no config.json)" in capsys.readouterr().err
+
+
+def test_cli_push_takes_eval_verb_results_and_refuses_what_it_cannot_use(pruned, report, tmp_path, capsys,
+                                                                          monkeypatch):
+    """--evaluation FILE from `hf-layerswap eval`: a base/pruned pair of its results is published;
+    one result alone, unknown keys or a pair without a contract are refused before the model loads
+    (they were dropped or published silently)."""
+    from hf_layerswap.cli import main
+
+    folder = save_for_hub(pruned, tmp_path / "ckpt", report=report)
+    good = evaluation_of(pruned)
+    verb = {k: {"model": {"name": "ckpt", "num_blocks": 4}, "perplexity": v, "tasks": None} for k, v in good.items()}
+    pair = tmp_path / "pair.json"
+    pair.write_text(json.dumps(verb))
+    out = tmp_path / "out"
+    assert main(["push", str(folder), "user/x", "--evaluation", str(pair), "--output-dir", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert "| base | 20.000 |" in card and "| pruned (this model) | 25.000 |" in card and "ΔPPL = +25.0%" in card
+    assert json.loads((out / EVALUATION_FILE).read_text())["pruned"]["ppl"] == 25.0
+    capsys.readouterr()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model loaded before the evaluation file was checked")
+
+    lone, extra, bare = tmp_path / "lone.json", tmp_path / "extra.json", tmp_path / "bare.json"
+    lone.write_text(json.dumps(verb["pruned"]))
+    extra.write_text(json.dumps({**good, "notes": "x"}))
+    bare.write_text(json.dumps({"base": {"ppl": 10}, "pruned": {"ppl": 5}}))
+    expected = {
+        lone: f"error: {lone} is one model's `hf-layerswap eval` result (ckpt), not the base/pruned pair",
+        extra: f"error: {extra}: unknown keys ['notes']: allowed 'base', 'pruned'",
+        bare: f"error: {bare}: evaluation['base'] (ppl 10) records no contract",
+    }
+    monkeypatch.setattr("hf_layerswap.cli.push.AutoModelForCausalLM.from_pretrained", no_loading)
+    for path, message in expected.items():
+        target = tmp_path / f"out-{path.stem}"
+        assert main(["push", str(folder), "user/x", "--evaluation", str(path), "--output-dir", str(target)]) == 2
+        assert message in capsys.readouterr().err
+        assert not target.exists()
 
 
 def test_optimum_cli_exposes_the_hf_layerswap_verbs(tmp_path):

@@ -94,9 +94,15 @@ def test_a_recovery_entry_says_if_it_attaches_and_serves_as_an_objective():
 
     assert search_objectives() == ("ghosted",) and OBJECTIVES == ("removal_kl", "nll", "ghosted")
     assert [n for n, m in RECOVERY_METHODS.items() if m.attaches_at_load] == ["ghosted"]
-    assert recovery_entry("fused").card_row({"boundaries": [2, 5]}, lambda b: ", ".join(map(str, b))) == (
-        "ReplaceMe-style least-squares map folded into `down_proj` before boundaries 2, 5 (pruned numbering): "
-        "plain transformers weights")
+    indices = lambda b: ", ".join(map(str, b))  # noqa: E731
+    # where each map went, from the record: a cut at block 0 goes into the embedding, not a down_proj
+    record = {"boundaries": [0, 5], "folded_into": ["embed_tokens", "layers.4.mlp.down_proj"]}
+    assert recovery_entry("fused").card_row(record, indices) == (
+        "ReplaceMe-style least-squares map folded into `embed_tokens` before boundary 0, `layers.4.mlp.down_proj` "
+        "before boundary 5 (pruned numbering): plain transformers weights")
+    assert recovery_entry("fused").card_row({"boundaries": [2, 5]}, indices) == (
+        "ReplaceMe-style least-squares map folded into the weights before boundaries 2, 5 (the record does not name "
+        "the modules) (pruned numbering): plain transformers weights")
     assert recovery_entry(None) is None and recovery_entry("unknown") is None
     with pytest.raises(NotImplementedError, match="recovery method 'fused' is no search objective"):
         recovery_entry("fused").cut_operator(None, [1], 0.0)

@@ -34,14 +34,16 @@ card carries what a reviewer needs to trust a pruned checkpoint:
 Method: No Free Swap (arXiv 2605.16234).
 
 Layout: :mod:`.format` (file names, number formats), :mod:`.checks` (input checks run
-once, facts read from the inputs), :mod:`.sections` (each section as data),
+once, facts read from the inputs), :mod:`.evaluation` (the perplexity pair: its contract and
+the weights each result measured), :mod:`.sections` (each section as data),
 :mod:`.render` (:func:`render_card`, :func:`check_card`, :func:`write_card_files`); the
 figures come from :mod:`hf_layerswap.plots`.
 """
 
 from __future__ import annotations
 
-from .checks import nonfinite_basis, normalize_evaluation, report_mismatches, sparsity_mismatches, sparsity_refusal
+from .checks import nonfinite_basis, report_mismatches, sparsity_mismatches, sparsity_refusal
+from .evaluation import evaluation_mismatches, normalize_evaluation
 from .format import EVALUATION_FILE, MAX_PAIR_ROWS, REPORT_FILE, SPARSITY_FILE  # noqa: F401
 from .render import CARD_TEMPLATE, check_card, render_card, write_card_files
 
@@ -51,6 +53,7 @@ __all__ = [
     "REPORT_FILE",
     "SPARSITY_FILE",
     "check_card",
+    "evaluation_mismatches",
     "normalize_evaluation",
     "render_card",
     "nonfinite_basis",

@@ -4,7 +4,6 @@ license, parameter counts, the removal steps and their selection rule."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -27,9 +26,9 @@ from ..surgery import original_indices
 from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell, format_indices
 
 __all__ = [
-    "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis", "normalize_evaluation",
+    "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis",
     "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches",
-    "resolve_base_model", "resolve_license", "selection_rule", "sparsity_mismatches",
+    "resolve_base_model", "resolve_license", "scored_identity", "selection_rule", "sparsity_mismatches",
     "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance", "step_strategy",
     "weights_identity",
 ]
@@ -311,48 +310,15 @@ def recovery_row(recovery: Mapping) -> tuple[str, str] | None:
     return ("Repair of the cut", cell)
 
 
-def normalize_evaluation(evaluation) -> dict[str, dict] | None:
-    """``{"base": ..., "pruned": ...}`` of perplexity results -> plain dicts.
-
-    Each value may be a :class:`hf_layerswap.evaluation.PerplexityResult` (anything with
-    ``to_dict()``) or its dict (keys ``ppl``, ``nll``, ``tokens``, ``windows``,
-    ``ci_low``, ``ci_high``, ``contract``). Either key may be missing.
-
-    Raises:
-        TypeError: ``evaluation`` is not a mapping, or a value is neither a result nor a dict.
-        ValueError: an unknown key, or a value without a finite positive ``ppl``.
-    """
-    if evaluation is None:
-        return None
-    if not isinstance(evaluation, Mapping):
-        raise TypeError(f"evaluation must be a dict {{'base': ..., 'pruned': ...}}, got {type(evaluation).__name__}")
-    unknown = sorted(set(evaluation) - {"base", "pruned"})
-    if unknown:
-        raise ValueError(f"evaluation has unknown keys {unknown}: allowed 'base' and 'pruned'")
-    out = {}
-    for key, value in evaluation.items():
-        if value is None:
-            continue
-        if hasattr(value, "to_dict"):
-            value = value.to_dict()
-        if not isinstance(value, Mapping):
-            raise TypeError(f"evaluation[{key!r}] must be a PerplexityResult or its dict, got {type(value).__name__}")
-        ppl = value.get("ppl")
-        if not isinstance(ppl, (int, float)) or isinstance(ppl, bool) or not math.isfinite(ppl) or ppl <= 0:
-            raise ValueError(f"evaluation[{key!r}]['ppl'] must be a finite positive number, got {ppl!r}")
-        out[key] = json.loads(json.dumps(dict(value), default=str))
-    return out or None
-
-
 def _is_hub_id(name) -> bool:
     return isinstance(name, str) and bool(HUB_ID.match(name)) and not name.endswith(".gguf") and not os.path.exists(name)
 
 
 def weights_identity(model, report) -> dict:
-    """What is known about the weights the model came from (see hf_layerswap.models)."""
+    """What is known about the weights the model came from (see hf_layerswap.models): the
+    loader's identity of ``model``, overlaid by the report's (the report names the base that
+    was scored; the model may since have been saved and loaded from its pruned folder or repo)."""
     ident = {}
-    if report is not None:
-        ident.update({k: v for k, v in (report.metadata.get("model") or {}).items() if v})
     if model is not None:
         recorded = getattr(model, "layerswap_identity", None)
         if not isinstance(recorded, Mapping):
@@ -362,7 +328,26 @@ def weights_identity(model, report) -> dict:
                 recorded = None
         if isinstance(recorded, Mapping):
             ident.update({k: v for k, v in recorded.items() if v})
+    if report is not None:
+        ident.update({k: v for k, v in (report.metadata.get("model") or {}).items() if v})
     return ident
+
+
+def scored_identity(report, record: Mapping, ident: Mapping) -> dict:
+    """The identity of the model the scores were computed on (the card's "Scored model"):
+    the report's; without a report, the base model ``config.layerswap`` records for a pruned
+    model (``{}`` when it records none: the model's own identity is then the pruned
+    checkpoint's, not the scored base's), and the model's own identity while nothing was
+    removed from it."""
+    if report is not None:
+        mine = {k: v for k, v in (report.metadata.get("model") or {}).items() if v}
+        if mine.get("name"):
+            return mine
+    if record.get("steps"):
+        base = record.get("base_model")
+        base = base.get("name") if isinstance(base, Mapping) else base
+        return {"name": base} if isinstance(base, str) and base else {}
+    return dict(ident)
 
 
 def resolve_base_model(explicit, config, record, ident) -> str | None:

@@ -24,7 +24,8 @@ from ..sparsity import sparsity_in_model
 from ..surgery import original_indices
 from ..tasks import task_card_section
 
-from .checks import current_blocks, weights_identity, normalize_evaluation, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
+from .evaluation import evaluation_mismatches, normalize_evaluation
+from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
 from .healing import HEALING_FILE, healing_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
 from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
@@ -60,7 +61,9 @@ def render_card(
         report: the :class:`SwapReport` the removal was selected from (it must belong to
             the model, see :func:`report_mismatches`); ``None`` = no diagnostics section.
         evaluation: ``{"base": ..., "pruned": ...}`` perplexity results
-            (:class:`~hf_layerswap.evaluation.PerplexityResult` or their dicts).
+            (:class:`~hf_layerswap.evaluation.PerplexityResult`, their dicts, or ``hf-layerswap
+            eval`` results), each with its contract, both under the same one; ``base`` measured on
+            the scored base model and ``pruned`` on this model (see :func:`evaluation_mismatches`).
         base_model: Hub id of the base model; default: from the removal record, the
             loader's identity, the report, or ``config._name_or_path`` when it is a Hub id.
         license: license id; default: the base model's, when its card is in the local Hub
@@ -94,8 +97,9 @@ def render_card(
     Raises:
         TypeError: ``model_or_config`` is neither a model nor a config; bad ``evaluation``
             or ``sparsity_report`` types.
-        ValueError: the report or the sparsity report does not belong to the model, a bad
-            ``evaluation`` value, or a ``base_model`` that is not a Hub id.
+        ValueError: the report, the sparsity report or the evaluation does not belong to the
+            model, a bad ``evaluation`` value (no contract, two contracts), or a ``base_model``
+            that is not a Hub id.
     """
     model, config = split_model(model_or_config)
     if report is not None:
@@ -106,6 +110,9 @@ def render_card(
     if problems:
         raise ValueError(sparsity_refusal(problems, sparsity_report))
     evaluation = normalize_evaluation(evaluation)
+    problems = evaluation_mismatches(model_or_config, evaluation, report)
+    if problems:
+        raise ValueError("the evaluation does not belong to this model: " + "; ".join(problems))
     f = _card_facts(model, config, report, base_model, license, sparsity_report)
     plot_keys = planned_plots(report, sparsity=f.sparse is not None) if plots is None else list(plots)
     unknown = [k for k in plot_keys if k not in PLOT_FILES]
@@ -174,7 +181,7 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
         removed_kl=removed_kl,
         why=why,
         evaluation=eval_section,
-        calibration=calibration_rows(report, f.steps, f.ident),
+        calibration=calibration_rows(report, f.steps, scored_identity(report, f.record, f.ident)),
         cost=cost_rows(report),
         sparsity=sparsity_section(f.sparse, sparsity_report, config, f.current) if f.sparse is not None else None,
         attached_modules=f.repairer.card_modules if f.attaches else None,

@@ -19,8 +19,9 @@ from ..protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
 from ..report import set_key, SwapReport
 from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
-from .checks import step_provenance, step_config, last_decision, step_strategy
-from .format import DASH, HUB_ID, MAX_PAIR_ROWS, METRIC_ARGS, NOT_CONTRACT, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
+from .checks import last_decision, step_config, step_provenance, step_strategy
+from .evaluation import measured_contract
+from .format import DASH, HUB_ID, MAX_PAIR_ROWS, METRIC_ARGS, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
 
 __all__ = [
     "calibration_rows", "candidates_section", "cost_rows", "evaluation_section", "load_snippet", "report_section",
@@ -172,7 +173,8 @@ def _no_ci(windows) -> str:
 
 
 def evaluation_section(evaluation: dict) -> tuple[dict, list]:
-    """``(section, eval_results)``: the card's perplexity table (rows, ΔPPL, contract, warning) and its ``model-index`` entries."""
+    """``(section, eval_results)``: the card's perplexity table (rows, ΔPPL, the contract) and its ``model-index``
+    entries, for an evaluation checked by :func:`~hf_layerswap.card.checks.normalize_evaluation`."""
     rows = []
     for key, label in (("base", "base"), ("pruned", "pruned (this model)")):
         r = evaluation.get(key)
@@ -191,20 +193,11 @@ def evaluation_section(evaluation: dict) -> tuple[dict, list]:
         )
     base, pruned = evaluation.get("base"), evaluation.get("pruned")
     delta = format_pct(100 * (pruned["ppl"] / base["ppl"] - 1)) if base and pruned else None
-    contracts = [{k: v for k, v in (r.get("contract") or {}).items() if k not in NOT_CONTRACT} for r in (base, pruned) if r]
-    contract = contracts[-1]
-    warning = None
-    if len(contracts) == 2 and contracts[0] != contracts[1]:
-        keys = sorted(k for k in set(contracts[0]) | set(contracts[1]) if contracts[0].get(k) != contracts[1].get(k))
-        warning = (
-            "the base and pruned perplexities were measured under different contracts (differing: "
-            f"{', '.join(keys)}); the ΔPPL is not a like-for-like comparison."
-        )
+    contract = measured_contract(pruned or base)  # one contract: normalize_evaluation refuses two
     section = {
         "rows": rows,
         "delta": delta,
-        "warning": warning,
-        "contract": [(k, format_cell(v)) for k, v in contract.items()] or [("contract", "not recorded")],
+        "contract": [(k, format_cell(v)) for k, v in contract.items()],
     }
     return section, _eval_results(evaluation, contract)
 
@@ -239,7 +232,8 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
 
 
 def calibration_rows(report, steps, ident) -> list:
-    """Rows of the card's calibration table (source, content hash, prompts, tokens) from the report or the removal record."""
+    """Rows of the card's calibration table (source, content hash, prompts, tokens) from the report or the removal
+    record; ``ident`` is the scored model's identity (:func:`~hf_layerswap.card.checks.scored_identity`)."""
     meta = report.metadata if report is not None else {}
     cal = dict(meta.get("calibration") or {})
     if not cal:

@@ -46,7 +46,8 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("directory", help="checkpoint folder (config.json + safetensors), e.g. written by `prune`")
     parser.add_argument("repo_id", help="Hub repository id, owner/name")
     parser.add_argument("--report", help=f"SwapReport JSON (default: DIRECTORY/{REPORT_FILE} if present)")
-    parser.add_argument("--evaluation", help=f"perplexity JSON {{base, pruned}} (default: DIRECTORY/{EVALUATION_FILE} if present)")
+    parser.add_argument("--evaluation", help=f"perplexity JSON {{base, pruned}}, each a perplexity result or an `hf-layerswap eval` result "
+                        f"(default: DIRECTORY/{EVALUATION_FILE} if present)")
     parser.add_argument("--sparsity-report", help=f"SparsityReport JSON (default: DIRECTORY/{SPARSITY_FILE} if present)")
     parser.add_argument("--base-model", help="Hub id of the base model, for the card (default: from the removal record)")
     parser.add_argument("--license", help="license id for the card (default: the base model's when known)")
@@ -61,13 +62,22 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def _load_folder(args):
+    """The folder's model, tokenizer and sidecars; every sidecar is read (and refused) before the model loads."""
     directory = Path(args.directory)
     if not (directory / "config.json").is_file():
         raise PushRefusedError(f"{directory} is not a checkpoint folder (no config.json)")
+    report, evaluation, sparsity_report = _read_sidecars(args, directory)
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
     tokenizer = None
     if not args.no_tokenizer and any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    if (directory / HEALING_FILE).is_file():  # the healing plot is drawn again from it
+        model.layerswap_heal_report = HealReport.from_json(directory / HEALING_FILE)
+    return model, tokenizer, report, evaluation, sparsity_report
+
+
+def _read_sidecars(args, directory: Path):
+    """``(report, evaluation, sparsity_report)`` from the options or the folder's own files."""
     report_path = Path(args.report) if args.report else directory / REPORT_FILE
     if args.report and not report_path.is_file():
         raise PushRefusedError(f"--report {report_path} does not exist")
@@ -85,9 +95,7 @@ def _load_folder(args):
             sparsity_report = SparsityReport.from_json(sparsity_path)
         except (ValueError, KeyError, TypeError) as err:
             raise PushRefusedError(f"{sparsity_path} is not a SparsityReport JSON file: {err!r}") from None
-    if (directory / HEALING_FILE).is_file():  # the healing plot is drawn again from it
-        model.layerswap_heal_report = HealReport.from_json(directory / HEALING_FILE)
-    return model, tokenizer, report, evaluation, sparsity_report
+    return report, evaluation, sparsity_report
 
 
 def run_push(args: argparse.Namespace) -> int:

@@ -190,6 +190,7 @@ def perplexity_from_ids(
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "device": str(device),
         "versions": library_versions(),
+        "model": {"fingerprint": model_fingerprint(model)},  # which weights were measured (the card checks it)
     }
     record.update(contract or {})
     return PerplexityResult(

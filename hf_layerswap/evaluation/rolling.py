@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..calibration import check_positions, check_token_ids, tokenizer_adds_bos
 from ..devices import input_device
+from ..plan import model_fingerprint
 from ..provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
@@ -178,7 +179,7 @@ def evaluate_rolling(
             "prefix_token": "bos" if prefix == tokenizer.bos_token_id else "eos",
         },
         "tokenizer": type(tokenizer).__name__,
-        "model": public_identity(model),
+        "model": {**public_identity(model), "fingerprint": model_fingerprint(model)},  # which weights were measured
         "window": window,
         "stride": window,
         "num_input_tokens": int(sum(len(s) - 1 for s in sequences)),

@@ -260,8 +260,14 @@ class Fused(RecoveryMethod):
     card_summary = " The cut is repaired with a least-squares map folded into the weights."
 
     def card_row(self, recovery, indices):
-        return (f"ReplaceMe-style least-squares map folded into `down_proj` before boundaries "
-                f"{indices(recovery.get('boundaries', []))} (pruned numbering): plain transformers weights")
+        """Where each map was folded, as the record says (``folded_into``, one module per
+        boundary: a block's ``down_proj``, or the input embedding for a cut at block 0)."""
+        boundaries, folded = list(recovery.get("boundaries", [])), recovery.get("folded_into")
+        if isinstance(folded, list) and len(folded) == len(boundaries) and boundaries:
+            where = ", ".join(f"`{module}` before boundary {b}" for module, b in zip(folded, boundaries))
+        else:  # a record that does not say where: no module is named
+            where = f"the weights before boundaries {indices(boundaries)} (the record does not name the modules)"
+        return f"ReplaceMe-style least-squares map folded into {where} (pruned numbering): plain transformers weights"
 
     def check(self, model, blocks, cuts):
         self.check_hosts(model, blocks, [cut["host"] for cut in cuts if cut["host"] is not None])
