@@ -6,7 +6,10 @@ import copy
 import hashlib
 import json
 import math
+import difflib
+import inspect
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -17,19 +20,23 @@ from torch import nn
 from transformers import PrinterCallback, TrainerState, TrainingArguments, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 
-from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, shortfall_text
+from ..calibration import (CalibrationSet, CalibrationShortfallWarning, build_calibration, check_token_ids,
+                           shortfall_text)
+from ..devices import execution_device, input_device, offloaded_modules
 from ..jsonio import write_json_atomic
 from ..plan import model_fingerprint, num_blocks
-from ..provenance import library_versions
+from ..history import param_dtype, same_weights, weights_sample
+from ..provenance import library_versions, public_identity
 from ..recovery.operators import attached_operators
-from .loss import teacher_top_k
+from ..rule import NonFiniteScoresError
+from .loss import distillation_loss, teacher_top_k
 from .measure import HealMeasures
-from .methods import get_heal_method
+from .methods import HEAL_METHODS, get_heal_method
 from .report import RUN_SETTINGS, HealReport
-from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint,
-                      resolve_patience)
+from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
+                      last_complete_checkpoint, resolve_patience)
 
-__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal", "teacher_origin"]
 
 #: The largest training seed (numpy's, under transformers' ``set_seed``).
 MAX_SEED = 2**32 - 1
@@ -66,6 +73,68 @@ def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_
         raise ValueError(
             f"teacher tokenizer ({len(teacher_tokenizer)} tokens) differs from the student's ({len(tokenizer)} tokens)"
         )
+
+
+def teacher_origin(model: nn.Module, teacher: nn.Module, *, allow_foreign: bool = False) -> dict:
+    """Whether ``teacher`` holds the weights of the model the student ``model`` was cut from:
+    its dtype-independent :func:`~hf_layerswap.history.weights_sample` against the
+    ``weights_sample_before`` recorded by the first removal step (``heal PRUNED BASE``: the
+    original model) or the last one (the pipeline's copy taken just before its cut), so a
+    bfloat16 or float16 copy of the right model matches. A record written before that field
+    existed is compared by its ``fingerprint_before`` when the teacher has the dtype the step
+    recorded (``dtype_after``); otherwise the teacher cannot be checked and a warning says so.
+
+    Returns:
+        ``{"name", "fingerprint", "matches", "note"}``: the teacher's public name, its
+        :func:`~hf_layerswap.plan.model_fingerprint`, ``True`` (the model it was cut from),
+        ``False`` (another model, accepted with ``allow_foreign``) or ``None`` (not
+        checkable; ``note`` says why).
+
+    Raises:
+        ValueError: ``matches`` would be ``False`` without ``allow_foreign``, naming the step.
+    """
+    record = getattr(model.config, "layerswap", None) or {}
+    steps = [] if record.get("history") == "unverified" else [s for s in record.get("steps") or []
+                                                               if isinstance(s, Mapping)]
+    depth = num_blocks(teacher)
+    ends = {1: steps[0], len(steps): steps[-1]} if steps else {}
+    candidates = [(n, s) for n, s in ends.items() if s.get("num_blocks_before") in (None, depth)]
+    exact = model_fingerprint(teacher)
+    out = {"name": public_identity(teacher).get("name"), "fingerprint": exact, "matches": None, "note": None}
+    compared, unchecked, sample = [], [], None
+    for number, step in candidates:
+        recorded = step.get("weights_sample_before")
+        if isinstance(recorded, Mapping) and recorded:
+            sample = sample or weights_sample(teacher)
+            if same_weights(recorded, sample):
+                return {**out, "matches": True}
+            compared.append(number)
+            continue
+        recorded = step.get("fingerprint_before")
+        if not (isinstance(recorded, str) and recorded):
+            continue
+        if step.get("dtype_after") == param_dtype(teacher):
+            if recorded == exact:
+                return {**out, "matches": True}
+            compared.append(number)
+        else:
+            unchecked.append(f"removal step {number} recorded only a {step.get('dtype_after') or 'unrecorded'} "
+                             f"fingerprint (written before the dtype-independent sample) and the teacher is "
+                             f"{param_dtype(teacher)}")
+    if compared:
+        if not allow_foreign:
+            raise ValueError(
+                f"the teacher is not the model the student was cut from: its weights differ from those config.layerswap "
+                f"recorded before removal step {compared[0]} (fingerprint {exact[:12]} now; same shape, other weights; "
+                "any dtype of the right model is accepted): pass the dense model it was pruned from as teacher, or "
+                "allow_foreign_teacher=True (--allow-foreign-teacher) to distil from another teacher, recorded as such")
+        return {**out, "matches": False, "note": "not the model the student was cut from (its weights differ from the "
+                                                  "removal record's); accepted with allow_foreign_teacher"}
+    note = ("; ".join(unchecked) + ": the teacher could not be checked against the removal record") if unchecked else (
+        "config.layerswap records no weights of the model the student was cut from: the teacher was not checked")
+    if unchecked:
+        warnings.warn(note, UserWarning, stacklevel=3)
+    return {**out, "note": note}
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -111,6 +180,7 @@ def heal(
     eval_tasks_path=None,
     eval_tasks_limit: int | float | None = None,
     callbacks: Sequence = (),
+    allow_foreign_teacher: bool = False,
     **options,
 ) -> HealReport:
     """Distil the pruned ``model`` from its dense ``teacher``: minimise KL(teacher ||
@@ -162,6 +232,9 @@ def heal(
             ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
             Needs ``tokenizer`` and lm-eval.
         callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop).
+        allow_foreign_teacher: accept a teacher whose weights are not those of the model the
+            student was cut from (:func:`teacher_origin`; refused by default). The report's
+            ``teacher`` and the card then name it and do not call it the model it was cut from.
 
     Returns:
         The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is
@@ -170,41 +243,122 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: before any training: a mismatched teacher, an unknown method, a bad budget,
-            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
-            to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
+        ValueError: before any training: a mismatched teacher, a teacher that is not the model
+            the student was cut from (without ``allow_foreign_teacher``), an unknown method, a bad budget,
+            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, token ids outside the
+            model's embedding, too few prompts to hold some out, another run's ``checkpoint_dir``,
+            measurements without ``tokenizer``.
+        TypeError: a keyword that is neither one of :func:`heal`'s nor an option of any
+            registered method (a misspelt ``max_tokns=``), naming the allowed ones.
+        NonFiniteScoresError: a non-finite held-out KL before training (a model that
+            overflows in its dtype), before anything is written; or a non-finite training loss
+            (then a ``checkpoint_dir`` this call created is removed).
     """
+    _check_keywords(options, method)
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
+    if not isinstance(allow_foreign_teacher, bool):
+        raise ValueError(f"allow_foreign_teacher={allow_foreign_teacher!r}: must be True or False")
+    origin = teacher_origin(model, teacher, allow_foreign=allow_foreign_teacher)
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model, entry)
     calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
+    check_token_ids(calib.input_ids, model, "the healing calibration prompts")
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    device = next(model.parameters()).device
-    teacher.to(device).eval()
+    device = input_device(model)
+    if not offloaded_modules(teacher) and not getattr(teacher, "hf_device_map", None):
+        teacher.to(device)  # a teacher held on one device goes where the student takes its inputs
+    teacher.eval()
     if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
         _claim_checkpoints(Path(checkpoint_dir), settings, write=False)
+    check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
+    created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
     resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
     if teacher_top_k is not None:
         train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
-    state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
-                         checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo,
-                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
+    try:
+        state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
+                             checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo,
+                             extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
+    except NonFiniteScoresError:
+        if created:  # nothing to resume from a run that diverged: leave nothing behind
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        raise
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
+    report.teacher = origin
     _record_step(healed, report)  # before measuring: a measurement that fails leaves the healed model recorded
     healed.layerswap_heal_report = report
     _measure_after(measures, healed, start, report)
     return report
+
+
+def _check_keywords(options: Mapping, method: str) -> None:
+    """Refuse a keyword of :func:`heal` that is neither its own nor an option of any
+    registered method (a misspelt ``max_tokns=`` is no method option), naming the allowed
+    ones and the closest. A method that takes any option (``options=None``) takes them all.
+
+    Raises:
+        TypeError: naming the keyword, the closest allowed name and the allowed ones.
+    """
+    entry = HEAL_METHODS.get(method)
+    if entry is not None and entry.option_names is None:
+        return
+    known = {name for cls in HEAL_METHODS.values() for name in (cls.option_names or ())}
+    unknown = [key for key in options if key not in known]
+    if not unknown:
+        return
+    own = [name for name, p in inspect.signature(heal).parameters.items()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    close = difflib.get_close_matches(unknown[0], own + sorted(known), n=1)
+    methods = "; ".join(f"{name!r}: {', '.join(cls.option_names) or 'none'}" for name, cls in sorted(HEAL_METHODS.items())
+                        if cls.option_names is not None)
+    raise TypeError(f"heal() got an unknown keyword argument {', '.join(map(repr, unknown))}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f": its keywords are {', '.join(own)}; the methods' options are {methods}")
+
+
+def check_finite_start(model: nn.Module, teacher: nn.Module, held, batch_size: int) -> None:
+    """Refuse, before any training, measuring or checkpoint, a held-out KL that is not finite
+    (a model that overflows in its dtype, e.g. float16): a NaN start is no basis for
+    healing, and training would only carry the NaN into every number recorded.
+
+    Raises:
+        NonFiniteScoresError: naming the value, which model's logits are not finite and what to try.
+    """
+    total, tokens = 0.0, 0.0
+    bad = []
+    with torch.no_grad():
+        for start in range(0, len(held), batch_size):
+            ids, mask = held.ids[start:start + batch_size], held.mask[start:start + batch_size]
+            logits = {}
+            for name, net in (("teacher", teacher), ("student", model)):
+                out = net(input_ids=ids.to(input_device(net)), attention_mask=mask.to(input_device(net))).logits
+                logits[name] = out
+                if not bool(torch.isfinite(out[mask.to(out.device).bool()].float()).all()) and name not in bad:
+                    bad.append(name)
+            device = logits["student"].device
+            count = float(mask.sum())
+            kl = distillation_loss(logits["student"], logits["teacher"].to(device), mask.to(device))
+            total, tokens = total + float(kl) * count, tokens + count
+    value = total / tokens if tokens else float("nan")
+    if bad or not math.isfinite(value):
+        dtype = param_dtype(model)
+        raise NonFiniteScoresError(
+            f"the held-out KL(teacher || student) before healing is {value} (non-finite"
+            + (f": the {' and the '.join(bad)}'s logits hold NaN or inf" if bad else "")
+            + f"; the models are {dtype}): non-finite values are a result to report, never a basis for healing; "
+            "load the models in float32 (--dtype float32) or bfloat16, or heal on other calibration text",
+            nonfinite={"held-out KL before healing": value})
 
 
 def student_fingerprint(model: nn.Module) -> str:
@@ -334,12 +488,13 @@ def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, d
             eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
             save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
             remove_unused_columns=False, use_cpu=device.type == "cpu", include_num_input_tokens_seen="non_padding",
+            logging_nan_inf_filter=False,  # a NaN loss is recorded and refused (FiniteLoss), never logged as another value
         )
         trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
                                       teacher=teacher, ce_weight=settings["ce_weight"])
         trainer.remove_callback(PrinterCallback)
         best = BestWeights(student, float(trainer.evaluate()["eval_loss"]), settings["patience"])
-        for callback in [best, *extra]:
+        for callback in [FiniteLoss(), best, *extra]:
             trainer.add_callback(callback)
         last = last_complete_checkpoint(checkpoint_dir) if resume else None
         saved = None if last is None else TrainerState.load_from_json(os.path.join(last, TRAINER_STATE_NAME))
