@@ -362,7 +362,8 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
     if heal.perplexity_text is not None:
         forwards = perplexity_forwards(heal.perplexity_text, tokenizer)
         repaired = cfg.recovery is not None and cfg.recovery.method != "none"
-        stages = [s for s in PERPLEXITY_STAGES if repaired or s != "after_repair"]
+        stages = [s for s in PERPLEXITY_STAGES  # a cut just made has no earlier healing
+                  if s != "after_earlier_healing" and (repaired or s != "after_repair")]
         before = (phase["block_passes"], phase["head_passes"])
         for stage in stages:
             depth = shape.num_blocks if stage == "dense" else kept
