@@ -614,6 +614,31 @@ def test_later_cut_marks_healing_stale():
     assert "**stale**: removal step 2" in healing_section(student.config.layerswap)
 
 
+def test_sparsifying_a_healed_model_marks_its_healing_stale():
+    # the documented order (heal, save, sparsify) left the healing KLs current on a model 50% zeros
+    student, teacher = _pair()
+    hl.heal(student, teacher, _calibration(), **_heal_config().heal_kwargs())
+    kept = student.config.layerswap["healing"][-1]
+    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", method="magnitude")
+    (entry,) = student.config.layerswap["healing"]
+    assert entry == {**kept, "stale": "sparsification (magnitude, uniform allocation, achieved sparsity 50.0%) came "
+                                      "after this healing: its numbers describe the model before its weights were zeroed"}
+    assert "| Status | **stale**: sparsification (magnitude" in healing_section(student.config.layerswap)
+    assert weights_changed_later(student.config)  # the sparsity still changed the weights after the cut
+
+
+@pytest.mark.parametrize("method, words", [
+    ("lora", "LoRA adapters on every kept block's attention and MLP projections, merged back into the weights"),
+    ("adjacent", "the kept blocks on each side of every cut and every block's norms, trained in place"),
+    ("last_k", "the last k blocks, the final norm and the output head, trained in place"),
+])
+def test_the_card_describes_each_method_from_its_registry_entry(method, words):
+    # "LoRA merged back" was said of every method
+    text = healing_section({"healing": [{"method": method, "tokens": 10, "steps": 1, "kl_before": 0.2, "kl_after": 0.1}]})
+    assert f"| Method | `{method}`: {words} |" in text
+    assert ("LoRA" in text) == (method == "lora")
+
+
 def test_card_section_never_shows_healing_without_before_and_after():
     record = {"healing": [{"method": "lora", "tokens": 10, "steps": 1, "kl_before": 0.2, "kl_after": 0.15,
                            "perplexity": {"before": 30.0, "after": 24.0, "contract": "matched"}}],
