@@ -302,6 +302,15 @@ def heal(
     return report
 
 
+def processes_launched() -> int:
+    """The processes ``accelerate launch`` / ``torchrun`` started for this run (``WORLD_SIZE``;
+    1 without a launcher): the Trainer runs data-parallel over them."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def _check_keywords(options: Mapping, method: str) -> None:
     """Refuse a keyword of :func:`heal` that is neither its own nor an option of any
     registered method (a misspelt ``max_tokns=`` is no method option), naming the allowed
@@ -483,7 +492,9 @@ def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, d
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(
             output_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, max_steps=steps,
-            per_device_train_batch_size=settings["batch_size"], per_device_eval_batch_size=settings["batch_size"],
+            # each launched process takes its share of every step: the steps, batch and budget are those asked for
+            per_device_train_batch_size=settings["batch_size"] // processes_launched(),
+            per_device_eval_batch_size=settings["batch_size"],
             learning_rate=settings["learning_rate"], seed=settings["seed"], eval_strategy="steps",
             eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
             save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
@@ -517,6 +528,11 @@ def _check_settings(settings: dict, model, entry) -> None:
                          f"achieved sparsity {sparsity.get('achieved_sparsity')}): healing trains dense updates into "
                          "its weights and would fill the zeros; heal the pruned model before sparsifying it")
     entry.check_options(settings["options"], num_blocks(model))
+    world = processes_launched()
+    batch = settings["batch_size"]
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1 and batch % world:
+        raise ValueError(f"batch_size={batch} under {world} launched processes: each process takes batch_size / {world} "
+                         f"prompts of every step (the budget and the steps stay those asked for); give a multiple of {world}")
     vocab_size = model.config.vocab_size
     for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
                           ("heldout_prompts", 1)):
