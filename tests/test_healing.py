@@ -28,7 +28,7 @@ from hf_layerswap import plan as hl_plan
 from hf_layerswap.healing.core import RUN_FILE, teacher_origin
 from hf_layerswap.healing.loss import teacher_top_k, top_k_distillation_loss
 from hf_layerswap.healing.methods import cut_neighbours
-from hf_layerswap.healing.trainer import resolve_patience
+from hf_layerswap.healing.trainer import DistillationTrainer, resolve_patience
 from hf_layerswap.history import verify_history, weights_changed_later, weights_sample
 from hf_layerswap.pipeline import prune
 
@@ -769,6 +769,30 @@ def test_prune_with_heal_flag(tmp_path):
     assert not any("lora" in n for n, _ in reloaded.named_modules())
     assert "## Healing" in (tmp_path / "p" / "README.md").read_text()
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "q"), "--layers", "2", "--heal-max-tokens", "9"]) == 2
+
+
+def test_an_interrupted_prune_heal_names_the_command_that_resumes_it(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    command = ["prune", str(tmp_path / "base"), str(tmp_path / "p"), "--layers", "2", "3", "--calibration", str(calib),
+               "--heal", "last_k", "--heal-option", "k=2", "--heal-max-tokens", "512", "--heal-seq-len", "16",
+               "--heal-eval-every", "2"]
+    interrupt = _Interrupt(4)
+    original = DistillationTrainer.__init__
+
+    def with_interrupt(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(interrupt)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DistillationTrainer, "__init__", with_interrupt)
+        assert main(command) == 130
+    err = capsys.readouterr().err
+    assert (f"healing checkpoints kept in {tmp_path / 'p.heal-checkpoints'}: run the same command again to resume the "
+            f"healing from the last one: {shlex.join(['hf-layerswap', *command])}") in err
+    assert (tmp_path / "p.heal-checkpoints" / RUN_FILE).is_file() and not (tmp_path / "p").exists()
+    assert main(command) == 0  # the same command resumes and finishes
+    assert not (tmp_path / "p.heal-checkpoints").exists()
 
 
 # ---------------------------------------------------------------- packed healing text

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from ..pipeline import prune
 from ..report import SwapReport
 from ..scoring.processes import is_main_process
 from ..healing import HEAL_METHODS
+from ..healing.core import RUN_FILE
 from .heal import add_heal_args, checkpoint_folder, heal_config
 from .common import (
     HELP_FORMATTER,
@@ -115,10 +118,14 @@ def run_prune(args) -> int:
         estimate = estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer,
                                  max_memory=args.scoring_memory)
         print("\n".join(estimate.lines()), flush=True)
-    result = prune(
-        model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
-        heal_checkpoint_dir=heal_dir,
-    )
+    try:
+        result = prune(
+            model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume,
+            max_memory=args.scoring_memory, heal_checkpoint_dir=heal_dir,
+        )
+    except BaseException:
+        _resume_hint(args, heal_dir)
+        raise
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
@@ -126,6 +133,16 @@ def run_prune(args) -> int:
         shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
+
+
+def _resume_hint(args, heal_dir) -> None:
+    """After an interruption or a failure of ``prune --heal`` whose healing had saved
+    checkpoints: one line on stderr naming the command that resumes it."""
+    if heal_dir is None or not (Path(heal_dir) / RUN_FILE).is_file() or not is_main_process():
+        return
+    command = shlex.join(getattr(args, "command_line", None) or ["hf-layerswap", "prune", args.model, args.output])
+    print(f"\nhealing checkpoints kept in {heal_dir}: run the same command again to resume the healing from the last "
+          f"one: {command}", file=sys.stderr)
 
 
 def _dry_run(args, config) -> int:
