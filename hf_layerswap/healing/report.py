@@ -43,8 +43,9 @@ class HealReport(JsonResult):
         perplexity: when ``perplexity_text`` was given (else empty): the perplexity of
             each stage (:data:`~hf_layerswap.healing.measure.PERPLEXITY_STAGES`):
             ``dense`` (the teacher), ``after_cut``, ``after_repair`` (only when the last
-            removal step repaired its cut; ``repair`` names the method) and
-            ``after_healing``, ``None`` for a stage that could not be measured; ``start``
+            removal step repaired its cut; ``repair`` names the method),
+            ``after_earlier_healing`` (a second run: the student healed before, where this run
+            started; ``earlier_healing`` names that run) and ``after_healing``, ``None`` for a stage that could not be measured; ``start``
             names the stage healing started from; ``contract``, ``text``,
             ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
             were measured under.
