@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
-import math
 import difflib
 import inspect
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -22,119 +22,25 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from ..calibration import (CalibrationSet, CalibrationShortfallWarning, build_calibration, check_token_ids,
                            shortfall_text)
-from ..devices import execution_device, input_device, offloaded_modules
 from ..jsonio import write_json_atomic
 from ..plan import model_fingerprint, num_blocks
-from ..history import param_dtype, same_weights, weights_sample
-from ..provenance import library_versions, public_identity
+from ..provenance import library_versions
 from ..recovery.operators import attached_operators
 from ..rule import NonFiniteScoresError
-from .loss import distillation_loss, teacher_top_k
+from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import HEAL_METHODS, get_heal_method
 from .report import RUN_SETTINGS, HealReport
+from .teacher import check_finite_start, check_teacher, place_teacher, teacher_origin
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
                       last_complete_checkpoint, resolve_patience)
 
-__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal", "teacher_origin"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "heal", "processes_launched"]
 
 #: The largest training seed (numpy's, under transformers' ``set_seed``).
 MAX_SEED = 2**32 - 1
 #: Training prompts of ``packing=False`` at most (budgets beyond them repeat them, epochs).
 PARAGRAPH_PROMPTS = 256
-
-
-def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
-    """Refuse a teacher that cannot teach ``model``: the same object, a different
-    ``config.vocab_size`` or output-head shape, another block count than the model the
-    student was cut from (``config.layerswap``: the original model, or the one its last cut
-    started from), or a tokenizer with a different vocabulary.
-
-    Raises:
-        ValueError: naming the mismatching values.
-    """
-    if teacher is model:
-        raise ValueError("teacher is the student itself: pass the dense base model as teacher")
-    sizes = [(m.config.vocab_size, tuple(m.get_output_embeddings().weight.shape)) for m in (model, teacher)]
-    if sizes[0][0] != sizes[1][0] or sizes[0][1][0] != sizes[1][1][0]:
-        raise ValueError(
-            f"teacher vocabulary (vocab_size={sizes[1][0]}, lm_head {sizes[1][1]}) differs from the student's "
-            f"(vocab_size={sizes[0][0]}, lm_head {sizes[0][1]}): the KL needs the same vocabulary"
-        )
-    record = getattr(model.config, "layerswap", None) or {}
-    last = (record.get("steps") or [{}])[-1]
-    depths = [d for d in (record.get("original_num_hidden_layers"), last.get("num_blocks_before")
-                          if isinstance(last, Mapping) else None) if isinstance(d, int)]
-    if depths and num_blocks(teacher) not in depths:
-        raise ValueError(f"teacher has {num_blocks(teacher)} blocks but the student was cut from a model of "
-                         f"{' or '.join(map(str, sorted(set(depths))))} (config.layerswap): pass the dense model it "
-                         "was pruned from as teacher")
-    if tokenizer is not None and teacher_tokenizer is not None and tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
-        raise ValueError(
-            f"teacher tokenizer ({len(teacher_tokenizer)} tokens) differs from the student's ({len(tokenizer)} tokens)"
-        )
-
-
-def teacher_origin(model: nn.Module, teacher: nn.Module, *, allow_foreign: bool = False) -> dict:
-    """Whether ``teacher`` holds the weights of the model the student ``model`` was cut from:
-    its dtype-independent :func:`~hf_layerswap.history.weights_sample` against the
-    ``weights_sample_before`` recorded by the first removal step (``heal PRUNED BASE``: the
-    original model) or the last one (the pipeline's copy taken just before its cut), so a
-    bfloat16 or float16 copy of the right model matches. A record written before that field
-    existed is compared by its ``fingerprint_before`` when the teacher has the dtype the step
-    recorded (``dtype_after``); otherwise the teacher cannot be checked and a warning says so.
-
-    Returns:
-        ``{"name", "fingerprint", "matches", "note"}``: the teacher's public name, its
-        :func:`~hf_layerswap.plan.model_fingerprint`, ``True`` (the model it was cut from),
-        ``False`` (another model, accepted with ``allow_foreign``) or ``None`` (not
-        checkable; ``note`` says why).
-
-    Raises:
-        ValueError: ``matches`` would be ``False`` without ``allow_foreign``, naming the step.
-    """
-    record = getattr(model.config, "layerswap", None) or {}
-    steps = [] if record.get("history") == "unverified" else [s for s in record.get("steps") or []
-                                                               if isinstance(s, Mapping)]
-    depth = num_blocks(teacher)
-    ends = {1: steps[0], len(steps): steps[-1]} if steps else {}
-    candidates = [(n, s) for n, s in ends.items() if s.get("num_blocks_before") in (None, depth)]
-    exact = model_fingerprint(teacher)
-    out = {"name": public_identity(teacher).get("name"), "fingerprint": exact, "matches": None, "note": None}
-    compared, unchecked, sample = [], [], None
-    for number, step in candidates:
-        recorded = step.get("weights_sample_before")
-        if isinstance(recorded, Mapping) and recorded:
-            sample = sample or weights_sample(teacher)
-            if same_weights(recorded, sample):
-                return {**out, "matches": True}
-            compared.append(number)
-            continue
-        recorded = step.get("fingerprint_before")
-        if not (isinstance(recorded, str) and recorded):
-            continue
-        if step.get("dtype_after") == param_dtype(teacher):
-            if recorded == exact:
-                return {**out, "matches": True}
-            compared.append(number)
-        else:
-            unchecked.append(f"removal step {number} recorded only a {step.get('dtype_after') or 'unrecorded'} "
-                             f"fingerprint (written before the dtype-independent sample) and the teacher is "
-                             f"{param_dtype(teacher)}")
-    if compared:
-        if not allow_foreign:
-            raise ValueError(
-                f"the teacher is not the model the student was cut from: its weights differ from those config.layerswap "
-                f"recorded before removal step {compared[0]} (fingerprint {exact[:12]} now; same shape, other weights; "
-                "any dtype of the right model is accepted): pass the dense model it was pruned from as teacher, or "
-                "allow_foreign_teacher=True (--allow-foreign-teacher) to distil from another teacher, recorded as such")
-        return {**out, "matches": False, "note": "not the model the student was cut from (its weights differ from the "
-                                                  "removal record's); accepted with allow_foreign_teacher"}
-    note = ("; ".join(unchecked) + ": the teacher could not be checked against the removal record") if unchecked else (
-        "config.layerswap records no weights of the model the student was cut from: the teacher was not checked")
-    if unchecked:
-        warnings.warn(note, UserWarning, stacklevel=3)
-    return {**out, "note": note}
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -211,30 +117,24 @@ def heal(
             cut off while saving is removed) and ends with the same weights as an
             uninterrupted run (same seed; a run that had ended trains no further). A folder
             holding checkpoints of another student, teacher or settings is refused. ``None``: nothing is saved.
-        teacher_top_k: ``None`` (default): the teacher's full logits on the fly at every
-            step. An int ``k``: the teacher runs once over the training prompts and its
-            top-``k`` log-probabilities plus the rest's mass are cached
-            (:func:`~hf_layerswap.healing.loss.teacher_top_k`); training then minimises the
-            KL over those ``k + 1`` buckets, an approximation: by the data-processing
-            inequality it is a lower bound of the full KL, equal to it at ``k = V``. The
-            held-out KL (early stop, ``kl_before``/``kl_after``) is always the full KL.
+        teacher_top_k: ``None``: the teacher's full logits on the fly. An int ``k``: its top-``k``
+            log-probabilities plus the rest's mass, cached once (:func:`~hf_layerswap.healing.loss.teacher_top_k`);
+            the KL over those ``k + 1`` buckets is a lower bound of the full KL (data-processing
+            inequality), equal at ``k = V``. The held-out KL is always the full KL.
         progress: a tqdm bar over the training tokens with its ETA.
         perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity`
-            accepts (``"embedded"``: the embedded evaluation split); when given, the
-            perplexity (``"matched"`` contract, no bootstrap, the same text for all) of the
-            dense teacher, after the cut, after the repair (when the student's last removal
-            step repaired its cut; "after the cut" is then the teacher run without the
-            removed blocks, see :mod:`~hf_layerswap.healing.measure`) and after healing is
-            recorded in ``report.perplexity``. Needs ``tokenizer``.
+            accepts (``"embedded"``: the embedded evaluation split); when given, the perplexity
+            (``"matched"`` contract, one text) of every stage is recorded in ``report.perplexity``: the
+            dense teacher, after the cut, after the repair or an earlier healing run when the student
+            had one, after healing (:mod:`~hf_layerswap.healing.measure`). Needs ``tokenizer``.
         eval_tasks: lm-eval task names measured on the student before and after healing
             (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times),
             recorded in ``report.tasks``; ``eval_tasks_path`` (task YAML folder) and
             ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
             Needs ``tokenizer`` and lm-eval.
         callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop).
-        allow_foreign_teacher: accept a teacher whose weights are not those of the model the
-            student was cut from (:func:`teacher_origin`; refused by default). The report's
-            ``teacher`` and the card then name it and do not call it the model it was cut from.
+        allow_foreign_teacher: accept a teacher that is not the model the student was cut from
+            (:func:`~hf_layerswap.healing.teacher.teacher_origin`), named as such in ``report.teacher``.
 
     Returns:
         The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is
@@ -243,61 +143,41 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: before any training: a mismatched teacher, a teacher that is not the model
-            the student was cut from (without ``allow_foreign_teacher``), an unknown method, a bad budget,
-            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, token ids outside the
-            model's embedding, too few prompts to hold some out, another run's ``checkpoint_dir``,
-            measurements without ``tokenizer``.
-        TypeError: a keyword that is neither one of :func:`heal`'s nor an option of any
-            registered method (a misspelt ``max_tokns=``), naming the allowed ones.
-        NonFiniteScoresError: a non-finite held-out KL before training (a model that
-            overflows in its dtype), before anything is written; or a non-finite training loss
-            (then a ``checkpoint_dir`` this call created is removed).
+        ValueError: before any training: a mismatched or foreign teacher, an unknown method, a bad
+            budget, ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, token ids
+            outside the embedding, too few prompts to hold some out, another run's ``checkpoint_dir``,
+            measurements without ``tokenizer``. TypeError: an unknown keyword (``max_tokns=``).
+        NonFiniteScoresError: a non-finite held-out KL before training or loss (then a ``checkpoint_dir`` it created is removed).
     """
     _check_keywords(options, method)
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
-    if not isinstance(allow_foreign_teacher, bool):
-        raise ValueError(f"allow_foreign_teacher={allow_foreign_teacher!r}: must be True or False")
     origin = teacher_origin(model, teacher, allow_foreign=allow_foreign_teacher)
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model, entry)
-    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
-    check_token_ids(calib.input_ids, model, "the healing calibration prompts")
+    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings, model)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    device = input_device(model)
-    if not offloaded_modules(teacher) and not getattr(teacher, "hf_device_map", None):
-        teacher.to(device)  # a teacher held on one device goes where the student takes its inputs
-    teacher.eval()
-    if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
-        _claim_checkpoints(Path(checkpoint_dir), settings, write=False)
+    device = place_teacher(teacher, model)
+    _claim_checkpoints(checkpoint_dir, settings, write=False)  # refuse another run's folder before measuring
     check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
     created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
-    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
-    if teacher_top_k is not None:
-        train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
+    resume = _claim_checkpoints(checkpoint_dir, settings)  # written only now, after the measurements
+    train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
-    try:
-        state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
-                             checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo,
-                             extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
-    except NonFiniteScoresError:
-        if created:  # nothing to resume from a run that diverged: leave nothing behind
-            shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        raise
+    state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
+                         checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
+                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
-    report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
-    report.teacher = origin
+    report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed, origin)
     _record_step(healed, report)  # before measuring: a measurement that fails leaves the healed model recorded
-    healed.layerswap_heal_report = report
     _measure_after(measures, healed, start, report)
     return report
 
@@ -336,40 +216,6 @@ def _check_keywords(options: Mapping, method: str) -> None:
                     + f": its keywords are {', '.join(own)}; the methods' options are {methods}")
 
 
-def check_finite_start(model: nn.Module, teacher: nn.Module, held, batch_size: int) -> None:
-    """Refuse, before any training, measuring or checkpoint, a held-out KL that is not finite
-    (a model that overflows in its dtype, e.g. float16): a NaN start is no basis for
-    healing, and training would only carry the NaN into every number recorded.
-
-    Raises:
-        NonFiniteScoresError: naming the value, which model's logits are not finite and what to try.
-    """
-    total, tokens = 0.0, 0.0
-    bad = []
-    with torch.no_grad():
-        for start in range(0, len(held), batch_size):
-            ids, mask = held.ids[start:start + batch_size], held.mask[start:start + batch_size]
-            logits = {}
-            for name, net in (("teacher", teacher), ("student", model)):
-                out = net(input_ids=ids.to(input_device(net)), attention_mask=mask.to(input_device(net))).logits
-                logits[name] = out
-                if not bool(torch.isfinite(out[mask.to(out.device).bool()].float()).all()) and name not in bad:
-                    bad.append(name)
-            device = logits["student"].device
-            count = float(mask.sum())
-            kl = distillation_loss(logits["student"], logits["teacher"].to(device), mask.to(device))
-            total, tokens = total + float(kl) * count, tokens + count
-    value = total / tokens if tokens else float("nan")
-    if bad or not math.isfinite(value):
-        dtype = param_dtype(model)
-        raise NonFiniteScoresError(
-            f"the held-out KL(teacher || student) before healing is {value} (non-finite"
-            + (f": the {' and the '.join(bad)}'s logits hold NaN or inf" if bad else "")
-            + f"; the models are {dtype}): non-finite values are a result to report, never a basis for healing; "
-            "load the models in float32 (--dtype float32) or bfloat16, or heal on other calibration text",
-            nonfinite={"held-out KL before healing": value})
-
-
 def student_fingerprint(model: nn.Module) -> str:
     """:func:`~hf_layerswap.plan.model_fingerprint` of the student, with its attached ghosted
     operators (buffers, which the weights' fingerprint leaves out) when it has any: the
@@ -384,7 +230,7 @@ def student_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _training_text(calibration, tokenizer, settings: dict):
+def _training_text(calibration, tokenizer, settings: dict, model=None):
     """``(calibration set, training steps, training rows, held-out rows, packed)`` for :func:`heal`:
     ``steps = ceil(max_tokens / (batch_size * seq_len))`` (given tensors: their width for
     ``seq_len``). Packed (a text source with
@@ -394,7 +240,8 @@ def _training_text(calibration, tokenizer, settings: dict):
     :data:`PARAGRAPH_PROMPTS` ``)`` prompts for training, then the held-out ones, last.
 
     Raises:
-        ValueError: no prompt remains for training once ``heldout_prompts`` are held out.
+        ValueError: no prompt remains for training once ``heldout_prompts`` are held out; a
+            token id outside ``model``'s embedding.
     """
     batch_size, heldout, seq_len = settings["batch_size"], settings["heldout_prompts"], settings["seq_len"]
     tensors = isinstance(calibration, (CalibrationSet, Mapping))
@@ -408,6 +255,8 @@ def _training_text(calibration, tokenizer, settings: dict):
             warnings.simplefilter("ignore", CalibrationShortfallWarning)
         calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=settings["seed"],
                                   packing=packing)
+    if model is not None:
+        check_token_ids(calib.input_ids, model, "the healing calibration prompts")
     count = calib.num_prompts
     if count <= heldout:
         raise ValueError(
@@ -443,7 +292,7 @@ def _finished(entry, student, model: nn.Module, method: str) -> nn.Module:
 
 
 def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, distinct: int,
-                 packed: bool) -> HealReport:
+                 packed: bool, teacher: dict | None = None) -> HealReport:
     """The :class:`HealReport` of a finished run (perplexity not yet filled in); ``distinct``:
     the real tokens of the training prompts, ``packed``: whether they are packed windows;
     ``tokens_per_step``: the planned mean, replaced by the steps' own once there are steps."""
@@ -460,19 +309,22 @@ def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, dis
         data_hash=calib.content_hash, teacher_top_k=settings["teacher_top_k"], ce_weight=float(settings["ce_weight"]),
         final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
         options=dict(settings["options"]), packing=packed, distinct_tokens=distinct, epochs=trained / distinct,
-        patience=settings["patience"], settings={k: settings[k] for k in RUN_SETTINGS},
+        patience=settings["patience"], settings={k: settings[k] for k in RUN_SETTINGS}, teacher=dict(teacher or {}),
     )
 
 
-def _train(student, teacher, train, held, settings: dict, *, undo, **kwargs):
+def _train(student, teacher, train, held, settings: dict, *, undo, created: bool = False, **kwargs):
     """:func:`_run_trainer`; when it raises (an interruption, an error), the model is left as
     it was given: its trained weights put back (a copy on the CPU), the method's ``undo``
     (LoRA's modules removed), every parameter trainable, in eval mode (as :func:`heal` leaves
-    it), so the same call with the same object resumes from ``checkpoint_dir``."""
+    it), so the same call with the same object resumes from ``checkpoint_dir``; a run stopped
+    by a non-finite loss leaves nothing to resume: the ``checkpoint_dir`` it ``created`` is removed."""
     start = {n: p.detach().to("cpu", copy=True) for n, p in student.named_parameters() if p.requires_grad}
     try:
         return _run_trainer(student, teacher, train, held, settings, **kwargs)
-    except BaseException:
+    except BaseException as err:
+        if created and isinstance(err, NonFiniteScoresError):
+            shutil.rmtree(kwargs["checkpoint_dir"], ignore_errors=True)
         params = dict(student.named_parameters())
         with torch.no_grad():
             for name, value in start.items():
@@ -562,10 +414,13 @@ def _check_settings(settings: dict, model, entry) -> None:
 RUN_FILE = "layerswap_heal_run.json"
 
 
-def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> bool:
+def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     """Write ``settings`` into ``folder`` (only check it could be, with ``write=False``), or
     check they equal those of the run whose checkpoints are there; ``True`` when there is a
-    run to resume."""
+    run to resume (``folder`` ``None``: no checkpoints, ``False``)."""
+    if folder is None:
+        return False
+    folder = Path(folder)
     path = folder / RUN_FILE
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -589,8 +444,10 @@ def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> b
     return False
 
 
-def _teacher_cache(teacher, rows: _Rows, k: int, batch_size: int, device) -> dict:
-    """The teacher's :func:`teacher_top_k` over every row, on the CPU."""
+def _teacher_cache(teacher, rows: _Rows, k: int | None, batch_size: int, device) -> dict | None:
+    """The teacher's :func:`teacher_top_k` over every row, on the CPU (``None`` for ``k`` ``None``)."""
+    if k is None:
+        return None
     parts = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
@@ -609,9 +466,10 @@ def _measure_after(measures: HealMeasures, healed, start: dict, report: HealRepo
 
 def _record_step(model, report: HealReport) -> None:
     """Append the report (less its histories) to ``config.layerswap["healing"]``, with the
-    removal step it follows and the library versions."""
+    removal step it follows and the library versions; leave it on ``model.layerswap_heal_report``."""
     record = getattr(model.config, "layerswap", None) or {}
     step = {k: v for k, v in report.to_dict().items() if k not in ("loss_history", "eval_history")}
     step["after_removal_step"] = len(record.get("steps", []))
     step["library_versions"] = library_versions()
     model.config.layerswap = {**record, "healing": record.get("healing", []) + [step]}
+    model.layerswap_heal_report = report
