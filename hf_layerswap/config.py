@@ -38,7 +38,7 @@ from typing import Any, Literal, get_args
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .healing import HEAL_METHODS, get_heal_method
-from .healing.core import MAX_SEED
+from .healing.core import MAX_SEED, processes_launched
 from .healing.measure import check_eval_tasks
 from .plan import as_index, decoder_blocks
 from .provenance import public_name
@@ -298,6 +298,10 @@ class HealConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}")
+        world = processes_launched()  # checked here, before a model loads: each process takes its share of a step
+        if self.batch_size % world:
+            raise ValueError(f"{what}(batch_size={self.batch_size!r}) under {world} launched processes: each process "
+                             f"takes batch_size / {world} prompts of every step; give a multiple of {world}")
         for name, low in (("learning_rate", None), ("ce_weight", 0.0)):
             value = getattr(self, name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

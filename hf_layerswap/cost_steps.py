@@ -21,8 +21,8 @@ over one batch) and of the output head:
   and backward (the backward as 2 forward FLOPs) and a teacher forward (or, with
   ``teacher_top_k``, one teacher pass over the training prompts before training), over
   transformers' Trainer batches of ``batch_size`` prompts that cycle through the training
-  prompts; held-out evaluations (student and teacher forwards) before training, every
-  ``eval_every`` steps and after the last step. Exact when the early stop cannot fire
+  prompts; held-out evaluations (student and teacher forwards) before training (twice: the
+  check of a finite start, then the Trainer's), every ``eval_every`` steps and after the last step. Exact when the early stop cannot fire
   before the last step (fewer evaluations before it than ``patience``), otherwise an upper
   bound (no early stop). Its measurements (:func:`heal_measures`): the perplexity stages,
   each the evaluator's own windows and batches over the tokenized text (exact), and the
@@ -317,8 +317,9 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
             _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
         _add_forward(phase, shape, kept, b, width, factor=3.0, times=n)  # forward + backward (2 forward FLOPs)
     for b, n in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)).items():
-        _add_forward(phase, shape, shape.num_blocks, b, width, times=n * evaluations)
-        _add_forward(phase, shape, kept, b, width, times=n * evaluations)
+        # the evaluations, and one more before anything: the finite-start check (healing.teacher.check_finite_start)
+        _add_forward(phase, shape, shape.num_blocks, b, width, times=n * (evaluations + 1))
+        _add_forward(phase, shape, kept, b, width, times=n * (evaluations + 1))
     params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
     optimizer = 4 * params * es + 4 * tensors
@@ -362,7 +363,8 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
     if heal.perplexity_text is not None:
         forwards = perplexity_forwards(heal.perplexity_text, tokenizer, max_positions(shape.model))
         repaired = cfg.recovery is not None and cfg.recovery.method != "none"
-        stages = [s for s in PERPLEXITY_STAGES if repaired or s != "after_repair"]
+        stages = [s for s in PERPLEXITY_STAGES  # a cut just made has no earlier healing
+                  if s != "after_earlier_healing" and (repaired or s != "after_repair")]
         before = (phase["block_passes"], phase["head_passes"])
         for stage in stages:
             depth = shape.num_blocks if stage == "dense" else kept

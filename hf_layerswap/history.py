@@ -29,9 +29,12 @@ The check runs when the quantizer plugin loads a checkpoint (``from_pretrained``
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 import warnings
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from .plan import model_fingerprint, num_blocks
@@ -42,7 +45,9 @@ __all__ = [
     "history_status",
     "mark_history_unverified",
     "probable_cause",
+    "same_weights",
     "verify_history",
+    "weights_sample",
 ]
 
 UNVERIFIED = "unverified"
@@ -245,6 +250,45 @@ def verify_history(model: nn.Module, *, warn: bool = True) -> bool:
             stacklevel=2,
         )
     return False
+
+
+#: Parameter tensors and leading values per tensor in a :func:`weights_sample`.
+SAMPLE_TENSORS, SAMPLE_VALUES = 16, 4
+#: Relative tolerance of :func:`same_weights`: two bfloat16 steps (a float16 copy rounds
+#: twice), plus an absolute one for float16's subnormal values.
+SAMPLE_RTOL, SAMPLE_ATOL = 2.0**-7, 1e-7
+
+
+def weights_sample(model: nn.Module) -> dict:
+    """A dtype-independent identity of a model's weights, for config.json:
+    ``{"layout": sha256 hex of the architecture, block count, parameter names and shapes,
+    "values": the first SAMPLE_VALUES values of SAMPLE_TENSORS parameter tensors spread
+    over the model, rounded to bfloat16}``. The same weights in float32, bfloat16 or float16
+    give samples :func:`same_weights` accepts; other weights of the same shape do not."""
+    params = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]
+    fingerprint = hashlib.sha256(repr((type(model).__name__, num_blocks(model))).encode())
+    for name, param in params:
+        fingerprint.update(f"{name}:{tuple(param.shape)};".encode())
+    picks = sorted({round(i * (len(params) - 1) / max(SAMPLE_TENSORS - 1, 1)) for i in range(SAMPLE_TENSORS)}) if params else []
+    values = [float(v) for i in picks
+              for v in params[i][1].detach().reshape(-1)[:SAMPLE_VALUES].to("cpu", torch.bfloat16).float()]
+    return {"layout": fingerprint.hexdigest(), "values": values}
+
+
+def same_weights(sample: Mapping, other: Mapping) -> bool:
+    """Whether two :func:`weights_sample` records describe the same weights (the same layout,
+    every value within :data:`SAMPLE_RTOL` / :data:`SAMPLE_ATOL`; NaN and inf only equal to themselves)."""
+    a, b = list(sample.get("values") or []), list(other.get("values") or [])
+    if sample.get("layout") != other.get("layout") or len(a) != len(b) or not a:
+        return False
+    for x, y in zip(a, b):
+        if not (isinstance(x, (int, float)) and isinstance(y, (int, float))):
+            return False
+        if x == y:
+            continue
+        if not (math.isfinite(x) and math.isfinite(y)) or abs(x - y) > SAMPLE_RTOL * max(abs(x), abs(y)) + SAMPLE_ATOL:
+            return False
+    return True
 
 
 def record_fingerprint(model: nn.Module, step: dict) -> None:

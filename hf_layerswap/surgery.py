@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .history import record_fingerprint, verify_history
+from .history import record_fingerprint, verify_history, weights_sample
 from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
 from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
@@ -154,6 +154,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
 
     verify_history(model)  # a record that does not describe the model is marked unverified, never extended
     fingerprint_before = model_fingerprint(model)
+    sample_before = weights_sample(model)  # dtype-independent: healing checks its teacher against it
     removed_parameters = sum(p.numel() for i in removed for p in blocks[i].parameters())
     base_name = model_identity(model).get("name")
     if not (isinstance(base_name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", base_name) and not os.path.exists(base_name)):
@@ -195,6 +196,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         "num_blocks_after": len(kept),
         "removed_original_layers": [original_kept[i] for i in removed],
         "fingerprint_before": fingerprint_before,
+        "weights_sample_before": sample_before,
         "removed_parameters": removed_parameters,
         "library_versions": library_versions(),
         **(provenance or {}),
@@ -215,12 +217,14 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     return model
 
 
-def stale_healing(healing: list, step: int) -> list:
+def stale_healing(healing: list, step: int | None = None, *, note: str | None = None) -> list:
     """The healing records of ``config.layerswap["healing"]`` after removal step ``step``
     (0-based, the index in ``config.layerswap["steps"]``, as the card's steps table numbers
-    them): each is kept as evidence, marked ``"stale"`` (its KL and perplexity describe the
-    model before that removal) unless an earlier removal already marked it."""
-    note = f"removal step {step} came after this healing: its numbers describe the model before that cut"
+    them), or after another step that changed the weights (``note`` says which, e.g. a
+    sparsification): each is kept as evidence, marked ``"stale"`` (its KL and perplexity
+    describe the model before that step) unless an earlier step already marked it."""
+    if note is None:
+        note = f"removal step {step} came after this healing: its numbers describe the model before that cut"
     return [entry if entry.get("stale") else {**entry, "stale": note} for entry in healing]
 
 
@@ -231,7 +235,7 @@ HISTORY_FIELDS = ("history", "unverified_reasons", "probable_cause", "unverified
 #: Fields of a removal step that the library computes; ``provenance`` may not set them.
 STEP_FIELDS = (
     "removed_layers", "num_blocks_before", "num_blocks_after", "removed_original_layers", "fingerprint_before",
-    "removed_parameters", "library_versions", "fingerprint_after", "dtype_after",
+    "weights_sample_before", "removed_parameters", "library_versions", "fingerprint_after", "dtype_after",
 )
 
 

@@ -109,9 +109,10 @@ def test_healing_passes_are_counted_exactly_when_the_early_stop_cannot_fire(top_
     assert estimate.exact and estimate.phases["healing"]["exact"]
     assert (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny(), config, calib)
     # per step the student's 6 blocks and (without a cache) the teacher's 8; the cache: the
-    # teacher over 3 batches of the 5 training prompts; each evaluation: both on one batch
+    # teacher over 3 batches of the 5 training prompts; each evaluation (and the finite-start
+    # check before them): both on one batch
     teacher = 3 * 8  # 3 steps, or the cache's 3 batches (2 + 2 + 1 prompts)
-    assert estimate.block_passes == 3 * 6 + teacher + 2 * (8 + 6)
+    assert estimate.block_passes == 3 * 6 + teacher + 3 * (8 + 6)
     # training FLOPs: the student's forward + backward (3 forwards) and the teacher's forward
     phase = estimate.phases["healing"]
     assert phase["flops"] == phase["block_flops"] + phase["head_flops"]
@@ -135,9 +136,9 @@ def test_healing_with_a_possible_early_stop_is_an_upper_bound():
     estimate = _estimate(config, calib)
     blocks, heads = counted_prune(_tiny(), config, calib)
     assert not estimate.phases["healing"]["exact"]
-    # 8 steps and 1 + 4 evaluations at most
-    assert estimate.block_passes == 8 * (6 + 8) + 5 * (8 + 6)
-    assert estimate.head_passes == 8 * 2 + 5 * 2
+    # 8 steps and 1 + 4 evaluations at most, and the finite-start check
+    assert estimate.block_passes == 8 * (6 + 8) + 6 * (8 + 6)
+    assert estimate.head_passes == 8 * 2 + 6 * 2
     assert blocks <= estimate.block_passes <= 1.5 * blocks and heads <= estimate.head_passes <= 1.5 * heads
 
 
@@ -160,9 +161,10 @@ def test_packed_healing_text_is_counted_as_every_window_of_the_budget(tmp_path):
         model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
     report = heal(student, teacher, str(text), tokenizer=tiny_tokenizer(), **healing.heal_kwargs())
     assert (report.steps, report.distinct_tokens) == (100, 300 * 16)
-    # 100 batches of the cache (teacher, 8 blocks), 100 steps (student, 6), 2 evaluations of one batch (both)
-    assert (phase["block_passes"], phase["head_passes"]) == tuple(counts.values()) == (100 * 8 + 100 * 6 + 2 * 14,
-                                                                                       100 + 100 + 2 * 2)
+    # 100 batches of the cache (teacher, 8 blocks), 100 steps (student, 6), 2 evaluations of one
+    # batch and the finite-start check (both)
+    assert (phase["block_passes"], phase["head_passes"]) == tuple(counts.values()) == (100 * 8 + 100 * 6 + 3 * 14,
+                                                                                       100 + 100 + 3 * 2)
 
 
 def test_a_huge_healing_budget_is_estimated_at_once():
@@ -181,9 +183,11 @@ def test_a_huge_healing_budget_is_estimated_at_once():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    # each step the teacher (8 blocks) and the student (6); 1 + 10**12 / 4 evaluations of the 2 held-out prompts
+    # each step the teacher (8 blocks) and the student (6); 1 + 10**12 / 4 evaluations of the 2 held-out prompts,
+    # and the finite-start check
     evaluations = 1 + 10**12 // 4
-    assert (phase["block_passes"], phase["head_passes"]) == (10**12 * 14 + evaluations * 14, (10**12 + evaluations) * 2)
+    assert (phase["block_passes"], phase["head_passes"]) == (10**12 * 14 + (evaluations + 1) * 14,
+                                                             (10**12 + evaluations + 1) * 2)
     assert f"{10**12} steps of 3 prompts x 16 tokens, {evaluations} held-out evaluations" in phase["note"]
 
 

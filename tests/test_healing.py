@@ -6,6 +6,7 @@ import argparse
 import copy
 import hashlib
 import json
+import math
 import re
 import shlex
 import warnings
@@ -23,11 +24,13 @@ from hf_layerswap.cli import main
 from hf_layerswap.cli.heal import add_heal_args, heal_config
 from hf_layerswap.config import HealConfig, LayerSwapConfig
 from hf_layerswap.healing import distillation_loss
+from hf_layerswap import plan as hl_plan
 from hf_layerswap.healing.core import RUN_FILE
+from hf_layerswap.healing.teacher import teacher_origin
 from hf_layerswap.healing.loss import teacher_top_k, top_k_distillation_loss
 from hf_layerswap.healing.methods import cut_neighbours
-from hf_layerswap.healing.trainer import resolve_patience
-from hf_layerswap.history import verify_history, weights_changed_later
+from hf_layerswap.healing.trainer import DistillationTrainer, resolve_patience
+from hf_layerswap.history import verify_history, weights_changed_later, weights_sample
 from hf_layerswap.pipeline import prune
 
 from conftest import assert_model_unchanged, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
@@ -198,6 +201,133 @@ def test_mismatched_teacher_refused_before_training():
 
 
 
+def test_a_teacher_with_other_weights_is_refused_unless_allowed_and_then_named():
+    # same shape, other weights: healing ran to exit 0 and the card said "distilled from the
+    # dense model it was cut from"
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    foreign = tiny_model("llama", num_blocks=6, seed=1)
+    step = student.config.layerswap["steps"][0]
+    with pytest.raises(ValueError, match=re.escape(
+            "the teacher is not the model the student was cut from: its weights differ from those config.layerswap "
+            f"recorded before removal step 1 (fingerprint {hl_plan.model_fingerprint(foreign)[:12]} now; same shape, "
+            "other weights")):
+        hl.heal(student, foreign, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16)
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    assert "healing" not in student.config.layerswap
+    # a bfloat16 or float16 copy of the right teacher is the same model
+    assert step["weights_sample_before"] == weights_sample(teacher)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert teacher_origin(student, copy.deepcopy(teacher).to(dtype))["matches"] is True
+    assert teacher_origin(student, teacher)["matches"] is True
+    # a record written before the dtype-independent fingerprint: the exact one in the recorded dtype
+    old = copy.deepcopy(student)
+    for entry in old.config.layerswap["steps"]:
+        del entry["weights_sample_before"]
+    assert teacher_origin(old, teacher)["matches"] is True
+    with pytest.raises(ValueError, match="not the model the student was cut from"):
+        teacher_origin(old, foreign)
+    with pytest.warns(UserWarning, match=r"recorded only a torch\.float32 fingerprint .* the teacher is torch\.bfloat16"):
+        unchecked = teacher_origin(old, copy.deepcopy(teacher).to(torch.bfloat16))
+    assert unchecked["matches"] is None and "could not be checked" in unchecked["note"]
+    # allowed: the report and the card name the other teacher and never call it the model it was cut from
+    report = hl.heal(student, foreign, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16,
+                     allow_foreign_teacher=True)
+    assert report.teacher["matches"] is False and report.teacher["fingerprint"] == hl_plan.model_fingerprint(foreign)
+    assert student.config.layerswap["healing"][-1]["teacher"] == report.teacher
+    text = healing_section(student.config.layerswap)
+    assert "**not the model it was cut from**" in text and "the dense model it was cut from" not in text
+    assert heal_command(student.config.layerswap["healing"][-1]).endswith("--allow-foreign-teacher --option k=2")
+    right, teacher = _pair()
+    hl.heal(right, teacher, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16)
+    assert "| Teacher | the dense model it was cut from (" in healing_section(right.config.layerswap)
+
+
+def test_a_misspelt_keyword_is_an_unknown_keyword_not_a_method_option():
+    student, teacher = _pair()
+    with pytest.raises(TypeError, match=r"heal\(\) got an unknown keyword argument 'max_tokns' \(did you mean "
+                                        r"'max_tokens'\?\): its keywords are method, tokenizer, .*max_tokens.*; the "
+                                        r"methods' options are 'adjacent': none; 'last_k': k; 'lora': lora_r, lora_alpha"):
+        hl.heal(student, teacher, _calibration(), max_tokns=64)
+    with pytest.raises(ValueError, match="method='last_k' has no option 'lora_r'"):  # another method's option
+        hl.heal(student, teacher, _calibration(), method="last_k", lora_r=4)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_up_front(tmp_path):
+    student, teacher = _pair()
+    calib = _calibration()
+    calib["input_ids"][0, 3] = student.config.vocab_size + 5
+    with pytest.raises(ValueError, match=f"the healing calibration prompts hold token id {student.config.vocab_size + 5}"
+                                         f", but the model's input embedding has {student.config.vocab_size} rows"):
+        hl.heal(student, teacher, calib, method="last_k", k=2, max_tokens=64, seq_len=16, checkpoint_dir=tmp_path / "c")
+    assert not (tmp_path / "c").exists() and "healing" not in student.config.layerswap
+
+
+def _overflowing_pair(dtype=torch.float16):
+    teacher = tiny_model("llama", num_blocks=6, seed=0)
+    with torch.no_grad():  # weights within float16's range, the first MLP's activations beyond it
+        for linear in (teacher.model.layers[0].mlp.up_proj, teacher.model.layers[0].mlp.gate_proj):
+            linear.weight.mul_(1e3 / linear.weight.abs().max())
+    teacher = teacher.to(dtype)
+    student = copy.deepcopy(teacher)
+    hl.remove_layers(student, REMOVED)
+    return student, teacher
+
+
+def test_an_overflowing_float16_model_is_refused_by_the_non_finite_rule_before_anything_is_written(tmp_path):
+    # the run printed "Out of range float values are not JSON compliant: nan", left the checkpoint
+    # folder behind, and the API recorded final_loss 0.0 next to NaN KLs
+    student, teacher = _overflowing_pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(hl.NonFiniteScoresError, match=r"the held-out KL\(teacher \|\| student\) before healing is nan "
+                                                      r"\(non-finite: the teacher and the student's logits hold NaN or inf; "
+                                                      r"the models are torch\.float16\).*load the models in float32"):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16,
+                checkpoint_dir=tmp_path / "ck")
+    assert not (tmp_path / "ck").exists() and "healing" not in student.config.layerswap
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+
+
+def test_a_loss_turning_non_finite_stops_healing_and_removes_the_folder_it_created(tmp_path):
+    class Poison(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:
+                with torch.no_grad():
+                    next(p for p in model.parameters() if p.requires_grad).fill_(float("nan"))
+
+    student, teacher = _pair()
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(hl.NonFiniteScoresError, match=r"healing stopped at step 3: the training loss is nan"):
+        hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=6 * 16 * 4, seq_len=16,
+                eval_every=5, callbacks=[Poison()], checkpoint_dir=tmp_path / "ck")
+    assert not (tmp_path / "ck").exists() and "healing" not in student.config.layerswap
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+
+
+def test_heal_report_from_json_validates_like_the_other_reports():
+    student, teacher = _pair()
+    report = hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16)
+    assert hl.HealReport.from_json(report.to_json()) == report
+    nan = copy.deepcopy(report)
+    nan.final_loss = float("nan")
+    nan.loss_history = [{"step": 1, "loss": float("nan")}]
+    back = hl.HealReport.from_json(nan.to_json())  # non-finite values come back as floats, not strings
+    assert math.isnan(back.final_loss) and math.isnan(back.loss_history[0]["loss"])
+    data = json.loads(report.to_json())
+    for bad, message in [({"kl_before": "low"}, "kl_before: value 'low' is not a number"),
+                         ({"kl_after": -0.5}, "kl_after=-0.5: a KL is never negative"),
+                         ({"steps": -1}, "steps=-1: must be an int >= 0"),
+                         ({"tokens": "9"}, "tokens='9': must be an int >= 0"),
+                         ({"reverted": "no"}, "reverted='no': must be true or false"),
+                         ({"eval_history": [{"step": 1}]}, "eval_history entry {'step': 1}: must be"),
+                         ({"colour": 1}, "unknown field(s) ['colour']")]:
+        with pytest.raises(ValueError, match=re.escape(f"JSON text is not a valid HealReport JSON file: {message}")):
+            hl.HealReport.from_json(json.dumps({**data, **bad}))
+    missing = {k: v for k, v in data.items() if k != "kl_after"}
+    with pytest.raises(ValueError, match=re.escape("is not a valid HealReport JSON file: missing field(s) ['kl_after']")):
+        hl.HealReport.from_json(json.dumps(missing))
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(seq_len=0), "seq_len=0: must be an int >= 2"),
     (dict(seq_len=-4), "seq_len=-4: must be an int >= 2"),
@@ -229,7 +359,7 @@ def test_a_sparsified_student_is_refused():
 
 
 @pytest.mark.parametrize("method, options, message", [
-    ("lora", {"lora_rank": 8}, "method='lora' has no option 'lora_rank': its options are lora_r, lora_alpha"),
+    ("lora", {"lora_rank": 8}, "heal() got an unknown keyword argument 'lora_rank' (did you mean 'lora_r'?)"),
     ("last_k", {"lora_r": 4}, "method='last_k' has no option 'lora_r': its options are k"),
     ("adjacent", {"k": 2}, "method='adjacent' has no option 'k': it takes none"),
     ("lora", {"lora_r": True}, "lora_r=True: must be an int >= 1 (the LoRA rank)"),
@@ -242,7 +372,8 @@ def test_method_options_are_checked_before_anything_runs(tmp_path, method, optio
     # in PEFT with a TypeError after the checkpoint folder was claimed
     student, teacher = _pair()
     start = {k: v.clone() for k, v in student.state_dict().items()}
-    with pytest.raises(ValueError, match=re.escape(message)):
+    unknown = message.startswith("heal() got")  # no method's option: a misspelt keyword of heal itself
+    with pytest.raises(TypeError if unknown else ValueError, match=re.escape(message)):
         hl.heal(student, teacher, _calibration(), method=method, checkpoint_dir=tmp_path / "ck", **options)
     assert not (tmp_path / "ck").exists()
     assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
@@ -371,8 +502,11 @@ def test_checkpoints_of_another_student_or_teacher_are_refused(tmp_path):
     with pytest.raises(ValueError, match="other settings.*student: "):
         hl.heal(other, teacher, _calibration(), checkpoint_dir=tmp_path, **kw)
     student, _ = _pair()
-    with pytest.raises(ValueError, match="other settings.*teacher: "):
+    with pytest.raises(ValueError, match="the teacher is not the model the student was cut from"):
         hl.heal(student, tiny_model("llama", num_blocks=6, seed=1), _calibration(), checkpoint_dir=tmp_path, **kw)
+    with pytest.raises(ValueError, match="other settings.*teacher: "):  # accepted as foreign: the folder is another's
+        hl.heal(student, tiny_model("llama", num_blocks=6, seed=1), _calibration(), checkpoint_dir=tmp_path,
+                allow_foreign_teacher=True, **kw)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in start.items())
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="checkpoint_dir '.*file' is a file: give a new or empty folder"):
@@ -485,6 +619,31 @@ def test_later_cut_marks_healing_stale():
     assert "**stale**: removal step 1" in healing_section(student.config.layerswap)  # steps 0 and 1
 
 
+def test_sparsifying_a_healed_model_marks_its_healing_stale():
+    # the documented order (heal, save, sparsify) left the healing KLs current on a model 50% zeros
+    student, teacher = _pair()
+    hl.heal(student, teacher, _calibration(), **_heal_config().heal_kwargs())
+    kept = student.config.layerswap["healing"][-1]
+    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", method="magnitude")
+    (entry,) = student.config.layerswap["healing"]
+    assert entry == {**kept, "stale": "sparsification (magnitude, uniform allocation, achieved sparsity 50.0%) came "
+                                      "after this healing: its numbers describe the model before its weights were zeroed"}
+    assert "| Status | **stale**: sparsification (magnitude" in healing_section(student.config.layerswap)
+    assert weights_changed_later(student.config)  # the sparsity still changed the weights after the cut
+
+
+@pytest.mark.parametrize("method, words", [
+    ("lora", "LoRA adapters on every kept block's attention and MLP projections, merged back into the weights"),
+    ("adjacent", "the kept blocks on each side of every cut and every block's norms, trained in place"),
+    ("last_k", "the last k blocks, the final norm and the output head, trained in place"),
+])
+def test_the_card_describes_each_method_from_its_registry_entry(method, words):
+    # "LoRA merged back" was said of every method
+    text = healing_section({"healing": [{"method": method, "tokens": 10, "steps": 1, "kl_before": 0.2, "kl_after": 0.1}]})
+    assert f"| Method | `{method}`: {words} |" in text
+    assert ("LoRA" in text) == (method == "lora")
+
+
 def test_card_section_never_shows_healing_without_before_and_after():
     record = {"healing": [{"method": "lora", "tokens": 10, "steps": 1, "kl_before": 0.2, "kl_after": 0.15,
                            "perplexity": {"before": 30.0, "after": 24.0, "contract": "matched"}}],
@@ -565,6 +724,40 @@ def test_heal_verb_refusals_leave_inputs_alone(tmp_path, capsys):
     assert _digest(tmp_path / "pruned") == before and (tmp_path / "busy" / "x").read_text() == "x"
 
 
+def test_heal_verb_refuses_a_foreign_or_overflowing_base_and_borrows_the_base_tokenizer(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "pruned"), "--layers", "2", "3"]) == 0
+    for path in (tmp_path / "pruned").iterdir():  # saved without its tokenizer: a raw TypeError traceback before
+        if path.name.startswith("tokenizer"):
+            path.unlink()
+    flags = ["--calibration", str(calib), "--method", "last_k", "--option", "k=2", "--max-tokens", "64", "--seq-len", "16"]
+    run = ["heal", str(tmp_path / "pruned")]
+    tiny_checkpoint(tmp_path / "foreign", tiny_model("qwen3", seed=5))  # same shape, other weights
+    assert main([*run, str(tmp_path / "foreign"), str(tmp_path / "o1"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: the teacher is not the model the student was cut from" in err and "--allow-foreign-teacher" in err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o1.heal-checkpoints").exists()
+    assert main([*run, str(tmp_path / "foreign"), str(tmp_path / "o2"), *flags, "--allow-foreign-teacher"]) == 0
+    assert "using BASE's" in capsys.readouterr().err
+    assert (tmp_path / "o2" / "tokenizer.json").is_file()
+    entry = json.loads((tmp_path / "o2" / "config.json").read_text())["layerswap"]["healing"][-1]
+    assert entry["teacher"]["matches"] is False and entry["teacher"]["name"] == "foreign"
+    assert "**not the model it was cut from**: `foreign`" in (tmp_path / "o2" / "README.md").read_text()
+    # a base that overflows in float16 (its pruned copy too): the non-finite rule's error, nothing left behind
+    hot = tiny_model("qwen3")
+    with torch.no_grad():  # weights within float16's range, the first MLP's activations beyond it; finite in float32
+        for linear in (hot.model.layers[0].mlp.up_proj, hot.model.layers[0].mlp.gate_proj):
+            linear.weight.mul_(1e3 / linear.weight.abs().max())
+    tiny_checkpoint(tmp_path / "hot", hot)
+    assert main(["prune", str(tmp_path / "hot"), str(tmp_path / "hot-pruned"), "--layers", "2", "3"]) == 0
+    assert main(["heal", str(tmp_path / "hot-pruned"), str(tmp_path / "hot"), str(tmp_path / "o3"), *flags,
+                 "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the held-out KL(teacher || student) before healing is nan" in err and "JSON compliant" not in err
+    assert not (tmp_path / "o3").exists() and not (tmp_path / "o3.heal-checkpoints").exists()
+
+
 def test_prune_with_heal_flag(tmp_path):
     tiny_checkpoint(tmp_path / "base")
     calib = _calibration_file(tmp_path / "calib.txt")
@@ -581,6 +774,30 @@ def test_prune_with_heal_flag(tmp_path):
     assert not any("lora" in n for n, _ in reloaded.named_modules())
     assert "## Healing" in (tmp_path / "p" / "README.md").read_text()
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "q"), "--layers", "2", "--heal-max-tokens", "9"]) == 2
+
+
+def test_an_interrupted_prune_heal_names_the_command_that_resumes_it(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    command = ["prune", str(tmp_path / "base"), str(tmp_path / "p"), "--layers", "2", "3", "--calibration", str(calib),
+               "--heal", "last_k", "--heal-option", "k=2", "--heal-max-tokens", "512", "--heal-seq-len", "16",
+               "--heal-eval-every", "2"]
+    interrupt = _Interrupt(4)
+    original = DistillationTrainer.__init__
+
+    def with_interrupt(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(interrupt)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DistillationTrainer, "__init__", with_interrupt)
+        assert main(command) == 130
+    err = capsys.readouterr().err
+    assert (f"healing checkpoints kept in {tmp_path / 'p.heal-checkpoints'}: run the same command again to resume the "
+            f"healing from the last one: {shlex.join(['hf-layerswap', *command])}") in err
+    assert (tmp_path / "p.heal-checkpoints" / RUN_FILE).is_file() and not (tmp_path / "p").exists()
+    assert main(command) == 0  # the same command resumes and finishes
+    assert not (tmp_path / "p.heal-checkpoints").exists()
 
 
 # ---------------------------------------------------------------- packed healing text

@@ -261,3 +261,29 @@ def test_prune_refuses_healing_measurements_before_scoring(tmp_path, measures, e
     with pytest.raises(error, match=message):
         prune(model, config, tokenizer=tiny_tokenizer())
     assert calls == []
+
+
+def test_a_second_healing_run_starts_after_the_first_never_labelled_as_the_repair(tmp_path):
+    # run 2 labelled run 1's healed perplexity "after the repair (ghosted)" (260.187 where the
+    # repair's value was 260.402)
+    tok, text = tiny_tokenizer(), _text(tmp_path / "eval.txt")
+    dense = _dense()
+    student = copy.deepcopy(dense)
+    hl.recover(student, REMOVED, _calibration(), method="ghosted")
+    repaired_ppl = _ppl(student, text, tok)
+    kwargs = dict(_heal_config().heal_kwargs(), tokenizer=tok, perplexity_text=str(text))
+    first = hl.heal(student, dense, _calibration(), **kwargs)
+    assert first.perplexity["after_repair"] == repaired_ppl and first.perplexity["start"] == "after_repair"
+    second = hl.heal(student, dense, _calibration(), **{**kwargs, "seed": 1})
+    ppl = second.perplexity
+    assert ppl["start"] == "after_earlier_healing" and ppl["earlier_healing"] == 1
+    assert ppl["after_earlier_healing"] == first.perplexity["after_healing"]
+    assert "after_repair" not in ppl  # not measured: the repaired weights are gone
+    assert ppl["after_cut"] == _ppl(hl.remove_layers(copy.deepcopy(dense), REMOVED), text, tok)
+    section = healing_section(student.config.layerswap)
+    run2 = section.split("### Healing run 2")[1]
+    assert "Perplexity after the repair" not in run2
+    assert f"| Perplexity after healing run 1 (where this run started) | {first.perplexity['after_healing']:.3f} (" in run2
+    assert "vs the start of healing (after healing run 1)" in run2
+    run1 = section.split("### Healing run 2")[0]
+    assert f"| Perplexity after the repair (ghosted) | {repaired_ppl:.3f} (" in run1

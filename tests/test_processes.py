@@ -199,3 +199,28 @@ def test_two_processes_report_the_sum_of_their_movement(tmp_path):
     assert [p["block_onloads"] for p in moved["per_process"]] == [12, 12]
     assert moved["block_onloads"] == 24 and moved["block_onloads_per_batch"] == [12, 12]
     assert moved["bytes_moved"] == 2 * one_moved["bytes_moved"] == sum(p["bytes_moved"] for p in moved["per_process"])
+
+
+def test_prune_heal_under_two_processes_spends_the_budget_asked_for(tmp_path):
+    # the card said 1,024 tokens for --heal-max-tokens 512: each process took a whole batch per step
+    calib = _checkpoint(tmp_path / "ckpt")
+    flags = ["--layers", "1", "--calibration", str(calib), "--heal", "last_k", "--heal-option", "k=2",
+             "--heal-max-tokens", "128", "--heal-seq-len", "8", "--heal-batch-size", "4", "--heal-eval-every", "2",
+             "--heal-heldout-prompts", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
+    two = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()), "-m", "hf_layerswap.cli", "prune",
+           str(tmp_path / "ckpt"), str(tmp_path / "two"), *flags]
+    done = subprocess.run(two, env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    entry = json.loads((tmp_path / "two" / "config.json").read_text())["layerswap"]["healing"][-1]
+    # 128 tokens in 4 steps of 4 prompts x 8 tokens, the prompts of each step shared by the two processes
+    assert entry["settings"]["max_tokens"] == 128 and entry["settings"]["batch_size"] == 4
+    assert entry["steps"] == 4 and entry["tokens"] <= 128
+    assert "--max-tokens 128 " in (tmp_path / "two" / "README.md").read_text()
+    odd = [*two[:-len(flags) - 2], str(tmp_path / "ckpt"), str(tmp_path / "odd"), *flags[:-6], "--heal-batch-size", "3",
+           *flags[-4:]]
+    done = subprocess.run(odd, env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode != 0 and "error: HealConfig(batch_size=3) under 2 launched processes" in done.stderr
+    assert "removed layers" not in done.stdout and not (tmp_path / "odd").exists()  # refused before the model loaded

@@ -8,6 +8,8 @@ import math
 import shlex
 from collections.abc import Mapping
 
+from ..healing.methods import HEAL_METHODS
+
 __all__ = ["HEALING_FILE", "heal_command", "healing_section", "tasks_table"]
 
 #: The healing report sidecar (``HealReport.to_json``: the loss and held-out KL histories).
@@ -60,7 +62,16 @@ def _kl_row(entry: Mapping) -> str:
 
 #: Row labels of the perplexity stages of a healing record (``{repair}``: the repair method).
 _STAGES = {"dense": "Perplexity of the dense model (the teacher)", "after_cut": "Perplexity after the cut",
-           "after_repair": "Perplexity after the repair ({repair})", "after_healing": "Perplexity after healing"}
+           "after_repair": "Perplexity after the repair ({repair})",
+           "after_earlier_healing": "Perplexity after healing run {earlier} (where this run started)",
+           "after_healing": "Perplexity after healing"}
+
+
+def _start_words(ppl: Mapping, start: str) -> str:
+    """The stage healing started from, in words (``after the repair``, ``after healing run 1``)."""
+    if start == "after_earlier_healing":
+        return f"after healing run {ppl.get('earlier_healing') or 'before'}"
+    return start.replace("_", " the ")
 
 
 def _stages(ppl: Mapping, repair: str | None) -> dict:
@@ -97,20 +108,21 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
     dense = ppl.get("dense")
     rows = []
     for stage, label in _STAGES.items():
-        if stage == "after_repair" and start != "after_repair" and ppl.get(stage) is None:
+        if stage in ("after_repair", "after_earlier_healing") and start != stage and ppl.get(stage) is None:
             continue
         value = ppl.get(stage)
+        label = label.format(repair=ppl.get("repair") or "repair", earlier=ppl.get("earlier_healing") or "before")
         if not _finite(value):
-            rows.append((label.format(repair=ppl.get("repair") or "repair"), _not_finite(value)))
+            rows.append((label, _not_finite(value)))
             continue
         text = f"{value:.3f}"
         if _finite(dense) and stage != "dense":
             text += f" ({_change(dense, value)} vs the dense model)"
         if stage == "after_healing" and _finite(ppl.get(start)):
-            text += f"; {_change(ppl[start], value)} vs the start of healing ({start.replace('_', ' the ')})"
+            text += f"; {_change(ppl[start], value)} vs the start of healing ({_start_words(ppl, start)})"
             if value > ppl[start]:
                 text += ": **worse than before healing**"
-        rows.append((label.format(repair=ppl.get("repair") or "repair"), text))
+        rows.append((label, text))
     if not (_finite(ppl.get(start)) and _finite(ppl.get("after_healing"))):
         rows.append(("Perplexity before → after healing",
                      "not recorded: this healing cannot be judged on perplexity (no value before and after)"))
@@ -202,17 +214,40 @@ def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else _DASH
 
 
-def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
-    teacher = ("the dense model's full logits, on the fly" if entry.get("teacher_top_k") is None else
-               f"the dense model's top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached "
-               "(a lower bound of the full KL)")
+def _teacher_words(entry: Mapping) -> str:
+    """Who taught: the dense model it was cut from only when the teacher's weights were
+    checked against the removal record; another teacher by its name and fingerprint."""
+    origin = entry.get("teacher")
+    if not isinstance(origin, Mapping) or not origin:
+        return "the dense model given as teacher (not checked against the removal record when this run was made)"
+    name = f"`{origin['name']}`" if origin.get("name") else "an unnamed model"
+    fingerprint = f"fingerprint {str(origin['fingerprint'])[:12]}…" if origin.get("fingerprint") else "no fingerprint"
+    if origin.get("matches") is True:
+        return f"the dense model it was cut from ({name}; its weights match the removal record)"
+    if origin.get("matches") is False:
+        return (f"**not the model it was cut from**: {name} ({fingerprint}, which differs from the removal record's; "
+                "accepted with allow_foreign_teacher)")
+    return f"{name} ({fingerprint}; not checked against the removal record: {origin.get('note') or 'no reason recorded'})"
+
+
+def _method_words(entry: Mapping) -> str:
+    """The method's name, options and what it trains, in its registry entry's words."""
     options = ", ".join(f"{k}={v}" for k, v in sorted((entry.get("options") or {}).items()))
+    method = entry.get("method", _DASH)
+    registered = HEAL_METHODS.get(method)
+    text = f"`{method}`" + (f" ({options})" if options else "")
+    return text + (f": {registered.describe}" if registered is not None else "")
+
+
+def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
+    logits = ("its full logits, on the fly" if entry.get("teacher_top_k") is None else
+              f"its top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached (a lower bound of the full KL)")
     data = str(entry.get("data", _DASH)) + (f" (sha256 {entry['data_hash'][:12]}…)" if entry.get("data_hash") else "")
     rows = [
-        ("Method", f"`{entry.get('method', _DASH)}`" + (f" ({options})" if options else "")),
+        ("Method", _method_words(entry)),
         ("Training", f"{_count(entry.get('tokens'))} tokens{_distinct(entry)}, {_count(entry.get('steps'))} steps, learning rate "
                      f"{_setting(entry.get('learning_rate'))}, seed {_setting(entry.get('seed'))}"),
-        ("Teacher", teacher),
+        ("Teacher", f"{_teacher_words(entry)}; {logits}"),
         ("Data", data),
         ("Held-out KL(teacher ‖ student) before → after", _kl_row(entry)),
         ("Held-out prompts", str(entry.get("heldout", _DASH))),
@@ -239,6 +274,8 @@ def heal_command(entry: Mapping) -> str | None:
     words += [f"--{k.replace('_', '-')} {repr(v) if isinstance(v, float) else shlex.quote(str(v))}"
               for k, v in flags.items() if v is not None]
     words += [] if settings.get("packing", True) else ["--no-packing"]
+    origin = entry.get("teacher")
+    words += ["--allow-foreign-teacher"] if isinstance(origin, Mapping) and origin.get("matches") is False else []
     words += [f"--option {shlex.quote(f'{k}={v}')}" for k, v in sorted((entry.get("options") or {}).items())]
     return " ".join(words)
 
@@ -256,10 +293,10 @@ def healing_section(record: Mapping, *, plot: str | None = None) -> str | None:
     if not runs:
         return None
     repair = (record.get("recovery") or {}).get("method") if isinstance(record.get("recovery"), Mapping) else None
-    parts = ["The pruned model was distilled from the dense model it was cut from (KL of the next-token "
-             "distributions, on calibration text, never the evaluation text), with an early stop on held-out KL "
-             "that keeps the best weights. Trained updates are in the weights themselves (LoRA merged back): no PEFT "
-             "modules or adapter files are needed."]
+    parts = ["The pruned model was distilled from a teacher (the \"Teacher\" row of each run says which; KL of the "
+             "next-token distributions, on calibration text, never the evaluation text), with an early stop on "
+             "held-out KL that keeps the best weights. Trained updates are in the weights themselves (the "
+             "\"Method\" row says which): no PEFT modules or adapter files are needed."]
     for n, entry in enumerate(runs, 1):
         title = f"### Healing run {n}" if len(runs) > 1 else None
         table = ["| | |", "|---|---|"] + [f"| {_cell(k)} | {_cell(v)} |" for k, v in _entry_rows(entry, repair)]

@@ -59,6 +59,7 @@ def main(argv=None, prog: str = "hf-layerswap") -> int:
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.command_line = [prog, *(sys.argv[1:] if argv is None else argv)]  # what a hint to rerun names
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError, MissingExtraError) as err:

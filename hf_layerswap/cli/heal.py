@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -121,6 +122,10 @@ def add_parser(subparsers):
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="folder of the Trainer checkpoints (default: OUTPUT.heal-checkpoints next to OUTPUT, removed "
                         "after a successful save); the same command after an interruption continues from the last one")
+    p.add_argument("--allow-foreign-teacher", action="store_true",
+                   help="accept a BASE whose weights are not those PRUNED was cut from (its fingerprint differs from "
+                        "the one config.layerswap recorded before the cut; refused by default): the report and the "
+                        "card then name it as another teacher, never as the model PRUNED was cut from")
     p.set_defaults(func=run_heal)
     return p
 
@@ -170,9 +175,15 @@ def run_heal(args) -> int:
     if original != num_blocks(teacher):
         raise ValueError(f"BASE {args.base!r} has {num_blocks(teacher)} blocks but PRUNED was cut "
                          f"from a model of {original}: give the model PRUNED was pruned from")
+    if tokenizer is None:  # a pruned folder saved without its tokenizer: the base's reads the same ids
+        if teacher_tokenizer is None:
+            raise ValueError(f"neither PRUNED {args.pruned!r} nor BASE {args.base!r} has a tokenizer: pass --tokenizer "
+                             "with a tokenizer folder or Hub id")
+        tokenizer = teacher_tokenizer
+        print(f"note: PRUNED {args.pruned!r} has no tokenizer: using BASE's, also saved into OUTPUT", file=sys.stderr)
     report = heal(model, teacher, calibration_source(args.calibration), tokenizer=tokenizer,
                   teacher_tokenizer=teacher_tokenizer, checkpoint_dir=args.resume, progress=True,
-                  **config.heal_kwargs())
+                  allow_foreign_teacher=args.allow_foreign_teacher, **config.heal_kwargs())
     del teacher
     sidecar = Path(args.pruned) / REPORT_FILE
     swap_report = SwapReport.from_json(sidecar) if sidecar.is_file() else None

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from ..pipeline import prune
 from ..report import SwapReport
 from ..scoring.processes import is_main_process
 from ..healing import HEAL_METHODS
+from ..healing.core import RUN_FILE
 from .heal import add_heal_args, checkpoint_folder, heal_config
 from .common import (
     HELP_FORMATTER,
@@ -116,10 +119,14 @@ def run_prune(args) -> int:
         estimate = estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer,
                                  max_memory=args.scoring_memory)
         print("\n".join(estimate.lines()), flush=True)
-    result = prune(
-        model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume, max_memory=args.scoring_memory,
-        heal_checkpoint_dir=heal_dir,
-    )
+    try:
+        result = prune(
+            model, config, tokenizer=tokenizer, report=report, checkpoint_path=args.resume,
+            max_memory=args.scoring_memory, heal_checkpoint_dir=heal_dir,
+        )
+    except BaseException:
+        _resume_hint(args, heal_dir)
+        raise
     if not is_main_process():  # under accelerate launch every process scores its share; the first one writes
         return 0
     out = save_pruned(model, tokenizer, result.report, Path(args.output))
@@ -141,6 +148,16 @@ def _check_resume_outside_output(args) -> None:
         raise ValueError(f"--resume {str(args.resume)!r} {where}: the pruned checkpoint is saved into a new or empty "
                          "folder, so the scoring checkpoint needs a folder of its own (e.g. "
                          f"{str(output.with_name(output.name + '.scoring'))!r})")
+
+
+def _resume_hint(args, heal_dir) -> None:
+    """After an interruption or a failure of ``prune --heal`` whose healing had saved
+    checkpoints: one line on stderr naming the command that resumes it."""
+    if heal_dir is None or not (Path(heal_dir) / RUN_FILE).is_file() or not is_main_process():
+        return
+    command = shlex.join(getattr(args, "command_line", None) or ["hf-layerswap", "prune", args.model, args.output])
+    print(f"\nhealing checkpoints kept in {heal_dir}: run the same command again to resume the healing from the last "
+          f"one: {command}", file=sys.stderr)
 
 
 def _dry_run(args, config) -> int:

@@ -1,10 +1,11 @@
 """Healing: distil a pruned model from its dense base with transformers' ``Trainer``
 (:func:`heal`), by a method from one registry (:data:`HEAL_METHODS`)."""
 
-from .core import check_teacher, heal
+from .core import heal
 from .loss import distillation_loss
 from .methods import HEAL_METHODS, HealMethod, get_heal_method, register_heal_method
 from .report import HealReport
+from .teacher import check_teacher
 
 __all__ = [
     "HEAL_METHODS",

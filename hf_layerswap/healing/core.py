@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import difflib
+import inspect
 import json
 import math
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -17,55 +20,27 @@ from torch import nn
 from transformers import PrinterCallback, TrainerState, TrainingArguments, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 
-from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, shortfall_text
+from ..calibration import (CalibrationSet, CalibrationShortfallWarning, build_calibration, check_token_ids,
+                           shortfall_text)
 from ..jsonio import write_json_atomic
 from ..plan import model_fingerprint, num_blocks
 from ..provenance import library_versions
 from ..recovery.operators import attached_operators
+from ..rule import NonFiniteScoresError
 from .loss import teacher_top_k
 from .measure import HealMeasures
-from .methods import get_heal_method
+from .methods import HEAL_METHODS, get_heal_method
 from .report import RUN_SETTINGS, HealReport
-from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint,
-                      resolve_patience)
+from .teacher import check_finite_start, check_teacher, place_teacher, teacher_origin
+from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
+                      last_complete_checkpoint, resolve_patience)
 
-__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "heal", "processes_launched"]
 
 #: The largest training seed (numpy's, under transformers' ``set_seed``).
 MAX_SEED = 2**32 - 1
 #: Training prompts of ``packing=False`` at most (budgets beyond them repeat them, epochs).
 PARAGRAPH_PROMPTS = 256
-
-
-def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
-    """Refuse a teacher that cannot teach ``model``: the same object, a different
-    ``config.vocab_size`` or output-head shape, another block count than the model the
-    student was cut from (``config.layerswap``: the original model, or the one its last cut
-    started from), or a tokenizer with a different vocabulary.
-
-    Raises:
-        ValueError: naming the mismatching values.
-    """
-    if teacher is model:
-        raise ValueError("teacher is the student itself: pass the dense base model as teacher")
-    sizes = [(m.config.vocab_size, tuple(m.get_output_embeddings().weight.shape)) for m in (model, teacher)]
-    if sizes[0][0] != sizes[1][0] or sizes[0][1][0] != sizes[1][1][0]:
-        raise ValueError(
-            f"teacher vocabulary (vocab_size={sizes[1][0]}, lm_head {sizes[1][1]}) differs from the student's "
-            f"(vocab_size={sizes[0][0]}, lm_head {sizes[0][1]}): the KL needs the same vocabulary"
-        )
-    record = getattr(model.config, "layerswap", None) or {}
-    last = (record.get("steps") or [{}])[-1]
-    depths = [d for d in (record.get("original_num_hidden_layers"), last.get("num_blocks_before")
-                          if isinstance(last, Mapping) else None) if isinstance(d, int)]
-    if depths and num_blocks(teacher) not in depths:
-        raise ValueError(f"teacher has {num_blocks(teacher)} blocks but the student was cut from a model of "
-                         f"{' or '.join(map(str, sorted(set(depths))))} (config.layerswap): pass the dense model it "
-                         "was pruned from as teacher")
-    if tokenizer is not None and teacher_tokenizer is not None and tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
-        raise ValueError(
-            f"teacher tokenizer ({len(teacher_tokenizer)} tokens) differs from the student's ({len(tokenizer)} tokens)"
-        )
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -111,6 +86,7 @@ def heal(
     eval_tasks_path=None,
     eval_tasks_limit: int | float | None = None,
     callbacks: Sequence = (),
+    allow_foreign_teacher: bool = False,
     **options,
 ) -> HealReport:
     """Distil the pruned ``model`` from its dense ``teacher``: minimise KL(teacher ||
@@ -141,27 +117,24 @@ def heal(
             cut off while saving is removed) and ends with the same weights as an
             uninterrupted run (same seed; a run that had ended trains no further). A folder
             holding checkpoints of another student, teacher or settings is refused. ``None``: nothing is saved.
-        teacher_top_k: ``None`` (default): the teacher's full logits on the fly at every
-            step. An int ``k``: the teacher runs once over the training prompts and its
-            top-``k`` log-probabilities plus the rest's mass are cached
-            (:func:`~hf_layerswap.healing.loss.teacher_top_k`); training then minimises the
-            KL over those ``k + 1`` buckets, an approximation: by the data-processing
-            inequality it is a lower bound of the full KL, equal to it at ``k = V``. The
-            held-out KL (early stop, ``kl_before``/``kl_after``) is always the full KL.
+        teacher_top_k: ``None``: the teacher's full logits on the fly. An int ``k``: its top-``k``
+            log-probabilities plus the rest's mass, cached once (:func:`~hf_layerswap.healing.loss.teacher_top_k`);
+            the KL over those ``k + 1`` buckets is a lower bound of the full KL (data-processing
+            inequality), equal at ``k = V``. The held-out KL is always the full KL.
         progress: a tqdm bar over the training tokens with its ETA.
         perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity`
-            accepts (``"embedded"``: the embedded evaluation split); when given, the
-            perplexity (``"matched"`` contract, no bootstrap, the same text for all) of the
-            dense teacher, after the cut, after the repair (when the student's last removal
-            step repaired its cut; "after the cut" is then the teacher run without the
-            removed blocks, see :mod:`~hf_layerswap.healing.measure`) and after healing is
-            recorded in ``report.perplexity``. Needs ``tokenizer``.
+            accepts (``"embedded"``: the embedded evaluation split); when given, the perplexity
+            (``"matched"`` contract, one text) of every stage is recorded in ``report.perplexity``: the
+            dense teacher, after the cut, after the repair or an earlier healing run when the student
+            had one, after healing (:mod:`~hf_layerswap.healing.measure`). Needs ``tokenizer``.
         eval_tasks: lm-eval task names measured on the student before and after healing
             (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times),
             recorded in ``report.tasks``; ``eval_tasks_path`` (task YAML folder) and
             ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
             Needs ``tokenizer`` and lm-eval.
         callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop).
+        allow_foreign_teacher: accept a teacher that is not the model the student was cut from
+            (:func:`~hf_layerswap.healing.teacher.teacher_origin`), named as such in ``report.teacher``.
 
     Returns:
         The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is
@@ -170,41 +143,77 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: before any training: a mismatched teacher, an unknown method, a bad budget,
-            ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
-            to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
+        ValueError: before any training: a mismatched or foreign teacher, an unknown method, a bad
+            budget, ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, token ids
+            outside the embedding, too few prompts to hold some out, another run's ``checkpoint_dir``,
+            measurements without ``tokenizer``. TypeError: an unknown keyword (``max_tokns=``).
+        NonFiniteScoresError: a non-finite held-out KL before training or loss (then a ``checkpoint_dir`` it created is removed).
     """
+    _check_keywords(options, method)
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
+    origin = teacher_origin(model, teacher, allow_foreign=allow_foreign_teacher)
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model, entry)
-    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings)
+    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings, model)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    device = next(model.parameters()).device
-    teacher.to(device).eval()
-    if checkpoint_dir is not None:  # refuse another run's folder before measuring, write into it only after
-        _claim_checkpoints(Path(checkpoint_dir), settings, write=False)
+    device = place_teacher(teacher, model)
+    _claim_checkpoints(checkpoint_dir, settings, write=False)  # refuse another run's folder before measuring
+    check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
-    resume = None if checkpoint_dir is None else _claim_checkpoints(Path(checkpoint_dir), settings)
-    if teacher_top_k is not None:
-        train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
+    created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
+    resume = _claim_checkpoints(checkpoint_dir, settings)  # written only now, after the measurements
+    train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
-                         checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo,
+                         checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
                          extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
     healed = _finished(entry, student, model, method)
-    report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed)
+    report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed, origin)
     _record_step(healed, report)  # before measuring: a measurement that fails leaves the healed model recorded
-    healed.layerswap_heal_report = report
     _measure_after(measures, healed, start, report)
     return report
+
+
+def processes_launched() -> int:
+    """The processes ``accelerate launch`` / ``torchrun`` started for this run (``WORLD_SIZE``;
+    1 without a launcher): the Trainer runs data-parallel over them."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _check_keywords(options: Mapping, method: str) -> None:
+    """Refuse a keyword of :func:`heal` that is neither its own nor an option of any
+    registered method (a misspelt ``max_tokns=`` is no method option), naming the allowed
+    ones and the closest. A method that takes any option (``options=None``) takes them all.
+
+    Raises:
+        TypeError: naming the keyword, the closest allowed name and the allowed ones.
+    """
+    entry = HEAL_METHODS.get(method)
+    if entry is not None and entry.option_names is None:
+        return
+    known = {name for cls in HEAL_METHODS.values() for name in (cls.option_names or ())}
+    unknown = [key for key in options if key not in known]
+    if not unknown:
+        return
+    own = [name for name, p in inspect.signature(heal).parameters.items()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    close = difflib.get_close_matches(unknown[0], own + sorted(known), n=1)
+    methods = "; ".join(f"{name!r}: {', '.join(cls.option_names) or 'none'}" for name, cls in sorted(HEAL_METHODS.items())
+                        if cls.option_names is not None)
+    raise TypeError(f"heal() got an unknown keyword argument {', '.join(map(repr, unknown))}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f": its keywords are {', '.join(own)}; the methods' options are {methods}")
 
 
 def student_fingerprint(model: nn.Module) -> str:
@@ -221,7 +230,7 @@ def student_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _training_text(calibration, tokenizer, settings: dict):
+def _training_text(calibration, tokenizer, settings: dict, model=None):
     """``(calibration set, training steps, training rows, held-out rows, packed)`` for :func:`heal`:
     ``steps = ceil(max_tokens / (batch_size * seq_len))`` (given tensors: their width for
     ``seq_len``). Packed (a text source with
@@ -231,7 +240,8 @@ def _training_text(calibration, tokenizer, settings: dict):
     :data:`PARAGRAPH_PROMPTS` ``)`` prompts for training, then the held-out ones, last.
 
     Raises:
-        ValueError: no prompt remains for training once ``heldout_prompts`` are held out.
+        ValueError: no prompt remains for training once ``heldout_prompts`` are held out; a
+            token id outside ``model``'s embedding.
     """
     batch_size, heldout, seq_len = settings["batch_size"], settings["heldout_prompts"], settings["seq_len"]
     tensors = isinstance(calibration, (CalibrationSet, Mapping))
@@ -245,6 +255,8 @@ def _training_text(calibration, tokenizer, settings: dict):
             warnings.simplefilter("ignore", CalibrationShortfallWarning)
         calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=settings["seed"],
                                   packing=packing)
+    if model is not None:
+        check_token_ids(calib.input_ids, model, "the healing calibration prompts")
     count = calib.num_prompts
     if count <= heldout:
         raise ValueError(
@@ -280,7 +292,7 @@ def _finished(entry, student, model: nn.Module, method: str) -> nn.Module:
 
 
 def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, distinct: int,
-                 packed: bool) -> HealReport:
+                 packed: bool, teacher: dict | None = None) -> HealReport:
     """The :class:`HealReport` of a finished run (perplexity not yet filled in); ``distinct``:
     the real tokens of the training prompts, ``packed``: whether they are packed windows;
     ``tokens_per_step``: the planned mean, replaced by the steps' own once there are steps."""
@@ -297,19 +309,22 @@ def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, dis
         data_hash=calib.content_hash, teacher_top_k=settings["teacher_top_k"], ce_weight=float(settings["ce_weight"]),
         final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
         options=dict(settings["options"]), packing=packed, distinct_tokens=distinct, epochs=trained / distinct,
-        patience=settings["patience"], settings={k: settings[k] for k in RUN_SETTINGS},
+        patience=settings["patience"], settings={k: settings[k] for k in RUN_SETTINGS}, teacher=dict(teacher or {}),
     )
 
 
-def _train(student, teacher, train, held, settings: dict, *, undo, **kwargs):
+def _train(student, teacher, train, held, settings: dict, *, undo, created: bool = False, **kwargs):
     """:func:`_run_trainer`; when it raises (an interruption, an error), the model is left as
     it was given: its trained weights put back (a copy on the CPU), the method's ``undo``
     (LoRA's modules removed), every parameter trainable, in eval mode (as :func:`heal` leaves
-    it), so the same call with the same object resumes from ``checkpoint_dir``."""
+    it), so the same call with the same object resumes from ``checkpoint_dir``; a run stopped
+    by a non-finite loss leaves nothing to resume: the ``checkpoint_dir`` it ``created`` is removed."""
     start = {n: p.detach().to("cpu", copy=True) for n, p in student.named_parameters() if p.requires_grad}
     try:
         return _run_trainer(student, teacher, train, held, settings, **kwargs)
-    except BaseException:
+    except BaseException as err:
+        if created and isinstance(err, NonFiniteScoresError):
+            shutil.rmtree(kwargs["checkpoint_dir"], ignore_errors=True)
         params = dict(student.named_parameters())
         with torch.no_grad():
             for name, value in start.items():
@@ -329,17 +344,20 @@ def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, d
     with tempfile.TemporaryDirectory() as scratch:
         args = TrainingArguments(
             output_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, max_steps=steps,
-            per_device_train_batch_size=settings["batch_size"], per_device_eval_batch_size=settings["batch_size"],
+            # each launched process takes its share of every step: the steps, batch and budget are those asked for
+            per_device_train_batch_size=settings["batch_size"] // processes_launched(),
+            per_device_eval_batch_size=settings["batch_size"],
             learning_rate=settings["learning_rate"], seed=settings["seed"], eval_strategy="steps",
             eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
             save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
             remove_unused_columns=False, use_cpu=device.type == "cpu", include_num_input_tokens_seen="non_padding",
+            logging_nan_inf_filter=False,  # a NaN loss is recorded and refused (FiniteLoss), never logged as another value
         )
         trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
                                       teacher=teacher, ce_weight=settings["ce_weight"])
         trainer.remove_callback(PrinterCallback)
         best = BestWeights(student, float(trainer.evaluate()["eval_loss"]), settings["patience"])
-        for callback in [best, *extra]:
+        for callback in [FiniteLoss(), best, *extra]:
             trainer.add_callback(callback)
         last = last_complete_checkpoint(checkpoint_dir) if resume else None
         saved = None if last is None else TrainerState.load_from_json(os.path.join(last, TRAINER_STATE_NAME))
@@ -362,6 +380,11 @@ def _check_settings(settings: dict, model, entry) -> None:
                          f"achieved sparsity {sparsity.get('achieved_sparsity')}): healing trains dense updates into "
                          "its weights and would fill the zeros; heal the pruned model before sparsifying it")
     entry.check_options(settings["options"], num_blocks(model))
+    world = processes_launched()
+    batch = settings["batch_size"]
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1 and batch % world:
+        raise ValueError(f"batch_size={batch} under {world} launched processes: each process takes batch_size / {world} "
+                         f"prompts of every step (the budget and the steps stay those asked for); give a multiple of {world}")
     vocab_size = model.config.vocab_size
     for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
                           ("heldout_prompts", 1)):
@@ -391,10 +414,13 @@ def _check_settings(settings: dict, model, entry) -> None:
 RUN_FILE = "layerswap_heal_run.json"
 
 
-def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> bool:
+def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     """Write ``settings`` into ``folder`` (only check it could be, with ``write=False``), or
     check they equal those of the run whose checkpoints are there; ``True`` when there is a
-    run to resume."""
+    run to resume (``folder`` ``None``: no checkpoints, ``False``)."""
+    if folder is None:
+        return False
+    folder = Path(folder)
     path = folder / RUN_FILE
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -418,8 +444,10 @@ def _claim_checkpoints(folder: Path, settings: dict, *, write: bool = True) -> b
     return False
 
 
-def _teacher_cache(teacher, rows: _Rows, k: int, batch_size: int, device) -> dict:
-    """The teacher's :func:`teacher_top_k` over every row, on the CPU."""
+def _teacher_cache(teacher, rows: _Rows, k: int | None, batch_size: int, device) -> dict | None:
+    """The teacher's :func:`teacher_top_k` over every row, on the CPU (``None`` for ``k`` ``None``)."""
+    if k is None:
+        return None
     parts = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
@@ -438,9 +466,10 @@ def _measure_after(measures: HealMeasures, healed, start: dict, report: HealRepo
 
 def _record_step(model, report: HealReport) -> None:
     """Append the report (less its histories) to ``config.layerswap["healing"]``, with the
-    removal step it follows and the library versions."""
+    removal step it follows and the library versions; leave it on ``model.layerswap_heal_report``."""
     record = getattr(model.config, "layerswap", None) or {}
     step = {k: v for k, v in report.to_dict().items() if k not in ("loss_history", "eval_history")}
     step["after_removal_step"] = len(record.get("steps", []))
     step["library_versions"] = library_versions()
     model.config.layerswap = {**record, "healing": record.get("healing", []) + [step]}
+    model.layerswap_heal_report = report

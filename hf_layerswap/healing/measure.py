@@ -6,6 +6,10 @@ The stage "after the cut" of a repaired student is the dense teacher run under t
 plan of the student's last cut (:func:`~hf_layerswap.plan.apply_plan`: the same blocks
 skipped, no repair, no weight copied); the stage healing starts from is the student as it
 is handed in (after the repair when its last step repaired the cut, else after the cut).
+A student already healed since its last cut (a second healing run) starts from that
+healing: its stage is ``after_earlier_healing`` (``earlier_healing`` names the run), "after
+the cut" is the replayed cut, and "after the repair" is not measured (the repaired weights
+are gone), never the earlier run's healed value under another label.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from ..recovery import attached_operators
 from ..tasks import check_task_names, evaluate_tasks
 
 __all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
-           "contract_summary", "max_positions", "perplexity_forwards", "perplexity_window", "replayed_cut",
-           "repair_of_last_cut"]
+           "contract_summary", "earlier_healing", "max_positions", "perplexity_forwards", "perplexity_window",
+           "replayed_cut", "repair_of_last_cut"]
 
 #: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
-PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_healing")
+PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_earlier_healing", "after_healing")
 #: The contract of every perplexity healing measures, and its windows per forward.
 PERPLEXITY_CONTRACT = "matched"
 PERPLEXITY_BATCH = 2
@@ -112,6 +116,16 @@ def contract_summary(contract: Mapping) -> dict:
     return {"contract": contract.get("name", "matched"), "text": contract.get("source"),
             "text_sha256": contract.get("text_sha256"), "window": contract.get("window"),
             "stride": contract.get("stride"), "words": contract.get("words")}
+
+
+def earlier_healing(model: nn.Module) -> int | None:
+    """The 1-based number (in ``config.layerswap["healing"]``) of the last healing run since
+    the student's last cut (one no later step marked stale), or ``None``: the student is as
+    its last removal step (and repair) left it."""
+    record = getattr(model.config, "layerswap", None) or {}
+    runs = record.get("healing") or []
+    current = [n for n, run in enumerate(runs, 1) if isinstance(run, Mapping) and not run.get("stale")]
+    return current[-1] if current else None
 
 
 def repair_of_last_cut(model: nn.Module) -> str | None:
@@ -216,16 +230,15 @@ class HealMeasures:
             dense = self._perplexity(teacher, tokens)
             out["contract"] = dense.contract
             stages = {"dense": dense.ppl}
-            repair = repair_of_last_cut(student)
-            if repair is not None:
+            repair, earlier = repair_of_last_cut(student), earlier_healing(student)
+            if repair is not None or earlier is not None:  # the student is not the plain cut: replay it on the teacher
                 cut = replayed_cut(student, teacher)
                 if cut is not None:
                     with apply_plan(teacher, removal_plan(num_blocks(teacher), cut)):
                         stages["after_cut"] = self._perplexity(teacher, tokens).ppl
-                stages["after_repair"] = self._perplexity(student, tokens).ppl
-            else:
-                stages["after_cut"] = self._perplexity(student, tokens).ppl
-            out["perplexity"] = {"stages": stages, "repair": repair}
+            start = "after_earlier_healing" if earlier is not None else "after_repair" if repair else "after_cut"
+            stages[start] = self._perplexity(student, tokens).ppl
+            out["perplexity"] = {"stages": stages, "repair": repair, "start": start, "earlier_healing": earlier}
         if self.eval_tasks is not None:
             out["tasks"] = self._tasks(student)
         return out
@@ -237,12 +250,15 @@ class HealMeasures:
         if self.perplexity_text is not None:
             stages = {**start["perplexity"]["stages"], "after_healing": self._perplexity(healed, start["tokens"]).ppl}
             contract = start["contract"] or {}
-            repair = start["perplexity"]["repair"]
-            perplexity = {**{k: stages.get(k) for k in PERPLEXITY_STAGES},
-                          "start": "after_repair" if repair else "after_cut", "repair": repair,
+            repair, begin, earlier = (start["perplexity"][k] for k in ("repair", "start", "earlier_healing"))
+            perplexity = {**{k: stages.get(k) for k in PERPLEXITY_STAGES}, "start": begin, "repair": repair,
                           **contract_summary(contract)}
-            if not repair:
+            if begin != "after_repair":  # not measured: the student handed in was not the repaired cut
                 del perplexity["after_repair"]
+            if earlier is None:
+                del perplexity["after_earlier_healing"]
+            else:
+                perplexity["earlier_healing"] = earlier
         if self.eval_tasks is not None:
             before, after = start["tasks"], self._tasks(healed)
             tasks = {"before": before.results, "after": after.results, "settings": before.settings,

@@ -31,13 +31,17 @@ HEAL_METHODS: dict[str, type] = {}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def register_heal_method(name: str, options: tuple[str, ...] | None = None):
+def register_heal_method(name: str, options: tuple[str, ...] | None = None, describe: str | None = None):
     """Class decorator: register a :class:`HealMethod` subclass as ``method=name``;
-    ``options``: the names of the options it reads (any other is refused), ``None``: any."""
+    ``options``: the names of the options it reads (any other is refused), ``None``: any;
+    ``describe``: what it trains and how the result lands in the weights, in words (the
+    model card's "Method" row; ``None`` keeps :attr:`HealMethod.describe`)."""
 
     def wrap(cls):
         cls.name = name
         cls.option_names = None if options is None else tuple(options)
+        if describe is not None:
+            cls.describe = describe
         HEAL_METHODS[name] = cls
         return cls
 
@@ -61,6 +65,8 @@ class HealMethod:
     name: str = ""
     #: The options the method reads (:func:`register_heal_method`); ``None``: any.
     option_names: tuple[str, ...] | None = None
+    #: What the method trains, in words, for the model card (:func:`register_heal_method`).
+    describe: str = "the method's own choice of weights, trained in place"
 
     def check_options(self, options: Mapping, blocks: int | None = None) -> None:
         """Refuse an option the method does not read (it would be recorded as if used) and,
@@ -119,7 +125,9 @@ def cut_neighbours(model: nn.Module) -> list[int]:
     )
 
 
-@register_heal_method("lora", options=("lora_r", "lora_alpha"))
+@register_heal_method("lora", options=("lora_r", "lora_alpha"),
+                      describe="LoRA adapters on every kept block's attention and MLP projections, merged back "
+                               "into the weights")
 class LoRA(HealMethod):
     """PEFT LoRA (``lora_r``, default 16, and ``lora_alpha``, default ``2 * lora_r``,
     options) on every kept block's projections."""
@@ -151,7 +159,8 @@ class LoRA(HealMethod):
         return trained.unload()
 
 
-@register_heal_method("adjacent", options=())
+@register_heal_method("adjacent", options=(),
+                      describe="the kept blocks on each side of every cut and every block's norms, trained in place")
 class Adjacent(HealMethod):
     """The kept blocks on each side of every cut, plus the norms of every block."""
 
@@ -161,7 +170,8 @@ class Adjacent(HealMethod):
         return _train_only(model, chosen + _norms(model, list(blocks)))
 
 
-@register_heal_method("last_k", options=("k",))
+@register_heal_method("last_k", options=("k",),
+                      describe="the last k blocks, the final norm and the output head, trained in place")
 class LastK(HealMethod):
     """The last ``k`` blocks (option ``k``, default 3), the final norm and the head."""
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from ..jsonio import JsonResult
+from ..jsonio import JsonResult, decode_float
 
 __all__ = ["RUN_SETTINGS", "HealReport"]
 
@@ -41,8 +43,9 @@ class HealReport(JsonResult):
         perplexity: when ``perplexity_text`` was given (else empty): the perplexity of
             each stage (:data:`~hf_layerswap.healing.measure.PERPLEXITY_STAGES`):
             ``dense`` (the teacher), ``after_cut``, ``after_repair`` (only when the last
-            removal step repaired its cut; ``repair`` names the method) and
-            ``after_healing``, ``None`` for a stage that could not be measured; ``start``
+            removal step repaired its cut; ``repair`` names the method),
+            ``after_earlier_healing`` (a second run: the student healed before, where this run
+            started; ``earlier_healing`` names that run) and ``after_healing``, ``None`` for a stage that could not be measured; ``start``
             names the stage healing started from; ``contract``, ``text``,
             ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
             were measured under.
@@ -65,6 +68,11 @@ class HealReport(JsonResult):
             ``heldout_prompts``, ``eval_every``); with the fields above they give the command
             that reproduces the run (the card shows it). Empty in reports written before it
             was recorded.
+        teacher: ``{"name", "fingerprint", "matches", "note"}`` of the teacher
+            (:func:`~hf_layerswap.healing.core.teacher_origin`): ``matches`` ``True`` when its
+            weights are those of the model the student was cut from, ``False`` for another
+            teacher accepted with ``allow_foreign_teacher``, ``None`` when the record could not
+            tell (``note`` says why). Empty in reports written before it was recorded.
     """
 
     method: str
@@ -92,10 +100,69 @@ class HealReport(JsonResult):
     epochs: float | None = None
     patience: int | None = None
     settings: dict = field(default_factory=dict)
+    teacher: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> HealReport:
-        return cls(**data)
+        """The report of ``data`` (what :meth:`to_dict` / ``to_json`` wrote), checked.
+
+        Raises:
+            ValueError: not a mapping, an unknown or missing field, or a field of the wrong
+                type (naming the field, its value and what is allowed); ``from_json`` adds
+                the file and the class.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}: allowed {sorted(names)}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                   and f.name not in data]
+        if missing:
+            raise ValueError(f"missing field(s) {missing}")
+        out = dict(data)
+        for name in ("method", "data", "heldout", "data_hash"):
+            if name in out and not isinstance(out[name], str):
+                raise ValueError(f"{name}={out[name]!r}: must be a string")
+        for name in ("tokens", "steps", "seed", "distinct_tokens", "patience", "teacher_top_k"):
+            value = out.get(name)
+            if value is None and name in ("distinct_tokens", "patience", "teacher_top_k"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be an int >= 0")
+        for name in ("learning_rate", "kl_before", "kl_after", "ce_weight", "final_loss", "tokens_per_step", "epochs"):
+            if name in out:
+                try:
+                    out[name] = decode_float(out[name])
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from None
+                if out[name] is None and name not in ("final_loss", "epochs"):
+                    raise ValueError(f"{name}=None: must be a number")
+        for name in ("kl_before", "kl_after"):
+            if math.isfinite(out[name]) and out[name] < 0:
+                raise ValueError(f"{name}={out[name]!r}: a KL is never negative")
+        for name in ("reverted", "packing"):
+            if name in out and not isinstance(out[name], bool):
+                raise ValueError(f"{name}={out[name]!r}: must be true or false")
+        for name in ("options", "perplexity", "tasks", "settings", "teacher"):
+            if name in out and not isinstance(out[name], Mapping):
+                raise ValueError(f"{name}={out[name]!r}: must be a JSON object")
+        for name, key in (("loss_history", "loss"), ("eval_history", "kl")):
+            rows = out.get(name, [])
+            if not isinstance(rows, list):
+                raise ValueError(f"{name}={rows!r}: must be a list of {{'step', {key!r}}} objects")
+            checked = []
+            for row in rows:
+                step = row.get("step") if isinstance(row, Mapping) else None
+                if isinstance(step, bool) or not isinstance(step, int) or step < 0 or key not in row:
+                    raise ValueError(f"{name} entry {row!r}: must be {{'step': int >= 0, {key!r}: number}}")
+                try:
+                    checked.append({**row, key: decode_float(row[key])})
+                except ValueError as err:
+                    raise ValueError(f"{name} entry {row!r}: {err}") from None
+            out[name] = checked
+        return cls(**out)

@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 
 from ..jsonio import write_json_atomic
+from ..rule import NonFiniteScoresError
 from .loss import distillation_loss, next_token_cross_entropy, top_k_distillation_loss
 
-__all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "HealProgress", "TEACHER_CACHE_KEYS",
+__all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "FiniteLoss", "HealProgress", "TEACHER_CACHE_KEYS",
            "last_complete_checkpoint"]
 
 #: Files :class:`BestWeights` adds to each Trainer checkpoint folder.
@@ -140,6 +141,22 @@ class BestWeights(TrainerCallback):
             self.waited += 1
             if self.stopped:
                 control.should_training_stop = True
+
+
+class FiniteLoss(TrainerCallback):
+    """Stops a run whose training loss or held-out KL turns non-finite (NaN, inf: a model
+    that overflows in its dtype, a divergent learning rate): raises
+    :class:`~hf_layerswap.NonFiniteScoresError` naming the step and the value, so no
+    checkpoint is written with it and no number is recorded as if it were a result."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key, name in (("loss", "training loss"), ("eval_loss", "held-out KL")):
+            value = (logs or {}).get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                raise NonFiniteScoresError(
+                    f"healing stopped at step {state.global_step}: the {name} is {value} (non-finite): load the models "
+                    "in float32 (--dtype float32) or bfloat16, or lower the learning rate",
+                    nonfinite={f"{name} at step {state.global_step}": value})
 
 
 class HealProgress(TrainerCallback):

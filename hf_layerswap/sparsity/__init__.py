@@ -24,7 +24,7 @@ from ..calibration import build_calibration
 from ..devices import input_device
 from ..plan import decoder_blocks
 from ..provenance import library_versions
-from ..surgery import original_indices
+from ..surgery import original_indices, stale_healing
 from .allocators import (
     ALLOCATIONS,
     MAPPINGS,
@@ -398,6 +398,12 @@ def _record_on_model(model: nn.Module, report: SparsityReport) -> None:
         record["previous"] = list(previous.get("previous") or []) + [earlier]
     setattr(model.config, CONFIG_ATTRIBUTE, record)
     model.layerswap_sparsity_report = report
+    layerswap = getattr(model.config, "layerswap", None)
+    if isinstance(layerswap, dict) and layerswap.get("healing"):  # its KLs and perplexities describe the dense weights
+        note = (f"sparsification ({record.get('method')}, {record.get('allocation')} allocation, achieved sparsity "
+                f"{record['achieved_sparsity']:.1%}) came after this healing: its numbers describe the model before "
+                "its weights were zeroed")
+        model.config.layerswap = {**layerswap, "healing": stale_healing(layerswap["healing"], note=note)}
 
 
 #: ``config.json`` attribute holding what :func:`sparsify` did (it survives
