@@ -340,3 +340,23 @@ def test_cli_score_warns_once_and_keeps_the_values(tmp_path, capsys):
                  "greedy", "--report", str(tmp_path / "r.json")]) == 2
     assert "error: cannot select 1 block(s) on finite interchange swap-KL scores" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_re_pruning_a_pruned_checkpoint_by_score_saves_it_with_the_new_report(tmp_path, capsys):
+    _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    common = ["--calibration", str(calib), "--num-prompts", "4"]
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p1"), "--layers", "2", "4"]) == 0
+    assert main(["prune", str(tmp_path / "p1"), str(tmp_path / "p2"), "--num-to-remove", "1", "--strategy", "greedy",
+                 "--protocol", "interchange", *common]) == 0
+    record = json.loads((tmp_path / "p2" / "config.json").read_text())["layerswap"]
+    report = SwapReport.from_json(tmp_path / "p2" / "layerswap_report.json")
+    assert report.num_blocks == 4  # scored on the pruned checkpoint's current blocks
+    (local,) = record["steps"][1]["removed_layers"]
+    assert [local] == hl.select_layers(report, 1, strategy="greedy", protocol="interchange")
+    assert record["steps"][1]["removed_original_layers"] == [[0, 1, 3, 5][local]]
+    assert record["removed_layers"] == sorted([2, 4, [0, 1, 3, 5][local]])
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "p2").config.num_hidden_layers == 3
+    card = (tmp_path / "p2" / "README.md").read_text()
+    assert "measured on the 4-block checkpoint that removal step 1 started from" in card
+    assert f"| {local} | " in card and "**removed** |" in card
