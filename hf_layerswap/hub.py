@@ -50,6 +50,7 @@ from huggingface_hub import CommitInfo, HfApi
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError
 
 from .card import (
     nonfinite_basis,
@@ -410,6 +411,8 @@ def save_for_hub(
         PushRefusedError, TypeError: as in :func:`push_to_hub`.
         FileExistsError: ``directory`` is a non-empty folder (or a file) and ``overwrite`` is
             False, before the work or (written meanwhile by another process) at the final rename.
+        OSError: a write failed (a full disk, also inside safetensors): the message names
+            the folder and says that nothing was written to it.
     """
     target = Path(directory).resolve()
     evaluation, sparsity_report = _preflight(model, repo_id, report, evaluation, None, None, sparsity_report)
@@ -425,12 +428,24 @@ def save_for_hub(
             license=license, repo_id=repo_id, sparsity_report=sparsity_report, tasks=tasks,
         )
         move_into_place(tmp, target, overwrite=overwrite)  # checks the target again, at the rename
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, (OSError, SafetensorError)) and not isinstance(err, FileExistsError):
+            raise _write_failure(err, target) from err
         raise
     finally:
         unlock(lock)
     return target
+
+
+def _write_failure(err: BaseException, target: Path) -> OSError:
+    """The ``OSError`` a failed write of the folder ``target`` raises (a full disk while
+    transformers or safetensors writes the weights, a failing card write): the cause, the
+    folder, and that nothing was written there (the staging folder is already removed)."""
+    what = f"nothing was written to {target} (its staging folder was removed)"
+    if isinstance(err, OSError) and err.errno is not None:
+        return OSError(err.errno, f"{err.strerror} while writing {target}; {what}")
+    return OSError(f"writing {target} failed ({type(err).__name__}: {' '.join(str(err).split())}); {what}")
 
 
 def read_evaluation_file(path: str | os.PathLike) -> dict:

@@ -21,7 +21,7 @@ from ..models import load_model
 from ..provenance import model_identity
 from ..plan import num_blocks
 from ..tasks import evaluate_tasks
-from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
+from .common import HELP_FORMATTER, add_device_args, check_devices, check_paths, device_options
 
 __all__ = ["CONTRACT_CHOICES", "add_eval_arguments", "add_parser", "run_eval", "task_limit"]
 
@@ -99,6 +99,7 @@ def _check_args(args) -> None:
             raise FileNotFoundError(f"--include-path {path!r} is not a folder of task YAML files")
     if args.tasks and importlib.util.find_spec("lm_eval") is None:
         raise ValueError("--tasks needs lm-evaluation-harness: pip install 'hf-layerswap[lm-eval]'")
+    check_devices(args)
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file,
                 outputs=[("--output", args.output, "file")])
 

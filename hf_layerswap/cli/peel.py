@@ -20,7 +20,7 @@ from ..peeling import (
     trajectory_plot,
     trajectory_table_markdown,
 )
-from .common import HELP_FORMATTER, add_device_args, check_paths, device_options
+from .common import HELP_FORMATTER, add_device_args, check_devices, check_paths, device_options
 
 __all__ = ["add_parser", "add_peel_arguments", "run_peel"]
 
@@ -90,6 +90,7 @@ def _peel_kwargs(args) -> dict:
 
 def run_peel(args) -> int:
     """Run the ``peel`` verb (see :func:`add_peel_arguments`); returns the exit code."""
+    check_devices(args)
     check_paths(outputs=[(option, path, "file") for option, path in
                          (("--output", args.output), ("--plot", args.plot), ("--table", args.table))])
     eval_text = None if args.eval_text == "embedded" else args.eval_text

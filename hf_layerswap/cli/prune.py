@@ -26,6 +26,7 @@ from .common import (
     add_scoring_memory_arg,
     calibration_source,
     check_before_loading,
+    check_devices,
     check_output,
     check_paths,
     check_text_files,
@@ -139,6 +140,7 @@ def _dry_run(args, config) -> int:
         raise ValueError(f"--dry-run with --report {args.report!r}: the estimate plans a prune that scores the "
                          "model; drop --report to estimate that prune")
     check_text_files(args)
+    check_devices(args)
     check_paths(model=args.model, revision=args.revision, tokenizer=args.tokenizer)
     check_output(args.output)
     estimate = estimate_cost(args.model, config, device=_compute_device(args.device_map),
