@@ -44,6 +44,7 @@ from transformers import AutoTokenizer
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig, protect_clash
 from .healing import HealReport, heal
+from .healing.core import check_in_memory as check_heal_in_memory
 from .healing.measure import HealMeasures
 from .models import has_tokenizer_files
 from .provenance import public_name
@@ -54,7 +55,7 @@ from .scoring import score_layers
 from .rule import check_budget
 from .selection import check_report_matches, select_layers
 from .selection.registry import strategy_entry
-from .sparsity import SparsityReport, sparsify
+from .sparsity import SparsityReport, check_in_memory as check_sparsity_in_memory, sparsify
 from .surgery import remove_layers
 
 __all__ = ["PruneResult", "prune"]
@@ -240,6 +241,10 @@ def _as_config(config) -> LayerSwapConfig:
 
 def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
     """Everything that can be refused before a forward pass."""
+    if cfg.heal is not None:  # an offloaded model can be scored and cut, not trained or sparsified
+        check_heal_in_memory(model)
+    if cfg.sparsity is not None:
+        check_sparsity_in_memory(model)
     if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
         strategy_entry(strategy).check_config(cfg, total)  # nor what the strategy refuses after the scoring
@@ -305,7 +310,7 @@ def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
     sp = cfg.sparsity
     if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
-                                          allocation=sp.allocation, method=sp.pruner, pattern=sp.pattern)
+                                          allocation=sp.allocation, pruner=sp.pruner, pattern=sp.pattern)
     return result
 
 

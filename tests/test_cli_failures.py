@@ -406,3 +406,26 @@ def test_devices_the_machine_lacks_and_a_device_given_twice_exit_2_before_loadin
             code, err = _run([*argv, *flags], capsys)
             assert code == 2 and message in err and "Traceback" not in err and "loading" not in err, (argv, flags, err)
     assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_healing_or_sparsifying_an_offloaded_model_exits_2_before_scoring(base, capsys, monkeypatch):
+    """``--max-memory`` small enough that blocks go to ``--offload-folder``: the model can be
+    scored and cut, not trained or sparsified in place; refused before any probe runs."""
+    import hf_layerswap.pipeline as pipeline
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scored before the refusal")
+
+    monkeypatch.setattr(pipeline, "score_layers", no_scoring)
+    offload = ["--max-memory", "cpu=60KB", "--offload-folder", base / "off"]
+    scoring = ["--num-to-remove", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "2"]
+    code, err = _run(["prune", base / "base", base / "h", *scoring, *offload, "--heal"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "error: healing with the student offloaded (" in err and "no --offload-folder" in err
+    code, err = _run(["prune", base / "base", base / "s", *scoring, *offload, "--sparsity", "0.5"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "error: sparsity on a model with offloaded weights (model.layers.0." in err
+    assert main(["prune", str(base / "base"), str(base / "pruned"), "--layers", "2"]) == 0
+    code, err = _run(["heal", base / "pruned", base / "base", base / "healed", *offload], capsys)
+    assert code == 2 and "error: healing with the student offloaded (" in err and "Traceback" not in err
+    assert not any((base / name).exists() for name in ("h", "s", "healed", "healed.heal-checkpoints"))

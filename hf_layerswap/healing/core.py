@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PrinterCallback, TrainerState, TrainingArguments, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 
+from ..devices import offloaded_modules
 from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration, shortfall_text
 from ..jsonio import write_json_atomic
 from ..plan import model_fingerprint, num_blocks
@@ -29,12 +30,29 @@ from .report import RUN_SETTINGS, HealReport
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, HealProgress, last_complete_checkpoint,
                       resolve_patience)
 
-__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_teacher", "heal"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "check_in_memory", "check_teacher", "heal"]
 
 #: The largest training seed (numpy's, under transformers' ``set_seed``).
 MAX_SEED = 2**32 - 1
 #: Training prompts of ``packing=False`` at most (budgets beyond them repeat them, epochs).
 PARAGRAPH_PROMPTS = 256
+
+
+def check_in_memory(model: nn.Module, role: str = "the student") -> None:
+    """Refuse a model with offloaded weights (an accelerate device map that keeps blocks on
+    the CPU or disk between calls, ``--max-memory ... --offload-folder``): training needs
+    every weight it updates, and the teacher, on one device in memory.
+
+    Raises:
+        ValueError: naming the model's role, how many modules are offloaded and what to do.
+    """
+    offloaded = offloaded_modules(model)
+    if offloaded:
+        raise ValueError(
+            f"healing with {role} offloaded ({len(offloaded)} module(s) kept on the CPU or disk by its device map) "
+            "is not supported: training moves every weight to one device; load the models without offloading "
+            "(no --offload-folder, a --max-memory that holds them)"
+        )
 
 
 def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
@@ -170,13 +188,15 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: before any training: a mismatched teacher, an unknown method, a bad budget,
+        ValueError: before any training: an offloaded student or teacher (:func:`check_in_memory`), a mismatched teacher, an unknown method, a bad budget,
             ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
             to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
     """
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
+    check_in_memory(model)
+    check_in_memory(teacher, "the teacher")
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
