@@ -308,7 +308,8 @@ def _tokenizer_for(model, tokenizer):
 
 def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
     sp = cfg.sparsity
-    if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
+    if sp is not None and sp.sparsity > 0:  # zero zeroes nothing: no step, nothing recorded
+        # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
                                           allocation=sp.allocation, pruner=sp.pruner, pattern=sp.pattern)
     return result

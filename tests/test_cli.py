@@ -198,6 +198,13 @@ BAD_ARGUMENTS = [
     (["prune", "--num-to-remove", "1", "--strategy", "greedy", "--max-evaluations", "5"],
      "--max-evaluations applies to --strategy search, not 'greedy'"),
     (["prune", "--layers", "1", "--protect", "1"], "LayerSwapConfig(layers=[1], protect=[1]) is contradictory"),
+    (["prune", "--num-to-remove", "1", "--allocation", "owl"],
+     "--allocation owl given without --sparsity: add --sparsity FRACTION"),
+    (["prune", "--num-to-remove", "1", "--pruner", "magnitude"], "--pruner magnitude given without --sparsity"),
+    (["prune", "--num-to-remove", "1", "--sparsity-pattern", "2:4"], "--sparsity-pattern 2:4 given without --sparsity"),
+    (["prune", "--num-to-remove", "1", "--strategy", "greedy", "--objective", "nll"],
+     "LayerSwapConfig(strategy='greedy', objective='nll'): strategy 'greedy' minimises no objective; objective "
+     "applies to ['beam', 'search']"),
     (["score", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--budgets", "0"], "--budgets: '0': expected an int >= 1"),
@@ -360,3 +367,15 @@ def test_re_pruning_a_pruned_checkpoint_by_score_saves_it_with_the_new_report(tm
     card = (tmp_path / "p2" / "README.md").read_text()
     assert "measured on the 4-block checkpoint that removal step 1 started from" in card
     assert f"| {local} | " in card and "**removed** |" in card
+
+
+def test_sparsity_0_records_nothing_so_the_checkpoint_still_heals(tmp_path, capsys):
+    _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p"), "--layers", "2", "--sparsity", "0",
+                 "--calibration", str(calib), "--num-prompts", "2"]) == 0
+    config = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert "layerswap_sparsity" not in config and config["layerswap"]["removed_layers"] == [2]
+    assert not (tmp_path / "p" / "layerswap_sparsity.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
+    assert all(int((p == 0).sum()) == 0 for p in reloaded.model.layers.parameters() if p.dim() == 2)

@@ -77,6 +77,12 @@ def prune_config(args):
     if heal is None and heal_config(args, prefix="heal-", method="lora") != heal_config(
             _defaults(args), prefix="heal-", method="lora"):
         raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
+    if args.sparsity is None:
+        given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("allocation", "pruner", "sparsity_pattern")
+                 if getattr(args, name) != _parser_default(name)]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --sparsity: add --sparsity FRACTION to sparsify after "
+                             "the cut")
     return LayerSwapConfig(
         num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
@@ -85,6 +91,13 @@ def prune_config(args):
         recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, pruner=args.pruner,
         sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
     )
+
+
+def _parser_default(name: str):
+    """The ``prune`` parser's default of the config option ``name``."""
+    parser = argparse.ArgumentParser()
+    add_config_options(parser, [name])
+    return parser.get_default(name)
 
 
 def _defaults(args):

@@ -140,5 +140,5 @@ def interchange_beam(
     return criterion_output(results, single)
 
 
-register_strategy("beam", needs_model=True, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
+register_strategy("beam", needs_model=True, takes_objective=True, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
     as_strategy("beam", interchange_beam, reads_report=True))
