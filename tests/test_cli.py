@@ -379,3 +379,8 @@ def test_sparsity_0_records_nothing_so_the_checkpoint_still_heals(tmp_path, caps
     assert not (tmp_path / "p" / "layerswap_sparsity.json").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
     assert all(int((p == 0).sum()) == 0 for p in reloaded.model.layers.parameters() if p.dim() == 2)
+
+
+def test_version_prints_the_library_version(capsys):
+    assert _exit_code(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hf-layerswap {hl.__version__}"
