@@ -59,11 +59,14 @@ def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_
     """Refuse a teacher that cannot teach ``model``: the same object, a different
     ``config.vocab_size`` or output-head shape, another block count than the model the
     student was cut from (``config.layerswap``: the original model, or the one its last cut
-    started from), or a tokenizer with a different vocabulary.
+    started from), or a tokenizer with a different vocabulary; and either model with
+    offloaded weights (:func:`check_in_memory`).
 
     Raises:
         ValueError: naming the mismatching values.
     """
+    check_in_memory(model)
+    check_in_memory(teacher, "the teacher")
     if teacher is model:
         raise ValueError("teacher is the student itself: pass the dense base model as teacher")
     sizes = [(m.config.vocab_size, tuple(m.get_output_embeddings().weight.shape)) for m in (model, teacher)]
@@ -188,15 +191,13 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: before any training: an offloaded student or teacher (:func:`check_in_memory`), a mismatched teacher, an unknown method, a bad budget,
+        ValueError: before any training: an offloaded or mismatched teacher or student, an unknown method, a bad budget,
             ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, too few prompts
             to hold some out, another run's ``checkpoint_dir``, measurements without ``tokenizer``.
     """
     settings = dict(method=method, max_tokens=max_tokens, seq_len=seq_len, packing=packing, heldout_prompts=heldout_prompts,
                     batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight, eval_every=eval_every,
                     patience=patience, seed=seed, teacher_top_k=teacher_top_k, options=dict(options))
-    check_in_memory(model)
-    check_in_memory(teacher, "the teacher")
     check_teacher(model, teacher, tokenizer, teacher_tokenizer)
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
