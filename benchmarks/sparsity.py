@@ -204,7 +204,7 @@ def run(args) -> dict:
         calib = wikitext_calibration(tokenizer, args.num_prompts, args.seq_len, seed)
         t = time.perf_counter()
         name, extra = parse_allocation(allocation)
-        report = sparsify(model, calib, sparsity=args.sparsity, allocation=name, method=method, pattern=pattern,
+        report = sparsify(model, calib, sparsity=args.sparsity, allocation=name, pruner=method, pattern=pattern,
                           batch_size=args.batch_size, **extra)
         sparsify_s = time.perf_counter() - t
         t = time.perf_counter()

@@ -46,6 +46,7 @@ from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recov
 from .rule import resolve_protect
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
+from .selection.registry import STRATEGY_ENTRIES, strategy_entry
 from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
 
 __all__ = [
@@ -110,10 +111,12 @@ def _recovery_choices() -> list:
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False):
+    """``value`` as a Python int (any integral number: ``int``, a NumPy integer; not a bool)."""
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        return None
+    if as_index(value) is None or value < minimum:
         raise ValueError(f"LayerSwapConfig({name}={value!r}): must be an int >= {minimum}")
+    return int(value)
 
 
 def _check_choice(name: str, value, allowed, allow_none: bool = False):
@@ -296,8 +299,9 @@ class HealConfig:
             value = getattr(self, name)
             if name == "patience" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if as_index(value) is None or value < minimum:
                 raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}")
+            object.__setattr__(self, name, int(value))  # frozen: its own normalisation, in __post_init__
         world = processes_launched()  # checked here, before a model loads: each process takes its share of a step
         if self.batch_size % world:
             raise ValueError(f"{what}(batch_size={self.batch_size!r}) under {world} launched processes: each process "
@@ -546,7 +550,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             self.recovery = self._nested("recovery", RecoveryConfig, self.recovery, _flat_defaults())
         if self.sparsity is not None and not isinstance(self.sparsity, SparsityConfig):
             self.sparsity = self._nested("sparsity", SparsityConfig, self.sparsity, _flat_defaults())
-        _check_int("num_to_remove", self.num_to_remove, 1, allow_none=True)
+        self.num_to_remove = _check_int("num_to_remove", self.num_to_remove, 1, allow_none=True)
         layers = self.layers
         if layers is not None:
             layers = self.layers = _int_list("layers", layers)
@@ -562,16 +566,18 @@ class LayerSwapConfig(QuantizationConfigMixin):
                 )
         self.protect = _int_list("protect", self.protect)
         _check_choice("protocol", self.protocol, selection_protocols())
-        _check_int("max_gap", self.max_gap, 1)
-        _check_int("spacing", self.spacing, 0)
+        self.max_gap = _check_int("max_gap", self.max_gap, 1)
+        self.spacing = _check_int("spacing", self.spacing, 0)
         _check_choice("strategy", self.strategy, sorted(STRATEGIES))
         _check_choice("objective", self.objective, get_args(ObjectiveName), allow_none=True)
-        _check_int("max_evaluations", self.max_evaluations, 1, allow_none=True)
-        _check_int("num_prompts", self.num_prompts, 1)
-        _check_int("seq_len", self.seq_len, 2)
-        _check_int("batch_size", self.batch_size, 1)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        self.max_evaluations = _check_int("max_evaluations", self.max_evaluations, 1, allow_none=True)
+        self._validate_strategy_options()
+        self.num_prompts = _check_int("num_prompts", self.num_prompts, 1)
+        self.seq_len = _check_int("seq_len", self.seq_len, 2)
+        self.batch_size = _check_int("batch_size", self.batch_size, 1)
+        if as_index(self.seed) is None:
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
+        self.seed = int(self.seed)
         self._validate_recovery()
         self._validate_objective()
         self._validate_sparsity()
@@ -581,6 +587,19 @@ class LayerSwapConfig(QuantizationConfigMixin):
             if clash:
                 raise ValueError(protect_clash(layers, self.protect, clash))
 
+    def _validate_strategy_options(self) -> None:
+        """``objective`` and ``max_evaluations`` only for a strategy that reads them (its
+        registry entry's ``takes_objective`` and ``options``), never silently ignored."""
+        entry = strategy_entry(self.strategy)
+        if self.objective is not None and not entry.takes_objective:
+            takers = sorted(n for n, e in STRATEGY_ENTRIES.items() if e.takes_objective)
+            raise ValueError(f"LayerSwapConfig(strategy={self.strategy!r}, objective={self.objective!r}): "
+                             f"strategy {self.strategy!r} minimises no objective; objective applies to {takers}")
+        if self.max_evaluations is not None and "max_evaluations" not in (entry.options or ()):
+            takers = sorted(n for n, e in STRATEGY_ENTRIES.items() if "max_evaluations" in (e.options or ()))
+            raise ValueError(f"LayerSwapConfig(strategy={self.strategy!r}, max_evaluations={self.max_evaluations!r}): "
+                             f"strategy {self.strategy!r} takes no max_evaluations; it applies to {takers}")
+
     def _validate_recovery(self) -> None:
         rec = self.recovery
         if rec is None:
@@ -588,7 +607,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
         _check_choice("recovery", rec.method, _recovery_choices())
         if self.num_to_remove is None and self.layers is None:
             raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_to_remove or layers: nothing is removed")
-        _check_int("recovery_num_tokens", rec.num_tokens, 1, allow_none=True)
+        num_tokens = _check_int("recovery_num_tokens", rec.num_tokens, 1, allow_none=True)
+        if num_tokens is not None and type(rec.num_tokens) is not int:
+            self.recovery = rec = replace(rec, num_tokens=num_tokens)
         eps = rec.epsilon
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")

@@ -50,6 +50,7 @@ from .evaluation import resolve_tokenizer
 from .extras import require
 from .jsonio import atomic_path
 from .models import cache_root
+from .recovery import RECOVERY_FILE, RECOVERY_METHODS, recovery_entry
 
 __all__ = [
     "CONVERTER_ENV",
@@ -59,6 +60,7 @@ __all__ = [
     "GGUFConverterNotFoundError",
     "GGUFLayout",
     "GGUFLayoutError",
+    "check_plain",
     "export_gguf",
     "find_converter",
     "gguf_layout",
@@ -111,6 +113,34 @@ class GGUFLayout:
     arch: str | None = None
     metadata: dict[str, list[bool]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+
+def check_plain(config, model=None, folder: Path | None = None) -> None:
+    """Refuse a model whose repair of the cut is modules attached at load time (Ghosted
+    Layers operators): a GGUF file holds the plain blocks only, and llama.cpp would run the
+    model without the operators, silently another model. Read from ``config.layerswap``'s
+    recovery record, the operators attached to ``model``, and the operators' file in
+    ``folder``.
+
+    Raises:
+        GGUFLayoutError: naming the repair and what to do instead.
+    """
+    record = getattr(config, "layerswap", None) or {}
+    recovery = record.get("recovery") if isinstance(record, dict) else None
+    method = recovery.get("method") if isinstance(recovery, dict) else None
+    entry = recovery_entry(method)
+    attaching = [m for m in RECOVERY_METHODS.values() if m.attaches_at_load]
+    if model is not None and (entry is None or not entry.attaches_at_load):
+        entry = next((m for m in attaching if m.attached(model)), entry)
+    what = f"{entry.name!r} operators" if entry is not None and entry.attaches_at_load else None
+    if what is None and folder is not None and (folder / RECOVERY_FILE).is_file():
+        what = f"the operators of {RECOVERY_FILE}"
+    if what is not None:
+        raise GGUFLayoutError(
+            f"this checkpoint's cut is repaired with {what} that hf_layerswap attaches when it "
+            "loads the model; a GGUF file holds only the plain blocks, so llama.cpp would run it without them "
+            "(another model): prune with recovery='fused' (folded into the weights) or without a repair to export GGUF"
+        )
 
 
 def _blocks(indices) -> str:
@@ -356,7 +386,8 @@ def export_gguf(
         The path written.
 
     Raises:
-        GGUFLayoutError: a layout llama.cpp cannot run (checked before converting).
+        GGUFLayoutError: a layout llama.cpp cannot run, or a repair of the cut attached at
+            load time (ghosted operators, :func:`check_plain`), checked before converting.
         MissingExtraError: the ``gguf`` package is not installed (the ``gguf`` extra).
         GGUFConverterNotFoundError: no converter found.
         GGUFConversionError: the converter failed, or wrote another block count or architecture.
@@ -368,7 +399,9 @@ def export_gguf(
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{os.fspath(checkpoint_dir)!r} is not a checkpoint folder (no config.json)")
     target = _check_target(path, outtype, overwrite)
-    layout = gguf_layout(AutoConfig.from_pretrained(source))
+    config = AutoConfig.from_pretrained(source)
+    check_plain(config, folder=source)
+    layout = gguf_layout(config)
     found = find_converter(converter)
     return _convert(source, target, layout, outtype, found)
 
@@ -405,6 +438,7 @@ def save_gguf(
         tokenizer is given and none can be loaded.
     """
     target = _check_target(path, outtype, overwrite)
+    check_plain(model.config, model)
     layout = gguf_layout(model.config)
     found = find_converter(converter)
     tokenizer = resolve_tokenizer(model, tokenizer)

@@ -53,6 +53,7 @@ from huggingface_hub import CommitInfo, HfApi
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError
 
 from .card import (
     evaluation_mismatches,
@@ -447,6 +448,8 @@ def save_for_hub(
         PushRefusedError, TypeError: as in :func:`push_to_hub`.
         FileExistsError: ``directory`` is a non-empty folder (or a file) and ``overwrite`` is
             False, before the work or (written meanwhile by another process) at the final rename.
+        OSError: a write failed (a full disk, also inside safetensors): the message names
+            the folder and says that nothing was written to it.
     """
     target = Path(directory).resolve()
     evaluation, sparsity_report = _preflight(model, repo_id, report, evaluation, None, None, sparsity_report)
@@ -465,8 +468,10 @@ def save_for_hub(
         if overwrite and target.is_dir():
             carry_over(target, tmp, replaced=owned_stale)
         move_into_place(tmp, target, overwrite=overwrite)  # checks the target again, at the rename
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, (OSError, SafetensorError)) and not isinstance(err, FileExistsError):
+            raise _write_failure(err, target) from err
         raise
     finally:
         unlock(lock)
@@ -479,6 +484,16 @@ def owned_stale(name: str) -> bool:
     top-level file matching :data:`OWNED_PATTERNS` (e.g. ``model-00002-of-00002.safetensors``
     after a save into one shard, a ``layerswap_sparsity.json`` of an earlier sparsified model)."""
     return "/" not in name and any(fnmatch.fnmatchcase(name, pattern) for pattern in OWNED_PATTERNS)
+
+
+def _write_failure(err: BaseException, target: Path) -> OSError:
+    """The ``OSError`` a failed write of the folder ``target`` raises (a full disk while
+    transformers or safetensors writes the weights, a failing card write): the cause, the
+    folder, and that nothing was written there (the staging folder is already removed)."""
+    what = f"nothing was written to {target} (its staging folder was removed)"
+    if isinstance(err, OSError) and err.errno is not None:
+        return OSError(err.errno, f"{err.strerror} while writing {target}; {what}")
+    return OSError(f"writing {target} failed ({type(err).__name__}: {' '.join(str(err).split())}); {what}")
 
 
 def read_evaluation_file(path: str | os.PathLike) -> dict:

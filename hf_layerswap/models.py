@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +63,11 @@ __all__ = [
     "BUNDLED",
     "BUNDLED_MODELS",
     "BundledModel",
+    "DEVICE_MAP_STRATEGIES",
     "DTYPES",
     "bundled_checkpoint_dir",
     "cache_root",
+    "check_device_placement",
     "check_gguf_file",
     "is_hub_id",
     "load_model",
@@ -320,13 +322,15 @@ def load_model(
     ``model.name_or_path`` stays the loadable local directory (or Hub id).
 
     Raises:
-        ValueError: an unknown bundled name (the message lists the allowed ones), a path
+        ValueError: a ``device_map`` or ``max_memory`` device this machine does not have
+            (:func:`check_device_placement`), an unknown bundled name (the message lists the allowed ones), a path
             that does not exist, a local GGUF file that cannot be read as GGUF
             (:func:`check_gguf_file`), ``quantization_config`` together with GGUF input, or a
             ``dtype`` outside :data:`DTYPES`.
         ModuleNotFoundError: a bundled model's package is not installed (the message gives
             the pip command).
     """
+    check_device_placement(device_map, max_memory)
     target = os.fspath(name_or_path)
     path = Path(target).expanduser()
     gguf = target not in BUNDLED and (path.suffix == ".gguf" or gguf_file is not None)
@@ -500,6 +504,78 @@ def resolve_device_map(device_map, *, max_memory=None, offload_folder=None):
             return {"": PartialState().device}
         return "auto"
     return device_map
+
+
+#: The placement strategies of accelerate's ``device_map=`` (any other string names a device).
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _available_devices() -> list[str]:
+    """The devices this machine has, as ``device_map``/``max_memory`` name them."""
+    found = ["cpu", "disk"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.append("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        found += [f"xpu:{i}" for i in range(xpu.device_count())]
+    return found
+
+
+def _device_problem(value, option: str) -> str | None:
+    """Why ``value`` (a device name, a GPU index, ``"disk"``) cannot hold weights here, or ``None``."""
+    available = _available_devices()
+    if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):
+        return f"{option} device {value!r} is not a device name or an accelerator index"
+    if isinstance(value, int):
+        accelerators = [d for d in available if d not in ("cpu", "disk", "mps")]
+        if 0 <= value < len(accelerators):
+            return None
+        return (f"{option} names accelerator {value}, but this machine has "
+                + (f"{len(accelerators)} ({', '.join(accelerators)})" if accelerators else "no accelerator")
+                + f"; available devices: {', '.join(available)}")
+    if str(value) in ("disk", "meta"):
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        return (f"{option} {str(value)!r} is not a device name nor one of {list(DEVICE_MAP_STRATEGIES)}; "
+                f"available devices: {', '.join(available)}")
+    if device.type in ("cpu", "meta"):
+        return None
+    name = device.type if device.index is None else f"{device.type}:{device.index}"
+    if any(d == name or d.startswith(f"{name}:") for d in available):
+        return None
+    return f"{option} {str(value)!r}: this machine has no such device; available devices: {', '.join(available)}"
+
+
+def check_device_placement(device_map, max_memory=None, *, names: tuple[str, str] = ("device_map", "max_memory")) -> None:
+    """Refuse a ``device_map`` or ``max_memory`` that names a device this machine does not have
+    (``"cuda:0"`` or ``{0: "20GiB"}`` on a CPU-only machine, ``"mps"`` off a Mac), or a string
+    that is neither a device nor a placement strategy (:data:`DEVICE_MAP_STRATEGIES`), before
+    anything loads.
+
+    ``names``: how the messages name the two settings (the command line's ``--device-map``,
+    ``--max-memory``).
+
+    Raises:
+        ValueError: naming the value and the devices this machine has.
+    """
+    map_name, memory_name = names
+    problems = []
+    if isinstance(device_map, (str, torch.device)) and str(device_map) not in DEVICE_MAP_STRATEGIES:
+        problems.append(_device_problem(device_map, map_name))
+    elif isinstance(device_map, Mapping):
+        problems += [_device_problem(v, f"{map_name}[{k!r}]") for k, v in device_map.items()]
+    if max_memory is not None:
+        if not isinstance(max_memory, Mapping):
+            raise ValueError(f"{memory_name} must be a dict of device -> size such as {{0: '20GiB', 'cpu': '60GiB'}}, "
+                             f"got {max_memory!r}")
+        problems += [_device_problem(k, memory_name) for k in max_memory]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError(problems[0])
 
 
 def _given_tokenizer(tokenizer, auto):

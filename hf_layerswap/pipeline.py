@@ -45,6 +45,7 @@ from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig, check_against_model, protect_clash
 from .healing import HealReport, heal
 from .healing.measure import HealMeasures, max_positions
+from .healing.teacher import check_in_memory as check_heal_in_memory
 from .models import has_tokenizer_files
 from .provenance import public_name
 from .plan import num_blocks
@@ -54,7 +55,7 @@ from .scoring import score_layers
 from .rule import check_budget
 from .selection import check_report_matches, select_layers
 from .selection.registry import strategy_entry
-from .sparsity import SparsityReport, sparsify
+from .sparsity import SparsityReport, check_in_memory as check_sparsity_in_memory, sparsify
 from .surgery import remove_layers
 
 __all__ = ["PruneResult", "prune"]
@@ -241,6 +242,10 @@ def _as_config(config) -> LayerSwapConfig:
 def _check_before_work(model, cfg: LayerSwapConfig, report, strategy: str, total: int) -> None:
     """Everything that can be refused before a forward pass."""
     check_against_model(cfg, model)  # what the architecture cannot run (a fused repair of post-norm blocks)
+    if cfg.heal is not None:  # an offloaded model can be scored and cut, not trained or sparsified
+        check_heal_in_memory(model)
+    if cfg.sparsity is not None:
+        check_sparsity_in_memory(model)
     if cfg.layers is None and cfg.num_to_remove is not None:  # an impossible budget costs no scoring
         check_budget(cfg.num_to_remove, total, spacing=cfg.spacing, protect=cfg.protect)
         strategy_entry(strategy).check_config(cfg, total)  # nor what the strategy refuses after the scoring
@@ -305,9 +310,10 @@ def _tokenizer_for(model, tokenizer):
 
 def _sparsify(result: PruneResult, cfg: LayerSwapConfig) -> PruneResult:
     sp = cfg.sparsity
-    if sp is not None:  # sparsify also leaves its report on model.layerswap_sparsity_report
+    if sp is not None and sp.sparsity > 0:  # zero zeroes nothing: no step, nothing recorded
+        # sparsify also leaves its report on model.layerswap_sparsity_report
         result.sparsity_report = sparsify(result.model, result.calibration, sparsity=sp.sparsity,
-                                          allocation=sp.allocation, method=sp.pruner, pattern=sp.pattern)
+                                          allocation=sp.allocation, pruner=sp.pruner, pattern=sp.pattern)
     return result
 
 

@@ -29,7 +29,7 @@ from hf_layerswap.sparsity.engine import prunable_linears
 def sparse_pruned():
     """The hand-report tiny model (blocks 1, 3 removed), then PALS Wanda at 50%."""
     model = pruned_tiny()
-    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="pals", method="wanda")
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="pals", pruner="wanda")
     return model, report
 
 
@@ -110,7 +110,7 @@ def test_sparsity_report_must_belong_to_the_model(sparse_pruned):
     assert sparsity_mismatches(model.config, report) == []
     # one weight changed after pruning
     changed = pruned_tiny()
-    changed_report = sparsify(changed, tiny_batch(), sparsity=0.5, allocation="pals", method="wanda")
+    changed_report = sparsify(changed, tiny_batch(), sparsity=0.5, allocation="pals", pruner="wanda")
     weight = dict(prunable_linears(decoder_blocks(changed)[2][1]))["mlp.down_proj"].weight
     flat = weight.data.view(-1)
     flat[int((flat == 0).nonzero()[0])] = 1.0
@@ -147,7 +147,7 @@ def test_save_for_hub_refuses_a_foreign_sparsity_report_and_writes_nothing(spars
 
 def test_removal_after_pruning_is_shown_in_the_original_numbering(tmp_path):
     model = tiny_model("llama", 6)
-    report = sparsify(model, tiny_batch(), sparsity=0.6, allocation="owl", method="sparsegpt")
+    report = sparsify(model, tiny_batch(), sparsity=0.6, allocation="owl", pruner="sparsegpt")
     remove_layers(model, [2])
     assert sparsity_mismatches(model, report) == []
     written = save_for_hub(model, tmp_path / "out", sparsity_report=report)
@@ -264,7 +264,7 @@ def test_weights_changed_after_pruning_are_refused_without_a_report(tmp_path):
     """The config summary alone is checked against the weights too: a model trained (or
     repaired with a fused map) after pruning cannot publish the old sparsity numbers."""
     model = tiny_model("llama", 6)
-    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="wanda")
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", pruner="wanda")
     model.layerswap_sparsity_report = None  # as after a plain-transformers reload
     assert sparsity_mismatches(model) == []
     weight = decoder_blocks(model)[2][4].mlp.up_proj.weight
@@ -284,8 +284,8 @@ def test_weights_changed_after_pruning_are_refused_without_a_report(tmp_path):
 
 def test_a_second_pass_keeps_the_first_and_updates_the_models_report():
     model = pruned_tiny()
-    first = sparsify(model, tiny_batch(), sparsity=0.5, allocation="pals", method="wanda")
-    second = sparsify(model, tiny_batch(), sparsity=0.6, allocation="uniform", method="magnitude")
+    first = sparsify(model, tiny_batch(), sparsity=0.5, allocation="pals", pruner="wanda")
+    second = sparsify(model, tiny_batch(), sparsity=0.6, allocation="uniform", pruner="magnitude")
     assert model.layerswap_sparsity_report is second
     record = model.config.layerswap_sparsity
     assert record["method"] == "magnitude" and record["previous"] == [config_record(first)]
@@ -302,7 +302,7 @@ def test_moe_expert_tensors_are_named_as_kept_dense():
     import arch_matrix
 
     model = arch_matrix.build("qwen3_moe")
-    report = sparsify(model, arch_matrix.prompts(), sparsity=0.5, allocation="uniform", method="wanda")
+    report = sparsify(model, arch_matrix.prompts(), sparsity=0.5, allocation="uniform", pruner="wanda")
     blocks = decoder_blocks(model)[2]
     dense = sum(p.numel() for b in blocks for p in b.parameters()) - report.num_params
     assert dense > 0 and sum(model.config.layerswap_sparsity["block_dense_params"]) == dense
@@ -356,7 +356,7 @@ def test_ghosted_checkpoint_reloads_repaired_and_a_detached_one_is_refused(tmp_p
 
 def test_fp16_conversion_flushing_tiny_survivors_is_not_a_change():
     model = tiny_model("llama", 6)
-    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="sparsegpt")
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", pruner="sparsegpt")
     weight = decoder_blocks(model)[2][0].self_attn.q_proj.weight
     survivor = int((weight.data.view(-1) != 0).nonzero()[0])
     weight.data.view(-1)[survivor] = 2e-8  # below fp16's smallest subnormal: it becomes 0 in half precision
@@ -380,8 +380,8 @@ def test_sparsity_only_config_scores_and_sparsifies_without_removal(tmp_path):
 
 def test_a_report_keeps_the_earlier_passes_and_a_stale_attached_report_is_not_published(tmp_path):
     model = tiny_model("llama", 6)
-    sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="wanda")
-    second = sparsify(model, tiny_batch(), sparsity=0.6, allocation="uniform", method="wanda")
+    sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", pruner="wanda")
+    second = sparsify(model, tiny_batch(), sparsity=0.6, allocation="uniform", pruner="wanda")
     section = _section(render_card(model, sparsity_report=second, plots=[]).text)
     assert "| Earlier pruning passes (oldest first) | wanda, unstructured, uniform allocation, target 50.00%" in section
     # the user drops the summary: the report the model still carries is not published by default
@@ -393,7 +393,7 @@ def test_a_report_keeps_the_earlier_passes_and_a_stale_attached_report_is_not_pu
 
 def test_magnitude_card_does_not_claim_calibration(tmp_path):
     model = tiny_model("llama", 6)
-    sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method="magnitude")
+    sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", pruner="magnitude")
     section = _section(render_card(model, plots=[]).text)
     assert "pruned one-shot by weight magnitude." in section
     assert "calibrated" not in section and "| Calibration |" not in section

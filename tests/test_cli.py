@@ -226,6 +226,13 @@ BAD_ARGUMENTS = [
     (["prune", "--num-to-remove", "1", "--strategy", "greedy", "--max-evaluations", "5"],
      "--max-evaluations applies to --strategy search, not 'greedy'"),
     (["prune", "--layers", "1", "--protect", "1"], "LayerSwapConfig(layers=[1], protect=[1]) is contradictory"),
+    (["prune", "--num-to-remove", "1", "--allocation", "owl"],
+     "--allocation owl given without --sparsity: add --sparsity FRACTION"),
+    (["prune", "--num-to-remove", "1", "--pruner", "magnitude"], "--pruner magnitude given without --sparsity"),
+    (["prune", "--num-to-remove", "1", "--sparsity-pattern", "2:4"], "--sparsity-pattern 2:4 given without --sparsity"),
+    (["prune", "--num-to-remove", "1", "--strategy", "greedy", "--objective", "nll"],
+     "LayerSwapConfig(strategy='greedy', objective='nll'): strategy 'greedy' minimises no objective; objective "
+     "applies to ['beam', 'search']"),
     (["score", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--budgets", "0"], "--budgets: '0': expected an int >= 1"),
@@ -368,3 +375,40 @@ def test_cli_score_warns_once_and_keeps_the_values(tmp_path, capsys):
                  "greedy", "--report", str(tmp_path / "r.json")]) == 2
     assert "error: cannot select 1 block(s) on finite interchange swap-KL scores" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_re_pruning_a_pruned_checkpoint_by_score_saves_it_with_the_new_report(tmp_path, capsys):
+    _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    common = ["--calibration", str(calib), "--num-prompts", "4"]
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p1"), "--layers", "2", "4"]) == 0
+    assert main(["prune", str(tmp_path / "p1"), str(tmp_path / "p2"), "--num-to-remove", "1", "--strategy", "greedy",
+                 "--protocol", "interchange", *common]) == 0
+    record = json.loads((tmp_path / "p2" / "config.json").read_text())["layerswap"]
+    report = SwapReport.from_json(tmp_path / "p2" / "layerswap_report.json")
+    assert report.num_blocks == 4  # scored on the pruned checkpoint's current blocks
+    (local,) = record["steps"][1]["removed_layers"]
+    assert [local] == hl.select_layers(report, 1, strategy="greedy", protocol="interchange")
+    assert record["steps"][1]["removed_original_layers"] == [[0, 1, 3, 5][local]]
+    assert record["removed_layers"] == sorted([2, 4, [0, 1, 3, 5][local]])
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "p2").config.num_hidden_layers == 3
+    card = (tmp_path / "p2" / "README.md").read_text()
+    assert "measured on the 4-block checkpoint that removal step 1 started from" in card
+    assert f"| {local} | " in card and "**removed** |" in card
+
+
+def test_sparsity_0_records_nothing_so_the_checkpoint_still_heals(tmp_path, capsys):
+    _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt")
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "p"), "--layers", "2", "--sparsity", "0",
+                 "--calibration", str(calib), "--num-prompts", "2"]) == 0
+    config = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert "layerswap_sparsity" not in config and config["layerswap"]["removed_layers"] == [2]
+    assert not (tmp_path / "p" / "layerswap_sparsity.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
+    assert all(int((p == 0).sum()) == 0 for p in reloaded.model.layers.parameters() if p.dim() == 2)
+
+
+def test_version_prints_the_library_version(capsys):
+    assert _exit_code(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hf-layerswap {hl.__version__}"

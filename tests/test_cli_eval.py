@@ -106,3 +106,18 @@ def test_output_folder_and_bad_limit_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "x", "--limit", "0"])
     assert "--limit '0'" in capsys.readouterr().err
+
+
+def test_a_window_below_the_contracts_stride_takes_it_as_stride(checkpoint, text_file, tmp_path, capsys):
+    out = tmp_path / "full.json"
+    assert main(["eval", str(checkpoint), "--text", str(text_file), "--contract", "full", "--window", "16",
+                 "--bootstrap", "0", "-o", str(out)]) == 0
+    contract = json.loads(out.read_text())["perplexity"]["contract"]
+    assert (contract["window"], contract["stride"]) == (16, 16)
+    model, tok = load_model(checkpoint)
+    direct = hl.evaluate_perplexity(model, str(text_file), tokenizer=tok, contract="full", window=16, stride=16,
+                                    bootstrap=0)
+    assert json.loads(out.read_text())["perplexity"]["ppl"] == pytest.approx(direct.ppl, rel=0, abs=0)
+    assert main(["eval", str(checkpoint), "--text", str(text_file), "--window", "64", "--bootstrap", "0",
+                 "-o", str(tmp_path / "m.json")]) == 0  # matched: stride 256 fits to 64; a larger window keeps 256
+    assert json.loads((tmp_path / "m.json").read_text())["perplexity"]["contract"]["stride"] == 64

@@ -278,8 +278,36 @@ def test_a_full_disk_at_write_time_is_one_error_line_and_nothing_partial(base, c
 
     monkeypatch.setattr(hub, "write_card_files", full_disk_folder)
     code, err = _run(["prune", base / "base", base / "pruned", "--layers", "1"], capsys)
-    assert code == 1 and err.strip().splitlines()[-1].startswith("error: [Errno 28] No space left on device: ")
+    assert code == 1 and err.strip().splitlines()[-1] == (
+        f"error: [Errno 28] No space left on device while writing {(base / 'pruned').resolve()}; nothing was "
+        f"written to {(base / 'pruned').resolve()} (its staging folder was removed)")
     assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_a_full_disk_inside_safetensors_is_one_error_line_naming_the_folder(base, capsys, monkeypatch):
+    """safetensors reports a full disk as its own ``SafetensorError`` (not an OSError): ``prune``
+    and ``heal`` still exit 1 with one ``error:`` line naming the folder, and leave nothing."""
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import SafetensorError
+
+    assert main(["prune", str(base / "base"), str(base / "pruned"), "--layers", "2", "3"]) == 0
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
+    code, err = _run(["prune", base / "base", base / "p2", "--layers", "1"], capsys)
+    folder = (base / "p2").resolve()
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: writing {folder} failed (SafetensorError: Error while serializing: I/O error: No space left on "
+        f"device (os error 28)); nothing was written to {folder} (its staging folder was removed)")
+    code, err = _run(["heal", base / "pruned", base / "base", base / "healed", "--calibration", base / "calib.txt",
+                      "--max-tokens", "64", "--seq-len", "16", "--batch-size", "2", "--heldout-prompts", "2"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: writing {(base / 'healed').resolve()} failed (SafetensorError")
+    # the Trainer checkpoints stay, so the same command resumes instead of training again
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt", "healed.heal-checkpoints", "pruned"]
 
 
 # ------------------------------------------------------------------ Ctrl-C and --resume
@@ -476,3 +504,46 @@ def test_prune_resume_into_its_own_output_is_refused_before_the_model_loads(base
             assert err.startswith(f"error: --resume {str(resume)!r} {where}: the pruned checkpoint is saved into a "
                                   "new or empty folder"), err
     assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_devices_the_machine_lacks_and_a_device_given_twice_exit_2_before_loading(base, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("torch.backends.mps.is_available", lambda: False)
+    cases = [
+        (["--device-map", "cuda"], "error: --device-map 'cuda': this machine has no such device; available devices: "
+                                   "cpu, disk"),
+        (["--device-map", "cuda:0"], "error: --device-map 'cuda:0': this machine has no such device"),
+        (["--device-map", "mps"], "error: --device-map 'mps': this machine has no such device"),
+        (["--max-memory", "0=20GiB"], "error: --max-memory names accelerator 0, but this machine has no accelerator"),
+        (["--max-memory", "cpu=1GiB,cpu=2GiB"], "argument --max-memory: 'cpu=1GiB,cpu=2GiB': device 'cpu' is given "
+                                                "twice; give each device once"),
+    ]
+    for flags, message in cases:
+        for argv in (["prune", base / "base", base / "out", "--layers", "1"], ["eval", base / "base", "-o", base / "e.json"],
+                     ["prune", base / "base", base / "out", "--num-to-remove", "1", "--dry-run"]):
+            code, err = _run([*argv, *flags], capsys)
+            assert code == 2 and message in err and "Traceback" not in err and "loading" not in err, (argv, flags, err)
+    assert sorted(p.name for p in base.iterdir()) == ["a-file", "base", "calib.txt"]
+
+
+def test_healing_or_sparsifying_an_offloaded_model_exits_2_before_scoring(base, capsys, monkeypatch):
+    """``--max-memory`` small enough that blocks go to ``--offload-folder``: the model can be
+    scored and cut, not trained or sparsified in place; refused before any probe runs."""
+    import hf_layerswap.pipeline as pipeline
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scored before the refusal")
+
+    monkeypatch.setattr(pipeline, "score_layers", no_scoring)
+    offload = ["--max-memory", "cpu=60KB", "--offload-folder", base / "off"]
+    scoring = ["--num-to-remove", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "2"]
+    code, err = _run(["prune", base / "base", base / "h", *scoring, *offload, "--heal"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "error: healing with the student offloaded (" in err and "no --offload-folder" in err
+    code, err = _run(["prune", base / "base", base / "s", *scoring, *offload, "--sparsity", "0.5"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "error: sparsity on a model with offloaded weights (model.layers.0." in err
+    assert main(["prune", str(base / "base"), str(base / "pruned"), "--layers", "2"]) == 0
+    code, err = _run(["heal", base / "pruned", base / "base", base / "healed", *offload], capsys)
+    assert code == 2 and "error: healing with the student offloaded (" in err and "Traceback" not in err
+    assert not any((base / name).exists() for name in ("h", "s", "healed", "healed.heal-checkpoints"))

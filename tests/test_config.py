@@ -14,7 +14,7 @@ import math
 import pickle
 import re
 import warnings
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from types import SimpleNamespace
 from typing import get_args
 
@@ -593,6 +593,38 @@ CONTRADICTORY = [
      "block reach sparsity 1 (every weight zero); use delta < 1 - sparsity = 0.04 (the default delta here; choose "
      "allocation='uniform' or 'owl'"),
 ]
+
+
+CONTRADICTORY += [
+    (dict(num_to_remove=1, strategy="greedy", max_evaluations=5),
+     "LayerSwapConfig(strategy='greedy', max_evaluations=5): strategy 'greedy' takes no max_evaluations; it applies "
+     "to ['search']"),
+    (dict(num_to_remove=1, strategy="greedy", objective="nll"),
+     "LayerSwapConfig(strategy='greedy', objective='nll'): strategy 'greedy' minimises no objective; objective "
+     "applies to ['beam', 'search']"),
+    (dict(num_to_remove=1, strategy="auto", objective="removal_kl"), "strategy 'auto' minimises no objective"),
+    (dict(num_to_remove=True), "LayerSwapConfig(num_to_remove=True): must be an int >= 1"),
+    (dict(num_to_remove=2.0), "LayerSwapConfig(num_to_remove=2.0): must be an int >= 1"),
+]
+
+
+def test_strategy_options_follow_the_registry_entry_not_the_name(monkeypatch):
+    from hf_layerswap.selection import registry
+
+    entry = registry.STRATEGY_ENTRIES["greedy"]
+    monkeypatch.setitem(registry.STRATEGY_ENTRIES, "greedy", replace(entry, takes_objective=True))
+    assert LayerSwapConfig(num_to_remove=1, strategy="greedy", objective="nll").objective == "nll"
+    assert LayerSwapConfig(num_to_remove=1, strategy="search", objective="nll", max_evaluations=5).max_evaluations == 5
+
+
+def test_integral_numbers_are_counts():
+    np = pytest.importorskip("numpy")
+    config = LayerSwapConfig(num_to_remove=np.int64(2), seq_len=np.int32(64), seed=np.int64(3), recovery="ghosted",
+                             recovery_num_tokens=np.int64(512))
+    assert (config.num_to_remove, config.seq_len, config.seed, config.recovery.num_tokens) == (2, 64, 3, 512)
+    assert all(type(v) is int for v in (config.num_to_remove, config.seq_len, config.seed, config.recovery.num_tokens))
+    assert json.loads(json.dumps(config.to_dict()))["num_to_remove"] == 2
+    assert type(HealConfig(max_tokens=np.int64(1000)).max_tokens) is int
 
 
 @pytest.mark.parametrize(("kwargs", "message"), CONTRADICTORY, ids=[m.split(":")[0] for _, m in CONTRADICTORY])

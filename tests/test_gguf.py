@@ -392,3 +392,22 @@ def test_converter_runs_apart_from_this_environments_gguf(converter):
     theirs = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert Path(theirs.stdout.strip()).parent in set(paths)
     assert Path(gguf.__file__).parent.parent not in set(paths)
+
+
+def test_a_ghosted_checkpoint_is_refused_before_converting(tmp_path, capsys):
+    """Ghosted operators are hooks hf_layerswap attaches at load time: a GGUF file of the plain
+    blocks would be another model, so both entry points refuse before any converter runs."""
+    from conftest import tiny_batch
+
+    model = build(FAMILY_BY_NAME["llama"])
+    hl.recover(model, [1, 3], tiny_batch(vocab=model.config.vocab_size), method="ghosted")
+    message = r"repaired with 'ghosted' operators that hf_layerswap attaches when it loads the model.*recovery='fused'"
+    with pytest.raises(GGUFLayoutError, match=message):
+        hl.save_gguf(model, tmp_path / "m.gguf", tokenizer=tiny_tokenizer(), converter=tmp_path / "no-converter")
+    hl.save_for_hub(model, tmp_path / "ghosted", tokenizer=tiny_tokenizer())
+    capsys.readouterr()
+    assert main(["export-gguf", str(tmp_path / "ghosted"), str(tmp_path / "g.gguf"),
+                 "--converter", str(tmp_path / "no-converter")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this checkpoint's cut is repaired with 'ghosted' operators") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ghosted"]

@@ -350,7 +350,7 @@ def test_a_sparsified_student_is_refused():
     # healing trains dense updates: last_k filled half of the zeros while config.layerswap_sparsity
     # still recorded 50% sparsity
     student, teacher = _pair()
-    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", method="magnitude")
+    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", pruner="magnitude")
     start = {k: v.clone() for k, v in student.state_dict().items()}
     with pytest.raises(ValueError, match=r"the student is sparsified \(config\.layerswap_sparsity: magnitude, achieved "
                                          r"sparsity 0\.5\).*heal the pruned model before sparsifying it"):

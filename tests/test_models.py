@@ -164,3 +164,30 @@ def test_gemma3_270m_bundled(gemma3_270m):
     assert _next_token(model, tokenizer, "The capital of France is the city of") == " Paris"
     assert _next_token(model, tokenizer, "Monday, Tuesday, Wednesday,") == " Thursday"
     assert model_identity(model)["name"] == "google/gemma-3-270m"
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """This machine as one with no accelerator, whatever it has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    if hasattr(torch, "xpu"):
+        monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize(("device_map", "max_memory", "message"), [
+    ("cuda", None, "device_map 'cuda': this machine has no such device; available devices: cpu, disk"),
+    ("cuda:0", None, "device_map 'cuda:0': this machine has no such device; available devices: cpu, disk"),
+    ("mps", None, "device_map 'mps': this machine has no such device; available devices: cpu, disk"),
+    ("gpu0", None, "device_map 'gpu0' is not a device name nor one of ['auto', 'balanced', 'balanced_low_0', "
+                   "'sequential']"),
+    ({"": 0}, None, "device_map[''] names accelerator 0, but this machine has no accelerator"),
+    ("auto", {0: "20GiB"}, "max_memory names accelerator 0, but this machine has no accelerator"),
+    ("auto", {"cuda:1": "2GiB", "cpu": "4GiB"}, "max_memory 'cuda:1': this machine has no such device"),
+])
+def test_a_device_this_machine_lacks_is_refused_before_loading(cpu_only, tmp_path, device_map, max_memory, message):
+    with pytest.raises(ValueError) as err:
+        load_model(tmp_path / "never-read", device_map=device_map, max_memory=max_memory)
+    assert message in str(err.value)
+    for fine in ("cpu", "auto", "sequential", None, {"": "cpu"}):
+        models.check_device_placement(fine, {"cpu": "4GiB", "disk": "20GiB"})

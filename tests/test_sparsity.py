@@ -307,7 +307,7 @@ def test_wanda_masks_match_direct_computation_with_propagation(family):
     dense = tiny_model(family)
     model = tiny_model(family)
     batch = tiny_batch(batch=4, length=16)
-    report = sparsify(model, batch, sparsity=0.5, allocation="pals", method="wanda", batch_size=3)
+    report = sparsify(model, batch, sparsity=0.5, allocation="pals", pruner="wanda", batch_size=3)
     assert len({round(t, 9) for t in report.block_targets}) > 1
     _, _, pruned_blocks = decoder_blocks(model)
     _, _, dense_blocks = decoder_blocks(dense)
@@ -333,7 +333,7 @@ def test_pals_statistic_block_input_equals_exact_quantile():
     batch = tiny_batch(batch=4, length=16)
     streams, _ = capture_residual_stream(model, batch["input_ids"], batch["attention_mask"])
     report = sparsify(
-        model, batch, sparsity=0.4, allocation="pals", method="magnitude", source="block_input", estimator="exact"
+        model, batch, sparsity=0.4, allocation="pals", pruner="magnitude", source="block_input", estimator="exact"
     )
     real = batch["attention_mask"].bool()
     for b in report.blocks:
@@ -348,7 +348,7 @@ def test_pals_statistic_linear_inputs_pools_each_distinct_input_once():
     inputs = _capture_linear_inputs(model, 2, batch)
     distinct = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")  # k/v, up share inputs
     pooled = torch.cat([inputs[n].abs().reshape(-1) for n in distinct])
-    report = sparsify(model, batch, sparsity=0.5, allocation="pals", method="magnitude", estimator="histogram")
+    report = sparsify(model, batch, sparsity=0.5, allocation="pals", pruner="magnitude", estimator="histogram")
     expected = torch.quantile(pooled.double(), 0.99).item()
     assert abs(report.blocks[2].statistic / expected - 1) <= report.allocator["estimator"]["relative_error_bound"]
     assert report.allocator["values_per_block"][2] == pooled.numel()
@@ -366,7 +366,7 @@ def test_gradient_statistic_equals_autograd():
         weights = [lin.weight for _, lin in prunable_linears(block)]
         expected.append(float(sum(w.grad.abs().sum() for w in weights) / sum(w.numel() for w in weights)))
     model.zero_grad(set_to_none=True)
-    report = sparsify(model, batch, sparsity=0.5, allocation="gradient", method="magnitude", batch_size=8)
+    report = sparsify(model, batch, sparsity=0.5, allocation="gradient", pruner="magnitude", batch_size=8)
     assert [b.statistic for b in report.blocks] == pytest.approx(expected, rel=1e-5)
     assert all(p.grad is None for p in model.parameters())
 
@@ -375,7 +375,7 @@ def test_owl_statistic_matches_hand_lod():
     dense = tiny_model("llama", num_blocks=4)
     model = tiny_model("llama", num_blocks=4)
     batch = tiny_batch(batch=3, length=12)
-    report = sparsify(model, batch, sparsity=0.5, allocation="owl", method="wanda", owl_m=3, owl_lambda=0.05)
+    report = sparsify(model, batch, sparsity=0.5, allocation="owl", pruner="wanda", owl_m=3, owl_lambda=0.05)
     _, _, blocks = decoder_blocks(dense)
     lods = []
     for index, block in enumerate(blocks):
@@ -391,7 +391,7 @@ def test_owl_statistic_matches_hand_lod():
 @pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
 def test_two_four_pattern_every_group(method):
     model = tiny_model("qwen3")
-    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", method=method, pattern="2:4")
+    report = sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", pruner=method, pattern="2:4")
     _, _, blocks = decoder_blocks(model)
     for block in blocks:
         for _, lin in prunable_linears(block):
@@ -403,7 +403,7 @@ def test_two_four_pattern_every_group(method):
 def test_per_linear_sparsity_and_report_round_trip(tmp_path):
     model = tiny_model("llama")
     calib = build_calibration(tiny_batch(batch=5, length=16))
-    report = sparsify(model, calib, sparsity=0.6, allocation="pals", method="sparsegpt", pattern=None, blocksize=32)
+    report = sparsify(model, calib, sparsity=0.6, allocation="pals", pruner="sparsegpt", pattern=None, blocksize=32)
     for row in report.linears:
         rows, cols = row.shape
         per_block = [round(rows * min(32, cols - i) * row.target) for i in range(0, cols, 32)]
@@ -428,7 +428,7 @@ def test_save_reload_identical_logits_and_zero_count(tmp_path):
 
     model = tiny_model("gemma3")
     batch = tiny_batch()
-    report = sparsify(model, batch, sparsity=0.5, allocation="owl", method="wanda")
+    report = sparsify(model, batch, sparsity=0.5, allocation="owl", pruner="wanda")
     model.save_pretrained(tmp_path)
     assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
@@ -452,8 +452,11 @@ def test_bad_arguments_change_nothing():
         sparsify(model, batch, sparsity=2 / 3, allocation="uniform", pattern="2:3")
     with pytest.raises(ValueError, match="allocation='best'"):
         sparsify(model, batch, allocation="best")
-    with pytest.raises(ValueError, match="method='obc'"):
-        sparsify(model, batch, method="obc")
+    with pytest.raises(ValueError, match="pruner='obc'"):
+        sparsify(model, batch, pruner="obc")
+    with pytest.raises(TypeError, match=r"unknown options \['method'\]; allowed: the keywords sparsity, allocation, "
+                                        "pruner, pattern, tokenizer and the options"):
+        sparsify(model, batch, method="magnitude")  # the pruner's former keyword is gone
     with pytest.raises(TypeError, match="unknown options \\['lamda'\\]"):
         sparsify(model, batch, allocation="owl", lamda=0.1)
     with pytest.raises(ValueError, match="percentile=99"):
@@ -461,7 +464,7 @@ def test_bad_arguments_change_nothing():
     with pytest.raises(ValueError, match="sparsity=0.97 with delta=0.05 lets a block reach sparsity 1"):
         sparsify(model, batch, sparsity=0.97, allocation="random")
     with pytest.warns(UserWarning, match="no effect"):
-        sparsify(model, batch, sparsity=0.0, allocation="uniform", method="magnitude", owl_m=3)
+        sparsify(model, batch, sparsity=0.0, allocation="uniform", pruner="magnitude", owl_m=3)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -472,7 +475,7 @@ def test_smollm2_pals_wanda_meets_target(smollm2, wikitext_valid):
     # valid.txt separates paragraphs by lines holding one space: normalise them to blank lines
     text = re.sub(r"\n[ \t]+(?=\n)", "\n", wikitext_valid.read_text(encoding="utf-8"))
     calib = build_calibration(split_paragraphs(text)[:8], tokenizer, num_prompts=8, seq_len=64)
-    report = sparsify(model, calib, sparsity=0.5, allocation="pals", method="wanda")
+    report = sparsify(model, calib, sparsity=0.5, allocation="pals", pruner="wanda")
     widths = {row.shape[1] for row in report.linears}
     assert abs(report.achieved_sparsity - 0.5) <= 0.5 / min(widths)
     for b in report.blocks:
@@ -645,7 +648,7 @@ def test_unknown_allocation_or_method_lists_the_registered_ones():
     model = tiny_model("llama", num_blocks=2)
     with pytest.raises(ValueError, match=re.escape("allocation='best': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']")):
         sparsify(model, build_calibration(tiny_batch()), allocation="best")
-    with pytest.raises(ValueError, match=re.escape("method='obc': allowed ['wanda', 'sparsegpt', 'magnitude']")):
+    with pytest.raises(ValueError, match=re.escape("pruner='obc': allowed ['wanda', 'sparsegpt', 'magnitude']")):
         get_pruner("obc")
     with pytest.raises(ValueError, match=r"allocation=\['pals'\]: allowed"):
         get_allocator(["pals"])
@@ -687,8 +690,8 @@ def test_a_registered_toy_allocator_and_pruner_run_end_to_end():
         model = tiny_model("llama", num_blocks=3)
         calib = build_calibration(tiny_batch())
         with pytest.warns(UserWarning, match=r"options \['delta'\] have no effect with allocation='toy_front'"):
-            sparsify(copy.deepcopy(model), calib, sparsity=0.25, allocation="toy_front", method="toy_magnitude", delta=0.1)
-        report = sparsify(model, calib, sparsity=0.25, allocation="toy_front", method="toy_magnitude", seed=3)
+            sparsify(copy.deepcopy(model), calib, sparsity=0.25, allocation="toy_front", pruner="toy_magnitude", delta=0.1)
+        report = sparsify(model, calib, sparsity=0.25, allocation="toy_front", pruner="toy_magnitude", seed=3)
         assert report.allocator["name"] == "toy_front" and report.allocator["dense_block"] == 0
         assert report.blocks[0].num_zeros == 0 and report.blocks[0].target == 0.0
         assert abs(report.achieved_sparsity - 0.25) < 0.02
@@ -718,3 +721,17 @@ def test_sparsity_experiment_is_exactly_the_stored_grid():
     assert {m: len(k) for m, k in planned.items()} == {"smollm2-135m": 200, "gemma3-270m": 198}
     with pytest.raises(ValueError, match=r"--groups \['nope'\]: experiment 'sparsity' has the groups \['unstructured', 'nm', 'pals_variants'\]"):
         bench.experiment_argvs("sparsity", ["nope"])
+
+
+def test_an_offloaded_model_is_refused_before_any_forward_pass(tmp_path):
+    from conftest import tiny_checkpoint
+    from hf_layerswap.models import load_model
+
+    tiny_checkpoint(tmp_path / "base")
+    model, _ = load_model(tmp_path / "base", max_memory={"cpu": "60KB"}, offload_folder=str(tmp_path / "off"))
+    before = {k: v.clone() for k, v in model.state_dict().items() if v.device.type != "meta"}
+    with pytest.raises(ValueError, match=r"sparsity on a model with offloaded weights \(model\.layers\.\d.*are "
+                                         r"offloaded by its device map\)"):
+        sparsify(model, tiny_batch(), sparsity=0.5, allocation="uniform", pruner="magnitude")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert "layerswap_sparsity" not in model.config.to_dict()

@@ -27,7 +27,7 @@ from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell,
 
 __all__ = [
     "current_blocks", "format_pct_plain", "last_decision", "layerswap_record", "nonfinite_basis",
-    "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches",
+    "parameter_counts", "protocol_of", "recovery_record", "recovery_row", "report_mismatches", "report_removed", "report_step",
     "resolve_base_model", "resolve_license", "scored_identity", "selection_rule", "sparsity_mismatches",
     "sparsity_refusal", "sparsity_section", "sparsity_summary", "split_model", "step_config", "step_provenance", "step_strategy",
     "weights_identity",
@@ -65,16 +65,47 @@ def layerswap_record(config) -> dict:
     return dict(record) if isinstance(record, Mapping) else {}
 
 
+def report_step(model_or_config, report: SwapReport) -> int | None:
+    """The removal step whose starting model ``report`` scored, when that is a model pruned
+    before (a re-scored checkpoint): the last step's index when the model has two steps or
+    more and ``report.num_blocks`` is that step's ``num_blocks_before`` (not the original
+    depth); ``None`` otherwise (the report scored the original blocks, or the model as it
+    is when it was never pruned)."""
+    model, config = split_model(model_or_config)
+    record = layerswap_record(config)
+    steps = [s for s in record.get("steps") or [] if isinstance(s, Mapping)]
+    original = int(record.get("original_num_hidden_layers", current_blocks(model, config)))
+    if len(steps) < 2 or report.num_blocks == original or steps[-1].get("num_blocks_before") != report.num_blocks:
+        return None
+    return len(steps) - 1
+
+
+def report_removed(model_or_config, report: SwapReport) -> list[int]:
+    """The removed blocks in ``report``'s numbering: every removed block (original
+    numbering) for a report of the original model; the last step's ``removed_layers`` (that
+    step's numbering) for a report scored on the pruned model that step started from
+    (:func:`report_step`)."""
+    _, config = split_model(model_or_config)
+    record = layerswap_record(config)
+    step = report_step(model_or_config, report)
+    if step is None:
+        return sorted(record.get("removed_layers", []))
+    return sorted(record["steps"][step].get("removed_layers", []))
+
+
 def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     """Reasons why ``report`` does not describe ``model_or_config`` (empty list = it does).
 
     A report belongs to a model when it scored the blocks the model was pruned from:
     ``report.num_blocks`` equals ``config.layerswap["original_num_hidden_layers"]`` for a
-    pruned model (the current block count otherwise), every removed index is in range,
-    when the report carries a weight fingerprint (:func:`~hf_layerswap.plan.model_fingerprint`)
-    it matches the model's (an unpruned model's current one, or the
-    ``fingerprint_before`` of the first removal step), and, when the removal step recorded
-    a score summary, the report's per-layer scores are the recorded ones.
+    pruned model (the current block count otherwise), or, for a model pruned in several
+    steps, the blocks its last step started from (a pruned checkpoint scored again and
+    pruned again: ``num_blocks_before`` of the last step, :func:`report_step`); every removed
+    index is in range (in the report's numbering), when the report carries a weight
+    fingerprint (:func:`~hf_layerswap.plan.model_fingerprint`) it matches the model's (an
+    unpruned model's current one, or the ``fingerprint_before`` of the first removal step,
+    or of the last one for a re-scored model), and, when the removal step recorded a score
+    summary, the report's per-layer scores are the recorded ones.
     """
     if not isinstance(report, SwapReport):
         return [f"report must be a SwapReport, got {type(report).__name__}"]
@@ -82,29 +113,32 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     record = layerswap_record(config)
     current = current_blocks(model, config)
     expected = int(record.get("original_num_hidden_layers", current))
+    step = report_step(model_or_config, report)
+    steps = list(record.get("steps") or [{}])
     problems = []
-    if report.num_blocks != expected:
+    if report.num_blocks != expected and step is None:
         what = "the model was pruned from" if record else "the model has"
-        problems.append(f"the report scored {report.num_blocks} blocks but {what} {expected} blocks")
+        also = ""
+        if len(steps) > 1 and isinstance(steps[-1], Mapping) and "num_blocks_before" in steps[-1]:
+            also = f" (or {steps[-1]['num_blocks_before']}, the blocks its last removal step started from)"
+        problems.append(f"the report scored {report.num_blocks} blocks but {what} {expected} blocks{also}")
         return problems
     expected_fp = (report.metadata.get("model") or {}).get("fingerprint")
     if expected_fp:
-        steps = record.get("steps") or [{}]
-        actual_fp = steps[0].get("fingerprint_before") if record else None
+        actual_fp = steps[0 if step is None else step].get("fingerprint_before") if record else None
         if not record and model is not None:
             actual_fp = model_fingerprint(model)
         if actual_fp and actual_fp != expected_fp:
-            when = "before removal" if record else "now"
+            when = "now" if not record else ("before removal" if step is None else f"before removal step {step}")
             problems.append(
                 f"the report's weight fingerprint {expected_fp[:16]}... differs from the model's "
                 f"{actual_fp[:16]}... ({when}): it was computed on other weights"
             )
-    removed = list(record.get("removed_layers", []))
+    removed = report_removed(model_or_config, report)
     outside = [i for i in removed if not 0 <= i < report.num_blocks]
     if outside:
         problems.append(f"removed layers {outside} are outside the report's 0..{report.num_blocks - 1}")
-    for k, step in enumerate(record.get("steps", [])):
-        summary = step.get("scores")
+    for k, summary in enumerate(s.get("scores") if isinstance(s, Mapping) else None for s in record.get("steps", [])):
         if not isinstance(summary, Mapping) or summary.get("num_blocks") != report.num_blocks:
             continue
         for protocol in report.protocols:

@@ -25,7 +25,7 @@ from ..surgery import original_indices
 from ..tasks import task_card_section
 
 from .evaluation import evaluation_mismatches, normalize_evaluation
-from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
+from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, report_removed, report_step, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
 from .healing import HEALING_FILE, healing_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
 from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
@@ -154,8 +154,9 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
           tokenizer_included: bool) -> dict:
     """The template's context for the card body (all but the title and summary)."""
     candidates, why, removed_kl = ([], None, None)
+    scored_removed = report_removed(config, report) if report is not None else []  # in the report's numbering
     if report is not None and f.removed:
-        candidates, why, removed_kl = candidates_section(report, f.removed, f.spacing, f.protect, f.steps)
+        candidates, why, removed_kl = candidates_section(report, scored_removed, f.spacing, f.protect, f.steps)
     reproduce, reproduce_note = reproduce_section(f.base, f.removed, f.steps, report, f.ident) if f.removed else (
         "# nothing was removed: see the diagnostics above", None
     )
@@ -172,12 +173,12 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
             }
             for s in f.steps
         ],
-        report=report_section(report, f.removed, f.protect) if report is not None else None,
+        report=_report_context(config, report, scored_removed, f.protect) if report is not None else None,
         plots={k: ([{"file": PLOT_FILES[k], "alt": _PLOT_ALT[k]}] if k in plot_keys else []) for k in PLOT_FILES},
         candidates=candidates,
-        budget=f"{len(f.removed)} block{'s' if len(f.removed) != 1 else ''}",
+        budget=f"{len(scored_removed)} block{'s' if len(scored_removed) != 1 else ''}",
         rule=f.rule,
-        removed_layers=format_indices(f.removed),
+        removed_layers=format_indices(scored_removed),
         removed_kl=removed_kl,
         why=why,
         evaluation=eval_section,
@@ -192,6 +193,20 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
         versions=versions_section(report, f.steps, evaluation),
         library_version=__version__,
     )
+
+
+def _report_context(config, report, removed, protect) -> dict:
+    """:func:`report_section`, with a note on the numbering when the report scored the
+    checkpoint the last of several removal steps started from (not the base model)."""
+    context = report_section(report, removed, protect)
+    step = report_step(config, report)
+    if step is not None:
+        context["numbering_note"] = (
+            f"These scores were measured on the {report.num_blocks}-block checkpoint that removal step {step} "
+            "started from, so the layers below are numbered as in that checkpoint (the step table above maps "
+            "them to the original numbering)."
+        )
+    return context
 
 
 #: Alt text of each plot the card shows.
@@ -420,7 +435,7 @@ def write_card_files(
     draw = available("matplotlib")
     planned = planned_plots(report, sparsity=sparse is not None)
     if draw and report is not None:
-        paths = write_plots(report, directory, removed=layerswap_record(config).get("removed_layers", []))
+        paths = write_plots(report, directory, removed=report_removed(config, report))
         plot_keys = list(paths)
         written.update({p.name: p for p in paths.values()})
     healed = getattr(model, "layerswap_heal_report", None) if model is not None else None

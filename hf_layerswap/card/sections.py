@@ -368,11 +368,14 @@ def reproduce_section(base_model, removed, steps, report, ident) -> tuple[str, s
         lines.insert(3, f"# calibration used for the scores: {cal['description']} (content hash {cal.get('content_hash')})")
     notes = []
     if "layers" in args and report is not None:
+        first = steps[0].get("num_blocks_before", report.num_blocks) if steps else report.num_blocks
+        scored = ("the base model" if report.num_blocks == first else
+                  f"the {report.num_blocks}-block checkpoint the last removal step started from")
         notes.append(
             "This removes the same blocks without rescoring. To recompute the scores, run "
             f"`hf_layerswap.score_layers(model, calibration, max_gap={report.max_gap}, "
             f"num_prompts={report.metadata.get('num_prompts')}, seq_len={report.metadata.get('seq_len')}, "
-            f"seed={report.metadata.get('seed')})` on the base model with the calibration source above."
+            f"seed={report.metadata.get('seed')})` on {scored} with the calibration source above."
         )
     source_record = ident.get("source") if isinstance(ident.get("source"), Mapping) else None
     if source_record and source_record.get("bundled_name"):

@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from ..extras import MissingExtraError
+from ..provenance import __version__
 from . import demo, export_gguf, heal, peel, prune, push, score
 from . import eval as eval_verb
 from .demo import DEFAULT_MODEL, demo_config, run_demo
@@ -36,6 +37,7 @@ def build_parser(prog: str = "hf-layerswap") -> argparse.ArgumentParser:
         prog=prog,
         description="Swap-KL layer redundancy (replacement vs interchange), layer removal and publishing.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for verb in VERBS:
         verb.add_parser(sub)

@@ -21,7 +21,7 @@ from ..calibration import read_text_file
 from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
 from ..jsonio import regular_target
-from ..models import BUNDLED, DTYPES, check_gguf_file, is_hub_id, load_model, missing_offline
+from ..models import BUNDLED, DTYPES, check_device_placement, check_gguf_file, is_hub_id, load_model, missing_offline
 from ..scoring.settings import parse_memory
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "add_resume_arg",
     "calibration_source",
     "check_before_loading",
+    "check_devices",
     "check_output",
     "check_paths",
     "check_text_files",
@@ -229,7 +230,10 @@ def max_memory_map(text) -> dict:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: size {size!r} of {device!r} is not a size; expected e.g. 20GiB, 500MB or bytes") from None
-        limits[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+        key = int(device) if device.isdigit() else device
+        if key in limits:
+            raise argparse.ArgumentTypeError(f"{text!r}: device {device!r} is given twice; give each device once")
+        limits[key] = int(size) if size.isdigit() else size
     return limits
 
 
@@ -507,12 +511,20 @@ def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
                         "replaced)")
 
 
+def check_devices(args) -> None:
+    """``--device-map`` and ``--max-memory`` name devices this machine has
+    (:func:`~hf_layerswap.models.check_device_placement`), checked before the model loads."""
+    check_device_placement(getattr(args, "device_map", "auto"), getattr(args, "max_memory", None),
+                           names=("--device-map", "--max-memory"))
+
+
 def check_before_loading(args, outputs=()) -> None:
     """What a verb that loads ``args.model`` with :func:`load` checks first: its text files
     (:func:`check_text_files`), then MODEL, ``--tokenizer`` and ``outputs`` against them and
     the other inputs (:func:`check_paths`, :func:`input_paths`; ``args.overwrite`` where the
     verb has ``--overwrite``)."""
     check_text_files(args)
+    check_devices(args)
     offload = getattr(args, "offload_folder", None)
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file, tokenizer=args.tokenizer,
                 outputs=[*outputs, ("--offload-folder", offload, "folder")], reads=input_paths(args),

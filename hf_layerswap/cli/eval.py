@@ -25,6 +25,7 @@ from .common import (
     HELP_FORMATTER,
     add_device_args,
     add_overwrite_arg,
+    check_devices,
     check_paths,
     device_options,
     input_paths,
@@ -108,6 +109,7 @@ def _check_args(args) -> None:
             raise FileNotFoundError(f"--include-path {path!r} is not a folder of task YAML files")
     if args.tasks:
         require("lm_eval", "--tasks (lm-evaluation-harness)")
+    check_devices(args)
     check_paths(model=args.model, revision=args.revision, gguf_file=args.gguf_file,
                 outputs=[("--output", args.output, "file")], reads=input_paths(args), overwrite=args.overwrite)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import HealConfig
 from ..card.format import REPORT_FILE
 from ..healing import HEAL_METHODS, heal
+from ..healing.teacher import check_in_memory
 from ..models import load_model
 from ..plan import num_blocks
 from ..report import SwapReport
@@ -167,6 +168,7 @@ def run_heal(args) -> int:
     check_before_loading(args, outputs=[("OUTPUT", args.output, "new folder"), ("--resume", args.resume, "folder")])
     check_paths(model=args.base)
     model, tokenizer = load(args)
+    check_in_memory(model)  # before the teacher loads
     record = getattr(model.config, "layerswap", None) or {}
     if not record.get("removed_layers"):
         raise ValueError(f"PRUNED {args.pruned!r} records no removed blocks (config.layerswap): prune it first")

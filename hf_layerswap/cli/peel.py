@@ -25,6 +25,7 @@ from .common import (
     HELP_FORMATTER,
     add_device_args,
     add_overwrite_arg,
+    check_devices,
     check_paths,
     device_options,
     input_paths,
@@ -103,6 +104,7 @@ def run_peel(args) -> int:
     models = [("MODEL", model) for model in args.model]
     if args.gguf_file is not None:
         models.append(("--gguf-file", Path(args.model[0]).expanduser() / args.gguf_file))
+    check_devices(args)
     check_paths(outputs=[(option, path, "file") for option, path in
                          (("--output", args.output), ("--plot", args.plot), ("--table", args.table))],
                 reads=[*models, *input_paths(args)], overwrite=args.overwrite)

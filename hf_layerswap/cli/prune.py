@@ -29,6 +29,7 @@ from .common import (
     add_scoring_memory_arg,
     calibration_source,
     check_before_loading,
+    check_devices,
     check_output,
     check_paths,
     check_text_files,
@@ -79,6 +80,12 @@ def prune_config(args):
     defaults = vars(_defaults(args))  # the --heal-* values as given, not a HealConfig (no method is chosen)
     if heal is None and any(value != defaults[key] for key, value in vars(args).items() if key.startswith("heal_")):
         raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
+    if args.sparsity is None:
+        given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("allocation", "pruner", "sparsity_pattern")
+                 if getattr(args, name) != _parser_default(name)]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --sparsity: add --sparsity FRACTION to sparsify after "
+                             "the cut")
     return LayerSwapConfig(
         num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
@@ -87,6 +94,13 @@ def prune_config(args):
         recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, pruner=args.pruner,
         sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
     )
+
+
+def _parser_default(name: str):
+    """The ``prune`` parser's default of the config option ``name``."""
+    parser = argparse.ArgumentParser()
+    add_config_options(parser, [name])
+    return parser.get_default(name)
 
 
 def _defaults(args):
@@ -171,6 +185,7 @@ def _dry_run(args, config) -> int:
         raise ValueError(f"--dry-run with --report {args.report!r}: the estimate plans a prune that scores the "
                          "model; drop --report to estimate that prune")
     check_text_files(args)
+    check_devices(args)
     check_paths(model=args.model, revision=args.revision, tokenizer=args.tokenizer)
     check_output(args.output)
     estimate = estimate_cost(args.model, config, device=_compute_device(args.device_map),

@@ -73,7 +73,8 @@ def contract_tokens(text=None, tokenizer=None, *, contract: str = "matched", win
         raise ValueError(f"contract={contract!r}: allowed {sorted(CONTRACTS) + ['rolling']}")
     spec = CONTRACTS[contract]
     window = spec["window"] if window is None else int(window)
-    stride = spec["stride"] if stride is None else int(stride)
+    # the contract's stride fits a window given below it (full: non-overlapping windows of that size)
+    stride = min(spec["stride"], window) if stride is None else int(stride)
     words_limit = spec["max_words"] if max_words is None else int(max_words)
     if words_limit is not None and words_limit < 1:
         raise ValueError(f"max_words={max_words}: must be a positive number of words")
@@ -237,7 +238,9 @@ def evaluate_perplexity(
             of the text, window 2048, stride 2048) or ``"rolling"`` (lm-eval's rolling
             loglikelihood: every token scored after a prefix token, disjoint windows of
             ``window`` tokens, see :mod:`hf_layerswap.evaluation.rolling`).
-        window, stride, max_words: override the contract's values (recorded).
+        window, stride, max_words: override the contract's values (recorded); a window
+            below the contract's stride without a stride of its own is read with stride =
+            window (``contract="full", window=128``: disjoint windows of 128 tokens).
         bootstrap: window resamples for the 95% CI (0 = none). seed: its RandomState seed.
         batch_size: windows per forward pass.
         add_bos: ``None`` = the tokenizer's default; ``True``/``False`` force it.

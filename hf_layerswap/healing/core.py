@@ -143,8 +143,8 @@ def heal(
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
-        ValueError: before any training: a mismatched or foreign teacher, an unknown method, a bad
-            budget, ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, token ids
+        ValueError: before any training: an offloaded student or teacher, a mismatched or foreign teacher, an unknown
+            method, a bad budget, ``seq_len``, ``ce_weight``, ``seed``, ``teacher_top_k`` or task field, token ids
             outside the embedding, too few prompts to hold some out, another run's ``checkpoint_dir``,
             measurements without ``tokenizer``. TypeError: an unknown keyword (``max_tokns=``).
         NonFiniteScoresError: a non-finite held-out KL before training or loss (then a ``checkpoint_dir`` it created is removed).

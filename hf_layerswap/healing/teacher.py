@@ -19,18 +19,38 @@ from ..provenance import public_identity
 from ..rule import NonFiniteScoresError
 from .loss import distillation_loss
 
-__all__ = ["check_finite_start", "check_teacher", "place_teacher", "teacher_origin"]
+__all__ = ["check_finite_start", "check_in_memory", "check_teacher", "place_teacher", "teacher_origin"]
+
+
+def check_in_memory(model: nn.Module, role: str = "the student") -> None:
+    """Refuse a model with offloaded weights (an accelerate device map that keeps blocks on
+    the CPU or disk between calls, ``--max-memory ... --offload-folder``): training needs
+    every weight it updates, and the teacher, on one device in memory.
+
+    Raises:
+        ValueError: naming the model's role, how many modules are offloaded and what to do.
+    """
+    offloaded = offloaded_modules(model)
+    if offloaded:
+        raise ValueError(
+            f"healing with {role} offloaded ({len(offloaded)} module(s) kept on the CPU or disk by its device map) "
+            "is not supported: training moves every weight to one device; load the models without offloading "
+            "(no --offload-folder, a --max-memory that holds them)"
+        )
 
 
 def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_tokenizer=None) -> None:
     """Refuse a teacher that cannot teach ``model``: the same object, a different
     ``config.vocab_size`` or output-head shape, another block count than the model the
     student was cut from (``config.layerswap``: the original model, or the one its last cut
-    started from), or a tokenizer with a different vocabulary.
+    started from), or a tokenizer with a different vocabulary; and either model with
+    offloaded weights (:func:`check_in_memory`).
 
     Raises:
         ValueError: naming the mismatching values.
     """
+    check_in_memory(model)
+    check_in_memory(teacher, "the teacher")
     if teacher is model:
         raise ValueError("teacher is the student itself: pass the dense base model as teacher")
     sizes = [(m.config.vocab_size, tuple(m.get_output_embeddings().weight.shape)) for m in (model, teacher)]

@@ -167,5 +167,5 @@ def _beam_cost(plan) -> dict:
                             "the greedy set, each set from the first removable block")
 
 
-register_strategy("beam", needs_model=True, cost=_beam_cost, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
+register_strategy("beam", needs_model=True, takes_objective=True, cost=_beam_cost, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
     as_strategy("beam", interchange_beam, reads_report=True))

@@ -97,6 +97,9 @@ class Strategy:
         card_candidates: ``fn(decision, report, removed, kl, indices) -> (rows, reason) |
             None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)
             and reason, when the decision carries them.
+        takes_objective: it minimises a set objective, ``objective=`` (``removal_kl``,
+            ``nll``, ...); a config that names an objective for a strategy without one is
+            refused (:class:`~hf_layerswap.LayerSwapConfig`).
         check_config: ``fn(config, num_blocks) -> None``: refuses, before any forward pass,
             a :class:`~hf_layerswap.LayerSwapConfig` the strategy would refuse only after
             the scoring (raises ``ValueError``; default: nothing to check).
@@ -132,6 +135,7 @@ class Strategy:
     card_reason: Callable | None = None
     card_candidates: Callable | None = None
     options: tuple[str, ...] | None = field(default=None)
+    takes_objective: bool = False
     check_config: Callable = lambda config, num_blocks: None
     criteria: Mapping[str, Criterion] = field(default_factory=dict)
     cost: Callable | None = None

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import build_calibration
-from ..devices import input_device
+from ..devices import input_device, offloaded_modules
 from ..plan import decoder_blocks
 from ..provenance import library_versions
 from ..surgery import original_indices, stale_healing
@@ -74,6 +74,7 @@ __all__ = [
     "SparsifyOptions",
     "SparsityReport",
     "check_arguments",
+    "check_in_memory",
     "config_record",
     "sparsity_in_model",
     "fit_budget",
@@ -172,12 +173,13 @@ def _parse_options(options: dict, allocation: str, method: str, sparsity: float)
     allowed = {f.name for f in dataclasses.fields(SparsifyOptions)}
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise TypeError(f"sparsify() got unknown options {unknown}; allowed: {sorted(allowed)}")
+        raise TypeError(f"sparsify() got unknown options {unknown}; allowed: the keywords sparsity, allocation, "
+                        f"pruner, pattern, tokenizer and the options {sorted(allowed)}")
     used = set(SparsifyOptions.GENERAL) | set(get_allocator(allocation).options) | set(get_pruner(method).options)
     unused = sorted(set(options) - used)
     if unused:
         warnings.warn(
-            f"options {unused} have no effect with allocation={allocation!r}, method={method!r}", stacklevel=3
+            f"options {unused} have no effect with allocation={allocation!r}, pruner={method!r}", stacklevel=3
         )
     opts = SparsifyOptions(**options)
     check_bound(sparsity, allocation, opts.delta)
@@ -193,6 +195,26 @@ def check_bound(sparsity: float, allocation: str, delta: float = SparsifyOptions
     """
     if "delta" in get_allocator(allocation).options:
         fit_budget([0.0], [1], sparsity, delta)
+
+
+def check_in_memory(model: nn.Module) -> None:
+    """Refuse a model with offloaded weights (an accelerate device map that put blocks on the
+    CPU or disk between calls): sparsification writes every block's weights in place, which
+    an offloaded block does not hold.
+
+    Raises:
+        ValueError: naming the offloaded modules and what to do instead.
+    """
+    offloaded = offloaded_modules(model)
+    if offloaded:
+        names = {id(m): n for n, m in model.named_modules()}
+        listed = [names.get(id(m), type(m).__name__) or "the model" for m in offloaded[:3]]
+        more = f" and {len(offloaded) - 3} more" if len(offloaded) > 3 else ""
+        raise ValueError(
+            f"sparsity on a model with offloaded weights ({', '.join(listed)}{more} are offloaded by its device "
+            "map): sparsification writes every block's weights in place; load the model without offloading "
+            "(no --offload-folder, a --max-memory that holds it), or sparsify a saved pruned checkpoint that fits"
+        )
 
 
 def check_arguments(sparsity, allocation: str, method: str, pattern: str | None) -> tuple[int, int] | None:
@@ -224,7 +246,7 @@ def sparsify(
     *,
     sparsity: float = 0.5,
     allocation: str = "pals",
-    method: str = "wanda",
+    pruner: str = "wanda",
     pattern: str | None = None,
     tokenizer=None,
     **options,
@@ -241,7 +263,8 @@ def sparsify(
             block weights set to zero (for ``pattern="N:M"`` it must equal N/M).
         allocation: per-block sparsity rule, one of ``"uniform"``, ``"pals"`` (default),
             ``"owl"``, ``"random"``, ``"gradient"`` (see :mod:`.allocators`).
-        method: ``"wanda"`` (default), ``"sparsegpt"`` or ``"magnitude"``.
+        pruner: the pruning method: ``"wanda"`` (default), ``"sparsegpt"``, ``"magnitude"`` or one
+            registered with :func:`register_pruner`.
         pattern: ``None`` (unstructured) or ``"N:M"`` such as ``"2:4"`` (then every block
             has sparsity N/M, so ``allocation`` must be ``"uniform"``).
         tokenizer: for text calibration sources.
@@ -256,17 +279,20 @@ def sparsify(
         ``previous`` list.
 
     Raises:
-        ValueError: an unknown allocation/method/pattern, a sparsity outside [0, 1), an N:M
+        ValueError: a model with offloaded weights (:func:`check_in_memory`), an unknown
+            allocation/pruner/pattern, a sparsity outside [0, 1), an N:M
             pattern with another sparsity or a non-uniform allocation, ``sparsity + delta >= 1``
             for a bounded allocation (pals, random, gradient), a linear whose input width is not
             divisible by M (all checked before any forward pass or weight change).
-        TypeError: unknown options or a text calibration without tokenizer.
+        TypeError: unknown options (``method=``, the pruner's former name, among them) or a text
+            calibration without tokenizer.
     """
     t0 = time.perf_counter()
-    nm = check_arguments(sparsity, allocation, method, pattern)
+    check_in_memory(model)
+    nm = check_arguments(sparsity, allocation, pruner, pattern)
     if nm is not None:
         pattern = f"{nm[0]}:{nm[1]}"
-    opts = _parse_options(options, allocation, method, sparsity)
+    opts = _parse_options(options, allocation, pruner, sparsity)
     calib = build_calibration(
         calibration, tokenizer, num_prompts=opts.num_prompts, seq_len=opts.seq_len, seed=opts.calibration_seed
     )
@@ -280,14 +306,14 @@ def sparsify(
     timings = {}
     targets, statistic_values, allocator_info, linear_rows = _allocate_and_prune(
         model, blocks, block_linears, batches, num_params, module_names, timings,
-        sparsity=sparsity, allocation=allocation, method=method, pattern=pattern, opts=opts,
+        sparsity=sparsity, allocation=allocation, method=pruner, pattern=pattern, opts=opts,
     )
     block_rows = _block_rows(block_linears, linear_rows, targets, num_params, statistic_values)
     timings["total_s"] = time.perf_counter() - t0
     report = SparsityReport(
         target_sparsity=float(sparsity),
         allocation=allocation,
-        method=method,
+        method=pruner,
         pattern=pattern,
         blocks=block_rows,
         linears=linear_rows,

@@ -185,4 +185,4 @@ def get_pruner(name) -> Pruner:
     Raises:
         ValueError: unknown name; the message lists the registered ones.
     """
-    return _lookup(PRUNERS, name, "method")
+    return _lookup(PRUNERS, name, "pruner")
