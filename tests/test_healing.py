@@ -624,7 +624,7 @@ def test_sparsifying_a_healed_model_marks_its_healing_stale():
     student, teacher = _pair()
     hl.heal(student, teacher, _calibration(), **_heal_config().heal_kwargs())
     kept = student.config.layerswap["healing"][-1]
-    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", method="magnitude")
+    hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", pruner="magnitude")
     (entry,) = student.config.layerswap["healing"]
     assert entry == {**kept, "stale": "sparsification (magnitude, uniform allocation, achieved sparsity 50.0%) came "
                                       "after this healing: its numbers describe the model before its weights were zeroed"}
