@@ -122,6 +122,7 @@ def search_select(
     progress: bool = False,
     evaluator: SetObjective | None = None,
     on_budget: Callable[[int, dict], None] | None = None,
+    max_memory=None,
 ) -> dict[int, dict]:
     """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
 
@@ -155,6 +156,10 @@ def search_select(
         on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets)
             is done (``record`` as returned, ``total_cost`` the cost so far), so a long
             search can keep its results as they come.
+        max_memory: the working-memory budget of the whole search (bytes, a size such as
+            ``"2GiB"``, a :class:`~hf_layerswap.scoring.settings.MemoryBudget`, or
+            ``None``/``"auto"``): its kept dense reference and its engine calls share it
+            (:class:`SetObjective`); the one ``prune`` resolved for its scoring.
 
     Returns:
         ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
@@ -184,7 +189,7 @@ def search_select(
     bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
                 dynamic_ncols=True) if progress and evaluator is None else None)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
-                                  progress=bar)
+                                  progress=bar, max_memory=max_memory)
     search = _SetSearch(f, allowed, spacing, budget_total, total)
     first_call = f.calls
     search.score_singles()
@@ -443,7 +448,8 @@ def _default_objective(objective):
 
 
 #: What ``_search`` passes to :func:`search_select` itself; every other keyword is an option.
-_SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size")
+_SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size",
+                 "max_memory")
 
 
 def _config_options(cfg) -> dict:
@@ -580,11 +586,14 @@ def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) 
             lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
     },
 )
-def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
-    """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
+def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options,
+            max_memory=None, **_):
+    """Protocol-guided set search (:func:`search_select`) under the caller's working-memory
+    budget; the record goes to ``report.selections``."""
     objective = _default_objective(objective)
     record = search_select(report, num_to_remove, model=model, calibration=calibration, objective=objective,
-                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_to_remove]
+                           protect=protect, spacing=spacing, batch_size=batch_size, max_memory=max_memory,
+                           **options)[num_to_remove]
     _record(report, record)
     return list(record["selected"])
 
