@@ -122,13 +122,9 @@ def prune(
             kept there, and the same call after an interruption continues where it
             stopped. Only the scoring is resumed; what follows it (the selection search,
             the repair) runs again.
-        max_memory: the working-memory budget beyond the weights (bytes, ``"2GiB"``, or
-            ``None``/``"auto"``: from the device's free memory), as in
-            :func:`~hf_layerswap.score_layers`; resolved once
-            (:func:`~hf_layerswap.scoring.settings.resolve_memory`) and given to the scoring
-            and to the selection's own engine calls and kept reference
-            (:func:`~hf_layerswap.select_layers`' ``max_memory``), so one budget covers both.
-            It changes how the values are computed, not what they are.
+        max_memory: the one working-memory budget beyond the weights (bytes, ``"2GiB"``,
+            ``None``/``"auto"``: from the device's free memory), resolved once and given to the
+            scoring and the selection (:func:`~hf_layerswap.select_layers`' ``max_memory``).
         heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
             of :func:`~hf_layerswap.heal`); needs ``config.heal``.
 

@@ -121,8 +121,7 @@ def search_select(
     prefix_reuse: bool = True,
     progress: bool = False,
     evaluator: SetObjective | None = None,
-    on_budget: Callable[[int, dict], None] | None = None,
-    max_memory=None,
+    on_budget: Callable[[int, dict], None] | None = None, max_memory=None,
 ) -> dict[int, dict]:
     """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
 
@@ -153,13 +152,9 @@ def search_select(
             they fit in what budgets 1..n may spend together (their allowances less what
             budgets 1..n-1 spent); such a budget's allowance is raised to all its sets.
         evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
-        on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets)
-            is done (``record`` as returned, ``total_cost`` the cost so far), so a long
-            search can keep its results as they come.
-        max_memory: the working-memory budget of the whole search (bytes, a size such as
-            ``"2GiB"``, a :class:`~hf_layerswap.scoring.settings.MemoryBudget`, or
-            ``None``/``"auto"``): its kept dense reference and its engine calls share it
-            (:class:`SetObjective`); the one ``prune`` resolved for its scoring.
+        on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets) is done
+            (``record`` as returned, ``total_cost`` the cost so far): results as they come.
+        max_memory: working-memory budget, its kept reference's and engine calls' (:class:`SetObjective`).
 
     Returns:
         ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
