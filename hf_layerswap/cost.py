@@ -65,7 +65,7 @@ from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from .scoring.head import linear32
 from .scoring.kl import OnlineKL
 from .scoring.probes import make_probes, schedule_blocks
-from .scoring.settings import EngineSettings, device_memory_budget, parse_memory
+from .scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
 from .scoring.verbs import swap_plans
 from .selection import STRATEGIES
 from .selection.registry import strategy_entry
@@ -122,8 +122,11 @@ class CostEstimate:
             (what is left out, and why) (:func:`~hf_layerswap.cost_steps.heal_measures`).
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
-        memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's,
-            including ``reference_kept``, the search's kept reference), ``steps`` (the
+        memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's at
+            its largest, the scoring's or the search's engine calls with ``reference_kept``,
+            the search's kept reference: both within the one working-memory budget),
+            ``kl_temporaries`` (the scoring KL's float64 temporaries beside its head/KL
+            block, counted in ``working``), ``steps`` (the
             largest peak of the steps after the selection) and ``process`` (this
             process's resident memory when estimating on a CPU).
     """
@@ -284,9 +287,10 @@ class SelectionPlan:
         calibration: the prompts the prune reads (:class:`CalibrationSet`).
         config: the prune's :class:`~hf_layerswap.LayerSwapConfig`.
         settings: the engine settings of an evaluator call (``plan_kl`` at the config's
-            batch size and the device's working-memory budget).
-        memory_budget: the bytes a strategy's own reference cache may keep (the device's
-            working-memory budget, as the strategies take it).
+            batch size and what the prune's one working-memory budget leaves beside the kept
+            reference: :meth:`~hf_layerswap.scoring.settings.MemoryBudget.split`).
+        memory_budget: the bytes a strategy's own reference cache may keep (its share of
+            that budget, as :class:`~hf_layerswap.selection.objectives.SetObjective` takes it).
     """
 
     model: nn.Module
@@ -351,9 +355,10 @@ class SelectionPlan:
         return {"block_passes": blocks, "head_passes": heads, "head_rows": rows_done, "block_tokens": tokens}
 
     def reference_batches(self, engine) -> int:
-        """Batches whose dense reference a kept-reference cache holds under ``engine``'s
-        budget (:class:`~hf_layerswap.scoring.reference.ReferenceCache`, in batch order)."""
-        return _reference_batches(engine, engine.budget)
+        """Batches whose dense reference a kept-reference cache holds under
+        :attr:`memory_budget` (:class:`~hf_layerswap.scoring.reference.ReferenceCache`, in
+        batch order; ``engine`` gives the batches)."""
+        return _reference_batches(engine, self.memory_budget)
 
     def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0) -> dict:
         """Model forwards over every batch of ``config.batch_size`` prompts: ``blocks_per_batch``
@@ -484,8 +489,21 @@ def _working_bytes(engine, model, search_reference: int) -> int:
     head_copy = engine.head.working_bytes(engine.vocab_chunk) if getattr(head, "weight", None) is not None else 0
     es = torch.finfo(engine.compute_dtype).bits // 8
     real = int(engine.calib.attention_mask[: engine.batch_size].sum())
-    held = min(engine._group_size(real), len(engine.my_probes)) * real * engine.hidden * es
-    return activations + kl_block + head_copy + held + search_reference
+    group = min(engine._group_size(real), len(engine.my_probes))
+    held = group * real * engine.hidden * es
+    kl_temps = _kl_temporaries(engine, real, group) if engine.stream_logits else 0
+    return activations + kl_block + kl_temps + head_copy + held + search_reference
+
+
+def _kl_temporaries(engine, rows: int, probes: int) -> int:
+    """Bytes of the float64 temporaries of the engine's KL beside its head/KL block
+    (:class:`~hf_layerswap.scoring.kl.OnlineKL`): two float64 arrays of one row block
+    (``engine.kl_block_bytes`` of fp32, so up to ``4 * kl_block_bytes``: :func:`~.scoring.kl.row_blocks`)
+    and the per-row state of ``rows`` positions (running maximum, sums, and each of
+    ``probes`` probes' two sums), 8 bytes each."""
+    width = engine.vocab_chunk
+    block_rows = min(engine.kl_chunk, max(1, engine.kl_block_bytes // (4 * max(1, width))))
+    return 2 * 8 * block_rows * width + 8 * rows * (3 + 2 * probes)
 
 
 def _reference_entries(engine, budget: int) -> list[int]:
@@ -578,8 +596,10 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     check_removal(cfg, num_blocks(model))
     check_against_model(cfg, model)  # as prune refuses it before scoring
     calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
-    budget = device_memory_budget(device)[0] if max_memory in (None, "auto") else parse_memory(max_memory)
+    memory = resolve_memory(max_memory, device)  # the one budget prune resolves for every step
+    budget = memory.bytes
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
+    kept, working = memory.split()  # the selection: its kept reference and its engine calls share the budget
     total_blocks = num_blocks(model)
     strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
     entry = strategy_entry(strategy)
@@ -588,20 +608,27 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     if cfg.layers is None:
         plans = swap_plans(total_blocks, min(cfg.max_gap, total_blocks - 1), entry.scores(cfg.protocol))
         phases["scoring"] = _engine_counts(model, calib, plans, settings)
-        scoring_engine = phases["scoring"].pop("engine")
+        scoring_engine = _on_device(phases["scoring"].pop("engine"), device)
         phases["scoring"]["sweeps"] = 1
         phases["scoring"]["exact"] = calib_known
-        # the strategies' own engine calls and caches take the device's budget (not prune's max_memory)
-        own = budget if max_memory in (None, "auto") or not _on_this_machine(device) else device_memory_budget(device)[0]
-        plan = SelectionPlan(model, calib, cfg, EngineSettings(batch_size=cfg.batch_size, max_memory=own,
-                                                               progress=False), own)
+        plan = SelectionPlan(model, calib, cfg, EngineSettings(batch_size=cfg.batch_size, max_memory=working.bytes,
+                                                               progress=False), kept.bytes)
         selection = dict(entry.cost(plan))
         selection.pop("engine", None)
+        selection["memory_engine"] = _on_device(plan.engine({0: removal_plan(total_blocks, [plan.allowed[0]])})["engine"],
+                                                device)
         if selection["block_passes"] or selection["head_passes"] or not selection["exact"]:
             phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
     exact = all(p.get("exact", True) for p in phases.values())
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
-    return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, budget, throughput, stream_weights)
+    return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, kept.bytes, throughput, stream_weights)
+
+
+def _on_device(engine, device: torch.device):
+    """``engine`` (planned on the meta device) with the KL's row blocks it takes on ``device``
+    (:func:`~hf_layerswap.scoring.settings.kl_block_bytes`: large on an accelerator)."""
+    engine.kl_block_bytes = kl_block_bytes(device, engine.budget)
+    return engine
 
 
 def _on_this_machine(device: torch.device) -> bool:
@@ -680,9 +707,16 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
                                                    if name in ENGINE_PHASES else block_bytes * p["block_passes"])
     weights = shape.weight_bytes
     search_ref = 0
+    selection_engine = phases.get("selection", {}).pop("memory_engine", None)
     if engine is not None and "selection" in phases and cfg.strategy == "search":
-        search_ref = _reference_bytes(engine, budget)
-    working = _working_bytes(engine, model, search_ref) if engine is not None else 0
+        search_ref = _reference_bytes(engine, budget)  # ``budget``: the share the search keeps
+    working = _working_bytes(engine, model, 0) if engine is not None else 0
+    if selection_engine is not None:  # the search's engine calls beside its kept reference
+        working = max(working, _working_bytes(selection_engine, model, search_ref))
+    kl_temps = 0
+    if engine is not None and engine.stream_logits:
+        real = int(engine.calib.attention_mask[: engine.batch_size].sum())
+        kl_temps = _kl_temporaries(engine, real, min(engine._group_size(real), len(engine.my_probes)))
     key = str(device)
     if streamed:
         window = (2 * cfg.max_gap + 1) * block_bytes
@@ -711,6 +745,7 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         phases={k: {kk: vv for kk, vv in v.items() if kk not in ("engine", "exact_sets")} for k, v in phases.items()},
         derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
+                      "kl_temporaries": int(kl_temps),
                       "process": int(resident), "steps": int(steps_peak)},
     )
 

@@ -42,6 +42,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration
+from .devices import input_device
 from .config import LayerSwapConfig, check_against_model, protect_clash
 from .healing import HealReport, heal
 from .healing.measure import HealMeasures, max_positions
@@ -52,6 +53,7 @@ from .plan import num_blocks
 from .recovery import RecoveryReport, recover
 from .report import PruneProvenance, SwapReport
 from .scoring import score_layers
+from .scoring.settings import resolve_memory
 from .rule import check_budget
 from .selection import check_report_matches, select_layers
 from .selection.registry import strategy_entry
@@ -121,10 +123,9 @@ def prune(
             kept there, and the same call after an interruption continues where it
             stopped. Only the scoring is resumed; what follows it (the selection search,
             the repair) runs again.
-        max_memory: the scoring engine's working-memory budget (bytes, ``"2GiB"``, or
-            ``None``/``"auto"``: from the device's free memory), as in
-            :func:`~hf_layerswap.score_layers`; it changes how the scores are computed,
-            not what they are.
+        max_memory: the one working-memory budget beyond the weights (bytes, ``"2GiB"``,
+            ``None``/``"auto"``: from the device's free memory), resolved once and given to the
+            scoring and the selection (:func:`~hf_layerswap.select_layers`' ``max_memory``).
         heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
             of :func:`~hf_layerswap.heal`); needs ``config.heal``.
 
@@ -155,6 +156,7 @@ def prune(
         given = "explicit layers" if cfg.layers is not None else "a report"
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
                          "is scored: drop checkpoint_path")
+    budget = resolve_memory(max_memory, input_device(model))  # one budget for every step; a bad value before any work
     source = cfg.calibration if calibration is None else calibration
     selects = cfg.layers is None and cfg.num_to_remove is not None
     needs_text = (
@@ -170,7 +172,7 @@ def prune(
         protocols = entry.scores(cfg.protocol)
         report = score_layers(
             model, calib, protocols=protocols, max_gap=min(cfg.max_gap, total - 1), batch_size=cfg.batch_size,
-            progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path, max_memory=max_memory,
+            progress=cfg.progress, seed=cfg.seed, checkpoint_path=checkpoint_path, max_memory=budget,
         )
     if report is not None:
         model.layerswap_report = report
@@ -185,7 +187,7 @@ def prune(
         before = len(report.selections)
         layers = select_layers(
             report, cfg.num_to_remove, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
-            model=model, calibration=calib, batch_size=cfg.batch_size, strategy=strategy,
+            model=model, calibration=calib, batch_size=cfg.batch_size, strategy=strategy, max_memory=budget,
             **entry.config_options(cfg),
         )
         decision = report.selections[-1] if len(report.selections) > before else None

@@ -187,3 +187,10 @@ def test_peeling_page_rerenders_unchanged(tmp_path):
             f"trained on the training articles; {record['training']['steps']} AdamW steps") in section
     assert f"{record['seconds']['training']:.0f} s of training" in section
     assert f"Peeling + swap-KL of 6 checkpoints: {run['seconds']:.0f} s." in section
+
+
+def test_memory_budget_page_rerenders_unchanged(tmp_path):
+    out = tmp_path / "memory_budget.md"
+    shutil.copy(RESULTS / "memory_budget.json", tmp_path / "memory_budget.json")
+    _run([str(ROOT / "benchmarks" / "memory_budget.py"), "--render-only", "--out", str(out)], ROOT)
+    assert out.read_bytes() == (RESULTS / "memory_budget.md").read_bytes()

@@ -100,10 +100,13 @@ def test_an_offloaded_head_is_planned_in_vocabulary_slices_as_the_engine_streams
     assert scoring["head_passes"] == len(gemms) + 1  # and the model's own head call of the first batch's check
     # in memory: one whole-vocabulary head/KL block of 64 positions, the fp32 head used as is; streamed: a block
     # of 64 positions x 8 entries and one fp32 slice of 8 x 32 of the head (12 bytes per position and entry either
-    # way: OnlineKL's float64 weights and fp32 logits)
+    # way: OnlineKL's float64 weights and fp32 logits), and the KL's two float64 temporaries of a 64-row block
+    # of the whole vocabulary or of the slice (16 bytes per position and entry)
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=None).eval()
     in_memory = hl.estimate_cost(dense, config, calibration=calib, throughput=FIXED, max_memory=1 << 30)
-    assert in_memory.memory_parts["working"] - estimate.memory_parts["working"] == 12 * 64 * 128 - (12 * 64 * 8 + 4 * 8 * 32)
+    assert in_memory.memory_parts["working"] - estimate.memory_parts["working"] == (
+        12 * 64 * 128 - (12 * 64 * 8 + 4 * 8 * 32) + 16 * 64 * (128 - 8))
+    assert in_memory.memory_parts["kl_temporaries"] - estimate.memory_parts["kl_temporaries"] == 16 * 64 * (128 - 8)
 
 
 def test_a_meta_device_70b_shape_reads_no_weight():
@@ -432,3 +435,26 @@ def test_a_fused_repair_of_post_norm_blocks_is_refused_before_scoring(tmp_path, 
                  "fused", "--num-prompts", "8", "--seq-len", "16", "--dry-run"]) == 2
     assert re.search("error: " + message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_peak_counts_the_float64_kl_temporaries_on_an_8b_shape():
+    """An 8B shape (hidden 4096, vocabulary 128,256) on the meta device for one GPU: the
+    engine's row blocks of the KL are those of the GPU (budget / 16: 1,024 positions of the
+    whole vocabulary at 8 GiB), and their two float64 temporaries (2 x 1.05 GB) are in the
+    peak, which left them out before (about 2 GiB low). With 15% of the weights as the
+    budget the greedy prune's predicted peak is at most the weights + 15%."""
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, torch_dtype="bfloat16")
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy")
+    fast = Throughput(400e12, 50e12, 25e9, source="assumed")
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, device="cuda", throughput=fast, max_memory=8 << 30)
+    parts = estimate.memory_parts
+    temporaries = 2 * 8 * 1024 * 128256  # 1,024 rows x the whole vocabulary, float64, twice
+    assert temporaries <= parts["kl_temporaries"] <= temporaries + 8 * 1024 * (3 + 2 * 31)
+    head_block = 12 * 1024 * 128256  # OnlineKL's float64 weights and the fp32 logits
+    assert estimate.peak_memory_bytes["cuda"] - parts["weights"] == parts["working"]
+    assert parts["working"] >= head_block + parts["kl_temporaries"]
+    budget = int(0.15 * parts["weights"])
+    small = hl.estimate_cost(copy.deepcopy(cfg), config, device="cuda", throughput=fast, max_memory=budget)
+    assert small.memory_parts["kl_temporaries"] <= budget // 4  # row blocks of budget / 16 fp32 bytes
+    assert small.peak_memory_bytes["cuda"] <= 1.15 * parts["weights"]

@@ -223,7 +223,9 @@ def test_online_kl_over_vocabulary_slices_equals_the_float64_kl():
 def test_kl_block_bytes_by_device_kind():
     assert kl_block_bytes("cpu", 8 * GiB) == 2**21
     assert kl_block_bytes(torch.device("cuda", 0), 8 * GiB) == GiB // 2
-    assert kl_block_bytes("cuda:0", 16 * 2**20) == 2**21  # never below the cache-sized block
+    # never above budget / 16: the float64 temporaries of a row block (4 x its fp32 bytes) stay within the budget
+    assert kl_block_bytes("cuda:0", 16 * 2**20) == 2**20
+    assert kl_block_bytes("cpu", 16 * 2**20) == 2**20 and kl_block_bytes("cpu", 32 * 2**20) == 2**21
 
 
 # ---------------------------------------------------------------- protocol registry

@@ -325,3 +325,43 @@ def test_the_search_bar_shows_the_block_passes_of_each_batch_of_sets(progress_ba
     for bar in inner:  # each call of the objective: its own bar, moving per forward pass
         assert sum(bar.updates) == bar.total and max(bar.updates) <= 6
     assert sum(len(b.updates) for b in inner) > 3 * len(sets[0].updates)
+
+
+def test_prune_gives_the_search_engines_the_users_budget(monkeypatch):
+    """``prune(..., max_memory="16MiB")``: the scoring engine, the search's engine calls and
+    its kept reference share that one budget (they took the device's 1 GiB each before)."""
+    from hf_layerswap.scoring.engine import Engine
+    from hf_layerswap.scoring.reference import ReferenceCache
+    from conftest import tiny_batch, tiny_model
+
+    engines, caches = [], []
+    engine_init, cache_init = Engine.__init__, ReferenceCache.__init__
+
+    def record_engine(self, *args, **kwargs):
+        engine_init(self, *args, **kwargs)
+        engines.append((self.desc, self.budget, self.budget_source))
+
+    def record_cache(self, max_bytes):
+        cache_init(self, max_bytes)
+        caches.append(max_bytes)
+
+    monkeypatch.setattr(Engine, "__init__", record_engine)
+    monkeypatch.setattr(ReferenceCache, "__init__", record_cache)
+    cfg = hl.LayerSwapConfig(num_to_remove=2, calibration=tiny_batch(), num_prompts=3, progress=False)
+    hl.prune(tiny_model("llama"), cfg, max_memory="16MiB")
+    scoring = [b for desc, b, _ in engines if desc == "swap-KL probes"]
+    search = [(b, source) for desc, b, source in engines if desc == "removal KL of the candidate sets"]
+    assert scoring == [16 << 20]
+    assert search and {b for b, _ in search} == {8 << 20}
+    assert all(source.startswith("given") for _, source in search)
+    assert caches == [8 << 20]  # the kept reference: the other half
+
+
+def test_set_objective_splits_its_budget_between_the_reference_and_the_engine(setup):
+    model, calib, _ = setup
+    f = SetObjective(model, calib, max_memory="64MiB")
+    assert f.reference.max_bytes == 32 << 20 and f.engine_memory.bytes == 32 << 20
+    given = SetObjective(model, calib, max_memory="64MiB", reference_memory="16MiB")
+    assert given.reference.max_bytes == 16 << 20 and given.engine_memory.bytes == 48 << 20
+    with pytest.raises(ValueError, match="max_memory='lots'"):
+        SetObjective(model, calib, max_memory="lots")

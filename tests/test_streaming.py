@@ -377,3 +377,84 @@ def test_real_model_with_a_quarter_of_its_weights_in_memory_streams_to_the_in_me
     assert counts.onloads == Counter({b: 1 for b in offloaded})  # one batch: each offloaded block once
     assert t_stats["movement"]["block_onloads_per_batch"] == [len(offloaded)]
     assert t_stats["movement"]["bytes_moved"] == sum(offloaded_bytes(blocks[b]) for b in offloaded)
+
+
+def test_a_tiny_budget_slices_the_head_and_kl_and_gives_the_large_budgets_kls():
+    """The head/KL phase under a 1 MiB budget: vocabulary slices, and row blocks of the KL's
+    float64 temporaries cut to budget / 16 instead of the CPU's fixed 2 MiB, both within the
+    budget; the KLs are those of a 1 GiB budget (whole vocabulary, large row blocks) up to the
+    fp32 GEMM's rounding of other shapes (the KL arithmetic itself: the next tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 8192, (4, 24))
+    calib = hl.CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    plans = swap_plans(4, 3, ("replacement", "interchange"))
+    small, small_stats = plan_kl(model, calib, plans, max_memory="1MiB", batch_size=4)
+    large, large_stats = plan_kl(model, calib, plans, max_memory="1GiB", batch_size=4)
+    assert small_stats["kl_block_bytes"] == (1 << 20) // 16  # was the CPU's 2 MiB whatever the budget
+    assert small_stats["kl_chunk_vocab"] < 8192 == large_stats["kl_chunk_vocab"]
+    # the head/KL block and the float64 temporaries of one row block stay within the budget
+    block = 12 * small_stats["kl_chunk_positions"] * small_stats["kl_chunk_vocab"]
+    rows = max(1, small_stats["kl_block_bytes"] // (4 * small_stats["kl_chunk_vocab"]))
+    assert block + 16 * rows * small_stats["kl_chunk_vocab"] <= 1 << 20
+    for name in plans:
+        assert torch.allclose(small[name], large[name], rtol=1e-4, atol=0.0), name
+        assert float(large[name].min()) > 0
+
+
+def test_streamed_kl_under_a_tiny_budget_gives_the_large_budgets_kls_to_1e_12():
+    """:class:`StreamedKL` (the engine's head/KL phase) with 5-entry vocabulary slices,
+    3-position chunks and 1-row blocks of its float64 temporaries gives the KLs of one
+    whole-vocabulary block with 2 MiB row blocks, to 1e-12 relative. Head weights and hidden
+    rows are multiples of 1/8 below 1, so every fp32 logit is exact whatever the GEMM's shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_layerswap.scoring.streamed import StreamedKL
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randint(-7, 8, (97, 16), generator=gen) / 8)
+    ref = torch.randint(-7, 8, (20, 16), generator=gen) / 8
+    probes = [ref + torch.randint(-1, 2, (20, 16), generator=gen) / 8 for _ in range(3)]
+    prompt_of_row, counts = torch.arange(20) // 5, torch.full((4,), 5.0, dtype=torch.float64)
+
+    def phase(kl_chunk, vocab_chunk, block_bytes):
+        stats = {"head_rows": 0}
+        kl = StreamedKL(Head(model), kl_chunk, vocab_chunk, None, "cpu", stats, block_bytes)
+        with torch.no_grad():  # as the engine runs it
+            return torch.stack(kl.head_phase(ref, probes, prompt_of_row, counts, 4))
+
+    large, tiny = phase(1024, 97, 1 << 21), phase(3, 5, 4)
+    assert float(large.min()) > 0
+    assert torch.allclose(tiny, large, rtol=1e-12, atol=0.0)
+
+
+def test_online_kl_in_one_row_blocks_and_narrow_slices_equals_the_whole_vocabulary():
+    """:class:`OnlineKL` with 1-row blocks and 7-entry vocabulary slices gives the KLs of one
+    whole-vocabulary slice with the default row blocks, to 1e-12 relative."""
+    from hf_layerswap.scoring.kl import OnlineKL, chunk_bounds
+
+    torch.manual_seed(0)
+    ref, probes = torch.randn(50, 300) * 3, [torch.randn(50, 300) * 3 for _ in range(3)]
+
+    def run(width, block_bytes):
+        acc = OnlineKL(50, len(probes), "cpu", block_bytes)
+        for v0, v1 in chunk_bounds(300, width):
+            weights = acc.reference(0, 50, ref[:, v0:v1].clone())
+            for n, p in enumerate(probes):
+                acc.add(n, 0, 50, weights, p[:, v0:v1])
+        return acc.result()
+
+    whole, sliced = run(300, 1 << 21), run(7, 4)
+    exact = (torch.log_softmax(ref.double(), -1).exp()
+             * (torch.log_softmax(ref.double(), -1) - torch.stack([torch.log_softmax(p.double(), -1) for p in probes]))
+             ).sum(-1)
+    assert torch.allclose(sliced, whole, rtol=1e-12, atol=0.0)
+    assert torch.allclose(whole, exact, rtol=1e-9, atol=0.0)

@@ -20,7 +20,8 @@ from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
-    "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes", "parse_memory",
+    "MemoryBudget", "REFERENCE_SHARE", "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes",
+    "parse_memory", "resolve_memory",
 ]
 
 #: Working memory (bytes, beyond the weights) that scoring plans for on a CPU with enough
@@ -120,16 +121,67 @@ def device_memory_budget(device) -> tuple[int, str]:
                     f"rounded down to a power of two: {_gib(budget)}")
 
 
+#: Share of one working-memory budget that the search's kept dense reference
+#: (:class:`~hf_layerswap.scoring.reference.ReferenceCache`) may take; its engine calls
+#: get the rest, so the two together stay within the budget.
+REFERENCE_SHARE = 0.5
+
+#: Row blocks of the KL's temporaries take at most this share of the budget in fp32 bytes;
+#: their float64 temporaries (two of them, 8 bytes per entry) take four times as much.
+KL_TEMP_SHARE = 1 / 16
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """One working-memory budget (bytes beyond the weights), resolved once and handed to
+    every step that takes working memory: the scoring engine, the selection's engine calls
+    and kept reference (:data:`REFERENCE_SHARE` of it, :meth:`split`).
+
+    Attributes:
+        bytes: the budget in bytes (>= 1 MiB).
+        source: how it was chosen (``"given"``, or the sentence of
+            :func:`device_memory_budget`); recorded as ``max_memory_source``.
+    """
+
+    bytes: int
+    source: str = "given"
+
+    def split(self, share: float = REFERENCE_SHARE) -> tuple["MemoryBudget", "MemoryBudget"]:
+        """``(kept, working)``: ``share`` of the budget for what is kept between calls (the
+        search's reference) and the rest, at least 1 MiB, for each call's working memory."""
+        kept = int(share * self.bytes)
+        note = f"{self.source}; {share:.0%} kept for the reference" if share else self.source
+        return (MemoryBudget(kept, self.source),
+                MemoryBudget(max(1 << 20, self.bytes - kept), note))
+
+
+def resolve_memory(max_memory, device) -> MemoryBudget:
+    """The one :class:`MemoryBudget` of ``max_memory`` on ``device``: a
+    :class:`MemoryBudget` as it is; bytes or a size such as ``"2GiB"``
+    (:func:`parse_memory`); ``None``/``"auto"``: :func:`device_memory_budget`.
+
+    Raises:
+        ValueError: a value that is no size (the message names it and what is allowed).
+    """
+    if isinstance(max_memory, MemoryBudget):
+        return max_memory
+    if max_memory in (None, "auto"):
+        return MemoryBudget(*device_memory_budget(device))
+    return MemoryBudget(parse_memory(max_memory), "given")
+
+
 def kl_block_bytes(device, budget: int) -> int:
     """Bytes of one row block of the KL's fp32 temporaries (:func:`~.kl.row_blocks`) on
     ``device`` under a ``budget``-byte working memory: cache-sized on a CPU (2 MiB, the
-    default of ``row_blocks``); on an accelerator ``budget / 16`` (a block's temporaries
-    take up to four times its size; at an 8 GiB budget a 1024-position x 128k-vocabulary
-    head block is one row block), so a probe runs a few large kernels instead of hundreds
-    of small ones, and never less than the CPU's block."""
+    default of ``row_blocks``); on an accelerator ``budget / 16`` (a block's float64
+    temporaries take four times its size; at an 8 GiB budget a 1024-position x
+    128k-vocabulary head block is one row block), so a probe runs a few large kernels
+    instead of hundreds of small ones. Never more than ``budget / 16`` (a small budget gets
+    smaller row blocks, down to one row: the KL is the same to float64 rounding)."""
+    cap = max(1, int(KL_TEMP_SHARE * budget))
     if _device_kind(torch.device(device)) == "cpu":
-        return KL_SUB_BYTES
-    return max(KL_SUB_BYTES, budget // 16)
+        return min(KL_SUB_BYTES, cap)
+    return cap
 
 
 def device_batch_size(device) -> int | str:
@@ -213,7 +265,7 @@ class EngineSettings:
             (``HEAD_BUDGET_FRACTION``; the constants in :mod:`.engine`). The blocks set
             memory and the GEMMs' shapes, not the values (equal to float64 rounding).
         max_memory: working-memory budget in bytes (or ``"1.5GB"``) beyond the weights,
-            stored in bytes; or ``None``/``"auto"`` (default, stored as ``"auto"``): derived
+            stored in bytes; a :class:`MemoryBudget` (kept as it is, with its source); or ``None``/``"auto"`` (default, stored as ``"auto"``): derived
             from the free memory of the device the model's input embeddings run on
             (:func:`device_memory_budget`: a share of it, capped at 1 GiB on a CPU and
             8 GiB on an accelerator). The bytes used and how they were chosen are in the
@@ -245,7 +297,7 @@ class EngineSettings:
     stream_logits: bool = True
     kl_chunk: int | None = None
     vocab_chunk: int | None = None
-    max_memory: int | str | None = None
+    max_memory: int | str | MemoryBudget | None = None
     dtype: torch.dtype | str | None = None
     checkpoint_path: str | os.PathLike | None = None
     distributed: bool | None = None
@@ -268,7 +320,8 @@ class EngineSettings:
         normal = {
             "prefix_reuse": _prefix_reuse_mode(self.prefix_reuse),
             "stream_logits": bool(self.stream_logits),
-            "max_memory": "auto" if self.max_memory in (None, "auto") else parse_memory(self.max_memory),
+            "max_memory": ("auto" if self.max_memory in (None, "auto") else self.max_memory
+                           if isinstance(self.max_memory, MemoryBudget) else parse_memory(self.max_memory)),
             "dtype": _compute_dtype(self.dtype),
             "progress": bool(self.progress),
             "desc": str(self.desc),
@@ -278,8 +331,10 @@ class EngineSettings:
 
     def memory_for(self, device) -> tuple[int, str]:
         """``(bytes, how they were chosen)`` of the working-memory budget on ``device``:
-        ``max_memory`` as given, or :func:`device_memory_budget` for ``"auto"``."""
-        return device_memory_budget(device) if self.max_memory == "auto" else (self.max_memory, "given")
+        ``max_memory`` as given (a :class:`MemoryBudget` with its source), or
+        :func:`device_memory_budget` for ``"auto"``."""
+        budget = resolve_memory(self.max_memory, device)
+        return budget.bytes, budget.source
 
     def batch_size_for(self, device) -> int | str:
         """``batch_size`` as given, or :func:`device_batch_size` for ``None``."""

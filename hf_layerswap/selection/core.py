@@ -37,6 +37,7 @@ def select_layers(
     batch_size: int = 8,
     strategy: str | None = None,
     objective: str | None = None,
+    max_memory=None,
     **options,
 ) -> list[int]:
     """Select ``num_to_remove`` blocks to remove (0-based, ascending).
@@ -67,6 +68,12 @@ def select_layers(
             ``moves_per_round``, ``extend_best``, ``exhaustive_below``, ``progress``. The
             calibration size is not an option: it comes from ``calibration=`` (a
             :class:`~hf_layerswap.CalibrationSet`) or the report's ``num_prompts``.
+        max_memory: the working-memory budget of the strategy's own engine calls and kept
+            reference (bytes, a size such as ``"2GiB"``, a
+            :class:`~hf_layerswap.scoring.settings.MemoryBudget`, or ``None``/``"auto"``:
+            derived from the model's device as scoring derives it); ``prune`` passes the
+            budget it resolved for the scoring, so one budget covers both. Strategies
+            receive it as ``max_memory`` in their context.
         spacing: ``None`` = the strategy's default (1 for the paper's greedy rule and
             ``auto``, 0 for the searches).
         protocol: ``"interchange"``, ``"replacement"`` or ``"auto"``. ``"auto"`` takes
@@ -124,7 +131,7 @@ def select_layers(
         report, num_to_remove,
         lambda: fn(report, num_to_remove, protocol=protocol, spacing=spacing, protect=protect, model=model,
                    calibration=calibration, tokenizer=tokenizer, batch_size=batch_size, objective=objective,
-                   options=options),
+                   options=options, max_memory=max_memory),
         protocol=protocol, spacing=spacing, protect=protect,
     )
 

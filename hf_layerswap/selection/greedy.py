@@ -88,7 +88,8 @@ def _greedy(report, num_to_remove, *, protocol, spacing, protect, options, **_):
     criteria={"auto": Criterion(lambda model, calib, n, **kw: swap_guided(model, calib, n, protocol="auto", **kw),
                                 reads=PROTOCOLS)},
 )
-def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokenizer, batch_size, options, **_):
+def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokenizer, batch_size, options,
+          max_memory=None, **_):
     """Each protocol's greedy set; the one with the lower joint removal KL is kept."""
     check_options("auto", options)
     candidates = {
@@ -105,7 +106,7 @@ def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokeni
         values = removal_kl(
             model, calibration, [candidates_set(k) for k in missing], tokenizer=tokenizer, batch_size=batch_size,
             num_prompts=report.metadata.get("num_prompts", 64), seq_len=report.metadata.get("seq_len", 128),
-            seed=report.metadata.get("seed", 0),
+            seed=report.metadata.get("seed", 0), max_memory=max_memory,
         )
         report.removal_kl.update(dict(zip(missing, values)))
     if len(set(keys.values())) == 1:

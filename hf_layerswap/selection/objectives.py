@@ -50,7 +50,7 @@ from ..scoring import masked_kl, plan_kl
 from ..scoring.head import hooks_removed
 from ..scoring.probes import make_probes, position_hooks, schedule, schedule_blocks, walk_schedule
 from ..scoring.reference import ReferenceCache
-from ..scoring.settings import device_memory_budget, parse_memory
+from ..scoring.settings import MemoryBudget, parse_memory, resolve_memory
 from .finite import record_set_values
 
 __all__ = ["OBJECTIVES", "SetObjective", "engine_cost", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
@@ -220,11 +220,13 @@ def plan_nll(
     return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
 
 
-def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int) -> tuple[list[float], dict]:
-    """Joint removal KL (nats) of each set, one shared reference sweep (plan_kl)."""
+def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int,
+                      max_memory=None) -> tuple[list[float], dict]:
+    """Joint removal KL (nats) of each set, one shared reference sweep (plan_kl) under the
+    working-memory budget ``max_memory`` (as :func:`~hf_layerswap.scoring.plan_kl` takes it)."""
     total_blocks = num_blocks(model)
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
-    values, stats = plan_kl(model, calibration, plans, batch_size=batch_size)
+    values, stats = plan_kl(model, calibration, plans, batch_size=batch_size, max_memory=max_memory)
     sweeps, blocks, heads = engine_cost(stats, calibration, total_blocks, len(plans))
     out = [float(values[k].mean()) for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
@@ -263,9 +265,14 @@ class SetObjective:
         reference_memory: bytes (or ``"2GB"``) the dense reference of the calibration
             batches may keep between calls (:class:`~hf_layerswap.scoring.reference.ReferenceCache`:
             the streams entering every block plus the exact reference, kept per batch while
-            they fit; other batches are recomputed once per call; 0 keeps none). Default ``None``: the
-            working-memory budget scoring derives for the model's input device
-            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`, 1 GiB on a CPU).
+            they fit; other batches are recomputed once per call; 0 keeps none). Default ``None``:
+            :data:`~hf_layerswap.scoring.settings.REFERENCE_SHARE` (half) of ``max_memory``.
+        max_memory: the one working-memory budget of the objective (bytes, a size such as
+            ``"2GiB"``, a :class:`~hf_layerswap.scoring.settings.MemoryBudget`, or
+            ``None``/``"auto"``: what scoring derives for the model's input device,
+            :func:`~hf_layerswap.scoring.settings.device_memory_budget`): the kept reference
+            takes ``reference_memory`` of it and each engine call
+            (:func:`~hf_layerswap.scoring.plan_kl`) the rest, so together they stay within it.
 
     Attributes:
         calls: distinct sets scored; ``forward_passes`` (calibration sweeps, a candidate
@@ -283,13 +290,20 @@ class SetObjective:
     """
 
     def __init__(self, model: nn.Module, calibration: CalibrationSet, objective: str = "removal_kl", *,
-                 batch_size: int = 8, prefix_reuse: bool = True, progress=None, reference_memory=None):
+                 batch_size: int = 8, prefix_reuse: bool = True, progress=None, reference_memory=None,
+                 max_memory=None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
+        budget = resolve_memory(max_memory, input_device(model))
         if reference_memory is None:
-            reference_memory = device_memory_budget(input_device(model))[0]
-        self.reference = ReferenceCache(parse_memory(reference_memory) if isinstance(reference_memory, str)
-                                        else reference_memory)
+            kept, self.engine_memory = budget.split()
+            reference_memory = kept.bytes
+        else:  # as given (ReferenceCache refuses a bad value); the engine calls get what it leaves
+            if isinstance(reference_memory, str):
+                reference_memory = parse_memory(reference_memory)
+            rest = budget.bytes - reference_memory if isinstance(reference_memory, int) else budget.bytes
+            self.engine_memory = MemoryBudget(max(1 << 20, rest), budget.source)
+        self.reference = ReferenceCache(reference_memory)
         self.reference_passes = 0
         self.model, self.calibration, self.objective = uncompiled(model), calibration, objective
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
@@ -338,7 +352,7 @@ class SetObjective:
         values, stats = plan_kl(self.model, self.calibration, plans, batch_size=self.batch_size,
                                 prefix_reuse=self.prefix_reuse, progress=self.progress is not None,
                                 desc="removal KL of the candidate sets",  # block passes, under the set bar
-                                reference_cache=self.reference)
+                                reference_cache=self.reference, max_memory=self.engine_memory)
         sweeps, blocks, heads = engine_cost(stats, self.calibration, self.num_blocks, len(plans))
         self.reference_passes += sweeps
         self.head_passes += heads

@@ -121,7 +121,7 @@ def search_select(
     prefix_reuse: bool = True,
     progress: bool = False,
     evaluator: SetObjective | None = None,
-    on_budget: Callable[[int, dict], None] | None = None,
+    on_budget: Callable[[int, dict], None] | None = None, max_memory=None,
 ) -> dict[int, dict]:
     """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
 
@@ -152,9 +152,9 @@ def search_select(
             they fit in what budgets 1..n may spend together (their allowances less what
             budgets 1..n-1 spent); such a budget's allowance is raised to all its sets.
         evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
-        on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets)
-            is done (``record`` as returned, ``total_cost`` the cost so far), so a long
-            search can keep its results as they come.
+        on_budget: called as ``on_budget(n, record)`` when each budget 1..max(budgets) is done
+            (``record`` as returned, ``total_cost`` the cost so far): results as they come.
+        max_memory: working-memory budget, its kept reference's and engine calls' (:class:`SetObjective`).
 
     Returns:
         ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
@@ -184,7 +184,7 @@ def search_select(
     bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
                 dynamic_ncols=True) if progress and evaluator is None else None)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
-                                  progress=bar)
+                                  progress=bar, max_memory=max_memory)
     search = _SetSearch(f, allowed, spacing, budget_total, total)
     first_call = f.calls
     search.score_singles()
@@ -443,7 +443,8 @@ def _default_objective(objective):
 
 
 #: What ``_search`` passes to :func:`search_select` itself; every other keyword is an option.
-_SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size")
+_SEARCH_FIXED = ("report", "budgets", "model", "calibration", "objective", "protect", "spacing", "batch_size",
+                 "max_memory")
 
 
 def _config_options(cfg) -> dict:
@@ -581,11 +582,14 @@ def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) 
             lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
     },
 )
-def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options, **_):
-    """Protocol-guided set search (:func:`search_select`); the record goes to ``report.selections``."""
+def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options,
+            max_memory=None, **_):
+    """Protocol-guided set search (:func:`search_select`) under the caller's working-memory
+    budget; the record goes to ``report.selections``."""
     objective = _default_objective(objective)
     record = search_select(report, num_to_remove, model=model, calibration=calibration, objective=objective,
-                           protect=protect, spacing=spacing, batch_size=batch_size, **options)[num_to_remove]
+                           protect=protect, spacing=spacing, batch_size=batch_size, max_memory=max_memory,
+                           **options)[num_to_remove]
     _record(report, record)
     return list(record["selected"])
 
