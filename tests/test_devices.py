@@ -379,8 +379,9 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
             assert (a[f] is None) == (b[f] is None), (a, b, f)  # the same protocols scored
             if a[f] is not None:
                 # the head on disk is read in vocabulary slices, in memory it takes the whole vocabulary at
-                # once: the same float64 online KL, equal to float64 rounding
-                assert _rel(a[f], b[f]) <= 1e-9, (a, b, f)
+                # once: the same float64 online KL, on fp32 logits from GEMMs of other shapes (summed in
+                # another order on some CPUs), so equal to the fp32 logits' rounding
+                assert _rel(a[f], b[f]) <= 1e-6, (a, b, f)
                 compared += 1
     assert compared >= len(ours["pairs"])
     cuts = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["removed_layers"]

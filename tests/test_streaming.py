@@ -120,8 +120,9 @@ def test_disk_offloaded_scoring_streams_each_block_once_and_equals_the_in_memory
         assert theirs.metadata["head_streaming"] == "vocabulary slices of 8 entries read from the offload (16 per head phase)"
         sliced = hl.score_layers(dense, calib, progress=False, max_gap=2, batch_size=3, vocab_chunk=8)
         assert _max_rel(sliced, theirs) == 0.0  # the in-memory run with the same slices, bit for bit
-        # the in-memory default takes the whole vocabulary at once: the same float64 online KL as one slice
-        assert _max_rel(ours, theirs) <= 1e-9
+        # the in-memory default takes the whole vocabulary at once: the same float64 online KL as one
+        # slice, on fp32 logits from GEMMs of another shape (their sums in another order on some CPUs)
+        assert _max_rel(ours, theirs) <= 1e-6
     else:  # the tied embedding and head on the map's "cpu" entry: held in memory
         assert theirs.metadata["head_streaming"] == "in memory"
         assert _max_rel(ours, theirs) == 0.0  # the same head GEMM and KL, bit for bit
@@ -185,7 +186,9 @@ def test_sliced_calls_give_the_modules_own_values_and_restore_the_hook(tmp_path)
             onloads.update([_n] if _h.offload else []), _o(mod, *a, **k))[1]
     with sliced_calls(embed) as rows, sliced_calls(head, 10) as slices:
         assert torch.equal(embed(ids), dense.model.embed_tokens(ids))
-        assert torch.equal(head(x), dense.lm_head(x))
+        # a GEMM over slices of 10 vocabulary rows against one over all 128: the same products,
+        # summed in an order the CPU's kernel picks by shape (bit for bit on some CPUs, not on all)
+        torch.testing.assert_close(head(x), dense.lm_head(x), rtol=1e-6, atol=1e-7)
         assert head(x).shape == (2, 3, 128) and embed.weight.device.type == "meta"
     assert onloads == Counter()
     assert rows.bytes_read == 9 * 32 * 4  # the 8 distinct ids and the padding row, fp32 rows of 32
