@@ -224,10 +224,18 @@ def test_choices_are_the_librarys_own():
     assert get_args(ObjectiveName) == OBJECTIVES
     assert get_args(AllocationName) == ALLOCATIONS
     assert get_args(PrunerName) == METHODS
-    assert get_args(RecoveryMethodName) == ("ghosted", "fused")
+    assert get_args(RecoveryMethodName) == ("ghosted", "fused", "linearpatch")
     from hf_layerswap.recovery import METHODS as RECOVERY_BUILT_INS
 
     assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethodName)  # "none" is spelt recovery=None here
+
+
+def test_a_ridge_is_refused_for_a_repair_that_has_none():
+    with pytest.raises(ValueError, match=r"LayerSwapConfig\(recovery_epsilon=0\.1\): recovery='linearpatch' has no "
+                                         r"ridge; allowed: None or 0\.0"):
+        LayerSwapConfig(layers=[2], recovery="linearpatch", recovery_epsilon=0.1)
+    assert LayerSwapConfig(layers=[2], recovery="linearpatch", recovery_epsilon=0).recovery.epsilon == 0
+    assert LayerSwapConfig(layers=[2], recovery="linearpatch").recovery == RecoveryConfig("linearpatch")
 
 
 def test_sub_configs_accept_a_dataclass_a_dict_or_the_flat_form():
