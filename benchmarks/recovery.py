@@ -207,6 +207,11 @@ def run_method(name: str, model, tokenizer, base, calib, row: dict, method: str,
     return entry
 
 
+def _not_run(model_result: dict) -> list[tuple[str, int]]:
+    """``(method, rows without its result)`` for each method of :data:`METHODS`."""
+    return [(m, sum(m not in row["results"] for row in model_result["rows"])) for m in METHODS]
+
+
 def _fmt_method(entry: dict | None) -> str:
     if entry is None:
         return "not run"
@@ -300,7 +305,8 @@ def write_markdown(results: list[dict], args, path: Path, command: str, librarie
             f"{res['calibration']['num_tokens']} real tokens, sha256 {res['calibration']['content_hash'][:12]}; "
             f"run time {res['seconds'] / 60:.0f} min."
             + ("" if res.get("complete", True) else
-               f" **Partial run**: stopped after the rows below (budgets requested: {', '.join(map(str, args.budgets))})."),
+               f" **Partial run**: stopped after the rows below (budgets requested: {', '.join(map(str, args.budgets))})"
+               + "".join(f"; {m} not run on {k} of them" for m, k in _not_run(res) if k) + "."),
             "",
             "| n | selection | removed (0-based) | dPPL% none | "
             + "".join(f"dPPL% {m} | " for m in REPAIRS) + "fit residual before | "

@@ -393,7 +393,7 @@ INVALID = [
      "objective that assumes no repair (['removal_kl', 'nll'])"),
     (dict(num_to_remove=2, objective="ghosted", recovery="fused"),
      "LayerSwapConfig(objective='ghosted', recovery='fused') is contradictory"),
-    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused']"),
+    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused', 'linearpatch']"),
     (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers: nothing is removed"),
     (dict(num_to_remove=1, recovery={"method": "ghosted", "rank": 4}),
      "LayerSwapConfig(recovery={'method': 'ghosted', 'rank': 4}): unknown keys ['rank']; allowed ['method', "
@@ -525,7 +525,7 @@ def test_unknown_names_list_what_is_registered_now(extensions):
     cases = [
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
         (dict(num_to_remove=1, recovery="nope"),
-         f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', '{REPAIR}']"),
+         f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', 'linearpatch', '{REPAIR}']"),
         (dict(sparsity=0.5, allocation="nope"),
          f"LayerSwapConfig: allocation='nope': allowed ['uniform', 'pals', 'owl', 'random', 'gradient', '{ALLOCATOR}']"),
         (dict(sparsity=0.5, pruner="nope"),
