@@ -1,5 +1,6 @@
 """Recovery benchmark: perplexity cost of block removal with no repair, the fused
-(ReplaceMe-style, folded into down_proj) map and the ghosted (Ghosted Layers) operator.
+(ReplaceMe-style, folded into down_proj) map, the ghosted (Ghosted Layers) operator and the
+linearpatch (LinearPatch: Hadamard rotation and channel scaling) map.
 
 For each model and budget n, two removal sets are evaluated:
 
@@ -58,7 +59,9 @@ from wikitext import VALID as CALIBRATION  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
 EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
-METHODS = ("none", "fused", "ghosted")
+METHODS = ("none", "fused", "ghosted", "linearpatch")
+#: The repairs the page compares with no repair (columns in this order).
+REPAIRS = METHODS[1:]
 SELECTIONS = ("interchange", "block-influence")
 #: The experiment: the option defaults ([settings]) and the models (one results file each).
 EXPERIMENT = load_experiment("recovery")
@@ -204,14 +207,23 @@ def run_method(name: str, model, tokenizer, base, calib, row: dict, method: str,
     return entry
 
 
-def _fmt_method(entry: dict) -> str:
+def _not_run(model_result: dict) -> list[tuple[str, int]]:
+    """``(method, rows without its result)`` for each method of :data:`METHODS`."""
+    return [(m, sum(m not in row["results"] for row in model_result["rows"])) for m in METHODS]
+
+
+def _fmt_method(entry: dict | None) -> str:
+    if entry is None:
+        return "not run"
     if "refused" in entry:
         return "n/a"
     low, high = entry["dppl_ci"]
     return f"{entry['dppl_percent']:+.1f} [{low:+.1f}, {high:+.1f}]"
 
 
-def _fmt_residual(entry: dict) -> str:
+def _fmt_residual(entry: dict | None) -> str:
+    if entry is None:
+        return "not run"
     if "refused" in entry:
         return "n/a"
     parts = [f"{b['residual_after']:.3f}" for b in entry["recovery"]["boundaries"]]
@@ -223,9 +235,9 @@ def _observations(model_result: dict) -> list[str]:
     for row in model_result["rows"]:
         res = row["results"]
         none = res["none"]["dppl_percent"]
-        for method in ("fused", "ghosted"):
-            entry = res.get(method, {})
-            if "refused" in entry:
+        for method in REPAIRS:
+            entry = res.get(method)
+            if entry is None or "refused" in entry:
                 continue
             gain = none - entry["dppl_percent"]
             low, high = entry["dppl_ci"]
@@ -254,14 +266,17 @@ def _observations(model_result: dict) -> list[str]:
 
 def write_markdown(results: list[dict], args, path: Path, command: str, libraries: str) -> None:
     lines = [
-        "# Recovery of the cut: no repair vs fused vs ghosted",
+        "# Recovery of the cut: no repair vs fused vs ghosted vs linearpatch",
         "",
         f"Command: `{command}`",
         "",
         "Removing decoder blocks, then repairing each cut with a closed-form linear map fitted on the dense model "
         "(`hf_layerswap.recovery.recover`): **fused** = ReplaceMe-style least-squares map on the MLP output of the "
         "last kept block, folded into its `down_proj` (a plain transformers checkpoint); **ghosted** = Ghosted "
-        "Layers' operator I + M on the full residual stream (a hook; needs `hf_layerswap` to load).",
+        "Layers' operator I + M on the full residual stream (a hook; needs `hf_layerswap` to load); **linearpatch** = "
+        "LinearPatch's symmetric map H·D·Hᵀ (a Hadamard rotation of the hidden size and the per-channel ratio of "
+        "mean magnitudes across the cut in the rotated basis; no ridge), folded into the embedding at a cut of block "
+        "0, a hook elsewhere. \"not run\": a method this model's stored results do not have yet.",
         "",
         f"- Calibration: WikiText-2 validation (`../shared/data/wikitext-2/valid.txt`), {args.num_prompts} paragraphs "
         f"(seeded shuffle, seed 0), truncated to {args.seq_len} tokens, for Block Influence and the recovery fits; "
@@ -290,19 +305,21 @@ def write_markdown(results: list[dict], args, path: Path, command: str, librarie
             f"{res['calibration']['num_tokens']} real tokens, sha256 {res['calibration']['content_hash'][:12]}; "
             f"run time {res['seconds'] / 60:.0f} min."
             + ("" if res.get("complete", True) else
-               f" **Partial run**: stopped after the rows below (budgets requested: {', '.join(map(str, args.budgets))})."),
+               f" **Partial run**: stopped after the rows below (budgets requested: {', '.join(map(str, args.budgets))})"
+               + "".join(f"; {m} not run on {k} of them" for m, k in _not_run(res) if k) + "."),
             "",
-            "| n | selection | removed (0-based) | dPPL% none | dPPL% fused | dPPL% ghosted | "
-            "fit residual before | after fused | after ghosted |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| n | selection | removed (0-based) | dPPL% none | "
+            + "".join(f"dPPL% {m} | " for m in REPAIRS) + "fit residual before | "
+            + "".join(f"after {m} | " for m in REPAIRS).rstrip(),
+            "|---|---|---|---|" + "---|" * (2 * len(REPAIRS) + 1),
         ]
         for row in res["rows"]:
             r = row["results"]
             before = ", ".join(f"{b['residual_before']:.3f}" for b in r["none"]["recovery"]["boundaries"])
             lines.append(
                 f"| {row['n']} | {row['selection']} | {row['removed']} | {_fmt_method(r['none'])} | "
-                f"{_fmt_method(r['fused'])} | {_fmt_method(r['ghosted'])} | {before} | {_fmt_residual(r['fused'])} | "
-                f"{_fmt_residual(r['ghosted'])} |"
+                + "".join(f"{_fmt_method(r.get(m))} | " for m in REPAIRS) + f"{before} | "
+                + "".join(f"{_fmt_residual(r.get(m))} | " for m in REPAIRS).rstrip()
             )
         notes = _observations(res)
         lines += ["", "Where recovery does not help (or not clearly):", ""]

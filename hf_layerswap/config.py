@@ -73,7 +73,7 @@ ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
 #: The built-in names of the choices with a registry; validation reads the registries
 #: (:data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
 #: :data:`~hf_layerswap.sparsity.PRUNERS`), so registered names are allowed too.
-RecoveryMethodName = Literal["ghosted", "fused"]
+RecoveryMethodName = Literal["ghosted", "fused", "linearpatch"]
 AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
 PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
 #: The recovery registry's plain removal (``"none"``), which the config spells ``recovery=None``.
@@ -176,7 +176,8 @@ class RecoveryConfig:
 
     Attributes:
         method: ``"ghosted"`` (Ghosted Layers, arXiv 2605.15491, operators attached),
-            ``"fused"`` (folded into ``down_proj``) or a name registered with
+            ``"fused"`` (folded into ``down_proj``), ``"linearpatch"`` (LinearPatch, arXiv
+            2505.24680: folded into the embedding at a cut of block 0, operators elsewhere) or a name registered with
             :func:`~hf_layerswap.recovery.register_recovery_method`.
         num_tokens: at most this many real calibration tokens for the fit; ``None`` = every
             real token of the calibration set, at most 65,536 (:func:`~hf_layerswap.recovery.recover`).
@@ -185,12 +186,14 @@ class RecoveryConfig:
     """
 
     method: RecoveryMethodName = field(default="ghosted", metadata=_cli(
-        "repair the cut: ghosted (Ghosted Layers operators) or fused (folded into down_proj)",
+        "repair the cut: ghosted (Ghosted Layers operators), fused (folded into down_proj) or linearpatch "
+        "(LinearPatch Hadamard rotation and channel scaling)",
         choices=lambda: [name for name in RECOVERY_METHODS if name != _PLAIN_REMOVAL]))
     num_tokens: int | None = field(default=None, metadata=_help(
         "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
     epsilon: float | None = field(default=None, metadata=_help(
-        "relative ridge of the repair toward the identity, a float in [0, 2**52] (default: the method's own)"))
+        "relative ridge of the repair toward the identity, a float in [0, 2**52] (default: the method's own; "
+        "linearpatch has none)"))
 
 
 @dataclass(frozen=True)
@@ -615,6 +618,10 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
         if eps is not None:  # inf and values where the ridge fit means nothing (recovery.MAX_EPSILON)
             check_epsilon(eps, f"LayerSwapConfig(recovery_epsilon={eps!r})")
+            entry = get_recovery_method(rec.method)
+            if not entry.takes_epsilon and eps != entry.default_epsilon:
+                raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): recovery={rec.method!r} has no ridge; "
+                                 f"allowed: None or {entry.default_epsilon!r}")
 
     def _validate_objective(self) -> None:
         """An objective that scores each set after a repair (a recovery method that serves as a

@@ -186,8 +186,8 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
         _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
         held = len(slots) * ids.numel() * shape.hidden * shape.es + len(slots) * int(keep.sum()) * shape.hidden * 8
         most = max(most, held + shape.activation_bytes(ids.shape[0], ids.shape[1]))
-    # float64 XᵀX, XᵀY per removed block and cut (blocks not yet chosen: up to one cut each)
-    moments = 8 * shape.hidden**2 * (2 * len(removed) + (len(cuts) if exact else len(removed)))
+    # the method's float64 moments (blocks not yet chosen: up to one cut per removed block)
+    moments = entry.moment_bytes(cuts, shape.hidden, exact)
     phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + most + moments
     return phase
 

@@ -129,10 +129,13 @@ def check_plain(config, model=None, folder: Path | None = None) -> None:
     recovery = record.get("recovery") if isinstance(record, dict) else None
     method = recovery.get("method") if isinstance(recovery, dict) else None
     entry = recovery_entry(method)
-    attaching = [m for m in RECOVERY_METHODS.values() if m.attaches_at_load]
-    if model is not None and (entry is None or not entry.attaches_at_load):
-        entry = next((m for m in attaching if m.attached(model)), entry)
-    what = f"{entry.name!r} operators" if entry is not None and entry.attaches_at_load else None
+    # the record says whether this cut's repair attaches modules (a linearpatch fold at block 0 alone does not)
+    attaches = entry is not None and (entry.attaches(recovery) if isinstance(recovery, dict) else entry.attaches_at_load)
+    if model is not None and not attaches:
+        found = next((m for m in RECOVERY_METHODS.values() if m.attaches_at_load and m.attached(model)), None)
+        if found is not None:
+            entry, attaches = found, True
+    what = f"{entry.name!r} operators" if attaches else None
     if what is None and folder is not None and (folder / RECOVERY_FILE).is_file():
         what = f"the operators of {RECOVERY_FILE}"
     if what is not None:

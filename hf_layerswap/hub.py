@@ -177,7 +177,7 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
         raise PushRefusedError(sparsity_refusal(problems, sparsity_report))
     recovery = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
     method = recovery_entry(recovery.get("method"))
-    if method is not None and method.attaches_at_load and not method.attached(model):
+    if method is not None and method.attaches(recovery) and not method.attached(model):
         raise PushRefusedError(
             f"config.layerswap records {method.name} recovery modules at boundaries {recovery.get('boundaries')} but none "
             "is attached, so the published folder would lack them: load the checkpoint with hf_layerswap imported "

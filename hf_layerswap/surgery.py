@@ -25,7 +25,7 @@ from .history import record_fingerprint, verify_history, weights_sample
 from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
 from .plan import model_fingerprint
 from .provenance import library_versions, model_identity
-from .recovery.operators import attach_operator, carried_operators, take_operators
+from .recovery.operators import OPERATOR_METHODS, attach_operator, carried_operators, take_operators
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers", "stale_healing"]
 
@@ -173,7 +173,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
         if getattr(cfg, field, None) is not None and field not in updates:
             updates.update(remap(cfg, kept, num_blocks))
 
-    operators = take_operators(model)  # ghosted repair maps: put back where the cut moves them
+    operators = take_operators(model)  # repair operators (ghosted, linearpatch): put back where the cut moves them
     setattr(owner, name, nn.ModuleList([blocks[i] for i in kept]))
     for new_idx, block in enumerate(getattr(owner, name)):
         for module in block.modules():
@@ -211,7 +211,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
     }
     if previous.get("healing"):
         top.layerswap["healing"] = stale_healing(previous["healing"], len(top.layerswap["steps"]) - 1)
-    if operators and (previous.get("recovery") or {}).get("method") == "ghosted":
+    if operators and (previous.get("recovery") or {}).get("method") in OPERATOR_METHODS:
         top.layerswap["recovery"] = {**previous["recovery"], "boundaries": sorted(operators)}
     record_fingerprint(model, step)
     return model

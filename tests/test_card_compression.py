@@ -236,6 +236,32 @@ def test_card_names_the_repair_and_how_to_load_it(method, tmp_path):
     assert check_card(text, folder) == []
 
 
+def test_a_linearpatch_repair_names_its_operators_and_its_fold(tmp_path):
+    """Operators at boundary 2: loaded with hf_layerswap, the file listed. Folded only (a cut of
+    block 0): a plain transformers checkpoint, published without an operator file."""
+    calib = tiny_batch(batch=6, length=16, pad_last=0)
+    model = tiny_model("llama", 6)
+    recover(model, [0, 3], calib, method="linearpatch")
+    folder = save_for_hub(model, tmp_path / "hooked")
+    text = (folder / "README.md").read_text()
+    assert ("| Repair of the cut | LinearPatch H·D·Hᵀ (Hadamard 32 = Sylvester 32, scaled by 1/sqrt(32)), folded into "
+            "`embed_tokens` at boundary 0: plain transformers weights; operators at boundaries 2, stored in "
+            f"`{RECOVERY_FILE}` (pruned numbering) |") in text
+    assert "import hf_layerswap  # registers the loader" in text
+    assert f"| `{RECOVERY_FILE}` |" in text and (folder / RECOVERY_FILE).is_file()
+    assert check_card(text, folder) == []
+
+    model = tiny_model("llama", 6)
+    recover(model, [0, 1], calib, method="linearpatch")
+    folder = save_for_hub(model, tmp_path / "folded")
+    text = (folder / "README.md").read_text()
+    assert ("| Repair of the cut | LinearPatch H·D·Hᵀ (Hadamard 32 = Sylvester 32, scaled by 1/sqrt(32)), folded into "
+            "`embed_tokens` at boundary 0: plain transformers weights (pruned numbering) |") in text
+    assert "`hf_layerswap` is not needed to load it" in text and not (folder / RECOVERY_FILE).exists()
+    assert render_card(model).data.to_dict()["layerswap"]["recovery"] == "linearpatch"
+    assert check_card(text, folder) == []
+
+
 def test_a_fused_repair_at_block_0_is_named_where_it_was_folded():
     """A cut at block 0 has no block before it: the map goes into the input embedding, and
     the card says so (it said `down_proj`)."""

@@ -224,10 +224,18 @@ def test_choices_are_the_librarys_own():
     assert get_args(ObjectiveName) == OBJECTIVES
     assert get_args(AllocationName) == ALLOCATIONS
     assert get_args(PrunerName) == METHODS
-    assert get_args(RecoveryMethodName) == ("ghosted", "fused")
+    assert get_args(RecoveryMethodName) == ("ghosted", "fused", "linearpatch")
     from hf_layerswap.recovery import METHODS as RECOVERY_BUILT_INS
 
     assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethodName)  # "none" is spelt recovery=None here
+
+
+def test_a_ridge_is_refused_for_a_repair_that_has_none():
+    with pytest.raises(ValueError, match=r"LayerSwapConfig\(recovery_epsilon=0\.1\): recovery='linearpatch' has no "
+                                         r"ridge; allowed: None or 0\.0"):
+        LayerSwapConfig(layers=[2], recovery="linearpatch", recovery_epsilon=0.1)
+    assert LayerSwapConfig(layers=[2], recovery="linearpatch", recovery_epsilon=0).recovery.epsilon == 0
+    assert LayerSwapConfig(layers=[2], recovery="linearpatch").recovery == RecoveryConfig("linearpatch")
 
 
 def test_sub_configs_accept_a_dataclass_a_dict_or_the_flat_form():
@@ -385,7 +393,7 @@ INVALID = [
      "objective that assumes no repair (['removal_kl', 'nll'])"),
     (dict(num_to_remove=2, objective="ghosted", recovery="fused"),
      "LayerSwapConfig(objective='ghosted', recovery='fused') is contradictory"),
-    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused']"),
+    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused', 'linearpatch']"),
     (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers: nothing is removed"),
     (dict(num_to_remove=1, recovery={"method": "ghosted", "rank": 4}),
      "LayerSwapConfig(recovery={'method': 'ghosted', 'rank': 4}): unknown keys ['rank']; allowed ['method', "
@@ -517,7 +525,7 @@ def test_unknown_names_list_what_is_registered_now(extensions):
     cases = [
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
         (dict(num_to_remove=1, recovery="nope"),
-         f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', '{REPAIR}']"),
+         f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', 'linearpatch', '{REPAIR}']"),
         (dict(sparsity=0.5, allocation="nope"),
          f"LayerSwapConfig: allocation='nope': allowed ['uniform', 'pals', 'owl', 'random', 'gradient', '{ALLOCATOR}']"),
         (dict(sparsity=0.5, pruner="nope"),

@@ -41,7 +41,7 @@ def _estimate(config, calib, layers: int = 8):
     return hl.estimate_cost(_tiny(layers), config, calibration=calib, throughput=FIXED)
 
 
-@pytest.mark.parametrize("method", ["ghosted", "fused"])
+@pytest.mark.parametrize("method", ["ghosted", "fused", "linearpatch"])
 def test_a_repair_of_given_blocks_is_counted_exactly(method):
     calib = _calibration()
     config = hl.LayerSwapConfig(layers=[3, 5], recovery=hl.RecoveryConfig(method=method), batch_size=4,
@@ -51,7 +51,22 @@ def test_a_repair_of_given_blocks_is_counted_exactly(method):
     assert estimate.exact and list(estimate.phases) == ["recovery"]
     # 2 batches, each up to the stream entering block 6 (blocks 0..5); fused: two forwards up to
     # block 3 and two up to block 5 first (the host checks of cuts 3 and 5)
-    assert estimate.block_passes == 2 * 6 + (0 if method == "ghosted" else 2 * 3 + 2 * 5)
+    assert estimate.block_passes == 2 * 6 + (2 * 3 + 2 * 5 if method == "fused" else 0)
+
+
+def test_a_linearpatch_repair_holds_its_own_moments():
+    """Per cut an (H, H) XᵀX and XᵀY and two (H,) magnitude sums, where ghosted holds an XᵀX
+    and XᵀY per removed block and one more (H, H) per cut: with cuts of one block each (the
+    same stream slots read), the estimates differ by exactly that."""
+    calib, hidden = _calibration(), _tiny().hidden_size
+    phases = {}
+    for method in ("ghosted", "linearpatch"):
+        config = hl.LayerSwapConfig(layers=[3, 6], recovery=method, batch_size=4, progress=False)
+        phases[method] = _estimate(config, calib).phases["recovery"]
+    ghosted = 8 * hidden**2 * (2 * 2 + 2)  # cuts [3] and [6]
+    linearpatch = 8 * (2 * hidden**2 + 2 * hidden) * 2
+    assert phases["ghosted"]["memory_bytes"] - phases["linearpatch"]["memory_bytes"] == ghosted - linearpatch
+    assert phases["ghosted"]["block_passes"] == phases["linearpatch"]["block_passes"]
 
 
 def test_a_repair_after_the_greedy_rule_is_bounded_by_the_deepest_cut():

@@ -37,6 +37,8 @@ from hf_layerswap.recovery import (
     recover,
     ridge_toward_identity,
 )
+from hf_layerswap.recovery.hadamard import hadamard_matrix, hadamard_rotation
+from hf_layerswap.recovery.operators import attach_operator
 from hf_layerswap.scoring import masked_kl
 
 
@@ -198,7 +200,7 @@ def test_fused_recovers_a_map_on_the_mlp_output_exactly(calib, held_out):
 # --------------------------------------------------------------------------- behaviour on real (random) blocks
 
 
-@pytest.mark.parametrize("method", ["ghosted", "fused"])
+@pytest.mark.parametrize("method", ["ghosted", "fused", "linearpatch"])
 def test_removing_zero_layers_changes_nothing(calib, method):
     model = tiny_model("llama")
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -505,8 +507,8 @@ def test_smollm2_recovery_on_wikitext(smollm2, wikitext_valid):
 def test_unknown_method_lists_the_registered_ones(calib):
     from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method
 
-    assert list(RECOVERY_METHODS) == ["none", "ghosted", "fused"]
-    with pytest.raises(ValueError, match=r"method='shadow': allowed \['none', 'ghosted', 'fused'\]"):
+    assert list(RECOVERY_METHODS) == ["none", "ghosted", "fused", "linearpatch"]
+    with pytest.raises(ValueError, match=r"method='shadow': allowed \['none', 'ghosted', 'fused', 'linearpatch'\]"):
         recover(tiny_model("llama"), [2], calib, method="shadow")
     assert get_recovery_method(None).name == "none"
 
@@ -595,3 +597,145 @@ def test_recovery_by_default_uses_the_whole_calibration_set_without_a_warning(ma
             seq_len=24))
     record = model.config.layerswap["recovery"]
     assert record["num_tokens"] == 144 and "requested_tokens" not in record
+
+
+# ----------------------------------------------------------------------------- linearpatch
+@pytest.mark.parametrize("n, how", [
+    (32, "Sylvester 32"), (12, "Paley I 12 (q = 11)"), (20, "Paley I 20 (q = 19)"), (28, "Paley II 28 (q = 13)"),
+    (576, "Paley II 36 (q = 17) x Sylvester 16"), (640, "Paley I 20 (q = 19) x Sylvester 32"),
+    (768, "Paley I 12 (q = 11) x Sylvester 64"), (896, "Paley II 28 (q = 13) x Sylvester 32"),
+])
+def test_hadamard_matrices_of_hidden_sizes_that_are_not_powers_of_two(n, how):
+    matrix, built = hadamard_matrix(n)
+    assert built == how and matrix.shape == (n, n) and bool((matrix.abs() == 1).all())
+    assert torch.equal(matrix @ matrix.T, n * torch.eye(n, dtype=torch.float64))  # exact in float64
+    rotation, described = hadamard_rotation(n)
+    assert described == f"Hadamard {n} = {how}, scaled by 1/sqrt({n})"
+    assert torch.allclose(rotation @ rotation.T, torch.eye(n, dtype=torch.float64), atol=1e-13, rtol=0)
+    assert torch.equal(rotation, matrix / n**0.5)
+
+
+@pytest.mark.parametrize("n", [6, 10, 92])
+def test_sizes_without_a_constructed_hadamard_matrix_get_the_seeded_random_rotation(n):
+    assert hadamard_matrix(n) is None
+    rotation, described = hadamard_rotation(n)
+    assert described.startswith(f"random orthogonal {n} (no Hadamard matrix of order {n} is constructed")
+    assert torch.allclose(rotation @ rotation.T, torch.eye(n, dtype=torch.float64), atol=1e-13, rtol=0)
+    rotation[0, 0] = 7.0  # a copy: the next call is the same matrix
+    again, _ = hadamard_rotation(n)
+    assert torch.equal(again, hadamard_rotation(n)[0]) and float(again[0, 0]) != 7.0
+    with pytest.raises(ValueError, match=r"n=0: a rotation's size is an int >= 1"):
+        hadamard_rotation(0)
+
+
+def _streams(model, batch) -> tuple:
+    """The residual stream entering every block, over the batch's real tokens (float64 rows)."""
+    with torch.no_grad():
+        states = model(**batch, output_hidden_states=True, use_cache=False).hidden_states
+    keep = batch["attention_mask"].bool()
+    return tuple(h[keep].double() for h in states[:-1])  # entry k enters block k (the last is after the norm)
+
+
+def _paper_patch(streams, start: int, end: int) -> torch.Tensor:
+    """LinearPatch's P = R diag(mean|h_e R| / mean|h_s R|) Rᵀ, computed here from the streams."""
+    rotation = hadamard_matrix(streams[start].shape[1])[0] / streams[start].shape[1] ** 0.5
+    scale = (streams[end] @ rotation).abs().mean(0) / (streams[start] @ rotation).abs().mean(0)
+    return rotation @ torch.diag(scale) @ rotation.T
+
+
+def test_linearpatch_folds_at_block_0_and_hooks_elsewhere_exactly_as_the_paper_map(calib, held_out):
+    """Cuts [0, 1] and [3]: the first map folded into the embedding, the second an operator at
+    pruned boundary 1; both equal the paper's P computed here, and the folded model's logits
+    equal those of the plainly pruned model with both maps as hooks (fp32 tolerance)."""
+    dense = tiny_model("llama")
+    batch = {"input_ids": calib.input_ids, "attention_mask": calib.attention_mask}
+    streams = _streams(dense, batch)
+    first, second = _paper_patch(streams, 0, 2), _paper_patch(streams, 3, 4)
+    assert torch.allclose(first, first.T) and not torch.allclose(first, torch.eye(32, dtype=torch.float64))
+    model = copy.deepcopy(dense)
+    report = recover(model, [0, 1, 3], calib, method="linearpatch")
+    record = model.config.layerswap["recovery"]
+    assert record["method"] == "linearpatch" and record["boundaries"] == [1] and record["folded_boundaries"] == [0]
+    assert record["folded_into"] == ["embed_tokens"] and record["cut_boundaries"] == [0, 1]
+    assert record["rotation"] == "Hadamard 32 = Sylvester 32, scaled by 1/sqrt(32)" and record["epsilon"] == 0.0
+    assert record["file"] == RECOVERY_FILE and [f.folded_into for f in report.boundaries] == ["embed_tokens", None]
+    ((boundary, operator),) = attached_operators(model)
+    assert boundary == 1 and torch.allclose(operator.weight.double(), second, atol=1e-5, rtol=0)
+    embedding = dense.get_input_embeddings().weight.double() @ first
+    assert torch.allclose(model.get_input_embeddings().weight.double(), embedding, atol=1e-5, rtol=0)
+
+    hooked = copy.deepcopy(dense)
+    hl.remove_layers(hooked, [0, 1, 3])
+    attach_operator(hooked, 0, first.float())
+    attach_operator(hooked, 1, second.float())
+    assert torch.allclose(logits_of(model, held_out), logits_of(hooked, held_out), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits_of(model, held_out), logits_of(dense, held_out), atol=1e-3)
+
+
+@pytest.mark.parametrize("family, removed", [("llama", [2]), ("qwen3", [1, 4]), ("gemma3", [2, 3])])
+def test_linearpatch_lowers_the_removal_kl(family, removed, calib, held_out):
+    """On the calibration set (and held out) the repaired cut is closer to the dense model than
+    plain removal; Ghosted Layers' unconstrained operator, whose family contains LinearPatch's
+    symmetric maps, does better still on the set it was fitted on."""
+    dense = tiny_model(family)
+    batch = {"input_ids": calib.input_ids, "attention_mask": calib.attention_mask}
+    kls = {}
+    for method in ("none", "linearpatch", "ghosted"):
+        model = copy.deepcopy(dense)
+        recover(model, removed, calib, method=method)
+        kls[method] = (mean_kl(dense, model, batch), mean_kl(dense, model, held_out))
+    assert kls["linearpatch"][0] < 0.99 * kls["none"][0] and kls["linearpatch"][1] < kls["none"][1]
+    assert kls["ghosted"][0] < kls["linearpatch"][0]
+
+
+def test_linearpatch_epsilon_is_refused_before_the_model_changes(calib):
+    model = tiny_model("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"epsilon=0\.001: method='linearpatch' has no ridge; allowed: None or 0\.0"):
+        recover(model, [2], calib, method="linearpatch", epsilon=1e-3)
+    assert model.config.num_hidden_layers == 6 and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert recover(model, [2], calib, method="linearpatch", epsilon=0).epsilon == 0.0
+
+
+def test_linearpatch_save_and_reload(calib, held_out, tmp_path):
+    """With an operator: the file and the marker, re-attached on reload, the same logits, the
+    record still linearpatch after another removal. Folded only (a cut of block 0): a plain
+    transformers checkpoint, no operator file, no marker."""
+    model = tiny_model("qwen3")
+    recover(model, [0, 3], calib, method="linearpatch")
+    expected = logits_of(model, held_out)
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert saved["quantization_config"] == {"quant_method": "layerswap", "recovery": "linearpatch", "layers": [0, 3]}
+    assert saved["layerswap"]["recovery"]["boundaries"] == [2] and saved["layerswap"]["recovery"]["method"] == "linearpatch"
+    assert saved["layerswap"]["recovery"]["loader"].startswith("linearpatch operators live in ")
+    assert sorted(load_file(tmp_path / "ckpt" / RECOVERY_FILE)) == ["boundary_2"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", attn_implementation="eager")
+    assert [b for b, _ in attached_operators(reloaded)] == [2]
+    assert torch.equal(logits_of(reloaded, held_out), expected)
+    hl.remove_layers(reloaded, [3])  # the operator moves with the cut; the record stays linearpatch
+    assert reloaded.config.layerswap["recovery"]["method"] == "linearpatch"
+    assert reloaded.config.layerswap["recovery"]["boundaries"] == [2]
+
+    folded = tiny_model("qwen3")
+    recover(folded, [0], calib, method="linearpatch")
+    expected = logits_of(folded, held_out)
+    assert attached_operators(folded) == [] and "save_pretrained" not in vars(folded)
+    folded.save_pretrained(tmp_path / "plain")
+    saved = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization_config" not in saved and not (tmp_path / "plain" / RECOVERY_FILE).exists()
+    assert saved["layerswap"]["recovery"]["folded_boundaries"] == [0] and saved["layerswap"]["recovery"]["boundaries"] == []
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", attn_implementation="eager")
+    assert attach_saved_recovery(again) == [] and torch.equal(logits_of(again, held_out), expected)
+
+
+def test_detaching_linearpatch_operators_keeps_the_record_of_the_fold(calib):
+    model = tiny_model("llama")
+    recover(model, [0, 3], calib, method="linearpatch")
+    assert detach_recovery(model) == 1
+    record = model.config.layerswap["recovery"]
+    assert record["method"] == "linearpatch" and record["folded_boundaries"] == [0] and record["boundaries"] == []
+    assert "file" not in record and attached_operators(model) == []
+    model = tiny_model("llama")
+    recover(model, [3], calib, method="linearpatch")
+    assert detach_recovery(model) == 1 and "recovery" not in model.config.layerswap

@@ -1,5 +1,5 @@
 """benchmarks/recovery.py on the runner, smoke-run on a tiny random Llama (character tokenizer,
-a short evaluation text): every removal set is stored with its three methods, a rerun runs
+a short evaluation text): every removal set is stored with its four methods, a rerun runs
 nothing, and a rerun after one method's result is dropped runs that method alone."""
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def test_recovery_smoke_stores_each_set_and_resumes_method_by_method(tmp_path, m
     assert [recovery.removal_key(e) for e in result["evaluated"]] == list(dict.fromkeys(
         recovery.removal_key(r) for r in result["rows"]))
     assert all(set(e["results"]) == set(recovery.METHODS) for e in result["evaluated"]) and result["complete"]
-    assert len(fits) == 3 * len(sets)
-    assert "| 1 | interchange |" in out.read_text()
+    assert len(fits) == len(recovery.METHODS) * len(sets) == 4 * len(sets)
+    page = out.read_text()
+    assert "| 1 | interchange |" in page and "| dPPL% linearpatch |" in page and "| not run |" not in page
     fits.clear()
     recovery.main(argv)  # everything stored: nothing runs
     assert fits == []

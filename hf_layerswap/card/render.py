@@ -240,7 +240,7 @@ def _card_facts(model, config, report, base_model, license, sparsity_report) -> 
         license=resolve_license(license, base, config), protocol=protocol_of(steps), spacing=spacing,
         protect=protect, rule=rule, chooser=chooser, before=before, after=after,
         sparse=sparsity_summary(config, sparsity_report), recovery=recovery, repairer=repairer,
-        attaches=repairer is not None and repairer.attaches_at_load, in_model=None,
+        attaches=repairer is not None and repairer.attaches(recovery), in_model=None,
         history=history_status(config),
     )
 

@@ -51,7 +51,8 @@ def recover(
             accepts (text file, list of strings, ``datasets.Dataset``, tensors mapping,
             ``None`` = embedded prose).
         method: ``"ghosted"`` (Ghosted Layers), ``"fused"`` (ReplaceMe-style, folded into
-            ``down_proj``), ``"none"`` (plain removal; fit residuals still reported) or
+            ``down_proj``), ``"linearpatch"`` (LinearPatch: Hadamard rotation and channel
+            scaling, folded into the embedding at a cut of block 0, operators elsewhere), ``"none"`` (plain removal; fit residuals still reported) or
             any name registered with :func:`~hf_layerswap.recovery.register_recovery_method`.
         num_tokens: use at most this many real calibration tokens; ``None`` (default) =
             every real token of the calibration set, up to :data:`DEFAULT_NUM_TOKENS`
@@ -61,7 +62,8 @@ def recover(
             and the record keeps ``requested_tokens``.
         tokenizer: needed for text calibration sources.
         epsilon: relative ridge toward the identity, ``λ = epsilon · trace(XᵀX) / H``
-            (>= 0; recorded); ``None`` = :data:`DEFAULT_EPSILON` of the method.
+            (>= 0; recorded); ``None`` = :data:`DEFAULT_EPSILON` of the method. A method
+            without a ridge (``"linearpatch"``) takes only ``None`` or 0.
         num_prompts, seq_len, seed: passed to :func:`build_calibration` for non-
             :class:`CalibrationSet` sources (``num_prompts=None``: ``2·num_tokens/seq_len``).
         batch_size: prompts per forward pass.
@@ -71,7 +73,8 @@ def recover(
         ``model.config.layerswap["recovery"]`` for ``"ghosted"``/``"fused"``).
 
     Raises:
-        ValueError: an unknown method, bad indices, ``num_tokens < 1``, ``epsilon < 0``,
+        ValueError: an unknown method, bad indices, ``num_tokens < 1``, ``epsilon < 0`` (or
+            > 0 for a method without a ridge),
             operators already attached (recover from the dense model instead), a family
             ``"fused"`` cannot fold into (the message names it), a singular system, or a
             model :func:`remove_layers` refuses. The model is unchanged when it raises.
@@ -87,6 +90,9 @@ def recover(
     if epsilon is None:
         epsilon = entry.default_epsilon
     epsilon = check_epsilon(epsilon)
+    if not entry.takes_epsilon and epsilon != entry.default_epsilon:
+        raise ValueError(f"epsilon={epsilon!r}: method={method!r} has no ridge; allowed: None or "
+                         f"{entry.default_epsilon!r}")
     _, _, blocks = decoder_blocks(model)
     num_blocks = len(blocks)
     removed = resolve_layer_indices(removed, num_blocks, allow_empty=True)

@@ -156,12 +156,13 @@ def block_down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.L
 
 
 class Moments:
-    """Streaming float64 second moments of named row sets."""
+    """Streaming float64 second moments of named row sets (and per-column sums, ``sums``)."""
 
     def __init__(self):
         self.gram: dict = {}
         self.cross: dict = {}
         self.sq: dict = {}
+        self.sums: dict = {}
 
     @staticmethod
     def _add(store: dict, key, value):
@@ -175,6 +176,10 @@ class Moments:
 
     def add_sq(self, key, x):
         self._add(self.sq, key, float((x * x).sum()))
+
+    def add_sum(self, key, x):
+        """Add the column sums of the ``(N, H)`` rows ``x`` (an ``(H,)`` vector) under ``key``."""
+        self._add(self.sums, key, x.sum(dim=0))
 
 
 def select_rows(calib: CalibrationSet, batch_size: int, num_tokens: int):

@@ -10,8 +10,10 @@ for ``method=``. Adding a method is one module with one decorator on a
         def apply(self, model, cuts, maps, host_modules): ...
 
 The built-ins: ``"none"`` (plain removal; residuals only), ``"ghosted"`` (Ghosted Layers:
-a kept operator on the stream) and ``"fused"`` (ReplaceMe least squares, folded into
-``down_proj`` or the input embedding).
+a kept operator on the stream), ``"fused"`` (ReplaceMe least squares, folded into
+``down_proj`` or the input embedding) and ``"linearpatch"`` (LinearPatch: a Hadamard rotation
+and a channel scaling, folded into the input embedding at a cut of block 0, a kept operator
+on the stream elsewhere).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import torch
 from torch import nn
 
 from .fit import POST_MLP_NORMS, block_down_proj, model_family, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
-from .operators import LOADER_NOTE, RECOVERY_FILE, attach_operator, attached_operators
+from .hadamard import hadamard_rotation
+from .operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
 
 __all__ = [
     "DEFAULT_EPSILON",
     "METHODS",
     "RECOVERY_METHODS",
     "RecoveryMethod",
+    "fold_into_embedding",
     "get_recovery_method",
     "recovery_entry",
     "search_objectives",
@@ -43,8 +47,9 @@ __all__ = [
 #:     [24, 25]   1.151   0.344        0.340  0.324  -        -              0.421  0.418  0.430
 #:
 #: Ghosted Layers' own absolute ε = 1e-6 is a no-op at these scales; a small relative
-#: ridge tames the directions that only the attention-sink tokens excite.
-DEFAULT_EPSILON = {"none": 0.0, "ghosted": 1e-3, "fused": 1e-1}
+#: ridge tames the directions that only the attention-sink tokens excite. LinearPatch has no
+#: ridge (its map is a rotation and a ratio of mean magnitudes): 0.
+DEFAULT_EPSILON = {"none": 0.0, "ghosted": 1e-3, "fused": 1e-1, "linearpatch": 0.0}
 
 
 class RecoveryMethod:
@@ -57,9 +62,15 @@ class RecoveryMethod:
         name: the ``method=`` value (set by :func:`register_recovery_method`).
         default_epsilon: the relative ridge used when ``epsilon=None``.
         fits: ``False`` for plain removal: nothing is solved, applied or recorded.
-        attaches_at_load: the repair is modules saved next to the weights that the loader
-            re-attaches (``import hf_layerswap`` needed to load it; a folder without them is
-            not published), not weights of plain transformers.
+        takes_epsilon: the fit has a ridge; ``False``: an ``epsilon`` other than ``None``
+            or 0 is refused (by :func:`~hf_layerswap.recovery.recover` and ``LayerSwapConfig``).
+        attaches_at_load: the repair is (or can be) modules saved next to the weights that the
+            loader re-attaches (``import hf_layerswap`` needed to load it; a folder without them
+            is not published), not weights of plain transformers; :meth:`attaches` says it per
+            record.
+        stream_operators: its modules are the package's stream operators
+            (:class:`~hf_layerswap.recovery.GhostedOperator`, saved in :data:`RECOVERY_FILE`,
+            re-attached by :func:`~hf_layerswap.recovery.attach_saved_recovery`).
         search_objective: it serves as ``select_layers(strategy="search", objective=<name>)``:
             candidate sets are scored after this repair, with :meth:`cut_operator` acting on
             the residual stream entering the block after each cut.
@@ -71,7 +82,9 @@ class RecoveryMethod:
     name: str = ""
     default_epsilon: float = 0.0
     fits: bool = True
+    takes_epsilon: bool = True
     attaches_at_load: bool = False
+    stream_operators: bool = False
     search_objective: bool = False
     card_summary: str = ""
     card_modules: str = "repair modules"
@@ -80,6 +93,19 @@ class RecoveryMethod:
     def attached(self, model: nn.Module) -> list[int]:
         """Boundaries (pruned numbering) where this method's modules sit on ``model`` now."""
         return []
+
+    def attaches(self, recovery: dict) -> bool:
+        """Whether the repair the record ``config.layerswap["recovery"]`` describes has modules
+        outside the transformers weights (default: :attr:`attaches_at_load`)."""
+        return self.attaches_at_load
+
+    def moment_bytes(self, cuts: list[dict], hidden: int, exact: bool) -> int:
+        """Bytes of the float64 moments a fit of ``cuts`` holds (``exact=False``: the blocks are
+        not chosen yet, each removed block may be a cut of its own), for
+        :func:`~hf_layerswap.cost.estimate_cost`. Default: an ``(H, H)`` ``XᵀX`` and ``XᵀY`` per
+        removed block and one more ``(H, H)`` per cut."""
+        removed = sum(len(c["removed"]) for c in cuts)
+        return 8 * hidden**2 * (2 * removed + (len(cuts) if exact else removed))
 
     def card_row(self, recovery: dict, indices) -> str:
         """The removal table's "Repair of the cut" cell for the record ``config.layerswap["recovery"]``
@@ -153,6 +179,8 @@ def register_recovery_method(name: str):
         method = cls()
         method.name = name
         RECOVERY_METHODS[name] = method
+        if method.stream_operators:
+            OPERATOR_METHODS.add(name)
         return cls
 
     return decorate
@@ -198,13 +226,14 @@ class Ghosted(RecoveryMethod):
 
     default_epsilon = DEFAULT_EPSILON["ghosted"]
     attaches_at_load = True
+    stream_operators = True
     search_objective = True
     card_summary = " The cut is repaired with Ghosted Layers operators (load with `import hf_layerswap`, see below)."
     card_modules = "Ghosted Layers operators"
     card_file = "Ghosted Layers operators (float32 (H, H) per boundary), applied by `hf_layerswap`"
 
     def attached(self, model):
-        return [b for b, _ in attached_operators(model)]
+        return [b for b, _ in attached_operators(model)] if operator_method(model) == self.name else []
 
     def card_row(self, recovery, indices):
         return (f"Ghosted Layers closed-form operator I + M at boundaries {indices(recovery.get('boundaries', []))} "
@@ -248,7 +277,7 @@ class Ghosted(RecoveryMethod):
             attach_operator(model, cut["boundary"], maps[cut["boundary"]])
 
     def record(self, fits):
-        return {"file": RECOVERY_FILE, "loader": LOADER_NOTE.format(file=RECOVERY_FILE)}
+        return {"file": RECOVERY_FILE, "loader": LOADER_NOTE.format(method=self.name, file=RECOVERY_FILE)}
 
 
 @register_recovery_method("fused")
@@ -325,8 +354,21 @@ class Fused(RecoveryMethod):
         return {"folded_into": [f.folded_into for f in fits]}
 
 
-#: The built-in method names (``"none"`` = plain removal, residuals only).
-METHODS = tuple(RECOVERY_METHODS)
+@torch.no_grad()
+def fold_into_embedding(model: nn.Module, t: torch.Tensor) -> None:
+    """Fold the ``(H, H)`` map ``h ↦ h t`` on the stream entering block 0 into the input
+    embedding (``E ← E t``, a float64 product cast to the weight dtype), untying a tied
+    output head first (``tie_word_embeddings=False``) so that the head keeps its weights.
+    Exact for every architecture that adds nothing to the embedding before block 0 but a
+    scale (a scalar commutes with ``t``)."""
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    if out is not None and out.weight is emb.weight:
+        out.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+        for cfg in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+            cfg.tie_word_embeddings = False
+    w = emb.weight
+    w.copy_((w.double() @ t.to(device=w.device, dtype=torch.float64)).to(w.dtype))
 
 
 @torch.no_grad()
@@ -336,14 +378,7 @@ def _fold(model, cuts, maps, host_modules) -> None:
         t = maps[cut["boundary"]]
         host = host_modules[cut["boundary"]]
         if host is None:
-            emb = model.get_input_embeddings()
-            out = model.get_output_embeddings()
-            if out is not None and out.weight is emb.weight:
-                out.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
-                for cfg in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
-                    cfg.tie_word_embeddings = False
-            w = emb.weight
-            w.copy_((w.double() @ t.to(w.device)).to(w.dtype))
+            fold_into_embedding(model, t)
             continue
         down = host.mlp.down_proj
         w = down.weight  # (H, d_ff): output = z Wᵀ; new output = z Wᵀ T = z (Tᵀ W)ᵀ
@@ -351,3 +386,93 @@ def _fold(model, cuts, maps, host_modules) -> None:
         w.copy_((tt @ w.double()).to(w.dtype))
         if down.bias is not None:
             down.bias.copy_((tt @ down.bias.double()).to(down.bias.dtype))
+
+
+@register_recovery_method("linearpatch")
+class LinearPatch(RecoveryMethod):
+    """LinearPatch (Chen et al., arXiv 2505.24680): one symmetric map ``P = R · D · Rᵀ`` per
+    cut, ``R`` an orthonormal Hadamard rotation of the hidden size
+    (:func:`~hf_layerswap.recovery.hadamard.hadamard_rotation`) and ``D`` the per-channel ratio
+    of mean magnitudes across the cut in the rotated basis, ``D_j = mean|h_e R|_j / mean|h_s R|_j``
+    over the real calibration tokens. Folded into the input embedding at a cut of block 0 (a plain
+    transformers weight); elsewhere kept on the stream as an operator, saved next to the weights
+    like Ghosted Layers' (an anisotropic map on the full stream changes the per-token RMS every
+    later norm reads, so it cannot be folded there). The paper's optional distillation of P is
+    not run."""
+
+    default_epsilon = DEFAULT_EPSILON["linearpatch"]
+    takes_epsilon = False
+    attaches_at_load = True
+    stream_operators = True
+    card_summary = " The cut is repaired with LinearPatch maps (a Hadamard rotation and a channel scaling)."
+    card_modules = "LinearPatch operators"
+    card_file = "LinearPatch operators (float32 (H, H) per boundary not folded into the weights), applied by `hf_layerswap`"
+
+    def attaches(self, recovery):
+        return bool(recovery.get("boundaries"))
+
+    def attached(self, model):
+        return [b for b, _ in attached_operators(model)] if operator_method(model) == self.name else []
+
+    def card_row(self, recovery, indices):
+        parts = []
+        folded = list(recovery.get("folded_boundaries") or [])
+        if folded:
+            parts.append(f"folded into `embed_tokens` at boundary {indices(folded)}: plain transformers weights")
+        if recovery.get("boundaries") or not folded:
+            parts.append(f"operators at boundaries {indices(recovery.get('boundaries', []))}, stored in "
+                         f"`{recovery.get('file')}`")
+        rotation = f" ({recovery['rotation']})" if recovery.get("rotation") else ""
+        return f"LinearPatch H·D·Hᵀ{rotation}, " + "; ".join(parts) + " (pruned numbering)"
+
+    def moment_bytes(self, cuts, hidden, exact):
+        # XᵀX and XᵀY (the fit residual) and two (H,) magnitude sums per cut
+        removed = sum(len(c["removed"]) for c in cuts)
+        return 8 * (2 * hidden**2 + 2 * hidden) * (len(cuts) if exact else removed)
+
+    def accumulate(self, moments, cut, rows, delta, tapped, keep):
+        s, e = cut["start"], cut["end"]
+        x, y = rows[s], rows[e]
+        rotation = hadamard_rotation(x.shape[-1])[0].to(x.device)
+        moments.add_gram(("h", s), x)
+        moments.add_cross(("h", s, e), x, y)
+        moments.add_sum(("abs_in", s), (x @ rotation).abs())
+        moments.add_sum(("abs_out", s), (y @ rotation).abs())
+
+    def solve(self, moments, cut, fit, epsilon):
+        s, e = cut["start"], cut["end"]
+        gram, cross = moments.gram[("h", s)], moments.cross[("h", s, e)]
+        rotation, how = hadamard_rotation(gram.shape[0])
+        into, out = moments.sums[("abs_in", s)].cpu(), moments.sums[("abs_out", s)].cpu()
+        scale = torch.where(into > 0, out / into.clamp_min(torch.finfo(torch.float64).tiny), torch.ones_like(into))
+        patch = (rotation * scale) @ rotation.T
+        after = quadratic_residual(patch, gram, cross, moments.sq[("y", e)])
+        fit.rotation = how
+        fit.folded_into = "embed_tokens" if cut["host"] is None else None
+        return after, patch
+
+    def apply(self, model, cuts, maps, host_modules):
+        for cut in cuts:
+            if cut["host"] is None:
+                fold_into_embedding(model, maps[cut["boundary"]])
+            else:
+                attach_operator(model, cut["boundary"], maps[cut["boundary"]])
+
+    def record(self, fits):
+        folded = [f.boundary for f in fits if f.folded_into is not None]
+        hooked = [f.boundary for f in fits if f.folded_into is None]
+        out = {
+            "boundaries": hooked,
+            "folded_boundaries": folded,
+            "folded_into": ["embed_tokens"] * len(folded),
+            "rotation": next((f.rotation for f in fits if f.rotation), None),
+            "epsilon_rule": "none: LinearPatch has no ridge (D is a ratio of mean magnitudes)",
+            "cut_boundaries": [f.boundary for f in fits],
+        }
+        if hooked:
+            out.update(file=RECOVERY_FILE, loader=LOADER_NOTE.format(method=self.name, file=RECOVERY_FILE))
+        return out
+
+
+#: The built-in method names (``"none"`` = plain removal, residuals only).
+METHODS = tuple(RECOVERY_METHODS)

@@ -1,6 +1,9 @@
-"""Ghosted operators: the fixed residual-stream maps left on a model by ``"ghosted"``
-recovery, how they are attached and detached, and how a checkpoint carries them
-(:data:`RECOVERY_FILE`, :func:`save_recovery`, :func:`attach_saved_recovery`)."""
+"""Repair operators: the fixed residual-stream maps left on a model by ``"ghosted"``
+recovery (and by ``"linearpatch"`` at the cuts it cannot fold), how they are attached and
+detached, and how a checkpoint carries them (:data:`RECOVERY_FILE`, :func:`save_recovery`,
+:func:`attach_saved_recovery`). The methods whose repair is these operators are listed in
+:data:`OPERATOR_METHODS`; the record ``config.layerswap["recovery"]["method"]`` says which one
+made the operators of a model (:func:`operator_method`)."""
 
 from __future__ import annotations
 
@@ -25,20 +28,25 @@ from .fit import model_hidden_size
 
 __all__ = [
     "attach_operator", "attach_saved_recovery", "attached_operators", "carried_operators", "detach_recovery",
-    "GhostedOperator", "LOADER_NOTE", "RECOVERY_FILE", "save_recovery", "take_operators",
+    "GhostedOperator", "LOADER_NOTE", "OPERATOR_METHODS", "operator_method", "RECOVERY_FILE", "save_recovery",
+    "take_operators",
 ]
 
-#: File written next to the weights of a checkpoint with ghosted operators.
+#: File written next to the weights of a checkpoint with repair operators.
 RECOVERY_FILE = "layerswap_recovery.safetensors"
-#: What the saved record tells a reader about loading a ghosted checkpoint.
+#: What the saved record tells a reader about loading a checkpoint with operators.
 LOADER_NOTE = (
-    "ghosted operators live in {file}, outside the transformers weights: load with `import hf_layerswap` before "
+    "{method} operators live in {file}, outside the transformers weights: load with `import hf_layerswap` before "
     "`AutoModelForCausalLM.from_pretrained` (or call hf_layerswap.recovery.attach_saved_recovery(model, path)); "
     "plain transformers loads the pruned model without them (quality of plain removal)"
 )
 _OUT_ATTR = "ghosted_out"  # operator on a block's output
 _IN_ATTR = "ghosted_in"  # operator on block 0's input (cut starting at block 0)
 _FILE_FORMAT = "hf_layerswap.recovery/1"
+#: The recovery methods whose repair is these operators (a method registered with
+#: ``stream_operators = True`` is added here); ``"ghosted"`` is the one of operators attached
+#: by hand, without a record.
+OPERATOR_METHODS: set[str] = {"ghosted"}
 
 
 
@@ -108,6 +116,14 @@ def attached_operators(model: nn.Module) -> list[tuple[int, GhostedOperator]]:
     return sorted(found, key=lambda t: t[0])
 
 
+def operator_method(model: nn.Module) -> str:
+    """The recovery method whose operators ``model`` carries: the method of its record
+    ``config.layerswap["recovery"]`` when that is one of :data:`OPERATOR_METHODS`, else ``"ghosted"``."""
+    record = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
+    method = record.get("method") if isinstance(record, dict) else None
+    return method if method in OPERATOR_METHODS else "ghosted"
+
+
 def attach_operator(model: nn.Module, boundary: int, weight: torch.Tensor) -> GhostedOperator:
     """Attach a :class:`GhostedOperator` ``I + M`` (``weight``: ``(H, H)``) at ``boundary`` (0..L) and return it; raises ``ValueError`` out of range or when one is attached there already."""
     _, _, blocks = decoder_blocks(model)
@@ -165,9 +181,11 @@ def carried_operators(ops: dict[int, torch.Tensor], kept: Sequence[int]) -> dict
 
 
 def detach_recovery(model: nn.Module) -> int:
-    """Remove every attached ghosted operator, its hook and the recovery record.
+    """Remove every attached repair operator, its hook and the recovery record.
 
-    The model becomes the plainly pruned model. Returns the number of operators removed.
+    The model becomes the plainly pruned model. Returns the number of operators removed. A
+    record that also names maps folded into the weights (``"linearpatch"``'s
+    ``folded_boundaries``) is kept for those, without the operators.
     """
     _, _, blocks = decoder_blocks(model)
     count = 0
@@ -180,8 +198,14 @@ def detach_recovery(model: nn.Module) -> int:
                 count += 1
     vars(model).pop("save_pretrained", None)
     record = getattr(model.config, "layerswap", None)
-    if isinstance(record, dict) and (record.get("recovery") or {}).get("method") == "ghosted":
-        record.pop("recovery")
+    recovery = record.get("recovery") if isinstance(record, dict) else None
+    if isinstance(recovery, dict) and recovery.get("method") in OPERATOR_METHODS:
+        if recovery.get("folded_boundaries"):
+            for key in ("file", "loader", "sha256"):
+                recovery.pop(key, None)
+            recovery["boundaries"] = []
+        else:
+            record.pop("recovery")
     return count
 
 
@@ -198,7 +222,7 @@ def _install_save_hook(model: nn.Module) -> None:
 def _save_pretrained_with_recovery(self, save_directory, *args, **kwargs):
     if kwargs.get("push_to_hub"):
         raise ValueError(
-            "save_pretrained(push_to_hub=True) uploads before the ghosted operators are written; "
+            "save_pretrained(push_to_hub=True) uploads before the repair operators are written; "
             "call model.push_to_hub(repo_id) instead (it includes them)"
         )
     ops = attached_operators(self)
@@ -214,13 +238,14 @@ def _refresh_record(model, ops) -> dict:
     """Bring ``config.layerswap["recovery"]`` in line with the operators actually attached."""
     if not isinstance(getattr(model.config, "layerswap", None), dict):
         model.config.layerswap = {}
+    method = operator_method(model)
     record = model.config.layerswap.setdefault("recovery", {})
     record.update(
         {
-            "method": "ghosted",
+            "method": method,
             "file": RECOVERY_FILE,
             "boundaries": [b for b, _ in ops],
-            "loader": LOADER_NOTE.format(file=RECOVERY_FILE),
+            "loader": LOADER_NOTE.format(method=method, file=RECOVERY_FILE),
         }
     )
     return record
@@ -229,7 +254,9 @@ def _refresh_record(model, ops) -> dict:
 def _marker(layerswap: dict) -> dict:
     """The ``quantization_config`` that routes a reload through the layerswap plugin
     (``layers`` records the removed original blocks; a pre-quantized reload prunes nothing)."""
-    return {"quant_method": "layerswap", "recovery": "ghosted", "layers": list(layerswap.get("removed_layers") or [])}
+    method = (layerswap.get("recovery") or {}).get("method")
+    return {"quant_method": "layerswap", "recovery": method if method in OPERATOR_METHODS else "ghosted",
+            "layers": list(layerswap.get("removed_layers") or [])}
 
 
 def _sha256(path: Path) -> str:
@@ -241,7 +268,7 @@ def _sha256(path: Path) -> str:
 
 
 def save_recovery(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write the attached ghosted operators next to a saved checkpoint.
+    """Write the attached repair operators next to a saved checkpoint.
 
     Writes ``directory/`` :data:`RECOVERY_FILE` (safetensors; tensor ``boundary_{b}`` is
     the float32 ``(H, H)`` map at pruned-model slot b) and updates ``config.json`` there:
@@ -260,14 +287,14 @@ def save_recovery(model: nn.Module, directory: str | os.PathLike) -> Path:
     """
     ops = attached_operators(model)
     if not ops:
-        raise ValueError("no ghosted recovery operator is attached to this model; nothing to save")
+        raise ValueError("no recovery operator is attached to this model; nothing to save")
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist: save the model (save_pretrained) before its operators")
     record = copy.deepcopy(_refresh_record(model, ops))
     tensors = {f"boundary_{b}": op.weight.detach().to("cpu", torch.float32).contiguous() for b, op in ops}
-    metadata = {"format": _FILE_FORMAT, "method": "ghosted", "boundaries": json.dumps([b for b, _ in ops])}
+    metadata = {"format": _FILE_FORMAT, "method": record["method"], "boundaries": json.dumps([b for b, _ in ops])}
     target = directory / RECOVERY_FILE
     with atomic_path(target) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -282,12 +309,13 @@ def save_recovery(model: nn.Module, directory: str | os.PathLike) -> Path:
 
 
 def attach_saved_recovery(model: nn.Module, source: str | os.PathLike | None = None, *, revision: str | None = None) -> list[int]:
-    """Re-attach the ghosted operators of a saved checkpoint to its loaded model.
+    """Re-attach the repair operators of a saved checkpoint to its loaded model.
 
-    Reads ``model.config.layerswap["recovery"]``; when it records ``method="ghosted"``,
+    Reads ``model.config.layerswap["recovery"]``; when it records a method of
+    :data:`OPERATOR_METHODS` (``"ghosted"``, ``"linearpatch"``) with operators,
     loads :data:`RECOVERY_FILE` from ``source`` (a checkpoint directory or Hub id; default
     ``model.name_or_path``) and attaches one operator per recorded boundary. A no-op
-    (returns ``[]``) for models without a ghosted record, and idempotent: operators already
+    (returns ``[]``) for models without such a record, and idempotent: operators already
     attached are kept as they are. The layerswap plugin calls this on reload.
 
     Returns:
@@ -299,7 +327,8 @@ def attach_saved_recovery(model: nn.Module, source: str | os.PathLike | None = N
         ValueError: the file does not match the record (boundaries, sha256, hidden size).
     """
     record = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
-    if record.get("method") != "ghosted":
+    method = record.get("method")
+    if method not in OPERATOR_METHODS or ("file" not in record and not record.get("boundaries")):
         return []
     present = attached_operators(model)
     if present:
@@ -322,7 +351,7 @@ def attach_saved_recovery(model: nn.Module, source: str | os.PathLike | None = N
             path = Path(resolved) if resolved else None
     if path is None:
         raise FileNotFoundError(
-            f"the checkpoint records ghosted recovery operators in {name}, but {source!r} has no such file "
+            f"the checkpoint records {method} recovery operators in {name}, but {source!r} has no such file "
             "(a checkpoint re-saved by plain transformers loses it; a checkpoint loaded from a subfolder, cache_dir "
             "or revision needs them passed as source/revision). To use the plainly pruned model, load it "
             "without hf_layerswap imported, or delete 'quantization_config' and 'layerswap.recovery' from its "

@@ -25,7 +25,11 @@ class BoundaryFit:
         condition_number: largest condition number of ``XᵀX + λI`` among this boundary's
             solves (``None`` for ``"none"``).
         ridge: the absolute λ of each solve at this boundary.
-        folded_into: for ``"fused"``, the weight the map was folded into.
+        folded_into: for ``"fused"`` (and ``"linearpatch"`` at a cut of block 0), the weight
+            the map was folded into.
+        rotation: for ``"linearpatch"``, the orthonormal rotation its map is built on
+            (:func:`~hf_layerswap.recovery.hadamard.hadamard_rotation`); left out of
+            :meth:`to_dict` when ``None``.
     """
 
     boundary: int
@@ -36,9 +40,12 @@ class BoundaryFit:
     condition_number: float | None = None
     ridge: list[float] = field(default_factory=list)
     folded_into: str | None = None
+    rotation: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        if out["rotation"] is None:
+            out.pop("rotation")
         for key in ("residual_before", "residual_after", "condition_number"):
             out[key] = encode_float(out[key])
         out["ridge"] = [encode_float(x) for x in self.ridge]
@@ -58,7 +65,7 @@ class RecoveryReport(JsonResult):
     """What :func:`recover` fitted.
 
     Attributes:
-        method: ``"none"``, ``"ghosted"`` or ``"fused"``.
+        method: ``"none"``, ``"ghosted"``, ``"fused"``, ``"linearpatch"`` or a registered name.
         removed_layers: 0-based indices removed (numbering of the model given to :func:`recover`).
         epsilon: relative ridge (``λ = epsilon · trace(XᵀX) / H`` per solve).
         num_tokens: real calibration tokens used (every fit uses the same tokens).
