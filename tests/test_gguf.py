@@ -411,3 +411,21 @@ def test_a_ghosted_checkpoint_is_refused_before_converting(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: this checkpoint's cut is repaired with 'ghosted' operators") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ghosted"]
+
+
+def test_a_linearpatch_cut_is_refused_where_it_attaches_operators_and_checked_where_only_folded(tmp_path):
+    """LinearPatch hooks an operator at a cut after block 0 (refused like ghosted), and folds the
+    one at block 0 into the embedding (a plain checkpoint: the refusal does not apply)."""
+    from conftest import tiny_batch
+
+    from hf_layerswap.gguf_export import check_plain
+
+    hooked = build(FAMILY_BY_NAME["llama"])
+    hl.recover(hooked, [1, 3], tiny_batch(vocab=hooked.config.vocab_size), method="linearpatch")
+    with pytest.raises(GGUFLayoutError, match=r"repaired with 'linearpatch' operators"):
+        check_plain(hooked.config, hooked)
+    folded = build(FAMILY_BY_NAME["llama"])
+    hl.recover(folded, [0], tiny_batch(vocab=folded.config.vocab_size), method="linearpatch")
+    assert not folded.config.layerswap["recovery"].get("boundaries")
+    assert folded.config.layerswap["recovery"]["folded_boundaries"]
+    check_plain(folded.config, folded)  # nothing attached: no refusal
