@@ -209,7 +209,7 @@ def agreement(dev: Device, name: str, smoke: bool, budgets: range, num_prompts: 
             "selections": selections, "score_seconds": seconds, "select_seconds": select_seconds,
             "batch_size": report.metadata["batch_size"], "max_memory": report.metadata["max_memory"],
         }
-        del model
+        model = None  # the weights freed before the next load (the lambdas above read the name)
     f32, b16 = out["runs"]["float32"], out["runs"]["bfloat16"]
     out["spearman"] = {p: spearman(b16["layer_scores"][p], f32["layer_scores"][p]) for p in f32["layer_scores"]}
     out["pair_rel_error"] = {}
@@ -314,7 +314,7 @@ def split_model(dev: Device, smoke: bool, budget: int, greedy: tuple) -> dict:
             "pairs": {p: _pairs(report, p) for p in report.protocols},
             "greedy": {n: hl.select_layers(report, n, strategy="greedy") for n in greedy},
         }
-        del model
+        model = None  # the weights freed before the next load (the lambda above reads the name)
     tmp.cleanup()
     errs = [e for p in runs["in_memory"]["pairs"]
             for e in _rel_errors(runs["split"]["pairs"][p], runs["in_memory"]["pairs"][p])]

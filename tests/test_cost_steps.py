@@ -413,7 +413,7 @@ def test_building_lm_eval_requests_writes_no_cache_and_reaches_no_hub(tmp_path, 
     (tasks / "offline_data.py").write_text(
         "import datasets\nfrom huggingface_hub import constants\n\n\ndef load(**_):\n"
         "    if not constants.is_offline_mode():\n        raise RuntimeError('the Hub is reachable')\n"
-        f"    return datasets.DatasetDict({{'test': datasets.Dataset.from_list([{{'question': 'q', "
+        "    return datasets.DatasetDict({'test': datasets.Dataset.from_list([{'question': 'q', "
         "'choices': ['a', 'b'], 'answer': 0}])})\n")
     user_cache = tmp_path / "user_cache"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

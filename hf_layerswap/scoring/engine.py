@@ -590,7 +590,7 @@ class Engine:
                 pending.append((p, finals.pop(p.key)))
                 if len(pending) >= per_flush:
                     flush(pending)
-            del finals
+            finals.clear()  # no final state kept past its pass (finish, above, reads the name)
         flush(pending)
         return True
 
