@@ -399,7 +399,7 @@ class _SetSearch:
                          if (k := set_key(t)) in self.f.cache]
             if residuals:
                 value += sum(residuals) / len(residuals)
-        return value if value == value else math.inf
+        return math.inf if math.isnan(value) else value
 
     def extensions(self, prev: Sequence[int], count: int | None = None) -> list[list[int]]:
         """``prev`` grown by one allowed block, best prediction first (ties: lower set); the
