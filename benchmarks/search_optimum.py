@@ -132,6 +132,7 @@ def render() -> str:
         "Calibration: WikiText-2 validation, variant `sections`; the swap-KL report of both protocols",
         "on adjacent pairs. *rank*: the search's set among all pairs (1 = the optimum);",
         "*sets*: candidate sets the search scored (budget 1's sweep included) against SLEB's for n = 2.",
+        "One torch thread on a shared, loaded 2-core CPU: the seconds are noisy.",
         "",
         "| model | calibration | pairs | optimum | search | rank | above optimum | search sets | SLEB sets | seconds (all pairs / search) |",
         "|---|---|---|---|---|---|---|---|---|---|",
