@@ -412,7 +412,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
             :func:`~hf_layerswap.selection.register_strategy`). Default ``"search"``: whole
             candidate sets from both protocols (each protocol's greedy set, lowest-scored
             layers, low-score contiguous runs, single-removal ranking) scored on the
-            calibration prompts and refined by local moves
+            calibration prompts, the sets ranked by a prediction from the single removals
+            and the pairs scored
             (:func:`hf_layerswap.selection.search_select`); ``"greedy"``: the paper's rule
             on ``protocol`` (with ``protocol="auto"``: the ``"auto"`` strategy); ``"auto"``:
             the better of the two protocols' greedy sets.
@@ -473,8 +474,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
     tokenizer: Any = field(default=None, metadata=_help("tokenizer for text calibration", **_RUNTIME))
     progress: bool = field(default=True, metadata=_help("show progress bars", **_RUNTIME))
     strategy: str = field(default="search", metadata=_cli(
-        "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts "
-        "and refined by local moves; greedy = the paper's rule on the protocol; auto = the better protocol's "
+        "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts, "
+        "ranked by a prediction from the pairs scored; greedy = the paper's rule on the protocol; auto = the better protocol's "
         "greedy set", choices=lambda: sorted(STRATEGIES)))
     objective: ObjectiveName | None = field(default=None, metadata=_cli(
         "what the search strategy minimises on the calibration prompts (default removal_kl)"))

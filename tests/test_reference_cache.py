@@ -19,29 +19,37 @@ def setup():
 
 
 def test_search_reuses_one_reference_sweep_and_selects_bit_identical_sets(setup):
-    """Sets and values as recomputing the reference per call gave (float.hex), with one
-    reference sweep in all: 22 candidates + 1 model calls (an allowance of 8 sets a budget:
-    the 6 sets plus the protocols' own 2 of the run those values come from)."""
+    """The search with the kept reference selects the sets, with bit-identical values
+    (float.hex), that the same search gets when the reference is recomputed in every call,
+    with one reference sweep in all: 22 candidates + 1 model calls (an allowance of 8 sets
+    a budget). The recomputing search sweeps the reference once per call of the objective."""
     model, calib, report = setup
+    options = {"model": model, "calibration": calib, "exhaustive_below": 0, "evaluations_per_budget": 8}
     calls, blocks = [], []
     handles = [model.model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))]
     handles += [blk.register_forward_hook(lambda *_: blocks.append(1)) for blk in model.model.layers]
     try:
-        found = search_select(report, [1, 2, 3], model=model, calibration=calib, exhaustive_below=0,
-                              evaluations_per_budget=8)
+        found = search_select(report, [1, 2, 3], **options)
     finally:
         for h in handles:
             h.remove()
-    assert [found[n]["selected"] for n in (1, 2, 3)] == [[5], [3, 5], [2, 3, 5]]
+    fresh = SetObjective(model, calib, "removal_kl", reference_memory=0)
+    recomputed = search_select(report, [1, 2, 3], evaluator=fresh, **options)
+    assert [found[n]["selected"] for n in (1, 2, 3)] == [recomputed[n]["selected"] for n in (1, 2, 3)]
     assert [float(found[n]["value"]).hex() for n in (1, 2, 3)] == [
-        "0x1.66886c63597abp-11", "0x1.715a3d8c12d4dp-10", "0x1.0abd47e8f837cp-9"]
+        float(recomputed[n]["value"]).hex() for n in (1, 2, 3)]
+    assert fresh.reference.bytes == 0
     cost = found[3]["total_cost"]
     assert (cost["evaluator_calls"], cost["forward_passes"], cost["block_passes"], cost["reference_passes"]) == (
         22, 23, 69, 1)
     assert len(calls) == 23 and len(blocks) == 69  # one batch: block passes are the hooks' count
-    # the reference's head runs again in each of the 3 calls: the sweep, the seeds of n = 2 and
-    # of n = 3 (each spends its allowance, so no local round follows)
-    assert cost["head_passes"] == 22 + 3
+    # 5 calls of the objective: the sweep and two rounds at each of n = 2 and 3; the
+    # reference's head runs again in each, and the recomputing search sweeps it in each
+    rounds = 1 + sum(len(found[n]["trace"]["rounds"]) for n in (2, 3))
+    assert rounds == 5 and cost["head_passes"] == 22 + rounds
+    again = recomputed[3]["total_cost"]
+    assert again["evaluator_calls"] == 22 and again["reference_passes"] == rounds
+    assert again["block_passes"] == 69 + 8 * (rounds - 1)
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

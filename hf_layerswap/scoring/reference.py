@@ -3,7 +3,7 @@
 Every objective over removal sets compares the modified model with the unmodified one on
 the same prompts, and every candidate starts from the residual stream the unmodified
 model leaves at its first removed block. A search scores its candidates in many calls
-(one per budget and local-search round); without a cache each call sweeps the dense model
+(one per budget and round); without a cache each call sweeps the dense model
 over the calibration set again. :class:`ReferenceCache` keeps, per batch, what one sweep
 yields and hands it back to later calls: the values are the same tensors, so every KL,
 NLL and selected set is bit-identical to the recomputed run.

@@ -8,33 +8,34 @@ The paper's greedy rule (:func:`~hf_layerswap.rule.greedy_select`) reads one num
 per layer and never looks at a set as a whole; two blocks that are each cheap to remove
 can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
 which the rule's spacing forbids. :func:`search_select` scores whole candidate sets S on
-the calibration prompts by an *objective* and refines the best ones by local moves:
+the calibration prompts by an *objective*, the sets to score ranked by a prediction.
 
-Candidates at budget n (each scored once, cached across levels and budgets):
-    - each protocol's greedy set (the paper's rule, spacing 1) and its n lowest-scored
-      layers (no spacing),
-    - the n lowest single-removal values d_skip({i}),
-    - per score source (each protocol, single removal) the two contiguous runs of n
-      unprotected blocks with the lowest summed score,
-    - each of the ``extend_best`` best sets of budget n-1 grown by one of its neighbours
-      or the most removable blocks, the best predicted first (when a budget's allowance
-      is spent, it still scores the first of these: the best set of n-1 grown by the
-      block predicted to cost least, before any other candidate).
+Each budget n spends its allowance (below) in up to ``1 + max_rounds`` rounds, each
+scoring the sets of lowest *prediction* not scored yet (at least ``moves_per_round`` a
+round, the allowance spread over the rounds), the prediction refitted after each round.
+Every set is scored once and cached across budgets. The sets ranked: every set of n
+removable blocks where there are at most 20,000 of them; else the proposals below and,
+around the best sets scored, every one-block swap, run shift and growth of a best set of
+n - 1. Proposals from the scores: each protocol's greedy set (the paper's rule, spacing 1;
+at budget 2 scored first, the pair tables' own pair) and its n lowest-scored layers, the
+n lowest single-removal values d_skip({i}), per score source (each protocol, single
+removal) the two contiguous runs of n unprotected blocks with the lowest summed score,
+and the best set of n - 1 grown by its best predicted block (what a budget whose
+allowance is spent scores, alone).
 
-Predictions are second order: f(S + {c}) ~ f(S) + d({c}) + sum over s in S of the
-interaction f({s, c}) - d({s}) - d({c}) of every pair scored so far (0 for a pair not
-scored), so two blocks that are cheap alone but costly together are not tried first.
-
-Local search from the best candidate: a move swaps one removed block for a kept one
-(the neighbours of the set and the most removable blocks by single-removal value); each
-round scores, up to ``moves_per_round`` sets, first the shifts of each contiguous run of
-the set by one block, then the swaps with the lowest prediction of f(S - {r} + {c}),
-and takes the best if it improves. Rounds stop when no move improves, after
-``max_rounds``, or when the budget's allowance is spent.
+Prediction (second order): a set scored has its value; else f(S) ~ sum over i in S of
+d({i}) + sum over pairs {a, b} in S of the interaction f({a, b}) - d({a}) - d({b}), the
+measured one for a pair scored, else the pair model's: f({a, b}) ~ r * (d({a}) + d({b}))
+with one ratio r for neighbours and one for the others, the mean of the scored pairs of
+that kind shrunk toward 1 by one pseudo-pair (removal costs of blocks are mostly
+sub-additive, neighbours most). For four blocks or more, the mean residual (scored minus
+second-order value) of its scored subsets one block smaller is added. So two blocks that
+are cheap alone but costly together are not tried first, and a costly block that is
+cheap next to another is.
 
 Allowance (SLEB's schedule): budget n scores at most what step n of SLEB scores,
 U - (n - 1) new sets for U = L - |protect| removable blocks (budget 1: the single-removal
-sweep, U sets); each protocol's own greedy set counts inside it. So budgets 1..N together
+sweep, U sets); budget 2's protocol pairs count inside it. So budgets 1..N together
 score at most sum_{k<N} (U - k) sets, SLEB's count for N, and never more forward passes
 (one per set plus one dense reference sweep each). ``evaluations_per_budget`` replaces
 U - (n - 1) by one number for every budget n >= 2; an optional ``max_evaluations`` caps
@@ -144,11 +145,11 @@ def search_select(
             scores the single-removal sweep (U sets). A later budget is never starved by an
             earlier one; by default budgets 1..N together score at most SLEB's count for N,
             sum_{k<N} (U - k) sets (with the option: U + (N - 1) * evaluations_per_budget).
-        extend_best: how many of the best sets of budget n - 1 are grown into candidates
-            of budget n (the best one first).
-        moves_per_round, max_rounds: local-search breadth and depth per budget.
+        extend_best: how many best sets of n - 1 are grown and of n moved (ranked sets).
+        moves_per_round, max_rounds: up to ``1 + max_rounds`` rounds a budget, each of at
+            least ``moves_per_round`` sets.
         exhaustive_below: score every set of a budget when there are at most this many
-            (default ``moves_per_round * max_rounds``, what the local search may spend) and
+            (default ``moves_per_round * max_rounds``) and
             they fit in what budgets 1..n may spend together (their allowances less what
             budgets 1..n-1 spent); such a budget's allowance is raised to all its sets.
         evaluator: a :class:`SetObjective` to reuse (its cache and counters carry over).
@@ -160,8 +161,8 @@ def search_select(
         ``{n: record}``; ``record`` has ``selected`` (0-based, ascending), ``value`` (the
         objective of it), ``objective``, ``strategy="search"``, ``protocol_sets``
         (per protocol in the report: the paper's greedy set with spacing 1 and its
-        value, or ``None`` where the rule cannot fill the budget), ``trace`` (the
-        candidates scored, the best seed and its value, each local-search round),
+        value, ``None`` if not scored; the entry ``None`` where the rule cannot fill the
+        budget), ``trace`` (sets of n scored, the first round's best, each round),
         ``cost`` (cumulative evaluator calls, forward passes, block passes, seconds up to
         this budget), ``total_cost`` (the whole call), ``evaluations_per_budget`` (as
         given) and ``allowances`` (the most new sets of each budget 1..max(budgets), an
@@ -203,16 +204,15 @@ def search_select(
             allowances[n - 1] = max(allowances[n - 1], math.comb(len(allowed), n))
         greedy, ranked, current, rounds = search.run_budget(
             n, sources, protocols, protect, ranked_by_n.get(n - 1), extend_best=extend_best,
-            exhaustive=exhaustive, allowance=allowances[n - 1], moves_per_round=moves_per_round,
-            max_rounds=max_rounds,
+            allowance=allowances[n - 1], moves_per_round=moves_per_round, max_rounds=max_rounds,
         )
         ranked_by_n[n] = sorted({set_key(s): s for s in [current] + ranked}.values(),
                                 key=lambda s: (score_key(f.value(s)), s))
         best[n] = current
         protocol_sets[n] = {p: (None if g is None else {"set": g, "value": f.value(g) if set_key(g) in f.cache else None})
                             for p, g in greedy.items()}
-        trace[n] = {"candidates": len(ranked), "seed_best": ranked[0], "seed_value": f.value(ranked[0]),
-                    "rounds": rounds}
+        seed = rounds[0]["best"] if rounds else ranked[0]
+        trace[n] = {"candidates": len(ranked), "seed_best": seed, "seed_value": f.value(seed), "rounds": rounds}
         costs[n] = f.cost()
         if on_budget is not None:
             on_budget(n, _record_of(n, best[n], f.value(best[n]), protocol_sets[n], trace[n], costs[n], costs[n],
@@ -298,6 +298,11 @@ def search_allowances(removable: int, top: int, evaluations_per_budget: int | No
     return [int(removable)] + [int(evaluations_per_budget)] * (int(top) - 1)
 
 
+#: Budgets with at most this many sets rank every one of them by the prediction; above it
+#: the ranked pool is the seeds and the one-block moves around the best sets scored.
+_ENUMERATE_LIMIT = 20000
+
+
 class _SetSearch:
     """The state of one :func:`search_select` call: the cached objective ``f``, the
     removable blocks, the spacing rule, the evaluation allowance of the current budget,
@@ -313,6 +318,7 @@ class _SetSearch:
         self.level = {"start": f.calls, "allowance": len(allowed)}
         self.single: list[float | None] = [None] * total
         self.rank: list[int] = []
+        self.ratios = {1: 1.0, 2: 1.0}
 
     def ok(self, s) -> bool:
         s = sorted(set(s))
@@ -335,6 +341,7 @@ class _SetSearch:
             new = new[:limit]
             pool = cached + new
         f(new)
+        self.fit_ratios()
         return sorted(pool, key=lambda s: (score_key(f.value(s)), s))
 
     def score_singles(self) -> None:
@@ -343,32 +350,89 @@ class _SetSearch:
             self.single[s[0]] = self.f.value(s)
         self.rank = sorted(self.allowed, key=lambda i: (score_key(self.single[i]), i))
 
+    def scored(self, n: int) -> list[list[int]]:
+        """Every set of ``n`` blocks scored so far, best first (ties: lexicographic)."""
+        sets = [[int(x) for x in key.split(",")] for key in self.f.cache if key.count(",") == n - 1]
+        return sorted(sets, key=lambda s: (score_key(self.f.value(s)), s))
+
+    def fit_ratios(self) -> None:
+        """The pair model for pairs not scored: f({a, b}) ~ r * (d({a}) + d({b})), one ratio r
+        for neighbours (gap 1) and one for the others, each the mean of the scored pairs of
+        its kind shrunk toward 1 (additive) by one pseudo-pair."""
+        sums = {1: [1.0, 1], 2: [1.0, 1]}
+        for key, value in self.f.cache.items():
+            if key.count(",") != 1:
+                continue
+            a, b = (int(x) for x in key.split(","))
+            if self.single[a] is None or self.single[b] is None:
+                continue
+            base = self.single[a] + self.single[b]
+            if not (math.isfinite(value) and math.isfinite(base)) or base <= 0:
+                continue
+            kind = 1 if b - a == 1 else 2
+            sums[kind][0] += value / base
+            sums[kind][1] += 1
+        self.ratios = {k: s / c for k, (s, c) in sums.items()}
+
     def interaction(self, a: int, b: int) -> float:
-        """f({a, b}) - d({a}) - d({b}) where the pair was scored, else 0 (additive)."""
-        key = set_key(sorted((a, b)))
-        return self.f.cache[key] - self.single[a] - self.single[b] if key in self.f.cache else 0.0
+        """f({a, b}) - d({a}) - d({b}): the scored value where the pair was scored, else the
+        pair model's (:meth:`fit_ratios`)."""
+        a, b = min(a, b), max(a, b)
+        key = set_key((a, b))
+        if key in self.f.cache:
+            return self.f.cache[key] - self.single[a] - self.single[b]
+        return (self.ratios[1 if b - a == 1 else 2] - 1.0) * (self.single[a] + self.single[b])
 
-    def predict(self, members: Sequence[int], drop: int | None, add: int) -> float:
-        """Second-order prediction of f(members - {drop} + {add}) from f(members), the single
-        removals and every pair scored so far."""
-        rest = [x for x in members if x != drop]
-        value = self.f.value(members) + self.single[add] + sum(self.interaction(x, add) for x in rest)
-        if drop is not None:
-            value -= self.single[drop] + sum(self.interaction(x, drop) for x in rest)
-        return value
+    def pairwise(self, s: Sequence[int]) -> float:
+        """The second-order value of ``s``: its single removals plus every pair's interaction."""
+        return sum(self.single[x] for x in s) + sum(self.interaction(a, b) for a, b in itertools.combinations(s, 2))
 
-    def extensions(self, prev: Sequence[int], count: int) -> list[list[int]]:
-        """``prev`` grown by one of its neighbours or the most removable blocks, the
-        ``count`` best by :meth:`predict` (ties: lower block)."""
-        cands = [c for c in dict.fromkeys([x for r in prev for x in (r - 1, r + 1)] + self.rank)
-                 if c in self.allowed_set and c not in prev][: count]
-        cands.sort(key=lambda c: (score_key(self.predict(prev, None, c)), c))
-        return [sorted(list(prev) + [c]) for c in cands]
+    def predict_set(self, s: Sequence[int]) -> float:
+        """The value of ``s`` as scored, else predicted: :meth:`pairwise`, corrected by the mean
+        residual (scored minus pairwise) of its scored subsets one block smaller."""
+        key = set_key(s)
+        if key in self.f.cache:
+            return self.f.cache[key]
+        value = self.pairwise(s)
+        if len(s) > 3:
+            residuals = [self.f.cache[k] - self.pairwise(t) for t in ([x for x in s if x != d] for d in s)
+                         if (k := set_key(t)) in self.f.cache]
+            if residuals:
+                value += sum(residuals) / len(residuals)
+        return math.inf if math.isnan(value) else value
+
+    def extensions(self, prev: Sequence[int], count: int | None = None) -> list[list[int]]:
+        """``prev`` grown by one allowed block, best prediction first (ties: lower set); the
+        first ``count`` of them."""
+        grown = [sorted(list(prev) + [c]) for c in self.allowed if c not in prev]
+        grown = [s for s in grown if self.ok(s)]
+        grown.sort(key=lambda s: (score_key(self.predict_set(s)), s))
+        return grown if count is None else grown[:count]
+
+    def neighbourhood(self, n: int, seeds: list[list[int]], ranked_prev: list[list[int]] | None,
+                      extend_best: int) -> list[list[int]]:
+        """The sets the prediction ranks at budget ``n``: every set where there are at most
+        :data:`_ENUMERATE_LIMIT`, else the seeds, the best sets of ``n - 1`` grown by one block,
+        and the one-block swaps and run shifts of the best sets of ``n`` scored so far."""
+        if math.comb(len(self.allowed), n) <= _ENUMERATE_LIMIT:
+            return [list(c) for c in itertools.combinations(self.allowed, n) if self.ok(c)]
+        pool = list(seeds)
+        for prev in (ranked_prev or [])[:extend_best]:
+            pool.extend(self.extensions(prev))
+        for current in self.scored(n)[:extend_best]:
+            pool.extend(_shifts(current, self.allowed_set))
+            pool.extend(sorted([x for x in current if x != r] + [c]) for r in current for c in self.allowed
+                        if c not in current)
+        return [s for s in pool if self.ok(s)]
 
     def run_budget(self, n: int, sources: dict, protocols: list[str], protect, ranked_prev: list[list[int]] | None, *,
-                   extend_best: int, exhaustive: bool, allowance: int, moves_per_round: int, max_rounds: int):
-        """Budget ``n``: the seeds (each protocol's greedy set among them, inside the
-        allowance), then the local search. Returns ``(greedy sets, seeds ranked, best set, rounds)``."""
+                   extend_best: int, allowance: int, moves_per_round: int, max_rounds: int):
+        """Budget ``n``: up to ``1 + max_rounds`` rounds, each scoring the sets of best
+        prediction (:meth:`predict_set`) not scored yet, at least ``moves_per_round`` a round
+        and the allowance spread over the rounds, the prediction refitted after each round.
+        A budget whose allowance is spent scores the best set of ``n - 1`` grown by its
+        best predicted block. Returns ``(greedy sets, sets of n scored best first, best
+        set, rounds)``."""
         f, spacing = self.f, self.spacing
         greedy = {}
         for p in protocols:
@@ -378,64 +442,47 @@ class _SetSearch:
                 greedy[p] = None
         if n > 1:
             self.level.update(start=f.calls, allowance=allowance)
-        ranked = self.score(self.seeds(n, greedy, sources, protocols, ranked_prev, extend_best, exhaustive))
-        if not ranked:  # the spacing left nothing from the seeds: fall back to the greedy order of singles
+        seeds = self.seeds(n, greedy, sources, protocols, ranked_prev)
+        rounds: list[dict] = []
+        if n > 1 and self.left() <= 0:  # spent: the best set of n - 1 grown by the best predicted block
+            self.score(seeds[:1])
+        rounds_left = max_rounds + 1 if n > 1 else 0
+        # budget 2: each protocol's greedy pair first, the pair tables' own proposal (beyond
+        # it the pairs they and the prediction led to are in the pair model)
+        own = [g for p in protocols if (g := greedy[p]) is not None and self.ok(g)] if n == 2 else []
+        while self.left() > 0 and rounds_left > 0:
+            pool = [s for s in self.neighbourhood(n, seeds, ranked_prev, extend_best) if set_key(s) not in f.cache]
+            if not pool:
+                break
+            pool.sort(key=lambda s: (score_key(self.predict_set(s)), s))
+            before = self.scored(n)[:1]
+            size = max(min(moves_per_round, self.left()), math.ceil(self.left() / rounds_left))
+            tried = self.score(own + pool[:max(size - len(own), 0)])
+            own = []
+            best = self.scored(n)[0]
+            rounds.append({"sets": len(tried), "best": best, "value": f.value(best),
+                           "improved": not before or score_key(f.value(best)) < score_key(f.value(before[0]))})
+            rounds_left -= 1
+        ranked = self.scored(n)
+        if not ranked:  # the spacing left nothing: fall back to the greedy order of singles
             ranked = self.score([greedy_select(self.single, n, spacing=spacing, protect=protect)])
-        current, rounds = self.local_search(ranked[0], n, moves_per_round, max_rounds)
-        return greedy, ranked, current, rounds
+        return greedy, ranked, ranked[0], rounds
 
-    def seeds(self, n: int, greedy: dict, sources: dict, protocols: list[str], ranked_prev: list[list[int]] | None,
-              extend_best: int, exhaustive: bool) -> list[list[int]]:
-        """Candidate sets of budget ``n``: the best sets of ``n - 1`` grown, each protocol's
-        greedy and lowest-score sets, the ``n`` most removable blocks, the best contiguous
-        runs of every score, and every set when ``exhaustive``."""
-        pool, grown = [], []
-        if n > 1:  # first, so that a small allowance still extends the best set of n - 1
-            grown = self.extensions(ranked_prev[0], n + 2)  # best prediction first
-            pool.extend(grown[:1])
-        # each protocol's own set next (its value goes to the record), inside the allowance
+    def seeds(self, n: int, greedy: dict, sources: dict, protocols: list[str],
+              ranked_prev: list[list[int]] | None) -> list[list[int]]:
+        """Candidate sets of budget ``n`` beyond the prediction's own: the best set of ``n - 1``
+        grown by its best predicted block first, each protocol's greedy and lowest-score sets,
+        the ``n`` most removable blocks, the best contiguous runs of every score."""
+        pool = []
+        if n > 1:
+            pool.extend(self.extensions(ranked_prev[0], 1))
         pool.extend(greedy[p] for p in protocols if greedy[p] is not None)
-        pool.extend(grown[1:])
         for p in protocols:
             pool.append(_lowest(sources[p], self.allowed, n))
         pool.append(self.rank[:n] if n <= len(self.rank) else [])
         for scores in sources.values():
             pool.extend(_best_runs(scores, self.allowed_set, self.total, n))
-        if n > 1:
-            for prev in ranked_prev[1:extend_best]:
-                pool.extend(self.extensions(prev, n + 2))
-        if exhaustive:  # score every set
-            pool.extend(list(c) for c in itertools.combinations(self.allowed, n))
-        return pool
-
-    def local_search(self, current: list[int], n: int, moves_per_round: int, max_rounds: int):
-        """Swap one member for a neighbour or a removable block (ranked by :meth:`predict`)
-        or shift a run, up to ``max_rounds`` rounds while one improves: ``(best, rounds)``."""
-        f, rounds = self.f, []
-        for _ in range(max_rounds):
-            if self.left() <= 0:
-                break
-            shortlist = [c for c in dict.fromkeys([x for r in current for x in (r - 1, r + 1)] + self.rank[: n + 4])
-                         if c in self.allowed_set and c not in current]
-            moves = []
-            for r in current:
-                for c in shortlist:
-                    cand = sorted([x for x in current if x != r] + [c])
-                    if self.ok(cand) and set_key(cand) not in f.cache:
-                        moves.append((score_key(self.predict(current, r, c)), cand))
-            shifts = [m for m in _shifts(current, self.allowed_set) if self.ok(m) and set_key(m) not in f.cache]
-            if not moves and not shifts:
-                break
-            moves.sort()
-            picked = list({set_key(m): m for m in shifts + [m for _, m in moves]}.values())[:moves_per_round]
-            tried = self.score(picked)
-            improved = bool(tried) and score_key(f.value(tried[0])) < score_key(f.value(current))
-            if improved:
-                current = tried[0]
-            rounds.append({"moves": len(tried), "best": current, "value": f.value(current), "improved": improved})
-            if not improved:
-                break
-        return current, rounds
+        return [s for s in pool if s and self.ok(s)]
 
 
 def _default_objective(objective):
@@ -481,13 +528,15 @@ def _card_candidates(search, report, removed, kl, indices):
     cost = search.get("cost") or {}
     values = {p: (search["protocol_sets"][p] or {}).get("value") for p in sets}
     reason = (
-        f"`strategy='search'`: candidate sets from both protocols (each protocol's greedy set and lowest-scored "
-        "layers, low-score contiguous runs, the single-removal ranking) were scored by "
-        f"**{objective}** on the calibration prompts and refined by local moves; the chosen set scores "
-        f"{kl(search.get('value'))} {search.get('unit', 'nats')}"
+        f"`strategy='search'`: candidate sets, proposed by both protocols (each protocol's greedy set and "
+        "lowest-scored layers, low-score contiguous runs, the single-removal ranking) and ranked by a prediction "
+        f"from the single removals and the pairs scored, were scored by **{objective}** on the calibration prompts; "
+        f"the chosen set scores {kl(search.get('value'))} {search.get('unit', 'nats')}"
     )
     if values:
-        reason += " against " + ", ".join(f"{p} {kl(v)}" for p, v in values.items())
+        reason += " against " + ", ".join(
+            f"{p} {kl(v)}" if v is not None else f"{p} (not scored: predicted above the sets scored)"
+            for p, v in values.items())
     reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
                "passes). It has the lowest value of every set scored.")
     matching = [p for p, s in sets.items() if s == list(removed)]
@@ -512,7 +561,7 @@ def _search_cost(plan) -> dict:
     # budgets 2..n: SLEB's schedule, U - (n - 1) sets each, each protocol's greedy set inside; an
     # exhaustive budget only spends what budgets 1..n may spend together, so the sum bounds it too
     bound_sets = sum(search_allowances(len(allowed), n_top)[1:])
-    calls = 2 + (2 + rounds) * (n_top - 1)  # the sweep; per budget the seed pool, a fallback, max_rounds rounds
+    calls = 2 + (2 + rounds) * (n_top - 1)  # the sweep; per budget 1 + max_rounds rounds and a fallback
     if cfg.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
         bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) - len(sets) + n_top - 1))
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
