@@ -358,3 +358,18 @@ def test_card_shows_nan_and_marks_no_block_removed_on_it(tmp_path):
     assert "| 2 | 3 | NaN | NaN | NaN | NaN | — |" in lines  # the pair row: NaN values, no I/R
     assert "| interchange | none: non-finite scores of layers 1, 2, 3, 4 | — |" in lines
     assert hl.save_for_hub(model, tmp_path / "explicit", report=report)  # explicit layers are published
+
+
+@pytest.mark.parametrize("strategy", ["angular_distance", "block_influence", "sleb", "single_removal_kl"])
+def test_a_strategy_that_reads_no_protocol_is_not_credited_to_one(strategy):
+    # these criteria rank blocks on the model itself: the config's default protocol
+    # ('interchange') did not guide the removal, so the card names none
+    model = tiny_model("llama", 6)
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, calibration=tiny_batch(),
+                                                progress=False))
+    text = render_card(model.config, report=result.report, base_model=BASE_MODEL).text
+    assert "| Protocol guiding the removal | none recorded |" in text
+    assert "swap-KL protocol." not in text.split("## What was removed")[0]
+    assert f"strategy **{strategy}**" in text
+    assert render_card(model.config, report=result.report, base_model=BASE_MODEL).data.to_dict()["tags"] == [
+        "layerswap", "layer-pruning"]
