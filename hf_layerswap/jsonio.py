@@ -124,7 +124,7 @@ def regular_target(path: str | os.PathLike) -> Path:
                          "path") from None
     if stat.S_ISREG(mode):
         return target
-    where = "" if target == given else f" (the link's target {target})"
+    where = "" if target == Path(os.path.abspath(given)) else f" (the link's target {target})"
     if stat.S_ISDIR(mode):
         raise FileExistsError(f"{os.fspath(path)}{where} is a folder; give a file's path")
     if stat.S_ISLNK(mode):

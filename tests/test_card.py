@@ -358,3 +358,32 @@ def test_card_shows_nan_and_marks_no_block_removed_on_it(tmp_path):
     assert "| 2 | 3 | NaN | NaN | NaN | NaN | — |" in lines  # the pair row: NaN values, no I/R
     assert "| interchange | none: non-finite scores of layers 1, 2, 3, 4 | — |" in lines
     assert hl.save_for_hub(model, tmp_path / "explicit", report=report)  # explicit layers are published
+
+
+@pytest.mark.parametrize("strategy", ["angular_distance", "block_influence", "sleb", "single_removal_kl"])
+def test_a_strategy_that_reads_no_protocol_is_not_credited_to_one(strategy):
+    # these criteria rank blocks on the model itself: the config's default protocol
+    # ('interchange') did not guide the removal, so the card names none
+    model = tiny_model("llama", 6)
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, calibration=tiny_batch(),
+                                                progress=False))
+    text = render_card(model.config, report=result.report, base_model=BASE_MODEL).text
+    assert "| Protocol guiding the removal | none recorded |" in text
+    assert "swap-KL protocol." not in text.split("## What was removed")[0]
+    assert f"strategy **{strategy}**" in text
+    assert render_card(model.config, report=result.report, base_model=BASE_MODEL).data.to_dict()["tags"] == [
+        "layerswap", "layer-pruning"]
+
+
+def test_a_repair_of_an_earlier_step_stays_on_the_card_after_a_later_cut(report):
+    # step 0's fused map stays folded into the weights after step 1 removes another block,
+    # though the top-level record now holds step 1 (no repair)
+    model = tiny_model("llama", 6)
+    hl.prune(model, hl.LayerSwapConfig(layers=[4], recovery="fused", calibration=tiny_batch(), progress=False))
+    hl.prune(model, hl.LayerSwapConfig(layers=[2]))
+    assert "recovery" not in model.config.layerswap
+    text = render_card(model.config, base_model=BASE_MODEL).text
+    rows = [line for line in text.splitlines() if line.startswith(("| 0 | 6 | 4 | 4 |", "| 1 | 5 | 2 | 2 |"))]
+    assert len(rows) == 2
+    assert rows[0].endswith("; cut repaired (`fused` recovery) |")
+    assert "repaired" not in rows[1]

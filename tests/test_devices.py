@@ -408,3 +408,19 @@ def test_from_pretrained_with_disk_offload_prunes_repairs_and_saves_the_in_memor
     ids = tiny_batch()["input_ids"]
     with torch.no_grad():
         assert torch.allclose(reloaded(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_recovery_refuses_a_fold_into_offloaded_weights(tmp_path):
+    """A fused map folded into a block whose weights sit on disk would not reach the saved
+    weights (the write lands on the meta placeholder): refused before fitting, naming the
+    block; a fold into a block held in memory still changes that block's weights."""
+    split = _offloaded(tiny_model("llama"), tmp_path)
+    calib = build_calibration(tiny_batch())
+    with pytest.raises(ValueError, match=r"block 3's mlp\.down_proj, whose weights are offloaded"):
+        hl.recover(split, [4], calib, method="fused")
+    with pytest.raises(ValueError, match="offloaded"):
+        hl.prune(split, hl.LayerSwapConfig(layers=[4], recovery="fused", calibration=calib, progress=False))
+    assert len(split.model.layers) == 6
+    before = split.model.layers[1].mlp.down_proj.weight.clone()
+    hl.recover(split, [2], calib, method="fused")
+    assert not torch.equal(split.model.layers[1].mlp.down_proj.weight, before)

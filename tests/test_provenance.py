@@ -211,3 +211,19 @@ def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_pat
     (stale / "previous" / "config.json").write_text("{}")
     assert remove_stale_staging(tmp_path) == [stale.name]
     assert (tmp_path / "run.v2" / "config.json").read_text() == "{}" and not stale.exists()
+
+
+def test_a_relative_path_that_is_no_link_is_not_called_a_link(tmp_path, monkeypatch):
+    import os
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("fifo")
+    os.symlink("fifo", "to-fifo")
+    with pytest.raises(ValueError) as plain:
+        write_json_atomic({"x": 1}, "fifo")
+    assert str(plain.value).startswith("fifo is a FIFO, not a regular file")
+    with pytest.raises(ValueError) as linked:
+        write_json_atomic({"x": 1}, "to-fifo")
+    assert str(linked.value).startswith(f"to-fifo (the link's target {tmp_path.resolve() / 'fifo'}) is a FIFO")
+    with pytest.raises(FileExistsError, match=r"^sub is a folder"):
+        os.mkdir("sub")
+        write_text_atomic("x", "sub")

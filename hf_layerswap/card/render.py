@@ -169,7 +169,7 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
                 "before": s.get("num_blocks_before", DASH),
                 "removed_local": format_indices(s.get("removed_layers", [])),
                 "removed_original": format_indices(s.get("removed_original_layers", [])),
-                "selection": format_cell(step_provenance(s).selection),
+                "selection": format_cell(step_provenance(s).selection) + _step_repair(s),
             }
             for s in f.steps
         ],
@@ -217,6 +217,15 @@ _PLOT_ALT = {
     "sparsity": "Per-block target and achieved sparsity",
     "healing": "Healing: training loss and held-out KL against training tokens",
 }
+
+
+def _step_repair(step: Mapping) -> str:
+    """The repair of a removal step's cut, for the steps table's selection cell (its
+    boundaries in that step's pruned numbering; a later removal drops the top-level
+    record, but a fused map stays folded into the weights)."""
+    recovery = step.get("recovery")
+    method = recovery.get("method") if isinstance(recovery, Mapping) else recovery
+    return f"; cut repaired (`{method}` recovery)" if isinstance(method, str) and method else ""
 
 
 def _card_facts(model, config, report, base_model, license, sparsity_report) -> SimpleNamespace:

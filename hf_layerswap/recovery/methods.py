@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from accelerate.utils import has_offloaded_params
 
 from .fit import POST_MLP_NORMS, block_down_proj, model_family, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
 from .hadamard import hadamard_rotation
@@ -300,10 +301,12 @@ class Fused(RecoveryMethod):
 
     def check(self, model, blocks, cuts):
         self.check_hosts(model, blocks, [cut["host"] for cut in cuts if cut["host"] is not None])
+        if any(cut["host"] is None for cut in cuts):
+            _refuse_offloaded_fold(model.get_input_embeddings(), "the input embedding (a cut at block 0)")
 
     def check_hosts(self, model, blocks, hosts):
         for host in hosts:
-            block_down_proj(model, blocks, host)
+            _refuse_offloaded_fold(block_down_proj(model, blocks, host), f"block {host}'s mlp.down_proj")
             norms = [a for a in POST_MLP_NORMS if getattr(blocks[host], a, None) is not None]
             if norms:
                 raise ValueError(
@@ -369,6 +372,18 @@ def fold_into_embedding(model: nn.Module, t: torch.Tensor) -> None:
             cfg.tie_word_embeddings = False
     w = emb.weight
     w.copy_((w.double() @ t.to(device=w.device, dtype=torch.float64)).to(w.dtype))
+
+
+def _refuse_offloaded_fold(module: nn.Module, what: str) -> None:
+    """Refuse to fold a map into ``module`` when an accelerate device map offloads its weights
+    (to the CPU or disk between calls): the in-place write would not reach the weights that
+    are saved, so the checkpoint would keep the unrepaired weights."""
+    if has_offloaded_params(module):
+        raise ValueError(
+            f"fused recovery folds its map into {what}, whose weights are offloaded by the device map: the "
+            "fold would not reach the saved weights; load the model without offloading (no --offload-folder, "
+            "a --max-memory that holds it), or use method='ghosted'"
+        )
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from ..report import score_key, set_key
 from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values, record_set_values
-from .registry import Criterion, register_strategy
+from .registry import NO_PROTOCOL, Criterion, register_strategy
 
 __all__ = ["angular_distance", "block_influence"]
 
@@ -181,9 +181,9 @@ def _sweep_cost(plan) -> dict:
                        note="one stream-capture sweep: every block over each batch, no output head")
 
 
-register_strategy("block_influence", needs_model=True, cost=_sweep_cost,
+register_strategy("block_influence", needs_model=True, cost=_sweep_cost, guided_by=NO_PROTOCOL,
                   criteria={"block_influence": Criterion(block_influence)})(
     as_strategy("block_influence", block_influence))
-register_strategy("angular_distance", needs_model=True, cost=_sweep_cost,
+register_strategy("angular_distance", needs_model=True, cost=_sweep_cost, guided_by=NO_PROTOCOL,
                   criteria={"angular_distance": Criterion(angular_distance)})(
     as_strategy("angular_distance", angular_distance))

@@ -60,6 +60,13 @@ class Criterion:
     batched: bool = True
 
 
+def NO_PROTOCOL(decision, protocol) -> None:
+    """``guided_by`` of a strategy that reads no swap-KL protocol (its own criterion on the
+    model, e.g. angular distance or SLEB): no protocol guided its removal, whatever the
+    config's ``protocol`` says."""
+    return None
+
+
 @dataclass(frozen=True)
 class Strategy:
     """What one registered strategy is and how it is read back.

@@ -11,7 +11,7 @@ from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, check_resume, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values
 from .objectives import removal_kl_values
-from .registry import Criterion, register_strategy
+from .registry import NO_PROTOCOL, Criterion, register_strategy
 
 __all__ = ["single_removal_kl"]
 
@@ -69,5 +69,5 @@ def _single_removal_cost(plan) -> dict:
 
 
 register_strategy(
-    "single_removal_kl", needs_model=True, cost=_single_removal_cost, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
+    "single_removal_kl", needs_model=True, cost=_single_removal_cost, guided_by=NO_PROTOCOL, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
 )(as_strategy("single_removal_kl", single_removal_kl))

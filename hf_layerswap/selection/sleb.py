@@ -17,7 +17,7 @@ from ..scoring.reference import ReferenceCache
 from ..scoring.settings import device_memory_budget
 from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
 from .objectives import removal_nll_values
-from .registry import Criterion, register_strategy
+from .registry import NO_PROTOCOL, Criterion, register_strategy
 
 __all__ = ["sleb"]
 
@@ -131,4 +131,4 @@ def _sleb_cost(plan) -> dict:
                        sweeps=sweeps + len(probes) + later_sets)
 
 
-register_strategy("sleb", needs_model=True, cost=_sleb_cost, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
+register_strategy("sleb", needs_model=True, cost=_sleb_cost, guided_by=NO_PROTOCOL, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
