@@ -93,7 +93,7 @@ def test_a_recovery_entry_says_if_it_attaches_and_serves_as_an_objective():
     from hf_layerswap.selection.objectives import OBJECTIVES
 
     assert search_objectives() == ("ghosted",) and OBJECTIVES == ("removal_kl", "nll", "ghosted")
-    assert [n for n, m in RECOVERY_METHODS.items() if m.attaches_at_load] == ["ghosted"]
+    assert [n for n, m in RECOVERY_METHODS.items() if m.attaches_at_load] == ["ghosted", "linearpatch"]
     indices = lambda b: ", ".join(map(str, b))  # noqa: E731
     # where each map went, from the record: a cut at block 0 goes into the embedding, not a down_proj
     record = {"boundaries": [0, 5], "folded_into": ["embed_tokens", "layers.4.mlp.down_proj"]}
