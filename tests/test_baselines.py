@@ -460,7 +460,7 @@ def test_compare_criteria_after_the_same_repair(harness_setup, tmp_path, monkeyp
 
     monkeypatch.setattr(B, "evaluate_perplexity", boom)
     assert B.compare_criteria(model, calib, [1, 2], recovery="ghosted", state_path=state, **kwargs).rows == table.rows
-    with pytest.raises(ValueError, match=r"recovery='ridge': allowed None or one of \['ghosted', 'fused'\]"):
+    with pytest.raises(ValueError, match=r"recovery='ridge': allowed None or one of \['ghosted', 'fused', 'linearpatch'\]"):
         B.compare_criteria(model, calib, [1], recovery="ridge", **kwargs)
     only_tail = B.compare_criteria(model, calib, [1, 2], recovery="ghosted", recovery_criteria=["tail"],
                                    state_path=state, **kwargs)
