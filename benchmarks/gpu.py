@@ -19,8 +19,12 @@ the GPU and the CPU, in one run of about 8 minutes on one GPU (sized for an H200
     (accelerate moves them to the GPU when they run), against the same model wholly on
     the GPU: swap-KLs, the greedy selections, time and peak GPU memory.
 
-Inputs are in the working tree: the real checkpoints come from the package index
-install, the calibration text is the embedded prose, the 8B-shaped model is random.
+Inputs are in the working tree: parts (a) and (c) take the real checkpoints where the
+package index install put them (``--weights auto``, the default) and otherwise build the
+same shapes from the configs in ``benchmarks/configs/`` with random weights and random
+tokens (``--weights random``; a GPU machine that receives only the working tree has no
+room for the ~350 MB of real weights); the calibration text is the embedded prose; the
+8B-shaped model is random.
 Before any part runs it prints ``hl.estimate_cost``'s estimate of part (b)'s prune; the
 JSON is written after each part, so a part that fails keeps the parts before it.
 
@@ -54,6 +58,7 @@ from _cmdline import command_line  # noqa: E402
 from peeling import spearman  # noqa: E402
 
 import hf_layerswap as hl  # noqa: E402
+from hf_layerswap.extras import MissingExtraError  # noqa: E402
 from hf_layerswap.models import bundled_checkpoint_dir  # noqa: E402
 from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.config import LayerSwapConfig  # noqa: E402
@@ -61,6 +66,9 @@ from hf_layerswap.provenance import library_versions  # noqa: E402
 from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
 
 PAGE = REPO / "benchmarks" / "results" / "gpu.md"
+#: The configs of the two real models (their ``config.json``), so that parts (a) and (c) can
+#: build their shapes where the real checkpoints are not installed.
+CONFIGS = REPO / "benchmarks" / "configs"
 GiB = 2**30
 
 #: Llama-3.1-8B's shape (config of meta-llama/Llama-3.1-8B), and a tiny one for --smoke.
@@ -165,6 +173,50 @@ def random_calibration(vocab: int, num_prompts: int, seq_len: int, seed: int = 0
     return build_calibration({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, num_prompts=num_prompts)
 
 
+def model_source(name: str, weights: str) -> Path | None:
+    """The bundled checkpoint of ``name`` (real weights and tokenizer), or None: its shape is
+    then built from ``benchmarks/configs/<name>.json`` with random weights.
+
+    ``weights``: "real" needs the checkpoint (exits with the reason when it is not
+    installed); "random" never reads it; "auto" takes it when it is installed.
+    """
+    if weights == "random":
+        return None
+    try:
+        return bundled_checkpoint_dir(name)
+    except (ModuleNotFoundError, MissingExtraError) as exc:
+        if weights == "real":
+            raise SystemExit(f"error: --weights real: {name}: {exc}") from None
+        return None
+
+
+def random_checkpoint(name: str, folder: Path) -> Path:
+    """Save a model of ``name``'s shape (``benchmarks/configs/<name>.json``), initialised by
+    transformers from seed 0 in fp32, to ``folder``; returns ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def checkpoint_and_calibration(name: str, weights: str, folder: Path, num_prompts: int, seq_len: int):
+    """``(path, calibration, weights used)`` for part (a) or (c): the real checkpoint with
+    WikiText-free embedded prose through its tokenizer, or a random-weight checkpoint of
+    its shape in ``folder`` with random tokens."""
+    from transformers import AutoTokenizer
+
+    path = model_source(name, weights)
+    if path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return path, build_calibration(None, tokenizer, num_prompts=num_prompts, seq_len=seq_len), "real"
+    path = random_checkpoint(name, folder)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    return path, random_calibration(vocab, num_prompts, seq_len), "random"
+
+
 def _pairs(report, protocol) -> list[float]:
     return [p.value(protocol) for p in report.pairs]
 
@@ -174,9 +226,12 @@ def _rel_errors(a: list[float], b: list[float]) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- (a) bf16 vs fp32
-def agreement(dev: Device, name: str, smoke: bool, budgets: range, num_prompts: int = 64, seq_len: int = 128) -> dict:
+def agreement(dev: Device, name: str, smoke: bool, budgets: range, weights: str = "auto", num_prompts: int = 64,
+              seq_len: int = 128) -> dict:
     """Scores and default selections of one model in fp32 and in bf16 on ``dev``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tmp = tempfile.TemporaryDirectory(prefix="gpu-bench-")
 
     if smoke:
         torch.manual_seed(0)
@@ -184,15 +239,14 @@ def agreement(dev: Device, name: str, smoke: bool, budgets: range, num_prompts: 
         calib = random_calibration(base.config.vocab_size, 8, 16)
         models = {"float32": lambda: base, "bfloat16": lambda: AutoModelForCausalLM.from_config(
             base.config, dtype=torch.bfloat16).eval().to(dev.device).requires_grad_(False)}
-        state = base.state_dict()
+        state, used = base.state_dict(), "smoke"
     else:
-        path = bundled_checkpoint_dir(name)
-        calib = build_calibration(None, AutoTokenizer.from_pretrained(path), num_prompts=num_prompts, seq_len=seq_len)
+        path, calib, used = checkpoint_and_calibration(name, weights, Path(tmp.name) / "ckpt", num_prompts, seq_len)
         models = {d: (lambda d=d: AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, d),
                                                                        device_map={"": dev.device}).eval())
                   for d in ("float32", "bfloat16")}
         state = None
-    out = {"model": name, "num_prompts": calib.num_prompts, "seq_len": calib.seq_len, "runs": {}}
+    out = {"model": name, "weights": used, "num_prompts": calib.num_prompts, "seq_len": calib.seq_len, "runs": {}}
     for dtype, load in models.items():
         model = load()
         if state is not None and dtype == "bfloat16":
@@ -210,6 +264,7 @@ def agreement(dev: Device, name: str, smoke: bool, budgets: range, num_prompts: 
             "batch_size": report.metadata["batch_size"], "max_memory": report.metadata["max_memory"],
         }
         model = None  # the weights freed before the next load (the lambdas above read the name)
+    tmp.cleanup()
     f32, b16 = out["runs"]["float32"], out["runs"]["bfloat16"]
     out["spearman"] = {p: spearman(b16["layer_scores"][p], f32["layer_scores"][p]) for p in f32["layer_scores"]}
     out["pair_rel_error"] = {}
@@ -280,8 +335,8 @@ def llama_8b(dev: Device, smoke: bool, budgets: tuple, prune_n: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- (c) split model
-def split_model(dev: Device, smoke: bool, budget: int, greedy: tuple) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+def split_model(dev: Device, smoke: bool, budget: int, greedy: tuple, weights: str = "auto") -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     tmp = tempfile.TemporaryDirectory(prefix="gpu-bench-")
     if smoke:
@@ -294,13 +349,13 @@ def split_model(dev: Device, smoke: bool, budget: int, greedy: tuple) -> dict:
         device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
         device_map.update({f"model.layers.{i}": "cpu" if i < blocks // 2 else "disk" for i in range(blocks)})
         split_kwargs = {"device_map": device_map, "offload_folder": str(Path(tmp.name) / "offload")}
-        dtype = torch.float32
+        dtype, used = torch.float32, "smoke"
     else:
-        path = bundled_checkpoint_dir("smollm2-135m")
-        calib = build_calibration(None, AutoTokenizer.from_pretrained(path), num_prompts=64, seq_len=128)
+        path, calib, used = checkpoint_and_calibration("smollm2-135m", weights, Path(tmp.name) / "ckpt", 64, 128)
         split_kwargs = {"device_map": "auto", "max_memory": {dev.device.index or 0: budget, "cpu": 8 * GiB}}
         dtype = torch.bfloat16
-    out = {"num_prompts": calib.num_prompts, "seq_len": calib.seq_len, "dtype": str(dtype).replace("torch.", "")}
+    out = {"weights": used, "num_prompts": calib.num_prompts, "seq_len": calib.seq_len,
+           "dtype": str(dtype).replace("torch.", "")}
     runs = {}
     for kind, kwargs in (("in_memory", {"device_map": {"": dev.device}}), ("split", split_kwargs)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
@@ -327,6 +382,10 @@ def _gib(n) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _weights_note(used) -> str:
+    return {"real": " (real weights)", "random": " (random weights in the shape of benchmarks/configs/)"}.get(used, "")
+
+
 def _met(ok) -> str:
     return "not measured" if ok is None else ("met" if ok else "missed")
 
@@ -338,9 +397,12 @@ def verdicts(results: dict) -> dict:
         return dict.fromkeys(key for key, _ in TARGETS)
     a, b, c = results.get("agreement"), results.get("llama_8b"), results.get("split")
     prune = b["prune"] if b else None
+    real_a = bool(a) and all(m.get("weights") == "real" for m in a)
     return {
-        "spearman": None if not a else all(v >= 0.98 for m in a for v in m["spearman"].values()),
-        "selection": None if not a else all(all(m["same_selection"].values()) for m in a),
+        # the agreement targets are about the real models: random weights measure the
+        # arithmetic, not what a user's trained checkpoint selects
+        "spearman": None if not real_a else all(v >= 0.98 for m in a for v in m["spearman"].values()),
+        "selection": None if not real_a else all(all(m["same_selection"].values()) for m in a),
         "prune_time": None if not prune else prune["seconds"] < 180,
         "compute_bound": None if not prune else prune["x_compute_bound"] <= 3,
         "peak_memory": None if not prune else prune["peak_over_weights"] <= 1.15,
@@ -369,7 +431,11 @@ def render(results: dict) -> str:
     lines += ["", "## (a) bf16 vs fp32 agreement", ""]
     for m in results["agreement"]:
         runs = m["runs"]
-        lines += [f"### {m['model']} ({m['num_prompts']} prompts x {m['seq_len']} tokens, adjacent pairs)", "",
+        source = {"real": "real weights; ",
+                  "random": "random weights in the shape of benchmarks/configs/, random tokens: the agreement "
+                            "targets need the real weights and are not judged on these; "}.get(m.get("weights"), "")
+        lines += [f"### {m['model']} ({source}{m['num_prompts']} prompts x {m['seq_len']} tokens, adjacent pairs)",
+                  "",
                   "| protocol | Spearman of per-layer scores | pair-KL relative error, max | median |", "|---|---:|---:|---:|"]
         for p, rho in m["spearman"].items():
             err = m["pair_rel_error"][p]
@@ -412,7 +478,8 @@ def render(results: dict) -> str:
     c = results["split"]
     lines += ["## (c) A model split between devices", "",
               f"{'A tiny model, half its blocks on disk (smoke)' if results['smoke'] else 'SmolLM2-135M'} in "
-              f"{c['dtype']}, {c['num_prompts']} prompts x {c['seq_len']} tokens.", "",
+              f"{c['dtype']}{_weights_note(c.get('weights'))}, "
+              f"{c['num_prompts']} prompts x {c['seq_len']} tokens.", "",
               f"| placement | modules per device | scoring s | peak memory | greedy sets n = {', '.join(map(str, next(iter(c['runs'].values()))['greedy']))} |",
               "|---|---|---:|---:|---|"]
     for kind, r in c["runs"].items():
@@ -491,6 +558,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help=f"page path (default {PAGE.relative_to(REPO)}); "
                         "the JSON goes next to it")
     parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    parser.add_argument("--weights", choices=["auto", "real", "random"], default="auto",
+                        help="parts (a) and (c): the real checkpoints (installed by scripts/install.sh), or their "
+                        "shapes from benchmarks/configs/ with random weights; auto: the real ones where installed")
     parser.add_argument("--render-only", action="store_true", help="write the page from the JSON beside it "
                         "(the page before any GPU run when there is none, or it lacks a part); measures nothing")
     args = parser.parse_args(argv)
@@ -517,7 +587,8 @@ def main(argv=None) -> int:
     if "a" in args.parts:
         for name in ("smollm2-135m", "gemma3-270m"):
             print(f"(a) {name}", file=sys.stderr)
-            results["agreement"].append(agreement(dev, "tiny-llama" if args.smoke else name, args.smoke, budgets))
+            results["agreement"].append(agreement(dev, "tiny-llama" if args.smoke else name, args.smoke, budgets,
+                                                   weights=args.weights))
             save(results, out, t0)
             if args.smoke:
                 break
@@ -528,7 +599,8 @@ def main(argv=None) -> int:
         save(results, out, t0)
     if "c" in args.parts:
         print("(c) split model", file=sys.stderr)
-        results["split"] = split_model(dev, args.smoke, budget=120 * 2**20, greedy=(1, 2) if args.smoke else (1, 2, 3))
+        results["split"] = split_model(dev, args.smoke, budget=120 * 2**20, greedy=(1, 2) if args.smoke else (1, 2, 3),
+                                       weights=args.weights)
     save(results, out, t0)
     print(f"wrote {out}", file=sys.stderr)
     return 0

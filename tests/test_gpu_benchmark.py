@@ -111,3 +111,51 @@ def test_a_failing_part_keeps_the_parts_measured_before_it(tmp_path, monkeypatch
     assert [m["model"] for m in data["agreement"]] == ["tiny-llama"] and data["llama_8b"] is None
     assert set(data["agreement"][0]["spearman"]) == {"replacement", "interchange"}
     assert not (tmp_path / "gpu.md").exists()
+
+
+def test_parts_a_and_c_build_the_real_shapes_from_the_configs_in_the_tree(tmp_path, monkeypatch):
+    """Without the real checkpoints (a GPU machine gets the working tree only), parts (a) and
+    (c) build each model's shape from ``benchmarks/configs/<name>.json`` with random weights
+    and random tokens; ``--weights real`` refuses instead, naming why."""
+    gpu = _module()
+    tiny = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3, "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+            "tie_word_embeddings": True, "max_position_embeddings": 64}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.json").write_text(json.dumps(tiny))
+    monkeypatch.setattr(gpu, "CONFIGS", tmp_path / "configs")
+
+    def not_installed(name):
+        raise ModuleNotFoundError(f"the package shipping {name} is not installed")
+
+    monkeypatch.setattr(gpu, "bundled_checkpoint_dir", not_installed)
+    assert gpu.model_source("tiny", "random") is None and gpu.model_source("tiny", "auto") is None
+    with pytest.raises(SystemExit, match="--weights real: tiny: the package shipping tiny is not installed"):
+        gpu.model_source("tiny", "real")
+    path, calib, used = gpu.checkpoint_and_calibration("tiny", "auto", tmp_path / "ckpt", 4, 8)
+    assert used == "random" and path == tmp_path / "ckpt"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (3, 32, 97)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, as configured
+    ids = calib.input_ids
+    assert tuple(ids.shape) == (4, 8) and int(ids.min()) >= 0 and int(ids.max()) < 97
+    # the same seed gives the same weights: a rerun measures the same model
+    again, _, _ = gpu.checkpoint_and_calibration("tiny", "random", tmp_path / "again", 4, 8)
+    twin = AutoModelForCausalLM.from_pretrained(again)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_the_configs_in_the_tree_are_the_real_checkpoints_configs(name):
+    """``benchmarks/configs/<name>.json`` holds the real checkpoint's shape: every key it has
+    equals the checkpoint's ``config.json`` value, and it leaves out only the name and the
+    writing library's version."""
+    from hf_layerswap.models import bundled_checkpoint_dir
+
+    real = json.loads((bundled_checkpoint_dir(name) / "config.json").read_text())
+    ours = json.loads((REPO_ROOT / "benchmarks" / "configs" / f"{name}.json").read_text())
+    assert {k: real[k] for k in ours} == ours
+    assert set(real) - set(ours) == {"_model_name_or_path", "transformers_version"}
