@@ -15,12 +15,12 @@ help (``field(metadata={"help": ...})``); the repair and the sparsification are 
 dataclass fields (:class:`RecoveryConfig`, :class:`SparsityConfig`); every field is
 checked in ``__post_init__`` (:meth:`LayerSwapConfig.validate`), and :meth:`to_dict` /
 :meth:`from_dict` are the one serialisation (a JSON round trip is exact). The closed
-choices (``protocol``, ``objective``) are ``Literal`` types and the allowed lists come from
-them; the choices with a registry (``strategy``, the ``recovery`` method, the sparsity
+choice (``protocol``) is a ``Literal`` type and the allowed list comes from it; the
+choices with a registry (``strategy``, ``objective``, the ``recovery`` method, the sparsity
 ``allocation`` and ``pruner``) are checked against the registry when the config is
-validated, so a name added with ``register_strategy``, ``register_recovery_method``,
-``register_allocator`` or ``register_pruner`` is accepted (their ``Literal`` annotations
-name the built-ins).
+validated, so a name added with ``register_strategy``, ``register_recovery_method`` (a
+search objective too, with ``search_objective = True``), ``register_allocator`` or
+``register_pruner`` is accepted (their ``Literal`` annotations name the built-ins).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -46,7 +46,8 @@ from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recov
 from .rule import resolve_protect
 from .selection import STRATEGIES
 from .selection.core import selection_protocols
-from .selection.registry import STRATEGY_ENTRIES, strategy_entry
+from .selection.objectives import OBJECTIVES
+from .selection.registry import STRATEGY_ENTRIES, strategies_taking, strategy_entry
 from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
 
 __all__ = [
@@ -67,17 +68,16 @@ QUANT_METHOD = "layerswap"
 #: Format version of :meth:`LayerSwapConfig.to_dict` (``config.json`` of a pruned checkpoint).
 CONFIG_VERSION = 1
 
-#: Allowed values of the closed choices (the ``Literal`` types are the single source).
+#: Allowed values of the closed choice (the ``Literal`` type is the single source).
 ProtocolName = Literal["replacement", "interchange", "auto"]
-ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
 #: The built-in names of the choices with a registry; validation reads the registries
-#: (:data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
+#: (:data:`~hf_layerswap.selection.objectives.OBJECTIVES`,
+#: :data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
 #: :data:`~hf_layerswap.sparsity.PRUNERS`), so registered names are allowed too.
+ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
 RecoveryMethodName = Literal["ghosted", "fused", "linearpatch"]
 AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
 PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
-#: The recovery registry's plain removal (``"none"``), which the config spells ``recovery=None``.
-_PLAIN_REMOVAL = "none"
 
 #: Flat constructor keywords -> (the nested field, its sub-config field): the one place
 #: they are mapped (the constructor, :meth:`LayerSwapConfig.update` and the command line's
@@ -105,9 +105,14 @@ def _cli(text: str, **extra) -> dict:
 
 def _recovery_choices() -> list:
     """The allowed ``recovery`` values now: ``None`` (plain removal) and every method
-    registered with :func:`~hf_layerswap.recovery.register_recovery_method` but
-    ``"none"``."""
-    return [None] + [name for name in RECOVERY_METHODS if name != _PLAIN_REMOVAL]
+    registered with :func:`~hf_layerswap.recovery.register_recovery_method` that repairs
+    (its entry's ``fits``; plain removal, ``"none"``, is spelled ``recovery=None``)."""
+    return [None] + _repairs()
+
+
+def _repairs() -> list[str]:
+    """The registered recovery methods that repair the cut (their entry's ``fits``)."""
+    return [name for name, method in RECOVERY_METHODS.items() if method.fits]
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False):
@@ -188,7 +193,7 @@ class RecoveryConfig:
     method: RecoveryMethodName = field(default="ghosted", metadata=_cli(
         "repair the cut: ghosted (Ghosted Layers operators), fused (folded into down_proj) or linearpatch "
         "(LinearPatch Hadamard rotation and channel scaling)",
-        choices=lambda: [name for name in RECOVERY_METHODS if name != _PLAIN_REMOVAL]))
+        choices=_repairs))
     num_tokens: int | None = field(default=None, metadata=_help(
         "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
     epsilon: float | None = field(default=None, metadata=_help(
@@ -478,7 +483,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         "ranked by a prediction from the pairs scored; greedy = the paper's rule on the protocol; auto = the better protocol's "
         "greedy set", choices=lambda: sorted(STRATEGIES)))
     objective: ObjectiveName | None = field(default=None, metadata=_cli(
-        "what the search strategy minimises on the calibration prompts (default removal_kl)"))
+        "what the search strategy minimises on the calibration prompts (default removal_kl)",
+        choices=lambda: list(OBJECTIVES)))
     max_evaluations: int | None = field(default=None, metadata=_cli(
         "most candidate sets search scores in all (default: no cap beyond each budget's allowance, SLEB's "
         "schedule: U - (n - 1) sets at budget n for U removable blocks)", minimum=1))
@@ -506,7 +512,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if self.protect is None:
             self.protect = [0, -1]
         if self.spacing is None:
-            self.spacing = 1 if self.strategy in ("greedy", "auto") else 0
+            self.spacing = strategy_entry(self.strategy).spacing  # its entry's default (0 for an unknown name)
         self.validate()
 
     @staticmethod
@@ -573,7 +579,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.max_gap = _check_int("max_gap", self.max_gap, 1)
         self.spacing = _check_int("spacing", self.spacing, 0)
         _check_choice("strategy", self.strategy, sorted(STRATEGIES))
-        _check_choice("objective", self.objective, get_args(ObjectiveName), allow_none=True)
+        _check_choice("objective", self.objective, OBJECTIVES, allow_none=True)
         self.max_evaluations = _check_int("max_evaluations", self.max_evaluations, 1, allow_none=True)
         self._validate_strategy_options()
         self.num_prompts = _check_int("num_prompts", self.num_prompts, 1)
@@ -600,7 +606,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(strategy={self.strategy!r}, objective={self.objective!r}): "
                              f"strategy {self.strategy!r} minimises no objective; objective applies to {takers}")
         if self.max_evaluations is not None and "max_evaluations" not in (entry.options or ()):
-            takers = sorted(n for n, e in STRATEGY_ENTRIES.items() if "max_evaluations" in (e.options or ()))
+            takers = strategies_taking("max_evaluations")
             raise ValueError(f"LayerSwapConfig(strategy={self.strategy!r}, max_evaluations={self.max_evaluations!r}): "
                              f"strategy {self.strategy!r} takes no max_evaluations; it applies to {takers}")
 
@@ -633,7 +639,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             return
         method = self.recovery.method if self.recovery is not None else None
         if method != repair.name:
-            plain = [o for o in get_args(ObjectiveName) if recovery_entry(o) is None]
+            plain = [o for o in OBJECTIVES if recovery_entry(o) is None]
             raise ValueError(
                 f"LayerSwapConfig(objective={self.objective!r}, recovery={method!r}) is contradictory: the "
                 f"{self.objective!r} objective scores each set after the {repair.name!r} repair, but "

@@ -708,7 +708,8 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
     weights = shape.weight_bytes
     search_ref = 0
     selection_engine = phases.get("selection", {}).pop("memory_engine", None)
-    if engine is not None and "selection" in phases and cfg.strategy == "search":
+    keeps = strategy_entry(strategy_entry(cfg.strategy).strategy_for(cfg.protocol)).keeps_reference  # as prune runs it
+    if engine is not None and "selection" in phases and keeps:
         search_ref = _reference_bytes(engine, budget)  # ``budget``: the share the search keeps
     working = _working_bytes(engine, model, 0) if engine is not None else 0
     if selection_engine is not None:  # the search's engine calls beside its kept reference

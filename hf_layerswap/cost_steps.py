@@ -8,11 +8,12 @@ over one batch) and of the output head:
 - **recovery** (:func:`~hf_layerswap.recovery.recover`): one pass over the batches that
   hold the first ``num_tokens`` real tokens (:func:`~hf_layerswap.recovery.fit.select_rows`),
   each stopping at the last stream slot the method reads (blocks ``0..end-1`` run, ``end``
-  the first kept block after the last cut); ``"fused"`` first checks each cut's host block
-  on one batch of at most 2 prompts (two forwards to the slot after the host). Exact when
-  the blocks are given (``layers``); otherwise an upper bound (the last removable block
-  taken as the last cut; for ``"fused"``'s host checks, each of the deepest removable blocks
-  a cut of its own);
+  the first kept block after the last cut); a method that checks the model on real rows
+  first (``"fused"``: each cut's host block) adds the forwards of that check on one batch
+  of at most 2 prompts (:meth:`~hf_layerswap.recovery.RecoveryMethod.probe_forwards`). Exact
+  when the blocks are given (``layers``); otherwise an upper bound (the last removable block
+  taken as the last cut; for the checks, each of the deepest removable blocks a cut of its
+  own);
 - **sparsity** (:func:`~hf_layerswap.sparsity.sparsify`, batches of 8 prompts): the dense
   pass over every kept block, a gradient pass (forward, head, backward) for allocators that
   need one, then block by block a statistics replay (pruners with statistics) and the
@@ -42,7 +43,6 @@ import math
 from collections.abc import Mapping
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 from torch import nn
 from transformers import AutoTokenizer
@@ -51,13 +51,13 @@ from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
-from .healing.methods import LORA_TARGETS, cut_neighbours
+from .healing.methods import get_heal_method
 from .healing.trainer import resolve_patience
 from .models import has_tokenizer_files, is_hub_id
 from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from .recovery.core import DEFAULT_NUM_TOKENS
 from .recovery.fit import cut_boundaries, select_rows
-from .recovery.methods import get_recovery_method
+from .recovery.methods import PROBE_PROMPTS, get_recovery_method
 from .rule import check_budget, resolve_protect
 from .selection.registry import strategy_entry
 from .sparsity.registry import get_allocator, get_pruner
@@ -174,13 +174,14 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     phase = _phase(exact, f"{rec.method} fit on the first {rec.num_tokens or DEFAULT_NUM_TOKENS:,} real tokens, "
                           f"each batch up to slot {max(slots)}" + ("" if exact else " (the deepest possible cut)"))
     num_tokens = rec.num_tokens or DEFAULT_NUM_TOKENS
-    if rec.method == "fused":  # the host check: two forwards to the slot after each host, on one batch;
-        # blocks not yet chosen: each of the deepest removable ones a cut of its own (the most checks there can be)
-        ids, _, _ = next(select_rows(calib, min(cfg.batch_size, 2), num_tokens))
-        hosts = [c["host"] for c in cuts] if exact else [i - 1 for i in removed]
-        for host in (h for h in hosts if h is not None and h >= 0):
-            for _ in range(2):
-                _add_forward(phase, shape, host + 1, ids.shape[0], ids.shape[1], head=False)
+    # the method's check on real rows before the fit (its probe), on one batch; blocks not yet chosen:
+    # each of the deepest removable ones a cut of its own (the most checks there can be)
+    probe_cuts = cuts if exact else [c for i in removed for c in cut_boundaries(shape.num_blocks, [i])]
+    depths = entry.probe_forwards(probe_cuts)
+    if depths:
+        ids, _, _ = next(select_rows(calib, min(cfg.batch_size, PROBE_PROMPTS), num_tokens))
+        for depth in depths:
+            _add_forward(phase, shape, depth, ids.shape[0], ids.shape[1], head=False)
     most = 0
     for ids, mask, keep in select_rows(calib, cfg.batch_size, num_tokens):
         _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
@@ -244,41 +245,15 @@ def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
 def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[int],
                          known: bool = True) -> tuple[int, int, int]:
     """(trainable parameters, their tensors, bytes per element) of ``cfg.heal``'s method on
-    the pruned model: LoRA's A and B (fp32, rank ``lora_r``) on the kept blocks'
-    projections, or the full weights the method unfreezes (``"adjacent"`` with ``removed``
-    not ``known``: two neighbours per removed block, the most there can be).
+    the pruned model, as its registry entry plans them
+    (:meth:`~hf_layerswap.healing.methods.HealMethod.trainable`; ``known``: ``removed`` is
+    the cut itself, else a worst case).
 
     Raises:
-        ValueError: a healing method whose trainable set is not planned here, or a
-            ``last_k`` ``k`` outside 1..(kept blocks).
+        ValueError: a healing method whose entry plans no trainable set, or an option value
+            it cannot take (a ``last_k`` ``k`` outside 1..(kept blocks)).
     """
-    heal, kept = cfg.heal, shape.num_blocks - len(removed)
-    block = shape.blocks[0]
-    if heal.method == "lora":
-        rank = heal.options.get("lora_r", 16)
-        lins = [m for n, m in block.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]
-        return kept * sum(rank * (m.in_features + m.out_features) for m in lins), kept * 2 * len(lins), 4
-    norms = [p for m in block.modules() if "norm" in type(m).__name__.lower() for p in m.parameters(recurse=False)]
-    if heal.method == "adjacent":
-        total = shape.num_blocks
-        kept_layers = [i for i in range(total) if i not in removed]
-        record = {"kept_layers": kept_layers, "removed_layers": removed, "original_num_hidden_layers": total}
-        chosen = (len(cut_neighbours(SimpleNamespace(config=SimpleNamespace(layerswap=record)))) if known
-                  else min(2 * len(removed), kept))
-        params = list(block.parameters())
-        norm_params = sum(p.numel() for p in norms)
-        return (chosen * shape.block_params + (kept - chosen) * norm_params,
-                chosen * len(params) + (kept - chosen) * len(norms), shape.es)
-    if heal.method == "last_k":
-        k = heal.options.get("k", 3)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= kept:
-            raise ValueError(f"heal option k={k!r}: must be an int in 1..{kept} (the pruned model's block count)")
-        extra = [m for m in (shape.model.get_output_embeddings(), getattr(shape.model.get_decoder(), "norm", None))
-                 if m is not None]
-        extra_params = [p for m in extra for p in m.parameters()]
-        return (k * shape.block_params + sum(p.numel() for p in extra_params),
-                k * len(list(block.parameters())) + len(extra_params), shape.es)
-    raise ValueError(f"heal method={heal.method!r}: estimate_cost plans 'lora', 'adjacent' and 'last_k'")
+    return get_heal_method(cfg.heal.method).trainable(shape, cfg.heal.options, removed, known)
 
 
 def _trainer_batches(rows: int, batch: int, steps: int) -> dict[int, int]:
@@ -323,7 +298,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
     optimizer = 4 * params * es + 4 * tensors
-    adapters = params * es if heal.method == "lora" else 0
+    adapters = params * es if get_heal_method(heal.method).adds_parameters else 0
     b = heal.batch_size
     saved = kept * (b * width * (16 * shape.hidden + 2 * shape.intermediate) * shape.es
                     + 2 * b * shape.heads * width**2 * 4)  # what the backward keeps per block
@@ -362,7 +337,7 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
                          "their passes needs the tokenizer; pass tokenizer=")
     if heal.perplexity_text is not None:
         forwards = perplexity_forwards(heal.perplexity_text, tokenizer, max_positions(shape.model))
-        repaired = cfg.recovery is not None and cfg.recovery.method != "none"
+        repaired = cfg.recovery is not None and get_recovery_method(cfg.recovery.method).fits
         stages = [s for s in PERPLEXITY_STAGES  # a cut just made has no earlier healing
                   if s != "after_earlier_healing" and (repaired or s != "after_repair")]
         before = (phase["block_passes"], phase["head_passes"])

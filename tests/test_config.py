@@ -696,3 +696,48 @@ def test_heal_config_refuses_an_empty_path(name):
     extra = {"eval_tasks": ["t"]} if name == "eval_tasks_path" else {}
     with pytest.raises(ValueError, match=rf"HealConfig\({name}=''\): must be a non-empty path or None"):
         HealConfig(**{name: ""}, **extra)
+
+
+def test_a_recovery_method_that_serves_as_a_search_objective_is_accepted_as_objective():
+    """objective= reads the live objectives: a recovery method registered with
+    search_objective=True is accepted (it was refused by a closed Literal), needs its repair
+    as recovery, and is offered by prune --objective."""
+    from hf_layerswap.cli import build_parser
+    from hf_layerswap.recovery import METHODS
+    from hf_layerswap.selection.objectives import OBJECTIVES
+
+    class AsObjective(RecoveryMethod):
+        search_objective = True
+
+    register_recovery_method("test_objective_repair")(AsObjective)
+    try:
+        assert OBJECTIVES[-1] == "test_objective_repair" and METHODS[-1] == "test_objective_repair"
+        cfg = LayerSwapConfig(num_to_remove=1, objective="test_objective_repair", recovery="test_objective_repair")
+        assert (cfg.objective, cfg.recovery.method) == ("test_objective_repair", "test_objective_repair")
+        assert LayerSwapConfig.from_dict(cfg.to_dict()) == cfg
+        with pytest.raises(ValueError, match=r"objective='test_objective_repair', recovery=None\) is contradictory.*"
+                                             r"objective that assumes no repair \(\['removal_kl', 'nll'\]\)"):
+            LayerSwapConfig(num_to_remove=1, objective="test_objective_repair")
+        prune_verb = build_parser()._subparsers._group_actions[0].choices["prune"]
+        choices = {a.dest: a.choices for a in prune_verb._actions}
+        assert choices["objective"] == ["removal_kl", "nll", "ghosted", "test_objective_repair"]
+    finally:
+        RECOVERY_METHODS.pop("test_objective_repair", None)
+    assert "test_objective_repair" not in OBJECTIVES
+    with pytest.raises(ValueError, match=r"LayerSwapConfig\(objective='test_objective_repair'\): allowed "
+                                         r"\['removal_kl', 'nll', 'ghosted', None\]"):
+        LayerSwapConfig(num_to_remove=1, objective="test_objective_repair")
+
+
+def test_a_registered_strategy_gets_the_spacing_default_of_its_entry():
+    from hf_layerswap.selection.registry import STRATEGY_ENTRIES, STRATEGY_OPTIONS
+
+    register_strategy("test_spaced", spacing=2)(lambda report, n, **_: [1])
+    try:
+        assert LayerSwapConfig(num_to_remove=1, strategy="test_spaced").spacing == 2
+        assert LayerSwapConfig(num_to_remove=1, strategy="test_spaced", spacing=0).spacing == 0
+    finally:
+        for table in (STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS):
+            table.pop("test_spaced", None)
+    assert [LayerSwapConfig(num_to_remove=1, strategy=s).spacing for s in ("greedy", "auto", "search", "sleb")] == [
+        1, 1, 0, 0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pytest
@@ -385,6 +386,85 @@ def test_every_strategy_of_prune_help_runs_from_the_command_line(tmp_path, capsy
         if line.group(1) is None:
             assert counts["block"] == estimate, strategy
         assert (out / "config.json").is_file()
+
+
+def test_a_registered_strategy_that_keeps_a_reference_is_estimated_like_the_search():
+    """The kept reference's bytes follow the strategy entry's keeps_reference, not its name: a
+    strategy registered with the search's function, cost and flag gets the search's memory."""
+    import dataclasses
+
+    from hf_layerswap.selection.registry import (
+        MODEL_STRATEGIES, STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS, register_strategy, strategy_entry,
+    )
+
+    search = strategy_entry("search")
+    fields = {f.name: getattr(search, f.name) for f in dataclasses.fields(search)
+              if f.name not in ("name", "fn", "needs_model", "options", "criteria")}
+    cfg, calib = _tiny(8), _calibration()
+    memory = {}
+    try:
+        for name, keeps in (("test_search_copy", True), ("test_search_unkept", False)):
+            register_strategy(name, needs_model=True, options=search.options,
+                              **{**fields, "keeps_reference": keeps})(search.fn)
+            config = hl.LayerSwapConfig(num_to_remove=2, strategy=name, batch_size=4, progress=False)
+            memory[name] = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib,
+                                            throughput=FIXED).memory_parts
+        config = hl.LayerSwapConfig(num_to_remove=2, batch_size=4, progress=False)
+        memory["search"] = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib,
+                                            throughput=FIXED).memory_parts
+    finally:
+        for name in ("test_search_copy", "test_search_unkept"):
+            for table in (STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS):
+                table.pop(name, None)
+            MODEL_STRATEGIES.discard(name)
+    assert memory["search"]["reference_kept"] > 0
+    assert memory["test_search_copy"] == memory["search"]
+    assert memory["test_search_unkept"]["reference_kept"] == 0
+
+
+def _prune_choices(option: str) -> list:
+    """The choices ``hf-layerswap prune --help`` offers for ``option`` (its parser, built now)."""
+    from hf_layerswap.cli import build_parser
+
+    verbs = build_parser()._subparsers._group_actions[0].choices
+    return next(a.choices for a in verbs["prune"]._actions if option in a.option_strings)
+
+
+def test_prune_help_offers_every_registered_strategy_repair_and_healing_method():
+    from hf_layerswap.healing import HEAL_METHODS
+    from hf_layerswap.recovery import RECOVERY_METHODS
+
+    assert _prune_choices("--strategy") == sorted(hl.STRATEGIES)
+    assert _prune_choices("--recovery") == [n for n, m in RECOVERY_METHODS.items() if m.fits]
+    assert _prune_choices("--heal") == sorted(HEAL_METHODS)
+
+
+def test_every_repair_and_healing_method_of_prune_help_estimates_and_runs(tmp_path, capsys):
+    """prune --dry-run and a real prune exit 0 for every --recovery and --heal choice (read
+    from the parser), the estimate naming the step, and the checkpoint records it."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("\n\n".join(" ".join(f"w{(5 * p + k) % 120}" for k in range(20)) for p in range(6)) + "\n")
+    torch.manual_seed(0)
+    tiny_checkpoint(tmp_path / "base", LlamaForCausalLM(_tiny(6)))
+    base = ["--layers", "2", "--calibration", str(text), "--num-prompts", "4", "--seq-len", "16", "--batch-size", "2"]
+    heal = ["--heal-max-tokens", "32", "--heal-seq-len", "16", "--heal-batch-size", "2", "--heal-heldout-prompts", "1"]
+    runs = [(f"recovery-{m}", ["--recovery", m], "recovery") for m in _prune_choices("--recovery")]
+    runs += [(f"heal-{m}", ["--heal", m, *heal], "healing") for m in _prune_choices("--heal")]
+    assert len(runs) >= 6
+    for name, flags, step in runs:
+        out = tmp_path / name
+        args = ["prune", str(tmp_path / "base"), str(out), *base, *flags]
+        assert main(args + ["--dry-run"]) == 0, name
+        dry = capsys.readouterr().out
+        assert re.search(rf"^\s*{step}\b", dry, re.M), (name, dry)
+        assert main(args) == 0, name
+        capsys.readouterr()
+        record = json.loads((out / "config.json").read_text())["layerswap"]
+        assert record["removed_layers"] == [2], name
+        if step == "recovery":
+            assert record["recovery"]["method"] == flags[1], name
+        else:
+            assert record["healing"][-1]["method"] == flags[1], name
 
 
 def test_throughput_rates_must_be_finite_and_positive():

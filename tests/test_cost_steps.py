@@ -445,3 +445,39 @@ def test_a_perplexity_text_too_short_to_score_is_named(tmp_path):
         _estimate(_measuring(str(tmp_path / "empty.txt")), _calibration(prompts=7))
     with pytest.raises(FileNotFoundError, match=r"text='.*missing\.txt': no such file"):
         _estimate(_measuring(str(tmp_path / "missing.txt")), _calibration(prompts=7))
+
+
+def test_a_registered_repair_and_healing_method_are_priced_by_their_entries():
+    """The repair's check forwards and the healing method's trainable set come from their
+    registry entries: a method registered under a new name with a built-in's behaviour is
+    priced exactly like the built-in, and one whose entry plans no trainable set is named."""
+    from hf_layerswap.healing.methods import HEAL_METHODS, HealMethod, LastK, register_heal_method
+    from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
+    from hf_layerswap.recovery.methods import Fused
+
+    register_recovery_method("test_fused_copy")(type("FusedCopy", (Fused,), {}))
+    register_heal_method("test_last_k_copy", options=("k",))(type("LastKCopy", (LastK,), {}))
+    register_heal_method("test_unpriced")(type("Unpriced", (HealMethod,), {}))
+    try:
+        calib = _calibration(prompts=7)
+        phases = {}
+        for repair, method in (("fused", "last_k"), ("test_fused_copy", "test_last_k_copy")):
+            healing = hl.HealConfig(method=method, max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=2,
+                                    options={"k": 2})
+            config = hl.LayerSwapConfig(layers=[3, 5], recovery=repair, heal=healing, batch_size=4, progress=False)
+            phases[repair] = _estimate(config, calib).phases
+        # 2 batches up to block 6, and the host checks of cuts 3 and 5: two forwards up to blocks 3 and 5
+        assert phases["test_fused_copy"]["recovery"]["block_passes"] == 2 * 6 + 2 * 3 + 2 * 5
+        for key in ("block_passes", "head_passes", "memory_bytes"):
+            assert phases["test_fused_copy"]["recovery"][key] == phases["fused"]["recovery"][key]
+        for key in ("trainable_params", "trainable_tensors", "optimizer_bytes", "memory_bytes"):
+            assert phases["test_fused_copy"]["healing"][key] == phases["fused"]["healing"][key]
+        unpriced = hl.LayerSwapConfig(layers=[3], heal={"method": "test_unpriced"}, batch_size=4, progress=False)
+        with pytest.raises(ValueError, match=r"heal method='test_unpriced' plans no trainable set .*estimate_cost "
+                                             r"cannot price it; it prices \['adjacent', 'last_k', 'lora', "
+                                             r"'test_last_k_copy'\]"):
+            _estimate(unpriced, calib)
+    finally:
+        RECOVERY_METHODS.pop("test_fused_copy", None)
+        for name in ("test_last_k_copy", "test_unpriced"):
+            HEAL_METHODS.pop(name, None)

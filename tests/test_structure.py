@@ -1,4 +1,5 @@
-"""Structure facts of the package, checked statically (``ast``, nothing is imported):
+"""Structure facts of the package, checked statically (``ast``; only the names the
+registries hold are read from the imported package):
 
 - the import graph of ``hf_layerswap`` (module-level and function-level imports) has no
   cycle;
@@ -21,6 +22,8 @@
   module-level ``__getattr__`` (PEP 562) to serve old names, and a module's ``__all__``
   lists only names it defines or that a module inside it (a package's own submodules)
   defines;
+- the modules of :data:`NAME_BLIND_MODULES` compare no value with a name a registry holds
+  (read from the live registries): what differs between methods is read from their entries;
 - every test module is named after the component it tests (:func:`test_test_modules_are_named_after_components`):
   tests are organised by component, never by kind of input (a refusal is tested with the
   component that refuses), apart from the few suites of :data:`CROSS_CUTTING_SUITES`.
@@ -499,6 +502,110 @@ def test_generic_modules_name_no_built_in_method():
     paths = [p for m, p in MODULES.items() if any(m == g or m.startswith(g + ".") for g in GENERIC_MODULES)]
     hits = [hit for path in paths for hit in _named_methods(path, names)]
     assert not hits, "modules that must read the registries name a built-in method:\n" + "\n".join(hits)
+
+
+# ----------------------------------------------------------------------------- no branch on a method's name
+#: Modules that never compare a value with a registered name: what differs between methods
+#: (the kept reference of a strategy's cost, a repair's probe forwards, a healing method's
+#: trainable set, a strategy's spacing default) is read from its registry entry, so a method
+#: registered later gets the same treatment as the built-ins.
+NAME_BLIND_MODULES = ("hf_layerswap.cost", "hf_layerswap.cost_steps", "hf_layerswap.config", "hf_layerswap.pipeline",
+                      "hf_layerswap.hub", "hf_layerswap.integration", "hf_layerswap.cli", "hf_layerswap.card",
+                      "hf_layerswap.surgery", "hf_layerswap.recovery.operators")
+
+#: Comparisons with a word that a registry also holds, where the value compared is no method
+#: name: (module, the compared expression) -> what the word is there.
+NOT_A_METHOD = {
+    ("hf_layerswap.cost", "dtype"): "transformers' dtype='auto'",
+    ("hf_layerswap.cost", "max_memory"): "the working-memory budget 'auto' (the device's)",
+    ("hf_layerswap.cost", "mode"): "the scoring engine's prefix-reuse mode 'none'",
+    ("hf_layerswap.cli.common", "num_prompts_default"): "--num-prompts auto (the demo fits it to a time budget)",
+    ("hf_layerswap.cli.common", "text"): "the 'auto' of --num-prompts and --scoring-memory",
+    ("hf_layerswap.cli.demo", "args.num_prompts"): "--num-prompts auto",
+    ("hf_layerswap.cli.prune", "args.dtype"): "--dtype auto (transformers' dtype='auto')",
+}
+
+
+def _live_registered_names() -> dict[str, str]:
+    """Every name the package's registries hold now -> the registry, read from the live
+    registries (the import registers the built-ins)."""
+    from hf_layerswap.healing import HEAL_METHODS
+    from hf_layerswap.protocols import SWAP_PROTOCOLS
+    from hf_layerswap.recovery import RECOVERY_METHODS
+    from hf_layerswap.selection import STRATEGIES
+    from hf_layerswap.selection.core import selection_protocols
+    from hf_layerswap.selection.objectives import OBJECTIVES
+    from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
+
+    names: dict[str, str] = {}
+    for registry, entries in (("strategy", STRATEGIES), ("swap protocol", SWAP_PROTOCOLS),
+                              ("selection protocol", selection_protocols()), ("recovery method", RECOVERY_METHODS),
+                              ("search objective", OBJECTIVES), ("allocator", ALLOCATORS), ("pruner", PRUNERS),
+                              ("healing method", HEAL_METHODS)):
+        for name in entries:
+            names.setdefault(name, registry)
+    return names
+
+
+def _literals(node: ast.AST) -> list[str]:
+    """The string constants of ``node``: a constant, or a literal tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [v for e in node.elts for v in _literals(e)]
+    return []
+
+
+def _name_comparisons(code: str, names) -> list[tuple[int, str, str]]:
+    """``(line, compared expression, name)`` for every comparison of ``code`` with a name of
+    ``names``: ``==``, ``!=``, ``is``, ``in``/``not in`` a literal tuple, list or set (either
+    side), and a ``match`` case on it."""
+    out = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for a, b in zip(operands, operands[1:]):
+                for literal, other in ((a, b), (b, a)):
+                    out += [(node.lineno, ast.unparse(other), v) for v in _literals(literal) if v in names]
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                out += [(case.pattern.lineno, ast.unparse(node.subject), p.value.value) for p in ast.walk(case.pattern)
+                        if isinstance(p, ast.MatchValue) and isinstance(p.value, ast.Constant)
+                        and p.value.value in names]
+    return out
+
+
+def test_name_comparison_finder():
+    code = ('if cfg.strategy == "mine" or "mine" != x: pass\n'
+            'y = rec.method in ("other", "prose words") and heal.method not in ["cut"]\n'
+            'z = {"mine": 1}; w = "mine"  # a key and a default: no comparison\n'
+            'match args.strategy:\n    case "cut":\n        pass\n    case _:\n        pass\n'
+            'ok = a < b and name in REGISTRY\n')
+    hits = _name_comparisons(code, {"mine", "other", "cut"})
+    assert sorted(hits) == [(1, "cfg.strategy", "mine"), (1, "x", "mine"), (2, "heal.method", "cut"),
+                            (2, "rec.method", "other"), (5, "args.strategy", "cut")]
+
+
+def test_live_registered_names_see_every_registry():
+    names = _live_registered_names()
+    assert {"greedy", "auto", "search", "sleb", "replacement", "interchange", "ghosted", "fused", "linearpatch",
+            "none", "removal_kl", "nll", "uniform", "pals", "wanda", "lora", "adjacent", "last_k"} <= set(names)
+
+
+def test_no_module_branches_on_a_registered_name():
+    names = _live_registered_names()
+    paths = {m: p for m, p in MODULES.items() if any(m == g or m.startswith(g + ".") for g in NAME_BLIND_MODULES)}
+    assert {"hf_layerswap.cost_steps", "hf_layerswap.cli.demo", "hf_layerswap.card.sections"} <= set(paths)
+    hits, excused = [], set()
+    for module, path in sorted(paths.items()):
+        for line, operand, name in _name_comparisons(path.read_text(encoding="utf-8"), names):
+            if (module, operand) in NOT_A_METHOD:
+                excused.add((module, operand))
+            else:
+                hits.append(f"{path.relative_to(ROOT)}:{line} {operand} vs the {names[name]} {name!r}")
+    assert not hits, ("comparisons with a registered name (read what differs from the registry entry "
+                      "instead):\n" + "\n".join(hits))
+    assert excused == set(NOT_A_METHOD), f"stale NOT_A_METHOD entries: {sorted(set(NOT_A_METHOD) - excused)}"
 
 
 # ----------------------------------------------------------------------------- test modules by component

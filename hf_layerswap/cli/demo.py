@@ -27,6 +27,7 @@ from ..plan import decoder_blocks, first_difference, num_blocks
 from ..scoring import score_layers, swap_plans
 from ..selection import search_select
 from ..selection import select_layers
+from ..selection.registry import strategies_taking, strategy_entry
 from ..selection.search import search_allowances
 from ..surgery import remove_layers
 from .common import (
@@ -168,14 +169,20 @@ def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | 
     blocks by ``--final-strategy`` (greedy: ``--final-protocol``'s set, ``auto`` = the better
     of the two), on the demo's calibration budget. ``num_blocks`` is the model's block count;
     ``max_evaluations`` caps the search (default ``--max-evaluations``, else 3 per block)."""
-    search = args.final_strategy == "search"
-    strategy = "search" if search else ("auto" if args.final_protocol == "auto" else "greedy")
+    entry = strategy_entry(args.final_strategy)
+    protocol = {"protocol": args.final_protocol} if entry.reads(args.final_protocol) else {}  # a rule on its scores
     return LayerSwapConfig(
-        num_to_remove=args.final_num_to_remove, strategy=strategy, **({} if search else {"protocol": args.final_protocol}),
-        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_blocks) if search else None,
+        num_to_remove=args.final_num_to_remove, strategy=entry.strategy_for(args.final_protocol), **protocol,
+        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_blocks) if _searches(args) else None,
         calibration=calibration_source(args.calibration), num_prompts=num_prompts, seq_len=args.seq_len,
         batch_size=args.batch_size, seed=args.seed, progress=True,
     )
+
+
+def _searches(args) -> bool:
+    """Whether ``--final-strategy`` scores candidate sets (it takes ``max_evaluations``, which
+    the demo caps and counts in its time estimate)."""
+    return args.final_strategy in strategies_taking("max_evaluations")
 
 
 def _minutes(seconds: float) -> str:
@@ -208,7 +215,7 @@ def run_demo(args) -> int:
     window_tokens, scored_tokens = _eval_tokens(model, eval_text, tokenizer, args.eval_max_words)
     evaluations = 1 + 3 * len(search_budgets)  # at most: the base model and every distinct set
     search_sets = _search_sets(total, search_budgets[-1], per_budget, args.max_evaluations)
-    if args.final_strategy != "search":
+    if not _searches(args):
         final_sets = 0
     elif args.final_num_to_remove in search_budgets:  # the same candidates as the search above, up to that budget
         final_sets = _search_sets(total, args.final_num_to_remove, per_budget, args.max_evaluations)
@@ -275,13 +282,13 @@ def run_demo(args) -> int:
     pruned, final = result.model, result.removed
     decision = (result.provenance.decision or {}) if result.provenance else {}
     reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
-              if args.final_strategy == "search" else decision.get("reason", "as selected"))
+              if _searches(args) else decision.get("reason", "as selected"))
     key = tuple(final)
     after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
     evaluation = {"base": base, "pruned": after}
     out = save_pruned(pruned, tokenizer, report, Path(args.output), evaluation=evaluation)
     print(
-        f"\nfinal: removed {final} ({_final_how(args)}: {reason}); "
+        f"\nfinal: removed {final} ({_final_how(args, decision)}: {reason}); "
         f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
         f"pruned checkpoint, model card (README.md), layerswap_report.json and plots written to {out}/ "
         f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"
@@ -322,5 +329,8 @@ def _kl_text(value) -> str:
     return "(KL -)" if value is None else f"(KL {value:.4f})"
 
 
-def _final_how(args) -> str:
-    return "strategy search" if args.final_strategy == "search" else f"protocol {args.final_protocol}"
+def _final_how(args, decision) -> str:
+    """The final cut's rule: the protocol that guided it (its strategy entry's ``guided_by``),
+    else the strategy."""
+    guide = strategy_entry(args.final_strategy).guided_by(decision, args.final_protocol)
+    return f"protocol {guide}" if guide else f"strategy {args.final_strategy}"

@@ -17,6 +17,7 @@ from ..devices import input_device
 from ..pipeline import prune
 from ..report import SwapReport
 from ..scoring.processes import is_main_process
+from ..selection.registry import strategies_taking
 from ..healing import HEAL_METHODS
 from ..healing.core import RUN_FILE
 from .heal import add_heal_args, checkpoint_folder, heal_config
@@ -74,8 +75,9 @@ def prune_config(args):
     Raises:
         ValueError: a bad or contradictory flag value (the message names it).
     """
-    if args.max_evaluations is not None and args.strategy != "search":
-        raise ValueError(f"--max-evaluations applies to --strategy search, not {args.strategy!r}")
+    takers = strategies_taking("max_evaluations")
+    if args.max_evaluations is not None and args.strategy not in takers:
+        raise ValueError(f"--max-evaluations applies to --strategy {' or '.join(takers)}, not {args.strategy!r}")
     heal = heal_config(args, prefix="heal-", method=args.heal) if args.heal is not None else None
     defaults = vars(_defaults(args))  # the --heal-* values as given, not a HealConfig (no method is chosen)
     if heal is None and any(value != defaults[key] for key, value in vars(args).items() if key.startswith("heal_")):

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 from torch import nn
 
 from ..extras import require
 from ..plan import decoder_blocks
 
-__all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "register_heal_method"]
+__all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "priced_heal_methods",
+           "register_heal_method"]
 
 #: ``{name: HealMethod subclass}``.
 HEAL_METHODS: dict[str, type] = {}
@@ -67,6 +69,32 @@ class HealMethod:
     option_names: tuple[str, ...] | None = None
     #: What the method trains, in words, for the model card (:func:`register_heal_method`).
     describe: str = "the method's own choice of weights, trained in place"
+    #: Its trainable parameters are new tensors beside the weights (adapters, merged back by
+    #: :meth:`finish`), held in addition to them; ``False``: it trains the model's own weights.
+    adds_parameters: bool = False
+
+    def trainable(self, shape, options: Mapping, removed: list[int], known: bool = True) -> tuple[int, int, int]:
+        """What :meth:`prepare` will train, planned before the run for
+        :func:`~hf_layerswap.cost.estimate_cost` (nothing is built).
+
+        Args:
+            shape: the model before the cut, as :class:`~hf_layerswap.cost_steps.ModelShape`
+                reads it (``model``, ``blocks``, ``num_blocks``, ``block_params``, ``es``: bytes
+                per weight element).
+            options: the method's options (``HealConfig.options``).
+            removed: the 0-based blocks the cut removes (original numbering).
+            known: ``removed`` is the cut itself; ``False``: a worst case for the passes (the
+                blocks are chosen at run time), and the method counts the most it could train.
+
+        Returns:
+            ``(parameters, tensors, bytes per element)`` of the trainable set on the pruned model.
+
+        Raises:
+            ValueError: the method plans no trainable set (this default: a registered method
+                that does not override it cannot be priced), or an option value it cannot take.
+        """
+        raise ValueError(f"heal method={self.name!r} plans no trainable set (HealMethod.trainable), so "
+                         f"estimate_cost cannot price it; it prices {sorted(priced_heal_methods())}")
 
     def check_options(self, options: Mapping, blocks: int | None = None) -> None:
         """Refuse an option the method does not read (it would be recorded as if used) and,
@@ -92,6 +120,17 @@ class HealMethod:
     def undo(self, trained: nn.Module) -> nn.Module:
         """The plain transformers model without what :meth:`prepare` added (training failed)."""
         return trained
+
+
+def priced_heal_methods() -> list[str]:
+    """The registered healing methods whose entry plans its trainable set
+    (:meth:`HealMethod.trainable`), in registration order."""
+    return [name for name, cls in HEAL_METHODS.items() if cls.trainable is not HealMethod.trainable]
+
+
+def _norm_params(block: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``block``'s norms (modules whose class name says norm)."""
+    return [p for m in block.modules() if "norm" in type(m).__name__.lower() for p in m.parameters(recurse=False)]
 
 
 def _train_only(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
@@ -132,6 +171,16 @@ class LoRA(HealMethod):
     """PEFT LoRA (``lora_r``, default 16, and ``lora_alpha``, default ``2 * lora_r``,
     options) on every kept block's projections."""
 
+    adds_parameters = True
+
+    def trainable(self, shape, options, removed, known=True):
+        """LoRA's A and B (fp32, rank ``lora_r``) on every kept block's projections."""
+        rank = options.get("lora_r", 16)
+        lins = [m for n, m in shape.blocks[0].named_modules()
+                if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]
+        kept = shape.num_blocks - len(removed)
+        return kept * sum(rank * (m.in_features + m.out_features) for m in lins), kept * 2 * len(lins), 4
+
     def check_options(self, options, blocks=None):
         super().check_options(options, blocks)
         require("peft", "healing with method='lora'")  # refused before any training
@@ -164,6 +213,19 @@ class LoRA(HealMethod):
 class Adjacent(HealMethod):
     """The kept blocks on each side of every cut, plus the norms of every block."""
 
+    def trainable(self, shape, options, removed, known=True):
+        """The full weights of the blocks next to each cut (not ``known``: two neighbours per
+        removed block, the most there can be) and the norms of the other kept blocks."""
+        total = shape.num_blocks
+        kept = total - len(removed)
+        record = {"kept_layers": [i for i in range(total) if i not in removed], "removed_layers": removed,
+                  "original_num_hidden_layers": total}
+        chosen = (len(cut_neighbours(SimpleNamespace(config=SimpleNamespace(layerswap=record)))) if known
+                  else min(2 * len(removed), kept))
+        norms = _norm_params(shape.blocks[0])
+        return (chosen * shape.block_params + (kept - chosen) * sum(p.numel() for p in norms),
+                chosen * len(list(shape.blocks[0].parameters())) + (kept - chosen) * len(norms), shape.es)
+
     def prepare(self, model, options):
         _, _, blocks = decoder_blocks(model)
         chosen = [blocks[i] for i in cut_neighbours(model)]
@@ -181,6 +243,21 @@ class LastK(HealMethod):
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= (k if blocks is None else blocks):
             raise ValueError(f"k={k!r}: must be an int " + (">= 1" if blocks is None else
                                                             f"in 1..{blocks} (the model's block count)"))
+
+    def trainable(self, shape, options, removed, known=True):
+        """The last ``k`` blocks' full weights, the final norm and the output head.
+
+        Raises:
+            ValueError: ``k`` outside 1..(kept blocks)."""
+        kept = shape.num_blocks - len(removed)
+        k = options.get("k", 3)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= kept:
+            raise ValueError(f"heal option k={k!r}: must be an int in 1..{kept} (the pruned model's block count)")
+        extra = [m for m in (shape.model.get_output_embeddings(), getattr(shape.model.get_decoder(), "norm", None))
+                 if m is not None]
+        extra_params = [p for m in extra for p in m.parameters()]
+        return (k * shape.block_params + sum(p.numel() for p in extra_params),
+                k * len(list(shape.blocks[0].parameters())) + len(extra_params), shape.es)
 
     def prepare(self, model, options):
         _, _, blocks = decoder_blocks(model)

@@ -23,12 +23,14 @@ from torch import nn
 from accelerate.utils import has_offloaded_params
 
 from .fit import POST_MLP_NORMS, block_down_proj, model_family, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
+from ..registry_names import RegistryNames
 from .hadamard import hadamard_rotation
 from .operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
 
 __all__ = [
     "DEFAULT_EPSILON",
     "METHODS",
+    "PROBE_PROMPTS",
     "RECOVERY_METHODS",
     "RecoveryMethod",
     "fold_into_embedding",
@@ -50,6 +52,9 @@ __all__ = [
 #: Ghosted Layers' own absolute ε = 1e-6 is a no-op at these scales; a small relative
 #: ridge tames the directions that only the attention-sink tokens excite. LinearPatch has no
 #: ridge (its map is a rotation and a ratio of mean magnitudes): 0.
+#: Prompts of the one batch a method's :meth:`RecoveryMethod.probe` checks the model on, at most.
+PROBE_PROMPTS = 2
+
 DEFAULT_EPSILON = {"none": 0.0, "ghosted": 1e-3, "fused": 1e-1, "linearpatch": 0.0}
 
 
@@ -134,6 +139,12 @@ class RecoveryMethod:
 
     def probe(self, model, blocks, cuts, calibration, batch_size: int, num_tokens: int) -> None:
         """Check the model on real calibration rows before the fit (``ValueError`` to refuse)."""
+
+    def probe_forwards(self, cuts: list[dict]) -> list[int]:
+        """The forwards :meth:`probe` runs for ``cuts``, each as the number of blocks it runs,
+        on the first batch of at most :data:`PROBE_PROMPTS` prompts (what
+        :func:`~hf_layerswap.cost.estimate_cost` counts; default none)."""
+        return []
 
     def slots(self, cut: dict) -> tuple[int, ...]:
         """Residual-stream slots read beyond the cut's ``start`` and ``end``."""
@@ -316,10 +327,14 @@ class Fused(RecoveryMethod):
                     "on the stream; use method='ghosted'")
 
     def probe(self, model, blocks, cuts, calibration, batch_size, num_tokens):
-        first = next(select_rows(calibration, min(batch_size, 2), num_tokens))
+        first = next(select_rows(calibration, min(batch_size, PROBE_PROMPTS), num_tokens))
         for cut in cuts:
             if cut["host"] is not None:
                 probe_additive_write(model, blocks, cut["host"], first[0], first[1])
+
+    def probe_forwards(self, cuts):
+        """Two forwards to the slot after each cut's host block (:func:`~hf_layerswap.recovery.fit.probe_additive_write`)."""
+        return [c["host"] + 1 for c in cuts if c["host"] is not None for _ in range(2)]
 
     def taps(self, model, blocks, cuts):
         return {c["host"]: block_down_proj(model, blocks, c["host"]) for c in cuts if c["host"] is not None}
@@ -489,5 +504,6 @@ class LinearPatch(RecoveryMethod):
         return out
 
 
-#: The built-in method names (``"none"`` = plain removal, residuals only).
-METHODS = tuple(RECOVERY_METHODS)
+#: The registered method names now (``"none"`` = plain removal, residuals only), a live view
+#: of :data:`RECOVERY_METHODS`: a method registered later is in it.
+METHODS = RegistryNames(lambda: RECOVERY_METHODS)

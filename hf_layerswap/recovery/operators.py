@@ -28,7 +28,7 @@ from .fit import model_hidden_size
 
 __all__ = [
     "attach_operator", "attach_saved_recovery", "attached_operators", "carried_operators", "detach_recovery",
-    "GhostedOperator", "LOADER_NOTE", "OPERATOR_METHODS", "operator_method", "RECOVERY_FILE", "save_recovery",
+    "GhostedOperator", "HAND_ATTACHED_METHOD", "LOADER_NOTE", "OPERATOR_METHODS", "operator_method", "RECOVERY_FILE", "save_recovery",
     "take_operators",
 ]
 
@@ -43,10 +43,13 @@ LOADER_NOTE = (
 _OUT_ATTR = "ghosted_out"  # operator on a block's output
 _IN_ATTR = "ghosted_in"  # operator on block 0's input (cut starting at block 0)
 _FILE_FORMAT = "hf_layerswap.recovery/1"
-#: The recovery methods whose repair is these operators (a method registered with
-#: ``stream_operators = True`` is added here); ``"ghosted"`` is the one of operators attached
-#: by hand, without a record.
-OPERATOR_METHODS: set[str] = {"ghosted"}
+#: The recovery methods whose repair is these operators: every method registered with
+#: ``stream_operators = True`` is added here when it is registered (``"ghosted"``,
+#: ``"linearpatch"`` and any registered later).
+OPERATOR_METHODS: set[str] = set()
+#: The method that operators attached by hand (:func:`attach_operator`, no record) are recorded
+#: as: Ghosted Layers', whose operator :class:`GhostedOperator` is.
+HAND_ATTACHED_METHOD = "ghosted"
 
 
 
@@ -118,10 +121,11 @@ def attached_operators(model: nn.Module) -> list[tuple[int, GhostedOperator]]:
 
 def operator_method(model: nn.Module) -> str:
     """The recovery method whose operators ``model`` carries: the method of its record
-    ``config.layerswap["recovery"]`` when that is one of :data:`OPERATOR_METHODS`, else ``"ghosted"``."""
+    ``config.layerswap["recovery"]`` when that is one of :data:`OPERATOR_METHODS`, else
+    :data:`HAND_ATTACHED_METHOD`."""
     record = (getattr(model.config, "layerswap", None) or {}).get("recovery") or {}
     method = record.get("method") if isinstance(record, dict) else None
-    return method if method in OPERATOR_METHODS else "ghosted"
+    return method if method in OPERATOR_METHODS else HAND_ATTACHED_METHOD
 
 
 def attach_operator(model: nn.Module, boundary: int, weight: torch.Tensor) -> GhostedOperator:
@@ -255,7 +259,7 @@ def _marker(layerswap: dict) -> dict:
     """The ``quantization_config`` that routes a reload through the layerswap plugin
     (``layers`` records the removed original blocks; a pre-quantized reload prunes nothing)."""
     method = (layerswap.get("recovery") or {}).get("method")
-    return {"quant_method": "layerswap", "recovery": method if method in OPERATOR_METHODS else "ghosted",
+    return {"quant_method": "layerswap", "recovery": method if method in OPERATOR_METHODS else HAND_ATTACHED_METHOD,
             "layers": list(layerswap.get("removed_layers") or [])}
 
 

@@ -45,6 +45,7 @@ from ..plan import (
 )
 from ..recovery import GhostedOperator, cut_boundaries, get_recovery_method, search_objectives
 from ..recovery.fit import collect_moments
+from ..registry_names import RegistryNames
 from ..report import set_key
 from ..scoring import masked_kl, plan_kl
 from ..scoring.head import hooks_removed
@@ -55,7 +56,9 @@ from .finite import record_set_values
 
 __all__ = ["OBJECTIVES", "SetObjective", "engine_cost", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
 
-OBJECTIVES = ("removal_kl", "nll") + search_objectives()
+#: The objectives now: removal KL, calibration NLL and every recovery method registered with
+#: ``search_objective = True`` (a live view: a method registered later is in it).
+OBJECTIVES = RegistryNames(lambda: ("removal_kl", "nll") + search_objectives())
 
 
 def plans_cost(plans: Mapping[Hashable, Sequence[int]], total_blocks: int, reference_sweeps: int = 1) -> tuple[int, int]:

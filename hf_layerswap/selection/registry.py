@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
 
 __all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Criterion", "Strategy", "check_options",
-           "get_strategy", "keyword_options", "register_strategy", "strategy_entry"]
+           "get_strategy", "keyword_options", "register_strategy", "strategies_taking", "strategy_entry"]
 
 
 def _paper_and(protocol) -> tuple[str, ...]:
@@ -121,6 +121,10 @@ class Strategy:
             :meth:`~hf_layerswap.cost.SelectionPlan.counts` builds them.
             :func:`~hf_layerswap.cost.estimate_cost` (and ``hf-layerswap prune --dry-run``)
             refuses a strategy without one (default ``None``).
+        keeps_reference: it keeps each batch's dense reference across its evaluator calls
+            under the prune's working-memory budget (:attr:`~hf_layerswap.cost.SelectionPlan.memory_budget`,
+            :class:`~hf_layerswap.scoring.reference.ReferenceCache`): the cost estimate counts
+            those bytes in the selection's peak memory (default ``False``).
     """
 
     name: str
@@ -146,6 +150,7 @@ class Strategy:
     check_config: Callable = lambda config, num_blocks: None
     criteria: Mapping[str, Criterion] = field(default_factory=dict)
     cost: Callable | None = None
+    keeps_reference: bool = False
 
     def strategy_for(self, protocol) -> str:
         """The strategy that runs for ``protocol`` (:attr:`resolve`)."""
@@ -214,6 +219,12 @@ def keyword_options(fn: Callable, fixed: Collection[str]) -> tuple[str, ...] | N
         return None
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(sorted(p.name for p in params if p.kind in kinds and p.name not in fixed))
+
+
+def strategies_taking(option: str) -> list[str]:
+    """The registered strategies that accept the option ``option`` (declared in their
+    ``options``), sorted by name."""
+    return sorted(n for n, e in STRATEGY_ENTRIES.items() if option in (e.options or ()))
 
 
 def check_options(name: str, options: Collection[str]) -> None:

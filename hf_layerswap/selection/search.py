@@ -616,7 +616,7 @@ def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) 
 
 @register_strategy(
     "search", needs_model=True, cost=_search_cost, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
-    takes_objective=True,
+    takes_objective=True, keeps_reference=True,
     describe=_describe, guided_by=lambda decision, protocol: None,
     values=lambda decision: [("the search's value", decision["value"])] if "value" in decision else [],
     card_summary=" by a search over candidate sets guided by both swap-KL protocols.",

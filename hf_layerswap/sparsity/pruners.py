@@ -19,6 +19,9 @@ import re
 
 import torch
 
+from ..registry_names import RegistryNames
+from .registry import PRUNERS
+
 __all__ = [
     "METHODS",
     "lowest_k_mask",
@@ -29,7 +32,9 @@ __all__ = [
     "wanda_scores",
 ]
 
-METHODS = ("wanda", "sparsegpt", "magnitude")
+#: The registered pruner names now, a live view of
+#: :data:`~hf_layerswap.sparsity.registry.PRUNERS`: a pruner registered later is in it.
+METHODS = RegistryNames(lambda: PRUNERS)
 
 
 def parse_pattern(pattern: str | None) -> tuple[int, int] | None:
