@@ -5,6 +5,7 @@ memory are in the report's metadata."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from hf_layerswap.scoring import plan_kl
 from hf_layerswap.scoring.head import Head
 from hf_layerswap.scoring.probes import make_probes
 from hf_layerswap.scoring.settings import EngineSettings
-from hf_layerswap.scoring.slotmajor import blocks_offloaded, plan_pass, probe_groups
+from hf_layerswap.scoring.slotmajor import blocks_offloaded, plan_pass, probe_groups, state_capacity
 
 FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 
@@ -256,7 +257,7 @@ def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
     """Forced on an in-memory model the streamed path gives the depth-first values bit
     for bit; with a budget that holds few states it splits the probes into groups, each
     one pass (blocks move once per group)."""
-    model = tiny_model("llama", num_blocks=6)
+    model = tiny_model("llama", num_blocks=6, hidden_size=64)
     calib = build_calibration(tiny_batch(batch=4, length=16))
     plans = swap_plans(6, 2, ("replacement", "interchange")) | {"removal": [0, 2, 3, 5]}
     budget = 1 << 20
@@ -268,13 +269,25 @@ def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
     assert s_stats["movement"]["block_onloads"] == 0  # nothing offloaded, nothing moved
     assert s_stats["block_evaluations"] == d_stats["block_evaluations"]
     probes = list(make_probes(plans, 6)[1].values())
-    state = 4 * 16 * model.config.hidden_size * 4  # bytes of one (B, T, H) fp32 state
-    per_group = (budget // 4) // state // 2 - 1
-    groups = probe_groups(probes, (4, 16, model.config.hidden_size), torch.float32, budget)
-    assert len(probes) == 28 and 1 < per_group < 28
-    assert [len(g) for g in groups] == [per_group] * (28 // per_group) + ([28 % per_group] if 28 % per_group else [])
+    shape = (4, 16, model.config.hidden_size)
+    capacity = state_capacity(shape, torch.float32, budget)
+    assert capacity == (budget // 4) // (4 * 16 * model.config.hidden_size * 4)  # (B, T, H) fp32 states
+    groups = probe_groups(probes, shape, torch.float32, budget, 6)
+    assert len(probes) == 28 and sum(len(g) for g in groups) == 28
+    order = sorted(probes, key=lambda p: (p.start, p.run))
+    assert [p for g in groups for p in g] == order  # consecutive runs of the (start, run) order
     passes = [plan_pass([p.key for p in g], 6, reference=n == 0) for n, g in enumerate(groups)]
+    done = 0
+    for n, (g, pp) in enumerate(zip(groups, passes)):
+        assert pp.peak_states <= capacity  # each group fits
+        done += len(g)
+        if done < 28:  # and is the longest that does: one probe more holds too many states
+            assert plan_pass([p.key for p in order[done - len(g):done + 1]], 6, reference=n == 0).peak_states > capacity
+    # the old rule (two states per probe held, floor(capacity / 2) - 1 probes a group) cut 4 groups
+    assert capacity == 16 and [len(g) for g in groups] == [13, 14, 1]
+    assert len(groups) == 3 < math.ceil(28 / (capacity // 2 - 1)) == 4
     assert g_stats["block_evaluations"] == sum(p.block_evaluations for p in passes) > s_stats["block_evaluations"]
+    assert g_stats["movement"]["block_onloads"] == 0
 
 
 def test_pass_plan_holds_a_window_of_2g_plus_1_blocks_and_moves_each_once():
