@@ -280,7 +280,7 @@ class Engine:
             element_bytes=torch.finfo(self.compute_dtype).bits // 8, probes=len(probes), prefix_reuse=self.mode,
             stream_logits=self.stream_logits, slot_major=slot_major, offloaded_blocks=len(offloaded),
             kl_chunk=self.kl_chunk, vocab_chunk=self.vocab_chunk, kl_block_bytes=self.kl_block_bytes,
-            activation_bytes=self._activation_bytes(self.batch_size, cfg),
+            max_memory=self.budget, activation_bytes=self._activation_bytes(self.batch_size, cfg),
             flush_bytes=int(FLUSH_BUDGET_FRACTION * self.budget),
             head_working_bytes=self.head.working_bytes(self.vocab_chunk) if getattr(head, "weight", None) is not None else 0,
             head_check_calls=(1 + slices) if self.stream_logits and not self.verified_head and not checked else 0,
@@ -293,7 +293,7 @@ class Engine:
         return EnginePlan(self.batch_size, self.num_blocks, self.hidden, self.head.vocab,
                           torch.finfo(self.compute_dtype).bits // 8, len(self.my_probes), self.mode,
                           self.stream_logits, self.slot_major, len(self.movable), self.kl_chunk, self.vocab_chunk,
-                          self.kl_block_bytes, 0, int(FLUSH_BUDGET_FRACTION * self.budget), 0, 0, ())
+                          self.kl_block_bytes, self.budget, 0, int(FLUSH_BUDGET_FRACTION * self.budget), 0, 0, ())
 
     # -- provenance -----------------------------------------------------------------
     def settings(self) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .slotmajor import STATE_BUDGET_FRACTION
+
 __all__ = ["BatchPlan", "EnginePlan"]
 
 
@@ -68,6 +70,7 @@ class EnginePlan:
         offloaded_blocks: blocks counted as moved.
         kl_chunk, vocab_chunk: positions and vocabulary entries per head/KL block.
         kl_block_bytes: bytes of one fp32 row block of the KL (:func:`~.settings.kl_block_bytes`).
+        max_memory: the engine's working-memory budget (bytes).
         activation_bytes: activations of one batch of ``batch_size`` prompts (bytes).
         flush_bytes: bytes the final rows held before a head/KL flush may take.
         head_working_bytes: what the head's GEMM holds beside its logits (bytes).
@@ -88,6 +91,7 @@ class EnginePlan:
     kl_chunk: int
     vocab_chunk: int
     kl_block_bytes: int
+    max_memory: int
     activation_bytes: int
     flush_bytes: int
     head_working_bytes: int
@@ -98,6 +102,11 @@ class EnginePlan:
         """Probes whose final rows (``real_rows`` x H each) are held before their head/KL
         phase runs: ``flush_bytes // (real_rows H e)``, at least 1."""
         return max(1, self.flush_bytes // max(1, real_rows * self.hidden * self.element_bytes))
+
+    def state_capacity(self, positions: int) -> int:
+        """``(B, T, H)`` states of a batch of ``positions`` (B T) positions a slot-major
+        pass may hold (:func:`~hf_layerswap.scoring.slotmajor.state_capacity`)."""
+        return max(1, int(STATE_BUDGET_FRACTION * self.max_memory) // max(1, positions * self.hidden * self.element_bytes))
 
     def head_work(self, real_rows: int, probes: int, *, reference: bool = True) -> tuple[int, int]:
         """``(head calls, head rows)`` of one batch's head/KL phase with ``probes`` probes
