@@ -15,8 +15,10 @@ importable from its own module.
 
 A batch runs depth-first (probe after probe, prefix reuse) or, when the decoder blocks are
 offloaded, slot-major (:mod:`.slotmajor`: every probe advanced slot by slot, each block
-moved once per batch); the head/KL phase, the budget, the checkpoint and the counters are
-the same for both. The summary records the blocks moved (``movement``) and the peak memory
+moved once per batch and probe group); the head/KL phase, the budget, the checkpoint and
+the counters are the same for both. :meth:`Engine.plan` gives the whole schedule before it
+runs (:class:`~.engineplan.EnginePlan`: batches, probe groups, head/KL flushes, block
+evaluations and loads), built by the same methods the run executes. The summary records the blocks moved (``movement``) and the peak memory
 per device (``peak_memory``).
 """
 
@@ -871,8 +873,9 @@ def plan_kl(
         reference_cache: a :class:`~hf_layerswap.scoring.reference.ReferenceCache` shared
             by calls on the same model and prompts: each batch's reference pass runs once
             and later calls reuse it (exact: the same tensors). ``None``: one per call.
-            A slot-major (streamed) run does not use it: the identity is the trunk its
-            probes branch from, streamed with them in the same pass.
+            A slot-major (streamed) run streams the reference in its first pass and keeps
+            the streams entering every block there when they fit; later passes and calls
+            start each probe from the kept stream entering its start slot.
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt

@@ -20,6 +20,11 @@ What is kept (the rule):
   objective, the fp32 log-probabilities ``(B, T, V)``; for the NLL objective the
   per-prompt reference NLL sums ``(B,)``.
 
+The scoring engine's slot-major path (offloaded blocks, :mod:`.slotmajor`) fills the same
+entries from its first pass (:meth:`ReferenceCache.lookup`, :meth:`ReferenceCache.put`) and
+starts every later pass from their streams, so a streamed search does not stream the dense
+model again per call.
+
 A batch's entry is kept only whole and only while all entries together stay within
 ``max_bytes``; batches beyond it are recomputed by one identity sweep per call (the
 fewest: a call needs every batch's reference once). The KL is never approximated.
