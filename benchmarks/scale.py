@@ -457,8 +457,8 @@ def _seventy_b_lines(b: dict) -> list[str]:
         f"- block passes {b.get('block_passes', 0):,} (scoring {scoring.get('block_passes', 0):,}; search upper bound "
         f"{search.get('block_passes', 0):,}), head passes {b.get('head_passes', 0):,}, "
         f"{b.get('flops', 0) / 1e15:.0f} PFLOP",
-        f"- peak memory: GPU {_gib(b.get('peak_memory_bytes', {}).get('cuda', 0))} (embeddings, head, a window of 3 "
-        f"blocks, activations, the kept reference) of 80 GB: **fits**; host "
+        f"- peak memory: GPU {_gib(b.get('peak_memory_bytes', {}).get('cuda', 0))} (embeddings, head, a window of 3 blocks "
+        f"and the one read ahead, activations, the kept reference) of 80 GB: **fits**; host "
         f"{_gib(b.get('peak_memory_bytes', {}).get('cpu', 0))} (the bf16 weights)",
         f"- weights moved {b.get('bytes_moved', 0) / 1e12:.1f} TB (scoring {scoring.get('bytes_moved', 0) / 1e12:.1f}, "
         f"search {search.get('bytes_moved', 0) / 1e12:.1f}); predicted time **{b.get('seconds', 0) / 60:.0f} min** at "

@@ -29,7 +29,8 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
   disk) to the compute device, each block once per batch and per sweep (slot-major
   streaming) -- the search sweeps once per evaluator call;
 - **peak_memory_bytes** per device: weights (those on the device; a streamed model keeps
-  a window of ``2 max_gap + 1`` blocks there) + the engine's working memory (activations,
+  a window of ``2 max_gap + 1`` blocks there, one more on CUDA where the next block is read
+  ahead) + the engine's working memory (activations,
   head/KL block, fp32 head copy, held probe states, the search's kept reference) + on a
   CPU the process's resident memory when estimating (libraries);
 - **seconds**: flops over the throughput measured on this machine by a short probe of one
@@ -693,7 +694,8 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         kl_temps = _kl_temporaries(plan, real, min(plan.flush_size(real), plan.probes))
     key = str(device)
     if streamed:
-        window = (2 * cfg.max_gap + 1) * block_bytes
+        # a window of 2g + 1 resident blocks; on CUDA one more, the next block read ahead (BlockPrefetcher)
+        window = (2 * cfg.max_gap + 1 + (device.type == "cuda")) * block_bytes
         peak = {key: weights - total_blocks * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
