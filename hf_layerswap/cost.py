@@ -29,7 +29,8 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
   disk) to the compute device, each block once per batch and per sweep (slot-major
   streaming) -- the search sweeps once per evaluator call;
 - **peak_memory_bytes** per device: weights (those on the device; a streamed model keeps
-  a window of ``2 max_gap + 1`` blocks there) + the engine's working memory (activations,
+  a window of ``2 max_gap + 1`` blocks there, one more on CUDA where the next block is read
+  ahead) + the engine's working memory (activations,
   head/KL block, fp32 head copy, held probe states, the search's kept reference) + on a
   CPU the process's resident memory when estimating (libraries);
 - **seconds**: flops over the throughput measured on this machine by a short probe of one
@@ -64,7 +65,6 @@ from .rule import resolve_protect
 from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from .scoring.head import linear32
 from .scoring.kl import OnlineKL
-from .scoring.probes import make_probes, schedule_blocks
 from .scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
 from .scoring.verbs import swap_plans
 from .selection import STRATEGIES
@@ -236,42 +236,12 @@ def _calibration(model, cfg: LayerSwapConfig, calibration, tokenizer) -> tuple[C
 
 
 # ---------------------------------------------------------------------- the counts
-def _head_calls(engine, rows: int, probes: int) -> tuple[int, int]:
-    """(head calls, head rows x vocabulary fraction) of one batch's head/KL phase with
-    ``probes`` probes of ``rows`` real positions (:class:`~hf_layerswap.scoring.streamed`)."""
-    if not engine.stream_logits:
-        return 1 + probes, (1 + probes) * rows
-    chunks = math.ceil(rows / engine.kl_chunk)
-    slices = math.ceil(engine.head.vocab / engine.vocab_chunk)
-    groups = math.ceil(probes / engine._group_size(rows)) if probes else 0
-    # several slices: one pass, slice by slice, the reference and every probe per slice and chunk
-    return chunks * slices * (groups + probes), rows * (groups + probes)
-
-
-def _engine_counts(model, calib, plans, settings, *, reference: bool = True, verify: bool = True) -> dict:
-    """Block passes, head calls and row-weighted head work of one engine run of ``plans``."""
-    engine = plan_engine(model, calib, plans, settings)
-    head = engine.head.module
-    if head is not None and head.weight.device.type == "meta" and not hasattr(head, "_hf_hook"):
-        # loaded, a plain Linear head in memory can be sliced: plan its chunks as the real run will
-        engine.head.sliceable = engine.head.linear
-        engine.kl_chunk, engine.vocab_chunk = engine._kl_chunks(None, None)
-    _, probes, _ = make_probes(plans, engine.num_blocks)
-    todo = list(probes.values())
-    per_batch = schedule_blocks(todo, engine.mode)
-    blocks = heads = head_rows = tokens = ref_tokens = 0
-    for b in engine.batches:
-        ids, mask = engine._batch(b)
-        rows = int(mask.sum())
-        calls, work = _head_calls(engine, rows, len(todo))
-        blocks += per_batch + (engine.num_blocks if reference else 0)
-        heads, head_rows = heads + calls, head_rows + work
-        tokens += ids.numel() * per_batch
-        ref_tokens += ids.numel() * (engine.num_blocks if reference else 0)
-    if verify and engine.stream_logits:  # the one-time head check: the model's last position + ours
-        heads += 1 + math.ceil(engine.head.vocab / engine.vocab_chunk)
-    return {"block_passes": blocks, "head_passes": heads, "head_rows": head_rows,
-            "block_tokens": tokens + ref_tokens, "engine": engine}
+def _engine_counts(model, calib, plans, settings, *, streamed: bool | None = None, reference_cache=None) -> dict:
+    """Block passes, block loads, head calls and row-weighted head work of one engine run
+    of ``plans``: its :class:`~hf_layerswap.scoring.engineplan.EnginePlan` (``plan``)."""
+    plan = plan_engine(model, calib, plans, settings, reference_cache).plan(streamed=streamed)
+    return {"block_passes": plan.block_evaluations, "head_passes": plan.head_calls, "head_rows": plan.head_rows,
+            "block_tokens": plan.block_tokens, "block_loads": plan.block_loads, "plan": plan}
 
 
 @dataclass
@@ -291,6 +261,9 @@ class SelectionPlan:
             reference: :meth:`~hf_layerswap.scoring.settings.MemoryBudget.split`).
         memory_budget: the bytes a strategy's own reference cache may keep (its share of
             that budget, as :class:`~hf_layerswap.selection.objectives.SetObjective` takes it).
+        streamed: the blocks stream to the compute device (``True``: every block, as for a
+            model on the meta device; ``None``: the model's own offloaded blocks; ``False``:
+            none), for the block loads of :meth:`engine`.
     """
 
     model: nn.Module
@@ -298,6 +271,7 @@ class SelectionPlan:
     config: LayerSwapConfig
     settings: EngineSettings
     memory_budget: int
+    streamed: bool | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -319,12 +293,13 @@ class SelectionPlan:
         trailing padding columns trimmed as :meth:`CalibrationSet.batches` yields them."""
         return [(ids.numel(), int(mask.sum())) for ids, mask in self.calibration.batches(self.config.batch_size)]
 
-    def engine(self, plans, *, settings: EngineSettings | None = None, reference: bool = True,
-               verify: bool = True) -> dict:
-        """The passes of one scoring-engine call (``plan_kl``) over ``plans``, exact: its
-        batches, probe schedule, head/KL chunks; ``engine`` the planned engine."""
+    def engine(self, plans, *, settings: EngineSettings | None = None, reference_cache=None) -> dict:
+        """The passes and block loads of one scoring-engine call (``plan_kl``) over
+        ``plans``, exact: its batches, probe schedule or slot-major passes, head/KL chunks;
+        ``plan`` the engine's :class:`~hf_layerswap.scoring.engineplan.EnginePlan`.
+        ``reference_cache``: the kept reference the call finds (default none)."""
         return _engine_counts(self.model, self.calibration, plans, self.settings if settings is None else settings,
-                              reference=reference, verify=verify)
+                              streamed=self.streamed, reference_cache=reference_cache)
 
     def probe_blocks(self, set_size: int, *, mode: str = "shared") -> int:
         """The most blocks one removal set of ``set_size`` blocks runs per batch: from its
@@ -333,32 +308,32 @@ class SelectionPlan:
         kept = self.num_blocks - set_size
         return kept if mode == "none" else kept - min(self.allowed[0], kept - 1)
 
-    def evaluator(self, sets: int, set_size: int, engine=None) -> dict:
+    def evaluator(self, sets: int, set_size: int, planned=None) -> dict:
         """An upper bound of one ``plan_kl`` call over ``sets`` distinct removal sets of
         ``set_size`` blocks: the reference sweep, each set from the first removable block
         without prefix sharing (:meth:`probe_blocks`), the head/KL phase of ``sets``
-        probes per batch and the one-time head check (``engine``: a planned engine of
-        these settings; default one planned here)."""
+        probes per batch and the one-time head check (``planned``: the
+        :class:`~hf_layerswap.scoring.engineplan.EnginePlan` of a call at these settings;
+        default one planned here)."""
         if sets <= 0:
             return {"block_passes": 0, "head_passes": 0, "head_rows": 0, "block_tokens": 0}
-        engine = engine if engine is not None else self.engine({0: removal_plan(self.num_blocks, [0])})["engine"]
-        per_set = self.probe_blocks(set_size, mode=engine.mode)
+        planned = planned if planned is not None else self.engine({0: removal_plan(self.num_blocks, [0])})["plan"]
+        per_set = self.probe_blocks(set_size, mode=planned.prefix_reuse)
         blocks = heads = rows_done = tokens = 0
-        for b in engine.batches:
-            ids, mask = engine._batch(b)
-            calls, work = _head_calls(engine, int(mask.sum()), sets)
-            per_batch = engine.num_blocks + sets * per_set
+        for batch in planned.batches:
+            calls, work = planned.head_work(batch.real_positions, sets)
+            per_batch = planned.num_blocks + sets * per_set
             blocks, heads, rows_done = blocks + per_batch, heads + calls, rows_done + work
-            tokens += ids.numel() * per_batch
-        if engine.stream_logits:  # each call's engine checks its head once
-            heads += 1 + math.ceil(engine.head.vocab / engine.vocab_chunk)
+            tokens += batch.positions * per_batch
+        heads += planned.head_check_calls  # each call's engine checks its head once
         return {"block_passes": blocks, "head_passes": heads, "head_rows": rows_done, "block_tokens": tokens}
 
-    def reference_batches(self, engine) -> int:
+    def reference_batches(self, planned) -> int:
         """Batches whose dense reference a kept-reference cache holds under
         :attr:`memory_budget` (:class:`~hf_layerswap.scoring.reference.ReferenceCache`, in
-        batch order; ``engine`` gives the batches)."""
-        return _reference_batches(engine, self.memory_budget)
+        batch order; ``planned``, an :class:`~hf_layerswap.scoring.engineplan.EnginePlan`,
+        gives the batches)."""
+        return _reference_batches(planned, self.memory_budget)
 
     def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0) -> dict:
         """Model forwards over every batch of ``config.batch_size`` prompts: ``blocks_per_batch``
@@ -374,6 +349,9 @@ class SelectionPlan:
         bound), ``note`` (how they were counted) and any ``extra`` fields."""
         out = {k: sum(int(p.get(k, 0)) for p in parts)
                for k in ("block_passes", "head_passes", "head_rows", "block_tokens")}
+        if any("block_loads" in p for p in parts):  # only where every part counted its block loads
+            out["block_loads"] = sum(int(p.get("block_loads", 0)) for p in parts) if all(
+                "block_loads" in p for p in parts) else None
         return {**out, "exact": bool(exact), "note": note, **extra}
 
 
@@ -475,46 +453,38 @@ def _offloaded(model) -> bool:
     return any(str(d) in ("cpu", "disk") for d in device_map.values()) and len(set(map(str, device_map.values()))) > 1
 
 
-def _working_bytes(engine, model, search_reference: int) -> int:
-    """The engine's working memory at its peak: activations of a batch, the head/KL block,
-    what the head's GEMM holds beside it (:meth:`~.scoring.head.Head.working_bytes`: one
-    vocabulary slice of an offloaded head, which is streamed; one upcast piece of a
-    half-precision weight on a CPU), the held probe states, the kept reference."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    activations = engine._activation_bytes(engine.batch_size, cfg)
-    kl_block = KL_BLOCK_ENTRY_BYTES * engine.kl_chunk * engine.vocab_chunk  # OnlineKL's weights and logits
-    head = engine.head.module
-    # the rows of an offloaded head read one vocabulary slice at a time, and a piece of a
-    # half-precision weight upcast where the device has no GEMM with fp32 output
-    head_copy = engine.head.working_bytes(engine.vocab_chunk) if getattr(head, "weight", None) is not None else 0
-    es = torch.finfo(engine.compute_dtype).bits // 8
-    real = int(engine.calib.attention_mask[: engine.batch_size].sum())
-    group = min(engine._group_size(real), len(engine.my_probes))
-    held = group * real * engine.hidden * es
-    kl_temps = _kl_temporaries(engine, real, group) if engine.stream_logits else 0
-    return activations + kl_block + kl_temps + head_copy + held + search_reference
+def _working_bytes(plan, search_reference: int) -> int:
+    """The engine's working memory at its peak, from its
+    :class:`~hf_layerswap.scoring.engineplan.EnginePlan`: activations of a batch, the
+    head/KL block, what the head's GEMM holds beside it (one vocabulary slice of an
+    offloaded head, which is streamed; one upcast piece of a half-precision weight on a
+    CPU), the held probe states, the kept reference."""
+    kl_block = KL_BLOCK_ENTRY_BYTES * plan.kl_chunk * plan.vocab_chunk  # OnlineKL's weights and logits
+    real = plan.batches[0].real_positions if plan.batches else 0
+    group = min(plan.flush_size(real), plan.probes)
+    held = group * real * plan.hidden * plan.element_bytes
+    kl_temps = _kl_temporaries(plan, real, group) if plan.stream_logits else 0
+    return plan.activation_bytes + kl_block + kl_temps + plan.head_working_bytes + held + search_reference
 
 
-def _kl_temporaries(engine, rows: int, probes: int) -> int:
+def _kl_temporaries(plan, rows: int, probes: int) -> int:
     """Bytes of the float64 temporaries of the engine's KL beside its head/KL block
     (:class:`~hf_layerswap.scoring.kl.OnlineKL`): two float64 arrays of one row block
-    (``engine.kl_block_bytes`` of fp32, so up to ``4 * kl_block_bytes``: :func:`~.scoring.kl.row_blocks`)
+    (``plan.kl_block_bytes`` of fp32, so up to ``4 * kl_block_bytes``: :func:`~.scoring.kl.row_blocks`)
     and the per-row state of ``rows`` positions (running maximum, sums, and each of
     ``probes`` probes' two sums), 8 bytes each."""
-    width = engine.vocab_chunk
-    block_rows = min(engine.kl_chunk, max(1, engine.kl_block_bytes // (4 * max(1, width))))
+    width = plan.vocab_chunk
+    block_rows = min(plan.kl_chunk, max(1, plan.kl_block_bytes // (4 * max(1, width))))
     return 2 * 8 * block_rows * width + 8 * rows * (3 + 2 * probes)
 
 
-def _reference_entries(engine, budget: int) -> list[int]:
+def _reference_entries(plan, budget: int) -> list[int]:
     """Bytes of each batch entry the search's reference cache keeps: the streams entering
     blocks 1..L-1 and the final hidden rows, in batch order while they fit ``budget``
     (:class:`~hf_layerswap.scoring.reference.ReferenceCache`)."""
-    es = torch.finfo(engine.compute_dtype).bits // 8
     total, kept = 0, []
-    for b in engine.batches:
-        ids, mask = engine._batch(b)
-        entry = (engine.num_blocks - 1) * ids.numel() * engine.hidden * es + int(mask.sum()) * engine.hidden * es
+    for batch in plan.batches:
+        entry = ((plan.num_blocks - 1) * batch.positions + batch.real_positions) * plan.hidden * plan.element_bytes
         if total + entry > budget:
             break
         total += entry
@@ -522,12 +492,12 @@ def _reference_entries(engine, budget: int) -> list[int]:
     return kept
 
 
-def _reference_bytes(engine, budget: int) -> int:
-    return sum(_reference_entries(engine, budget))
+def _reference_bytes(plan, budget: int) -> int:
+    return sum(_reference_entries(plan, budget))
 
 
-def _reference_batches(engine, budget: int) -> int:
-    return len(_reference_entries(engine, budget))
+def _reference_batches(plan, budget: int) -> int:
+    return len(_reference_entries(plan, budget))
 
 
 def _resident_bytes() -> int:
@@ -604,31 +574,32 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
     entry = strategy_entry(strategy)
     phases = {}
-    scoring_engine = None
+    scoring_plan = None
+    streamed = None if stream_weights is None else bool(stream_weights)  # None: the model's own offload
     if cfg.layers is None:
         plans = swap_plans(total_blocks, min(cfg.max_gap, total_blocks - 1), entry.scores(cfg.protocol))
-        phases["scoring"] = _engine_counts(model, calib, plans, settings)
-        scoring_engine = _on_device(phases["scoring"].pop("engine"), device)
+        phases["scoring"] = _engine_counts(model, calib, plans, settings, streamed=streamed)
+        scoring_plan = _on_device(phases["scoring"].pop("plan"), device)
         phases["scoring"]["sweeps"] = 1
         phases["scoring"]["exact"] = calib_known
         plan = SelectionPlan(model, calib, cfg, EngineSettings(batch_size=cfg.batch_size, max_memory=working.bytes,
-                                                               progress=False), kept.bytes)
+                                                               progress=False), kept.bytes, streamed)
         selection = dict(entry.cost(plan))
-        selection.pop("engine", None)
-        selection["memory_engine"] = _on_device(plan.engine({0: removal_plan(total_blocks, [plan.allowed[0]])})["engine"],
-                                                device)
+        selection.pop("plan", None)
+        selection["memory_plan"] = _on_device(plan.engine({0: removal_plan(total_blocks, [plan.allowed[0]])})["plan"],
+                                              device)
         if selection["block_passes"] or selection["head_passes"] or not selection["exact"]:
             phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
     exact = all(p.get("exact", True) for p in phases.values())
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
-    return _assemble(model, calib, cfg, phases, scoring_engine, exact, device, kept.bytes, throughput, stream_weights)
+    return _assemble(model, calib, cfg, phases, scoring_plan, exact, device, kept.bytes, throughput, stream_weights)
 
 
-def _on_device(engine, device: torch.device):
-    """``engine`` (planned on the meta device) with the KL's row blocks it takes on ``device``
+def _on_device(plan, device: torch.device):
+    """``plan`` (an :class:`~hf_layerswap.scoring.engineplan.EnginePlan` made on the meta
+    device) with the KL's row blocks the engine takes on ``device``
     (:func:`~hf_layerswap.scoring.settings.kl_block_bytes`: large on an accelerator)."""
-    engine.kl_block_bytes = kl_block_bytes(device, engine.budget)
-    return engine
+    return dataclasses.replace(plan, kl_block_bytes=kl_block_bytes(device, plan.max_memory))
 
 
 def _on_this_machine(device: torch.device) -> bool:
@@ -687,7 +658,7 @@ def _config(config) -> LayerSwapConfig:
 ENGINE_PHASES = ("scoring", "selection")
 
 
-def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughput, stream_weights) -> CostEstimate:
+def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput, stream_weights) -> CostEstimate:
     shape = ModelShape(model)
     total_blocks, block_params, hidden, block_bytes = shape.num_blocks, shape.block_params, shape.hidden, shape.block_bytes
     seq = calib.input_ids.shape[1]
@@ -700,27 +671,32 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         p["flops"] = p["block_flops"] + p["head_flops"]
     streamed = _offloaded(model) if stream_weights is None else bool(stream_weights)
     n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
-    for name, p in phases.items():  # the engine streams each block once per batch and sweep; the other
-        # steps run the model's own forward, whose offload hooks move a block at each call
+    for name, p in phases.items():  # the engine's phases: the block loads of its plan (where a strategy's
+        # cost counts them; else each block once per batch and sweep); the other steps run the model's own
+        # forward, whose offload hooks move a block at each call
         sweeps = p.get("sweeps", p.get("calls", 1))
-        p["bytes_moved"] = 0 if not streamed else (block_bytes * total_blocks * n_batches * sweeps
-                                                   if name in ENGINE_PHASES else block_bytes * p["block_passes"])
+        if name in ENGINE_PHASES:
+            loads = p.get("block_loads")
+            p["block_loads"] = (total_blocks * n_batches * sweeps if loads is None else int(loads)) if streamed else 0
+        p["bytes_moved"] = 0 if not streamed else block_bytes * (p["block_loads"] if name in ENGINE_PHASES
+                                                                 else p["block_passes"])
     weights = shape.weight_bytes
     search_ref = 0
-    selection_engine = phases.get("selection", {}).pop("memory_engine", None)
+    selection_plan = phases.get("selection", {}).pop("memory_plan", None)
     keeps = strategy_entry(strategy_entry(cfg.strategy).strategy_for(cfg.protocol)).keeps_reference  # as prune runs it
-    if engine is not None and "selection" in phases and keeps:
-        search_ref = _reference_bytes(engine, budget)  # ``budget``: the share the search keeps
-    working = _working_bytes(engine, model, 0) if engine is not None else 0
-    if selection_engine is not None:  # the search's engine calls beside its kept reference
-        working = max(working, _working_bytes(selection_engine, model, search_ref))
+    if plan is not None and "selection" in phases and keeps:
+        search_ref = _reference_bytes(plan, budget)  # ``budget``: the share the search keeps
+    working = _working_bytes(plan, 0) if plan is not None else 0
+    if selection_plan is not None:  # the search's engine calls beside its kept reference
+        working = max(working, _working_bytes(selection_plan, search_ref))
     kl_temps = 0
-    if engine is not None and engine.stream_logits:
-        real = int(engine.calib.attention_mask[: engine.batch_size].sum())
-        kl_temps = _kl_temporaries(engine, real, min(engine._group_size(real), len(engine.my_probes)))
+    if plan is not None and plan.stream_logits:
+        real = plan.batches[0].real_positions
+        kl_temps = _kl_temporaries(plan, real, min(plan.flush_size(real), plan.probes))
     key = str(device)
     if streamed:
-        window = (2 * cfg.max_gap + 1) * block_bytes
+        # a window of 2g + 1 resident blocks; on CUDA one more, the next block read ahead (BlockPrefetcher)
+        window = (2 * cfg.max_gap + 1 + (device.type == "cuda")) * block_bytes
         peak = {key: weights - total_blocks * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
@@ -743,7 +719,7 @@ def _assemble(model, calib, cfg, phases, engine, exact, device, budget, throughp
         bytes_moved=int(sum(p["bytes_moved"] for p in phases.values())),
         peak_memory_bytes={k: int(v) for k, v in peak.items()},
         seconds=float(sum(p["seconds"] for p in phases.values())), exact=exact,
-        phases={k: {kk: vv for kk, vv in v.items() if kk not in ("engine", "exact_sets")} for k, v in phases.items()},
+        phases={k: {kk: vv for kk, vv in v.items() if kk not in ("plan", "exact_sets")} for k, v in phases.items()},
         derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
                       "kl_temporaries": int(kl_temps),

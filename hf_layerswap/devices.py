@@ -20,6 +20,12 @@ an offloaded vocabulary-sized module compute from such reads: an ``nn.Embedding`
 the rows of the token ids it is given, an ``nn.Linear`` (an output head) its output features
 in slices. A head of 262k entries (Gemma-3's tied embedding and head: 62.5% of its weights)
 is then never resident whole.
+
+:class:`BlockPrefetcher` onloads blocks in a known order with the next one read ahead: on a
+CUDA execution device its host copy is pinned (weights held in CPU memory are pinned once,
+in place of their pageable copy; a block read from disk is read into pinned memory) and
+copied on a side stream while the current block computes; on a CPU it reads the same order
+synchronously (the code path tests run).
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
-from accelerate.utils import align_module_device, has_offloaded_params, OffloadedWeightsLoader, PrefixedDataset
+from accelerate.utils import (align_module_device, has_offloaded_params, named_module_tensors, OffloadedWeightsLoader,
+                              PrefixedDataset, set_module_tensor_to_device)
 from safetensors import safe_open
 from torch import nn
 
 __all__ = [
-    "execution_device", "input_device", "OffloadedTensor", "offloaded_bytes", "offloaded_modules", "onloaded",
+    "BlockPrefetcher", "execution_device", "input_device", "OffloadedTensor", "offloaded_bytes", "offloaded_modules", "onloaded",
     "peak_memory", "sliced_calls",
 ]
 
@@ -113,6 +120,109 @@ def onloaded(module: nn.Module) -> Iterator[int]:
             m._hf_hook.offload = False
             stack.callback(setattr, m._hf_hook, "offload", True)  # runs before the weights go back
         yield moved
+
+
+class BlockPrefetcher:
+    """Onloads offloaded modules in a known ``order``, the next one read ahead.
+
+    ``load(i)`` (a context manager, what :func:`onloaded` is for one module) brings
+    ``modules[i]``'s offloaded weights to its execution device and keeps them there until
+    the context exits, and before it yields starts reading the module that follows ``i``
+    in ``order``, so that read overlaps the work done inside. On a CUDA execution device
+    the host copy is pinned (:meth:`host_copy`) and copied with ``non_blocking=True`` on
+    a side CUDA stream; the compute stream waits on that copy's event before the module
+    runs (and the tensors are recorded on it, so the allocator keeps them until it is
+    done). On a CPU (``stream=None``) the same schedule runs synchronously: the values are
+    accelerate's own (its weights map, ``set_module_tensor_to_device``; the hook's
+    ``post_forward`` puts them back on "meta").
+
+    Args:
+        modules: the modules by index (decoder blocks).
+        order: indices in the order they will be loaded.
+        stream: the side stream of the reads (``torch.cuda.Stream``), or ``None``
+            (default: a new side stream when the first module computes on CUDA).
+
+    Attributes:
+        log: ``("read", i)`` when module ``i``'s read is issued, ``("load", i)`` when it
+            is installed (for tests and diagnostics).
+        reads: modules read (each once per load).
+    """
+
+    def __init__(self, modules, order, *, stream="auto"):
+        self.modules = modules
+        self.order = list(order)
+        self.next_of = {a: b for a, b in zip(self.order, self.order[1:])}
+        first = modules[self.order[0]] if self.order else None
+        self.device = execution_device(first) if first is not None else torch.device("cpu")
+        if stream == "auto":
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = stream
+        self.pin = self.device.type == "cuda"
+        self.pending: dict[int, tuple[list, object]] = {}
+        self.log: list[tuple[str, int]] = []
+        self.reads = 0
+
+    def host_copy(self, module: nn.Module, name: str) -> torch.Tensor:
+        """The host tensor ``name`` of ``module``'s offload, pinned when the copies are
+        asynchronous: a tensor held in CPU memory is pinned once and replaces its pageable
+        copy in the weights map; one read from disk is read into pinned memory."""
+        weights = module._hf_hook.weights_map
+        value = weights[name]
+        if not self.pin or value.is_pinned():
+            return value
+        pinned = value.pin_memory()
+        store = weights.dataset if isinstance(weights, PrefixedDataset) else weights
+        key = weights.prefix + name if isinstance(weights, PrefixedDataset) else name
+        held = store.state_dict if isinstance(store, OffloadedWeightsLoader) else store
+        if isinstance(held, dict) and key in held:
+            held[key] = pinned
+        return pinned
+
+    def _read(self, i: int) -> None:
+        """Issue the copies of module ``i``'s offloaded tensors to the execution device."""
+        copies = []
+        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with context:
+            for m in offloaded_modules(self.modules[i]):
+                hook = m._hf_hook
+                for name, _ in named_module_tensors(m, include_buffers=hook.offload_buffers,
+                                                    recurse=hook.place_submodules, remove_non_persistent=True):
+                    copies.append((m, name, self.host_copy(m, name).to(self.device, non_blocking=self.pin)))
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        self.pending[i] = (copies, event)
+        self.reads += 1
+        self.log.append(("read", i))
+
+    @contextlib.contextmanager
+    def load(self, i: int) -> Iterator[int]:
+        """Module ``i`` onloaded (read ahead when it was next); the read of the module after
+        it in ``order`` is issued before this yields. Yields the bytes moved
+        (:func:`offloaded_bytes`)."""
+        if i not in self.pending:
+            self._read(i)
+        copies, event = self.pending.pop(i)
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for _, _, t in copies:
+                t.record_stream(current)
+        mods = offloaded_modules(self.modules[i])
+        with contextlib.ExitStack() as stack:
+            for m in mods:
+                m._hf_hook.offload = False
+                stack.callback(m._hf_hook.post_forward, m, None)  # back to "meta" (runs last)
+                stack.callback(setattr, m._hf_hook, "offload", True)
+            for m, name, t in copies:
+                set_module_tensor_to_device(m, name, self.device, value=t)
+            self.log.append(("load", i))
+            nxt = self.next_of.get(i)
+            if nxt is not None and nxt not in self.pending:
+                self._read(nxt)
+            del copies
+            yield offloaded_bytes(self.modules[i])
 
 
 def peak_memory() -> dict[str, int]:

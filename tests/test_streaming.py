@@ -5,6 +5,7 @@ memory are in the report's metadata."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -18,16 +19,20 @@ from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
 from hf_layerswap.calibration import build_calibration
-from hf_layerswap.devices import (offloaded_bytes, offloaded_modules, OffloadedTensor, onloaded, peak_memory,
-                                  sliced_calls)
+from hf_layerswap.cost import Throughput
+from hf_layerswap.devices import (BlockPrefetcher, offloaded_bytes, offloaded_modules, OffloadedTensor, onloaded,
+                                  peak_memory, sliced_calls)
 from hf_layerswap.models import bundled_checkpoint_dir, load_model
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.plan import decoder_blocks, removal_plan
 from hf_layerswap.scoring.verbs import swap_plans
 from hf_layerswap.scoring import plan_kl
 from hf_layerswap.scoring.head import Head
 from hf_layerswap.scoring.probes import make_probes
 from hf_layerswap.scoring.settings import EngineSettings
-from hf_layerswap.scoring.slotmajor import blocks_offloaded, plan_pass, probe_groups
+from hf_layerswap.scoring.engine import plan_engine
+from hf_layerswap.scoring.reference import ReferenceCache
+from hf_layerswap.scoring.slotmajor import (blocks_offloaded, capture_block_inputs, movable_blocks, plan_pass, probe_groups,
+                                            run_pass, state_capacity)
 
 FIELDS = ("replacement_ij", "replacement_ji", "interchange")
 
@@ -256,7 +261,7 @@ def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
     """Forced on an in-memory model the streamed path gives the depth-first values bit
     for bit; with a budget that holds few states it splits the probes into groups, each
     one pass (blocks move once per group)."""
-    model = tiny_model("llama", num_blocks=6)
+    model = tiny_model("llama", num_blocks=6, hidden_size=64)
     calib = build_calibration(tiny_batch(batch=4, length=16))
     plans = swap_plans(6, 2, ("replacement", "interchange")) | {"removal": [0, 2, 3, 5]}
     budget = 1 << 20
@@ -268,13 +273,25 @@ def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
     assert s_stats["movement"]["block_onloads"] == 0  # nothing offloaded, nothing moved
     assert s_stats["block_evaluations"] == d_stats["block_evaluations"]
     probes = list(make_probes(plans, 6)[1].values())
-    state = 4 * 16 * model.config.hidden_size * 4  # bytes of one (B, T, H) fp32 state
-    per_group = (budget // 4) // state // 2 - 1
-    groups = probe_groups(probes, (4, 16, model.config.hidden_size), torch.float32, budget)
-    assert len(probes) == 28 and 1 < per_group < 28
-    assert [len(g) for g in groups] == [per_group] * (28 // per_group) + ([28 % per_group] if 28 % per_group else [])
+    shape = (4, 16, model.config.hidden_size)
+    capacity = state_capacity(shape, torch.float32, budget)
+    assert capacity == (budget // 4) // (4 * 16 * model.config.hidden_size * 4)  # (B, T, H) fp32 states
+    groups = probe_groups(probes, shape, torch.float32, budget, 6)
+    assert len(probes) == 28 and sum(len(g) for g in groups) == 28
+    order = sorted(probes, key=lambda p: (p.start, p.run))
+    assert [p for g in groups for p in g] == order  # consecutive runs of the (start, run) order
     passes = [plan_pass([p.key for p in g], 6, reference=n == 0) for n, g in enumerate(groups)]
+    done = 0
+    for n, (g, pp) in enumerate(zip(groups, passes)):
+        assert pp.peak_states <= capacity  # each group fits
+        done += len(g)
+        if done < 28:  # and is the longest that does: one probe more holds too many states
+            assert plan_pass([p.key for p in order[done - len(g):done + 1]], 6, reference=n == 0).peak_states > capacity
+    # the old rule (two states per probe held, floor(capacity / 2) - 1 probes a group) cut 4 groups
+    assert capacity == 16 and [len(g) for g in groups] == [13, 14, 1]
+    assert len(groups) == 3 < math.ceil(28 / (capacity // 2 - 1)) == 4
     assert g_stats["block_evaluations"] == sum(p.block_evaluations for p in passes) > s_stats["block_evaluations"]
+    assert g_stats["movement"]["block_onloads"] == 0
 
 
 def test_pass_plan_holds_a_window_of_2g_plus_1_blocks_and_moves_each_once():
@@ -461,3 +478,99 @@ def test_online_kl_in_one_row_blocks_and_narrow_slices_equals_the_whole_vocabula
              ).sum(-1)
     assert torch.allclose(sliced, whole, rtol=1e-12, atol=0.0)
     assert torch.allclose(whole, exact, rtol=1e-9, atol=0.0)
+
+
+@pytest.mark.parametrize("budget", ["1MiB", "1GiB"])
+def test_predicted_block_loads_equal_the_counted_ones_for_scoring_and_search(budget, tmp_path):
+    """On a disk-offloaded model the cost estimate's block loads are the engine's own plan:
+    equal to the onloads counted at accelerate's hooks and to the report's movement, for
+    the scoring and for the search (budget 1: its single-removal call, exact). Under 1 MiB
+    the probes run in several groups per batch and the search's kept reference holds one
+    of the two batches."""
+    calib = build_calibration(tiny_batch(batch=5, length=12))
+    split = _disk_offloaded(tiny_model("llama", num_blocks=8, hidden_size=256), tmp_path / "offload")
+    counts = _Counts(split)
+    config = hl.LayerSwapConfig(num_to_remove=1, max_gap=2, batch_size=3, num_prompts=5, seq_len=12, progress=False)
+    estimate = hl.estimate_cost(split, config, calibration=calib, max_memory=budget,
+                                throughput=Throughput(1e9, 1e9, 1e9))
+    report = hl.score_layers(split, calib, progress=False, max_gap=2, batch_size=3, max_memory=budget)
+    scoring = sum(counts.onloads.values())
+    counts.reset()
+    chosen = hl.select_layers(report, 1, strategy="search", model=split, calibration=calib, batch_size=3,
+                              max_memory=budget)
+    search = sum(counts.onloads.values())
+    plan = plan_engine(split, calib, swap_plans(8, 2, ("replacement", "interchange")),
+                       EngineSettings(batch_size=3, max_memory=budget)).plan()
+    groups = [len(b.probe_groups) for b in plan.batches]
+    assert groups == ([8, 5] if budget == "1MiB" else [1, 1])
+    assert plan.block_loads == 8 * sum(groups)  # every group streams every block (no kept reference)
+    assert estimate.phases["scoring"]["block_loads"] == plan.block_loads == report.metadata["movement"]["block_onloads"]
+    assert scoring == plan.block_loads
+    assert estimate.phases["scoring"]["block_passes"] == plan.block_evaluations == report.metadata["block_evaluations"]
+    assert len(chosen) == 1
+    counted = report.selections[-1]["total_cost"]["block_loads"]
+    assert estimate.phases["selection"]["block_loads"] == counted == search
+    assert search == (18 if budget == "1MiB" else 16)
+    block = offloaded_bytes(decoder_blocks(split)[2][0])
+    assert estimate.phases["scoring"]["bytes_moved"] == block * plan.block_loads
+
+
+def test_slot_major_passes_start_from_the_kept_reference(tmp_path):
+    """The search's evaluator calls on an offloaded model: the first call streams the
+    reference and keeps the streams entering every block; a later call runs no reference
+    pass and moves only the blocks at or after each set's first removed one. The values are
+    the uncached run's, bit for bit, and each call's plan predicts its loads exactly."""
+    calib = build_calibration(tiny_batch(batch=5, length=12))
+    split = _disk_offloaded(tiny_model("llama", num_blocks=8), tmp_path / "offload")
+    plans = {i: removal_plan(8, [i]) for i in range(2, 7)}
+    alone, alone_stats = plan_kl(split, calib, plans, batch_size=3)
+    cache = ReferenceCache(1 << 30)
+    stats = []
+    for _ in range(2):
+        predicted = plan_engine(split, calib, plans, EngineSettings(batch_size=3), cache).plan()
+        values, st = plan_kl(split, calib, plans, batch_size=3, reference_cache=cache)
+        assert predicted.block_loads == st["movement"]["block_onloads"]
+        assert predicted.block_evaluations == st["block_evaluations"]
+        assert predicted.reference_passes == st["reference_passes"]
+        assert all(torch.equal(values[k], alone[k]) for k in plans)
+        stats.append(st)
+    first, second = stats
+    assert alone_stats["movement"]["block_onloads"] == first["movement"]["block_onloads"] == 2 * 8
+    assert first["reference_passes"] == 2 and second["reference_passes"] == 0
+    assert second["movement"]["block_onloads_per_batch"] == [5, 5]  # blocks 3..7: set {2} runs from slot 2
+    assert cache.hits == 2 and len(cache.entries) == 2
+
+
+def test_block_prefetcher_reads_the_next_block_before_the_current_one_runs(tmp_path):
+    """The prefetching onload, run with the CPU as its device (no stream: the same
+    schedule, synchronous): each block's read of the next one is issued before the current
+    block computes, every block is read once per pass, and the values are accelerate's
+    own onload's."""
+    calib = build_calibration(tiny_batch(batch=3, length=12))
+    split = _disk_offloaded(tiny_model("llama", num_blocks=6), tmp_path / "offload")
+    _, _, blocks = decoder_blocks(split)
+    probes = make_probes(swap_plans(6, 1, ("replacement",)), 6)[1]
+    plan = plan_pass(list(probes), 6, reference=True, offloaded=movable_blocks(blocks))
+    inputs = capture_block_inputs(split, calib.input_ids, calib.attention_mask)
+    results = []
+    for prefetch in (False, True):
+        finals, moved = {}, []
+        loader = BlockPrefetcher(blocks, plan.onload_order) if prefetch else None
+        handles = [blk.register_forward_pre_hook(lambda *_, b=b: loader.log.append(("run", b)) if loader else None)
+                   for b, blk in enumerate(blocks)]
+        with torch.no_grad():
+            run_pass(plan, blocks, inputs, lambda k, s: finals.__setitem__(k, s.clone()), lambda b, n: moved.append(b),
+                     loader=None if loader is None else loader.load)
+        for h in handles:
+            h.remove()
+        results.append((finals, moved, loader))
+    (plain, plain_moved, _), (fetched, fetched_moved, loader) = results
+    assert loader.stream is None and loader.device == torch.device("cpu")
+    assert plan.onload_order == list(range(6)) and plain_moved == fetched_moved == list(range(6))
+    assert loader.reads == 6 and not loader.pending
+    log = loader.log
+    for b in range(5):  # block b+1 is read before block b first runs
+        assert log.index(("read", b + 1)) < log.index(("run", b))
+    assert log[:3] == [("read", 0), ("load", 0), ("read", 1)]
+    assert all(torch.equal(plain[k], fetched[k]) for k in plain)
+    assert {p.device.type for p in blocks[3].parameters()} == {"meta"}  # back on "meta" after the pass

@@ -57,7 +57,8 @@ probe needs:
   parallel, FSDP, ZeRO-3) is refused before any forward pass (:mod:`.processes`).
 - **Streaming offloaded models.** When accelerate offloads the decoder blocks (CPU or
   disk), every probe of a batch is advanced slot by slot and each block is read once per
-  batch instead of at every call (:mod:`.slotmajor`); the values are the same. The
+  batch and probe group instead of at every call (:mod:`.slotmajor`), the next block read
+  ahead from pinned memory on CUDA; the values are the same. The
   report's metadata records how the head was taken (``head_streaming``), the blocks and
   bytes moved and the bytes of the head and embedding read (``movement``; under several
   processes the sum over them, each one's own under ``per_process``) and the peak memory
@@ -69,7 +70,7 @@ Which probes a pair gets is the protocol registry's (:mod:`hf_layerswap.protocol
 :func:`register_protocol`): the paper's replacement and interchange are built in.
 
 Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and the engine
-state), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
+state), :mod:`.engineplan` (the engine's public schedule, ``Engine.plan()``), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
 hands the engine), :mod:`.streamed` (the head/KL phase on blocks of positions x
 vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
 :mod:`.probes` (probe deduplication, order, each process's share), :mod:`.slotmajor`

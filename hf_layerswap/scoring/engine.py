@@ -15,8 +15,10 @@ importable from its own module.
 
 A batch runs depth-first (probe after probe, prefix reuse) or, when the decoder blocks are
 offloaded, slot-major (:mod:`.slotmajor`: every probe advanced slot by slot, each block
-moved once per batch); the head/KL phase, the budget, the checkpoint and the counters are
-the same for both. The summary records the blocks moved (``movement``) and the peak memory
+moved once per batch and probe group); the head/KL phase, the budget, the checkpoint and
+the counters are the same for both. :meth:`Engine.plan` gives the whole schedule before it
+runs (:class:`~.engineplan.EnginePlan`: batches, probe groups, head/KL flushes, block
+evaluations and loads), built by the same methods the run executes. The summary records the blocks moved (``movement``) and the peak memory
 per device (``peak_memory``).
 """
 
@@ -33,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_positions, check_token_ids
-from ..devices import execution_device, offloaded_bytes, peak_memory, sliced_calls
+from ..devices import BlockPrefetcher, execution_device, offloaded_bytes, peak_memory, sliced_calls
 from ..plan import StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
 from ..provenance import library_versions, report_identity
 from .checkpoint import ScoringCheckpoint, plans_digest
@@ -41,14 +43,18 @@ from .head import decoder_output, Head, hooks_removed, maybe_autocast, param_dty
 from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
 from .probes import make_probes, position_hooks, Probe, schedule, schedule_blocks, shard, walk_schedule
 from .processes import check_model_replica, Processes, sum_movement
+from .engineplan import BatchPlan, EnginePlan
 from .reference import ReferenceCache
 from .settings import dtype_name, EngineSettings, kl_block_bytes
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
                         probe_groups, run_pass)
 from .streamed import StreamedKL
 
-__all__ = ["Engine", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
+__all__ = ["Engine", "FLUSH_BUDGET_FRACTION", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
            "plan_kl", "run_plans"]
+
+#: Share of ``max_memory`` the final rows held before a head/KL flush may take.
+FLUSH_BUDGET_FRACTION = 0.25
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
@@ -141,6 +147,7 @@ class Engine:
         _, _, blocks = decoder_blocks(self.model)
         self.movable = movable_blocks(blocks)
         self.norm = final_norm(self.model)
+        self.slot_major_setting = slot_major
         self.slot_major = blocks_offloaded(self.model) if slot_major is None else bool(slot_major)
         self.slot_major_note = None
         why = ("the model's logits are not streamed (stream_logits=False or no separate head)"
@@ -209,11 +216,86 @@ class Engine:
             rows = max(1, min(rows, head_budget // (KL_BLOCK_ENTRY_BYTES * vocab)))
         return rows, vocab
 
-    def _group_size(self, real_rows: int) -> int:
-        """Probes whose final hidden states are held before their heads run."""
+    def flush_size(self, real_rows: int) -> int:
+        """Probes whose final rows (``real_rows`` x H each, compute dtype) are held before
+        their head/KL phase runs: a quarter of the budget (``FLUSH_BUDGET_FRACTION``), at
+        least 1 (:meth:`.engineplan.EnginePlan.flush_size`)."""
         es = torch.finfo(self.compute_dtype).bits // 8
         per_probe = max(1, real_rows * self.hidden * es)
-        return max(1, int(0.25 * self.budget) // per_probe)
+        return max(1, int(FLUSH_BUDGET_FRACTION * self.budget) // per_probe)
+
+    # -- the plan -----------------------------------------------------------------------
+    def plan(self, streamed: bool | None = None) -> EnginePlan:
+        """What :meth:`run_batches` over every batch will do, as an :class:`EnginePlan`:
+        per batch its reference pass (or the kept reference of the engine's
+        :class:`~hf_layerswap.scoring.reference.ReferenceCache`, as it is now and as the
+        run fills it, batch by batch), its slot-major passes and probe groups
+        (:meth:`_passes`, the ones the run executes) or depth-first schedule, its block
+        evaluations and loads, its head/KL flushes and head calls. Nothing runs.
+
+        Args:
+            streamed: ``None`` (default): the model as it is (its offloaded blocks move);
+                ``True``: plan as if every block were offloaded (a model on the meta device
+                whose weights will stream from CPU memory or disk), slot-major where the
+                engine can stream; ``False``: nothing moves.
+
+        Returns:
+            the :class:`EnginePlan`; its ``block_loads`` equal the run's
+            ``movement["block_onloads"]`` and its ``block_evaluations`` the run's.
+        """
+        every = frozenset(range(self.num_blocks))
+        offloaded = self.movable if streamed is None else (self.movable or every) if streamed else frozenset()
+        slot_major = self.slot_major
+        if streamed and not slot_major and self.slot_major_setting is None and self.slot_major_note is None:
+            slot_major = True
+        probes = self.my_probes
+        cache = self.reference_cache
+        held = cache.bytes if cache is not None else 0
+        slices = math.ceil(self.head.vocab / self.vocab_chunk)
+        batches = []
+        for b in self.batches:
+            ids, mask = self._batch(b)
+            rows = int(mask.sum())
+            hit = cache is not None and self._reference_key(b) in cache.entries
+            keep = not hit and cache is not None and held + self._reference_entry_bytes(b) <= cache.max_bytes
+            held += self._reference_entry_bytes(b) if keep else 0
+            if slot_major:
+                passes = self._passes(b, probes, hit=hit, cached=keep, offloaded=offloaded)
+                evaluations = sum(p.block_evaluations for p, _ in passes)
+                loads = sum(p.onloads for p, _ in passes)
+                groups = tuple(len(g) for _, g in passes)
+            else:
+                calls = [] if hit else list(range(self.num_blocks))
+                for probe, depth0, _ in schedule(probes, self.mode):
+                    calls += probe.key if self.mode == "none" else probe.key[probe.start + depth0:]
+                evaluations, loads, groups = len(calls), sum(1 for c in calls if c in offloaded), ()
+            per = self.flush_size(rows) if self.stream_logits else max(1, len(probes))
+            flushes = tuple(min(per, len(probes) - k) for k in range(0, len(probes), per))
+            head_calls, head_rows = self.kl_plan.head_work(rows, len(probes), reference=not hit)
+            batches.append(BatchPlan(b, ids.shape[0], ids.shape[1], rows, not hit, groups, flushes, evaluations,
+                                     loads, head_calls, head_rows))
+        checked = cache is not None and cache.head_check is not None and not slot_major
+        head = self.head.module
+        cfg = text_config(self.model)
+        return EnginePlan(
+            batch_size=self.batch_size, num_blocks=self.num_blocks, hidden=self.hidden, vocab=self.head.vocab,
+            element_bytes=torch.finfo(self.compute_dtype).bits // 8, probes=len(probes), prefix_reuse=self.mode,
+            stream_logits=self.stream_logits, slot_major=slot_major, offloaded_blocks=len(offloaded),
+            kl_chunk=self.kl_chunk, vocab_chunk=self.vocab_chunk, kl_block_bytes=self.kl_block_bytes,
+            max_memory=self.budget, activation_bytes=self._activation_bytes(self.batch_size, cfg),
+            flush_bytes=int(FLUSH_BUDGET_FRACTION * self.budget),
+            head_working_bytes=self.head.working_bytes(self.vocab_chunk) if getattr(head, "weight", None) is not None else 0,
+            head_check_calls=(1 + slices) if self.stream_logits and not self.verified_head and not checked else 0,
+            batches=tuple(batches),
+        )
+
+    @property
+    def kl_plan(self) -> EnginePlan:
+        """The plan's settings without its batches (for :meth:`EnginePlan.head_work`)."""
+        return EnginePlan(self.batch_size, self.num_blocks, self.hidden, self.head.vocab,
+                          torch.finfo(self.compute_dtype).bits // 8, len(self.my_probes), self.mode,
+                          self.stream_logits, self.slot_major, len(self.movable), self.kl_chunk, self.vocab_chunk,
+                          self.kl_block_bytes, self.budget, 0, int(FLUSH_BUDGET_FRACTION * self.budget), 0, 0, ())
 
     # -- provenance -----------------------------------------------------------------
     def settings(self) -> dict:
@@ -401,7 +483,7 @@ class Engine:
         if not self.stream_logits:
             return work + self._head_blocks() * (1 + len(probes))
         rows = int(mask.sum())
-        refs = math.ceil(len(probes) / self._group_size(rows))
+        refs = math.ceil(len(probes) / self.flush_size(rows))
         return work + self._head_blocks() * rows / positions * (refs + len(probes))
 
     def run_batches(self, batch_indices: Sequence[int]) -> None:
@@ -479,7 +561,7 @@ class Engine:
         if not self.stream_logits:  # the model's own head ran inside the pass
             bar.advance(head)
         order = schedule(todo, self.mode)
-        group = self._group_size(rows.numel()) if self.stream_logits else len(order)
+        group = self.flush_size(rows.numel()) if self.stream_logits else len(order)
         pending: list[tuple[Probe, torch.Tensor]] = []
         flush = self._flusher(b, ref, prompt_of_row, counts, bsz, bar)
 
@@ -529,18 +611,40 @@ class Engine:
         return flush
 
     # -- slot-major streaming (:mod:`.slotmajor`) ------------------------------------------
-    def _passes(self, b: int, probes: Sequence[Probe]) -> list[tuple[PassPlan, list[Probe]]]:
-        """The slot-major passes of batch ``b``: ``(pass, its probe group)`` per group (the
-        first with the reference), cached by the probes and the batch's shape."""
+    def _passes(self, b: int, probes: Sequence[Probe], *, hit: bool = False, cached: bool = False,
+                offloaded: frozenset | None = None) -> list[tuple[PassPlan, list[Probe]]]:
+        """The slot-major passes of batch ``b``: ``(pass, its probe group)`` per group,
+        cached by the probes, the batch's shape and the reference's state: ``hit`` (a kept
+        reference serves the batch: every pass starts from its streams) or not (the first
+        pass streams the reference; with ``cached`` its streams are kept and the later
+        passes start from them). ``offloaded``: the blocks counted as moved (default the
+        model's offloaded ones)."""
         ids, _ = self._batch(b)
-        key = (tuple(p.key for p in probes), tuple(ids.shape))
+        offloaded = self.movable if offloaded is None else offloaded
+        key = (tuple(p.key for p in probes), tuple(ids.shape), hit, cached, offloaded)
         cache = self.__dict__.setdefault("_pass_cache", {})
         if key not in cache:
             shape = (*ids.shape, self.hidden)
-            groups = probe_groups(list(probes), shape, self.compute_dtype, self.budget)
-            cache[key] = [(plan_pass([p.key for p in g], self.num_blocks, reference=n == 0, offloaded=self.movable), g)
+            groups = probe_groups(list(probes), shape, self.compute_dtype, self.budget, self.num_blocks,
+                                  reference=not hit, cached=cached or hit)
+            cache[key] = [(plan_pass([p.key for p in g], self.num_blocks, reference=n == 0 and not hit,
+                                     cached=hit or (cached and n > 0), offloaded=offloaded), g)
                           for n, g in enumerate(groups)]
         return cache[key]
+
+    def _reference_key(self, b: int) -> tuple:
+        """The batch's key in the :class:`~hf_layerswap.scoring.reference.ReferenceCache`
+        (the depth-first reference's key: both keep the same tensors)."""
+        return ReferenceCache.engine_key(self, b)
+
+    def _reference_entry_bytes(self, b: int) -> int:
+        """Bytes a kept reference of batch ``b`` takes: the streams entering blocks
+        1..L-1 ``(B, T, H)`` in the compute dtype, and the final rows ``(R, H)`` (streamed
+        KL) or the fp32 log-probabilities ``(B, T, V)``."""
+        ids, mask = self._batch(b)
+        es = torch.finfo(self.compute_dtype).bits // 8
+        ref = int(mask.sum()) * self.hidden * es if self.stream_logits else ids.numel() * self.head.vocab * 4
+        return (self.num_blocks - 1) * ids.numel() * self.hidden * es + ref
 
     def _moved(self, block: int, nbytes: int | None = None) -> None:
         self.moved["block_onloads"] += 1
@@ -558,8 +662,9 @@ class Engine:
 
     def _stream_batch(self, b: int, todo: list[Probe], bar) -> bool:
         """Batch ``b`` slot by slot: every probe's state advanced together, each block moved
-        once per probe group. False (nothing done) when the first batch's check finds that
-        the final norm and head do not reproduce the model's logits (then depth-first)."""
+        once per probe group (its passes: :meth:`_passes`, the plan's). False (nothing
+        done) when the first batch's check finds that the final norm and head do not
+        reproduce the model's logits (then depth-first)."""
         ids, mask, counts, rows = self._batch_on_device(b)
         bsz, seqlen = ids.shape
         verify = not self.verified_head
@@ -570,22 +675,32 @@ class Engine:
             return False
         _, _, blocks = decoder_blocks(self.model)
         identity = tuple(range(self.num_blocks))
-        per_flush = self._group_size(rows.numel())
+        cache, key = self.reference_cache, self._reference_key(b)
+        entry = cache.lookup(key) if cache is not None else None
+        keep = entry is None and cache is not None and cache.fits(self._reference_entry_bytes(b))
+        streams: dict[int, torch.Tensor] = dict(entry[0]) if entry is not None else {}
+        per_flush = self.flush_size(rows.numel())
         pending: list[tuple[Probe, torch.Tensor]] = []
-        flush = None
-        for n, (plan, group) in enumerate(self._passes(b, todo)):
+        flush = None if entry is None else self._flusher(b, entry[1], rows // seqlen, counts, bsz, bar)
+        for plan, group in self._passes(b, todo, hit=entry is not None, cached=keep):
             finals: dict[tuple, torch.Tensor] = {}
 
             def finish(key, state):
                 out = self.norm(state)
                 finals[key] = out.reshape(-1, out.shape[-1]).index_select(0, rows.to(out.device))
 
+            loader = self._block_loader(plan, blocks)
             with self._autocast():
-                run_pass(plan, blocks, inputs, finish, self._moved)
+                run_pass(plan, blocks, inputs, finish, self._moved, streams=streams,
+                         capture=streams.__setitem__ if keep and plan.reference else None,
+                         loader=None if loader is None else loader.load)
             self.stats["block_evaluations"] += plan.block_evaluations
-            if n == 0:  # the first pass streams the reference too
-                flush = self._flusher(b, finals.pop(identity), rows // seqlen, counts, bsz, bar)
+            if plan.reference:  # the first pass streams the reference too
+                ref = finals.pop(identity)
+                flush = self._flusher(b, ref, rows // seqlen, counts, bsz, bar)
                 self.stats["reference_passes"] += 1
+                if keep:
+                    cache.put(key, dict(streams), ref)
             for p in group:
                 pending.append((p, finals.pop(p.key)))
                 if len(pending) >= per_flush:
@@ -593,6 +708,15 @@ class Engine:
             finals.clear()  # no final state kept past its pass (finish, above, reads the name)
         flush(pending)
         return True
+
+    def _block_loader(self, plan: PassPlan, blocks):
+        """A :class:`~hf_layerswap.devices.BlockPrefetcher` over the pass's onload order when
+        the blocks compute on a CUDA device (pinned host copies, the next block read on a
+        side stream); ``None`` elsewhere (accelerate's own onload, one block at a time)."""
+        order = plan.onload_order
+        if not order or execution_device(blocks[order[0]]).type != "cuda":
+            return None
+        return BlockPrefetcher(blocks, order)
 
     def _verify_streamed(self, inputs) -> bool:
         """First batch: the final norm and the head applied to the decoder's input reproduce
@@ -749,8 +873,9 @@ def plan_kl(
         reference_cache: a :class:`~hf_layerswap.scoring.reference.ReferenceCache` shared
             by calls on the same model and prompts: each batch's reference pass runs once
             and later calls reuse it (exact: the same tensors). ``None``: one per call.
-            A slot-major (streamed) run does not use it: the identity is the trunk its
-            probes branch from, streamed with them in the same pass.
+            A slot-major (streamed) run streams the reference in its first pass and keeps
+            the streams entering every block there when they fit; later passes and calls
+            start each probe from the kept stream entering its start slot.
 
     Returns:
         ``(values, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of per-prompt
@@ -792,8 +917,15 @@ def run_plans(
 
 
 def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]],
-                settings: EngineSettings):
-    """The engine as :func:`run_plans` would build it, without running anything (its batch
-    size, batches, head/KL chunks, probe schedule): what :func:`hf_layerswap.cost.estimate_cost`
-    plans with. ``model`` may live on the meta device."""
-    return Engine(model, calibration, plans, settings)
+                settings: EngineSettings, reference_cache: ReferenceCache | None = None) -> Engine:
+    """The engine as :func:`run_plans` would build it, without running anything: its
+    :meth:`Engine.plan` is what :func:`hf_layerswap.cost.estimate_cost` reads. ``model``
+    may live on the meta device: a plain ``nn.Linear`` head there is planned as it will be
+    once loaded (sliceable, its head/KL chunks chosen accordingly). ``reference_cache``: the
+    kept reference the run will use (its entries and budget shape the plan)."""
+    engine = Engine(model, calibration, plans, settings, reference_cache)
+    head = engine.head
+    if head.linear and not head.sliceable and head.module.weight.device.type == "meta" and not hasattr(head.module, "_hf_hook"):
+        head.sliceable = True
+        engine.kl_chunk, engine.vocab_chunk = engine._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
+    return engine

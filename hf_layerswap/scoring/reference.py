@@ -20,6 +20,11 @@ What is kept (the rule):
   objective, the fp32 log-probabilities ``(B, T, V)``; for the NLL objective the
   per-prompt reference NLL sums ``(B,)``.
 
+The scoring engine's slot-major path (offloaded blocks, :mod:`.slotmajor`) fills the same
+entries from its first pass (:meth:`ReferenceCache.lookup`, :meth:`ReferenceCache.put`) and
+starts every later pass from their streams, so a streamed search does not stream the dense
+model again per call.
+
 A batch's entry is kept only whole and only while all entries together stay within
 ``max_bytes``; batches beyond it are recomputed by one identity sweep per call (the
 fewest: a call needs every batch's reference once). The KL is never approximated.
@@ -104,6 +109,38 @@ class ReferenceCache:
             self.bytes += size
         return streams, ref
 
+    def lookup(self, key: Hashable):
+        """``(streams, reference)`` held for ``key``, or ``None``; counted as a hit or a miss
+        (a slot-major pass computes a missing entry itself and hands it to :meth:`put`)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return entry
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` more bytes stays within ``max_bytes``."""
+        return self.bytes + nbytes <= self.max_bytes
+
+    def put(self, key: Hashable, streams: dict[int, torch.Tensor], reference) -> bool:
+        """Keep ``(streams, reference)`` under ``key`` if it fits (whole or not at all);
+        returns whether it is kept."""
+        size = tensor_bytes(streams) + tensor_bytes(reference)
+        if key in self.entries or not self.fits(size):
+            return False
+        self.entries[key] = (streams, reference)
+        self.bytes += size
+        return True
+
+    @staticmethod
+    def engine_key(engine, b: int) -> tuple:
+        """The key of the scoring engine's batch ``b``: the batch, the batch size, whether
+        the reference is final rows (streamed KL) or log-probabilities, the compute dtype
+        and the calibration set's content."""
+        return ("engine", b, engine.batch_size, engine.stream_logits, str(engine.compute_dtype),
+                engine.calib.content_hash)
+
     def discard(self, key: Hashable) -> None:
         """Drop one entry (if held)."""
         entry = self.entries.pop(key, None)
@@ -128,7 +165,7 @@ class ReferenceCache:
                 self.head_check = (engine.stream_logits, engine.fallback_reason)
             return out
 
-        key = ("engine", b, engine.batch_size, engine.stream_logits, str(engine.compute_dtype), engine.calib.content_hash)
+        key = self.engine_key(engine, b)
         es = torch.finfo(engine.compute_dtype).bits // 8
         streams, ref = self.get(key, compute, slots, range(1, engine.num_blocks), ids.numel() * engine.hidden * es)
         if key[3] != engine.stream_logits:  # the head check failed in this very sweep: keyed by what it holds

@@ -152,14 +152,14 @@ def _beam_cost(plan) -> dict:
     width, seed_size, greedy = defaults["width"], defaults["seed_size"], int(bool(defaults["include_greedy"]))
     evaluator = plan.config.objective or defaults["evaluator"]
     total, unprotected = plan.num_blocks, len(plan.allowed)
-    engine = plan.engine({0: removal_plan(total, [plan.allowed[0]])})["engine"] if evaluator == "removal_kl" else None
+    planned = plan.engine({0: removal_plan(total, [plan.allowed[0]])})["plan"] if evaluator == "removal_kl" else None
     parts, beams, sets_total = [], 0, 0
     for level in range(1, plan.num_to_remove + 1):
         grown = min(seed_size, unprotected) if level == 1 else beams * (unprotected - level + 1)
         pool = min(grown + greedy, math.comb(unprotected, level))
         beams, sets_total = min(width, pool), sets_total + pool
         if evaluator == "removal_kl":
-            parts.append(plan.evaluator(pool, level, engine))
+            parts.append(plan.evaluator(pool, level, planned))
         else:  # calibration NLL: a reference forward and one forward per set, each with the model's head
             parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool))
     return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total,

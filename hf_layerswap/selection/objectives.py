@@ -285,8 +285,10 @@ class SetObjective:
         calls per calibration sweep: each candidate from its first removed block, candidates
         of one call sharing their common prefixes as a tree, :func:`~hf_layerswap.scoring.probes.schedule`),
         ``head_passes`` (output-head passes over the calibration prompts: one per candidate
-        plus the reference's, which the streamed KL runs again per group of candidates) and
-        ``seconds``; ``reference`` the cache.
+        plus the reference's, which the streamed KL runs again per group of candidates),
+        ``block_loads`` (offloaded blocks the removal KL's engine calls brought to the
+        execution device: their ``movement["block_onloads"]``) and ``seconds``;
+        ``reference`` the cache.
 
     Raises:
         ValueError: an unknown objective or a bad ``reference_memory``.
@@ -312,14 +314,14 @@ class SetObjective:
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
         self.num_blocks = num_blocks(model)
         self.cache: dict[str, float] = {}
-        self.calls = self.forward_passes = self.block_passes = self.head_passes = 0
+        self.calls = self.forward_passes = self.block_passes = self.head_passes = self.block_loads = 0
         self.seconds = 0.0
         self._operators: dict[int, torch.Tensor] | None = None
 
     def cost(self) -> dict:
         return {"evaluator_calls": self.calls, "forward_passes": self.forward_passes,
                 "block_passes": self.block_passes, "head_passes": self.head_passes,
-                "reference_passes": self.reference_passes,
+                "reference_passes": self.reference_passes, "block_loads": self.block_loads,
                 "seconds": round(self.seconds, 3)}
 
     def value(self, s: Sequence[int]) -> float:
@@ -359,6 +361,7 @@ class SetObjective:
         sweeps, blocks, heads = engine_cost(stats, self.calibration, self.num_blocks, len(plans))
         self.reference_passes += sweeps
         self.head_passes += heads
+        self.block_loads += stats["movement"]["block_onloads"]
         return [float(values[k].mean()) for k in range(len(sets))], sweeps + len(plans), blocks
 
     def _nll(self, sets):

@@ -68,6 +68,7 @@ from ..recovery.methods import search_objectives
 from ..protocols import PROTOCOLS
 from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
+from ..scoring.reference import ReferenceCache
 from .common import CriterionResult, as_calibration, adjacent_report, report_cost
 from .objectives import SetObjective
 from .registry import Criterion, keyword_options, register_strategy
@@ -565,20 +566,23 @@ def _search_cost(plan) -> dict:
     if cfg.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
         bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) - len(sets) + n_top - 1))
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
-    # each set from its first removed block, no sharing between sets: calls share less than one run would
-    counts = plan.engine(plans, settings=dataclasses.replace(plan.settings, prefix_reuse="start"))
-    engine = counts.pop("engine")
+    # each set from its first removed block, no sharing between sets: calls share less than one run would;
+    # the first call (the single-removal sweep) finds the kept reference empty and fills it: its plan is exact
+    counts = plan.engine(plans, settings=dataclasses.replace(plan.settings, prefix_reuse="start"),
+                         reference_cache=ReferenceCache(plan.memory_budget))
+    planned = counts.pop("plan")
     calib = plan.calibration
     first = min(allowed)
-    n_batches = len(engine.batches)
+    n_batches = len(planned.batches)
     extra_blocks = bound_sets * max(total_blocks - n_top - first, 1) * n_batches
     # batches whose reference does not fit the kept budget are swept again by every further call
-    kept = plan.reference_batches(engine)
+    kept = plan.reference_batches(planned)
     extra_blocks += (n_batches - kept) * total_blocks * (calls - 1)
     counts["block_passes"] += extra_blocks
-    counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * engine.batch_size
+    counts["block_tokens"] += extra_blocks * calib.input_ids.shape[1] * planned.batch_size
+    counts["block_loads"] += _further_loads(planned, bound_sets, calls - 1, kept, total_blocks - first)
     rows = int(calib.attention_mask.sum())
-    chunks = sum(math.ceil(int(engine._batch(b)[1].sum()) / engine.kl_chunk) for b in engine.batches)
+    chunks = sum(math.ceil(b.real_positions / planned.kl_chunk) for b in planned.batches)
     # every further call runs the reference head once per group per chunk; each bound set one head pass
     counts["head_passes"] += chunks * (bound_sets + calls)
     counts["head_rows"] += rows * (bound_sets + calls)
@@ -588,6 +592,26 @@ def _search_cost(plan) -> dict:
     return plan.counts(counts, exact=False, note="an upper bound: the single-removal sweep, then each budget's "
                        "allowance of sets from the first removable block (search_allowances)",
                        **{k: counts[k] for k in ("calls", "sweeps", "sets")}, exact_sets=sets)
+
+
+def _further_loads(planned, bound_sets: int, further_calls: int, kept: int, from_first: int) -> int:
+    """An upper bound of the block loads of the search's calls after its first, when its
+    blocks stream (:class:`~hf_layerswap.scoring.engineplan.EnginePlan` ``offloaded_blocks``;
+    0 otherwise): a call that scores sets streams, per batch and slot-major probe group, the
+    blocks from the first removable one (``from_first``: the kept reference gives each set
+    its start) or, for a batch the kept reference does not hold, every offloaded block. A
+    group holds at least ``capacity - 3`` sets (a pass's peak is its live states, one more
+    being computed, the identity's and the final rows: :attr:`~hf_layerswap.scoring.slotmajor.PassPlan.peak_states`),
+    and only calls that score a set run (at most ``bound_sets`` of ``further_calls``)."""
+    if not planned.offloaded_blocks or not bound_sets:
+        return 0
+    runs = min(further_calls, bound_sets)
+    loads = 0
+    for n, batch in enumerate(planned.batches):
+        per_group = max(1, planned.state_capacity(batch.positions) - 3)
+        groups = runs + math.ceil(bound_sets / per_group)
+        loads += groups * (min(from_first, planned.offloaded_blocks) if n < kept else planned.offloaded_blocks)
+    return loads
 
 
 def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
