@@ -424,3 +424,47 @@ def test_fused_recovery_refuses_a_fold_into_offloaded_weights(tmp_path):
     before = split.model.layers[1].mlp.down_proj.weight.clone()
     hl.recover(split, [2], calib, method="fused")
     assert not torch.equal(split.model.layers[1].mlp.down_proj.weight, before)
+
+
+# ----------------------------------------------------------------------------- several devices
+def test_tied_head_on_the_embeddings_device_keeps_the_kl_where_its_logits_are(monkeypatch):
+    """A tied head split from the final norm (the embedding and head on one GPU, the last
+    blocks and the norm on another) makes its logits on the embedding's device: the KL
+    accumulator is built on the head's execution device, and every logit block is brought to
+    it, not to the device of the final hidden rows. The hook's word stands in for the second
+    GPU ("cpu:1": a CPU tensor asked for device index 1 is a CPU tensor), so the arithmetic
+    runs here; the values equal those of the head with no hook, and the float64 KL of the
+    fp32 logits."""
+    from hf_layerswap.scoring import streamed
+
+    built = []
+
+    class RecordingKL(streamed.OnlineKL):
+        def __init__(self, rows, probes, device, *args):
+            built.append(torch.device(device))
+            super().__init__(rows, probes, device, *args)
+
+    monkeypatch.setattr(streamed, "OnlineKL", RecordingKL)
+    model = tiny_model("llama", num_blocks=2, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, model.config.hidden_size, generator=gen)
+    probe = hidden + 0.1 * torch.randn(hidden.shape, generator=gen)
+    rows_of = torch.tensor([0, 0, 0, 1, 1, 1])
+    counts = torch.tensor([3.0, 3.0], dtype=torch.float64)
+
+    def kls():
+        kl = streamed.StreamedKL(Head(model), kl_chunk=4, vocab_chunk=model.config.vocab_size, autocast=None,
+                                 device_type="cpu", stats={"head_rows": 0})
+        with torch.no_grad():  # as the engine runs it
+            return kl.head_phase(hidden, [probe], rows_of, counts, 2)[0]
+
+    plain = kls()
+    model.lm_head._hf_hook = AlignDevicesHook(execution_device=torch.device("cpu", 1))  # the hook's word only
+    split = kls()
+    assert built == [torch.device("cpu"), torch.device("cpu", 1)]  # the head's device, not the rows' ("cpu")
+    assert torch.equal(split, plain)
+    w = model.lm_head.weight.detach()
+    ref, mod = (torch.log_softmax((x @ w.t()).double(), -1) for x in (hidden, probe))
+    expected = (ref.exp() * (ref - mod)).sum(-1).reshape(2, 3).mean(-1)
+    torch.testing.assert_close(split, expected, rtol=1e-5, atol=1e-7)
