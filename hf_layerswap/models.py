@@ -318,8 +318,8 @@ def load_model(
             asks for one).
         **kwargs: further ``from_pretrained`` arguments for the model.
 
-    Identity for reports: ``model.layerswap_identity`` (see :func:`model_identity`).
-    ``model.name_or_path`` stays the loadable local directory (or Hub id).
+    Identity for reports: ``model.layerswap_identity`` (:func:`model_identity`); ``model.name_or_path`` stays the
+    loadable folder (or Hub id); ``model.layerswap_max_memory`` keeps ``max_memory`` (for the working-memory budget).
 
     Raises:
         ValueError: a ``device_map`` or ``max_memory`` device this machine does not have
@@ -394,6 +394,7 @@ def load_model(
         )
     model.eval()
     model.layerswap_identity = identity
+    model.layerswap_max_memory = max_memory
     if tokenizer is False:
         return model, None
     return model, _given_tokenizer(tokenizer, AutoTokenizer)
