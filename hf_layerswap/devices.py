@@ -38,7 +38,7 @@ from torch import nn
 
 __all__ = [
     "execution_device", "held_bytes", "input_device", "model_devices", "OffloadedTensor", "offloaded_bytes",
-    "offloaded_modules", "onloaded", "peak_memory", "same_device", "sliced_calls",
+    "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device", "sliced_calls",
 ]
 
 
@@ -73,6 +73,28 @@ def same_device(a, b) -> bool:
     if a.type != b.type:
         return False
     return a.type in ("cpu", "meta") or (a.index or 0) == (b.index or 0)
+
+
+def process_share(accelerators: int, processes: int, rank: int) -> list[int]:
+    """The accelerator indices of launched process ``rank`` (its local rank) of ``processes``
+    on one machine with ``accelerators``: an even split in consecutive blocks of
+    ``accelerators // processes`` (a remainder stays idle), so that no two processes place
+    a replica on the same accelerator.
+
+    Raises:
+        ValueError: fewer accelerators than processes (the message names both and what to
+            launch instead), or a ``rank`` outside ``0 .. processes - 1``.
+    """
+    if not 0 <= rank < processes:
+        raise ValueError(f"local rank {rank} is outside the {processes} launched processes of this machine")
+    per = accelerators // processes
+    if per < 1:
+        raise ValueError(
+            f"{processes} launched processes on this machine but {accelerators} accelerator(s): each process needs "
+            f"one of its own for its model replica; launch at most {accelerators} process(es) "
+            f"(`accelerate launch --num_processes {max(accelerators, 1)}`), or one process with device_map='auto' "
+            "to spread one replica over every accelerator")
+    return list(range(rank * per, (rank + 1) * per))
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
