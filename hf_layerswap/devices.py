@@ -44,8 +44,8 @@ from safetensors import safe_open
 from torch import nn
 
 __all__ = [
-    "BlockPrefetcher", "execution_device", "input_device", "OffloadedTensor", "offloaded_bytes", "offloaded_modules", "onloaded",
-    "peak_memory", "sliced_calls",
+    "BlockPrefetcher", "execution_device", "held_bytes", "input_device", "model_devices", "OffloadedTensor",
+    "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device", "sliced_calls",
 ]
 
 
@@ -71,6 +71,64 @@ def execution_device(module: nn.Module) -> torch.device:
 def input_device(model: nn.Module) -> torch.device:
     """The device token ids ``(B, T)`` go to: the execution device of the input embeddings."""
     return execution_device(model.get_input_embeddings())
+
+
+def same_device(a, b) -> bool:
+    """Whether two devices (``torch.device``, a name, a GPU index) are one: ``"cuda"`` is
+    ``"cuda:0"`` (the current device is not asked), ``"cpu:1"`` is ``"cpu"``."""
+    a, b = (torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in (a, b))
+    if a.type != b.type:
+        return False
+    return a.type in ("cpu", "meta") or (a.index or 0) == (b.index or 0)
+
+
+def process_share(accelerators: int, processes: int, rank: int) -> list[int]:
+    """The accelerator indices of launched process ``rank`` (its local rank) of ``processes``
+    on one machine with ``accelerators``: an even split in consecutive blocks of
+    ``accelerators // processes`` (a remainder stays idle), so that no two processes place
+    a replica on the same accelerator.
+
+    Raises:
+        ValueError: fewer accelerators than processes (the message names both and what to
+            launch instead), or a ``rank`` outside ``0 .. processes - 1``.
+    """
+    if not 0 <= rank < processes:
+        raise ValueError(f"local rank {rank} is outside the {processes} launched processes of this machine")
+    per = accelerators // processes
+    if per < 1:
+        raise ValueError(
+            f"{processes} launched processes on this machine but {accelerators} accelerator(s): each process needs "
+            f"one of its own for its model replica; launch at most {accelerators} process(es) "
+            f"(`accelerate launch --num_processes {max(accelerators, 1)}`), or one process with device_map='auto' "
+            "to spread one replica over every accelerator")
+    return list(range(rank * per, (rank + 1) * per))
+
+
+def model_devices(model: nn.Module) -> list[torch.device]:
+    """Every device ``model`` computes on, the input device first: the execution device of
+    each module accelerate's device map hooked (a model split over GPUs: each GPU; modules
+    offloaded to CPU memory or disk: the device their weights are brought to), else the
+    devices of its parameters and buffers not on "meta"; ``[cpu]`` for a model with none.
+    The working memory of a forward pass lands on each of them in turn."""
+    found = [input_device(model)] if hasattr(model, "get_input_embeddings") else []
+    hooked = [execution_device(m) for m in model.modules() if getattr(m, "_hf_hook", None) is not None]
+    found += hooked or [t.device for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+    out: list[torch.device] = []
+    for dev in found or [torch.device("cpu")]:
+        if not any(same_device(dev, d) for d in out):
+            out.append(dev)
+    return out
+
+
+def held_bytes(model: nn.Module, device) -> int:
+    """Bytes of ``model``'s parameters and buffers held on ``device`` (shape x element
+    size; a tied weight once); offloaded weights ("meta" between calls) count nowhere."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in seen and t.device.type != "meta" and same_device(t.device, device):
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def offloaded_modules(module: nn.Module) -> list[nn.Module]:

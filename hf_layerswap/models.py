@@ -46,14 +46,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from accelerate import PartialState
 import torch
+from accelerate.utils import get_max_memory
 import transformers
 from filelock import FileLock
 from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils.sha import sha_fileobj
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from .devices import process_share
 from .extras import require
 from .provenance import SOURCE_FILE, model_identity
 from .provenance import identity_from_source as _identity_from_source
@@ -74,7 +75,7 @@ __all__ = [
     "missing_offline",
     "accelerator_available",
     "launched_processes",
-    "resolve_device_map",
+    "resolve_placement",
     "resolve_dtype",
 ]
 
@@ -318,8 +319,8 @@ def load_model(
             asks for one).
         **kwargs: further ``from_pretrained`` arguments for the model.
 
-    Identity for reports: ``model.layerswap_identity`` (see :func:`model_identity`).
-    ``model.name_or_path`` stays the loadable local directory (or Hub id).
+    Identity for reports: ``model.layerswap_identity`` (:func:`model_identity`); ``model.name_or_path`` stays the
+    loadable folder (or Hub id); ``model.layerswap_max_memory`` keeps ``max_memory`` (for the working-memory budget).
 
     Raises:
         ValueError: a ``device_map`` or ``max_memory`` device this machine does not have
@@ -335,7 +336,8 @@ def load_model(
     path = Path(target).expanduser()
     gguf = target not in BUNDLED and (path.suffix == ".gguf" or gguf_file is not None)
     dtype = resolve_dtype(dtype, gguf=gguf)
-    device_map = resolve_device_map(device_map, max_memory=max_memory, offload_folder=kwargs.get("offload_folder"))
+    device_map, max_memory, kwargs["offload_folder"] = resolve_placement(
+        device_map, max_memory=max_memory, offload_folder=kwargs.get("offload_folder"))
     common = dict(dtype=dtype, device_map=device_map, **kwargs)
     if max_memory is not None:
         common["max_memory"] = max_memory
@@ -394,6 +396,7 @@ def load_model(
         )
     model.eval()
     model.layerswap_identity = identity
+    model.layerswap_max_memory = max_memory
     if tokenizer is False:
         return model, None
     return model, _given_tokenizer(tokenizer, AutoTokenizer)
@@ -484,26 +487,38 @@ def launched_processes() -> int:
         return 1
 
 
-def resolve_device_map(device_map, *, max_memory=None, offload_folder=None):
-    """``device_map=`` of :func:`load_model` as ``from_pretrained`` takes it: ``"auto"`` stays
-    accelerate's automatic map when an accelerator is present or a memory limit or an
-    offload folder is given, and becomes ``None`` (the CPU, no hooks) otherwise; any other
-    value is returned as given.
+def resolve_placement(device_map, *, max_memory=None, offload_folder=None) -> tuple:
+    """``(device_map, max_memory, offload_folder)`` of :func:`load_model` as ``from_pretrained``
+    takes them: ``"auto"`` is accelerate's automatic map with an accelerator, a memory limit or an
+    offload folder, else ``None`` (the CPU, no hooks); any other map is passed as given. Under a
+    launcher with several processes each places its replica on its own share
+    (:func:`~hf_layerswap.devices.process_share` of ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), not on
+    every accelerator: a strategy (:data:`DEVICE_MAP_STRATEGIES`) is its one device (``{"":
+    "cuda:<i>"}``), or with a limit or offload folder accelerate's map within ``max_memory``
+    (default: the free memory) kept to its accelerators, the CPU and disk; an offload folder is
+    one per process (``<folder>/process<RANK>``).
 
-    Under a launcher with more than one process and an accelerator, ``"auto"`` (without a
-    memory limit or offload folder) is the process's own device, ``{"": PartialState().device}``:
-    each process scores its share of the probes on one whole replica of the model
-    (:mod:`hf_layerswap.scoring.processes`), where accelerate's automatic map would spread
-    every process's copy over all the devices."""
-    if isinstance(device_map, str) and device_map == "auto":
-        if max_memory is not None or offload_folder is not None:
-            return "auto"
-        if not accelerator_available():
-            return None
-        if launched_processes() > 1:
-            return {"": PartialState().device}
-        return "auto"
-    return device_map
+    Raises:
+        ValueError: fewer accelerators on this machine than processes launched on it, or a
+            ``max_memory`` naming accelerators none of which is this process's (before loading).
+    """
+    processes = launched_processes()
+    if processes > 1 and offload_folder is not None:
+        offload_folder = os.path.join(os.fspath(offload_folder), f"process{os.environ.get('RANK', '0')}")
+    if device_map == "auto" and not accelerator_available() and max_memory is None and offload_folder is None:
+        return None, None, None
+    if device_map not in DEVICE_MAP_STRATEGIES or processes <= 1 or not accelerator_available():
+        return device_map, max_memory, offload_folder
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    share = process_share(torch.accelerator.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", processes)), rank)
+    if max_memory is None and offload_folder is None and len(share) == 1:
+        return {"": f"{torch.accelerator.current_accelerator().type}:{share[0]}"}, None, None
+    limits = get_max_memory() if max_memory is None else dict(max_memory)
+    mine = {k: v for k, v in limits.items() if not isinstance(k, int) or k in share}
+    if any(isinstance(k, int) for k in limits) and not any(isinstance(k, int) for k in mine):
+        raise ValueError(f"max_memory={max_memory!r} names no accelerator of launched process {rank} (its share: "
+                         f"{share}): give a limit for each process's accelerators")
+    return device_map, mine, offload_folder
 
 
 #: The placement strategies of accelerate's ``device_map=`` (any other string names a device).

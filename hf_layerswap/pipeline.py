@@ -42,7 +42,6 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet, build_calibration
-from .devices import input_device
 from .config import LayerSwapConfig, check_against_model, protect_clash
 from .healing import HealReport, heal
 from .healing.measure import HealMeasures, max_positions
@@ -156,7 +155,7 @@ def prune(
         given = "explicit layers" if cfg.layers is not None else "a report"
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
                          "is scored: drop checkpoint_path")
-    budget = resolve_memory(max_memory, input_device(model))  # one budget for every step; a bad value before any work
+    budget = resolve_memory(max_memory, model)  # one budget for every step; a bad value before any work
     source = cfg.calibration if calibration is None else calibration
     selects = cfg.layers is None and cfg.num_to_remove is not None
     needs_text = (

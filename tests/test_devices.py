@@ -21,9 +21,9 @@ import hf_layerswap as hl
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.cli import main
 from hf_layerswap.cli.common import max_memory_map
-from hf_layerswap.devices import execution_device, input_device
+from hf_layerswap.devices import execution_device, input_device, process_share
 from hf_layerswap.evaluation.perplexity import perplexity_from_ids
-from hf_layerswap.models import load_model, resolve_device_map, resolve_dtype
+from hf_layerswap.models import load_model, resolve_dtype, resolve_placement
 from hf_layerswap.plan import apply_plan, identity_plan, interchange_plan, replacement_plan
 from hf_layerswap.recovery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
@@ -67,31 +67,69 @@ def test_load_model_keeps_the_checkpoints_dtype_and_refuses_unknown_ones(tmp_pat
 
 def test_device_map_auto_is_the_cpu_without_an_accelerator(monkeypatch):
     monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: False)
-    assert resolve_device_map("auto") is None
-    assert resolve_device_map("auto", max_memory={"cpu": "1GiB"}) == "auto"
-    assert resolve_device_map("auto", offload_folder="off") == "auto"
-    assert resolve_device_map({"": "cpu"}) == {"": "cpu"}
+    assert resolve_placement("auto") == (None, None, None)
+    assert resolve_placement("auto", max_memory={"cpu": "1GiB"}) == ("auto", {"cpu": "1GiB"}, None)
+    assert resolve_placement("auto", offload_folder="off") == ("auto", None, "off")
+    assert resolve_placement({"": "cpu"}) == ({"": "cpu"}, None, None)
     monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: True)
-    assert resolve_device_map("auto") == "auto"
+    assert resolve_placement("auto") == ("auto", None, None)
 
 
-def test_device_map_auto_under_a_launcher_is_each_processs_own_device(monkeypatch):
-    """With an accelerator and two launched processes, each loads one whole replica on its
-    own device (accelerate's PartialState), not a map over every device."""
-
-    class FakeState:
-        device = "cuda:1"
-
+def _launched(monkeypatch, gpus: int, world: int, local_rank: int, rank: int | None = None):
+    """Launched process ``local_rank`` of ``world`` on a machine with ``gpus`` accelerators
+    (simulated: torch.accelerator answers for them; nothing is placed)."""
     monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: True)
-    monkeypatch.setattr("hf_layerswap.models.PartialState", FakeState)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert resolve_device_map("auto") == {"": "cuda:1"}
-    assert resolve_device_map("auto", max_memory={0: "1GiB"}) == "auto"  # the user's limit: accelerate's map
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert resolve_device_map("auto") == "auto"
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world), ("LOCAL_RANK", local_rank),
+                        ("RANK", local_rank if rank is None else rank)):
+        monkeypatch.setenv(name, str(value))
+
+
+def test_device_map_auto_under_a_launcher_is_each_processs_own_share(monkeypatch, tmp_path):
+    """accelerate launch of several processes, each with device_map="auto" (or --max-memory,
+    --offload-folder): each process places its replica on its own accelerators, never on
+    every accelerator of the machine, and each offloads to a folder of its own."""
+    _launched(monkeypatch, gpus=2, world=2, local_rank=1)
+    assert resolve_placement("auto") == ({"": "cuda:1"}, None, None)  # one whole replica on its own GPU
+    assert resolve_placement("balanced") == ({"": "cuda:1"}, None, None)
+    limits = {0: "20GiB", 1: "20GiB", "cpu": "60GiB"}
+    # accelerate's map within the limits of its own GPU (and the CPU): GPU 0 is process 0's
+    assert resolve_placement("auto", max_memory=limits) == ("auto", {1: "20GiB", "cpu": "60GiB"}, None)
+    assert resolve_placement("auto", max_memory=limits, offload_folder=tmp_path) == (
+        "auto", {1: "20GiB", "cpu": "60GiB"}, str(tmp_path / "process1"))
+    assert resolve_placement({"": "cuda:0"}, max_memory=limits) == ({"": "cuda:0"}, limits, None)  # a map as given
+    # four GPUs, two processes: two each, the second process GPUs 2 and 3
+    _launched(monkeypatch, gpus=4, world=2, local_rank=1)
+    assert resolve_placement("auto", max_memory={i: "10GiB" for i in range(4)}) == ("auto", {2: "10GiB", 3: "10GiB"}, None)
+    monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {0: 7, 1: 7, 2: 7, 3: 7, "cpu": 9})
+    assert resolve_placement("auto", offload_folder="off") == ("auto", {2: 7, 3: 7, "cpu": 9}, "off/process1")
+    # one process: the whole machine, as before
+    _launched(monkeypatch, gpus=4, world=1, local_rank=0)
+    assert resolve_placement("auto", max_memory=limits, offload_folder="off") == ("auto", limits, "off")
+    # CPU processes: no map, each offloads to its own folder
+    _launched(monkeypatch, gpus=0, world=2, local_rank=0, rank=0)
     monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: False)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert resolve_device_map("auto") is None  # CPU processes: no map
+    assert resolve_placement("auto") == (None, None, None)
+    assert resolve_placement("auto", offload_folder="off") == ("auto", None, "off/process0")
+
+
+def test_a_launch_without_a_share_for_each_process_is_refused_before_loading(monkeypatch, tmp_path):
+    """Three processes on two GPUs, or limits for another process's GPU only: refused, by
+    name, before anything is read (the checkpoint folder does not even exist)."""
+    _launched(monkeypatch, gpus=2, world=3, local_rank=2)
+    message = r"3 launched processes on this machine but 2 accelerator\(s\).*--num_processes 2"
+    with pytest.raises(ValueError, match=message):
+        resolve_placement("auto")
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path / "no-such-model", device_map="auto")
+    _launched(monkeypatch, gpus=2, world=2, local_rank=1)
+    with pytest.raises(ValueError, match=r"max_memory=\{0: '20GiB'\} names no accelerator of launched process 1 "
+                                         r"\(its share: \[1\]\)"):
+        resolve_placement("auto", max_memory={0: "20GiB"})
+    with pytest.raises(ValueError, match="outside the 2 launched processes"):
+        process_share(2, 2, 2)
+    assert [process_share(8, 3, r) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]  # GPUs 6 and 7 stay idle
 
 
 def test_max_memory_takes_accelerates_format():
@@ -424,3 +462,47 @@ def test_fused_recovery_refuses_a_fold_into_offloaded_weights(tmp_path):
     before = split.model.layers[1].mlp.down_proj.weight.clone()
     hl.recover(split, [2], calib, method="fused")
     assert not torch.equal(split.model.layers[1].mlp.down_proj.weight, before)
+
+
+# ----------------------------------------------------------------------------- several devices
+def test_tied_head_on_the_embeddings_device_keeps_the_kl_where_its_logits_are(monkeypatch):
+    """A tied head split from the final norm (the embedding and head on one GPU, the last
+    blocks and the norm on another) makes its logits on the embedding's device: the KL
+    accumulator is built on the head's execution device, and every logit block is brought to
+    it, not to the device of the final hidden rows. The hook's word stands in for the second
+    GPU ("cpu:1": a CPU tensor asked for device index 1 is a CPU tensor), so the arithmetic
+    runs here; the values equal those of the head with no hook, and the float64 KL of the
+    fp32 logits."""
+    from hf_layerswap.scoring import streamed
+
+    built = []
+
+    class RecordingKL(streamed.OnlineKL):
+        def __init__(self, rows, probes, device, *args):
+            built.append(torch.device(device))
+            super().__init__(rows, probes, device, *args)
+
+    monkeypatch.setattr(streamed, "OnlineKL", RecordingKL)
+    model = tiny_model("llama", num_blocks=2, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, model.config.hidden_size, generator=gen)
+    probe = hidden + 0.1 * torch.randn(hidden.shape, generator=gen)
+    rows_of = torch.tensor([0, 0, 0, 1, 1, 1])
+    counts = torch.tensor([3.0, 3.0], dtype=torch.float64)
+
+    def kls():
+        kl = streamed.StreamedKL(Head(model), kl_chunk=4, vocab_chunk=model.config.vocab_size, autocast=None,
+                                 device_type="cpu", stats={"head_rows": 0})
+        with torch.no_grad():  # as the engine runs it
+            return kl.head_phase(hidden, [probe], rows_of, counts, 2)[0]
+
+    plain = kls()
+    model.lm_head._hf_hook = AlignDevicesHook(execution_device=torch.device("cpu", 1))  # the hook's word only
+    split = kls()
+    assert built == [torch.device("cpu"), torch.device("cpu", 1)]  # the head's device, not the rows' ("cpu")
+    assert torch.equal(split, plain)
+    w = model.lm_head.weight.detach()
+    ref, mod = (torch.log_softmax((x @ w.t()).double(), -1) for x in (hidden, probe))
+    expected = (ref.exp() * (ref - mod)).sum(-1).reshape(2, 3).mean(-1)
+    torch.testing.assert_close(split, expected, rtol=1e-5, atol=1e-7)

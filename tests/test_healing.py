@@ -901,3 +901,32 @@ def test_smollm2_lora_healing_of_a_real_cut_lowers_heldout_kl_and_saves_plain(sm
     record = reloaded.config.layerswap
     assert record["removed_layers"] == [13, 14] and reloaded.config.num_hidden_layers == 28
     assert record["healing"][-1]["kl_after"] == report.kl_after and record["healing"][-1]["method"] == "lora"
+
+
+# ----------------------------------------------------------------------------- the teacher's device
+def test_teacher_goes_where_the_students_token_ids_go_not_to_its_first_parameter():
+    """place_teacher moves a teacher held on one device to the student's input device
+    (hl.devices.input_device: the execution device of its embeddings), not to the device of
+    the student's first parameter: a student split over devices computes its embeddings on
+    the device accelerate's hook names, and a first parameter offloaded to disk is on "meta".
+    "meta" stands in for the embedding's GPU here: the hook says it, the weights stay on the CPU."""
+    from accelerate.hooks import AlignDevicesHook
+
+    from hf_layerswap.healing.teacher import place_teacher
+
+    student, teacher = _pair()
+    embed = student.get_input_embeddings()
+    embed._hf_hook = AlignDevicesHook(execution_device="meta")  # the hook's word only: nothing moved
+    assert next(student.parameters()).device == torch.device("cpu")  # the embedding's weight stays here
+    assert place_teacher(teacher, student) == torch.device("meta")
+    assert {p.device for p in teacher.parameters()} == {torch.device("meta")}
+
+    # the embedding's weight on "meta" between calls (disk offload), its execution device the CPU
+    student, teacher = _pair()
+    embed = student.get_input_embeddings()
+    embed.weight = torch.nn.Parameter(torch.empty_like(embed.weight, device="meta"))
+    embed._hf_hook = AlignDevicesHook(execution_device="cpu")
+    assert next(student.parameters()).device == torch.device("meta")
+    assert place_teacher(teacher, student) == torch.device("cpu")
+    assert {p.device for p in teacher.parameters()} == {torch.device("cpu")}
+    assert bool(torch.isfinite(teacher.get_input_embeddings().weight).all())  # real weights, not "meta"

@@ -36,6 +36,7 @@ from hf_layerswap.scoring.engine import run_plans
 from hf_layerswap.scoring.settings import DEFAULT_MAX_MEMORY, EngineSettings
 from hf_layerswap.scoring.kl import chunk_bounds, kl_rows, OnlineKL, row_blocks
 from hf_layerswap.scoring.settings import device_batch_size, device_memory_budget, kl_block_bytes
+from hf_layerswap.scoring.settings import MemoryBudget, resolve_memory
 
 BUILT_IN = "['replacement', 'interchange']"
 
@@ -152,6 +153,55 @@ def test_budget_from_an_accelerators_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", unreadable)
     assert device_memory_budget("cuda:0") == (
         DEFAULT_MAX_MEMORY, "auto: the free memory of cuda:0 could not be read; 1 GiB")
+
+
+def test_budget_of_a_model_split_over_two_gpus_is_the_least_of_what_each_has_left(monkeypatch):
+    """A model split over two GPUs by a device map: the "auto" budget is read from both
+    (each holds the working memory of a pass in turn), not from the first only, and a
+    load's max_memory bounds each by what it leaves after the weights held there. The two
+    GPUs are simulated: accelerate's hooks name them and mem_get_info answers for each."""
+    from accelerate.hooks import AlignDevicesHook
+
+    from hf_layerswap.devices import model_devices
+
+    free = {0: 40 * GiB, 1: 6 * GiB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[torch.device(device).index], 80 * GiB))
+    model = tiny_model("llama", num_blocks=4)
+    for module, gpu in ((model.model.embed_tokens, 0), (model.model.layers[0], 0), (model.model.layers[3], 1),
+                        (model.model.norm, 1), (model.lm_head, 1)):
+        module._hf_hook = AlignDevicesHook(execution_device=gpu)  # the hook's word only: nothing moved
+    assert model_devices(model) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    # cuda:0 alone would give 8 GiB (half of 40 GiB, capped); cuda:1 has 6 GiB left: 3 GiB -> 2 GiB
+    assert resolve_memory("auto", model) == MemoryBudget(2 * GiB, (
+        "auto: 50% of 6 GiB free on cuda:1, cap 8 GiB, rounded down to a power of two: 2 GiB "
+        "(the least of 8 GiB on cuda:0, 2 GiB on cuda:1)"))
+    assert resolve_memory("3GiB", model) == MemoryBudget(3 * GiB, "given")  # a given budget stays as given
+    # loaded under max_memory={0: "3GiB", 1: "20GiB"}: cuda:0 may take 3 GiB (no weights held there in
+    # this simulation): 1.5 GiB -> 1 GiB, below cuda:1's 2 GiB
+    model.layerswap_max_memory = {0: "3GiB", 1: "20GiB"}
+    budget = resolve_memory(None, model)
+    assert budget.bytes == GiB
+    assert budget.source.startswith("auto: 50% of 3 GiB left on cuda:0 by max_memory (3 GiB less 0 GiB of weights)")
+
+
+def test_cpu_budget_is_what_max_memory_leaves_after_the_weights(tmp_path, monkeypatch):
+    """A model loaded under max_memory={"cpu": ...}: the working memory on the CPU is what
+    that limit leaves after the weights, not a share of the machine's available memory."""
+    from conftest import tiny_checkpoint
+
+    from hf_layerswap.models import load_model
+
+    _available(monkeypatch, 64 * GiB)  # 25% of it would be the 1 GiB cap
+    tiny_checkpoint(tmp_path / "base", tiny_model("llama", num_blocks=4))
+    probe, _ = load_model(tmp_path / "base")
+    weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*probe.parameters(), *probe.buffers())}.values())
+    model, _ = load_model(tmp_path / "base", max_memory={"cpu": weights + GiB})
+    assert model.layerswap_max_memory == {"cpu": weights + GiB}
+    report = score_layers(model, tiny_batch(batch=4, length=12), num_prompts=4, progress=False)
+    # 1 GiB left after the weights: 25% of it, 256 MiB
+    assert report.metadata["max_memory"] == GiB // 4
+    assert report.metadata["max_memory_source"].startswith("auto: 25% of 1 GiB left on cpu by max_memory (")
+    assert score_layers(probe, tiny_batch(batch=4, length=12), num_prompts=4, progress=False).metadata["max_memory"] == GiB
 
 
 def test_device_sized_defaults_keep_the_cpu_results_and_are_recorded(monkeypatch):

@@ -105,7 +105,7 @@ class Engine:
         self.autocast = settings.autocast_dtype(self.param_dtype)
         self.compute_dtype = self.autocast or self.param_dtype
         self.input_device = execution_device(model.get_input_embeddings())
-        self.budget, self.budget_source = settings.memory_for(self.input_device)
+        self.budget, self.budget_source = settings.memory_for(model)  # every device the model computes on
         check_token_ids(calibration.input_ids, model, "calibration input_ids")
         length = calibration.input_ids.shape[-1]
         check_positions(model, length, f"a calibration prompt of {length} tokens", "lower seq_len (tokens per prompt)")

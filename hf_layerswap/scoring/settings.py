@@ -15,13 +15,16 @@ from dataclasses import dataclass
 
 import psutil
 import torch
+from accelerate.utils import convert_file_size_to_int
+from torch import nn
 
+from ..devices import held_bytes, model_devices, same_device
 from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
     "MemoryBudget", "REFERENCE_SHARE", "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes",
-    "parse_memory", "resolve_memory",
+    "load_limit", "model_memory_budget", "parse_memory", "resolve_memory",
 ]
 
 #: Working memory (bytes, beyond the weights) that scoring plans for on a CPU with enough
@@ -96,14 +99,21 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def device_memory_budget(device) -> tuple[int, str]:
+def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) -> tuple[int, str]:
     """The working-memory budget scoring derives for ``device`` when ``max_memory`` is
-    ``None``/``"auto"``: :data:`MEMORY_SHARE` of its free memory, at most
-    :data:`MEMORY_CAP`, at least 64 MiB, rounded down to a power of two (so that small
+    ``None``/``"auto"``: :data:`MEMORY_SHARE` of what remains on it after the weights, at
+    most :data:`MEMORY_CAP`, at least 64 MiB, rounded down to a power of two (so that small
     changes in free memory leave the chunk sizes, and a resumed run's settings, alone).
+
+    What remains is the device's free memory (CUDA: ``torch.cuda.mem_get_info``, read with
+    the weights loaded; CPU: the available memory), and where the model was loaded under a
+    ``max_memory`` limit for the device (accelerate's per-device limits), at most what that
+    limit leaves after the ``weights`` held there.
 
     Args:
         device: a ``torch.device`` or its name (``"cpu"``, ``"cuda:0"``).
+        limit: the load's ``max_memory`` for ``device`` in bytes, or None.
+        weights: bytes of the model's weights held on ``device`` (counted against ``limit``).
 
     Returns:
         ``(bytes, how)``: the budget and a sentence saying how it was derived (recorded
@@ -112,13 +122,46 @@ def device_memory_budget(device) -> tuple[int, str]:
     device = torch.device(device)
     kind = _device_kind(device)
     free = _free_bytes(device)
+    where = f"free on {device}"
+    if limit is not None:
+        left = max(0, limit - weights)
+        if free is None or left < free:
+            free, where = left, f"left on {device} by max_memory ({_gib(limit)} less {_gib(weights)} of weights)"
     if free is None:
         return DEFAULT_MAX_MEMORY, f"auto: the free memory of {device} could not be read; {_gib(DEFAULT_MAX_MEMORY)}"
     share, cap = MEMORY_SHARE[kind], MEMORY_CAP[kind]
     raw = max(_MIN_BUDGET, min(cap, int(share * free)))
     budget = 1 << (raw.bit_length() - 1)
-    return budget, (f"auto: {share:.0%} of {_gib(free)} free on {device}, cap {_gib(cap)}, "
+    return budget, (f"auto: {share:.0%} of {_gib(free)} {where}, cap {_gib(cap)}, "
                     f"rounded down to a power of two: {_gib(budget)}")
+
+
+def load_limit(model: nn.Module, device) -> int | None:
+    """The ``max_memory`` limit in bytes that ``model`` was loaded under for ``device``
+    (:func:`~hf_layerswap.models.load_model` records it as ``model.layerswap_max_memory``;
+    accelerate's format: a GPU index, ``"cpu"``, ``"cuda:1"``), or None."""
+    limits = getattr(model, "layerswap_max_memory", None) or {}
+    for key, size in limits.items():
+        if key != "disk" and same_device(key, device):
+            return int(convert_file_size_to_int(size))
+    return None
+
+
+def model_memory_budget(model: nn.Module) -> tuple[int, str]:
+    """The ``"auto"`` working-memory budget of ``model``: :func:`device_memory_budget` on
+    every device it computes on (:func:`~hf_layerswap.devices.model_devices`: each GPU of a
+    split model, not only the first), each with what its load limit leaves after the weights
+    held there, and the least of them, since each device in turn holds the working memory
+    of a pass. Returns ``(bytes, how)`` as :func:`device_memory_budget`."""
+    budgets = []
+    for device in model_devices(model):
+        limit = load_limit(model, device)
+        weights = held_bytes(model, device) if limit is not None else 0
+        budgets.append((*device_memory_budget(device, limit=limit, weights=weights), device))
+    budget, how, device = min(budgets, key=lambda b: b[0])
+    if len(budgets) > 1:
+        how += f" (the least of {', '.join(f'{_gib(b)} on {d}' for b, _, d in budgets)})"
+    return budget, how
 
 
 #: Share of one working-memory budget that the search's kept dense reference
@@ -156,9 +199,10 @@ class MemoryBudget:
 
 
 def resolve_memory(max_memory, device) -> MemoryBudget:
-    """The one :class:`MemoryBudget` of ``max_memory`` on ``device``: a
-    :class:`MemoryBudget` as it is; bytes or a size such as ``"2GiB"``
-    (:func:`parse_memory`); ``None``/``"auto"``: :func:`device_memory_budget`.
+    """The one :class:`MemoryBudget` of ``max_memory`` on ``device`` (a device, its name, or
+    the model: all the devices it computes on): a :class:`MemoryBudget` as it is; bytes or
+    a size such as ``"2GiB"`` (:func:`parse_memory`); ``None``/``"auto"``:
+    :func:`model_memory_budget` for a model, :func:`device_memory_budget` for a device.
 
     Raises:
         ValueError: a value that is no size (the message names it and what is allowed).
@@ -166,7 +210,8 @@ def resolve_memory(max_memory, device) -> MemoryBudget:
     if isinstance(max_memory, MemoryBudget):
         return max_memory
     if max_memory in (None, "auto"):
-        return MemoryBudget(*device_memory_budget(device))
+        return MemoryBudget(*(model_memory_budget(device) if isinstance(device, nn.Module)
+                              else device_memory_budget(device)))
     return MemoryBudget(parse_memory(max_memory), "given")
 
 
@@ -330,9 +375,9 @@ class EngineSettings:
             object.__setattr__(self, name, value)
 
     def memory_for(self, device) -> tuple[int, str]:
-        """``(bytes, how they were chosen)`` of the working-memory budget on ``device``:
-        ``max_memory`` as given (a :class:`MemoryBudget` with its source), or
-        :func:`device_memory_budget` for ``"auto"``."""
+        """``(bytes, how they were chosen)`` of the working-memory budget on ``device`` (or
+        the model, :func:`resolve_memory`): ``max_memory`` as given (a :class:`MemoryBudget`
+        with its source), or what ``"auto"`` derives."""
         budget = resolve_memory(self.max_memory, device)
         return budget.bytes, budget.source
 

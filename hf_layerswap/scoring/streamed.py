@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..devices import execution_device
 from .head import maybe_autocast, Head
 from .kl import chunk_bounds, KL_SUB_BYTES, OnlineKL
 
@@ -55,21 +56,30 @@ class StreamedKL:
         ``kl_chunk`` positions of the reference and then of each probe is folded into one
         :class:`.kl.OnlineKL`: the same float64 arithmetic for every slicing, placement and
         budget. A slice of a half-precision head stays in its dtype (no fp32 copy; the fp32
-        logits come from :func:`~hf_layerswap.scoring.head.linear32`)."""
+        logits come from :func:`~hf_layerswap.scoring.head.linear32`). The accumulator is on
+        the head's execution device (:func:`~hf_layerswap.devices.execution_device`), where its
+        logits are made: a tied head of a model split over GPUs sits on the embedding's device,
+        not the final norm's; the hidden rows go there, and the per-prompt sums to the CPU.
+
+        Returns:
+            one ``(bsz,)`` float64 CPU tensor per probe: mean KL in nats per real position."""
         done = done or (lambda n: None)
         rows = ref_hidden.shape[0]
         bounds = chunk_bounds(self.head.vocab, self.vocab_chunk)
         self.stats["head_rows"] += rows * (1 + len(hiddens))
-        acc = OnlineKL(rows, len(hiddens), ref_hidden.device, self.block_bytes)
+        # the accumulator lives where the logits are made: the head's execution device (a tied
+        # head split from the final norm sits on the embedding's GPU); only the hidden rows move
+        device = execution_device(self.head.module)
+        acc = OnlineKL(rows, len(hiddens), device, self.block_bytes)
         with torch.autocast(device_type=ref_hidden.device.type, enabled=False):  # float64 sums, fp32 logits
             for v0, v1 in bounds:
                 sliced = self.head.weight_slice(v0, v1) if len(bounds) > 1 else None
                 for a, c in chunk_bounds(rows, self.kl_chunk):
                     share = (c - a) * (v1 - v0) / self.head.vocab
-                    weights = acc.reference(a, c, self._block_logits(ref_hidden[a:c], sliced))
+                    weights = acc.reference(a, c, self._block_logits(ref_hidden[a:c], sliced).to(device))
                     done(share)
                     for n, h in enumerate(hiddens):
-                        acc.add(n, a, c, weights, self._block_logits(h[a:c], sliced))
+                        acc.add(n, a, c, weights, self._block_logits(h[a:c], sliced).to(device))
                         done(share)
                     del weights
                 del sliced

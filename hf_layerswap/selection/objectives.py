@@ -299,7 +299,7 @@ class SetObjective:
                  max_memory=None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
-        budget = resolve_memory(max_memory, input_device(model))
+        budget = resolve_memory(max_memory, model)
         if reference_memory is None:
             kept, self.engine_memory = budget.split()
             reference_memory = kept.bytes

@@ -8,13 +8,12 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..devices import input_device
 from ..plan import removal_plan
 from ..report import score_key
 from ..rule import resolve_protect
 from ..scoring.probes import make_probes, schedule_blocks
 from ..scoring.reference import ReferenceCache
-from ..scoring.settings import device_memory_budget
+from ..scoring.settings import model_memory_budget
 from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
 from .objectives import removal_nll_values
 from .registry import NO_PROTOCOL, Criterion, register_strategy
@@ -80,7 +79,7 @@ def sleb(
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
         heads = resume.details.get("head_passes", 0)
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
-    reference = ReferenceCache(device_memory_budget(input_device(model))[0])
+    reference = ReferenceCache(model_memory_budget(model)[0])
     for k in range(first_step, budgets[-1] + 1):
         candidates = [b for b in allowed if b not in removed]
         sets = [sorted(removed + [b]) for b in candidates]
