@@ -276,7 +276,7 @@ def cell_row(state: dict, cell: dict) -> str:
     ghosted = entry.get("ghosted", {}).get("dppl")
     return (
         f"| {cell['model']} | {CRITERION_NAMES[cell['criterion']]} | {cell['n']} | {{{','.join(map(str, cell['removed']))}}} "
-        f"| {cell['method']} | {report['learning_rate']:g} | {report['tokens']:,} | {report['steps']} | {_pct(entry['cut']['dppl'])} "
+        f"| {cell['method']} | {report['learning_rate'] if is_default(cell) else cell['lr']:g} | {report['tokens']:,} | {report['steps']} | {_pct(entry['cut']['dppl'])} "
         f"| {_pct(ghosted)} | **{_pct(healed['dppl'])}** [{healed['ci'][0]:+.1f}, {healed['ci'][1]:+.1f}] "
         f"| {recovered_share(start['dppl'], healed['dppl']):.0f}% | {report['kl_before']:.4f} -> {report['kl_after']:.4f} "
         f"| {_stop(report, planned)} | {held} | {cell['heal_cpu_s']:.0f} |"
