@@ -72,6 +72,15 @@ LR = EXPERIMENT["lr"]
 BEST = EXPERIMENT["best"]
 
 
+#: A cell's ``tokens`` and ``lr`` of heal's defaults: nothing given, heal chooses (``report.choice``).
+DEFAULT = "default"
+
+
+def is_default(cell: dict) -> bool:
+    """Whether the cell runs ``heal`` at its defaults (no budget, rate or shared setting given)."""
+    return cell["lr"] == DEFAULT
+
+
 def _cell(model, criterion, n, method, tokens, lr=None, text="paragraphs", patience=None):
     heal_method = method.split("+")[-1]
     cell = {"model": model, "criterion": criterion, "n": n, "method": method, "tokens": tokens,
@@ -110,6 +119,8 @@ def cell_key(cell: dict) -> str:
     """``model|criterion|nN|method|tokens|lrX``, then ``|packed`` for packed text and
     ``|patience-P`` for a cell's own patience (cells without them keep the keys they were
     stored under)."""
+    if is_default(cell):
+        return f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|defaults"
     key = f"{cell['model']}|{cell['criterion']}|n{cell['n']}|{cell['method']}|{cell['tokens']}|lr{cell['lr']:g}"
     key = key if cell_text(cell) == "paragraphs" else f"{key}|{cell_text(cell)}"
     return key if "patience" not in cell else f"{key}|patience-{cell['patience']}"
@@ -181,10 +192,14 @@ class Runner:
         ghosted = cell["method"].startswith("ghosted+")
         student = self.start(removed, ghosted)
         cpu, wall = time.process_time(), time.time()
-        report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
-                      tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer, max_tokens=cell["tokens"],
-                      learning_rate=cell["lr"], packing=cell_text(cell) == "packed",
-                      **{**HEAL_SETTINGS, "patience": cell_patience(cell)})
+        if is_default(cell):  # nothing but the method: heal's own defaults
+            report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
+                          tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer)
+        else:
+            report = heal(student, self.model, str(CALIBRATION), method=cell["method"].split("+")[-1],
+                          tokenizer=self.tokenizer, teacher_tokenizer=self.tokenizer, max_tokens=cell["tokens"],
+                          learning_rate=cell["lr"], packing=cell_text(cell) == "packed",
+                          **{**HEAL_SETTINGS, "patience": cell_patience(cell)})
         cpu, wall = time.process_time() - cpu, time.time() - wall
         healed = self.evaluate(student)
         return {**cell, "removed": removed, "healed": healed, "heal_cpu_s": cpu, "heal_wall_s": wall,
@@ -243,17 +258,25 @@ def _stop(report: dict, planned_steps: int) -> str:
     return f"stopped at {ran}/{planned_steps}, {note}" if ran < planned_steps else f"ran {ran}/{planned_steps}, {note}"
 
 
+def planned_steps(cell: dict) -> int:
+    """The optimiser steps the cell's budget plans (a defaults cell: the budget heal chose)."""
+    if is_default(cell):
+        settings = cell["report"]["settings"]
+        return math.ceil(settings["max_tokens"] / (settings["batch_size"] * settings["seq_len"]))
+    return math.ceil(cell["tokens"] / (HEAL_SETTINGS["batch_size"] * HEAL_SETTINGS["seq_len"]))
+
+
 def cell_row(state: dict, cell: dict) -> str:
     entry = state["models"][cell["model"]]["sets"][",".join(map(str, cell["removed"]))]
     start, healed, report = _start(state, cell), cell["healed"], cell["report"]
-    planned = math.ceil(cell["tokens"] / (HEAL_SETTINGS["batch_size"] * HEAL_SETTINGS["seq_len"]))
+    planned = planned_steps(cell)
     kl_ok = report["kl_after"] <= report["kl_before"]
     ppl_ok = healed["ppl"] <= start["ppl"]
     held = "yes" if kl_ok and ppl_ok else ("KL yes, PPL **no**" if kl_ok else "**no**")
     ghosted = entry.get("ghosted", {}).get("dppl")
     return (
         f"| {cell['model']} | {CRITERION_NAMES[cell['criterion']]} | {cell['n']} | {{{','.join(map(str, cell['removed']))}}} "
-        f"| {cell['method']} | {cell['lr']:g} | {report['tokens']:,} | {report['steps']} | {_pct(entry['cut']['dppl'])} "
+        f"| {cell['method']} | {report['learning_rate'] if is_default(cell) else cell['lr']:g} | {report['tokens']:,} | {report['steps']} | {_pct(entry['cut']['dppl'])} "
         f"| {_pct(ghosted)} | **{_pct(healed['dppl'])}** [{healed['ci'][0]:+.1f}, {healed['ci'][1]:+.1f}] "
         f"| {recovered_share(start['dppl'], healed['dppl']):.0f}% | {report['kl_before']:.4f} -> {report['kl_after']:.4f} "
         f"| {_stop(report, planned)} | {held} | {cell['heal_cpu_s']:.0f} |"
@@ -411,7 +434,8 @@ def _not_run(state: dict) -> list[str]:
     return unplanned + ([""] if unplanned else []) + [
         "These did not fit the time of the run (one process with 1 thread on a shared 2-core machine, which gave "
         "it a quarter to a half of a core while it ran):", ""] + [f"- {g}: {c['model']} {CRITERION_NAMES[c['criterion']]} n={c['n']} {c['method']} "
-            f"{c['tokens']:,} tokens lr {c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f", {cell_text(c)} text")
+            + ("at heal's defaults" if is_default(c) else f"{c['tokens']:,} tokens lr {c['lr']:g}")
+            + ("" if cell_text(c) == "paragraphs" else f", {cell_text(c)} text")
             for g, c in missing]
 
 
@@ -430,6 +454,35 @@ def _patience_section(state: dict, done: list[dict]) -> list[str]:
             f"`heal`'s default (patience `None`: a tenth of the planned evaluations, here {r['patience']}) it ran to step "
             f"{r['steps']} and reached {_pct(cell['healed']['dppl'])}% ({cell['heal_cpu_s'] / max(twin['heal_cpu_s'], 1e-9):.1f}x "
             "the CPU time).")
+    return lines
+
+
+#: The issue's goal at heal's defaults: the share of the start's dPPL healing recovers, at least.
+DEFAULTS_GOAL = 40.0
+
+
+def _defaults_section(state: dict, done: list[dict]) -> list[str]:
+    """Per defaults cell: what heal chose (the budget for the device, the probe's rates) and
+    whether it recovers at least :data:`DEFAULTS_GOAL` % of its start."""
+    lines = ["These cells give `heal` nothing but the method: `hl.heal(student, dense, text, method=X, tokenizer=tok)` "
+             "(packed text, 4 held-out windows, 4 prompts x 128 tokens per step, an evaluation every 4 steps, the "
+             "default early stop). The budget is the whole steps that fit 10 minutes at the cost model's rates measured "
+             "on this machine at the start of the cell (1 thread, shared cores), at most one pass over the text; the "
+             "learning rate is the probe's pick among the method's candidates.", ""]
+    for c in done:
+        report, start = c["report"], _start(state, c)
+        choice = report.get("choice", {})
+        budget, probe = choice.get("max_tokens", {}), choice.get("learning_rate", {})
+        share = recovered_share(start["dppl"], c["healed"]["dppl"])
+        rates = ", ".join(f"{r['learning_rate']:g}: {r['kl']:.4f}" for r in probe.get("candidates", []))
+        met = "**met**" if share >= DEFAULTS_GOAL else "**missed**"
+        lines.append(
+            f"- {c['model']} {c['method']}: budget {budget.get('max_tokens', 0):,} tokens ({budget.get('steps')} steps "
+            f"predicted at {budget.get('step_seconds', float('nan')):.2f} s each; the cell's healing took "
+            f"{c['heal_cpu_s']:.0f} CPU-s, probe included); probe {probe.get('steps')} steps per rate, held-out KL "
+            f"from {probe.get('kl_before', float('nan')):.4f}: {rates}, chose {report['learning_rate']:g}; recovered "
+            f"{share:.0f}% of the {'ghosted repair' if c['method'].startswith('ghosted+') else 'cut'}'s dPPL "
+            f"({_pct(start['dppl'])}% -> {_pct(c['healed']['dppl'])}%): goal >= {DEFAULTS_GOAL:.0f}% {met}.")
     return lines
 
 
@@ -514,6 +567,8 @@ def render(state: dict, out: Path) -> None:
             lines += _packed_section(state, done) + [""]
         if group == "patience":
             lines += _patience_section(state, done) + [""]
+        if group == "defaults":
+            lines += _defaults_section(state, done) + [""]
         if group == "criteria":
             lines += [f"Does the choice of blocks still matter after healing? Every criterion's set gets the same "
                       f"healing ({BEST}, {CRITERIA_TOKENS:,} tokens, lr {LR[BEST.split('+')[-1]]:g}).", "",
@@ -537,8 +592,10 @@ def plot(state: dict, path: Path) -> None:
     labels, cut, ghosted, healed = [], [], [], []
     for c in cells:
         entry = state["models"][c["model"]]["sets"][",".join(map(str, c["removed"]))]
-        labels.append(f"{c['model'].split('-')[0]} {c['criterion']} n{c['n']}\n{c['method']} {c['tokens'] // 1024}k "
-                      f"lr{c['lr']:g}" + ("" if cell_text(c) == "paragraphs" else f" {cell_text(c)}")
+        budget = (f"defaults {c['report']['tokens'] // 1024}k lr{c['report']['learning_rate']:g}" if is_default(c)
+                  else f"{c['tokens'] // 1024}k lr{c['lr']:g}")
+        labels.append(f"{c['model'].split('-')[0]} {c['criterion']} n{c['n']}\n{c['method']} {budget}"
+                      + ("" if cell_text(c) == "paragraphs" else f" {cell_text(c)}")
                       + (f" patience {c['patience']}" if "patience" in c else ""))
         cut.append(entry["cut"]["dppl"])
         ghosted.append(entry.get("ghosted", {}).get("dppl", float("nan")))

@@ -233,13 +233,16 @@ class HealConfig:
     Attributes:
         method: ``"lora"``, ``"adjacent"``, ``"last_k"`` or a name registered with
             :func:`~hf_layerswap.healing.register_heal_method`.
-        max_tokens: training budget in prompt positions (int >= 1).
+        max_tokens: training budget in prompt positions (int >= 1); ``None`` (default): the
+            whole steps that fit 10 minutes on the device at the cost model's rates, at most one
+            pass over the text (:mod:`~hf_layerswap.healing.choice`).
         calibration: the training text (a text file); ``None`` = the removal's calibration
             source (:class:`LayerSwapConfig`'s ``calibration``).
         seq_len, batch_size: tokens per prompt (>= 2) and prompts per step (>= 1).
         packing: ``True`` (default): the text packed into full windows of ``seq_len``
             tokens; ``False``: one paragraph per prompt (:func:`~hf_layerswap.healing.heal`).
-        learning_rate: peak learning rate (finite, > 0).
+        learning_rate: peak learning rate (finite, > 0); ``None`` (default): chosen by a short
+            probe of the method's candidate rates on the held-out KL.
         ce_weight: weight of the cross-entropy on the text (finite, >= 0).
         heldout_prompts, eval_every, patience: the early stop on held-out KL (ints >= 1;
             ``patience=None``: a tenth of the planned evaluations, at least 2).
@@ -266,7 +269,9 @@ class HealConfig:
     method: HealMethodName = field(default="lora", metadata=_help(
         "healing method: lora (LoRA on the kept blocks' projections, merged back), adjacent (the blocks next "
         "to each cut, plus norms) or last_k (the last k blocks and the head)"))
-    max_tokens: int = field(default=4096, metadata=_help("healing budget in training tokens (prompt positions)"))
+    max_tokens: int | None = field(default=None, metadata=_help(
+        "healing budget in training tokens (prompt positions) (default: the whole steps that fit 10 minutes on the "
+        "device at the measured rates, at most one pass over the text)"))
     calibration: str | None = field(default=None, metadata=_help(
         "healing text: a text file (default: the removal's calibration source; for the heal verb the embedded text)"))
     seq_len: int = field(default=128, metadata=_help("tokens per healing prompt"))
@@ -274,7 +279,8 @@ class HealConfig:
         "pack the healing text into full windows of seq_len tokens (paragraphs joined by EOS, no padding; epochs "
         "only when the text runs out); off: one paragraph per prompt, truncated and padded, at most 256 prompts"))
     batch_size: int = field(default=4, metadata=_help("healing prompts per optimiser step"))
-    learning_rate: float = field(default=1e-4, metadata=_help("peak learning rate of healing"))
+    learning_rate: float | None = field(default=None, metadata=_help(
+        "peak learning rate of healing (default: a short probe of the method's candidate rates on the held-out KL)"))
     ce_weight: float = field(default=0.0, metadata=_help(
         "weight of the cross-entropy on the text added to the KL (0 = pure distillation)"))
     heldout_prompts: int = field(default=4, metadata=_help(
@@ -305,10 +311,11 @@ class HealConfig:
         for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("heldout_prompts", 1),
                               ("eval_every", 1), ("patience", 1)):
             value = getattr(self, name)
-            if name == "patience" and value is None:
+            if name in ("patience", "max_tokens") and value is None:
                 continue
             if as_index(value) is None or value < minimum:
-                raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}")
+                raise ValueError(f"{what}({name}={value!r}): must be an int >= {minimum}"
+                                 + (" or None (chosen for the model and the device)" if name == "max_tokens" else ""))
             object.__setattr__(self, name, int(value))  # frozen: its own normalisation, in __post_init__
         world = processes_launched()  # checked here, before a model loads: each process takes its share of a step
         if self.batch_size % world:
@@ -316,6 +323,8 @@ class HealConfig:
                              f"takes batch_size / {world} prompts of every step; give a multiple of {world}")
         for name, low in (("learning_rate", None), ("ce_weight", 0.0)):
             value = getattr(self, name)
+            if name == "learning_rate" and value is None:
+                continue
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or (value <= 0 if low is None else value < low):
                 raise ValueError(f"{what}({name}={value!r}): must be a finite number {'> 0' if low is None else '>= 0'}")

@@ -591,7 +591,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         if selection["block_passes"] or selection["head_passes"] or not selection["exact"]:
             phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
     exact = all(p.get("exact", True) for p in phases.values())
-    phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer)))
+    phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer),
+                                   throughput=throughput, device=device))
     return _assemble(model, calib, cfg, phases, scoring_plan, exact, device, kept.bytes, throughput, stream_weights)
 
 
@@ -622,16 +623,19 @@ def _check_device(device: torch.device, max_memory, throughput) -> None:
                          "budget, its rates)")
 
 
-def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer) -> dict:
+def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *,
+                     throughput=None, device=None) -> dict:
     """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
-    selection (:mod:`~hf_layerswap.cost_steps`), in its order."""
+    selection (:mod:`~hf_layerswap.cost_steps`), in its order; healing's default budget at
+    ``throughput`` (default: measured on ``device``)."""
     shape = ModelShape(model)
     removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
     phases = {}
     if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
         phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
     if cfg.heal is not None:
-        phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer)
+        phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer, throughput=throughput,
+                                          device=device)
     if cfg.sparsity is not None:
         phases["sparsity"] = sparsity_phase(shape, calib, cfg, removed)
     return phases

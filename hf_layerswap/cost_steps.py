@@ -51,6 +51,7 @@ from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
+from .healing.choice import probe_steps
 from .healing.methods import get_heal_method
 from .healing.trainer import resolve_patience
 from .models import has_tokenizer_files, is_hub_id
@@ -64,7 +65,7 @@ from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
 from .tasks import check_task_names, request_forwards, task_requests
 
-__all__ = ["ModelShape", "block_flops", "check_removal", "heal_measures", "healing_phase",
+__all__ = ["HEAL_SECONDS", "ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
            "text_tokenizer"]
 
@@ -221,15 +222,21 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
 
 
 # ----------------------------------------------------------------------------- healing
-def _heal_rows(cfg: LayerSwapConfig, calibration) -> tuple[int, int, bool]:
+def _heal_width(cfg: LayerSwapConfig, calibration) -> int:
+    """Tokens per healing prompt: given tensors' width (never packed), else ``seq_len``."""
+    tensors = cfg.heal.calibration is None and isinstance(calibration, Mapping)
+    return int(calibration["input_ids"].shape[1]) if tensors else cfg.heal.seq_len
+
+
+def _heal_rows(cfg: LayerSwapConfig, calibration, max_tokens: int) -> tuple[int, int, bool]:
     """(prompts of the healing text, their width, whether known exactly): given tensors
     read as :func:`~hf_layerswap.calibration.build_calibration` does, else full prompts
     (a packed text: every window of the budget, one paragraph per prompt: at most
     :data:`HEAL_MAX_TRAIN_PROMPTS`)."""
     heal = cfg.heal
     tensors = heal.calibration is None and isinstance(calibration, Mapping)  # never packed, their own width
-    width = int(calibration["input_ids"].shape[1]) if tensors else heal.seq_len
-    steps = math.ceil(heal.max_tokens / (heal.batch_size * width))
+    width = _heal_width(cfg, calibration)
+    steps = math.ceil(max_tokens / (heal.batch_size * width))
     packed = heal.packing and not tensors
     wanted = (steps * heal.batch_size if packed else min(steps * heal.batch_size, HEAL_MAX_TRAIN_PROMPTS)) \
         + heal.heldout_prompts
@@ -268,15 +275,63 @@ def _trainer_batches(rows: int, batch: int, steps: int) -> dict[int, int]:
     return {b: n for b, n in counts.items() if n}
 
 
-def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None) -> dict:
+#: The default healing budget's time target (``heal(max_tokens=None)``): seconds of training
+#: steps on the device at the cost model's rates (:func:`heal_budget`).
+HEAL_SECONDS = 600.0
+
+
+def heal_budget(shape: ModelShape, kept: int, throughput, batch_size: int, width: int,
+                seconds: float = HEAL_SECONDS) -> dict:
+    """The default training budget of :func:`~hf_layerswap.healing.heal`: as many whole
+    optimiser steps of ``batch_size`` x ``width`` positions as fit ``seconds`` at
+    ``throughput``'s rates (a :class:`~hf_layerswap.cost.Throughput`), each step a student
+    forward and backward through ``kept`` blocks (the backward as 2 forward FLOPs) and a
+    teacher forward through ``shape``'s blocks, the head after each; at least one step.
+
+    Returns:
+        ``{"rule": "time", "seconds": the target, "step_seconds": one step's predicted
+        seconds, "steps", "max_tokens": steps x batch_size x width, "throughput": the rates'
+        source, "tokens_per_second"}``.
+    """
+    phase = _phase(True, "")
+    _add_forward(phase, shape, kept, batch_size, width, factor=3.0)  # the student: forward + backward
+    _add_forward(phase, shape, shape.num_blocks, batch_size, width)  # the teacher
+    step = (phase["block_flops"] / throughput.block_flops_per_second
+            + phase["head_flops"] / throughput.head_flops_per_second)
+    steps = max(1, math.floor(seconds / step))
+    return {"rule": "time", "seconds": float(seconds), "step_seconds": step, "steps": steps,
+            "max_tokens": steps * batch_size * width, "throughput": throughput.source,
+            "tokens_per_second": batch_size * width / step}
+
+
+def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None, *,
+                  throughput=None, device=None) -> dict:
     """Passes, FLOPs and peak bytes of ``cfg.heal`` (see the module's text), its
-    measurements included (:func:`heal_measures`; ``tokenizer`` reads their texts)."""
+    measurements included (:func:`heal_measures`; ``tokenizer`` reads their texts).
+    ``max_tokens=None`` takes the budget :func:`heal_budget` chooses at ``throughput``
+    (default: :func:`~hf_layerswap.cost.measure_throughput` on ``device``, as ``heal``
+    measures it), recorded in ``phase["budget"]``; ``learning_rate=None`` adds the
+    learning-rate probe (:mod:`~hf_layerswap.healing.choice`: each candidate's steps and
+    held-out evaluation), recorded in ``phase["probe"]``."""
     heal = cfg.heal
     removed_set, removal_known = _removal(shape, cfg)
     kept = shape.num_blocks - removed
-    prompts, width, rows_known = _heal_rows(cfg, calibration)
+    budget = None
+    if heal.max_tokens is None:
+        width = _heal_width(cfg, calibration)
+        if throughput is None:
+            from .cost import measure_throughput  # the module that imports this one
+            throughput = measure_throughput(shape.model, heal.batch_size, width, device=device)
+        budget = heal_budget(shape, kept, throughput, heal.batch_size, width)
+        if isinstance(calibration, Mapping) and heal.calibration is None:  # given rows: at most one pass over them
+            rows = min(int(calibration["input_ids"].shape[0]) - heal.heldout_prompts, HEAL_MAX_TRAIN_PROMPTS)
+            if budget["steps"] * heal.batch_size > rows > 0:
+                budget.update(steps=max(1, rows // heal.batch_size), text_limited=True)
+                budget["max_tokens"] = budget["steps"] * heal.batch_size * width
+    max_tokens = heal.max_tokens if budget is None else budget["max_tokens"]
+    prompts, width, rows_known = _heal_rows(cfg, calibration, max_tokens)
     train, held = prompts - heal.heldout_prompts, heal.heldout_prompts
-    steps = math.ceil(heal.max_tokens / (heal.batch_size * width))  # as heal counts them: given tensors, their width
+    steps = math.ceil(max_tokens / (heal.batch_size * width))  # as heal counts them: given tensors, their width
     # before training, every eval_every steps and after the last step (transformers' DefaultFlowCallback)
     evaluations = 1 + math.ceil(steps / heal.eval_every)
     patience = resolve_patience(heal.patience, steps, heal.eval_every)
@@ -291,10 +346,21 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
         if heal.teacher_top_k is None:
             _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
         _add_forward(phase, shape, kept, b, width, factor=3.0, times=n)  # forward + backward (2 forward FLOPs)
+    probe = None
+    if heal.learning_rate is None:  # the probe: per candidate its steps, and a held-out evaluation (one more first)
+        candidates = get_heal_method(heal.method).learning_rates
+        per = probe_steps(steps)
+        probe = {"candidates": list(candidates), "steps": per, "prompts": min(train, per * heal.batch_size)}
+        for b, n in _trainer_batches(probe["prompts"], heal.batch_size, per).items():
+            if heal.teacher_top_k is None:
+                _add_forward(phase, shape, shape.num_blocks, b, width, times=n * len(candidates))
+            _add_forward(phase, shape, kept, b, width, factor=3.0, times=n * len(candidates))
     for b, n in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)).items():
-        # the evaluations, and one more before anything: the finite-start check (healing.teacher.check_finite_start)
-        _add_forward(phase, shape, shape.num_blocks, b, width, times=n * (evaluations + 1))
-        _add_forward(phase, shape, kept, b, width, times=n * (evaluations + 1))
+        # the evaluations, and one more before anything: the finite-start check (healing.teacher.check_finite_start);
+        # the probe's: one per candidate and its start
+        times = n * (evaluations + 1 + (len(probe["candidates"]) + 1 if probe else 0))
+        _add_forward(phase, shape, shape.num_blocks, b, width, times=times)
+        _add_forward(phase, shape, kept, b, width, times=times)
     params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
     optimizer = 4 * params * es + 4 * tensors
@@ -305,6 +371,16 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     logits = 5 * b * width * shape.vocab * 4  # student, teacher, their log-softmaxes, the gradient (fp32)
     phase.update(trainable_params=params, trainable_tensors=tensors, optimizer_bytes=optimizer,
                  removal_known=removal_known)
+    if budget is not None:
+        phase["budget"] = budget
+        phase["note"] += (f"; budget {budget['max_tokens']:,} tokens: {budget['steps']} steps of about "
+                          f"{budget['step_seconds']:.2f} s in {budget['seconds'] / 60:g} min ({budget['throughput']}; "
+                          "an upper bound: heal stops at one pass over its text)")
+        phase["exact"] = False if not rows_known else phase["exact"]
+    if probe is not None:
+        phase["probe"] = probe
+        phase["note"] += (f"; learning-rate probe: {len(probe['candidates'])} rates "
+                          f"({', '.join(f'{r:g}' for r in probe['candidates'])}) x {probe['steps']} steps")
     phase["memory_bytes"] = (2 * shape.weight_bytes - removed * shape.block_bytes + adapters + optimizer
                              + saved + logits)
     heal_measures(phase, shape, cfg, kept, tokenizer)
@@ -405,6 +481,14 @@ def measure_lines(phase: dict) -> list[str]:
     """Terminal lines of a healing ``phase``: its measurements' share of the passes, and
     what is not estimated (and why)."""
     out = []
+    if "budget" in phase:
+        b = phase["budget"]
+        out.append(f"    budget chosen: {b['max_tokens']:,} tokens, {b['steps']} steps of about {b['step_seconds']:.2f} s "
+                   f"({b['seconds'] / 60:g} min at {b['throughput']}; fewer when the text holds less)")
+    if "probe" in phase:
+        p = phase["probe"]
+        out.append(f"    learning-rate probe: {len(p['candidates'])} rates ({', '.join(f'{r:g}' for r in p['candidates'])}) "
+                   f"x {p['steps']} steps on {p['prompts']} prompts, the lowest held-out KL chosen")
     if "perplexity" in phase:
         ppl = phase["perplexity"]
         out.append(f"    of which perplexity: {ppl['block_passes']:,} block passes, {ppl['head_passes']:,} head passes "

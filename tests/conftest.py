@@ -119,6 +119,14 @@ def tiny_model(family: str = "llama", num_blocks: int = 6, seed: int = 0, **over
     return build(_row(family), num_blocks, seed, dtype=None, **{**tiny_overrides(family, num_blocks), **overrides})
 
 
+def pruned_pair(removed=(2, 3)):
+    """(student, teacher): a 6-block tiny Llama (seed 0) and a copy with ``removed`` cut, for healing."""
+    teacher = tiny_model("llama", num_blocks=6, seed=0)
+    student = copy.deepcopy(teacher)
+    hl.remove_layers(student, list(removed))
+    return student, teacher
+
+
 def eight_block_search_setup():
     """An 8-block random Llama (seed 0), its six 16-token prompts (one padded from position 10)
     and their swap-KL report: the model on which the paper's greedy rule misses the best pair

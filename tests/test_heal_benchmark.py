@@ -103,7 +103,7 @@ def test_packed_cells_keep_paragraph_keys_and_report_distinct_tokens(tmp_path):
 
 def test_heal_experiment_lists_the_groups_in_priority_order():
     cells = experiment_cells(load_experiment("heal"))
-    assert list(cells) == ["pilot", "n6", "criteria", "budgets", "long", "packed", "patience"]
+    assert list(cells) == ["pilot", "n6", "criteria", "budgets", "long", "packed", "patience", "defaults"]
     bench = _module()
     own, shared = bench.PLAN["patience"][0], bench.PLAN["packed"][1]
     assert bench.cell_key(own) == "smollm2-135m|search|n6|ghosted+lora|262144|lr0.001|packed|patience-default"
@@ -133,3 +133,36 @@ def test_heal_runs_only_missing_cells_of_the_chosen_methods(tmp_path, monkeypatc
     on_disk = json.loads(path.read_text())
     assert on_disk["cells"] == state["cells"] and on_disk["cells"][bench.cell_key(stored)] == {"kept": True}
     assert on_disk["commands"] == ["python benchmarks/heal.py --groups n6 --threads 1"]
+
+
+def test_defaults_cells_run_heal_at_its_defaults_and_report_what_it_chose(tmp_path):
+    bench = _module()
+    cells = bench.PLAN["defaults"]
+    assert [bench.cell_key(c) for c in cells] == [
+        "smollm2-135m|search|n4|lora|defaults", "smollm2-135m|search|n4|ghosted+lora|defaults",
+        "gemma3-270m|search|n4|lora|defaults", "gemma3-270m|search|n4|ghosted+lora|defaults"]
+    state = _state(bench)
+    state["models"]["smollm2-135m"]["sets"]["13,14,17,26"] = {"cut": {"ppl": 52.0, "dppl": 80.0, "ci": [75.0, 85.0]},
+                                                               "ghosted": {"ppl": 44.0, "dppl": 50.0, "ci": [45.0, 55.0]}}
+    choice = {"max_tokens": {"rule": "time", "seconds": 600.0, "step_seconds": 6.25, "steps": 96, "max_tokens": 49152},
+              "learning_rate": {"rule": "probe", "learning_rate": 0.001, "steps": 6, "kl_before": 0.55,
+                                "candidates": [{"learning_rate": 3e-4, "kl": 0.5}, {"learning_rate": 1e-3, "kl": 0.45},
+                                               {"learning_rate": 3e-3, "kl": 0.47}]}}
+    for cell, dppl in zip(cells[:2], (44.0, 31.0)):
+        state["cells"][bench.cell_key(cell)] = {
+            **cell, "removed": [13, 14, 17, 26], "heal_cpu_s": 700.0,
+            "healed": {"ppl": 40.0, "dppl": dppl, "ci": [dppl - 4, dppl + 4]},
+            "report": {"tokens": 49152, "steps": 96, "learning_rate": 0.001, "kl_before": 0.55, "kl_after": 0.3,
+                       "reverted": False, "eval_history": [{"step": 96, "kl": 0.3}], "choice": choice,
+                       "settings": {"max_tokens": 49152, "batch_size": 4, "seq_len": 128}}}
+    out = tmp_path / "heal.md"
+    bench.render(state, out)
+    page = out.read_text(encoding="utf-8")
+    assert ("| smollm2-135m | default search | 4 | {13,14,17,26} | lora | 0.001 | 49,152 | 96 | +80.0 | +50.0 "
+            "| **+44.0** [+40.0, +48.0] | 45% | 0.5500 -> 0.3000 | ran 96/96, best at step 96 | yes | 700 |") in page
+    assert ("- smollm2-135m lora: budget 49,152 tokens (96 steps predicted at 6.25 s each; the cell's healing took "
+            "700 CPU-s, probe included); probe 6 steps per rate, held-out KL from 0.5500: 0.0003: 0.5000, 0.001: "
+            "0.4500, 0.003: 0.4700, chose 0.001; recovered 45% of the cut's dPPL (+80.0% -> +44.0%): goal >= 40% "
+            "**met**.") in page
+    assert "recovered 38% of the ghosted repair's dPPL (+50.0% -> +31.0%): goal >= 40% **missed**." in page
+    assert "- defaults: gemma3-270m default search n=4 lora at heal's defaults, packed text" in page

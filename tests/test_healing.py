@@ -33,16 +33,13 @@ from hf_layerswap.healing.trainer import DistillationTrainer, resolve_patience
 from hf_layerswap.history import verify_history, weights_changed_later, weights_sample
 from hf_layerswap.pipeline import prune
 
-from conftest import assert_model_unchanged, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
+from conftest import assert_model_unchanged, pruned_pair, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
 
 REMOVED = [2, 3]
 
 
 def _pair():
-    teacher = tiny_model("llama", num_blocks=6, seed=0)
-    student = copy.deepcopy(teacher)
-    hl.remove_layers(student, REMOVED)
-    return student, teacher
+    return pruned_pair(REMOVED)
 
 
 def _calibration(n=12, length=16):
@@ -551,7 +548,7 @@ def test_heal_config_round_trip_and_refusals():
     cfg = LayerSwapConfig(num_to_remove=2, heal=HealConfig(method="last_k", max_tokens=512, options={"k": 2}))
     data = json.loads(json.dumps(cfg.to_dict()))
     assert data["heal"] == {"method": "last_k", "max_tokens": 512, "calibration": None, "seq_len": 128,
-                            "packing": True, "batch_size": 4, "learning_rate": 1e-4, "ce_weight": 0.0, "heldout_prompts": 4,
+                            "packing": True, "batch_size": 4, "learning_rate": None, "ce_weight": 0.0, "heldout_prompts": 4,
                             "eval_every": 4, "patience": None, "seed": 0, "teacher_top_k": None, "options": {"k": 2},
                             "perplexity_text": None, "eval_tasks": None, "eval_tasks_path": None,
                             "eval_tasks_limit": None}

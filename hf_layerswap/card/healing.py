@@ -239,6 +239,43 @@ def _method_words(entry: Mapping) -> str:
     return text + (f": {registered.describe}" if registered is not None else "")
 
 
+def _choice_rows(entry: Mapping) -> list[tuple[str, str]]:
+    """The row saying how the budget and the learning rate were set (given, or chosen by
+    :mod:`~hf_layerswap.healing.choice`: the device's time target, the probe's rates and their
+    held-out KL); none for a record written before the choice was recorded."""
+    choice = entry.get("choice")
+    if not isinstance(choice, Mapping) or not choice:
+        return []
+    words = []
+    budget = choice.get("max_tokens")
+    if isinstance(budget, Mapping) and budget.get("rule") == "time":
+        text = (f"budget chosen for the device: {_count(budget.get('steps'))} steps ({_count(budget.get('max_tokens'))} "
+                f"tokens) to fit {_setting(_minutes(budget.get('seconds')))} min on {_setting(budget.get('device'))} at "
+                f"about {_setting(_rounded(budget.get('tokens_per_second')))} tokens/s predicted "
+                f"({_setting(budget.get('throughput'))})")
+        words.append(text + ("; fewer: one pass over the training text" if budget.get("text_limited") else ""))
+    elif isinstance(budget, Mapping) and budget.get("rule") == "given":
+        words.append("budget given")
+    probe = choice.get("learning_rate")
+    if isinstance(probe, Mapping) and probe.get("rule") == "probe":
+        rates = ", ".join(f"{_setting(r.get('learning_rate'))} → {_nats(r.get('kl'))}"
+                          for r in probe.get("candidates") or [] if isinstance(r, Mapping))
+        words.append(f"learning rate {_setting(probe.get('learning_rate'))} chosen by a probe on the held-out KL: "
+                     f"{_count(probe.get('steps'))} steps at each rate from the same start (held-out KL "
+                     f"{_nats(probe.get('kl_before'))} before): {rates}")
+    elif isinstance(probe, Mapping) and probe.get("rule") == "given":
+        words.append("learning rate given")
+    return [("Budget and learning rate", "; ".join(words))] if words else []
+
+
+def _minutes(seconds):
+    return round(seconds / 60, 1) if _finite(seconds) else None
+
+
+def _rounded(value):
+    return f"{value:,.0f}" if _finite(value) else None
+
+
 def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
     logits = ("its full logits, on the fly" if entry.get("teacher_top_k") is None else
               f"its top-{entry['teacher_top_k']} log-probs plus the rest's mass, cached (a lower bound of the full KL)")
@@ -247,6 +284,7 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
         ("Method", _method_words(entry)),
         ("Training", f"{_count(entry.get('tokens'))} tokens{_distinct(entry)}, {_count(entry.get('steps'))} steps, learning rate "
                      f"{_setting(entry.get('learning_rate'))}, seed {_setting(entry.get('seed'))}"),
+        *_choice_rows(entry),
         ("Teacher", f"{_teacher_words(entry)}; {logits}"),
         ("Data", data),
         ("Held-out KL(teacher ‖ student) before → after", _kl_row(entry)),

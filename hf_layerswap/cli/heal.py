@@ -37,7 +37,7 @@ __all__ = ["add_heal_args", "add_parser", "checkpoint_folder", "heal_config", "r
 
 #: HealConfig fields whose default is ``None``: their argparse type.
 _NONE_TYPES = {"teacher_top_k": count(1), "patience": count(1), "calibration": str, "eval_tasks_path": str,
-               "eval_tasks_limit": task_limit}
+               "eval_tasks_limit": task_limit, "max_tokens": count(1)}
 #: HealConfig fields with a flag other than their name, and their argparse keywords.
 _SPECIAL = {"perplexity_text": ("perplexity", dict(nargs="?", const="embedded", metavar="TEXT")),
             "eval_tasks": ("eval-tasks", dict(nargs="+", metavar="TASK"))}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PrinterCallback, TrainerState, TrainingArguments, set_seed
+from transformers import PrinterCallback, TrainerState, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..calibration import (CalibrationSet, CalibrationShortfallWarning, build_calibration, check_token_ids,
@@ -27,13 +27,15 @@ from ..plan import model_fingerprint, num_blocks
 from ..provenance import library_versions
 from ..recovery.operators import attached_operators
 from ..rule import NonFiniteScoresError
+from ..devices import input_device
+from .choice import probe_learning_rate, probe_steps
 from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import HEAL_METHODS, get_heal_method
 from .report import RUN_SETTINGS, HealReport
 from .teacher import check_finite_start, check_teacher, place_teacher, teacher_origin
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
-                      last_complete_checkpoint, resolve_patience)
+                      last_complete_checkpoint, resolve_patience, training_arguments)
 
 __all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "heal", "processes_launched"]
 
@@ -68,12 +70,12 @@ def heal(
     method: str = "lora",
     tokenizer=None,
     teacher_tokenizer=None,
-    max_tokens: int = 4096,
+    max_tokens: int | None = None,
     seq_len: int = 128,
     packing: bool = True,
     heldout_prompts: int = 4,
     batch_size: int = 4,
-    learning_rate: float = 1e-4,
+    learning_rate: float | None = None,
     ce_weight: float = 0.0,
     eval_every: int = 4,
     patience: int | None = None,
@@ -108,7 +110,18 @@ def heal(
         calibration: any :func:`build_calibration` source (``None``: the embedded text, needs ``tokenizer``).
         method: a name registered in :data:`~hf_layerswap.healing.HEAL_METHODS`.
         max_tokens: training budget in prompt positions: ``ceil(max_tokens / (batch_size * seq_len))``
-            steps (given tensors: their width for ``seq_len``).
+            steps (given tensors: their width for ``seq_len``). ``None``: chosen for the model and the
+            device (:mod:`~hf_layerswap.healing.choice`): the whole steps that fit 10 minutes
+            (:data:`~hf_layerswap.cost_steps.HEAL_SECONDS`) on the student's device at the cost model's
+            measured rates, at most one pass over the training text; ``report.choice["max_tokens"]``
+            records how.
+        learning_rate: peak learning rate (AdamW, linear decay, no warmup). ``None``: chosen by a
+            short probe on the held-out KL among the method's candidate rates
+            (:attr:`~hf_layerswap.healing.methods.HealMethod.learning_rates`; LoRA 3e-4, 1e-3, 3e-3,
+            full-weight methods 3e-5, 1e-4, 3e-4), each trained
+            :func:`~hf_layerswap.healing.choice.probe_steps` steps from the same start;
+            ``report.choice["learning_rate"]`` records every candidate's KL. A run resumed from
+            ``checkpoint_dir`` reuses the values its first call chose.
         seq_len: tokens per prompt. packing: pack a text source (above; ignored for
             tensors). options: method options (``lora_r``, ``lora_alpha``, ``k``).
         checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
@@ -159,7 +172,15 @@ def heal(
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model, entry)
-    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings, model)
+    choice = _saved_choice(checkpoint_dir, settings)  # a run to resume keeps what its first call chose
+    if settings["max_tokens"] is None:
+        choice["max_tokens"] = _default_budget(model, teacher, calibration, settings)
+        settings["max_tokens"] = choice["max_tokens"]["max_tokens"]
+    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings, model,
+                                                       one_pass=choice.get("max_tokens", {}).get("rule") == "time")
+    if choice.get("max_tokens", {}).get("rule") == "time" and steps < choice["max_tokens"]["steps"]:
+        choice["max_tokens"].update(text_limited=True, steps=steps, max_tokens=steps * batch_size * _width(calibration, seq_len))
+        settings["max_tokens"] = choice["max_tokens"]["max_tokens"]
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
     device = place_teacher(teacher, model)
@@ -167,10 +188,20 @@ def heal(
     check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
     created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
-    resume = _claim_checkpoints(checkpoint_dir, settings)  # written only now, after the measurements
     train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
+    if settings["learning_rate"] is None:
+        try:
+            choice["learning_rate"] = probe_learning_rate(student, teacher, train, held, settings, entry.learning_rates,
+                                                          steps=probe_steps(steps), device=device,
+                                                          world=processes_launched(), rows_type=_Rows)
+        except BaseException:  # the model as it was given (the probe put its weights back)
+            _given_back(entry.undo(student))
+            raise
+        settings["learning_rate"] = choice["learning_rate"]["learning_rate"]
+    settings["choice"] = _given(choice, max_tokens, learning_rate)
+    resume = _claim_checkpoints(checkpoint_dir, settings)  # written only now, after the measurements
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
@@ -230,7 +261,14 @@ def student_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _training_text(calibration, tokenizer, settings: dict, model=None):
+def _width(calibration, seq_len: int) -> int:
+    """Tokens per healing prompt: given tensors keep their width, a text source ``seq_len``."""
+    tensors = isinstance(calibration, (CalibrationSet, Mapping))
+    ids = calibration.input_ids if isinstance(calibration, CalibrationSet) else tensors and calibration.get("input_ids")
+    return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else seq_len
+
+
+def _training_text(calibration, tokenizer, settings: dict, model=None, one_pass: bool = False):
     """``(calibration set, training steps, training rows, held-out rows, packed)`` for :func:`heal`:
     ``steps = ceil(max_tokens / (batch_size * seq_len))`` (given tensors: their width for
     ``seq_len``). Packed (a text source with
@@ -238,6 +276,9 @@ def _training_text(calibration, tokenizer, settings: dict, model=None):
     ``steps x batch_size`` distinct windows, or every window the source has (the Trainer
     then repeats them, epochs; a warning says so). Otherwise: ``min(steps x batch_size,``
     :data:`PARAGRAPH_PROMPTS` ``)`` prompts for training, then the held-out ones, last.
+    ``one_pass`` (a budget :func:`heal` chose): fewer steps when the text holds fewer distinct
+    training prompts than the budget, ``max(1, distinct // batch_size)``, the text built
+    again for them, as a run given that budget builds it.
 
     Raises:
         ValueError: no prompt remains for training once ``heldout_prompts`` are held out; a
@@ -245,16 +286,23 @@ def _training_text(calibration, tokenizer, settings: dict, model=None):
     """
     batch_size, heldout, seq_len = settings["batch_size"], settings["heldout_prompts"], settings["seq_len"]
     tensors = isinstance(calibration, (CalibrationSet, Mapping))
-    ids = calibration.input_ids if isinstance(calibration, CalibrationSet) else tensors and calibration.get("input_ids")
-    width = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else seq_len  # tensors keep their width
+    width = _width(calibration, seq_len)
     steps = math.ceil(settings["max_tokens"] / (batch_size * width))
     packing = settings["packing"] and not tensors
-    wanted = (steps * batch_size if packing else min(steps * batch_size, PARAGRAPH_PROMPTS)) + heldout
-    with warnings.catch_warnings():
-        if packing:  # said below in healing's own words
-            warnings.simplefilter("ignore", CalibrationShortfallWarning)
-        calib = build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=settings["seed"],
-                                  packing=packing)
+
+    def build(steps):
+        wanted = (steps * batch_size if packing else min(steps * batch_size, PARAGRAPH_PROMPTS)) + heldout
+        with warnings.catch_warnings():
+            if packing or one_pass:  # said below in healing's own words; a chosen budget stops at the text's end
+                warnings.simplefilter("ignore", CalibrationShortfallWarning)
+            return build_calibration(calibration, tokenizer, num_prompts=wanted, seq_len=seq_len, seed=settings["seed"],
+                                     packing=packing)
+
+    calib = build(steps)
+    distinct = calib.num_prompts - heldout if packing else min(calib.num_prompts - heldout, PARAGRAPH_PROMPTS)
+    if one_pass and distinct >= 1 and steps * batch_size > distinct:  # at most one pass: as the explicit budget builds it
+        steps = max(1, distinct // batch_size)
+        calib = build(steps)
     if model is not None:
         check_token_ids(calib.input_ids, model, "the healing calibration prompts")
     count = calib.num_prompts
@@ -310,6 +358,7 @@ def _heal_report(settings: dict, state, best, calib, tokens_per_step: float, dis
         final_loss=losses[-1]["loss"] if losses else None, tokens_per_step=tokens_per_step,
         options=dict(settings["options"]), packing=packed, distinct_tokens=distinct, epochs=trained / distinct,
         patience=settings["patience"], settings={k: settings[k] for k in RUN_SETTINGS}, teacher=dict(teacher or {}),
+        choice=copy.deepcopy(settings.get("choice") or {}),
     )
 
 
@@ -329,11 +378,15 @@ def _train(student, teacher, train, held, settings: dict, *, undo, created: bool
         with torch.no_grad():
             for name, value in start.items():
                 params[name].copy_(value)
-        model = undo(student)
-        for param in model.parameters():
-            param.requires_grad_(True)
-        model.eval()
+        _given_back(undo(student))
         raise
+
+
+def _given_back(model: nn.Module) -> None:
+    """``model`` as :func:`heal` leaves it: every parameter trainable, in eval mode."""
+    for param in model.parameters():
+        param.requires_grad_(True)
+    model.eval()
 
 
 def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, device, checkpoint_dir, resume: bool,
@@ -342,17 +395,11 @@ def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, d
     ``checkpoint_dir`` when ``resume``); returns its final state and the early stop, whose
     best weights are restored into ``student``."""
     with tempfile.TemporaryDirectory() as scratch:
-        args = TrainingArguments(
-            output_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, max_steps=steps,
-            # each launched process takes its share of every step: the steps, batch and budget are those asked for
-            per_device_train_batch_size=settings["batch_size"] // processes_launched(),
-            per_device_eval_batch_size=settings["batch_size"],
-            learning_rate=settings["learning_rate"], seed=settings["seed"], eval_strategy="steps",
-            eval_steps=settings["eval_every"], save_strategy="no" if checkpoint_dir is None else "steps",
-            save_steps=settings["eval_every"], save_total_limit=2, logging_steps=1, report_to=[], disable_tqdm=True,
-            remove_unused_columns=False, use_cpu=device.type == "cpu", include_num_input_tokens_seen="non_padding",
-            logging_nan_inf_filter=False,  # a NaN loss is recorded and refused (FiniteLoss), never logged as another value
-        )
+        args = training_arguments(
+            settings, os.fspath(checkpoint_dir) if checkpoint_dir is not None else scratch, steps=steps, device=device,
+            world=processes_launched(), learning_rate=settings["learning_rate"], eval_strategy="steps", eval_steps=settings["eval_every"],
+            save_strategy="no" if checkpoint_dir is None else "steps", save_steps=settings["eval_every"],
+            save_total_limit=2)
         trainer = DistillationTrainer(model=student, args=args, train_dataset=train, eval_dataset=held,
                                       teacher=teacher, ce_weight=settings["ce_weight"])
         trainer.remove_callback(PrinterCallback)
@@ -389,15 +436,19 @@ def _check_settings(settings: dict, model, entry) -> None:
     for name, minimum in (("max_tokens", 1), ("seq_len", 2), ("batch_size", 1), ("eval_every", 1), ("patience", 1),
                           ("heldout_prompts", 1)):
         value = settings[name]
-        if name == "patience" and value is None:
+        if name in ("patience", "max_tokens") and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
+            raise ValueError(f"{name}={value!r}: must be an int >= {minimum}"
+                             + (" or None (chosen for the model and the device)" if name == "max_tokens" else ""))
     for name, positive in (("learning_rate", True), ("ce_weight", False)):
         value = settings[name]
+        if name == "learning_rate" and value is None:
+            continue
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or (value <= 0 if positive else value < 0):
-            raise ValueError(f"{name}={value!r}: must be a finite number {'> 0' if positive else '>= 0'}")
+            raise ValueError(f"{name}={value!r}: must be a finite number {'> 0' if positive else '>= 0'}"
+                             + (" or None (chosen by a probe on the held-out KL)" if name == "learning_rate" else ""))
     seed = settings["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed={seed!r}: must be an int in 0..{MAX_SEED} (what transformers' set_seed takes)")
@@ -408,6 +459,41 @@ def _check_settings(settings: dict, model, entry) -> None:
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size):
         raise ValueError(f"teacher_top_k={k!r}: must be None (full logits) or an int in 1..{vocab_size} "
                          "(the vocabulary size)")
+
+
+def _saved_choice(folder, settings: dict) -> dict:
+    """The budget and learning rate that the run whose checkpoints are in ``folder`` chose
+    (its ``choice`` record), for the settings left at ``None`` (written into ``settings``):
+    a resumed run trains on with them instead of choosing again."""
+    path = None if folder is None else Path(folder) / RUN_FILE
+    if path is None or not path.is_file():
+        return {}
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    reused = {}
+    for name in ("max_tokens", "learning_rate"):
+        record = (saved.get("choice") or {}).get(name) or {}
+        if settings[name] is None and record.get("rule") not in (None, "given") and saved.get(name) is not None:
+            settings[name], reused[name] = saved[name], record
+    return reused
+
+
+def _default_budget(model: nn.Module, teacher: nn.Module, calibration, settings: dict) -> dict:
+    """The budget :func:`~hf_layerswap.cost_steps.heal_budget` chooses for ``model`` on its
+    device, at the rates :func:`~hf_layerswap.cost.measure_throughput` times there (the
+    probe ``prune --dry-run`` runs), with the device's name."""
+    from ..cost import measure_throughput  # the cost model imports healing: loaded when a budget is chosen
+    from ..cost_steps import ModelShape, heal_budget
+
+    width, device = _width(calibration, settings["seq_len"]), input_device(model)
+    rates = measure_throughput(model, settings["batch_size"], width, device=device)
+    return {**heal_budget(ModelShape(teacher), num_blocks(model), rates, settings["batch_size"], width),
+            "device": str(device)}
+
+
+def _given(choice: dict, max_tokens, learning_rate) -> dict:
+    """``choice`` with ``{"rule": "given"}`` for each of the two settings the caller gave."""
+    return {"max_tokens": choice.get("max_tokens") if max_tokens is None else {"rule": "given"},
+            "learning_rate": choice.get("learning_rate") if learning_rate is None else {"rule": "given"}}
 
 
 #: The file in a ``checkpoint_dir`` naming the run its checkpoints belong to.
@@ -424,7 +510,7 @@ def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     path = folder / RUN_FILE
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
-        differ = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+        differ = sorted(k for k in set(saved) | set(settings) if k != "choice" and saved.get(k) != settings.get(k))
         if differ:
             raise ValueError(
                 f"checkpoint_dir {os.fspath(folder)!r} holds checkpoints of a healing run with other settings "

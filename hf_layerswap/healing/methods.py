@@ -33,17 +33,31 @@ HEAL_METHODS: dict[str, type] = {}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def register_heal_method(name: str, options: tuple[str, ...] | None = None, describe: str | None = None):
+def register_heal_method(name: str, options: tuple[str, ...] | None = None, describe: str | None = None,
+                         learning_rates: tuple[float, ...] | None = None):
     """Class decorator: register a :class:`HealMethod` subclass as ``method=name``;
     ``options``: the names of the options it reads (any other is refused), ``None``: any;
     ``describe``: what it trains and how the result lands in the weights, in words (the
-    model card's "Method" row; ``None`` keeps :attr:`HealMethod.describe`)."""
+    model card's "Method" row; ``None`` keeps :attr:`HealMethod.describe`);
+    ``learning_rates``: the candidate rates of the learning-rate probe
+    (:mod:`~hf_layerswap.healing.choice`; ``None`` keeps :attr:`HealMethod.learning_rates`).
+
+    Raises:
+        ValueError: ``learning_rates`` empty or holding a value that is not a finite number > 0.
+    """
+    if learning_rates is not None:
+        rates = tuple(learning_rates)
+        if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                                for r in rates):
+            raise ValueError(f"learning_rates={learning_rates!r}: must be a non-empty sequence of finite numbers > 0")
 
     def wrap(cls):
         cls.name = name
         cls.option_names = None if options is None else tuple(options)
         if describe is not None:
             cls.describe = describe
+        if learning_rates is not None:
+            cls.learning_rates = tuple(sorted(float(r) for r in learning_rates))
         HEAL_METHODS[name] = cls
         return cls
 
@@ -95,6 +109,10 @@ class HealMethod:
         """
         raise ValueError(f"heal method={self.name!r} plans no trainable set (HealMethod.trainable), so "
                          f"estimate_cost cannot price it; it prices {sorted(priced_heal_methods())}")
+    #: The learning-rate probe's candidates, ascending (:mod:`~hf_layerswap.healing.choice`):
+    #: for a method that trains full weights, a factor of 10 around 1e-4, the usual range of
+    #: full fine-tuning with AdamW (:func:`register_heal_method` sets a method's own).
+    learning_rates: tuple[float, ...] = (3e-5, 1e-4, 3e-4)
 
     def check_options(self, options: Mapping, blocks: int | None = None) -> None:
         """Refuse an option the method does not read (it would be recorded as if used) and,
@@ -166,7 +184,8 @@ def cut_neighbours(model: nn.Module) -> list[int]:
 
 @register_heal_method("lora", options=("lora_r", "lora_alpha"),
                       describe="LoRA adapters on every kept block's attention and MLP projections, merged back "
-                               "into the weights")
+                               "into the weights",
+                      learning_rates=(3e-4, 1e-3, 3e-3))  # adapters starting at zero take about 10x a full-weight rate
 class LoRA(HealMethod):
     """PEFT LoRA (``lora_r``, default 16, and ``lora_alpha``, default ``2 * lora_r``,
     options) on every kept block's projections."""

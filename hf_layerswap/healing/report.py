@@ -73,6 +73,14 @@ class HealReport(JsonResult):
             weights are those of the model the student was cut from, ``False`` for another
             teacher accepted with ``allow_foreign_teacher``, ``None`` when the record could not
             tell (``note`` says why). Empty in reports written before it was recorded.
+        choice: how the budget and the learning rate were set
+            (:mod:`~hf_layerswap.healing.choice`): ``{"max_tokens": {...}, "learning_rate":
+            {...}}``, each ``{"rule": "given"}`` when the caller gave the value, else the
+            budget's ``{"rule": "time", "seconds", "step_seconds", "steps", "max_tokens",
+            "throughput", "tokens_per_second", "device"}`` (``"text_limited": True`` when one
+            pass over the text gave fewer steps) and the probe's ``{"rule": "probe",
+            "learning_rate", "candidates": [{"learning_rate", "kl"}], "steps", "prompts",
+            "kl_before", "seconds"}``. Empty in reports written before it was recorded.
     """
 
     method: str
@@ -101,6 +109,7 @@ class HealReport(JsonResult):
     patience: int | None = None
     settings: dict = field(default_factory=dict)
     teacher: dict = field(default_factory=dict)
+    choice: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,7 +157,7 @@ class HealReport(JsonResult):
         for name in ("reverted", "packing"):
             if name in out and not isinstance(out[name], bool):
                 raise ValueError(f"{name}={out[name]!r}: must be true or false")
-        for name in ("options", "perplexity", "tasks", "settings", "teacher"):
+        for name in ("options", "perplexity", "tasks", "settings", "teacher", "choice"):
             if name in out and not isinstance(out[name], Mapping):
                 raise ValueError(f"{name}={out[name]!r}: must be a JSON object")
         for name, key in (("loss_history", "loss"), ("eval_history", "kl")):

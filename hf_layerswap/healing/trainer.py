@@ -12,20 +12,37 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..jsonio import write_json_atomic
 from ..rule import NonFiniteScoresError
 from .loss import distillation_loss, next_token_cross_entropy, top_k_distillation_loss
 
 __all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "FiniteLoss", "HealProgress", "TEACHER_CACHE_KEYS",
-           "last_complete_checkpoint"]
+           "last_complete_checkpoint", "training_arguments"]
 
 #: Files :class:`BestWeights` adds to each Trainer checkpoint folder.
 BEST_FILE = "layerswap_best.safetensors"
 BEST_STATE = "layerswap_best.json"
 #: Batch keys of a cached teacher (:func:`~hf_layerswap.healing.loss.teacher_top_k`).
 TEACHER_CACHE_KEYS = ("teacher_top_log_probs", "teacher_top_indices", "teacher_rest_log_mass")
+
+
+def training_arguments(settings: dict, output_dir: str, *, steps: int, device, world: int, learning_rate: float,
+                       **overrides) -> TrainingArguments:
+    """transformers' ``TrainingArguments`` of a healing run (or of the learning-rate probe):
+    ``steps`` optimiser steps of ``settings["batch_size"]`` prompts (each of the ``world``
+    launched processes takes its share of every step) at peak ``learning_rate``, AdamW with
+    linear decay and no warmup unless ``overrides`` say otherwise, every step's loss logged,
+    nothing printed or reported."""
+    keywords = dict(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=settings["batch_size"] // world,
+        per_device_eval_batch_size=settings["batch_size"], learning_rate=learning_rate, seed=settings["seed"],
+        logging_steps=1, report_to=[], disable_tqdm=True, remove_unused_columns=False, use_cpu=device.type == "cpu",
+        include_num_input_tokens_seen="non_padding",
+        logging_nan_inf_filter=False,  # a NaN loss is recorded and refused (FiniteLoss), never logged as another value
+    )
+    return TrainingArguments(**{**keywords, **overrides})
 
 
 class DistillationTrainer(Trainer):
