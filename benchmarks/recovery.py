@@ -2,13 +2,16 @@
 (ReplaceMe-style, folded into down_proj) map, the ghosted (Ghosted Layers) operator and the
 linearpatch (LinearPatch: Hadamard rotation and channel scaling) map.
 
-For each model and budget n, two removal sets are evaluated:
+For each model and budget n, three removal sets are evaluated:
 
 - ``interchange``: the paper's rule on the interchange swap-KL (adjacent pairs), greedy,
   no two removed blocks adjacent, first and last block protected
   (:func:`hf_layerswap.select_layers`);
 - ``block-influence``: ShortGPT's Block Influence, BI_i = 1 - mean over real calibration
-  tokens of cos(h_i, h_{i+1}) (raw residual streams, per token), the n lowest.
+  tokens of cos(h_i, h_{i+1}) (raw residual streams, per token), the n lowest;
+- ``search``: the default selection's set (``LayerSwapConfig()``'s protocol-guided search on
+  removal KL), read from the quality benchmark's results (``results/quality-<model>.json``,
+  criterion ``search``), not searched again here. These rows run first.
 
 Calibration: WikiText-2 validation (``../shared/data/wikitext-2/valid.txt``); the same
 prompts drive scoring, BI and the recovery fits. Evaluation: the matched contract of
@@ -62,7 +65,9 @@ EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw
 METHODS = ("none", "fused", "ghosted", "linearpatch")
 #: The repairs the page compares with no repair (columns in this order).
 REPAIRS = METHODS[1:]
-SELECTIONS = ("interchange", "block-influence")
+SELECTIONS = ("interchange", "block-influence", "search")
+#: Where the quality benchmark's results (``quality-<model>.json``) are read from: the ``search`` rows' sets.
+QUALITY_RESULTS = REPO / "benchmarks" / "results"
 #: The experiment: the option defaults ([settings]) and the models (one results file each).
 EXPERIMENT = load_experiment("recovery")
 SETTINGS = EXPERIMENT["settings"]
@@ -83,6 +88,26 @@ def swap_report(model, calib, args, cache: Path) -> SwapReport:
     report = score_layers(model, calib, protocols=("interchange",), max_gap=1, batch_size=args.batch_size, progress=False)
     report.to_json(cache)
     return report
+
+
+def search_sets(name: str, budgets) -> dict[int, list[int]]:
+    """``{n: removed}``: the default search's set at each budget, as the quality benchmark stored
+    it (``quality-<name>.json`` beside :data:`QUALITY_RESULTS`, criterion ``search``).
+
+    Raises:
+        SystemExit: no such file, or a budget it has no search set for (named, with the command
+            that measures it); before any model is loaded.
+    """
+    path = QUALITY_RESULTS / f"quality-{name}.json"
+    hint = f"run `python benchmarks/quality.py --model {name}` first (the search rows reuse its sets)"
+    try:
+        stored = (read_state(path, "quality results file").get("criteria") or {}).get("search") or {}
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"{err}: {hint}") from None
+    missing = [n for n in budgets if not isinstance(stored.get(str(n)), dict) or "removed" not in stored[str(n)]]
+    if missing:
+        raise SystemExit(f"{path} has no default-search set at budget(s) {missing}: {hint}")
+    return {n: sorted(int(i) for i in stored[str(n)]["removed"]) for n in budgets}
 
 
 def evaluate(model, tokenizer):
@@ -117,6 +142,7 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
     each), stored in ``store`` after each evaluation, so an interrupted run resumes where it
     stopped (same settings: other settings start anew) and a partial run renders."""
     t0 = time.time()
+    searched = search_sets(name, args.budgets)  # refused before the store is opened or the model loads
     cells = open_store(store, header)
     if cells.state.get("settings") != header["settings"]:
         cells.state = cells.fresh()
@@ -154,7 +180,7 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
     rows = [{"n": n, "selection": selection, "removed": removed}
             for n in args.budgets
             for selection, removed in (("interchange", select_layers(report, n, protocol="interchange")),
-                                       ("block-influence", bi[n].removed))]
+                                       ("block-influence", bi[n].removed), ("search", searched[n]))]
 
     def refresh(state: dict) -> None:  # the page's rows: the finished sets, in budget order
         result = state["result"]
@@ -177,7 +203,8 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
                 save(key, entry)
         return entry
 
-    run_cells(cells, [(removal_key(row), row) for row in rows], run_set, tag=name)
+    first = sorted(rows, key=lambda row: row["selection"] != "search")  # the default's sets first
+    run_cells(cells, [(removal_key(row), row) for row in first], run_set, tag=name)
     cells.update(refresh)  # rows and completeness also when every set was stored
     return cells.state["result"]
 
