@@ -291,6 +291,52 @@ def _observations(model_result: dict) -> list[str]:
     return notes
 
 
+def best_repairs(model_result: dict) -> list[tuple[dict, str, dict[str, float]]]:
+    """``(row, best, {repair: dPPL%})`` for each ``search`` row where every repair of
+    :data:`REPAIRS` is stored (a refused one counts as stored, with no value): the repair with
+    the lowest dPPL% and each measured repair's dPPL%."""
+    out = []
+    for row in model_result["rows"]:
+        res = row["results"]
+        if row["selection"] != "search" or any(m not in res for m in REPAIRS):
+            continue
+        values = {m: res[m]["dppl_percent"] for m in REPAIRS if "refused" not in res[m]}
+        if values:
+            out.append((row, min(values, key=values.get), values))
+    return out
+
+
+def recommendation(results: list[dict]) -> list[str]:
+    """The page's recommendation: the repair with the lowest dPPL% on the most ``search`` rows
+    (the sets the library's default removes) over every model, with its count and each model's
+    rows; LinearPatch's standing against ghosted with its numbers."""
+    measured = [(res["model"], *entry) for res in results for entry in best_repairs(res)]
+    if not measured:
+        return ["No search row has every repair measured yet: no recommendation."]
+    wins = {m: sum(best == m for _, _, best, _ in measured) for m in REPAIRS}
+    best = max(REPAIRS, key=lambda m: (wins[m], -REPAIRS.index(m)))
+    others = [f"{m} on {wins[m]}" for m in REPAIRS if m != best and wins[m]]
+    top = max(row["n"] for _, row, _, _ in measured)
+    lines = [f"**Recommended repair: {best}**, by measurement: the lowest dPPL% on {wins[best]} of the {len(measured)} "
+             f"rows on the default search's sets (n = 1..{top}" + "".join(f"; {o}" for o in others) + ")."]
+    for model in dict.fromkeys(name for name, *_ in measured):
+        cells = [f"n={row['n']} {row['removed']}: " + ", ".join(
+            f"{'**' + m + '**' if m == b else m} {v:+.1f}" for m, v in values.items())
+            for name, row, b, values in measured if name == model]
+        lines.append(f"- {model}: " + "; ".join(cells) + ".")
+    pairs = [(values["linearpatch"], values["ghosted"]) for *_, values in measured
+             if "linearpatch" in values and "ghosted" in values]
+    lost = sum(lp > gh for lp, gh in pairs)
+    if pairs and lost:
+        lines += ["", f"LinearPatch loses to ghosted on {lost} of the {len(pairs)} search rows where both ran "
+                      f"(mean dPPL% {sum(lp for lp, _ in pairs) / len(pairs):+.1f} against "
+                      f"{sum(gh for _, gh in pairs) / len(pairs):+.1f}). The reference LinearPatch adds an optional "
+                      "refinement of its patch by offline top-K-logit distillation (about 5K samples); the "
+                      "library's LinearPatch is its training-free closed form only (H·D·Hᵀ from calibration "
+                      "magnitudes), so these rows measure that form."]
+    return lines
+
+
 def write_markdown(results: list[dict], args, path: Path, command: str, libraries: str) -> None:
     lines = [
         "# Recovery of the cut: no repair vs fused vs ghosted vs linearpatch",
@@ -316,10 +362,17 @@ def write_markdown(results: list[dict], args, path: Path, command: str, librarie
         "95% interval over windows (2,000 resamples, seed 42).",
         "- Selection: **interchange** = greedy on the interchange swap-KL (adjacent pairs), no two removed blocks "
         "adjacent, first and last block protected; **block-influence** = the n blocks with the lowest "
-        "ShortGPT Block Influence 1 − cos(h_i, h_{i+1}) (per token), no constraints.",
+        "ShortGPT Block Influence 1 − cos(h_i, h_{i+1}) (per token), no constraints; **search** = the set the "
+        "library's default selection removes (`LayerSwapConfig()`: the protocol-guided search on removal KL), "
+        "as the quality benchmark found it (`results/quality-<model>.json`, criterion `search`; not searched "
+        "again here).",
         "- Fit residual = ‖Ŷ − h_e‖_F / ‖h_e‖_F on the calibration tokens, per cut; \"before\" is plain removal "
         "(Ŷ = h_s).",
         f"- Libraries: {libraries}",
+        "",
+        "## Recommendation",
+        "",
+        *recommendation(results),
         "",
     ]
     for res in results:

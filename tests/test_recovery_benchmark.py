@@ -70,3 +70,30 @@ def test_recovery_search_rows_need_the_quality_results_before_any_model_loads(tm
     with pytest.raises(SystemExit, match=r"has no default-search set at budget\(s\) \[2\]"):
         recovery.main(argv)
     assert not (tmp_path / "recovery-tiny.json").exists()
+
+
+def _row(n, selection, removed, **dppl):
+    return {"n": n, "selection": selection, "removed": removed,
+            "results": {m: ({"refused": "no"} if v is None else {"dppl_percent": v}) for m, v in dppl.items()}}
+
+
+def test_recovery_recommends_the_repair_best_on_the_search_rows():
+    smol = {"model": "a", "rows": [
+        _row(1, "interchange", [3], none=9.0, fused=1.0, ghosted=5.0, linearpatch=8.0),  # not a search row
+        _row(1, "search", [2], none=9.0, fused=4.0, ghosted=3.0, linearpatch=8.0),
+        _row(2, "search", [2, 3], none=20.0, fused=9.0, ghosted=10.0, linearpatch=12.0),
+        _row(3, "search", [1, 2, 3], none=30.0, fused=20.0, ghosted=11.0),  # linearpatch not run: left out
+    ]}
+    gemma = {"model": "b", "rows": [_row(1, "search", [4], none=50.0, fused=None, ghosted=6.0, linearpatch=40.0)]}
+    assert [(row["n"], best, values) for row, best, values in recovery.best_repairs(gemma)] == [
+        (1, "ghosted", {"ghosted": 6.0, "linearpatch": 40.0})]
+    lines = recovery.recommendation([smol, gemma])
+    assert lines[0] == ("**Recommended repair: ghosted**, by measurement: the lowest dPPL% on 2 of the 3 rows on the "
+                        "default search's sets (n = 1..2; fused on 1).")
+    assert lines[1] == "- a: n=1 [2]: fused +4.0, **ghosted** +3.0, linearpatch +8.0; n=2 [2, 3]: **fused** +9.0, " \
+                       "ghosted +10.0, linearpatch +12.0."
+    assert lines[2] == "- b: n=1 [4]: **ghosted** +6.0, linearpatch +40.0."
+    assert lines[4].startswith("LinearPatch loses to ghosted on 3 of the 3 search rows where both ran (mean dPPL% "
+                               "+20.0 against +6.3).")
+    assert recovery.recommendation([{"model": "c", "rows": smol["rows"][:1]}]) == [
+        "No search row has every repair measured yet: no recommendation."]
