@@ -182,11 +182,11 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
             for selection, removed in (("interchange", select_layers(report, n, protocol="interchange")),
                                        ("block-influence", bi[n].removed), ("search", searched[n]))]
 
-    def refresh(state: dict) -> None:  # the page's rows: the finished sets, in budget order
+    def refresh(state: dict) -> None:  # the page's rows: every set with plain removal measured, in budget order
         result = state["result"]
         stored = {removal_key(e): e for e in result["evaluated"]}
         result["rows"] = [{**row, "results": stored[removal_key(row)]["results"]} for row in rows
-                          if removal_key(row) in stored and cells.done(stored[removal_key(row)])]
+                          if "none" in stored.get(removal_key(row), {}).get("results", {})]
         result["seconds"] = time.time() - started
         result["complete"] = complete(result, args.budgets)
 
@@ -203,6 +203,7 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
                 save(key, entry)
         return entry
 
+    cells.update(refresh)  # the stored sets' rows (a method added since they ran shows as "not run")
     first = sorted(rows, key=lambda row: row["selection"] != "search")  # the default's sets first
     run_cells(cells, [(removal_key(row), row) for row in first], run_set, tag=name)
     cells.update(refresh)  # rows and completeness also when every set was stored

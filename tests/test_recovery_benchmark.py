@@ -17,21 +17,27 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import recovery  # noqa: E402
 
 
-def test_recovery_smoke_stores_each_set_and_resumes_method_by_method(tmp_path, monkeypatch, wikitext_valid):
+def _tiny_run(tmp_path, monkeypatch):
+    """``(page, argv)`` of a smoke run on a tiny Llama: a short evaluation text, the default
+    search's set {4} in a quality results file, everything under ``tmp_path``."""
     text = tmp_path / "test.raw"
     text.write_text(" = Title = \n\n" + "The river runs past the old mill and into the valley . " * 40, encoding="utf-8")
     monkeypatch.setattr(recovery, "EVALUATION", text)
-    monkeypatch.setattr(recovery, "load_model", lambda name: (tiny_model("llama", 6, max_position_embeddings=1024),
-                                                              tiny_tokenizer()))
     monkeypatch.setattr(recovery, "QUALITY_RESULTS", tmp_path)
     (tmp_path / "quality-tiny.json").write_text(json.dumps({"criteria": {"search": {"1": {"removed": [4]}}}}))
+    monkeypatch.setattr(recovery, "load_model", lambda name: (tiny_model("llama", 6, max_position_embeddings=1024),
+                                                              tiny_tokenizer()))
+    out = tmp_path / "recovery.md"
+    return out, ["--models", "tiny", "--budgets", "1", "--num-prompts", "4", "--score-prompts", "2", "--seq-len", "16",
+                 "--num-tokens", "64", "--batch-size", "2", "--threads", "1", "--out", str(out)]
+
+
+def test_recovery_smoke_stores_each_set_and_resumes_method_by_method(tmp_path, monkeypatch, wikitext_valid):
+    out, argv = _tiny_run(tmp_path, monkeypatch)
     fits = []
     real_recover = recovery.recover
     monkeypatch.setattr(recovery, "recover", lambda model, removed, calib, method, **kw: (
         fits.append((tuple(removed), method)), real_recover(model, removed, calib, method=method, **kw))[1])
-    out = tmp_path / "recovery.md"
-    argv = ["--models", "tiny", "--budgets", "1", "--num-prompts", "4", "--score-prompts", "2", "--seq-len", "16",
-            "--num-tokens", "64", "--batch-size", "2", "--threads", "1", "--out", str(out)]
     recovery.main(argv)
     store = tmp_path / "recovery-tiny.json"
     state = json.loads(store.read_text())
@@ -97,3 +103,26 @@ def test_recovery_recommends_the_repair_best_on_the_search_rows():
                                "+20.0 against +6.3).")
     assert recovery.recommendation([{"model": "c", "rows": smol["rows"][:1]}]) == [
         "No search row has every repair measured yet: no recommendation."]
+
+
+def test_recovery_a_set_missing_a_method_keeps_its_row_while_that_method_runs(tmp_path, monkeypatch, wikitext_valid):
+    out, argv = _tiny_run(tmp_path, monkeypatch)
+    recovery.main(argv)
+    store = tmp_path / "recovery-tiny.json"
+    state = json.loads(store.read_text())
+    for entry in state["result"]["evaluated"]:  # a method added after these sets ran
+        del entry["results"]["linearpatch"]
+    state["result"]["rows"] = []
+    store.write_text(json.dumps(state))
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recovery, "run_method", stop)
+    with pytest.raises(KeyboardInterrupt):
+        recovery.main(argv)
+    rows = json.loads(store.read_text())["result"]["rows"]
+    assert [(r["n"], r["selection"]) for r in rows] == [(1, "interchange"), (1, "block-influence"), (1, "search")]
+    assert all(set(r["results"]) == {"none", "fused", "ghosted"} for r in rows)
+    recovery.main([*argv, "--render-only"])
+    assert out.read_text().count("| not run |") == 2 * len(rows)  # its dPPL and residual cells
