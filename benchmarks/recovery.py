@@ -25,6 +25,9 @@ model, ``recovery-<model>.json``, whose cells are the removal sets, stored as th
 with the same settings resumes set by set and method by method; ``--merge-from`` first merges
 files of other processes or machines into their models' files, refusing a set stored with
 different values; ``--render-only`` rewrites the page from the JSON files, loading no model.
+``--reverse`` runs the sets from the other end (the search's from the top budget down, then the
+others), for a second process with its own ``--out`` whose file is merged back with
+``--merge-from``.
 
 Usage (from the repository root)::
 
@@ -204,7 +207,10 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
         return entry
 
     cells.update(refresh)  # the stored sets' rows (a method added since they ran shows as "not run")
-    first = sorted(rows, key=lambda row: row["selection"] != "search")  # the default's sets first
+    order = [[row for row in rows if (row["selection"] == "search") == is_search] for is_search in (True, False)]
+    if args.reverse:  # a second process starts at the other end of each; merge the two files with --merge-from
+        order = [part[::-1] for part in order]
+    first = order[0] + order[1]  # the default's sets first
     run_cells(cells, [(removal_key(row), row) for row in first], run_set, tag=name)
     cells.update(refresh)  # rows and completeness also when every set was stored
     return cells.state["result"]
@@ -423,6 +429,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=SETTINGS["batch_size"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: up to 2)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recovery.md"))
+    parser.add_argument("--reverse", action="store_true",
+                        help="run the removal sets in the opposite order (for a second process with its own --out, "
+                             "merged back with --merge-from)")
     add_runner_arguments(parser)
     return parser
 
@@ -463,7 +472,8 @@ def main(argv=None) -> None:
          f"--num-prompts {args.num_prompts}", f"--score-prompts {args.score_prompts}", f"--seq-len {args.seq_len}", f"--num-tokens {args.num_tokens}",
          *([f"--epsilon {args.epsilon:g}"] if args.epsilon is not None else [])]
     )
-    settings = {k: v for k, v in vars(args).items() if k not in ("models", "out", "threads", "render_only", "merge_from")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("models", "out", "threads", "render_only", "merge_from", "reverse")}
     if not args.render_only:
         for name in args.models:
             # one file per model, so models run in separate processes and render together

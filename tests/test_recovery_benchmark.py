@@ -126,3 +126,18 @@ def test_recovery_a_set_missing_a_method_keeps_its_row_while_that_method_runs(tm
     assert all(set(r["results"]) == {"none", "fused", "ghosted"} for r in rows)
     recovery.main([*argv, "--render-only"])
     assert out.read_text().count("| not run |") == 2 * len(rows)  # its dPPL and residual cells
+
+
+def test_recovery_reverse_runs_the_search_sets_from_the_top_budget_first(tmp_path, monkeypatch, wikitext_valid):
+    out, argv = _tiny_run(tmp_path, monkeypatch)
+    (tmp_path / "quality-tiny.json").write_text(json.dumps({"criteria": {"search": {
+        "1": {"removed": [4]}, "2": {"removed": [3, 4]}}}}))
+    fits = []
+    measured = {"dppl_percent": 1.0, "dppl_ci": [0.5, 1.5], "recovery": {"boundaries": []}}  # not measured here
+    monkeypatch.setattr(recovery, "run_method", lambda name, model, tok, base, calib, row, method, args, t0: (
+        fits.append((row["selection"], tuple(row["removed"]))), measured)[1])
+    argv[argv.index("--budgets") + 1:argv.index("--budgets") + 2] = ["1", "2"]
+    recovery.main([*argv, "--reverse"])
+    order = list(dict.fromkeys(fits))
+    assert order[:2] == [("search", (3, 4)), ("search", (4,))] and len(fits) == len(order) * len(recovery.METHODS)
+    assert json.loads((tmp_path / "recovery-tiny.json").read_text())["settings"]["budgets"] == [1, 2]
