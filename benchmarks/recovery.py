@@ -2,13 +2,16 @@
 (ReplaceMe-style, folded into down_proj) map, the ghosted (Ghosted Layers) operator and the
 linearpatch (LinearPatch: Hadamard rotation and channel scaling) map.
 
-For each model and budget n, two removal sets are evaluated:
+For each model and budget n, three removal sets are evaluated:
 
 - ``interchange``: the paper's rule on the interchange swap-KL (adjacent pairs), greedy,
   no two removed blocks adjacent, first and last block protected
   (:func:`hf_layerswap.select_layers`);
 - ``block-influence``: ShortGPT's Block Influence, BI_i = 1 - mean over real calibration
-  tokens of cos(h_i, h_{i+1}) (raw residual streams, per token), the n lowest.
+  tokens of cos(h_i, h_{i+1}) (raw residual streams, per token), the n lowest;
+- ``search``: the default selection's set (``LayerSwapConfig()``'s protocol-guided search on
+  removal KL), read from the quality benchmark's results (``results/quality-<model>.json``,
+  criterion ``search``), not searched again here. These rows run first.
 
 Calibration: WikiText-2 validation (``../shared/data/wikitext-2/valid.txt``); the same
 prompts drive scoring, BI and the recovery fits. Evaluation: the matched contract of
@@ -22,6 +25,9 @@ model, ``recovery-<model>.json``, whose cells are the removal sets, stored as th
 with the same settings resumes set by set and method by method; ``--merge-from`` first merges
 files of other processes or machines into their models' files, refusing a set stored with
 different values; ``--render-only`` rewrites the page from the JSON files, loading no model.
+``--reverse`` runs the sets from the other end (the search's from the top budget down, then the
+others), for a second process with its own ``--out`` whose file is merged back with
+``--merge-from``.
 
 Usage (from the repository root)::
 
@@ -62,7 +68,9 @@ EVALUATION = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw
 METHODS = ("none", "fused", "ghosted", "linearpatch")
 #: The repairs the page compares with no repair (columns in this order).
 REPAIRS = METHODS[1:]
-SELECTIONS = ("interchange", "block-influence")
+SELECTIONS = ("interchange", "block-influence", "search")
+#: Where the quality benchmark's results (``quality-<model>.json``) are read from: the ``search`` rows' sets.
+QUALITY_RESULTS = REPO / "benchmarks" / "results"
 #: The experiment: the option defaults ([settings]) and the models (one results file each).
 EXPERIMENT = load_experiment("recovery")
 SETTINGS = EXPERIMENT["settings"]
@@ -83,6 +91,26 @@ def swap_report(model, calib, args, cache: Path) -> SwapReport:
     report = score_layers(model, calib, protocols=("interchange",), max_gap=1, batch_size=args.batch_size, progress=False)
     report.to_json(cache)
     return report
+
+
+def search_sets(name: str, budgets) -> dict[int, list[int]]:
+    """``{n: removed}``: the default search's set at each budget, as the quality benchmark stored
+    it (``quality-<name>.json`` beside :data:`QUALITY_RESULTS`, criterion ``search``).
+
+    Raises:
+        SystemExit: no such file, or a budget it has no search set for (named, with the command
+            that measures it); before any model is loaded.
+    """
+    path = QUALITY_RESULTS / f"quality-{name}.json"
+    hint = f"run `python benchmarks/quality.py --model {name}` first (the search rows reuse its sets)"
+    try:
+        stored = (read_state(path, "quality results file").get("criteria") or {}).get("search") or {}
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"{err}: {hint}") from None
+    missing = [n for n in budgets if not isinstance(stored.get(str(n)), dict) or "removed" not in stored[str(n)]]
+    if missing:
+        raise SystemExit(f"{path} has no default-search set at budget(s) {missing}: {hint}")
+    return {n: sorted(int(i) for i in stored[str(n)]["removed"]) for n in budgets}
 
 
 def evaluate(model, tokenizer):
@@ -117,6 +145,7 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
     each), stored in ``store`` after each evaluation, so an interrupted run resumes where it
     stopped (same settings: other settings start anew) and a partial run renders."""
     t0 = time.time()
+    searched = search_sets(name, args.budgets)  # refused before the store is opened or the model loads
     cells = open_store(store, header)
     if cells.state.get("settings") != header["settings"]:
         cells.state = cells.fresh()
@@ -154,13 +183,13 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
     rows = [{"n": n, "selection": selection, "removed": removed}
             for n in args.budgets
             for selection, removed in (("interchange", select_layers(report, n, protocol="interchange")),
-                                       ("block-influence", bi[n].removed))]
+                                       ("block-influence", bi[n].removed), ("search", searched[n]))]
 
-    def refresh(state: dict) -> None:  # the page's rows: the finished sets, in budget order
+    def refresh(state: dict) -> None:  # the page's rows: every set with plain removal measured, in budget order
         result = state["result"]
         stored = {removal_key(e): e for e in result["evaluated"]}
         result["rows"] = [{**row, "results": stored[removal_key(row)]["results"]} for row in rows
-                          if removal_key(row) in stored and cells.done(stored[removal_key(row)])]
+                          if "none" in stored.get(removal_key(row), {}).get("results", {})]
         result["seconds"] = time.time() - started
         result["complete"] = complete(result, args.budgets)
 
@@ -177,7 +206,12 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
                 save(key, entry)
         return entry
 
-    run_cells(cells, [(removal_key(row), row) for row in rows], run_set, tag=name)
+    cells.update(refresh)  # the stored sets' rows (a method added since they ran shows as "not run")
+    order = [[row for row in rows if (row["selection"] == "search") == is_search] for is_search in (True, False)]
+    if args.reverse:  # a second process starts at the other end of each; merge the two files with --merge-from
+        order = [part[::-1] for part in order]
+    first = order[0] + order[1]  # the default's sets first
+    run_cells(cells, [(removal_key(row), row) for row in first], run_set, tag=name)
     cells.update(refresh)  # rows and completeness also when every set was stored
     return cells.state["result"]
 
@@ -264,6 +298,52 @@ def _observations(model_result: dict) -> list[str]:
     return notes
 
 
+def best_repairs(model_result: dict) -> list[tuple[dict, str, dict[str, float]]]:
+    """``(row, best, {repair: dPPL%})`` for each ``search`` row where every repair of
+    :data:`REPAIRS` is stored (a refused one counts as stored, with no value): the repair with
+    the lowest dPPL% and each measured repair's dPPL%."""
+    out = []
+    for row in model_result["rows"]:
+        res = row["results"]
+        if row["selection"] != "search" or any(m not in res for m in REPAIRS):
+            continue
+        values = {m: res[m]["dppl_percent"] for m in REPAIRS if "refused" not in res[m]}
+        if values:
+            out.append((row, min(values, key=values.get), values))
+    return out
+
+
+def recommendation(results: list[dict]) -> list[str]:
+    """The page's recommendation: the repair with the lowest dPPL% on the most ``search`` rows
+    (the sets the library's default removes) over every model, with its count and each model's
+    rows; LinearPatch's standing against ghosted with its numbers."""
+    measured = [(res["model"], *entry) for res in results for entry in best_repairs(res)]
+    if not measured:
+        return ["No search row has every repair measured yet: no recommendation."]
+    wins = {m: sum(best == m for _, _, best, _ in measured) for m in REPAIRS}
+    best = max(REPAIRS, key=lambda m: (wins[m], -REPAIRS.index(m)))
+    others = [f"{m} on {wins[m]}" for m in REPAIRS if m != best and wins[m]]
+    top = max(row["n"] for _, row, _, _ in measured)
+    lines = [f"**Recommended repair: {best}**, by measurement: the lowest dPPL% on {wins[best]} of the {len(measured)} "
+             f"rows on the default search's sets (n = 1..{top}" + "".join(f"; {o}" for o in others) + ")."]
+    for model in dict.fromkeys(name for name, *_ in measured):
+        cells = [f"n={row['n']} {row['removed']}: " + ", ".join(
+            f"{'**' + m + '**' if m == b else m} {v:+.1f}" for m, v in values.items())
+            for name, row, b, values in measured if name == model]
+        lines.append(f"- {model}: " + "; ".join(cells) + ".")
+    pairs = [(values["linearpatch"], values["ghosted"]) for *_, values in measured
+             if "linearpatch" in values and "ghosted" in values]
+    lost = sum(lp > gh for lp, gh in pairs)
+    if pairs and lost:
+        lines += ["", f"LinearPatch loses to ghosted on {lost} of the {len(pairs)} search rows where both ran "
+                      f"(mean dPPL% {sum(lp for lp, _ in pairs) / len(pairs):+.1f} against "
+                      f"{sum(gh for _, gh in pairs) / len(pairs):+.1f}). The reference LinearPatch adds an optional "
+                      "refinement of its patch by offline top-K-logit distillation (about 5K samples); the "
+                      "library's LinearPatch is its training-free closed form only (H·D·Hᵀ from calibration "
+                      "magnitudes), so these rows measure that form."]
+    return lines
+
+
 def write_markdown(results: list[dict], args, path: Path, command: str, libraries: str) -> None:
     lines = [
         "# Recovery of the cut: no repair vs fused vs ghosted vs linearpatch",
@@ -289,10 +369,17 @@ def write_markdown(results: list[dict], args, path: Path, command: str, librarie
         "95% interval over windows (2,000 resamples, seed 42).",
         "- Selection: **interchange** = greedy on the interchange swap-KL (adjacent pairs), no two removed blocks "
         "adjacent, first and last block protected; **block-influence** = the n blocks with the lowest "
-        "ShortGPT Block Influence 1 − cos(h_i, h_{i+1}) (per token), no constraints.",
+        "ShortGPT Block Influence 1 − cos(h_i, h_{i+1}) (per token), no constraints; **search** = the set the "
+        "library's default selection removes (`LayerSwapConfig()`: the protocol-guided search on removal KL), "
+        "as the quality benchmark found it (`results/quality-<model>.json`, criterion `search`; not searched "
+        "again here).",
         "- Fit residual = ‖Ŷ − h_e‖_F / ‖h_e‖_F on the calibration tokens, per cut; \"before\" is plain removal "
         "(Ŷ = h_s).",
         f"- Libraries: {libraries}",
+        "",
+        "## Recommendation",
+        "",
+        *recommendation(results),
         "",
     ]
     for res in results:
@@ -342,6 +429,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=SETTINGS["batch_size"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: up to 2)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recovery.md"))
+    parser.add_argument("--reverse", action="store_true",
+                        help="run the removal sets in the opposite order (for a second process with its own --out, "
+                             "merged back with --merge-from)")
     add_runner_arguments(parser)
     return parser
 
@@ -382,7 +472,8 @@ def main(argv=None) -> None:
          f"--num-prompts {args.num_prompts}", f"--score-prompts {args.score_prompts}", f"--seq-len {args.seq_len}", f"--num-tokens {args.num_tokens}",
          *([f"--epsilon {args.epsilon:g}"] if args.epsilon is not None else [])]
     )
-    settings = {k: v for k, v in vars(args).items() if k not in ("models", "out", "threads", "render_only", "merge_from")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("models", "out", "threads", "render_only", "merge_from", "reverse")}
     if not args.render_only:
         for name in args.models:
             # one file per model, so models run in separate processes and render together

@@ -14,6 +14,12 @@ Run from the repository root (the shared data lives at ``../shared/data``)::
     python model_cards/regenerate.py                 # both models
     python model_cards/regenerate.py smollm2-135m    # one of them
     python model_cards/regenerate.py --num-prompts 8 --eval-words 500 --output-dir /tmp/cards  # a quick look
+    python model_cards/regenerate.py smollm2-135m --report model_cards/smollm2-135m/layerswap_report.json
+
+``--report`` reuses a stored swap-KL report of the same weights and calibration prompts (an
+earlier regeneration's ``layerswap_report.json``) instead of scoring again: the default
+selection still runs on its scores (its earlier selection records are dropped), and both
+perplexities are measured again.
 
 The template the cards are rendered from is ``hf_layerswap/templates/modelcard_template.md``
 (``modelcard_template.md`` here points at it).
@@ -48,14 +54,15 @@ def regenerate(
     calibration: str = str(CALIBRATION),
     eval_words: int | None = None,
     output_dir: Path = HERE,
+    report: Path | None = None,
 ) -> Path:
-    from hf_layerswap import LayerSwapConfig, prune_loaded_model
+    from hf_layerswap import LayerSwapConfig, SwapReport, prune
     from hf_layerswap.card import write_card_files
     from hf_layerswap.evaluation import evaluate_perplexity
     from hf_layerswap.models import load_model
 
     budget, license_, default_prompts = RUNS[name]
-    for path in ([Path(calibration)] if calibration != "embedded" else []) + [EVALUATION]:
+    for path in ([Path(calibration)] if calibration != "embedded" else []) + [EVALUATION] + ([report] if report else []):
         if not path.is_file():
             sys.exit(f"{path} is missing: run from the repository root with the shared data next to it")
     t0 = time.perf_counter()
@@ -72,7 +79,11 @@ def regenerate(
         num_to_remove=budget, calibration=None if calibration == "embedded" else calibration,
         tokenizer=tokenizer, num_prompts=num_prompts or default_prompts, seq_len=seq_len, progress=False,
     )
-    prune_loaded_model(model, config)
+    scored = None
+    if report is not None:  # the scores of an earlier run on these weights and prompts; a new selection on them
+        scored = SwapReport.from_json(report)
+        scored.selections.clear()
+    prune(model, config, report=scored)
     print(f"[{name}] removed {model.config.layerswap['removed_layers']} in {time.perf_counter() - t0:.0f} s", flush=True)
     pruned = evaluate_perplexity(model, str(EVALUATION), tokenizer=tokenizer, max_words=eval_words)
     print(f"[{name}] pruned PPL {pruned.ppl:.3f}", flush=True)
@@ -98,10 +109,14 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration", default=str(CALIBRATION), help="calibration text file, or 'embedded'")
     parser.add_argument("--eval-words", type=int, default=None, help="evaluation words (default: the contract's 5,000)")
     parser.add_argument("--output-dir", type=Path, default=HERE, help="where the card folders go (default: here)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="reuse this stored swap-KL report of the same weights and calibration (one model only)")
     args = parser.parse_args(argv)
+    if args.report is not None and len(args.models) != 1:
+        parser.error(f"--report {args.report} is one model's report: name that one model")
     for name in args.models:
         regenerate(name, num_prompts=args.num_prompts, seq_len=args.seq_len, calibration=args.calibration,
-                   eval_words=args.eval_words, output_dir=args.output_dir)
+                   eval_words=args.eval_words, output_dir=args.output_dir, report=args.report)
     return 0
 
 

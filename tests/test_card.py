@@ -387,3 +387,31 @@ def test_a_repair_of_an_earlier_step_stays_on_the_card_after_a_later_cut(report)
     assert len(rows) == 2
     assert rows[0].endswith("; cut repaired (`fused` recovery) |")
     assert "repaired" not in rows[1]
+
+
+def test_the_card_metadata_carries_the_measured_perplexities_exactly(tmp_path):
+    import copy
+
+    from arch_matrix import tiny_tokenizer
+
+    text = tmp_path / "wiki.test.raw"  # the WikiText-2 raw test file's name: the card names the dataset
+    text.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 50} x" for k in range(30)) for p in range(8)) + "\n")
+    tok = tiny_tokenizer()
+    dense = tiny_model("llama", num_blocks=6, max_position_embeddings=512)
+    base = hl.evaluate_perplexity(dense, str(text), tokenizer=tok, bootstrap=0, progress=False)
+    model = remove_layers(copy.deepcopy(dense), [2, 3])
+    pruned = hl.evaluate_perplexity(model, str(text), tokenizer=tok, bootstrap=0, progress=False)
+    write_card_files(tmp_path / "card", model, evaluation={"base": base, "pruned": pruned}, base_model=BASE_MODEL)
+    results = ModelCard.load(tmp_path / "card" / "README.md").data.eval_results
+    assert {r.metric_name: r.metric_value for r in results} == {
+        "Perplexity (this model)": pruned.ppl, "Perplexity (base model, same contract)": base.ppl}
+    for r in results:
+        assert (r.task_type, r.dataset_type, r.dataset_name, r.dataset_config, r.dataset_split, r.metric_type,
+                r.metric_config) == ("text-generation", "wikitext", "WikiText-2 (raw)", "wikitext-2-raw-v1", "test",
+                                     "perplexity", "matched")
+        assert r.metric_args == {k: pruned.contract[k] for k in (
+            "name", "words", "window", "stride", "scored_tokens", "dtype", "text_sha256")}
+    # nothing measured: no model-index at all
+    bare = render_card(model, base_model=BASE_MODEL)
+    assert "model-index" not in bare.data.to_dict() and bare.data.eval_results is None
+    assert "model-index" not in ModelCard(str(bare)).data.to_dict()

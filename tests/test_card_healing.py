@@ -7,7 +7,7 @@ from __future__ import annotations
 import hf_layerswap as hl
 from conftest import tiny_model
 from hf_layerswap.card import render_card
-from hf_layerswap.card.healing import healing_section, tasks_table
+from hf_layerswap.card.healing import healing_eval_results, healing_section, tasks_table
 
 REMOVED = [2, 3]
 
@@ -105,3 +105,28 @@ def test_task_results_that_got_worse_are_marked_like_kl_and_perplexity():
     assert "| custom | score | 2.0000 | 1.0000 | -1.0000; **worse than before healing** |" in flipped
     card = healing_section({"healing": [_entry(tasks=tasks)]})
     assert "-0.2500; **worse than before healing**" in card
+
+
+def test_the_metadata_carries_each_measured_healing_perplexity_under_its_row_name():
+    contract = {"contract": "matched", "text": "file:wiki.test.raw", "text_sha256": "ab", "window": 512, "stride": 256,
+                "words": 5000}
+    first = _entry(perplexity={"dense": 10.5, "after_cut": 30.25, "after_repair": float("nan"), "after_healing": 20.125,
+                               "start": "after_repair", "repair": "ghosted", **contract}, stale="a later step")
+    second = _entry(perplexity={"dense": 10.5, "after_earlier_healing": 21.0, "after_healing": None,
+                                "start": "after_earlier_healing", "earlier_healing": 1, **contract})
+    results = healing_eval_results({"healing": [first, second], "recovery": {"method": "ghosted"}})
+    assert [(r.metric_name, r.metric_value) for r in results] == [
+        ("Healing run 1: Perplexity of the dense model (the teacher)", 10.5),
+        ("Healing run 1: Perplexity after the cut", 30.25),
+        ("Healing run 1: Perplexity after healing (stale: a later step changed the model)", 20.125),
+        ("Healing run 2: Perplexity of the dense model (the teacher)", 10.5),
+        ("Healing run 2: Perplexity after healing run 1 (where this run started)", 21.0),
+    ]  # nan and None: not measured, no entry
+    assert {(r.dataset_name, r.dataset_config, r.dataset_split, r.metric_config) for r in results} == {
+        ("WikiText-2 (raw)", "wikitext-2-raw-v1", "test", "matched")}
+    assert results[0].metric_args == {"name": "matched", "words": 5000, "window": 512, "stride": 256, "text_sha256": "ab"}
+    single = healing_eval_results({"healing": [_entry(perplexity={"after_cut": 30.0, "after_healing": 24.0,
+                                                                   "start": "after_cut", "contract": "matched"})]})
+    assert [(r.metric_name, r.metric_value) for r in single] == [
+        ("Perplexity after the cut", 30.0), ("Perplexity after healing (this model)", 24.0)]
+    assert healing_eval_results({"healing": [_entry()]}) == []

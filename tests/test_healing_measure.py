@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from huggingface_hub import ModelCard
 from transformers import AutoConfig
 from arch_matrix import tiny_tokenizer
 from conftest import tiny_batch, tiny_checkpoint, tiny_model
@@ -78,6 +79,13 @@ def test_pipeline_records_every_stage_with_one_contract(tmp_path, recovery):
     assert f"| Perplexity after the cut | {ppl['after_cut']:.3f} (" in card
     assert ("| Perplexity after the repair (ghosted) |" in card) == bool(recovery)
     assert f"| Perplexity after healing | {ppl['after_healing']:.3f} (" in card
+    # and its metadata carries each measured stage exactly (model-index)
+    results = ModelCard(card).data.eval_results
+    labels = {"dense": "Perplexity of the dense model (the teacher)", "after_cut": "Perplexity after the cut",
+              "after_repair": f"Perplexity after the repair ({recovery})",
+              "after_healing": "Perplexity after healing (this model)"}
+    assert {r.metric_name: r.metric_value for r in results} == {labels[k]: ppl[k] for k in (*expected, "after_healing")}
+    assert {(r.dataset_type, r.dataset_name, r.metric_config) for r in results} == {("text", "file:eval.txt", "matched")}
     assert f"vs the start of healing ({'after the repair' if recovery else 'after the cut'})" in card
 
 

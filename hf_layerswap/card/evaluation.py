@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from huggingface_hub import EvalResult
+
+from ..evaluation.contract import KNOWN_SOURCES
 from ..history import weights_changed_later
 from ..plan import model_fingerprint
 from ..report import SwapReport
 
 from .checks import layerswap_record, split_model
-from .format import NOT_CONTRACT
+from .format import METRIC_ARGS, NOT_CONTRACT
 
-__all__ = ["EVAL_RESULT_KEYS", "evaluation_mismatches", "is_eval_result", "measured_contract", "normalize_evaluation"]
+__all__ = [
+    "EVAL_RESULT_KEYS", "evaluation_mismatches", "is_eval_result", "measured_contract", "normalize_evaluation",
+    "perplexity_eval_results",
+]
 
 
 #: The keys of one ``hf-layerswap eval`` result (:mod:`hf_layerswap.cli.eval`): one model's
@@ -158,3 +164,50 @@ def evaluation_mismatches(model_or_config, evaluation: Mapping | None, report: S
                 + (" or was measured before the model changed (a repair, healing, sparsity)" if key == "pruned" else "")
             )
     return problems
+
+
+def _dataset_fields(contract: Mapping) -> dict:
+    """The ``model-index`` dataset of a contract: WikiText-2 (raw) by its config and split when
+    the contract names it (``dataset``, or a known WikiText file as its ``source``), else the
+    text's source by name."""
+    source = str(contract.get("source") or "")
+    dataset, split = contract.get("dataset"), contract.get("split")
+    if not dataset and source.startswith("file:"):
+        dataset, split = KNOWN_SOURCES.get(source[len("file:"):], (None, split))
+    dataset = str(dataset or "")
+    if dataset.startswith("wikitext-"):  # hf_layerswap.evaluation names WikiText files by their config
+        fields = dict(dataset_type="wikitext", dataset_name="WikiText-2 (raw)", dataset_config=dataset)
+    else:  # text that is not a Hub dataset: name its source
+        fields = dict(dataset_type="text", dataset_name=source or dataset or "text of unrecorded origin (no contract)")
+    return dict(fields, dataset_split=str(split or "test"))
+
+
+def perplexity_eval_results(contract: Mapping, values: Sequence[tuple[str, object]]) -> list[EvalResult]:
+    """The card's ``model-index`` entries of perplexities measured under one contract.
+
+    Args:
+        contract: the perplexity contract (a :class:`~hf_layerswap.evaluation.PerplexityResult`'s
+            ``contract``, or a healing record's summary of it: ``contract`` for its name and
+            ``text`` for its source are read as ``name`` and ``source``).
+        values: ``(metric name, perplexity)`` pairs; a value that is no finite positive number
+            (not measured, or ``nan``/``inf``) gets no entry.
+
+    Returns:
+        One :class:`huggingface_hub.EvalResult` per measured value: task ``text-generation``,
+        the dataset (WikiText-2 raw with its config and split, else the text's source),
+        metric ``perplexity`` with the value exactly as measured, the contract's name as
+        ``metric_config`` and its settings (:data:`~hf_layerswap.card.format.METRIC_ARGS`) as
+        ``metric_args``.
+    """
+    contract = dict(contract)
+    for short, key in (("contract", "name"), ("text", "source")):
+        if key not in contract and short in contract:
+            contract[key] = contract[short]
+    args = {k: contract[k] for k in METRIC_ARGS
+            if isinstance(contract.get(k), (int, float, str)) and not isinstance(contract.get(k), bool)}
+    name = contract.get("name")
+    common = dict(task_type="text-generation", task_name="Causal language modeling", metric_type="perplexity",
+                  metric_config=str(name) if isinstance(name, str) and name else None, metric_args=args or None,
+                  **_dataset_fields(contract))
+    return [EvalResult(**common, metric_name=label, metric_value=float(value)) for label, value in values
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0]

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 
 from ..healing.methods import HEAL_METHODS
 
-__all__ = ["HEALING_FILE", "heal_command", "healing_section", "tasks_table"]
+from .evaluation import perplexity_eval_results
+
+__all__ = ["HEALING_FILE", "heal_command", "healing_eval_results", "healing_section", "tasks_table"]
 
 #: The healing report sidecar (``HealReport.to_json``: the loss and held-out KL histories).
 HEALING_FILE = "layerswap_healing.json"
@@ -128,6 +130,35 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
                      "not recorded: this healing cannot be judged on perplexity (no value before and after)"))
     rows.append(("Perplexity contract", _contract_text(ppl)))
     return rows
+
+
+def healing_eval_results(record: Mapping) -> list:
+    """The card's ``model-index`` entries of the perplexities ``config.layerswap``'s healing
+    runs measured (every stage the ``## Healing`` section states with a finite value, under
+    the run's one contract; :func:`~hf_layerswap.card.evaluation.perplexity_eval_results`),
+    named as its rows are (``Healing run N: ...`` when there are several runs; the last
+    current run's ``after_healing`` as this model's); ``[]`` when no run measured any."""
+    runs = [e for e in record.get("healing") or [] if isinstance(e, Mapping)]
+    repair = (record.get("recovery") or {}).get("method") if isinstance(record.get("recovery"), Mapping) else None
+    current = [n for n, e in enumerate(runs, 1) if not e.get("stale")]
+    results = []
+    for n, entry in enumerate(runs, 1):
+        ppl = entry.get("perplexity")
+        if not isinstance(ppl, Mapping) or not ppl:
+            continue
+        ppl = _stages(ppl, repair)
+        prefix = f"Healing run {n}: " if len(runs) > 1 else ""
+        values = []
+        for stage, label in _STAGES.items():
+            label = prefix + label.format(repair=ppl.get("repair") or "repair",
+                                          earlier=ppl.get("earlier_healing") or "before")
+            if stage == "after_healing" and current and n == current[-1]:
+                label += " (this model)"
+            elif stage == "after_healing" and entry.get("stale"):
+                label += " (stale: a later step changed the model)"
+            values.append((label, ppl.get(stage)))
+        results += perplexity_eval_results(ppl, values)
+    return results
 
 
 def _distinct(entry: Mapping) -> str:

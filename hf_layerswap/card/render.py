@@ -26,7 +26,7 @@ from ..tasks import task_card_section
 
 from .evaluation import evaluation_mismatches, normalize_evaluation
 from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, report_removed, report_step, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
-from .healing import HEALING_FILE, healing_section
+from .healing import HEALING_FILE, healing_eval_results, healing_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
 from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
 
@@ -122,7 +122,7 @@ def render_card(
     front = _front_matter(f, config, report, sparsity_report)
     eval_section, eval_results = evaluation_section(evaluation) if evaluation else (None, None)
     task_md, task_evals = task_card_section(tasks) if tasks else (None, [])
-    eval_results = (eval_results or []) + task_evals
+    eval_results = (eval_results or []) + healing_eval_results(f.record) + task_evals
     tags = ["layerswap", "layer-pruning"] + ([f.protocol] if f.protocol else [])
     if f.sparse is not None:
         tags += ["sparsity", f.sparse["method"]]

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import huggingface_hub
-from huggingface_hub import EvalResult
 
 from ..calibration import shortfall_text
 from ..config import LayerSwapConfig
@@ -20,8 +19,8 @@ from ..report import set_key, SwapReport
 from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
 
 from .checks import last_decision, step_config, step_provenance, step_strategy
-from .evaluation import measured_contract
-from .format import DASH, HUB_ID, MAX_PAIR_ROWS, METRIC_ARGS, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
+from .evaluation import measured_contract, perplexity_eval_results
+from .format import DASH, HUB_ID, MAX_PAIR_ROWS, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
 
 __all__ = [
     "calibration_rows", "candidates_section", "cost_rows", "evaluation_section", "load_snippet", "report_section",
@@ -203,32 +202,9 @@ def evaluation_section(evaluation: dict) -> tuple[dict, list]:
 
 
 def _eval_results(evaluation: dict, contract: Mapping) -> list:
-    dataset = str(contract.get("dataset") or "")
-    if dataset.startswith("wikitext-"):  # hf_layerswap.evaluation names WikiText files by their config
-        dataset_fields = dict(dataset_type="wikitext", dataset_name="WikiText-2 (raw)", dataset_config=dataset)
-    else:  # text that is not a Hub dataset: name its source
-        source = contract.get("source") or dataset or "text of unrecorded origin (no contract)"
-        dataset_fields = dict(dataset_type="text", dataset_name=str(source))
-    common = dict(
-        task_type="text-generation",
-        task_name="Causal language modeling",
-        dataset_split=str(contract.get("split") or "test"),
-        metric_type="perplexity",
-        **dataset_fields,
-    )
-    args = {k: contract[k] for k in METRIC_ARGS if isinstance(contract.get(k), (int, float, str, bool))}
-    results = []
-    for key, name in (("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")):
-        if key in evaluation:
-            results.append(
-                EvalResult(
-                    **common,
-                    metric_value=round(float(evaluation[key]["ppl"]), 4),
-                    metric_name=name,
-                    metric_args=args or None,
-                )
-            )
-    return results
+    return perplexity_eval_results(contract, [
+        (name, evaluation[key]["ppl"]) for key, name in (
+            ("pruned", "Perplexity (this model)"), ("base", "Perplexity (base model, same contract)")) if key in evaluation])
 
 
 def calibration_rows(report, steps, ident) -> list:
