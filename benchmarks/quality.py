@@ -12,13 +12,19 @@ that install from the package index):
 2. :func:`hf_layerswap.baselines.compare_criteria` runs every criterion at every budget n
    (Block Influence, angular distance, single-removal KL, SLEB, random x5, tail,
    replacement-, interchange- and auto-guided selection, interchange-seeded beam scored
-   by calibration removal KL) and evaluates each removed set on WikiText-2 raw *test*
+   by calibration removal KL, the search with each objective: ``search`` (removal KL, the
+   default), ``search_nll``, ``search_ghosted``) and evaluates each removed set on WikiText-2 raw *test*
    (``../shared/data/wikitext-2-raw/wiki.test.raw``) under the matched contract (first
    5,000 words, window 512, stride 256), plus its joint removal KL on the calibration
    prompts;
 3. the protocol gap: interchange vs replacement swap-KL on every pair with gap <= 3;
 4. one removed set is evaluated both by a pruned deep copy and by a removal plan (the
-   numbers must agree).
+   numbers must agree);
+5. the objectives: every objective's value on the calibration prompts of each search's set
+   and of the lowest set per n (stored under ``extras.objective_values``), so the pages say
+   per objective where its search meets the target (lowest dPPL% or inside the lowest's
+   paired 95% CI) and, for each miss, whether the objective misranks the two sets or the
+   search did not reach the lower one; ``quality.md`` counts the cells met over every model.
 
 Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``,
 ``experiments/quality.toml``: the option defaults and, as group ``pages``, the cells of the
@@ -78,9 +84,11 @@ from hf_layerswap.jsonio import atomic_path, write_text_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
 from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
-from hf_layerswap.report import PairResult, SwapReport  # noqa: E402
+from hf_layerswap.report import PairResult, SwapReport, set_key  # noqa: E402
 from hf_layerswap.scoring import plan_kl  # noqa: E402
-from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
+from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective  # noqa: E402
+from hf_layerswap.selection.search import criterion_name  # noqa: E402
+from runner import CellStore, add_runner_arguments, cell_node, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
@@ -110,9 +118,12 @@ LABELS = {
     "interchange_beam": "interchange-seeded beam (ours)",
     "search": "search, removal KL (ours, default)",
     "search_ghosted": "search, ghosted objective (ours)",
+    "search_nll": "search, NLL objective (ours)",
 }
+#: The search's criterion per objective (``search`` the default, removal KL): the "Objectives" sections.
+SEARCHES = {objective: criterion_name(objective) for objective in OBJECTIVES}
 #: Our criteria (the paper's rules and the searches); the rest are the field's and controls.
-OURS = ("interchange", "replacement", "auto", "interchange_beam", "search", "search_ghosted")
+OURS = ("interchange", "replacement", "auto", "interchange_beam", *SEARCHES.values())
 
 
 def log(msg: str) -> None:
@@ -224,6 +235,18 @@ def winners(table: CriterionComparison, budgets) -> list[str]:
     return out
 
 
+def lowest(rows, n: int, exclude=("random",)) -> dict | None:
+    """The row of lowest dPPL% at budget ``n`` among the deterministic criteria (``random``
+    and ``exclude`` left out), or None."""
+    cell = [r for r in rows if r["n"] == n and r["criterion"] not in ("random", *exclude)]
+    return min(cell, key=lambda r: r["dppl"]) if cell else None
+
+
+def meets(mine: dict, best: dict) -> bool:
+    """The pages' target: ``mine`` is the lowest dPPL% or inside the lowest's paired 95% CI."""
+    return mine["dppl"] <= best["dppl"] or mine["dppl"] <= best["dppl_ci"][1]
+
+
 def search_targets(table: CriterionComparison, budgets) -> list[str]:
     """Met or missed, per cell: the default search against the lowest dPPL of every criterion,
     and its cost for all budgets together against SLEB's for the largest budget alone."""
@@ -237,12 +260,10 @@ def search_targets(table: CriterionComparison, budgets) -> list[str]:
            "|---|---|---|---|---|---|---|---|"]
     met = 0
     for n in budgets:
-        mine = rows.get(("search", n))
-        others = [r for (c, m), r in rows.items() if m == n and c not in ("random", "search")]
-        if mine is None or not others:
+        mine, best = rows.get(("search", n)), lowest(table.rows, n, exclude=("search",))
+        if mine is None or best is None:
             continue
-        best = min(others, key=lambda r: r["dppl"])
-        ok = mine["dppl"] <= best["dppl"] or mine["dppl"] <= best["dppl_ci"][1]
+        ok = meets(mine, best)
         met += ok
         gap = mine["dppl"] - best["dppl"]
         by = "lowest" if mine["dppl"] <= best["dppl"] else (f"{gap:+.1f} points, inside" if ok else f"{gap:+.1f} points")
@@ -269,13 +290,20 @@ def search_targets(table: CriterionComparison, budgets) -> list[str]:
     return out
 
 
+def search_label(criterion: str) -> str:
+    """A search's column head: ``search (default)``, ``search, nll objective``, ..."""
+    objective = next(o for o, c in SEARCHES.items() if c == criterion)
+    return "search (default)" if criterion == "search" else f"search, {objective} objective"
+
+
 def who_wins(table: CriterionComparison, budgets, key: str = "dppl") -> list[str]:
     """One row per n: the lowest dPPL% (``key``) of the deterministic criteria, the criteria that
-    share it, and where the default search and the ghosted-objective search stand."""
+    share it, and where the search of each objective the table holds stands."""
     rows = [r for r in table.rows if r["criterion"] != "random" and r.get(key) is not None]
+    searches = [c for c in SEARCHES.values() if any(r["criterion"] == c for r in rows)]
     ci = key + "_ci"
-    out = ["| n | lowest dPPL % | 95% CI | set | criteria with that set | search (default) | search, ghosted objective |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| n | lowest dPPL % | 95% CI | set | criteria with that set | "
+           + " | ".join(search_label(c) for c in searches) + " |", "|---" * (5 + len(searches)) + "|"]
     for n in budgets:
         cell = sorted((r for r in rows if r["n"] == n), key=lambda r: r[key])
         if not cell:
@@ -289,8 +317,88 @@ def who_wins(table: CriterionComparison, budgets, key: str = "dppl") -> list[str
             return "-" if r is None else f"{fmt_set(r['removed'])} {r[key]:+.1f} (#{ranks[name]} of {len(cell)})"
 
         out.append(f"| {n} | {best[key]:+.1f} | [{best[ci][0]:+.1f}, {best[ci][1]:+.1f}] | {fmt_set(best['removed'])} | "
-                   f"{tied} | {mine('search')} | {mine('search_ghosted')} |")
+                   f"{tied} | " + " | ".join(mine(c) for c in searches) + " |")
     return out
+
+
+def objective_cells(rows, budgets) -> list[dict]:
+    """Per budget n and per objective whose search the rows hold: the search's row, the lowest
+    row of every deterministic criterion (:func:`lowest`) and whether the search meets the
+    pages' target (:func:`meets`)."""
+    by = {(r["criterion"], r["n"]): r for r in rows}
+    out = []
+    for n in budgets:
+        best = lowest(rows, n)
+        for objective, criterion in SEARCHES.items():
+            mine = by.get((criterion, n))
+            if mine is not None and best is not None:
+                out.append({"n": n, "objective": objective, "row": mine, "best": best, "met": meets(mine, best)})
+    return out
+
+
+def objective_sets(rows, budgets) -> list[list[int]]:
+    """The sets whose calibration objectives the "Objectives" section reads: each search's set
+    and the lowest set, per n."""
+    sets = {set_key(c[k]["removed"]): c[k]["removed"] for c in objective_cells(rows, budgets) for k in ("row", "best")}
+    return list(sets.values())
+
+
+def miss_reason(cell: dict, values: dict) -> str:
+    """Why a search missed, as measured: each objective's calibration value of the set it
+    chose and of the lowest set (``values``: objective -> set key -> value), and which of the
+    two its own objective ranks lower (a misranking, or a set the search did not reach)."""
+    mine, best, objective = cell["row"]["removed"], cell["best"]["removed"], cell["objective"]
+    got = {o: (v.get(set_key(mine)), v.get(set_key(best))) for o, v in values.items()}
+    own = got.get(objective, (None, None))
+    if None in own:
+        verdict = "calibration values not measured yet"
+    elif own[0] < own[1]:
+        verdict = f"the objective misranks them: it rates {fmt_set(mine)} lower"
+    elif own[0] > own[1]:
+        verdict = f"the search did not reach {fmt_set(best)}, which its objective rates lower"
+    else:
+        verdict = "the objective ties them"
+    listed = "; ".join(f"{o} {a:.4f} vs {b:.4f}" for o, (a, b) in got.items() if a is not None and b is not None)
+    return (f"n={cell['n']}, {cell['objective']}: chose {fmt_set(mine)} {cell['row']['dppl']:+.1f}% over "
+            f"{fmt_set(best)} ({cell['best']['criterion']}) {cell['best']['dppl']:+.1f}% "
+            f"(CI upper {cell['best']['dppl_ci'][1]:+.1f}); {verdict}" + (f" (calibration, chosen vs lowest: {listed})"
+                                                                          if listed else "") + ".")
+
+
+def objectives_section(rows, budgets, values: dict, heading: str = "##") -> tuple[list[str], dict]:
+    """The "Objectives" table of one model: per n, each objective's search set, its dPPL% and
+    whether it meets the target (lowest or inside the lowest's paired 95% CI), the count per
+    objective and the reason for each miss. Returns the lines and ``{objective: (met, cells)}``."""
+    cells = objective_cells(rows, budgets)
+    objectives = [o for o in SEARCHES if any(c["objective"] == o for c in cells)]
+    if not objectives:
+        return [], {}
+    by = {(c["objective"], c["n"]): c for c in cells}
+    out = [f"{heading} Objectives of the search", "",
+           "Per n: the set the search chooses with each objective on the calibration prompts (`removal_kl` is the "
+           "default), its dPPL% and whether it is the lowest of every deterministic criterion or inside the lowest's "
+           "paired 95% CI (the target of the default search above).", "",
+           "| n | lowest (criterion) | dPPL % | its 95% CI | " + " | ".join(objectives) + " |",
+           "|---" * (4 + len(objectives)) + "|"]
+    for n in budgets:
+        best = lowest(rows, n)
+        if best is None:
+            continue
+        marks = []
+        for o in objectives:
+            c = by.get((o, n))
+            marks.append("-" if c is None else f"{fmt_set(c['row']['removed'])} {c['row']['dppl']:+.1f} "
+                         f"{'met' if c['met'] else 'missed'}")
+        out.append(f"| {n} | {fmt_set(best['removed'])} ({best['criterion']}) | {best['dppl']:+.1f} | "
+                   f"[{best['dppl_ci'][0]:+.1f}, {best['dppl_ci'][1]:+.1f}] | " + " | ".join(marks) + " |")
+    counts = {o: (sum(c["met"] for c in cells if c["objective"] == o), sum(c["objective"] == o for c in cells))
+              for o in objectives}
+    out += ["", "Met: " + ", ".join(f"{o} {m} of {k}" for o, (m, k) in counts.items()) + "."]
+    misses = [miss_reason(c, values) for c in cells if not c["met"]]
+    if misses:
+        out += ["", "Why each miss (objective values on the calibration prompts: removal_kl and ghosted in nats, "
+                "nll in nats per token):", ""] + [f"- {m}" for m in misses]
+    return out + [""], counts
 
 
 def cost_table(table: CriterionComparison, budgets) -> list[str]:
@@ -509,6 +617,7 @@ def main(argv=None) -> int:
     table = compare_criteria(model, calib, budgets, criteria=criteria, recovery=args.recovery,
                              recovery_criteria=args.recovery_criteria, **harness)
     run_extras(model, tok, calib, table, state_path, args)
+    objective_values(model, calib, table, state_path, args)
     finish(model, table, state_path, args, argv)
     log(f"done in {time.time() - t_start:.0f} s; wrote {state_path.with_suffix('.md').name} and quality.md")
     return 0
@@ -530,6 +639,23 @@ def run_extras(model, tok, calib, table: CriterionComparison, state_path: Path, 
 
     run_cells(CellStore(state_path, fresh=dict, cells="extras", shared=True), [(k, k) for k in names], run_extra,
               tag="quality")
+
+
+def objective_values(model, calib, table: CriterionComparison, state_path: Path, args) -> None:
+    """Each objective's value on the calibration prompts of every set the "Objectives" section
+    reads (:func:`objective_sets`), stored under ``extras.objective_values.<objective>.<set>``;
+    only the sets not stored yet are scored (a few partial forward passes each)."""
+    sets = objective_sets(table.rows, table.params["budgets"])
+    store = CellStore(state_path, fresh=dict, shared=True)
+    for objective in OBJECTIVES:
+        stored = store.state.get("extras", {}).get("objective_values", {}).get(objective, {})
+        todo = [s for s in sets if set_key(s) not in stored]
+        if not todo:
+            continue
+        log(f"objective {objective} of {len(todo)} sets on the calibration prompts")
+        values = SetObjective(model, calib, objective, batch_size=args.batch_size)(todo)
+        found = {set_key(s): v for s, v in zip(todo, values)}
+        store.update(lambda state, o=objective, f=found: cell_node(state, ("extras", "objective_values", o)).update(f))
 
 
 def finish(model, table: CriterionComparison, state_path: Path, args, argv) -> None:
@@ -606,7 +732,9 @@ def write_markdown(path: Path, table, gap, extras, num_blocks, title, command_te
         "",
     ]
     lines += winners(table, budgets) + ["", "## Who wins at each n", ""] + who_wins(table, budgets) + [""]
-    lines += search_targets(table, budgets) + cost_table(table, budgets) + recovery_section(table, budgets)
+    lines += search_targets(table, budgets)
+    lines += objectives_section(table.rows, budgets, extras.get("objective_values", {}))[0]
+    lines += cost_table(table, budgets) + recovery_section(table, budgets)
     if gap:
         lines += protocol_section(table, gap, budgets) + [""]
     check = extras.get("plan_check")
@@ -656,6 +784,8 @@ def write_index(results: Path) -> None:
         "Random: mean of 5 seeded draws. Full tables, intervals, costs and contracts in the per-model files.",
         "",
     ]
+    totals: dict[str, list[int]] = {}
+    models = []
     for path in sorted(results.glob("quality-*.json")):
         state = json.loads(path.read_text(encoding="utf-8"))
         comp = state.get("comparison")
@@ -682,6 +812,20 @@ def write_index(results: Path) -> None:
                 else:
                     cells.append(f"{r['dppl']:+.1f} {fmt_set(r['removed'])}")
             lines.append(f"| {LABELS.get(crit, crit)} | " + " | ".join(cells) + " |")
+        lines.append("")
+        section, counts = objectives_section(comp["rows"], budgets,
+                                             state.get("extras", {}).get("objective_values", {}), heading="###")
+        lines += section
+        models.append(path.stem.removeprefix("quality-"))
+        for objective, (met, measured) in counts.items():
+            total = totals.setdefault(objective, [0, 0])
+            total[0], total[1] = total[0] + met, total[1] + measured
+    if totals:
+        lines += ["## Objectives across models", "",
+                  f"Cells (model, n) where the search with each objective meets the target (the lowest dPPL% of every "
+                  f"deterministic criterion, or inside its paired 95% CI), over {', '.join(models)}:", "",
+                  "| objective | met | cells measured |", "|---|---:|---:|"]
+        lines += [f"| {o}{' (default)' if o == 'removal_kl' else ''} | {m} | {k} |" for o, (m, k) in totals.items()]
         lines.append("")
     write_text_atomic("\n".join(lines) + "\n", results / "quality.md")
 

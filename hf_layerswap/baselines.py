@@ -22,7 +22,8 @@ Criteria (:func:`harness_criteria`: each registered strategy's ``criteria``, the
 (:mod:`~hf_layerswap.selection.single_removal`); ``sleb`` (:mod:`~hf_layerswap.selection.sleb`);
 ``replacement`` / ``interchange`` / ``auto``, the paper's rule per protocol and the better of
 the two (:mod:`~hf_layerswap.selection.greedy`); ``interchange_beam``, the paper's beam
-(:mod:`~hf_layerswap.selection.beam`); ``search`` / ``search_ghosted``, the default
+(:mod:`~hf_layerswap.selection.beam`); ``search`` (the default, removal KL) and
+``search_<objective>`` for each other objective (``search_nll``, ``search_ghosted``), the
 protocol-guided search (:mod:`~hf_layerswap.selection.search`); and two controls defined
 here: ``random`` (n blocks drawn uniformly, seeded, ``draws`` draws) and ``tail`` (the last
 n blocks before the final one, ``L-1-n .. L-2``). Every searching criterion scores its

@@ -585,3 +585,21 @@ def test_real_block_influence_uses_pre_norm_stream(fixture, request, wikitext_va
         assert res.scores[layer] == pytest.approx(bi(hs[layer], hs[layer + 1]), rel=1e-6, abs=1e-9)
     assert abs(res.scores[-1] - bi(hs[-2], hs[-1])) > 1e-3
     assert 0 <= min(res.scores) and max(res.scores) <= 2
+
+
+def test_each_objective_is_a_search_criterion_that_minimises_it(harness_setup):
+    from hf_layerswap.selection.objectives import removal_nll_values
+
+    model, _, calib, _ = harness_setup
+    report = score_layers(model, calib, protocols=("replacement", "interchange"), max_gap=1, progress=False)
+    criteria = B.harness_criteria()
+    assert [c for c in criteria if c.startswith("search")] == ["search", "search_nll", "search_ghosted"]
+    out = criteria["search_nll"].run(model, calib, [1, 2], report=report, batch_size=4)
+    singles = [[i] for i in range(1, 5)]  # the blocks it may remove (first and last protected)
+    values, _ = removal_nll_values(model, calib, singles, 4)
+    assert out[1].removed == singles[values.index(min(values))]
+    for n in (1, 2):
+        assert (out[n].name, out[n].n, out[n].details["objective"], out[n].details["unit"]) == (
+            "search_nll", n, "nll", "nats per token")
+        assert out[n].details["value"] == pytest.approx(removal_nll_values(model, calib, [out[n].removed], 4)[0][0],
+                                                        rel=1e-9)

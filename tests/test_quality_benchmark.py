@@ -138,8 +138,65 @@ def test_groups_set_the_cells_and_the_repair_of_the_model():
     bench = _module()
     args = bench.parser().parse_args(["--model", "gemma3-270m", "--groups", "pages"])
     criteria, budgets, cells = bench.model_cells(args)
-    assert budgets == [1, 2, 3, 4, 5, 6] and len(cells) == 11 * 6 and cells[:2] == [("block_influence", 1),
+    assert budgets == [1, 2, 3, 4, 5, 6] and len(cells) == 13 * 6 and cells[:2] == [("block_influence", 1),
                                                                                    ("block_influence", 2)]
-    assert "search_ghosted" not in criteria
+    assert criteria[-3:] == ["search", "search_nll", "search_ghosted"]  # every objective's search
     assert (args.recovery, args.recovery_criteria) == ("ghosted", ["block_influence", "sleb", "interchange_beam",
                                                                    "search"])
+
+
+def _row(criterion, n, removed, dppl, ci=(None, None)):
+    return {"criterion": criterion, "n": n, "removed": removed, "dppl": dppl, "dppl_ci": list(ci)}
+
+
+def test_objectives_section_counts_each_objective_and_says_why_it_missed():
+    bench = _module()
+    rows = [_row("sleb", 1, [1], 10.0, (8.0, 12.0)), _row("search", 1, [2], 11.0, (9.0, 13.0)),
+            _row("search_nll", 1, [1], 10.0, (8.0, 12.0)), _row("random", 1, [3], 1.0, (0.5, 1.5)),
+            _row("sleb", 2, [1, 2], 20.0, (18.0, 22.0)), _row("search", 2, [2, 3], 25.0, (23.0, 27.0)),
+            _row("search_nll", 2, [1, 2], 20.0, (18.0, 22.0)), _row("search_ghosted", 2, [3, 4], 30.0, (28.0, 32.0))]
+    values = {"removal_kl": {"2,3": 0.5, "1,2": 0.7}, "nll": {"2,3": 3.2, "1,2": 3.1},
+              "ghosted": {"3,4": 0.3, "1,2": 0.2}}
+    lines, counts = bench.objectives_section(rows, [1, 2], values)
+    # random is no candidate for the lowest; {2} +11.0 is inside {1}'s CI (upper +12.0)
+    assert counts == {"removal_kl": (1, 2), "nll": (2, 2), "ghosted": (0, 1)}
+    assert "| n | lowest (criterion) | dPPL % | its 95% CI | removal_kl | nll | ghosted |" in lines
+    assert "| 1 | {1} (sleb) | +10.0 | [+8.0, +12.0] | {2} +11.0 met | {1} +10.0 met | - |" in lines
+    assert "| 2 | {1,2} (sleb) | +20.0 | [+18.0, +22.0] | {2,3} +25.0 missed | {1,2} +20.0 met | {3,4} +30.0 missed |" \
+        in lines
+    assert "Met: removal_kl 1 of 2, nll 2 of 2, ghosted 0 of 1." in lines
+    assert ("- n=2, removal_kl: chose {2,3} +25.0% over {1,2} (sleb) +20.0% (CI upper +22.0); the objective misranks "
+            "them: it rates {2,3} lower (calibration, chosen vs lowest: removal_kl 0.5000 vs 0.7000; nll 3.2000 vs "
+            "3.1000).") in lines
+    assert ("- n=2, ghosted: chose {3,4} +30.0% over {1,2} (sleb) +20.0% (CI upper +22.0); the search did not reach "
+            "{1,2}, which its objective rates lower (calibration, chosen vs lowest: ghosted 0.3000 vs 0.2000).") in lines
+    assert bench.objective_sets(rows, [1, 2]) == [[2], [1], [2, 3], [1, 2], [3, 4]]
+    assert bench.objectives_section([_row("sleb", 1, [1], 10.0, (8.0, 12.0))], [1], {}) == ([], {})
+
+
+def test_a_run_stores_each_objective_of_the_searched_and_lowest_sets(bench, tmp_path, monkeypatch):
+    from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
+
+    results = tmp_path / "r"
+    state = _run(bench, results, "--criteria", "block_influence", "search", "search_nll", "--budgets", "1")
+    rows = {r["criterion"]: r for r in state["comparison"]["rows"]}
+    sets = list({",".join(map(str, r["removed"])): r["removed"] for r in rows.values()}.values())
+    stored = state["extras"]["objective_values"]
+    assert sorted(stored) == sorted(OBJECTIVES) and all(sorted(v) == sorted(",".join(map(str, s)) for s in sets)
+                                                         for v in stored.values())
+    model, _ = bench.load_model("smollm2-135m")
+    calib = bench.wikitext_calibration(None, 4, 12)
+    for objective in OBJECTIVES:
+        expected = SetObjective(model, calib, objective, batch_size=8)(sets)
+        assert [stored[objective][",".join(map(str, s))] for s in sets] == pytest.approx(expected, rel=1e-9)
+    page = (results / "quality-smollm2-135m.md").read_text(encoding="utf-8")
+    assert "## Objectives of the search" in page and "| n | lowest (criterion) | dPPL % | its 95% CI | removal_kl | nll |" \
+        in page
+    assert "## Objectives across models" in (results / "quality.md").read_text(encoding="utf-8")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("scored again although the state has it")
+
+    monkeypatch.setattr(bench, "SetObjective", boom)
+    again = _run(bench, results, "--criteria", "block_influence", "search", "search_nll", "--budgets", "1")
+    assert again["extras"]["objective_values"] == stored

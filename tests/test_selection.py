@@ -80,7 +80,7 @@ def test_a_strategy_entry_carries_what_differs():
     assert auto.guided_by({"chosen_protocol": "replacement"}, "auto") == "replacement"
     assert search.values({"value": 0.25}) == [("the search's value", 0.25)]
     assert sorted(greedy.criteria) == ["interchange", "replacement"] and sorted(search.criteria) == [
-        "search", "search_ghosted"]
+        "search", "search_ghosted", "search_nll"]
     with pytest.raises(TypeError, match=r"register_strategy\('x'\): unknown entry field\(s\) \['spacinG'\]"):
         register_strategy("x", spacinG=1)
     assert "x" not in STRATEGIES

@@ -70,10 +70,10 @@ from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from ..scoring.reference import ReferenceCache
 from .common import CriterionResult, as_calibration, adjacent_report, report_cost
-from .objectives import SetObjective
+from .objectives import OBJECTIVES, SetObjective
 from .registry import Criterion, keyword_options, register_strategy
 
-__all__ = ["check_max_evaluations", "search_allowances", "search_criterion", "search_select"]
+__all__ = ["check_max_evaluations", "criterion_name", "search_allowances", "search_criterion", "search_select"]
 
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
@@ -638,6 +638,19 @@ def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) 
     counts["sweeps"] = counts["calls"] + 1
 
 
+def criterion_name(objective: str) -> str:
+    """The comparison harness's name of the search with ``objective`` (one of
+    :data:`~hf_layerswap.selection.objectives.OBJECTIVES`): ``"search"`` for the default
+    ``"removal_kl"``, else ``"search_<objective>"`` (``"search_nll"``, ``"search_ghosted"``)."""
+    return "search" if objective == "removal_kl" else f"search_{objective}"
+
+
+def _criterion(objective: str) -> Criterion:
+    """The harness criterion of the search with ``objective`` (:func:`search_criterion`)."""
+    return Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective=objective, **kw),
+                     reads=PROTOCOLS)
+
+
 @register_strategy(
     "search", needs_model=True, cost=_search_cost, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
     takes_objective=True, keeps_reference=True,
@@ -648,12 +661,7 @@ def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) 
                                         f"the search itself used spacing={spacing}"),
     card_candidates=_card_candidates,
     check_config=lambda cfg, total: check_max_evaluations(cfg.max_evaluations, total, cfg.protect),
-    criteria={
-        "search": Criterion(lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="removal_kl", **kw),
-                            reads=PROTOCOLS),
-        "search_ghosted": Criterion(
-            lambda model, calib, n, **kw: search_criterion(model, calib, n, objective="ghosted", **kw), reads=PROTOCOLS),
-    },
+    criteria={criterion_name(objective): _criterion(objective) for objective in OBJECTIVES},
 )
 def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options,
             max_memory=None, **_):
@@ -694,7 +702,7 @@ def search_criterion(model: nn.Module, calibration, n, *, report: SwapReport, ob
     for b, rec in found.items():
         cost = rec["cost"]
         out[b] = CriterionResult(
-            "search" if objective == "removal_kl" else f"search_{objective}", b, rec["selected"], None,
+            criterion_name(objective), b, rec["selected"], None,
             passes + cost["forward_passes"], blocks + cost["block_passes"], seconds + cost["seconds"],
             evaluator_calls=cost["evaluator_calls"],
             details={"objective": objective, "value": rec["value"], "unit": rec["unit"],
