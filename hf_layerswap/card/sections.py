@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 import huggingface_hub
@@ -209,7 +210,7 @@ def _eval_results(evaluation: dict, contract: Mapping) -> list:
     else:  # text that is not a Hub dataset: name its source
         source = contract.get("source") or dataset or "text of unrecorded origin (no contract)"
         dataset_fields = dict(dataset_type="text", dataset_name=str(source))
-    common = dict(
+    common: dict[str, Any] = dict(
         task_type="text-generation",
         task_name="Causal language modeling",
         dataset_split=str(contract.get("split") or "test"),

@@ -27,6 +27,7 @@ import os
 import time
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,7 +80,7 @@ class Engine:
         self,
         model: nn.Module,
         calibration: CalibrationSet,
-        plans: Mapping[Hashable, Sequence[int]],
+        plans: Mapping[Any, Sequence[int]],
         settings: EngineSettings,
         reference_cache: ReferenceCache | None = None,
     ):
@@ -90,7 +91,7 @@ class Engine:
         self.calib = calibration
         self.num_blocks = num_blocks(model)
         self.key_of, self.probes, self.zero = make_probes(plans, self.num_blocks)
-        self.mode = settings.prefix_reuse
+        self.mode = str(settings.prefix_reuse)  # a mode name: EngineSettings normalised it
         self.stream_logits = settings.stream_logits
         self.fallback_reason = None
         self.processes = Processes(settings.distributed)
@@ -717,7 +718,7 @@ class _WorkBar:
 def plan_kl(
     model: nn.Module,
     calibration: CalibrationSet,
-    plans: Mapping[Hashable, Sequence[int]],
+    plans: Mapping[Any, Sequence[int]],
     *,
     batch_size: int | str | None = None,
     progress: bool = False,
@@ -780,7 +781,7 @@ def plan_kl(
 
 @torch.no_grad()
 def run_plans(
-    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings,
+    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Any, Sequence[int]], settings: EngineSettings,
     reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """:func:`plan_kl` with its settings as one :class:`EngineSettings`: what the scoring
@@ -791,7 +792,7 @@ def run_plans(
     return engine.values(engine.batches), engine.summary(engine.batches)
 
 
-def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]],
+def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Any, Sequence[int]],
                 settings: EngineSettings):
     """The engine as :func:`run_plans` would build it, without running anything (its batch
     size, batches, head/KL chunks, probe schedule): what :func:`hf_layerswap.cost.estimate_cost`
