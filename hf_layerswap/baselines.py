@@ -305,9 +305,9 @@ class CriterionComparison:
     @classmethod
     def from_dict(cls, data: Mapping) -> CriterionComparison:
         """Inverse of :meth:`to_dict` (budgets back to ints in ``results``)."""
-        data = decode_tree(dict(data))
-        data["results"] = {name: {int(b): r for b, r in per_n.items()} for name, per_n in data["results"].items()}
-        return cls(**data)
+        fields_ = decode_tree(dict(data))
+        fields_["results"] = {name: {int(b): r for b, r in per_n.items()} for name, per_n in fields_["results"].items()}
+        return cls(**fields_)
 
     def best_by_n(self) -> dict[int, list[str]]:
         """Budget -> criteria with the lowest dPPL% (random excluded; ties listed together)."""
@@ -634,7 +634,7 @@ class _HarnessRun:
 
     def evaluate(self, results, eval_text, tokenizer, contract, evaluation_method, eval_kwargs) -> dict:
         """The perplexity of every removed set (the only place ``eval_text`` is read); returns the sets."""
-        all_sets = {"": []}
+        all_sets: dict[str, list] = {"": []}
         for per_n in results.values():
             for res in per_n.values():
                 for s in _sets_of(res):

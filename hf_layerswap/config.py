@@ -222,7 +222,9 @@ class SparsityConfig:
         "N:M sparsity pattern, e.g. 2:4 (default unstructured)"))
 
 
-HealMethodName = Literal["lora", "adjacent", "last_k"]
+#: ``HealConfig.method``: a registered healing method (built-ins ``"lora"``, ``"adjacent"``,
+#: ``"last_k"``; :data:`~hf_layerswap.healing.HEAL_METHODS`).
+HealMethodName = str
 
 
 @dataclass(frozen=True)
@@ -457,7 +459,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             the message names the value and what is allowed.
     """
 
-    quant_method: str = field(default=QUANT_METHOD, kw_only=True, metadata=_help(
+    quant_method: str = field(default=QUANT_METHOD, kw_only=True, metadata=_help(  # type: ignore[assignment]  # transformers types it as its own enum; a plugin's key is a str
         "transformers' quantization method key: always 'layerswap'"))
     version: int = field(default=CONFIG_VERSION, kw_only=True, metadata=_help(
         "format version of the serialized config"))
@@ -787,7 +789,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             return NotImplemented
         return self.to_dict() == other.to_dict()
 
-    __hash__ = None
+    __hash__ = None  # mutable and compared by value: not hashable
 
     def __repr__(self) -> str:
         fields_ = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "quant_method")
@@ -802,7 +804,7 @@ del _name
 
 def _flat_defaults() -> dict:
     """Each flat keyword's default: its sub-config field's."""
-    kinds = {"recovery": RecoveryConfig, "sparsity": SparsityConfig}
+    kinds: dict[str, Any] = {"recovery": RecoveryConfig, "sparsity": SparsityConfig}
     return {key: kinds[parent].__dataclass_fields__[sub].default for key, (parent, sub) in FLAT_KEYWORDS.items()}
 
 

@@ -380,7 +380,7 @@ def measure_throughput(model: nn.Module, batch_size: int, seq_len: int, *, devic
         for p in block.parameters():
             p.normal_(0.0, 0.02)
     hidden = int(cfg.hidden_size)
-    captured = {}
+    captured: dict = {}
 
     def capture(module, args, kwargs):
         captured.update(args=args, kwargs=kwargs)

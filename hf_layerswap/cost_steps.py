@@ -168,7 +168,7 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     entry = get_recovery_method(rec.method)
     removed, exact = _removal(shape, cfg)
     cuts = cut_boundaries(shape.num_blocks, removed)
-    slots = set()
+    slots: set[int] = set()
     for cut in cuts:
         slots.update((cut["start"], cut["end"]), entry.slots(cut))
     blocks = min(max(slots), shape.num_blocks)  # blocks 0..last slot - 1 run (all of them when the last is L)

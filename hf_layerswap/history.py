@@ -58,7 +58,7 @@ class HistoryWarning(UserWarning):
     """``config.layerswap`` does not describe the loaded model; its history is now unverified."""
 
 
-def _record(model) -> dict | None:
+def _record(model) -> Mapping | None:
     record = getattr(getattr(model, "config", None), "layerswap", None)
     return record if isinstance(record, Mapping) and record else None
 
@@ -194,7 +194,7 @@ def history_status(model_or_config) -> str | None:
     return UNVERIFIED if record.get("history") == UNVERIFIED else VERIFIED
 
 
-def mark_history_unverified(model: nn.Module, problems: list[str] | None = None, *, cause: str | None = None) -> dict:
+def mark_history_unverified(model: nn.Module, problems: list[str] | None = None, *, cause: str | None = None) -> Mapping:
     """Rewrite ``model.config.layerswap`` as an unverified history and return it.
 
     Kept: the claimed ``base_model``, the reasons, the probable cause and the old record

@@ -324,7 +324,7 @@ def push_to_hub(
         )
         api = HfApi(endpoint=endpoint, token=token, library_name="hf_layerswap", library_version=__version__)
         logger.info("pushing %d files to %s/%s@%s", len(files), api.endpoint, repo_id, branch)
-        network_errors = (HfHubHTTPError, *_http_client_errors(), OSError, ValueError)
+        network_errors: tuple[type[BaseException], ...] = (HfHubHTTPError, *_http_client_errors(), OSError, ValueError)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             if branch != "main":

@@ -158,7 +158,7 @@ def register() -> None:
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(LayerSwapQuantizer)
     if not getattr(AutoHfQuantizer.merge_quantization_configs, "wraps_transformers", False):
-        AutoHfQuantizer.merge_quantization_configs = _merge_quantization_configs(
+        AutoHfQuantizer.merge_quantization_configs = _merge_quantization_configs(  # type: ignore[method-assign]  # wrapped on purpose
             AutoHfQuantizer.merge_quantization_configs
         )
 

@@ -36,6 +36,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 __all__ = [
     "JsonResult",
@@ -252,6 +253,10 @@ class JsonResult:
         ValueError: invalid JSON (e.g. a truncated file) or content ``from_dict`` refuses;
             the message names the file (or "JSON text") and the class.
     """
+
+    if TYPE_CHECKING:  # what a result class defines (the mixin itself has neither)
+        to_dict: Callable[..., dict]
+        from_dict: ClassVar[Callable[..., Any]]
 
     def to_json(self, path: str | os.PathLike | None = None, *, overwrite: bool = True):
         text = _json_text(self.to_dict())

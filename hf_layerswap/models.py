@@ -256,8 +256,8 @@ def bundled_checkpoint_dir(name: str) -> Path:
     with FileLock(str(root / f".{target.name}.lock")):
         if _is_complete(target):  # built by another process while we waited
             return target
-        with tempfile.TemporaryDirectory(dir=root, prefix=f".build-{entry.name}-") as tmp:
-            tmp = Path(tmp)
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".build-{entry.name}-") as tmp_name:
+            tmp = Path(tmp_name)
             out_dir = tmp / "checkpoint"
             source = _build_checkpoint(entry, tmp, out_dir)
             (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True) + "\n")

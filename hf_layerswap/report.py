@@ -20,6 +20,7 @@ import math
 import os
 import statistics
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field, fields
 
 from .jsonio import (
@@ -114,7 +115,8 @@ class PairResult:
     @classmethod
     def from_probes(cls, i: int, j: int, values: Mapping[str, tuple[float, float | None]]) -> PairResult:
         """The pair from ``{kind: (mean, se)}`` of its scored probes."""
-        own, extra = {}, {}
+        own: dict = {}
+        extra: dict = {}
         for kind, (mean, se) in values.items():
             target = own if kind in _PAIR_VALUE_FIELDS else extra
             target[kind], target[f"{kind}_se"] = mean, se
@@ -349,7 +351,7 @@ class SwapReport(JsonResult):
         return report
 
     @classmethod
-    def from_json(cls, source: str | os.PathLike, *, trust: bool = False) -> SwapReport:
+    def from_json(cls, source: str | os.PathLike, *, trust: bool = False) -> SwapReport:  # type: ignore[override]  # its one option
         """The report from a file written by :meth:`to_json` (a path), or that JSON text.
 
         Args:
@@ -382,7 +384,7 @@ class SwapReport(JsonResult):
 
     def summary_dict(self) -> dict:
         """Short JSON-able summary for provenance (config.json, cards)."""
-        out = {"num_blocks": self.num_blocks, "protocols": list(self.protocols), "max_gap": self.max_gap}
+        out: dict[str, Any] = {"num_blocks": self.num_blocks, "protocols": list(self.protocols), "max_gap": self.max_gap}
         for p in self.protocols:
             out[f"{p}_layer_scores"] = [encode_float(v) for v in self.layer_scores(p)]
         cal = self.metadata.get("calibration", {})

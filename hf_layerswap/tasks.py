@@ -260,7 +260,7 @@ def offline_documents():
 def _built_requests(names, manager, limit, num_fewshot: int, seed: int) -> dict[str, dict]:
     from lm_eval.evaluator_utils import get_sample_size
 
-    out = {}
+    out: dict[str, dict] = {}
     for name in names:
         try:  # the task's documents load here (offline: lm-eval's own tasks get an error)
             built = manager.load([name])["tasks"]

@@ -287,9 +287,9 @@ def sparsity_section(summary: dict, sparsity, config, current: int) -> dict:
             for e in earlier
         ) + " (the zeros they left count in the achieved sparsity above)"))
     cal = summary.get("calibration") or {}
-    pruner, allocator = PRUNERS.get(summary["method"]), ALLOCATORS.get(allocation)
+    pruner, rule = PRUNERS.get(summary["method"]), ALLOCATORS.get(allocation)
     weights_only = pruner is not None and pruner.statistics is None  # the mask reads the weights alone
-    data_free = weights_only and allocator is not None and allocator.observe is None and not allocator.needs_gradients
+    data_free = weights_only and rule is not None and rule.observe is None and not rule.needs_gradients
     if cal.get("description") and not data_free:
         rows.append(("Calibration", f"{cal['description']} (content hash {str(cal.get('content_hash'))[:12]})"))
     if weights_only:

@@ -153,7 +153,8 @@ def render_card(
 def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plot_keys, evaluation, repo: str,
           tokenizer_included: bool) -> dict:
     """The template's context for the card body (all but the title and summary)."""
-    candidates, why, removed_kl = ([], None, None)
+    candidates: list = []
+    why, removed_kl = None, None
     scored_removed = report_removed(config, report) if report is not None else []  # in the report's numbering
     if report is not None and f.removed:
         candidates, why, removed_kl = candidates_section(report, scored_removed, f.spacing, f.protect, f.steps)

@@ -491,11 +491,11 @@ INPUT_OPTIONS = (("calibration", "--calibration"), ("eval_text", "--eval-text"),
                  ("heal_eval_tasks_path", "--heal-eval-tasks-path"), ("include_path", "--include-path"))
 
 
-def input_paths(args) -> list[tuple[str, str]]:
+def input_paths(args) -> list[tuple[str, str | os.PathLike]]:
     """``(option, path)`` of every input file or folder among ``args``'
     :data:`INPUT_OPTIONS` (``embedded`` and unset ones left out; a list option gives one
     pair per path)."""
-    found = []
+    found: list[tuple[str, str | os.PathLike]] = []
     for attribute, option in INPUT_OPTIONS:
         value = getattr(args, attribute, None)
         for path in value if isinstance(value, list) else [value]:

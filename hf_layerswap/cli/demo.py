@@ -21,7 +21,7 @@ from ..config import LayerSwapConfig
 from ..cost import estimate_cost
 from ..devices import input_device
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
-from ..evaluation.contract import read_source, tokenize_text
+from ..evaluation.contract import PerplexityResult, read_source, tokenize_text
 from ..pipeline import prune
 from ..plan import decoder_blocks, first_difference, num_blocks
 from ..scoring import score_layers, swap_plans
@@ -297,13 +297,13 @@ def run_demo(args) -> int:
     return 0
 
 
-def _perplexity_table(model, selected, args, eval_text, tokenizer) -> dict[tuple, object]:
+def _perplexity_table(model, selected, args, eval_text, tokenizer) -> dict[tuple, PerplexityResult]:
     """Evaluate the base model and every distinct selected set on the held-out text and
     print the table; returns the results keyed by removed set (``()`` = the base model)."""
     to_evaluate = [()] + list(dict.fromkeys(tuple(layers) for _, _, layers, _ in selected if layers is not None))
     print(f"\nperplexity on held-out text ({args.eval_text}), matched contract on the first {args.eval_max_words} "
           f"words: the base model and {len(to_evaluate) - 1} distinct removal sets", flush=True)
-    cache: dict[tuple, object] = {}
+    cache: dict[tuple, PerplexityResult] = {}
     for key in tqdm(to_evaluate, desc="perplexity evaluations", unit="model"):
         pruned = remove_layers(copy.deepcopy(model), list(key)) if key else model
         cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)

@@ -10,6 +10,7 @@ import argparse
 import os
 import shutil
 import sys
+from typing import Any
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -39,7 +40,7 @@ __all__ = ["add_heal_args", "add_parser", "checkpoint_folder", "heal_config", "r
 _NONE_TYPES = {"teacher_top_k": count(1), "patience": count(1), "calibration": str, "eval_tasks_path": str,
                "eval_tasks_limit": task_limit, "max_tokens": count(1)}
 #: HealConfig fields with a flag other than their name, and their argparse keywords.
-_SPECIAL = {"perplexity_text": ("perplexity", dict(nargs="?", const="embedded", metavar="TEXT")),
+_SPECIAL: dict[str, tuple[str, dict[str, Any]]] = {"perplexity_text": ("perplexity", dict(nargs="?", const="embedded", metavar="TEXT")),
             "eval_tasks": ("eval-tasks", dict(nargs="+", metavar="TASK"))}
 #: The least value of HealConfig's int fields on the command line.
 _INT_MINIMUM = {"seq_len": 2, "seed": -(2**63)}

@@ -128,7 +128,7 @@ def evaluate_rolling(
         raise ValueError("the rolling contract needs a BOS or EOS token id as the prefix token")
     docs, source = _documents(text)
     kwargs = {} if add_bos is None else {"add_special_tokens": bool(add_bos)}
-    sequences = []
+    sequences: list = []
     for doc in docs:
         ids = list(tokenizer(doc, **kwargs)["input_ids"])
         if add_bos and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:

@@ -27,7 +27,7 @@ __all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "p
            "register_heal_method"]
 
 #: ``{name: HealMethod subclass}``.
-HEAL_METHODS: dict[str, type] = {}
+HEAL_METHODS: dict[str, type[HealMethod]] = {}
 
 #: The projections LoRA adapts (Llama / Qwen / Gemma names).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

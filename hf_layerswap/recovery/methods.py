@@ -18,6 +18,8 @@ on the stream elsewhere).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from accelerate.utils import has_offloaded_params
@@ -113,7 +115,7 @@ class RecoveryMethod:
         removed = sum(len(c["removed"]) for c in cuts)
         return 8 * hidden**2 * (2 * removed + (len(cuts) if exact else removed))
 
-    def card_row(self, recovery: dict, indices) -> str:
+    def card_row(self, recovery: Mapping, indices) -> str:
         """The removal table's "Repair of the cut" cell for the record ``config.layerswap["recovery"]``
         (``indices``: the card's formatter of a list of blocks)."""
         return self.name

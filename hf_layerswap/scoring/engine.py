@@ -29,6 +29,7 @@ import os
 import time
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ class Engine:
         self,
         model: nn.Module,
         calibration: CalibrationSet,
-        plans: Mapping[Hashable, Sequence[int]],
+        plans: Mapping[Any, Sequence[int]],
         settings: EngineSettings,
         reference_cache: ReferenceCache | None = None,
     ):
@@ -96,7 +97,7 @@ class Engine:
         self.calib = calibration
         self.num_blocks = num_blocks(model)
         self.key_of, self.probes, self.zero = make_probes(plans, self.num_blocks)
-        self.mode = settings.prefix_reuse
+        self.mode = str(settings.prefix_reuse)  # a mode name: EngineSettings normalised it
         self.stream_logits = settings.stream_logits
         self.fallback_reason = None
         self.processes = Processes(settings.distributed)
@@ -841,7 +842,7 @@ class _WorkBar:
 def plan_kl(
     model: nn.Module,
     calibration: CalibrationSet,
-    plans: Mapping[Hashable, Sequence[int]],
+    plans: Mapping[Any, Sequence[int]],
     *,
     batch_size: int | str | None = None,
     progress: bool = False,
@@ -905,7 +906,7 @@ def plan_kl(
 
 @torch.no_grad()
 def run_plans(
-    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]], settings: EngineSettings,
+    model: nn.Module, calibration: CalibrationSet, plans: Mapping[Any, Sequence[int]], settings: EngineSettings,
     reference_cache: ReferenceCache | None = None,
 ) -> tuple[dict[Hashable, torch.Tensor], dict]:
     """:func:`plan_kl` with its settings as one :class:`EngineSettings`: what the scoring

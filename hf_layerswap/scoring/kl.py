@@ -95,7 +95,7 @@ class OnlineKL:
         self.sum[a:b] *= scale
         self.dot[:, a:b] *= scale
         weights = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
-        for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
+        for r0, r1 in row_blocks(logits.shape[0], logits.shape[1], self.block_bytes):
             centred = logits[r0:r1] - new_max[r0:r1].unsqueeze(-1)  # float64 (type promotion)
             torch.exp(centred, out=weights[r0:r1])
             self.dot[:, a + r0:a + r1] += centred.mul_(weights[r0:r1]).sum(dim=-1)
@@ -110,7 +110,7 @@ class OnlineKL:
         and lse(y) = M + log sum exp(y - M)."""
         logits = logits.float()
         lse = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
-        for r0, r1 in row_blocks(*logits.shape, self.block_bytes):
+        for r0, r1 in row_blocks(logits.shape[0], logits.shape[1], self.block_bytes):
             top = logits[r0:r1].amax(dim=-1).double()
             centred = logits[r0:r1] - top.unsqueeze(-1)  # float64 (type promotion)
             shift = (top - self.max[a + r0:a + r1]) * self.slice_sum[a + r0:a + r1]

@@ -3,7 +3,8 @@ with shared prefixes and the deterministic, cost-balanced share of each rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,11 @@ class Probe:
         return len(self.run)
 
 
-def make_probes(plans: Mapping[Hashable, Sequence[int]], total_blocks: int):
+def make_probes(plans: Mapping[Any, Sequence[int]], total_blocks: int):
     """Deduplicate plans: returns (name -> key, {key: Probe} for non-identity plans, identity keys)."""
-    key_of, probes, zero = {}, {}, set()
+    key_of: dict = {}
+    probes: dict = {}
+    zero: set = set()
     for name, plan in plans.items():
         key = tuple(int(p) for p in plan)
         if not key:
@@ -91,7 +94,7 @@ def schedule_blocks(probes: list[Probe], mode: str) -> int:
 
 
 def position_hooks(blocks: nn.ModuleList, run: Sequence[int], depth0: int,
-                   wanted: Sequence[int]) -> tuple[dict[int, torch.Tensor], list]:
+                   wanted: Collection[int]) -> tuple[dict[int, torch.Tensor], list]:
     """Forward pre-hooks on the blocks of ``run[depth0:]`` that capture the residual stream
     entering each run position in ``wanted`` (``(B, T, H)``) while the probe runs from
     position ``depth0``. Returns ``(captured, handles)``: ``captured`` fills during the
@@ -115,8 +118,8 @@ def position_hooks(blocks: nn.ModuleList, run: Sequence[int], depth0: int,
 
 
 def walk_schedule(order: list[tuple[Probe, int, list[int]]], start_stream: Callable[[int], torch.Tensor | None],
-                  run: Callable[[Probe, int, torch.Tensor | None, list[int]], tuple[object, dict[int, torch.Tensor]]],
-                  ) -> Iterator[tuple[Probe, object]]:
+                  run: Callable[[Probe, int, torch.Tensor | None, list[int]], tuple[Any, dict[int, torch.Tensor]]],
+                  ) -> Iterator[tuple[Probe, Any]]:
     """Run a :func:`schedule` order with its prefix tree: each probe starts from the tree
     node it shares with the probes before it (else from ``start_stream(probe.start)``, the
     identity's stream entering that slot, ``None`` at slot 0). ``run(probe, depth0,

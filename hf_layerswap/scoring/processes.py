@@ -11,6 +11,8 @@ process count without changing the last bits). Each process needs the whole mode
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 
 import torch
@@ -160,7 +162,7 @@ def sum_movement(parts: list[tuple[dict, list[int]]]) -> dict:
         counters have them (a streamed head and embedding), and ``per_process``: each
         process's own block counters, in process order.
     """
-    per_process = [{"block_onloads": int(moved["block_onloads"]), "bytes_moved": int(moved["bytes_moved"]),
+    per_process: list[dict[str, Any]] = [{"block_onloads": int(moved["block_onloads"]), "bytes_moved": int(moved["bytes_moved"]),
                     "block_onloads_per_batch": list(batches)} for moved, batches in parts]
     width = max((len(p["block_onloads_per_batch"]) for p in per_process), default=0)
     return {

@@ -10,6 +10,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,7 +23,7 @@ from ..provenance import library_versions, report_identity
 from ..report import PairResult, SwapReport
 from ..rule import NONFINITE_ADVICE, NonFiniteScoresError, NonFiniteScoresWarning, greedy_select, resolve_protect
 from .engine import Engine, run_plans
-from .settings import dtype_name, EngineSettings
+from .settings import dtype_name, EngineSettings, MemoryBudget
 
 __all__ = [
     "AdaptiveBudget", "calibration_from_args", "removal_kl", "score_layers", "selection_stability", "swap_plans",
@@ -155,7 +156,7 @@ def _layer_choices(report: SwapReport, protocol: str) -> list[tuple | None]:
 
 def selection_stability(
     report: SwapReport,
-    values: Mapping[tuple, torch.Tensor],
+    values: Mapping[Any, torch.Tensor],
     num_to_remove: int,
     *,
     protocol: str = "interchange",
@@ -239,7 +240,7 @@ def score_layers(
     stream_logits: bool = True,
     kl_chunk: int | None = None,
     vocab_chunk: int | None = None,
-    max_memory: int | str | None = None,
+    max_memory: int | str | MemoryBudget | None = None,
     dtype: torch.dtype | str | None = None,
     checkpoint_path: str | os.PathLike | None = None,
     adaptive: AdaptiveBudget | None = None,
@@ -447,7 +448,7 @@ def removal_kl(
     model = uncompiled(model)
     total = num_blocks(model)
     single = not any(isinstance(x, Iterable) and not isinstance(x, str) for x in removed)
-    sets = [list(removed)] if single else [list(s) for s in removed]
+    sets: list[list[int]] = [list(removed)] if single else [list(s) for s in removed]  # type: ignore[arg-type]  # single: flat ints
     plans = {n: removal_plan(total, s) for n, s in enumerate(sets)}
     calib = calibration_from_args(model, calibration, tokenizer, num_prompts, seq_len, seed)
     values, _ = run_plans(model, calib, plans, settings)

@@ -193,5 +193,5 @@ def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -
 
     run.__doc__ = f"The ``{name}`` criterion (:func:`{criterion.__module__}.{criterion.__name__}`) as a strategy."
     fixed = ("model", "calibration", "n", "protect", "batch_size", "tokenizer") + (("report", "evaluator") if reads_report else ())
-    run.options = keyword_options(criterion, fixed)  # what select_layers accepts (register_strategy reads it)
+    run.options = keyword_options(criterion, fixed)  # type: ignore[attr-defined]  # what select_layers accepts (register_strategy reads it)
     return run

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ __all__ = ["OBJECTIVES", "SetObjective", "engine_cost", "plan_nll", "plans_cost"
 OBJECTIVES = RegistryNames(lambda: ("removal_kl", "nll") + search_objectives())
 
 
-def plans_cost(plans: Mapping[Hashable, Sequence[int]], total_blocks: int, reference_sweeps: int = 1) -> tuple[int, int]:
+def plans_cost(plans: Mapping[Any, Sequence[int]], total_blocks: int, reference_sweeps: int = 1) -> tuple[int, int]:
     """(forward passes, block passes) of ``reference_sweeps`` reference sweeps (1 unless a
     :class:`~hf_layerswap.scoring.reference.ReferenceCache` held them) plus one sweep per
     plan with prefix reuse (the same accounting as :func:`~hf_layerswap.scoring.plan_kl`)."""
@@ -133,7 +134,7 @@ def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
 def plan_nll(
     model: nn.Module,
     calibration: CalibrationSet,
-    plans: Mapping[Hashable, Sequence[int]],
+    plans: Mapping[Any, Sequence[int]],
     *,
     batch_size: int = 8,
     reference_cache: ReferenceCache | None = None,
@@ -204,7 +205,7 @@ def plan_nll(
                         out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 return _masked_nll(out, ids, mask), captured
 
-            nll = {p.key: v for p, v in walk_schedule(order, lambda slot, s=streams: s[slot] if slot > 0 else None, run)}
+            nll = {p.key: v for p, v in walk_schedule(order, lambda slot, s=streams: s[slot] if slot > 0 else None, run)}  # type: ignore[misc]  # mypy infers no lambda with a default argument
             for name in plans:
                 key = key_of[name]
                 values[name].append(nll[key].clone() if key in nll else ref.clone())

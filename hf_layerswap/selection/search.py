@@ -198,6 +198,7 @@ def search_select(
               "max_evaluations": max_evaluations, "evaluations_per_budget": evaluations_per_budget,
               "allowances": allowances, "unit": "nats per token" if objective == "nll" else "nats"}
     # per budget: the best set, the sets scored best first, the trace, the protocols' own sets, the cost so far
+    ranked_by_n: dict
     best, ranked_by_n, trace, protocol_sets, costs = {}, {}, {}, {}, {}
     for n in range(1, top + 1):
         exhaustive = _exhaustive(len(allowed), n, exhaustive_below, f.calls - first_call, schedule)
@@ -326,8 +327,8 @@ class _SetSearch:
         return all(i in self.allowed_set for i in s) and all(b - a > self.spacing for a, b in zip(s, s[1:]))
 
     def left(self) -> int:
-        f = self.f
-        return min(self.budget_total - f.calls, self.level["allowance"] - (f.calls - self.level["start"]))
+        f = self.f  # the budget's allowance is finite, so the result is (an infinite cap is not)
+        return int(min(self.budget_total - f.calls, self.level["allowance"] - (f.calls - self.level["start"])))
 
     def score(self, pool):
         """Score the allowed, not yet cached sets of ``pool`` (as many as the allowance

@@ -47,7 +47,7 @@ def single_removal_kl(
     if resume is not None:
         check_resume(resume, "single_removal_kl", budgets, protect=sorted(resolve_protect(protect, num_blocks)))
         values = list(resume.scores)
-        stats = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
+        stats: dict = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
     else:
         values, stats = removal_kl_values(model, calib, [[i] for i in range(num_blocks)], batch_size)
     record_layer_values(values)

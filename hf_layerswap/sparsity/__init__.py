@@ -303,7 +303,7 @@ def sparsify(
     num_params = [sum(lin.weight.numel() for _, lin in lins) for lins in block_linears]
     device = input_device(model)
     batches = [(ids.to(device), mask.to(device)) for ids, mask in calib.batches(opts.batch_size)]
-    timings = {}
+    timings: dict = {}
     targets, statistic_values, allocator_info, linear_rows = _allocate_and_prune(
         model, blocks, block_linears, batches, num_params, module_names, timings,
         sparsity=sparsity, allocation=allocation, method=pruner, pattern=pattern, opts=opts,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ALLOCATORS",
@@ -47,7 +48,7 @@ class AllocationInputs:
 
     sparsity: float
     num_params: list[int]
-    options: object
+    options: Any  # a SparsifyOptions (sparsity/__init__.py, which imports this module)
     block_linears: list
     collectors: dict = field(default_factory=dict)
     gradients: list[float] | None = None
