@@ -250,6 +250,9 @@ def test_depth_first_on_an_offloaded_model_reads_each_block_at_every_call(tmp_pa
     assert s_stats["slot_major"] is True and d_stats["slot_major"] is False
     assert n_streamed == s_stats["movement"]["block_onloads"] == 8
     assert sum(counts.onloads.values()) == d_stats["movement"]["block_onloads"] == d_stats["block_evaluations"]
+    planned = plan_engine(split, calib, plans, EngineSettings(slot_major=False)).plan()
+    assert planned.block_loads == d_stats["movement"]["block_onloads"] and not planned.slot_major
+    assert plan_engine(split, calib, plans, EngineSettings()).plan().block_loads == n_streamed
     # identity, then per pair (i, i+1): replacement i<-i+1 and the interchange share block i+1
     # at slot i (8 - i calls and 7 - i more), replacement i+1<-i runs from slot i+1 (7 - i)
     assert d_stats["block_evaluations"] == s_stats["block_evaluations"] == 8 + sum(22 - 3 * i for i in range(7))
