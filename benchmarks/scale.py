@@ -478,8 +478,9 @@ def _streamed_lines(out: dict) -> list[str]:
     if not rows:
         return []
     lines = [
-        f"Command: `{out.get('commands', {}).get('streamed', '')}` (the `streamed` part, one CPU thread, a fresh "
-        f"process per model). Each model loaded with `max_memory={{'cpu': {STREAMED_CAP} x its weights}}` and the "
+        "Commands: " + "; ".join(f"`{r.get('command', out.get('commands', {}).get('streamed', ''))}`"
+                                 for r in rows.values())
+        + f" (the `streamed` part, one CPU thread, a fresh process per model). Each model loaded with `max_memory={{'cpu': {STREAMED_CAP} x its weights}}` and the "
         "rest offloaded to disk (`offload_folder`); `estimate_cost(model, LayerSwapConfig(num_to_remove=1, ...), "
         "calibration=...)` on that model, then `score_layers` and the search for n = 1, 2 on the same prompts "
         "(default settings, batch 8), once with the dense reference recomputed per evaluator call "
@@ -716,6 +717,7 @@ def main(argv=None):
             print(name, out["prune"][name], flush=True)
         if "streamed" in args.parts:
             out["streamed"][name] = _child(_streamed_part, name, args.num_prompts, args.seq_len)
+            out["streamed"][name]["command"] = out["commands"]["streamed"]
             print(name, out["streamed"][name], flush=True)
         if "passes" in args.parts:
             out["passes"][name] = _child(_passes_part, name, args.num_prompts, args.seq_len)
