@@ -10,7 +10,9 @@ Parts, each in a fresh child process (its peak RSS is the ``ru_maxrss`` of that 
 2. per real model, the search for n = 1..6 with the dense reference recomputed per
    evaluator call (``reference_memory=0``) and kept (default);
 3. ``estimate_cost`` of a Llama-3-70B-shaped config on the meta device with weights streamed
-   from CPU memory to one GPU (a prediction at stated rates).
+   from CPU memory to one GPU (a prediction at stated rates);
+4. per real model with a quarter of its weights in memory and the rest on disk: predicted
+   against counted block loads, and the search with its reference recomputed and kept.
 """
 
 from __future__ import annotations
@@ -106,6 +108,43 @@ def _search_part(name, num_prompts, seq_len, report_path, queue):
     queue.put(out)
 
 
+def _streamed_part(name, num_prompts, seq_len, queue):
+    """A quarter of the weights in memory, the rest on disk: the block loads ``estimate_cost``
+    predicts against the ones counted (scoring, the search's budget 1), then the search for
+    n = 1, 2 with the dense reference recomputed per call and kept, side by side."""
+    import tempfile
+
+    import torch
+    import hf_layerswap as hl
+    from hf_layerswap.cost import Throughput
+    from hf_layerswap.models import load_model
+    from hf_layerswap.selection.objectives import SetObjective
+
+    torch.set_num_threads(1)
+    path, calib = _calibration(name, num_prompts, seq_len)
+    weights = (path / "model.safetensors").stat().st_size
+    config = hl.LayerSwapConfig(num_to_remove=1, num_prompts=num_prompts, seq_len=seq_len, progress=False)
+    out = {"cap": STREAMED_CAP}
+    with tempfile.TemporaryDirectory(prefix="offload-") as folder:
+        model, _ = load_model(path, max_memory={"cpu": int(STREAMED_CAP * weights)}, offload_folder=folder)
+        estimate = hl.estimate_cost(model, config, calibration=calib, throughput=Throughput(1e9, 1e9, 1e9))
+        out["predicted"] = {k: estimate.phases[k]["block_loads"] for k in ("scoring", "selection")}
+        t0 = time.perf_counter()
+        report = hl.score_layers(model, calib, progress=False, batch_size=config.batch_size)
+        out["scoring"] = {"block_loads": report.metadata["movement"]["block_onloads"],
+                          "offloaded_blocks": report.metadata["movement"]["offloaded_blocks"],
+                          "seconds": time.perf_counter() - t0}
+        for label, memory in (("recomputed", 0), ("kept", None)):
+            f = SetObjective(model, calib, batch_size=config.batch_size, reference_memory=memory)
+            t0 = time.perf_counter()
+            found = hl.search_select(report, [1, 2], model=model, calibration=calib, evaluator=f)
+            out[label] = {"cost_n1": found[1]["cost"], "cost": found[2]["total_cost"],
+                          "seconds": time.perf_counter() - t0,
+                          "selected": {n: found[n]["selected"] for n in found},
+                          "values": {n: float(found[n]["value"]).hex() for n in found}}
+    queue.put(out)
+
+
 def _passes_part(name, num_prompts, seq_len, queue):
     """The search for n = 1..6 and SLEB for n = 6 with the same engine tricks, in block and head passes."""
     import torch
@@ -175,6 +214,9 @@ def _child(target, *args):
     proc.join()
     return result
 
+
+#: Share of the weights held in CPU memory in the streamed part (the rest offloaded to disk).
+STREAMED_CAP = 0.25
 
 #: Sustained read rate assumed for weights streamed from an NVMe disk (PCIe 4 x4, sequential).
 DISK_BYTES_PER_SECOND = 7e9
@@ -429,6 +471,44 @@ def _prune_verdict(out) -> str:
     return "Targets: " + "; ".join(parts) + "."
 
 
+def _streamed_lines(out: dict) -> list[str]:
+    """The measured streamed rows: predicted vs counted block loads, the search with its
+    reference recomputed per call and kept."""
+    rows = out.get("streamed", {})
+    if not rows:
+        return []
+    lines = [
+        "Commands: " + "; ".join(f"`{r.get('command', out.get('commands', {}).get('streamed', ''))}`"
+                                 for r in rows.values())
+        + f" (the `streamed` part, one CPU thread, a fresh process per model). Each model loaded with `max_memory={{'cpu': {STREAMED_CAP} x its weights}}` and the "
+        "rest offloaded to disk (`offload_folder`); `estimate_cost(model, LayerSwapConfig(num_to_remove=1, ...), "
+        "calibration=...)` on that model, then `score_layers` and the search for n = 1, 2 on the same prompts "
+        "(default settings, batch 8), once with the dense reference recomputed per evaluator call "
+        "(`reference_memory=0`) and once kept (the default). *Block loads* are offloaded blocks brought over "
+        "(`movement[\"block_onloads\"]`, the search's `total_cost[\"block_loads\"]`).",
+        "",
+        "| model | offloaded blocks | scoring block loads: predicted | counted | search n = 1: predicted | counted "
+        "| search n = 1, 2: block loads, reference per call | kept | ratio | reference passes: per call | kept "
+        "| seconds: per call | kept | same sets and values |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in rows.items():
+        rec, kept = r["recomputed"], r["kept"]
+        same = rec["selected"] == kept["selected"] and rec["values"] == kept["values"]
+        lines.append(
+            f"| {name} | {r['scoring']['offloaded_blocks']} | {r['predicted']['scoring']:,} | "
+            f"{r['scoring']['block_loads']:,} | {r['predicted']['selection']:,} | {kept['cost_n1']['block_loads']:,} | "
+            f"{rec['cost']['block_loads']:,} | {kept['cost']['block_loads']:,} | "
+            f"{kept['cost']['block_loads'] / max(rec['cost']['block_loads'], 1):.2f} | "
+            f"{rec['cost']['reference_passes']} | {kept['cost']['reference_passes']} | {rec['seconds']:.0f} | "
+            f"{kept['seconds']:.0f} | {'yes' if same else 'no'} |")
+    lines += ["", "The predicted loads are the engine's own plan (`Engine.plan()`); the search's budget 1 (its "
+              "single-removal call) is exact, later budgets an upper bound. With the reference kept, a later "
+              "call starts each candidate from the kept stream entering its first removed block, so no reference "
+              "pass runs and the blocks before it do not move.", ""]
+    return lines
+
+
 def _seventy_b_lines(b: dict) -> list[str]:
     """The 70B section's bullets from its stored prediction."""
     if not b:
@@ -600,6 +680,7 @@ def render(out) -> str:
         "",
         "## Streaming offloaded blocks",
         "",
+        *_streamed_lines(out),
         "Slot-major streaming of offloaded models and its measurements (blocks onloaded per batch, bytes moved, "
         "peak memory with a quarter of the weights in memory) are on [streaming.md](streaming.md).",
         "",
@@ -612,7 +693,7 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--models", nargs="+", default=list(MODELS))
-    p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b"],
+    p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b", "streamed"],
                    help="parts to run; the others keep their results stored in scale.json")
     p.add_argument("--render-only", action="store_true", help="write scale.md from scale.json")
     p.add_argument("--json", type=Path, default=RESULTS / "scale.json", help="stored results read by --render-only")
@@ -634,6 +715,10 @@ def main(argv=None):
             out["prune"][name] = {"predicted": _child(_estimate_part, name, args.num_prompts, args.seq_len),
                                   "measured": _child(_prune_part, name, args.num_prompts, args.seq_len, report_path)}
             print(name, out["prune"][name], flush=True)
+        if "streamed" in args.parts:
+            out["streamed"][name] = _child(_streamed_part, name, args.num_prompts, args.seq_len)
+            out["streamed"][name]["command"] = out["commands"]["streamed"]
+            print(name, out["streamed"][name], flush=True)
         if "passes" in args.parts:
             out["passes"][name] = _child(_passes_part, name, args.num_prompts, args.seq_len)
             print(name, out["passes"][name]["search"]["cost"], out["passes"][name]["sleb"]["block_passes"], flush=True)

@@ -66,6 +66,7 @@ from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from .scoring.head import linear32
 from .scoring.kl import OnlineKL
 from .scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
+from .scoring.slotmajor import blocks_offloaded
 from .scoring.verbs import swap_plans
 from .selection import STRATEGIES
 from .selection.registry import strategy_entry
@@ -448,9 +449,11 @@ def _weights_dtype(model) -> torch.dtype:
 
 # ---------------------------------------------------------------------------- memory
 def _offloaded(model) -> bool:
-    """Blocks kept off the compute device (accelerate's CPU or disk offload)."""
-    device_map = getattr(model, "hf_device_map", None) or {}
-    return any(str(d) in ("cpu", "disk") for d in device_map.values()) and len(set(map(str, device_map.values()))) > 1
+    """Blocks kept off the compute device (accelerate's CPU or disk offload), by the device map:
+    a "disk" entry, or "cpu" beside another device (a model loaded whole on disk counts; one
+    whole on the CPU does not). :func:`~.scoring.slotmajor.blocks_offloaded` reads the hooks."""
+    places = set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))
+    return "disk" in places or ("cpu" in places and len(places) > 1)
 
 
 def _working_bytes(plan, search_reference: int) -> int:
@@ -673,7 +676,7 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         p.setdefault("exact", p is not phases.get("selection") or exact)
     for p in phases.values():
         p["flops"] = p["block_flops"] + p["head_flops"]
-    streamed = _offloaded(model) if stream_weights is None else bool(stream_weights)
+    streamed = (_offloaded(model) or blocks_offloaded(model)) if stream_weights is None else bool(stream_weights)
     n_batches = math.ceil(calib.num_prompts / cfg.batch_size)
     for name, p in phases.items():  # the engine's phases: the block loads of its plan (where a strategy's
         # cost counts them; else each block once per batch and sweep); the other steps run the model's own

@@ -250,6 +250,9 @@ def test_depth_first_on_an_offloaded_model_reads_each_block_at_every_call(tmp_pa
     assert s_stats["slot_major"] is True and d_stats["slot_major"] is False
     assert n_streamed == s_stats["movement"]["block_onloads"] == 8
     assert sum(counts.onloads.values()) == d_stats["movement"]["block_onloads"] == d_stats["block_evaluations"]
+    planned = plan_engine(split, calib, plans, EngineSettings(slot_major=False)).plan()
+    assert planned.block_loads == d_stats["movement"]["block_onloads"] and not planned.slot_major
+    assert plan_engine(split, calib, plans, EngineSettings()).plan().block_loads == n_streamed
     # identity, then per pair (i, i+1): replacement i<-i+1 and the interchange share block i+1
     # at slot i (8 - i calls and 7 - i more), replacement i+1<-i runs from slot i+1 (7 - i)
     assert d_stats["block_evaluations"] == s_stats["block_evaluations"] == 8 + sum(22 - 3 * i for i in range(7))
@@ -574,3 +577,17 @@ def test_block_prefetcher_reads_the_next_block_before_the_current_one_runs(tmp_p
     assert log[:3] == [("read", 0), ("load", 0), ("read", 1)]
     assert all(torch.equal(plain[k], fetched[k]) for k in plain)
     assert {p.device.type for p in blocks[3].parameters()} == {"meta"}  # back on "meta" after the pass
+
+
+def test_a_model_wholly_on_disk_is_estimated_as_streamed(tmp_path):
+    """Every module on disk (one device in the map): the estimate counts its block loads and
+    bytes moved as the run does, not 0 as for a model in memory."""
+    calib = build_calibration(tiny_batch(batch=5, length=12))
+    split = _all_on_disk(tiny_model("llama"), tmp_path / "offload")
+    assert set(map(str, split.hf_device_map.values())) == {"disk"}
+    config = hl.LayerSwapConfig(num_to_remove=1, batch_size=3, num_prompts=5, seq_len=12, progress=False)
+    estimate = hl.estimate_cost(split, config, calibration=calib, throughput=Throughput(1e9, 1e9, 1e9))
+    report = hl.score_layers(split, calib, progress=False, batch_size=3)
+    L = report.num_blocks
+    assert estimate.phases["scoring"]["block_loads"] == report.metadata["movement"]["block_onloads"] == 2 * L
+    assert estimate.phases["scoring"]["bytes_moved"] == report.metadata["movement"]["bytes_moved"] > 0

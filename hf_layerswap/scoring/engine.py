@@ -293,10 +293,13 @@ class Engine:
     @property
     def kl_plan(self) -> EnginePlan:
         """The plan's settings without its batches (for :meth:`EnginePlan.head_work`)."""
-        return EnginePlan(self.batch_size, self.num_blocks, self.hidden, self.head.vocab,
-                          torch.finfo(self.compute_dtype).bits // 8, len(self.my_probes), self.mode,
-                          self.stream_logits, self.slot_major, len(self.movable), self.kl_chunk, self.vocab_chunk,
-                          self.kl_block_bytes, self.budget, 0, int(FLUSH_BUDGET_FRACTION * self.budget), 0, 0, ())
+        return EnginePlan(
+            batch_size=self.batch_size, num_blocks=self.num_blocks, hidden=self.hidden, vocab=self.head.vocab,
+            element_bytes=torch.finfo(self.compute_dtype).bits // 8, probes=len(self.my_probes), prefix_reuse=self.mode,
+            stream_logits=self.stream_logits, slot_major=self.slot_major, offloaded_blocks=len(self.movable),
+            kl_chunk=self.kl_chunk, vocab_chunk=self.vocab_chunk, kl_block_bytes=self.kl_block_bytes,
+            max_memory=self.budget, activation_bytes=0, flush_bytes=int(FLUSH_BUDGET_FRACTION * self.budget),
+            head_working_bytes=0, head_check_calls=0, batches=())
 
     # -- provenance -----------------------------------------------------------------
     def settings(self) -> dict:
