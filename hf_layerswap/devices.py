@@ -74,9 +74,12 @@ def input_device(model: nn.Module) -> torch.device:
 
 
 def same_device(a, b) -> bool:
-    """Whether two devices (``torch.device``, a name, a GPU index) are one: ``"cuda"`` is
-    ``"cuda:0"`` (the current device is not asked), ``"cpu:1"`` is ``"cpu"``."""
-    a, b = (torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in (a, b))
+    """Whether two devices (``torch.device``, a name, an accelerator index as accelerate's
+    ``max_memory`` keys give it) are one: ``"cuda"`` is ``"cuda:0"`` (the current device is
+    not asked), ``"cpu:1"`` is ``"cpu"``."""
+    accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    kind = accel.type if accel is not None else "cuda"
+    a, b = (torch.device(kind, d) if isinstance(d, int) else torch.device(d) for d in (a, b))
     if a.type != b.type:
         return False
     return a.type in ("cpu", "meta") or (a.index or 0) == (b.index or 0)

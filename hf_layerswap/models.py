@@ -308,8 +308,7 @@ def load_model(
             ``max_memory`` or ``offload_folder`` is given; otherwise the whole model in CPU
             memory (no hooks). ``None``: no map; a dict or another accelerate strategy
             (``"cpu"``, ``"balanced"``, ``"sequential"``, ...) is passed as given.
-        max_memory: per-device limits for the map, accelerate's format (``{0: "20GiB",
-            "cpu": "60GiB"}``).
+        max_memory: per-device limits for the map, accelerate's format (``{0: "20GiB", "cpu": "60GiB"}``).
         quantization_config: passed to ``from_pretrained`` (e.g. ``LayerSwapConfig``);
             not combinable with GGUF input, which is already a quantization (load, then
             prune the loaded model, or load :func:`bundled_checkpoint_dir` instead).
@@ -323,8 +322,8 @@ def load_model(
     loadable folder (or Hub id); ``model.layerswap_max_memory`` keeps ``max_memory`` (for the working-memory budget).
 
     Raises:
-        ValueError: a ``device_map`` or ``max_memory`` device this machine does not have
-            (:func:`check_device_placement`), an unknown bundled name (the message lists the allowed ones), a path
+        ValueError: a ``device_map`` or ``max_memory`` device this machine does not have, or none of
+            its own for a launched process (:func:`resolve_placement`), an unknown bundled name, a path
             that does not exist, a local GGUF file that cannot be read as GGUF
             (:func:`check_gguf_file`), ``quantization_config`` together with GGUF input, or a
             ``dtype`` outside :data:`DTYPES`.

@@ -27,8 +27,11 @@ trap 'rm -rf "$SRC"' EXIT
 git archive HEAD | tar -x -C "$SRC"
 $PIP install -q --no-deps --force-reinstall "$SRC"
 $PIP check
-for name in datasets gguf evaluate lm_eval matplotlib optimum mergekit; do
-  if "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$name') is None)"; then
+# distributions, not import names: this package ships the namespace optimum.commands.register
+for name in datasets gguf evaluate lm-eval matplotlib optimum mergekit; do
+  if "$VENV/bin/python" -c "import importlib.metadata as m, sys
+try: m.distribution('$name')
+except m.PackageNotFoundError: sys.exit(1)"; then
     echo "check_lowest.sh: $name is installed in $VENV; the check wants it absent" >&2; exit 2
   fi
 done

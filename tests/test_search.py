@@ -149,6 +149,38 @@ def test_baseline_strategies_share_the_interface(setup):
     assert hl.select_layers(report, 2, strategy="single_removal_kl", model=model, calibration=calib) == sorted(order[:2])
 
 
+def test_sleb_and_single_removal_work_under_the_budget_select_layers_is_given(setup, monkeypatch):
+    """select_layers' max_memory (prune's one working-memory budget) reaches SLEB and the
+    single-removal sweep: SLEB keeps its dense reference within the budget's reference share
+    (as the search does and the cost estimate plans; it took the device's own budget), the
+    single-removal probes run under the budget; the choices stay those of the default."""
+    from hf_layerswap.scoring.settings import resolve_memory
+    from hf_layerswap.selection import single_removal, sleb
+
+    model, calib, report = setup
+    kept = []
+
+    class Recording(sleb.ReferenceCache):
+        def __init__(self, budget, *args, **kwargs):
+            kept.append(budget)
+            super().__init__(budget, *args, **kwargs)
+
+    monkeypatch.setattr(sleb, "ReferenceCache", Recording)
+    default = hl.select_layers(report, 2, strategy="sleb", model=model, calibration=calib)
+    given = hl.select_layers(report, 2, strategy="sleb", model=model, calibration=calib, max_memory="96MiB")
+    assert kept == [resolve_memory("auto", model).bytes // 2, 48 << 20] and given == default
+    seen, real = [], single_removal.removal_kl_values
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("max_memory"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(single_removal, "removal_kl_values", recording)
+    assert (hl.select_layers(report, 2, strategy="single_removal_kl", model=model, calibration=calib, max_memory="96MiB")
+            == hl.select_layers(report, 2, strategy="single_removal_kl", model=model, calibration=calib))
+    assert resolve_memory(seen[0], model).bytes == 96 << 20 and seen[1] is None
+
+
 def test_ghosted_recovery_selects_with_the_repair_in_the_loop():
     from tests.conftest import tiny_batch, tiny_model
 

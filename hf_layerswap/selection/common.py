@@ -10,6 +10,7 @@ cost in calibration forward passes, block passes and seconds.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -173,10 +174,16 @@ def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -
     ``report.selections``. Its ``options`` attribute names the criterion's keyword
     arguments a caller may set. With ``reads_report`` the criterion gets the report
     (``report=``) and the objective as its ``evaluator``; otherwise an objective is refused.
+    A criterion with a ``max_memory`` keyword gets ``select_layers``' working-memory budget.
     """
 
-    def run(report, num_to_remove, *, protect, model, calibration, batch_size, objective, options, **_):
+    takes_budget = "max_memory" in inspect.signature(criterion).parameters
+
+    def run(report, num_to_remove, *, protect, model, calibration, batch_size, objective, options, max_memory=None,
+            **_):
         kwargs = dict(options)
+        if takes_budget:  # the one working-memory budget select_layers was given
+            kwargs["max_memory"] = max_memory
         if reads_report:
             kwargs.setdefault("report", report)
             if objective is not None:
@@ -192,6 +199,6 @@ def as_strategy(name: str, criterion: Callable, *, reads_report: bool = False) -
         return list(result.removed)
 
     run.__doc__ = f"The ``{name}`` criterion (:func:`{criterion.__module__}.{criterion.__name__}`) as a strategy."
-    fixed = ("model", "calibration", "n", "protect", "batch_size", "tokenizer") + (("report", "evaluator") if reads_report else ())
+    fixed = ("model", "calibration", "n", "protect", "batch_size", "tokenizer", "max_memory") + (("report", "evaluator") if reads_report else ())
     run.options = keyword_options(criterion, fixed)  # type: ignore[attr-defined]  # what select_layers accepts (register_strategy reads it)
     return run

@@ -25,6 +25,7 @@ def single_removal_kl(
     protect: Sequence[int] = (0, -1),
     batch_size: int = 8,
     resume: CriterionResult | None = None,
+    max_memory=None,
 ):
     """One-shot ranking by the single-block removal KL d_skip({l}) = E_x KL(p_M || p_{M-{l}})
     (nats; mean over real tokens per prompt, then over prompts; fp32 log-softmax).
@@ -35,6 +36,8 @@ def single_removal_kl(
     Args:
         resume: a result of this criterion for a smaller budget with the same ``protect``:
             its per-block scores (and their cost) are reused, nothing is scored again.
+        max_memory: the working-memory budget of the removal probes (bytes, a size, a
+            ``MemoryBudget``; default ``"auto"``, :func:`~hf_layerswap.scoring.settings.resolve_memory`).
 
     Returns:
         :class:`CriterionResult` (``scores`` = d_skip per block). Cost: L+1 forward passes.
@@ -49,7 +52,8 @@ def single_removal_kl(
         values = list(resume.scores)
         stats: dict = {"forward_passes": resume.forward_passes, "block_passes": resume.block_passes, "seconds": resume.seconds}
     else:
-        values, stats = removal_kl_values(model, calib, [[i] for i in range(num_blocks)], batch_size)
+        values, stats = removal_kl_values(model, calib, [[i] for i in range(num_blocks)], batch_size,
+                                          max_memory=max_memory)
     record_layer_values(values)
     results = {}
     for b in budgets:

@@ -13,7 +13,7 @@ from ..report import score_key
 from ..rule import resolve_protect
 from ..scoring.probes import make_probes, schedule_blocks
 from ..scoring.reference import ReferenceCache
-from ..scoring.settings import model_memory_budget
+from ..scoring.settings import resolve_memory
 from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
 from .objectives import removal_nll_values
 from .registry import NO_PROTOCOL, Criterion, register_strategy
@@ -30,6 +30,7 @@ def sleb(
     protect: Sequence[int] = (0, -1),
     batch_size: int = 8,
     resume: CriterionResult | None = None,
+    max_memory=None,
 ):
     """SLEB (Song et al., ICML 2024): iterative greedy block removal by calibration NLL.
 
@@ -53,6 +54,11 @@ def sleb(
             budget's result is the prefix of that run with the cost spent up to it.
         resume: a SLEB result for a smaller budget on the same model, prompts and
             ``protect``: the search continues from it (same sets and costs as one run).
+        max_memory: the working-memory budget (bytes, a size, a ``MemoryBudget``; default
+            ``"auto"``: :func:`~hf_layerswap.scoring.settings.resolve_memory` on the model's
+            devices); the kept dense reference takes its
+            :data:`~hf_layerswap.scoring.settings.REFERENCE_SHARE`, as the search's does
+            and as the cost estimate plans it.
 
     Returns:
         :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
@@ -79,7 +85,7 @@ def sleb(
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
         heads = resume.details.get("head_passes", 0)
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
-    reference = ReferenceCache(model_memory_budget(model)[0])
+    reference = ReferenceCache(resolve_memory(max_memory, model).split()[0].bytes)
     for k in range(first_step, budgets[-1] + 1):
         candidates = [b for b in allowed if b not in removed]
         sets = [sorted(removed + [b]) for b in candidates]
