@@ -458,6 +458,13 @@ def _patience_section(state: dict, done: list[dict]) -> list[str]:
     return lines
 
 
+#: The defaults section while none of its cells is stored.
+DEFAULTS_NOT_RUN = (
+    "Not run yet: at its defaults `heal` trains 10 minutes of steps as this CPU measures them (1 thread), plus "
+    "the probe (about 3/16 more), so each cell is about 12 CPU-minutes of healing; the first attempt got 5-14% of a "
+    "core on the shared machine and was stopped. Command (resumable per cell; `--models` / `--methods` with "
+    "`--state` split it into processes, `--merge-from` joins them): `python benchmarks/heal.py --groups defaults "
+    "--threads 1`.")
 #: The issue's goal at heal's defaults: the share of the start's dPPL healing recovers, at least.
 DEFAULTS_GOAL = 40.0
 
@@ -557,7 +564,7 @@ def render(state: dict, out: Path) -> None:
         done = [state["cells"][k] for k in keys if k in state["cells"]]
         lines += [f"## {title}", ""]
         if not done:
-            lines += ["Not run.", ""]
+            lines += [DEFAULTS_NOT_RUN if group == "defaults" else "Not run.", ""]
             continue
         lines += [*TABLE_HEAD, *(cell_row(state, c) for c in done), ""]
         if group == "pilot":

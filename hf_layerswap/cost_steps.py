@@ -51,7 +51,7 @@ from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
-from .healing.choice import HEAL_SECONDS, probe_steps, time_budget
+from .healing.choice import HEAL_SECONDS, TIMED_FORWARDS, probe_steps, time_budget
 from .healing.methods import LORA_TARGETS, cut_neighbours, get_heal_method
 from .healing.trainer import resolve_patience
 from .models import has_tokenizer_files, is_hub_id
@@ -339,6 +339,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
             raise ValueError("heal max_tokens=None: predicting the budget heal chooses needs the device's rates")
         width = _heal_width(cfg, calibration)
         budget = heal_budget(shape, kept, rates(heal.batch_size, width), heal.batch_size, width)
+        budget["timed_forwards"] = TIMED_FORWARDS + 1  # per model, heal's timing of the two forwards
         if isinstance(calibration, Mapping) and heal.calibration is None:  # given rows: at most one pass over them
             rows = min(int(calibration["input_ids"].shape[0]) - heal.heldout_prompts, HEAL_MAX_TRAIN_PROMPTS)
             if budget["steps"] * heal.batch_size > rows > 0:
@@ -355,6 +356,9 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     phase = _phase(no_early_stop and rows_known,
                    f"{heal.method}: {steps} steps of {heal.batch_size} prompts x {width} tokens, {evaluations} "
                    f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))
+    if budget is not None:  # the forwards heal times for the budget (one untimed first), each model
+        for blocks in (kept, shape.num_blocks):
+            _add_forward(phase, shape, blocks, heal.batch_size, width, times=budget["timed_forwards"])
     if heal.teacher_top_k is not None:  # the teacher once over the training prompts
         for b, n in _trainer_batches(train, heal.batch_size, math.ceil(train / heal.batch_size)).items():
             _add_forward(phase, shape, shape.num_blocks, b, width, times=n)

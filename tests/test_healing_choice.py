@@ -143,8 +143,8 @@ def test_dry_run_prices_the_chosen_budget_and_the_probe_as_the_real_prune_runs_t
     assert (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny_llama().config, config, calib)
     # per step the student's 6 blocks and the teacher's 8; the probe's 3 x 2 steps likewise; evaluations
     # (both models, one batch): the finite-start check, before training, after the last step, and the
-    # probe's start and one per rate
-    assert phase["block_passes"] == 2 * 14 + 6 * 14 + (3 + 4) * 14
+    # probe's start and one per rate; the budget's timing: 4 forwards of each model (one untimed)
+    assert phase["block_passes"] == 2 * 14 + 6 * 14 + (3 + 4) * 14 + 4 * 14
     lines = "\n".join(estimate.lines())
     assert "budget chosen: 64 tokens, 2 steps" in lines
     assert "learning-rate probe: 3 rates (0.0003, 0.001, 0.003) x 2 steps on 4 prompts" in lines

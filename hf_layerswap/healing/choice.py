@@ -30,7 +30,7 @@ from transformers import PrinterCallback
 
 from .trainer import DistillationTrainer, training_arguments
 
-__all__ = ["HEAL_SECONDS", "PROBE_SHARE", "probe_learning_rate", "probe_steps", "time_budget", "time_forwards"]
+__all__ = ["HEAL_SECONDS", "PROBE_SHARE", "TIMED_FORWARDS", "probe_learning_rate", "probe_steps", "time_budget", "time_forwards"]
 
 #: The default budget's time target (``heal(max_tokens=None)``): seconds of training steps on the device.
 HEAL_SECONDS = 600.0
