@@ -462,7 +462,9 @@ def _patience_section(state: dict, done: list[dict]) -> list[str]:
 DEFAULTS_NOT_RUN = (
     "Not run yet: at its defaults `heal` trains 10 minutes of steps as this CPU measures them (1 thread), plus "
     "the probe (about 3/16 more), so each cell is about 12 CPU-minutes of healing; the first attempt got 5-14% of a "
-    "core on the shared machine and was stopped. Command (resumable per cell; `--models` / `--methods` with "
+    "core on the shared machine and was stopped. The budgets the defaults choose here (measured, n = 4): SmolLM2-135M "
+    "44,544 tokens (87 steps), Gemma-3-270M 19,456 tokens (38 steps); the stored 32k-token cells at lr 1e-3 above "
+    "recovered 58% (lora) and 47% (ghosted+lora) on SmolLM2-135M, 81% and 30% on Gemma-3-270M. Command (resumable per cell; `--models` / `--methods` with "
     "`--state` split it into processes, `--merge-from` joins them): `python benchmarks/heal.py --groups defaults "
     "--threads 1`.")
 #: The issue's goal at heal's defaults: the share of the start's dPPL healing recovers, at least.
