@@ -206,14 +206,15 @@ class Runner:
                 "report": report.to_dict(), "versions": library_versions()}
 
 
-def run(groups: list[str], path: Path, command: str, methods=None) -> dict:
-    """Run the cells of ``groups`` (only ``methods`` when given) not stored in ``path`` yet."""
+def run(groups: list[str], path: Path, command: str, methods=None, models=None) -> dict:
+    """Run the cells of ``groups`` (only ``methods`` and ``models`` when given) not stored in ``path`` yet."""
     store = CellStore(path, fresh=new_state)
     state = store.state
     state["environment"] = {"versions": library_versions(), "machine": platform.platform(), "torch_threads": 1}
     state["commands"] = list(dict.fromkeys([*state.get("commands", []), command]))
     runner = Runner(store)
-    cells = [(cell_key(c), c) for group in groups for c in PLAN[group] if not methods or c["method"] in methods]
+    cells = [(cell_key(c), c) for group in groups for c in PLAN[group]
+             if (not methods or c["method"] in methods) and (not models or c["model"] in models)]
     return run_cells(store, cells, runner.run_cell, tag="heal", describe=lambda done: (
         f"dPPL {done['healed']['dppl']:+.1f}% KL {done['report']['kl_before']:.4f} -> {done['report']['kl_after']:.4f}, "
         f"{done['report']['steps']} steps, {done['heal_cpu_s']:.0f} CPU-s"))
@@ -457,6 +458,15 @@ def _patience_section(state: dict, done: list[dict]) -> list[str]:
     return lines
 
 
+#: The defaults section while none of its cells is stored.
+DEFAULTS_NOT_RUN = (
+    "Not run yet: at its defaults `heal` trains 10 minutes of steps as this CPU measures them (1 thread), plus "
+    "the probe (about 3/16 more), so each cell is about 12 CPU-minutes of healing; the first attempt got 5-14% of a "
+    "core on the shared machine and was stopped. The budgets the defaults choose here (measured, n = 4): SmolLM2-135M "
+    "44,544 tokens (87 steps), Gemma-3-270M 19,456 tokens (38 steps); the stored 32k-token cells at lr 1e-3 above "
+    "recovered 58% (lora) and 47% (ghosted+lora) on SmolLM2-135M, 81% and 30% on Gemma-3-270M. Command (resumable per cell; `--models` / `--methods` with "
+    "`--state` split it into processes, `--merge-from` joins them): `python benchmarks/heal.py --groups defaults "
+    "--threads 1`.")
 #: The issue's goal at heal's defaults: the share of the start's dPPL healing recovers, at least.
 DEFAULTS_GOAL = 40.0
 
@@ -556,7 +566,7 @@ def render(state: dict, out: Path) -> None:
         done = [state["cells"][k] for k in keys if k in state["cells"]]
         lines += [f"## {title}", ""]
         if not done:
-            lines += ["Not run.", ""]
+            lines += [DEFAULTS_NOT_RUN if group == "defaults" else "Not run.", ""]
             continue
         lines += [*TABLE_HEAD, *(cell_row(state, c) for c in done), ""]
         if group == "pilot":
@@ -631,6 +641,8 @@ def main(argv=None) -> None:
     parser.add_argument("--groups", nargs="+", default=list(PLAN), choices=list(PLAN))
     parser.add_argument("--methods", nargs="+", default=None,
                         help="run only the cells of these methods (default: every method of the groups)")
+    parser.add_argument("--models", nargs="+", default=None, choices=[SMOL, GEMMA],
+                        help="run only the cells of these models (default: every model of the groups)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the page's runs: 1)")
     parser.add_argument("--state", "--json", dest="json", default=str(RESULTS / "heal.json"),
                         help="the JSON of finished cells, read and extended (default results/heal.json)")
@@ -654,7 +666,9 @@ def main(argv=None) -> None:
         command = f"python benchmarks/heal.py --groups {' '.join(args.groups)} --threads {args.threads}"
         if args.methods:
             command += f" --methods {' '.join(args.methods)}"
-        state = run(args.groups, path, command, args.methods)
+        if args.models:
+            command += f" --models {' '.join(args.models)}"
+        state = run(args.groups, path, command, args.methods, args.models)
     render(state, Path(args.out))
     print(f"wrote {args.out}")
 

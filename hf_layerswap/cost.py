@@ -595,7 +595,8 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
     exact = all(p.get("exact", True) for p in phases.values())
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer),
-                                   throughput=throughput, device=device))
+                                   rates=lambda batch, width: throughput or measure_throughput(model, batch, width,
+                                                                                               device=device)))
     return _assemble(model, calib, cfg, phases, scoring_plan, exact, device, kept.bytes, throughput, stream_weights)
 
 
@@ -627,18 +628,17 @@ def _check_device(device: torch.device, max_memory, throughput) -> None:
 
 
 def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *,
-                     throughput=None, device=None) -> dict:
+                     rates=None) -> dict:
     """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
     selection (:mod:`~hf_layerswap.cost_steps`), in its order; healing's default budget at
-    ``throughput`` (default: measured on ``device``)."""
+    ``rates(batch_size, width)``."""
     shape = ModelShape(model)
     removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
     phases = {}
     if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
         phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
     if cfg.heal is not None:
-        phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer, throughput=throughput,
-                                          device=device)
+        phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer, rates=rates)
     if cfg.sparsity is not None:
         phases["sparsity"] = sparsity_phase(shape, calib, cfg, removed)
     return phases

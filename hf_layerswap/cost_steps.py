@@ -51,7 +51,7 @@ from .calibration import CalibrationSet
 from .config import LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
-from .healing.choice import probe_steps
+from .healing.choice import HEAL_SECONDS, TIMED_FORWARDS, probe_steps, time_budget
 from .healing.methods import get_heal_method
 from .healing.trainer import resolve_patience
 from .models import has_tokenizer_files, is_hub_id
@@ -65,7 +65,7 @@ from .sparsity.registry import get_allocator, get_pruner
 from .sparsity.stats import HessianAccumulator
 from .tasks import check_task_names, request_forwards, task_requests
 
-__all__ = ["HEAL_SECONDS", "ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
+__all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
            "text_tokenizer"]
 
@@ -275,54 +275,46 @@ def _trainer_batches(rows: int, batch: int, steps: int) -> dict[int, int]:
     return {b: n for b, n in counts.items() if n}
 
 
-#: The default healing budget's time target (``heal(max_tokens=None)``): seconds of training
-#: steps on the device at the cost model's rates (:func:`heal_budget`).
-HEAL_SECONDS = 600.0
-
-
 def heal_budget(shape: ModelShape, kept: int, throughput, batch_size: int, width: int,
                 seconds: float = HEAL_SECONDS) -> dict:
-    """The default training budget of :func:`~hf_layerswap.healing.heal`: as many whole
-    optimiser steps of ``batch_size`` x ``width`` positions as fit ``seconds`` at
-    ``throughput``'s rates (a :class:`~hf_layerswap.cost.Throughput`), each step a student
-    forward and backward through ``kept`` blocks (the backward as 2 forward FLOPs) and a
-    teacher forward through ``shape``'s blocks, the head after each; at least one step.
+    """The prediction of the default training budget of :func:`~hf_layerswap.healing.heal`
+    (:func:`~hf_layerswap.healing.choice.time_budget`, which times the two forwards on the device):
+    the student's forward through ``kept`` blocks and the teacher's through ``shape``'s
+    blocks, each with the head, at ``throughput``'s rates (a :class:`~hf_layerswap.cost.Throughput`).
 
     Returns:
-        ``{"rule": "time", "seconds": the target, "step_seconds": one step's predicted
-        seconds, "steps", "max_tokens": steps x batch_size x width, "throughput": the rates'
-        source, "tokens_per_second"}``.
+        :func:`~hf_layerswap.healing.choice.time_budget`'s record with ``"throughput"``: the rates' source.
     """
-    phase = _phase(True, "")
-    _add_forward(phase, shape, kept, batch_size, width, factor=3.0)  # the student: forward + backward
-    _add_forward(phase, shape, shape.num_blocks, batch_size, width)  # the teacher
-    step = (phase["block_flops"] / throughput.block_flops_per_second
-            + phase["head_flops"] / throughput.head_flops_per_second)
-    steps = max(1, math.floor(seconds / step))
-    return {"rule": "time", "seconds": float(seconds), "step_seconds": step, "steps": steps,
-            "max_tokens": steps * batch_size * width, "throughput": throughput.source,
-            "tokens_per_second": batch_size * width / step}
+    seconds_of = []
+    for blocks in (kept, shape.num_blocks):
+        fb, fh = shape.forward_flops(blocks, batch_size, width)
+        seconds_of.append(fb / throughput.block_flops_per_second + fh / throughput.head_flops_per_second)
+    return {**time_budget(*seconds_of, batch_size, width, seconds), "throughput": throughput.source}
 
 
 def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None, *,
-                  throughput=None, device=None) -> dict:
+                  rates=None) -> dict:
     """Passes, FLOPs and peak bytes of ``cfg.heal`` (see the module's text), its
     measurements included (:func:`heal_measures`; ``tokenizer`` reads their texts).
-    ``max_tokens=None`` takes the budget :func:`heal_budget` chooses at ``throughput``
-    (default: :func:`~hf_layerswap.cost.measure_throughput` on ``device``, as ``heal``
-    measures it), recorded in ``phase["budget"]``; ``learning_rate=None`` adds the
+    ``max_tokens=None`` takes the budget :func:`heal_budget` predicts at the rates
+    ``rates(batch_size, width)`` returns (a :class:`~hf_layerswap.cost.Throughput`; the
+    estimate's own), recorded in ``phase["budget"]``; ``learning_rate=None`` adds the
     learning-rate probe (:mod:`~hf_layerswap.healing.choice`: each candidate's steps and
-    held-out evaluation), recorded in ``phase["probe"]``."""
+    held-out evaluation), recorded in ``phase["probe"]``.
+
+    Raises:
+        ValueError: ``max_tokens=None`` without ``rates``.
+    """
     heal = cfg.heal
     removed_set, removal_known = _removal(shape, cfg)
     kept = shape.num_blocks - removed
     budget = None
     if heal.max_tokens is None:
+        if rates is None:
+            raise ValueError("heal max_tokens=None: predicting the budget heal chooses needs the device's rates")
         width = _heal_width(cfg, calibration)
-        if throughput is None:
-            from .cost import measure_throughput  # the module that imports this one
-            throughput = measure_throughput(shape.model, heal.batch_size, width, device=device)
-        budget = heal_budget(shape, kept, throughput, heal.batch_size, width)
+        budget = heal_budget(shape, kept, rates(heal.batch_size, width), heal.batch_size, width)
+        budget["timed_forwards"] = TIMED_FORWARDS + 1  # per model, heal's timing of the two forwards
         if isinstance(calibration, Mapping) and heal.calibration is None:  # given rows: at most one pass over them
             rows = min(int(calibration["input_ids"].shape[0]) - heal.heldout_prompts, HEAL_MAX_TRAIN_PROMPTS)
             if budget["steps"] * heal.batch_size > rows > 0:
@@ -339,6 +331,9 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     phase = _phase(no_early_stop and rows_known,
                    f"{heal.method}: {steps} steps of {heal.batch_size} prompts x {width} tokens, {evaluations} "
                    f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))
+    if budget is not None:  # the forwards heal times for the budget (one untimed first), each model
+        for blocks in (kept, shape.num_blocks):
+            _add_forward(phase, shape, blocks, heal.batch_size, width, times=budget["timed_forwards"])
     if heal.teacher_top_k is not None:  # the teacher once over the training prompts
         for b, n in _trainer_batches(train, heal.batch_size, math.ceil(train / heal.batch_size)).items():
             _add_forward(phase, shape, shape.num_blocks, b, width, times=n)

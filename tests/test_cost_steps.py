@@ -118,7 +118,7 @@ def test_healing_passes_are_counted_exactly_when_the_early_stop_cannot_fire(top_
     # 3 steps of 2 prompts x 16 tokens; 7 prompts: 5 for training, 2 held out; evaluations before
     # training and after the last step (eval_every=4 > 3 steps: the early stop cannot fire)
     healing = hl.HealConfig(max_tokens=96, seq_len=16, batch_size=2, eval_every=4, heldout_prompts=2,
-                            teacher_top_k=top_k)
+                            teacher_top_k=top_k, learning_rate=1e-3)  # a rate given: no probe (tests/test_healing_choice.py)
     config = hl.LayerSwapConfig(layers=[3, 5], heal=healing, batch_size=4, progress=False)
     estimate = _estimate(config, calib)
     assert estimate.exact and estimate.phases["healing"]["exact"]
@@ -146,7 +146,8 @@ def test_healing_on_given_tensors_counts_their_width_in_the_budget():
 
 def test_healing_with_a_possible_early_stop_is_an_upper_bound():
     calib = _calibration(prompts=12)
-    healing = hl.HealConfig(max_tokens=8 * 32, seq_len=16, batch_size=2, eval_every=2, patience=2, heldout_prompts=2)
+    healing = hl.HealConfig(max_tokens=8 * 32, seq_len=16, batch_size=2, eval_every=2, patience=2, heldout_prompts=2,
+                            learning_rate=1e-3)
     config = hl.LayerSwapConfig(layers=[3, 5], heal=healing, batch_size=4, progress=False)
     estimate = _estimate(config, calib)
     blocks, heads = counted_prune(_tiny(), config, calib)
@@ -163,7 +164,8 @@ def test_packed_healing_text_is_counted_as_every_window_of_the_budget(tmp_path):
     text = tmp_path / "heal.txt"
     text.write_text("\n\n".join(PARAGRAPHS * 10))  # 60 paragraphs, over 5,000 tokens: 302 windows of 16
     healing = hl.HealConfig(method="last_k", options={"k": 1}, calibration=str(text), max_tokens=100 * 3 * 16,
-                            seq_len=16, batch_size=3, eval_every=200, heldout_prompts=2, teacher_top_k=5)
+                            seq_len=16, batch_size=3, eval_every=200, heldout_prompts=2, teacher_top_k=5,
+                            learning_rate=1e-3)
     phase = _estimate(hl.LayerSwapConfig(layers=[3, 5], heal=healing, progress=False), _calibration()).phases["healing"]
     torch.manual_seed(1)
     teacher = LlamaForCausalLM(_tiny()).eval()
@@ -189,7 +191,7 @@ def test_a_huge_healing_budget_is_estimated_at_once():
         raise TimeoutError("the healing phase walks its batches one by one")
 
     healing = hl.HealConfig(method="last_k", options={"k": 1}, max_tokens=10**12 * 3 * 16, seq_len=16, batch_size=3,
-                            heldout_prompts=2)
+                            heldout_prompts=2, learning_rate=1e-3)
     previous = signal.signal(signal.SIGALRM, too_slow)
     signal.setitimer(signal.ITIMER_REAL, 10)
     try:
@@ -391,6 +393,9 @@ def test_prune_dry_run_prints_the_healing_measurements(tmp_path, capsys):
     # the word-level tokenizer: 130 words, 130 tokens, one window; 6 blocks dense, 5 at three stages
     assert "of which perplexity: 21 block passes, 4 head passes (4 stages x 1 forwards: dense, after_cut, " in out
     assert "of which lm-eval: at most " in out and "(8 forwards per run, before and after healing)" in out
+    # heal's defaults priced: the budget for this machine's measured rates and the learning-rate probe
+    assert "    budget chosen: " in out and " min at probe on cpu: one block over 4x128 positions and the head" in out
+    assert "    learning-rate probe: 3 rates (0.0003, 0.001, 0.003) x " in out
 
 
 def test_building_lm_eval_requests_writes_no_cache_and_reaches_no_hub(tmp_path, monkeypatch):

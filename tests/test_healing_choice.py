@@ -17,9 +17,9 @@ from hf_layerswap.cli import build_parser
 from hf_layerswap.cli.heal import heal_config
 from hf_layerswap.config import HealConfig
 from hf_layerswap.cost import Throughput
-from hf_layerswap.cost_steps import HEAL_SECONDS, ModelShape, block_flops, heal_budget
+from hf_layerswap.cost_steps import ModelShape, block_flops, heal_budget
 from hf_layerswap.healing import HEAL_METHODS, distillation_loss, heal, register_heal_method
-from hf_layerswap.healing.choice import probe_steps
+from hf_layerswap.healing.choice import HEAL_SECONDS, probe_steps, time_budget
 from hf_layerswap.healing.core import RUN_FILE
 
 def _pair():
@@ -45,6 +45,7 @@ def test_heal_at_its_defaults_lowers_the_kl_on_unseen_prompts_by_a_fifth():
     budget, probe = report.choice["max_tokens"], report.choice["learning_rate"]
     # the device's time target allows far more on a tiny model: one pass over the 256 training prompts
     assert budget["rule"] == "time" and budget["text_limited"] and budget["device"] == "cpu"
+    assert budget["throughput"].startswith("forwards timed on cpu (CPU time over torch threads): student ") and "per 4 x 128 tokens" in budget["throughput"]
     assert report.steps == budget["steps"] == 64 and report.settings["max_tokens"] == 64 * 4 * 128
     assert report.tokens == 64 * 4 * 128 and report.epochs == 1.0
     assert probe["rule"] == "probe" and probe["steps"] == probe_steps(64) == 4 and probe["prompts"] == 16
@@ -113,6 +114,10 @@ def test_the_budget_is_the_whole_steps_that_fit_the_time_target_at_the_rates():
     assert budget["seconds"] == HEAL_SECONDS == 600.0
     slow = heal_budget(shape, 4, Throughput(1.0, 1.0), 4, 128)
     assert slow["steps"] == 1 and slow["max_tokens"] == 512  # at least one step
+    # heal's own: the two forwards timed on the device, the student's three times (forward + backward)
+    timed = time_budget(0.5, 1.5, 4, 128)
+    assert (timed["step_seconds"], timed["steps"], timed["max_tokens"]) == (3.0, 200, 200 * 512)
+    assert timed["tokens_per_second"] == 512 / 3.0
 
 
 def _tiny_llama(layers: int = 8):
@@ -138,8 +143,8 @@ def test_dry_run_prices_the_chosen_budget_and_the_probe_as_the_real_prune_runs_t
     assert (estimate.block_passes, estimate.head_passes) == counted_prune(_tiny_llama().config, config, calib)
     # per step the student's 6 blocks and the teacher's 8; the probe's 3 x 2 steps likewise; evaluations
     # (both models, one batch): the finite-start check, before training, after the last step, and the
-    # probe's start and one per rate
-    assert phase["block_passes"] == 2 * 14 + 6 * 14 + (3 + 4) * 14
+    # probe's start and one per rate; the budget's timing: 4 forwards of each model (one untimed)
+    assert phase["block_passes"] == 2 * 14 + 6 * 14 + (3 + 4) * 14 + 4 * 14
     lines = "\n".join(estimate.lines())
     assert "budget chosen: 64 tokens, 2 steps" in lines
     assert "learning-rate probe: 3 rates (0.0003, 0.001, 0.003) x 2 steps on 4 prompts" in lines

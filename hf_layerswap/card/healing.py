@@ -282,7 +282,7 @@ def _choice_rows(entry: Mapping) -> list[tuple[str, str]]:
     if isinstance(budget, Mapping) and budget.get("rule") == "time":
         text = (f"budget chosen for the device: {_count(budget.get('steps'))} steps ({_count(budget.get('max_tokens'))} "
                 f"tokens) to fit {_setting(_minutes(budget.get('seconds')))} min on {_setting(budget.get('device'))} at "
-                f"about {_setting(_rounded(budget.get('tokens_per_second')))} tokens/s predicted "
+                f"about {_setting(_rounded(budget.get('tokens_per_second')))} tokens/s "
                 f"({_setting(budget.get('throughput'))})")
         words.append(text + ("; fewer: one pass over the training text" if budget.get("text_limited") else ""))
     elif isinstance(budget, Mapping) and budget.get("rule") == "given":

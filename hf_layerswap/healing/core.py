@@ -27,8 +27,7 @@ from ..plan import model_fingerprint, num_blocks
 from ..provenance import library_versions
 from ..recovery.operators import attached_operators
 from ..rule import NonFiniteScoresError
-from ..devices import input_device
-from .choice import probe_learning_rate, probe_steps
+from .choice import probe_learning_rate, probe_steps, time_budget, time_forwards
 from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import HEAL_METHODS, get_heal_method
@@ -105,54 +104,40 @@ def heal(
     the best weights (the start's: ``report.reverted``).
 
     Args:
-        model: the pruned student, healed in place. teacher: the dense model, same
-            vocabulary and tokenizer; it is not trained.
+        model: the pruned student, healed in place. teacher: the dense model, same vocabulary and tokenizer (not trained).
         calibration: any :func:`build_calibration` source (``None``: the embedded text, needs ``tokenizer``).
         method: a name registered in :data:`~hf_layerswap.healing.HEAL_METHODS`.
         max_tokens: training budget in prompt positions: ``ceil(max_tokens / (batch_size * seq_len))``
-            steps (given tensors: their width for ``seq_len``). ``None``: chosen for the model and the
-            device (:mod:`~hf_layerswap.healing.choice`): the whole steps that fit 10 minutes
-            (:data:`~hf_layerswap.cost_steps.HEAL_SECONDS`) on the student's device at the cost model's
-            measured rates, at most one pass over the training text; ``report.choice["max_tokens"]``
-            records how.
-        learning_rate: peak learning rate (AdamW, linear decay, no warmup). ``None``: chosen by a
-            short probe on the held-out KL among the method's candidate rates
-            (:attr:`~hf_layerswap.healing.methods.HealMethod.learning_rates`; LoRA 3e-4, 1e-3, 3e-3,
-            full-weight methods 3e-5, 1e-4, 3e-4), each trained
-            :func:`~hf_layerswap.healing.choice.probe_steps` steps from the same start;
-            ``report.choice["learning_rate"]`` records every candidate's KL. A run resumed from
-            ``checkpoint_dir`` reuses the values its first call chose.
+            steps (given tensors: their width for ``seq_len``); ``None``: the whole steps that fit 10
+            minutes on the student's device, at most one pass over the text. learning_rate: peak rate
+            (AdamW, linear decay, no warmup); ``None``: a short probe of the method's candidates on the
+            held-out KL. Both :mod:`~hf_layerswap.healing.choice`, recorded in ``report.choice``.
         seq_len: tokens per prompt. packing: pack a text source (above; ignored for
             tensors). options: method options (``lora_r``, ``lora_alpha``, ``k``).
-        checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every
-            evaluation, the last two kept, each with the early stop's best weights): the
-            same call after an interruption resumes from the last complete one (a checkpoint
-            cut off while saving is removed) and ends with the same weights as an
-            uninterrupted run (same seed; a run that had ended trains no further). A folder
-            holding checkpoints of another student, teacher or settings is refused. ``None``: nothing is saved.
-        teacher_top_k: ``None``: the teacher's full logits on the fly. An int ``k``: its top-``k``
-            log-probabilities plus the rest's mass, cached once (:func:`~hf_layerswap.healing.loss.teacher_top_k`);
-            the KL over those ``k + 1`` buckets is a lower bound of the full KL (data-processing
-            inequality), equal at ``k = V``. The held-out KL is always the full KL.
+        checkpoint_dir: a folder for transformers' Trainer checkpoints (one after every evaluation, the last
+            two kept, each with the early stop's best weights): the same call after an interruption resumes from
+            the last complete one (one cut off while saving is removed) with what the first call chose, and ends
+            with the same weights as an uninterrupted run (same seed; a run that had ended trains no further).
+            A folder of another student, teacher or settings is refused. ``None``: nothing is saved.
+        teacher_top_k: ``None``: the teacher's full logits on the fly. An int ``k``: its top-``k`` log-probabilities
+            plus the rest's mass, cached once (:func:`~hf_layerswap.healing.loss.teacher_top_k`); the KL over those
+            ``k + 1`` buckets is a lower bound of the full KL, equal at ``k = V``. The held-out KL is always the full KL.
         progress: a tqdm bar over the training tokens with its ETA.
-        perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity`
-            accepts (``"embedded"``: the embedded evaluation split); when given, the perplexity
-            (``"matched"`` contract, one text) of every stage is recorded in ``report.perplexity``: the
-            dense teacher, after the cut, after the repair or an earlier healing run when the student
-            had one, after healing (:mod:`~hf_layerswap.healing.measure`). Needs ``tokenizer``.
+        perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity` accepts (``"embedded"``:
+            the embedded evaluation split); when given, the perplexity (``"matched"`` contract, one text) of every stage
+            is recorded in ``report.perplexity``: the dense teacher, after the cut, after the repair or an earlier
+            healing run when the student had one, after healing (:mod:`~hf_layerswap.healing.measure`). Needs ``tokenizer``.
         eval_tasks: lm-eval task names measured on the student before and after healing
-            (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times),
-            recorded in ``report.tasks``; ``eval_tasks_path`` (task YAML folder) and
-            ``eval_tasks_limit`` (documents per task) as its ``include_path`` and ``limit``.
-            Needs ``tokenizer`` and lm-eval.
+            (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times), in ``report.tasks``;
+            ``eval_tasks_path`` (task YAML folder) and ``eval_tasks_limit`` (documents per task) as its
+            ``include_path`` and ``limit``. Needs ``tokenizer`` and lm-eval.
         callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop).
         allow_foreign_teacher: accept a teacher that is not the model the student was cut from
             (:func:`~hf_layerswap.healing.teacher.teacher_origin`), named as such in ``report.teacher``.
 
     Returns:
-        The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is
-        healed in place and stays a plain transformers model (LoRA is merged back with
-        ``merge_and_unload``; no PEFT modules), in eval mode;
+        The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is healed in place and stays
+        a plain transformers model (LoRA is merged back with ``merge_and_unload``; no PEFT modules), in eval mode;
         ``model.config.layerswap["healing"]`` records the step.
 
     Raises:
@@ -172,18 +157,11 @@ def heal(
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model, entry)
-    choice = _saved_choice(checkpoint_dir, settings)  # a run to resume keeps what its first call chose
-    if settings["max_tokens"] is None:
-        choice["max_tokens"] = _default_budget(model, teacher, calibration, settings)
-        settings["max_tokens"] = choice["max_tokens"]["max_tokens"]
-    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings, model,
-                                                       one_pass=choice.get("max_tokens", {}).get("rule") == "time")
-    if choice.get("max_tokens", {}).get("rule") == "time" and steps < choice["max_tokens"]["steps"]:
-        choice["max_tokens"].update(text_limited=True, steps=steps, max_tokens=steps * batch_size * _width(calibration, seq_len))
-        settings["max_tokens"] = choice["max_tokens"]["max_tokens"]
+    device = place_teacher(teacher, model)
+    choice, (calib, steps, train, held, packed) = _budgeted_text(model, teacher, calibration, tokenizer, settings,
+                                                                 checkpoint_dir, device)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    device = place_teacher(teacher, model)
     _claim_checkpoints(checkpoint_dir, settings, write=False)  # refuse another run's folder before measuring
     check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
@@ -191,16 +169,8 @@ def heal(
     train.cache = _teacher_cache(teacher, train, teacher_top_k, batch_size, device)
     set_seed(seed)  # LoRA's initialisation draws from the global generator
     student = entry.prepare(model, options)
-    if settings["learning_rate"] is None:
-        try:
-            choice["learning_rate"] = probe_learning_rate(student, teacher, train, held, settings, entry.learning_rates,
-                                                          steps=probe_steps(steps), device=device,
-                                                          world=processes_launched(), rows_type=_Rows)
-        except BaseException:  # the model as it was given (the probe put its weights back)
-            _given_back(entry.undo(student))
-            raise
-        settings["learning_rate"] = choice["learning_rate"]["learning_rate"]
-    settings["choice"] = _given(choice, max_tokens, learning_rate)
+    settings["choice"] = _given(_probe(student, teacher, train, held, settings, entry, steps, device, choice),
+                                max_tokens, learning_rate)
     resume = _claim_checkpoints(checkpoint_dir, settings)  # written only now, after the measurements
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
@@ -477,17 +447,55 @@ def _saved_choice(folder, settings: dict) -> dict:
     return reused
 
 
-def _default_budget(model: nn.Module, teacher: nn.Module, calibration, settings: dict) -> dict:
-    """The budget :func:`~hf_layerswap.cost_steps.heal_budget` chooses for ``model`` on its
-    device, at the rates :func:`~hf_layerswap.cost.measure_throughput` times there (the
-    probe ``prune --dry-run`` runs), with the device's name."""
-    from ..cost import measure_throughput  # the cost model imports healing: loaded when a budget is chosen
-    from ..cost_steps import ModelShape, heal_budget
+def _budgeted_text(model, teacher, calibration, tokenizer, settings: dict, checkpoint_dir, device):
+    """``(choice, training text)``: what the run to resume in ``checkpoint_dir`` chose
+    (:func:`_saved_choice`), and :func:`_training_text` for ``settings``; with
+    ``max_tokens=None`` (not resumed) first the budget :func:`_default_budget` chooses, then
+    at most one pass over the text (into ``choice["max_tokens"]`` and ``settings``)."""
+    choice = _saved_choice(checkpoint_dir, settings)
+    if settings["max_tokens"] is None:
+        choice["max_tokens"] = _default_budget(model, teacher, calibration, settings, device)
+        settings["max_tokens"] = choice["max_tokens"]["max_tokens"]
+    chosen = choice.get("max_tokens", {}).get("rule") == "time"
+    calib, steps, train, held, packed = _training_text(calibration, tokenizer, settings, model, one_pass=chosen)
+    if chosen and steps < choice["max_tokens"]["steps"]:
+        tokens = steps * settings["batch_size"] * _width(calibration, settings["seq_len"])
+        choice["max_tokens"].update(text_limited=True, steps=steps, max_tokens=tokens)
+        settings["max_tokens"] = tokens
+    return choice, (calib, steps, train, held, packed)
 
-    width, device = _width(calibration, settings["seq_len"]), input_device(model)
-    rates = measure_throughput(model, settings["batch_size"], width, device=device)
-    return {**heal_budget(ModelShape(teacher), num_blocks(model), rates, settings["batch_size"], width),
-            "device": str(device)}
+
+def _probe(student, teacher, train, held, settings: dict, entry, steps: int, device, choice: dict) -> dict:
+    """``choice`` with, for ``learning_rate=None``, the learning-rate probe
+    (:func:`~hf_layerswap.healing.choice.probe_learning_rate`) of ``entry``'s candidates in
+    ``choice["learning_rate"]`` and ``settings``; when it raises, the model is left as it was
+    given (the method's ``undo``; the probe put its weights back)."""
+    if settings["learning_rate"] is not None:
+        return choice
+    try:
+        choice["learning_rate"] = probe_learning_rate(student, teacher, train, held, settings, entry.learning_rates,
+                                                      steps=probe_steps(steps), device=device,
+                                                      world=processes_launched(), rows_type=_Rows)
+    except BaseException:
+        _given_back(entry.undo(student))
+        raise
+    settings["learning_rate"] = choice["learning_rate"]["learning_rate"]
+    return choice
+
+
+def _default_budget(model: nn.Module, teacher: nn.Module, calibration, settings: dict, device) -> dict:
+    """The budget :func:`~hf_layerswap.healing.choice.time_budget` chooses for ``model`` on
+    ``device`` (its input device, where the teacher is placed): one forward of the student
+    and of the teacher timed there on a batch of the run's shape (random token ids of the
+    seed), with the device's name and the two times."""
+    width = _width(calibration, settings["seq_len"])
+    generator = torch.Generator().manual_seed(settings["seed"])
+    ids = torch.randint(0, model.config.vocab_size, (settings["batch_size"], width), generator=generator).to(device)
+    student_s, teacher_s = time_forwards(model, ids), time_forwards(teacher, ids)
+    return {**time_budget(student_s, teacher_s, settings["batch_size"], width), "device": str(device),
+            "throughput": f"forwards timed on {device}{' (CPU time over torch threads)' if device.type == 'cpu' else ''}: "
+                          f"student {student_s:.3g} s, teacher {teacher_s:.3g} s per {settings['batch_size']} x {width} "
+                          "tokens"}
 
 
 def _given(choice: dict, max_tokens, learning_rate) -> dict:
