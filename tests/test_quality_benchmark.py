@@ -170,20 +170,37 @@ def test_objectives_section_counts_each_objective_and_says_why_it_missed():
             "3.1000).") in lines
     assert ("- n=2, ghosted: chose {3,4} +30.0% over {1,2} (sleb) +20.0% (CI upper +22.0); the search did not reach "
             "{1,2}, which its objective rates lower (calibration, chosen vs lowest: ghosted 0.3000 vs 0.2000).") in lines
-    assert bench.objective_sets(rows, [1, 2]) == [[2], [1], [2, 3], [1, 2], [3, 4]]
+    assert bench.objective_sets(rows, [1, 2]) == [[2, 3], [1, 2], [3, 4]]  # the sets of the missed cells
+    # a stored cell of a search the table does not hold yet: its dPPL% from its stored perplexity
+    table = [r for r in rows if (r["criterion"], r["n"]) not in (("search_nll", 2), ("search_ghosted", 2))]
+    state = {"comparison": {"rows": table, "params": {"budgets": [1, 2]}, "base": {"ppl": 20.0}},
+             "criteria": {"search_nll": {"1": {"removed": [1]}, "2": {"removed": [1, 2]}},
+                          "search_ghosted": {"2": {"removed": [3, 4]}}},  # no perplexity stored: left out
+             "ppl": {"1": {"ppl": 22.0}, "1,2": {"ppl": 24.0}}}
+    partial = bench.objective_rows(state)
+    assert partial[:-1] == table and partial[-1] == {"criterion": "search_nll", "n": 2, "removed": [1, 2],
+                                                     "dppl": pytest.approx(20.0), "dppl_ci": None}
+    lines, counts = bench.objectives_section(partial, [1, 2], {})
+    assert counts == {"removal_kl": (1, 2), "nll": (2, 2)}
+    assert "| 2 | {1,2} (sleb) | +20.0 | [+18.0, +22.0] | {2,3} +25.0 missed | {1,2} +20.0 met * |" in lines
+    assert any(line.startswith("\\* a cell of a search whose run has not reached") for line in lines)
     assert bench.objectives_section([_row("sleb", 1, [1], 10.0, (8.0, 12.0))], [1], {}) == ([], {})
 
 
-def test_a_run_stores_each_objective_of_the_searched_and_lowest_sets(bench, tmp_path, monkeypatch):
+def test_a_run_stores_each_objective_of_the_sets_of_each_miss(bench, tmp_path, monkeypatch):
     from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
 
     results = tmp_path / "r"
+    monkeypatch.setattr(bench, "meets", lambda mine, best: False)  # every cell a miss: every set is read
     state = _run(bench, results, "--criteria", "block_influence", "search", "search_nll", "--budgets", "1")
     rows = {r["criterion"]: r for r in state["comparison"]["rows"]}
     sets = list({",".join(map(str, r["removed"])): r["removed"] for r in rows.values()}.values())
+    assert len(sets) >= 2
     stored = state["extras"]["objective_values"]
     assert sorted(stored) == sorted(OBJECTIVES) and all(sorted(v) == sorted(",".join(map(str, s)) for s in sets)
                                                          for v in stored.values())
+    # the removal KL as the harness stored it; the others scored on the calibration prompts
+    assert stored["removal_kl"] == {k: state["removal_kl"][k] for k in stored["removal_kl"]}
     model, _ = bench.load_model("smollm2-135m")
     calib = bench.wikitext_calibration(None, 4, 12)
     for objective in OBJECTIVES:
