@@ -353,12 +353,12 @@ def objective_rows(state: dict) -> list[dict]:
     return rows
 
 
-def objective_sets(rows, budgets) -> list[list[int]]:
-    """The sets whose calibration objectives the "Objectives" section reads: per missed cell,
-    the search's set and the lowest set (:func:`miss_reason`)."""
-    sets = {set_key(c[k]["removed"]): c[k]["removed"]
-            for c in objective_cells(rows, budgets) if not c["met"] for k in ("row", "best")}
-    return list(sets.values())
+def objective_sets(rows, budgets) -> list[list[list[int]]]:
+    """The sets whose calibration objectives the "Objectives" section reads: per missed cell (the
+    default objective's first), the search's set and the lowest set (:func:`miss_reason`)."""
+    cells = sorted((c for c in objective_cells(rows, budgets) if not c["met"]),
+                   key=lambda c: list(SEARCHES).index(c["objective"]))
+    return [[c["row"]["removed"], c["best"]["removed"]] for c in cells]
 
 
 def miss_reason(cell: dict, values: dict) -> str:
@@ -663,23 +663,28 @@ def run_extras(model, tok, calib, table: CriterionComparison, state_path: Path, 
 
 
 def objective_values(model, calib, table: CriterionComparison, state_path: Path, args) -> None:
-    """Each objective's value on the calibration prompts of every set the "Objectives" section
-    reads (:func:`objective_sets`), stored under ``extras.objective_values.<objective>.<set>``:
-    the removal KL the harness stored for the set (its joint removal KL on the same prompts),
-    the others scored here (a few partial forward passes per set; only sets not stored yet)."""
+    """Each objective's value on the calibration prompts of the sets the "Objectives" section
+    reads (:func:`objective_sets`), stored under ``extras.objective_values.<objective>.<set>``
+    after each missed cell (a stopped run keeps the cells done): the removal KL the harness
+    stored for the set (its joint removal KL on the same prompts), the others scored here
+    (a few partial forward passes per set; only sets not stored yet)."""
     store = CellStore(state_path, fresh=dict, shared=True)
-    sets = objective_sets(objective_rows({**store.state, "comparison": table.to_dict()}), table.params["budgets"])
-    for objective in OBJECTIVES:
-        stored = store.state.get("extras", {}).get("objective_values", {}).get(objective, {})
-        known = store.state.get("removal_kl", {}) if objective == "removal_kl" else {}
-        found = {set_key(s): known[set_key(s)] for s in sets if set_key(s) not in stored and set_key(s) in known}
-        todo = [s for s in sets if set_key(s) not in stored and set_key(s) not in found]
-        if todo:
-            log(f"objective {objective} of {len(todo)} sets on the calibration prompts")
-            values = SetObjective(model, calib, objective, batch_size=args.batch_size)(todo)
-            found.update({set_key(s): v for s, v in zip(todo, values)})
-        if found:
-            store.update(lambda state, o=objective, f=found: cell_node(state, ("extras", "objective_values", o)).update(f))
+    evaluators: dict[str, SetObjective] = {}
+    for pair in objective_sets(objective_rows({**store.state, "comparison": table.to_dict()}), table.params["budgets"]):
+        found: dict[str, dict] = {}
+        for objective in OBJECTIVES:
+            stored = store.state.get("extras", {}).get("objective_values", {}).get(objective, {})
+            known = store.state.get("removal_kl", {}) if objective == "removal_kl" else {}
+            todo = [s for s in pair if set_key(s) not in stored]
+            found[objective] = {set_key(s): known[set_key(s)] for s in todo if set_key(s) in known}
+            todo = [s for s in todo if set_key(s) not in found[objective]]
+            if todo:
+                log(f"objective {objective} of {', '.join(map(fmt_set, todo))} on the calibration prompts")
+                if objective not in evaluators:
+                    evaluators[objective] = SetObjective(model, calib, objective, batch_size=args.batch_size)
+                found[objective].update({set_key(s): v for s, v in zip(todo, evaluators[objective](todo))})
+        store.update(lambda state, f=found: [cell_node(state, ("extras", "objective_values", o)).update(v)
+                                             for o, v in f.items()])
 
 
 def finish(model, table: CriterionComparison, state_path: Path, args, argv) -> None:

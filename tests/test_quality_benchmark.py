@@ -170,7 +170,7 @@ def test_objectives_section_counts_each_objective_and_says_why_it_missed():
             "3.1000).") in lines
     assert ("- n=2, ghosted: chose {3,4} +30.0% over {1,2} (sleb) +20.0% (CI upper +22.0); the search did not reach "
             "{1,2}, which its objective rates lower (calibration, chosen vs lowest: ghosted 0.3000 vs 0.2000).") in lines
-    assert bench.objective_sets(rows, [1, 2]) == [[2, 3], [1, 2], [3, 4]]  # the sets of the missed cells
+    assert bench.objective_sets(rows, [1, 2]) == [[[2, 3], [1, 2]], [[3, 4], [1, 2]]]  # per missed cell
     # a stored cell of a search the table does not hold yet: its dPPL% from its stored perplexity
     table = [r for r in rows if (r["criterion"], r["n"]) not in (("search_nll", 2), ("search_ghosted", 2))]
     state = {"comparison": {"rows": table, "params": {"budgets": [1, 2]}, "base": {"ppl": 20.0}},
