@@ -804,6 +804,27 @@ def render_stored(state_path: Path) -> None:
                    num_blocks, title, state["command"], state["environment"], state)
 
 
+def default_choice(totals: dict) -> list[str]:
+    """The rule that picks the default objective, applied to ``totals`` (objective -> [met,
+    measured], over every model): another objective replaces ``removal_kl`` only when it has
+    been measured on every cell the default was and meets strictly more of them; one that
+    already misses at least as many cells as the default cannot, whatever its other cells give."""
+    met, cells = totals.get("removal_kl", (0, 0))
+    out = [f"Choosing the default: an objective replaces `removal_kl` ({met} of {cells} met) only when it is "
+           "measured on every cell and meets strictly more of them."]
+    for objective, (m, k) in totals.items():
+        if objective == "removal_kl":
+            continue
+        if k - m >= cells - met:
+            verdict = f"misses {k - m} of the {k} measured, at least as many as the default: it cannot replace it"
+        elif k < cells:
+            verdict = f"misses {k - m} of the {k} measured; not measured on every cell yet"
+        else:
+            verdict = f"meets more ({m} of {k}): it replaces the default"
+        out.append(f"- `{objective}`: {verdict}.")
+    return out
+
+
 def write_index(results: Path) -> None:
     """``quality.md``: the headline dPPL% of every criterion on every benchmarked model."""
     lines = [
@@ -856,7 +877,7 @@ def write_index(results: Path) -> None:
                   f"deterministic criterion, or inside its paired 95% CI), over {', '.join(models)}:", "",
                   "| objective | met | cells measured |", "|---|---:|---:|"]
         lines += [f"| {o}{' (default)' if o == 'removal_kl' else ''} | {m} | {k} |" for o, (m, k) in totals.items()]
-        lines.append("")
+        lines += ["", *default_choice(totals), ""]
     write_text_atomic("\n".join(lines) + "\n", results / "quality.md")
 
 

@@ -138,9 +138,9 @@ def test_groups_set_the_cells_and_the_repair_of_the_model():
     bench = _module()
     args = bench.parser().parse_args(["--model", "gemma3-270m", "--groups", "pages"])
     criteria, budgets, cells = bench.model_cells(args)
-    assert budgets == [1, 2, 3, 4, 5, 6] and len(cells) == 13 * 6 and cells[:2] == [("block_influence", 1),
+    assert budgets == [1, 2, 3, 4, 5, 6] and len(cells) == 11 * 6 and cells[:2] == [("block_influence", 1),
                                                                                    ("block_influence", 2)]
-    assert criteria[-3:] == ["search", "search_nll", "search_ghosted"]  # every objective's search
+    assert "search_ghosted" not in criteria
     assert (args.recovery, args.recovery_criteria) == ("ghosted", ["block_influence", "sleb", "interchange_beam",
                                                                    "search"])
 
@@ -217,3 +217,17 @@ def test_a_run_stores_each_objective_of_the_sets_of_each_miss(bench, tmp_path, m
     monkeypatch.setattr(bench, "SetObjective", boom)
     again = _run(bench, results, "--criteria", "block_influence", "search", "search_nll", "--budgets", "1")
     assert again["extras"]["objective_values"] == stored
+
+
+def test_the_default_objective_changes_only_for_strictly_more_cells_met_on_every_cell():
+    choice = _module().default_choice
+    lines = choice({"removal_kl": [10, 12], "nll": [1, 3], "ghosted": [0, 6]})
+    assert lines[0] == ("Choosing the default: an objective replaces `removal_kl` (10 of 12 met) only when it is "
+                        "measured on every cell and meets strictly more of them.")
+    assert lines[1:] == ["- `nll`: misses 2 of the 3 measured, at least as many as the default: it cannot replace it.",
+                         "- `ghosted`: misses 6 of the 6 measured, at least as many as the default: it cannot replace it."]
+    assert choice({"removal_kl": [10, 12], "nll": [5, 5]})[1] == \
+        "- `nll`: misses 0 of the 5 measured; not measured on every cell yet."
+    assert choice({"removal_kl": [10, 12], "nll": [11, 12]})[1] == "- `nll`: meets more (11 of 12): it replaces the default."
+    assert choice({"removal_kl": [10, 12], "nll": [10, 12]})[1] == \
+        "- `nll`: misses 2 of the 12 measured, at least as many as the default: it cannot replace it."
