@@ -80,6 +80,7 @@ from hf_layerswap.baselines import (  # noqa: E402
     protocol_gap_quartiles,
 )
 from hf_layerswap.calibration import CalibrationSet  # noqa: E402
+from hf_layerswap.evaluation import delta_ppl_percent  # noqa: E402
 from hf_layerswap.jsonio import atomic_path, write_text_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
 from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
@@ -236,9 +237,9 @@ def winners(table: CriterionComparison, budgets) -> list[str]:
 
 
 def lowest(rows, n: int, exclude=("random",)) -> dict | None:
-    """The row of lowest dPPL% at budget ``n`` among the deterministic criteria (``random``
-    and ``exclude`` left out), or None."""
-    cell = [r for r in rows if r["n"] == n and r["criterion"] not in ("random", *exclude)]
+    """The row of lowest dPPL% at budget ``n`` among the deterministic criteria of the table
+    (``random``, ``exclude`` and rows without a CI, :func:`objective_rows`, left out), or None."""
+    cell = [r for r in rows if r["n"] == n and r["criterion"] not in ("random", *exclude) and r.get("dppl_ci")]
     return min(cell, key=lambda r: r["dppl"]) if cell else None
 
 
@@ -336,11 +337,28 @@ def objective_cells(rows, budgets) -> list[dict]:
     return out
 
 
-def objective_sets(rows, budgets) -> list[list[int]]:
-    """The sets whose calibration objectives the "Objectives" section reads: each search's set
-    and the lowest set, per n."""
-    sets = {set_key(c[k]["removed"]): c[k]["removed"] for c in objective_cells(rows, budgets) for k in ("row", "best")}
-    return list(sets.values())
+def objective_rows(state: dict) -> list[dict]:
+    """The table's rows, plus a row (criterion, n, removed set, dPPL%) for each stored cell of a
+    search that the table does not hold yet (a run stopped before the search's last budget; its
+    perplexity is stored with the cell), so the "Objectives" sections count every cell measured."""
+    comp = state["comparison"]
+    rows = list(comp["rows"])
+    have = {(r["criterion"], r["n"]) for r in rows}
+    for criterion in SEARCHES.values():
+        for n, cell in sorted(state.get("criteria", {}).get(criterion, {}).items(), key=lambda kv: int(kv[0])):
+            ppl = state.get("ppl", {}).get(set_key(cell["removed"]))
+            if (criterion, int(n)) not in have and ppl is not None and int(n) in comp["params"]["budgets"]:
+                rows.append({"criterion": criterion, "n": int(n), "removed": cell["removed"],
+                             "dppl": delta_ppl_percent(comp["base"]["ppl"], ppl["ppl"]), "dppl_ci": None})
+    return rows
+
+
+def objective_sets(rows, budgets) -> list[list[list[int]]]:
+    """The sets whose calibration objectives the "Objectives" section reads: per missed cell (the
+    default objective's first), the search's set and the lowest set (:func:`miss_reason`)."""
+    cells = sorted((c for c in objective_cells(rows, budgets) if not c["met"]),
+                   key=lambda c: list(SEARCHES).index(c["objective"]))
+    return [[c["row"]["removed"], c["best"]["removed"]] for c in cells]
 
 
 def miss_reason(cell: dict, values: dict) -> str:
@@ -388,11 +406,14 @@ def objectives_section(rows, budgets, values: dict, heading: str = "##") -> tupl
         for o in objectives:
             c = by.get((o, n))
             marks.append("-" if c is None else f"{fmt_set(c['row']['removed'])} {c['row']['dppl']:+.1f} "
-                         f"{'met' if c['met'] else 'missed'}")
+                         f"{'met' if c['met'] else 'missed'}{'' if c['row'].get('dppl_ci') else ' *'}")
         out.append(f"| {n} | {fmt_set(best['removed'])} ({best['criterion']}) | {best['dppl']:+.1f} | "
                    f"[{best['dppl_ci'][0]:+.1f}, {best['dppl_ci'][1]:+.1f}] | " + " | ".join(marks) + " |")
     counts = {o: (sum(c["met"] for c in cells if c["objective"] == o), sum(c["objective"] == o for c in cells))
               for o in objectives}
+    if any(not c["row"].get("dppl_ci") for c in cells):
+        out += ["", "\\* a cell of a search whose run has not reached its last budget yet (stored, not in the "
+                "table above)."]
     out += ["", "Met: " + ", ".join(f"{o} {m} of {k}" for o, (m, k) in counts.items()) + "."]
     misses = [miss_reason(c, values) for c in cells if not c["met"]]
     if misses:
@@ -642,20 +663,28 @@ def run_extras(model, tok, calib, table: CriterionComparison, state_path: Path, 
 
 
 def objective_values(model, calib, table: CriterionComparison, state_path: Path, args) -> None:
-    """Each objective's value on the calibration prompts of every set the "Objectives" section
-    reads (:func:`objective_sets`), stored under ``extras.objective_values.<objective>.<set>``;
-    only the sets not stored yet are scored (a few partial forward passes each)."""
-    sets = objective_sets(table.rows, table.params["budgets"])
+    """Each objective's value on the calibration prompts of the sets the "Objectives" section
+    reads (:func:`objective_sets`), stored under ``extras.objective_values.<objective>.<set>``
+    after each missed cell (a stopped run keeps the cells done): the removal KL the harness
+    stored for the set (its joint removal KL on the same prompts), the others scored here
+    (a few partial forward passes per set; only sets not stored yet)."""
     store = CellStore(state_path, fresh=dict, shared=True)
-    for objective in OBJECTIVES:
-        stored = store.state.get("extras", {}).get("objective_values", {}).get(objective, {})
-        todo = [s for s in sets if set_key(s) not in stored]
-        if not todo:
-            continue
-        log(f"objective {objective} of {len(todo)} sets on the calibration prompts")
-        values = SetObjective(model, calib, objective, batch_size=args.batch_size)(todo)
-        found = {set_key(s): v for s, v in zip(todo, values)}
-        store.update(lambda state, o=objective, f=found: cell_node(state, ("extras", "objective_values", o)).update(f))
+    evaluators: dict[str, SetObjective] = {}
+    for pair in objective_sets(objective_rows({**store.state, "comparison": table.to_dict()}), table.params["budgets"]):
+        found: dict[str, dict] = {}
+        for objective in OBJECTIVES:
+            stored = store.state.get("extras", {}).get("objective_values", {}).get(objective, {})
+            known = store.state.get("removal_kl", {}) if objective == "removal_kl" else {}
+            todo = [s for s in pair if set_key(s) not in stored]
+            found[objective] = {set_key(s): known[set_key(s)] for s in todo if set_key(s) in known}
+            todo = [s for s in todo if set_key(s) not in found[objective]]
+            if todo:
+                log(f"objective {objective} of {', '.join(map(fmt_set, todo))} on the calibration prompts")
+                if objective not in evaluators:
+                    evaluators[objective] = SetObjective(model, calib, objective, batch_size=args.batch_size)
+                found[objective].update({set_key(s): v for s, v in zip(todo, evaluators[objective](todo))})
+        store.update(lambda state, f=found: [cell_node(state, ("extras", "objective_values", o)).update(v)
+                                             for o, v in f.items()])
 
 
 def finish(model, table: CriterionComparison, state_path: Path, args, argv) -> None:
@@ -733,7 +762,8 @@ def write_markdown(path: Path, table, gap, extras, num_blocks, title, command_te
     ]
     lines += winners(table, budgets) + ["", "## Who wins at each n", ""] + who_wins(table, budgets) + [""]
     lines += search_targets(table, budgets)
-    lines += objectives_section(table.rows, budgets, extras.get("objective_values", {}))[0]
+    lines += objectives_section(objective_rows({**state, "comparison": table.to_dict()}), budgets,
+                                extras.get("objective_values", {}))[0]
     lines += cost_table(table, budgets) + recovery_section(table, budgets)
     if gap:
         lines += protocol_section(table, gap, budgets) + [""]
@@ -772,6 +802,27 @@ def render_stored(state_path: Path) -> None:
     title = f"{table.model['name']} ({num_blocks} blocks)"
     write_markdown(state_path.with_suffix(".md"), table, state.get("protocol_gap"), state.get("extras", {}),
                    num_blocks, title, state["command"], state["environment"], state)
+
+
+def default_choice(totals: dict) -> list[str]:
+    """The rule that picks the default objective, applied to ``totals`` (objective -> [met,
+    measured], over every model): another objective replaces ``removal_kl`` only when it has
+    been measured on every cell the default was and meets strictly more of them; one that
+    already misses at least as many cells as the default cannot, whatever its other cells give."""
+    met, cells = totals.get("removal_kl", (0, 0))
+    out = [f"Choosing the default: an objective replaces `removal_kl` ({met} of {cells} met) only when it is "
+           "measured on every cell and meets strictly more of them."]
+    for objective, (m, k) in totals.items():
+        if objective == "removal_kl":
+            continue
+        if k - m >= cells - met:
+            verdict = f"misses {k - m} of the {k} measured, at least as many as the default: it cannot replace it"
+        elif k < cells:
+            verdict = f"misses {k - m} of the {k} measured; not measured on every cell yet"
+        else:
+            verdict = f"meets more ({m} of {k}): it replaces the default"
+        out.append(f"- `{objective}`: {verdict}.")
+    return out
 
 
 def write_index(results: Path) -> None:
@@ -813,7 +864,7 @@ def write_index(results: Path) -> None:
                     cells.append(f"{r['dppl']:+.1f} {fmt_set(r['removed'])}")
             lines.append(f"| {LABELS.get(crit, crit)} | " + " | ".join(cells) + " |")
         lines.append("")
-        section, counts = objectives_section(comp["rows"], budgets,
+        section, counts = objectives_section(objective_rows(state), budgets,
                                              state.get("extras", {}).get("objective_values", {}), heading="###")
         lines += section
         models.append(path.stem.removeprefix("quality-"))
@@ -826,7 +877,7 @@ def write_index(results: Path) -> None:
                   f"deterministic criterion, or inside its paired 95% CI), over {', '.join(models)}:", "",
                   "| objective | met | cells measured |", "|---|---:|---:|"]
         lines += [f"| {o}{' (default)' if o == 'removal_kl' else ''} | {m} | {k} |" for o, (m, k) in totals.items()]
-        lines.append("")
+        lines += ["", *default_choice(totals), ""]
     write_text_atomic("\n".join(lines) + "\n", results / "quality.md")
 
 

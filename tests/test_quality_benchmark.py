@@ -138,9 +138,9 @@ def test_groups_set_the_cells_and_the_repair_of_the_model():
     bench = _module()
     args = bench.parser().parse_args(["--model", "gemma3-270m", "--groups", "pages"])
     criteria, budgets, cells = bench.model_cells(args)
-    assert budgets == [1, 2, 3, 4, 5, 6] and len(cells) == 13 * 6 and cells[:2] == [("block_influence", 1),
+    assert budgets == [1, 2, 3, 4, 5, 6] and len(cells) == 11 * 6 and cells[:2] == [("block_influence", 1),
                                                                                    ("block_influence", 2)]
-    assert criteria[-3:] == ["search", "search_nll", "search_ghosted"]  # every objective's search
+    assert "search_ghosted" not in criteria
     assert (args.recovery, args.recovery_criteria) == ("ghosted", ["block_influence", "sleb", "interchange_beam",
                                                                    "search"])
 
@@ -170,20 +170,37 @@ def test_objectives_section_counts_each_objective_and_says_why_it_missed():
             "3.1000).") in lines
     assert ("- n=2, ghosted: chose {3,4} +30.0% over {1,2} (sleb) +20.0% (CI upper +22.0); the search did not reach "
             "{1,2}, which its objective rates lower (calibration, chosen vs lowest: ghosted 0.3000 vs 0.2000).") in lines
-    assert bench.objective_sets(rows, [1, 2]) == [[2], [1], [2, 3], [1, 2], [3, 4]]
+    assert bench.objective_sets(rows, [1, 2]) == [[[2, 3], [1, 2]], [[3, 4], [1, 2]]]  # per missed cell
+    # a stored cell of a search the table does not hold yet: its dPPL% from its stored perplexity
+    table = [r for r in rows if (r["criterion"], r["n"]) not in (("search_nll", 2), ("search_ghosted", 2))]
+    state = {"comparison": {"rows": table, "params": {"budgets": [1, 2]}, "base": {"ppl": 20.0}},
+             "criteria": {"search_nll": {"1": {"removed": [1]}, "2": {"removed": [1, 2]}},
+                          "search_ghosted": {"2": {"removed": [3, 4]}}},  # no perplexity stored: left out
+             "ppl": {"1": {"ppl": 22.0}, "1,2": {"ppl": 24.0}}}
+    partial = bench.objective_rows(state)
+    assert partial[:-1] == table and partial[-1] == {"criterion": "search_nll", "n": 2, "removed": [1, 2],
+                                                     "dppl": pytest.approx(20.0), "dppl_ci": None}
+    lines, counts = bench.objectives_section(partial, [1, 2], {})
+    assert counts == {"removal_kl": (1, 2), "nll": (2, 2)}
+    assert "| 2 | {1,2} (sleb) | +20.0 | [+18.0, +22.0] | {2,3} +25.0 missed | {1,2} +20.0 met * |" in lines
+    assert any(line.startswith("\\* a cell of a search whose run has not reached") for line in lines)
     assert bench.objectives_section([_row("sleb", 1, [1], 10.0, (8.0, 12.0))], [1], {}) == ([], {})
 
 
-def test_a_run_stores_each_objective_of_the_searched_and_lowest_sets(bench, tmp_path, monkeypatch):
+def test_a_run_stores_each_objective_of_the_sets_of_each_miss(bench, tmp_path, monkeypatch):
     from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
 
     results = tmp_path / "r"
+    monkeypatch.setattr(bench, "meets", lambda mine, best: False)  # every cell a miss: every set is read
     state = _run(bench, results, "--criteria", "block_influence", "search", "search_nll", "--budgets", "1")
     rows = {r["criterion"]: r for r in state["comparison"]["rows"]}
     sets = list({",".join(map(str, r["removed"])): r["removed"] for r in rows.values()}.values())
+    assert len(sets) >= 2
     stored = state["extras"]["objective_values"]
     assert sorted(stored) == sorted(OBJECTIVES) and all(sorted(v) == sorted(",".join(map(str, s)) for s in sets)
                                                          for v in stored.values())
+    # the removal KL as the harness stored it; the others scored on the calibration prompts
+    assert stored["removal_kl"] == {k: state["removal_kl"][k] for k in stored["removal_kl"]}
     model, _ = bench.load_model("smollm2-135m")
     calib = bench.wikitext_calibration(None, 4, 12)
     for objective in OBJECTIVES:
@@ -200,3 +217,17 @@ def test_a_run_stores_each_objective_of_the_searched_and_lowest_sets(bench, tmp_
     monkeypatch.setattr(bench, "SetObjective", boom)
     again = _run(bench, results, "--criteria", "block_influence", "search", "search_nll", "--budgets", "1")
     assert again["extras"]["objective_values"] == stored
+
+
+def test_the_default_objective_changes_only_for_strictly_more_cells_met_on_every_cell():
+    choice = _module().default_choice
+    lines = choice({"removal_kl": [10, 12], "nll": [1, 3], "ghosted": [0, 6]})
+    assert lines[0] == ("Choosing the default: an objective replaces `removal_kl` (10 of 12 met) only when it is "
+                        "measured on every cell and meets strictly more of them.")
+    assert lines[1:] == ["- `nll`: misses 2 of the 3 measured, at least as many as the default: it cannot replace it.",
+                         "- `ghosted`: misses 6 of the 6 measured, at least as many as the default: it cannot replace it."]
+    assert choice({"removal_kl": [10, 12], "nll": [5, 5]})[1] == \
+        "- `nll`: misses 0 of the 5 measured; not measured on every cell yet."
+    assert choice({"removal_kl": [10, 12], "nll": [11, 12]})[1] == "- `nll`: meets more (11 of 12): it replaces the default."
+    assert choice({"removal_kl": [10, 12], "nll": [10, 12]})[1] == \
+        "- `nll`: misses 2 of the 12 measured, at least as many as the default: it cannot replace it."
