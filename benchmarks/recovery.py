@@ -43,6 +43,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -246,13 +247,19 @@ def _not_run(model_result: dict) -> list[tuple[str, int]]:
     return [(m, sum(m not in row["results"] for row in model_result["rows"])) for m in METHODS]
 
 
+def _pct(value: float) -> str:
+    """A dPPL% cell: one decimal, or three significant digits from a million on (a repair that blows
+    the perplexity up stays readable)."""
+    return f"{value:+.1f}" if abs(value) < 1e6 else f"{value:+.2e}"
+
+
 def _fmt_method(entry: dict | None) -> str:
     if entry is None:
         return "not run"
     if "refused" in entry:
         return "n/a"
     low, high = entry["dppl_ci"]
-    return f"{entry['dppl_percent']:+.1f} [{low:+.1f}, {high:+.1f}]"
+    return f"{_pct(entry['dppl_percent'])} [{_pct(low)}, {_pct(high)}]"
 
 
 def _fmt_residual(entry: dict | None) -> str:
@@ -328,7 +335,7 @@ def recommendation(results: list[dict]) -> list[str]:
              f"rows on the default search's sets (n = 1..{top}" + "".join(f"; {o}" for o in others) + ")."]
     for model in dict.fromkeys(name for name, *_ in measured):
         cells = [f"n={row['n']} {row['removed']}: " + ", ".join(
-            f"{'**' + m + '**' if m == b else m} {v:+.1f}" for m, v in values.items())
+            f"{'**' + m + '**' if m == b else m} {_pct(v)}" for m, v in values.items())
             for name, row, b, values in measured if name == model]
         lines.append(f"- {model}: " + "; ".join(cells) + ".")
     pairs = [(values["linearpatch"], values["ghosted"]) for *_, values in measured
@@ -336,8 +343,8 @@ def recommendation(results: list[dict]) -> list[str]:
     lost = sum(lp > gh for lp, gh in pairs)
     if pairs and lost:
         lines += ["", f"LinearPatch loses to ghosted on {lost} of the {len(pairs)} search rows where both ran "
-                      f"(mean dPPL% {sum(lp for lp, _ in pairs) / len(pairs):+.1f} against "
-                      f"{sum(gh for _, gh in pairs) / len(pairs):+.1f}). The reference LinearPatch adds an optional "
+                      f"(median dPPL% {_pct(median(lp for lp, _ in pairs))} against "
+                      f"{_pct(median(gh for _, gh in pairs))}). The reference LinearPatch adds an optional "
                       "refinement of its patch by offline top-K-logit distillation (about 5K samples); the "
                       "library's LinearPatch is its training-free closed form only (H·D·Hᵀ from calibration "
                       "magnitudes), so these rows measure that form."]

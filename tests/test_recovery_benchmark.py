@@ -99,10 +99,12 @@ def test_recovery_recommends_the_repair_best_on_the_search_rows():
     assert lines[1] == "- a: n=1 [2]: fused +4.0, **ghosted** +3.0, linearpatch +8.0; n=2 [2, 3]: **fused** +9.0, " \
                        "ghosted +10.0, linearpatch +12.0."
     assert lines[2] == "- b: n=1 [4]: **ghosted** +6.0, linearpatch +40.0."
-    assert lines[4].startswith("LinearPatch loses to ghosted on 3 of the 3 search rows where both ran (mean dPPL% "
-                               "+20.0 against +6.3).")
+    assert lines[4].startswith("LinearPatch loses to ghosted on 3 of the 3 search rows where both ran (median "
+                               "dPPL% +12.0 against +6.0).")
     assert recovery.recommendation([{"model": "c", "rows": smol["rows"][:1]}]) == [
         "No search row has every repair measured yet: no recommendation."]
+    blown = {"model": "c", "rows": [_row(6, "search", [1, 2], none=700.0, fused=None, ghosted=110.0, linearpatch=3.3e24)]}
+    assert recovery.recommendation([blown])[1] == "- c: n=6 [1, 2]: **ghosted** +110.0, linearpatch +3.30e+24."
 
 
 def test_recovery_a_set_missing_a_method_keeps_its_row_while_that_method_runs(tmp_path, monkeypatch, wikitext_valid):
