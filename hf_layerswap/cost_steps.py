@@ -40,6 +40,7 @@ best copy, the saved activations of the backward and the logits of a healing ste
 from __future__ import annotations
 
 import math
+from typing import Any
 from collections.abc import Mapping
 import os
 from pathlib import Path
@@ -289,7 +290,8 @@ def heal_budget(shape: ModelShape, kept: int, throughput, batch_size: int, width
     for blocks in (kept, shape.num_blocks):
         fb, fh = shape.forward_flops(blocks, batch_size, width)
         seconds_of.append(fb / throughput.block_flops_per_second + fh / throughput.head_flops_per_second)
-    return {**time_budget(*seconds_of, batch_size, width, seconds), "throughput": throughput.source}
+    student, teacher = seconds_of
+    return {**time_budget(student, teacher, batch_size, width, seconds), "throughput": throughput.source}
 
 
 def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None, *,
@@ -341,7 +343,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
         if heal.teacher_top_k is None:
             _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
         _add_forward(phase, shape, kept, b, width, factor=3.0, times=n)  # forward + backward (2 forward FLOPs)
-    probe = None
+    probe: dict[str, Any] | None = None
     if heal.learning_rate is None:  # the probe: per candidate its steps, and a held-out evaluation (one more first)
         candidates = get_heal_method(heal.method).learning_rates
         per = probe_steps(steps)
