@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl  # (the import registers the layerswap plugin, as a user would)
 from hf_layerswap.calibration import build_calibration
+from hf_layerswap.cli import main as hl_cli_main
 from hf_layerswap.models import load_model
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.recovery import (
@@ -688,7 +689,7 @@ def test_linearpatch_lowers_the_removal_kl(family, removed, calib, held_out):
     assert kls["ghosted"][0] < kls["linearpatch"][0]
 
 
-def test_linearpatch_refuses_post_norm_blocks_before_any_forward(calib):
+def test_linearpatch_refuses_post_norm_blocks_before_any_forward(calib, tmp_path, capsys):
     """On post-norm blocks (Gemma-3) the stream carries massive channels on every token, which
     the rotation and a non-uniform D spread into every channel (Gemma-3-270M, blocks 7-8:
     perplexity 41 -> 8.8e13 while its fit residual was below plain removal's). The repair is
@@ -709,6 +710,11 @@ def test_linearpatch_refuses_post_norm_blocks_before_any_forward(calib):
     assert all(torch.equal(v, state[k]) for k, v in gemma.state_dict().items())
     for h in handles:
         h.remove()
+    gemma.save_pretrained(tmp_path / "gemma")
+    assert hl_cli_main(["prune", str(tmp_path / "gemma"), str(tmp_path / "out"), "--layers", "2", "3", "--recovery",
+                        "linearpatch", "--num-prompts", "8", "--seq-len", "16"]) == 2
+    assert re.search("error: " + message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
     report = recover(gemma, [0, 1], calib, method="linearpatch")
     assert gemma.config.layerswap["recovery"]["folded_boundaries"] == [0] and report.method == "linearpatch"
 
