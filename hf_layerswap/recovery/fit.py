@@ -16,7 +16,7 @@ from ..plan import capture_residual_stream, resolve_layer_indices
 
 __all__ = [
     "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "MAX_EPSILON", "model_family",
-    "model_hidden_size", "Moments", "POST_MLP_NORMS", "probe_additive_write", "quadratic_residual",
+    "model_hidden_size", "Moments", "POST_MLP_NORMS", "post_mlp_norm", "probe_additive_write", "quadratic_residual",
     "ridge_toward_identity", "select_rows",
 ]
 
@@ -130,6 +130,12 @@ def cut_boundaries(num_blocks: int, removed: Sequence[int]) -> list[dict]:
 #: Block attributes of a norm applied to the MLP output before it is added to the stream
 #: (post-norm blocks, e.g. Gemma-2/3): a map folded into ``down_proj`` is then no map on the stream.
 POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
+
+
+def post_mlp_norm(block: nn.Module) -> str | None:
+    """The name of ``block``'s norm on its MLP output (:data:`POST_MLP_NORMS`), ``None`` for a
+    block that adds the MLP output to the stream unchanged."""
+    return next((a for a in POST_MLP_NORMS if getattr(block, a, None) is not None), None)
 
 
 def model_family(model: nn.Module) -> str:
