@@ -927,3 +927,29 @@ def test_teacher_goes_where_the_students_token_ids_go_not_to_its_first_parameter
     assert place_teacher(teacher, student) == torch.device("cpu")
     assert {p.device for p in teacher.parameters()} == {torch.device("cpu")}
     assert bool(torch.isfinite(teacher.get_input_embeddings().weight).all())  # real weights, not "meta"
+
+
+class _Process:
+    """A stand-in for launched process ``rank`` of two (:class:`~hf_layerswap.scoring.processes.Processes`)."""
+
+    def __init__(self, rank, waits):
+        self.rank, self.world, self.waits = rank, 2, waits
+
+    def barrier(self):
+        self.waits.append(self.rank)
+
+
+def test_only_the_first_launched_process_writes_the_run_file_and_every_process_waits_for_it(tmp_path, monkeypatch):
+    # two processes claiming one folder at once: the second read the first's half-written file and refused (exit 2)
+    import hf_layerswap.healing.core as heal_core
+
+    settings, waits = {"method": "last_k", "seed": 0}, []
+    folder = tmp_path / "checkpoints"
+    monkeypatch.setattr(heal_core, "Processes", lambda: _Process(1, waits))
+    heal_core._write_claim(folder, settings)
+    assert not folder.exists() and waits == [1, 1]
+    monkeypatch.setattr(heal_core, "Processes", lambda: _Process(0, waits))
+    heal_core._write_claim(folder, settings)
+    assert json.loads((folder / RUN_FILE).read_text()) == settings and waits == [1, 1, 0, 0]
+    # the settings of the run it names are those the other process checks (a resume: True)
+    assert heal_core._claim_checkpoints(folder, settings, write=False) is True

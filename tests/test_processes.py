@@ -42,6 +42,13 @@ def _kls(path) -> list:
     return json.loads(path.read_text())["pairs"]
 
 
+def _failure(done) -> str:
+    """What a failed launch printed: every process's ``error:`` line first (the launcher's
+    traceback of the process it stopped would push them out of the tail), then the tail."""
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    return "\n".join(errors[:20]) + "\n...\n" + done.stderr[-3000:]
+
+
 def _checkpoint(path, dtype=torch.float32):
     model = tiny_model("qwen3", num_blocks=4).to(dtype)
     model.save_pretrained(path)
@@ -66,7 +73,7 @@ def test_prune_under_accelerate_launch_with_two_processes_equals_one_process_bit
     one = [sys.executable, "-m", "hf_layerswap.cli", "prune", str(tmp_path / "ckpt"), str(tmp_path / "one"), *flags]
     for cmd in (two, one):
         done = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == 0, _failure(done)
     r2, r1 = (json.loads((tmp_path / name / "layerswap_report.json").read_text()) for name in ("two", "one"))
     # every KL and standard error equal as stored (exact floats)
     assert r2["pairs"] == r1["pairs"] and len(r1["pairs"]) == 3 + 2  # adjacent and gap-2 pairs of 4 blocks
@@ -188,7 +195,7 @@ def test_two_processes_report_the_sum_of_their_movement(tmp_path):
     one = [sys.executable, str(script), str(tmp_path), "one.json"]
     for cmd in (two, one):
         done = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == 0, _failure(done)
     two_meta, one_meta = (json.loads((tmp_path / name).read_text()) for name in ("two.json", "one.json"))
     assert two_meta["world_size"] == 2 and two_meta["slot_major"] is True
     one_moved, moved = one_meta["movement"], two_meta["movement"]
@@ -213,7 +220,7 @@ def test_prune_heal_under_two_processes_spends_the_budget_asked_for(tmp_path):
            "--dynamo_backend", "no", "--main_process_port", str(_free_port()), "-m", "hf_layerswap.cli", "prune",
            str(tmp_path / "ckpt"), str(tmp_path / "two"), *flags]
     done = subprocess.run(two, env=env, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, _failure(done)
     entry = json.loads((tmp_path / "two" / "config.json").read_text())["layerswap"]["healing"][-1]
     # 128 tokens in 4 steps of 4 prompts x 8 tokens, the prompts of each step shared by the two processes
     assert entry["settings"]["max_tokens"] == 128 and entry["settings"]["batch_size"] == 4

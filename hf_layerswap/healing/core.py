@@ -27,6 +27,7 @@ from ..plan import model_fingerprint, num_blocks
 from ..provenance import library_versions
 from ..recovery.operators import attached_operators
 from ..rule import NonFiniteScoresError
+from ..scoring.processes import Processes
 from .choice import probe_learning_rate, probe_steps, time_budget, time_forwards
 from .loss import teacher_top_k
 from .measure import HealMeasures
@@ -162,7 +163,7 @@ def heal(
                                                                  checkpoint_dir, device)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    _claim_checkpoints(checkpoint_dir, settings, write=False)  # refuse another run's folder before measuring
+    resume = _claim_checkpoints(checkpoint_dir, settings, write=False)  # read by all before the first process writes
     check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
     created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
@@ -171,7 +172,7 @@ def heal(
     student = entry.prepare(model, options)
     settings["choice"] = _given(_probe(student, teacher, train, held, settings, entry, steps, device, choice),
                                 max_tokens, learning_rate)
-    resume = _claim_checkpoints(checkpoint_dir, settings)  # written only now, after the measurements
+    _write_claim(checkpoint_dir, settings)  # written only now, after the measurements
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
@@ -536,6 +537,20 @@ def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(settings, path)
     return False
+
+
+def _write_claim(folder, settings: dict) -> None:
+    """Write the run file of ``settings`` into ``folder`` (:func:`_claim_checkpoints`) from
+    the first launched process only, once every process has read the folder (the check of
+    :func:`heal` that decides whether to resume), the others waiting until it is there: two
+    processes writing one folder would each see the other's half-written file."""
+    if folder is None:
+        return
+    processes = Processes()
+    processes.barrier()
+    if processes.rank == 0:
+        _claim_checkpoints(folder, settings)
+    processes.barrier()
 
 
 def _teacher_cache(teacher, rows: _Rows, k: int | None, batch_size: int, device) -> dict | None:
