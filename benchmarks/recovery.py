@@ -52,6 +52,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.selection.geometry import block_influence  # noqa: E402
+from hf_layerswap import estimate_cost  # noqa: E402
+from hf_layerswap.cost import Throughput  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
 from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
@@ -207,6 +209,10 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
                 save(key, entry)
         return entry
 
+    for row in rows:  # a method the library refuses since a set was measured: that refusal, the measurement kept
+        stored = cells.get(removal_key(row))
+        if stored is not None and refuse_stored(model, stored):
+            save(removal_key(row), stored)
     cells.update(refresh)  # the stored sets' rows (a method added since they ran shows as "not run")
     order = [[row for row in rows if (row["selection"] == "search") == is_search] for is_search in (True, False)]
     if args.reverse:  # a second process starts at the other end of each; merge the two files with --merge-from
@@ -215,6 +221,32 @@ def run_model(name: str, args, store: Path, header: dict) -> dict:
     run_cells(cells, [(removal_key(row), row) for row in first], run_set, tag=name)
     cells.update(refresh)  # rows and completeness also when every set was stored
     return cells.state["result"]
+
+
+def refusal(model, removed, method: str) -> str | None:
+    """Why the library refuses ``method`` on ``model`` for the removal set ``removed`` (its
+    checks before any fit, through :func:`hf_layerswap.estimate_cost`), or ``None``."""
+    try:
+        estimate_cost(model, {"layers": list(removed), "recovery": method},
+                      throughput=Throughput(1e12, 1e12, 1e9, source="unused: only the checks run"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def refuse_stored(model, entry: dict) -> bool:
+    """A stored result of a method the library has refused on this model since it was
+    measured becomes that refusal, the measurement kept beside it
+    (``measured_before_refusal``); whether any did."""
+    changed = False
+    for method, result in entry["results"].items():
+        if method == "none" or "refused" in result:
+            continue
+        reason = refusal(model, entry["removed"], method)
+        if reason is not None:
+            entry["results"][method] = {"refused": reason, "measured_before_refusal": result}
+            changed = True
+    return changed
 
 
 def run_method(name: str, model, tokenizer, base, calib, row: dict, method: str, args, t0: float) -> dict:
@@ -293,15 +325,20 @@ def _observations(model_result: dict) -> list[str]:
                     f"n={row['n']} {row['selection']} {row['removed']}: {method} lowers dPPL by {gain:.1f} points, "
                     "within overlapping 95% intervals."
                 )
-    refused = {
-        (row["selection"], tuple(row["removed"])): e["refused"]
-        for row in model_result["rows"]
-        for m, e in row["results"].items()
-        if "refused" in e
-    }
-    if refused:
-        reason = next(iter(refused.values()))
-        notes.append(f"fused is not applicable to this model: {reason}")
+    for method in REPAIRS:
+        refused = [(row, row["results"][method]) for row in model_result["rows"]
+                   if "refused" in row["results"].get(method, {})]
+        if not refused:
+            continue
+        note = f"{method} is not applicable to this model: {refused[0][1]['refused']}"
+        before = [(row, e["measured_before_refusal"]) for row, e in refused if "measured_before_refusal" in e]
+        if before:
+            worse = sum(e["dppl_percent"] > row["results"]["none"]["dppl_percent"] for row, e in before)
+            mine = median(e["dppl_percent"] for _, e in before)
+            none = median(row["results"]["none"]["dppl_percent"] for row, _ in before)
+            note += (f". Measured before the library refused it, {method} left dPPL% above plain removal on {worse} of "
+                     f"the {len(before)} sets it ran on (median {_pct(mine)} against {_pct(none)} with no repair)")
+        notes.append(note)
     return notes
 
 

@@ -143,3 +143,23 @@ def test_recovery_reverse_runs_the_search_sets_from_the_top_budget_first(tmp_pat
     order = list(dict.fromkeys(fits))
     assert order[:2] == [("search", (3, 4)), ("search", (4,))] and len(fits) == len(order) * len(recovery.METHODS)
     assert json.loads((tmp_path / "recovery-tiny.json").read_text())["settings"]["budgets"] == [1, 2]
+
+
+def test_a_stored_result_of_a_method_refused_since_becomes_that_refusal_with_the_measurement_kept():
+    # Gemma-3's post-norm blocks: linearpatch and fused are refused there, ghosted is not
+    model = tiny_model("gemma3", 4)
+    measured = {"dppl_percent": 900.0, "dppl_ci": [800.0, 1000.0]}
+    entry = {"removed": [2], "results": {"none": {"dppl_percent": 50.0, "dppl_ci": [45.0, 55.0]},
+                                         "ghosted": {"dppl_percent": 10.0, "dppl_ci": [8.0, 12.0]},
+                                         "linearpatch": dict(measured), "fused": {"refused": "before"}}}
+    assert recovery.refuse_stored(model, entry) is True
+    lp = entry["results"]["linearpatch"]
+    assert lp["measured_before_refusal"] == measured and "linearpatch recovery cannot repair a cut after" in lp["refused"]
+    assert entry["results"]["ghosted"]["dppl_percent"] == 10.0 and entry["results"]["fused"] == {"refused": "before"}
+    assert recovery.refuse_stored(model, entry) is False  # nothing left to refuse
+    row = {"n": 1, "selection": "search", **entry}
+    notes = recovery._observations({"rows": [row]})
+    assert notes[-1].startswith("linearpatch is not applicable to this model: linearpatch recovery cannot repair")
+    assert notes[-1].endswith("Measured before the library refused it, linearpatch left dPPL% above plain removal on "
+                              "1 of the 1 sets it ran on (median +900.0 against +50.0 with no repair)")
+    assert notes[0] == "fused is not applicable to this model: before"
