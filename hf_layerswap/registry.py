@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar
 from .registry_names import RegistryNames
 
 __all__ = ["NoOptions", "Options", "Registry", "RegistryEntry", "option", "option_rows", "options_subset", "options_table",
+           "options_tables",
            "untyped_options"]
 
 E = TypeVar("E")
@@ -262,7 +263,7 @@ class RegistryEntry:
             are given (``False``: an upper bound); a strategy's plan says it per plan.
     """
 
-    name: str = ""
+    name: str  # set by each entry (a dataclass entry's field has no default)
     help: str = ""
     option_class: type[Options] = NoOptions
     estimate: Callable | None = None
@@ -335,21 +336,39 @@ class Registry(dict[str, E]):
         """
         if isinstance(name, str) and name in self:
             return self[name]
-        close = difflib.get_close_matches(name, list(self), n=1) if isinstance(name, str) else []
-        raise ValueError(f"{argument or self.argument}={name!r}: allowed {self.allowed()}"
-                         + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise self.unknown(name, argument=argument)
+
+    def unknown(self, name: Any, names: Iterable[str] | None = None, argument: str | None = None) -> ValueError:
+        """The error :meth:`lookup` raises for ``name``: ``<argument>=<name>: allowed [...]`` and
+        the closest of ``names`` (default: the registered ones) when one is close."""
+        allowed = self.allowed() if names is None else (sorted(names) if self.sort_names else list(names))
+        close = difflib.get_close_matches(name, allowed, n=1) if isinstance(name, str) else []
+        return ValueError(f"{argument or self.argument}={name!r}: allowed {allowed}"
+                          + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def options_table(registry: Mapping[str, Any]) -> str:
-    """A markdown table of every entry's options: one row per option (``| name | option |
-    allowed | default | help |``), one row ``| name | none | | | |`` for an entry that takes
-    none; what the docs hold and ``tests/test_docs.py`` compares with the registry."""
-    lines = ["| method | option | allowed | default | what it does |", "|---|---|---|---|---|"]
+    """A markdown table of a registry's entries and their options: one row per option
+    (``| name | what it does | option | allowed | default | what the option does |``, the
+    entry's name and help on its first row only), one row with option ``none`` for an entry
+    that takes none; what the docs hold and ``tests/test_docs.py`` compares with the registry."""
+    lines = ["| name | what it does | option | allowed | default | what the option does |",
+             "|---|---|---|---|---|---|"]
     for name, entry in registry.items():
-        rows = option_rows(entry.option_class)
-        if not rows:
-            lines.append(f"| `{name}` | none | | | |")
-        for row in rows:
-            cells = [f"`{name}`", f"`{row['name']}`", row["allowed"], f"`{row['default']}`", row["help"]]
+        rows = option_rows(entry.option_class) or [{"name": "", "allowed": "", "default": "", "help": ""}]
+        for k, row in enumerate(rows):
+            cells = [f"`{name}`" if k == 0 else "", entry.help if k == 0 else "",
+                     f"`{row['name']}`" if row["name"] else "none", row["allowed"],
+                     f"`{row['default']}`" if row["default"] else "", row["help"]]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def options_tables() -> str:
+    """Every registry's :func:`options_table` under a heading naming what an entry is and the
+    argument that picks it, registries sorted by kind (the docs' "Method options" section)."""
+    parts = []
+    for kind in sorted(Registry.ALL):
+        registry = Registry.ALL[kind]
+        parts.append(f"### {kind[0].upper() + kind[1:]}: `{registry.argument}=`\n\n{options_table(registry)}\n")
+    return "\n".join(parts)
