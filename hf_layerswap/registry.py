@@ -19,7 +19,7 @@ outside a field's bounds (naming the field, the value and what is allowed)::
         k: int = option(3, help="kept blocks trained, counted from the last", ge=1)
 
     LastKOptions.from_mapping({"k": 0}, owner="method='last_k'")
-    # ValueError: k=0: must be an int >= 1 (kept blocks trained, counted from the last)
+    # ValueError: k=0: must be an int >= 1
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from typing import Any, ClassVar, TypeVar
 from .registry_names import RegistryNames
 
 __all__ = ["NoOptions", "Options", "Registry", "RegistryEntry", "option", "option_rows", "options_subset", "options_table",
-           "options_tables",
-           "untyped_options"]
+           "options_tables", "untyped_options"]
 
 E = TypeVar("E")
 OptionsT = TypeVar("OptionsT", bound="Options")
