@@ -259,14 +259,15 @@ class RegistryEntry:
             signature is the registry's; the entry class documents it), or ``None`` where it
             has none (``estimate_cost`` then refuses it, naming it).
         estimate_exact: the estimate is the exact count of its passes when the removed blocks
-            are given (``False``: an upper bound); a strategy's plan says it per plan.
+            are given (``False``: an upper bound; ``None``: each estimate says which, as a
+            strategy's plan does); the contract test holds every entry to it.
     """
 
     name: str  # set by each entry (a dataclass entry's field has no default)
     help: str = ""
     option_class: type[Options] = NoOptions
     estimate: Callable | None = None
-    estimate_exact: bool = True
+    estimate_exact: bool | None = True
 
     def parse_options(self, values: Mapping[str, Any] | Options | None = None, owner: str | None = None) -> Options:
         """``values`` as this entry's :attr:`option_class` (see :meth:`Options.from_mapping`).

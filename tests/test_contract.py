@@ -35,6 +35,7 @@ from hf_layerswap.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label, re
 from hf_layerswap.rule import greedy_select
 from hf_layerswap.recovery import RECOVERY_METHODS
 from hf_layerswap.selection import STRATEGIES
+from hf_layerswap.selection.registry import STRATEGY_ENTRIES
 from hf_layerswap.selection.objectives import OBJECTIVES, objective_entry
 from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
 
@@ -71,7 +72,7 @@ def _heal_config(method: str) -> hl.HealConfig:
 def _estimate_matches_the_count(fields: dict, exact: bool | None):
     """``estimate_cost`` of ``LayerSwapConfig(**fields)`` against the passes hooks count in the
     real prune: equal when the estimate says exact, else at most it; ``exact``: what the
-    estimate must say (``None``: either)."""
+    estimate must say, the entry's ``estimate_exact`` (``None``: the estimate says which)."""
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (7, 16))
     mask = torch.ones_like(ids)
@@ -145,7 +146,7 @@ def test_strategy_contract(name, tmp_path):
     step = record["steps"][-1]
     assert step["strategy"] == name and step["removed_layers"] == record["removed_layers"]
     assert front["strategy"] == name and front["removed_layers"] == record["removed_layers"]
-    _estimate_matches_the_count(_strategy_config(name), None)
+    _estimate_matches_the_count(_strategy_config(name), STRATEGY_ENTRIES[name].estimate_exact)
 
 
 @pytest.mark.parametrize("name", PROTOCOL_NAMES)
@@ -155,6 +156,7 @@ def test_protocol_contract(name, tmp_path):
     assert model.layerswap_report.protocols == (name,) or list(model.layerswap_report.protocols) == [name]
     assert front["protocol"] == name
     assert f"| {protocol_label(name)} s(i) |" in text  # its column of the layer-score table
+    assert SWAP_PROTOCOLS[name].estimate_exact
     _estimate_matches_the_count(dict(num_to_remove=1, strategy="greedy", protocol=name), True)
 
 
@@ -170,7 +172,7 @@ def test_recovery_method_contract(name, tmp_path):
         assert method.card_row(model.config.layerswap["recovery"], lambda b: ", ".join(map(str, b)) or "none") in text
     else:
         assert "recovery" not in front and "recovery" not in model.config.layerswap
-    _estimate_matches_the_count(dict(layers=[3, 5], **repair), True)
+    _estimate_matches_the_count(dict(layers=[3, 5], **repair), method.estimate_exact)
 
 
 @pytest.mark.parametrize("name", ALLOCATOR_NAMES)
@@ -180,7 +182,8 @@ def test_allocator_contract(name, tmp_path):
     assert model.layerswap_sparsity_report.allocation == name and front["sparsity"]["allocation"] == name
     assert ALLOCATORS[name].label.replace("|", "\\|") in text  # a table cell
     assert 0.3 < front["sparsity"]["achieved_sparsity"] < 0.7
-    _estimate_matches_the_count(dict(layers=[2], sparsity=0.5, allocation=name, pruner="magnitude"), True)
+    _estimate_matches_the_count(dict(layers=[2], sparsity=0.5, allocation=name, pruner="magnitude"),
+                                ALLOCATORS[name].estimate_exact)
 
 
 @pytest.mark.parametrize("name", PRUNER_NAMES)
@@ -190,7 +193,8 @@ def test_pruner_contract(name, tmp_path):
     assert model.layerswap_sparsity_report.method == name and front["sparsity"]["method"] == name
     assert PRUNERS[name].label.replace("|", "\\|") in text  # a table cell
     assert front["sparsity"]["achieved_sparsity"] == pytest.approx(0.5, abs=0.02)
-    _estimate_matches_the_count(dict(layers=[2], sparsity=0.5, allocation="uniform", pruner=name), True)
+    _estimate_matches_the_count(dict(layers=[2], sparsity=0.5, allocation="uniform", pruner=name),
+                                PRUNERS[name].estimate_exact)
 
 
 @pytest.mark.parametrize("name", HEAL_NAMES)
@@ -202,7 +206,7 @@ def test_heal_method_contract(name, tmp_path):
     record = model.config.layerswap
     assert record["removed_layers"] == [2] and record["healing"][-1]["method"] == name
     assert HEAL_METHODS[name].describe in text  # the card's Method row, in the entry's words
-    _estimate_matches_the_count(dict(layers=[3, 5], heal=_heal_config(name)), True)
+    _estimate_matches_the_count(dict(layers=[3, 5], heal=_heal_config(name)), HEAL_METHODS[name].estimate_exact)
 
 
 @pytest.mark.parametrize("name", OBJECTIVE_NAMES)
@@ -213,7 +217,7 @@ def test_objective_contract(name, tmp_path):
     _config_round_trips(cfg, tmp_path)
     decision = model.config.layerswap["steps"][-1]["decision"]
     assert decision["objective"] == name and len(model.config.layerswap["removed_layers"]) == 1
-    _estimate_matches_the_count(dict(fields, num_to_remove=2), False)  # the search's estimate is an upper bound
+    _estimate_matches_the_count(dict(fields, num_to_remove=2), objective_entry(name).estimate_exact)
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "search"])

@@ -89,6 +89,8 @@ class Objective(RegistryEntry):
     help: str = ""
     model_head: bool = False
     extra_cost: Callable = _no_extra_cost
+    #: The search it serves counts an upper bound of its passes.
+    estimate_exact = False
 
     @property
     def estimate(self) -> Callable:  # type: ignore[override]

@@ -159,6 +159,8 @@ class Strategy(RegistryEntry):
     keeps_reference: bool = False
     help: str = ""
     option_class: type[Options] = NoOptions
+    #: Each plan's counts say whether they are exact (``SelectionPlan.counts(exact=...)``).
+    estimate_exact = None
 
     @property
     def estimate(self) -> Callable | None:  # type: ignore[override]
