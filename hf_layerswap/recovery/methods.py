@@ -27,7 +27,6 @@ from accelerate.utils import has_offloaded_params
 
 from ..registry import NoOptions, Options, Registry, RegistryEntry, option
 from .fit import MAX_EPSILON, block_down_proj, model_family, post_mlp_norm, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
-from ..registry_names import RegistryNames
 from .hadamard import hadamard_rotation
 from .operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
 
@@ -560,4 +559,4 @@ class LinearPatch(RecoveryMethod):
 
 #: The registered method names now (``"none"`` = plain removal, residuals only), a live view
 #: of :data:`RECOVERY_METHODS`: a method registered later is in it.
-METHODS = RegistryNames(lambda: RECOVERY_METHODS)
+METHODS = RECOVERY_METHODS.names
