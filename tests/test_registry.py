@@ -199,3 +199,21 @@ def test_every_entry_of_every_registry_carries_help_options_and_an_estimate():
             option_rows(entry.option_class)  # every option carries its help
             assert entry.estimate is not None, (kind, name)
         assert options_table(Registry.ALL[kind]).count("\n") >= len(Registry.ALL[kind]) + 1
+
+
+def test_prune_refuses_a_bad_heal_option_naming_the_closest_before_the_model_loads(tmp_path, capsys):
+    from conftest import tiny_checkpoint
+
+    from hf_layerswap.cli import main
+
+    tiny_checkpoint(tmp_path / "model")
+    capsys.readouterr()  # the save's progress bars
+    out = tmp_path / "out"
+    for given, message in (("kk=2", "method='last_k' has no option 'kk': its options are k (did you mean 'k'?)"),
+                           ("k=0", "k=0: must be an int >= 1")):
+        assert main(["prune", str(tmp_path / "model"), str(out), "--layers", "2", "--heal", "last_k",
+                     "--heal-option", given]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        key, value = given.split("=")
+        assert err == [f"error: HealConfig(options={{{key!r}: {value}}}): {message}"]
+        assert not out.exists()
