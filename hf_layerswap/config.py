@@ -42,6 +42,7 @@ from .healing.core import MAX_SEED, processes_launched
 from .healing.measure import check_eval_tasks
 from .plan import as_index, decoder_blocks
 from .provenance import public_name
+from .registry import Options
 from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recovery_method, recovery_entry
 from .rule import resolve_protect
 from .selection import STRATEGIES
@@ -252,7 +253,9 @@ class HealConfig:
         teacher_top_k: ``None`` = the teacher's full logits; an int ``k`` >= 1 = a cache of
             its top-k log-probs plus the rest's mass (KL over ``k + 1`` buckets, a lower
             bound of the full KL).
-        options: the method's options (``{"lora_r": 8}``, ``{"k": 3}``), JSON-able values.
+        options: the method's options (``{"lora_r": 8}``, ``{"k": 3}``), JSON-able values, or
+            its typed options (``LoraOptions(lora_r=8)``, the method's ``option_class``),
+            kept as their dict; checked by that class (unknown keys, types, bounds).
         perplexity_text: ``None`` (no perplexity), ``"embedded"`` (the embedded evaluation
             text) or a text file: the perplexity of the dense model, after the cut, after
             the repair (when one ran) and after healing, one contract and one text for all,
@@ -339,6 +342,8 @@ class HealConfig:
             raise ValueError(f"{what}(teacher_top_k={k!r}): must be None (full logits) or an int >= 1")
         if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
             raise ValueError(f"{what}(calibration={self.calibration!r}): must be a text file path or None")
+        if isinstance(self.options, Options):  # the method's typed options: recorded as their dict
+            object.__setattr__(self, "options", self.options.to_dict())
         if not isinstance(self.options, Mapping) or not all(isinstance(key, str) for key in self.options):
             raise ValueError(f"{what}(options={self.options!r}): must be a dict with str keys")
         try:

@@ -179,7 +179,7 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     # the method's check on real rows before the fit (its probe), on one batch; blocks not yet chosen:
     # each of the deepest removable ones a cut of its own (the most checks there can be)
     probe_cuts = cuts if exact else [c for i in removed for c in cut_boundaries(shape.num_blocks, [i])]
-    depths = entry.probe_forwards(probe_cuts)
+    depths = entry.estimate(probe_cuts, shape.hidden, exact)["probe_forwards"]
     if depths:
         ids, _, _ = next(select_rows(calib, min(cfg.batch_size, PROBE_PROMPTS), num_tokens))
         for depth in depths:
@@ -190,7 +190,7 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
         held = len(slots) * ids.numel() * shape.hidden * shape.es + len(slots) * int(keep.sum()) * shape.hidden * 8
         most = max(most, held + shape.activation_bytes(ids.shape[0], ids.shape[1]))
     # the method's float64 moments (blocks not yet chosen: up to one cut per removed block)
-    moments = entry.moment_bytes(cuts, shape.hidden, exact)
+    moments = entry.estimate(cuts, shape.hidden, exact)["moment_bytes"]
     phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + most + moments
     return phase
 
@@ -203,12 +203,13 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     allocator, pruner = get_allocator(sp.allocation), get_pruner(sp.pruner)
     phase = _phase(True, f"{sp.pruner} with {sp.allocation} on {kept} blocks, batches of {SPARSIFY_BATCH} prompts")
     cached = 0
+    gradients, replays = allocator.estimate()["gradient_forwards"], pruner.estimate()["statistics_replays"]
     for ids, _ in calib.batches(SPARSIFY_BATCH):
         b, w = ids.shape
-        if allocator.needs_gradients:  # forward with the head, then a backward (2 forward FLOPs)
+        for _ in range(gradients):  # forward with the head, then a backward (2 forward FLOPs)
             _add_forward(phase, shape, kept, b, w, head=True, factor=3.0)
         _add_forward(phase, shape, kept, b, w, head=False)  # the dense pass
-        if pruner.statistics is not None:  # block by block: the statistics replay
+        for _ in range(replays):  # block by block: the statistics replay
             _add_forward(phase, shape, kept, b, w, head=False)
         _add_forward(phase, shape, kept - 1, b, w, head=False)  # the propagation to the next block
         cached += 2 * ids.numel() * shape.hidden * shape.es  # inputs of the block and its outputs
@@ -254,14 +255,14 @@ def trainable_parameters(shape: ModelShape, cfg: LayerSwapConfig, removed: list[
                          known: bool = True) -> tuple[int, int, int]:
     """(trainable parameters, their tensors, bytes per element) of ``cfg.heal``'s method on
     the pruned model, as its registry entry plans them
-    (:meth:`~hf_layerswap.healing.methods.HealMethod.trainable`; ``known``: ``removed`` is
+    (its entry's estimate, :meth:`~hf_layerswap.healing.methods.HealMethod.trainable`; ``known``: ``removed`` is
     the cut itself, else a worst case).
 
     Raises:
         ValueError: a healing method whose entry plans no trainable set, or an option value
             it cannot take (a ``last_k`` ``k`` outside 1..(kept blocks)).
     """
-    return get_heal_method(cfg.heal.method).trainable(shape, cfg.heal.options, removed, known)
+    return get_heal_method(cfg.heal.method).estimate(shape, cfg.heal.options, removed, known)
 
 
 def _trainer_batches(rows: int, batch: int, steps: int) -> dict[int, int]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .plan import interchange_plan, replacement_plan
+from .registry import Registry, RegistryEntry
 
 __all__ = [
     "PALETTE",
@@ -55,8 +56,10 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclass(frozen=True)
-class SwapProtocol:
-    """One registered protocol.
+class SwapProtocol(RegistryEntry):
+    """One registered protocol (a :class:`~hf_layerswap.registry.RegistryEntry` without
+    options; its :meth:`estimate` is the probes' plans of a pair, which the scoring engine's
+    plan, and so :func:`~hf_layerswap.cost.estimate_cost`, prices exactly).
 
     Attributes:
         name: the ``protocols=`` value.
@@ -66,6 +69,8 @@ class SwapProtocol:
         label: how the model card and the plots name it (default: :attr:`name`).
         color: its matplotlib colour in the plots (default: one of a fixed palette, by
             registration order).
+        help: what a probe does to the pair, in one line (default: the first line of the
+            function's docstring, else the label).
     """
 
     name: str
@@ -73,6 +78,12 @@ class SwapProtocol:
     plans: Callable[[int, int, int], dict]
     label: str = ""
     color: str = ""
+    help: str = ""
+
+    def estimate(self, num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
+        """The entry's estimate: the plans of pair ``(i, j)`` (:meth:`pair_plans`), each one
+        forward of its blocks per batch in the engine's plan."""
+        return self.pair_plans(num_blocks, i, j)
 
     def pair_plans(self, num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
         """The probes' plans for pair ``(i, j)``, in :attr:`probes` order.
@@ -89,7 +100,7 @@ class SwapProtocol:
 
 #: Protocol name -> :class:`SwapProtocol`, in registration order (the order probes are
 #: listed in a sweep and protocols in messages).
-SWAP_PROTOCOLS: dict[str, SwapProtocol] = {}
+SWAP_PROTOCOLS: Registry[SwapProtocol] = Registry("swap protocol", "protocol")
 
 
 def probe_kinds(protocols: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -106,10 +117,11 @@ def protocol_of(name: str) -> str | None:
 
 
 def register_protocol(name: str, *, probes: Sequence[str] | None = None, label: str | None = None,
-                      color: str | None = None):
+                      color: str | None = None, help: str | None = None):
     """Decorator registering ``fn(num_blocks, i, j) -> {kind: plan}`` as the swap protocol
     ``name`` (see :class:`SwapProtocol`); ``probes`` defaults to ``(name,)``, ``label`` (the
-    card's and plots' name) to ``name``, ``color`` (the plots') to the next of :data:`PALETTE`.
+    card's and plots' name) to ``name``, ``color`` (the plots') to the next of :data:`PALETTE`,
+    ``help`` (one line) to the first line of ``fn``'s docstring, else the label.
 
     Raises:
         ValueError: a name or probe kind that is not lower-case ``[a-z][a-z0-9_]*``, ends
@@ -130,7 +142,8 @@ def register_protocol(name: str, *, probes: Sequence[str] | None = None, label: 
 
     def decorate(fn):
         shade = color or PALETTE[len(SWAP_PROTOCOLS) % len(PALETTE)]
-        SWAP_PROTOCOLS[name] = SwapProtocol(name, kinds, fn, label=label or name, color=shade)
+        text = help or ((fn.__doc__ or "").strip().split("\n")[0]) or label or name
+        SWAP_PROTOCOLS.add(name, SwapProtocol(name, kinds, fn, label=label or name, color=shade, help=text))
         return fn
 
     return decorate
@@ -167,9 +180,7 @@ def get_protocol(name) -> SwapProtocol:
     Raises:
         ValueError: unknown name; the message lists the registered ones.
     """
-    if not isinstance(name, str) or name not in SWAP_PROTOCOLS:
-        raise ValueError(f"protocol={name!r}: allowed {list(SWAP_PROTOCOLS)}")
-    return SWAP_PROTOCOLS[name]
+    return SWAP_PROTOCOLS.lookup(name)
 
 
 def check_protocols(protocols) -> tuple[str, ...]:
@@ -189,11 +200,12 @@ def check_protocols(protocols) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- built-ins
-@register_protocol("replacement", probes=("replacement_ij", "replacement_ji"), color="#d95f02")
+@register_protocol("replacement", probes=("replacement_ij", "replacement_ji"), color="#d95f02",
+                   help="slot i runs block j, and slot j runs block i (two probes; the pair's value is the larger)")
 def _replacement(num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
     return {"replacement_ij": replacement_plan(num_blocks, i, j), "replacement_ji": replacement_plan(num_blocks, j, i)}
 
 
-@register_protocol("interchange", color="#1b9e77")
+@register_protocol("interchange", color="#1b9e77", help="slots i and j exchange their blocks (one probe)")
 def _interchange(num_blocks: int, i: int, j: int) -> dict[str, list[int]]:
     return {"interchange": interchange_plan(num_blocks, i, j)}

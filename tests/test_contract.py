@@ -1,34 +1,42 @@
 """One contract for every registered method (PEFT's ``PeftCommonTester`` pattern).
 
-Parametrised over every strategy, swap protocol, recovery method, allocator and pruner
-the package registers (read from the registries, so a new built-in is covered without
-editing this file): each runs end to end on a tiny random Llama through
-``AutoModelForCausalLM.from_pretrained(..., quantization_config=LayerSwapConfig(...))``
+Parametrised over every strategy, swap protocol, set objective, recovery method, healing
+method, allocator and pruner the package registers (read from the registries, so a new
+built-in is covered without editing this file): each runs end to end on a tiny random Llama
+through ``AutoModelForCausalLM.from_pretrained(..., quantization_config=LayerSwapConfig(...))``
 (3 prompts of 16 tokens), its config round-trips (``to_dict``/``from_dict``, and the
 record ``save_pretrained`` writes that ``from_pretrained`` reads back), the saved
 checkpoint reloads to the same logits without pruning again, and the method appears in
-the rendered model card.
+the rendered model card. Each entry's estimate (``estimate_cost``) is checked against the
+block and head passes forward hooks count in the real prune of a tiny 8-block Llama: equal
+where the estimate says it is exact, at most it where it says it is an upper bound.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
 import pytest
 import torch
-from conftest import tiny_batch, tiny_model
+from conftest import counted_prune, tiny_batch, tiny_model
 from huggingface_hub import ModelCard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+import hf_layerswap as hl
 from hf_layerswap import LayerSwapConfig
 from hf_layerswap.card import render_card
+from hf_layerswap.cost import Throughput
+from hf_layerswap.healing.methods import HEAL_METHODS
 from hf_layerswap.plan import removal_plan
 from hf_layerswap.plots import write_plots
 from hf_layerswap.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label, register_protocol, unregister_protocol
 from hf_layerswap.rule import greedy_select
 from hf_layerswap.recovery import RECOVERY_METHODS
 from hf_layerswap.selection import STRATEGIES
+from hf_layerswap.selection.registry import STRATEGY_ENTRIES
+from hf_layerswap.selection.objectives import OBJECTIVES, objective_entry
 from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
 
 PACKAGE = "hf_layerswap."
@@ -44,6 +52,44 @@ PROTOCOL_NAMES = _built_in(SWAP_PROTOCOLS, lambda entry: entry.plans)
 RECOVERY_NAMES = _built_in(RECOVERY_METHODS, type)
 ALLOCATOR_NAMES = _built_in(ALLOCATORS, lambda entry: entry.allocate)
 PRUNER_NAMES = _built_in(PRUNERS, lambda entry: entry.prune)
+HEAL_NAMES = _built_in(HEAL_METHODS, lambda cls: cls)
+OBJECTIVE_NAMES = [name for name in OBJECTIVES if objective_entry(name).score.__module__.startswith(PACKAGE)
+                   and (name not in RECOVERY_METHODS or name in RECOVERY_NAMES)]
+
+#: The estimate's model: a tiny 8-block Llama, 7 prompts of 16 tokens (one padded), batches of 4.
+ESTIMATE_MODEL = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                             num_attention_heads=4, num_key_value_heads=2)
+FIXED = Throughput(1e9, 2e9, 1e9, source="fixed for the test")
+
+
+def _heal_config(method: str) -> hl.HealConfig:
+    """A healing the estimate counts exactly: 3 steps of 2 prompts x 16 tokens, a rate given (no
+    probe), evaluations every 4 steps (the early stop cannot fire)."""
+    return hl.HealConfig(method=method, max_tokens=96, seq_len=16, batch_size=2, eval_every=4, heldout_prompts=2,
+                         learning_rate=1e-3)
+
+
+def _estimate_matches_the_count(fields: dict, exact: bool | None):
+    """``estimate_cost`` of ``LayerSwapConfig(**fields)`` against the passes hooks count in the
+    real prune: equal when the estimate says exact, else at most it; ``exact``: what the
+    estimate must say, the entry's ``estimate_exact`` (``None``: the estimate says which)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (7, 16))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    calib = {"input_ids": ids, "attention_mask": mask}
+    config = LayerSwapConfig(**fields, batch_size=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(ESTIMATE_MODEL), config, calibration=calib, throughput=FIXED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        blocks, heads = counted_prune(ESTIMATE_MODEL, config, calib)
+    if exact is not None:
+        assert estimate.exact == exact, estimate.lines()
+    if estimate.exact:
+        assert (estimate.block_passes, estimate.head_passes) == (blocks, heads)
+    else:
+        assert blocks <= estimate.block_passes and heads <= estimate.head_passes
+    return estimate
 
 
 def _strategy_config(name: str) -> dict:
@@ -80,9 +126,15 @@ def _config_round_trips(cfg: LayerSwapConfig, tmp_path) -> None:
 
 
 def test_every_registry_is_covered():
+    from hf_layerswap.registry import Registry
+
     assert {"greedy", "auto", "search"} <= set(STRATEGY_NAMES)
     assert set(PROTOCOL_NAMES) >= {"replacement", "interchange"} and "ghosted" in RECOVERY_NAMES
     assert ALLOCATOR_NAMES and PRUNER_NAMES
+    assert set(HEAL_NAMES) == {"lora", "adjacent", "last_k"} and set(OBJECTIVE_NAMES) == {"removal_kl", "nll", "ghosted"}
+    covered = {"selection strategy", "swap protocol", "set objective", "recovery method", "healing method",
+               "allocator", "pruning method"}
+    assert covered == set(Registry.ALL)
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
@@ -94,6 +146,7 @@ def test_strategy_contract(name, tmp_path):
     step = record["steps"][-1]
     assert step["strategy"] == name and step["removed_layers"] == record["removed_layers"]
     assert front["strategy"] == name and front["removed_layers"] == record["removed_layers"]
+    _estimate_matches_the_count(_strategy_config(name), STRATEGY_ENTRIES[name].estimate_exact)
 
 
 @pytest.mark.parametrize("name", PROTOCOL_NAMES)
@@ -103,6 +156,8 @@ def test_protocol_contract(name, tmp_path):
     assert model.layerswap_report.protocols == (name,) or list(model.layerswap_report.protocols) == [name]
     assert front["protocol"] == name
     assert f"| {protocol_label(name)} s(i) |" in text  # its column of the layer-score table
+    assert SWAP_PROTOCOLS[name].estimate_exact
+    _estimate_matches_the_count(dict(num_to_remove=1, strategy="greedy", protocol=name), True)
 
 
 @pytest.mark.parametrize("name", RECOVERY_NAMES)
@@ -117,6 +172,7 @@ def test_recovery_method_contract(name, tmp_path):
         assert method.card_row(model.config.layerswap["recovery"], lambda b: ", ".join(map(str, b)) or "none") in text
     else:
         assert "recovery" not in front and "recovery" not in model.config.layerswap
+    _estimate_matches_the_count(dict(layers=[3, 5], **repair), method.estimate_exact)
 
 
 @pytest.mark.parametrize("name", ALLOCATOR_NAMES)
@@ -126,6 +182,8 @@ def test_allocator_contract(name, tmp_path):
     assert model.layerswap_sparsity_report.allocation == name and front["sparsity"]["allocation"] == name
     assert ALLOCATORS[name].label.replace("|", "\\|") in text  # a table cell
     assert 0.3 < front["sparsity"]["achieved_sparsity"] < 0.7
+    _estimate_matches_the_count(dict(layers=[2], sparsity=0.5, allocation=name, pruner="magnitude"),
+                                ALLOCATORS[name].estimate_exact)
 
 
 @pytest.mark.parametrize("name", PRUNER_NAMES)
@@ -135,6 +193,31 @@ def test_pruner_contract(name, tmp_path):
     assert model.layerswap_sparsity_report.method == name and front["sparsity"]["method"] == name
     assert PRUNERS[name].label.replace("|", "\\|") in text  # a table cell
     assert front["sparsity"]["achieved_sparsity"] == pytest.approx(0.5, abs=0.02)
+    _estimate_matches_the_count(dict(layers=[2], sparsity=0.5, allocation="uniform", pruner=name),
+                                PRUNERS[name].estimate_exact)
+
+
+@pytest.mark.parametrize("name", HEAL_NAMES)
+def test_heal_method_contract(name, tmp_path):
+    healing = hl.HealConfig(method=name, max_tokens=32, seq_len=16, batch_size=2, heldout_prompts=1,
+                            learning_rate=1e-3)
+    cfg, model, front, text = _run(tmp_path, dict(layers=[2], heal=healing))
+    _config_round_trips(cfg, tmp_path)
+    record = model.config.layerswap
+    assert record["removed_layers"] == [2] and record["healing"][-1]["method"] == name
+    assert HEAL_METHODS[name].describe in text  # the card's Method row, in the entry's words
+    _estimate_matches_the_count(dict(layers=[3, 5], heal=_heal_config(name)), HEAL_METHODS[name].estimate_exact)
+
+
+@pytest.mark.parametrize("name", OBJECTIVE_NAMES)
+def test_objective_contract(name, tmp_path):
+    repair = dict(recovery=name) if name in RECOVERY_METHODS else {}
+    fields = dict(num_to_remove=1, strategy="search", objective=name, **repair)
+    cfg, model, front, text = _run(tmp_path, fields)
+    _config_round_trips(cfg, tmp_path)
+    decision = model.config.layerswap["steps"][-1]["decision"]
+    assert decision["objective"] == name and len(model.config.layerswap["removed_layers"]) == 1
+    _estimate_matches_the_count(dict(fields, num_to_remove=2), objective_entry(name).estimate_exact)
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "search"])

@@ -456,7 +456,7 @@ def test_no_private_names_imported_across_package_modules():
 # ----------------------------------------------------------------------------- no built-in method named
 #: The decorators that register a built-in method (first argument: its name).
 REGISTERING = ("register_strategy", "register_protocol", "register_recovery_method", "register_allocator",
-               "register_pruner")
+               "register_pruner", "register_heal_method", "register_objective")
 
 #: Modules that read the registries' entries instead of naming a method: what differs
 #: between methods lives in the entry (the strategy's rule text and card hooks, the
@@ -474,6 +474,31 @@ def _registered_names(paths) -> dict[str, str]:
                 if func in REGISTERING and isinstance(node.args[0].value, str):
                     names[node.args[0].value] = func
     return names
+
+
+def test_every_registry_is_one_kind_of_registry_of_one_kind_of_entry():
+    """Each decorator of REGISTERING adds to a :class:`~hf_layerswap.registry.Registry` whose
+    entries are :class:`~hf_layerswap.registry.RegistryEntry` (healing methods: their classes),
+    and every name the package's source registers is in it."""
+    from hf_layerswap.healing.methods import HEAL_METHODS
+    from hf_layerswap.protocols import SWAP_PROTOCOLS
+    from hf_layerswap.recovery import RECOVERY_METHODS
+    from hf_layerswap.registry import Registry, RegistryEntry
+    from hf_layerswap.selection.objectives import SET_OBJECTIVES
+    from hf_layerswap.selection.registry import STRATEGY_ENTRIES
+    from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
+
+    registries = {"register_strategy": STRATEGY_ENTRIES, "register_protocol": SWAP_PROTOCOLS,
+                  "register_recovery_method": RECOVERY_METHODS, "register_allocator": ALLOCATORS,
+                  "register_pruner": PRUNERS, "register_heal_method": HEAL_METHODS,
+                  "register_objective": SET_OBJECTIVES}
+    assert set(registries) == set(REGISTERING)
+    assert sorted(map(id, registries.values())) == sorted(map(id, Registry.ALL.values()))  # no other registry
+    for name, decorator in _registered_names(MODULES.values()).items():
+        registry = registries[decorator]
+        assert isinstance(registry, Registry) and name in registry, (decorator, name)
+        entry = registry[name]
+        assert isinstance(entry, RegistryEntry) or issubclass(entry, RegistryEntry), (decorator, name)
 
 
 def _named_methods(path: Path, names) -> list[str]:
@@ -497,8 +522,10 @@ def test_named_method_finder(tmp_path):
 def test_generic_modules_name_no_built_in_method():
     names = _registered_names(MODULES.values())
     assert {"greedy", "auto", "search", "beam", "interchange", "replacement", "ghosted", "fused", "none", "wanda",
-            "uniform"} <= set(names)  # the finder sees every registry
+            "uniform", "lora", "last_k", "adjacent", "removal_kl", "nll"} <= set(names)  # the finder sees every registry
     names.pop("none")  # the recovery method "none" is also the card's word for an empty list of blocks
+    for field_too in ("removal_kl", "nll"):  # the objectives' names are also record fields (a card row's column)
+        names.pop(field_too)
     paths = [p for m, p in MODULES.items() if any(m == g or m.startswith(g + ".") for g in GENERIC_MODULES)]
     hits = [hit for path in paths for hit in _named_methods(path, names)]
     assert not hits, "modules that must read the registries name a built-in method:\n" + "\n".join(hits)
@@ -528,21 +555,17 @@ NOT_A_METHOD = {
 
 def _live_registered_names() -> dict[str, str]:
     """Every name the package's registries hold now -> the registry, read from the live
-    registries (the import registers the built-ins)."""
-    from hf_layerswap.healing import HEAL_METHODS
-    from hf_layerswap.protocols import SWAP_PROTOCOLS
-    from hf_layerswap.recovery import RECOVERY_METHODS
-    from hf_layerswap.selection import STRATEGIES
+    registries (every :class:`~hf_layerswap.registry.Registry`; the import registers the
+    built-ins), the selection protocols and the search objectives a repair serves as."""
+    import hf_layerswap  # noqa: F401  (registers the built-ins)
+    from hf_layerswap.registry import Registry
     from hf_layerswap.selection.core import selection_protocols
     from hf_layerswap.selection.objectives import OBJECTIVES
-    from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
 
     names: dict[str, str] = {}
-    for registry, entries in (("strategy", STRATEGIES), ("swap protocol", SWAP_PROTOCOLS),
-                              ("selection protocol", selection_protocols()), ("recovery method", RECOVERY_METHODS),
-                              ("search objective", OBJECTIVES), ("allocator", ALLOCATORS), ("pruner", PRUNERS),
-                              ("healing method", HEAL_METHODS)):
-        for name in entries:
+    entries = [*Registry.ALL.items(), ("selection protocol", selection_protocols()), ("search objective", OBJECTIVES)]
+    for registry, held in entries:
+        for name in held:
             names.setdefault(name, registry)
     return names
 

@@ -34,7 +34,7 @@ from .common import (
     save_pruned,
 )
 
-__all__ = ["add_heal_args", "add_parser", "checkpoint_folder", "heal_config", "run_heal"]
+__all__ = ["add_heal_args", "add_parser", "checkpoint_folder", "heal_config", "method_options_help", "run_heal"]
 
 #: HealConfig fields whose default is ``None``: their argparse type.
 _NONE_TYPES = {"teacher_top_k": count(1), "patience": count(1), "calibration": str, "eval_tasks_path": str,
@@ -66,6 +66,12 @@ def _finite(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
+def method_options_help() -> str:
+    """Each registered healing method's options, from its typed options (its entry's
+    ``option_class``): the end of ``--heal-option``'s help."""
+    return "".join(f"; {name}: {cls.option_class.describe()}" for name, cls in sorted(HEAL_METHODS.items()))
+
+
 def add_heal_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     """One option per :class:`~hf_layerswap.HealConfig` field, ``--{prefix}{field}`` (``prefix``
     ``"heal-"`` on ``prune``, whose ``--heal [METHOD]`` names the method), its help the
@@ -78,7 +84,7 @@ def add_heal_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
         text = f.metadata["help"]
         if f.name == "options":
             p.add_argument("--" + prefix + "option", dest=prefix.replace("-", "_") + "options", action="append",
-                           type=_option_value, default=None, metavar="KEY=VALUE", help=text)
+                           type=_option_value, default=None, metavar="KEY=VALUE", help=text + method_options_help())
         elif f.name == "method":
             p.add_argument(flag, default=f.default, choices=sorted(HEAL_METHODS), help=text)
         elif isinstance(f.default, bool):  # --packing / --no-packing

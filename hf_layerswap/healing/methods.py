@@ -1,49 +1,81 @@
 """Healing methods behind one registry: what :func:`~hf_layerswap.healing.heal` calls for
-``method=``. Adding a method is one decorator on a :class:`HealMethod` subclass::
+``method=``. Adding a method is one decorator on a :class:`HealMethod` subclass, with its
+typed options (:class:`~hf_layerswap.registry.Options`)::
 
-    @register_heal_method("mine", options=("depth",))  # the options it reads (None: any)
+    @dataclass(frozen=True)
+    class MineOptions(Options):
+        depth: int = option(2, help="blocks trained", ge=1)
+
+    @register_heal_method("mine", options=MineOptions)
     class Mine(HealMethod):
         def prepare(self, model, options): ...   # returns the module to train
         def finish(self, trained): ...          # returns the plain transformers model
 
 The built-ins: ``"lora"`` (PEFT LoRA on the attention and MLP projections, merged back;
-needs ``peft``, the ``heal`` extra),
+needs ``peft``, the ``heal`` extra; :class:`LoraOptions`),
 ``"adjacent"`` (the blocks on each side of every cut, plus norms) and ``"last_k"`` (the
-last ``k`` blocks, the final norm and the head).
+last ``k`` blocks, the final norm and the head; :class:`LastKOptions`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from torch import nn
 
 from ..extras import require
 from ..plan import decoder_blocks
+from ..registry import Options, Registry, RegistryEntry, option, untyped_options
 
-__all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "priced_heal_methods",
-           "register_heal_method"]
+__all__ = ["HEAL_METHODS", "HealMethod", "LastKOptions", "LoraOptions", "cut_neighbours", "get_heal_method",
+           "priced_heal_methods", "register_heal_method"]
 
-#: ``{name: HealMethod subclass}``.
-HEAL_METHODS: dict[str, type[HealMethod]] = {}
+#: ``{name: HealMethod subclass}`` (a :class:`~hf_layerswap.registry.Registry`).
+HEAL_METHODS: Registry[type[HealMethod]] = Registry("healing method", "method", sort_names=True)
 
 #: The projections LoRA adapts (Llama / Qwen / Gemma names).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def register_heal_method(name: str, options: tuple[str, ...] | None = None, describe: str | None = None,
-                         learning_rates: tuple[float, ...] | None = None):
+@dataclass(frozen=True)
+class LoraOptions(Options):
+    """The options of ``method="lora"``."""
+
+    lora_r: int = option(16, help="the LoRA rank of every adapter", ge=1, what="the LoRA rank")
+    lora_alpha: float | None = option(None, help="the LoRA scaling numerator (default: 2 * lora_r)", gt=0)
+
+    @property
+    def alpha(self) -> float:
+        """``lora_alpha``, or ``2 * lora_r`` when not given."""
+        return 2 * self.lora_r if self.lora_alpha is None else self.lora_alpha
+
+
+@dataclass(frozen=True)
+class LastKOptions(Options):
+    """The options of ``method="last_k"``."""
+
+    k: int = option(3, help="the last k blocks are trained (with the final norm and the head)", ge=1)
+
+
+def register_heal_method(name: str, options: type[Options] | tuple[str, ...] | None = None,
+                         describe: str | None = None, learning_rates: tuple[float, ...] | None = None,
+                         help: str | None = None):
     """Class decorator: register a :class:`HealMethod` subclass as ``method=name``;
-    ``options``: the names of the options it reads (any other is refused), ``None``: any;
-    ``describe``: what it trains and how the result lands in the weights, in words (the
-    model card's "Method" row; ``None`` keeps :attr:`HealMethod.describe`);
+    ``options``: its :class:`~hf_layerswap.registry.Options` dataclass (typed, with help and
+    bounds), or the names of the options it reads (any value), ``()``: none (any other option
+    is refused), ``None``: the class's own :attr:`HealMethod.option_class`, or any option when
+    it has none; ``describe``: what it trains and how the result lands in the weights, in
+    words (the model card's "Method" row; ``None`` keeps :attr:`HealMethod.describe`);
+    ``help``: one line for the command line and the docs (default: ``describe``);
     ``learning_rates``: the candidate rates of the learning-rate probe
     (:mod:`~hf_layerswap.healing.choice`; ``None`` keeps :attr:`HealMethod.learning_rates`).
 
     Raises:
-        ValueError: ``learning_rates`` empty or holding a value that is not a finite number > 0.
+        ValueError: ``learning_rates`` empty or holding a value that is not a finite number > 0;
+            ``name`` empty or already registered.
     """
     if learning_rates is not None:
         rates = tuple(learning_rates)
@@ -53,12 +85,20 @@ def register_heal_method(name: str, options: tuple[str, ...] | None = None, desc
 
     def wrap(cls):
         cls.name = name
-        cls.option_names = None if options is None else tuple(options)
+        if isinstance(options, type) and issubclass(options, Options):
+            cls.option_class = options
+        elif options is not None:
+            names = tuple(options)
+            if cls.option_class.names() != names:
+                cls.option_class = untyped_options(f"{cls.__name__}Options", names)
+        if options is not None:
+            cls.option_names = cls.option_class.names()
         if describe is not None:
             cls.describe = describe
+        cls.help = help or (describe if describe is not None else cls.help or cls.describe)
         if learning_rates is not None:
             cls.learning_rates = tuple(sorted(float(r) for r in learning_rates))
-        HEAL_METHODS[name] = cls
+        HEAL_METHODS.add(name, cls)
         return cls
 
     return wrap
@@ -68,18 +108,20 @@ def get_heal_method(name: str) -> HealMethod:
     """An instance of the method registered as ``name``.
 
     Raises:
-        ValueError: unknown ``name``; the message lists the registered methods.
+        ValueError: unknown ``name``; the message lists the registered methods and the closest.
     """
-    if name not in HEAL_METHODS:
-        raise ValueError(f"method={name!r}: unknown healing method; registered: {sorted(HEAL_METHODS)}")
-    return HEAL_METHODS[name]()
+    return HEAL_METHODS.lookup(name)()
 
 
-class HealMethod:
-    """One way to choose and train the student's weights."""
+class HealMethod(RegistryEntry):
+    """One way to choose and train the student's weights (a
+    :class:`~hf_layerswap.registry.RegistryEntry`: :attr:`option_class` its typed options,
+    :meth:`estimate` its trainable set for :func:`~hf_layerswap.cost.estimate_cost`)."""
 
     name: str = ""
-    #: The options the method reads (:func:`register_heal_method`); ``None``: any.
+    help: str = ""
+    #: The names of the options the method reads (its :attr:`option_class`'s fields,
+    #: :func:`register_heal_method`); ``None``: any.
     option_names: tuple[str, ...] | None = None
     #: What the method trains, in words, for the model card (:func:`register_heal_method`).
     describe: str = "the method's own choice of weights, trained in place"
@@ -114,18 +156,31 @@ class HealMethod:
     #: full fine-tuning with AdamW (:func:`register_heal_method` sets a method's own).
     learning_rates: tuple[float, ...] = (3e-5, 1e-4, 3e-4)
 
+    def estimate(self, shape, options: Mapping, removed: list[int], known: bool = True) -> tuple[int, int, int]:
+        """The entry's estimate: :meth:`trainable` (what :func:`~hf_layerswap.cost.estimate_cost` prices)."""
+        return self.trainable(shape, options, removed, known)
+
+    def options_of(self, options: Mapping | Options | None) -> Options:
+        """``options`` (a dict, as ``HealConfig.options`` holds them) as the method's
+        :attr:`option_class`.
+
+        Raises:
+            ValueError: an option the method does not read (naming the allowed ones and the
+                closest), or a value of the wrong type or out of bounds (naming the field).
+        """
+        return self.parse_options(options, owner=f"method={self.name!r}")
+
     def check_options(self, options: Mapping, blocks: int | None = None) -> None:
-        """Refuse an option the method does not read (it would be recorded as if used) and,
-        in a subclass, a value it cannot take; ``blocks``: the pruned model's block count
-        when known. Called by :func:`~hf_layerswap.healing.heal` before anything runs.
+        """Refuse an option the method does not read (it would be recorded as if used) and a
+        value its :attr:`option_class` does not allow; in a subclass, a value it cannot take
+        on this model; ``blocks``: the pruned model's block count when known. Called by
+        :func:`~hf_layerswap.healing.heal` before anything runs.
 
         Raises:
             ValueError: naming the option, its value and what is allowed.
         """
-        unknown = [key for key in options if self.option_names is not None and key not in self.option_names]
-        if unknown:
-            allowed = f"its options are {', '.join(self.option_names)}" if self.option_names else "it takes none"
-            raise ValueError(f"method={self.name!r} has no option {', '.join(map(repr, unknown))}: {allowed}")
+        if self.option_names is not None:
+            self.options_of(options)
 
     def prepare(self, model: nn.Module, options: dict) -> nn.Module:
         """Set ``requires_grad`` and return the module the trainer trains."""
@@ -182,7 +237,7 @@ def cut_neighbours(model: nn.Module) -> list[int]:
     )
 
 
-@register_heal_method("lora", options=("lora_r", "lora_alpha"),
+@register_heal_method("lora", options=LoraOptions,
                       describe="LoRA adapters on every kept block's attention and MLP projections, merged back "
                                "into the weights",
                       learning_rates=(3e-4, 1e-3, 3e-3))  # adapters starting at zero take about 10x a full-weight rate
@@ -194,7 +249,7 @@ class LoRA(HealMethod):
 
     def trainable(self, shape, options, removed, known=True):
         """LoRA's A and B (fp32, rank ``lora_r``) on every kept block's projections."""
-        rank = options.get("lora_r", 16)
+        rank = self.options_of(options).lora_r
         lins = [m for n, m in shape.blocks[0].named_modules()
                 if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS]
         kept = shape.num_blocks - len(removed)
@@ -203,21 +258,15 @@ class LoRA(HealMethod):
     def check_options(self, options, blocks=None):
         super().check_options(options, blocks)
         require("peft", "healing with method='lora'")  # refused before any training
-        rank = options.get("lora_r", 16)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"lora_r={rank!r}: must be an int >= 1 (the LoRA rank)")
-        alpha = options.get("lora_alpha", 2 * rank)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-            raise ValueError(f"lora_alpha={alpha!r}: must be a finite number > 0")
 
     def prepare(self, model, options):
         names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         targets = [t for t in LORA_TARGETS if t in names]
         if not targets:
             raise ValueError(f"method='lora' found none of {LORA_TARGETS} in the model's linear layers")
-        rank = options.get("lora_r", 16)
+        opts = self.options_of(options)
         peft = require("peft", "healing with method='lora'")
-        config = peft.LoraConfig(r=rank, lora_alpha=options.get("lora_alpha", 2 * rank), lora_dropout=0.0, target_modules=targets)
+        config = peft.LoraConfig(r=opts.lora_r, lora_alpha=opts.alpha, lora_dropout=0.0, target_modules=targets)
         return peft.get_peft_model(model, config)
 
     def finish(self, trained):
@@ -251,17 +300,16 @@ class Adjacent(HealMethod):
         return _train_only(model, chosen + _norms(model, list(blocks)))
 
 
-@register_heal_method("last_k", options=("k",),
+@register_heal_method("last_k", options=LastKOptions,
                       describe="the last k blocks, the final norm and the output head, trained in place")
 class LastK(HealMethod):
     """The last ``k`` blocks (option ``k``, default 3), the final norm and the head."""
 
     def check_options(self, options, blocks=None):
+        k = options.get("k", 3) if isinstance(options, Mapping) else getattr(options, "k", 3)
+        if blocks is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= blocks):
+            raise ValueError(f"k={k!r}: must be an int in 1..{blocks} (the model's block count)")
         super().check_options(options, blocks)
-        k = options.get("k", 3)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= (k if blocks is None else blocks):
-            raise ValueError(f"k={k!r}: must be an int " + (">= 1" if blocks is None else
-                                                            f"in 1..{blocks} (the model's block count)"))
 
     def trainable(self, shape, options, removed, known=True):
         """The last ``k`` blocks' full weights, the final norm and the output head.
@@ -269,7 +317,7 @@ class LastK(HealMethod):
         Raises:
             ValueError: ``k`` outside 1..(kept blocks)."""
         kept = shape.num_blocks - len(removed)
-        k = options.get("k", 3)
+        k = options.get("k", 3) if isinstance(options, Mapping) else getattr(options, "k", 3)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= kept:
             raise ValueError(f"heal option k={k!r}: must be an int in 1..{kept} (the pruned model's block count)")
         extra = [m for m in (shape.model.get_output_embeddings(), getattr(shape.model.get_decoder(), "norm", None))
@@ -281,7 +329,7 @@ class LastK(HealMethod):
     def prepare(self, model, options):
         _, _, blocks = decoder_blocks(model)
         self.check_options(options, len(blocks))
-        k = options.get("k", 3)
+        k = self.options_of(options).k
         head = model.get_output_embeddings()
         final_norm = getattr(model.get_decoder(), "norm", None)
         extra = [m for m in (head, final_norm) if m is not None]

@@ -93,6 +93,9 @@ def recover(
     if not entry.takes_epsilon and epsilon != entry.default_epsilon:
         raise ValueError(f"epsilon={epsilon!r}: method={method!r} has no ridge; allowed: None or "
                          f"{entry.default_epsilon!r}")
+    if entry.fits:  # its typed options (bounds, and a method's own option class)
+        entry.parse_options({"num_tokens": num_tokens if requested else None, "epsilon": epsilon},
+                            owner=f"method={method!r}")
     _, _, blocks = decoder_blocks(model)
     num_blocks = len(blocks)
     removed = resolve_layer_indices(removed, num_blocks, allow_empty=True)

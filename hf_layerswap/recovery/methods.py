@@ -18,14 +18,15 @@ on the stream elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 from accelerate.utils import has_offloaded_params
 
-from .fit import block_down_proj, model_family, post_mlp_norm, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
-from ..registry_names import RegistryNames
+from ..registry import NoOptions, Options, Registry, RegistryEntry, option
+from .fit import MAX_EPSILON, block_down_proj, model_family, post_mlp_norm, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
 from .hadamard import hadamard_rotation
 from .operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
 
@@ -40,6 +41,7 @@ __all__ = [
     "recovery_entry",
     "search_objectives",
     "register_recovery_method",
+    "repair_options",
 ]
 
 #: Default relative ridge per method, ``λ = ε · trace(XᵀX) / H`` (ridge toward the identity).
@@ -60,8 +62,24 @@ PROBE_PROMPTS = 2
 DEFAULT_EPSILON = {"none": 0.0, "ghosted": 1e-3, "fused": 1e-1, "linearpatch": 0.0}
 
 
-class RecoveryMethod:
-    """One way to repair a cut. Every hook has a do-nothing default; ``cut`` is a dict of
+def repair_options(title: str, default_epsilon: float, takes_epsilon: bool = True) -> type[Options]:
+    """The typed options of a repair that fits (``num_tokens``, ``epsilon``; the arguments of
+    :func:`~hf_layerswap.recovery.recover` and the fields of
+    :class:`~hf_layerswap.RecoveryConfig`), with the method's default ridge in the help and,
+    for a method without a ridge, ``epsilon`` bounded to 0."""
+    ridge = (f"relative ridge toward the identity, lambda = epsilon * trace(X^T X) / H (None: {default_epsilon:g})"
+             if takes_epsilon else "none: the fit has no ridge (None or 0)")
+    spec = [("num_tokens", int | None, option(None, help="most real calibration tokens the fit reads (None: every "
+                                                       "real token of the calibration set, at most 65,536)", ge=1)),
+            ("epsilon", float | None, option(None, help=ridge, ge=0.0, le=MAX_EPSILON if takes_epsilon else 0.0))]
+    return dataclasses.make_dataclass(title, spec, bases=(Options,), frozen=True)
+
+
+class RecoveryMethod(RegistryEntry):
+    """One way to repair a cut (a :class:`~hf_layerswap.registry.RegistryEntry`: ``help``,
+    :attr:`option_class` its typed options, made by :func:`repair_options` for a method that
+    fits unless the class sets its own, :meth:`estimate` what
+    :func:`~hf_layerswap.cost.estimate_cost` plans it with). Every hook has a do-nothing default; ``cut`` is a dict of
     :func:`~hf_layerswap.recovery.cut_boundaries` (``start``, ``end``, ``boundary``,
     ``host``, ``removed``), ``rows`` maps stream slots to ``(N, H)`` float64 rows of the real
     calibration tokens of one batch.
@@ -88,6 +106,7 @@ class RecoveryMethod:
     """
 
     name: str = ""
+    help: str = ""
     default_epsilon: float = 0.0
     fits: bool = True
     takes_epsilon: bool = True
@@ -97,6 +116,12 @@ class RecoveryMethod:
     card_summary: str = ""
     card_modules: str = "repair modules"
     card_file: str = ""
+
+    def estimate(self, cuts: list[dict], hidden: int, exact: bool) -> dict:
+        """The entry's estimate for ``cuts``: ``probe_forwards`` (:meth:`probe_forwards`) and
+        ``moment_bytes`` (:meth:`moment_bytes`); the fit's own passes are the batches up to
+        the deepest stream slot it reads (:meth:`slots`), which the cost model counts."""
+        return {"probe_forwards": self.probe_forwards(cuts), "moment_bytes": self.moment_bytes(cuts, hidden, exact)}
 
     def attached(self, model: nn.Module) -> list[int]:
         """Boundaries (pruned numbering) where this method's modules sit on ``model`` now."""
@@ -172,27 +197,31 @@ class RecoveryMethod:
         return {}
 
 
-#: ``method=`` name -> :class:`RecoveryMethod` instance, in registration order.
-RECOVERY_METHODS: dict[str, RecoveryMethod] = {}
+#: ``method=`` name -> :class:`RecoveryMethod` instance, in registration order (a
+#: :class:`~hf_layerswap.registry.Registry`).
+RECOVERY_METHODS: Registry[RecoveryMethod] = Registry("recovery method", "method")
 
 
-def register_recovery_method(name: str):
-    """Class decorator: register an instance of a :class:`RecoveryMethod` subclass as ``name``.
+def register_recovery_method(name: str, help: str | None = None):
+    """Class decorator: register an instance of a :class:`RecoveryMethod` subclass as ``name``;
+    ``help``: one line for the command line and the docs (default: the class's ``help``, else
+    the first line of its docstring).
 
     Raises:
         ValueError: ``name`` is empty or already registered. TypeError: not a RecoveryMethod subclass.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"recovery method name {name!r}: must be a non-empty string")
-    if name in RECOVERY_METHODS:
-        raise ValueError(f"recovery method {name!r} is already registered (registered: {list(RECOVERY_METHODS)})")
+    RECOVERY_METHODS.check_new(name)
 
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, RecoveryMethod)):
             raise TypeError(f"register_recovery_method({name!r}) decorates a RecoveryMethod subclass, got {cls!r}")
         method = cls()
         method.name = name
-        RECOVERY_METHODS[name] = method
+        method.help = help or cls.help or (cls.__doc__ or name).strip().split("\n")[0]
+        if "option_class" not in cls.__dict__:
+            method.option_class = (repair_options(f"{cls.__name__}Options", method.default_epsilon, method.takes_epsilon)
+                                   if method.fits else NoOptions)
+        RECOVERY_METHODS.add(name, method)
         if method.stream_operators:
             OPERATOR_METHODS.add(name)
         return cls
@@ -206,11 +235,7 @@ def get_recovery_method(name) -> RecoveryMethod:
     Raises:
         ValueError: unknown name; the message lists the registered ones.
     """
-    if name is None:
-        name = "none"
-    if not isinstance(name, str) or name not in RECOVERY_METHODS:
-        raise ValueError(f"method={name!r}: allowed {list(RECOVERY_METHODS)}")
-    return RECOVERY_METHODS[name]
+    return RECOVERY_METHODS.lookup("none" if name is None else name)
 
 
 def recovery_entry(name) -> RecoveryMethod | None:
@@ -225,7 +250,7 @@ def search_objectives() -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- built-ins
-@register_recovery_method("none")
+@register_recovery_method("none", help="plain removal: the fit residuals are reported, nothing is repaired")
 class PlainRemoval(RecoveryMethod):
     """Plain removal: the fit residuals of removal are reported, nothing is repaired."""
 
@@ -233,7 +258,7 @@ class PlainRemoval(RecoveryMethod):
     fits = False
 
 
-@register_recovery_method("ghosted")
+@register_recovery_method("ghosted", help="Ghosted Layers: one ridge operator per cut on the residual stream, saved next to the weights")
 class Ghosted(RecoveryMethod):
     """Ghosted Layers: one ridge map per removed block, multiplied into one operator per cut,
     kept on the model as a forward hook (saved next to the weights)."""
@@ -294,7 +319,7 @@ class Ghosted(RecoveryMethod):
         return {"file": RECOVERY_FILE, "loader": LOADER_NOTE.format(method=self.name, file=RECOVERY_FILE)}
 
 
-@register_recovery_method("fused")
+@register_recovery_method("fused", help="ReplaceMe least squares folded into down_proj (the input embedding at a cut of block 0): plain weights")
 class Fused(RecoveryMethod):
     """ReplaceMe least squares folded into ``mlp.down_proj`` of the last kept block (into
     the input embedding for a cut at block 0): a plain transformers checkpoint."""
@@ -420,7 +445,7 @@ def _fold(model, cuts, maps, host_modules) -> None:
             down.bias.copy_((tt @ down.bias.double()).to(down.bias.dtype))
 
 
-@register_recovery_method("linearpatch")
+@register_recovery_method("linearpatch", help="LinearPatch: a Hadamard rotation and a channel scaling per cut, no ridge")
 class LinearPatch(RecoveryMethod):
     """LinearPatch (Chen et al., arXiv 2505.24680): one symmetric map ``P = R · D · Rᵀ`` per
     cut, ``R`` an orthonormal Hadamard rotation of the hidden size
@@ -534,4 +559,4 @@ class LinearPatch(RecoveryMethod):
 
 #: The registered method names now (``"none"`` = plain removal, residuals only), a live view
 #: of :data:`RECOVERY_METHODS`: a method registered later is in it.
-METHODS = RegistryNames(lambda: RECOVERY_METHODS)
+METHODS = RECOVERY_METHODS.names

@@ -7,6 +7,7 @@ import copy
 import inspect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -16,11 +17,22 @@ from ..rule import greedy_select, resolve_protect
 from .common import CriterionResult, allowed_blocks, check_resume, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion, as_strategy
 from .objectives import removal_kl_values, removal_nll_values
 from .registry import Criterion, register_strategy
+from ..registry import Options, option
 
-__all__ = ["BEAM_EVALUATORS", "interchange_beam"]
+__all__ = ["BEAM_EVALUATORS", "BeamOptions", "interchange_beam"]
 
 #: Beam evaluators: joint removal KL (nats) or calibration NLL (nats per token).
 BEAM_EVALUATORS = ("removal_kl", "nll")
+
+
+@dataclass(frozen=True)
+class BeamOptions(Options):
+    """The typed options of ``strategy="beam"`` (:func:`interchange_beam`)."""
+
+    width: int = option(3, help="the sets each level keeps (the beam width)", ge=1)
+    seed_size: int = option(12, help="the unprotected blocks with the lowest gap-1 interchange scores that seed "
+                                     "level 1", ge=1)
+    include_greedy: bool = option(True, help="the interchange-guided greedy set of each size joins that level's pool")
 
 
 def interchange_beam(
@@ -167,5 +179,5 @@ def _beam_cost(plan) -> dict:
                             "the greedy set, each set from the first removable block")
 
 
-register_strategy("beam", needs_model=True, takes_objective=True, cost=_beam_cost, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
+register_strategy("beam", needs_model=True, help="the paper's interchange-seeded beam search over sets, scored on the calibration prompts", option_class=BeamOptions, takes_objective=True, cost=_beam_cost, criteria={"interchange_beam": Criterion(interchange_beam, reads=("interchange",), resumes=True)})(
     as_strategy("beam", interchange_beam, reads_report=True))

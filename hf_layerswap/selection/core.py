@@ -115,6 +115,7 @@ def select_layers(
         strategy = "auto" if protocol == "auto" else "greedy"
     fn = get_strategy(strategy)
     check_options(strategy, options)
+    strategy_entry(strategy).check_option_values(options)
     if model is not None:
         model = uncompiled(model)
         check_report_matches(report, model)

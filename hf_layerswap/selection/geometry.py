@@ -181,9 +181,9 @@ def _sweep_cost(plan) -> dict:
                        note="one stream-capture sweep: every block over each batch, no output head")
 
 
-register_strategy("block_influence", needs_model=True, cost=_sweep_cost, guided_by=NO_PROTOCOL,
+register_strategy("block_influence", needs_model=True, help="ShortGPT's Block Influence: the blocks whose input and output streams are closest in cosine", cost=_sweep_cost, guided_by=NO_PROTOCOL,
                   criteria={"block_influence": Criterion(block_influence)})(
     as_strategy("block_influence", block_influence))
-register_strategy("angular_distance", needs_model=True, cost=_sweep_cost, guided_by=NO_PROTOCOL,
+register_strategy("angular_distance", needs_model=True, help="Gromov et al.: the contiguous run of blocks whose input and output are closest in angle", cost=_sweep_cost, guided_by=NO_PROTOCOL,
                   criteria={"angular_distance": Criterion(angular_distance)})(
     as_strategy("angular_distance", angular_distance))

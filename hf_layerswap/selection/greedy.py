@@ -66,7 +66,7 @@ def _auto_cost(plan) -> dict:
 
 
 @register_strategy(
-    "greedy", options=(), cost=_greedy_cost, spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
+    "greedy", options=(), help="the paper's greedy rule on one protocol's layer scores (lowest first, with spacing and protect)", cost=_greedy_cost, spacing=1, scores=lambda protocol: (protocol,), reads=lambda protocol: (protocol,),
     resolve=lambda protocol: "auto" if protocol == "auto" else "greedy", describe=_rule_text, ranks_by_scores=True,
     card_reason=_greedy_reason,
     criteria={p: Criterion(lambda model, calib, n, p=p, **kw: swap_guided(model, calib, n, protocol=p, **kw), reads=(p,))
@@ -81,7 +81,7 @@ def _greedy(report, num_to_remove, *, protocol, spacing, protect, options, **_):
 
 
 @register_strategy(
-    "auto", options=(), spacing=1, cost=_auto_cost, reads_calibration=True, scores=lambda protocol: PROTOCOLS,
+    "auto", options=(), help="each protocol's greedy set; the one with the lower joint removal KL on the calibration prompts", spacing=1, cost=_auto_cost, reads_calibration=True, scores=lambda protocol: PROTOCOLS,
     reads=lambda protocol: PROTOCOLS, config_options=lambda cfg: {}, describe=_rule_text, ranks_by_scores=True,
     guided_by=lambda decision, protocol: decision.get("chosen_protocol") or protocol, values=_auto_values,
     card_reason=_auto_reason,

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,9 +46,11 @@ from ..plan import (
     apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
 )
 from ..recovery import GhostedOperator, cut_boundaries, get_recovery_method, search_objectives
-from ..recovery.fit import collect_moments
+from ..recovery.fit import collect_moments, select_rows
+from ..registry import Registry, RegistryEntry
 from ..registry_names import RegistryNames
 from ..report import set_key
+from ..rule import resolve_protect
 from ..scoring import masked_kl, plan_kl
 from ..scoring.head import hooks_removed
 from ..scoring.probes import make_probes, position_hooks, schedule, schedule_blocks, walk_schedule
@@ -55,11 +58,110 @@ from ..scoring.reference import ReferenceCache
 from ..scoring.settings import MemoryBudget, parse_memory, resolve_memory
 from .finite import record_set_values
 
-__all__ = ["OBJECTIVES", "SetObjective", "engine_cost", "plan_nll", "plans_cost", "removal_kl_values", "removal_nll_values"]
+__all__ = ["OBJECTIVES", "SET_OBJECTIVES", "Objective", "SetObjective", "engine_cost", "objective_entry", "plan_nll",
+           "plans_cost", "register_objective", "removal_kl_values", "removal_nll_values", "repair_objective_cost"]
+
+
+def _no_extra_cost(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
+    """An objective that runs no pass beyond the removal KL's count (the search's bound holds it)."""
+
+
+@dataclass(frozen=True)
+class Objective(RegistryEntry):
+    """One set objective of the search (a :class:`~hf_layerswap.registry.RegistryEntry`
+    without options).
+
+    Attributes:
+        name: the ``objective=`` value.
+        score: ``fn(evaluator, sets) -> (values, sweeps, block passes)``: the values of the
+            sets (lower is better) on the :class:`SetObjective` ``evaluator``'s calibration
+            prompts, with the forward sweeps and block passes it ran.
+        help: what it measures, in one line.
+        model_head: each sweep also runs the model's own output head (counted in the
+            evaluator's ``head_passes``; the removal KL's engine counts its own).
+        extra_cost: ``fn(counts, plan, exact_sets, n_batches) -> None``: adds to the search's
+            cost bound (:class:`~hf_layerswap.cost.SelectionPlan` ``plan``) what the objective
+            runs beyond the removal KL's passes; its :attr:`estimate`.
+    """
+
+    name: str
+    score: Callable
+    help: str = ""
+    model_head: bool = False
+    extra_cost: Callable = _no_extra_cost
+    #: The search it serves counts an upper bound of its passes.
+    estimate_exact = False
+
+    @property
+    def estimate(self) -> Callable:  # type: ignore[override]
+        """The entry's estimate: :attr:`extra_cost`."""
+        return self.extra_cost
+
+
+#: ``objective=`` name -> :class:`Objective`: the objectives of their own (removal KL,
+#: calibration NLL); a repair registered with ``search_objective = True`` is one too
+#: (:func:`objective_entry`).
+SET_OBJECTIVES: Registry[Objective] = Registry("set objective", "objective")
+
+
+def register_objective(name: str, *, help: str, model_head: bool = False, extra_cost: Callable = _no_extra_cost):
+    """Decorator registering ``score(evaluator, sets) -> (values, sweeps, block passes)`` as the
+    set objective ``name`` (see :class:`Objective`).
+
+    Raises:
+        ValueError: ``name`` empty or already registered.
+    """
+    SET_OBJECTIVES.check_new(name)
+
+    def decorate(score):
+        SET_OBJECTIVES.add(name, Objective(name, score, help=help, model_head=model_head, extra_cost=extra_cost))
+        return score
+
+    return decorate
+
 
 #: The objectives now: removal KL, calibration NLL and every recovery method registered with
 #: ``search_objective = True`` (a live view: a method registered later is in it).
-OBJECTIVES = RegistryNames(lambda: ("removal_kl", "nll") + search_objectives())
+OBJECTIVES = RegistryNames(lambda: tuple(SET_OBJECTIVES) + search_objectives())
+
+
+def objective_entry(name: str) -> Objective:
+    """The :class:`Objective` of ``name``: a registered one, or the removal KL after the repair
+    ``name`` (a recovery method with ``search_objective``).
+
+    Raises:
+        ValueError: ``name`` is none of :data:`OBJECTIVES`.
+    """
+    if name in SET_OBJECTIVES:
+        return SET_OBJECTIVES[name]
+    if name in search_objectives():
+        return Objective(name, SetObjective._ghosted, help=f"the removal KL after the {name} repair of each cut",
+                         model_head=True, extra_cost=repair_objective_cost)
+    raise SET_OBJECTIVES.unknown(name, OBJECTIVES)
+
+
+def repair_objective_cost(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
+    """Add to the search's bound what a repair-aware objective (``objective="ghosted"``,
+    :class:`SetObjective`) runs beyond the removal KL's passes: the one stream-capture sweep
+    that fits every block's operator (each batch of
+    :func:`~hf_layerswap.recovery.fit.select_rows` over every real token, through all
+    blocks, no head), and for the sets that cut through the last block (their operator acts
+    after the last kept block, so they run from the embeddings) the blocks before their
+    first removed one, which the removal KL's count starts after."""
+    cfg, calib, total_blocks = plan.config, plan.calibration, plan.num_blocks
+    fit_batches = sum(1 for _ in select_rows(calib, cfg.batch_size, calib.num_tokens))
+    fit = fit_batches * total_blocks
+    tail = 0
+    protected = resolve_protect(cfg.protect, total_blocks)
+    if total_blocks - 1 not in protected:
+        first = min(plan.allowed)
+        # an exact set runs its min(s) blocks more; a bound set, counted from the first
+        # removable block, at most that many more
+        tail = n_batches * (sum(min(x) for x in exact_sets if total_blocks - 1 in x)
+                            + (counts["sets"] - len(exact_sets)) * first)
+    counts["block_passes"] += fit + tail
+    counts["block_tokens"] += (fit + tail) * calib.input_ids.shape[1] * cfg.batch_size
+    counts["sweeps"] = counts["calls"] + 1
 
 
 def plans_cost(plans: Mapping[Any, Sequence[int]], total_blocks: int, reference_sweeps: int = 1) -> tuple[int, int]:
@@ -334,10 +436,9 @@ class SetObjective:
         todo = list({set_key(s): s for s in sets if set_key(s) not in self.cache}.values())
         if todo:
             t0 = time.perf_counter()
-            if self.objective == "removal_kl":
-                values, passes, blocks = self._engine_kl(todo)
-            else:
-                values, passes, blocks = self._nll(todo) if self.objective == "nll" else self._ghosted(todo)
+            entry = objective_entry(self.objective)
+            values, passes, blocks = entry.score(self, todo)
+            if entry.model_head:
                 self.head_passes += passes  # the model's own head in every sweep (reference and candidates)
             self.cache.update({set_key(s): float(v) for s, v in zip(todo, values)})
             record_set_values({set_key(s): v for s, v in zip(todo, values)})
@@ -462,3 +563,9 @@ class SetObjective:
             block_count += len(plans[k]) - starts[k]
         n = self.calibration.num_prompts
         return [float(v) / n for v in sums], passes, block_count
+
+
+register_objective("removal_kl", help="the joint removal KL d_skip(S) of the set, in nats, through the scoring engine")(
+    SetObjective._engine_kl)
+register_objective("nll", help="the calibration next-token NLL per token after removing the set, in nats",
+                   model_head=True)(SetObjective._nll)

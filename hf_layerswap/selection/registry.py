@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
+from ..registry import NoOptions, Options, Registry, RegistryEntry
 
 __all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Criterion", "Strategy", "check_options",
            "get_strategy", "keyword_options", "register_strategy", "strategies_taking", "strategy_entry"]
@@ -68,12 +69,17 @@ def NO_PROTOCOL(decision, protocol) -> None:
 
 
 @dataclass(frozen=True)
-class Strategy:
-    """What one registered strategy is and how it is read back.
+class Strategy(RegistryEntry):
+    """What one registered strategy is and how it is read back (a
+    :class:`~hf_layerswap.registry.RegistryEntry`; its :attr:`estimate` is :attr:`cost`).
 
     Attributes:
         name: the ``strategy=`` value.
         fn: ``fn(report, num_to_remove, **context) -> list[int]``.
+        help: what it does, in one line (default: the first line of ``fn``'s docstring).
+        option_class: the typed options among :attr:`options` (numbers and flags, with help
+            and bounds; ``select_layers`` checks them before it runs); an option of
+            :attr:`options` outside it (a callback, an object to reuse) passes as given.
         needs_model: it reads the model on the calibration prompts (``select_layers``
             refuses it without ``model=``).
         reads_calibration: the pipeline builds calibration prompts for it (default:
@@ -151,6 +157,26 @@ class Strategy:
     criteria: Mapping[str, Criterion] = field(default_factory=dict)
     cost: Callable | None = None
     keeps_reference: bool = False
+    help: str = ""
+    option_class: type[Options] = NoOptions
+    #: Each plan's counts say whether they are exact (``SelectionPlan.counts(exact=...)``).
+    estimate_exact = None
+
+    @property
+    def estimate(self) -> Callable | None:  # type: ignore[override]
+        """The entry's estimate: :attr:`cost` (``fn(plan) -> dict`` with ``exact``)."""
+        return self.cost
+
+    def check_option_values(self, options: Mapping) -> None:
+        """Refuse a value of a typed option (:attr:`option_class`) of the wrong type or out
+        of bounds.
+
+        Raises:
+            ValueError: naming the option, its value and what is allowed.
+        """
+        typed = self.option_class.names()
+        self.option_class.from_mapping({k: v for k, v in options.items() if k in typed},
+                                       owner=f"strategy={self.name!r}")
 
     def strategy_for(self, protocol) -> str:
         """The strategy that runs for ``protocol`` (:attr:`resolve`)."""
@@ -170,8 +196,9 @@ class Strategy:
 STRATEGIES: dict[str, Callable] = {}
 #: Strategies that read the model and calibration prompts (not only the report).
 MODEL_STRATEGIES: set[str] = set()
-#: Strategy name -> its :class:`Strategy` entry (see :func:`strategy_entry`).
-STRATEGY_ENTRIES: dict[str, Strategy] = {}
+#: Strategy name -> its :class:`Strategy` entry (see :func:`strategy_entry`; a
+#: :class:`~hf_layerswap.registry.Registry`).
+STRATEGY_ENTRIES: Registry[Strategy] = Registry("selection strategy", "strategy", sort_names=True)
 #: Strategy name -> the option names it accepts (``select_layers(..., **options)``), or
 #: ``None`` where the strategy did not declare them (its options are passed as given).
 STRATEGY_OPTIONS: dict[str, tuple[str, ...] | None] = {}
@@ -184,8 +211,10 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
     ``calibration`` (a :class:`~hf_layerswap.calibration.CalibrationSet` when
     ``needs_model``), ``batch_size``, ``objective`` and ``options`` (a dict).
     ``options``: the option names the strategy accepts (``()``: none; default: the
-    function's ``options`` attribute if it has one); ``select_layers`` refuses any other
-    before it runs. ``None``: not declared, passed as given.
+    function's ``options`` attribute if it has one, else its ``option_class``'s fields);
+    ``select_layers`` refuses any other before it runs. ``None``: not declared, passed as
+    given. ``entry["option_class"]``: the typed ones (:class:`~hf_layerswap.registry.Options`);
+    ``entry["help"]``: one line (default: the first line of ``fn``'s docstring).
 
     Raises:
         ValueError: the name is already registered.
@@ -199,13 +228,19 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
     def wrap(fn):
         if name in STRATEGIES:
             raise ValueError(f"selection strategy {name!r} is already registered")
-        STRATEGIES[name] = fn
         declared = getattr(fn, "options", None) if options is None else options
-        STRATEGY_OPTIONS[name] = None if declared is None else tuple(sorted(declared))
+        if declared is None and "option_class" in entry:
+            declared = entry["option_class"].names()
+        fields = dict(entry)
+        fields.setdefault("help", (fn.__doc__ or name).strip().split("\n")[0])
+        made = Strategy(name, fn, needs_model=needs_model, options=None if declared is None else tuple(sorted(declared)),
+                        **fields)
+        STRATEGY_ENTRIES.pop(name, None)  # the entry of a strategy taken out of STRATEGIES since
+        STRATEGY_ENTRIES.add(name, made)
+        STRATEGIES[name] = fn
+        STRATEGY_OPTIONS[name] = made.options
         if needs_model:
             MODEL_STRATEGIES.add(name)
-        STRATEGY_ENTRIES[name] = Strategy(name, fn, needs_model=needs_model, options=STRATEGY_OPTIONS[name],
-                                          **entry)
         return fn
 
     return wrap
@@ -244,7 +279,7 @@ def get_strategy(name: str) -> Callable:
         ValueError: an unknown name (the message lists the allowed ones).
     """
     if not isinstance(name, str) or name not in STRATEGIES:
-        raise ValueError(f"strategy={name!r}: allowed {sorted(STRATEGIES)}")
+        raise STRATEGY_ENTRIES.unknown(name, STRATEGIES)  # the allowed names and the closest
     return STRATEGIES[name]
 
 

@@ -56,6 +56,7 @@ import dataclasses
 import inspect
 import itertools
 import math
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
 from torch import nn
@@ -63,17 +64,33 @@ from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
 from ..plan import num_blocks, removal_plan
-from ..recovery.fit import select_rows
-from ..recovery.methods import search_objectives
 from ..protocols import PROTOCOLS
 from ..report import SwapReport, score_key, set_key
 from ..rule import check_budget, greedy_select, resolve_protect
 from ..scoring.reference import ReferenceCache
 from .common import CriterionResult, as_calibration, adjacent_report, report_cost
-from .objectives import OBJECTIVES, SetObjective
+from .objectives import OBJECTIVES, SetObjective, objective_entry
 from .registry import Criterion, keyword_options, register_strategy
+from ..registry import Options, option
 
-__all__ = ["check_max_evaluations", "criterion_name", "search_allowances", "search_criterion", "search_select"]
+__all__ = ["SearchOptions", "check_max_evaluations", "criterion_name", "search_allowances", "search_criterion", "search_select"]
+
+
+@dataclass(frozen=True)
+class SearchOptions(Options):
+    """The typed options of ``strategy="search"`` (:func:`search_select`); its other options
+    (``evaluator``, ``on_budget``, ``progress``) pass as given."""
+
+    max_evaluations: int | None = option(None, help="most distinct sets scored in all, the single-removal sweep "
+                                                    "included (None: the per-budget allowances)", ge=1)
+    evaluations_per_budget: int | None = option(None, help="most new sets each budget n >= 2 scores (None: SLEB's "
+                                                           "schedule, U - (n - 1))", ge=1)
+    extend_best: int = option(3, help="the best sets of n - 1 grown and of n moved", ge=1)
+    moves_per_round: int = option(6, help="the least sets each round of a budget scores", ge=0)
+    max_rounds: int = option(4, help="rounds after the first, per budget", ge=0)
+    exhaustive_below: int | None = option(None, help="score every set of a budget with at most this many that fit "
+                                                     "its allowance (None: moves_per_round * max_rounds)", ge=0)
+    prefix_reuse: bool = option(True, help="reuse the stream of a shared prefix across candidate sets")
 
 
 def _lowest(scores: Sequence[float], allowed: Sequence[int], n: int) -> list[int]:
@@ -588,8 +605,7 @@ def _search_cost(plan) -> dict:
     counts["head_passes"] += chunks * (bound_sets + calls)
     counts["head_rows"] += rows * (bound_sets + calls)
     counts.update(calls=calls, sweeps=calls, sets=len(sets) + bound_sets)
-    if cfg.objective in search_objectives():
-        _add_repair_objective(counts, plan, sets, n_batches)
+    objective_entry(_default_objective(cfg.objective)).estimate(counts, plan, sets, n_batches)
     return plan.counts(counts, exact=False, note="an upper bound: the single-removal sweep, then each budget's "
                        "allowance of sets from the first removable block (search_allowances)",
                        **{k: counts[k] for k in ("calls", "sweeps", "sets")}, exact_sets=sets)
@@ -615,30 +631,6 @@ def _further_loads(planned, bound_sets: int, further_calls: int, kept: int, from
     return loads
 
 
-def _add_repair_objective(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
-    """Add to the search's bound what a repair-aware objective (``objective="ghosted"``,
-    :class:`~hf_layerswap.selection.objectives.SetObjective`) runs beyond the removal KL's
-    passes: the one stream-capture sweep that fits every block's operator (each batch of
-    :func:`~hf_layerswap.recovery.fit.select_rows` over every real token, through all
-    blocks, no head), and for the sets that cut through the last block (their operator acts
-    after the last kept block, so they run from the embeddings) the blocks before their
-    first removed one, which the removal KL's count starts after."""
-    cfg, calib, total_blocks = plan.config, plan.calibration, plan.num_blocks
-    fit_batches = sum(1 for _ in select_rows(calib, cfg.batch_size, calib.num_tokens))
-    fit = fit_batches * total_blocks
-    tail = 0
-    protected = resolve_protect(cfg.protect, total_blocks)
-    if total_blocks - 1 not in protected:
-        first = min(plan.allowed)
-        # an exact set runs its min(s) blocks more; a bound set, counted from the first
-        # removable block, at most that many more
-        tail = n_batches * (sum(min(x) for x in exact_sets if total_blocks - 1 in x)
-                            + (counts["sets"] - len(exact_sets)) * first)
-    counts["block_passes"] += fit + tail
-    counts["block_tokens"] += (fit + tail) * calib.input_ids.shape[1] * cfg.batch_size
-    counts["sweeps"] = counts["calls"] + 1
-
-
 def criterion_name(objective: str) -> str:
     """The comparison harness's name of the search with ``objective`` (one of
     :data:`~hf_layerswap.selection.objectives.OBJECTIVES`): ``"search"`` for the default
@@ -653,7 +645,7 @@ def _criterion(objective: str) -> Criterion:
 
 
 @register_strategy(
-    "search", needs_model=True, cost=_search_cost, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
+    "search", needs_model=True, help="a search over candidate sets guided by both protocols, minimising a set objective on the calibration prompts", option_class=SearchOptions, cost=_search_cost, options=keyword_options(search_select, _SEARCH_FIXED), config_options=_config_options,
     takes_objective=True, keeps_reference=True,
     describe=_describe, guided_by=lambda decision, protocol: None,
     values=lambda decision: [("the search's value", decision["value"])] if "value" in decision else [],

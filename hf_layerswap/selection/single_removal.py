@@ -73,5 +73,5 @@ def _single_removal_cost(plan) -> dict:
 
 
 register_strategy(
-    "single_removal_kl", needs_model=True, cost=_single_removal_cost, guided_by=NO_PROTOCOL, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
+    "single_removal_kl", needs_model=True, help="the blocks whose removal alone costs the least KL on the calibration prompts", cost=_single_removal_cost, guided_by=NO_PROTOCOL, criteria={"single_removal_kl": Criterion(single_removal_kl, resumes=True)},
 )(as_strategy("single_removal_kl", single_removal_kl))

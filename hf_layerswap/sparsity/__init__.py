@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,6 +50,7 @@ from .registry import (
     register_allocator,
     register_pruner,
 )
+from .options import POOLS, SOURCES, SparsifyOptions
 from .report import BlockSparsity, LinearSparsity, SparsityReport, config_record
 from .stats import ESTIMATORS, ExactQuantile, LogHistogramQuantile
 
@@ -93,82 +93,6 @@ __all__ = [
     "wanda_scores",
 ]
 
-SOURCES = ("linear_inputs", "block_input")
-POOLS = ("all", "per_token_mean")
-
-
-@dataclass
-class SparsifyOptions:
-    """Every option of :func:`sparsify` beyond its named arguments, with defaults.
-
-    Calibration (used only when ``calibration`` is not already a ``CalibrationSet``):
-        num_prompts (64), seq_len (128), calibration_seed (0).
-    Running: batch_size (8 prompts per forward), progress (False).
-    PALS (and the mapping of ``gradient``): percentile (0.99, as a fraction), delta (0.05,
-        the hard per-block bound), mapping (``"zscore"`` or ``"minmax"``), scale (beta,
-        default = delta), invert (False: a higher statistic gives a lower sparsity).
-    PALS statistic (the abstract leaves these open; the defaults are our choice):
-        source: ``"linear_inputs"`` (default: the inputs of the block's prunable linears,
-            each distinct tensor once, i.e. the q/k/v input once, the o input, the gate/up
-            input once, the down input; the activations Wanda's score uses) or
-            ``"block_input"`` (the residual stream entering the block).
-        pool: ``"all"`` (default: every token x channel magnitude) or ``"per_token_mean"``
-            (the mean magnitude over channels of each token).
-        estimator: ``"histogram"`` (default: streaming log2 histogram, relative error
-            <= 2**(1/(2*bins_per_octave)) - 1) or ``"exact"`` (keeps all values).
-        bins_per_octave (256).
-    OWL: owl_m (5, as in the OWL README's commands; its main.py default is 3),
-        owl_lambda (0.08).
-    random: seed (0).
-    SparseGPT: blocksize (128), percdamp (0.01), as in its reference code.
-    """
-
-    num_prompts: int = 64
-    seq_len: int = 128
-    calibration_seed: int = 0
-    batch_size: int = 8
-    progress: bool = False
-    percentile: float = 0.99
-    delta: float = 0.05
-    mapping: str = "zscore"
-    scale: float | None = None
-    invert: bool = False
-    source: str = "linear_inputs"
-    pool: str = "all"
-    estimator: str = "histogram"
-    bins_per_octave: int = 256
-    owl_m: float = 5.0
-    owl_lambda: float = 0.08
-    seed: int = 0
-    blocksize: int = 128
-    percdamp: float = 0.01
-
-    def __post_init__(self):
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size!r}: must be an int >= 1")
-        if not 0.0 < self.percentile <= 1.0:
-            raise ValueError(
-                f"percentile={self.percentile!r}: a fraction in (0, 1] (0.99 is the 99th percentile)"
-            )
-        if self.mapping not in MAPPINGS:
-            raise ValueError(f"mapping={self.mapping!r}: allowed {list(MAPPINGS)}")
-        if self.source not in SOURCES:
-            raise ValueError(f"source={self.source!r}: allowed {list(SOURCES)}")
-        if self.pool not in POOLS:
-            raise ValueError(f"pool={self.pool!r}: allowed {list(POOLS)}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator={self.estimator!r}: allowed {list(ESTIMATORS)}")
-        if not 0.0 <= self.delta < 1.0:
-            raise ValueError(f"delta={self.delta!r}: must be in [0, 1)")
-
-    #: options every allocation and method reads (the others: ``Allocator.options``,
-    #: ``Pruner.options`` of the registered entries)
-    GENERAL = ("num_prompts", "seq_len", "calibration_seed", "batch_size", "progress")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
 def _parse_options(options: dict, allocation: str, method: str, sparsity: float) -> SparsifyOptions:
     allowed = {f.name for f in dataclasses.fields(SparsifyOptions)}
     unknown = sorted(set(options) - allowed)
@@ -182,6 +106,8 @@ def _parse_options(options: dict, allocation: str, method: str, sparsity: float)
             f"options {unused} have no effect with allocation={allocation!r}, pruner={method!r}", stacklevel=3
         )
     opts = SparsifyOptions(**options)
+    for entry in (get_allocator(allocation), get_pruner(method)):  # their typed options: types and bounds
+        entry.parse_options({name: getattr(opts, name) for name in entry.options})
     check_bound(sparsity, allocation, opts.delta)
     return opts
 

@@ -19,7 +19,6 @@ import re
 
 import torch
 
-from ..registry_names import RegistryNames
 from .registry import PRUNERS
 
 __all__ = [
@@ -34,7 +33,7 @@ __all__ = [
 
 #: The registered pruner names now, a live view of
 #: :data:`~hf_layerswap.sparsity.registry.PRUNERS`: a pruner registered later is in it.
-METHODS = RegistryNames(lambda: PRUNERS)
+METHODS = PRUNERS.names
 
 
 def parse_pattern(pattern: str | None) -> tuple[int, int] | None:

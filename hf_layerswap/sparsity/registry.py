@@ -20,6 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..registry import Options, Registry, RegistryEntry, options_subset
+from .options import SparsifyOptions
+
 __all__ = [
     "ALLOCATORS",
     "PRUNERS",
@@ -54,9 +57,30 @@ class AllocationInputs:
     gradients: list[float] | None = None
 
 
+class _SparsityEntry(RegistryEntry):
+    """What an allocator and a pruner share as registry entries: ``help`` is the card's label,
+    the typed options are their share of :class:`~hf_layerswap.sparsity.SparsifyOptions`."""
+
+    name: str
+    label: str
+    options: tuple[str, ...]
+
+    @property
+    def help(self) -> str:  # type: ignore[override]
+        """The entry's one line: its :attr:`label`."""
+        return self.label
+
+    @property
+    def option_class(self) -> type[Options]:  # type: ignore[override]
+        """Its typed options: the :class:`~hf_layerswap.sparsity.SparsifyOptions` fields it
+        reads (:attr:`options`), with their help and bounds."""
+        return options_subset(SparsifyOptions, self.options, "".join(w.title() for w in self.name.split("_")) + "Options")
+
+
 @dataclass(frozen=True)
-class Allocator:
-    """A per-block sparsity rule.
+class Allocator(_SparsityEntry):
+    """A per-block sparsity rule (a :class:`~hf_layerswap.registry.RegistryEntry`; its
+    :meth:`estimate` is the passes per calibration batch the cost model adds for it).
 
     Attributes:
         name: the ``allocation=`` value.
@@ -87,10 +111,18 @@ class Allocator:
     card_options: Callable[[Mapping], list[str]] | None = None
     record_keys: tuple[str, ...] = ()
 
+    def estimate(self) -> dict[str, int]:
+        """Its own passes per calibration batch on the pruned model (what
+        :func:`~hf_layerswap.cost.estimate_cost` adds to the dense pass and the propagation):
+        ``gradient_forwards``, 1 for an allocator that runs a gradient pass (a forward with
+        the head and a backward) first, else 0."""
+        return {"gradient_forwards": int(self.needs_gradients)}
+
 
 @dataclass(frozen=True)
-class Pruner:
-    """A per-matrix pruning method.
+class Pruner(_SparsityEntry):
+    """A per-matrix pruning method (a :class:`~hf_layerswap.registry.RegistryEntry`; its
+    :meth:`estimate` is the passes per calibration batch the cost model adds for it).
 
     Attributes:
         name: the ``method=`` value.
@@ -109,19 +141,19 @@ class Pruner:
     statistics: type | None = None
     options: tuple[str, ...] = ()
 
+    def estimate(self) -> dict[str, int]:
+        """Its own passes per calibration batch on the pruned model: ``statistics_replays``,
+        1 for a pruner that feeds statistics (:attr:`statistics`) in a replay of each block,
+        else 0."""
+        return {"statistics_replays": int(self.statistics is not None)}
 
-#: ``allocation=`` name -> :class:`Allocator`, in registration order.
-ALLOCATORS: dict[str, Allocator] = {}
+
+#: ``allocation=`` name -> :class:`Allocator`, in registration order (a
+#: :class:`~hf_layerswap.registry.Registry`).
+ALLOCATORS: Registry[Allocator] = Registry("allocator", "allocation")
 
 #: ``method=`` name -> :class:`Pruner`, in registration order.
-PRUNERS: dict[str, Pruner] = {}
-
-
-def _check_name(name, registry: dict, what: str) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{what} name {name!r}: must be a non-empty string")
-    if name in registry:
-        raise ValueError(f"{what} {name!r} is already registered (registered: {list(registry)})")
+PRUNERS: Registry[Pruner] = Registry("pruning method", "pruner")
 
 
 def register_allocator(
@@ -139,12 +171,12 @@ def register_allocator(
     Raises:
         ValueError: ``name`` is empty or already registered.
     """
-    _check_name(name, ALLOCATORS, "allocator")
+    ALLOCATORS.check_new(name)
 
     def decorate(allocate):
-        ALLOCATORS[name] = Allocator(
+        ALLOCATORS.add(name, Allocator(
             name, label, allocate, observe, needs_gradients, tuple(options), card_options, tuple(record_keys)
-        )
+        ))
         return allocate
 
     return decorate
@@ -156,34 +188,28 @@ def register_pruner(name: str, *, label: str, statistics: type | None = None, op
     Raises:
         ValueError: ``name`` is empty or already registered.
     """
-    _check_name(name, PRUNERS, "pruning method")
+    PRUNERS.check_new(name)
 
     def decorate(prune):
-        PRUNERS[name] = Pruner(name, label, prune, statistics, tuple(options))
+        PRUNERS.add(name, Pruner(name, label, prune, statistics, tuple(options)))
         return prune
 
     return decorate
-
-
-def _lookup(registry: dict, name, argument: str):
-    if not isinstance(name, str) or name not in registry:
-        raise ValueError(f"{argument}={name!r}: allowed {list(registry)}")
-    return registry[name]
 
 
 def get_allocator(name) -> Allocator:
     """The registered allocator ``name``.
 
     Raises:
-        ValueError: unknown name; the message lists the registered ones.
+        ValueError: unknown name; the message lists the registered ones and the closest.
     """
-    return _lookup(ALLOCATORS, name, "allocation")
+    return ALLOCATORS.lookup(name)
 
 
 def get_pruner(name) -> Pruner:
     """The registered pruning method ``name``.
 
     Raises:
-        ValueError: unknown name; the message lists the registered ones.
+        ValueError: unknown name; the message lists the registered ones and the closest.
     """
-    return _lookup(PRUNERS, name, "pruner")
+    return PRUNERS.lookup(name)
