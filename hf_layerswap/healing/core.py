@@ -33,7 +33,8 @@ from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import HEAL_METHODS, get_heal_method
 from .report import RUN_SETTINGS, HealReport
-from .teacher import check_finite_start, check_teacher, place_teacher, teacher_origin
+from .mask import KeepZeros, ZeroMask
+from .teacher import check_finite_start, check_teacher, heldout_kl, place_teacher, teacher_origin
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
                       last_complete_checkpoint, resolve_patience, training_arguments)
 
@@ -158,6 +159,7 @@ def heal(
     measures.check()
     entry = get_heal_method(method)
     _check_settings(settings, model, entry)
+    zeros = ZeroMask.of(model)  # a sparsified student keeps its zeros
     device = place_teacher(teacher, model)
     choice, (calib, steps, train, held, packed) = _budgeted_text(model, teacher, calibration, tokenizer, settings,
                                                                  checkpoint_dir, device)
@@ -176,12 +178,28 @@ def heal(
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
-                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
+                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks)
+                         + ([KeepZeros(zeros)] if zeros is not None else []))
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed, origin)
+    if zeros is not None:
+        _keep_zeros(zeros, entry, healed, teacher, held, batch_size, report)
     _record_step(healed, report)  # before measuring: a measurement that fails leaves the healed model recorded
     _measure_after(measures, healed, start, report)
     return report
+
+
+def _keep_zeros(zeros: ZeroMask, entry, healed: nn.Module, teacher: nn.Module, held, batch_size: int,
+                report: HealReport) -> None:
+    """Set a sparsified student's zeros back after the method's ``finish`` and record them in
+    ``report.kept_zeros``; a method that merges added parameters (LoRA) trained a dense
+    update, so its held-out KL after is measured again on the masked weights (the unmasked
+    value kept as ``kl_after_unmasked``)."""
+    zeros.apply()
+    report.kept_zeros = zeros.record()
+    if entry.adds_parameters:
+        report.kept_zeros["kl_after_unmasked"] = report.kl_after
+        report.kl_after = heldout_kl(healed, teacher, held, batch_size)[0]
 
 
 def processes_launched() -> int:
@@ -390,13 +408,7 @@ def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, d
 
 
 def _check_settings(settings: dict, model, entry) -> None:
-    """Refuse a bad setting of :func:`heal`, an option ``entry`` (the method) refuses, or a
-    sparsified ``model`` (training fills its zeros; its sparsity record would be false)."""
-    sparsity = getattr(model.config, "layerswap_sparsity", None)  # what sparsify records
-    if isinstance(sparsity, Mapping) and sparsity.get("method"):
-        raise ValueError(f"the student is sparsified (config.layerswap_sparsity: {sparsity.get('method')}, "
-                         f"achieved sparsity {sparsity.get('achieved_sparsity')}): healing trains dense updates into "
-                         "its weights and would fill the zeros; heal the pruned model before sparsifying it")
+    """Refuse a bad setting of :func:`heal` or an option ``entry`` (the method) refuses."""
     entry.check_options(settings["options"], num_blocks(model))
     world = processes_launched()
     batch = settings["batch_size"]

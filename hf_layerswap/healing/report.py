@@ -81,6 +81,12 @@ class HealReport(JsonResult):
             pass over the text gave fewer steps) and the probe's ``{"rule": "probe",
             "learning_rate", "candidates": [{"learning_rate", "kl"}], "steps", "prompts",
             "kl_before", "seconds"}``. Empty in reports written before it was recorded.
+        kept_zeros: for a sparsified student (healed mask-preserving,
+            :mod:`~hf_layerswap.healing.mask`): ``{"linears", "zeros"}``, the block linears and
+            the zero weights set back after every optimiser step and after the method's finish;
+            for a method that merges added parameters (LoRA) also ``kl_after_unmasked``, the
+            best held-out KL before the zeros were set back (``kl_after`` is then measured on
+            the masked weights). Empty for a dense student.
     """
 
     method: str
@@ -110,6 +116,7 @@ class HealReport(JsonResult):
     settings: dict = field(default_factory=dict)
     teacher: dict = field(default_factory=dict)
     choice: dict = field(default_factory=dict)
+    kept_zeros: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +164,7 @@ class HealReport(JsonResult):
         for name in ("reverted", "packing"):
             if name in out and not isinstance(out[name], bool):
                 raise ValueError(f"{name}={out[name]!r}: must be true or false")
-        for name in ("options", "perplexity", "tasks", "settings", "teacher", "choice"):
+        for name in ("options", "perplexity", "tasks", "settings", "teacher", "choice", "kept_zeros"):
             if name in out and not isinstance(out[name], Mapping):
                 raise ValueError(f"{name}={out[name]!r}: must be a JSON object")
         for name, key in (("loss_history", "loss"), ("eval_history", "kl")):
