@@ -49,7 +49,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet
-from .config import LayerSwapConfig
+from .config import HealConfig, LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
 from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
 from .healing.choice import HEAL_SECONDS, TIMED_FORWARDS, probe_steps, time_budget
@@ -462,14 +462,14 @@ def text_tokenizer(model, cfg: LayerSwapConfig, tokenizer, required: bool = True
 
 def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
     """The tokenizer that reads healing's measurement texts (:func:`text_tokenizer`);
-    ``None`` when healing measures nothing.
+    ``None`` when no heal step (a ``heal`` field or a recipe's heal) measures anything.
 
     Raises:
         ValueError: none given and none can be loaded (the message says to pass one).
         FileNotFoundError: a ``tokenizer`` path that is neither a folder nor a Hub id.
     """
-    heal = cfg.heal
-    if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
+    heals = [step for step in cfg.after_removal() if isinstance(step, HealConfig)]
+    if not any(heal.perplexity_text is not None or heal.eval_tasks is not None for heal in heals):
         return None
     return text_tokenizer(model, cfg, tokenizer)
 
