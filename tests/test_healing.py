@@ -966,10 +966,10 @@ def test_only_the_first_launched_process_writes_the_run_file_and_every_process_w
     settings, waits = {"method": "last_k", "seed": 0}, []
     folder = tmp_path / "checkpoints"
     monkeypatch.setattr(heal_core, "Processes", lambda: _Process(1, waits))
-    heal_core._write_claim(folder, settings)
+    heal_core.write_claim(folder, settings)
     assert not folder.exists() and waits == [1, 1]
     monkeypatch.setattr(heal_core, "Processes", lambda: _Process(0, waits))
-    heal_core._write_claim(folder, settings)
+    heal_core.write_claim(folder, settings)
     assert json.loads((folder / RUN_FILE).read_text()) == settings and waits == [1, 1, 0, 0]
     # the settings of the run it names are those the other process checks (a resume: True)
-    assert heal_core._claim_checkpoints(folder, settings, write=False) is True
+    assert heal_core.claim_checkpoints(folder, settings, write=False) is True

@@ -19,8 +19,10 @@ from transformers import TrainerCallback
 
 from ..plan import decoder_blocks
 from ..sparsity.engine import prunable_linears
+from .report import HealReport
+from .teacher import heldout_kl
 
-__all__ = ["KeepZeros", "ZeroMask"]
+__all__ = ["KeepZeros", "ZeroMask", "keep_zeros"]
 
 
 class ZeroMask:
@@ -67,3 +69,19 @@ class KeepZeros(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.mask.apply()
+
+
+def keep_zeros(zeros: ZeroMask | None, merges: bool, healed: nn.Module, teacher: nn.Module, held, batch_size: int,
+               report: HealReport) -> None:
+    """Set a sparsified student's zeros back after the method's ``finish`` and record them in
+    ``report.kept_zeros``; a method that ``merges`` added parameters (LoRA) trained a dense
+    update, so its held-out KL after (nats per real token over the ``held`` prompts, in
+    batches of ``batch_size``) is measured again on the masked weights, the unmasked value
+    kept as ``kl_after_unmasked``. Nothing for a dense student (``zeros`` ``None``)."""
+    if zeros is None:
+        return
+    zeros.apply()
+    report.kept_zeros = zeros.record()
+    if merges:
+        report.kept_zeros["kl_after_unmasked"] = report.kl_after
+        report.kl_after = heldout_kl(healed, teacher, held, batch_size)[0]
