@@ -305,9 +305,9 @@ class HealStep(_StepBase):
 
     kind, phase = "heal", "healing"
 
-    def __init__(self, cfg: LayerSwapConfig, settings: HealConfig, run_index: int = 1):
+    def __init__(self, cfg: LayerSwapConfig, settings: HealConfig, run_index: int = 1, after_sparsify: bool = False):
         super().__init__(cfg, settings)
-        self.run_index = run_index
+        self.run_index, self.after_sparsify = run_index, after_sparsify
 
     def check_loaded(self, run: Run) -> None:
         check_heal_in_memory(run.model)  # an offloaded model can be scored and cut, not trained
@@ -321,7 +321,8 @@ class HealStep(_StepBase):
     def estimate(self, plan) -> dict | None:
         removed = len(self.cfg.layers) if self.cfg.layers is not None else self.cfg.num_to_remove
         view = _view(self.cfg, heal=self.settings, recovery=self.cfg.repair())
-        return healing_phase(plan.shape, view, plan.calibration, removed, plan.tokenizer, rates=plan.rates)
+        return healing_phase(plan.shape, view, plan.calibration, removed, plan.tokenizer, rates=plan.rates,
+                             earlier=self.run_index > 1 and not self.after_sparsify, sparse=self.after_sparsify)
 
     def apply(self, run: Run) -> dict | None:
         heal_cfg, cfg = self.settings, self.cfg
@@ -404,15 +405,17 @@ def recipe_steps(cfg: LayerSwapConfig) -> list[Step]:
     if removes:
         steps.append(RemoveStep(cfg, repaired=bool(after) and isinstance(after[0], RecoveryConfig),
                                 heals=_heals(cfg)))
-    heals = 0
+    heals, sparse = 0, False  # a heal right after a sparsify (no heal between) starts after the sparsification
     for settings in after:
         if isinstance(settings, RecoveryConfig):
             steps.append(RepairStep(cfg, settings))
         elif isinstance(settings, HealConfig):
             heals += 1
-            steps.append(HealStep(cfg, settings, heals))
+            steps.append(HealStep(cfg, settings, heals, after_sparsify=sparse))
+            sparse = False
         elif isinstance(settings, SparsityConfig):
             steps.append(SparsifyStep(cfg, settings))
+            sparse = sparse or settings.sparsity > 0
     return steps
 
 

@@ -18,6 +18,7 @@ from hf_layerswap.card.checks import sparsity_mismatches
 from hf_layerswap.cli import main
 from hf_layerswap.config import HealConfig, RecoveryConfig, SparsityConfig
 from hf_layerswap.cost import Throughput, estimate_cost
+from hf_layerswap.healing.measure import PERPLEXITY_STAGES
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.sparsity.engine import prunable_linears
 from hf_layerswap.steps import HealStep, RemoveStep, ScoreStep, SelectStep, SparsifyStep, recipe_steps
@@ -149,7 +150,7 @@ def test_prune_recipe_through_the_cli(tmp_path, capsys):
     text = tmp_path / "calib.txt"
     text.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 120}" for k in range(40)) for p in range(24)) + "\n")
     heal = ["--heal", "last_k", "--heal-option", "k=2", "--heal-max-tokens", "512", "--heal-seq-len", "16",
-            "--heal-learning-rate", "1e-3", "--heal-eval-every", "2"]
+            "--heal-learning-rate", "1e-3", "--heal-eval-every", "2", "--heal-perplexity", str(text)]
     sparse = ["--sparsity", "0.5", "--allocation", "uniform", "--pruner", "magnitude"]
 
     def argv(out, *flags):
@@ -162,12 +163,20 @@ def test_prune_recipe_through_the_cli(tmp_path, capsys):
     assert saved["layerswap"]["recipe"][2]["num_zeros"] == saved["layerswap_sparsity"]["num_zeros"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
     assert _zeros(reloaded) == saved["layerswap_sparsity"]["num_zeros"]
-    assert "| 2 | Heal |" in (tmp_path / "p" / "README.md").read_text()
+    card = (tmp_path / "p" / "README.md").read_text()
+    assert "| 2 | Heal |" in card and "| Perplexity after the sparsification (where this run started) | " in card
+    first, second = saved["layerswap"]["healing"]  # the second heal starts after the sparsify: its own stages
+    measured = [[k for k in PERPLEXITY_STAGES if run["perplexity"].get(k) is not None] for run in (first, second)]
+    assert second["perplexity"]["start"] == "after_sparsity" and first["stale"].startswith("sparsification")
+    assert measured == [["dense", "after_cut", "after_healing"],
+                        ["dense", "after_cut", "after_sparsity", "after_healing"]]
     capsys.readouterr()
     assert main(argv("q", "--recipe", "heal,sparsify,heal", *heal, "--dry-run", *sparse)) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines() if line.startswith(("  healing", "  sparsity"))] == [
         "healing", "sparsity", "healing"]
+    priced = [line.split(": ")[-1].rstrip(")") for line in out.splitlines() if "of which perplexity" in line]
+    assert priced == [", ".join(stages) for stages in measured]  # each heal step priced with the stages it measures
     for flags, message in (
         (["--recipe", "heal,prune"], "error: --recipe 'heal,prune': give comma-separated steps from ['repair', "
                                      "'heal', 'sparsify'], e.g. heal,sparsify,heal (['prune'] unknown)"),

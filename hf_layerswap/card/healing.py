@@ -68,6 +68,7 @@ def kl_summary(entry: Mapping) -> str:
 _STAGES = {"dense": "Perplexity of the dense model (the teacher)", "after_cut": "Perplexity after the cut",
            "after_repair": "Perplexity after the repair ({repair})",
            "after_earlier_healing": "Perplexity after healing run {earlier} (where this run started)",
+           "after_sparsity": "Perplexity after the sparsification (where this run started)",
            "after_healing": "Perplexity after healing"}
 
 
@@ -112,7 +113,8 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
     dense = ppl.get("dense")
     rows = []
     for stage, label in _STAGES.items():
-        if stage in ("after_repair", "after_earlier_healing") and start != stage and ppl.get(stage) is None:
+        if stage in ("after_repair", "after_earlier_healing", "after_sparsity") and start != stage \
+                and ppl.get(stage) is None:
             continue
         value = ppl.get(stage)
         label = label.format(repair=ppl.get("repair") or "repair", earlier=ppl.get("earlier_healing") or "before")

@@ -11,14 +11,13 @@ true: the healed model has exactly the zeros it had.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from ..plan import decoder_blocks
 from ..sparsity.engine import prunable_linears
+from .measure import sparsified
 from .report import HealReport
 from .teacher import heldout_kl
 
@@ -40,8 +39,7 @@ class ZeroMask:
     def of(cls, model: nn.Module) -> ZeroMask | None:
         """The mask of ``model`` when it is sparsified (``config.layerswap_sparsity`` names a
         method), else ``None``."""
-        record = getattr(model.config, "layerswap_sparsity", None)
-        if not (isinstance(record, Mapping) and record.get("method")):
+        if not sparsified(model):
             return None
         _, _, blocks = decoder_blocks(model)
         return cls([(lin, lin.weight.detach() == 0) for block in blocks for _, lin in prunable_linears(block)])

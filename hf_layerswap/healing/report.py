@@ -45,7 +45,8 @@ class HealReport(JsonResult):
             ``dense`` (the teacher), ``after_cut``, ``after_repair`` (only when the last
             removal step repaired its cut; ``repair`` names the method),
             ``after_earlier_healing`` (a second run: the student healed before, where this run
-            started; ``earlier_healing`` names that run) and ``after_healing``, ``None`` for a stage that could not be measured; ``start``
+            started; ``earlier_healing`` names that run), ``after_sparsity`` (a student sparsified
+            since its cut and not healed since: where this run started) and ``after_healing``, ``None`` for a stage that could not be measured; ``start``
             names the stage healing started from; ``contract``, ``text``,
             ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
             were measured under.
