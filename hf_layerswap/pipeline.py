@@ -97,7 +97,8 @@ def prune(
     max_memory: int | str | None = None,
     heal_checkpoint_dir: str | os.PathLike | None = None,
 ) -> PruneResult:
-    """Score, select, remove, repair and sparsify ``model`` as ``config`` says.
+    """Score, select and remove blocks of ``model``, then run the steps after the removal
+    (repair, heal, sparsify: ``config.recipe`` in its order, else in that order) as ``config`` says.
 
     Args:
         model: a loaded transformers causal LM; modified in place.
@@ -121,7 +122,8 @@ def prune(
             ``None``/``"auto"``: from the device's free memory), resolved once and given to the
             scoring and the selection (:func:`~hf_layerswap.select_layers`' ``max_memory``).
         heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
-            of :func:`~hf_layerswap.heal`); needs ``config.heal``.
+            of :func:`~hf_layerswap.heal`); needs a heal step. A recipe's second and later
+            heal steps keep theirs in its subfolders ``heal-2``, ``heal-3``, ...
 
     Returns:
         A :class:`PruneResult`.
