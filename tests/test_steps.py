@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from conftest import tiny_batch, tiny_checkpoint, tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import hf_layerswap as hl
 from hf_layerswap.card import render_card
@@ -18,7 +18,9 @@ from hf_layerswap.card.checks import sparsity_mismatches
 from hf_layerswap.cli import main
 from hf_layerswap.config import HealConfig, RecoveryConfig, SparsityConfig
 from hf_layerswap.cost import Throughput, estimate_cost
+from hf_layerswap.healing.core import RUN_FILE
 from hf_layerswap.healing.measure import PERPLEXITY_STAGES
+from hf_layerswap.healing.trainer import DistillationTrainer
 from hf_layerswap.plan import decoder_blocks
 from hf_layerswap.sparsity.engine import prunable_linears
 from hf_layerswap.steps import HealStep, RemoveStep, ScoreStep, SelectStep, SparsifyStep, recipe_steps
@@ -210,3 +212,46 @@ def test_the_default_path_is_the_fixed_sequence_of_the_public_verbs():
     assert "## Steps" not in str(render_card(model, report=result.report, plots=[]))
     copied = copy.deepcopy(model.config.layerswap)
     assert [e["removal_step"] for e in copied["recipe"]] == [0, 0, 0]
+
+
+class _InterruptSecondHeal(TrainerCallback):
+    def __init__(self):
+        self.trainers = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainers += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainers == 2 and state.global_step == 4:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_recipe_resumes_each_heal_from_its_own_folder(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "base", tiny_model("llama", num_blocks=6, seed=0))
+    text = tmp_path / "calib.txt"
+    text.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 120}" for k in range(40)) for p in range(24)) + "\n")
+
+    def command(out):
+        return ["prune", str(tmp_path / "base"), str(tmp_path / out), "--layers", "2", "3", "--calibration", str(text),
+                "--recipe", "heal,sparsify,heal", "--heal", "last_k", "--heal-option", "k=2", "--heal-max-tokens",
+                "512", "--heal-seq-len", "16", "--heal-learning-rate", "1e-3", "--heal-eval-every", "2",
+                "--sparsity", "0.5", "--allocation", "uniform", "--pruner", "magnitude"]
+
+    assert main(command("whole")) == 0
+    interrupt, original = _InterruptSecondHeal(), DistillationTrainer.__init__
+
+    def with_interrupt(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(interrupt)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DistillationTrainer, "__init__", with_interrupt)
+        assert main(command("p")) == 130
+    folder = tmp_path / "p.heal-checkpoints"
+    assert (folder / RUN_FILE).is_file() and (folder / "heal-2" / RUN_FILE).is_file()
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert main(command("p")) == 0  # each heal resumes from its own checkpoints, then the run ends
+    assert not folder.exists()
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "p").state_dict()
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
