@@ -273,10 +273,10 @@ class HealMeasures:
                           **contract_summary(contract)}
             if begin != "after_repair":  # not measured: the student handed in was not the repaired cut
                 del perplexity["after_repair"]
-            if earlier is None:
-                del perplexity["after_earlier_healing"]
             if begin != "after_sparsity":
                 del perplexity["after_sparsity"]
+            if earlier is None:
+                del perplexity["after_earlier_healing"]
             else:
                 perplexity["earlier_healing"] = earlier
         if self.eval_tasks is not None:
