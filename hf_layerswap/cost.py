@@ -111,9 +111,10 @@ class CostEstimate:
         peak_memory_bytes: ``{device: bytes}`` at the peak.
         seconds: predicted wall time.
         exact: whether the passes are exact (False: some phase's count is an upper bound).
-        phases: the breakdown per step, in the pipeline's order: ``"scoring"``,
-            ``"selection"``, then when configured ``"recovery"``, ``"healing"``,
-            ``"sparsity"``; each with ``block_passes``, ``head_passes``, ``block_flops``,
+        phases: the breakdown per step, in the order the prune runs them
+            (:func:`~hf_layerswap.steps.recipe_steps`): ``"scoring"``, ``"selection"``, then
+            the steps after the removal, ``"recovery"``, ``"healing"``, ``"sparsity"`` (in a
+            recipe's order; a kind's second step ``"healing 2"``, ...); each with ``block_passes``, ``head_passes``, ``block_flops``,
             ``head_flops``, ``flops``, ``bytes_moved``, ``seconds`` and ``exact``; the later
             steps also with ``memory_bytes`` (their peak) and ``note``; healing with
             ``trainable_params``, ``trainable_tensors`` and ``optimizer_bytes``
