@@ -58,11 +58,14 @@ __all__ = [
     "LayerSwapConfig",
     "QUANT_METHOD",
     "RENAMED_KEYS",
+    "RECIPE_STEPS",
     "RecoveryConfig",
     "SparsityConfig",
     "check_against_model",
     "config_keys",
     "protect_clash",
+    "recipe_entry",
+    "recipe_kind",
 ]
 
 QUANT_METHOD = "layerswap"
@@ -449,6 +452,16 @@ class LayerSwapConfig(QuantizationConfigMixin):
         max_evaluations: most candidate sets ``"search"`` scores in all (default ``None``: no cap
             beyond each budget's allowance, SLEB's schedule: U - (n - 1) sets at budget n for
             U removable blocks).
+        heal: healing after the cut (a :class:`HealConfig`, a dict of its fields or a method
+            name); never together with ``sparsity`` (a ``recipe`` states that order).
+        recipe: the steps after the removal, in the order they run: a list of
+            :class:`RecoveryConfig` (only first: a repair fits the cut on the dense model's
+            streams, which only the removal still has), :class:`HealConfig` and
+            :class:`SparsityConfig` (or dicts with a ``"step"`` key, ``"repair"``, ``"heal"`` or
+            ``"sparsify"``, and the config's fields: the form :meth:`to_dict` records), e.g.
+            ``[HealConfig(...), SparsityConfig(0.5), HealConfig(...)]``; a heal after a
+            sparsify keeps the zeros. ``None`` (default): ``recovery`` -> ``heal`` ->
+            ``sparsity`` as those fields say (:meth:`after_removal`); giving both is refused.
         recovery_num_tokens, recovery_epsilon: constructor keywords for the other
             :class:`RecoveryConfig` fields when ``recovery`` is a method name; read them
             back as ``config.recovery.num_tokens`` and ``config.recovery.epsilon``.
@@ -507,6 +520,10 @@ class LayerSwapConfig(QuantizationConfigMixin):
     heal: HealConfig | None = field(default=None, metadata=_help(
         "heal after the cut and its repair: distil the pruned model from the dense one (a HealConfig, a dict "
         "of its fields or a method name; default: no healing)"))
+    recipe: list[RecoveryConfig | HealConfig | SparsityConfig] | None = field(default=None, metadata=_help(
+        "the steps after the removal, in the order they run: RecoveryConfig (only first), HealConfig and "
+        "SparsityConfig objects or dicts with a 'step' key ('repair', 'heal', 'sparsify'); default: the order "
+        "recovery -> heal -> sparsity of those fields"))
     recovery_num_tokens: InitVar[int | None] = None
     recovery_epsilon: InitVar[float | None] = None
 
@@ -605,9 +622,10 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"LayerSwapConfig(seed={self.seed!r}): must be an int")
         self.seed = int(self.seed)
         self._validate_recovery()
-        self._validate_objective()
         self._validate_sparsity()
         self._validate_heal()
+        self._validate_recipe()
+        self._validate_objective()
         if layers is not None and self._protect_given:
             clash = sorted(set(layers) & set(self.protect))
             if clash:
@@ -627,15 +645,17 @@ class LayerSwapConfig(QuantizationConfigMixin):
                              f"strategy {self.strategy!r} takes no max_evaluations; it applies to {takers}")
 
     def _validate_recovery(self) -> None:
-        rec = self.recovery
-        if rec is None:
-            return
+        if self.recovery is not None:
+            self.recovery = self._checked_recovery(self.recovery)
+
+    def _checked_recovery(self, rec: RecoveryConfig) -> RecoveryConfig:
+        """``rec`` checked (a field of this config or a repair step of its recipe), normalised."""
         _check_choice("recovery", rec.method, _recovery_choices())
         if self.num_to_remove is None and self.layers is None:
             raise ValueError(f"LayerSwapConfig(recovery={rec.method!r}) needs num_to_remove or layers: nothing is removed")
         num_tokens = _check_int("recovery_num_tokens", rec.num_tokens, 1, allow_none=True)
         if num_tokens is not None and type(rec.num_tokens) is not int:
-            self.recovery = rec = replace(rec, num_tokens=num_tokens)
+            rec = replace(rec, num_tokens=num_tokens)
         eps = rec.epsilon
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
             raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): must be a float >= 0 or None")
@@ -645,6 +665,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             if not entry.takes_epsilon and eps != entry.default_epsilon:
                 raise ValueError(f"LayerSwapConfig(recovery_epsilon={eps!r}): recovery={rec.method!r} has no ridge; "
                                  f"allowed: None or {entry.default_epsilon!r}")
+        return rec
 
     def _validate_objective(self) -> None:
         """An objective that scores each set after a repair (a recovery method that serves as a
@@ -653,7 +674,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         repair = recovery_entry(self.objective)
         if repair is None or not repair.search_objective:
             return
-        method = self.recovery.method if self.recovery is not None else None
+        given = self.repair()
+        method = given.method if given is not None else None
         if method != repair.name:
             plain = [o for o in OBJECTIVES if recovery_entry(o) is None]
             raise ValueError(
@@ -667,17 +689,80 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self.heal = _as_heal(self.heal)
         if self.heal is None:
             return
-        if self.num_to_remove is None and self.layers is None:
-            raise ValueError(f"LayerSwapConfig(heal={self.heal.method!r}) needs num_to_remove or layers: nothing is removed")
+        self._check_removes(f"heal={self.heal.method!r}")
         if self.sparsity is not None:
             raise ValueError("LayerSwapConfig(heal=..., sparsity=...): not both in one run: healing merges dense "
                              "updates into the weights (their zeros would fill), and sparsifying after healing "
-                             "would leave its recorded numbers stale; heal, save, then sparsify the healed checkpoint")
+                             "would leave its recorded numbers stale; heal, save, then sparsify the healed checkpoint "
+                             "(or state the order with recipe=[HealConfig(...), SparsityConfig(...)], whose heal "
+                             "after a sparsify keeps the zeros)")
+
+    def _check_removes(self, what: str) -> None:
+        if self.num_to_remove is None and self.layers is None:
+            raise ValueError(f"LayerSwapConfig({what}) needs num_to_remove or layers: nothing is removed")
+
+    def _validate_recipe(self) -> None:
+        """``recipe``: a list of step configs (or dicts with a ``"step"`` key), never together
+        with the ``recovery``/``heal``/``sparsity`` fields; a repair only first (it fits the
+        cut on the dense model's streams around it, which only the removal still has)."""
+        if self.recipe is None:
+            return
+        fields_given = [name for name in ("recovery", "heal", "sparsity") if getattr(self, name) is not None]
+        if fields_given:
+            raise ValueError(
+                f"LayerSwapConfig(recipe=..., {fields_given[0]}=...) is contradictory: give the steps after the "
+                "removal either as recipe=[...] (in the order they run) or as the recovery/heal/sparsity fields "
+                "(run in the order repair, heal, sparsify), not both")
+        if isinstance(self.recipe, (str, bytes, Mapping)) or not isinstance(self.recipe, Sequence):
+            raise ValueError(f"LayerSwapConfig(recipe={self.recipe!r}): must be a list of RecoveryConfig, HealConfig "
+                             f"or SparsityConfig (or dicts with a 'step' key in {list(RECIPE_STEPS)}), or None")
+        steps = [self._recipe_step(k, value) for k, value in enumerate(self.recipe)]
+        for k, step in enumerate(steps):
+            if isinstance(step, RecoveryConfig) and k:
+                raise ValueError(
+                    f"LayerSwapConfig(recipe=...): step {k} is a repair ({step.method!r}) after "
+                    f"{recipe_kind(steps[k - 1])!r}: a repair fits the cut on the dense model's streams around it, "
+                    "which only the removal itself still has; put it first in the recipe (right after the removal)")
+        self.recipe = steps
+
+    def _recipe_step(self, k: int, value) -> RecoveryConfig | HealConfig | SparsityConfig:
+        """Step ``k`` of ``recipe`` as its checked config."""
+        if isinstance(value, Mapping):
+            data = dict(value)
+            kind = data.pop("step", None)
+            if kind not in RECIPE_STEPS:
+                raise ValueError(f"LayerSwapConfig(recipe[{k}]={dict(value)!r}): its 'step' must be one of "
+                                 f"{list(RECIPE_STEPS)}")
+            value = (_as_heal(data) if RECIPE_STEPS[kind] is HealConfig
+                     else RECIPE_STEPS[kind](**_sub_config(RECIPE_STEPS[kind], data, f"recipe[{k}]")))
+        if isinstance(value, RecoveryConfig):
+            return self._checked_recovery(value)
+        if isinstance(value, HealConfig):
+            self._check_removes(f"recipe[{k}]=heal {value.method!r}")
+            return value
+        if isinstance(value, SparsityConfig):
+            return self._checked_sparsity(value)
+        raise ValueError(f"LayerSwapConfig(recipe[{k}]={value!r}): allowed RecoveryConfig, HealConfig, "
+                         f"SparsityConfig or a dict with a 'step' key in {list(RECIPE_STEPS)}")
+
+    def after_removal(self) -> list[RecoveryConfig | HealConfig | SparsityConfig]:
+        """The steps after the removal, in the order they run: ``recipe`` when given, else
+        ``recovery``, ``heal``, ``sparsity`` (those that are set)."""
+        if self.recipe is not None:
+            return list(self.recipe)
+        return [step for step in (self.recovery, self.heal, self.sparsity) if step is not None]
+
+    def repair(self) -> RecoveryConfig | None:
+        """The repair of the cut (``recovery``, or the recipe's repair step), ``None`` without one."""
+        return next((step for step in self.after_removal() if isinstance(step, RecoveryConfig)), None)
 
     def _validate_sparsity(self) -> None:
-        sp = self.sparsity
-        if sp is None:
-            return
+        if self.sparsity is not None:
+            self.sparsity = self._checked_sparsity(self.sparsity)
+
+    @staticmethod
+    def _checked_sparsity(sp: SparsityConfig) -> SparsityConfig:
+        """``sp`` checked (a field of this config or a sparsify step of its recipe), normalised."""
         target = sp.sparsity
         if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= float(target) < 1.0:
             raise ValueError(f"LayerSwapConfig(sparsity={target!r}): must be a float in [0, 1)")
@@ -693,8 +778,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
                 f"LayerSwapConfig(allocation={sp.allocation!r}): {err} (the default delta here; choose "
                 "allocation='uniform' or 'owl', or call hf_layerswap.sparsity.sparsify with a smaller delta)"
             ) from None
-        if type(target) is not float:
-            self.sparsity = replace(sp, sparsity=float(target))
+        return sp if type(target) is float else replace(sp, sparsity=float(target))
 
     def to_dict(self) -> dict:
         """The serialized fields, in field order (JSON-able; the sub-configs as dicts of
@@ -707,6 +791,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             value = getattr(self, f.name)
             out[f.name] = asdict(value) if isinstance(value, (RecoveryConfig, SparsityConfig)) else value
         out["heal"] = None if self.heal is None else self.heal.to_dict()
+        out["recipe"] = None if self.recipe is None else [recipe_entry(step) for step in self.recipe]
         out["layers"] = None if self.layers is None else list(self.layers)
         out["protect"] = list(self.protect)
         # a calibration file is recorded by its name: config.json gets published
@@ -819,6 +904,21 @@ def config_keys() -> list[str]:
     return [name for name in inspect.signature(LayerSwapConfig.__init__).parameters if name != "self"]
 
 
+#: The kinds of step a ``recipe`` holds after the removal, by the ``"step"`` key of its dict form.
+RECIPE_STEPS: dict[str, type] = {"repair": RecoveryConfig, "heal": HealConfig, "sparsify": SparsityConfig}
+
+
+def recipe_kind(step) -> str:
+    """The ``"step"`` name of a recipe step config (``"repair"``, ``"heal"``, ``"sparsify"``)."""
+    return next(kind for kind, cls in RECIPE_STEPS.items() if isinstance(step, cls))
+
+
+def recipe_entry(step) -> dict:
+    """A recipe step config as the JSON-able dict :meth:`LayerSwapConfig.to_dict` records:
+    ``{"step": kind, **its fields}`` (a healing text by its name only)."""
+    return {"step": recipe_kind(step), **(step.to_dict() if isinstance(step, HealConfig) else asdict(step))}
+
+
 def _as_heal(value) -> HealConfig | None:
     """``heal=`` as a :class:`HealConfig`: ``None``, a method name, a dict of its fields or the
     dataclass (unknown dict keys raise, naming the closest field)."""
@@ -843,7 +943,8 @@ def check_against_model(cfg: LayerSwapConfig, model) -> None:
     Raises:
         ValueError: naming the repair, the block and what to use instead.
     """
-    if cfg.recovery is None or (cfg.layers is None and cfg.num_to_remove is None):
+    repair = cfg.repair()
+    if repair is None or (cfg.layers is None and cfg.num_to_remove is None):
         return
     _, _, blocks = decoder_blocks(model)
     total = len(blocks)
@@ -852,7 +953,7 @@ def check_against_model(cfg: LayerSwapConfig, model) -> None:
     else:
         allowed = [i for i in range(total) if i not in resolve_protect(cfg.protect, total)]
         hosts = [] if allowed == list(range(cfg.num_to_remove)) else sorted({i - 1 for i in allowed if i > 0})
-    get_recovery_method(cfg.recovery.method).check_hosts(model, blocks, hosts)
+    get_recovery_method(repair.method).check_hosts(model, blocks, hosts)
 
 
 def protect_clash(layers, protect, clash) -> str:

@@ -56,9 +56,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .calibration import CalibrationSet, build_calibration
-from .config import LayerSwapConfig, check_against_model
-from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
-                         recovery_phase, sparsity_phase, text_tokenizer)
+from .config import LayerSwapConfig
+from .cost_steps import ModelShape, block_flops, check_removal, measure_lines, measure_tokenizer, text_tokenizer
 from .models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from .plan import decoder_blocks, num_blocks, removal_plan
 from .rule import resolve_protect
@@ -70,8 +69,9 @@ from .scoring.slotmajor import blocks_offloaded
 from .scoring.verbs import swap_plans
 from .selection import STRATEGIES
 from .selection.registry import strategy_entry
+from .steps import recipe_steps
 
-__all__ = ["CostEstimate", "SelectionPlan", "Throughput", "estimate_cost", "measure_throughput"]
+__all__ = ["CostEstimate", "SelectionPlan", "StepPlan", "Throughput", "estimate_cost", "measure_throughput"]
 
 
 @dataclass
@@ -111,9 +111,10 @@ class CostEstimate:
         peak_memory_bytes: ``{device: bytes}`` at the peak.
         seconds: predicted wall time.
         exact: whether the passes are exact (False: some phase's count is an upper bound).
-        phases: the breakdown per step, in the pipeline's order: ``"scoring"``,
-            ``"selection"``, then when configured ``"recovery"``, ``"healing"``,
-            ``"sparsity"``; each with ``block_passes``, ``head_passes``, ``block_flops``,
+        phases: the breakdown per step, in the order the prune runs them
+            (:func:`~hf_layerswap.steps.recipe_steps`): ``"scoring"``, ``"selection"``, then
+            the steps after the removal, ``"recovery"``, ``"healing"``, ``"sparsity"`` (in a
+            recipe's order; a kind's second step ``"healing 2"``, ...); each with ``block_passes``, ``head_passes``, ``block_flops``,
             ``head_flops``, ``flops``, ``bytes_moved``, ``seconds`` and ``exact``; the later
             steps also with ``memory_bytes`` (their peak) and ``note``; healing with
             ``trainable_params``, ``trainable_tensors`` and ``optimizer_bytes``
@@ -161,7 +162,7 @@ class CostEstimate:
             *(f"  {name:<9} {p['block_passes']:>10,} block passes {p['head_passes']:>8,} head passes "
               f"{p['flops'] / 1e12:8.3f} TFLOP  {_duration(p['seconds']):>7}" + ("" if p["exact"] else "  (upper bound)")
               for name, p in self.phases.items()),
-            *measure_lines(self.phases.get("healing", {})),
+            *(line for name, p in self.phases.items() if name.split()[0] == "healing" for line in measure_lines(p)),
         ]
 
 
@@ -225,7 +226,7 @@ def _calibration(model, cfg: LayerSwapConfig, calibration, tokenizer) -> tuple[C
         raise TypeError(f"calibration must be a CalibrationSet, a dict of input_ids/attention_mask or None; "
                         f"got {type(calibration).__name__}")
     source = cfg.calibration if calibration is None else calibration
-    reads = cfg.layers is None or cfg.recovery is not None or cfg.sparsity is not None
+    reads = any(step.needs_calibration(None) for step in recipe_steps(cfg))
     reader = None
     if not isinstance(source, (CalibrationSet, Mapping)):
         reader = text_tokenizer(model, cfg, tokenizer, required=False) if reads else None
@@ -567,37 +568,25 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     _check_device(device, max_memory, throughput)
     model = _meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
-    check_against_model(cfg, model)  # as prune refuses it before scoring
+    for step in recipe_steps(cfg):  # as prune refuses them before scoring
+        step.check(model)
     calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
     memory = resolve_memory(max_memory, device)  # the one budget prune resolves for every step
     budget = memory.bytes
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     kept, working = memory.split()  # the selection: its kept reference and its engine calls share the budget
-    total_blocks = num_blocks(model)
-    strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
-    entry = strategy_entry(strategy)
-    phases = {}
-    scoring_plan = None
     streamed = None if stream_weights is None else bool(stream_weights)  # None: the model's own offload
-    if cfg.layers is None:
-        plans = swap_plans(total_blocks, min(cfg.max_gap, total_blocks - 1), entry.scores(cfg.protocol))
-        phases["scoring"] = _engine_counts(model, calib, plans, settings, streamed=streamed)
-        scoring_plan = _on_device(phases["scoring"].pop("plan"), device)
-        phases["scoring"]["sweeps"] = 1
-        phases["scoring"]["exact"] = calib_known
-        plan = SelectionPlan(model, calib, cfg, EngineSettings(batch_size=cfg.batch_size, max_memory=working.bytes,
-                                                               progress=False), kept.bytes, streamed)
-        selection = dict(entry.cost(plan))
-        selection.pop("plan", None)
-        selection["memory_plan"] = _on_device(plan.engine({0: removal_plan(total_blocks, [plan.allowed[0]])})["plan"],
-                                              device)
-        if selection["block_passes"] or selection["head_passes"] or not selection["exact"]:
-            phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
-    exact = all(p.get("exact", True) for p in phases.values())
-    phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer),
-                                   rates=lambda batch, width: throughput or measure_throughput(model, batch, width,
-                                                                                               device=device)))
-    return _assemble(model, calib, cfg, phases, scoring_plan, exact, device, kept.bytes, throughput, stream_weights)
+    plan = StepPlan(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer), streamed=streamed,
+                    device=device, settings=settings, kept=kept.bytes, working=working.bytes, calib_known=calib_known,
+                    rates=lambda batch, width: throughput or measure_throughput(model, batch, width, device=device))
+    phases: dict = {}
+    for step in recipe_steps(cfg):  # each step's cost, in the order the prune runs them
+        phase = step.estimate(plan)
+        if phase is not None:
+            phases[_phase_name(phases, step.phase)] = phase
+    exact = all(p.get("exact", True) for k, p in phases.items() if k in ENGINE_PHASES)
+    return _assemble(model, calib, cfg, phases, plan.scoring_plan, exact, device, kept.bytes, throughput,
+                     stream_weights)
 
 
 def _on_device(plan, device: torch.device):
@@ -627,21 +616,55 @@ def _check_device(device: torch.device, max_memory, throughput) -> None:
                          "budget, its rates)")
 
 
-def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *,
-                     rates=None) -> dict:
-    """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
-    selection (:mod:`~hf_layerswap.cost_steps`), in its order; healing's default budget at
-    ``rates(batch_size, width)``."""
-    shape = ModelShape(model)
-    removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
-    phases = {}
-    if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
-        phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
-    if cfg.heal is not None:
-        phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer, rates=rates)
-    if cfg.sparsity is not None:
-        phases["sparsity"] = sparsity_phase(shape, calib, cfg, removed)
-    return phases
+class StepPlan:
+    """What each step's :meth:`~hf_layerswap.steps.Step.estimate` reads: the meta-device
+    ``model`` and its :class:`~hf_layerswap.cost_steps.ModelShape`, the prompts ``calib``,
+    the config, the raw ``calibration`` (healing reads given tensors), the ``tokenizer`` of
+    healing's measurement texts, the device's ``rates(batch, width)``; :meth:`scoring` and
+    :meth:`selection` plan the engine's two phases (the scoring's plan kept in
+    ``scoring_plan`` for the peak memory)."""
+
+    def __init__(self, model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *, streamed,
+                 device, settings: EngineSettings, kept: int, working: int, calib_known: bool, rates):
+        self.model, self.calib, self.cfg, self.calibration, self.tokenizer = model, calib, cfg, calibration, tokenizer
+        self.shape = ModelShape(model)
+        self.streamed, self.device, self.settings, self.kept, self.working = streamed, device, settings, kept, working
+        self.calib_known, self.rates = calib_known, rates
+        self.scoring_plan = None
+        strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
+        self.entry = strategy_entry(strategy)
+
+    def scoring(self) -> dict:
+        """The swap-KL scoring's phase: the engine's own plan of every pair's probes."""
+        total = self.shape.num_blocks
+        plans = swap_plans(total, min(self.cfg.max_gap, total - 1), self.entry.scores(self.cfg.protocol))
+        phase = _engine_counts(self.model, self.calib, plans, self.settings, streamed=self.streamed)
+        self.scoring_plan = _on_device(phase.pop("plan"), self.device)
+        phase["sweeps"] = 1
+        phase["exact"] = self.calib_known
+        return phase
+
+    def selection(self) -> dict | None:
+        """The selection's phase, planned by the strategy's registry entry (``None``: the
+        paper's rule reads the scores, no phase of its own)."""
+        cfg, total = self.cfg, self.shape.num_blocks
+        plan = SelectionPlan(self.model, self.calib, cfg, EngineSettings(batch_size=cfg.batch_size,
+                                                                         max_memory=self.working, progress=False),
+                             self.kept, self.streamed)
+        selection = dict(self.entry.cost(plan))
+        selection.pop("plan", None)
+        selection["memory_plan"] = _on_device(plan.engine({0: removal_plan(total, [plan.allowed[0]])})["plan"],
+                                              self.device)
+        if selection["block_passes"] or selection["head_passes"] or not selection["exact"]:
+            return selection
+        return None
+
+
+def _phase_name(phases: dict, name: str) -> str:
+    """``name``, or for a step kind that ran before ``name 2``, ``name 3``, ..."""
+    if name not in phases:
+        return name
+    return f"{name} {sum(k == name or k.startswith(name + ' ') for k in phases) + 1}"
 
 
 def _config(config) -> LayerSwapConfig:

@@ -49,9 +49,9 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet
-from .config import LayerSwapConfig
+from .config import HealConfig, LayerSwapConfig
 from .evaluation.contract import resolve_tokenizer
-from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
+from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards, start_stage
 from .healing.choice import HEAL_SECONDS, TIMED_FORWARDS, probe_steps, time_budget
 from .healing.methods import get_heal_method
 from .healing.trainer import resolve_patience
@@ -296,14 +296,16 @@ def heal_budget(shape: ModelShape, kept: int, throughput, batch_size: int, width
 
 
 def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed: int, tokenizer=None, *,
-                  rates=None) -> dict:
+                  rates=None, earlier: bool = False, sparse: bool = False) -> dict:
     """Passes, FLOPs and peak bytes of ``cfg.heal`` (see the module's text), its
     measurements included (:func:`heal_measures`; ``tokenizer`` reads their texts).
     ``max_tokens=None`` takes the budget :func:`heal_budget` predicts at the rates
     ``rates(batch_size, width)`` returns (a :class:`~hf_layerswap.cost.Throughput`; the
     estimate's own), recorded in ``phase["budget"]``; ``learning_rate=None`` adds the
     learning-rate probe (:mod:`~hf_layerswap.healing.choice`: each candidate's steps and
-    held-out evaluation), recorded in ``phase["probe"]``.
+    held-out evaluation), recorded in ``phase["probe"]``. ``earlier``, ``sparse``: the heal
+    step comes after an earlier heal, after a sparsify (and no heal since) in a recipe: its
+    perplexity starts there (:func:`~hf_layerswap.healing.measure.start_stage`).
 
     Raises:
         ValueError: ``max_tokens=None`` without ``rates``.
@@ -381,11 +383,12 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
                           f"({', '.join(f'{r:g}' for r in probe['candidates'])}) x {probe['steps']} steps")
     phase["memory_bytes"] = (2 * shape.weight_bytes - removed * shape.block_bytes + adapters + optimizer
                              + saved + logits)
-    heal_measures(phase, shape, cfg, kept, tokenizer)
+    heal_measures(phase, shape, cfg, kept, tokenizer, earlier=earlier, sparse=sparse)
     return phase
 
 
-def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: int, tokenizer) -> None:
+def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: int, tokenizer, *,
+                  earlier: bool = False, sparse: bool = False) -> None:
     """Add to the healing ``phase`` what :class:`~hf_layerswap.healing.measure.HealMeasures`
     runs for ``cfg.heal``'s ``perplexity_text`` and ``eval_tasks`` (on a student of ``kept``
     blocks):
@@ -394,8 +397,9 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
       (:func:`~hf_layerswap.healing.measure.perplexity_forwards`: the text tokenized, the
       windows and batches the evaluator makes), once on the dense teacher (every block),
       then on the kept blocks after the cut (the teacher under the removal plan), after the
-      repair (when one is configured) and after healing; the head over the kept logits of
-      each window. Exact; recorded in ``phase["perplexity"]``;
+      repair (when one is configured; after the earlier healing or the sparsification instead,
+      ``earlier``, ``sparse``) and after healing; the head over the kept logits of each window. Exact; recorded in
+      ``phase["perplexity"]``;
     - **lm-eval tasks** (:func:`lm_eval_passes`), before and after healing; recorded in
       ``phase["tasks"]``, with ``phase["not_estimated"]`` naming what could not be counted.
 
@@ -412,8 +416,9 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
     if heal.perplexity_text is not None:
         forwards = perplexity_forwards(heal.perplexity_text, tokenizer, max_positions(shape.model))
         repaired = cfg.recovery is not None and get_recovery_method(cfg.recovery.method).fits
-        stages = [s for s in PERPLEXITY_STAGES  # a cut just made has no earlier healing
-                  if s != "after_earlier_healing" and (repaired or s != "after_repair")]
+        start = start_stage(earlier, sparse, repaired)
+        stages = [s for s in PERPLEXITY_STAGES  # the stage healing starts from, and the cut replayed before it
+                  if s in ("dense", "after_cut", start, "after_healing")]
         before = (phase["block_passes"], phase["head_passes"])
         for stage in stages:
             depth = shape.num_blocks if stage == "dense" else kept
@@ -463,14 +468,14 @@ def text_tokenizer(model, cfg: LayerSwapConfig, tokenizer, required: bool = True
 
 def measure_tokenizer(model, cfg: LayerSwapConfig, tokenizer):
     """The tokenizer that reads healing's measurement texts (:func:`text_tokenizer`);
-    ``None`` when healing measures nothing.
+    ``None`` when no heal step (a ``heal`` field or a recipe's heal) measures anything.
 
     Raises:
         ValueError: none given and none can be loaded (the message says to pass one).
         FileNotFoundError: a ``tokenizer`` path that is neither a folder nor a Hub id.
     """
-    heal = cfg.heal
-    if heal is None or (heal.perplexity_text is None and heal.eval_tasks is None):
+    heals = [step for step in cfg.after_removal() if isinstance(step, HealConfig)]
+    if not any(heal.perplexity_text is not None or heal.eval_tasks is not None for heal in heals):
         return None
     return text_tokenizer(model, cfg, tokenizer)
 

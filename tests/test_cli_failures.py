@@ -428,7 +428,7 @@ def test_cli_prune_refuses_bad_input_and_writes_nothing(matrix_report, tmp_path,
     def no_scoring(*args, **kwargs):
         raise AssertionError("scored although the budget was impossible")
 
-    monkeypatch.setattr("hf_layerswap.pipeline.score_layers", no_scoring)
+    monkeypatch.setattr("hf_layerswap.steps.score_layers", no_scoring)
     code = main(["prune", str(ckpt), str(out), "--num-to-remove", "2", "--spacing", "1", "--calibration", str(tmp_path / "calib.txt"),
                  "--num-prompts", "2", "--seq-len", "32"])  # within the model's 64 positions (checked by the estimate)
     assert code == 2 and not out.exists()
@@ -529,12 +529,12 @@ def test_devices_the_machine_lacks_and_a_device_given_twice_exit_2_before_loadin
 def test_healing_or_sparsifying_an_offloaded_model_exits_2_before_scoring(base, capsys, monkeypatch):
     """``--max-memory`` small enough that blocks go to ``--offload-folder``: the model can be
     scored and cut, not trained or sparsified in place; refused before any probe runs."""
-    import hf_layerswap.pipeline as pipeline
+    import hf_layerswap.steps as steps
 
     def no_scoring(*args, **kwargs):
         raise AssertionError("scored before the refusal")
 
-    monkeypatch.setattr(pipeline, "score_layers", no_scoring)
+    monkeypatch.setattr(steps, "score_layers", no_scoring)
     offload = ["--max-memory", "cpu=60KB", "--offload-folder", base / "off"]
     scoring = ["--num-to-remove", "1", "--strategy", "greedy", "--calibration", base / "calib.txt", "--num-prompts", "2"]
     code, err = _run(["prune", base / "base", base / "h", *scoring, *offload, "--heal"], capsys)

@@ -32,6 +32,9 @@ from hf_layerswap.healing.methods import cut_neighbours
 from hf_layerswap.healing.trainer import DistillationTrainer, resolve_patience
 from hf_layerswap.history import verify_history, weights_changed_later, weights_sample
 from hf_layerswap.pipeline import prune
+from hf_layerswap.card.checks import sparsity_mismatches
+from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.sparsity.engine import prunable_linears
 
 from conftest import assert_model_unchanged, pruned_pair, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
 
@@ -343,16 +346,33 @@ def test_heal_refuses_what_heal_config_refuses(bad, message):
     assert "healing" not in student.config.layerswap
 
 
-def test_a_sparsified_student_is_refused():
-    # healing trains dense updates: last_k filled half of the zeros while config.layerswap_sparsity
-    # still recorded 50% sparsity
+def _zero_weights(model) -> int:
+    _, _, blocks = decoder_blocks(model)
+    return sum(int((lin.weight == 0).sum()) for block in blocks for _, lin in prunable_linears(block))
+
+
+@pytest.mark.parametrize("method, options", [("last_k", {"k": 2}), ("lora", {"lora_r": 4})])
+def test_a_sparsified_student_keeps_its_zeros(method, options):
+    # healing was refused on a sparsified student (last_k had filled half of the zeros); now the
+    # zeros are set back after every optimiser step and after LoRA's merge, and the record says so
     student, teacher = _pair()
     hl.sparsify(student, _calibration(), sparsity=0.5, allocation="uniform", pruner="magnitude")
-    start = {k: v.clone() for k, v in student.state_dict().items()}
-    with pytest.raises(ValueError, match=r"the student is sparsified \(config\.layerswap_sparsity: magnitude, achieved "
-                                         r"sparsity 0\.5\).*heal the pruned model before sparsifying it"):
-        hl.heal(student, teacher, _calibration(), method="last_k", k=2, max_tokens=64, seq_len=16)
-    assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    record = dict(student.config.layerswap_sparsity)
+    _, _, blocks = decoder_blocks(student)
+    zeros_before = {n: lin.weight == 0 for n, lin in blocks[-1].named_modules() if isinstance(lin, torch.nn.Linear)}
+    before = _zero_weights(student)
+    report = hl.heal(student, teacher, _calibration(), method=method, max_tokens=8 * 16 * 4, seq_len=16,
+                     learning_rate=1e-3, eval_every=2, patience=3, **options)
+    assert report.steps > 0 and not report.reverted
+    assert _zero_weights(student) == before == record["num_zeros"]
+    for name, lin in blocks[-1].named_modules():  # the same weights are zero, none refilled
+        if isinstance(lin, torch.nn.Linear):
+            assert torch.equal(lin.weight == 0, zeros_before[name])
+    assert report.kept_zeros["zeros"] == before and report.kept_zeros["linears"] == 7 * len(blocks)
+    assert ("kl_after_unmasked" in report.kept_zeros) == (method == "lora")
+    assert student.config.layerswap_sparsity == record  # the sparsity record stays true
+    assert sparsity_mismatches(student) == []
+    assert student.config.layerswap["healing"][-1]["kept_zeros"] == report.kept_zeros
 
 
 @pytest.mark.parametrize("method, options, message", [
@@ -946,10 +966,10 @@ def test_only_the_first_launched_process_writes_the_run_file_and_every_process_w
     settings, waits = {"method": "last_k", "seed": 0}, []
     folder = tmp_path / "checkpoints"
     monkeypatch.setattr(heal_core, "Processes", lambda: _Process(1, waits))
-    heal_core._write_claim(folder, settings)
+    heal_core.write_claim(folder, settings)
     assert not folder.exists() and waits == [1, 1]
     monkeypatch.setattr(heal_core, "Processes", lambda: _Process(0, waits))
-    heal_core._write_claim(folder, settings)
+    heal_core.write_claim(folder, settings)
     assert json.loads((folder / RUN_FILE).read_text()) == settings and waits == [1, 1, 0, 0]
     # the settings of the run it names are those the other process checks (a resume: True)
-    assert heal_core._claim_checkpoints(folder, settings, write=False) is True
+    assert heal_core.claim_checkpoints(folder, settings, write=False) is True

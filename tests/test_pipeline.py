@@ -179,12 +179,12 @@ def test_prune_reuses_a_given_report_and_calibration(setup):
     model = AutoModelForCausalLM.from_pretrained(base)
     report = hl.score_layers(model, batch, progress=False)
     calls = []
-    original = hl.pipeline.score_layers
-    hl.pipeline.score_layers = lambda *a, **k: calls.append(a) or original(*a, **k)
+    original = hl.steps.score_layers
+    hl.steps.score_layers = lambda *a, **k: calls.append(a) or original(*a, **k)
     try:
         given = prune(model, cfg, report=report, calibration=batch)
     finally:
-        hl.pipeline.score_layers = original
+        hl.steps.score_layers = original
     assert calls == [] and given.report is report and model.layerswap_report is report
     assert given.removed == scored.removed == hl.select_layers(report, 2)
     assert given.calibration is batch and given.provenance.calibration == batch.spec()

@@ -16,6 +16,9 @@ card carries what a reviewer needs to trust a pruned checkpoint:
   original numbering (from the ``SparsityReport``, or from ``config.layerswap_sparsity``);
 - the repair of the cut when ``config.layerswap["recovery"]`` records one, and for Ghosted
   Layers operators that ``hf_layerswap`` must be imported to apply them;
+- the steps of the prune in the order they ran (``config.layerswap["recipe"]``, e.g.
+  remove -> heal -> sparsify -> heal), one row each, when any step ran after the removal
+  (:mod:`.steps`);
 - after healing (:func:`hf_layerswap.heal`): a Healing section per run with its held-out
   KL before and after, budget, teacher, data hash, when measured the perplexity of the
   dense model, after the cut, after the repair and after healing (one row each) and
@@ -36,7 +39,8 @@ Method: No Free Swap (arXiv 2605.16234).
 Layout: :mod:`.format` (file names, number formats), :mod:`.checks` (input checks run
 once, facts read from the inputs), :mod:`.evaluation` (the perplexity pair: its contract and
 the weights each result measured), :mod:`.sections` (each section as data),
-:mod:`.render` (:func:`render_card`, :func:`check_card`, :func:`write_card_files`); the
+:mod:`.steps` (each kind of step's cell), :mod:`.render` (:func:`render_card`,
+:func:`check_card`, :func:`write_card_files`); the
 figures come from :mod:`hf_layerswap.plots`.
 """
 

@@ -12,7 +12,7 @@ from ..healing.methods import HEAL_METHODS
 
 from .evaluation import perplexity_eval_results
 
-__all__ = ["HEALING_FILE", "heal_command", "healing_eval_results", "healing_section", "tasks_table"]
+__all__ = ["HEALING_FILE", "heal_command", "healing_eval_results", "healing_section", "kl_summary", "tasks_table"]
 
 #: The healing report sidecar (``HealReport.to_json``: the loss and held-out KL histories).
 HEALING_FILE = "layerswap_healing.json"
@@ -49,7 +49,9 @@ def _not_finite(value) -> str:
     return "not recorded as a number: cannot be judged"
 
 
-def _kl_row(entry: Mapping) -> str:
+def kl_summary(entry: Mapping) -> str:
+    """A healing record's held-out KL before -> after in words (the card's row; a record
+    without both finite values says it cannot be judged, a worse end says so)."""
     before, after = entry.get("kl_before"), entry.get("kl_after")
     if not (_finite(before) and _finite(after)):
         return ("not recorded: this healing cannot be judged (no finite held-out KL before and after: "
@@ -66,6 +68,7 @@ def _kl_row(entry: Mapping) -> str:
 _STAGES = {"dense": "Perplexity of the dense model (the teacher)", "after_cut": "Perplexity after the cut",
            "after_repair": "Perplexity after the repair ({repair})",
            "after_earlier_healing": "Perplexity after healing run {earlier} (where this run started)",
+           "after_sparsity": "Perplexity after the sparsification (where this run started)",
            "after_healing": "Perplexity after healing"}
 
 
@@ -110,7 +113,8 @@ def _perplexity_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]
     dense = ppl.get("dense")
     rows = []
     for stage, label in _STAGES.items():
-        if stage in ("after_repair", "after_earlier_healing") and start != stage and ppl.get(stage) is None:
+        if stage in ("after_repair", "after_earlier_healing", "after_sparsity") and start != stage \
+                and ppl.get(stage) is None:
             continue
         value = ppl.get(stage)
         label = label.format(repair=ppl.get("repair") or "repair", earlier=ppl.get("earlier_healing") or "before")
@@ -318,7 +322,7 @@ def _entry_rows(entry: Mapping, repair: str | None) -> list[tuple[str, str]]:
         *_choice_rows(entry),
         ("Teacher", f"{_teacher_words(entry)}; {logits}"),
         ("Data", data),
-        ("Held-out KL(teacher ‖ student) before → after", _kl_row(entry)),
+        ("Held-out KL(teacher ‖ student) before → after", kl_summary(entry)),
         ("Held-out prompts", str(entry.get("heldout", _DASH))),
         ("Final training loss", _nats(entry.get("final_loss")) + " nats/token"),
     ]

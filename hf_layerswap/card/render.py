@@ -27,6 +27,7 @@ from ..tasks import task_card_section
 from .evaluation import evaluation_mismatches, normalize_evaluation
 from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, report_removed, report_step, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
 from .healing import HEALING_FILE, healing_eval_results, healing_section
+from .steps import steps_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
 from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
 
@@ -142,6 +143,9 @@ def render_card(
     context.update(title=title, summary=summary, plots_not_drawn=plots_not_drawn)
     card = ModelCard.from_template(card_data, template_path=str(CARD_TEMPLATE), **context)
     text = re.sub(r"\n{3,}", "\n\n", str(card)).rstrip("\n") + "\n"
+    steps_md = steps_section(f.record)
+    if steps_md:
+        text += "\n## Steps\n\n" + steps_md + "\n"
     heal_md = healing_section(f.record, plot=PLOT_FILES["healing"] if "healing" in plot_keys else None)
     if heal_md:
         text += "\n## Healing\n\n" + heal_md + "\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LayerSwapConfig
+from ..config import RECIPE_STEPS, HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..cost import estimate_cost
 from ..devices import input_device
 from ..pipeline import prune
@@ -41,7 +41,7 @@ from .common import (
     save_pruned,
 )
 
-__all__ = ["add_parser", "prune_config", "run_prune"]
+__all__ = ["add_parser", "prune_config", "recipe_kinds", "run_prune"]
 
 
 def add_parser(subparsers):
@@ -60,6 +60,11 @@ def add_parser(subparsers):
     p.add_argument("--heal", nargs="?", const="lora", default=None, choices=sorted(HEAL_METHODS), metavar="METHOD",
                    help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
     add_heal_args(p, prefix="heal-")
+    p.add_argument("--recipe", default=None, metavar="STEPS",
+                   help="the steps after the removal, in the order they run, comma-separated from "
+                        f"{list(RECIPE_STEPS)}, e.g. heal,sparsify,heal: each repair takes --recovery, each heal "
+                        "--heal [METHOD] (lora without it) and the --heal-* options, each sparsify --sparsity and "
+                        "its options (default: repair, heal, sparsify as those options are given)")
     add_resume_arg(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print the estimated cost (block/head passes, FLOPs, peak memory, seconds; "
@@ -78,7 +83,9 @@ def prune_config(args):
     takers = strategies_taking("max_evaluations")
     if args.max_evaluations is not None and args.strategy not in takers:
         raise ValueError(f"--max-evaluations applies to --strategy {' or '.join(takers)}, not {args.strategy!r}")
-    heal = heal_config(args, prefix="heal-", method=args.heal) if args.heal is not None else None
+    recipe = recipe_kinds(args.recipe) if getattr(args, "recipe", None) is not None else None
+    heals = recipe is not None and "heal" in recipe
+    heal = heal_config(args, prefix="heal-", method=args.heal or "lora") if args.heal is not None or heals else None
     defaults = vars(_defaults(args))  # the --heal-* values as given, not a HealConfig (no method is chosen)
     if heal is None and any(value != defaults[key] for key, value in vars(args).items() if key.startswith("heal_")):
         raise ValueError("--heal-* options given without --heal: add --heal [METHOD] to heal after the cut")
@@ -88,14 +95,54 @@ def prune_config(args):
         if given:
             raise ValueError(f"{', '.join(given)} given without --sparsity: add --sparsity FRACTION to sparsify after "
                              "the cut")
+    after = {"recovery": args.recovery, "sparsity": args.sparsity, "heal": heal}
+    sparse = {"allocation": args.allocation, "pruner": args.pruner, "sparsity_pattern": args.sparsity_pattern}
+    steps = None
+    if recipe is not None:
+        steps = _recipe(recipe, args, heal)
+        after = dict.fromkeys(after)
+        sparse = {}
     return LayerSwapConfig(
         num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
-        recovery=args.recovery, sparsity=args.sparsity, allocation=args.allocation, pruner=args.pruner,
-        sparsity_pattern=args.sparsity_pattern, heal=heal, progress=True,
+        recipe=steps, progress=True, **after, **sparse,
     )
+
+
+def recipe_kinds(value: str) -> list[str]:
+    """``--recipe``'s value: comma-separated step kinds of :data:`~hf_layerswap.config.RECIPE_STEPS`.
+
+    Raises:
+        ValueError: an empty list or an unknown kind (named, with the allowed ones).
+    """
+    kinds = [kind.strip() for kind in value.split(",")]
+    unknown = [kind for kind in kinds if kind not in RECIPE_STEPS]
+    if not value.strip() or unknown:
+        raise ValueError(f"--recipe {value!r}: give comma-separated steps from {list(RECIPE_STEPS)}, e.g. "
+                         "heal,sparsify,heal" + (f" ({unknown} unknown)" if unknown else ""))
+    return kinds
+
+
+def _recipe(kinds: list[str], args, heal) -> list:
+    """The recipe of ``--recipe``: each kind's config from its options; an option no step of
+    the recipe reads, or a step whose option is missing, is refused."""
+    missing = [flag for kind, flag, value in (("repair", "--recovery", args.recovery),
+                                              ("sparsify", "--sparsity", args.sparsity)) if kind in kinds and value is None]
+    if missing:
+        raise ValueError(f"--recipe {','.join(kinds)} needs {' and '.join(missing)} for its "
+                         f"{' and '.join(k for k in ('repair', 'sparsify') if k in kinds)} step")
+    unused = [flag for kind, flag, value in (("repair", "--recovery", args.recovery), ("heal", "--heal", args.heal),
+                                             ("sparsify", "--sparsity", args.sparsity))
+              if kind not in kinds and value is not None]
+    if unused:
+        raise ValueError(f"{' and '.join(unused)} given but --recipe {','.join(kinds)} has no such step: add it to "
+                         "--recipe or drop the option")
+    sparsity = None if args.sparsity is None else SparsityConfig(args.sparsity, allocation=args.allocation,
+                                                                 pruner=args.pruner, pattern=args.sparsity_pattern)
+    made = {"repair": lambda: RecoveryConfig(args.recovery), "heal": lambda: heal, "sparsify": lambda: sparsity}
+    return [made[kind]() for kind in kinds]
 
 
 def _parser_default(name: str):
@@ -122,15 +169,15 @@ def run_prune(args) -> int:
     if args.dry_run:
         return _dry_run(args, config)
     check_before_loading(args, outputs=[("output", args.output, "new folder"), ("--resume", args.resume, "folder")]
-                         + ([("--heal", checkpoint_folder(args.output), "folder")] if config.heal is not None else []))
+                         + ([("--heal", checkpoint_folder(args.output), "folder")] if _heals(config) else []))
     report = None
     if args.report:
         if not Path(args.report).is_file():
             raise FileNotFoundError(f"--report {args.report!r} is not a file; give a report JSON written by 'score'")
         report = SwapReport.from_json(args.report)
-    heal_dir = checkpoint_folder(args.output) if config.heal is not None else None
+    heal_dir = checkpoint_folder(args.output) if _heals(config) else None
     model, tokenizer = load(args)
-    steps_after = any(x is not None for x in (config.recovery, config.heal, config.sparsity))
+    steps_after = bool(config.after_removal())
     if report is None and (args.layers is None or steps_after) and is_main_process():
         estimate = estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer,
                                  max_memory=args.scoring_memory)
@@ -150,6 +197,10 @@ def run_prune(args) -> int:
         shutil.rmtree(heal_dir, ignore_errors=True)
     print(f"removed layers {result.removed} (0-based); pruned checkpoint written to {out}")
     return 0
+
+
+def _heals(config: LayerSwapConfig) -> bool:
+    return any(isinstance(step, HealConfig) for step in config.after_removal())
 
 
 def _check_resume_outside_output(args) -> None:

@@ -33,11 +33,12 @@ from .loss import teacher_top_k
 from .measure import HealMeasures
 from .methods import HEAL_METHODS, get_heal_method
 from .report import RUN_SETTINGS, HealReport
+from .mask import KeepZeros, ZeroMask, keep_zeros
 from .teacher import check_finite_start, check_teacher, place_teacher, teacher_origin
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
                       last_complete_checkpoint, resolve_patience, training_arguments)
 
-__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "heal", "processes_launched"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "claim_checkpoints", "heal", "processes_launched", "write_claim"]
 
 #: The largest training seed (numpy's, under transformers' ``set_seed``).
 MAX_SEED = 2**32 - 1
@@ -91,18 +92,16 @@ def heal(
     allow_foreign_teacher: bool = False,
     **options,
 ) -> HealReport:
-    """Distil the pruned ``model`` from its dense ``teacher``: minimise KL(teacher ||
-    student) of next-token distributions (temperature 1, fp32 log-softmax, real tokens
-    only), plus ``ce_weight`` x cross-entropy on the text, with transformers' ``Trainer``.
+    """Distil the pruned ``model`` from its dense ``teacher`` with transformers' ``Trainer``: minimise KL(teacher ||
+    student) of next-token distributions (temperature 1, fp32 log-softmax, real tokens) + ``ce_weight`` x text CE.
 
-    The text (:func:`~hf_layerswap.calibration.build_calibration`, never the evaluation
-    text) is packed by default: paragraphs joined by EOS in full ``seq_len`` windows, the
-    first ``heldout_prompts`` held out, the next ``steps x batch_size`` trained on, distinct
-    until the text runs out, then repeated (epochs, with a warning; ``report.epochs``).
-    ``packing=False``/tensors: one paragraph per prompt, at most :data:`PARAGRAPH_PROMPTS`,
-    the last held out. Held-out KL every ``eval_every`` steps; stop after ``patience`` without
-    improvement (``None``: :func:`~hf_layerswap.healing.trainer.resolve_patience`), keeping
-    the best weights (the start's: ``report.reverted``).
+    The text (:func:`~hf_layerswap.calibration.build_calibration`, never the evaluation text) is packed by default:
+    paragraphs joined by EOS in full ``seq_len`` windows, the first ``heldout_prompts`` held out, the next ``steps x
+    batch_size`` trained on, distinct until the text runs out, then repeated (epochs, with a warning;
+    ``report.epochs``). ``packing=False``/tensors: one paragraph per prompt, at most :data:`PARAGRAPH_PROMPTS`, the
+    last held out. Held-out KL every ``eval_every`` steps; stop after ``patience`` without improvement (``None``:
+    :func:`~hf_layerswap.healing.trainer.resolve_patience`), keeping the best weights (the start's:
+    ``report.reverted``).
 
     Args:
         model: the pruned student, healed in place. teacher: the dense model, same vocabulary and tokenizer (not trained).
@@ -123,7 +122,6 @@ def heal(
         teacher_top_k: ``None``: the teacher's full logits on the fly. An int ``k``: its top-``k`` log-probabilities
             plus the rest's mass, cached once (:func:`~hf_layerswap.healing.loss.teacher_top_k`); the KL over those
             ``k + 1`` buckets is a lower bound of the full KL, equal at ``k = V``. The held-out KL is always the full KL.
-        progress: a tqdm bar over the training tokens with its ETA.
         perplexity_text: a text source :func:`~hf_layerswap.evaluation.evaluate_perplexity` accepts (``"embedded"``:
             the embedded evaluation split); when given, the perplexity (``"matched"`` contract, one text) of every stage
             is recorded in ``report.perplexity``: the dense teacher, after the cut, after the repair or an earlier
@@ -132,14 +130,15 @@ def heal(
             (:func:`~hf_layerswap.evaluate_tasks`, zero-shot, same settings both times), in ``report.tasks``;
             ``eval_tasks_path`` (task YAML folder) and ``eval_tasks_limit`` (documents per task) as its
             ``include_path`` and ``limit``. Needs ``tokenizer`` and lm-eval.
-        callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop).
+        callbacks: more transformers ``TrainerCallback`` objects for the Trainer (logging, a custom stop). progress: a
+            tqdm bar over the training tokens with its ETA.
         allow_foreign_teacher: accept a teacher that is not the model the student was cut from
             (:func:`~hf_layerswap.healing.teacher.teacher_origin`), named as such in ``report.teacher``.
 
     Returns:
         The :class:`HealReport`, also left on ``model.layerswap_heal_report``. ``model`` is healed in place and stays
         a plain transformers model (LoRA is merged back with ``merge_and_unload``; no PEFT modules), in eval mode;
-        ``model.config.layerswap["healing"]`` records the step.
+        ``model.config.layerswap["healing"]`` records the step (a sparsified student keeps its zeros: ``kept_zeros``).
 
     Raises:
         ValueError: before any training: an offloaded student or teacher, a mismatched or foreign teacher, an unknown
@@ -156,14 +155,14 @@ def heal(
     origin = teacher_origin(model, teacher, allow_foreign=allow_foreign_teacher)
     measures = HealMeasures(perplexity_text, eval_tasks, eval_tasks_path, eval_tasks_limit, tokenizer, progress)
     measures.check()
-    entry = get_heal_method(method)
+    entry, zeros = get_heal_method(method), ZeroMask.of(model)  # a sparsified student keeps its zeros
     _check_settings(settings, model, entry)
     device = place_teacher(teacher, model)
     choice, (calib, steps, train, held, packed) = _budgeted_text(model, teacher, calibration, tokenizer, settings,
                                                                  checkpoint_dir, device)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    resume = _claim_checkpoints(checkpoint_dir, settings, write=False)  # read by all before the first process writes
+    resume = claim_checkpoints(checkpoint_dir, settings, write=False)  # read by all before the first process writes
     check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
     created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
@@ -172,13 +171,15 @@ def heal(
     student = entry.prepare(model, options)
     settings["choice"] = _given(_probe(student, teacher, train, held, settings, entry, steps, device, choice),
                                 max_tokens, learning_rate)
-    _write_claim(checkpoint_dir, settings)  # written only now, after the measurements
+    write_claim(checkpoint_dir, settings)  # written only now, after the measurements
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
-                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks))
+                         extra=([HealProgress(steps, tokens_per_step)] if progress else []) + list(callbacks)
+                         + ([KeepZeros(zeros)] if zeros is not None else []))
     healed = _finished(entry, student, model, method)
     report = _heal_report(settings, state, best, calib, tokens_per_step, int(train.mask.sum()), packed, origin)
+    keep_zeros(zeros, entry.adds_parameters, healed, teacher, held, batch_size, report)
     _record_step(healed, report)  # before measuring: a measurement that fails leaves the healed model recorded
     _measure_after(measures, healed, start, report)
     return report
@@ -390,13 +391,7 @@ def _run_trainer(student, teacher, train, held, settings: dict, *, steps: int, d
 
 
 def _check_settings(settings: dict, model, entry) -> None:
-    """Refuse a bad setting of :func:`heal`, an option ``entry`` (the method) refuses, or a
-    sparsified ``model`` (training fills its zeros; its sparsity record would be false)."""
-    sparsity = getattr(model.config, "layerswap_sparsity", None)  # what sparsify records
-    if isinstance(sparsity, Mapping) and sparsity.get("method"):
-        raise ValueError(f"the student is sparsified (config.layerswap_sparsity: {sparsity.get('method')}, "
-                         f"achieved sparsity {sparsity.get('achieved_sparsity')}): healing trains dense updates into "
-                         "its weights and would fill the zeros; heal the pruned model before sparsifying it")
+    """Refuse a bad setting of :func:`heal` or an option ``entry`` (the method) refuses."""
     entry.check_options(settings["options"], num_blocks(model))
     world = processes_launched()
     batch = settings["batch_size"]
@@ -509,10 +504,15 @@ def _given(choice: dict, max_tokens, learning_rate) -> dict:
 RUN_FILE = "layerswap_heal_run.json"
 
 
-def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
+def claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     """Write ``settings`` into ``folder`` (only check it could be, with ``write=False``), or
     check they equal those of the run whose checkpoints are there; ``True`` when there is a
-    run to resume (``folder`` ``None``: no checkpoints, ``False``)."""
+    run to resume (``folder`` ``None``: no checkpoints, ``False``).
+
+    Raises:
+        ValueError: ``folder`` is a file, a non-empty folder without a run file, or holds
+            the checkpoints of a run with other settings (naming them).
+    """
     if folder is None:
         return False
     folder = Path(folder)
@@ -539,8 +539,8 @@ def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     return False
 
 
-def _write_claim(folder, settings: dict) -> None:
-    """Write the run file of ``settings`` into ``folder`` (:func:`_claim_checkpoints`) from
+def write_claim(folder, settings: dict) -> None:
+    """Write the run file of ``settings`` into ``folder`` (:func:`claim_checkpoints`) from
     the first launched process only, once every process has read the folder (the check of
     :func:`heal` that decides whether to resume), the others waiting until it is there: two
     processes writing one folder would each see the other's half-written file."""
@@ -549,7 +549,7 @@ def _write_claim(folder, settings: dict) -> None:
     processes = Processes()
     processes.barrier()
     if processes.rank == 0:
-        _claim_checkpoints(folder, settings)
+        claim_checkpoints(folder, settings)
     processes.barrier()
 
 

@@ -9,7 +9,9 @@ is handed in (after the repair when its last step repaired the cut, else after t
 A student already healed since its last cut (a second healing run) starts from that
 healing: its stage is ``after_earlier_healing`` (``earlier_healing`` names the run), "after
 the cut" is the replayed cut, and "after the repair" is not measured (the repaired weights
-are gone), never the earlier run's healed value under another label.
+are gone), never the earlier run's healed value under another label. A student sparsified
+since its last cut and not healed since (:func:`~hf_layerswap.sparsify`, then heal: a recipe's
+heal after a sparsify) starts ``after_sparsity``, "after the cut" again the replayed cut.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from ..tasks import check_task_names, evaluate_tasks
 
 __all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
            "contract_summary", "earlier_healing", "max_positions", "perplexity_forwards", "perplexity_window",
-           "replayed_cut", "repair_of_last_cut"]
+           "replayed_cut", "repair_of_last_cut", "sparsified", "start_stage"]
 
 #: The perplexity stages a healing record can hold, in order (keys of its ``perplexity``).
-PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_earlier_healing", "after_healing")
+PERPLEXITY_STAGES = ("dense", "after_cut", "after_repair", "after_earlier_healing", "after_sparsity", "after_healing")
 #: The contract of every perplexity healing measures, and its windows per forward.
 PERPLEXITY_CONTRACT = "matched"
 PERPLEXITY_BATCH = 2
@@ -126,6 +128,22 @@ def earlier_healing(model: nn.Module) -> int | None:
     runs = record.get("healing") or []
     current = [n for n, run in enumerate(runs, 1) if isinstance(run, Mapping) and not run.get("stale")]
     return current[-1] if current else None
+
+
+def sparsified(model: nn.Module) -> bool:
+    """Whether :func:`~hf_layerswap.sparsify` pruned ``model`` (``config.layerswap_sparsity``
+    names a method)."""
+    record = getattr(model.config, "layerswap_sparsity", None)
+    return isinstance(record, Mapping) and bool(record.get("method"))
+
+
+def start_stage(earlier: bool, sparse: bool, repaired: bool) -> str:
+    """The perplexity stage a healing run starts from: after an ``earlier`` healing still
+    current (it came after any sparsification, which marks earlier healing stale), else
+    after a sparsification (``sparse``), else after the repair (``repaired``), else after the cut."""
+    if earlier:
+        return "after_earlier_healing"
+    return "after_sparsity" if sparse else "after_repair" if repaired else "after_cut"
 
 
 def repair_of_last_cut(model: nn.Module) -> str | None:
@@ -230,13 +248,13 @@ class HealMeasures:
             dense = self._perplexity(teacher, tokens)
             out["contract"] = dense.contract
             stages = {"dense": dense.ppl}
-            repair, earlier = repair_of_last_cut(student), earlier_healing(student)
-            if repair is not None or earlier is not None:  # the student is not the plain cut: replay it on the teacher
+            repair, earlier, sparse = repair_of_last_cut(student), earlier_healing(student), sparsified(student)
+            if repair is not None or earlier is not None or sparse:  # not the plain cut: replay it on the teacher
                 cut = replayed_cut(student, teacher)
                 if cut is not None:
                     with apply_plan(teacher, removal_plan(num_blocks(teacher), cut)):
                         stages["after_cut"] = self._perplexity(teacher, tokens).ppl
-            start = "after_earlier_healing" if earlier is not None else "after_repair" if repair else "after_cut"
+            start = start_stage(earlier is not None, sparse, repair is not None)
             stages[start] = self._perplexity(student, tokens).ppl
             out["perplexity"] = {"stages": stages, "repair": repair, "start": start, "earlier_healing": earlier}
         if self.eval_tasks is not None:
@@ -255,6 +273,8 @@ class HealMeasures:
                           **contract_summary(contract)}
             if begin != "after_repair":  # not measured: the student handed in was not the repaired cut
                 del perplexity["after_repair"]
+            if begin != "after_sparsity":
+                del perplexity["after_sparsity"]
             if earlier is None:
                 del perplexity["after_earlier_healing"]
             else:

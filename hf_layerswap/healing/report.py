@@ -45,7 +45,8 @@ class HealReport(JsonResult):
             ``dense`` (the teacher), ``after_cut``, ``after_repair`` (only when the last
             removal step repaired its cut; ``repair`` names the method),
             ``after_earlier_healing`` (a second run: the student healed before, where this run
-            started; ``earlier_healing`` names that run) and ``after_healing``, ``None`` for a stage that could not be measured; ``start``
+            started; ``earlier_healing`` names that run), ``after_sparsity`` (a student sparsified
+            since its cut and not healed since: where this run started) and ``after_healing``, ``None`` for a stage that could not be measured; ``start``
             names the stage healing started from; ``contract``, ``text``,
             ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
             were measured under.
@@ -81,6 +82,12 @@ class HealReport(JsonResult):
             pass over the text gave fewer steps) and the probe's ``{"rule": "probe",
             "learning_rate", "candidates": [{"learning_rate", "kl"}], "steps", "prompts",
             "kl_before", "seconds"}``. Empty in reports written before it was recorded.
+        kept_zeros: for a sparsified student (healed mask-preserving,
+            :mod:`~hf_layerswap.healing.mask`): ``{"linears", "zeros"}``, the block linears and
+            the zero weights set back after every optimiser step and after the method's finish;
+            for a method that merges added parameters (LoRA) also ``kl_after_unmasked``, the
+            best held-out KL before the zeros were set back (``kl_after`` is then measured on
+            the masked weights). Empty for a dense student.
     """
 
     method: str
@@ -110,6 +117,7 @@ class HealReport(JsonResult):
     settings: dict = field(default_factory=dict)
     teacher: dict = field(default_factory=dict)
     choice: dict = field(default_factory=dict)
+    kept_zeros: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +165,7 @@ class HealReport(JsonResult):
         for name in ("reverted", "packing"):
             if name in out and not isinstance(out[name], bool):
                 raise ValueError(f"{name}={out[name]!r}: must be true or false")
-        for name in ("options", "perplexity", "tasks", "settings", "teacher", "choice"):
+        for name in ("options", "perplexity", "tasks", "settings", "teacher", "choice", "kept_zeros"):
             if name in out and not isinstance(out[name], Mapping):
                 raise ValueError(f"{name}={out[name]!r}: must be a JSON object")
         for name, key in (("loss_history", "loss"), ("eval_history", "kl")):

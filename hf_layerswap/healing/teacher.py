@@ -19,7 +19,7 @@ from ..provenance import public_identity
 from ..rule import NonFiniteScoresError
 from .loss import distillation_loss
 
-__all__ = ["check_finite_start", "check_in_memory", "check_teacher", "place_teacher", "teacher_origin"]
+__all__ = ["check_finite_start", "check_in_memory", "heldout_kl", "check_teacher", "place_teacher", "teacher_origin"]
 
 
 def check_in_memory(model: nn.Module, role: str = "the student") -> None:
@@ -137,14 +137,10 @@ def teacher_origin(model: nn.Module, teacher: nn.Module, *, allow_foreign: bool 
     return {**out, "note": note}
 
 
-def check_finite_start(model: nn.Module, teacher: nn.Module, held, batch_size: int) -> None:
-    """Refuse, before any training, measuring or checkpoint, a held-out KL that is not finite
-    (a model that overflows in its dtype, e.g. float16): a NaN start is no basis for
-    healing, and training would only carry the NaN into every number recorded.
-
-    Raises:
-        NonFiniteScoresError: naming the value, which model's logits are not finite and what to try.
-    """
+def heldout_kl(model: nn.Module, teacher: nn.Module, held, batch_size: int) -> tuple[float, list[str]]:
+    """``(KL, which)``: the held-out KL(teacher || student), nats per real token over the
+    prompts of ``held`` in batches of ``batch_size``, and which models' logits hold a NaN or
+    inf (``"teacher"``, ``"student"``)."""
     total, tokens = 0.0, 0.0
     bad = []
     with torch.no_grad():
@@ -161,6 +157,18 @@ def check_finite_start(model: nn.Module, teacher: nn.Module, held, batch_size: i
             kl = distillation_loss(logits["student"], logits["teacher"].to(device), mask.to(device))
             total, tokens = total + float(kl) * count, tokens + count
     value = total / tokens if tokens else float("nan")
+    return value, bad
+
+
+def check_finite_start(model: nn.Module, teacher: nn.Module, held, batch_size: int) -> None:
+    """Refuse, before any training, measuring or checkpoint, a held-out KL that is not finite
+    (a model that overflows in its dtype, e.g. float16): a NaN start is no basis for
+    healing, and training would only carry the NaN into every number recorded.
+
+    Raises:
+        NonFiniteScoresError: naming the value, which model's logits are not finite and what to try.
+    """
+    value, bad = heldout_kl(model, teacher, held, batch_size)
     if bad or not math.isfinite(value):
         dtype = param_dtype(model)
         raise NonFiniteScoresError(
