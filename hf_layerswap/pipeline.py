@@ -16,7 +16,7 @@ Each step is a plain call with typed inputs and outputs:
 3. selection: :func:`~hf_layerswap.selection.select_layers` with the config's strategy;
 4. removal: :func:`~hf_layerswap.surgery.remove_layers`, or
    :func:`~hf_layerswap.recovery.recover` when a repair is configured; the step's
-   :class:`~hf_layerswap.report.PruneProvenance` is written into
+   :class:`~hf_layerswap.scoring.report.PruneProvenance` is written into
    ``model.config.layerswap["steps"][-1]`` once, here;
 5. healing: :func:`~hf_layerswap.healing.heal` when ``config.heal`` is set: the pruned (and
    repaired) model is distilled from a copy of the dense model taken just before the
@@ -47,17 +47,17 @@ from .healing import HealReport, heal
 from .healing.measure import HealMeasures, max_positions
 from .healing.teacher import check_in_memory as check_heal_in_memory
 from .models import has_tokenizer_files
-from .provenance import public_name
-from .plan import num_blocks
+from .utils.provenance import public_name
+from .layerplan import num_blocks
 from .recovery import RecoveryReport, recover
-from .report import PruneProvenance, SwapReport
+from .scoring.report import PruneProvenance, SwapReport
 from .scoring import score_layers
 from .scoring.settings import resolve_memory
-from .rule import check_budget
+from .scoring.rule import check_budget
 from .selection import check_report_matches, select_layers
 from .selection.registry import strategy_entry
 from .sparsity import SparsityReport, check_in_memory as check_sparsity_in_memory, sparsify
-from .surgery import remove_layers
+from .surgery.removal import remove_layers
 
 __all__ = ["PruneResult", "prune"]
 

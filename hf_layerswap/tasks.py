@@ -26,11 +26,11 @@ from pathlib import Path
 from huggingface_hub import EvalResult
 from huggingface_hub import constants as hub_constants
 
-from .devices import input_device
+from .utils.devices import input_device
 from .evaluation import resolve_tokenizer
-from .extras import require
-from .jsonio import JsonResult, decode_tree
-from .provenance import public_identity
+from .utils.extras import require
+from .utils.jsonio import JsonResult, decode_tree
+from .utils.provenance import public_identity
 
 __all__ = ["TaskResults", "check_task_names", "evaluate_tasks", "offline_documents", "request_forwards", "task_card_section",
            "task_requests"]
@@ -54,7 +54,7 @@ class TaskResults(JsonResult):
         n_samples: ``{task: number of documents evaluated}``.
         loglikelihoods: ``{task: [per-document rolling loglikelihood, nats]}`` for
             ``loglikelihood_rolling`` tasks (lets a perplexity be cross-checked).
-        model: identity of the evaluated model (see :func:`hf_layerswap.provenance.model_identity`).
+        model: identity of the evaluated model (see :func:`hf_layerswap.utils.provenance.model_identity`).
         higher_is_better: ``{task: {metric: bool}}``, lm-eval's direction of each metric
             (``False`` for perplexities and bits per byte); empty in results recorded before
             it was kept.

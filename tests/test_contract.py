@@ -23,10 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_layerswap import LayerSwapConfig
 from hf_layerswap.card import render_card
-from hf_layerswap.plan import removal_plan
+from hf_layerswap.layerplan import removal_plan
 from hf_layerswap.plots import write_plots
-from hf_layerswap.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label, register_protocol, unregister_protocol
-from hf_layerswap.rule import greedy_select
+from hf_layerswap.scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label, register_protocol, unregister_protocol
+from hf_layerswap.scoring.rule import greedy_select
 from hf_layerswap.recovery import RECOVERY_METHODS
 from hf_layerswap.selection import STRATEGIES
 from hf_layerswap.sparsity import ALLOCATORS, PRUNERS

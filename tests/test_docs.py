@@ -175,7 +175,7 @@ def _extension_examples() -> list[tuple[str, str]]:
 
 
 def _unregister(names: set[str]) -> None:
-    from hf_layerswap.protocols import SWAP_PROTOCOLS, unregister_protocol
+    from hf_layerswap.scoring.protocols import SWAP_PROTOCOLS, unregister_protocol
     from hf_layerswap.recovery import RECOVERY_METHODS
     from hf_layerswap.selection.registry import MODEL_STRATEGIES, STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS
 
@@ -188,7 +188,7 @@ def _unregister(names: set[str]) -> None:
 
 
 def test_the_extension_examples_run_as_shown(tmp_path):
-    from hf_layerswap.protocols import SWAP_PROTOCOLS
+    from hf_layerswap.scoring.protocols import SWAP_PROTOCOLS
     from hf_layerswap.recovery import RECOVERY_METHODS
     from hf_layerswap.selection import STRATEGIES
 

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
-from ..extras import available, install_hint
-from ..history import card_notice, history_status
-from ..jsonio import write_json_atomic
+from ..utils.extras import available, install_hint
+from ..surgery.history import card_notice, history_status
+from ..utils.jsonio import write_json_atomic
 from ..plots import PLOT_FILES, planned_plots, write_healing_plot, write_plots, write_sparsity_plot
-from ..provenance import __version__
+from ..utils.provenance import __version__
 from ..recovery import recovery_entry
-from ..report import SwapReport
+from ..scoring.report import SwapReport
 from ..sparsity import sparsity_in_model
-from ..surgery import original_indices
+from ..surgery.removal import original_indices
 from ..tasks import task_card_section
 
 from .evaluation import evaluation_mismatches, normalize_evaluation

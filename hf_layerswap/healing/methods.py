@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from ..extras import require
-from ..plan import decoder_blocks
+from ..utils.extras import require
+from ..layerplan import decoder_blocks
 
 __all__ = ["HEAL_METHODS", "HealMethod", "cut_neighbours", "get_heal_method", "priced_heal_methods",
            "register_heal_method"]
@@ -92,7 +92,7 @@ class HealMethod:
         :func:`~hf_layerswap.cost.estimate_cost` (nothing is built).
 
         Args:
-            shape: the model before the cut, as :class:`~hf_layerswap.cost_steps.ModelShape`
+            shape: the model before the cut, as :class:`~hf_layerswap.cost.steps.ModelShape`
                 reads it (``model``, ``blocks``, ``num_blocks``, ``block_params``, ``es``: bytes
                 per weight element).
             options: the method's options (``HealConfig.options``).

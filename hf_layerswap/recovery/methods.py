@@ -25,9 +25,9 @@ from torch import nn
 from accelerate.utils import has_offloaded_params
 
 from .fit import block_down_proj, model_family, post_mlp_norm, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
-from ..registry_names import RegistryNames
+from ..utils.registry_names import RegistryNames
 from .hadamard import hadamard_rotation
-from .operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
+from ..surgery.operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -77,8 +77,8 @@ class RecoveryMethod:
             is not published), not weights of plain transformers; :meth:`attaches` says it per
             record.
         stream_operators: its modules are the package's stream operators
-            (:class:`~hf_layerswap.recovery.GhostedOperator`, saved in :data:`RECOVERY_FILE`,
-            re-attached by :func:`~hf_layerswap.recovery.attach_saved_recovery`).
+            (:class:`~hf_layerswap.surgery.GhostedOperator`, saved in :data:`RECOVERY_FILE`,
+            re-attached by :func:`~hf_layerswap.surgery.attach_saved_recovery`).
         search_objective: it serves as ``select_layers(strategy="search", objective=<name>)``:
             candidate sets are scored after this repair, with :meth:`cut_operator` acting on
             the residual stream entering the block after each cut.

@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
+from ..scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS
 
 __all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Criterion", "Strategy", "check_options",
            "get_strategy", "keyword_options", "register_strategy", "strategies_taking", "strategy_entry"]
@@ -43,7 +43,7 @@ def _no_values(decision: Mapping) -> list:
 
 @dataclass(frozen=True)
 class Criterion:
-    """How a strategy runs in the comparison harness (:func:`hf_layerswap.baselines.compare_criteria`).
+    """How a strategy runs in the comparison harness (:func:`hf_layerswap.comparison.compare_criteria`).
 
     Attributes:
         run: ``fn(model, calibration, budgets, **options) -> {n: CriterionResult}`` (or one
@@ -89,7 +89,7 @@ class Strategy:
         describe: ``fn(config) -> str``: the rule in words, the removal step's ``selection``.
         provenance: ``fn(record) -> dict | None``: what of the decision record (the dict
             the strategy appended to ``SwapReport.selections``) the removal step keeps
-            (:class:`~hf_layerswap.report.PruneProvenance` ``decision``; default: all of it).
+            (:class:`~hf_layerswap.scoring.report.PruneProvenance` ``decision``; default: all of it).
         guided_by: ``fn(decision, protocol) -> str | None``: the protocol that guided the
             removal, for the card (``None``: no single one; default: ``protocol``).
         values: ``fn(decision) -> [(what, value)]``: the recorded values the chosen set
@@ -99,7 +99,7 @@ class Strategy:
         card_summary: phrase ending the card's first sentence when no protocol guided it.
         card_rule: ``fn(spacing, protect) -> str | None``: the card's rule line.
         card_reason: ``fn(record, kl, indices) -> str | None``: why the set was chosen
-            (``record`` a :class:`~hf_layerswap.report.PruneProvenance`; ``kl`` and
+            (``record`` a :class:`~hf_layerswap.scoring.report.PruneProvenance`; ``kl`` and
             ``indices`` the card's formatters).
         card_candidates: ``fn(decision, report, removed, kl, indices) -> (rows, reason) |
             None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)

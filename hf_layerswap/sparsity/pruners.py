@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from ..registry_names import RegistryNames
+from ..utils.registry_names import RegistryNames
 from .registry import PRUNERS
 
 __all__ = [

@@ -48,23 +48,23 @@ from pathlib import Path
 from torch import nn
 from transformers import AutoTokenizer
 
-from .calibration import CalibrationSet
-from .config import LayerSwapConfig
-from .evaluation.contract import resolve_tokenizer
-from .healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
-from .healing.choice import HEAL_SECONDS, TIMED_FORWARDS, probe_steps, time_budget
-from .healing.methods import get_heal_method
-from .healing.trainer import resolve_patience
-from .models import has_tokenizer_files, is_hub_id
-from .plan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
-from .recovery.core import DEFAULT_NUM_TOKENS
-from .recovery.fit import cut_boundaries, select_rows
-from .recovery.methods import PROBE_PROMPTS, get_recovery_method
-from .rule import check_budget, resolve_protect
-from .selection.registry import strategy_entry
-from .sparsity.registry import get_allocator, get_pruner
-from .sparsity.stats import HessianAccumulator
-from .tasks import check_task_names, request_forwards, task_requests
+from ..calibration import CalibrationSet
+from ..config import LayerSwapConfig
+from ..evaluation.contract import resolve_tokenizer
+from ..healing.measure import PERPLEXITY_STAGES, max_positions, perplexity_forwards
+from ..healing.choice import HEAL_SECONDS, TIMED_FORWARDS, probe_steps, time_budget
+from ..healing.methods import get_heal_method
+from ..healing.trainer import resolve_patience
+from ..models import has_tokenizer_files, is_hub_id
+from ..layerplan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
+from ..recovery.repair import DEFAULT_NUM_TOKENS
+from ..recovery.fit import cut_boundaries, select_rows
+from ..recovery.methods import PROBE_PROMPTS, get_recovery_method
+from ..scoring.rule import check_budget, resolve_protect
+from ..selection.registry import strategy_entry
+from ..sparsity.registry import get_allocator, get_pruner
+from ..sparsity.stats import HessianAccumulator
+from ..tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
@@ -143,7 +143,7 @@ def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
 
 def check_removal(cfg: LayerSwapConfig, total: int) -> None:
     """Refuse, as :func:`~hf_layerswap.prune` does, a removal the model cannot take: a
-    budget outside what the rules allow (:func:`~hf_layerswap.rule.check_budget`), what the
+    budget outside what the rules allow (:func:`~hf_layerswap.scoring.rule.check_budget`), what the
     strategy refuses after the scoring (its ``check_config``, e.g. a search's
     ``max_evaluations`` below its first sweep), layers out of range or duplicated, or every
     block.

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import model_fingerprint, num_blocks, uncompiled
-from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
-from ..report import SwapReport
-from ..scoring.verbs import calibration_from_args
+from ..layerplan import model_fingerprint, num_blocks, uncompiled
+from ..scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS
+from ..scoring.report import SwapReport
+from ..scoring.layerscores import calibration_from_args
 from .finite import finite_selection
 from .registry import MODEL_STRATEGIES, check_options, get_strategy, strategy_entry
 
@@ -19,7 +19,7 @@ SELECTION_PROTOCOLS = PROTOCOLS + ("auto",)
 
 
 def selection_protocols() -> tuple[str, ...]:
-    """Every registered swap protocol (:func:`~hf_layerswap.protocols.register_protocol`),
+    """Every registered swap protocol (:func:`~hf_layerswap.scoring.protocols.register_protocol`),
     then ``"auto"`` (the better of the paper's two sets by joint removal KL)."""
     return tuple(SWAP_PROTOCOLS) + ("auto",)
 
@@ -99,7 +99,7 @@ def select_layers(
     non-finite is refused after it; the report is then left as it was.
 
     Raises:
-        NonFiniteScoresError: (:class:`~hf_layerswap.rule.NonFiniteScoresError`, a
+        NonFiniteScoresError: (:class:`~hf_layerswap.scoring.rule.NonFiniteScoresError`, a
             ``ValueError``) no finite basis for the budget; the message names the
             non-finite pairs or sets, the first calibration batch where they broke when
             the report records it, and what to try.
@@ -155,5 +155,5 @@ def check_report_matches(report: SwapReport, model) -> None:
 
 
 def candidates_set(key: str) -> list[int]:
-    """Inverse of :func:`~hf_layerswap.report.set_key`."""
+    """Inverse of :func:`~hf_layerswap.scoring.report.set_key`."""
     return [int(x) for x in key.split(",")] if key else []

@@ -5,12 +5,12 @@ block pair ``i < j``. Adding a protocol is one function and one decorator::
     def skip_both(num_blocks, i, j):
         return {"skip_both": removal_plan(num_blocks, [i, j])}
 
-A protocol's function returns one layer plan (:mod:`hf_layerswap.plan`) per *probe* it
+A protocol's function returns one layer plan (:mod:`hf_layerswap.layerplan`) per *probe* it
 declares (``probes=``, default: one probe named after the protocol). The scoring engine
 runs every probe of every pair; the protocol's value for the pair is the largest of its
 probes' values (NaN if any is NaN), the paper's bidirectional d_repl for replacement and
 the probe itself for a one-probe protocol. The report keeps each probe's mean and
-standard error (:class:`~hf_layerswap.report.PairResult`).
+standard error (:class:`~hf_layerswap.scoring.report.PairResult`).
 
 The built-ins are the paper's two (No Free Swap, arXiv 2605.16234, Def. 1):
 
@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .plan import interchange_plan, replacement_plan
+from ..layerplan import interchange_plan, replacement_plan
 
 __all__ = [
     "PALETTE",
@@ -49,7 +49,7 @@ PROTOCOLS = ("replacement", "interchange")
 PALETTE = ("#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 
 #: Names a probe may not take: the pair's own fields and derived values in
-#: :class:`~hf_layerswap.report.PairResult`.
+#: :class:`~hf_layerswap.scoring.report.PairResult`.
 _RESERVED = frozenset({"i", "j", "gap", "ratio", "extra", "value"})
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 

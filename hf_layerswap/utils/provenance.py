@@ -7,7 +7,7 @@
   with the local path that stays on this machine), :func:`public_identity` (the same
   without the local path, safe to publish) and :func:`report_identity` (the short
   ``{"name", "revision", "class"[, "base_model"]}`` record of scoring reports);
-- the model's fingerprint, :func:`~hf_layerswap.plan.model_fingerprint` (owned by :mod:`~hf_layerswap.plan`, which
+- the model's fingerprint, :func:`~hf_layerswap.layerplan.model_fingerprint` (owned by :mod:`~hf_layerswap.layerplan`, which
   surgery and history call): a cheap sha256 of the current weights and shape.
 
 The package version :data:`__version__` lives here too (``hf_layerswap.__version__`` is

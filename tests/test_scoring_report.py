@@ -10,7 +10,7 @@ import math
 import pytest
 from conftest import nonfinite_report
 
-from hf_layerswap.report import PairResult, PruneProvenance, SwapReport
+from hf_layerswap.scoring.report import PairResult, PruneProvenance, SwapReport
 
 
 def test_report_definitions_and_json_round_trip(tmp_path):

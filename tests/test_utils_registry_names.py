@@ -1,4 +1,4 @@
-"""hf_layerswap.registry_names: the live views of the registries' names."""
+"""hf_layerswap.utils.registry_names: the live views of the registries' names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from hf_layerswap import recovery, sparsity
 from hf_layerswap.recovery import RECOVERY_METHODS, RecoveryMethod, register_recovery_method
-from hf_layerswap.registry_names import RegistryNames
+from hf_layerswap.utils.registry_names import RegistryNames
 from hf_layerswap.selection.objectives import OBJECTIVES
 from hf_layerswap.sparsity import PRUNERS, register_pruner
 

@@ -20,7 +20,7 @@ from accelerate.utils import convert_file_size_to_int
 from ..calibration import read_text_file
 from ..config import FLAT_KEYWORDS, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..hub import save_for_hub
-from ..jsonio import regular_target
+from ..utils.jsonio import regular_target
 from ..models import BUNDLED, DTYPES, check_device_placement, check_gguf_file, is_hub_id, load_model, missing_offline
 from ..scoring.settings import parse_memory
 
@@ -322,7 +322,7 @@ def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, in
     - two outputs are never the same path, and none is inside another's folder;
     - a ``"file"`` output that exists is refused unless ``overwrite``; one that is not a
       regular file (a device node, a FIFO, a folder) is always refused; a symbolic link
-      is written through (:func:`~hf_layerswap.jsonio.regular_target`);
+      is written through (:func:`~hf_layerswap.utils.jsonio.regular_target`);
     - every output must be creatable and writable.
 
     Args:
@@ -389,7 +389,7 @@ def check_paths(*, model=None, revision=None, gguf_file=None, tokenizer=None, in
 
 def _output_target(option, path: Path, kind: str) -> Path:
     """Where ``path`` writes, symbolic links followed; a ``"file"`` output that is a folder,
-    a device node, a FIFO or a socket is refused (:func:`~hf_layerswap.jsonio.regular_target`)."""
+    a device node, a FIFO or a socket is refused (:func:`~hf_layerswap.utils.jsonio.regular_target`)."""
     if kind != "file":
         return Path(os.path.realpath(path))
     try:

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
-from ..jsonio import encode_float
-from ..plan import decoder_blocks, resolve_layer_indices
-from ..surgery import remove_layers
-from .fit import Moments, model_hidden_size, check_epsilon, collect_moments, cut_boundaries
+from ..utils.jsonio import encode_float
+from ..layerplan import decoder_blocks, model_hidden_size, resolve_layer_indices
+from ..surgery.removal import remove_layers
+from .fit import Moments, check_epsilon, collect_moments, cut_boundaries
 from .methods import get_recovery_method
-from .operators import attached_operators
+from ..surgery.operators import attached_operators
 from .report import BoundaryFit, RecoveryReport
 
 __all__ = ["DEFAULT_NUM_TOKENS", "recover"]

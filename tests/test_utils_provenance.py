@@ -13,17 +13,19 @@ import torch
 import transformers
 
 import hf_layerswap
-from hf_layerswap import models, plan, provenance, scoring, surgery
+from hf_layerswap import layerplan, models, scoring
 from hf_layerswap.evaluation import perplexity, rolling
-from hf_layerswap.peeling import core as peeling_core
-from hf_layerswap.jsonio import JsonResult, atomic_path, write_json_atomic, write_text_atomic
+from hf_layerswap.peeling import references as peeling_references
+from hf_layerswap.surgery import removal
+from hf_layerswap.utils import provenance
+from hf_layerswap.utils.jsonio import JsonResult, atomic_path, write_json_atomic, write_text_atomic
 from hf_layerswap.peeling import PeelProbe, PeelReport, PeelTrajectory, TrajectoryPoint
 from hf_layerswap.recovery import BoundaryFit, RecoveryReport
-from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.scoring.report import PairResult, SwapReport
 from hf_layerswap.sparsity import SparsityReport
 from hf_layerswap.sparsity.report import BlockSparsity, LinearSparsity
 from hf_layerswap.evaluation import GenerationCheck, PerplexityResult
-from hf_layerswap.selection.common import CriterionResult
+from hf_layerswap.selection.criterion import CriterionResult
 from hf_layerswap.tasks import TaskResults
 
 
@@ -40,8 +42,8 @@ def test_library_versions_one_collector():
 
 
 def test_identity_has_one_owner():
-    assert peeling_core.report_identity is provenance.report_identity
-    assert surgery.model_fingerprint is plan.model_fingerprint
+    assert peeling_references.report_identity is provenance.report_identity
+    assert removal.model_fingerprint is layerplan.model_fingerprint
     assert "model_identity" not in models.__all__ and "model_identity" not in scoring.__all__
 
 
@@ -188,7 +190,7 @@ def test_swap_report_json_text_is_unchanged(tmp_path):
 
 
 def test_the_refusal_at_the_rename_says_what_to_do_from_the_shell_and_from_python(tmp_path):
-    from hf_layerswap.jsonio import move_into_place
+    from hf_layerswap.utils.jsonio import move_into_place
 
     target, staged = tmp_path / "out", tmp_path / "staged"
     target.mkdir()
@@ -204,7 +206,7 @@ def test_the_refusal_at_the_rename_says_what_to_do_from_the_shell_and_from_pytho
 
 
 def test_a_save_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):
-    from hf_layerswap.jsonio import STAGING_PREFIX, remove_stale_staging
+    from hf_layerswap.utils.jsonio import STAGING_PREFIX, remove_stale_staging
 
     stale = tmp_path / f"{STAGING_PREFIX}run.v2.previous-x1y2z3"
     (stale / "previous").mkdir(parents=True)

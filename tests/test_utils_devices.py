@@ -20,12 +20,12 @@ from transformers import AutoModelForCausalLM
 import hf_layerswap as hl
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.cli import main
-from hf_layerswap.cli.common import max_memory_map
-from hf_layerswap.devices import execution_device, input_device, process_share
+from hf_layerswap.cli.options import max_memory_map
+from hf_layerswap.utils.devices import execution_device, input_device, process_share
 from hf_layerswap.evaluation.perplexity import perplexity_from_ids
 from hf_layerswap.models import load_model, resolve_dtype, resolve_placement
-from hf_layerswap.plan import apply_plan, identity_plan, interchange_plan, replacement_plan
-from hf_layerswap.recovery.operators import attached_operators
+from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, replacement_plan
+from hf_layerswap.surgery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
 from hf_layerswap.scoring import head as head_module
 from hf_layerswap.selection import select_layers

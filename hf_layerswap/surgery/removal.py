@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from torch import nn
 
 from .history import record_fingerprint, verify_history, weights_sample
-from .plan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
-from .plan import model_fingerprint
-from .provenance import library_versions, model_identity
-from .recovery.operators import OPERATOR_METHODS, attach_operator, carried_operators, take_operators
+from ..layerplan import ONE_BLOCK, PER_LAYER_LIST_FIELDS, decoder_blocks, decoder_config, resolve_layer_indices
+from ..layerplan import model_fingerprint
+from ..utils.provenance import library_versions, model_identity
+from .operators import OPERATOR_METHODS, attach_operator, carried_operators, take_operators
 
 __all__ = ["check_surgery_invariants", "kept_after", "remove_layers", "stale_healing"]
 
@@ -127,7 +127,7 @@ def remove_layers(model: nn.Module, layers: Sequence[int], *, provenance: dict |
 
     Ghosted recovery operators attached to the model stay exact: each moves to the
     boundary the cut leaves it at, and operators that meet are multiplied
-    (:func:`hf_layerswap.recovery.operators.carried_operators`).
+    (:func:`hf_layerswap.surgery.operators.carried_operators`).
 
     Returns:
         The same ``model`` object.
@@ -228,7 +228,7 @@ def stale_healing(healing: list, step: int | None = None, *, note: str | None = 
     return [entry if entry.get("stale") else {**entry, "stale": note} for entry in healing]
 
 
-#: Keys of an unverified history (see :mod:`hf_layerswap.history`) that later steps keep.
+#: Keys of an unverified history (see :mod:`hf_layerswap.surgery.history`) that later steps keep.
 HISTORY_FIELDS = ("history", "unverified_reasons", "probable_cause", "unverified_record")
 
 

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..calibration import CalibrationSet, build_calibration
-from ..jsonio import JsonResult
-from ..plan import interchange_plan, num_blocks, replacement_plan
-from ..report import SwapReport
-from ..jsonio import decode_tree, encode_tree
-from ..rule import resolve_protect
+from ..utils.jsonio import JsonResult
+from ..layerplan import interchange_plan, num_blocks, replacement_plan
+from ..scoring.report import SwapReport
+from ..utils.jsonio import decode_tree, encode_tree
+from ..scoring.rule import resolve_protect
 from ..scoring import score_layers
 from .objectives import plans_cost
 from .registry import keyword_options
@@ -36,7 +36,7 @@ class CriterionResult(JsonResult):
     """What a criterion chose for budget ``n`` and what it cost.
 
     Attributes:
-        name: criterion name (a key of :func:`hf_layerswap.baselines.harness_criteria`).
+        name: criterion name (a key of :func:`hf_layerswap.comparison.harness_criteria`).
         n: the budget (number of blocks removed).
         removed: removed blocks, 0-based, ascending (for ``random``: the first draw; all
             draws are in ``details["draws"]``).

@@ -21,10 +21,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.utils import cached_file
 
-from ..devices import execution_device
-from ..jsonio import atomic_path, write_json_atomic
-from ..plan import decoder_blocks
-from .fit import model_hidden_size
+from ..utils.devices import execution_device
+from ..utils.jsonio import atomic_path, write_json_atomic
+from ..layerplan import decoder_blocks, model_hidden_size
 
 __all__ = [
     "attach_operator", "attach_saved_recovery", "attached_operators", "carried_operators", "detach_recovery",
@@ -37,7 +36,7 @@ RECOVERY_FILE = "layerswap_recovery.safetensors"
 #: What the saved record tells a reader about loading a checkpoint with operators.
 LOADER_NOTE = (
     "{method} operators live in {file}, outside the transformers weights: load with `import hf_layerswap` before "
-    "`AutoModelForCausalLM.from_pretrained` (or call hf_layerswap.recovery.attach_saved_recovery(model, path)); "
+    "`AutoModelForCausalLM.from_pretrained` (or call hf_layerswap.surgery.attach_saved_recovery(model, path)); "
     "plain transformers loads the pruned model without them (quality of plain removal)"
 )
 _OUT_ATTR = "ghosted_out"  # operator on a block's output

@@ -17,14 +17,14 @@ import pytest
 import torch
 from conftest import tiny_batch, tiny_model
 
-from hf_layerswap import baselines as B
+from hf_layerswap import comparison as B
 from hf_layerswap.calibration import build_calibration, embedded_text
-from hf_layerswap.plan import decoder_blocks, removal_plan
-from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.layerplan import decoder_blocks, removal_plan
+from hf_layerswap.scoring.report import PairResult, SwapReport
 from hf_layerswap.scoring import removal_kl, score_layers
 from hf_layerswap.selection import select_layers
 from hf_layerswap.selection.beam import interchange_beam
-from hf_layerswap.selection.common import CriterionResult
+from hf_layerswap.selection.criterion import CriterionResult
 from hf_layerswap.selection.geometry import angular_distance, block_influence
 from hf_layerswap.selection.greedy import swap_guided
 from hf_layerswap.selection.objectives import plan_nll

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .plan import ONE_BLOCK, as_index
+from ..layerplan import ONE_BLOCK, as_index
 from .report import score_key
 
 __all__ = ["NONFINITE_ADVICE", "NonFiniteScoresError", "NonFiniteScoresWarning", "check_budget", "greedy_select", "resolve_protect"]

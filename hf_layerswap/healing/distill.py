@@ -22,11 +22,11 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from ..calibration import (CalibrationSet, CalibrationShortfallWarning, build_calibration, check_token_ids,
                            shortfall_text)
-from ..jsonio import write_json_atomic
-from ..plan import model_fingerprint, num_blocks
-from ..provenance import library_versions
-from ..recovery.operators import attached_operators
-from ..rule import NonFiniteScoresError
+from ..utils.jsonio import write_json_atomic
+from ..layerplan import model_fingerprint, num_blocks
+from ..utils.provenance import library_versions
+from ..surgery.operators import attached_operators
+from ..scoring.rule import NonFiniteScoresError
 from ..scoring.processes import Processes
 from .choice import probe_learning_rate, probe_steps, time_budget, time_forwards
 from .loss import teacher_top_k
@@ -37,7 +37,7 @@ from .teacher import check_finite_start, check_teacher, place_teacher, teacher_o
 from .trainer import (TEACHER_CACHE_KEYS, BestWeights, DistillationTrainer, FiniteLoss, HealProgress,
                       last_complete_checkpoint, resolve_patience, training_arguments)
 
-__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "heal", "processes_launched"]
+__all__ = ["MAX_SEED", "PARAGRAPH_PROMPTS", "RUN_FILE", "claim_checkpoints", "heal", "processes_launched", "write_claim"]
 
 #: The largest training seed (numpy's, under transformers' ``set_seed``).
 MAX_SEED = 2**32 - 1
@@ -163,7 +163,7 @@ def heal(
                                                                  checkpoint_dir, device)
     settings.update(patience=resolve_patience(patience, steps, eval_every), data_hash=calib.content_hash,
                     student=student_fingerprint(model), teacher=model_fingerprint(teacher))  # what checkpoints belong to
-    resume = _claim_checkpoints(checkpoint_dir, settings, write=False)  # read by all before the first process writes
+    resume = claim_checkpoints(checkpoint_dir, settings, write=False)  # read by all before the first process writes
     check_finite_start(model, teacher, held, batch_size)
     start = measures.start(model, teacher)
     created = checkpoint_dir is not None and not Path(checkpoint_dir).exists()
@@ -172,7 +172,7 @@ def heal(
     student = entry.prepare(model, options)
     settings["choice"] = _given(_probe(student, teacher, train, held, settings, entry, steps, device, choice),
                                 max_tokens, learning_rate)
-    _write_claim(checkpoint_dir, settings)  # written only now, after the measurements
+    write_claim(checkpoint_dir, settings)  # written only now, after the measurements
     tokens_per_step = int(train.mask.sum()) / len(train) * batch_size
     state, best = _train(student, teacher, train, held, settings, steps=steps, device=device,
                          checkpoint_dir=checkpoint_dir, resume=bool(resume), undo=entry.undo, created=created,
@@ -219,7 +219,7 @@ def _check_keywords(options: Mapping, method: str) -> None:
 
 
 def student_fingerprint(model: nn.Module) -> str:
-    """:func:`~hf_layerswap.plan.model_fingerprint` of the student, with its attached ghosted
+    """:func:`~hf_layerswap.layerplan.model_fingerprint` of the student, with its attached ghosted
     operators (buffers, which the weights' fingerprint leaves out) when it has any: the
     checkpoints of a run on the plain cut never resume the repaired one (sha256 hex)."""
     operators = attached_operators(model)
@@ -509,10 +509,15 @@ def _given(choice: dict, max_tokens, learning_rate) -> dict:
 RUN_FILE = "layerswap_heal_run.json"
 
 
-def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
+def claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     """Write ``settings`` into ``folder`` (only check it could be, with ``write=False``), or
     check they equal those of the run whose checkpoints are there; ``True`` when there is a
-    run to resume (``folder`` ``None``: no checkpoints, ``False``)."""
+    run to resume (``folder`` ``None``: no checkpoints, ``False``).
+
+    Raises:
+        ValueError: the folder holds a run with other settings, is a file, or is a non-empty
+            folder without a run file.
+    """
     if folder is None:
         return False
     folder = Path(folder)
@@ -539,8 +544,8 @@ def _claim_checkpoints(folder, settings: dict, *, write: bool = True) -> bool:
     return False
 
 
-def _write_claim(folder, settings: dict) -> None:
-    """Write the run file of ``settings`` into ``folder`` (:func:`_claim_checkpoints`) from
+def write_claim(folder, settings: dict) -> None:
+    """Write the run file of ``settings`` into ``folder`` (:func:`claim_checkpoints`) from
     the first launched process only, once every process has read the folder (the check of
     :func:`heal` that decides whether to resume), the others waiting until it is there: two
     processes writing one folder would each see the other's half-written file."""
@@ -549,7 +554,7 @@ def _write_claim(folder, settings: dict) -> None:
     processes = Processes()
     processes.barrier()
     if processes.rank == 0:
-        _claim_checkpoints(folder, settings)
+        claim_checkpoints(folder, settings)
     processes.barrier()
 
 

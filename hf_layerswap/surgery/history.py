@@ -37,7 +37,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .plan import model_fingerprint, num_blocks
+from ..layerplan import model_fingerprint, num_blocks
 
 __all__ = [
     "HistoryWarning",

@@ -14,14 +14,14 @@ from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
 from hf_layerswap.card import render_card
-from hf_layerswap.history import (
+from hf_layerswap.surgery.history import (
     HistoryWarning,
     history_problems,
     history_status,
     mark_history_unverified,
     verify_history,
 )
-from hf_layerswap.plan import model_fingerprint
+from hf_layerswap.layerplan import model_fingerprint
 from hf_layerswap.surgery import check_surgery_invariants
 
 

@@ -1,5 +1,5 @@
 """The public scoring verbs: :func:`score_layers` (the registered swap protocols per pair
-into a :class:`~hf_layerswap.report.SwapReport`), :func:`removal_kl` (joint removal of
+into a :class:`~hf_layerswap.scoring.report.SwapReport`), :func:`removal_kl` (joint removal of
 sets), :func:`swap_plans`, and the adaptive prompt budget (:class:`AdaptiveBudget`,
 :func:`selection_stability`). Each verb builds its
 :class:`~hf_layerswap.scoring.settings.EngineSettings` once from its keyword arguments."""
@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from ..calibration import build_calibration, CalibrationSet
-from ..plan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan, uncompiled
-from ..protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, SWAP_PROTOCOLS
-from ..provenance import library_versions, report_identity
-from ..report import PairResult, SwapReport
-from ..rule import NONFINITE_ADVICE, NonFiniteScoresError, NonFiniteScoresWarning, greedy_select, resolve_protect
+from ..layerplan import ONE_BLOCK, model_fingerprint, num_blocks, removal_plan, uncompiled
+from .protocols import check_protocols, get_protocol, protocol_of, PROTOCOLS, SWAP_PROTOCOLS
+from ..utils.provenance import library_versions, report_identity
+from .report import PairResult, SwapReport
+from .rule import NONFINITE_ADVICE, NonFiniteScoresError, NonFiniteScoresWarning, greedy_select, resolve_protect
 from .engine import Engine, run_plans
 from .settings import dtype_name, EngineSettings, MemoryBudget
 
@@ -67,7 +67,7 @@ def _pair_list(num_blocks: int, max_gap: int) -> list[tuple[int, int]]:
 def swap_plans(num_blocks: int, max_gap: int = 1, protocols: Sequence[str] = PROTOCOLS) -> dict[tuple, list[int]]:
     """The probes of a swap sweep: ``{(kind, i, j): plan}`` for every pair
     ``1 <= j - i <= max_gap`` and every probe kind of the chosen protocols
-    (:mod:`hf_layerswap.protocols`): ``replacement_ij`` (slot i runs block j),
+    (:mod:`hf_layerswap.scoring.protocols`): ``replacement_ij`` (slot i runs block j),
     ``replacement_ji`` (slot j runs block i), ``interchange``, and those of protocols
     registered since. Per pair, protocols come in registration order.
 
@@ -265,7 +265,7 @@ def score_layers(
             :class:`~hf_layerswap.calibration.CalibrationSet`.
         tokenizer: required for text sources.
         protocols: a non-empty subset of the registered protocols (built in:
-            ``("replacement", "interchange")``; see :mod:`hf_layerswap.protocols`).
+            ``("replacement", "interchange")``; see :mod:`hf_layerswap.scoring.protocols`).
         max_gap: pair distance bound (1 = adjacent pairs, L-1 = all pairs).
         num_prompts, seq_len, seed: calibration budget and paragraph shuffle seed
             (with ``adaptive``, ``num_prompts`` is the maximum).
@@ -293,9 +293,9 @@ def score_layers(
             and every process returns the full report, equal to one process's bit for bit.
 
     Returns:
-        A :class:`~hf_layerswap.report.SwapReport`. When any probe value is non-finite
+        A :class:`~hf_layerswap.scoring.report.SwapReport`. When any probe value is non-finite
         (NaN, inf: e.g. an fp16 block that overflows) the values are kept, a
-        :class:`~hf_layerswap.rule.NonFiniteScoresWarning` says how many and from which
+        :class:`~hf_layerswap.scoring.rule.NonFiniteScoresWarning` says how many and from which
         calibration batch (0-based), and ``metadata["nonfinite"]["first_batch"]`` records
         that batch; no selection is made on them (:func:`~hf_layerswap.select_layers`).
 
@@ -438,7 +438,7 @@ def removal_kl(
     Returns:
         A float (one set) or a list of floats. The empty set gives exactly 0.0. A
         non-finite value is returned as it is, with a
-        :class:`~hf_layerswap.rule.NonFiniteScoresWarning`.
+        :class:`~hf_layerswap.scoring.rule.NonFiniteScoresWarning`.
 
     Raises:
         ValueError: bad indices (out of range, duplicates) or a set leaving no block.

@@ -23,7 +23,7 @@ from conftest import tiny_checkpoint, tiny_model
 import hf_layerswap as hl
 from hf_layerswap.cli import main
 from hf_layerswap.config import HealConfig
-from hf_layerswap.extras import EXTRAS, MissingExtraError, install_hint, require
+from hf_layerswap.utils.extras import EXTRAS, MissingExtraError, install_hint, require
 from hf_layerswap.models import check_gguf_file
 from hf_layerswap.plots import PLOT_FILES
 from hf_layerswap.tasks import offline_documents

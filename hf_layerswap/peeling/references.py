@@ -15,9 +15,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import build_calibration
-from ..devices import input_device
-from ..plan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
-from ..provenance import library_versions, report_identity
+from ..utils.devices import input_device
+from ..layerplan import apply_plan, capture_residual_stream, decoder_blocks, removal_plan, resolve_layer_indices
+from ..utils.provenance import library_versions, report_identity
 from ..recovery import ridge_toward_identity
 from ..recovery.fit import Moments
 from .data import build_evaluation, check_disjoint, sequence_nll

@@ -53,16 +53,16 @@ from pathlib import Path
 from torch import nn
 
 from .evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity
-from .provenance import model_identity
-from .plan import apply_plan, num_blocks, removal_plan
+from .utils.provenance import model_identity
+from .layerplan import apply_plan, num_blocks, removal_plan
 from .recovery import RECOVERY_METHODS, recover
-from .jsonio import decode_tree, encode_tree, write_json_atomic
-from .report import PairResult, SwapReport, set_key
-from .rule import resolve_protect
-from .selection.common import CriterionResult, allowed_blocks, parse_budgets, criterion_output, score_adjacent, setup_criterion
+from .utils.jsonio import decode_tree, encode_tree, write_json_atomic
+from .scoring.report import PairResult, SwapReport, set_key
+from .scoring.rule import resolve_protect
+from .selection.criterion import CriterionResult, allowed_blocks, parse_budgets, criterion_output, score_adjacent, setup_criterion
 from .selection.objectives import removal_kl_values
 from .selection.registry import STRATEGIES, Criterion, strategy_entry
-from .surgery import remove_layers
+from .surgery.removal import remove_layers
 
 __all__ = [
     "CONTROLS",

@@ -1,4 +1,4 @@
-"""Layer plans (``hf_layerswap.plan``): a layer index means the same block at every entry
+"""Layer plans (``hf_layerswap.layerplan``): a layer index means the same block at every entry
 point (negative indices from the end, numpy integers, any sequence), a model without a
 decoder block list is refused by name, and a one-block model has nothing removable."""
 
@@ -10,7 +10,7 @@ from arch_matrix import NUM_BLOCKS, build, prompts
 
 import hf_layerswap as hl
 from hf_layerswap import LayerSwapConfig, prune_loaded_model, remove_layers, score_layers, select_layers
-from hf_layerswap.plan import num_blocks
+from hf_layerswap.layerplan import num_blocks
 from hf_layerswap.scoring import removal_kl
 
 
@@ -83,7 +83,7 @@ def test_models_without_a_decoder_block_list_are_refused():
 
 
 def test_a_one_block_model_has_nothing_removable():
-    from hf_layerswap.rule import check_budget
+    from hf_layerswap.scoring.rule import check_budget
 
     model = build("llama", num_blocks=1)
     calls = [

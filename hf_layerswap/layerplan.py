@@ -22,6 +22,7 @@ import numbers
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,6 +43,10 @@ __all__ = [
     "resolve_layer_indices",
     "uncompiled",
     "StopForward",
+    "BlockCall",
+    "model_hidden_size",
+    "run_block",
+    "split_hidden",
 ]
 
 #: Attribute names under which decoders keep their block ``nn.ModuleList``.
@@ -390,3 +395,33 @@ def capture_residual_stream(
         for h in handles:
             h.remove()
     return streams, logits
+
+
+@dataclass
+class BlockCall:
+    """Arguments of one block call, without ``hidden_states``."""
+
+    args: tuple
+    kwargs: dict
+
+
+def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, BlockCall]:
+    """A block call's ``(args, kwargs)`` split into its hidden state ``(B, T, H)`` (the
+    first positional argument, or ``hidden_states=``) and the rest as a :class:`BlockCall`."""
+    if args:
+        return args[0], BlockCall(tuple(args[1:]), dict(kwargs))
+    rest = dict(kwargs)
+    return rest.pop("hidden_states"), BlockCall((), rest)
+
+
+def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall) -> torch.Tensor:
+    """Run one decoder block on ``hidden`` ``(B, T, H)`` with recorded arguments; returns
+    the stream leaving it ``(B, T, H)``."""
+    out = block(hidden, *call.args, **call.kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def model_hidden_size(model) -> int:
+    """The model's hidden size H (width of the input embedding)."""
+    emb = model.get_input_embeddings()
+    return int(emb.weight.shape[1])

@@ -9,7 +9,7 @@ Definitions (No Free Swap, arXiv 2605.16234, Def. 1 and Remark 1), all in nats:
 - ``interchange`` = E_x KL(p_M || p_{M[i<->j]})
 
 E_x is the mean over real tokens of each prompt, then the mean over prompts. A protocol
-registered with :func:`~hf_layerswap.protocols.register_protocol` keeps its probes'
+registered with :func:`~hf_layerswap.scoring.protocols.register_protocol` keeps its probes'
 values in :attr:`PairResult.extra` (the same flat keys in JSON).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 from dataclasses import dataclass, field, fields
 
-from .jsonio import (
+from ..utils.jsonio import (
     JsonResult,
     decode_float,
     decode_tree,

@@ -3,7 +3,7 @@
 One module on purpose: the scoring engine's counts, the search's bound built on them,
 the peak memory of the planned engine and the throughput probe that turns FLOPs into
 seconds are one walk over the same planned engine; the steps after the selection are
-planned in :mod:`~hf_layerswap.cost_steps`.
+planned in :mod:`~hf_layerswap.cost.steps`.
 
 The model is built on the meta device (``accelerate.init_empty_weights`` +
 ``AutoModelForCausalLM.from_config``: no weight is read) and the run is planned by the
@@ -20,7 +20,7 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
   different candidate sets; the search from its per-budget allowances,
   :func:`~hf_layerswap.selection.search_select`; ``beam``; ``sleb`` for more blocks);
   the steps after the selection (a repair, healing, sparsity) are planned from their own
-  code by :mod:`~hf_layerswap.cost_steps` and reported per phase (``CostEstimate.phases``);
+  code by :mod:`~hf_layerswap.cost.steps` and reported per phase (``CostEstimate.phases``);
 - **head passes**: output-head calls (one position chunk of one batch, the whole vocabulary
   or one slice), the engine's head/KL phase plus its one-time head check;
 - **flops**: 2 x block parameters per position per block pass plus 4 T H per position for
@@ -55,21 +55,21 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .calibration import CalibrationSet, build_calibration
-from .config import LayerSwapConfig, check_against_model
-from .cost_steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
+from ..calibration import CalibrationSet, build_calibration
+from ..config import LayerSwapConfig, check_against_model
+from .steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
                          recovery_phase, sparsity_phase, text_tokenizer)
-from .models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
-from .plan import decoder_blocks, num_blocks, removal_plan
-from .rule import resolve_protect
-from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
-from .scoring.head import linear32
-from .scoring.kl import OnlineKL
-from .scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
-from .scoring.slotmajor import blocks_offloaded
-from .scoring.verbs import swap_plans
-from .selection import STRATEGIES
-from .selection.registry import strategy_entry
+from ..models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
+from ..layerplan import decoder_blocks, num_blocks, removal_plan
+from ..scoring.rule import resolve_protect
+from ..scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
+from ..scoring.head import linear32
+from ..scoring.kl import OnlineKL
+from ..scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
+from ..scoring.slotmajor import blocks_offloaded
+from ..scoring.layerscores import swap_plans
+from ..selection import STRATEGIES
+from ..selection.registry import strategy_entry
 
 __all__ = ["CostEstimate", "SelectionPlan", "Throughput", "estimate_cost", "measure_throughput"]
 
@@ -120,7 +120,7 @@ class CostEstimate:
             (gradients + AdamW state + the early stop's best copy), and for its
             measurements ``perplexity`` (stages, forwards per stage, passes: exact),
             ``tasks`` (lm-eval forwards per task and run, passes: an upper bound) and ``not_estimated``
-            (what is left out, and why) (:func:`~hf_layerswap.cost_steps.heal_measures`).
+            (what is left out, and why) (:func:`~hf_layerswap.cost.steps.heal_measures`).
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
         memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's at
@@ -630,7 +630,7 @@ def _check_device(device: torch.device, max_memory, throughput) -> None:
 def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *,
                      rates=None) -> dict:
     """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
-    selection (:mod:`~hf_layerswap.cost_steps`), in its order; healing's default budget at
+    selection (:mod:`~hf_layerswap.cost.steps`), in its order; healing's default budget at
     ``rates(batch_size, width)``."""
     shape = ModelShape(model)
     removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
