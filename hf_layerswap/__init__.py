@@ -34,7 +34,7 @@ from .scoring.rule import NonFiniteScoresError, NonFiniteScoresWarning
 from .selection import STRATEGIES, search_select, select_layers
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
-from .tasks import TaskResults, evaluate_tasks
+from .evaluation.tasks import TaskResults, evaluate_tasks
 
 __all__ = [
     "__version__",

@@ -194,8 +194,7 @@ def test_no_import_cycles():
 LAYERS = (
     ("infrastructure", ("hf_layerswap.utils",)),
     ("model and data", ("hf_layerswap.layerplan", "hf_layerswap.calibration", "hf_layerswap.models")),
-    ("measure and cut", ("hf_layerswap.scoring", "hf_layerswap.evaluation", "hf_layerswap.tasks",
-                         "hf_layerswap.surgery")),
+    ("measure and cut", ("hf_layerswap.scoring", "hf_layerswap.evaluation", "hf_layerswap.surgery")),
     ("repair and sparsify", ("hf_layerswap.recovery", "hf_layerswap.sparsity", "hf_layerswap.plots")),
     ("select, heal, diagnose, export", ("hf_layerswap.selection", "hf_layerswap.healing", "hf_layerswap.peeling",
                                         "hf_layerswap.gguf_export")),

@@ -26,7 +26,7 @@ from hf_layerswap.config import HealConfig
 from hf_layerswap.utils.extras import EXTRAS, MissingExtraError, install_hint, require
 from hf_layerswap.models import check_gguf_file
 from hf_layerswap.plots import PLOT_FILES
-from hf_layerswap.tasks import offline_documents
+from hf_layerswap.evaluation.tasks import offline_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 

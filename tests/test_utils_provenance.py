@@ -26,7 +26,7 @@ from hf_layerswap.sparsity import SparsityReport
 from hf_layerswap.sparsity.report import BlockSparsity, LinearSparsity
 from hf_layerswap.evaluation import GenerationCheck, PerplexityResult
 from hf_layerswap.selection.criterion import CriterionResult
-from hf_layerswap.tasks import TaskResults
+from hf_layerswap.evaluation.tasks import TaskResults
 
 
 def test_library_versions_one_collector():

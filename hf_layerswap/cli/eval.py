@@ -20,7 +20,7 @@ from ..utils.jsonio import encode_tree, write_json_atomic
 from ..models import load_model
 from ..utils.provenance import model_identity
 from ..layerplan import num_blocks
-from ..tasks import evaluate_tasks
+from ..evaluation.tasks import evaluate_tasks
 from .options import (
     HELP_FORMATTER,
     add_device_args,

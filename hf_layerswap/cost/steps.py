@@ -64,7 +64,7 @@ from ..scoring.rule import check_budget, resolve_protect
 from ..selection.registry import strategy_entry
 from ..sparsity.registry import get_allocator, get_pruner
 from ..sparsity.stats import HessianAccumulator
-from ..tasks import check_task_names, request_forwards, task_requests
+from ..evaluation.tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
@@ -501,9 +501,9 @@ def measure_lines(phase: dict) -> list[str]:
 def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: int, tokenizer) -> None:
     """Add an upper bound of the lm-eval task evaluations (before and after healing) to
     ``phase``: the requests lm-eval builds without a model
-    (:func:`~hf_layerswap.tasks.task_requests`, over the local task folder and documents)
+    (:func:`~hf_layerswap.evaluation.tasks.task_requests`, over the local task folder and documents)
     and the forwards ``HFLM`` runs for them at most
-    (:func:`~hf_layerswap.tasks.request_forwards`: one per ``loglikelihood`` request, one
+    (:func:`~hf_layerswap.evaluation.tasks.request_forwards`: one per ``loglikelihood`` request, one
     per rolling window of a ``loglikelihood_rolling`` document), each through the ``kept``
     blocks and the head over every position. Not estimated, with the reason in
     ``phase["not_estimated"]``: lm-eval's own tasks (no ``eval_tasks_path``: their documents
@@ -512,7 +512,7 @@ def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: i
     whose documents cannot be loaded, every task when lm-eval is not installed.
 
     Raises:
-        ValueError: a task name lm-eval does not know (:func:`~hf_layerswap.tasks.check_task_names`).
+        ValueError: a task name lm-eval does not know (:func:`~hf_layerswap.evaluation.tasks.check_task_names`).
     """
     heal = cfg.heal
     phase["exact"] = False

@@ -23,7 +23,7 @@ from ..evaluation.contract import CONTRACTS, sliding_windows
 from ..evaluation.perplexity import contract_tokens, perplexity_of_tokens, window_batches
 from ..layerplan import apply_plan, num_blocks, removal_plan
 from ..surgery.operators import attached_operators
-from ..tasks import check_task_names, evaluate_tasks
+from ..evaluation.tasks import check_task_names, evaluate_tasks
 
 __all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
            "contract_summary", "earlier_healing", "max_positions", "perplexity_forwards", "perplexity_window",
@@ -202,7 +202,7 @@ class HealMeasures:
         """Refuse, before a prune's scoring, what :meth:`start` would refuse only after it:
         a perplexity text that cannot be read or is too short to score
         (:func:`perplexity_forwards`), lm-eval task names lm-eval does not know
-        (:func:`~hf_layerswap.tasks.check_task_names`); :meth:`check` first.
+        (:func:`~hf_layerswap.evaluation.tasks.check_task_names`); :meth:`check` first.
 
         Raises:
             ValueError, FileNotFoundError: naming the text or the tasks. ImportError:

@@ -50,7 +50,7 @@ class HealReport(JsonResult):
             ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
             were measured under.
         tasks: when ``eval_tasks`` was given (else empty): ``before`` and ``after``
-            (``{task: {metric: value}}`` of :class:`~hf_layerswap.tasks.TaskResults`) and the
+            (``{task: {metric: value}}`` of :class:`~hf_layerswap.evaluation.tasks.TaskResults`) and the
             ``settings``, ``versions``, ``task_hashes``, ``n_samples`` and ``higher_is_better``
             (lm-eval's direction of each metric) they share.
         packing: ``True`` when the training text was packed into full windows

@@ -26,11 +26,11 @@ from pathlib import Path
 from huggingface_hub import EvalResult
 from huggingface_hub import constants as hub_constants
 
-from .utils.devices import input_device
-from .evaluation import resolve_tokenizer
-from .utils.extras import require
-from .utils.jsonio import JsonResult, decode_tree
-from .utils.provenance import public_identity
+from ..utils.devices import input_device
+from .contract import resolve_tokenizer
+from ..utils.extras import require
+from ..utils.jsonio import JsonResult, decode_tree
+from ..utils.provenance import public_identity
 
 __all__ = ["TaskResults", "check_task_names", "evaluate_tasks", "offline_documents", "request_forwards", "task_card_section",
            "task_requests"]
