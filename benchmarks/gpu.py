@@ -58,12 +58,12 @@ from _cmdline import command_line  # noqa: E402
 from peeling import spearman  # noqa: E402
 
 import hf_layerswap as hl  # noqa: E402
-from hf_layerswap.extras import MissingExtraError  # noqa: E402
+from hf_layerswap.utils.extras import MissingExtraError  # noqa: E402
 from hf_layerswap.models import bundled_checkpoint_dir  # noqa: E402
 from hf_layerswap.calibration import build_calibration  # noqa: E402
 from hf_layerswap.config import LayerSwapConfig  # noqa: E402
-from hf_layerswap.provenance import library_versions  # noqa: E402
-from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
+from hf_layerswap.utils.provenance import library_versions  # noqa: E402
+from hf_layerswap.utils.jsonio import write_text_atomic  # noqa: E402
 
 PAGE = REPO / "benchmarks" / "results" / "gpu.md"
 #: The configs of the two real models (their ``config.json``), so that parts (a) and (c) can

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _cmdline import command_line  # noqa: E402
 
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
 
 PATHS = ("former fp32 copy", "linear32", "bf16 output")
 
@@ -43,7 +43,7 @@ def hidden_states(model, calib):
     """Final hidden rows (real positions, bf16) of the identity model and of two probes of a middle pair."""
     import torch
 
-    from hf_layerswap.plan import apply_plan, identity_plan, interchange_plan, num_blocks, replacement_plan
+    from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, num_blocks, replacement_plan
 
     n = num_blocks(model)
     i = n // 2

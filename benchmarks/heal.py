@@ -44,12 +44,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from hf_layerswap import heal, recover, remove_layers  # noqa: E402
-from hf_layerswap.healing.core import PARAGRAPH_PROMPTS  # noqa: E402
+from hf_layerswap.healing.distill import PARAGRAPH_PROMPTS  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
-from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
-from hf_layerswap.plan import num_blocks  # noqa: E402
-from hf_layerswap.provenance import library_versions  # noqa: E402
+from hf_layerswap.layerplan import num_blocks  # noqa: E402
+from hf_layerswap.utils.provenance import library_versions  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from runner import CellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402

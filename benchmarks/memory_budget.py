@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _cmdline import command_line  # noqa: E402
 
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = "smollm2-135m"

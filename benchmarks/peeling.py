@@ -62,7 +62,7 @@ import torch  # noqa: E402
 from train_tiny import split_data, train  # noqa: E402
 from wikitext import sample_paragraphs, wikitext_prompts  # noqa: E402
 
-from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import write_text_atomic  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 DATA = REPO.parent / "shared" / "data"
@@ -144,7 +144,7 @@ def run_real(name: str, log, command: str) -> dict:
     from hf_layerswap import score_layers
     from hf_layerswap.models import load_model
     from hf_layerswap.peeling import peel, peel_plot
-    from hf_layerswap.jsonio import write_json_atomic
+    from hf_layerswap.utils.jsonio import write_json_atomic
 
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def run_real(name: str, log, command: str) -> dict:
 def load_real(name: str, log) -> dict:
     """The stored result of an earlier :func:`run_real` (no model is loaded)."""
     from hf_layerswap.peeling import PeelReport, peel_plot
-    from hf_layerswap.report import SwapReport
+    from hf_layerswap.scoring.report import SwapReport
 
     out = RESULTS / "peeling"
     paths = {kind: out / f"{name}_{kind}.json" for kind in ("peel", "swap")}
@@ -410,7 +410,7 @@ def real_section(res: dict) -> str:
 
 def run_trajectory(out_dir: Path, reuse: bool, log, command: str, threads: int) -> dict:
     from hf_layerswap.peeling import peel_trajectory, trajectory_plot
-    from hf_layerswap.jsonio import write_json_atomic
+    from hf_layerswap.utils.jsonio import write_json_atomic
 
     load_start = os.getloadavg()[0]
     run_file = out_dir / "run.json"

@@ -323,8 +323,8 @@ def main(argv=None):
         state = read_state(args.json, "--render-only: results file")
         args.out.write_text(render(state), encoding="utf-8")
         return
-    from hf_layerswap.jsonio import write_text_atomic
-    from hf_layerswap.provenance import library_versions
+    from hf_layerswap.utils.jsonio import write_text_atomic
+    from hf_layerswap.utils.provenance import library_versions
 
     settings = {k: getattr(args, k) for k in ("num_prompts", "seq_len", "batch_size", "max_n", "threads", "search")}
     header = {"command": command_line("precision.py", argv).rstrip(), "settings": settings,

@@ -9,7 +9,7 @@ that install from the package index):
 
 1. calibration: WikiText-2 validation, variant ``sections`` of ``benchmarks/wikitext.py``
    (``../shared/data/wikitext-2/valid.txt``, seeded shuffle); every criterion sees exactly these prompts;
-2. :func:`hf_layerswap.baselines.compare_criteria` runs every criterion at every budget n
+2. :func:`hf_layerswap.comparison.compare_criteria` runs every criterion at every budget n
    (Block Influence, angular distance, single-removal KL, SLEB, random x5, tail,
    replacement-, interchange- and auto-guided selection, interchange-seeded beam scored
    by calibration removal KL, the search with each objective: ``search`` (removal KL, the
@@ -29,7 +29,7 @@ that install from the package index):
 Running, resuming and merging are the benchmark runner's (``benchmarks/runner.py``,
 ``experiments/quality.toml``: the option defaults and, as group ``pages``, the cells of the
 committed pages with each model's repair). A cell is one criterion at one budget n: the library's
-:func:`~hf_layerswap.baselines.compare_criteria` runs it (its selection, continuing a search from
+:func:`~hf_layerswap.comparison.compare_criteria` runs it (its selection, continuing a search from
 the criterion's smaller budgets, then the perplexity and removal KL of its sets) and stores it in
 its own resumable state, ``quality-<model>.json``, under ``criteria.<criterion>.<n>``; the runner
 reads the cells there, so a rerun skips a stored cell and a stopped run loses at most the cell in
@@ -71,7 +71,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from _cmdline import command_line  # noqa: E402
-from hf_layerswap.baselines import (  # noqa: E402
+from hf_layerswap.comparison import (  # noqa: E402
     DEFAULT_CRITERIA,
     CriterionComparison,
     compare_criteria,
@@ -81,11 +81,11 @@ from hf_layerswap.baselines import (  # noqa: E402
 )
 from hf_layerswap.calibration import CalibrationSet  # noqa: E402
 from hf_layerswap.evaluation import delta_ppl_percent  # noqa: E402
-from hf_layerswap.jsonio import atomic_path, write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import atomic_path, write_text_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
-from hf_layerswap.plan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
-from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
-from hf_layerswap.report import PairResult, SwapReport, set_key  # noqa: E402
+from hf_layerswap.layerplan import interchange_plan, num_blocks, replacement_plan  # noqa: E402
+from hf_layerswap.utils.provenance import library_versions, model_identity  # noqa: E402
+from hf_layerswap.scoring.report import PairResult, SwapReport, set_key  # noqa: E402
 from hf_layerswap.scoring import plan_kl  # noqa: E402
 from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective  # noqa: E402
 from hf_layerswap.selection.search import criterion_name  # noqa: E402

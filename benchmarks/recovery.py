@@ -56,11 +56,11 @@ from hf_layerswap import estimate_cost  # noqa: E402
 from hf_layerswap.cost import Throughput  # noqa: E402
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
-from hf_layerswap.provenance import library_versions, model_identity  # noqa: E402
-from hf_layerswap.plan import num_blocks  # noqa: E402
+from hf_layerswap.utils.provenance import library_versions, model_identity  # noqa: E402
+from hf_layerswap.layerplan import num_blocks  # noqa: E402
 from hf_layerswap.recovery import DEFAULT_EPSILON, recover  # noqa: E402
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
-from hf_layerswap.report import SwapReport  # noqa: E402
+from hf_layerswap.utils.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.scoring.report import SwapReport  # noqa: E402
 from hf_layerswap.scoring import score_layers  # noqa: E402
 from hf_layerswap.selection import select_layers  # noqa: E402
 from runner import ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402

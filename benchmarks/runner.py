@@ -10,7 +10,7 @@ The runner owns the rest:
 
 - **run** (:func:`run_cells`): cell by cell; each finished cell is stored at once in the
   results JSON (:class:`CellStore`, written all or nothing with
-  :func:`hf_layerswap.jsonio.write_json_atomic`), so a stopped run loses at most the cell in
+  :func:`hf_layerswap.utils.jsonio.write_json_atomic`), so a stopped run loses at most the cell in
   progress; a results file that is not one complete JSON object (cut short by another tool,
   edited by hand) is refused with its name (:func:`read_state`) and never written over;
 - **resume**: a cell whose key is stored is not run again; with ``shared=True`` the store
@@ -50,7 +50,7 @@ import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from hf_layerswap.jsonio import write_json_atomic
+from hf_layerswap.utils.jsonio import write_json_atomic
 
 __all__ = [
     "EXPERIMENTS",

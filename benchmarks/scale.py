@@ -150,7 +150,7 @@ def _passes_part(name, num_prompts, seq_len, queue):
     import torch
     import hf_layerswap as hl
     from transformers import AutoModelForCausalLM
-    from hf_layerswap.plan import num_blocks, removal_plan
+    from hf_layerswap.layerplan import num_blocks, removal_plan
     from hf_layerswap.selection.objectives import SetObjective, plans_cost
     from hf_layerswap.selection.sleb import sleb
 
@@ -188,8 +188,8 @@ def sleb_counts(steps, num_blocks: int, protect=(0, -1)) -> dict:
     with the candidates of a step sharing their prefix tree and the reference once in all
     (what :func:`~hf_layerswap.selection.sleb.sleb` now runs). Deterministic: the same
     schedule the code runs."""
-    from hf_layerswap.plan import removal_plan
-    from hf_layerswap.rule import resolve_protect
+    from hf_layerswap.layerplan import removal_plan
+    from hf_layerswap.scoring.rule import resolve_protect
     from hf_layerswap.scoring.probes import make_probes, schedule_blocks
     from hf_layerswap.selection.objectives import plans_cost
 
@@ -232,7 +232,7 @@ def _seventy_b():
     from hf_layerswap.cost import Throughput
     from hf_layerswap.scoring.engine import plan_engine
     from hf_layerswap.scoring.settings import EngineSettings, resolve_memory
-    from hf_layerswap.scoring.verbs import swap_plans
+    from hf_layerswap.scoring.layerscores import swap_plans
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,

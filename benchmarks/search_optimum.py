@@ -39,9 +39,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from _cmdline import command_line  # noqa: E402
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED, load_model  # noqa: E402
-from hf_layerswap.plan import num_blocks  # noqa: E402
+from hf_layerswap.layerplan import num_blocks  # noqa: E402
 from hf_layerswap.scoring import score_layers  # noqa: E402
 from hf_layerswap.selection.objectives import SetObjective  # noqa: E402
 from hf_layerswap.selection.search import search_select  # noqa: E402

@@ -37,12 +37,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from _cmdline import command_line  # noqa: E402
-from hf_layerswap.baselines import evaluate_removed, merge_reports  # noqa: E402
-from hf_layerswap.jsonio import write_json_atomic  # noqa: E402
+from hf_layerswap.comparison import evaluate_removed, merge_reports  # noqa: E402
+from hf_layerswap.utils.jsonio import write_json_atomic  # noqa: E402
 from hf_layerswap.models import BUNDLED_MODELS, load_model  # noqa: E402
-from hf_layerswap.protocols import PROTOCOLS  # noqa: E402
-from hf_layerswap.report import SwapReport, set_key  # noqa: E402
-from hf_layerswap.selection.common import adjacent_report  # noqa: E402
+from hf_layerswap.scoring.protocols import PROTOCOLS  # noqa: E402
+from hf_layerswap.scoring.report import SwapReport, set_key  # noqa: E402
+from hf_layerswap.selection.criterion import adjacent_report  # noqa: E402
 from hf_layerswap.selection.search import search_select  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 

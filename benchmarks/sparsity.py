@@ -49,8 +49,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.evaluation import PerplexityResult, delta_ppl_ci, delta_ppl_percent, evaluate_perplexity  # noqa: E402
 from hf_layerswap.models import load_model  # noqa: E402
-from hf_layerswap.provenance import model_identity  # noqa: E402
-from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
+from hf_layerswap.utils.provenance import model_identity  # noqa: E402
+from hf_layerswap.utils.jsonio import write_text_atomic  # noqa: E402
 from hf_layerswap.sparsity import SparsityReport, sparsify  # noqa: E402
 from hf_layerswap.sparsity.allocators import ALLOCATIONS  # noqa: E402
 from runner import (  # noqa: E402

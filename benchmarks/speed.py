@@ -63,13 +63,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hf_layerswap.calibration import CalibrationSet, build_calibration  # noqa: E402
-from hf_layerswap.plan import apply_plan, decoder_blocks  # noqa: E402
-from hf_layerswap.jsonio import write_text_atomic  # noqa: E402
+from hf_layerswap.layerplan import apply_plan, decoder_blocks  # noqa: E402
+from hf_layerswap.utils.jsonio import write_text_atomic  # noqa: E402
 from _cmdline import command_line  # noqa: E402
 from runner import CellStore, ListCellStore, add_runner_arguments, experiment_cells, load_experiment, merge_files, read_state, run_cells  # noqa: E402
 from wikitext import wikitext_calibration  # noqa: E402
 from hf_layerswap import scoring  # noqa: E402
-from hf_layerswap.provenance import library_versions  # noqa: E402
+from hf_layerswap.utils.provenance import library_versions  # noqa: E402
 from hf_layerswap.scoring import Head, kl_rows, make_probes, plan_kl, row_blocks, schedule, swap_plans  # noqa: E402
 
 #: The engine measured: a digest of the scoring package's source. Batches measured with

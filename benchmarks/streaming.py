@@ -60,7 +60,7 @@ from runner import (  # noqa: E402
     run_cells,
 )
 
-from hf_layerswap.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
+from hf_layerswap.utils.jsonio import write_json_atomic, write_text_atomic  # noqa: E402
 
 EXPERIMENT = load_experiment("streaming")
 SETTINGS = EXPERIMENT["settings"]

@@ -15,7 +15,7 @@ it (docs/architecture.md).
 
 # integration registers the quantizer plugin with transformers
 from . import integration  # noqa: F401
-from .baselines import compare_criteria
+from .comparison import compare_criteria
 from .calibration import CalibrationSet, CalibrationShortfallWarning, build_calibration
 from .config import HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from .cost import CostEstimate, estimate_cost
@@ -26,15 +26,15 @@ from .hub import HubPushError, PushRefusedError, push_to_hub, save_for_hub
 from .integration import prune_loaded_model
 from .models import load_model
 from .pipeline import PruneResult, prune
-from .provenance import __version__
+from .utils.provenance import __version__
 from .recovery import RecoveryReport, recover
-from .report import SwapReport
+from .scoring.report import SwapReport
 from .scoring import score_layers
-from .rule import NonFiniteScoresError, NonFiniteScoresWarning
+from .scoring.rule import NonFiniteScoresError, NonFiniteScoresWarning
 from .selection import STRATEGIES, search_select, select_layers
 from .sparsity import SparsityReport, sparsify
 from .surgery import remove_layers
-from .tasks import TaskResults, evaluate_tasks
+from .evaluation.tasks import TaskResults, evaluate_tasks
 
 __all__ = [
     "__version__",

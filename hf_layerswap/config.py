@@ -38,15 +38,15 @@ from typing import Any, Literal
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .healing import HEAL_METHODS, get_heal_method
-from .healing.core import MAX_SEED, processes_launched
+from .healing.distill import MAX_SEED, processes_launched
 from .healing.measure import check_eval_tasks
-from .plan import as_index, decoder_blocks
-from .provenance import public_name
-from .registry import Options
+from .layerplan import as_index, decoder_blocks
+from .utils.provenance import public_name
+from .utils.registry import Options
 from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recovery_method, recovery_entry
-from .rule import resolve_protect
+from .scoring.rule import resolve_protect
 from .selection import STRATEGIES
-from .selection.core import selection_protocols
+from .selection.dispatch import selection_protocols
 from .selection.objectives import OBJECTIVES
 from .selection.registry import STRATEGY_ENTRIES, strategies_taking, strategy_entry
 from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
@@ -85,7 +85,7 @@ PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
 
 #: Flat constructor keywords -> (the nested field, its sub-config field): the one place
 #: they are mapped (the constructor, :meth:`LayerSwapConfig.update` and the command line's
-#: help, ``hf_layerswap.cli.common.config_help``).
+#: help, ``hf_layerswap.cli.options.config_help``).
 FLAT_KEYWORDS = {
     "recovery_num_tokens": ("recovery", "num_tokens"),
     "recovery_epsilon": ("recovery", "epsilon"),
@@ -103,7 +103,7 @@ def _cli(text: str, **extra) -> dict:
     """Metadata of a field that is also a command-line setting (``cli=True``): its
     ``help``, and optionally ``minimum`` (an int option's least value) and ``choices`` (a
     callable returning the allowed names now, for the choices with a registry); read by
-    ``hf_layerswap.cli.common.add_config_options``."""
+    ``hf_layerswap.cli.options.add_config_options``."""
     return {"help": text, "cli": True, **extra}
 
 

@@ -47,10 +47,11 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from .evaluation import resolve_tokenizer
-from .extras import require
-from .jsonio import atomic_path
+from .utils.extras import require
+from .utils.jsonio import atomic_path
 from .models import cache_root
-from .recovery import RECOVERY_FILE, RECOVERY_METHODS, recovery_entry
+from .recovery import RECOVERY_METHODS, recovery_entry
+from .surgery.operators import RECOVERY_FILE
 
 __all__ = [
     "CONVERTER_ENV",

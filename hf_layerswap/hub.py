@@ -65,15 +65,15 @@ from .card import (
     write_card_files,
 )
 from .card.evaluation import is_eval_result
-from .history import history_problems, probable_cause
-from .jsonio import carry_over, move_into_place, remove_stale_staging, staging_folder, unlock
-from .provenance import __version__
+from .surgery.history import history_problems, probable_cause
+from .utils.jsonio import carry_over, move_into_place, remove_stale_staging, staging_folder, unlock
+from .utils.provenance import __version__
 from .recovery import recovery_entry
-from .jsonio import default_mode
-from .report import SwapReport
-from .rule import NONFINITE_ADVICE
+from .utils.jsonio import default_mode
+from .scoring.report import SwapReport
+from .scoring.rule import NONFINITE_ADVICE
 from .sparsity import SparsityReport, config_record, sparsity_in_model
-from .surgery import check_surgery_invariants
+from .surgery.removal import check_surgery_invariants
 
 __all__ = [
     "HELD_CONFIG",
@@ -156,7 +156,7 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
         raise PushRefusedError(
             "config.layerswap does not describe this model, so its removal history cannot be published as verified ("
             + "; ".join(problems) + f"; probable cause: {probable_cause(problems)}); call "
-            "hf_layerswap.history.mark_history_unverified(model) to publish it as unverified history"
+            "hf_layerswap.surgery.history.mark_history_unverified(model) to publish it as unverified history"
         )
     if report is not None:
         if not isinstance(report, SwapReport):
@@ -181,7 +181,7 @@ def _preflight(model, repo_id, report, evaluation, revision, commit_message, spa
         raise PushRefusedError(
             f"config.layerswap records {method.name} recovery modules at boundaries {recovery.get('boundaries')} but none "
             "is attached, so the published folder would lack them: load the checkpoint with hf_layerswap imported "
-            "(or call hf_layerswap.recovery.attach_saved_recovery(model, path)), or detach_recovery(model) to publish "
+            "(or call hf_layerswap.surgery.attach_saved_recovery(model, path)), or detach_recovery(model) to publish "
             "the plainly pruned model"
         )
     try:
@@ -422,7 +422,7 @@ def save_for_hub(
     The files are written into a temporary sibling folder that is moved into place in
     one rename, so ``directory`` never holds a half-written checkpoint. Without
     ``overwrite`` the target is checked before the work and again by the rename itself
-    (:func:`~hf_layerswap.jsonio.move_into_place`): of two processes saving into one folder
+    (:func:`~hf_layerswap.utils.jsonio.move_into_place`): of two processes saving into one folder
     at once, exactly one succeeds and the other raises ``FileExistsError``, leaving the
     first one's folder as it is.
 
@@ -432,7 +432,7 @@ def save_for_hub(
     :data:`OWNED_PATTERNS` (weight shards and their index, ``layerswap_*`` sidecars,
     plots and operators), as :func:`push_to_hub` replaces them on the Hub. The kept
     entries are hard-linked into the staged folder before the one rename
-    (:func:`~hf_layerswap.jsonio.carry_over`), so the swap stays a single step.
+    (:func:`~hf_layerswap.utils.jsonio.carry_over`), so the swap stays a single step.
 
     Args:
         directory: target folder; it must not exist or be empty unless ``overwrite``.

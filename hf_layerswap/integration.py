@@ -15,7 +15,7 @@ checkpoint reloads in plain transformers without this library. Provenance lives 
 
 A checkpoint saved with Ghosted Layers recovery carries a ``quant_method="layerswap"``
 marker instead: loading it with ``hf_layerswap`` imported prunes nothing and re-attaches its
-operators (:func:`hf_layerswap.recovery.attach_saved_recovery`); when their file cannot be
+operators (:func:`hf_layerswap.surgery.attach_saved_recovery`); when their file cannot be
 found there, a warning says so and the plainly pruned model loads.
 
 Passing a ``LayerSwapConfig`` when loading such a checkpoint applies it on top: the
@@ -38,9 +38,9 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
 
 from .config import QUANT_METHOD, LayerSwapConfig
-from .history import verify_history
+from .surgery.history import verify_history
 from .pipeline import prune
-from .recovery import attach_saved_recovery
+from .surgery.operators import attach_saved_recovery
 
 __all__ = [
     "LayerSwapQuantizer",
@@ -79,7 +79,7 @@ class LayerSwapQuantizer(HfQuantizer):
                         ) from None
                     logger.warning(
                         "%s. The model is loaded as the plainly pruned model, without the repair operators; attach "
-                        "them with hf_layerswap.recovery.attach_saved_recovery(model, <checkpoint folder or Hub id>, "
+                        "them with hf_layerswap.surgery.attach_saved_recovery(model, <checkpoint folder or Hub id>, "
                         "revision=...)", err,
                     )
             if not self.pre_quantized or getattr(cfg, _OVER_SAVED, False):

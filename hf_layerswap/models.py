@@ -30,7 +30,7 @@ pretrained checkpoints that install from the Python package index (no Hub needed
 The values are the dequantized GGUF weights, i.e. the quantized checkpoint's numbers, not
 the original bf16 release: perplexities measured on them are those of the Q4 models.
 
-:func:`~hf_layerswap.provenance.model_identity` says what a report should call a loaded
+:func:`~hf_layerswap.utils.provenance.model_identity` says what a report should call a loaded
 model (upstream name and revision, plus the exact source for bundled checkpoints).
 """
 
@@ -54,11 +54,11 @@ from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils.sha import sha_fileobj
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from .devices import process_share
-from .extras import require
-from .provenance import SOURCE_FILE, model_identity
-from .provenance import identity_from_source as _identity_from_source
-from .provenance import source_record as _read_source
+from .utils.devices import process_share
+from .utils.extras import require
+from .utils.provenance import SOURCE_FILE, model_identity
+from .utils.provenance import identity_from_source as _identity_from_source
+from .utils.provenance import source_record as _read_source
 
 __all__ = [
     "BUNDLED",
@@ -491,7 +491,7 @@ def resolve_placement(device_map, *, max_memory=None, offload_folder=None) -> tu
     takes them: ``"auto"`` is accelerate's automatic map with an accelerator, a memory limit or an
     offload folder, else ``None`` (the CPU, no hooks); any other map is passed as given. Under a
     launcher with several processes each places its replica on its own share
-    (:func:`~hf_layerswap.devices.process_share` of ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), not on
+    (:func:`~hf_layerswap.utils.devices.process_share` of ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), not on
     every accelerator: a strategy (:data:`DEVICE_MAP_STRATEGIES`) is its one device (``{"":
     "cuda:<i>"}``), or with a limit or offload folder accelerate's map within ``max_memory``
     (default: the free memory) kept to its accelerators, the CPU and disk; an offload folder is

@@ -18,7 +18,7 @@ order:
 2. select: :func:`~hf_layerswap.selection.select_layers` with the config's strategy;
 3. remove: :func:`~hf_layerswap.surgery.remove_layers` (or, with a repair right after it,
    :func:`~hf_layerswap.recovery.recover`); the step's
-   :class:`~hf_layerswap.report.PruneProvenance` is written into
+   :class:`~hf_layerswap.scoring.report.PruneProvenance` is written into
    ``model.config.layerswap["steps"][-1]`` once;
 4. the steps after the removal, in the order of
    :meth:`~hf_layerswap.LayerSwapConfig.after_removal` (the config's ``recipe``, or
@@ -46,7 +46,7 @@ from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
 from .healing import HealReport
 from .recovery import RecoveryReport
-from .report import PruneProvenance, SwapReport
+from .scoring.report import PruneProvenance, SwapReport
 from .scoring.settings import resolve_memory
 from .sparsity import SparsityReport
 from .steps import HealStep, Run, recipe_steps, tokenizer_for

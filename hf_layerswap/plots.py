@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocols import PROTOCOLS, protocol_color, protocol_label
-from .report import SwapReport
+from .scoring.protocols import PROTOCOLS, protocol_color, protocol_label
+from .scoring.report import SwapReport
 
 __all__ = ["PLOT_FILES", "figure", "planned_plots", "save_png", "write_healing_plot", "write_plots",
            "write_sparsity_plot"]

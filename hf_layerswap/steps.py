@@ -10,11 +10,14 @@ the removal, then :meth:`~hf_layerswap.LayerSwapConfig.after_removal` (the confi
   report), also before any work;
 - :meth:`Step.needs_calibration`: whether it reads the calibration prompts;
 - :meth:`Step.estimate`: its cost phase for :func:`~hf_layerswap.cost.estimate_cost`, planned
-  by the per-step code of :mod:`~hf_layerswap.cost_steps` (or the engine's own plan for the
-  scoring and the selection), ``None`` when it costs nothing;
+  by the per-step code of :mod:`~hf_layerswap.cost.steps` that the plan it is given carries
+  (:class:`~hf_layerswap.cost.StepPlan`; or the engine's own plan for the scoring and the
+  selection), ``None`` when it costs nothing;
 - :meth:`Step.apply`: does it on the shared :class:`Run` and returns its record, the entry
   :func:`~hf_layerswap.prune` appends to ``config.layerswap["recipe"]``;
-- :meth:`Step.card`: its record as the card's cell (:mod:`hf_layerswap.card.steps`).
+- its card cell: the record, rendered by its ``kind``'s entry of
+  :data:`hf_layerswap.card.steps.STEP_CELLS` (the card is rendered from the saved record, so
+  the card layer, above this one, holds the cells).
 
 :func:`~hf_layerswap.prune`, :func:`~hf_layerswap.cost.estimate_cost` and the card each loop
 over these steps, so a recipe such as remove -> heal -> sparsify -> heal is run, priced and
@@ -34,18 +37,16 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .calibration import CalibrationSet
-from .card.steps import step_cell
 from .config import HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig, check_against_model, protect_clash
-from .cost_steps import healing_phase, recovery_phase, sparsity_phase
 from .healing import HealReport, heal
 from .healing.measure import HealMeasures, max_positions
 from .healing.teacher import check_in_memory as check_heal_in_memory
 from .models import has_tokenizer_files
-from .plan import num_blocks
-from .provenance import public_name
+from .layerplan import num_blocks
+from .utils.provenance import public_name
 from .recovery import RecoveryReport, recover
-from .report import PruneProvenance, SwapReport
-from .rule import check_budget
+from .scoring.report import PruneProvenance, SwapReport
+from .scoring.rule import check_budget
 from .scoring import score_layers
 from .selection import check_report_matches, select_layers
 from .selection.registry import strategy_entry
@@ -114,8 +115,6 @@ class Step(Protocol):
 
     def apply(self, run: Run) -> dict | None: ...
 
-    def card(self, record: Mapping) -> str: ...
-
 
 class _StepBase:
     """What every step does unless it says otherwise: no check, no prompts, no cost."""
@@ -143,10 +142,6 @@ class _StepBase:
     def apply(self, run: Run) -> dict | None:
         """Do the step on ``run``; its record (``None``: nothing to record)."""
         return None
-
-    def card(self, record: Mapping) -> str:
-        """The card's cell of the step's ``record``."""
-        return step_cell({"step": self.kind, **record})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})" if self.settings is not None else f"{type(self).__name__}()"
@@ -284,7 +279,7 @@ class RepairStep(_StepBase):
 
     def estimate(self, plan) -> dict | None:
         teacher = plan.shape.weight_bytes if _heals(self.cfg) else 0  # healing's dense copy, held from before the cut
-        return recovery_phase(plan.shape, plan.calib, _view(self.cfg, recovery=self.settings), teacher)
+        return plan.recovery_phase(plan.shape, plan.calib, _view(self.cfg, recovery=self.settings), teacher)
 
     def apply(self, run: Run) -> dict | None:
         rec, model = self.settings, run.model
@@ -321,7 +316,7 @@ class HealStep(_StepBase):
     def estimate(self, plan) -> dict | None:
         removed = len(self.cfg.layers) if self.cfg.layers is not None else self.cfg.num_to_remove
         view = _view(self.cfg, heal=self.settings, recovery=self.cfg.repair())
-        return healing_phase(plan.shape, view, plan.calibration, removed, plan.tokenizer, rates=plan.rates,
+        return plan.healing_phase(plan.shape, view, plan.calibration, removed, plan.tokenizer, rates=plan.rates,
                              earlier=self.run_index > 1 and not self.after_sparsify, sparse=self.after_sparsify)
 
     def apply(self, run: Run) -> dict | None:
@@ -364,7 +359,7 @@ class SparsifyStep(_StepBase):
 
     def estimate(self, plan) -> dict | None:
         removed = (len(self.cfg.layers) if self.cfg.layers is not None else self.cfg.num_to_remove) or 0
-        return sparsity_phase(plan.shape, plan.calib, _view(self.cfg, sparsity=self.settings), removed)
+        return plan.sparsity_phase(plan.shape, plan.calib, _view(self.cfg, sparsity=self.settings), removed)
 
     def apply(self, run: Run) -> dict | None:
         sp = self.settings

@@ -428,7 +428,7 @@ def _dotted(model, path: str):
 
 def check_block_list(model, family: Family) -> bool:
     """True when ``family.block_list`` names the list :func:`decoder_blocks` finds."""
-    from hf_layerswap.plan import decoder_blocks
+    from hf_layerswap.layerplan import decoder_blocks
 
     return _dotted(model, family.block_list) is decoder_blocks(model)[2]
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import hf_layerswap as hl
 from hf_layerswap.calibration import CalibrationSet
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks
 from arch_matrix import FAMILY_BY_NAME, VOCAB, alternating_types, build, prompts, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -165,7 +165,7 @@ def nonfinite_report():
     """A hand-built report of 6 blocks (neighbour pairs only) whose finite values are easy
     to order by hand, with an infinite interchange KL (pair 3-4) and a NaN replacement KL
     (pair 4-5); the report and selection tests work its numbers out in comments."""
-    from hf_layerswap.report import PairResult, SwapReport
+    from hf_layerswap.scoring.report import PairResult, SwapReport
 
     pairs = [
         PairResult(0, 1, 5.0, 4.0, 3.0),

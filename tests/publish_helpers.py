@@ -26,7 +26,7 @@ import pytest
 from conftest import tiny_model
 
 from hf_layerswap import SwapReport, remove_layers
-from hf_layerswap.report import PairResult
+from hf_layerswap.scoring.report import PairResult
 
 PAIR_VALUES = {
     (0, 1): (0.50, 0.40, 0.30),
@@ -60,7 +60,7 @@ EVALUATION = {
 def evaluation_of(model) -> dict:
     """EVALUATION as measured on ``model``: each result records the weights it measured (the
     base before the first removal step, the pruned model as it is now), as evaluate_perplexity does."""
-    from hf_layerswap.plan import model_fingerprint
+    from hf_layerswap.layerplan import model_fingerprint
 
     evaluation = copy.deepcopy(EVALUATION)
     before = model.config.layerswap["steps"][0]["fingerprint_before"]

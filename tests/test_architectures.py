@@ -31,7 +31,7 @@ from arch_matrix import (
     support_table,
 )
 from hf_layerswap import remove_layers, score_layers
-from hf_layerswap.plan import apply_plan, decoder_blocks, decoder_config
+from hf_layerswap.layerplan import apply_plan, decoder_blocks, decoder_config
 
 FAMILY_IDS = [f.name for f in FAMILIES]
 CASES = [(f.name, s) for f in FAMILIES for s in REMOVAL_SETS]

@@ -17,7 +17,7 @@ from hf_layerswap import score_layers
 from hf_layerswap.card import render_card
 
 from hf_layerswap.calibration import CalibrationShortfallWarning, build_calibration, embedded_text, split_paragraphs
-from hf_layerswap.plan import num_blocks
+from hf_layerswap.layerplan import num_blocks
 from hf_layerswap.scoring import masked_kl, removal_kl
 
 

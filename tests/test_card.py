@@ -35,7 +35,7 @@ from hf_layerswap.card import (
     write_card_files,
 )
 from hf_layerswap.plots import PLOT_FILES, planned_plots
-from hf_layerswap.report import PairResult
+from hf_layerswap.scoring.report import PairResult
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_an_evaluation_is_refused_unless_both_results_are_of_these_models_under_
         render_card(pruned, report=report, evaluation=other)
     # identities: a pair from another model (or the base measured twice) is not this model's
     foreign = tiny_model("llama", 4, seed=5)
-    from hf_layerswap.plan import model_fingerprint
+    from hf_layerswap.layerplan import model_fingerprint
 
     other = json.loads(json.dumps(good))
     other["pruned"]["contract"]["model"] = {"name": "another", "fingerprint": model_fingerprint(foreign)}
@@ -251,7 +251,7 @@ def test_report_must_belong_to_the_model(pruned, report):
 
 
 def test_weight_fingerprint_ties_a_report_to_its_model(report):
-    from hf_layerswap.plan import model_fingerprint
+    from hf_layerswap.layerplan import model_fingerprint
 
     scored = tiny_model("llama", 6, seed=0)
     stamped = SwapReport.from_dict(report.to_dict())

@@ -19,8 +19,9 @@ from hf_layerswap.card import SPARSITY_FILE, check_card, render_card, sparsity_m
 from hf_layerswap.cli.push import add_push_arguments, run_push
 from hf_layerswap.cli import main as cli_main
 from hf_layerswap.hub import PushRefusedError, default_commit_message
-from hf_layerswap.plan import decoder_blocks
-from hf_layerswap.recovery import RECOVERY_FILE, recover
+from hf_layerswap.layerplan import decoder_blocks
+from hf_layerswap.recovery import recover
+from hf_layerswap.surgery import RECOVERY_FILE
 from hf_layerswap.sparsity import SparsityReport, config_record, sparsify
 from hf_layerswap.sparsity.engine import prunable_linears
 
@@ -356,7 +357,7 @@ def test_ghosted_checkpoint_reloads_repaired_and_a_detached_one_is_refused(tmp_p
     operators; a model that carries the record but no operator is not published."""
     from transformers import AutoModelForCausalLM
 
-    from hf_layerswap.recovery import attached_operators
+    from hf_layerswap.surgery import attached_operators
 
     model = tiny_model("llama", 6)
     recover(model, [2, 3], tiny_batch(batch=6, length=16, pad_last=0), method="ghosted")
@@ -432,7 +433,7 @@ def test_ghosted_checkpoint_in_a_subfolder_loads_plainly_with_a_warning(tmp_path
 
     from transformers import AutoModelForCausalLM
 
-    from hf_layerswap.recovery import attach_saved_recovery, attached_operators
+    from hf_layerswap.surgery import attach_saved_recovery, attached_operators
 
     model = tiny_model("llama", 6)
     recover(model, [2, 3], tiny_batch(batch=6, length=16, pad_last=0), method="ghosted")

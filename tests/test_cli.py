@@ -142,7 +142,7 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
 
 def test_demo_runs_on_a_model_whose_embedding_is_offloaded_to_disk(tmp_path, capsys, monkeypatch):
     """The demo's timing pass sends the prompts to the input embedding's execution device
-    (hl.devices.input_device), not to the device of the model's first parameter: an
+    (hl.utils.devices.input_device), not to the device of the model's first parameter: an
     embedding offloaded to disk has its weight on "meta" between calls."""
     _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_blocks=4, max_position_embeddings=512))
     device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",

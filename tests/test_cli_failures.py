@@ -25,7 +25,7 @@ from arch_matrix import build, tiny_tokenizer
 from conftest import SHORT_TEXTS, random_bytes
 from test_cli import _calibration_file, _tiny_checkpoint
 
-import hf_layerswap.cli.common as common
+import hf_layerswap.cli.options as common
 from hf_layerswap import SwapReport
 from hf_layerswap.cli import main
 
@@ -255,7 +255,7 @@ def test_a_full_disk_at_write_time_is_one_error_line_and_nothing_partial(base, c
     """ENOSPC in the middle of the last write (the report; the checkpoint folder): exit 1,
     one ``error:`` line, no traceback, and no file or staging folder left behind."""
     import hf_layerswap.hub as hub
-    import hf_layerswap.jsonio as jsonio
+    import hf_layerswap.utils.jsonio as jsonio
 
     def full_disk(text, path, **kwargs):
         with jsonio.atomic_path(path, **kwargs) as tmp:

@@ -27,7 +27,7 @@ from transformers.quantizers.auto import AutoQuantizationConfig
 
 import hf_layerswap as hl
 from hf_layerswap import LayerSwapConfig, prune
-from hf_layerswap.plan import num_blocks
+from hf_layerswap.layerplan import num_blocks
 from hf_layerswap.recovery import RECOVERY_METHODS, register_recovery_method
 from hf_layerswap.recovery import RecoveryMethod
 from hf_layerswap.selection import MODEL_STRATEGIES, STRATEGIES, register_strategy
@@ -215,7 +215,7 @@ def test_sparsity_names_are_checked_against_the_registries():
 
 
 def test_choices_are_the_librarys_own():
-    from hf_layerswap.protocols import PROTOCOLS
+    from hf_layerswap.scoring.protocols import PROTOCOLS
     from hf_layerswap.selection.objectives import OBJECTIVES
     from hf_layerswap.sparsity.allocators import ALLOCATIONS
     from hf_layerswap.sparsity.pruners import METHODS
@@ -278,7 +278,7 @@ def _prune_parser():
 
 
 def test_the_command_line_help_is_the_fields_help():
-    from hf_layerswap.cli.common import cli_settings, config_help
+    from hf_layerswap.cli.options import cli_settings, config_help
 
     by_flag = {flag: action for action in _prune_parser()._actions for flag in action.option_strings}
     # every field marked as a command-line setting has exactly one flag, whose help is the field's
@@ -300,7 +300,7 @@ def test_the_command_line_help_is_the_fields_help():
 
 
 def test_command_line_options_are_built_from_the_fields():
-    from hf_layerswap.cli.common import add_config_options
+    from hf_layerswap.cli.options import add_config_options
 
     by_flag = {flag: action for action in _prune_parser()._actions for flag in action.option_strings}
     # types, defaults and choices come from the field: a minimum, a Literal, a registry, a list

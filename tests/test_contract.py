@@ -29,10 +29,10 @@ from hf_layerswap import LayerSwapConfig
 from hf_layerswap.card import render_card
 from hf_layerswap.cost import Throughput
 from hf_layerswap.healing.methods import HEAL_METHODS
-from hf_layerswap.plan import removal_plan
+from hf_layerswap.layerplan import removal_plan
 from hf_layerswap.plots import write_plots
-from hf_layerswap.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label, register_protocol, unregister_protocol
-from hf_layerswap.rule import greedy_select
+from hf_layerswap.scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label, register_protocol, unregister_protocol
+from hf_layerswap.scoring.rule import greedy_select
 from hf_layerswap.recovery import RECOVERY_METHODS
 from hf_layerswap.selection import STRATEGIES
 from hf_layerswap.selection.registry import STRATEGY_ENTRIES
@@ -126,7 +126,7 @@ def _config_round_trips(cfg: LayerSwapConfig, tmp_path) -> None:
 
 
 def test_every_registry_is_covered():
-    from hf_layerswap.registry import Registry
+    from hf_layerswap.utils.registry import Registry
 
     assert {"greedy", "auto", "search"} <= set(STRATEGY_NAMES)
     assert set(PROTOCOL_NAMES) >= {"replacement", "interchange"} and "ghosted" in RECOVERY_NAMES

@@ -1,4 +1,4 @@
-"""estimate_cost of the steps after the selection (hf_layerswap/cost_steps.py): a repair,
+"""estimate_cost of the steps after the selection (hf_layerswap/cost/steps.py): a repair,
 healing and sparsity, against forward hooks in the real prune of a tiny model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 import hf_layerswap as hl
 from arch_matrix import tiny_tokenizer
 from conftest import PARAGRAPHS, counted_prune, tiny_checkpoint
-from hf_layerswap import cost_steps
+from hf_layerswap.cost import steps as cost_steps
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
 from hf_layerswap.healing import heal

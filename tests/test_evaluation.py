@@ -270,7 +270,7 @@ def test_evaluate_perplexity_records_contract(tiny_lm, byte_tokenizer, tmp_path)
 def test_every_contract_records_the_weights_it_measured(tiny_lm, byte_tokenizer):
     """The card checks that a published perplexity was measured on the model it describes:
     each contract, the rolling one too, names the weights by their fingerprint."""
-    from hf_layerswap.plan import model_fingerprint
+    from hf_layerswap.layerplan import model_fingerprint
 
     for contract, options in (("matched", dict(stride=16)), ("rolling", {})):
         res = evaluate_perplexity(tiny_lm, [CORPUS], tokenizer=byte_tokenizer, contract=contract, window=32,

@@ -24,16 +24,16 @@ from hf_layerswap.cli import main
 from hf_layerswap.cli.heal import add_heal_args, heal_config
 from hf_layerswap.config import HealConfig, LayerSwapConfig
 from hf_layerswap.healing import distillation_loss
-from hf_layerswap import plan as hl_plan
-from hf_layerswap.healing.core import RUN_FILE
+from hf_layerswap import layerplan as hl_plan
+from hf_layerswap.healing.distill import RUN_FILE
 from hf_layerswap.healing.teacher import teacher_origin
 from hf_layerswap.healing.loss import teacher_top_k, top_k_distillation_loss
 from hf_layerswap.healing.methods import cut_neighbours
 from hf_layerswap.healing.trainer import DistillationTrainer, resolve_patience
-from hf_layerswap.history import verify_history, weights_changed_later, weights_sample
+from hf_layerswap.surgery.history import verify_history, weights_changed_later, weights_sample
 from hf_layerswap.pipeline import prune
 from hf_layerswap.card.checks import sparsity_mismatches
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks
 from hf_layerswap.sparsity.engine import prunable_linears
 
 from conftest import assert_model_unchanged, pruned_pair, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
@@ -923,7 +923,7 @@ def test_smollm2_lora_healing_of_a_real_cut_lowers_heldout_kl_and_saves_plain(sm
 # ----------------------------------------------------------------------------- the teacher's device
 def test_teacher_goes_where_the_students_token_ids_go_not_to_its_first_parameter():
     """place_teacher moves a teacher held on one device to the student's input device
-    (hl.devices.input_device: the execution device of its embeddings), not to the device of
+    (hl.utils.devices.input_device: the execution device of its embeddings), not to the device of
     the student's first parameter: a student split over devices computes its embeddings on
     the device accelerate's hook names, and a first parameter offloaded to disk is on "meta".
     "meta" stands in for the embedding's GPU here: the hook says it, the weights stay on the CPU."""
@@ -961,7 +961,7 @@ class _Process:
 
 def test_only_the_first_launched_process_writes_the_run_file_and_every_process_waits_for_it(tmp_path, monkeypatch):
     # two processes claiming one folder at once: the second read the first's half-written file and refused (exit 2)
-    import hf_layerswap.healing.core as heal_core
+    import hf_layerswap.healing.distill as heal_core
 
     settings, waits = {"method": "last_k", "seed": 0}, []
     folder = tmp_path / "checkpoints"

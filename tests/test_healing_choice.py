@@ -17,10 +17,10 @@ from hf_layerswap.cli import build_parser
 from hf_layerswap.cli.heal import heal_config
 from hf_layerswap.config import HealConfig
 from hf_layerswap.cost import Throughput
-from hf_layerswap.cost_steps import ModelShape, block_flops, heal_budget
+from hf_layerswap.cost.steps import ModelShape, block_flops, heal_budget
 from hf_layerswap.healing import HEAL_METHODS, distillation_loss, heal, register_heal_method
 from hf_layerswap.healing.choice import HEAL_SECONDS, probe_steps, time_budget
-from hf_layerswap.healing.core import RUN_FILE
+from hf_layerswap.healing.distill import RUN_FILE
 
 def _pair():
     return pruned_pair((2, 3))
@@ -62,7 +62,7 @@ def test_heal_at_its_defaults_lowers_the_kl_on_unseen_prompts_by_a_fifth():
 
 
 def test_given_values_are_honoured_exactly_and_nothing_is_probed(monkeypatch):
-    import hf_layerswap.healing.core as core
+    import hf_layerswap.healing.distill as core
 
     def refused(*args, **kwargs):
         raise AssertionError("probed or timed although both values were given")
@@ -167,7 +167,7 @@ def test_an_interrupted_run_at_the_defaults_resumes_with_what_it_chose(tmp_path,
         heal(cut, teacher, calibration, checkpoint_dir=tmp_path, callbacks=[Interrupt()], **kw)
     saved = (tmp_path / RUN_FILE).read_text(encoding="utf-8")
     assert '"rule": "probe"' in saved and '"rule": "time"' in saved
-    import hf_layerswap.healing.core as core
+    import hf_layerswap.healing.distill as core
 
     def refused(*args, **kwargs):
         raise AssertionError("chose again on resume")

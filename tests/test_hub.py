@@ -568,8 +568,8 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
     from transformers import AutoModelForCausalLM
 
     from hf_layerswap.hub import HELD_CONFIG
-    from hf_layerswap.jsonio import STAGING_PREFIX
-    from hf_layerswap.jsonio import staging_folder
+    from hf_layerswap.utils.jsonio import STAGING_PREFIX
+    from hf_layerswap.utils.jsonio import staging_folder
 
     checkpoint = tmp_path / "ckpt"
     model = build("llama")
@@ -614,7 +614,7 @@ def test_a_killed_save_leaves_no_loadable_folder_and_the_next_save_removes_it(tm
     reloaded = AutoModelForCausalLM.from_pretrained(parent / "second")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
     os.close(lock)
-    assert hl.jsonio.remove_stale_staging(parent) == [live.name] and not live.exists()
+    assert hl.utils.jsonio.remove_stale_staging(parent) == [live.name] and not live.exists()
 
 
 # --------------- non-finite scores: a removal chosen on them is not published

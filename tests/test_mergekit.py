@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_layerswap as hl
-from hf_layerswap.history import HistoryWarning
+from hf_layerswap.surgery.history import HistoryWarning
 from hf_layerswap.surgery import check_surgery_invariants
 
 pytest.importorskip("mergekit")

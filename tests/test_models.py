@@ -15,7 +15,7 @@ from hf_layerswap.models import (
     cache_root,
     load_model,
 )
-from hf_layerswap.provenance import SOURCE_FILE, model_identity
+from hf_layerswap.utils.provenance import SOURCE_FILE, model_identity
 from tests.conftest import tiny_model
 
 

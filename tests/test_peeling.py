@@ -31,7 +31,7 @@ from hf_layerswap.peeling import (
     trajectory_table_markdown,
 )
 from hf_layerswap.cli.peel import add_peel_arguments, run_peel
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks
 from hf_layerswap.surgery import remove_layers
 
 VOCAB = 128

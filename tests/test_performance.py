@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 import hf_layerswap as hl
 from hf_layerswap import scoring
 from hf_layerswap.calibration import build_calibration
-from hf_layerswap.plan import apply_plan, identity_plan, interchange_plan, num_blocks, removal_plan, replacement_plan
-from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, num_blocks, removal_plan, replacement_plan
+from hf_layerswap.scoring.report import PairResult, SwapReport
 from hf_layerswap.scoring import (
     AdaptiveBudget,
     CheckpointMismatchError,

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 import hf_layerswap as hl
 from hf_layerswap.cli import main
 from hf_layerswap.pipeline import PruneResult, prune
-from hf_layerswap.plan import num_blocks
-from hf_layerswap.report import PruneProvenance
+from hf_layerswap.layerplan import num_blocks
+from hf_layerswap.scoring.report import PruneProvenance
 
 #: The only run-dependent values in the written files: wall-clock seconds. In config.json
 #: they are the ``seconds`` of each search cost record (``cost``, ``total_cost``); in the

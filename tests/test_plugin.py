@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 import hf_layerswap as hl
 from hf_layerswap import LayerSwapConfig, prune_loaded_model
 from hf_layerswap.card import render_card
-from hf_layerswap.plan import apply_plan, decoder_config, model_fingerprint, num_blocks
-from hf_layerswap.report import SwapReport
+from hf_layerswap.layerplan import apply_plan, decoder_config, model_fingerprint, num_blocks
+from hf_layerswap.scoring.report import SwapReport
 
 
 def test_from_pretrained_removes_what_select_layers_picks(tmp_path):

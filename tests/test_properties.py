@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from arch_matrix import FAMILIES, NUM_BLOCKS, build, prompts, single_thread
 from hf_layerswap import build_calibration, remove_layers
-from hf_layerswap.plan import apply_plan, decoder_blocks
+from hf_layerswap.layerplan import apply_plan, decoder_blocks
 from hf_layerswap.scoring import plan_kl, removal_kl
-from hf_layerswap.rule import NonFiniteScoresError, greedy_select, resolve_protect
+from hf_layerswap.scoring.rule import NonFiniteScoresError, greedy_select, resolve_protect
 
 PROPERTY = settings(
     max_examples=20, deadline=None, derandomize=True, database=None,

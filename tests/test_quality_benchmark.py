@@ -14,7 +14,7 @@ import torch
 from arch_matrix import tiny_tokenizer
 from conftest import REPO_ROOT, benchmark_script, tiny_batch, tiny_model
 from hf_layerswap.calibration import build_calibration, embedded_text
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from runner import MergeConflict, experiment_cells, load_experiment  # noqa: E402

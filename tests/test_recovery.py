@@ -25,21 +25,18 @@ import hf_layerswap as hl  # (the import registers the layerswap plugin, as a us
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.cli import main as hl_cli_main
 from hf_layerswap.models import load_model
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks
 from hf_layerswap.recovery import (
     MAX_EPSILON,
-    RECOVERY_FILE,
     RecoveryReport,
-    attach_saved_recovery,
-    attached_operators,
     check_epsilon,
     cut_boundaries,
-    detach_recovery,
     recover,
     ridge_toward_identity,
 )
 from hf_layerswap.recovery.hadamard import hadamard_matrix, hadamard_rotation
-from hf_layerswap.recovery.operators import attach_operator
+from hf_layerswap.surgery import RECOVERY_FILE, attach_saved_recovery, attached_operators, detach_recovery
+from hf_layerswap.surgery.operators import attach_operator
 from hf_layerswap.scoring import masked_kl
 
 
@@ -380,7 +377,7 @@ def test_a_layerswap_config_passed_to_a_ghosted_checkpoint_applies_on_top(calib,
     import warnings
 
     from hf_layerswap import LayerSwapConfig
-    from hf_layerswap.plan import apply_plan
+    from hf_layerswap.layerplan import apply_plan
 
     model = tiny_model("qwen3")
     recover(model, [1, 4], calib, method="ghosted")  # 4 blocks left (original 0, 2, 3, 5); maps at boundaries 1, 3

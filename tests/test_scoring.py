@@ -24,7 +24,7 @@ from conftest import (
 import hf_layerswap as hl
 from hf_layerswap import NonFiniteScoresError, SwapReport, score_layers, select_layers
 from hf_layerswap.calibration import build_calibration
-from hf_layerswap.plan import (
+from hf_layerswap.layerplan import (
     apply_plan,
     capture_residual_stream,
     decoder_blocks,

@@ -19,8 +19,8 @@ from arch_matrix import prompts
 from conftest import tiny_batch, tiny_model
 
 import hf_layerswap as hl
-from hf_layerswap.plan import interchange_plan, removal_plan, replacement_plan
-from hf_layerswap.protocols import (
+from hf_layerswap.layerplan import interchange_plan, removal_plan, replacement_plan
+from hf_layerswap.scoring.protocols import (
     SWAP_PROTOCOLS,
     check_protocols,
     get_protocol,
@@ -29,7 +29,7 @@ from hf_layerswap.protocols import (
     register_protocol,
     unregister_protocol,
 )
-from hf_layerswap.report import PairResult, SwapReport
+from hf_layerswap.scoring.report import PairResult, SwapReport
 from hf_layerswap.scoring import AdaptiveBudget, plan_kl, removal_kl, score_layers, swap_plans
 from hf_layerswap.scoring import engine as scoring_engine
 from hf_layerswap.scoring.engine import run_plans
@@ -162,7 +162,7 @@ def test_budget_of_a_model_split_over_two_gpus_is_the_least_of_what_each_has_lef
     GPUs are simulated: accelerate's hooks name them and mem_get_info answers for each."""
     from accelerate.hooks import AlignDevicesHook
 
-    from hf_layerswap.devices import model_devices
+    from hf_layerswap.utils.devices import model_devices
 
     free = {0: 40 * GiB, 1: 6 * GiB}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[torch.device(device).index], 80 * GiB))
@@ -417,7 +417,7 @@ def test_a_registered_protocol_is_selectable_everywhere(skip_protocols):
     and the greedy rule on it picks from its own scores."""
     from hf_layerswap.cli import build_parser
     from hf_layerswap.config import LayerSwapConfig
-    from hf_layerswap.rule import greedy_select
+    from hf_layerswap.scoring.rule import greedy_select
     from hf_layerswap.selection import select_layers
 
     model = tiny_model("llama", num_blocks=6)

@@ -17,7 +17,7 @@ from hf_layerswap.selection import search_select
 from hf_layerswap.selection.search import search_allowances
 from hf_layerswap.selection.sleb import sleb
 from hf_layerswap.selection.objectives import OBJECTIVES, SetObjective
-from hf_layerswap.rule import greedy_select
+from hf_layerswap.scoring.rule import greedy_select
 from hf_layerswap.selection import STRATEGIES
 from conftest import PARAGRAPHS, eight_block_search_setup
 

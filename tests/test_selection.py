@@ -30,9 +30,9 @@ from hf_layerswap import (
     remove_layers,
     select_layers,
 )
-from hf_layerswap.plan import decoder_blocks, num_blocks
-from hf_layerswap.report import PairResult
-from hf_layerswap.rule import greedy_select
+from hf_layerswap.layerplan import decoder_blocks, num_blocks
+from hf_layerswap.scoring.report import PairResult
+from hf_layerswap.scoring.rule import greedy_select
 from hf_layerswap.selection import STRATEGIES, register_strategy
 from hf_layerswap.scoring import removal_kl
 
@@ -131,7 +131,7 @@ def test_unmeetable_budgets_name_the_rule(matrix_llama, matrix_report):
 
 
 def test_check_budget_counts_what_the_rules_allow():
-    from hf_layerswap.rule import check_budget
+    from hf_layerswap.scoring.rule import check_budget
 
     assert check_budget(2, 6) == 2  # blocks 1..4 unprotected, no two adjacent: {1, 3} or {2, 4}
     with pytest.raises(ValueError, match=r"cannot select 3 layers of 6 with spacing=1 and protect=\[0, 5\]: the rules allow at most 2"):

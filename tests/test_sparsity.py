@@ -15,7 +15,7 @@ import torch
 from conftest import REPO_ROOT, tiny_batch, tiny_model
 
 from hf_layerswap.calibration import build_calibration, split_paragraphs
-from hf_layerswap.plan import capture_residual_stream, decoder_blocks
+from hf_layerswap.layerplan import capture_residual_stream, decoder_blocks
 from hf_layerswap.sparsity import (
     ExactQuantile,
     LogHistogramQuantile,

@@ -18,10 +18,10 @@ from hf_layerswap.card.checks import sparsity_mismatches
 from hf_layerswap.cli import main
 from hf_layerswap.config import HealConfig, RecoveryConfig, SparsityConfig
 from hf_layerswap.cost import Throughput, estimate_cost
-from hf_layerswap.healing.core import RUN_FILE
+from hf_layerswap.healing.distill import RUN_FILE
 from hf_layerswap.healing.measure import PERPLEXITY_STAGES
 from hf_layerswap.healing.trainer import DistillationTrainer
-from hf_layerswap.plan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks
 from hf_layerswap.sparsity.engine import prunable_linears
 from hf_layerswap.steps import HealStep, RemoveStep, ScoreStep, SelectStep, SparsifyStep, recipe_steps
 

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM
 import hf_layerswap as hl
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.cost import Throughput
-from hf_layerswap.devices import (BlockPrefetcher, offloaded_bytes, offloaded_modules, OffloadedTensor, onloaded,
+from hf_layerswap.utils.devices import (BlockPrefetcher, offloaded_bytes, offloaded_modules, OffloadedTensor, onloaded,
                                   peak_memory, sliced_calls)
 from hf_layerswap.models import bundled_checkpoint_dir, load_model
-from hf_layerswap.plan import decoder_blocks, removal_plan
-from hf_layerswap.scoring.verbs import swap_plans
+from hf_layerswap.layerplan import decoder_blocks, removal_plan
+from hf_layerswap.scoring.layerscores import swap_plans
 from hf_layerswap.scoring import plan_kl
 from hf_layerswap.scoring.head import Head
 from hf_layerswap.scoring.probes import make_probes

@@ -188,6 +188,69 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+#: The layers of the package, lowest first (docs/architecture.md draws them): a module imports
+#: modules of its own layer or of lower ones, never of a higher one. Each entry is a module, or
+#: a package with everything under it; ``hf_layerswap`` itself is the top-level namespace only.
+LAYERS = (
+    ("infrastructure", ("hf_layerswap.utils",)),
+    ("model and data", ("hf_layerswap.layerplan", "hf_layerswap.calibration", "hf_layerswap.models")),
+    ("measure and cut", ("hf_layerswap.scoring", "hf_layerswap.evaluation", "hf_layerswap.surgery")),
+    ("repair and sparsify", ("hf_layerswap.recovery", "hf_layerswap.sparsity", "hf_layerswap.plots")),
+    ("select, heal, diagnose, export", ("hf_layerswap.selection", "hf_layerswap.healing", "hf_layerswap.peeling",
+                                        "hf_layerswap.gguf_export")),
+    ("the run's description, the comparison harness", ("hf_layerswap.config", "hf_layerswap.comparison")),
+    ("the run and its cost", ("hf_layerswap.pipeline", "hf_layerswap.steps", "hf_layerswap.cost")),
+    ("card and load-time plugin", ("hf_layerswap.card", "hf_layerswap.integration")),
+    ("publishing", ("hf_layerswap.hub",)),
+    ("entry points", ("hf_layerswap.cli", "hf_layerswap.metrics", "hf_layerswap")),
+)
+
+
+def _layer_of(module: str, layers=LAYERS) -> int | None:
+    """Index in ``layers`` of the longest entry that holds ``module`` (the package root,
+    ``hf_layerswap``, holds only itself), or ``None``."""
+    best, length = None, -1
+    for index, (_, entries) in enumerate(layers):
+        for entry in entries:
+            holds = module == entry or ("." in entry and module.startswith(entry + "."))
+            if holds and len(entry) > length:
+                best, length = index, len(entry)
+    return best
+
+
+def _upward_imports(edges: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """``a (layer) imports b (layer)`` for every edge from a lower layer to a higher one."""
+    out = []
+    for module in sorted(edges):
+        for target in sorted(edges[module]):
+            a, b = _layer_of(module, layers), _layer_of(target, layers)
+            if a is not None and b is not None and b > a:
+                out.append(f"{module} ({layers[a][0]}) imports {target} ({layers[b][0]})")
+    return out
+
+
+def test_upward_import_finder():
+    layers = (("low", ("p.utils",)), ("mid", ("p.surgery",)), ("high", ("p.recovery", "p")))
+    edges = {"p.surgery.cut": {"p.recovery.operators", "p.utils.io"}, "p.recovery.repair": {"p.surgery.cut"},
+             "p.utils.io": set(), "p": {"p.recovery.repair"}}
+    assert _layer_of("p.surgery.cut", layers) == 1 and _layer_of("p", layers) == 2 and _layer_of("p.x", layers) is None
+    assert _upward_imports(edges, layers) == ["p.surgery.cut (mid) imports p.recovery.operators (high)"]
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if _layer_of(m) is None] == []
+
+
+def test_no_module_imports_a_higher_layer():
+    """Infrastructure knows no stage, and a stage imports only the stages below it: the
+    surgery that removes blocks carries the repair's stream operators (``surgery.operators``)
+    and the repair imports the surgery, never the other way round."""
+    edges = _graph()
+    assert "hf_layerswap.surgery.operators" in edges["hf_layerswap.surgery.removal"]
+    bad = _upward_imports(edges)
+    assert not bad, "imports of a higher layer (move the shared piece down):\n" + "\n".join(bad)
+
+
 def test_function_level_imports_only_for_optional_dependencies():
     bad = []
     for module, path in MODULES.items():
@@ -206,7 +269,7 @@ def test_argparse_only_in_the_cli_package():
     assert users, "no module imports argparse: the check looks at nothing"
     bad = [m for m in users if not _in_cli_package(m)]
     assert not bad, f"argparse imported outside {CLI_PACKAGE} (parsers belong there):\n" + "\n".join(bad)
-    assert {"hf_layerswap.cli", "hf_layerswap.cli.common"} <= set(users)
+    assert {"hf_layerswap.cli", "hf_layerswap.cli.options"} <= set(users)
 
 
 def _defines(tree: ast.Module) -> bool:
@@ -313,16 +376,16 @@ def _private_uses(path: Path) -> list[str]:
 
 def test_private_use_finder(tmp_path):
     code = (
-        "import hf_layerswap.scoring as s\nfrom hf_layerswap import plan\nfrom hf_layerswap.report import _x, ok\n"
-        "import hf_layerswap\ns._a; plan._b; hf_layerswap.scoring._c; hf_layerswap.__version__; other._d; s.Head._cap\n"
+        "import hf_layerswap.scoring as s\nfrom hf_layerswap import layerplan\nfrom hf_layerswap.scoring.report import _x, ok\n"
+        "import hf_layerswap\ns._a; layerplan._b; hf_layerswap.scoring._c; hf_layerswap.__version__; other._d; s.Head._cap\n"
     )
     path = tmp_path / "probe.py"
     path.write_text(code)
     found = _private_uses(path)
     assert found == [
-        "probe.py:3 from hf_layerswap.report import _x",
+        "probe.py:3 from hf_layerswap.scoring.report import _x",
         "probe.py:5 s._a",
-        "probe.py:5 plan._b",
+        "probe.py:5 layerplan._b",
         "probe.py:5 hf_layerswap.scoring._c",
     ]
 
@@ -434,14 +497,14 @@ def _private_imports(module: str, path: Path) -> list[str]:
 def test_private_import_finder(tmp_path):
     path = tmp_path / "mod.py"
     path.write_text(
-        "from .common import _x, ok\nfrom ..plan import _Stop\nfrom hf_layerswap.scoring.kl import _lse, kl_rows\n"
-        "from . import _helpers\nimport hf_layerswap._impl\nfrom torch import _C\nfrom .common import __all__\n"
-        "from hf_layerswap.selection.mod import _self\nimport hf_layerswap.plan\n"
+        "from .criterion import _x, ok\nfrom ..layerplan import _Stop\nfrom hf_layerswap.scoring.kl import _lse, kl_rows\n"
+        "from . import _helpers\nimport hf_layerswap._impl\nfrom torch import _C\nfrom .criterion import __all__\n"
+        "from hf_layerswap.selection.mod import _self\nimport hf_layerswap.layerplan\n"
         "def f():\n    from ._impl import y\n"
     )
     assert _private_imports("hf_layerswap.selection.mod", path) == [
-        "mod.py:1 from hf_layerswap.selection.common import _x",
-        "mod.py:2 from hf_layerswap.plan import _Stop",
+        "mod.py:1 from hf_layerswap.selection.criterion import _x",
+        "mod.py:2 from hf_layerswap.layerplan import _Stop",
         "mod.py:3 from hf_layerswap.scoring.kl import _lse",
         "mod.py:4 from hf_layerswap.selection import _helpers",
         "mod.py:5 import hf_layerswap._impl",
@@ -477,13 +540,13 @@ def _registered_names(paths) -> dict[str, str]:
 
 
 def test_every_registry_is_one_kind_of_registry_of_one_kind_of_entry():
-    """Each decorator of REGISTERING adds to a :class:`~hf_layerswap.registry.Registry` whose
-    entries are :class:`~hf_layerswap.registry.RegistryEntry` (healing methods: their classes),
+    """Each decorator of REGISTERING adds to a :class:`~hf_layerswap.utils.registry.Registry` whose
+    entries are :class:`~hf_layerswap.utils.registry.RegistryEntry` (healing methods: their classes),
     and every name the package's source registers is in it."""
     from hf_layerswap.healing.methods import HEAL_METHODS
-    from hf_layerswap.protocols import SWAP_PROTOCOLS
+    from hf_layerswap.scoring.protocols import SWAP_PROTOCOLS
     from hf_layerswap.recovery import RECOVERY_METHODS
-    from hf_layerswap.registry import Registry, RegistryEntry
+    from hf_layerswap.utils.registry import Registry, RegistryEntry
     from hf_layerswap.selection.objectives import SET_OBJECTIVES
     from hf_layerswap.selection.registry import STRATEGY_ENTRIES
     from hf_layerswap.sparsity import ALLOCATORS, PRUNERS
@@ -536,18 +599,18 @@ def test_generic_modules_name_no_built_in_method():
 #: (the kept reference of a strategy's cost, a repair's probe forwards, a healing method's
 #: trainable set, a strategy's spacing default) is read from its registry entry, so a method
 #: registered later gets the same treatment as the built-ins.
-NAME_BLIND_MODULES = ("hf_layerswap.cost", "hf_layerswap.cost_steps", "hf_layerswap.config", "hf_layerswap.pipeline",
+NAME_BLIND_MODULES = ("hf_layerswap.cost", "hf_layerswap.config", "hf_layerswap.pipeline",
                       "hf_layerswap.hub", "hf_layerswap.integration", "hf_layerswap.cli", "hf_layerswap.card",
-                      "hf_layerswap.surgery", "hf_layerswap.recovery.operators")
+                      "hf_layerswap.surgery")
 
 #: Comparisons with a word that a registry also holds, where the value compared is no method
 #: name: (module, the compared expression) -> what the word is there.
 NOT_A_METHOD = {
-    ("hf_layerswap.cost", "dtype"): "transformers' dtype='auto'",
-    ("hf_layerswap.cost", "max_memory"): "the working-memory budget 'auto' (the device's)",
-    ("hf_layerswap.cost", "mode"): "the scoring engine's prefix-reuse mode 'none'",
-    ("hf_layerswap.cli.common", "num_prompts_default"): "--num-prompts auto (the demo fits it to a time budget)",
-    ("hf_layerswap.cli.common", "text"): "the 'auto' of --num-prompts and --scoring-memory",
+    ("hf_layerswap.cost.estimate", "dtype"): "transformers' dtype='auto'",
+    ("hf_layerswap.cost.estimate", "max_memory"): "the working-memory budget 'auto' (the device's)",
+    ("hf_layerswap.cost.estimate", "mode"): "the scoring engine's prefix-reuse mode 'none'",
+    ("hf_layerswap.cli.options", "num_prompts_default"): "--num-prompts auto (the demo fits it to a time budget)",
+    ("hf_layerswap.cli.options", "text"): "the 'auto' of --num-prompts and --scoring-memory",
     ("hf_layerswap.cli.demo", "args.num_prompts"): "--num-prompts auto",
     ("hf_layerswap.cli.prune", "args.dtype"): "--dtype auto (transformers' dtype='auto')",
 }
@@ -555,11 +618,11 @@ NOT_A_METHOD = {
 
 def _live_registered_names() -> dict[str, str]:
     """Every name the package's registries hold now -> the registry, read from the live
-    registries (every :class:`~hf_layerswap.registry.Registry`; the import registers the
+    registries (every :class:`~hf_layerswap.utils.registry.Registry`; the import registers the
     built-ins), the selection protocols and the search objectives a repair serves as."""
     import hf_layerswap  # noqa: F401  (registers the built-ins)
-    from hf_layerswap.registry import Registry
-    from hf_layerswap.selection.core import selection_protocols
+    from hf_layerswap.utils.registry import Registry
+    from hf_layerswap.selection.dispatch import selection_protocols
     from hf_layerswap.selection.objectives import OBJECTIVES
 
     names: dict[str, str] = {}
@@ -618,7 +681,7 @@ def test_live_registered_names_see_every_registry():
 def test_no_module_branches_on_a_registered_name():
     names = _live_registered_names()
     paths = {m: p for m, p in MODULES.items() if any(m == g or m.startswith(g + ".") for g in NAME_BLIND_MODULES)}
-    assert {"hf_layerswap.cost_steps", "hf_layerswap.cli.demo", "hf_layerswap.card.sections"} <= set(paths)
+    assert {"hf_layerswap.cost.steps", "hf_layerswap.cli.demo", "hf_layerswap.card.sections"} <= set(paths)
     hits, excused = [], set()
     for module, path in sorted(paths.items()):
         for line, operand, name in _name_comparisons(path.read_text(encoding="utf-8"), names):
@@ -704,8 +767,8 @@ COMPONENTS = _component_names(MODULES, PACKAGE / "cli", BENCHMARKS)
 
 
 def test_component_names_cover_modules_commands_and_benchmarks():
-    assert {"calibration", "scoring", "scoring_settings", "cli", "cli_eval", "selection_search", "plan", "surgery",
-            "hub", "recovery", "sparsity", "healing", "healing_core", "evaluation", "evaluation_perplexity"} <= COMPONENTS
+    assert {"calibration", "scoring", "scoring_settings", "cli", "cli_eval", "selection_search", "layerplan", "surgery",
+            "hub", "recovery", "sparsity", "healing", "healing_distill", "evaluation", "evaluation_perplexity"} <= COMPONENTS
     assert {"prune", "score", "push", "eval", "demo", "heal", "peel", "export_gguf"} <= COMPONENTS  # the verbs
     assert {"gpu_benchmark", "heal_benchmark", "quality_benchmark"} <= COMPONENTS
     # a module's last part alone is not its name (``core``, ``contract``: which one?)
@@ -761,12 +824,12 @@ NOT_IMPORTED = ("hf_layerswap.metrics.perplexity.perplexity",)
 
 
 def _optional_packages() -> set[str]:
-    """The keys of ``hf_layerswap.extras.EXTRAS``, read from its source."""
-    tree = ast.parse((PACKAGE / "extras.py").read_text(encoding="utf-8"))
+    """The keys of ``hf_layerswap.utils.extras.EXTRAS``, read from its source."""
+    tree = ast.parse((PACKAGE / "utils" / "extras.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EXTRAS" for t in node.targets):
             return set(ast.literal_eval(node.value))
-    raise AssertionError("hf_layerswap/extras.py defines no EXTRAS")
+    raise AssertionError("hf_layerswap/utils/extras.py defines no EXTRAS")
 
 
 def _module_level_optional_imports(module: str, path: Path, optional: set[str]) -> list[str]:
@@ -786,7 +849,7 @@ def test_optional_import_finder(tmp_path):
 
 def test_no_module_imports_an_optional_package_at_module_level():
     """``import hf_layerswap`` (and every module of it) works without the extras: an optional
-    package is imported inside the function that needs it (``hf_layerswap.extras.require``)."""
+    package is imported inside the function that needs it (``hf_layerswap.utils.extras.require``)."""
     optional = _optional_packages()
     assert {"datasets", "gguf", "lm_eval", "matplotlib", "peft", "evaluate"} <= optional
     bad = [hit for module, path in MODULES.items() if module not in NOT_IMPORTED

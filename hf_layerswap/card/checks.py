@@ -12,16 +12,17 @@ import torch
 from huggingface_hub import ModelCard, try_to_load_from_cache
 from transformers import AutoModelForCausalLM
 
-from ..plan import decoder_blocks, model_fingerprint, num_blocks
-from ..provenance import model_identity
-from ..recovery import RECOVERY_FILE, RECOVERY_METHODS, recovery_entry
-from ..jsonio import decode_float, encode_float
-from ..protocols import SWAP_PROTOCOLS
-from ..report import PruneProvenance, SwapReport, set_key
+from ..layerplan import decoder_blocks, model_fingerprint, num_blocks
+from ..utils.provenance import model_identity
+from ..recovery import RECOVERY_METHODS, recovery_entry
+from ..surgery.operators import RECOVERY_FILE
+from ..utils.jsonio import decode_float, encode_float
+from ..scoring.protocols import SWAP_PROTOCOLS
+from ..scoring.report import PruneProvenance, SwapReport, set_key
 from ..selection.registry import Strategy, strategy_entry
 from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, SparsityReport
 from ..sparsity.engine import prunable_linears
-from ..surgery import original_indices
+from ..surgery.removal import original_indices
 
 from .format import DASH, DEFAULT_PROTECT, DEFAULT_SPACING, HUB_ID, format_cell, format_indices
 
@@ -102,7 +103,7 @@ def report_mismatches(model_or_config, report: SwapReport) -> list[str]:
     steps, the blocks its last step started from (a pruned checkpoint scored again and
     pruned again: ``num_blocks_before`` of the last step, :func:`report_step`); every removed
     index is in range (in the report's numbering), when the report carries a weight
-    fingerprint (:func:`~hf_layerswap.plan.model_fingerprint`) it matches the model's (an
+    fingerprint (:func:`~hf_layerswap.layerplan.model_fingerprint`) it matches the model's (an
     unpruned model's current one, or the ``fingerprint_before`` of the first removal step,
     or of the last one for a re-scored model), and, when the removal step recorded a score
     summary, the report's per-layer scores are the recorded ones.

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from huggingface_hub import EvalResult
 
 from ..evaluation.contract import KNOWN_SOURCES
-from ..history import weights_changed_later
-from ..plan import model_fingerprint
-from ..report import SwapReport
+from ..surgery.history import weights_changed_later
+from ..layerplan import model_fingerprint
+from ..scoring.report import SwapReport
 
 from .checks import layerswap_record, split_model
 from .format import METRIC_ARGS, NOT_CONTRACT
@@ -125,7 +125,7 @@ def evaluation_mismatches(model_or_config, evaluation: Mapping | None, report: S
     ``model_or_config`` (empty list = it does).
 
     Each result must record the weights it measured (``contract["model"]["fingerprint"]``,
-    :func:`~hf_layerswap.plan.model_fingerprint`, as :func:`~hf_layerswap.evaluate_perplexity`
+    :func:`~hf_layerswap.layerplan.model_fingerprint`, as :func:`~hf_layerswap.evaluate_perplexity`
     and ``hf-layerswap eval`` write it). ``base`` must have measured the scored base: the
     weights before the first removal step (``fingerprint_before``), else the report's. ``pruned``
     must have measured this model: its weights now (for a config, the weights recorded after

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 
 
-from ..jsonio import encode_float
+from ..utils.jsonio import encode_float
 
 __all__ = [
     "DASH", "DEFAULT_PROTECT", "DEFAULT_SPACING", "EVALUATION_FILE", "format_cell", "format_indices", "format_kl",

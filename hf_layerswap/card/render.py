@@ -13,16 +13,16 @@ from types import SimpleNamespace
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
-from ..extras import available, install_hint
-from ..history import card_notice, history_status
-from ..jsonio import write_json_atomic
+from ..utils.extras import available, install_hint
+from ..surgery.history import card_notice, history_status
+from ..utils.jsonio import write_json_atomic
 from ..plots import PLOT_FILES, planned_plots, write_healing_plot, write_plots, write_sparsity_plot
-from ..provenance import __version__
+from ..utils.provenance import __version__
 from ..recovery import recovery_entry
-from ..report import SwapReport
+from ..scoring.report import SwapReport
 from ..sparsity import sparsity_in_model
-from ..surgery import original_indices
-from ..tasks import task_card_section
+from ..surgery.removal import original_indices
+from ..evaluation.tasks import task_card_section
 
 from .evaluation import evaluation_mismatches, normalize_evaluation
 from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, report_removed, report_step, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
@@ -82,7 +82,7 @@ def render_card(
             per-block table in the original numbering); the report adds the allocator's
             per-block statistic.
         tasks: ``{"base": ..., "pruned": ...}`` lm-eval results
-            (:class:`~hf_layerswap.tasks.TaskResults` from :func:`~hf_layerswap.evaluate_tasks`,
+            (:class:`~hf_layerswap.evaluation.tasks.TaskResults` from :func:`~hf_layerswap.evaluate_tasks`,
             or their dicts), rendered as a table and ``model-index`` entries; both must be
             measured under the same settings.
         plots_not_drawn: why the plots were not drawn (e.g. matplotlib is not installed);

@@ -13,10 +13,10 @@ import huggingface_hub
 
 from ..calibration import shortfall_text
 from ..config import LayerSwapConfig
-from ..provenance import library_versions
-from ..protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
-from ..report import set_key, SwapReport
-from ..rule import NonFiniteScoresError, greedy_select, resolve_protect
+from ..utils.provenance import library_versions
+from ..scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
+from ..scoring.report import set_key, SwapReport
+from ..scoring.rule import NonFiniteScoresError, greedy_select, resolve_protect
 
 from .checks import last_decision, step_config, step_provenance, step_strategy
 from .evaluation import measured_contract, perplexity_eval_results

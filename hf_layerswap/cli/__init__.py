@@ -4,7 +4,7 @@
 Every verb takes the same options as the Python API (0-based layer indices everywhere).
 Every argparse parser of the command lives in this package: one module per verb (its
 ``add_parser(subparsers)`` and its ``run_*`` on top of the library's public functions) and
-:mod:`.common` for the options and checks several verbs share. ``optimum-cli layerswap``
+:mod:`.options` for the options and checks several verbs share. ``optimum-cli layerswap``
 runs the same parser (:func:`build_parser`).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..extras import MissingExtraError
-from ..provenance import __version__
+from ..utils.extras import MissingExtraError
+from ..utils.provenance import __version__
 from . import demo, export_gguf, heal, peel, prune, push, score
 from . import eval as eval_verb
 from .demo import DEFAULT_MODEL, demo_config, run_demo
@@ -51,9 +51,9 @@ def main(argv=None, prog: str = "hf-layerswap") -> int:
 
     - 2: an argument error (argparse's ``error:`` line) or a ``ValueError``,
       ``FileNotFoundError`` or ``FileExistsError`` of the run (``error: ...``); the paths
-      are checked before any model loads (:func:`~hf_layerswap.cli.common.check_paths`);
+      are checked before any model loads (:func:`~hf_layerswap.cli.options.check_paths`);
       an optional package the run needs and does not find
-      (:class:`~hf_layerswap.extras.MissingExtraError`, naming the extra to install);
+      (:class:`~hf_layerswap.utils.extras.MissingExtraError`, naming the extra to install);
     - 1: any other ``OSError`` while the verb runs, e.g. a full disk (``error: ...``; the
       writes are all or nothing, so nothing half-written is left);
     - 130: interrupted (Ctrl-C, SIGINT): ``interrupted ...``; with ``--resume DIR`` the

@@ -19,18 +19,18 @@ from tqdm.auto import tqdm
 from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
 from ..cost import estimate_cost
-from ..devices import input_device
+from ..utils.devices import input_device
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
 from ..evaluation.contract import PerplexityResult, read_source, tokenize_text
 from ..pipeline import prune
-from ..plan import decoder_blocks, first_difference, num_blocks
+from ..layerplan import decoder_blocks, first_difference, num_blocks
 from ..scoring import score_layers, swap_plans
 from ..selection import search_select
 from ..selection import select_layers
 from ..selection.registry import strategies_taking, strategy_entry
 from ..selection.search import search_allowances
-from ..surgery import remove_layers
-from .common import (
+from ..surgery.removal import remove_layers
+from .options import (
     HELP_FORMATTER,
     add_calibration_args,
     add_model_args,

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from ..calibration import read_text_file
 from ..evaluation import evaluate_perplexity
-from ..extras import require
-from ..jsonio import encode_tree, write_json_atomic
+from ..utils.extras import require
+from ..utils.jsonio import encode_tree, write_json_atomic
 from ..models import load_model
-from ..provenance import model_identity
-from ..plan import num_blocks
-from ..tasks import evaluate_tasks
-from .common import (
+from ..utils.provenance import model_identity
+from ..layerplan import num_blocks
+from ..evaluation.tasks import evaluate_tasks
+from .options import (
     HELP_FORMATTER,
     add_device_args,
     add_overwrite_arg,

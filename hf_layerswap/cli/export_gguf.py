@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from ..extras import require
+from ..utils.extras import require
 from ..gguf_export import CONVERTER_ENV, OUTTYPES, GGUFConversionError, GGUFConverterNotFoundError, export_gguf
-from .common import HELP_FORMATTER, check_paths
+from .options import HELP_FORMATTER, check_paths
 
 __all__ = ["add_export_gguf_arguments", "add_parser", "run_export_gguf"]
 

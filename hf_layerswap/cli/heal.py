@@ -19,10 +19,10 @@ from ..card.format import REPORT_FILE
 from ..healing import HEAL_METHODS, heal
 from ..healing.teacher import check_in_memory
 from ..models import load_model
-from ..plan import num_blocks
-from ..report import SwapReport
+from ..layerplan import num_blocks
+from ..scoring.report import SwapReport
 from .eval import task_limit
-from .common import (
+from .options import (
     HELP_FORMATTER,
     add_model_args,
     calibration_source,

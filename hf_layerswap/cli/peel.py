@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..jsonio import atomic_path, write_text_atomic
+from ..utils.jsonio import atomic_path, write_text_atomic
 from ..models import load_model
 from ..peeling import (
     DEFAULT_RIDGE,
@@ -21,7 +21,7 @@ from ..peeling import (
     trajectory_plot,
     trajectory_table_markdown,
 )
-from .common import (
+from .options import (
     HELP_FORMATTER,
     add_device_args,
     add_overwrite_arg,

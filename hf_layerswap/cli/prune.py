@@ -13,15 +13,15 @@ import torch
 
 from ..config import RECIPE_STEPS, HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..cost import estimate_cost
-from ..devices import input_device
+from ..utils.devices import input_device
 from ..pipeline import prune
-from ..report import SwapReport
+from ..scoring.report import SwapReport
 from ..scoring.processes import is_main_process
 from ..selection.registry import strategies_taking
 from ..healing import HEAL_METHODS
-from ..healing.core import RUN_FILE
+from ..healing.distill import RUN_FILE
 from .heal import add_heal_args, checkpoint_folder, heal_config
-from .common import (
+from .options import (
     HELP_FORMATTER,
     add_calibration_args,
     add_config_options,

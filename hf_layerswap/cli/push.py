@@ -15,9 +15,9 @@ from ..card import EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE
 from ..hub import HubPushError, PushRefusedError, push_to_hub, read_evaluation_file, save_for_hub
 from ..card.healing import HEALING_FILE
 from ..healing import HealReport
-from ..report import SwapReport
+from ..scoring.report import SwapReport
 from ..sparsity import SparsityReport
-from .common import check_paths
+from .options import check_paths
 
 __all__ = ["PUSH_EXAMPLES", "PUSH_HELP", "add_parser", "add_push_arguments", "run_push"]
 

@@ -9,11 +9,11 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..protocols import SWAP_PROTOCOLS
-from ..rule import NonFiniteScoresWarning, nonfinite_message
+from ..scoring.protocols import SWAP_PROTOCOLS
+from ..scoring.rule import NonFiniteScoresWarning, nonfinite_message
 from ..scoring import score_layers
 from ..scoring.processes import is_main_process
-from .common import (
+from .options import (
     HELP_FORMATTER,
     add_calibration_args,
     add_config_options,

@@ -35,7 +35,8 @@ tokens, window, stride, BOS handling, dtype, the model's identity and library ve
 
 Layout: :mod:`.contract` (contracts, text preparation, windows, bootstrap, the result
 type), :mod:`.perplexity` (the verbs and comparisons), :mod:`.rolling` (lm-eval's rolling
-contract), :mod:`.generation` (the greedy generation check).
+contract), :mod:`.generation` (the greedy generation check), :mod:`.tasks` (lm-eval tasks:
+:func:`~hf_layerswap.evaluation.tasks.evaluate_tasks`, their card section).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..calibration import EMBEDDED_SOURCE, embedded_text, looks_like_path, read_text_file, tokenizer_adds_bos
-from ..jsonio import JsonResult, decode_tree
+from ..utils.jsonio import JsonResult, decode_tree
 
 __all__ = [
     "bootstrap_ci", "BOOTSTRAP_RNG", "check_causal_lm", "CONTRACTS", "KNOWN_SOURCES", "MIN_CI_WINDOWS",

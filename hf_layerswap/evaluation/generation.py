@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..devices import input_device
-from ..jsonio import JsonResult, decode_tree
+from ..utils.devices import input_device
+from ..utils.jsonio import JsonResult, decode_tree
 
 
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..calibration import check_positions, check_token_ids
-from ..devices import input_device
-from ..plan import model_fingerprint
-from ..provenance import library_versions, public_identity
+from ..utils.devices import input_device
+from ..layerplan import model_fingerprint
+from ..utils.provenance import library_versions, public_identity
 from .contract import (
     BOOTSTRAP_RNG,
     CONTRACTS,

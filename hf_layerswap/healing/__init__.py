@@ -1,7 +1,7 @@
 """Healing: distil a pruned model from its dense base with transformers' ``Trainer``
 (:func:`heal`), by a method from one registry (:data:`HEAL_METHODS`)."""
 
-from .core import heal
+from .distill import heal
 from .loss import distillation_loss
 from .methods import HEAL_METHODS, HealMethod, get_heal_method, register_heal_method
 from .report import HealReport

@@ -7,7 +7,7 @@ the training budget for the model and the device, and the learning rate for the 
   on a batch of the run's shape, :func:`time_forwards`: on the CPU its CPU time over torch's
   threads), and no more than one pass over the
   training text (the text is never repeated by default); ``prune --dry-run`` predicts it with
-  the same count at the cost model's rates (:func:`~hf_layerswap.cost_steps.heal_budget`);
+  the same count at the cost model's rates (:func:`~hf_layerswap.cost.steps.heal_budget`);
 - **learning rate** (``learning_rate=None``): a short probe on the held-out KL: each of the
   method's candidate rates (:attr:`~hf_layerswap.healing.methods.HealMethod.learning_rates`,
   ascending) trains :func:`probe_steps` steps at a constant rate from the same starting

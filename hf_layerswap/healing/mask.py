@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..plan import decoder_blocks
+from ..layerplan import decoder_blocks
 from ..sparsity.engine import prunable_linears
 from .measure import sparsified
 from .report import HealReport

@@ -3,7 +3,7 @@ the card: perplexity of the dense model, after the cut, after the repair and aft
 (one contract, one text), and lm-eval tasks before and after healing.
 
 The stage "after the cut" of a repaired student is the dense teacher run under the removal
-plan of the student's last cut (:func:`~hf_layerswap.plan.apply_plan`: the same blocks
+plan of the student's last cut (:func:`~hf_layerswap.layerplan.apply_plan`: the same blocks
 skipped, no repair, no weight copied); the stage healing starts from is the student as it
 is handed in (after the repair when its last step repaired the cut, else after the cut).
 A student already healed since its last cut (a second healing run) starts from that
@@ -23,9 +23,9 @@ from torch import nn
 
 from ..evaluation.contract import CONTRACTS, sliding_windows
 from ..evaluation.perplexity import contract_tokens, perplexity_of_tokens, window_batches
-from ..plan import apply_plan, num_blocks, removal_plan
-from ..recovery import attached_operators
-from ..tasks import check_task_names, evaluate_tasks
+from ..layerplan import apply_plan, num_blocks, removal_plan
+from ..surgery.operators import attached_operators
+from ..evaluation.tasks import check_task_names, evaluate_tasks
 
 __all__ = ["HealMeasures", "PERPLEXITY_BATCH", "PERPLEXITY_CONTRACT", "PERPLEXITY_STAGES", "check_eval_tasks",
            "contract_summary", "earlier_healing", "max_positions", "perplexity_forwards", "perplexity_window",
@@ -220,7 +220,7 @@ class HealMeasures:
         """Refuse, before a prune's scoring, what :meth:`start` would refuse only after it:
         a perplexity text that cannot be read or is too short to score
         (:func:`perplexity_forwards`), lm-eval task names lm-eval does not know
-        (:func:`~hf_layerswap.tasks.check_task_names`); :meth:`check` first.
+        (:func:`~hf_layerswap.evaluation.tasks.check_task_names`); :meth:`check` first.
 
         Raises:
             ValueError, FileNotFoundError: naming the text or the tasks. ImportError:

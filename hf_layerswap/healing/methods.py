@@ -1,6 +1,6 @@
 """Healing methods behind one registry: what :func:`~hf_layerswap.healing.heal` calls for
 ``method=``. Adding a method is one decorator on a :class:`HealMethod` subclass, with its
-typed options (:class:`~hf_layerswap.registry.Options`)::
+typed options (:class:`~hf_layerswap.utils.registry.Options`)::
 
     @dataclass(frozen=True)
     class MineOptions(Options):
@@ -26,14 +26,14 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from ..extras import require
-from ..plan import decoder_blocks
-from ..registry import Options, Registry, RegistryEntry, option, untyped_options
+from ..utils.extras import require
+from ..layerplan import decoder_blocks
+from ..utils.registry import Options, Registry, RegistryEntry, option, untyped_options
 
 __all__ = ["HEAL_METHODS", "HealMethod", "LastKOptions", "LoraOptions", "cut_neighbours", "get_heal_method",
            "priced_heal_methods", "register_heal_method"]
 
-#: ``{name: HealMethod subclass}`` (a :class:`~hf_layerswap.registry.Registry`).
+#: ``{name: HealMethod subclass}`` (a :class:`~hf_layerswap.utils.registry.Registry`).
 HEAL_METHODS: Registry[type[HealMethod]] = Registry("healing method", "method", sort_names=True)
 
 #: The projections LoRA adapts (Llama / Qwen / Gemma names).
@@ -64,7 +64,7 @@ def register_heal_method(name: str, options: type[Options] | tuple[str, ...] | N
                          describe: str | None = None, learning_rates: tuple[float, ...] | None = None,
                          help: str | None = None):
     """Class decorator: register a :class:`HealMethod` subclass as ``method=name``;
-    ``options``: its :class:`~hf_layerswap.registry.Options` dataclass (typed, with help and
+    ``options``: its :class:`~hf_layerswap.utils.registry.Options` dataclass (typed, with help and
     bounds), or the names of the options it reads (any value), ``()``: none (any other option
     is refused), ``None``: the class's own :attr:`HealMethod.option_class`, or any option when
     it has none; ``describe``: what it trains and how the result lands in the weights, in
@@ -115,7 +115,7 @@ def get_heal_method(name: str) -> HealMethod:
 
 class HealMethod(RegistryEntry):
     """One way to choose and train the student's weights (a
-    :class:`~hf_layerswap.registry.RegistryEntry`: :attr:`option_class` its typed options,
+    :class:`~hf_layerswap.utils.registry.RegistryEntry`: :attr:`option_class` its typed options,
     :meth:`estimate` its trainable set for :func:`~hf_layerswap.cost.estimate_cost`)."""
 
     name: str = ""
@@ -134,7 +134,7 @@ class HealMethod(RegistryEntry):
         :func:`~hf_layerswap.cost.estimate_cost` (nothing is built).
 
         Args:
-            shape: the model before the cut, as :class:`~hf_layerswap.cost_steps.ModelShape`
+            shape: the model before the cut, as :class:`~hf_layerswap.cost.steps.ModelShape`
                 reads it (``model``, ``blocks``, ``num_blocks``, ``block_params``, ``es``: bytes
                 per weight element).
             options: the method's options (``HealConfig.options``).

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from ..jsonio import JsonResult, decode_float
+from ..utils.jsonio import JsonResult, decode_float
 
 __all__ = ["RUN_SETTINGS", "HealReport"]
 
@@ -51,7 +51,7 @@ class HealReport(JsonResult):
             ``text_sha256``, ``window``, ``stride``, ``words``: the one contract all stages
             were measured under.
         tasks: when ``eval_tasks`` was given (else empty): ``before`` and ``after``
-            (``{task: {metric: value}}`` of :class:`~hf_layerswap.tasks.TaskResults`) and the
+            (``{task: {metric: value}}`` of :class:`~hf_layerswap.evaluation.tasks.TaskResults`) and the
             ``settings``, ``versions``, ``task_hashes``, ``n_samples`` and ``higher_is_better``
             (lm-eval's direction of each metric) they share.
         packing: ``True`` when the training text was packed into full windows
@@ -70,7 +70,7 @@ class HealReport(JsonResult):
             that reproduces the run (the card shows it). Empty in reports written before it
             was recorded.
         teacher: ``{"name", "fingerprint", "matches", "note"}`` of the teacher
-            (:func:`~hf_layerswap.healing.core.teacher_origin`): ``matches`` ``True`` when its
+            (:func:`~hf_layerswap.healing.distill.teacher_origin`): ``matches`` ``True`` when its
             weights are those of the model the student was cut from, ``False`` for another
             teacher accepted with ``allow_foreign_teacher``, ``None`` when the record could not
             tell (``note`` says why). Empty in reports written before it was recorded.

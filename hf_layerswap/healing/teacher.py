@@ -12,11 +12,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..devices import input_device, offloaded_modules
-from ..history import param_dtype, same_weights, weights_sample
-from ..plan import model_fingerprint, num_blocks
-from ..provenance import public_identity
-from ..rule import NonFiniteScoresError
+from ..utils.devices import input_device, offloaded_modules
+from ..surgery.history import param_dtype, same_weights, weights_sample
+from ..layerplan import model_fingerprint, num_blocks
+from ..utils.provenance import public_identity
+from ..scoring.rule import NonFiniteScoresError
 from .loss import distillation_loss
 
 __all__ = ["check_finite_start", "check_in_memory", "heldout_kl", "check_teacher", "place_teacher", "teacher_origin"]
@@ -75,7 +75,7 @@ def check_teacher(model: nn.Module, teacher: nn.Module, tokenizer=None, teacher_
 
 def teacher_origin(model: nn.Module, teacher: nn.Module, *, allow_foreign: bool = False) -> dict:
     """Whether ``teacher`` holds the weights of the model the student ``model`` was cut from:
-    its dtype-independent :func:`~hf_layerswap.history.weights_sample` against the
+    its dtype-independent :func:`~hf_layerswap.surgery.history.weights_sample` against the
     ``weights_sample_before`` recorded by the first removal step (``heal PRUNED BASE``: the
     original model) or the last one (the pipeline's copy taken just before its cut), so a
     bfloat16 or float16 copy of the right model matches. A record written before that field
@@ -84,7 +84,7 @@ def teacher_origin(model: nn.Module, teacher: nn.Module, *, allow_foreign: bool 
 
     Returns:
         ``{"name", "fingerprint", "matches", "note"}``: the teacher's public name, its
-        :func:`~hf_layerswap.plan.model_fingerprint`, ``True`` (the model it was cut from),
+        :func:`~hf_layerswap.layerplan.model_fingerprint`, ``True`` (the model it was cut from),
         ``False`` (another model, accepted with ``allow_foreign``) or ``None`` (not
         checkable; ``note`` says why).
 
@@ -181,7 +181,7 @@ def check_finite_start(model: nn.Module, teacher: nn.Module, held, batch_size: i
 
 def place_teacher(teacher: nn.Module, model: nn.Module) -> torch.device:
     """Put ``teacher`` in eval mode where it can meet the student's inputs and return the
-    device the student's token ids go to (:func:`~hf_layerswap.devices.input_device`, the
+    device the student's token ids go to (:func:`~hf_layerswap.utils.devices.input_device`, the
     execution device of its embeddings, also for a split or offloaded student). A teacher
     held whole on one device is moved there; one dispatched over devices (a ``device_map``,
     offloaded weights) stays as accelerate placed it, its hooks moving each input."""

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from ..jsonio import write_json_atomic
-from ..rule import NonFiniteScoresError
+from ..utils.jsonio import write_json_atomic
+from ..scoring.rule import NonFiniteScoresError
 from .loss import distillation_loss, next_token_cross_entropy, top_k_distillation_loss
 
 __all__ = ["BEST_FILE", "BestWeights", "DistillationTrainer", "FiniteLoss", "HealProgress", "TEACHER_CACHE_KEYS",

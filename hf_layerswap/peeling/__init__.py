@@ -37,19 +37,19 @@ The references are fitted on the calibration text and scored on separate evaluat
 text; :func:`check_disjoint` refuses sets that share a paragraph or a prompt.
 
 The substitution uses the layer-plan mechanism: the removal plan that drops blocks
-``k..k+m-1`` runs through :func:`~hf_layerswap.plan.apply_plan`, starting at the cut from
+``k..k+m-1`` runs through :func:`~hf_layerswap.layerplan.apply_plan`, starting at the cut from
 the injected ``ĥ`` (the unchanged prefix is not re-run). :func:`peel_trajectory` repeats
 the probes over training checkpoints together with both swap-KL protocols.
 
 Layout: :mod:`.report` (results and JSON), :mod:`.data` (evaluation set, NLL, bootstrap),
-:mod:`.core` (references, substitution, :func:`peel`), :mod:`.trajectory` (training
+:mod:`.references` (references, substitution, :func:`peel`), :mod:`.trajectory` (training
 checkpoints), :mod:`.render` (tables and plots). The ``hf-layerswap peel`` verb lives with
 the other command-line code in :mod:`hf_layerswap.cli.peel`.
 """
 
 from __future__ import annotations
 
-from .core import peel
+from .references import peel
 from .data import build_evaluation, check_disjoint, sequence_nll
 from .render import peel_plot, peel_table_markdown, trajectory_plot, trajectory_table_markdown
 from .report import DEFAULT_RIDGE, DEFAULT_TAU, REFERENCES, TARGETS, PeelProbe, PeelReport

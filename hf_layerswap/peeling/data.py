@@ -1,5 +1,5 @@
 """Peeling data: the held-out evaluation set (disjoint from the calibration text) and
-per-sequence next-token NLL (the paired bootstrap over sequences is :mod:`.core`'s)."""
+per-sequence next-token NLL (the paired bootstrap over sequences is :mod:`.references`'s)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..jsonio import atomic_path
+from ..utils.jsonio import atomic_path
 from ..plots import figure, save_png
 from .report import DEFAULT_TAU, REFERENCES, PeelProbe, PeelReport
 from .trajectory import PeelTrajectory

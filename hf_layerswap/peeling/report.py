@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 
-from ..jsonio import JsonResult, decode_float, decode_tree, encode_float, encode_tree
+from ..utils.jsonio import JsonResult, decode_float, decode_tree, encode_float, encode_tree
 
 
 #: Reference kinds: closed-form linear map, gradient-fitted block, plain deletion.

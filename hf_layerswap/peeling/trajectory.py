@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..jsonio import JsonResult, decode_tree, encode_tree
-from ..report import SwapReport
+from ..utils.jsonio import JsonResult, decode_tree, encode_tree
+from ..scoring.report import SwapReport
 from ..scoring import score_layers
-from .core import peel
+from .references import peel
 from .report import PeelReport
 
 #: Format tag of a saved trajectory (checked on load).
@@ -36,7 +36,7 @@ class TrajectoryPoint:
         step: training step (from ``trainer_state.json``'s ``global_step`` or a trailing
             integer in the directory name), None if unknown.
         peel: its :class:`PeelReport`.
-        swap: its :class:`~hf_layerswap.report.SwapReport` (both protocols), or None.
+        swap: its :class:`~hf_layerswap.scoring.report.SwapReport` (both protocols), or None.
     """
 
     checkpoint: str

@@ -14,7 +14,8 @@ removal), float64 accumulation, pad positions excluded:
     kept block before the cut (before the first kept block when the cut starts at block 0).
     It cannot be folded into transformers weights (an anisotropic map changes the
     per-token RMS every later norm reads), so it stays a module: a forward hook on the
-    kept block. Saved checkpoints carry it in :data:`RECOVERY_FILE` next to the weights.
+    kept block. Saved checkpoints carry it in :data:`~hf_layerswap.surgery.RECOVERY_FILE` next to the
+    weights.
 
 ``"fused"`` (ReplaceMe least-squares variant, arXiv 2505.02819)
     For each cut s..e-1 whose last kept block is k = s-1: with ``m`` = output of
@@ -38,12 +39,12 @@ Loading and saving ghosted checkpoints
 The operators are not part of any transformers architecture, so:
 
 - ``model.save_pretrained(dir)`` (and ``push_to_hub``, which calls it) on a model with
-  operators attached writes :data:`RECOVERY_FILE` (safetensors, float32, one ``(H, H)``
+  operators attached writes :data:`~hf_layerswap.surgery.RECOVERY_FILE` (safetensors, float32, one ``(H, H)``
   tensor per boundary) and records the operators in ``config.layerswap["recovery"]``;
   config.json also gets a ``quantization_config`` marker with ``quant_method="layerswap"``.
 - With ``hf_layerswap`` imported, ``from_pretrained(dir)`` sees that marker, runs the
-  layerswap quantizer plugin, which calls :func:`attach_saved_recovery` (logits identical
-  to the saved model's). :func:`attach_saved_recovery` also works on any loaded model.
+  layerswap quantizer plugin, which calls :func:`~hf_layerswap.surgery.attach_saved_recovery`
+  (logits identical to the saved model's). It also works on any loaded model.
 - Plain transformers (without ``hf_layerswap``) loads the pruned model *without* the
   operators; the marker makes it log "Unknown quantization type, got layerswap ... we will
   skip the quantization". That is the only warning a config.json field can make plain
@@ -51,13 +52,14 @@ The operators are not part of any transformers architecture, so:
   card say which loader the recovered quality needs.
 
 Layout: :mod:`.fit` (ridge, cuts, moments, the calibration pass), :mod:`.methods` (the
-registry and the built-in methods), :mod:`.operators` (ghosted operators and their file),
-:mod:`.report` (what was fitted), :mod:`.core` (:func:`recover`).
+registry and the built-in methods), :mod:`.report` (what was fitted), :mod:`.repair`
+(:func:`recover`). The stream operators a repaired cut carries, and their file, belong to the
+surgery that moves them with their blocks: :mod:`hf_layerswap.surgery.operators`.
 """
 
 from __future__ import annotations
 
-from .core import DEFAULT_NUM_TOKENS, recover
+from .repair import DEFAULT_NUM_TOKENS, recover
 from .fit import MAX_EPSILON, check_epsilon, cut_boundaries, ridge_toward_identity
 from .methods import (
     DEFAULT_EPSILON,
@@ -69,38 +71,23 @@ from .methods import (
     register_recovery_method,
     search_objectives,
 )
-from .operators import (
-    LOADER_NOTE,
-    RECOVERY_FILE,
-    GhostedOperator,
-    attach_saved_recovery,
-    attached_operators,
-    detach_recovery,
-    save_recovery,
-)
 from .report import BoundaryFit, RecoveryReport
 
 __all__ = [
     "DEFAULT_EPSILON",
     "DEFAULT_NUM_TOKENS",
     "MAX_EPSILON",
-    "GhostedOperator",
     "METHODS",
-    "RECOVERY_FILE",
     "RECOVERY_METHODS",
     "BoundaryFit",
     "RecoveryMethod",
     "RecoveryReport",
-    "attach_saved_recovery",
-    "attached_operators",
     "check_epsilon",
     "cut_boundaries",
-    "detach_recovery",
     "get_recovery_method",
     "recover",
     "recovery_entry",
     "register_recovery_method",
     "ridge_toward_identity",
-    "save_recovery",
     "search_objectives",
 ]

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..devices import input_device
-from ..plan import capture_residual_stream, resolve_layer_indices
+from ..utils.devices import input_device
+from ..layerplan import capture_residual_stream, resolve_layer_indices
 
 __all__ = [
     "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "MAX_EPSILON", "model_family",
-    "model_hidden_size", "Moments", "POST_MLP_NORMS", "post_mlp_norm", "probe_additive_write", "quadratic_residual",
+    "Moments", "POST_MLP_NORMS", "post_mlp_norm", "probe_additive_write", "quadratic_residual",
     "ridge_toward_identity", "select_rows",
 ]
 
@@ -301,8 +301,3 @@ def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) 
             h.remove()
     return moments, used, hidden
 
-
-def model_hidden_size(model) -> int:
-    """The model's hidden size H (width of the input embedding)."""
-    emb = model.get_input_embeddings()
-    return int(emb.weight.shape[1])

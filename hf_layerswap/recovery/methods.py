@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from accelerate.utils import has_offloaded_params
 
-from ..registry import NoOptions, Options, Registry, RegistryEntry, option
+from ..utils.registry import NoOptions, Options, Registry, RegistryEntry, option
 from .fit import MAX_EPSILON, block_down_proj, model_family, post_mlp_norm, probe_additive_write, quadratic_residual, select_rows, ridge_toward_identity
 from .hadamard import hadamard_rotation
-from .operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
+from ..surgery.operators import LOADER_NOTE, OPERATOR_METHODS, RECOVERY_FILE, attach_operator, attached_operators, operator_method
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -76,7 +76,7 @@ def repair_options(title: str, default_epsilon: float, takes_epsilon: bool = Tru
 
 
 class RecoveryMethod(RegistryEntry):
-    """One way to repair a cut (a :class:`~hf_layerswap.registry.RegistryEntry`: ``help``,
+    """One way to repair a cut (a :class:`~hf_layerswap.utils.registry.RegistryEntry`: ``help``,
     :attr:`option_class` its typed options, made by :func:`repair_options` for a method that
     fits unless the class sets its own, :meth:`estimate` what
     :func:`~hf_layerswap.cost.estimate_cost` plans it with). Every hook has a do-nothing default; ``cut`` is a dict of
@@ -95,8 +95,8 @@ class RecoveryMethod(RegistryEntry):
             is not published), not weights of plain transformers; :meth:`attaches` says it per
             record.
         stream_operators: its modules are the package's stream operators
-            (:class:`~hf_layerswap.recovery.GhostedOperator`, saved in :data:`RECOVERY_FILE`,
-            re-attached by :func:`~hf_layerswap.recovery.attach_saved_recovery`).
+            (:class:`~hf_layerswap.surgery.GhostedOperator`, saved in :data:`RECOVERY_FILE`,
+            re-attached by :func:`~hf_layerswap.surgery.attach_saved_recovery`).
         search_objective: it serves as ``select_layers(strategy="search", objective=<name>)``:
             candidate sets are scored after this repair, with :meth:`cut_operator` acting on
             the residual stream entering the block after each cut.
@@ -198,7 +198,7 @@ class RecoveryMethod(RegistryEntry):
 
 
 #: ``method=`` name -> :class:`RecoveryMethod` instance, in registration order (a
-#: :class:`~hf_layerswap.registry.Registry`).
+#: :class:`~hf_layerswap.utils.registry.Registry`).
 RECOVERY_METHODS: Registry[RecoveryMethod] = Registry("recovery method", "method")
 
 

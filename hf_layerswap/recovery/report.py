@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
-from ..jsonio import JsonResult, decode_float, encode_float
+from ..utils.jsonio import JsonResult, decode_float, encode_float
 
 @dataclass
 class BoundaryFit:

@@ -1,6 +1,6 @@
 """Swap-KL probes over a calibration set (No Free Swap, arXiv 2605.16234).
 
-Every probe is a layer plan (:mod:`hf_layerswap.plan`) run through the model's own
+Every probe is a layer plan (:mod:`hf_layerswap.layerplan`) run through the model's own
 forward with ``use_cache=False``. The engine (:func:`plan_kl`) does only the work each
 probe needs:
 
@@ -12,7 +12,7 @@ probe needs:
   block i+1 at slot i) share that computation too: their plans form a prefix tree, and
   the stream at each branch point is captured during the first probe that passes it and
   injected into the others. All of it goes through the model's own forward
-  (:func:`~hf_layerswap.plan.apply_plan` with a one-shot input hook), for every
+  (:func:`~hf_layerswap.layerplan.apply_plan` with a one-shot input hook), for every
   architecture the plan module supports.
 - **Streamed KL.** Probes stop at the decoder output (the normalised final hidden state)
   and only real (non-pad) positions are kept. The output head then runs on blocks of
@@ -35,8 +35,8 @@ probe needs:
   ``O(kl_chunk * vocab_chunk)`` plus the residual streams of one batch, while the head
   GEMM keeps a large row count. An accelerate-offloaded head (CPU or disk offload) is
   read from the offload one vocabulary slice at a time, never whole (at least 16 slices;
-  :class:`~hf_layerswap.devices.OffloadedTensor`), and an offloaded input embedding reads
-  only the rows of the batch's ids (:func:`~hf_layerswap.devices.sliced_calls`). Heads
+  :class:`~hf_layerswap.utils.devices.OffloadedTensor`), and an offloaded input embedding reads
+  only the rows of the batch's ids (:func:`~hf_layerswap.utils.devices.sliced_calls`). Heads
   that cannot be sliced (quantized, custom) run whole, on fewer positions per block.
 - **Memory budget.** ``max_memory`` (bytes or ``"1.5GB"``; default ``"auto"``: a share of
   the device's free memory, capped at 1 GiB on a CPU and 8 GiB on an accelerator) sizes
@@ -66,16 +66,19 @@ probe needs:
 - **Adaptive budget.** :class:`AdaptiveBudget` adds prompts in rounds until the set
   selected at a budget is stable under paired standard errors.
 
-Which probes a pair gets is the protocol registry's (:mod:`hf_layerswap.protocols`,
+Which probes a pair gets is the protocol registry's (:mod:`hf_layerswap.scoring.protocols`,
 :func:`register_protocol`): the paper's replacement and interchange are built in.
 
-Layout: :mod:`.verbs` (the public verbs), :mod:`.engine` (:func:`plan_kl` and the engine
+Layout: :mod:`.layerscores` (the public verbs), :mod:`.engine` (:func:`plan_kl` and the engine
 state), :mod:`.engineplan` (the engine's public schedule, ``Engine.plan()``), :mod:`.settings` (:class:`EngineSettings`, the validated settings every verb
 hands the engine), :mod:`.streamed` (the head/KL phase on blocks of positions x
 vocabulary), :mod:`.kl` (pure KL maths), :mod:`.head` (model plumbing, the output head),
 :mod:`.probes` (probe deduplication, order, each process's share), :mod:`.slotmajor`
 (slot-major streaming of offloaded blocks), :mod:`.checkpoint`
-(resumable runs), :mod:`.processes` (launched processes, sharded-model refusal).
+(resumable runs), :mod:`.processes` (launched processes, sharded-model refusal),
+:mod:`.protocols` (the swap-protocol registry), :mod:`.report` (:class:`SwapReport`, the results,
+and :class:`PruneProvenance`, a removal step's record), :mod:`.rule` (the paper's greedy rule and
+the budget checks every strategy shares).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ from .settings import DEFAULT_MAX_MEMORY, PREFIX_REUSE_MODES, EngineSettings, pa
 from .head import Head  # noqa: F401
 from .kl import KL_CHUNK_POSITIONS, kl_rows, masked_kl, row_blocks  # noqa: F401
 from .probes import make_probes, schedule, shard  # noqa: F401
-from .verbs import (  # noqa: F401
+from .layerscores import (  # noqa: F401
     AdaptiveBudget,
     removal_kl,
     score_layers,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..jsonio import atomic_path, write_json_atomic
+from ..utils.jsonio import atomic_path, write_json_atomic
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointMismatchError", "plans_digest", "ScoringCheckpoint"]
 

@@ -36,9 +36,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet, check_positions, check_token_ids
-from ..devices import BlockPrefetcher, execution_device, offloaded_bytes, peak_memory, sliced_calls
-from ..plan import StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
-from ..provenance import library_versions, report_identity
+from ..utils.devices import BlockPrefetcher, execution_device, offloaded_bytes, peak_memory, sliced_calls
+from ..layerplan import StopForward, apply_plan, decoder_blocks, model_fingerprint, num_blocks, uncompiled
+from ..utils.provenance import library_versions, report_identity
 from .checkpoint import ScoringCheckpoint, plans_digest
 from .head import decoder_output, Head, hooks_removed, maybe_autocast, param_dtype, text_config
 from .kl import chunk_bounds, KL_CHUNK_POSITIONS, masked_kl
@@ -714,7 +714,7 @@ class Engine:
         return True
 
     def _block_loader(self, plan: PassPlan, blocks):
-        """A :class:`~hf_layerswap.devices.BlockPrefetcher` over the pass's onload order when
+        """A :class:`~hf_layerswap.utils.devices.BlockPrefetcher` over the pass's onload order when
         the blocks compute on a CUDA device (pinned host copies, the next block read on a
         side stream); ``None`` elsewhere (accelerate's own onload, one block at a time)."""
         order = plan.onload_order
@@ -866,7 +866,7 @@ def plan_kl(
     Args:
         model: a causal LM with L decoder blocks (accelerate-dispatched models included).
         calibration: the prompts (:func:`~hf_layerswap.calibration.build_calibration`).
-        plans: probe name -> block plan (see :mod:`hf_layerswap.plan`). Equal plans are
+        plans: probe name -> block plan (see :mod:`hf_layerswap.layerplan`). Equal plans are
             computed once; the identity plan gives exactly 0 without running.
         batch_size, progress, desc, prefix_reuse, stream_logits, kl_chunk, vocab_chunk,
             max_memory, dtype, checkpoint_path, distributed, slot_major: the engine settings, each
@@ -891,7 +891,7 @@ def plan_kl(
         block onloads and bytes moved in all and per batch; under several processes the
         sum over them, with each one's own under ``per_process``:
         :func:`~hf_layerswap.scoring.processes.sum_movement`) and ``peak_memory`` (bytes per
-        device of this process: :func:`hf_layerswap.devices.peak_memory`).
+        device of this process: :func:`hf_layerswap.utils.devices.peak_memory`).
 
     Raises:
         ValueError: a bad plan, batch size, chunk, memory or dtype value.

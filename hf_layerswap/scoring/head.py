@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
-from ..devices import execution_device, OffloadedTensor
+from ..utils.devices import execution_device, OffloadedTensor
 
 __all__ = [
     "decoder_output", "Head", "hooks_removed", "linear32", "maybe_autocast", "mixed_gemm", "param_dtype", "split_bf16",
@@ -144,7 +144,7 @@ class Head:
     An offloaded plain ``nn.Linear`` head (accelerate disk or CPU offload: Gemma-3's tied
     embedding and head is 62.5% of its weights) is *streamed*: :meth:`weight_slice` reads
     only the vocabulary entries asked for from the offload's storage
-    (:class:`~hf_layerswap.devices.OffloadedTensor`), so the head/KL phase holds one slice
+    (:class:`~hf_layerswap.utils.devices.OffloadedTensor`), so the head/KL phase holds one slice
     of it at a time (:class:`~hf_layerswap.scoring.streamed.StreamedKL`).
     """
 
@@ -162,7 +162,7 @@ class Head:
             and m.weight.is_floating_point()
         )
         #: an offloaded plain Linear: its weight is read from the offload in vocabulary slices
-        #: (:class:`~hf_layerswap.devices.OffloadedTensor`), never whole
+        #: (:class:`~hf_layerswap.utils.devices.OffloadedTensor`), never whole
         self.source = OffloadedTensor.of(m, "weight") if self.linear else None
         self._bias_source = OffloadedTensor.of(m, "bias") if self.source is not None and m.bias is not None else None
         self.streamed = self.source is not None

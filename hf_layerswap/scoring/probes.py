@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import first_difference
+from ..layerplan import first_difference
 
 __all__ = ["make_probes", "Probe", "position_hooks", "schedule", "schedule_blocks", "shard", "walk_schedule"]
 

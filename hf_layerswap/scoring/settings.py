@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import convert_file_size_to_int
 from torch import nn
 
-from ..devices import held_bytes, model_devices, same_device
+from ..utils.devices import held_bytes, model_devices, same_device
 from .kl import KL_SUB_BYTES
 
 __all__ = [
@@ -149,7 +149,7 @@ def load_limit(model: nn.Module, device) -> int | None:
 
 def model_memory_budget(model: nn.Module) -> tuple[int, str]:
     """The ``"auto"`` working-memory budget of ``model``: :func:`device_memory_budget` on
-    every device it computes on (:func:`~hf_layerswap.devices.model_devices`: each GPU of a
+    every device it computes on (:func:`~hf_layerswap.utils.devices.model_devices`: each GPU of a
     split model, not only the first), each with what its load limit leaves after the weights
     held there, and the least of them, since each device in turn holds the working memory
     of a pass. Returns ``(bytes, how)`` as :func:`device_memory_budget`."""

@@ -9,13 +9,13 @@ an L-block model. Here the engine holds each probe's hidden state instead of eac
    replaced by recorders (:func:`capture_block_inputs`) gives the stream entering slot 0
    (embeddings, scaling) and the arguments each block gets besides its hidden state
    (attention mask by layer type, rotary position embeddings, position ids). A block
-   takes its arguments with it when it moves, as :func:`~hf_layerswap.plan.apply_plan`
+   takes its arguments with it when it moves, as :func:`~hf_layerswap.layerplan.apply_plan`
    moves ``layer_types``: block b gets under every plan the call it gets at slot b.
 2. **One pass per probe group** (:func:`plan_pass`, :func:`run_pass`). The states are the
    nodes of the probes' prefix tree: at slot s each distinct plan prefix ``plan[:s]``
    (the identity's among them; probes sharing a prefix share its state, as prefix reuse
    shares it) is run through block ``plan[s]``. The blocks some plan puts at slot s are
-   brought to the execution device (:func:`hf_layerswap.devices.onloaded`, accelerate's
+   brought to the execution device (:func:`hf_layerswap.utils.devices.onloaded`, accelerate's
    own hook machinery) at the first slot that needs them and released after the last, so
    every block moves once per pass; for swap probes with ``max_gap = g`` at most ``2g + 1``
    blocks are resident at once. A finished plan's state goes through the decoder's final
@@ -55,9 +55,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..devices import offloaded_bytes, offloaded_modules, onloaded
-from ..plan import decoder_blocks, first_difference
-from ..sparsity.engine import BlockCall, run_block, split_hidden
+from ..utils.devices import offloaded_bytes, offloaded_modules, onloaded
+from ..layerplan import BlockCall, decoder_blocks, first_difference, run_block, split_hidden
 from .head import decoder_output, hooks_removed
 from .probes import Probe
 
@@ -120,7 +119,7 @@ class BlockInputs:
 
     Attributes:
         hidden: the stream entering slot 0, ``(B, T, H)``.
-        calls: per block index, its :class:`~hf_layerswap.sparsity.engine.BlockCall`.
+        calls: per block index, its :class:`~hf_layerswap.layerplan.BlockCall`.
         decoder_output: the decoder's output on ``hidden`` as the last block's output
             ``(B, T, H)`` (``verify`` only; else None).
         logits: the model's logits at the last position of that output ``(B, 1, V)``
@@ -357,7 +356,7 @@ def run_pass(plan: PassPlan, blocks: nn.ModuleList, inputs: BlockInputs, finish:
              capture: Callable[[int, torch.Tensor], None] | None = None,
              loader: Callable[[int], contextlib.AbstractContextManager[int]] | None = None) -> None:
     """Run a :class:`PassPlan`: at each slot onload the blocks first needed there
-    (``loader(block)``, default :func:`hf_layerswap.devices.onloaded`), run every distinct
+    (``loader(block)``, default :func:`hf_layerswap.utils.devices.onloaded`), run every distinct
     prefix's state through its block, release the blocks last needed there. ``finish(plan,
     state)`` gets each plan's final state ``(B, T, H)`` (before the final norm) as soon as
     it is complete; ``moved(block, bytes)`` is told each onload of an offloaded block. Each

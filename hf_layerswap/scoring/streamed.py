@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..devices import execution_device
+from ..utils.devices import execution_device
 from .head import maybe_autocast, Head
 from .kl import chunk_bounds, KL_SUB_BYTES, OnlineKL
 
@@ -57,7 +57,7 @@ class StreamedKL:
         :class:`.kl.OnlineKL`: the same float64 arithmetic for every slicing, placement and
         budget. A slice of a half-precision head stays in its dtype (no fp32 copy; the fp32
         logits come from :func:`~hf_layerswap.scoring.head.linear32`). The accumulator is on
-        the head's execution device (:func:`~hf_layerswap.devices.execution_device`), where its
+        the head's execution device (:func:`~hf_layerswap.utils.devices.execution_device`), where its
         logits are made: a tied head of a model split over GPUs sits on the embedding's device,
         not the final norm's; the hidden rows go there, and the per-prompt sums to the CPU.
 

@@ -17,9 +17,9 @@ of the config and CLI)    optionally with the Ghosted Layers repair in the loop
 ========================  =====================================================  =============
 
 The rule itself (:func:`greedy_select`, :func:`check_budget`, :func:`resolve_protect`)
-lives in :mod:`hf_layerswap.rule`; the check every strategy passes through (no removal
+lives in :mod:`hf_layerswap.scoring.rule`; the check every strategy passes through (no removal
 on non-finite values, :class:`NonFiniteScoresError`) in :mod:`.finite`; the set objectives and their engine in
-:mod:`.objectives`; the result type every criterion returns in :mod:`.common`. A new
+:mod:`.objectives`; the result type every criterion returns in :mod:`.criterion`. A new
 strategy is one module with one ``@register_strategy("name")``.
 """
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from . import beam, geometry, greedy, search, single_removal, sleb  # noqa: F401  (registers the strategies)
 from .beam import BEAM_EVALUATORS, interchange_beam
-from .common import CriterionResult, as_strategy
-from .core import SELECTION_PROTOCOLS, candidates_set, check_report_matches, select_layers
+from .criterion import CriterionResult, as_strategy
+from .dispatch import SELECTION_PROTOCOLS, candidates_set, check_report_matches, select_layers
 from .geometry import angular_distance, block_influence
 from .greedy import swap_guided
 from .objectives import OBJECTIVES, SetObjective, plan_nll

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..plan import removal_plan
-from ..report import SwapReport, score_key, set_key
-from ..rule import greedy_select, resolve_protect
-from .common import CriterionResult, allowed_blocks, check_resume, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion, as_strategy
+from ..layerplan import removal_plan
+from ..scoring.report import SwapReport, score_key, set_key
+from ..scoring.rule import greedy_select, resolve_protect
+from .criterion import CriterionResult, allowed_blocks, check_resume, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion, as_strategy
 from .objectives import removal_kl_values, removal_nll_values
 from .registry import Criterion, register_strategy
-from ..registry import Options, option
+from ..utils.registry import Options, option
 
 __all__ = ["BEAM_EVALUATORS", "BeamOptions", "interchange_beam"]
 

@@ -19,7 +19,7 @@ never a basis for removal. :func:`select_layers` runs every registered strategy 
    when it recorded them, else the report's layer score (so a strategy that ignores the
    scores cannot remove a block whose score is non-finite).
 
-A refusal raises :class:`~hf_layerswap.rule.NonFiniteScoresError` naming the non-finite
+A refusal raises :class:`~hf_layerswap.scoring.rule.NonFiniteScoresError` naming the non-finite
 pairs or sets, the first calibration batch where the scoring engine produced one (when
 the report records it) and what to try, and leaves the report's ``selections`` and
 ``removal_kl`` as they were before the call.
@@ -32,8 +32,8 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 
-from ..report import SwapReport, set_key
-from ..rule import NonFiniteScoresError, greedy_select, nonfinite_message
+from ..scoring.report import SwapReport, set_key
+from ..scoring.rule import NonFiniteScoresError, greedy_select, nonfinite_message
 
 __all__ = ["check_report_basis", "finite_selection", "record_layer_values", "record_set_values"]
 

@@ -5,7 +5,7 @@ angular distance, from one stream-capture sweep.
     ShortGPT (Men et al., arXiv 2403.03853): BI(l) = 1 - cos(x_l, x_{l+1}) between the raw
     residual stream entering and leaving block l, per real token, averaged (mean over the
     real tokens of a prompt, then over prompts); the n lowest go. Captured with forward
-    hooks on the blocks (:func:`~hf_layerswap.plan.capture_residual_stream`), not
+    hooks on the blocks (:func:`~hf_layerswap.layerplan.capture_residual_stream`), not
     ``output_hidden_states``, whose last entry is after the final norm.
 ``angular_distance``
     Gromov et al., "The Unreasonable Ineffectiveness of the Deeper Layers" (arXiv
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..devices import input_device
-from ..plan import capture_residual_stream, num_blocks
-from ..report import score_key, set_key
-from ..rule import greedy_select, resolve_protect
-from .common import CriterionResult, criterion_output, setup_criterion, as_strategy
+from ..utils.devices import input_device
+from ..layerplan import capture_residual_stream, num_blocks
+from ..scoring.report import score_key, set_key
+from ..scoring.rule import greedy_select, resolve_protect
+from .criterion import CriterionResult, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values, record_set_values
 from .registry import NO_PROTOCOL, Criterion, register_strategy
 

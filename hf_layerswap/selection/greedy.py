@@ -3,7 +3,7 @@
 
 No Free Swap (arXiv 2605.16234): layer scores s(i) = min over adjacent partners of the
 replacement or interchange swap-KL (nats), taken greedily in ascending order
-(:func:`~hf_layerswap.rule.greedy_select`); ``auto`` evaluates each protocol's set by its
+(:func:`~hf_layerswap.scoring.rule.greedy_select`); ``auto`` evaluates each protocol's set by its
 joint removal KL d_skip(S) on the calibration prompts and keeps the lower.
 """
 
@@ -13,14 +13,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..plan import removal_plan
-from ..protocols import PROTOCOLS
-from ..report import SwapReport, score_key, set_key
-from ..rule import greedy_select, resolve_protect
-from ..plan import as_index
+from ..layerplan import removal_plan
+from ..scoring.protocols import PROTOCOLS
+from ..scoring.report import SwapReport, score_key, set_key
+from ..scoring.rule import greedy_select, resolve_protect
+from ..layerplan import as_index
 from ..scoring import removal_kl
-from .common import CriterionResult, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion
-from .core import candidates_set, select_layers
+from .criterion import CriterionResult, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion
+from .dispatch import candidates_set, select_layers
 from .objectives import plans_cost, removal_kl_values
 from .registry import Criterion, check_options, register_strategy
 
@@ -152,7 +152,7 @@ def swap_guided(
 
     Args:
         protocol: ``"replacement"``, ``"interchange"`` or ``"auto"``.
-        report: a :class:`~hf_layerswap.report.SwapReport` of this model on these
+        report: a :class:`~hf_layerswap.scoring.report.SwapReport` of this model on these
             calibration prompts (any ``max_gap``; its adjacent pairs are used). Without
             one, the needed protocols are scored here (``max_gap=1``).
 

@@ -2,7 +2,7 @@
 
 A candidate removal set S is scored by one partial forward pass per calibration batch: the
 identity plan runs once per batch and caches the residual stream entering every needed
-slot; a set whose first removed block is s starts there (:mod:`hf_layerswap.plan`).
+slot; a set whose first removed block is s starts there (:mod:`hf_layerswap.layerplan`).
 
 Objectives (:data:`OBJECTIVES`, all on the calibration prompts only, never on
 evaluation text; lower is better):
@@ -41,16 +41,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..devices import input_device
-from ..plan import (
+from ..utils.devices import input_device
+from ..layerplan import (
     apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
 )
-from ..recovery import GhostedOperator, cut_boundaries, get_recovery_method, search_objectives
+from ..recovery import cut_boundaries, get_recovery_method, search_objectives
+from ..surgery.operators import GhostedOperator
 from ..recovery.fit import collect_moments, select_rows
-from ..registry import Registry, RegistryEntry
-from ..registry_names import RegistryNames
-from ..report import set_key
-from ..rule import resolve_protect
+from ..utils.registry import Registry, RegistryEntry
+from ..utils.registry_names import RegistryNames
+from ..scoring.report import set_key
+from ..scoring.rule import resolve_protect
 from ..scoring import masked_kl, plan_kl
 from ..scoring.head import hooks_removed
 from ..scoring.probes import make_probes, position_hooks, schedule, schedule_blocks, walk_schedule
@@ -68,7 +69,7 @@ def _no_extra_cost(counts: dict, plan, exact_sets: list, n_batches: int) -> None
 
 @dataclass(frozen=True)
 class Objective(RegistryEntry):
-    """One set objective of the search (a :class:`~hf_layerswap.registry.RegistryEntry`
+    """One set objective of the search (a :class:`~hf_layerswap.utils.registry.RegistryEntry`
     without options).
 
     Attributes:
@@ -253,7 +254,7 @@ def plan_nll(
     Args:
         model: a causal LM with L decoder blocks.
         calibration: ``N`` right-padded prompts.
-        plans: name -> block plan (see :mod:`hf_layerswap.plan`).
+        plans: name -> block plan (see :mod:`hf_layerswap.layerplan`).
         batch_size: prompts per forward pass.
         reference_cache: shared by calls on the same model and prompts: each batch's
             identity pass (streams entering every block, reference NLL) runs once

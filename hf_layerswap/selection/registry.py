@@ -17,8 +17,8 @@ import inspect
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from ..protocols import PROTOCOLS, SWAP_PROTOCOLS
-from ..registry import NoOptions, Options, Registry, RegistryEntry
+from ..scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS
+from ..utils.registry import NoOptions, Options, Registry, RegistryEntry
 
 __all__ = ["MODEL_STRATEGIES", "STRATEGIES", "STRATEGY_ENTRIES", "STRATEGY_OPTIONS", "Criterion", "Strategy", "check_options",
            "get_strategy", "keyword_options", "register_strategy", "strategies_taking", "strategy_entry"]
@@ -44,7 +44,7 @@ def _no_values(decision: Mapping) -> list:
 
 @dataclass(frozen=True)
 class Criterion:
-    """How a strategy runs in the comparison harness (:func:`hf_layerswap.baselines.compare_criteria`).
+    """How a strategy runs in the comparison harness (:func:`hf_layerswap.comparison.compare_criteria`).
 
     Attributes:
         run: ``fn(model, calibration, budgets, **options) -> {n: CriterionResult}`` (or one
@@ -71,7 +71,7 @@ def NO_PROTOCOL(decision, protocol) -> None:
 @dataclass(frozen=True)
 class Strategy(RegistryEntry):
     """What one registered strategy is and how it is read back (a
-    :class:`~hf_layerswap.registry.RegistryEntry`; its :attr:`estimate` is :attr:`cost`).
+    :class:`~hf_layerswap.utils.registry.RegistryEntry`; its :attr:`estimate` is :attr:`cost`).
 
     Attributes:
         name: the ``strategy=`` value.
@@ -95,7 +95,7 @@ class Strategy(RegistryEntry):
         describe: ``fn(config) -> str``: the rule in words, the removal step's ``selection``.
         provenance: ``fn(record) -> dict | None``: what of the decision record (the dict
             the strategy appended to ``SwapReport.selections``) the removal step keeps
-            (:class:`~hf_layerswap.report.PruneProvenance` ``decision``; default: all of it).
+            (:class:`~hf_layerswap.scoring.report.PruneProvenance` ``decision``; default: all of it).
         guided_by: ``fn(decision, protocol) -> str | None``: the protocol that guided the
             removal, for the card (``None``: no single one; default: ``protocol``).
         values: ``fn(decision) -> [(what, value)]``: the recorded values the chosen set
@@ -105,7 +105,7 @@ class Strategy(RegistryEntry):
         card_summary: phrase ending the card's first sentence when no protocol guided it.
         card_rule: ``fn(spacing, protect) -> str | None``: the card's rule line.
         card_reason: ``fn(record, kl, indices) -> str | None``: why the set was chosen
-            (``record`` a :class:`~hf_layerswap.report.PruneProvenance`; ``kl`` and
+            (``record`` a :class:`~hf_layerswap.scoring.report.PruneProvenance`; ``kl`` and
             ``indices`` the card's formatters).
         card_candidates: ``fn(decision, report, removed, kl, indices) -> (rows, reason) |
             None``: the card's candidate rows (``{"protocol", "layers", "removal_kl"}``)
@@ -197,7 +197,7 @@ STRATEGIES: dict[str, Callable] = {}
 #: Strategies that read the model and calibration prompts (not only the report).
 MODEL_STRATEGIES: set[str] = set()
 #: Strategy name -> its :class:`Strategy` entry (see :func:`strategy_entry`; a
-#: :class:`~hf_layerswap.registry.Registry`).
+#: :class:`~hf_layerswap.utils.registry.Registry`).
 STRATEGY_ENTRIES: Registry[Strategy] = Registry("selection strategy", "strategy", sort_names=True)
 #: Strategy name -> the option names it accepts (``select_layers(..., **options)``), or
 #: ``None`` where the strategy did not declare them (its options are passed as given).
@@ -213,7 +213,7 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
     ``options``: the option names the strategy accepts (``()``: none; default: the
     function's ``options`` attribute if it has one, else its ``option_class``'s fields);
     ``select_layers`` refuses any other before it runs. ``None``: not declared, passed as
-    given. ``entry["option_class"]``: the typed ones (:class:`~hf_layerswap.registry.Options`);
+    given. ``entry["option_class"]``: the typed ones (:class:`~hf_layerswap.utils.registry.Options`);
     ``entry["help"]``: one line (default: the first line of ``fn``'s docstring).
 
     Raises:

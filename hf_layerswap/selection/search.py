@@ -4,7 +4,7 @@ One module on purpose: the search, its per-budget allowances and the bound of it
 :func:`~hf_layerswap.cost.estimate_cost` reads from its registry entry are one schedule; the
 bound follows the allowances and defaults defined here, so they change together.
 
-The paper's greedy rule (:func:`~hf_layerswap.rule.greedy_select`) reads one number
+The paper's greedy rule (:func:`~hf_layerswap.scoring.rule.greedy_select`) reads one number
 per layer and never looks at a set as a whole; two blocks that are each cheap to remove
 can be costly together, and the best sets are often neighbours ({13, 14}, {7, 8, 9}),
 which the rule's spacing forbids. :func:`search_select` scores whole candidate sets S on
@@ -63,15 +63,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
-from ..plan import num_blocks, removal_plan
-from ..protocols import PROTOCOLS
-from ..report import SwapReport, score_key, set_key
-from ..rule import check_budget, greedy_select, resolve_protect
+from ..layerplan import num_blocks, removal_plan
+from ..scoring.protocols import PROTOCOLS
+from ..scoring.report import SwapReport, score_key, set_key
+from ..scoring.rule import check_budget, greedy_select, resolve_protect
 from ..scoring.reference import ReferenceCache
-from .common import CriterionResult, as_calibration, adjacent_report, report_cost
+from .criterion import CriterionResult, as_calibration, adjacent_report, report_cost
 from .objectives import OBJECTIVES, SetObjective, objective_entry
 from .registry import Criterion, keyword_options, register_strategy
-from ..registry import Options, option
+from ..utils.registry import Options, option
 
 __all__ = ["SearchOptions", "check_max_evaluations", "criterion_name", "search_allowances", "search_criterion", "search_select"]
 
@@ -679,7 +679,7 @@ def _record(report: SwapReport, record: dict) -> None:
 
 def search_criterion(model: nn.Module, calibration, n, *, report: SwapReport, objective: str = "removal_kl",
                      protect: Sequence[int] = (0, -1), batch_size: int = 8, **options):
-    """:func:`search_select` as a criterion of :func:`hf_layerswap.baselines.compare_criteria`.
+    """:func:`search_select` as a criterion of :func:`hf_layerswap.comparison.compare_criteria`.
 
     Returns ``{n: CriterionResult}`` (or one result for an int ``n``); the cost includes
     the scoring of both protocols (adjacent pairs) plus the search, and

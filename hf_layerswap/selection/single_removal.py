@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..plan import removal_plan
-from ..rule import greedy_select, resolve_protect
-from .common import CriterionResult, check_resume, criterion_output, setup_criterion, as_strategy
+from ..layerplan import removal_plan
+from ..scoring.rule import greedy_select, resolve_protect
+from .criterion import CriterionResult, check_resume, criterion_output, setup_criterion, as_strategy
 from .finite import record_layer_values
 from .objectives import removal_kl_values
 from .registry import NO_PROTOCOL, Criterion, register_strategy

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..calibration import CalibrationSet
-from ..plan import removal_plan
-from ..report import score_key
-from ..rule import resolve_protect
+from ..layerplan import removal_plan
+from ..scoring.report import score_key
+from ..scoring.rule import resolve_protect
 from ..scoring.probes import make_probes, schedule_blocks
 from ..scoring.reference import ReferenceCache
 from ..scoring.settings import resolve_memory
-from .common import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
+from .criterion import CriterionResult, allowed_blocks, check_resume, criterion_output, setup_criterion, as_strategy
 from .objectives import removal_nll_values
 from .registry import NO_PROTOCOL, Criterion, register_strategy
 

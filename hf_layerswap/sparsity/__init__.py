@@ -20,10 +20,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import build_calibration
-from ..devices import input_device, offloaded_modules
-from ..plan import decoder_blocks
-from ..provenance import library_versions
-from ..surgery import original_indices, stale_healing
+from ..utils.devices import input_device, offloaded_modules
+from ..layerplan import decoder_blocks, run_block
+from ..utils.provenance import library_versions
+from ..surgery.removal import original_indices, stale_healing
 from .allocators import (
     ALLOCATIONS,
     MAPPINGS,
@@ -36,7 +36,7 @@ from .allocators import (
     standardised_offsets,
     uniform_allocation,
 )
-from .engine import capture_block_calls, gradient_statistics, prunable_linears, real_rows, run_block
+from .engine import capture_block_calls, gradient_statistics, prunable_linears, real_rows
 from .pruners import METHODS, magnitude_prune, parse_pattern, sparsegpt_prune, wanda_prune, wanda_scores
 from . import methods  # noqa: F401  (registers the built-in allocators and pruners)
 from .registry import (
@@ -180,7 +180,7 @@ def sparsify(
     """Prune every ``nn.Linear`` inside the decoder blocks of ``model``, in place.
 
     Args:
-        model: a transformers causal LM (any family :func:`~hf_layerswap.plan.decoder_blocks`
+        model: a transformers causal LM (any family :func:`~hf_layerswap.layerplan.decoder_blocks`
             finds), e.g. after layer removal.
         calibration: a :class:`~hf_layerswap.calibration.CalibrationSet` or anything
             :func:`~hf_layerswap.calibration.build_calibration` accepts (``None`` = the

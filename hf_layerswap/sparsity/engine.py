@@ -19,17 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import StopForward, decoder_blocks
+from ..layerplan import BlockCall, StopForward, decoder_blocks, split_hidden
 
-__all__ = ["BlockCall", "CalibrationCache", "capture_block_calls", "prunable_linears", "run_block", "split_hidden"]
-
-
-@dataclass
-class BlockCall:
-    """Arguments of one block call, without ``hidden_states``."""
-
-    args: tuple
-    kwargs: dict
+__all__ = ["CalibrationCache", "capture_block_calls", "prunable_linears"]
 
 
 @dataclass
@@ -45,22 +37,6 @@ class CalibrationCache:
 def prunable_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
     """Every ``nn.Linear`` inside a decoder block, as ``(name within block, module)``."""
     return [(name, m) for name, m in block.named_modules() if isinstance(m, nn.Linear)]
-
-
-def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, BlockCall]:
-    """A block call's ``(args, kwargs)`` split into its hidden state ``(B, T, H)`` (the
-    first positional argument, or ``hidden_states=``) and the rest as a :class:`BlockCall`."""
-    if args:
-        return args[0], BlockCall(tuple(args[1:]), dict(kwargs))
-    rest = dict(kwargs)
-    return rest.pop("hidden_states"), BlockCall((), rest)
-
-
-def run_block(block: nn.Module, hidden: torch.Tensor, call: BlockCall) -> torch.Tensor:
-    """Run one decoder block on ``hidden`` ``(B, T, H)`` with recorded arguments; returns
-    the stream leaving it ``(B, T, H)``."""
-    out = block(hidden, *call.args, **call.kwargs)
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The options of :func:`~hf_layerswap.sparsity.sparsify` beyond its named arguments
 (:class:`SparsifyOptions`): each field carries its help and bounds
-(:func:`~hf_layerswap.registry.option`), which the allocators' and pruners' typed options
+(:func:`~hf_layerswap.utils.registry.option`), which the allocators' and pruners' typed options
 (their registry entries' ``option_class``) are made from."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..registry import option
+from ..utils.registry import option
 from .allocators import MAPPINGS
 from .stats import ESTIMATORS
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..registry import Options, Registry, RegistryEntry, options_subset
+from ..utils.registry import Options, Registry, RegistryEntry, options_subset
 from .options import SparsifyOptions
 
 __all__ = [
@@ -79,7 +79,7 @@ class _SparsityEntry(RegistryEntry):
 
 @dataclass(frozen=True)
 class Allocator(_SparsityEntry):
-    """A per-block sparsity rule (a :class:`~hf_layerswap.registry.RegistryEntry`; its
+    """A per-block sparsity rule (a :class:`~hf_layerswap.utils.registry.RegistryEntry`; its
     :meth:`estimate` is the passes per calibration batch the cost model adds for it).
 
     Attributes:
@@ -121,7 +121,7 @@ class Allocator(_SparsityEntry):
 
 @dataclass(frozen=True)
 class Pruner(_SparsityEntry):
-    """A per-matrix pruning method (a :class:`~hf_layerswap.registry.RegistryEntry`; its
+    """A per-matrix pruning method (a :class:`~hf_layerswap.utils.registry.RegistryEntry`; its
     :meth:`estimate` is the passes per calibration batch the cost model adds for it).
 
     Attributes:
@@ -149,7 +149,7 @@ class Pruner(_SparsityEntry):
 
 
 #: ``allocation=`` name -> :class:`Allocator`, in registration order (a
-#: :class:`~hf_layerswap.registry.Registry`).
+#: :class:`~hf_layerswap.utils.registry.Registry`).
 ALLOCATORS: Registry[Allocator] = Registry("allocator", "allocation")
 
 #: ``method=`` name -> :class:`Pruner`, in registration order.

@@ -6,9 +6,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..jsonio import JsonResult, decode_float, encode_float
+from ..utils.jsonio import JsonResult, decode_float, encode_float
 from ..plots import write_sparsity_plot
-from ..provenance import __version__
+from ..utils.provenance import __version__
 from .registry import ALLOCATORS
 
 __all__ = ["BlockSparsity", "LinearSparsity", "SparsityReport", "config_record"]
