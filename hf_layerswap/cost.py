@@ -124,8 +124,13 @@ class CostEstimate:
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
         memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's at
-            its largest, the scoring's or the search's engine calls with ``reference_kept``,
-            the search's kept reference: both within the one working-memory budget),
+            its largest: ``max(scoring, selection + reference_kept)``), ``scoring`` (the
+            scoring engine's working memory: a batch's activations, the head/KL block, the
+            KL's float64 temporaries, the held final rows, the head's working piece),
+            ``selection`` (the same for one engine call of the selection, planned at what the
+            budget leaves beside the kept reference), ``reference_kept`` (the kept dense
+            reference of a strategy that keeps one: at most half the budget; the rest is the
+            engine calls'),
             ``kl_temporaries`` (the scoring KL's float64 temporaries beside its head/KL
             block, counted in ``working``), ``steps`` (the
             largest peak of the steps after the selection) and ``process`` (this
@@ -603,8 +608,9 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
 def _on_device(plan, device: torch.device):
     """``plan`` (an :class:`~hf_layerswap.scoring.engineplan.EnginePlan` made on the meta
     device) with the KL's row blocks the engine takes on ``device``
-    (:func:`~hf_layerswap.scoring.settings.kl_block_bytes`: large on an accelerator)."""
-    return dataclasses.replace(plan, kl_block_bytes=kl_block_bytes(device, plan.max_memory))
+    (:func:`~hf_layerswap.scoring.settings.kl_block_bytes` of the plan's slice budget: large on
+    an accelerator)."""
+    return dataclasses.replace(plan, kl_block_bytes=kl_block_bytes(device, plan.slice_bytes))
 
 
 def _on_this_machine(device: torch.device) -> bool:
@@ -693,9 +699,10 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
     keeps = strategy_entry(strategy_entry(cfg.strategy).strategy_for(cfg.protocol)).keeps_reference  # as prune runs it
     if plan is not None and "selection" in phases and keeps:
         search_ref = _reference_bytes(plan, budget)  # ``budget``: the share the search keeps
-    working = _working_bytes(plan, 0) if plan is not None else 0
-    if selection_plan is not None:  # the search's engine calls beside its kept reference
-        working = max(working, _working_bytes(selection_plan, search_ref))
+    scoring_working = _working_bytes(plan, 0) if plan is not None else 0
+    selection_working = _working_bytes(selection_plan, 0) if selection_plan is not None else 0
+    # the selection's engine calls beside its kept reference, each within its share of the one budget
+    working = max(scoring_working, selection_working + search_ref if selection_plan is not None else 0)
     kl_temps = 0
     if plan is not None and plan.stream_logits:
         real = plan.batches[0].real_positions
@@ -729,6 +736,7 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         phases={k: {kk: vv for kk, vv in v.items() if kk not in ("plan", "exact_sets")} for k, v in phases.items()},
         derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
+                      "scoring": int(scoring_working), "selection": int(selection_working),
                       "kl_temporaries": int(kl_temps),
                       "process": int(resident), "steps": int(steps_peak)},
     )

@@ -16,6 +16,7 @@ from hf_layerswap.calibration import CalibrationSet, build_calibration
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
 from hf_layerswap.scoring.head import Head
+from hf_layerswap.scoring.settings import kl_block_bytes, slice_budget
 
 FIXED = Throughput(1e9, 1e9, 1e9, source="fixed for the test")
 
@@ -536,7 +537,10 @@ def test_the_peak_counts_the_float64_kl_temporaries_on_an_8b_shape():
     fast = Throughput(400e12, 50e12, 25e9, source="assumed")
     estimate = hl.estimate_cost(copy.deepcopy(cfg), config, device="cuda", throughput=fast, max_memory=8 << 30)
     parts = estimate.memory_parts
-    temporaries = 2 * 8 * 1024 * 128256  # 1,024 rows x the whole vocabulary, float64, twice
+    # row blocks of (8 GiB less a batch's activations) / 16 fp32 bytes of the whole vocabulary
+    rows = kl_block_bytes("cuda", slice_budget(8 << 30, _activations_8b())) // (4 * 128256)
+    assert 900 < rows < 1024
+    temporaries = 2 * 8 * rows * 128256  # the row block x the whole vocabulary, float64, twice
     assert temporaries <= parts["kl_temporaries"] <= temporaries + 8 * 1024 * (3 + 2 * 31)
     head_block = 12 * 1024 * 128256  # OnlineKL's float64 weights and the fp32 logits
     assert estimate.peak_memory_bytes["cuda"] - parts["weights"] == parts["working"]
@@ -545,3 +549,37 @@ def test_the_peak_counts_the_float64_kl_temporaries_on_an_8b_shape():
     small = hl.estimate_cost(copy.deepcopy(cfg), config, device="cuda", throughput=fast, max_memory=budget)
     assert small.memory_parts["kl_temporaries"] <= budget // 4  # row blocks of budget / 16 fp32 bytes
     assert small.peak_memory_bytes["cuda"] <= 1.15 * parts["weights"]
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, torch_dtype="bfloat16")
+
+
+def _activations_8b(batch: int = 8, seq: int = 128) -> int:
+    """A batch's activations as the engine plans them for the 8B shape in bf16: the streams
+    entering every block and one block's forward (its attention scores in fp32)."""
+    h, inter, heads, blocks = 4096, 14336, 32, 32
+    return (blocks + 1) * batch * seq * h * 2 + batch * seq * (8 * h + 3 * inter) * 2 + batch * heads * seq * seq * 4
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_the_default_prune_of_an_8b_shape_predicts_at_most_the_weights_and_15_percent(n):
+    """The default prune (both protocols scored, the search with its kept reference) of an 8B
+    shape on one GPU with max_memory = 15% of the weights: every part of the working memory
+    comes out of that one budget. The scoring's activations, head/KL block, KL temporaries
+    and held rows fit it; the search's kept reference takes at most half and its engine calls
+    fit the other half; so the peak is at most weights + 15% (it was 1.1625x)."""
+    weights = 16_060_522_496  # the 8B shape's parameters in bf16
+    budget = int(0.15 * weights)
+    estimate = hl.estimate_cost(LlamaConfig(**LLAMA_8B), hl.LayerSwapConfig(num_to_remove=n), device="cuda",
+                                throughput=Throughput(400e12, 50e12, 25e9, source="assumed"), max_memory=budget)
+    parts = estimate.memory_parts
+    assert parts["weights"] == weights
+    assert estimate.peak_memory_bytes == {"cuda": weights + parts["working"]}
+    assert parts["working"] == max(parts["scoring"], parts["selection"] + parts["reference_kept"])
+    assert parts["scoring"] <= budget
+    assert 0 < parts["reference_kept"] <= budget // 2  # whole batches' references, in its half
+    assert parts["selection"] <= budget - budget // 2
+    activations = _activations_8b()
+    assert parts["selection"] > activations and parts["scoring"] > activations + parts["kl_temporaries"]
+    assert estimate.peak_memory_bytes["cuda"] <= weights + budget <= 1.15 * weights

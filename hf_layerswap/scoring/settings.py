@@ -23,8 +23,8 @@ from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
-    "MemoryBudget", "REFERENCE_SHARE", "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes",
-    "load_limit", "model_memory_budget", "parse_memory", "resolve_memory",
+    "MemoryBudget", "REFERENCE_SHARE", "SLICE_SLACK", "device_batch_size", "device_memory_budget", "dtype_name",
+    "kl_block_bytes", "load_limit", "model_memory_budget", "parse_memory", "resolve_memory", "slice_budget",
 ]
 
 #: Working memory (bytes, beyond the weights) that scoring plans for on a CPU with enough
@@ -169,9 +169,37 @@ def model_memory_budget(model: nn.Module) -> tuple[int, str]:
 #: get the rest, so the two together stay within the budget.
 REFERENCE_SHARE = 0.5
 
-#: Row blocks of the KL's temporaries take at most this share of the budget in fp32 bytes;
-#: their float64 temporaries (two of them, 8 bytes per entry) take four times as much.
+#: Row blocks of the KL's temporaries take at most this share of the slice budget
+#: (:func:`slice_budget`) in fp32 bytes; their float64 temporaries (two of them, 8 bytes per
+#: entry) take four times as much.
 KL_TEMP_SHARE = 1 / 16
+
+#: Share of the slice budget (:func:`slice_budget`) left over beside the head/KL block
+#: (``HEAD_BUDGET_FRACTION``, 0.4), the KL's float64 temporaries (``4 * KL_TEMP_SHARE``, 0.25)
+#: and the held final rows (``FLUSH_BUDGET_FRACTION``, 0.25): the KL's per-row float64 state
+#: (8 bytes x (3 + 2 probes) per position) and the allocator's rounding.
+SLICE_SLACK = 0.1
+
+#: The slice budget is never less than this share of the engine's budget (a batch whose
+#: activations alone fill the budget still gets workable head/KL blocks; its estimate then
+#: shows the working memory above the budget).
+_MIN_SLICE_SHARE = 1 / 8
+
+
+def slice_budget(budget: int, activation_bytes: int, fixed_bytes: int = 0) -> int:
+    """Bytes of an engine call's working-memory ``budget`` that its sliced parts share: what
+    remains after the activations of one batch (``activation_bytes``: the streams entering
+    every block and one block's forward) and the head's fixed working piece
+    (``fixed_bytes``: one upcast piece of a half-precision head on a CPU, one vocabulary
+    slice of an offloaded head). The head/KL block takes 0.4 of it, the KL's float64
+    temporaries 0.25, the final rows held before a head/KL flush 0.25, and
+    :data:`SLICE_SLACK` is left for the KL's per-row state, so activations + fixed piece +
+    sliced parts stay within ``budget``. At least ``budget / 8``.
+
+    Returns:
+        bytes (>= 1).
+    """
+    return max(1, int(_MIN_SLICE_SHARE * budget), int(budget) - int(activation_bytes) - int(fixed_bytes))
 
 
 @dataclass(frozen=True)
@@ -217,7 +245,8 @@ def resolve_memory(max_memory, device) -> MemoryBudget:
 
 def kl_block_bytes(device, budget: int) -> int:
     """Bytes of one row block of the KL's fp32 temporaries (:func:`~.kl.row_blocks`) on
-    ``device`` under a ``budget``-byte working memory: cache-sized on a CPU (2 MiB, the
+    ``device`` under a ``budget``-byte slice budget (:func:`slice_budget`; the whole
+    working memory where nothing else is held): cache-sized on a CPU (2 MiB, the
     default of ``row_blocks``); on an accelerator ``budget / 16`` (a block's float64
     temporaries take four times its size; at an 8 GiB budget a 1024-position x
     128k-vocabulary head block is one row block), so a probe runs a few large kernels
