@@ -65,7 +65,7 @@ from .rule import resolve_protect
 from .scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from .scoring.head import linear32
 from .scoring.kl import OnlineKL
-from .scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
+from .scoring.settings import EngineSettings, MemoryBudget, device_memory_budget, kl_block_bytes, resolve_memory
 from .scoring.slotmajor import blocks_offloaded
 from .scoring.verbs import swap_plans
 from .selection import STRATEGIES
@@ -133,7 +133,13 @@ class CostEstimate:
             engine calls'),
             ``kl_temporaries`` (the scoring KL's float64 temporaries beside its head/KL
             block, counted in ``working``), ``steps`` (the
-            largest peak of the steps after the selection) and ``process`` (this
+            largest peak of the steps after the selection), ``steps_working`` (per step after
+            the selection, its bytes beyond the weights on the compute device: the repair's
+            captures and moments as its fit takes them under the budget, the sparsification's
+            cached block inputs and outputs and statistics, healing's teacher, optimizer state,
+            saved activations and logits), ``steps_host`` (a repair's float64 moments kept in
+            host memory on an accelerator, in ``peak_memory_bytes["cpu"]``), ``budget`` (the
+            one working-memory budget every step was planned under) and ``process`` (this
             process's resident memory when estimating on a CPU).
     """
 
@@ -541,7 +547,9 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         max_memory: the scoring working-memory budget as ``prune`` takes it: bytes or a
             size such as ``"2GiB"`` (:func:`~hf_layerswap.scoring.settings.parse_memory`);
             ``None``/``"auto"`` (default): what scoring derives for ``device``
-            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`).
+            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`), for a model not
+            loaded yet from its free memory less the weights the load will put there. Every
+            step is planned under it (``memory_parts``).
         tokenizer: reads the calibration text and the texts of healing's measurements
             (``perplexity_text``, ``eval_tasks``), whose passes are counted from their
             tokens; a tokenizer, a folder or Hub id; default ``config.tokenizer``, else the
@@ -574,7 +582,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     check_removal(cfg, num_blocks(model))
     check_against_model(cfg, model)  # as prune refuses it before scoring
     calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
-    memory = resolve_memory(max_memory, device)  # the one budget prune resolves for every step
+    memory = _budget(max_memory, device, model, stream_weights)  # the one budget prune resolves for every step
     budget = memory.bytes
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     kept, working = memory.split()  # the selection: its kept reference and its engine calls share the budget
@@ -600,9 +608,23 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
             phases["selection"] = selection  # the paper's rule reads the scores: no phase of its own
     exact = all(p.get("exact", True) for p in phases.values())
     phases.update(_after_selection(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer),
-                                   rates=lambda batch, width: throughput or measure_throughput(model, batch, width,
+                                   budget=budget, accelerator=device.type != "cpu", rates=lambda batch, width: throughput or measure_throughput(model, batch, width,
                                                                                                device=device)))
-    return _assemble(model, calib, cfg, phases, scoring_plan, exact, device, kept.bytes, throughput, stream_weights)
+    estimate = _assemble(model, calib, cfg, phases, scoring_plan, exact, device, kept.bytes, throughput, stream_weights)
+    estimate.memory_parts["budget"] = int(budget)
+    return estimate
+
+
+def _budget(max_memory, device: torch.device, model, stream_weights) -> MemoryBudget:
+    """The one working-memory budget of the prune, as :func:`~hf_layerswap.prune` will
+    resolve it: given bytes or a size as they are; ``"auto"`` for a model not loaded yet (on
+    the meta device) from the free memory of ``device`` less the weights the load will put
+    there (what remains after them, as the run reads it), else from ``device`` as it is."""
+    if max_memory not in (None, "auto"):
+        return resolve_memory(max_memory, device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    pending = ModelShape(model).weight_bytes if on_meta and not stream_weights else 0
+    return MemoryBudget(*device_memory_budget(device, pending=pending))
 
 
 def _on_device(plan, device: torch.device):
@@ -634,15 +656,17 @@ def _check_device(device: torch.device, max_memory, throughput) -> None:
 
 
 def _after_selection(model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *,
-                     rates=None) -> dict:
+                     budget: int | None = None, accelerator: bool = False, rates=None) -> dict:
     """The repair, healing and sparsity phases :func:`~hf_layerswap.prune` runs after the
-    selection (:mod:`~hf_layerswap.cost_steps`), in its order; healing's default budget at
-    ``rates(batch_size, width)``."""
+    selection (:mod:`~hf_layerswap.cost_steps`), in its order, the repair's fit under the
+    working-memory ``budget`` as it runs (on an ``accelerator`` its moments may stay in host
+    memory); healing's default budget at ``rates(batch_size, width)``."""
     shape = ModelShape(model)
     removed = len(cfg.layers) if cfg.layers is not None else cfg.num_to_remove
     phases = {}
     if cfg.recovery is not None:  # the dense teacher copy of healing is held from before the cut
-        phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0)
+        phases["recovery"] = recovery_phase(shape, calib, cfg, shape.weight_bytes if cfg.heal is not None else 0,
+                                            budget, accelerator)
     if cfg.heal is not None:
         phases["healing"] = healing_phase(shape, cfg, calibration, removed, tokenizer, rates=rates)
     if cfg.sparsity is not None:
@@ -719,6 +743,9 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
     resident = _resident_bytes() if device.type == "cpu" else 0
     if device.type == "cpu":
         peak["cpu"] = peak.get("cpu", 0) + resident + (working if streamed else 0)
+    host = max((p.get("host_bytes", 0) for p in phases.values()), default=0)  # a repair's moments kept on the host
+    if host and device.type != "cpu":
+        peak["cpu"] = max(peak.get("cpu", 0), host)
     if throughput is None:
         throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
     for p in phases.values():
@@ -738,6 +765,8 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
                       "scoring": int(scoring_working), "selection": int(selection_working),
                       "kl_temporaries": int(kl_temps),
+                      "steps_working": {k: int(p["working_bytes"]) for k, p in phases.items() if "working_bytes" in p},
+                      "steps_host": int(host),
                       "process": int(resident), "steps": int(steps_peak)},
     )
 

@@ -52,6 +52,7 @@ from .plan import num_blocks
 from .recovery import RecoveryReport, recover
 from .report import PruneProvenance, SwapReport
 from .scoring import score_layers
+from .cost_steps import warn_step_memory
 from .scoring.settings import resolve_memory
 from .rule import check_budget
 from .selection import check_report_matches, select_layers
@@ -123,8 +124,8 @@ def prune(
             stopped. Only the scoring is resumed; what follows it (the selection search,
             the repair) runs again.
         max_memory: the one working-memory budget beyond the weights (bytes, ``"2GiB"``,
-            ``None``/``"auto"``: from the device's free memory), resolved once and given to the
-            scoring and the selection (:func:`~hf_layerswap.select_layers`' ``max_memory``).
+            ``None``/``"auto"``: from the device's free memory) for every step; a step that cannot
+            keep within it warns ``MemoryBudgetWarning`` first (:func:`~.cost_steps.warn_step_memory`).
         heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
             of :func:`~hf_layerswap.heal`); needs ``config.heal``.
 
@@ -164,9 +165,8 @@ def prune(
         or cfg.recovery is not None
         or cfg.sparsity is not None
     )
-    calib = None
-    if needs_text or isinstance(source, CalibrationSet):
-        calib = _calibration(model, cfg, source, tokenizer)
+    calib = _calibration(model, cfg, source, tokenizer) if needs_text or isinstance(source, CalibrationSet) else None
+    warn_step_memory(model, cfg, calib, budget.bytes)  # before the scoring: what a later step cannot slice
     if cfg.layers is None and report is None:
         protocols = entry.scores(cfg.protocol)
         report = score_layers(
@@ -201,7 +201,7 @@ def prune(
     if cfg.recovery is not None:
         rec = cfg.recovery
         result.recovery_report = recover(model, layers, calib, method=rec.method, num_tokens=rec.num_tokens,
-                                         epsilon=rec.epsilon, batch_size=cfg.batch_size)
+                                         epsilon=rec.epsilon, batch_size=cfg.batch_size, max_memory=budget)
         model.layerswap_recovery_report = result.recovery_report
         _annotate_last_step(model, provenance.to_dict())
     else:

@@ -23,7 +23,8 @@ from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
-    "MemoryBudget", "REFERENCE_SHARE", "SLICE_SLACK", "device_batch_size", "device_memory_budget", "dtype_name",
+    "MemoryBudget", "MemoryBudgetWarning", "REFERENCE_SHARE", "SLICE_SLACK", "block_activation_bytes",
+    "device_batch_size", "device_memory_budget", "dtype_name",
     "kl_block_bytes", "load_limit", "model_memory_budget", "parse_memory", "resolve_memory", "slice_budget",
 ]
 
@@ -99,7 +100,7 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) -> tuple[int, str]:
+def device_memory_budget(device, *, limit: int | None = None, weights: int = 0, pending: int = 0) -> tuple[int, str]:
     """The working-memory budget scoring derives for ``device`` when ``max_memory`` is
     ``None``/``"auto"``: :data:`MEMORY_SHARE` of what remains on it after the weights, at
     most :data:`MEMORY_CAP`, at least 64 MiB, rounded down to a power of two (so that small
@@ -114,6 +115,9 @@ def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) 
         device: a ``torch.device`` or its name (``"cpu"``, ``"cuda:0"``).
         limit: the load's ``max_memory`` for ``device`` in bytes, or None.
         weights: bytes of the model's weights held on ``device`` (counted against ``limit``).
+        pending: bytes of weights not loaded yet that the run will hold on ``device`` (an
+            estimate made before the load, :func:`~hf_layerswap.cost.estimate_cost`): taken
+            from the free memory read now, as the load will take them.
 
     Returns:
         ``(bytes, how)``: the budget and a sentence saying how it was derived (recorded
@@ -123,6 +127,8 @@ def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) 
     kind = _device_kind(device)
     free = _free_bytes(device)
     where = f"free on {device}"
+    if free is not None and pending:
+        free, where = max(0, free - pending), f"free on {device} less {_gib(pending)} of weights still to load"
     if limit is not None:
         left = max(0, limit - weights)
         if free is None or left < free:
@@ -184,6 +190,22 @@ SLICE_SLACK = 0.1
 #: activations alone fill the budget still gets workable head/KL blocks; its estimate then
 #: shows the working memory above the budget).
 _MIN_SLICE_SHARE = 1 / 8
+
+
+class MemoryBudgetWarning(UserWarning):
+    """A step needs more working memory than the one budget (``max_memory``) allows for
+    what it cannot slice; the message names the step, its need and the budget. Issued
+    before the step's work (:func:`~hf_layerswap.prune`, :func:`~hf_layerswap.recover`)."""
+
+
+def block_activation_bytes(positions: int, seq_len: int, hidden: int, intermediate: int, heads: int,
+                           element_bytes: int) -> int:
+    """Working memory of one decoder block's forward over ``positions`` positions of
+    prompts of ``seq_len`` tokens (bytes): its hidden-size and intermediate-size
+    temporaries (``8 H + 3 I`` per position in the compute dtype) and the attention scores
+    (``heads x seq_len^2`` fp32 per prompt)."""
+    prompts = positions // max(1, seq_len)
+    return positions * (8 * hidden + 3 * intermediate) * element_bytes + prompts * heads * seq_len**2 * 4
 
 
 def slice_budget(budget: int, activation_bytes: int, fixed_bytes: int = 0) -> int:
