@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from functools import partial
 from collections.abc import Sequence
 
 from torch import nn
@@ -37,6 +38,7 @@ def interchange_beam(
     include_greedy: bool = True,
     batch_size: int = 8,
     resume: CriterionResult | None = None,
+    max_memory=None,
 ):
     """The paper's interchange-seeded beam search (No Free Swap, App. G/K), scored on the
     calibration prompts only.
@@ -60,6 +62,9 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
+        max_memory: the working-memory budget of the ``"removal_kl"`` evaluator's engine
+            calls (bytes, a size, a ``MemoryBudget``; default ``"auto"``), as
+            :func:`~hf_layerswap.select_layers` hands it on.
         resume: a beam result for a smaller budget with the same settings: the search
             continues from its last level's beams (level k+1 only scores sets of size
             k+1, so the sets and costs equal those of one run).
@@ -91,7 +96,7 @@ def interchange_beam(
     passes, blocks, seconds, estimated = report_cost(report, ("interchange",))
     scores = sub.layer_scores("interchange")
     seeds = sorted(allowed, key=lambda i: (score_key(scores[i]), i))[:seed_size]
-    score_fn = removal_kl_values if evaluator == "removal_kl" else removal_nll_values
+    score_fn = partial(removal_kl_values, max_memory=max_memory) if evaluator == "removal_kl" else removal_nll_values
     cache: dict[str, float] = {}
     beams: list[list[int]] = []
     levels, results = [], {}
