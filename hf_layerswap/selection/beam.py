@@ -62,9 +62,7 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
-        max_memory: the working-memory budget of the ``"removal_kl"`` evaluator's engine
-            calls (bytes, a size, a ``MemoryBudget``; default ``"auto"``), as
-            :func:`~hf_layerswap.select_layers` hands it on.
+        max_memory: the ``"removal_kl"`` evaluator's working-memory budget (``select_layers``').
         resume: a beam result for a smaller budget with the same settings: the search
             continues from its last level's beams (level k+1 only scores sets of size
             k+1, so the sets and costs equal those of one run).
