@@ -216,18 +216,18 @@ def main(argv=None) -> int:
                 data["limit_rows"].append(json.loads(out.strip().splitlines()[-1]))
                 write_json_atomic(data, store)  # each row as it finishes
     elif not args.render_only:
-        rows = []
+        import torch
+
+        # the budget rows replace the stored ones; the "auto" rows (--headroom-mib) are kept
+        data = json.loads(store.read_text()) if store.exists() else {}
+        data.update(command=command_line("memory_budget.py", argv), rows=[],
+                    machine=f"{platform.machine()}, cpu; torch {torch.__version__}, {args.threads} torch threads")
         for share in args.shares:
             cmd = [sys.executable, __file__, "--child", "--shares", str(share), "--num-prompts", str(args.num_prompts),
                    "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-        import torch
-
-        data = {"command": command_line("memory_budget.py", argv),
-                "machine": f"{platform.machine()}, cpu; torch {torch.__version__}, {args.threads} torch threads",
-                "rows": rows}
-        write_json_atomic(data, store)
+            data["rows"].append(json.loads(out.strip().splitlines()[-1]))
+            write_json_atomic(data, store)  # each row as it finishes
     data = json.loads(store.read_text())
     write_text_atomic(render(data), args.out)
     print(render(data))

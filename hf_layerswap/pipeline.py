@@ -44,6 +44,7 @@ from torch import nn
 
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
+from .cost.steps import warn_step_memory
 from .healing import HealReport
 from .recovery import RecoveryReport
 from .scoring.report import PruneProvenance, SwapReport
@@ -119,8 +120,8 @@ def prune(
             stopped. Only the scoring is resumed; what follows it (the selection search,
             the repair) runs again.
         max_memory: the one working-memory budget beyond the weights (bytes, ``"2GiB"``,
-            ``None``/``"auto"``: from the device's free memory), resolved once and given to the
-            scoring and the selection (:func:`~hf_layerswap.select_layers`' ``max_memory``).
+            ``None``/``"auto"``: from the device's free memory) for every step; a step that cannot
+            keep within it warns ``MemoryBudgetWarning`` first (:func:`~.cost_steps.warn_step_memory`).
         heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
             of :func:`~hf_layerswap.heal`); needs a heal step. A recipe's second and later
             heal steps keep theirs in its subfolders ``heal-2``, ``heal-3``, ...
@@ -157,6 +158,10 @@ def prune(
     run.budget = resolve_memory(max_memory, model)  # one budget for every step; a bad value before any work
     if any(step.needs_calibration(run) for step in steps) or isinstance(run.source, CalibrationSet):
         run.calibration = _calibration(model, cfg, run.source, tokenizer)
+    for step in steps:  # before the scoring: what a later step cannot slice to the budget warns
+        view = step.memory_view()
+        if view is not None:
+            warn_step_memory(model, view, run.calibration, run.budget.bytes)
     ran = []
     for step in steps:
         record = step.apply(run)

@@ -111,6 +111,8 @@ class Step(Protocol):
 
     def needs_calibration(self, run: Run | None) -> bool: ...
 
+    def memory_view(self) -> LayerSwapConfig | None: ...
+
     def estimate(self, plan) -> dict | None: ...
 
     def apply(self, run: Run) -> dict | None: ...
@@ -134,6 +136,13 @@ class _StepBase:
     def needs_calibration(self, run: Run | None) -> bool:
         """Whether the step reads the calibration prompts (``run``: ``None`` when estimating)."""
         return False
+
+    def memory_view(self) -> LayerSwapConfig | None:
+        """The config as :func:`~hf_layerswap.cost.steps.warn_step_memory` reads this step,
+        which :func:`~hf_layerswap.prune` warns for before any work when what it needs beyond
+        the weights and cannot slice exceeds the one budget (``None``: the step's memory is the
+        engine's, within the budget by construction)."""
+        return None
 
     def estimate(self, plan) -> dict | None:
         """The step's cost phase (``None``: it costs nothing)."""
@@ -271,6 +280,9 @@ class RepairStep(_StepBase):
 
     kind, phase = "repair", "recovery"
 
+    def memory_view(self) -> LayerSwapConfig | None:
+        return _view(self.cfg, recovery=self.settings)
+
     def check(self, model: nn.Module) -> None:
         check_against_model(self.cfg, model)  # a repair the architecture cannot run (fused on post-norm blocks)
 
@@ -279,12 +291,13 @@ class RepairStep(_StepBase):
 
     def estimate(self, plan) -> dict | None:
         teacher = plan.shape.weight_bytes if _heals(self.cfg) else 0  # healing's dense copy, held from before the cut
-        return plan.recovery_phase(plan.shape, plan.calib, _view(self.cfg, recovery=self.settings), teacher)
+        return plan.recovery_phase(plan.shape, plan.calib, _view(self.cfg, recovery=self.settings), teacher, plan.budget,
+                                   plan.accelerator)
 
     def apply(self, run: Run) -> dict | None:
         rec, model = self.settings, run.model
         run.recovery_report = recover(model, run.layers, run.calibration, method=rec.method, num_tokens=rec.num_tokens,
-                                      epsilon=rec.epsilon, batch_size=self.cfg.batch_size)
+                                      epsilon=rec.epsilon, batch_size=self.cfg.batch_size, max_memory=run.budget)
         model.layerswap_recovery_report = run.recovery_report
         record = getattr(model.config, "layerswap", None)
         if record and record.get("steps"):  # the selection record joins the step recover wrote (its own fields win)
@@ -299,6 +312,9 @@ class HealStep(_StepBase):
     taken just before the cut; on a sparsified model its zeros are kept."""
 
     kind, phase = "heal", "healing"
+
+    def memory_view(self) -> LayerSwapConfig | None:
+        return _view(self.cfg, heal=self.settings)
 
     def __init__(self, cfg: LayerSwapConfig, settings: HealConfig, run_index: int = 1, after_sparsify: bool = False):
         super().__init__(cfg, settings)
@@ -350,6 +366,9 @@ class SparsifyStep(_StepBase):
     nothing and records nothing."""
 
     kind, phase = "sparsify", "sparsity"
+
+    def memory_view(self) -> LayerSwapConfig | None:
+        return _view(self.cfg, sparsity=self.settings)
 
     def check_loaded(self, run: Run) -> None:
         check_sparsity_in_memory(run.model)

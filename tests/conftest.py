@@ -11,11 +11,13 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import hf_layerswap as hl
 from hf_layerswap.calibration import CalibrationSet
@@ -210,6 +212,34 @@ def counted_prune(cfg: LlamaConfig, config, calibration) -> tuple[int, int]:
     model.lm_head.register_forward_hook(lambda *_: counts.__setitem__("head", counts["head"] + 1))
     hl.prune(model, config, calibration=calibration)
     return counts["block"], counts["head"]
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The peak bytes of CPU tensor storages made while it is active (every aten call's
+    outputs, each storage once, freed when its last tensor goes): what torch allocates on
+    the CPU for a step, independent of the machine's resident-memory accounting. Storages
+    made inside one kernel and freed before it returns are not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+        return out
 
 
 # --------------------------------------------------------------------------- shared by component tests

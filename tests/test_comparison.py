@@ -603,3 +603,23 @@ def test_each_objective_is_a_search_criterion_that_minimises_it(harness_setup):
             "search_nll", n, "nll", "nats per token")
         assert out[n].details["value"] == pytest.approx(removal_nll_values(model, calib, [out[n].removed], 4)[0][0],
                                                         rel=1e-9)
+
+
+def test_the_beams_removal_kl_calls_run_under_the_budget_select_layers_hands_on(monkeypatch):
+    """The beam's evaluator calls take select_layers' working-memory budget (they took the
+    device's own "auto" budget, outside the prune's one budget)."""
+    import hf_layerswap.selection.objectives as objectives
+
+    seen = []
+    real = objectives.plan_kl
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs.get("max_memory"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objectives, "plan_kl", recorded)
+    model = tiny_model("llama", 8, seed=5)
+    calib = calib_set()
+    report = score_layers(model, calib, protocols=("interchange",), progress=False)
+    chosen = select_layers(report, 2, strategy="beam", model=model, calibration=calib, max_memory="3MiB")
+    assert len(chosen) == 2 and len(seen) >= 2 and set(seen) == {"3MiB"}

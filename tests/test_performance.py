@@ -24,6 +24,7 @@ from hf_layerswap import scoring
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, num_blocks, removal_plan, replacement_plan
 from hf_layerswap.scoring.report import PairResult, SwapReport
+from hf_layerswap.scoring.engine import plan_engine
 from hf_layerswap.scoring import (
     AdaptiveBudget,
     CheckpointMismatchError,
@@ -194,11 +195,18 @@ def test_memory_budget_sets_chunk_and_batch():
     model = tiny_model("llama")  # vocab 128
     calib = build_calibration(tiny_batch(batch=6, length=12))
     _, stats = plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)}, max_memory="1MiB", kl_chunk=1024)
-    # float64 reference weights and fp32 logits: 12 bytes per position and vocabulary entry; the whole
-    # vocabulary needs 12 * 1024 * 128 bytes = 1.5 MiB > 0.4 MiB, so sliced:
-    # floor(0.4 * 2**20 / (12 * 1024)) = 34 entries -> 4 slices of the 128 -> 32 per slice
+    # the head/KL block gets 0.4 of what the budget leaves after a batch's activations (the fp32 head
+    # holds nothing beside its logits); float64 reference weights and fp32 logits: 12 bytes per position
+    # and vocabulary entry; the whole vocabulary needs 12 * 1024 * 128 bytes = 1.5 MiB, so sliced:
+    # floor(0.4 * slice / (12 * 1024)) entries -> the fewest equal slices of the 128
+    plan = plan_engine(model, calib, {"x": interchange_plan(6, 1, 2)},
+                       scoring.settings.EngineSettings(max_memory="1MiB", kl_chunk=1024)).plan()
+    assert 0 < plan.activation_bytes < 2**20 // 2 and plan.head_working_bytes == 0
+    assert plan.slice_bytes == 2**20 - plan.activation_bytes
+    width = int(0.4 * plan.slice_bytes) // (12 * 1024)
+    slices = -(-128 // width)
     assert scoring.HEAD_BUDGET_FRACTION == 0.4 and scoring.engine.KL_BLOCK_ENTRY_BYTES == 12
-    assert stats["kl_chunk_vocab"] == 32 and stats["kl_chunk_positions"] == 1024
+    assert stats["kl_chunk_vocab"] == -(-128 // slices) < 32 and stats["kl_chunk_positions"] == 1024
     assert stats["max_memory"] == 2**20
     _, stats = plan_kl(model, calib, {"x": interchange_plan(6, 1, 2)})
     assert stats["kl_chunk_positions"] == 8 * 12  # one chunk holds a whole batch (8 prompts x 12 tokens)
@@ -220,10 +228,13 @@ def test_large_vocabulary_keeps_whole_vocabulary_blocks_of_fewer_positions(monke
     plans = {"a": interchange_plan(4, 1, 2), "b": replacement_plan(4, 2, 1)}
     whole, stats = plan_kl(model, calib, plans, batch_size=8)
     assert stats["kl_chunk_positions"] == 96 and stats["kl_chunk_vocab"] == 8192
-    # 4 MiB: 0.4 x budget / (12 bytes x 8192 entries) = 17 positions fit with the whole vocabulary
+    # 4 MiB less a batch's activations: 0.4 x that / (12 bytes x 8192 entries) = 16 positions fit with
+    # the whole vocabulary
     monkeypatch.setattr(scoring.engine, "MIN_WHOLE_VOCAB_CHUNK", 16)
     fewer, stats = plan_kl(model, calib, plans, batch_size=8, max_memory="4MiB")
-    assert stats["kl_chunk_positions"] == int(0.4 * 4 * 2**20) // (12 * 8192) == 17
+    plan = plan_engine(model, calib, plans, scoring.settings.EngineSettings(batch_size=8, max_memory="4MiB")).plan()
+    assert plan.slice_bytes == 4 * 2**20 - plan.activation_bytes
+    assert stats["kl_chunk_positions"] == int(0.4 * plan.slice_bytes) // (12 * 8192) == 16
     assert stats["kl_chunk_vocab"] == 8192
     assert stats["kl_streaming"] == "position chunks, whole vocabulary, float64 online log-sum-exp (one pass)"
     assert stats["head_rows"] == 96 * (1 + len(plans))  # one head pass per probe and the reference

@@ -248,3 +248,33 @@ def test_a_search_cap_below_its_first_sweep_is_refused_before_the_scoring():
     assert calls == []
     with pytest.raises(ValueError, match=message):
         hl.estimate_cost(model.config, config)
+
+
+def test_prune_warns_before_any_forward_for_a_step_the_budget_cannot_slice():
+    """A sparsification whose cached block inputs and outputs exceed the one budget, and a
+    repair whose float64 moments exceed it on a CPU, each warn MemoryBudgetWarning naming the
+    step, its need and the budget before the scoring's first forward pass."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_layerswap.scoring.settings import MemoryBudgetWarning
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 512, (16, 64), generator=torch.Generator().manual_seed(0))
+    calib = hl.CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    # 16 prompts x 64 tokens x 256 x 4 bytes, in and out: 2 MiB of cached streams, beyond 1 MiB
+    for config, step in ((dict(sparsity=0.5), "the sparsification"), (dict(recovery="ghosted"), "the ghosted repair")):
+        cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", num_prompts=16, seq_len=64, progress=False,
+                                 **config)
+        forwards = []
+        handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", MemoryBudgetWarning)
+                with pytest.raises(MemoryBudgetWarning, match=rf"{step}.* needs [\d,.]+ MiB beyond the weights, more "
+                                                              r"than max_memory=1\.0 MiB"):
+                    hl.prune(model, cfg, calibration=calib, max_memory="1MiB")
+        finally:
+            handle.remove()
+        assert forwards == [] and len(model.model.layers) == 4

@@ -767,3 +767,48 @@ def test_detaching_linearpatch_operators_keeps_the_record_of_the_fold(calib):
     model = tiny_model("llama")
     recover(model, [3], calib, method="linearpatch")
     assert detach_recovery(model) == 1 and "recovery" not in model.config.layerswap
+
+
+def test_a_fit_under_a_small_budget_takes_fewer_prompts_per_batch_and_gives_the_same_repair():
+    """Under a working-memory budget smaller than a full batch's captures beside the moments,
+    the fit takes fewer prompts per batch (the moments are float64 sums over the same rows,
+    so the repair is the same to float64 rounding); a budget the moments alone exceed on a
+    CPU warns MemoryBudgetWarning with the need and the budget before the fit."""
+    from hf_layerswap.cost.steps import ModelShape, recovery_phase
+    from hf_layerswap.recovery.fit import fit_memory
+    from hf_layerswap.scoring.settings import MemoryBudgetWarning
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+    calib = hl.CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    cfg = hl.LayerSwapConfig(layers=[2, 3], recovery="ghosted", num_prompts=8, seq_len=64, batch_size=8)
+    full = recovery_phase(ModelShape(model), calib, cfg, 0)
+    moments = 8 * model.config.hidden_size**2 * (2 * 2 + 1)  # XᵀX, XᵀY per removed block, one more for the cut
+    budget = moments + (full["working_bytes"] - moments) // 2
+    small = recovery_phase(ModelShape(model), calib, cfg, 0, budget)
+    assert full["batch_size"] == 8 and small["batch_size"] < 8 and small["within_budget"]
+    assert small["working_bytes"] <= budget < full["working_bytes"]
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        whole = hl.recover(a, [2, 3], calib, method="ghosted", batch_size=8)
+        sliced = hl.recover(b, [2, 3], calib, method="ghosted", batch_size=8, max_memory=budget)
+    assert whole.num_tokens == sliced.num_tokens == 8 * 64
+    assert [f.residual_after for f in sliced.boundaries] == pytest.approx([f.residual_after for f in whole.boundaries], rel=1e-9)
+    ids = calib.input_ids[:2]
+    with torch.no_grad():
+        assert torch.allclose(a(ids).logits, b(ids).logits, rtol=0, atol=1e-5)
+    assert moments > 1 << 20  # 2.5 MiB of moments: a 1 MiB budget cannot hold them on a CPU
+    with pytest.warns(MemoryBudgetWarning, match=r"ghosted repair's fit needs .* MiB .*max_memory=1\.0 MiB"):
+        hl.recover(copy.deepcopy(model), [2, 3], calib, method="ghosted", batch_size=8, max_memory="1MiB")
+    # on an accelerator the moments go to host memory instead, and the device keeps within the budget
+    plan = fit_memory(calib, 8, 10**6, slots=3, hidden=64, element_bytes=4, moment_bytes=10**9,
+                      activation=lambda b, w: 0, budget=1 << 20, accelerator=True)
+    assert plan["moments_on_host"] and plan["host_bytes"] == 10**9 and plan["device_bytes"] <= 1 << 20
+    on_cpu = fit_memory(calib, 8, 10**6, slots=3, hidden=64, element_bytes=4, moment_bytes=10**9,
+                        activation=lambda b, w: 0, budget=1 << 20)
+    assert not on_cpu["moments_on_host"] and not on_cpu["within_budget"] and on_cpu["batch_size"] == 1

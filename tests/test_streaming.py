@@ -269,9 +269,10 @@ def test_slot_major_in_memory_and_in_groups_gives_the_depth_first_values():
     calib = build_calibration(tiny_batch(batch=4, length=16))
     plans = swap_plans(6, 2, ("replacement", "interchange")) | {"removal": [0, 2, 3, 5]}
     budget = 1 << 20
-    depth, d_stats = plan_kl(model, calib, plans, slot_major=False, max_memory=budget)
-    streamed, s_stats = plan_kl(model, calib, plans, slot_major=True)
-    grouped, g_stats = plan_kl(model, calib, plans, slot_major=True, max_memory=budget)
+    whole = model.config.vocab_size  # the same head/KL blocks at both budgets (1 MiB would slice them)
+    depth, d_stats = plan_kl(model, calib, plans, slot_major=False, max_memory=budget, vocab_chunk=whole)
+    streamed, s_stats = plan_kl(model, calib, plans, slot_major=True, vocab_chunk=whole)
+    grouped, g_stats = plan_kl(model, calib, plans, slot_major=True, max_memory=budget, vocab_chunk=whole)
     for name in plans:
         assert torch.equal(streamed[name], depth[name]) and torch.equal(grouped[name], depth[name])
     assert s_stats["movement"]["block_onloads"] == 0  # nothing offloaded, nothing moved
@@ -424,12 +425,16 @@ def test_a_tiny_budget_slices_the_head_and_kl_and_gives_the_large_budgets_kls():
     plans = swap_plans(4, 3, ("replacement", "interchange"))
     small, small_stats = plan_kl(model, calib, plans, max_memory="1MiB", batch_size=4)
     large, large_stats = plan_kl(model, calib, plans, max_memory="1GiB", batch_size=4)
-    assert small_stats["kl_block_bytes"] == (1 << 20) // 16  # was the CPU's 2 MiB whatever the budget
+    # row blocks of a sixteenth of what the budget leaves after a batch's activations (the slice
+    # budget), not the CPU's fixed 2 MiB whatever the budget
+    plan = plan_engine(model, calib, plans, EngineSettings(max_memory="1MiB", batch_size=4)).plan()
+    assert plan.slice_bytes == (1 << 20) - plan.activation_bytes
+    assert small_stats["kl_block_bytes"] == plan.slice_bytes // 16
     assert small_stats["kl_chunk_vocab"] < 8192 == large_stats["kl_chunk_vocab"]
-    # the head/KL block and the float64 temporaries of one row block stay within the budget
+    # the activations, the head/KL block and the float64 temporaries of one row block stay within the budget
     block = 12 * small_stats["kl_chunk_positions"] * small_stats["kl_chunk_vocab"]
     rows = max(1, small_stats["kl_block_bytes"] // (4 * small_stats["kl_chunk_vocab"]))
-    assert block + 16 * rows * small_stats["kl_chunk_vocab"] <= 1 << 20
+    assert plan.activation_bytes + block + 16 * rows * small_stats["kl_chunk_vocab"] <= 1 << 20
     for name in plans:
         assert torch.allclose(small[name], large[name], rtol=1e-4, atol=0.0), name
         assert float(large[name].min()) > 0

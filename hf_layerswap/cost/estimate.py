@@ -65,7 +65,7 @@ from ..scoring.rule import resolve_protect
 from ..scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
 from ..scoring.head import linear32
 from ..scoring.kl import OnlineKL
-from ..scoring.settings import EngineSettings, kl_block_bytes, resolve_memory
+from ..scoring.settings import EngineSettings, MemoryBudget, device_memory_budget, kl_block_bytes, resolve_memory
 from ..scoring.slotmajor import blocks_offloaded
 from ..scoring.layerscores import swap_plans
 from ..selection import STRATEGIES
@@ -126,11 +126,22 @@ class CostEstimate:
         derivation: per field, how it was derived (sentences).
         throughput: the rates used for ``seconds``.
         memory_parts: bytes of the peak's parts: ``weights``, ``working`` (the engine's at
-            its largest, the scoring's or the search's engine calls with ``reference_kept``,
-            the search's kept reference: both within the one working-memory budget),
+            its largest: ``max(scoring, selection + reference_kept)``), ``scoring`` (the
+            scoring engine's working memory: a batch's activations, the head/KL block, the
+            KL's float64 temporaries, the held final rows, the head's working piece),
+            ``selection`` (the same for one engine call of the selection, planned at what the
+            budget leaves beside the kept reference), ``reference_kept`` (the kept dense
+            reference of a strategy that keeps one: at most half the budget; the rest is the
+            engine calls'),
             ``kl_temporaries`` (the scoring KL's float64 temporaries beside its head/KL
             block, counted in ``working``), ``steps`` (the
-            largest peak of the steps after the selection) and ``process`` (this
+            largest peak of the steps after the selection), ``steps_working`` (per step after
+            the selection, its bytes beyond the weights on the compute device: the repair's
+            captures and moments as its fit takes them under the budget, the sparsification's
+            cached block inputs and outputs and statistics, healing's teacher, optimizer state,
+            saved activations and logits), ``steps_host`` (a repair's float64 moments kept in
+            host memory on an accelerator, in ``peak_memory_bytes["cpu"]``), ``budget`` (the
+            one working-memory budget every step was planned under) and ``process`` (this
             process's resident memory when estimating on a CPU).
     """
 
@@ -538,7 +549,9 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         max_memory: the scoring working-memory budget as ``prune`` takes it: bytes or a
             size such as ``"2GiB"`` (:func:`~hf_layerswap.scoring.settings.parse_memory`);
             ``None``/``"auto"`` (default): what scoring derives for ``device``
-            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`).
+            (:func:`~hf_layerswap.scoring.settings.device_memory_budget`), for a model not
+            loaded yet from its free memory less the weights the load will put there. Every
+            step is planned under it (``memory_parts``).
         tokenizer: reads the calibration text and the texts of healing's measurements
             (``perplexity_text``, ``eval_tasks``), whose passes are counted from their
             tokens; a tokenizer, a folder or Hub id; default ``config.tokenizer``, else the
@@ -572,29 +585,45 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
     for step in recipe_steps(cfg):  # as prune refuses them before scoring
         step.check(model)
     calib, calib_known = _calibration(model, cfg, calibration, tokenizer)
-    memory = resolve_memory(max_memory, device)  # the one budget prune resolves for every step
+    memory = _budget(max_memory, device, model, stream_weights)  # the one budget prune resolves for every step
     budget = memory.bytes
     settings = EngineSettings(batch_size=cfg.batch_size, max_memory=budget, progress=False)
     kept, working = memory.split()  # the selection: its kept reference and its engine calls share the budget
     streamed = None if stream_weights is None else bool(stream_weights)  # None: the model's own offload
     plan = StepPlan(model, calib, cfg, calibration, measure_tokenizer(model, cfg, tokenizer), streamed=streamed,
                     device=device, settings=settings, kept=kept.bytes, working=working.bytes, calib_known=calib_known,
-                    rates=lambda batch, width: throughput or measure_throughput(model, batch, width, device=device))
+                    rates=lambda batch, width: throughput or measure_throughput(model, batch, width, device=device),
+                    budget=budget)
     phases: dict = {}
     for step in recipe_steps(cfg):  # each step's cost, in the order the prune runs them
         phase = step.estimate(plan)
         if phase is not None:
             phases[_phase_name(phases, step.phase)] = phase
     exact = all(p.get("exact", True) for k, p in phases.items() if k in ENGINE_PHASES)
-    return _assemble(model, calib, cfg, phases, plan.scoring_plan, exact, device, kept.bytes, throughput,
-                     stream_weights)
+    estimate = _assemble(model, calib, cfg, phases, plan.scoring_plan, exact, device, kept.bytes, throughput,
+                         stream_weights)
+    estimate.memory_parts["budget"] = int(budget)
+    return estimate
+
+
+def _budget(max_memory, device: torch.device, model, stream_weights) -> MemoryBudget:
+    """The one working-memory budget of the prune, as :func:`~hf_layerswap.prune` will
+    resolve it: given bytes or a size as they are; ``"auto"`` for a model not loaded yet (on
+    the meta device) from the free memory of ``device`` less the weights the load will put
+    there (what remains after them, as the run reads it), else from ``device`` as it is."""
+    if max_memory not in (None, "auto"):
+        return resolve_memory(max_memory, device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    pending = ModelShape(model).weight_bytes if on_meta and not stream_weights else 0
+    return MemoryBudget(*device_memory_budget(device, pending=pending))
 
 
 def _on_device(plan, device: torch.device):
     """``plan`` (an :class:`~hf_layerswap.scoring.engineplan.EnginePlan` made on the meta
     device) with the KL's row blocks the engine takes on ``device``
-    (:func:`~hf_layerswap.scoring.settings.kl_block_bytes`: large on an accelerator)."""
-    return dataclasses.replace(plan, kl_block_bytes=kl_block_bytes(device, plan.max_memory))
+    (:func:`~hf_layerswap.scoring.settings.kl_block_bytes` of the plan's slice budget: large on
+    an accelerator)."""
+    return dataclasses.replace(plan, kl_block_bytes=kl_block_bytes(device, plan.slice_bytes))
 
 
 def _on_this_machine(device: torch.device) -> bool:
@@ -621,7 +650,8 @@ class StepPlan:
     """What each step's :meth:`~hf_layerswap.steps.Step.estimate` reads: the meta-device
     ``model`` and its :class:`~hf_layerswap.cost.steps.ModelShape`, the prompts ``calib``,
     the config, the raw ``calibration`` (healing reads given tensors), the ``tokenizer`` of
-    healing's measurement texts, the device's ``rates(batch, width)``; :meth:`scoring` and
+    healing's measurement texts, the device's ``rates(batch, width)``, the one working-memory
+    ``budget`` (bytes) and whether the ``device`` is an ``accelerator``; :meth:`scoring` and
     :meth:`selection` plan the engine's two phases (the scoring's plan kept in
     ``scoring_plan`` for the peak memory); ``recovery_phase``, ``healing_phase`` and
     ``sparsity_phase`` are the per-step planners of :mod:`~hf_layerswap.cost.steps` that the
@@ -632,8 +662,9 @@ class StepPlan:
     sparsity_phase = staticmethod(sparsity_phase)
 
     def __init__(self, model, calib: CalibrationSet, cfg: LayerSwapConfig, calibration, tokenizer, *, streamed,
-                 device, settings: EngineSettings, kept: int, working: int, calib_known: bool, rates):
+                 device, settings: EngineSettings, kept: int, working: int, calib_known: bool, rates, budget: int):
         self.model, self.calib, self.cfg, self.calibration, self.tokenizer = model, calib, cfg, calibration, tokenizer
+        self.budget, self.accelerator = budget, device.type != "cpu"
         self.shape = ModelShape(model)
         self.streamed, self.device, self.settings, self.kept, self.working = streamed, device, settings, kept, working
         self.calib_known, self.rates = calib_known, rates
@@ -723,9 +754,10 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
     keeps = strategy_entry(strategy_entry(cfg.strategy).strategy_for(cfg.protocol)).keeps_reference  # as prune runs it
     if plan is not None and "selection" in phases and keeps:
         search_ref = _reference_bytes(plan, budget)  # ``budget``: the share the search keeps
-    working = _working_bytes(plan, 0) if plan is not None else 0
-    if selection_plan is not None:  # the search's engine calls beside its kept reference
-        working = max(working, _working_bytes(selection_plan, search_ref))
+    scoring_working = _working_bytes(plan, 0) if plan is not None else 0
+    selection_working = _working_bytes(selection_plan, 0) if selection_plan is not None else 0
+    # the selection's engine calls beside its kept reference, each within its share of the one budget
+    working = max(scoring_working, selection_working + search_ref if selection_plan is not None else 0)
     kl_temps = 0
     if plan is not None and plan.stream_logits:
         real = plan.batches[0].real_positions
@@ -742,6 +774,9 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
     resident = _resident_bytes() if device.type == "cpu" else 0
     if device.type == "cpu":
         peak["cpu"] = peak.get("cpu", 0) + resident + (working if streamed else 0)
+    host = max((p.get("host_bytes", 0) for p in phases.values()), default=0)  # a repair's moments kept on the host
+    if host and device.type != "cpu":
+        peak["cpu"] = max(peak.get("cpu", 0), host)
     if throughput is None:
         throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
     for p in phases.values():
@@ -759,7 +794,10 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         phases={k: {kk: vv for kk, vv in v.items() if kk not in ("plan", "exact_sets")} for k, v in phases.items()},
         derivation=_derivation(phases, exact, streamed, device, throughput), throughput=throughput,
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
+                      "scoring": int(scoring_working), "selection": int(selection_working),
                       "kl_temporaries": int(kl_temps),
+                      "steps_working": {k: int(p["working_bytes"]) for k, p in phases.items() if "working_bytes" in p},
+                      "steps_host": int(host),
                       "process": int(resident), "steps": int(steps_peak)},
     )
 

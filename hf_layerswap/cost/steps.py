@@ -40,6 +40,7 @@ best copy, the saved activations of the backward and the logits of a healing ste
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 from collections.abc import Mapping
 import os
@@ -58,9 +59,11 @@ from ..healing.trainer import resolve_patience
 from ..models import has_tokenizer_files, is_hub_id
 from ..layerplan import ONE_BLOCK, decoder_blocks, resolve_layer_indices
 from ..recovery.repair import DEFAULT_NUM_TOKENS
-from ..recovery.fit import cut_boundaries, select_rows
+from ..recovery.fit import cut_boundaries, fit_memory, select_rows
 from ..recovery.methods import PROBE_PROMPTS, get_recovery_method
 from ..scoring.rule import check_budget, resolve_protect
+from ..utils.devices import input_device
+from ..scoring.settings import MemoryBudgetWarning, block_activation_bytes
 from ..selection.registry import strategy_entry
 from ..sparsity.registry import get_allocator, get_pruner
 from ..sparsity.stats import HessianAccumulator
@@ -68,7 +71,7 @@ from ..evaluation.tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
-           "text_tokenizer"]
+           "text_tokenizer", "warn_step_memory"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -112,7 +115,7 @@ class ModelShape:
 
     def activation_bytes(self, batch: int, width: int) -> int:
         """One block's forward working memory over ``batch`` x ``width`` positions."""
-        return batch * width * (8 * self.hidden + 3 * self.intermediate) * self.es + batch * self.heads * width**2 * 4
+        return block_activation_bytes(batch * width, width, self.hidden, self.intermediate, self.heads, self.es)
 
 
 def _phase(exact: bool, note: str) -> dict:
@@ -163,8 +166,13 @@ def check_removal(cfg: LayerSwapConfig, total: int) -> None:
 
 
 # ---------------------------------------------------------------------------- recovery
-def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfig, teacher_bytes: int) -> dict:
-    """Passes, FLOPs and peak bytes of ``cfg.recovery``'s fit (see the module's text)."""
+def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfig, teacher_bytes: int,
+                   budget: int | None = None, accelerator: bool = False) -> dict:
+    """Passes, FLOPs and peak bytes of ``cfg.recovery``'s fit (see the module's text) under
+    the working-memory ``budget`` (:func:`~hf_layerswap.recovery.fit.fit_memory`: the
+    prompts per batch it takes, the moments in host memory on an ``accelerator`` when they do
+    not fit beside a batch's captures): ``working_bytes`` beyond the weights on the compute
+    device, ``host_bytes`` in host memory, ``batch_size`` and ``within_budget``."""
     rec = cfg.recovery
     entry = get_recovery_method(rec.method)
     removed, exact = _removal(shape, cfg)
@@ -184,15 +192,48 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
         ids, _, _ = next(select_rows(calib, min(cfg.batch_size, PROBE_PROMPTS), num_tokens))
         for depth in depths:
             _add_forward(phase, shape, depth, ids.shape[0], ids.shape[1], head=False)
-    most = 0
-    for ids, mask, keep in select_rows(calib, cfg.batch_size, num_tokens):
-        _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
-        held = len(slots) * ids.numel() * shape.hidden * shape.es + len(slots) * int(keep.sum()) * shape.hidden * 8
-        most = max(most, held + shape.activation_bytes(ids.shape[0], ids.shape[1]))
     # the method's float64 moments (blocks not yet chosen: up to one cut per removed block)
-    moments = entry.estimate(cuts, shape.hidden, exact)["moment_bytes"]
-    phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + most + moments
+    memory = fit_memory(calib, cfg.batch_size, num_tokens, slots=len(slots), hidden=shape.hidden,
+                        element_bytes=shape.es, moment_bytes=entry.estimate(cuts, shape.hidden, exact)["moment_bytes"],
+                        activation=shape.activation_bytes, budget=budget, accelerator=accelerator)
+    for ids, _, _ in select_rows(calib, memory["batch_size"], num_tokens):
+        _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
+    phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + memory["device_bytes"]
+    phase.update(working_bytes=memory["device_bytes"], host_bytes=memory["host_bytes"],
+                 batch_size=memory["batch_size"], within_budget=memory["within_budget"])
     return phase
+
+
+def warn_step_memory(model: nn.Module, cfg: LayerSwapConfig, calib: CalibrationSet | None, budget: int) -> None:
+    """Warn :class:`~hf_layerswap.scoring.settings.MemoryBudgetWarning`, before any work of
+    :func:`~hf_layerswap.prune`, for each later step whose working memory beyond the weights
+    exceeds the one ``budget`` (bytes) in what it cannot slice: the repair's fit as it will
+    run under the budget (:func:`recovery_phase`; blocks not chosen yet: the deepest cuts),
+    the sparsification's cached block inputs and outputs (:func:`sparsity_phase`), healing's
+    dense teacher (its optimizer state and activations come on top: ``estimate_cost``'s
+    healing phase). Each message names the step, its need and the budget."""
+    shape = ModelShape(model)
+    removed = len(cfg.layers) if cfg.layers is not None else int(cfg.num_to_remove or 0)
+    needs = []
+    if cfg.recovery is not None and calib is not None and removed:
+        accelerator = input_device(model).type != "cpu"
+        phase = recovery_phase(shape, calib, cfg, 0, budget, accelerator)
+        if not phase["within_budget"]:
+            needs.append((f"the {cfg.recovery.method} repair's fit (float64 moments and a "
+                          f"{phase['batch_size']}-prompt batch's captures)", phase["working_bytes"]))
+    if cfg.sparsity is not None and calib is not None:
+        phase = sparsity_phase(shape, calib, cfg, removed)
+        needs.append(("the sparsification (every calibration batch's block inputs and outputs, per-linear "
+                      "statistics)", phase["working_bytes"]))
+    if cfg.heal is not None:
+        needs.append(("healing (the dense teacher beside the student; its optimizer state and activations come "
+                      "on top, see estimate_cost)", shape.weight_bytes))
+    for what, need in needs:
+        if need > budget:
+            warnings.warn(MemoryBudgetWarning(
+                f"{what} needs {need / 2**20:,.1f} MiB beyond the weights, more than max_memory="
+                f"{budget / 2**20:,.1f} MiB, and does not slice it: raise max_memory, or expect that much more"),
+                stacklevel=3)
 
 
 # ---------------------------------------------------------------------------- sparsity
@@ -219,7 +260,9 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     else:
         stats = sum(4 * lin.in_features for lin in linears)
     pruned_weights = shape.weight_bytes - removed * shape.block_bytes
-    phase["memory_bytes"] = pruned_weights + cached + stats + shape.activation_bytes(SPARSIFY_BATCH, calib.seq_len)
+    working = cached + stats + shape.activation_bytes(SPARSIFY_BATCH, calib.seq_len)
+    phase["memory_bytes"] = pruned_weights + working
+    phase["working_bytes"] = working  # every batch's block inputs and outputs, not sliced
     return phase
 
 
@@ -384,6 +427,9 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     phase["memory_bytes"] = (2 * shape.weight_bytes - removed * shape.block_bytes + adapters + optimizer
                              + saved + logits)
     heal_measures(phase, shape, cfg, kept, tokenizer, earlier=earlier, sparse=sparse)
+    # beyond the weights: the dense teacher, the adapters, gradients and optimizer state, the backward's
+    # saved activations and the logits; training slices none of them
+    phase["working_bytes"] = phase["memory_bytes"] - shape.weight_bytes
     return phase
 
 

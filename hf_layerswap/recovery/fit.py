@@ -15,7 +15,7 @@ from ..utils.devices import input_device
 from ..layerplan import capture_residual_stream, resolve_layer_indices
 
 __all__ = [
-    "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "MAX_EPSILON", "model_family",
+    "block_down_proj", "check_epsilon", "collect_moments", "cut_boundaries", "fit_memory", "MAX_EPSILON", "model_family",
     "Moments", "POST_MLP_NORMS", "post_mlp_norm", "probe_additive_write", "quadratic_residual",
     "ridge_toward_identity", "select_rows",
 ]
@@ -162,16 +162,24 @@ def block_down_proj(model: nn.Module, blocks: nn.ModuleList, index: int) -> nn.L
 
 
 class Moments:
-    """Streaming float64 second moments of named row sets (and per-column sums, ``sums``)."""
+    """Streaming float64 second moments of named row sets (and per-column sums, ``sums``).
 
-    def __init__(self):
+    Args:
+        device: where the sums are kept (``None``: where each product is computed; ``"cpu"``
+            keeps them in host memory while the products run on an accelerator, so the
+            device holds one product at a time: :func:`fit_memory`).
+    """
+
+    def __init__(self, device=None):
+        self.device = None if device is None else torch.device(device)
         self.gram: dict = {}
         self.cross: dict = {}
         self.sq: dict = {}
         self.sums: dict = {}
 
-    @staticmethod
-    def _add(store: dict, key, value):
+    def _add(self, store: dict, key, value):
+        if self.device is not None and isinstance(value, torch.Tensor):
+            value = value.to(self.device)
         store[key] = value if key not in store else store[key] + value
 
     def add_gram(self, key, x):
@@ -186,6 +194,57 @@ class Moments:
     def add_sum(self, key, x):
         """Add the column sums of the ``(N, H)`` rows ``x`` (an ``(H,)`` vector) under ``key``."""
         self._add(self.sums, key, x.sum(dim=0))
+
+
+def fit_memory(calib: CalibrationSet, batch_size: int, num_tokens: int, *, slots: int, hidden: int,
+               element_bytes: int, moment_bytes: int, activation, budget: int | None = None,
+               accelerator: bool = False) -> dict:
+    """The working memory of a repair's fit (:func:`collect_moments`) under ``budget`` bytes
+    beyond the weights, and how the fit stays within it: the float64 moments kept in host
+    memory when the fit computes on an accelerator and they do not fit beside a batch's
+    captures (the device then holds one ``(H, H)`` float64 product at a time), then the
+    prompts per batch halved (down to 1) until a batch's captures fit what remains.
+
+    A batch's captures: the residual streams of ``slots`` slots over its positions (compute
+    dtype, ``element_bytes``), their kept rows and one cut's difference in float64, one
+    ``(H, H)`` float64 product and ``activation(positions, width)`` (one block's forward).
+
+    Args:
+        calib, batch_size, num_tokens: the fit's prompts (:func:`select_rows`).
+        slots: stream slots the fit reads; hidden: H.
+        moment_bytes: the moments' bytes (:meth:`~.methods.RecoveryMethod.moment_bytes`).
+        activation: ``(positions, width) -> bytes`` of one block's forward.
+        budget: bytes, or ``None`` (no budget: ``batch_size`` as given, moments where they
+            are computed).
+        accelerator: the fit computes on an accelerator (host memory can take the moments).
+
+    Returns:
+        ``{"batch_size", "capture_bytes", "moment_bytes", "moments_on_host", "device_bytes",
+        "host_bytes", "within_budget"}``: ``device_bytes`` the fit's peak beyond the weights
+        on its compute device, ``host_bytes`` what host memory holds.
+    """
+    product = 8 * hidden * hidden
+
+    def captures(b: int) -> int:
+        most = 0
+        for ids, _, keep in select_rows(calib, b, num_tokens):
+            kept = int(keep.sum())
+            held = slots * ids.numel() * hidden * element_bytes + (slots + 1) * kept * hidden * 8
+            most = max(most, held + product + activation(ids.shape[0], ids.shape[1]))
+        return most
+
+    batch, host = batch_size, False
+    capture = captures(batch)
+    if budget is not None:
+        host = accelerator and capture + moment_bytes > budget
+        beside = 0 if host else moment_bytes
+        while batch > 1 and capture + beside > budget:
+            batch = max(1, batch // 2)
+            capture = captures(batch)
+    device_bytes = capture + (0 if host else moment_bytes)
+    return {"batch_size": batch, "capture_bytes": capture, "moment_bytes": moment_bytes, "moments_on_host": host,
+            "device_bytes": device_bytes, "host_bytes": moment_bytes if host else 0,
+            "within_budget": budget is None or device_bytes <= budget}
 
 
 def select_rows(calib: CalibrationSet, batch_size: int, num_tokens: int):
@@ -253,8 +312,10 @@ def probe_additive_write(model, blocks, host: int, ids, mask) -> None:
 
 
 @torch.no_grad()
-def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) -> tuple[Moments, int, int | None]:
-    """One pass over the calibration tokens; returns the moments, tokens used and H.
+def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size,
+                    moments_device=None) -> tuple[Moments, int, int | None]:
+    """One pass over the calibration tokens; returns the moments, tokens used and H
+    (``moments_device``: where the moments are kept, :class:`Moments`).
 
     Every cut gets the squared norms of ``h_e`` (``("y", e)``) and of ``h_e - h_s``
     (``("delta", s)``); the rest is ``method``'s (:class:`~.methods.RecoveryMethod`):
@@ -264,7 +325,7 @@ def collect_moments(model, blocks, cuts, method, calib, num_tokens, batch_size) 
     for cut in cuts:
         slots.update((cut["start"], cut["end"]))
         slots.update(method.slots(cut))
-    moments = Moments()
+    moments = Moments(moments_device)
     used = 0
     hidden = None
     tapped: dict = {}

@@ -14,7 +14,10 @@ from ..calibration import CalibrationSet, CalibrationShortfallWarning, build_cal
 from ..utils.jsonio import encode_float
 from ..layerplan import decoder_blocks, model_hidden_size, resolve_layer_indices
 from ..surgery.removal import remove_layers
-from .fit import Moments, check_epsilon, collect_moments, cut_boundaries
+from ..utils.devices import input_device
+from ..scoring.head import param_dtype, text_config
+from ..scoring.settings import MemoryBudgetWarning, block_activation_bytes, resolve_memory
+from .fit import Moments, check_epsilon, collect_moments, cut_boundaries, fit_memory
 from .methods import get_recovery_method
 from ..surgery.operators import attached_operators
 from .report import BoundaryFit, RecoveryReport
@@ -38,6 +41,7 @@ def recover(
     seq_len: int = 128,
     batch_size: int = 8,
     seed: int = 0,
+    max_memory=None,
 ) -> RecoveryReport:
     """Remove blocks from a dense model and repair each cut with a closed-form linear map.
 
@@ -66,7 +70,13 @@ def recover(
             without a ridge (``"linearpatch"``) takes only ``None`` or 0.
         num_prompts, seq_len, seed: passed to :func:`build_calibration` for non-
             :class:`CalibrationSet` sources (``num_prompts=None``: ``2·num_tokens/seq_len``).
-        batch_size: prompts per forward pass.
+        batch_size: prompts per forward pass (at most; fewer under ``max_memory``).
+        max_memory: the fit's working-memory budget beyond the weights (bytes, a size, a
+            ``MemoryBudget``, ``"auto"``: :func:`~hf_layerswap.scoring.settings.resolve_memory`;
+            ``None``: none): the float64 moments in host memory on an accelerator when they do
+            not fit beside a batch's captures, fewer prompts per batch until these fit (the same
+            maps to float64 rounding; :func:`~hf_layerswap.recovery.fit.fit_memory`); what cannot
+            warns ``MemoryBudgetWarning`` with its need and the budget before the fit.
 
     Returns:
         A :class:`RecoveryReport` (also stored, as a dict, in
@@ -114,11 +124,13 @@ def recover(
         if num_prompts is None:
             num_prompts = max(1, math.ceil(2 * num_tokens / seq_len))
         calibration = build_calibration(calibration, tokenizer, num_prompts=num_prompts, seq_len=seq_len, seed=seed)
+    memory = _fit_memory(model, entry, cuts, calibration, num_tokens, batch_size, max_memory)
     was_training = model.training
     model.eval()
     try:
         entry.probe(model, blocks, cuts, calibration, batch_size, num_tokens)
-        moments, used, hidden = collect_moments(model, blocks, cuts, entry, calibration, num_tokens, batch_size)
+        moments, used, hidden = collect_moments(model, blocks, cuts, entry, calibration, num_tokens,
+                                                memory["batch_size"], "cpu" if memory["moments_on_host"] else None)
     finally:
         model.train(was_training)
     _warn_few_tokens(entry, calibration, used, num_tokens, requested, hidden)
@@ -138,6 +150,32 @@ def recover(
             record["previous"] = old_record
         model.config.layerswap["recovery"] = record
     return report
+
+
+def _fit_memory(model, entry, cuts, calibration: CalibrationSet, num_tokens: int, batch_size: int, max_memory) -> dict:
+    """:func:`~.fit.fit_memory` of this fit under ``max_memory`` (None: no budget); warns
+    :class:`~hf_layerswap.scoring.settings.MemoryBudgetWarning` when it cannot stay within it."""
+    cfg = text_config(model)
+    hidden = model_hidden_size(model)
+    slots: set[int] = set()
+    for cut in cuts:
+        slots.update((cut["start"], cut["end"]), entry.slots(cut))
+    es = param_dtype(model).itemsize
+    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    budget = None if max_memory is None else resolve_memory(max_memory, model).bytes
+    memory = fit_memory(calibration, batch_size, num_tokens, slots=len(slots), hidden=hidden, element_bytes=es,
+                        moment_bytes=entry.moment_bytes(cuts, hidden, True),
+                        activation=lambda b, w: block_activation_bytes(b * w, w, hidden, inter, heads, es),
+                        budget=budget, accelerator=input_device(model).type != "cpu")
+    if not memory["within_budget"]:
+        warnings.warn(MemoryBudgetWarning(
+            f"the {entry.name} repair's fit needs {memory['device_bytes'] / 2**20:,.1f} MiB beyond the weights "
+            f"(float64 moments {memory['moment_bytes'] / 2**20:,.1f} MiB, which are not sliced"
+            f"{' and stay on this device' if not memory['moments_on_host'] else ' (kept in host memory)'}; "
+            f"captures of a {memory['batch_size']}-prompt batch {memory['capture_bytes'] / 2**20:,.1f} MiB), "
+            f"more than max_memory={budget / 2**20:,.1f} MiB: raise max_memory or repair fewer cuts"), stacklevel=3)
+    return memory
 
 
 def _warn_few_tokens(entry, calibration: CalibrationSet, used: int, num_tokens: int, requested: bool,

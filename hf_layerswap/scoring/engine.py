@@ -46,7 +46,7 @@ from .probes import make_probes, position_hooks, Probe, schedule, schedule_block
 from .processes import check_model_replica, Processes, sum_movement
 from .engineplan import BatchPlan, EnginePlan
 from .reference import ReferenceCache
-from .settings import dtype_name, EngineSettings, kl_block_bytes
+from .settings import block_activation_bytes, dtype_name, EngineSettings, kl_block_bytes, slice_budget
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
                         probe_groups, run_pass)
 from .streamed import StreamedKL
@@ -54,14 +54,17 @@ from .streamed import StreamedKL
 __all__ = ["Engine", "FLUSH_BUDGET_FRACTION", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
            "plan_kl", "run_plans"]
 
-#: Share of ``max_memory`` the final rows held before a head/KL flush may take.
+#: Share of the slice budget (:func:`~.settings.slice_budget`: what ``max_memory`` leaves after
+#: a batch's activations) the final rows held before a head/KL flush may take.
 FLUSH_BUDGET_FRACTION = 0.25
 
 #: Largest head chunk (positions per output-head GEMM); larger ones gain nothing.
 MAX_KL_CHUNK = 1024
 
-#: Share of ``max_memory`` a head/KL block (fp32 logits, float64 reference weights) may take;
-#: the rest covers the held final hidden states of probe groups, activations and allocator slack.
+#: Share of the slice budget (:func:`~.settings.slice_budget`) a head/KL block (fp32 logits,
+#: float64 reference weights) may take; the KL's float64 temporaries take 0.25 of it, the held
+#: final rows of probe groups 0.25 (``FLUSH_BUDGET_FRACTION``), and 0.1 is left for the KL's
+#: per-row state (``SLICE_SLACK``).
 HEAD_BUDGET_FRACTION = 0.4
 
 #: Fewest positions per head/KL block for which the whole vocabulary is kept in one slice
@@ -119,8 +122,9 @@ class Engine:
         cfg = text_config(model)
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
         self.batch_size = self._batch_size(settings.batch_size_for(self.input_device), cfg)
+        self.slice_budget = slice_budget(self.budget, self._activation_bytes(self.batch_size, cfg), self._head_fixed_bytes())
         self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
-        self.kl_block_bytes = kl_block_bytes(self.input_device, self.budget)
+        self.kl_block_bytes = kl_block_bytes(self.input_device, self.slice_budget)
         self.my_probes = self.processes.share(shard, list(self.probes.values()))
         self.progress = settings.progress and self.rank == 0
         self.desc = settings.desc
@@ -168,9 +172,18 @@ class Engine:
         inter = int(getattr(cfg, "intermediate_size", 4 * self.hidden) or 4 * self.hidden)
         heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
         streams = (self.num_blocks + 1) * bsz * seq * self.hidden * es
-        forward = bsz * seq * (8 * self.hidden + 3 * inter) * es + bsz * heads * seq * seq * 4
+        forward = block_activation_bytes(bsz * seq, seq, self.hidden, inter, heads, es)
         logits = 0 if self.stream_logits else 3 * bsz * seq * self.head.vocab * 4
         return streams + forward + logits
+
+    def _head_fixed_bytes(self) -> int:
+        """The most the head's GEMM holds beside its logits (:meth:`.head.Head.working_bytes`
+        at the widest slice the engine may take: the whole vocabulary, or an offloaded head's
+        ``1 / STREAMED_HEAD_SLICES``); 0 for a head without a weight."""
+        if not self.stream_logits or getattr(self.head.module, "weight", None) is None:
+            return 0
+        vocab = self.head.vocab
+        return self.head.working_bytes(math.ceil(vocab / STREAMED_HEAD_SLICES) if self.head.streamed else vocab)
 
     def _batch_size(self, batch_size, cfg) -> int:
         if batch_size != "auto":
@@ -184,13 +197,14 @@ class Engine:
 
     def _kl_chunks(self, kl_chunk, vocab_chunk) -> tuple[int, int]:
         """(positions, vocabulary entries) per head/KL block, kept under
-        :data:`HEAD_BUDGET_FRACTION` of the budget at :data:`KL_BLOCK_ENTRY_BYTES` (12)
+        :data:`HEAD_BUDGET_FRACTION` of the slice budget (:func:`~.settings.slice_budget`:
+        what the budget leaves after a batch's activations) at :data:`KL_BLOCK_ENTRY_BYTES` (12)
         bytes per position and entry, the whole vocabulary or a slice of it (float64
         reference weights and fp32 logits). A streamed (offloaded) head is always sliced,
         in at least :data:`STREAMED_HEAD_SLICES` slices. The KL does not depend on the
         blocks (:class:`.kl.OnlineKL`); they only bound memory and set the GEMMs' shapes."""
         vocab = self.head.vocab
-        head_budget = int(HEAD_BUDGET_FRACTION * self.budget)
+        head_budget = int(HEAD_BUDGET_FRACTION * self.slice_budget)
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
         if self.head.sliceable:
             if vocab_chunk is None:
@@ -219,11 +233,11 @@ class Engine:
 
     def flush_size(self, real_rows: int) -> int:
         """Probes whose final rows (``real_rows`` x H each, compute dtype) are held before
-        their head/KL phase runs: a quarter of the budget (``FLUSH_BUDGET_FRACTION``), at
+        their head/KL phase runs: a quarter of the slice budget (``FLUSH_BUDGET_FRACTION``), at
         least 1 (:meth:`.engineplan.EnginePlan.flush_size`)."""
         es = torch.finfo(self.compute_dtype).bits // 8
         per_probe = max(1, real_rows * self.hidden * es)
-        return max(1, int(FLUSH_BUDGET_FRACTION * self.budget) // per_probe)
+        return max(1, int(FLUSH_BUDGET_FRACTION * self.slice_budget) // per_probe)
 
     # -- the plan -----------------------------------------------------------------------
     def plan(self, streamed: bool | None = None) -> EnginePlan:
@@ -283,8 +297,9 @@ class Engine:
             element_bytes=torch.finfo(self.compute_dtype).bits // 8, probes=len(probes), prefix_reuse=self.mode,
             stream_logits=self.stream_logits, slot_major=slot_major, offloaded_blocks=len(offloaded),
             kl_chunk=self.kl_chunk, vocab_chunk=self.vocab_chunk, kl_block_bytes=self.kl_block_bytes,
-            max_memory=self.budget, activation_bytes=self._activation_bytes(self.batch_size, cfg),
-            flush_bytes=int(FLUSH_BUDGET_FRACTION * self.budget),
+            max_memory=self.budget, slice_bytes=self.slice_budget,
+            activation_bytes=self._activation_bytes(self.batch_size, cfg),
+            flush_bytes=int(FLUSH_BUDGET_FRACTION * self.slice_budget),
             head_working_bytes=self.head.working_bytes(self.vocab_chunk) if getattr(head, "weight", None) is not None else 0,
             head_check_calls=(1 + slices) if self.stream_logits and not self.verified_head and not checked else 0,
             batches=tuple(batches),
@@ -298,7 +313,8 @@ class Engine:
             element_bytes=torch.finfo(self.compute_dtype).bits // 8, probes=len(self.my_probes), prefix_reuse=self.mode,
             stream_logits=self.stream_logits, slot_major=self.slot_major, offloaded_blocks=len(self.movable),
             kl_chunk=self.kl_chunk, vocab_chunk=self.vocab_chunk, kl_block_bytes=self.kl_block_bytes,
-            max_memory=self.budget, activation_bytes=0, flush_bytes=int(FLUSH_BUDGET_FRACTION * self.budget),
+            max_memory=self.budget, slice_bytes=self.slice_budget, activation_bytes=0,
+            flush_bytes=int(FLUSH_BUDGET_FRACTION * self.slice_budget),
             head_working_bytes=0, head_check_calls=0, batches=())
 
     # -- provenance -----------------------------------------------------------------

@@ -71,6 +71,9 @@ class EnginePlan:
         kl_chunk, vocab_chunk: positions and vocabulary entries per head/KL block.
         kl_block_bytes: bytes of one fp32 row block of the KL (:func:`~.settings.kl_block_bytes`).
         max_memory: the engine's working-memory budget (bytes).
+        slice_bytes: what the budget leaves after a batch's activations and the head's fixed
+            working piece, shared by the head/KL block, the KL's temporaries and the held
+            final rows (:func:`~.settings.slice_budget`).
         activation_bytes: activations of one batch of ``batch_size`` prompts (bytes).
         flush_bytes: bytes the final rows held before a head/KL flush may take.
         head_working_bytes: what the head's GEMM holds beside its logits (bytes).
@@ -92,6 +95,7 @@ class EnginePlan:
     vocab_chunk: int
     kl_block_bytes: int
     max_memory: int
+    slice_bytes: int
     activation_bytes: int
     flush_bytes: int
     head_working_bytes: int

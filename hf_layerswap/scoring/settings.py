@@ -23,8 +23,9 @@ from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
-    "MemoryBudget", "REFERENCE_SHARE", "device_batch_size", "device_memory_budget", "dtype_name", "kl_block_bytes",
-    "load_limit", "model_memory_budget", "parse_memory", "resolve_memory",
+    "MemoryBudget", "MemoryBudgetWarning", "REFERENCE_SHARE", "SLICE_SLACK", "block_activation_bytes",
+    "device_batch_size", "device_memory_budget", "dtype_name",
+    "kl_block_bytes", "load_limit", "model_memory_budget", "parse_memory", "resolve_memory", "slice_budget",
 ]
 
 #: Working memory (bytes, beyond the weights) that scoring plans for on a CPU with enough
@@ -99,7 +100,7 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) -> tuple[int, str]:
+def device_memory_budget(device, *, limit: int | None = None, weights: int = 0, pending: int = 0) -> tuple[int, str]:
     """The working-memory budget scoring derives for ``device`` when ``max_memory`` is
     ``None``/``"auto"``: :data:`MEMORY_SHARE` of what remains on it after the weights, at
     most :data:`MEMORY_CAP`, at least 64 MiB, rounded down to a power of two (so that small
@@ -114,6 +115,9 @@ def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) 
         device: a ``torch.device`` or its name (``"cpu"``, ``"cuda:0"``).
         limit: the load's ``max_memory`` for ``device`` in bytes, or None.
         weights: bytes of the model's weights held on ``device`` (counted against ``limit``).
+        pending: bytes of weights not loaded yet that the run will hold on ``device`` (an
+            estimate made before the load, :func:`~hf_layerswap.cost.estimate_cost`): taken
+            from the free memory read now, as the load will take them.
 
     Returns:
         ``(bytes, how)``: the budget and a sentence saying how it was derived (recorded
@@ -123,6 +127,8 @@ def device_memory_budget(device, *, limit: int | None = None, weights: int = 0) 
     kind = _device_kind(device)
     free = _free_bytes(device)
     where = f"free on {device}"
+    if free is not None and pending:
+        free, where = max(0, free - pending), f"free on {device} less {_gib(pending)} of weights still to load"
     if limit is not None:
         left = max(0, limit - weights)
         if free is None or left < free:
@@ -169,9 +175,53 @@ def model_memory_budget(model: nn.Module) -> tuple[int, str]:
 #: get the rest, so the two together stay within the budget.
 REFERENCE_SHARE = 0.5
 
-#: Row blocks of the KL's temporaries take at most this share of the budget in fp32 bytes;
-#: their float64 temporaries (two of them, 8 bytes per entry) take four times as much.
+#: Row blocks of the KL's temporaries take at most this share of the slice budget
+#: (:func:`slice_budget`) in fp32 bytes; their float64 temporaries (two of them, 8 bytes per
+#: entry) take four times as much.
 KL_TEMP_SHARE = 1 / 16
+
+#: Share of the slice budget (:func:`slice_budget`) left over beside the head/KL block
+#: (``HEAD_BUDGET_FRACTION``, 0.4), the KL's float64 temporaries (``4 * KL_TEMP_SHARE``, 0.25)
+#: and the held final rows (``FLUSH_BUDGET_FRACTION``, 0.25): the KL's per-row float64 state
+#: (8 bytes x (3 + 2 probes) per position) and the allocator's rounding.
+SLICE_SLACK = 0.1
+
+#: The slice budget is never less than this share of the engine's budget (a batch whose
+#: activations alone fill the budget still gets workable head/KL blocks; its estimate then
+#: shows the working memory above the budget).
+_MIN_SLICE_SHARE = 1 / 8
+
+
+class MemoryBudgetWarning(UserWarning):
+    """A step needs more working memory than the one budget (``max_memory``) allows for
+    what it cannot slice; the message names the step, its need and the budget. Issued
+    before the step's work (:func:`~hf_layerswap.prune`, :func:`~hf_layerswap.recover`)."""
+
+
+def block_activation_bytes(positions: int, seq_len: int, hidden: int, intermediate: int, heads: int,
+                           element_bytes: int) -> int:
+    """Working memory of one decoder block's forward over ``positions`` positions of
+    prompts of ``seq_len`` tokens (bytes): its hidden-size and intermediate-size
+    temporaries (``8 H + 3 I`` per position in the compute dtype) and the attention scores
+    (``heads x seq_len^2`` fp32 per prompt)."""
+    prompts = positions // max(1, seq_len)
+    return positions * (8 * hidden + 3 * intermediate) * element_bytes + prompts * heads * seq_len**2 * 4
+
+
+def slice_budget(budget: int, activation_bytes: int, fixed_bytes: int = 0) -> int:
+    """Bytes of an engine call's working-memory ``budget`` that its sliced parts share: what
+    remains after the activations of one batch (``activation_bytes``: the streams entering
+    every block and one block's forward) and the head's fixed working piece
+    (``fixed_bytes``: one upcast piece of a half-precision head on a CPU, one vocabulary
+    slice of an offloaded head). The head/KL block takes 0.4 of it, the KL's float64
+    temporaries 0.25, the final rows held before a head/KL flush 0.25, and
+    :data:`SLICE_SLACK` is left for the KL's per-row state, so activations + fixed piece +
+    sliced parts stay within ``budget``. At least ``budget / 8``.
+
+    Returns:
+        bytes (>= 1).
+    """
+    return max(1, int(_MIN_SLICE_SHARE * budget), int(budget) - int(activation_bytes) - int(fixed_bytes))
 
 
 @dataclass(frozen=True)
@@ -217,7 +267,8 @@ def resolve_memory(max_memory, device) -> MemoryBudget:
 
 def kl_block_bytes(device, budget: int) -> int:
     """Bytes of one row block of the KL's fp32 temporaries (:func:`~.kl.row_blocks`) on
-    ``device`` under a ``budget``-byte working memory: cache-sized on a CPU (2 MiB, the
+    ``device`` under a ``budget``-byte slice budget (:func:`slice_budget`; the whole
+    working memory where nothing else is held): cache-sized on a CPU (2 MiB, the
     default of ``row_blocks``); on an accelerator ``budget / 16`` (a block's float64
     temporaries take four times its size; at an 8 GiB budget a 1024-position x
     128k-vocabulary head block is one row block), so a probe runs a few large kernels

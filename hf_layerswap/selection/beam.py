@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from functools import partial
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ def interchange_beam(
     include_greedy: bool = True,
     batch_size: int = 8,
     resume: CriterionResult | None = None,
+    max_memory=None,
 ):
     """The paper's interchange-seeded beam search (No Free Swap, App. G/K), scored on the
     calibration prompts only.
@@ -72,6 +74,7 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
+        max_memory: the ``"removal_kl"`` evaluator's working-memory budget (``select_layers``').
         resume: a beam result for a smaller budget with the same settings: the search
             continues from its last level's beams (level k+1 only scores sets of size
             k+1, so the sets and costs equal those of one run).
@@ -103,7 +106,7 @@ def interchange_beam(
     passes, blocks, seconds, estimated = report_cost(report, ("interchange",))
     scores = sub.layer_scores("interchange")
     seeds = sorted(allowed, key=lambda i: (score_key(scores[i]), i))[:seed_size]
-    score_fn = removal_kl_values if evaluator == "removal_kl" else removal_nll_values
+    score_fn = partial(removal_kl_values, max_memory=max_memory) if evaluator == "removal_kl" else removal_nll_values
     cache: dict[str, float] = {}
     beams: list[list[int]] = []
     levels, results = [], {}

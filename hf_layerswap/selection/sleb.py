@@ -136,4 +136,4 @@ def _sleb_cost(plan) -> dict:
                        sweeps=sweeps + len(probes) + later_sets)
 
 
-register_strategy("sleb", needs_model=True, help="SLEB: one block at a time, the removal of lowest calibration NLL", cost=_sleb_cost, guided_by=NO_PROTOCOL, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
+register_strategy("sleb", needs_model=True, help="SLEB: one block at a time, the removal of lowest calibration NLL", cost=_sleb_cost, guided_by=NO_PROTOCOL, keeps_reference=True, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
