@@ -485,7 +485,7 @@ def _defaults_section(state: dict, done: list[dict]) -> list[str]:
         budget, probe = choice.get("max_tokens", {}), choice.get("learning_rate", {})
         share = recovered_share(start["dppl"], c["healed"]["dppl"])
         rates = ", ".join(f"{r['learning_rate']:g}: {r['kl']:.4f}" for r in probe.get("candidates", []))
-        met = "**met**" if share >= DEFAULTS_GOAL else "**missed**"
+        met = "**met**" if share >= DEFAULTS_GOAL else f"**missed**{_why_missed(report, budget)}"
         lines.append(
             f"- {c['model']} {c['method']}: budget {budget.get('max_tokens', 0):,} tokens ({budget.get('steps')} steps "
             f"predicted at {budget.get('step_seconds', float('nan')):.2f} s each; the cell's healing took "
@@ -494,6 +494,20 @@ def _defaults_section(state: dict, done: list[dict]) -> list[str]:
             f"{share:.0f}% of the {'ghosted repair' if c['method'].startswith('ghosted+') else 'cut'}'s dPPL "
             f"({_pct(start['dppl'])}% -> {_pct(c['healed']['dppl'])}%): goal >= {DEFAULTS_GOAL:.0f}% {met}.")
     return lines
+
+
+def _why_missed(report: dict, budget: dict) -> str:
+    """Why a defaults cell recovered less than its goal, read from its report: still
+    improving when its budget ended (the budget, not the rate, stopped it), stopped early by
+    a held-out KL that no longer fell, or reverted to its start."""
+    if report["reverted"]:
+        return " (the held-out KL ended above its start: the start was kept)"
+    history = report["eval_history"]
+    best = min(history, key=lambda e: e["kl"])["step"] if history else None
+    if best == report["steps"] and report["steps"] >= budget.get("steps", report["steps"]):
+        return (f" (the held-out KL was still falling at its last step, {best}: the budget ended it; "
+                f"{budget.get('seconds', 600) / 60:.0f} minutes of this CPU are {report['tokens']:,} tokens)")
+    return f" (the held-out KL stopped falling: best at step {best} of {report['steps']})"
 
 
 def _other_versions(state: dict) -> list[str]:
