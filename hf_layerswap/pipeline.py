@@ -37,6 +37,7 @@ loaded, which only this pipeline still holds before the cut.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -44,13 +45,14 @@ from torch import nn
 
 from .calibration import CalibrationSet, build_calibration
 from .config import LayerSwapConfig
-from .cost.steps import warn_step_memory
+from .cost.steps import ModelShape, recovery_phase, sparsity_phase
 from .healing import HealReport
 from .recovery import RecoveryReport
 from .scoring.report import PruneProvenance, SwapReport
-from .scoring.settings import resolve_memory
+from .scoring.settings import MemoryBudgetWarning, resolve_memory
 from .sparsity import SparsityReport
 from .steps import HealStep, Run, recipe_steps, tokenizer_for
+from .utils.devices import input_device
 
 __all__ = ["PruneResult", "prune"]
 
@@ -121,7 +123,7 @@ def prune(
             the repair) runs again.
         max_memory: the one working-memory budget beyond the weights (bytes, ``"2GiB"``,
             ``None``/``"auto"``: from the device's free memory) for every step; a step that cannot
-            keep within it warns ``MemoryBudgetWarning`` first (:func:`~.cost_steps.warn_step_memory`).
+            keep within it warns ``MemoryBudgetWarning`` first (:func:`_warn_step_memory`).
         heal_checkpoint_dir: a folder that makes the healing resumable (``checkpoint_dir``
             of :func:`~hf_layerswap.heal`); needs a heal step. A recipe's second and later
             heal steps keep theirs in its subfolders ``heal-2``, ``heal-3``, ...
@@ -161,7 +163,7 @@ def prune(
     for step in steps:  # before the scoring: what a later step cannot slice to the budget warns
         view = step.memory_view()
         if view is not None:
-            warn_step_memory(model, view, run.calibration, run.budget.bytes)
+            _warn_step_memory(model, view, run.calibration, run.budget.bytes)
     ran = []
     for step in steps:
         record = step.apply(run)
@@ -201,3 +203,35 @@ def _calibration(model, cfg: LayerSwapConfig, source, tokenizer) -> CalibrationS
     if not isinstance(source, Mapping):  # text sources need a tokenizer
         tokenizer = tokenizer_for(model, tokenizer if tokenizer is not None else cfg.tokenizer)
     return build_calibration(source, tokenizer, num_prompts=cfg.num_prompts, seq_len=cfg.seq_len, seed=cfg.seed)
+
+
+def _warn_step_memory(model: nn.Module, cfg: LayerSwapConfig, calib: CalibrationSet | None, budget: int) -> None:
+    """Warn :class:`~hf_layerswap.scoring.settings.MemoryBudgetWarning`, before any work of
+    :func:`~hf_layerswap.prune`, for each later step whose working memory beyond the weights
+    exceeds the one ``budget`` (bytes) in what it cannot slice: the repair's fit as it will
+    run under the budget (:func:`~hf_layerswap.cost.steps.recovery_phase`; blocks not chosen yet: the deepest cuts),
+    the sparsification's cached block inputs and outputs (:func:`~hf_layerswap.cost.steps.sparsity_phase`), healing's
+    dense teacher (its optimizer state and activations come on top: ``estimate_cost``'s
+    healing phase). Each message names the step, its need and the budget."""
+    shape = ModelShape(model)
+    removed = len(cfg.layers) if cfg.layers is not None else int(cfg.num_to_remove or 0)
+    needs = []
+    if cfg.recovery is not None and calib is not None and removed:
+        accelerator = input_device(model).type != "cpu"
+        phase = recovery_phase(shape, calib, cfg, 0, budget, accelerator)
+        if not phase["within_budget"]:
+            needs.append((f"the {cfg.recovery.method} repair's fit (float64 moments and a "
+                          f"{phase['batch_size']}-prompt batch's captures)", phase["working_bytes"]))
+    if cfg.sparsity is not None and calib is not None:
+        phase = sparsity_phase(shape, calib, cfg, removed)
+        needs.append(("the sparsification (every calibration batch's block inputs and outputs, per-linear "
+                      "statistics)", phase["working_bytes"]))
+    if cfg.heal is not None:
+        needs.append(("healing (the dense teacher beside the student; its optimizer state and activations come "
+                      "on top, see estimate_cost)", shape.weight_bytes))
+    for what, need in needs:
+        if need > budget:
+            warnings.warn(MemoryBudgetWarning(
+                f"{what} needs {need / 2**20:,.1f} MiB beyond the weights, more than max_memory="
+                f"{budget / 2**20:,.1f} MiB, and does not slice it: raise max_memory, or expect that much more"),
+                stacklevel=3)

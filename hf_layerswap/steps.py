@@ -138,10 +138,9 @@ class _StepBase:
         return False
 
     def memory_view(self) -> LayerSwapConfig | None:
-        """The config as :func:`~hf_layerswap.cost.steps.warn_step_memory` reads this step,
-        which :func:`~hf_layerswap.prune` warns for before any work when what it needs beyond
-        the weights and cannot slice exceeds the one budget (``None``: the step's memory is the
-        engine's, within the budget by construction)."""
+        """The config as :func:`~hf_layerswap.prune` reads this step to warn, before any work,
+        when what it needs beyond the weights and cannot slice exceeds the one budget
+        (``None``: the step's memory is the engine's, within the budget by construction)."""
         return None
 
     def estimate(self, plan) -> dict | None:

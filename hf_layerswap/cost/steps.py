@@ -22,29 +22,28 @@ over one batch) and of the output head:
   and backward (the backward as 2 forward FLOPs) and a teacher forward (or, with
   ``teacher_top_k``, one teacher pass over the training prompts before training), over
   transformers' Trainer batches of ``batch_size`` prompts that cycle through the training
-  prompts; held-out evaluations (student and teacher forwards) before training (twice: the
-  check of a finite start, then the Trainer's), every ``eval_every`` steps and after the last step. Exact when the early stop cannot fire
-  before the last step (fewer evaluations before it than ``patience``), otherwise an upper
-  bound (no early stop). Its measurements (:func:`heal_measures`): the perplexity stages,
-  each the evaluator's own windows and batches over the tokenized text (exact), and the
-  lm-eval tasks before and after (an upper bound from the requests lm-eval builds without
-  the model, or named as not estimated, with the reason).
+  prompts; held-out evaluations (student and teacher forwards) before training (twice: the check of a
+  finite start, then the Trainer's), every ``eval_every`` steps and after the last step. Exact when the
+  early stop cannot fire before the last step (fewer evaluations before it than ``patience``), otherwise
+  an upper bound (no early stop). Its measurements (:func:`heal_measures`): the perplexity stages, each
+  the evaluator's own windows and batches over the tokenized text (exact), and the lm-eval tasks before
+  and after (an upper bound from the requests lm-eval builds without the model, or named as not
+  estimated, with the reason).
 
-Peak memory per step: the weights held then (the dense teacher copy from before the cut
-until healing ends), the step's own tensors (captured streams and float64 moments of a
-repair; the cached block inputs and per-linear statistics of a sparsification; the
-trainable parameters' gradients, AdamW's two moments and step counter, the early stop's
-best copy, the saved activations of the backward and the logits of a healing step).
+Peak memory per step: the weights held then (the dense teacher copy from before the cut until healing
+ends), the step's own tensors (captured streams and float64 moments of a repair; the cached block inputs
+and per-linear statistics of a sparsification; the trainable parameters' gradients, AdamW's two moments
+and step counter, the early stop's best copy, the saved activations of the backward and the logits of a
+healing step).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any
-from collections.abc import Mapping
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 from transformers import AutoTokenizer
@@ -62,8 +61,7 @@ from ..recovery.repair import DEFAULT_NUM_TOKENS
 from ..recovery.fit import cut_boundaries, fit_memory, select_rows
 from ..recovery.methods import PROBE_PROMPTS, get_recovery_method
 from ..scoring.rule import check_budget, resolve_protect
-from ..utils.devices import input_device
-from ..scoring.settings import MemoryBudgetWarning, block_activation_bytes
+from ..scoring.settings import block_activation_bytes
 from ..selection.registry import strategy_entry
 from ..sparsity.registry import get_allocator, get_pruner
 from ..sparsity.stats import HessianAccumulator
@@ -71,7 +69,7 @@ from ..evaluation.tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
-           "text_tokenizer", "warn_step_memory"]
+           "text_tokenizer"]
 
 #: Prompts per forward of :func:`~hf_layerswap.sparsity.sparsify` as :func:`~hf_layerswap.prune` calls it.
 SPARSIFY_BATCH = 8
@@ -202,38 +200,6 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     phase.update(working_bytes=memory["device_bytes"], host_bytes=memory["host_bytes"],
                  batch_size=memory["batch_size"], within_budget=memory["within_budget"])
     return phase
-
-
-def warn_step_memory(model: nn.Module, cfg: LayerSwapConfig, calib: CalibrationSet | None, budget: int) -> None:
-    """Warn :class:`~hf_layerswap.scoring.settings.MemoryBudgetWarning`, before any work of
-    :func:`~hf_layerswap.prune`, for each later step whose working memory beyond the weights
-    exceeds the one ``budget`` (bytes) in what it cannot slice: the repair's fit as it will
-    run under the budget (:func:`recovery_phase`; blocks not chosen yet: the deepest cuts),
-    the sparsification's cached block inputs and outputs (:func:`sparsity_phase`), healing's
-    dense teacher (its optimizer state and activations come on top: ``estimate_cost``'s
-    healing phase). Each message names the step, its need and the budget."""
-    shape = ModelShape(model)
-    removed = len(cfg.layers) if cfg.layers is not None else int(cfg.num_to_remove or 0)
-    needs = []
-    if cfg.recovery is not None and calib is not None and removed:
-        accelerator = input_device(model).type != "cpu"
-        phase = recovery_phase(shape, calib, cfg, 0, budget, accelerator)
-        if not phase["within_budget"]:
-            needs.append((f"the {cfg.recovery.method} repair's fit (float64 moments and a "
-                          f"{phase['batch_size']}-prompt batch's captures)", phase["working_bytes"]))
-    if cfg.sparsity is not None and calib is not None:
-        phase = sparsity_phase(shape, calib, cfg, removed)
-        needs.append(("the sparsification (every calibration batch's block inputs and outputs, per-linear "
-                      "statistics)", phase["working_bytes"]))
-    if cfg.heal is not None:
-        needs.append(("healing (the dense teacher beside the student; its optimizer state and activations come "
-                      "on top, see estimate_cost)", shape.weight_bytes))
-    for what, need in needs:
-        if need > budget:
-            warnings.warn(MemoryBudgetWarning(
-                f"{what} needs {need / 2**20:,.1f} MiB beyond the weights, more than max_memory="
-                f"{budget / 2**20:,.1f} MiB, and does not slice it: raise max_memory, or expect that much more"),
-                stacklevel=3)
 
 
 # ---------------------------------------------------------------------------- sparsity

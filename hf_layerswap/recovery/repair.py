@@ -83,18 +83,16 @@ def recover(
         ``model.config.layerswap["recovery"]`` for ``"ghosted"``/``"fused"``).
 
     Raises:
-        ValueError: an unknown method, bad indices, ``num_tokens < 1``, ``epsilon < 0`` (or
-            > 0 for a method without a ridge),
-            operators already attached (recover from the dense model instead), a family
-            ``"fused"`` cannot fold into (the message names it), a singular system, or a
-            model :func:`remove_layers` refuses. The model is unchanged when it raises.
+        ValueError: an unknown method, bad indices, ``num_tokens < 1``, ``epsilon < 0`` (or > 0 for a
+            method without a ridge), operators already attached (recover from the dense model instead), a
+            family ``"fused"`` cannot fold into (the message names it), a singular system, or a model
+            :func:`remove_layers` refuses. The model is unchanged when it raises.
         TypeError: a text calibration source without a tokenizer.
     """
     entry = get_recovery_method(method)
     method = entry.name
     requested = num_tokens is not None
-    if num_tokens is None:
-        num_tokens = DEFAULT_NUM_TOKENS
+    num_tokens = DEFAULT_NUM_TOKENS if num_tokens is None else num_tokens
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens!r}: must be an int >= 1 (or None for the whole calibration set)")
     if epsilon is None:
