@@ -488,7 +488,10 @@ def registered_extensions():
         register_pruner(PRUNER, label="first columns: a test rule")(first_columns)
         yield calls
     finally:
-        STRATEGIES.pop(STRATEGY, None)
+        from hf_layerswap.selection.registry import STRATEGY_ENTRIES, STRATEGY_OPTIONS
+
+        for table in (STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS):
+            table.pop(STRATEGY, None)
         MODEL_STRATEGIES.discard(STRATEGY)
         RECOVERY_METHODS.pop(REPAIR, None)
         ALLOCATORS.pop(ALLOCATOR, None)

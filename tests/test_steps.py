@@ -255,3 +255,14 @@ def test_an_interrupted_recipe_resumes_each_heal_from_its_own_folder(tmp_path, c
     resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "p").state_dict()
     whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_the_steps_table_names_the_repair_as_its_record_states_it():
+    # the repair row read only the method and printed "at boundaries none ..., stored in `None`"
+    model = tiny_model("llama", num_blocks=6, seed=0)
+    config = hl.LayerSwapConfig(layers=[2], recovery="ghosted", calibration=tiny_batch(batch=8, length=16, seed=3))
+    result = hl.prune(model, config)
+    card = str(render_card(result.model, report=result.report, plots=[]))
+    row = next(line for line in card.splitlines() if line.startswith("| 2 | Repair |"))
+    assert "at boundaries 2 (pruned numbering)" in row and "`layerswap_recovery.safetensors`" in row
+    assert "none" not in row and "None" not in row

@@ -28,7 +28,7 @@ def _remove(entry: Mapping) -> str:
 
 
 def _repair(entry: Mapping) -> str:
-    row = recovery_row({"method": entry.get("method")})
+    row = recovery_row(entry)
     return row[1] if row is not None else DASH
 
 
@@ -62,11 +62,14 @@ def step_cell(entry: Mapping) -> str:
 
 def steps_section(record: Mapping) -> str | None:
     """The card's ``## Steps`` markdown: a table of the steps in the order they ran
-    (``config.layerswap["recipe"]``), ``None`` when the record lists no step after the
+    (``config.layerswap["recipe"]``; a repair's cell reads the repair's own record,
+    ``config.layerswap["recovery"]``), ``None`` when the record lists no step after the
     removal (a plain cut: the removal table says it all)."""
     entries = [e for e in record.get("recipe") or [] if isinstance(e, Mapping)]
     if not any(e.get("step") in ("repair", "heal", "sparsify") for e in entries):
         return None
+    repair = record.get("recovery") if isinstance(record.get("recovery"), Mapping) else {}
+    entries = [{**repair, **e} if e.get("step") == "repair" else e for e in entries]  # its fit: the repair's record
     rows = [f"| {n} | {STEP_LABELS.get(str(e.get('step')), format_cell(e.get('step')))} | "
             f"{step_cell(e).replace('|', chr(92) + '|')} |" for n, e in enumerate(entries, 1)]
     return "\n".join(["The steps of the prune, in the order they ran (`config.layerswap[\"recipe\"]`):", "",
