@@ -63,6 +63,30 @@ def _threads_per_test_kind(request):
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True)
+def _registries_as_they_were():
+    """Every test leaves the method registries as it found them: a strategy, repair, pruner or
+    other entry a test registers for itself is gone from every table afterwards (a leaked one
+    would reach the next tests' choices, docs tables and registry checks)."""
+    import hf_layerswap  # noqa: F401  (registers the built-ins)
+    from hf_layerswap.selection import registry as strategies
+    from hf_layerswap.utils.registry import Registry
+
+    tables = [*Registry.ALL.values(), strategies.STRATEGIES, strategies.STRATEGY_OPTIONS]
+    saved, models, kinds = [dict(table) for table in tables], set(strategies.MODEL_STRATEGIES), dict(Registry.ALL)
+    yield
+    if Registry.ALL != kinds:  # a registry a test made for itself
+        Registry.ALL.clear()
+        Registry.ALL.update(kinds)
+    for table, entries in zip(tables, saved):
+        if dict(table) != entries:
+            table.clear()
+            dict.update(table, entries)
+    if strategies.MODEL_STRATEGIES != models:
+        strategies.MODEL_STRATEGIES.clear()
+        strategies.MODEL_STRATEGIES.update(models)
+
+
 def _need_shared(path: Path) -> Path:
     if path.is_file():
         return path
