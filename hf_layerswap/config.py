@@ -44,6 +44,7 @@ from .layerplan import as_index, decoder_blocks
 from .utils.provenance import public_name
 from .utils.registry import Options
 from .recovery import RECOVERY_METHODS, check_epsilon, cut_boundaries, get_recovery_method, recovery_entry
+from .scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS
 from .scoring.rule import resolve_protect
 from .selection import STRATEGIES
 from .selection.dispatch import selection_protocols
@@ -452,6 +453,24 @@ class LayerSwapConfig(QuantizationConfigMixin):
         max_evaluations: most candidate sets ``"search"`` scores in all (default ``None``: no cap
             beyond each budget's allowance, SLEB's schedule: U - (n - 1) sets at budget n for
             U removable blocks).
+        strategy_options: the strategy's own typed options (its registry entry's
+            ``option_class``, e.g. ``{"width": 4}`` for ``"beam"``, ``{"max_rounds": 2}`` for
+            ``"search"``; the docs' "Method options" tables list them), a dict or the
+            :class:`~hf_layerswap.utils.registry.Options` instance (kept as its dict); checked
+            here against the strategy that runs (an unknown key, or a value of the wrong type
+            or out of bounds, raises ``ValueError`` naming the key, the value and what is
+            allowed); passed to :func:`~hf_layerswap.select_layers`, priced by
+            :func:`~hf_layerswap.estimate_cost` and stated on the card. An option that a
+            field also sets (``max_evaluations``) may be given in both only with one value.
+            ``None`` (default): the strategy's defaults.
+        score_protocols: the swap protocols scored before the selection (names of
+            :data:`~hf_layerswap.scoring.protocols.SWAP_PROTOCOLS`); ``None`` (default): those
+            the strategy reads (its registry entry's ``scores``: none for a strategy guided
+            by no protocol, ``block_influence``, ``angular_distance``,
+            ``single_removal_kl``, ``sleb``, whose prune then runs no swap-KL pass and
+            whose card says that no swap-KL table was measured); a list must hold those the
+            strategy reads and may add others (e.g. both, for the card's tables). Not with
+            ``layers`` (nothing is scored).
         heal: healing after the cut (a :class:`HealConfig`, a dict of its fields or a method
             name); never together with ``sparsity`` (a ``recipe`` states that order).
         recipe: the steps after the removal, in the order they run: a list of
@@ -524,6 +543,13 @@ class LayerSwapConfig(QuantizationConfigMixin):
         "the steps after the removal, in the order they run: RecoveryConfig (only first), HealConfig and "
         "SparsityConfig objects or dicts with a 'step' key ('repair', 'heal', 'sparsify'); default: the order "
         "recovery -> heal -> sparsity of those fields"))
+    strategy_options: dict | None = field(default=None, metadata=_help(
+        "the strategy's own options, e.g. {'width': 4} for beam (its registry entry's typed options; default: "
+        "its defaults); on the command line --strategy-option KEY=VALUE"))
+    score_protocols: list[str] | None = field(default=None, metadata=_cli(
+        "swap-KL protocols scored before the selection (default: those the strategy reads; none for a strategy "
+        "that reads no swap-KL score, e.g. sleb; name them to measure the tables for the card anyway)",
+        choices=lambda: list(SWAP_PROTOCOLS)))
     recovery_num_tokens: InitVar[int | None] = None
     recovery_epsilon: InitVar[float | None] = None
 
@@ -643,6 +669,75 @@ class LayerSwapConfig(QuantizationConfigMixin):
             takers = strategies_taking("max_evaluations")
             raise ValueError(f"LayerSwapConfig(strategy={self.strategy!r}, max_evaluations={self.max_evaluations!r}): "
                              f"strategy {self.strategy!r} takes no max_evaluations; it applies to {takers}")
+        self._validate_option_dict()
+        self._validate_score_protocols()
+
+    def _runs(self):
+        """The entry of the strategy that runs for this config's ``protocol`` (``greedy`` with
+        ``protocol="auto"`` runs ``auto``)."""
+        return strategy_entry(strategy_entry(self.strategy).strategy_for(self.protocol))
+
+    def _validate_option_dict(self) -> None:
+        """``strategy_options``: the typed options of the strategy that runs, each with one
+        value (a field that also sets it, ``max_evaluations``, must agree)."""
+        given = self.strategy_options
+        if given is None:
+            return
+        if isinstance(given, Options):
+            given = given.to_dict()
+        entry = self._runs()
+        what = f"LayerSwapConfig(strategy={entry.name!r}, strategy_options={given!r})"
+        if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
+            raise ValueError(f"{what}: must be a dict of the strategy's options (str keys) or None")
+        try:
+            entry.option_class.from_mapping(given, owner=f"strategy={entry.name!r}")
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+        fixed = entry.config_options(self)  # what the config's own fields already set
+        clash = {key: fixed[key] for key in given if key in fixed and fixed[key] != given[key]}
+        if clash:
+            key = next(iter(clash))
+            raise ValueError(f"{what} is contradictory: {key}={clash[key]!r} is set by the config's field {key!r} "
+                             f"and {key}={given[key]!r} by strategy_options; give it once")
+        self.strategy_options = dict(given)
+
+    def _validate_score_protocols(self) -> None:
+        """``score_protocols``: registered protocols without repeats, those the strategy reads among them."""
+        value = self.score_protocols
+        if value is None:
+            return
+        what = f"LayerSwapConfig(score_protocols={value!r})"
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise ValueError(f"{what}: must be a list of protocols from {list(SWAP_PROTOCOLS)} or None")
+        value = list(value)
+        unknown = [p for p in value if p not in SWAP_PROTOCOLS]
+        if unknown or len(set(value)) != len(value):
+            raise ValueError(f"{what}: allowed a list without repeats of {list(SWAP_PROTOCOLS)}")
+        if self.layers is not None:
+            raise ValueError(f"{what}: explicit layers are removed without scoring; drop score_protocols or layers")
+        entry = self._runs()
+        missing = [p for p in entry.scores(self.protocol) if p not in value] if self.num_to_remove is not None else []
+        if missing:
+            raise ValueError(f"{what}: strategy={entry.name!r} with protocol={self.protocol!r} reads {missing}; add "
+                             "them, or leave score_protocols=None (the protocols the strategy reads)")
+        self.score_protocols = value
+
+    def selection_options(self) -> dict:
+        """The keywords :func:`~hf_layerswap.select_layers` gets from this config beyond its
+        own arguments: ``strategy_options``, then what the strategy's entry takes from the
+        fields (``config_options``: ``objective``, ``max_evaluations``, ...)."""
+        return {**(self.strategy_options or {}), **self._runs().config_options(self)}
+
+    def scored_protocols(self) -> list[str]:
+        """The protocols the prune scores before the selection: ``score_protocols`` when
+        given, else those the strategy reads (for a config that only scores, at least the
+        paper's two); ``[]`` for explicit ``layers``."""
+        if self.layers is not None:
+            return []
+        if self.score_protocols is not None:
+            return list(self.score_protocols)
+        scores = list(self._runs().scores(self.protocol))
+        return scores if scores or self.num_to_remove is not None else list(PROTOCOLS)
 
     def _validate_recovery(self) -> None:
         if self.recovery is not None:
@@ -793,6 +888,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         out["heal"] = None if self.heal is None else self.heal.to_dict()
         out["recipe"] = None if self.recipe is None else [recipe_entry(step) for step in self.recipe]
         out["layers"] = None if self.layers is None else list(self.layers)
+        out["strategy_options"] = None if self.strategy_options is None else dict(self.strategy_options)
+        out["score_protocols"] = None if self.score_protocols is None else list(self.score_protocols)
         out["protect"] = list(self.protect)
         # a calibration file is recorded by its name: config.json gets published
         out["calibration"] = public_name(self.calibration) if isinstance(self.calibration, (str, os.PathLike)) else None

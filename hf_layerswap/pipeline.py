@@ -13,8 +13,10 @@ step reads it (:func:`~hf_layerswap.calibration.build_calibration`; skipped when
 order:
 
 1. score: :func:`~hf_layerswap.scoring.score_layers` (a given ``report=`` is used instead;
-   no scoring for explicit blocks); only the configured protocol is scored for the paper's
-   greedy rule on one protocol, both otherwise;
+   no scoring for explicit blocks); the protocols the strategy reads
+   (:meth:`~hf_layerswap.LayerSwapConfig.scored_protocols`: only the configured protocol for
+   the paper's greedy rule on one protocol, none for a strategy guided by no protocol such
+   as ``sleb``, both otherwise), or the config's ``score_protocols``;
 2. select: :func:`~hf_layerswap.selection.select_layers` with the config's strategy;
 3. remove: :func:`~hf_layerswap.surgery.remove_layers` (or, with a repair right after it,
    :func:`~hf_layerswap.recovery.recover`); the step's
@@ -65,8 +67,9 @@ class PruneResult:
         model: the pruned model (the object passed in, modified in place).
         removed: 0-based indices removed in this step, numbered as the blocks of the model
             passed in (``[]`` when the config only scores or sparsifies).
-        report: the :class:`SwapReport` the set was chosen from (``None`` for explicit
-            blocks without a given report); also on ``model.layerswap_report``.
+        report: the :class:`SwapReport` the set was chosen from (``None`` when nothing was
+            scored: explicit blocks, or a strategy that reads no swap-KL score without
+            ``score_protocols``, both without a given report); also on ``model.layerswap_report``.
         calibration: the prompts used (``None`` when no step needed text).
         provenance: the record written into the removal step (``None`` when nothing was
             removed).
@@ -153,8 +156,9 @@ def prune(
         step.check(model)
     for step in steps:
         step.check_loaded(run)
-    if checkpoint_path is not None and (cfg.layers is not None or report is not None):
-        given = "explicit layers" if cfg.layers is not None else "a report"
+    if checkpoint_path is not None and (cfg.layers is not None or report is not None or not cfg.scored_protocols()):
+        given = ("explicit layers" if cfg.layers is not None else "a report" if report is not None else
+                 f"strategy={cfg.strategy!r}, which reads no swap-KL score (score_protocols not set),")
         raise ValueError(f"checkpoint_path={os.fspath(checkpoint_path)!r} resumes scoring, but with {given} nothing "
                          "is scored: drop checkpoint_path")
     run.budget = resolve_memory(max_memory, model)  # one budget for every step; a bad value before any work

@@ -165,8 +165,10 @@ class ScoreStep(_StepBase):
     kind, phase = "score", "scoring"
 
     def protocols(self) -> list[str]:
-        """The protocols the strategy needs scored."""
-        return list(strategy_entry(_strategy(self.cfg)).scores(self.cfg.protocol))
+        """The protocols scored (:meth:`~hf_layerswap.LayerSwapConfig.scored_protocols`:
+        ``score_protocols``, else those the strategy reads; none for a strategy that reads no
+        swap-KL score)."""
+        return self.cfg.scored_protocols()
 
     def check_loaded(self, run: Run) -> None:
         report, cfg = run.report, self.cfg
@@ -183,13 +185,17 @@ class ScoreStep(_StepBase):
                              "strategy")
 
     def needs_calibration(self, run: Run | None) -> bool:
-        return run is None or run.report is None
+        return (run is None or run.report is None) and bool(self.protocols())
 
     def estimate(self, plan) -> dict | None:
-        return plan.scoring()
+        return plan.scoring(self.protocols())
 
     def apply(self, run: Run) -> dict | None:
         cfg = self.cfg
+        if run.report is None and not self.protocols():  # the strategy reads no swap-KL score: none measured
+            run.model.layerswap_report = None  # not a report of an earlier prune of this model object
+            return {"protocols": [], "pairs": 0,
+                    "skipped": f"strategy `{_strategy(cfg)}` reads no swap-KL score"}
         if run.report is None:
             total = num_blocks(run.model)
             run.report = score_layers(
@@ -219,21 +225,29 @@ class SelectStep(_StepBase):
         return plan.selection()
 
     def apply(self, run: Run) -> dict | None:
-        cfg, report = self.cfg, run.report
+        cfg = self.cfg
+        # a strategy that reads no swap-KL score gets a report of no pair: its decision record lands there
+        report = run.report if run.report is not None else SwapReport(num_blocks(run.model), [], protocols=())
         strategy = _strategy(cfg)
         entry = strategy_entry(strategy)
         before = len(report.selections)
+        options = cfg.selection_options()
         run.layers = select_layers(
             report, cfg.num_to_remove, protocol=cfg.protocol, spacing=cfg.spacing, protect=cfg.protect,
             model=run.model, calibration=run.calibration, batch_size=cfg.batch_size, strategy=strategy,
-            max_memory=run.budget, **entry.config_options(cfg),
+            max_memory=run.budget, **options,
         )
         decision = report.selections[-1] if len(report.selections) > before else None
+        typed = {k: v for k, v in options.items() if k in entry.option_class.names()}
+        used = entry.option_class.from_mapping(typed).to_dict()  # every typed option as it ran, defaults too
+        selection = entry.rule_text(cfg) + (f"; options {_options_text(typed)}" if cfg.strategy_options else "")
         run.provenance = PruneProvenance(
-            selection=entry.rule_text(cfg), protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
-            scores=report.summary_dict(), decision=None if decision is None else entry.provenance(decision),
+            selection=selection, protocol=cfg.protocol, strategy=strategy, config=cfg.to_dict(),
+            scores=report.summary_dict() if run.report is not None else None,
+            decision=None if decision is None else entry.provenance(decision),
         )
-        return {"strategy": strategy, "selection": run.provenance.selection, "layers": list(run.layers)}
+        return {"strategy": strategy, "selection": selection, "layers": list(run.layers),
+                **({"options": used} if used else {})}
 
 
 class RemoveStep(_StepBase):
@@ -389,6 +403,11 @@ class SparsifyStep(_StepBase):
         record = config_record(run.sparsity_report)
         return {k: record[k] for k in ("method", "allocation", "pattern", "target_sparsity", "achieved_sparsity",
                                        "num_zeros")}
+
+
+def _options_text(options: Mapping) -> str:
+    """Options as the rule text names them: ``width=4, seed_size=8``."""
+    return ", ".join(f"{key}={value!r}" for key, value in options.items())
 
 
 def _heals(cfg: LayerSwapConfig) -> int:

@@ -55,6 +55,8 @@ CONFIGS = {
     "recovery": dict(num_to_remove=2, recovery="fused", recovery_num_tokens=4096, recovery_epsilon=0.5),
     "sparsity": dict(layers=[2], sparsity=0.5, allocation="uniform", pruner="sparsegpt", sparsity_pattern="2:4"),
     "calibration file": dict(num_to_remove=1, calibration="/data/corpus/valid.txt"),
+    "strategy options": dict(num_to_remove=2, strategy="beam", strategy_options={"width": 4, "include_greedy": False}),
+    "score protocols": dict(num_to_remove=2, strategy="sleb", score_protocols=["interchange", "replacement"]),
 }
 
 
@@ -285,7 +287,7 @@ def test_the_command_line_help_is_the_fields_help():
     settings = cli_settings(LayerSwapConfig)
     assert settings == ["num_to_remove", "layers", "protocol", "max_gap", "spacing", "protect", "num_prompts",
                         "seq_len", "batch_size", "seed", "recovery", "sparsity", "strategy", "objective",
-                        "max_evaluations", "allocation", "pruner", "sparsity_pattern"]
+                        "max_evaluations", "score_protocols", "allocation", "pruner", "sparsity_pattern"]
     marked = [f.name for f in fields(LayerSwapConfig) if f.metadata.get("cli")]
     assert marked == settings[:-3]  # then the flat keywords of the marked sparsity fields
     for name in settings:
@@ -744,3 +746,121 @@ def test_a_registered_strategy_gets_the_spacing_default_of_its_entry():
             table.pop("test_spaced", None)
     assert [LayerSwapConfig(num_to_remove=1, strategy=s).spacing for s in ("greedy", "auto", "search", "sleb")] == [
         1, 1, 0, 0]
+
+
+BAD_STRATEGY_OPTIONS = [
+    (dict(strategy="beam", strategy_options={"widht": 4}),
+     "LayerSwapConfig(strategy='beam', strategy_options={'widht': 4}): strategy='beam' has no option 'widht': its "
+     "options are width, seed_size, include_greedy (did you mean 'width'?)"),
+    (dict(strategy="beam", strategy_options={"width": 0}),
+     "LayerSwapConfig(strategy='beam', strategy_options={'width': 0}): width=0: must be an int >= 1"),
+    (dict(strategy="beam", strategy_options={"include_greedy": "yes"}),
+     "LayerSwapConfig(strategy='beam', strategy_options={'include_greedy': 'yes'}): include_greedy='yes': must be True "
+     "or False"),
+    (dict(strategy="sleb", strategy_options={"width": 2}),
+     "LayerSwapConfig(strategy='sleb', strategy_options={'width': 2}): strategy='sleb' has no option 'width': it takes "
+     "none"),
+    # greedy with protocol='auto' runs the auto strategy: its options are checked
+    (dict(strategy="greedy", protocol="auto", strategy_options={"width": 2}),
+     "LayerSwapConfig(strategy='auto', strategy_options={'width': 2}): strategy='auto' has no option 'width': it takes "
+     "none"),
+    (dict(strategy="search", strategy_options=[("max_rounds", 2)]),
+     "LayerSwapConfig(strategy='search', strategy_options=[('max_rounds', 2)]): must be a dict of the strategy's "
+     "options (str keys) or None"),
+    # a field that sets an option: both only with one value
+    (dict(strategy="search", max_evaluations=20, strategy_options={"max_evaluations": 30}),
+     "LayerSwapConfig(strategy='search', strategy_options={'max_evaluations': 30}) is contradictory: "
+     "max_evaluations=20 is set by the config's field 'max_evaluations' and max_evaluations=30 by strategy_options; "
+     "give it once"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_STRATEGY_OPTIONS, ids=[m.split(": ")[1][:40] for _, m in BAD_STRATEGY_OPTIONS])
+def test_strategy_options_are_checked_against_the_strategy_that_runs(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        LayerSwapConfig(num_to_remove=2, **kwargs)
+    assert str(err.value) == message
+
+
+def test_strategy_options_reach_select_layers_once_with_the_fields_that_set_options():
+    from hf_layerswap.selection.beam import BeamOptions
+    from hf_layerswap.selection.registry import strategy_entry
+
+    typed = LayerSwapConfig(num_to_remove=2, strategy="beam", strategy_options=BeamOptions(width=5))
+    assert typed.strategy_options == {"width": 5, "seed_size": 12, "include_greedy": True}  # kept as its dict
+    assert typed.selection_options() == {"width": 5, "seed_size": 12, "include_greedy": True}
+    same = LayerSwapConfig(num_to_remove=2, max_evaluations=30, strategy_options={"max_evaluations": 30, "max_rounds": 1},
+                           progress=False)
+    assert same.selection_options() == {"max_evaluations": 30, "max_rounds": 1, "objective": "removal_kl",
+                                        "progress": False}
+    alone = LayerSwapConfig(num_to_remove=2, strategy_options={"max_evaluations": 3})
+    assert alone.max_evaluations is None and alone.selection_options()["max_evaluations"] == 3
+    # the search's own check reads the option as it reads the field: below the single-removal sweep
+    with pytest.raises(ValueError, match=r"max_evaluations=3: at least 6 \(one per removable block\)"):
+        strategy_entry("search").check_config(alone, 8)
+    # a changed strategy re-checks the options against the new one
+    with pytest.raises(ValueError, match="strategy='greedy' has no option 'width', 'seed_size', 'include_greedy': it "
+                                         "takes none"):
+        typed.update(strategy="greedy")
+    assert typed.strategy == "beam"
+
+
+def test_score_protocols_default_to_what_the_strategy_reads():
+    assert LayerSwapConfig(num_to_remove=2, strategy="sleb").scored_protocols() == []
+    assert LayerSwapConfig(num_to_remove=2, strategy="block_influence").scored_protocols() == []
+    assert LayerSwapConfig(num_to_remove=2, strategy="greedy").scored_protocols() == ["interchange"]
+    assert LayerSwapConfig(num_to_remove=2).scored_protocols() == ["replacement", "interchange"]
+    assert LayerSwapConfig(strategy="sleb").scored_protocols() == ["replacement", "interchange"]  # scoring only
+    assert LayerSwapConfig(layers=[1]).scored_protocols() == []
+    asked = LayerSwapConfig(num_to_remove=2, strategy="sleb", score_protocols=("interchange",))
+    assert asked.score_protocols == ["interchange"] and asked.scored_protocols() == ["interchange"]
+    wider = LayerSwapConfig(num_to_remove=2, strategy="greedy", score_protocols=["interchange", "replacement"])
+    assert wider.scored_protocols() == ["interchange", "replacement"]
+
+
+BAD_SCORE_PROTOCOLS = [
+    (dict(num_to_remove=2, strategy="greedy", score_protocols=["replacement"]),
+     "LayerSwapConfig(score_protocols=['replacement']): strategy='greedy' with protocol='interchange' reads "
+     "['interchange']; add them, or leave score_protocols=None (the protocols the strategy reads)"),
+    (dict(num_to_remove=2, score_protocols=["interchange", "interchange"]),
+     "LayerSwapConfig(score_protocols=['interchange', 'interchange']): allowed a list without repeats of "
+     "['replacement', 'interchange']"),
+    (dict(num_to_remove=2, score_protocols="interchange"),
+     "LayerSwapConfig(score_protocols='interchange'): must be a list of protocols from ['replacement', 'interchange'] "
+     "or None"),
+    (dict(layers=[1], score_protocols=["interchange"]),
+     "LayerSwapConfig(score_protocols=['interchange']): explicit layers are removed without scoring; drop "
+     "score_protocols or layers"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_SCORE_PROTOCOLS, ids=[m.split(": ")[1][:30] for _, m in BAD_SCORE_PROTOCOLS])
+def test_bad_score_protocols_are_named(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        LayerSwapConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_strategy_options_reach_the_run_record_through_from_pretrained(tmp_path):
+    base = tiny_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    cfg = LayerSwapConfig(num_to_remove=2, strategy="beam", strategy_options={"width": 1, "seed_size": 2},
+                          calibration=tiny_batch(), progress=False, batch_size=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=cfg)
+    model.save_pretrained(tmp_path / "pruned")
+    saved = json.loads((tmp_path / "pruned" / "config.json").read_text())["layerswap"]
+    assert saved["steps"][0]["config"]["strategy_options"] == {"width": 1, "seed_size": 2}
+    assert LayerSwapConfig.from_dict(saved["steps"][0]["config"]) == cfg
+    select = next(e for e in saved["recipe"] if e["step"] == "select")
+    assert select["options"] == {"width": 1, "seed_size": 2, "include_greedy": True}
+    assert select["selection"].endswith("; options width=1, seed_size=2")
+    # the options reached the beam: two seeds and one beam score fewer sets than its defaults (4 seeds, 3 beams)
+    default = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=replace_options(cfg, None))
+    calls = saved["steps"][0]["decision"]["cost"]["evaluator_calls"]
+    assert calls < default.config.layerswap["steps"][0]["decision"]["cost"]["evaluator_calls"]
+
+
+def replace_options(cfg: LayerSwapConfig, options) -> LayerSwapConfig:
+    """``cfg`` with other ``strategy_options`` (its runtime fields kept)."""
+    return LayerSwapConfig(**{**cfg.to_dict(), "strategy_options": options, "calibration": cfg.calibration,
+                              "progress": cfg.progress})

@@ -25,11 +25,11 @@ from ..surgery.removal import original_indices
 from ..evaluation.tasks import task_card_section
 
 from .evaluation import evaluation_mismatches, normalize_evaluation
-from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, layerswap_record, recovery_record, recovery_row, report_mismatches, report_removed, report_step, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
+from .checks import current_blocks, weights_identity, parameter_counts, format_pct_plain, protocol_of, step_provenance, step_strategy, layerswap_record, recovery_record, recovery_row, report_mismatches, report_removed, report_step, resolve_base_model, resolve_license, scored_identity, selection_rule, last_decision, sparsity_mismatches, sparsity_refusal, sparsity_section, sparsity_summary, split_model
 from .healing import HEALING_FILE, healing_eval_results, healing_section
 from .steps import steps_section
 from .format import DASH, EVALUATION_FILE, REPORT_FILE, SPARSITY_FILE, format_cell, format_indices, format_pct
-from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, versions_section
+from .sections import calibration_rows, candidates_section, cost_rows, evaluation_section, load_snippet, report_section, reproduce_section, unscored_why, versions_section
 
 __all__ = ["CARD_TEMPLATE", "check_card", "render_card", "write_card_files"]
 
@@ -162,6 +162,12 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
     scored_removed = report_removed(config, report) if report is not None else []  # in the report's numbering
     if report is not None and f.removed:
         candidates, why, removed_kl = candidates_section(report, scored_removed, f.spacing, f.protect, f.steps)
+    unscored = (f.run.get("score") or {}).get("skipped")
+    selection_note = None
+    if report is None and f.removed and unscored:  # a card states what did not happen, and why
+        selection_note = (f"No swap-KL tables were measured for this removal: {unscored}, so the prune scored no "
+                          "pair of blocks (`LayerSwapConfig(score_protocols=[...])` measures them as well). "
+                          f"**Why this set:** {unscored_why(f.steps, f.removed)}")
     reproduce, reproduce_note = reproduce_section(f.base, f.removed, f.steps, report, f.ident) if f.removed else (
         "# nothing was removed: see the diagnostics above", None
     )
@@ -181,6 +187,7 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
         report=_report_context(config, report, scored_removed, f.protect) if report is not None else None,
         plots={k: ([{"file": PLOT_FILES[k], "alt": _PLOT_ALT[k]}] if k in plot_keys else []) for k in PLOT_FILES},
         candidates=candidates,
+        selection_note=selection_note,
         budget=f"{len(scored_removed)} block{'s' if len(scored_removed) != 1 else ''}",
         rule=f.rule,
         removed_layers=format_indices(scored_removed),
@@ -245,6 +252,7 @@ def _card_facts(model, config, report, base_model, license, sparsity_report) -> 
     chooser, _ = last_decision(steps)
     if chooser is not None and chooser.card_rule is not None:
         rule = chooser.card_rule(spacing, protect)
+    strategy, last = step_strategy(steps[-1]) if steps else (None, None)
     before, after = parameter_counts(model, config, len(removed), steps)
     recovery = recovery_record(model, record)
     repairer = recovery_entry(recovery.get("method"))
@@ -255,8 +263,17 @@ def _card_facts(model, config, report, base_model, license, sparsity_report) -> 
         protect=protect, rule=rule, chooser=chooser, before=before, after=after,
         sparse=sparsity_summary(config, sparsity_report), recovery=recovery, repairer=repairer,
         attaches=repairer is not None and repairer.attaches(recovery), in_model=None,
-        history=history_status(config),
+        history=history_status(config), strategy=strategy, last=last,
+        run=_last_run(record, len(steps) - 1),
     )
+
+
+def _last_run(record: Mapping, step: int) -> dict:
+    """The entries of ``config.layerswap["recipe"]`` of removal step ``step`` (the last one),
+    by kind (``{"score": {...}, "select": {...}}``): what the prune recorded of its scoring
+    and selection."""
+    entries = [e for e in record.get("recipe") or [] if isinstance(e, Mapping) and e.get("removal_step") == step]
+    return {str(e.get("step")): dict(e) for e in entries}
 
 
 def _front_matter(f: SimpleNamespace, config, report, sparsity_report) -> dict:
@@ -294,7 +311,7 @@ def _title_and_summary(f: SimpleNamespace, name: str, front: dict, evaluation, e
             f"This checkpoint is {base_label} with decoder blocks **{format_indices(f.removed)}** removed "
             f"({len(f.removed)} of {f.original} blocks, {100 * len(f.removed) / f.original:.1f}% of the depth{params}), "
             f"selected with `hf_layerswap`" + (f" using the **{f.protocol}** swap-KL protocol." if f.protocol else (
-                f.chooser.card_summary if f.chooser is not None and f.chooser.card_summary else "."))
+                f.strategy.card_summary if f.strategy is not None and f.strategy.card_summary else "."))
         )
     elif f.sparse is not None:
         title = f"{name}: {format_pct_plain(f.sparse['achieved_sparsity'], 1)} sparse linear layers"  # nothing removed
@@ -337,8 +354,17 @@ def _removal_rows(f: SimpleNamespace) -> list[tuple[str, str]]:
         rows.append(("Parameters", f"{before:,} → {after:,}{change}"))
     elif after is not None:
         rows.append(("Parameters", f"{after:,} after removal (blocks differ in size; the count before is not recorded)"))
+    unscored = (f.run.get("score") or {}).get("skipped")
     if f.removed:
-        rows.append(("Protocol guiding the removal", f.protocol or "none recorded"))
+        rows.append(("Protocol guiding the removal", f.protocol or (
+            f"none: {unscored}" if unscored else "none recorded")))
+    options = (f.last.config or {}).get("strategy_options") if f.last is not None else None
+    if f.removed and options:
+        used = (f.run.get("select") or {}).get("options") or {}
+        rest = {k: v for k, v in used.items() if k not in options}
+        rows.append(("Strategy options", ", ".join(f"`{k}={v!r}`" for k, v in options.items()) + " (given)"
+                     + ("; the others at their defaults: " + ", ".join(f"`{k}={v!r}`" for k, v in rest.items())
+                        if rest else "")))
     repair = recovery_row(f.recovery)
     if repair is not None:
         rows.append(repair)

@@ -24,7 +24,7 @@ from .format import DASH, HUB_ID, MAX_PAIR_ROWS, REPORT_FILE, format_cell, forma
 
 __all__ = [
     "calibration_rows", "candidates_section", "cost_rows", "evaluation_section", "load_snippet", "report_section",
-    "reproduce_section", "versions_section",
+    "reproduce_section", "unscored_why", "versions_section",
 ]
 
 
@@ -135,6 +135,13 @@ def candidates_section(report, removed, spacing, protect, steps) -> tuple[list[d
             }
         )
     return rows, _why(steps, removed, sets), removed_kl
+
+
+def unscored_why(steps, removed) -> str:
+    """Why the removed set was chosen when no swap-KL table was measured: the strategy's
+    own reason (its registry entry's ``card_reason``), else its rule in words; no protocol's
+    set to compare with."""
+    return _why(steps, removed, {})
 
 
 def _why(steps, removed, sets) -> str:

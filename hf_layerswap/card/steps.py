@@ -15,6 +15,8 @@ __all__ = ["STEP_CELLS", "STEP_LABELS", "step_cell", "steps_section"]
 
 
 def _score(entry: Mapping) -> str:
+    if entry.get("skipped"):
+        return f"no swap-KL pass: {entry['skipped']}"
     return f"swap-KL of {entry.get('pairs', DASH)} pairs, protocols {', '.join(entry.get('protocols') or [])}"
 
 

@@ -17,7 +17,7 @@ from ..utils.devices import input_device
 from ..pipeline import prune
 from ..scoring.report import SwapReport
 from ..scoring.processes import is_main_process
-from ..selection.registry import strategies_taking
+from ..selection.registry import strategies_taking, strategy_entry
 from ..healing import HEAL_METHODS
 from ..healing.distill import RUN_FILE
 from .heal import add_heal_args, checkpoint_folder, heal_config
@@ -55,8 +55,12 @@ def add_parser(subparsers):
     add_calibration_args(p)
     add_scoring_memory_arg(p)
     add_config_options(p, ["max_gap", "strategy", "objective", "max_evaluations", "protocol", "spacing", "protect",
-                           "recovery", "sparsity", "allocation", "pruner", "sparsity_pattern"],
-                       types={"sparsity": fraction}, options={"protect": {"nargs": "*"}})
+                           "recovery", "sparsity", "allocation", "pruner", "sparsity_pattern", "score_protocols"],
+                       types={"sparsity": fraction}, options={"protect": {"nargs": "*"}, "score_protocols": {"nargs": "+"}})
+    p.add_argument("--strategy-option", action="append", default=None, metavar="KEY=VALUE", dest="strategy_option",
+                   help="one of the strategy's own options, e.g. width=4 for beam, max_rounds=2 for search "
+                        "(repeatable; the value read as the option's type; the docs' method options list them); "
+                        "LayerSwapConfig(strategy_options=...)")
     p.add_argument("--heal", nargs="?", const="lora", default=None, choices=sorted(HEAL_METHODS), metavar="METHOD",
                    help=config_help("heal") + f"; METHOD one of {sorted(HEAL_METHODS)}, lora without a value")
     add_heal_args(p, prefix="heal-")
@@ -103,12 +107,32 @@ def prune_config(args):
         after = dict.fromkeys(after)
         sparse = {}
     return LayerSwapConfig(
+        strategy_options=strategy_options(args), score_protocols=args.score_protocols,
         num_to_remove=args.num_to_remove, layers=args.layers, protocol=args.protocol, max_gap=args.max_gap,
         spacing=args.spacing, protect=args.protect, calibration=calibration_source(args.calibration),
         num_prompts=prompt_count(args.num_prompts), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         strategy=args.strategy, objective=args.objective, max_evaluations=args.max_evaluations,
         recipe=steps, progress=True, **after, **sparse,
     )
+
+
+def strategy_options(args) -> dict | None:
+    """``--strategy-option KEY=VALUE`` values as the options of the strategy that runs, each
+    read as its field's type (:meth:`~hf_layerswap.utils.registry.Options.parse_text`);
+    ``None`` when none is given.
+
+    Raises:
+        ValueError: an item without ``=``, an option the strategy does not take or a value it
+            does not allow (the message names it and what is allowed).
+    """
+    items = getattr(args, "strategy_option", None)
+    if not items:
+        return None
+    entry = strategy_entry(strategy_entry(args.strategy).strategy_for(args.protocol))
+    try:
+        return entry.option_class.parse_text(items, owner=f"--strategy {entry.name}")
+    except ValueError as err:
+        raise ValueError(f"--strategy-option: {err}") from None
 
 
 def recipe_kinds(value: str) -> list[str]:
@@ -162,8 +186,9 @@ def _defaults(args):
 def run_prune(args) -> int:
     """The ``prune`` verb: every flag checked, then load, :func:`~hf_layerswap.pipeline.prune`, save."""
     config = prune_config(args)
-    if args.resume is not None and (args.layers is not None or args.report):
-        given = "--layers" if args.layers is not None else "--report"
+    if args.resume is not None and (args.layers is not None or args.report or not config.scored_protocols()):
+        given = ("--layers" if args.layers is not None else "--report" if args.report else
+                 f"--strategy {args.strategy}, which reads no swap-KL score (no --score-protocols),")
         raise ValueError(f"--resume resumes scoring, but with {given} nothing is scored: drop --resume")
     _check_resume_outside_output(args)
     if args.dry_run:

@@ -71,6 +71,7 @@ from ..scoring.layerscores import swap_plans
 from ..selection import STRATEGIES
 from ..selection.registry import strategy_entry
 from ..steps import recipe_steps
+from ..utils.registry import Options
 
 __all__ = ["CostEstimate", "SelectionPlan", "StepPlan", "Throughput", "estimate_cost", "measure_throughput"]
 
@@ -294,6 +295,15 @@ class SelectionPlan:
     @property
     def num_to_remove(self) -> int:
         return int(self.config.num_to_remove)
+
+    @property
+    def options(self) -> Options:
+        """The strategy's typed options as the prune passes them (its entry's ``option_class``
+        from the config's ``strategy_options`` and the fields that set options, e.g.
+        ``max_evaluations``; the defaults for the rest)."""
+        entry = strategy_entry(strategy_entry(self.config.strategy).strategy_for(self.config.protocol))
+        typed = entry.option_class.names()
+        return entry.option_class.from_mapping({k: v for k, v in self.config.selection_options().items() if k in typed})
 
     @property
     def allowed(self) -> list[int]:
@@ -672,10 +682,16 @@ class StepPlan:
         strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
         self.entry = strategy_entry(strategy)
 
-    def scoring(self) -> dict:
-        """The swap-KL scoring's phase: the engine's own plan of every pair's probes."""
+    def scoring(self, protocols) -> dict:
+        """The swap-KL scoring's phase: the engine's own plan of every pair's probes under
+        ``protocols`` (none: a phase of no pass, whose note says why)."""
         total = self.shape.num_blocks
-        plans = swap_plans(total, min(self.cfg.max_gap, total - 1), self.entry.scores(self.cfg.protocol))
+        if not protocols:
+            return {"block_passes": 0, "head_passes": 0, "head_rows": 0, "block_tokens": 0, "block_loads": 0,
+                    "sweeps": 0, "exact": True,
+                    "note": f"no swap-KL scoring: strategy {self.entry.name!r} reads no swap-KL score "
+                            "(score_protocols names protocols to score anyway)"}
+        plans = swap_plans(total, min(self.cfg.max_gap, total - 1), protocols)
         phase = _engine_counts(self.model, self.calib, plans, self.settings, streamed=self.streamed)
         self.scoring_plan = _on_device(phase.pop("plan"), self.device)
         phase["sweeps"] = 1
@@ -752,8 +768,8 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
     search_ref = 0
     selection_plan = phases.get("selection", {}).pop("memory_plan", None)
     keeps = strategy_entry(strategy_entry(cfg.strategy).strategy_for(cfg.protocol)).keeps_reference  # as prune runs it
-    if plan is not None and "selection" in phases and keeps:
-        search_ref = _reference_bytes(plan, budget)  # ``budget``: the share the search keeps
+    if "selection" in phases and keeps and (plan or selection_plan) is not None:  # the batches' shapes: either plan
+        search_ref = _reference_bytes(plan or selection_plan, budget)  # ``budget``: the share the search keeps
     scoring_working = _working_bytes(plan, 0) if plan is not None else 0
     selection_working = _working_bytes(selection_plan, 0) if selection_plan is not None else 0
     # the selection's engine calls beside its kept reference, each within its share of the one budget

@@ -163,9 +163,9 @@ def _beam_cost(plan) -> dict:
     pipeline's scoring): level 1 the seeds and the greedy set, level k the ``width`` beams
     grown by every remaining unprotected block and the greedy set (at most every set of k
     unprotected blocks), each set from the first removable block, no prefix shared."""
-    defaults = {k: v.default for k, v in inspect.signature(interchange_beam).parameters.items()}
-    width, seed_size, greedy = defaults["width"], defaults["seed_size"], int(bool(defaults["include_greedy"]))
-    evaluator = plan.config.objective or defaults["evaluator"]
+    options = plan.options  # the beam's typed options as the prune passes them (BeamOptions)
+    width, seed_size, greedy = options.width, options.seed_size, int(options.include_greedy)
+    evaluator = plan.config.objective or inspect.signature(interchange_beam).parameters["evaluator"].default
     total, unprotected = plan.num_blocks, len(plan.allowed)
     planned = plan.engine({0: removal_plan(total, [plan.allowed[0]])})["plan"] if evaluator == "removal_kl" else None
     parts, beams, sets_total = [], 0, 0

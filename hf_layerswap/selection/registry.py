@@ -30,6 +30,11 @@ def _paper_and(protocol) -> tuple[str, ...]:
     return PROTOCOLS + extra
 
 
+def _no_scores(protocol) -> tuple[str, ...]:
+    """``scores`` of a strategy that reads no swap-KL score (``guided_by=NO_PROTOCOL``): none."""
+    return ()
+
+
 def _objective_only(cfg) -> dict:
     return {"objective": cfg.objective} if getattr(cfg, "objective", None) else {}
 
@@ -86,7 +91,10 @@ class Strategy(RegistryEntry):
             ``needs_model``).
         spacing: its default ``spacing`` (minimum distance between removed blocks minus 1).
         scores: ``fn(protocol) -> protocols`` the pipeline scores before selecting
-            (default: the paper's two, plus ``protocol`` when it is another registered one).
+            (default: the paper's two, plus ``protocol`` when it is another registered one;
+            none for a strategy registered with ``guided_by=NO_PROTOCOL``, which reads no
+            swap-KL score: the prune then runs no swap-KL pass for it unless the config's
+            ``score_protocols`` asks for the tables).
         reads: ``fn(protocol) -> protocols`` a given report must carry (default: none).
         resolve: ``fn(protocol) -> strategy name`` actually run for the config's
             ``protocol`` (default: this one).
@@ -233,6 +241,8 @@ def register_strategy(name: str, *, needs_model: bool = False, options: Collecti
             declared = entry["option_class"].names()
         fields = dict(entry)
         fields.setdefault("help", (fn.__doc__ or name).strip().split("\n")[0])
+        if fields.get("guided_by") is NO_PROTOCOL:  # it reads no swap-KL score: none scored for it by default
+            fields.setdefault("scores", _no_scores)
         made = Strategy(name, fn, needs_model=needs_model, options=None if declared is None else tuple(sorted(declared)),
                         **fields)
         STRATEGY_ENTRIES.pop(name, None)  # the entry of a strategy taken out of STRATEGIES since

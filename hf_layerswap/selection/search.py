@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import itertools
 import math
 from dataclasses import dataclass
@@ -573,24 +572,26 @@ def _search_cost(plan) -> dict:
     batches the kept reference cannot hold; a repair-aware objective adds its operator fit
     and the sets cut through the last block."""
     cfg, total_blocks, allowed = plan.config, plan.num_blocks, plan.allowed
-    defaults = {k: v.default for k, v in inspect.signature(search_select).parameters.items()}
-    rounds = defaults["max_rounds"]
+    options = plan.options  # the search's typed options as the prune passes them (SearchOptions)
+    rounds = options.max_rounds
     n_top = plan.num_to_remove
     sets = [[i] for i in allowed]  # budget 1: the single-removal sweep, exact
-    # budgets 2..n: SLEB's schedule, U - (n - 1) sets each, each protocol's greedy set inside; an
+    # budgets 2..n: SLEB's schedule (or evaluations_per_budget) each, each protocol's greedy set inside; an
     # exhaustive budget only spends what budgets 1..n may spend together, so the sum bounds it too
-    bound_sets = sum(search_allowances(len(allowed), n_top)[1:])
+    bound_sets = sum(search_allowances(len(allowed), n_top, options.evaluations_per_budget)[1:])
     calls = 2 + (2 + rounds) * (n_top - 1)  # the sweep; per budget 1 + max_rounds rounds and a fallback
-    if cfg.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
-        bound_sets = max(0, min(bound_sets, int(cfg.max_evaluations) - len(sets) + n_top - 1))
+    if options.max_evaluations is not None:  # the whole call's cap; a budget past it still scores one set
+        bound_sets = max(0, min(bound_sets, int(options.max_evaluations) - len(sets) + n_top - 1))
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
     # each set from its first removed block, no sharing between sets: calls share less than one run would;
     # the first call (the single-removal sweep) finds the kept reference empty and fills it: its plan is exact
-    counts = plan.engine(plans, settings=dataclasses.replace(plan.settings, prefix_reuse="start"),
+    # (without prefix_reuse every set runs from the first block)
+    counts = plan.engine(plans, settings=dataclasses.replace(plan.settings,
+                                                             prefix_reuse="start" if options.prefix_reuse else "none"),
                          reference_cache=ReferenceCache(plan.memory_budget))
     planned = counts.pop("plan")
     calib = plan.calibration
-    first = min(allowed)
+    first = min(allowed) if options.prefix_reuse else 0
     n_batches = len(planned.batches)
     extra_blocks = bound_sets * max(total_blocks - n_top - first, 1) * n_batches
     # batches whose reference does not fit the kept budget are swept again by every further call
@@ -653,7 +654,8 @@ def _criterion(objective: str) -> Criterion:
     card_rule=lambda spacing, protect: (f"spacing={max(1, spacing)}, protect={protect} for each protocol's rule; "
                                         f"the search itself used spacing={spacing}"),
     card_candidates=_card_candidates,
-    check_config=lambda cfg, total: check_max_evaluations(cfg.max_evaluations, total, cfg.protect),
+    check_config=lambda cfg, total: check_max_evaluations(cfg.selection_options().get("max_evaluations"), total,
+                                                          cfg.protect),
     criteria={criterion_name(objective): _criterion(objective) for objective in OBJECTIVES},
 )
 def _search(report, num_to_remove, *, spacing, protect, model, calibration, batch_size, objective, options,

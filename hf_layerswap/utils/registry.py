@@ -186,6 +186,27 @@ class Options:
         return cls(**given)
 
     @classmethod
+    def parse_text(cls, items: Iterable[str], *, owner: str = "") -> dict[str, Any]:
+        """``KEY=VALUE`` strings (the command line's) as ``{key: value}``, each value read as
+        its field's type: an int, a finite number, ``true``/``false`` for a flag, ``none`` for
+        an option that allows ``None``, a string; then checked as :meth:`from_mapping` checks it.
+
+        Raises:
+            ValueError: an item without ``=``, an unknown key, a value that does not read as
+                its field's type or is out of bounds (naming the key, the value and what is allowed).
+        """
+        by_name, hints, out = {f.name: f for f in fields(cls)}, _hints(cls), {}
+        for item in items:
+            key, sep, text = str(item).partition("=")
+            if not sep or not key:
+                raise ValueError(f"{item!r}: give KEY=VALUE, e.g. {next(iter(by_name), 'key')}=...")
+            if key not in by_name:
+                cls.from_mapping({key: text}, owner=owner)  # names the allowed keys and the closest
+            out[key] = _read_text(key, text, by_name[key], hints[key])
+        cls.from_mapping(out, owner=owner)
+        return out
+
+    @classmethod
     def names(cls) -> tuple[str, ...]:
         """The option names, in field order."""
         return tuple(f.name for f in fields(cls))
@@ -200,6 +221,22 @@ class Options:
         for a class without fields (the command line's help)."""
         rows = option_rows(cls)
         return "; ".join(f"{r['name']} ({r['allowed']}, default {r['default']}): {r['help']}" for r in rows) or "none"
+
+
+def _read_text(key: str, text: str, f: dataclasses.Field, hint) -> Any:
+    """One ``KEY=VALUE`` value read as its field's type (see :meth:`Options.parse_text`)."""
+    kinds, optional = _kinds(hint)
+    if optional and text.lower() == "none":
+        return None
+    readers: list[tuple[type, Callable[[str], Any]]] = [
+        (bool, lambda t: {"true": True, "false": False}[t.lower()]), (int, int), (float, float), (str, str)]
+    for kind, read in readers:
+        if kind in kinds or (kind is str and Any in kinds):
+            try:
+                return read(text)
+            except (KeyError, ValueError):
+                break
+    raise ValueError(f"{key}={text!r}: must be {_allowed(f, hint)}")
 
 
 @dataclass(frozen=True)
