@@ -367,12 +367,55 @@ def test_a_strategy_that_reads_no_protocol_is_not_credited_to_one(strategy):
     model = tiny_model("llama", 6)
     result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, calibration=tiny_batch(),
                                                 progress=False))
+    assert result.report is None and model.layerswap_report is None  # it reads no swap-KL score: none measured
     text = render_card(model.config, report=result.report, base_model=BASE_MODEL).text
-    assert "| Protocol guiding the removal | none recorded |" in text
+    assert f"| Protocol guiding the removal | none: strategy `{strategy}` reads no swap-KL score |" in text
     assert "swap-KL protocol." not in text.split("## What was removed")[0]
-    assert f"strategy **{strategy}**" in text
+    # the card states what did not happen, and why; no empty table
+    assert (f"## How the blocks were chosen\n\nNo swap-KL tables were measured for this removal: strategy `{strategy}` "
+            "reads no swap-KL score, so the prune scored no pair of blocks") in text
+    assert f"**Why this set:** strategy **{strategy}** ({strategy}, protect=[0, -1])." in text
+    assert "## Swap-KL diagnostics" not in text and "s(i)" not in text
     assert render_card(model.config, report=result.report, base_model=BASE_MODEL).data.to_dict()["tags"] == [
         "layerswap", "layer-pruning"]
+
+
+def test_score_protocols_measure_the_tables_for_a_strategy_that_reads_none():
+    model = tiny_model("llama", 6)
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy="block_influence", calibration=tiny_batch(),
+                                                score_protocols=["replacement", "interchange"], progress=False))
+    assert result.report.protocols == ("replacement", "interchange") and len(result.report.pairs) == 5
+    text = render_card(model.config, report=result.report, base_model=BASE_MODEL).text
+    assert "## Swap-KL diagnostics" in text and "No swap-KL tables were measured" not in text
+    assert "| Protocol guiding the removal | none recorded |" in text
+
+
+def test_a_strategy_of_no_model_pass_is_described_by_its_registry_entry_not_as_measured(tmp_path):
+    """A positional control (guided by no protocol, no model pass): the card's first sentence and
+    its reason are the entry's card_summary and card_reason; nothing claims a measurement."""
+    from hf_layerswap.selection.registry import NO_PROTOCOL, register_strategy
+
+    summary = " by a positional rule: the last unprotected blocks, without any model pass."
+    reason = "a positional control: the last unprotected blocks, chosen without reading the model or any score."
+
+    @register_strategy("test_last_blocks", options=(), guided_by=NO_PROTOCOL, card_summary=summary,
+                       card_reason=lambda record, kl, indices: reason,
+                       cost=lambda plan: plan.counts(exact=True, note="no model pass"))
+    def _last_blocks(report, n, *, protect, **_):
+        return list(range(report.num_blocks - 1 - n, report.num_blocks - 1))
+
+    model = tiny_model("llama", 6)
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy="test_last_blocks", progress=False))
+    assert result.removed == [3, 4] and result.report is None and result.calibration is None
+    folder = hl.save_for_hub(model, tmp_path / "card", base_model=BASE_MODEL)
+    text = (folder / "README.md").read_text()
+    assert check_card(text, folder) == [] and not (folder / "layerswap_report.json").exists()
+    assert f"selected with `hf_layerswap`{summary}" in text
+    assert f"**Why this set:** {reason}" in text
+    assert "No swap-KL tables were measured for this removal: strategy `test_last_blocks` reads no swap-KL score" in text
+    for claim in ("## Swap-KL diagnostics", "## Calibration", "## Cost of scoring", "calibration prompts",
+                  "Joint removal KL", "swap-KL protocol."):
+        assert claim not in text, claim
 
 
 def test_a_repair_of_an_earlier_step_stays_on_the_card_after_a_later_cut(report):
@@ -415,3 +458,15 @@ def test_the_card_metadata_carries_the_measured_perplexities_exactly(tmp_path):
     bare = render_card(model, base_model=BASE_MODEL)
     assert "model-index" not in bare.data.to_dict() and bare.data.eval_results is None
     assert "model-index" not in ModelCard(str(bare)).data.to_dict()
+
+
+def test_the_card_states_the_strategy_options_given():
+    model = tiny_model("llama", 6)
+    hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, strategy="beam", strategy_options={"width": 1},
+                                       calibration=tiny_batch(), progress=False))
+    text = render_card(model.config, base_model=BASE_MODEL).text
+    assert ("| Strategy options | `width=1` (given); the others at their defaults: `seed_size=12`, "
+            "`include_greedy=True` |") in text
+    plain = tiny_model("llama", 6)
+    hl.prune(plain, hl.LayerSwapConfig(num_to_remove=1, strategy="beam", calibration=tiny_batch(), progress=False))
+    assert "Strategy options" not in render_card(plain.config, base_model=BASE_MODEL).text

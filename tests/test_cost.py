@@ -668,3 +668,92 @@ def test_sleb_s_kept_reference_is_counted_in_its_half_of_the_budget():
     entry = (31 * 8 * 128 + 8 * 128) * 4096 * 2  # the streams entering blocks 1..31 and the final rows of a batch
     assert parts["reference_kept"] == entry * (budget // 2 // entry)
     assert parts["working"] == max(parts["scoring"], parts["selection"] + parts["reference_kept"])
+
+
+NO_SWAP_KL = ["angular_distance", "block_influence", "single_removal_kl", "sleb"]
+
+
+@pytest.mark.parametrize("strategy", NO_SWAP_KL)
+def test_a_strategy_that_reads_no_swap_kl_score_runs_no_scoring_pass(strategy):
+    """Hooks on the 8 blocks count the selection's passes only: the scoring phase is planned
+    with none, and score_protocols adds exactly the passes of the scoring it asks for."""
+    from hf_layerswap.selection.registry import strategy_entry
+
+    assert strategy_entry(strategy).scores("interchange") == ()
+    cfg, calib = _tiny(8), _calibration()
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, batch_size=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+    assert (estimate.phases["scoring"]["block_passes"], estimate.phases["scoring"]["head_passes"]) == (0, 0)
+    assert "no swap-KL scoring" in estimate.phases["scoring"]["note"]
+    blocks, heads = counted_prune(cfg, config, calib)
+    selection = estimate.phases["selection"]
+    assert (blocks, heads) <= (selection["block_passes"], selection["head_passes"])
+    if selection["exact"]:
+        assert (blocks, heads) == (selection["block_passes"], selection["head_passes"])
+    tables = hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, batch_size=4, progress=False,
+                                score_protocols=["replacement", "interchange"])
+    scored = hl.estimate_cost(copy.deepcopy(cfg), tables, calibration=calib, throughput=FIXED).phases["scoring"]
+    both = counted_prune(cfg, tables, calib)
+    search = hl.LayerSwapConfig(num_to_remove=2, batch_size=4, progress=False)  # the search scores both protocols
+    assert scored == hl.estimate_cost(copy.deepcopy(cfg), search, calibration=calib, throughput=FIXED).phases["scoring"]
+    assert scored["block_passes"] > 0
+    assert both == (blocks + scored["block_passes"], heads + scored["head_passes"])
+
+
+def test_a_strategy_of_no_model_pass_costs_nothing_and_runs_no_pass():
+    """A positional control registered with guided_by=NO_PROTOCOL and a cost of no pass: no
+    scoring, no calibration prompts read, no block or head pass, as the estimate says."""
+    from hf_layerswap.selection.registry import NO_PROTOCOL, register_strategy
+
+    @register_strategy("test_positional", options=(), guided_by=NO_PROTOCOL,
+                       cost=lambda plan: plan.counts(exact=True, note="no model pass"))
+    def _last_blocks(report, n, *, protect, **_):
+        return list(range(report.num_blocks - 1 - n, report.num_blocks - 1))
+
+    cfg = _tiny(8)
+    config = hl.LayerSwapConfig(num_to_remove=2, strategy="test_positional", batch_size=4, progress=False)
+    estimate = hl.estimate_cost(copy.deepcopy(cfg), config, throughput=FIXED)
+    assert (estimate.block_passes, estimate.head_passes, estimate.exact) == (0, 0, True)
+    assert list(estimate.phases) == ["scoring"]
+    assert counted_prune(cfg, config, None) == (0, 0)  # no calibration given, none built: nothing reads it
+
+
+def test_beam_width_and_search_rounds_given_as_options_change_the_estimate_as_the_run():
+    cfg, calib = _tiny(8), _calibration()
+    estimates, counted = {}, {}
+    for name, strategy, options in (("beam", "beam", None), ("narrow", "beam", {"width": 1, "seed_size": 2}),
+                                    ("search", "search", None), ("short", "search", {"max_rounds": 0,
+                                                                                    "evaluations_per_budget": 1})):
+        config = hl.LayerSwapConfig(num_to_remove=3, strategy=strategy, strategy_options=options, batch_size=4,
+                                    progress=False)
+        estimates[name] = hl.estimate_cost(copy.deepcopy(cfg), config, calibration=calib, throughput=FIXED)
+        counted[name] = counted_prune(cfg, config, calib)
+        assert counted[name][0] <= estimates[name].block_passes, name
+    scoring = estimates["beam"].phases["scoring"]["block_passes"]
+    # one sweep per level and per set: level 1 the seeds and the greedy set, level k the beams grown by each of
+    # the 6 unprotected blocks not in them and the greedy set (at most every set of k of them)
+    assert estimates["narrow"].phases["selection"]["sweeps"] == 3 + (2 + 1) + (1 * 5 + 1) + (1 * 4 + 1)
+    assert estimates["beam"].phases["selection"]["sweeps"] == 3 + 6 + 15 + (3 * 4 + 1)
+    assert estimates["narrow"].block_passes < estimates["beam"].block_passes
+    assert counted["narrow"][0] < counted["beam"][0] and counted["short"][0] < counted["search"][0]
+    assert estimates["short"].block_passes < estimates["search"].block_passes
+    assert scoring == estimates["narrow"].phases["scoring"]["block_passes"]  # the options change the selection only
+
+
+def test_prune_dry_run_prices_the_strategy_options(tmp_path, capsys):
+    torch.manual_seed(0)
+    tiny_checkpoint(tmp_path / "base", LlamaForCausalLM(_tiny(8)))
+    args = ["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "3", "--strategy", "beam",
+            "--num-prompts", "4", "--seq-len", "16", "--batch-size", "2", "--dry-run"]
+    passes = {}
+    for name, extra in (("default", []), ("narrow", ["--strategy-option", "width=1", "--strategy-option", "seed_size=2"])):
+        assert main(args + extra) == 0
+        line = capsys.readouterr().out.splitlines()[0]
+        passes[name] = int(re.search(r"([\d,]+) block passes", line).group(1).replace(",", ""))
+    assert passes["narrow"] < passes["default"]
+    for bad, message in ((["--strategy-option", "width"], "error: --strategy-option: 'width': give KEY=VALUE"),
+                         (["--strategy-option", "width=wide"], "error: --strategy-option: width='wide': must be an int >= 1"),
+                         (["--strategy-option", "depth=2"], "error: --strategy-option: --strategy beam has no option 'depth'")):
+        assert main(args + bad) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

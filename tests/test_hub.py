@@ -633,3 +633,22 @@ def test_save_for_hub_refuses_a_removal_chosen_on_non_finite_values(tmp_path):
             rf"search's value = NaN; {NONFINITE_ADVICE}, then select again \(or remove explicit layers\)$")):
         hl.save_for_hub(model, tmp_path / "out", report=result.report)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prune_that_scored_nothing_is_pushed_with_a_card_that_says_so(hub):
+    """A strategy that reads no swap-KL score: no report to publish, and the pushed card says
+    that no swap-KL table was measured and why."""
+    from conftest import tiny_batch, tiny_model
+
+    model = tiny_model("llama", 6)
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy="block_influence", calibration=tiny_batch(),
+                                                progress=False))
+    push_to_hub(model, "user/unscored", report=result.report, token=TOKEN, endpoint=hub.url, base_model=BASE_MODEL)
+    files = hub.files("user/unscored")
+    assert {"README.md", "config.json", "model.safetensors"} <= set(files) and REPORT_FILE not in files
+    card = files["README.md"].decode()
+    assert ("No swap-KL tables were measured for this removal: strategy `block_influence` reads no swap-KL score"
+            in card)
+    assert json.loads(files["config.json"])["layerswap"]["recipe"][0] == {
+        "step": "score", "protocols": [], "pairs": 0, "skipped": "strategy `block_influence` reads no swap-KL score",
+        "removal_step": 0}
