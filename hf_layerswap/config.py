@@ -689,6 +689,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
         what = f"LayerSwapConfig(strategy={entry.name!r}, strategy_options={given!r})"
         if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
             raise ValueError(f"{what}: must be a dict of the strategy's options (str keys) or None")
+        if self.layers is not None:
+            raise ValueError(f"{what}: explicit layers are removed without a strategy; drop strategy_options or layers")
         try:
             entry.option_class.from_mapping(given, owner=f"strategy={entry.name!r}")
         except ValueError as err:

@@ -767,6 +767,9 @@ BAD_STRATEGY_OPTIONS = [
     (dict(strategy="search", strategy_options=[("max_rounds", 2)]),
      "LayerSwapConfig(strategy='search', strategy_options=[('max_rounds', 2)]): must be a dict of the strategy's "
      "options (str keys) or None"),
+    (dict(strategy="beam", strategy_options={"width": 2}, num_to_remove=None, layers=[1]),
+     "LayerSwapConfig(strategy='beam', strategy_options={'width': 2}): explicit layers are removed without a strategy; "
+     "drop strategy_options or layers"),
     # a field that sets an option: both only with one value
     (dict(strategy="search", max_evaluations=20, strategy_options={"max_evaluations": 30}),
      "LayerSwapConfig(strategy='search', strategy_options={'max_evaluations': 30}) is contradictory: "
@@ -778,7 +781,7 @@ BAD_STRATEGY_OPTIONS = [
 @pytest.mark.parametrize(("kwargs", "message"), BAD_STRATEGY_OPTIONS, ids=[m.split(": ")[1][:40] for _, m in BAD_STRATEGY_OPTIONS])
 def test_strategy_options_are_checked_against_the_strategy_that_runs(kwargs, message):
     with pytest.raises(ValueError) as err:
-        LayerSwapConfig(num_to_remove=2, **kwargs)
+        LayerSwapConfig(**{"num_to_remove": 2, **kwargs})
     assert str(err.value) == message
 
 
