@@ -757,3 +757,20 @@ def test_prune_dry_run_prices_the_strategy_options(tmp_path, capsys):
         assert main(args + bad) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_prune_dry_run_plans_no_scoring_for_a_strategy_that_reads_none_unless_asked(tmp_path, capsys):
+    torch.manual_seed(0)
+    tiny_checkpoint(tmp_path / "base", LlamaForCausalLM(_tiny(8)))
+    args = ["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "2", "--strategy",
+            "block_influence", "--num-prompts", "4", "--seq-len", "16", "--batch-size", "2", "--dry-run"]
+    scoring = {}
+    for name, extra in (("default", []), ("tables", ["--score-protocols", "replacement", "interchange"])):
+        assert main(args + extra) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("scoring"))
+        scoring[name] = int(re.search(r"([\d,]+) block passes", line).group(1).replace(",", ""))
+    assert scoring["default"] == 0 and scoring["tables"] > 0
+    assert main(args[:-1] + ["--resume", str(tmp_path / "scores")]) == 2  # nothing is scored: nothing to resume
+    assert "error: --resume resumes scoring, but with --strategy block_influence, which reads no swap-KL score" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
