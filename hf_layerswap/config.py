@@ -49,7 +49,7 @@ from .scoring.rule import resolve_protect
 from .selection import STRATEGIES
 from .selection.dispatch import selection_protocols
 from .selection.objectives import OBJECTIVES
-from .selection.registry import STRATEGY_ENTRIES, strategies_taking, strategy_entry
+from .selection.registry import STRATEGY_ENTRIES, Strategy, strategies_taking, strategy_entry
 from .sparsity import ALLOCATORS, PRUNERS, check_arguments, check_bound
 
 __all__ = [
@@ -672,9 +672,9 @@ class LayerSwapConfig(QuantizationConfigMixin):
         self._validate_option_dict()
         self._validate_score_protocols()
 
-    def _runs(self):
-        """The entry of the strategy that runs for this config's ``protocol`` (``greedy`` with
-        ``protocol="auto"`` runs ``auto``)."""
+    def selection_entry(self) -> Strategy:
+        """The registry entry (:class:`~hf_layerswap.selection.registry.Strategy`) of the strategy
+        that runs for this config's ``protocol`` (``greedy`` with ``protocol="auto"`` runs ``auto``)."""
         return strategy_entry(strategy_entry(self.strategy).strategy_for(self.protocol))
 
     def _validate_option_dict(self) -> None:
@@ -685,7 +685,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             return
         if isinstance(given, Options):
             given = given.to_dict()
-        entry = self._runs()
+        entry = self.selection_entry()
         what = f"LayerSwapConfig(strategy={entry.name!r}, strategy_options={given!r})"
         if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
             raise ValueError(f"{what}: must be a dict of the strategy's options (str keys) or None")
@@ -717,7 +717,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             raise ValueError(f"{what}: allowed a list without repeats of {list(SWAP_PROTOCOLS)}")
         if self.layers is not None:
             raise ValueError(f"{what}: explicit layers are removed without scoring; drop score_protocols or layers")
-        entry = self._runs()
+        entry = self.selection_entry()
         missing = [p for p in entry.scores(self.protocol) if p not in value] if self.num_to_remove is not None else []
         if missing:
             raise ValueError(f"{what}: strategy={entry.name!r} with protocol={self.protocol!r} reads {missing}; add "
@@ -728,7 +728,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         """The keywords :func:`~hf_layerswap.select_layers` gets from this config beyond its
         own arguments: ``strategy_options``, then what the strategy's entry takes from the
         fields (``config_options``: ``objective``, ``max_evaluations``, ...)."""
-        return {**(self.strategy_options or {}), **self._runs().config_options(self)}
+        return {**(self.strategy_options or {}), **self.selection_entry().config_options(self)}
 
     def scored_protocols(self) -> list[str]:
         """The protocols the prune scores before the selection: ``score_protocols`` when
@@ -738,7 +738,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
             return []
         if self.score_protocols is not None:
             return list(self.score_protocols)
-        scores = list(self._runs().scores(self.protocol))
+        scores = list(self.selection_entry().scores(self.protocol))
         return scores if scores or self.num_to_remove is not None else list(PROTOCOLS)
 
     def _validate_recovery(self) -> None:

@@ -301,7 +301,7 @@ class SelectionPlan:
         """The strategy's typed options as the prune passes them (its entry's ``option_class``
         from the config's ``strategy_options`` and the fields that set options, e.g.
         ``max_evaluations``; the defaults for the rest)."""
-        entry = strategy_entry(strategy_entry(self.config.strategy).strategy_for(self.config.protocol))
+        entry = self.config.selection_entry()
         typed = entry.option_class.names()
         return entry.option_class.from_mapping({k: v for k, v in self.config.selection_options().items() if k in typed})
 
@@ -679,8 +679,7 @@ class StepPlan:
         self.streamed, self.device, self.settings, self.kept, self.working = streamed, device, settings, kept, working
         self.calib_known, self.rates = calib_known, rates
         self.scoring_plan = None
-        strategy = strategy_entry(cfg.strategy).strategy_for(cfg.protocol)  # as prune resolves it
-        self.entry = strategy_entry(strategy)
+        self.entry = cfg.selection_entry()  # as prune resolves it
 
     def scoring(self, protocols) -> dict:
         """The swap-KL scoring's phase: the engine's own plan of every pair's probes under
