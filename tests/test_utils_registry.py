@@ -217,3 +217,28 @@ def test_prune_refuses_a_bad_heal_option_naming_the_closest_before_the_model_loa
         key, value = given.split("=")
         assert err == [f"error: HealConfig(options={{{key!r}: {value}}}): {message}"]
         assert not out.exists()
+
+
+def test_options_read_key_value_text_as_each_fields_type():
+    assert _Toy.parse_text(["rank=3", "scale=0.5", "mode=b", "flag=true"]) == {
+        "rank": 3, "scale": 0.5, "mode": "b", "flag": True}
+    assert _Toy.parse_text(["scale=None", "flag=False"]) == {"scale": None, "flag": False}
+    assert _Toy.parse_text([]) == {}
+
+
+@pytest.mark.parametrize("items, message", [
+    (["rank"], "'rank': give KEY=VALUE, e.g. rank=..."),
+    (["=3"], "'=3': give KEY=VALUE, e.g. rank=..."),
+    (["rank=3.5"], "rank='3.5': must be an int >= 1 (the toy rank)"),
+    (["rank=0"], "rank=0: must be an int >= 1 (the toy rank)"),
+    (["rank=none"], "rank='none': must be an int >= 1 (the toy rank)"),
+    (["scale=wide"], "scale='wide': must be a finite number > 0 and <= 2 or None"),
+    (["scale=inf"], "scale=inf: must be a finite number > 0 and <= 2 or None"),
+    (["flag=yes"], "flag='yes': must be True or False"),
+    (["mode=c"], "mode='c': must be one of ['a', 'b']"),
+    (["rnak=2"], "method='toy' has no option 'rnak': its options are rank, scale, mode, flag (did you mean 'rank'?)"),
+])
+def test_options_refuse_key_value_text_naming_the_key_the_value_and_what_is_allowed(items, message):
+    with pytest.raises(ValueError) as err:
+        _Toy.parse_text(items, owner="method='toy'")
+    assert str(err.value) == message

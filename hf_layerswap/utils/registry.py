@@ -111,6 +111,13 @@ def _allowed(f: dataclasses.Field, hint) -> str:
     return text + (" or None" if optional else "")
 
 
+def _refusal(value: Any, f: dataclasses.Field, hint) -> ValueError:
+    """The error for ``value`` of field ``f``: ``<name>=<value>: must be <what is allowed>``
+    (and the field's ``what``)."""
+    what = f.metadata.get("what")
+    return ValueError(f"{f.name}={value!r}: must be {_allowed(f, hint)}" + (f" ({what})" if what else ""))
+
+
 def _fits(value: Any, f: dataclasses.Field, hint) -> bool:
     kinds, optional = _kinds(hint)
     if Any in kinds:
@@ -154,9 +161,7 @@ class Options:
         for f in fields(self):
             value = getattr(self, f.name)
             if not _fits(value, f, hints[f.name]):
-                what = f.metadata.get("what")
-                raise ValueError(f"{f.name}={value!r}: must be {_allowed(f, hints[f.name])}"
-                                 + (f" ({what})" if what else ""))
+                raise _refusal(value, f, hints[f.name])
 
     @classmethod
     def from_mapping(cls: type[OptionsT], values: Mapping[str, Any] | Options | None, *, owner: str = "") -> OptionsT:
@@ -202,7 +207,7 @@ class Options:
                 raise ValueError(f"{item!r}: give KEY=VALUE, e.g. {next(iter(by_name), 'key')}=...")
             if key not in by_name:
                 cls.from_mapping({key: text}, owner=owner)  # names the allowed keys and the closest
-            out[key] = _read_text(key, text, by_name[key], hints[key])
+            out[key] = _read_text(text, by_name[key], hints[key])
         cls.from_mapping(out, owner=owner)
         return out
 
@@ -223,7 +228,7 @@ class Options:
         return "; ".join(f"{r['name']} ({r['allowed']}, default {r['default']}): {r['help']}" for r in rows) or "none"
 
 
-def _read_text(key: str, text: str, f: dataclasses.Field, hint) -> Any:
+def _read_text(text: str, f: dataclasses.Field, hint) -> Any:
     """One ``KEY=VALUE`` value read as its field's type (see :meth:`Options.parse_text`)."""
     kinds, optional = _kinds(hint)
     if optional and text.lower() == "none":
@@ -236,7 +241,7 @@ def _read_text(key: str, text: str, f: dataclasses.Field, hint) -> Any:
                 return read(text)
             except (KeyError, ValueError):
                 break
-    raise ValueError(f"{key}={text!r}: must be {_allowed(f, hint)}")
+    raise _refusal(text, f, hint)
 
 
 @dataclass(frozen=True)
