@@ -4,6 +4,8 @@ refused with the closest, the command line's help and the docs read the same met
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +18,8 @@ from hf_layerswap.healing.methods import HEAL_METHODS, LastKOptions, LoraOptions
 from hf_layerswap.scoring.protocols import get_protocol
 from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method
 from hf_layerswap.utils.registry import (
-    NoOptions, Options, Registry, RegistryEntry, option, option_rows, options_subset, options_table, untyped_options,
+    NoOptions, Options, Registry, RegistryEntry, import_package_modules, option, option_rows, options_subset, options_table,
+    untyped_options,
 )
 from hf_layerswap.scoring.report import PairResult, SwapReport
 from hf_layerswap.selection.objectives import OBJECTIVES, SET_OBJECTIVES, objective_entry
@@ -99,6 +102,34 @@ def test_a_registry_refuses_a_second_entry_and_names_the_closest_unknown_name():
         assert str(err.value) == "thing=7: allowed ['alpha', 'beta']"
     finally:
         Registry.ALL.pop("test thing")
+
+
+def test_a_package_imports_every_module_of_its_own_so_each_registers(tmp_path, monkeypatch):
+    """A module dropped into a registry package registers its entries with no import to add."""
+    package = tmp_path / "dropin_pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "from hf_layerswap.utils.registry import Registry, import_package_modules\n"
+        "THINGS = Registry('drop-in thing', 'thing')\n"
+        "IMPORTED = import_package_modules(__name__, __path__)\n")
+    for name in ("zeta", "alpha"):  # written in this order, imported sorted
+        (package / f"{name}.py").write_text(f"from . import THINGS\nTHINGS.add({name!r}, {name!r})\n")
+    (package / "sub" / "__init__.py").write_text("from .. import THINGS\nTHINGS.add('sub', 'sub')\n")
+    (package / "notes.txt").write_text("not a module")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        module = importlib.import_module("dropin_pkg")
+        assert module.IMPORTED == ("dropin_pkg.alpha", "dropin_pkg.sub", "dropin_pkg.zeta")
+        assert list(module.THINGS) == ["alpha", "sub", "zeta"]
+        assert import_package_modules("dropin_pkg", module.__path__) == module.IMPORTED  # run once: not again
+        assert list(module.THINGS) == ["alpha", "sub", "zeta"]
+        (package / "broken.py").write_text("raise ImportError('broken on purpose')\n")
+        with pytest.raises(ImportError, match="broken on purpose"):  # never skipped
+            import_package_modules("dropin_pkg", module.__path__)
+    finally:
+        Registry.ALL.pop("drop-in thing", None)
+        for name in [n for n in sys.modules if n == "dropin_pkg" or n.startswith("dropin_pkg.")]:
+            del sys.modules[name]
 
 
 @pytest.mark.parametrize("lookup, message", [
