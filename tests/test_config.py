@@ -16,7 +16,6 @@ import re
 import warnings
 from dataclasses import fields, is_dataclass, replace
 from types import SimpleNamespace
-from typing import get_args
 
 import pytest
 import torch
@@ -214,20 +213,34 @@ def test_sparsity_names_are_checked_against_the_registries():
     assert all(repr(name) in str(err.value) for name in PRUNERS)
 
 
-def test_choices_are_the_librarys_own():
+def test_choices_with_a_registry_are_open_strings_checked_against_the_registry(extensions):
+    """No closed Literal names the built-ins of a registry-backed choice: the annotation is
+    ``str``, a registered name is a value (the config and the command line's choices), an
+    unknown one is refused listing what is registered now."""
+    from typing import get_type_hints
+
     from hf_layerswap.scoring.protocols import PROTOCOLS
+    from hf_layerswap.selection.dispatch import selection_protocols
     from hf_layerswap.selection.objectives import OBJECTIVES
-    from hf_layerswap.sparsity.allocators import ALLOCATIONS
-    from hf_layerswap.sparsity.pruners import METHODS
 
-    assert get_args(ProtocolName) == PROTOCOLS + ("auto",)
-    assert get_args(ObjectiveName) == OBJECTIVES
-    assert get_args(AllocationName) == ALLOCATIONS
-    assert get_args(PrunerName) == METHODS
-    assert get_args(RecoveryMethodName) == ("ghosted", "fused", "linearpatch")
-    from hf_layerswap.recovery import METHODS as RECOVERY_BUILT_INS
+    assert {ProtocolName, ObjectiveName, RecoveryMethodName, AllocationName, PrunerName} == {str}
+    registry_backed = [(kind, f.name) for kind in (LayerSwapConfig, RecoveryConfig, SparsityConfig)
+                       for f in fields(kind) if "choices" in f.metadata and f.name != "recovery"]  # RecoveryConfig.method's
+    assert {name for _, name in registry_backed} == {"protocol", "strategy", "objective", "method", "allocation", "pruner"}
+    for kind, name in registry_backed:
+        assert get_type_hints(kind)[name] in (str, str | None), (kind.__name__, name)
+    choices = {a.dest: a.choices for a in _prune_parser()._actions}
+    assert choices["protocol"] == list(selection_protocols()) and set(PROTOCOLS) < set(choices["protocol"])
+    assert choices["objective"] == list(OBJECTIVES)
+    for dest, name, registry in [("strategy", STRATEGY, STRATEGIES), ("recovery", REPAIR, RECOVERY_METHODS),
+                                 ("allocation", ALLOCATOR, ALLOCATORS), ("pruner", PRUNER, PRUNERS)]:
+        assert name in choices[dest] and set(choices[dest]) <= set(registry), dest
+    cfg = LayerSwapConfig(**EXTENDED)
+    assert (cfg.strategy, cfg.recovery.method, cfg.sparsity.allocation, cfg.sparsity.pruner) == (
+        STRATEGY, REPAIR, ALLOCATOR, PRUNER)
+    from hf_layerswap.recovery import METHODS as RECOVERY_NAMES
 
-    assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethodName)  # "none" is spelt recovery=None here
+    assert set(choices["recovery"]) == set(RECOVERY_NAMES) - {"none"}  # "none" is spelt recovery=None here
 
 
 def test_a_ridge_is_refused_for_a_repair_that_has_none():
