@@ -505,9 +505,10 @@ def test_smollm2_recovery_on_wikitext(smollm2, wikitext_valid):
 def test_unknown_method_lists_the_registered_ones(calib):
     from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method
 
-    assert list(RECOVERY_METHODS) == ["none", "ghosted", "fused", "linearpatch"]
-    with pytest.raises(ValueError, match=r"method='shadow': allowed \['none', 'ghosted', 'fused', 'linearpatch'\]"):
+    assert {"none", "ghosted", "fused", "linearpatch"} <= set(RECOVERY_METHODS)  # and whatever else is registered
+    with pytest.raises(ValueError) as err:
         recover(tiny_model("llama"), [2], calib, method="shadow")
+    assert str(err.value) == f"method='shadow': allowed {list(RECOVERY_METHODS)}"
     assert get_recovery_method(None).name == "none"
 
 
