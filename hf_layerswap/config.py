@@ -104,9 +104,10 @@ def _help(text: str, **extra) -> dict:
 
 def _cli(text: str, **extra) -> dict:
     """Metadata of a field that is also a command-line setting (``cli=True``): its
-    ``help``, and optionally ``minimum`` (an int option's least value) and ``choices`` (a
-    callable returning the allowed names now, for the choices with a registry); read by
-    ``hf_layerswap.cli.options.add_config_options``."""
+    ``help``, and optionally ``minimum`` (an int option's least value), ``choices`` (a
+    callable returning the allowed names now, for the choices with a registry) and
+    ``entries`` (a callable returning ``{name: one line}`` of the registry's entries, which
+    the help lists after its text); read by ``hf_layerswap.cli.options.add_config_options``."""
     return {"help": text, "cli": True, **extra}
 
 
@@ -198,9 +199,8 @@ class RecoveryConfig:
     """
 
     method: RecoveryMethodName = field(default="ghosted", metadata=_cli(
-        "repair the cut: ghosted (Ghosted Layers operators), fused (folded into down_proj) or linearpatch "
-        "(LinearPatch Hadamard rotation and channel scaling)",
-        choices=_repairs))
+        "repair the cut",
+        choices=_repairs, entries=lambda: {n: RECOVERY_METHODS[n].help for n in _repairs()}))
     num_tokens: int | None = field(default=None, metadata=_help(
         "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
     epsilon: float | None = field(default=None, metadata=_help(
@@ -511,9 +511,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
     tokenizer: Any = field(default=None, metadata=_help("tokenizer for text calibration", **_RUNTIME))
     progress: bool = field(default=True, metadata=_help("show progress bars", **_RUNTIME))
     strategy: str = field(default="search", metadata=_cli(
-        "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts, "
-        "ranked by a prediction from the pairs scored; greedy = the paper's rule on the protocol; auto = the better protocol's "
-        "greedy set", choices=lambda: sorted(STRATEGIES)))
+        "how the set is chosen", choices=lambda: sorted(STRATEGIES),
+        entries=lambda: {n: strategy_entry(n).help for n in sorted(STRATEGIES)}))
     objective: ObjectiveName | None = field(default=None, metadata=_cli(
         "what the search strategy minimises on the calibration prompts (default removal_kl)",
         choices=lambda: list(OBJECTIVES)))

@@ -306,10 +306,45 @@ def test_the_command_line_help_is_the_fields_help():
         assert flags == ["--" + name.replace("_", "-")], name
         assert by_flag[flags[0]].help == config_help(name), name
     for name in marked:
-        assert by_flag["--" + name.replace("_", "-")].help == LayerSwapConfig.__dataclass_fields__[name].metadata["help"]
+        help_text = by_flag["--" + name.replace("_", "-")].help  # the field's help, then its registry's lines
+        assert help_text.startswith(LayerSwapConfig.__dataclass_fields__[name].metadata["help"]) and help_text == config_help(name)
     assert config_help("recovery_epsilon") == RecoveryConfig.__dataclass_fields__["epsilon"].metadata["help"]
     assert config_help("pruner") == SparsityConfig.__dataclass_fields__["pruner"].metadata["help"]
     assert {"--num-layers", "--sparsity-method"}.isdisjoint(by_flag)
+
+
+def test_prune_help_lists_each_strategys_and_repairs_line_from_its_registry_entry(capsys):
+    """--strategy and --recovery name no built-in by hand: each registered entry's one line
+    (its ``help``) follows the option's text, a strategy and a repair registered later too."""
+    from conftest import prune_help
+    from hf_layerswap.cli.options import config_help
+    from hf_layerswap.selection.registry import strategy_entry
+
+    assert config_help("strategy") == "how the set is chosen" + "".join(
+        f"; {name}: {strategy_entry(name).help}" for name in sorted(STRATEGIES))
+    assert config_help("recovery").startswith("repair the cut; ghosted: Ghosted Layers: one ridge operator per cut")
+    register_strategy("test_listed", help="a test strategy's own line, 100% from its entry")(lambda report, n, **_: [1])
+
+    class Listed(RecoveryMethod):
+        """A test repair's own line."""
+
+    register_recovery_method("test_listed_repair")(Listed)
+    try:
+        text = prune_help(capsys)
+        for name in STRATEGIES:
+            assert f"{name}: {' '.join(strategy_entry(name).help.split())}" in text, name
+        for name, method in RECOVERY_METHODS.items():
+            assert (f"{name}: {' '.join(method.help.split())}" in text) == method.fits, name  # "none" is no choice
+        assert "test_listed: a test strategy's own line, 100% from its entry" in text  # its % kept as written
+        assert "; test_listed_repair: A test repair's own line." in text
+        choices = {a.dest: a.choices for a in _prune_parser()._actions}
+        assert "test_listed" in choices["strategy"] and "test_listed_repair" in choices["recovery"]
+    finally:
+        from hf_layerswap.selection.registry import STRATEGY_ENTRIES, STRATEGY_OPTIONS
+
+        for table in (STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS):
+            table.pop("test_listed", None)
+        RECOVERY_METHODS.pop("test_listed_repair", None)
 
 
 def test_command_line_options_are_built_from_the_fields():
