@@ -1,6 +1,7 @@
 """Choosing which blocks to remove: one entry point, a registry of strategies, one module each.
 
-:func:`select_layers` dispatches to a strategy by name (:data:`STRATEGIES`):
+:func:`select_layers` dispatches to a strategy by name (:data:`STRATEGIES`: every one registered
+now; the built-in ones are these):
 
 ========================  =====================================================  =============
 strategy                  what it removes                                        module
