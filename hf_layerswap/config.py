@@ -14,13 +14,12 @@ It is a dataclass (on transformers' ``QuantizationConfigMixin``): every field ca
 help (``field(metadata={"help": ...})``); the repair and the sparsification are nested
 dataclass fields (:class:`RecoveryConfig`, :class:`SparsityConfig`); every field is
 checked in ``__post_init__`` (:meth:`LayerSwapConfig.validate`), and :meth:`to_dict` /
-:meth:`from_dict` are the one serialisation (a JSON round trip is exact). The closed
-choice (``protocol``) is a ``Literal`` type and the allowed list comes from it; the
-choices with a registry (``strategy``, ``objective``, the ``recovery`` method, the sparsity
-``allocation`` and ``pruner``) are checked against the registry when the config is
-validated, so a name added with ``register_strategy``, ``register_recovery_method`` (a
-search objective too, with ``search_objective = True``), ``register_allocator`` or
-``register_pruner`` is accepted (their ``Literal`` annotations name the built-ins).
+:meth:`from_dict` are the one serialisation (a JSON round trip is exact). The
+choices with a registry (``protocol``, ``strategy``, ``objective``, the ``recovery`` method,
+the sparsity ``allocation`` and ``pruner``) are open strings, checked against the registry
+when the config is validated, so a name added with ``register_protocol``,
+``register_strategy``, ``register_recovery_method`` (a search objective too, with
+``search_objective = True``), ``register_allocator`` or ``register_pruner`` is accepted.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -73,16 +72,20 @@ QUANT_METHOD = "layerswap"
 #: Format version of :meth:`LayerSwapConfig.to_dict` (``config.json`` of a pruned checkpoint).
 CONFIG_VERSION = 1
 
-#: Allowed values of the closed choice (the ``Literal`` type is the single source).
-ProtocolName = Literal["replacement", "interchange", "auto"]
-#: The built-in names of the choices with a registry; validation reads the registries
-#: (:data:`~hf_layerswap.selection.objectives.OBJECTIVES`,
-#: :data:`~hf_layerswap.recovery.RECOVERY_METHODS`, :data:`~hf_layerswap.sparsity.ALLOCATORS`,
-#: :data:`~hf_layerswap.sparsity.PRUNERS`), so registered names are allowed too.
-ObjectiveName = Literal["removal_kl", "nll", "ghosted"]
-RecoveryMethodName = Literal["ghosted", "fused", "linearpatch"]
-AllocationName = Literal["uniform", "pals", "owl", "random", "gradient"]
-PrunerName = Literal["wanda", "sparsegpt", "magnitude"]
+#: The choices with a registry are open strings: :meth:`LayerSwapConfig.validate` checks them
+#: against the registry as it is then (a refused name's message lists the registered ones), and
+#: the command line's choices are the registry's names (``metadata["choices"]``), so a name
+#: registered later is a valid value and no list of names is kept here. ``protocol``: a swap
+#: protocol (:data:`~hf_layerswap.scoring.protocols.SWAP_PROTOCOLS`) or ``"auto"``;
+#: ``objective``: :data:`~hf_layerswap.selection.objectives.OBJECTIVES`; the repair's
+#: ``method``: :data:`~hf_layerswap.recovery.RECOVERY_METHODS` (those that fit);
+#: ``allocation``, ``pruner``: :data:`~hf_layerswap.sparsity.ALLOCATORS`,
+#: :data:`~hf_layerswap.sparsity.PRUNERS`.
+ProtocolName = str
+ObjectiveName = str
+RecoveryMethodName = str
+AllocationName = str
+PrunerName = str
 
 #: Flat constructor keywords -> (the nested field, its sub-config field): the one place
 #: they are mapped (the constructor, :meth:`LayerSwapConfig.update` and the command line's
@@ -102,9 +105,10 @@ def _help(text: str, **extra) -> dict:
 
 def _cli(text: str, **extra) -> dict:
     """Metadata of a field that is also a command-line setting (``cli=True``): its
-    ``help``, and optionally ``minimum`` (an int option's least value) and ``choices`` (a
-    callable returning the allowed names now, for the choices with a registry); read by
-    ``hf_layerswap.cli.options.add_config_options``."""
+    ``help``, and optionally ``minimum`` (an int option's least value), ``choices`` (a
+    callable returning the allowed names now, for the choices with a registry) and
+    ``entries`` (a callable returning ``{name: one line}`` of the registry's entries, which
+    the help lists after its text); read by ``hf_layerswap.cli.options.add_config_options``."""
     return {"help": text, "cli": True, **extra}
 
 
@@ -196,9 +200,8 @@ class RecoveryConfig:
     """
 
     method: RecoveryMethodName = field(default="ghosted", metadata=_cli(
-        "repair the cut: ghosted (Ghosted Layers operators), fused (folded into down_proj) or linearpatch "
-        "(LinearPatch Hadamard rotation and channel scaling)",
-        choices=_repairs))
+        "repair the cut",
+        choices=_repairs, entries=lambda: {n: RECOVERY_METHODS[n].help for n in _repairs()}))
     num_tokens: int | None = field(default=None, metadata=_help(
         "most real calibration tokens the repair is fitted on (default: all of them, at most 65,536)"))
     epsilon: float | None = field(default=None, metadata=_help(
@@ -527,9 +530,8 @@ class LayerSwapConfig(QuantizationConfigMixin):
     tokenizer: Any = field(default=None, metadata=_help("tokenizer for text calibration", **_RUNTIME))
     progress: bool = field(default=True, metadata=_help("show progress bars", **_RUNTIME))
     strategy: str = field(default="search", metadata=_cli(
-        "how the set is chosen: search = candidate sets from both protocols scored on the calibration prompts, "
-        "ranked by a prediction from the pairs scored; greedy = the paper's rule on the protocol; auto = the better protocol's "
-        "greedy set", choices=lambda: sorted(STRATEGIES)))
+        "how the set is chosen", choices=lambda: sorted(STRATEGIES),
+        entries=lambda: {n: strategy_entry(n).help for n in sorted(STRATEGIES)}))
     objective: ObjectiveName | None = field(default=None, metadata=_cli(
         "what the search strategy minimises on the calibration prompts (default removal_kl)",
         choices=lambda: list(OBJECTIVES)))

@@ -397,3 +397,12 @@ def overflow():
         warnings.simplefilter("ignore", hl.NonFiniteScoresWarning)
         warnings.simplefilter("ignore", hl.CalibrationShortfallWarning)
         return model, calibration, hl.score_layers(model, calibration, progress=False)
+
+
+def prune_help(capsys) -> str:
+    """``hf-layerswap prune --help`` as one line (argparse's wrapping undone)."""
+    from hf_layerswap.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["prune", "--help"])
+    return " ".join(capsys.readouterr().out.split())

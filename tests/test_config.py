@@ -16,7 +16,6 @@ import re
 import warnings
 from dataclasses import fields, is_dataclass, replace
 from types import SimpleNamespace
-from typing import get_args
 
 import pytest
 import torch
@@ -216,20 +215,34 @@ def test_sparsity_names_are_checked_against_the_registries():
     assert all(repr(name) in str(err.value) for name in PRUNERS)
 
 
-def test_choices_are_the_librarys_own():
+def test_choices_with_a_registry_are_open_strings_checked_against_the_registry(extensions):
+    """No closed Literal names the built-ins of a registry-backed choice: the annotation is
+    ``str``, a registered name is a value (the config and the command line's choices), an
+    unknown one is refused listing what is registered now."""
+    from typing import get_type_hints
+
     from hf_layerswap.scoring.protocols import PROTOCOLS
+    from hf_layerswap.selection.dispatch import selection_protocols
     from hf_layerswap.selection.objectives import OBJECTIVES
-    from hf_layerswap.sparsity.allocators import ALLOCATIONS
-    from hf_layerswap.sparsity.pruners import METHODS
 
-    assert get_args(ProtocolName) == PROTOCOLS + ("auto",)
-    assert get_args(ObjectiveName) == OBJECTIVES
-    assert get_args(AllocationName) == ALLOCATIONS
-    assert get_args(PrunerName) == METHODS
-    assert get_args(RecoveryMethodName) == ("ghosted", "fused", "linearpatch")
-    from hf_layerswap.recovery import METHODS as RECOVERY_BUILT_INS
+    assert {ProtocolName, ObjectiveName, RecoveryMethodName, AllocationName, PrunerName} == {str}
+    registry_backed = [(kind, f.name) for kind in (LayerSwapConfig, RecoveryConfig, SparsityConfig)
+                       for f in fields(kind) if "choices" in f.metadata and f.name != "recovery"]  # RecoveryConfig.method's
+    assert {name for _, name in registry_backed} == {"protocol", "strategy", "objective", "method", "allocation", "pruner"}
+    for kind, name in registry_backed:
+        assert get_type_hints(kind)[name] in (str, str | None), (kind.__name__, name)
+    choices = {a.dest: a.choices for a in _prune_parser()._actions}
+    assert choices["protocol"] == list(selection_protocols()) and set(PROTOCOLS) < set(choices["protocol"])
+    assert choices["objective"] == list(OBJECTIVES)
+    for dest, name, registry in [("strategy", STRATEGY, STRATEGIES), ("recovery", REPAIR, RECOVERY_METHODS),
+                                 ("allocation", ALLOCATOR, ALLOCATORS), ("pruner", PRUNER, PRUNERS)]:
+        assert name in choices[dest] and set(choices[dest]) <= set(registry), dest
+    cfg = LayerSwapConfig(**EXTENDED)
+    assert (cfg.strategy, cfg.recovery.method, cfg.sparsity.allocation, cfg.sparsity.pruner) == (
+        STRATEGY, REPAIR, ALLOCATOR, PRUNER)
+    from hf_layerswap.recovery import METHODS as RECOVERY_NAMES
 
-    assert RECOVERY_BUILT_INS == ("none",) + get_args(RecoveryMethodName)  # "none" is spelt recovery=None here
+    assert set(choices["recovery"]) == set(RECOVERY_NAMES) - {"none"}  # "none" is spelt recovery=None here
 
 
 def test_a_ridge_is_refused_for_a_repair_that_has_none():
@@ -295,20 +308,56 @@ def test_the_command_line_help_is_the_fields_help():
         assert flags == ["--" + name.replace("_", "-")], name
         assert by_flag[flags[0]].help == config_help(name), name
     for name in marked:
-        assert by_flag["--" + name.replace("_", "-")].help == LayerSwapConfig.__dataclass_fields__[name].metadata["help"]
+        help_text = by_flag["--" + name.replace("_", "-")].help  # the field's help, then its registry's lines
+        assert help_text.startswith(LayerSwapConfig.__dataclass_fields__[name].metadata["help"]) and help_text == config_help(name)
     assert config_help("recovery_epsilon") == RecoveryConfig.__dataclass_fields__["epsilon"].metadata["help"]
     assert config_help("pruner") == SparsityConfig.__dataclass_fields__["pruner"].metadata["help"]
     assert {"--num-layers", "--sparsity-method"}.isdisjoint(by_flag)
 
 
+def test_prune_help_lists_each_strategys_and_repairs_line_from_its_registry_entry(capsys):
+    """--strategy and --recovery name no built-in by hand: each registered entry's one line
+    (its ``help``) follows the option's text, a strategy and a repair registered later too."""
+    from conftest import prune_help
+    from hf_layerswap.cli.options import config_help
+    from hf_layerswap.selection.registry import strategy_entry
+
+    assert config_help("strategy") == "how the set is chosen" + "".join(
+        f"; {name}: {strategy_entry(name).help}" for name in sorted(STRATEGIES))
+    assert config_help("recovery").startswith("repair the cut; ghosted: Ghosted Layers: one ridge operator per cut")
+    register_strategy("test_listed", help="a test strategy's own line, 100% from its entry")(lambda report, n, **_: [1])
+
+    class Listed(RecoveryMethod):
+        """A test repair's own line."""
+
+    register_recovery_method("test_listed_repair")(Listed)
+    try:
+        text = prune_help(capsys)
+        for name in STRATEGIES:
+            assert f"{name}: {' '.join(strategy_entry(name).help.split())}" in text, name
+        for name, method in RECOVERY_METHODS.items():
+            assert (f"{name}: {' '.join(method.help.split())}" in text) == method.fits, name  # "none" is no choice
+        assert "test_listed: a test strategy's own line, 100% from its entry" in text  # its % kept as written
+        assert "; test_listed_repair: A test repair's own line." in text
+        choices = {a.dest: a.choices for a in _prune_parser()._actions}
+        assert "test_listed" in choices["strategy"] and "test_listed_repair" in choices["recovery"]
+    finally:
+        from hf_layerswap.selection.registry import STRATEGY_ENTRIES, STRATEGY_OPTIONS
+
+        for table in (STRATEGIES, STRATEGY_ENTRIES, STRATEGY_OPTIONS):
+            table.pop("test_listed", None)
+        RECOVERY_METHODS.pop("test_listed_repair", None)
+
+
 def test_command_line_options_are_built_from_the_fields():
     from hf_layerswap.cli.options import add_config_options
+    from hf_layerswap.selection.objectives import OBJECTIVES
 
     by_flag = {flag: action for action in _prune_parser()._actions for flag in action.option_strings}
     # types, defaults and choices come from the field: a minimum, a Literal, a registry, a list
     assert by_flag["--max-gap"].default == 1 and by_flag["--max-gap"].type.__name__ == "int >= 1"
     assert by_flag["--spacing"].default is None and by_flag["--spacing"].type.__name__ == "int >= 0"
-    assert by_flag["--objective"].choices == ["removal_kl", "nll", "ghosted"]
+    assert by_flag["--objective"].choices == list(OBJECTIVES) and {"removal_kl", "nll", "ghosted"} <= set(OBJECTIVES)
     assert by_flag["--strategy"].choices == sorted(STRATEGIES) and by_flag["--strategy"].default == "search"
     assert by_flag["--pruner"].choices == list(PRUNERS) and by_flag["--pruner"].default == "wanda"
     assert by_flag["--allocation"].choices == list(ALLOCATORS) and by_flag["--allocation"].default == "pals"
@@ -386,7 +435,7 @@ INVALID = [
     (dict(batch_size=0), "LayerSwapConfig(batch_size=0): must be an int >= 1"),
     (dict(seed="0"), "LayerSwapConfig(seed='0'): must be an int"),
     (dict(strategy="random-walk"), "LayerSwapConfig(strategy='random-walk'): allowed ["),
-    (dict(objective="ppl"), "LayerSwapConfig(objective='ppl'): allowed ['removal_kl', 'nll', 'ghosted', None]"),
+    (dict(objective="ppl"), "LayerSwapConfig(objective='ppl'): allowed ["),  # the registered ones
     (dict(max_evaluations=0), "LayerSwapConfig(max_evaluations=0): must be an int >= 1"),
     # a repair-aware objective without its repair would save the unrepaired cut under the repaired value
     (dict(num_to_remove=2, objective="ghosted"),
@@ -395,7 +444,7 @@ INVALID = [
      "objective that assumes no repair (['removal_kl', 'nll'])"),
     (dict(num_to_remove=2, objective="ghosted", recovery="fused"),
      "LayerSwapConfig(objective='ghosted', recovery='fused') is contradictory"),
-    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, 'ghosted', 'fused', 'linearpatch']"),
+    (dict(num_to_remove=1, recovery="magic"), "LayerSwapConfig(recovery='magic'): allowed [None, "),  # the registered ones
     (dict(recovery="ghosted"), "LayerSwapConfig(recovery='ghosted') needs num_to_remove or layers: nothing is removed"),
     (dict(num_to_remove=1, recovery={"method": "ghosted", "rank": 4}),
      "LayerSwapConfig(recovery={'method': 'ghosted', 'rank': 4}): unknown keys ['rank']; allowed ['method', "
@@ -424,7 +473,7 @@ INVALID = [
     (dict(sparsity={"sparsity": 0.5, "allocation": "owl"}, allocation="uniform"),
      "LayerSwapConfig: ['allocation'] given both in sparsity={'sparsity': 0.5, 'allocation': 'owl'} and as arguments"),
     (dict(sparsity=0.5, allocation="even"), "LayerSwapConfig: allocation='even': allowed ["),  # the registered ones
-    (dict(sparsity=0.5, pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ['wanda', 'sparsegpt', 'magnitude']"),
+    (dict(sparsity=0.5, pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ["),  # the registered ones
     (dict(sparsity=0.5, sparsity_pattern="2-4"),
      "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
     (dict(version=0), f"LayerSwapConfig(version=0): allowed 1..{CONFIG_VERSION}"),
@@ -527,16 +576,22 @@ def test_registered_names_are_accepted_and_round_trip(extensions, tmp_path):
 
 
 def test_unknown_names_list_what_is_registered_now(extensions):
+    from hf_layerswap.selection.objectives import OBJECTIVES
+
+    repairs = [name for name, method in RECOVERY_METHODS.items() if method.fits]
     cases = [
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
-        (dict(num_to_remove=1, recovery="nope"),
-         f"LayerSwapConfig(recovery='nope'): allowed [None, 'ghosted', 'fused', 'linearpatch', '{REPAIR}']"),
-        (dict(sparsity=0.5, allocation="nope"),
-         f"LayerSwapConfig: allocation='nope': allowed ['uniform', 'pals', 'owl', 'random', 'gradient', '{ALLOCATOR}']"),
-        (dict(sparsity=0.5, pruner="nope"),
-         f"LayerSwapConfig(pruner='nope'): allowed ['wanda', 'sparsegpt', 'magnitude', '{PRUNER}']"),
+        (dict(num_to_remove=1, recovery="nope"), f"LayerSwapConfig(recovery='nope'): allowed {[None, *repairs]}"),
+        (dict(sparsity=0.5, allocation="nope"), f"LayerSwapConfig: allocation='nope': allowed {list(ALLOCATORS)}"),
+        (dict(sparsity=0.5, pruner="nope"), f"LayerSwapConfig(pruner='nope'): allowed {list(PRUNERS)}"),
+        (dict(objective="nope"), f"LayerSwapConfig(objective='nope'): allowed {[*OBJECTIVES, None]}"),
     ]
-    assert STRATEGY in sorted(STRATEGIES)
+    # the built-ins and the names just registered are among them, whatever else is registered
+    assert {STRATEGY, "search", "greedy", "auto", "sleb"} <= set(STRATEGIES)
+    assert repairs[-1] == REPAIR and {"ghosted", "fused", "linearpatch"} <= set(repairs)
+    assert list(ALLOCATORS)[-1] == ALLOCATOR and {"uniform", "pals", "owl", "random", "gradient"} <= set(ALLOCATORS)
+    assert list(PRUNERS)[-1] == PRUNER and {"wanda", "sparsegpt", "magnitude"} <= set(PRUNERS)
+    assert {"removal_kl", "nll", "ghosted"} <= set(OBJECTIVES)
     for kwargs, message in cases:
         with pytest.raises(ValueError) as err:
             LayerSwapConfig(**kwargs)
@@ -654,8 +709,8 @@ def test_unknown_config_argument_is_named():
 
 
 SPARSITY_CONFLICTS = [
-    (dict(pruner="bogus"), "LayerSwapConfig(pruner='bogus'): allowed ['wanda', 'sparsegpt', 'magnitude']"),
-    (dict(allocation="even"), "LayerSwapConfig: allocation='even': allowed ['uniform', 'pals', 'owl', 'random', 'gradient']"),
+    (dict(pruner="bogus"), f"LayerSwapConfig(pruner='bogus'): allowed {list(PRUNERS)}"),  # the registered ones
+    (dict(allocation="even"), f"LayerSwapConfig: allocation='even': allowed {list(ALLOCATORS)}"),
     (dict(sparsity_pattern="2-4"), "LayerSwapConfig: pattern='2-4': allowed None (unstructured) or 'N:M' such as '2:4'"),
     (dict(sparsity_pattern="2:4"),  # the default allocation is pals
      "LayerSwapConfig: pattern='2:4' gives every block sparsity 0.5; use allocation='uniform' (got 'pals')"),
@@ -714,6 +769,7 @@ def test_a_recovery_method_that_serves_as_a_search_objective_is_accepted_as_obje
     class AsObjective(RecoveryMethod):
         search_objective = True
 
+    before = list(OBJECTIVES)
     register_recovery_method("test_objective_repair")(AsObjective)
     try:
         assert OBJECTIVES[-1] == "test_objective_repair" and METHODS[-1] == "test_objective_repair"
@@ -725,13 +781,13 @@ def test_a_recovery_method_that_serves_as_a_search_objective_is_accepted_as_obje
             LayerSwapConfig(num_to_remove=1, objective="test_objective_repair")
         prune_verb = build_parser()._subparsers._group_actions[0].choices["prune"]
         choices = {a.dest: a.choices for a in prune_verb._actions}
-        assert choices["objective"] == ["removal_kl", "nll", "ghosted", "test_objective_repair"]
+        assert choices["objective"] == [*before, "test_objective_repair"]
     finally:
         RECOVERY_METHODS.pop("test_objective_repair", None)
-    assert "test_objective_repair" not in OBJECTIVES
-    with pytest.raises(ValueError, match=r"LayerSwapConfig\(objective='test_objective_repair'\): allowed "
-                                         r"\['removal_kl', 'nll', 'ghosted', None\]"):
+    assert list(OBJECTIVES) == before
+    with pytest.raises(ValueError) as err:
         LayerSwapConfig(num_to_remove=1, objective="test_objective_repair")
+    assert str(err.value) == f"LayerSwapConfig(objective='test_objective_repair'): allowed {[*before, None]}"
 
 
 def test_a_registered_strategy_gets_the_spacing_default_of_its_entry():

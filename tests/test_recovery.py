@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -505,9 +506,10 @@ def test_smollm2_recovery_on_wikitext(smollm2, wikitext_valid):
 def test_unknown_method_lists_the_registered_ones(calib):
     from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method
 
-    assert list(RECOVERY_METHODS) == ["none", "ghosted", "fused", "linearpatch"]
-    with pytest.raises(ValueError, match=r"method='shadow': allowed \['none', 'ghosted', 'fused', 'linearpatch'\]"):
+    assert {"none", "ghosted", "fused", "linearpatch"} <= set(RECOVERY_METHODS)  # and whatever else is registered
+    with pytest.raises(ValueError) as err:
         recover(tiny_model("llama"), [2], calib, method="shadow")
+    assert str(err.value) == f"method='shadow': allowed {list(RECOVERY_METHODS)}"
     assert get_recovery_method(None).name == "none"
 
 
@@ -563,6 +565,37 @@ def test_a_registered_toy_method_runs_end_to_end(calib):
                                plain(input_ids=ids, attention_mask=mask).logits)
     finally:
         del RECOVERY_METHODS["toy_identity"]
+
+
+def test_a_methods_own_values_per_cut_are_typed_serialised_and_recorded(calib):
+    """A repair keeps values of its own in ``fit.extra`` (no ad-hoc attribute on the fit): the
+    report's JSON round trip keeps them and config.layerswap['recovery']['extra'] records them
+    per cut; a method that sets none adds no key."""
+    from hf_layerswap.recovery import RECOVERY_METHODS, BoundaryFit, RecoveryMethod, RecoveryReport, register_recovery_method
+    from hf_layerswap.recovery.report import encoded_extra
+
+    @register_recovery_method("toy_scaled")
+    class ToyScaled(RecoveryMethod):
+        def solve(self, moments, cut, fit, epsilon):
+            fit.extra["scale"] = cut["boundary"] + 0.5
+            fit.extra["spread"] = math.inf if cut["boundary"] == 3 else 0.25
+            return moments.sq[("delta", cut["start"])], None
+
+    try:
+        model, plain = tiny_model("llama"), tiny_model("llama")
+        report = recover(model, [2, 4], calib, method="toy_scaled")
+        assert [f.extra for f in report.boundaries] == [{"scale": 2.5, "spread": 0.25}, {"scale": 3.5, "spread": math.inf}]
+        assert model.config.layerswap["recovery"]["extra"] == [{"scale": 2.5, "spread": 0.25},
+                                                               {"scale": 3.5, "spread": "Infinity"}]
+        assert report.to_dict()["boundaries"][1]["extra"] == {"scale": 3.5, "spread": "Infinity"}
+        assert RecoveryReport.from_json(report.to_json()) == report
+        ghosted = recover(plain, [2, 4], calib, method="ghosted")  # sets no values of its own
+        assert "extra" not in plain.config.layerswap["recovery"] and "extra" not in ghosted.to_dict()["boundaries"][0]
+        assert BoundaryFit.from_dict(ghosted.boundaries[0].to_dict()).extra == {}
+        with pytest.raises(TypeError, match=r"BoundaryFit.extra\['scale'\]='big': must be a float"):
+            encoded_extra({"scale": "big"})
+    finally:
+        del RECOVERY_METHODS["toy_scaled"]
 
 
 # ------------------------------------------------------ calibration shortfall

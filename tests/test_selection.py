@@ -90,10 +90,14 @@ def test_a_strategy_entry_carries_what_differs():
 
 def test_a_recovery_entry_says_if_it_attaches_and_serves_as_an_objective():
     from hf_layerswap.recovery import RECOVERY_METHODS, recovery_entry, search_objectives
-    from hf_layerswap.selection.objectives import OBJECTIVES
+    from hf_layerswap.selection.objectives import OBJECTIVES, SET_OBJECTIVES
 
-    assert search_objectives() == ("ghosted",) and OBJECTIVES == ("removal_kl", "nll", "ghosted")
-    assert [n for n, m in RECOVERY_METHODS.items() if m.attaches_at_load] == ["ghosted", "linearpatch"]
+    assert OBJECTIVES == (*SET_OBJECTIVES, *search_objectives())
+    assert {"removal_kl", "nll"} <= set(SET_OBJECTIVES) and "ghosted" in search_objectives()
+    assert {n: RECOVERY_METHODS[n].search_objective for n in ("none", "ghosted", "fused", "linearpatch")} == {
+        "none": False, "ghosted": True, "fused": False, "linearpatch": False}
+    assert {n: RECOVERY_METHODS[n].attaches_at_load for n in ("none", "ghosted", "fused", "linearpatch")} == {
+        "none": False, "ghosted": True, "fused": False, "linearpatch": True}
     indices = lambda b: ", ".join(map(str, b))  # noqa: E731
     # where each map went, from the record: a cut at block 0 goes into the embedding, not a down_proj
     record = {"boundaries": [0, 5], "folded_into": ["embed_tokens", "layers.4.mlp.down_proj"]}

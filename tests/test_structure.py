@@ -119,13 +119,27 @@ def _imports(module: str, path: Path):
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (module-level and inside functions)."""
-    edges = {m: set() for m in MODULES}
-    for module, path in MODULES.items():
+def _imports_its_modules(path: Path) -> bool:
+    """Whether a package's ``__init__`` calls ``import_package_modules(__name__, __path__)``
+    at module level (:func:`hf_layerswap.utils.registry.import_package_modules`: it imports
+    every module of the package, which no import statement names)."""
+    return path.name == "__init__.py" and any(
+        isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", getattr(node.value.func, "attr", None)) == "import_package_modules"
+        for node in ast.parse(path.read_text(encoding="utf-8")).body)
+
+
+def _graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (module-level and inside functions; a
+    package that imports all its modules with ``import_package_modules`` imports each one)."""
+    modules = MODULES if modules is None else modules
+    edges = {m: set() for m in modules}
+    for module, path in modules.items():
         for name, _, _ in _imports(module, path):
-            if name in MODULES and name != module:
+            if name in modules and name != module:
                 edges[module].add(name)
+        if _imports_its_modules(path):
+            edges[module] |= {m for m in modules if m.rpartition(".")[0] == module}
     return edges
 
 
@@ -181,6 +195,26 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_cycle_finder_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_package_importing_its_modules_has_an_edge_to_each(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text(
+        "from ..utils.registry import import_package_modules\n\nimport_package_modules(__name__, __path__)\n")
+    (tmp_path / "pkg" / "added.py").write_text("from ..recovery import repair\n")
+    (tmp_path / "pkg" / "sub").mkdir()
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "deep.py").write_text("")
+    modules = {"hf_layerswap.pkg": tmp_path / "pkg" / "__init__.py", "hf_layerswap.pkg.added": tmp_path / "pkg" / "added.py",
+               "hf_layerswap.pkg.sub": tmp_path / "pkg" / "sub" / "__init__.py",
+               "hf_layerswap.pkg.sub.deep": tmp_path / "pkg" / "sub" / "deep.py"}
+    assert _graph(modules)["hf_layerswap.pkg"] == {"hf_layerswap.pkg.added", "hf_layerswap.pkg.sub"}
+    # the registry packages: each imports the strategy, repair, sparsity and healing modules no import names
+    edges = _graph()
+    for package in ("selection", "recovery", "sparsity", "healing"):
+        assert _imports_its_modules(MODULES[f"hf_layerswap.{package}"]), package
+    assert "hf_layerswap.selection.sleb" in edges["hf_layerswap.selection"]
+    assert "hf_layerswap.sparsity.methods" in edges["hf_layerswap.sparsity"]
 
 
 def test_no_import_cycles():

@@ -4,6 +4,8 @@ refused with the closest, the command line's help and the docs read the same met
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -14,9 +16,10 @@ import hf_layerswap as hl
 from hf_layerswap.cli import build_parser
 from hf_layerswap.healing.methods import HEAL_METHODS, LastKOptions, LoraOptions, get_heal_method
 from hf_layerswap.scoring.protocols import get_protocol
-from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method
+from hf_layerswap.recovery import RECOVERY_METHODS, get_recovery_method, search_objectives
 from hf_layerswap.utils.registry import (
-    NoOptions, Options, Registry, RegistryEntry, option, option_rows, options_subset, options_table, untyped_options,
+    NoOptions, Options, Registry, RegistryEntry, import_package_modules, option, option_rows, options_subset, options_table,
+    untyped_options,
 )
 from hf_layerswap.scoring.report import PairResult, SwapReport
 from hf_layerswap.selection.objectives import OBJECTIVES, SET_OBJECTIVES, objective_entry
@@ -101,19 +104,50 @@ def test_a_registry_refuses_a_second_entry_and_names_the_closest_unknown_name():
         Registry.ALL.pop("test thing")
 
 
-@pytest.mark.parametrize("lookup, message", [
-    (lambda: get_heal_method("lorra"), "method='lorra': allowed ['adjacent', 'last_k', 'lora'] (did you mean 'lora'?)"),
-    (lambda: get_recovery_method("ghosteed"),
-     "method='ghosteed': allowed ['none', 'ghosted', 'fused', 'linearpatch'] (did you mean 'ghosted'?)"),
-    (lambda: get_pruner("wandaa"), "pruner='wandaa': allowed ['wanda', 'sparsegpt', 'magnitude'] (did you mean 'wanda'?)"),
-    (lambda: get_protocol("interchang"),
-     "protocol='interchang': allowed ['replacement', 'interchange'] (did you mean 'interchange'?)"),
-    (lambda: objective_entry("nl"), "objective='nl': allowed ['removal_kl', 'nll', 'ghosted'] (did you mean 'nll'?)"),
+def test_a_package_imports_every_module_of_its_own_so_each_registers(tmp_path, monkeypatch):
+    """A module dropped into a registry package registers its entries with no import to add."""
+    package = tmp_path / "dropin_pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "from hf_layerswap.utils.registry import Registry, import_package_modules\n"
+        "THINGS = Registry('drop-in thing', 'thing')\n"
+        "IMPORTED = import_package_modules(__name__, __path__)\n")
+    for name in ("zeta", "alpha"):  # written in this order, imported sorted
+        (package / f"{name}.py").write_text(f"from . import THINGS\nTHINGS.add({name!r}, {name!r})\n")
+    (package / "sub" / "__init__.py").write_text("from .. import THINGS\nTHINGS.add('sub', 'sub')\n")
+    (package / "notes.txt").write_text("not a module")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        module = importlib.import_module("dropin_pkg")
+        assert module.IMPORTED == ("dropin_pkg.alpha", "dropin_pkg.sub", "dropin_pkg.zeta")
+        assert list(module.THINGS) == ["alpha", "sub", "zeta"]
+        assert import_package_modules("dropin_pkg", module.__path__) == module.IMPORTED  # run once: not again
+        assert list(module.THINGS) == ["alpha", "sub", "zeta"]
+        (package / "broken.py").write_text("raise ImportError('broken on purpose')\n")
+        with pytest.raises(ImportError, match="broken on purpose"):  # never skipped
+            import_package_modules("dropin_pkg", module.__path__)
+    finally:
+        Registry.ALL.pop("drop-in thing", None)
+        for name in [n for n in sys.modules if n == "dropin_pkg" or n.startswith("dropin_pkg.")]:
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("lookup, argument, kind, built_ins, close", [
+    (lambda: get_heal_method("lorra"), "method='lorra'", "healing method", ["adjacent", "last_k", "lora"], "lora"),
+    (lambda: get_recovery_method("ghosteed"), "method='ghosteed'", "recovery method",
+     ["none", "ghosted", "fused", "linearpatch"], "ghosted"),
+    (lambda: get_pruner("wandaa"), "pruner='wandaa'", "pruning method", ["wanda", "sparsegpt", "magnitude"], "wanda"),
+    (lambda: get_protocol("interchang"), "protocol='interchang'", "swap protocol", ["replacement", "interchange"],
+     "interchange"),
+    (lambda: objective_entry("nl"), "objective='nl'", None, ["removal_kl", "nll", "ghosted"], "nll"),
 ])
-def test_each_registry_names_the_closest_registered_name(lookup, message):
+def test_each_registry_names_the_closest_registered_name(lookup, argument, kind, built_ins, close):
+    """The message lists every name registered now (the built-ins among them) and the closest."""
+    allowed = list(OBJECTIVES) if kind is None else Registry.ALL[kind].allowed()
+    assert set(built_ins) <= set(allowed)
     with pytest.raises(ValueError) as err:
         lookup()
-    assert str(err.value) == message
+    assert str(err.value) == f"{argument}: allowed {allowed} (did you mean {close!r}?)"
 
 
 def test_healing_options_are_typed_and_a_dict_still_works():
@@ -190,7 +224,7 @@ def test_every_entry_of_every_registry_carries_help_options_and_an_estimate():
     kinds = {"swap protocol", "selection strategy", "set objective", "recovery method", "healing method", "allocator",
              "pruning method"}
     assert kinds <= set(Registry.ALL)
-    assert list(OBJECTIVES) == [*SET_OBJECTIVES, "ghosted"]
+    assert list(OBJECTIVES) == [*SET_OBJECTIVES, *search_objectives()] and "ghosted" in search_objectives()
     for kind in kinds:
         for name, entry in Registry.ALL[kind].items():
             assert isinstance(entry, RegistryEntry) or issubclass(entry, RegistryEntry), (kind, name)

@@ -85,12 +85,20 @@ def _config_field(kind, name: str):
 def config_help(name: str) -> str:
     """The help text of the :class:`~hf_layerswap.LayerSwapConfig` field (or flat keyword,
     e.g. ``allocation``: its sub-config field's) that an option mirrors: the field's
-    ``metadata["help"]`` is the one source of the text.
+    ``metadata["help"]`` is the one source of the text (followed by each registry entry's
+    line, ``metadata["entries"]``, where the field has one).
 
     Raises:
         KeyError: ``name`` is neither a field nor a flat keyword.
     """
-    return _config_field(LayerSwapConfig, name)[1].metadata["help"]
+    return _field_help(_config_field(LayerSwapConfig, name)[1].metadata)
+
+
+def _field_help(metadata: Mapping) -> str:
+    """A field's help, then ``; name: line`` per registry entry of ``metadata["entries"]``
+    (their ``%`` escaped: argparse formats help with ``%``)."""
+    entries = metadata["entries"]() if "entries" in metadata else {}
+    return metadata["help"] + "".join(f"; {name}: {line}".replace("%", "%%") for name, line in entries.items())
 
 
 def cli_settings(kind=LayerSwapConfig) -> list[str]:
@@ -106,11 +114,11 @@ def cli_settings(kind=LayerSwapConfig) -> list[str]:
 def _option_kwargs(name: str, spec, hint, given_type=None) -> dict:
     """argparse keywords of one config field: ``type`` (an int with ``metadata["minimum"]``
     becomes :func:`count`), ``nargs="+"`` for a list, ``choices`` from ``metadata["choices"]``
-    (a callable: the registry's names now) or a ``Literal`` type, ``default`` and ``help``;
-    ``given_type`` replaces the built ``type``."""
+    (a callable: the registry's names now) or a ``Literal`` type, ``default`` and ``help``
+    (:func:`config_help`'s text); ``given_type`` replaces the built ``type``."""
     args = [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) in (Union, UnionType) else [hint]
     base = args[0] if len(args) == 1 else hint
-    out = {"help": spec.metadata["help"], "default": None if spec.default is MISSING else spec.default}
+    out = {"help": _field_help(spec.metadata), "default": None if spec.default is MISSING else spec.default}
     if given_type is not None:
         out["type"] = given_type
     elif "choices" in spec.metadata:

@@ -6,6 +6,7 @@ from .loss import distillation_loss
 from .methods import HEAL_METHODS, HealMethod, get_heal_method, register_heal_method
 from .report import HealReport
 from .teacher import check_teacher
+from ..utils.registry import import_package_modules
 
 __all__ = [
     "HEAL_METHODS",
@@ -17,3 +18,5 @@ __all__ = [
     "heal",
     "register_heal_method",
 ]
+
+import_package_modules(__name__, __path__)  # a healing method in a module of its own registers too

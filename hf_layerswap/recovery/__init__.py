@@ -72,6 +72,7 @@ from .methods import (
     search_objectives,
 )
 from .report import BoundaryFit, RecoveryReport
+from ..utils.registry import import_package_modules
 
 __all__ = [
     "DEFAULT_EPSILON",
@@ -91,3 +92,5 @@ __all__ = [
     "ridge_toward_identity",
     "search_objectives",
 ]
+
+import_package_modules(__name__, __path__)  # a repair in a module of its own registers too

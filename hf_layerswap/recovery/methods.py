@@ -186,7 +186,9 @@ class RecoveryMethod(RegistryEntry):
 
     def solve(self, moments, cut: dict, fit, epsilon: float):
         """``(squared residual after, map)`` for one cut, filling ``fit``'s ridge/condition
-        fields; ``None`` = nothing to solve."""
+        fields and, for values of the method's own (a fitted scalar), ``fit.extra[name] =
+        float`` (serialised with the fit and recorded per cut in
+        ``config.layerswap["recovery"]["extra"]``); ``None`` = nothing to solve."""
         return None
 
     def apply(self, model: nn.Module, cuts: list[dict], maps: dict, host_modules: dict) -> None:

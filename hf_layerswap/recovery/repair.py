@@ -20,7 +20,7 @@ from ..scoring.settings import MemoryBudgetWarning, block_activation_bytes, reso
 from .fit import Moments, check_epsilon, collect_moments, cut_boundaries, fit_memory
 from .methods import get_recovery_method
 from ..surgery.operators import attached_operators
-from .report import BoundaryFit, RecoveryReport
+from .report import BoundaryFit, RecoveryReport, encoded_extra
 
 __all__ = ["DEFAULT_NUM_TOKENS", "recover"]
 
@@ -200,7 +200,8 @@ def _warn_few_tokens(entry, calibration: CalibrationSet, used: int, num_tokens: 
 def _recovery_record(model, entry, cuts, removed, fits, calibration: CalibrationSet, epsilon: float, used: int,
                      shortfall_requested: int | None) -> dict:
     """``model.config.layerswap["recovery"]`` after the blocks went: the method, the cuts
-    (pruned and original numbering), the ridge, the tokens used and the fit residuals."""
+    (pruned and original numbering), the ridge, the tokens used, the fit residuals and, when the
+    method set any, its own values per cut (``extra``: one dict per cut, :attr:`BoundaryFit.extra`)."""
     record = {
         "method": entry.name,
         "boundaries": [c["boundary"] for c in cuts],
@@ -212,6 +213,7 @@ def _recovery_record(model, entry, cuts, removed, fits, calibration: Calibration
         **({"requested_tokens": shortfall_requested} if shortfall_requested is not None else {}),
         "residual_before": [encode_float(f.residual_before) for f in fits],
         "residual_after": [encode_float(f.residual_after) for f in fits],
+        **({"extra": [encoded_extra(f.extra) for f in fits]} if any(f.extra for f in fits) else {}),
         "calibration": calibration.spec(),
     }
     record.update(entry.record(fits))

@@ -30,6 +30,10 @@ class BoundaryFit:
         rotation: for ``"linearpatch"``, the orthonormal rotation its map is built on
             (:func:`~hf_layerswap.recovery.hadamard.hadamard_rotation`); left out of
             :meth:`to_dict` when ``None``.
+        extra: the method's own values of this fit, ``{name: float}`` (a registered repair's
+            ``solve`` fills it, e.g. a fitted scalar); serialised by :meth:`to_dict` (left out
+            when empty; non-finite values as ``"NaN"``/``"Infinity"``) and recorded per cut in
+            ``config.layerswap["recovery"]["extra"]``.
     """
 
     boundary: int
@@ -41,11 +45,16 @@ class BoundaryFit:
     ridge: list[float] = field(default_factory=list)
     folded_into: str | None = None
     rotation: str | None = None
+    extra: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         if out["rotation"] is None:
             out.pop("rotation")
+        if self.extra:
+            out["extra"] = encoded_extra(self.extra)
+        else:
+            out.pop("extra")
         for key in ("residual_before", "residual_after", "condition_number"):
             out[key] = encode_float(out[key])
         out["ridge"] = [encode_float(x) for x in self.ridge]
@@ -57,7 +66,21 @@ class BoundaryFit:
         for key in ("residual_before", "residual_after", "condition_number"):
             d[key] = decode_float(d.get(key))
         d["ridge"] = [decode_float(x) for x in d.get("ridge", [])]
+        d["extra"] = {str(k): decode_float(v) for k, v in d.get("extra", {}).items()}
         return cls(**d)
+
+
+def encoded_extra(extra: dict[str, float]) -> dict:
+    """``extra`` (a :attr:`BoundaryFit.extra`) with each value a float as JSON holds it
+    (non-finite ones as ``"NaN"``/``"Infinity"``).
+
+    Raises:
+        TypeError: a value that is not a real number (a bool included), naming the key.
+    """
+    for key, value in extra.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"BoundaryFit.extra[{key!r}]={value!r}: must be a float (a method's own value of its fit)")
+    return {str(k): encode_float(float(v)) for k, v in extra.items()}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Choosing which blocks to remove: one entry point, a registry of strategies, one module each.
 
-:func:`select_layers` dispatches to a strategy by name (:data:`STRATEGIES`):
+:func:`select_layers` dispatches to a strategy by name (:data:`STRATEGIES`: every one registered
+now; the built-in ones are these):
 
 ========================  =====================================================  =============
 strategy                  what it removes                                        module
@@ -20,12 +21,13 @@ The rule itself (:func:`greedy_select`, :func:`check_budget`, :func:`resolve_pro
 lives in :mod:`hf_layerswap.scoring.rule`; the check every strategy passes through (no removal
 on non-finite values, :class:`NonFiniteScoresError`) in :mod:`.finite`; the set objectives and their engine in
 :mod:`.objectives`; the result type every criterion returns in :mod:`.criterion`. A new
-strategy is one module with one ``@register_strategy("name")``.
+strategy is one module with one ``@register_strategy("name")``: every module of the package is
+imported with it (:func:`~hf_layerswap.utils.registry.import_package_modules`), so dropping
+the module here registers the strategy.
 """
 
 from __future__ import annotations
 
-from . import beam, geometry, greedy, search, single_removal, sleb  # noqa: F401  (registers the strategies)
 from .beam import BEAM_EVALUATORS, interchange_beam
 from .criterion import CriterionResult, as_strategy
 from .dispatch import SELECTION_PROTOCOLS, candidates_set, check_report_matches, select_layers
@@ -35,6 +37,7 @@ from .objectives import OBJECTIVES, SetObjective, plan_nll
 from .registry import MODEL_STRATEGIES, STRATEGIES, STRATEGY_OPTIONS, get_strategy, register_strategy
 from .search import search_criterion, search_select
 from .single_removal import single_removal_kl
+from ..utils.registry import import_package_modules
 
 __all__ = [
     "BEAM_EVALUATORS",
@@ -60,3 +63,5 @@ __all__ = [
     "single_removal_kl",
     "swap_guided",
 ]
+
+import_package_modules(__name__, __path__)  # every strategy module registers its entries

@@ -38,7 +38,6 @@ from .allocators import (
 )
 from .engine import capture_block_calls, gradient_statistics, prunable_linears, real_rows
 from .pruners import METHODS, magnitude_prune, parse_pattern, sparsegpt_prune, wanda_prune, wanda_scores
-from . import methods  # noqa: F401  (registers the built-in allocators and pruners)
 from .registry import (
     ALLOCATORS,
     PRUNERS,
@@ -53,6 +52,9 @@ from .registry import (
 from .options import POOLS, SOURCES, SparsifyOptions
 from .report import BlockSparsity, LinearSparsity, SparsityReport, config_record
 from .stats import ESTIMATORS, ExactQuantile, LogHistogramQuantile
+from ..utils.registry import import_package_modules
+
+import_package_modules(__name__, __path__)  # every allocator and pruner module registers its entries
 
 __all__ = [
     "ALLOCATIONS",

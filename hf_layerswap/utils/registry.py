@@ -20,13 +20,20 @@ outside a field's bounds (naming the field, the value and what is allowed)::
 
     LastKOptions.from_mapping({"k": 0}, owner="method='last_k'")
     # ValueError: k=0: must be an int >= 1
+
+A package of entries (``selection/``, ``recovery/``, ``sparsity/``, ``healing/``) ends its
+``__init__`` with :func:`import_package_modules`, so a module dropped into the package is
+imported with it and its decorators register its entries: a new strategy is one module with
+one ``@register_strategy``, no import to add.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
+import pkgutil
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -35,8 +42,8 @@ from typing import Any, ClassVar, TypeVar
 
 from .registry_names import RegistryNames
 
-__all__ = ["NoOptions", "Options", "Registry", "RegistryEntry", "option", "option_rows", "options_subset", "options_table",
-           "options_tables", "untyped_options"]
+__all__ = ["NoOptions", "Options", "Registry", "RegistryEntry", "import_package_modules", "option", "option_rows",
+           "options_subset", "options_table", "options_tables", "untyped_options"]
 
 E = TypeVar("E")
 OptionsT = TypeVar("OptionsT", bound="Options")
@@ -387,6 +394,31 @@ class Registry(dict[str, E]):
         close = difflib.get_close_matches(name, allowed, n=1) if isinstance(name, str) else []
         return ValueError(f"{argument or self.argument}={name!r}: allowed {allowed}"
                           + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def import_package_modules(package: str, path: Iterable[str]) -> tuple[str, ...]:
+    """Import every module of a package (not its subpackages' modules), sorted by name, so
+    that the entries their decorators register exist once the package is imported: the last
+    line of a registry package's ``__init__``, ``import_package_modules(__name__, __path__)``.
+    A module already imported (by the ``__init__``'s own imports) is not run again, so the
+    registration order of those stays theirs; a new module's entries come after them.
+
+    Args:
+        package: the package's dotted name (its ``__name__``).
+        path: its ``__path__`` (the folders :func:`pkgutil.iter_modules` lists).
+
+    Returns:
+        The dotted names of the modules imported (``package.module``), sorted.
+
+    Raises:
+        ImportError: and anything else a module raises while it is imported (a module that
+            fails to import is an error, never skipped).
+    """
+    names = sorted(f"{package}.{info.name}" for info in pkgutil.iter_modules(list(path))
+                   if not info.name.startswith("__"))
+    for name in names:
+        importlib.import_module(name)
+    return tuple(names)
 
 
 def options_table(registry: Mapping[str, Any]) -> str:
