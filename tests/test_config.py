@@ -228,9 +228,11 @@ def test_choices_with_a_registry_are_open_strings_checked_against_the_registry(e
     assert {ProtocolName, ObjectiveName, RecoveryMethodName, AllocationName, PrunerName} == {str}
     registry_backed = [(kind, f.name) for kind in (LayerSwapConfig, RecoveryConfig, SparsityConfig)
                        for f in fields(kind) if "choices" in f.metadata and f.name != "recovery"]  # RecoveryConfig.method's
-    assert {name for _, name in registry_backed} == {"protocol", "strategy", "objective", "method", "allocation", "pruner"}
+    assert {name for _, name in registry_backed} == {"protocol", "strategy", "objective", "method", "allocation", "pruner",
+                                                     "score_protocols"}
     for kind, name in registry_backed:
-        assert get_type_hints(kind)[name] in (str, str | None), (kind.__name__, name)
+        allowed = (list[str] | None,) if name == "score_protocols" else (str, str | None)
+        assert get_type_hints(kind)[name] in allowed, (kind.__name__, name)
     choices = {a.dest: a.choices for a in _prune_parser()._actions}
     assert choices["protocol"] == list(selection_protocols()) and set(PROTOCOLS) < set(choices["protocol"])
     assert choices["objective"] == list(OBJECTIVES)
