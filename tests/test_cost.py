@@ -18,6 +18,7 @@ from hf_layerswap.cost import Throughput
 from hf_layerswap.cost.steps import ModelShape, recovery_phase
 from hf_layerswap.scoring.head import Head
 from hf_layerswap.scoring.settings import kl_block_bytes, slice_budget
+from hf_layerswap.selection.sleb import sleb
 
 FIXED = Throughput(1e9, 1e9, 1e9, source="fixed for the test")
 
@@ -629,17 +630,23 @@ def test_estimate_cost_auto_takes_the_weights_still_to_load_from_the_free_memory
     assert estimate.memory_parts["working"] <= estimate.memory_parts["budget"]
 
 
-def test_the_scoring_and_each_repairs_predicted_working_memory_matches_the_torch_allocations():
-    """Predicted (``estimate_cost``'s parts) against measured (the peak bytes of CPU tensor
-    storages made during the step, :class:`conftest.LiveTensorBytes`) on a tiny Llama: the
-    scoring engine's working memory under a 1 MiB budget, and each repair's fit with no
-    budget (its captures and moments dominate): measured within 0.8x to 1.5x of predicted."""
+def _measured_llama() -> tuple[LlamaForCausalLM, CalibrationSet]:
+    """The tiny Llama (6 blocks, hidden 64, vocabulary 512, seed 0) and its 16 random
+    32-token prompts on which predicted working memory is checked against the measured."""
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 512, (16, 32), generator=torch.Generator().manual_seed(0))
-    calib = CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    return model, CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+
+
+def test_the_scoring_and_each_repairs_predicted_working_memory_matches_the_torch_allocations():
+    """Predicted (``estimate_cost``'s parts) against measured (the peak bytes of CPU tensor
+    storages made during the step, :class:`conftest.LiveTensorBytes`) on a tiny Llama: the
+    scoring engine's working memory under a 1 MiB budget, and each repair's fit with no
+    budget (its captures and moments dominate): measured within 0.8x to 1.5x of predicted."""
+    model, calib = _measured_llama()
     fast = Throughput(1e10, 1e10, 1e10, source="assumed")
     cfg = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", num_prompts=16, seq_len=32, batch_size=8,
                              progress=False)
@@ -668,3 +675,41 @@ def test_sleb_s_kept_reference_is_counted_in_its_half_of_the_budget():
     entry = (31 * 8 * 128 + 8 * 128) * 4096 * 2  # the streams entering blocks 1..31 and the final rows of a batch
     assert parts["reference_kept"] == entry * (budget // 2 // entry)
     assert parts["working"] == max(parts["scoring"], parts["selection"] + parts["reference_kept"])
+
+
+@pytest.mark.parametrize("strategy, objective", [("sleb", None), ("beam", "nll")])
+def test_the_nll_of_sleb_and_beam_on_an_8b_shape_is_counted_and_predicts_at_most_the_weights_and_15_percent(
+        strategy, objective):
+    """SLEB's and the beam's calibration NLL runs the output head on row slices sized from the
+    slice budget of their share of max_memory (the whole budget for the beam, which keeps no
+    reference; the half beside SLEB's kept reference): the estimate counts a batch's
+    activations and one slice of fp32 logits and log-softmax (8 bytes x 128,256 entries per
+    row), not the scoring engine's KL, and the peak stays at most the weights + 15%."""
+    weights = 16_060_522_496
+    budget = int(0.15 * weights)
+    estimate = hl.estimate_cost(LlamaConfig(**LLAMA_8B),
+                                hl.LayerSwapConfig(num_to_remove=4, strategy=strategy, objective=objective),
+                                device="cuda", throughput=Throughput(400e12, 50e12, 25e9, source="assumed"),
+                                max_memory=budget)
+    parts = estimate.memory_parts
+    share = budget - budget // 2 if strategy == "sleb" else budget
+    rows = int(0.4 * (share - _activations_8b())) // (8 * 128256)  # the head/KL share of the slice budget
+    assert 200 < rows < 1024  # several slices of a batch's 1,024 positions
+    assert parts["selection"] == _activations_8b() + 8 * rows * 128256
+    assert parts["selection"] + parts["reference_kept"] <= budget
+    assert estimate.peak_memory_bytes["cuda"] <= weights + budget <= 1.15 * weights
+
+
+@pytest.mark.parametrize("max_memory", [1 << 20, 4 << 20])
+def test_sleb_s_predicted_working_memory_matches_the_torch_allocations(max_memory):
+    """SLEB on a tiny Llama: its predicted working memory (the NLL's batch activations and
+    row slice of the head beside the kept reference) against the peak bytes of CPU tensor
+    storages it makes (:class:`conftest.LiveTensorBytes`), within 0.8x to 1.5x."""
+    model, calib = _measured_llama()
+    cfg = hl.LayerSwapConfig(num_to_remove=2, strategy="sleb", num_prompts=16, seq_len=32, batch_size=8)
+    parts = hl.estimate_cost(model, cfg, calibration=calib, max_memory=max_memory,
+                             throughput=Throughput(1e10, 1e10, 1e10, source="assumed")).memory_parts
+    with LiveTensorBytes() as live:
+        sleb(model, calib, 2, batch_size=8, max_memory=max_memory)
+    predicted = parts["selection"] + parts["reference_kept"]
+    assert 0.8 <= live.peak / predicted <= 1.5, (live.peak, parts)

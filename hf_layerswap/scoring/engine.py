@@ -46,7 +46,7 @@ from .probes import make_probes, position_hooks, Probe, schedule, schedule_block
 from .processes import check_model_replica, Processes, sum_movement
 from .engineplan import BatchPlan, EnginePlan
 from .reference import ReferenceCache
-from .settings import block_activation_bytes, dtype_name, EngineSettings, kl_block_bytes, slice_budget
+from .settings import batch_activation_bytes, dtype_name, EngineSettings, kl_block_bytes, slice_budget
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
                         probe_groups, run_pass)
 from .streamed import StreamedKL
@@ -169,12 +169,8 @@ class Engine:
     def _activation_bytes(self, bsz: int, cfg) -> int:
         seq = self.calib.seq_len
         es = torch.finfo(self.compute_dtype).bits // 8
-        inter = int(getattr(cfg, "intermediate_size", 4 * self.hidden) or 4 * self.hidden)
-        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-        streams = (self.num_blocks + 1) * bsz * seq * self.hidden * es
-        forward = block_activation_bytes(bsz * seq, seq, self.hidden, inter, heads, es)
         logits = 0 if self.stream_logits else 3 * bsz * seq * self.head.vocab * 4
-        return streams + forward + logits
+        return batch_activation_bytes(cfg, self.num_blocks, bsz, seq, es) + logits
 
     def _head_fixed_bytes(self) -> int:
         """The most the head's GEMM holds beside its logits (:meth:`.head.Head.working_bytes`

@@ -74,7 +74,8 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
-        max_memory: the ``"removal_kl"`` evaluator's working-memory budget (``select_layers``').
+        max_memory: the evaluator's working-memory budget (``select_layers``'): the removal
+            KL's engine calls, or the NLL's row slices of the output head (:func:`plan_nll`).
         resume: a beam result for a smaller budget with the same settings: the search
             continues from its last level's beams (level k+1 only scores sets of size
             k+1, so the sets and costs equal those of one run).
@@ -106,7 +107,7 @@ def interchange_beam(
     passes, blocks, seconds, estimated = report_cost(report, ("interchange",))
     scores = sub.layer_scores("interchange")
     seeds = sorted(allowed, key=lambda i: (score_key(scores[i]), i))[:seed_size]
-    score_fn = partial(removal_kl_values, max_memory=max_memory) if evaluator == "removal_kl" else removal_nll_values
+    score_fn = partial(removal_kl_values if evaluator == "removal_kl" else removal_nll_values, max_memory=max_memory)
     cache: dict[str, float] = {}
     beams: list[list[int]] = []
     levels, results = [], {}
@@ -162,7 +163,8 @@ def _beam_cost(plan) -> dict:
     """An upper bound of the beam's evaluator calls (the interchange scores come from the
     pipeline's scoring): level 1 the seeds and the greedy set, level k the ``width`` beams
     grown by every remaining unprotected block and the greedy set (at most every set of k
-    unprotected blocks), each set from the first removable block, no prefix shared."""
+    unprotected blocks), each set from the first removable block, no prefix shared; with the
+    NLL evaluator its working memory (the head on row slices under the whole budget)."""
     defaults = {k: v.default for k, v in inspect.signature(interchange_beam).parameters.items()}
     width, seed_size, greedy = defaults["width"], defaults["seed_size"], int(bool(defaults["include_greedy"]))
     evaluator = plan.config.objective or defaults["evaluator"]
@@ -177,7 +179,10 @@ def _beam_cost(plan) -> dict:
             parts.append(plan.evaluator(pool, level, planned))
         else:  # calibration NLL: a reference forward and one forward per set, each with the model's head
             parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool))
-    return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total,
+    # the NLL keeps no reference: its row slices of the head have the whole budget
+    nll = {} if evaluator == "removal_kl" else {"working_bytes": plan.nll_working(plan.settings.max_memory
+                                                                                  + plan.memory_budget)}
+    return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total, **nll,
                        note=f"an upper bound: per level at most {width} beams grown by each unprotected block and "
                             "the greedy set, each set from the first removable block")
 

@@ -30,6 +30,7 @@ calls over the calibration set (a full forward of an L-block model is L block pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -43,7 +44,7 @@ from torch import nn
 from ..calibration import CalibrationSet
 from ..utils.devices import input_device
 from ..layerplan import (
-    apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
+    StopForward, apply_plan, capture_residual_stream, decoder_blocks, first_difference, num_blocks, removal_plan, uncompiled,
 )
 from ..recovery import cut_boundaries, get_recovery_method, search_objectives
 from ..surgery.operators import GhostedOperator
@@ -53,14 +54,15 @@ from ..utils.registry_names import RegistryNames
 from ..scoring.report import set_key
 from ..scoring.rule import resolve_protect
 from ..scoring import masked_kl, plan_kl
-from ..scoring.head import hooks_removed
+from ..scoring.engine import HEAD_BUDGET_FRACTION
+from ..scoring.head import Head, hooks_removed, param_dtype, text_config
 from ..scoring.probes import make_probes, position_hooks, schedule, schedule_blocks, walk_schedule
 from ..scoring.reference import ReferenceCache
-from ..scoring.settings import MemoryBudget, parse_memory, resolve_memory
+from ..scoring.settings import MemoryBudget, batch_activation_bytes, parse_memory, resolve_memory, slice_budget
 from .finite import record_set_values
 
-__all__ = ["OBJECTIVES", "SET_OBJECTIVES", "Objective", "SetObjective", "engine_cost", "objective_entry", "plan_nll",
-           "plans_cost", "register_objective", "removal_kl_values", "removal_nll_values", "repair_objective_cost"]
+__all__ = ["NLL_ENTRY_BYTES", "OBJECTIVES", "SET_OBJECTIVES", "Objective", "SetObjective", "engine_cost",
+           "nll_slice_rows", "nll_working_bytes", "objective_entry", "plan_nll", "plans_cost", "register_objective", "removal_kl_values", "removal_nll_values", "repair_objective_cost"]
 
 
 def _no_extra_cost(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
@@ -215,22 +217,78 @@ def _stream_bytes(model: nn.Module, ids: torch.Tensor) -> int:
     return ids.numel() * weight.shape[-1] * weight.element_size()
 
 
-def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+#: Bytes per position and vocabulary entry of one row slice of the NLL's head work
+#: (:func:`plan_nll`): the fp32 logits and their fp32 log-softmax.
+NLL_ENTRY_BYTES = 8
+
+
+def nll_slice_rows(budget: int, activation_bytes: int, head_fixed_bytes: int, vocab: int) -> int:
+    """Positions per row slice of :func:`plan_nll`'s head work under a ``budget``-byte
+    working-memory budget: :data:`~hf_layerswap.scoring.engine.HEAD_BUDGET_FRACTION` of the
+    slice budget (:func:`~hf_layerswap.scoring.settings.slice_budget`: what the budget leaves
+    after a batch's ``activation_bytes`` and the head's ``head_fixed_bytes``, as the KL path
+    sizes its head/KL blocks) over :data:`NLL_ENTRY_BYTES` per entry of the ``vocab``-entry
+    vocabulary; at least 1."""
+    share = int(HEAD_BUDGET_FRACTION * slice_budget(budget, activation_bytes, head_fixed_bytes))
+    return max(1, share // (NLL_ENTRY_BYTES * max(1, vocab)))
+
+
+def nll_working_bytes(budget: int, activation_bytes: int, head_fixed_bytes: int, vocab: int, rows: int) -> int:
+    """Bytes :func:`plan_nll` holds at its peak for a batch with ``rows`` predicted positions:
+    the batch's ``activation_bytes``, the head's fixed working piece and one row slice
+    (:func:`nll_slice_rows`) of fp32 logits and their log-softmax."""
+    width = min(max(1, rows), nll_slice_rows(budget, activation_bytes, head_fixed_bytes, vocab))
+    return activation_bytes + head_fixed_bytes + NLL_ENTRY_BYTES * width * vocab
+
+
+def _nll_budget(model: nn.Module, batch_size: int, seq_len: int, max_memory) -> tuple[int, int, int]:
+    """``(budget, activation bytes, head fixed bytes)`` of :func:`plan_nll` on ``model``."""
+    budget = resolve_memory(max_memory, model).bytes
+    es = torch.finfo(param_dtype(model)).bits // 8
+    head = Head(model)
+    fixed = head.working_bytes(head.vocab) if head.linear else 0
+    return budget, batch_activation_bytes(text_config(model), num_blocks(model), batch_size, seq_len, es), fixed
+
+
+def _masked_nll(hidden: torch.Tensor, head: Head, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                rows_per_slice: int, stats: dict) -> torch.Tensor:
     """Per-prompt summed next-token NLL (nats) over real targets: position t predicts t+1
-    where both are real. Returns ``(B,)`` float64; fp32 log-softmax, chunked."""
-    bsz, seqlen, vocab = logits.shape
-    attention_mask, input_ids = attention_mask.to(logits.device), input_ids.to(logits.device)
+    where both are real. ``hidden``: the final hidden state ``(B, T, H)`` (the head's
+    input); the head runs on ``rows_per_slice`` target positions at a time (fp32 logits,
+    :class:`~hf_layerswap.scoring.head.Head`), each slice's log-softmax on its own rows, the
+    sums in float64 (a row's NLL does not depend on the slice it is in). Returns ``(B,)``
+    float64; counts the head calls in ``stats["head_slices"]``."""
+    bsz, seqlen, width = hidden.shape
+    attention_mask, input_ids = attention_mask.to(hidden.device), input_ids.to(hidden.device)
     target_mask = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
     rows = target_mask.reshape(-1).nonzero().squeeze(1)
-    flat_logits = logits[:, :-1].reshape(-1, vocab)
+    flat_hidden = hidden[:, :-1].reshape(-1, width)
     flat_targets = input_ids[:, 1:].reshape(-1)
     prompt_of_row = rows // (seqlen - 1)
     sums = torch.zeros(bsz, dtype=torch.float64)
-    for start in range(0, rows.numel(), 256):
-        idx = rows[start : start + 256]
-        nll = F.cross_entropy(flat_logits.index_select(0, idx).float(), flat_targets.index_select(0, idx), reduction="none")
-        sums.index_add_(0, prompt_of_row[start : start + 256].cpu(), nll.double().cpu())
+    for start in range(0, rows.numel(), rows_per_slice):
+        idx = rows[start : start + rows_per_slice]
+        logits = head(flat_hidden.index_select(0, idx)).float()
+        nll = F.cross_entropy(logits, flat_targets.index_select(0, idx).to(logits.device), reduction="none")
+        del logits
+        sums.index_add_(0, prompt_of_row[start : start + rows_per_slice].cpu(), nll.double().cpu())
+        stats["head_slices"] += 1
     return sums
+
+
+@contextlib.contextmanager
+def _head_input(head: Head):
+    """Context manager: every forward of the model stops at its output head (``StopForward``)
+    and leaves the head's input (the final hidden state ``(B, T, H)``) in the yielded list."""
+    taken: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs):
+        taken.append((args[0] if args else kwargs["input"]).detach())
+        raise StopForward
+
+    handle = head.module.register_forward_pre_hook(hook, with_kwargs=True)
+    with hooks_removed([handle]):
+        yield taken
 
 
 @torch.no_grad()
@@ -241,6 +299,7 @@ def plan_nll(
     *,
     batch_size: int = 8,
     reference_cache: ReferenceCache | None = None,
+    max_memory=None,
 ) -> tuple[dict[Hashable, torch.Tensor], torch.Tensor, dict]:
     """Calibration next-token NLL of the model under every plan, with prefix reuse.
 
@@ -259,6 +318,13 @@ def plan_nll(
         reference_cache: shared by calls on the same model and prompts: each batch's
             identity pass (streams entering every block, reference NLL) runs once
             (:class:`~hf_layerswap.scoring.reference.ReferenceCache`); ``None``: once per call.
+        max_memory: the working-memory budget of a call (bytes, a size such as ``"2GiB"``, a
+            :class:`~hf_layerswap.scoring.settings.MemoryBudget`, or ``None``/``"auto"``:
+            :func:`~hf_layerswap.scoring.settings.resolve_memory` on the model's devices):
+            the output head runs on row slices of the predicted positions
+            (:func:`nll_slice_rows`: the head/KL share of the same slice budget as the KL
+            path's), never on the whole ``(B, T, V)`` logits; the values are those of the
+            unsliced NLL (each row's log-softmax is its own; float64 sums).
 
     Returns:
         ``(values, counts, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of
@@ -266,13 +332,23 @@ def plan_nll(
         ``counts`` the ``(N,)`` number of predicted tokens per prompt; ``stats`` has
         ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
         ``block_passes`` (block forward calls per calibration sweep), ``head_passes``,
-        ``reference_passes`` (identity sweeps run: 1, or 0 when the cache held every batch)
-        and ``seconds``. Calibration NLL per token of a plan is
+        ``reference_passes`` (identity sweeps run: 1, or 0 when the cache held every batch),
+        ``head_slices`` (output-head calls on row slices), ``rows_per_slice`` and ``seconds``. Calibration NLL per token of a plan is
         ``values[name].sum() / counts.sum()``.
 
     The model is left exactly as it was.
+
+    Raises:
+        ValueError: a ``max_memory`` that is no size (before any forward pass).
     """
     model = uncompiled(model)
+    budget, activations, fixed = _nll_budget(model, batch_size, calibration.seq_len, max_memory)
+    head = Head(model)
+    if head.module is None:
+        raise ValueError(f"plan_nll needs the model's output head (get_output_embeddings()); "
+                         f"{type(model).__name__} has none")
+    rows_per_slice = nll_slice_rows(budget, activations, fixed, head.vocab)
+    counters = {"head_slices": 0}
     total_blocks = num_blocks(model)
     _, _, blocks = decoder_blocks(model)
     key_of, probes, _ = make_probes(plans, total_blocks)
@@ -291,8 +367,9 @@ def plan_nll(
             ids, mask = ids.to(device), mask.to(device)
 
             def sweep(slots, ids=ids, mask=mask):
-                streams, logits = capture_residual_stream(model, ids, mask, slots=slots, compute_logits=True)
-                return streams, _masked_nll(logits, ids, mask)
+                with _head_input(head) as final:
+                    streams, _ = capture_residual_stream(model, ids, mask, slots=slots, compute_logits=True)
+                return streams, _masked_nll(final.pop(), head, ids, mask, rows_per_slice, counters)
 
             key = ("nll", b, batch_size, calibration.content_hash)
             streams, ref = cache.get(key, sweep, needed or [0], _all_slots(total_blocks), _stream_bytes(model, ids))
@@ -302,11 +379,11 @@ def plan_nll(
             def run(probe, depth0, start_hidden, captures, ids=ids, mask=mask):
                 slot = probe.start + depth0
                 kwargs = {"start": slot, "start_hidden": start_hidden} if slot > 0 else {}
-                with apply_plan(model, probe.key, **kwargs):
+                with apply_plan(model, probe.key, **kwargs), _head_input(head) as final:
                     captured, handles = position_hooks(blocks, probe.run, depth0, captures)
-                    with hooks_removed(handles):
-                        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                return _masked_nll(out, ids, mask), captured
+                    with hooks_removed(handles), contextlib.suppress(StopForward):
+                        model(input_ids=ids, attention_mask=mask, use_cache=False)
+                return _masked_nll(final.pop(), head, ids, mask, rows_per_slice, counters), captured
 
             nll = {p.key: v for p, v in walk_schedule(order, lambda slot, s=streams: s[slot] if slot > 0 else None, run)}  # type: ignore[misc]  # mypy infers no lambda with a default argument
             for name in plans:
@@ -322,6 +399,8 @@ def plan_nll(
         "block_passes": total_blocks * sweeps + schedule_blocks(list(probes.values()), "shared"),
         "head_passes": sweeps + len(probes),
         "reference_passes": sweeps,
+        "head_slices": counters["head_slices"],
+        "rows_per_slice": rows_per_slice,
         "seconds": time.perf_counter() - t0,
     }
     return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
@@ -346,12 +425,14 @@ def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_s
 
 
 def removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int,
-                       reference_cache: ReferenceCache | None = None) -> tuple[list[float], dict]:
+                       reference_cache: ReferenceCache | None = None, max_memory=None) -> tuple[list[float], dict]:
     """Calibration NLL per token (nats) with each set removed, one shared reference sweep
-    (none when ``reference_cache`` holds it from an earlier call, :func:`plan_nll`)."""
+    (none when ``reference_cache`` holds it from an earlier call), under the working-memory
+    budget ``max_memory`` (:func:`plan_nll`)."""
     total_blocks = num_blocks(model)
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
-    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size, reference_cache=reference_cache)
+    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size, reference_cache=reference_cache,
+                                     max_memory=max_memory)
     total = float(counts.sum())
     out = [float(values[k].sum()) / total for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
@@ -469,7 +550,7 @@ class SetObjective:
 
     def _nll(self, sets):
         values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size,
-                                         reference_cache=self.reference)
+                                         reference_cache=self.reference, max_memory=self.engine_memory)
         self.reference_passes += stats["reference_passes"]
         total = float(counts.sum())
         return [float(values[k].sum()) / total for k in range(len(sets))], stats["forward_passes"], stats["block_passes"]
