@@ -677,12 +677,13 @@ def test_sleb_s_kept_reference_is_counted_in_its_half_of_the_budget():
     assert parts["working"] == max(parts["scoring"], parts["selection"] + parts["reference_kept"])
 
 
-@pytest.mark.parametrize("strategy, objective", [("sleb", None), ("beam", "nll")])
-def test_the_nll_of_sleb_and_beam_on_an_8b_shape_is_counted_and_predicts_at_most_the_weights_and_15_percent(
+@pytest.mark.parametrize("strategy, objective", [("sleb", None), ("beam", "nll"), ("search", "nll")])
+def test_the_nll_of_sleb_beam_and_search_on_an_8b_shape_is_counted_and_predicts_at_most_the_weights_and_15_percent(
         strategy, objective):
-    """SLEB's and the beam's calibration NLL runs the output head on row slices sized from the
-    slice budget of their share of max_memory (the whole budget for the beam, which keeps no
-    reference; the half beside SLEB's kept reference): the estimate counts a batch's
+    """SLEB's, the beam's and the search's calibration NLL runs the output head on row slices
+    sized from the slice budget of their share of max_memory (the whole budget for the beam,
+    which keeps no reference; the half beside SLEB's and the search's kept reference): the
+    estimate counts a batch's
     activations and one slice of fp32 logits and log-softmax (8 bytes x 128,256 entries per
     row), not the scoring engine's KL, and the peak stays at most the weights + 15%."""
     weights = 16_060_522_496
@@ -692,7 +693,7 @@ def test_the_nll_of_sleb_and_beam_on_an_8b_shape_is_counted_and_predicts_at_most
                                 device="cuda", throughput=Throughput(400e12, 50e12, 25e9, source="assumed"),
                                 max_memory=budget)
     parts = estimate.memory_parts
-    share = budget - budget // 2 if strategy == "sleb" else budget
+    share = budget if strategy == "beam" else budget - budget // 2
     rows = int(0.4 * (share - _activations_8b())) // (8 * 128256)  # the head/KL share of the slice budget
     assert 200 < rows < 1024  # several slices of a batch's 1,024 positions
     assert parts["selection"] == _activations_8b() + 8 * rows * 128256

@@ -649,5 +649,11 @@ class SetObjective:
 
 register_objective("removal_kl", help="the joint removal KL d_skip(S) of the set, in nats, through the scoring engine")(
     SetObjective._engine_kl)
+def _nll_working(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
+    """The NLL objective runs no pass beyond the removal KL's count; its working memory beside
+    the kept reference is the NLL's (:meth:`~hf_layerswap.cost.SelectionPlan.nll_working`)."""
+    counts["working_bytes"] = plan.nll_working()
+
+
 register_objective("nll", help="the calibration next-token NLL per token after removing the set, in nats",
-                   model_head=True)(SetObjective._nll)
+                   model_head=True, extra_cost=_nll_working)(SetObjective._nll)
