@@ -75,6 +75,13 @@ __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_me
 SPARSIFY_BATCH = 8
 #: Prompts of the healing text for training, at most (:func:`~hf_layerswap.healing.heal`).
 HEAL_MAX_TRAIN_PROMPTS = 256
+#: fp32 copies of a training batch's ``(B, T, V)`` logits that healing's loss holds at once
+#: (:func:`~hf_layerswap.healing.loss.distillation_loss`: the student's and the teacher's
+#: logits, their real positions, their log-softmaxes, the teacher's probabilities and the
+#: KL's difference); with a top-k cache of the teacher
+#: (:func:`~hf_layerswap.healing.loss.top_k_distillation_loss`) the student's alone.
+HEAL_LOGIT_COPIES = 8
+HEAL_TOP_K_LOGIT_COPIES = 5
 
 
 def block_flops(block_params: int, positions: int, seq_len: int, hidden: int) -> float:
@@ -396,7 +403,10 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     b = heal.batch_size
     saved = kept * (b * width * (16 * shape.hidden + 2 * shape.intermediate) * shape.es
                     + 2 * b * shape.heads * width**2 * 4)  # what the backward keeps per block
-    logits = 5 * b * width * shape.vocab * 4  # student, teacher, their log-softmaxes, the gradient (fp32)
+    # fp32 copies of the logits at the loss: the student's and the teacher's, their real positions and
+    # log-softmaxes, the teacher's probabilities and the KL's difference (with a top-k cache the
+    # student's alone, its log-softmax, the cache's gather and the gradient)
+    logits = (HEAL_LOGIT_COPIES if heal.teacher_top_k is None else HEAL_TOP_K_LOGIT_COPIES) * b * width * shape.vocab * 4
     phase.update(trainable_params=params, trainable_tensors=tensors, optimizer_bytes=optimizer,
                  removal_known=removal_known)
     if budget is not None:
