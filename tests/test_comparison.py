@@ -27,7 +27,7 @@ from hf_layerswap.selection.beam import interchange_beam
 from hf_layerswap.selection.criterion import CriterionResult
 from hf_layerswap.selection.geometry import angular_distance, block_influence
 from hf_layerswap.selection.greedy import swap_guided
-from hf_layerswap.selection.objectives import plan_nll
+from hf_layerswap.selection.nll import plan_nll
 from hf_layerswap.selection.single_removal import single_removal_kl
 from hf_layerswap.selection.sleb import sleb
 from hf_layerswap.surgery import remove_layers

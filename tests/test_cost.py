@@ -18,7 +18,11 @@ from hf_layerswap.cost import Throughput
 from hf_layerswap.cost.steps import ModelShape, healing_phase, recovery_phase, sparsity_phase
 from hf_layerswap.healing import heal
 from hf_layerswap.scoring.head import Head
-from hf_layerswap.scoring.settings import kl_block_bytes, slice_budget
+from hf_layerswap.scoring.engine import plan_engine
+from hf_layerswap.scoring.layerscores import swap_plans
+from hf_layerswap.scoring.probes import make_probes
+from hf_layerswap.scoring.settings import EngineSettings, batch_activation_bytes, kl_block_bytes, slice_budget
+from hf_layerswap.scoring.slotmajor import plan_pass
 from hf_layerswap.selection.sleb import sleb
 
 FIXED = Throughput(1e9, 1e9, 1e9, source="fixed for the test")
@@ -88,7 +92,8 @@ def test_streamed_weights_move_each_block_once_per_batch_and_sweep():
 def test_an_offloaded_head_is_planned_in_vocabulary_slices_as_the_engine_streams_it(tmp_path, monkeypatch):
     """A loaded model with its head on disk: the estimate plans the head in the vocabulary slices the
     engine reads it in (one pass per slice), so its head passes and head rows are the scoring run's,
-    and its working memory holds one fp32 slice of the head, not the whole."""
+    and its working memory holds one fp32 slice of the head, not the whole, and its slot-major
+    pass's states."""
     cfg, calib = _tiny(4), _calibration()
     torch.manual_seed(1)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
@@ -109,8 +114,13 @@ def test_an_offloaded_head_is_planned_in_vocabulary_slices_as_the_engine_streams
     # of the whole vocabulary or of the slice (16 bytes per position and entry)
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=None).eval()
     in_memory = hl.estimate_cost(dense, config, calibration=calib, throughput=FIXED, max_memory=1 << 30)
+    # and in memory the depth-first engine holds the 5 streams entering the 4 blocks and leaving the
+    # last, the offloaded model's slot-major pass the stream entering block 0 and the 6 states of its
+    # interchange probes' prefixes (4 prompts x 16 tokens x 32 fp32 each)
+    _, probes, _ = make_probes(swap_plans(4, 1, ("interchange",)), 4)
+    assert plan_pass([p.key for p in probes.values()], 4, reference=True).peak_states == 6
     assert in_memory.memory_parts["working"] - estimate.memory_parts["working"] == (
-        12 * 64 * 128 - (12 * 64 * 8 + 4 * 8 * 32) + 16 * 64 * (128 - 8))
+        12 * 64 * 128 - (12 * 64 * 8 + 4 * 8 * 32) + 16 * 64 * (128 - 8) + (5 - 1 - 6) * 4 * 16 * 32 * 4)
     assert in_memory.memory_parts["kl_temporaries"] - estimate.memory_parts["kl_temporaries"] == 16 * 64 * (128 - 8)
 
 
@@ -764,3 +774,35 @@ def test_the_heal_steps_predicted_peak_matches_the_torch_allocations(method, top
     student = shape.weight_bytes - 2 * shape.block_bytes  # held before the step
     predicted = healing_phase(shape, cfg, calib, 2)["memory_bytes"] - student
     assert 0.8 <= live.peak / predicted <= 1.25, (live.peak, predicted)
+
+
+def test_a_slot_major_pass_keeps_its_states_inside_the_one_budget():
+    """Slot-major (as for offloaded blocks) a pass holds the states of its live prefixes,
+    up to a quarter of max_memory, instead of the streams entering every block: the engine
+    reserves them before the slice budget (the fewer of that quarter and what one pass over
+    every probe holds), so a 16-block tiny Llama scored with max_gap 4 under 8 MiB stays
+    within the budget as the depth-first engine does (it made 9.23 MB of tensors, 1.10x,
+    where the states took their quarter beside the slice budget), and the estimate with
+    streamed weights counts them (measured within 0.8x to 1.5x of predicted)."""
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(0))
+    calib = CalibrationSet(ids, torch.ones_like(ids), "random tokens")
+    budget = 8 << 20
+    settings = EngineSettings(batch_size=8, max_memory=budget, slot_major=True, progress=False)
+    engine = plan_engine(model, calib, swap_plans(16, 4, ("replacement", "interchange")), settings)
+    state = 8 * 32 * 64 * 4  # one (B, T, H) fp32 state
+    states = min(int(0.25 * budget) // state, plan_pass([p.key for p in engine.my_probes], 16, reference=True).peak_states)
+    assert states == 32  # the quarter binds: one pass over every probe would hold more
+    activations = batch_activation_bytes(config, 16, 8, 32, 4) + (1 + states - 17) * state
+    assert engine.plan().activation_bytes == activations
+    assert engine.slice_budget == budget - activations
+    cfg = hl.LayerSwapConfig(num_to_remove=2, strategy="greedy", num_prompts=8, seq_len=32, batch_size=8, max_gap=4)
+    predicted = hl.estimate_cost(model, cfg, calibration=calib, max_memory=budget, stream_weights=True,
+                                 throughput=Throughput(1e10, 1e10, 1e10, source="assumed")).memory_parts["scoring"]
+    with LiveTensorBytes() as live:
+        hl.score_layers(model, calib, batch_size=8, max_memory=budget, max_gap=4, slot_major=True, progress=False)
+    assert live.peak <= 1.05 * budget, live.peak
+    assert 0.8 <= live.peak / predicted <= 1.5, (live.peak, predicted)

@@ -70,7 +70,7 @@ from ..scoring.settings import (EngineSettings, MemoryBudget, batch_activation_b
 from ..scoring.slotmajor import blocks_offloaded
 from ..scoring.layerscores import swap_plans
 from ..selection import STRATEGIES
-from ..selection.objectives import nll_working_bytes
+from ..selection.nll import nll_working_bytes
 from ..selection.registry import strategy_entry
 from ..steps import recipe_steps
 
@@ -255,7 +255,7 @@ def _calibration(model, cfg: LayerSwapConfig, calibration, tokenizer) -> tuple[C
 def _engine_counts(model, calib, plans, settings, *, streamed: bool | None = None, reference_cache=None) -> dict:
     """Block passes, block loads, head calls and row-weighted head work of one engine run
     of ``plans``: its :class:`~hf_layerswap.scoring.engineplan.EnginePlan` (``plan``)."""
-    plan = plan_engine(model, calib, plans, settings, reference_cache).plan(streamed=streamed)
+    plan = plan_engine(model, calib, plans, settings, reference_cache, streamed=streamed).plan(streamed=streamed)
     return {"block_passes": plan.block_evaluations, "head_passes": plan.head_calls, "head_rows": plan.head_rows,
             "block_tokens": plan.block_tokens, "block_loads": plan.block_loads, "plan": plan}
 
@@ -354,11 +354,11 @@ class SelectionPlan:
         return _reference_batches(planned, self.memory_budget)
 
     def nll_working(self, budget: int | None = None) -> int:
-        """Bytes the calibration NLL (:func:`~hf_layerswap.selection.objectives.plan_nll`) holds
+        """Bytes the calibration NLL (:func:`~hf_layerswap.selection.nll.plan_nll`) holds
         at its peak under ``budget`` bytes (default the engine calls' share,
         ``settings.max_memory``): a batch's activations, the head's fixed working piece on
         :attr:`device` and one row slice of fp32 logits and log-softmax
-        (:func:`~hf_layerswap.selection.objectives.nll_working_bytes`), for the batch with the
+        (:func:`~hf_layerswap.selection.nll.nll_working_bytes`), for the batch with the
         most real positions."""
         budget = resolve_memory(self.settings.max_memory, self.device).bytes if budget is None else int(budget)
         es = torch.finfo(param_dtype(self.model)).bits // 8

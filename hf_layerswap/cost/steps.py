@@ -403,9 +403,7 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     b = heal.batch_size
     saved = kept * (b * width * (16 * shape.hidden + 2 * shape.intermediate) * shape.es
                     + 2 * b * shape.heads * width**2 * 4)  # what the backward keeps per block
-    # fp32 copies of the logits at the loss: the student's and the teacher's, their real positions and
-    # log-softmaxes, the teacher's probabilities and the KL's difference (with a top-k cache the
-    # student's alone, its log-softmax, the cache's gather and the gradient)
+    # fp32 copies of a batch's logits at the loss (with a top-k cache of the teacher, fewer)
     logits = (HEAL_LOGIT_COPIES if heal.teacher_top_k is None else HEAL_TOP_K_LOGIT_COPIES) * b * width * shape.vocab * 4
     phase.update(trainable_params=params, trainable_tensors=tensors, optimizer_bytes=optimizer,
                  removal_known=removal_known)

@@ -214,7 +214,7 @@ def batch_activation_bytes(cfg, num_blocks: int, batch_size: int, seq_len: int, 
     model of ``num_blocks`` blocks (text config ``cfg``) in a ``element_bytes``-byte compute
     dtype, in bytes: the streams entering every block and leaving the last (``(L + 1) x B x
     T x H``) and one block's forward (:func:`block_activation_bytes`). What the scoring
-    engine and the selection's NLL (:func:`~hf_layerswap.selection.objectives.plan_nll`)
+    engine and the selection's NLL (:func:`~hf_layerswap.selection.nll.plan_nll`)
     hold of a batch beside their sliced head work (:func:`slice_budget`)."""
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     inter = int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden)

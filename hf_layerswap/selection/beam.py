@@ -74,8 +74,7 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
-        max_memory: the evaluator's working-memory budget (``select_layers``'): the removal
-            KL's engine calls, or the NLL's row slices of the output head (:func:`plan_nll`).
+        max_memory: the evaluator's working-memory budget (``select_layers``'; the NLL's head slices: ``plan_nll``).
         resume: a beam result for a smaller budget with the same settings: the search
             continues from its last level's beams (level k+1 only scores sets of size
             k+1, so the sets and costs equal those of one run).
