@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_layerswap as hl
-from conftest import LiveTensorBytes, counted_prune, tiny_checkpoint
+from conftest import LiveTensorBytes, counted_prune, eight_block_search_setup, tiny_checkpoint
 from hf_layerswap.calibration import CalibrationSet, build_calibration
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
@@ -23,7 +23,9 @@ from hf_layerswap.scoring.layerscores import swap_plans
 from hf_layerswap.scoring.probes import make_probes
 from hf_layerswap.scoring.settings import EngineSettings, batch_activation_bytes, kl_block_bytes, slice_budget
 from hf_layerswap.scoring.slotmajor import plan_pass
+from hf_layerswap.selection.nll import plan_nll
 from hf_layerswap.selection.sleb import sleb
+from hf_layerswap.layerplan import removal_plan
 
 FIXED = Throughput(1e9, 1e9, 1e9, source="fixed for the test")
 
@@ -806,3 +808,18 @@ def test_a_slot_major_pass_keeps_its_states_inside_the_one_budget():
         hl.score_layers(model, calib, batch_size=8, max_memory=budget, max_gap=4, slot_major=True, progress=False)
     assert live.peak <= 1.05 * budget, live.peak
     assert 0.8 <= live.peak / predicted <= 1.5, (live.peak, predicted)
+
+
+def test_sleb_s_head_work_is_counted_on_the_predicted_positions_its_nll_runs_the_head_on():
+    """SLEB's NLL runs the head only on the positions it predicts from (a real token followed
+    by a real one): its estimate counts those rows (it counted every position, padding
+    included), exactly for n = 1: the reference and the 4 candidates over 6 prompts of 16
+    tokens, one padded from position 10: 6 x 15 - 6 rows each."""
+    model, calib, _ = eight_block_search_setup()
+    cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="sleb", protect=[0, 1, 2, -1], num_prompts=6, seq_len=16,
+                             batch_size=4)
+    phase = hl.estimate_cost(model, cfg, calibration=calib, max_memory=1 << 30,
+                             throughput=Throughput(1e10, 1e10, 1e10, source="assumed")).phases["selection"]
+    assert phase["exact"] and phase["head_rows"] == (1 + 4) * (6 * 15 - 6)
+    _, _, stats = plan_nll(model, calib, {b: removal_plan(8, [b]) for b in (3, 4, 5, 6)}, batch_size=4)
+    assert stats["head_rows"] == phase["head_rows"]

@@ -372,12 +372,17 @@ class SelectionPlan:
         rows = max((real for _, real in self.batches), default=1)
         return nll_working_bytes(budget, activations, fixed, vocab, rows)
 
-    def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0) -> dict:
+    def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0, *, predicted_rows: bool = False) -> dict:
         """Model forwards over every batch of ``config.batch_size`` prompts: ``blocks_per_batch``
-        block calls and ``heads_per_batch`` output-head calls (over every position) each."""
+        block calls and ``heads_per_batch`` output-head calls each, over every position, or
+        (``predicted_rows``: the calibration NLL's row slices,
+        :func:`~hf_layerswap.selection.nll.plan_nll`) over the real positions followed by a
+        real one."""
         batches = self.batches
+        rows = (sum(int((mask[:, 1:] * mask[:, :-1]).sum()) for _, mask in self.calibration.batches(self.config.batch_size))
+                if predicted_rows else sum(n for n, _ in batches))
         return {"block_passes": blocks_per_batch * len(batches), "head_passes": heads_per_batch * len(batches),
-                "head_rows": heads_per_batch * sum(n for n, _ in batches),
+                "head_rows": heads_per_batch * rows,
                 "block_tokens": blocks_per_batch * sum(n for n, _ in batches)}
 
     @staticmethod

@@ -177,7 +177,7 @@ def _beam_cost(plan) -> dict:
         if evaluator == "removal_kl":
             parts.append(plan.evaluator(pool, level, planned))
         else:  # calibration NLL: a reference forward and one forward per set, each with the model's head
-            parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool))
+            parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool, predicted_rows=True))
     # the NLL keeps no reference: its row slices of the head have the whole budget
     nll = {} if evaluator == "removal_kl" else {"working_bytes": plan.nll_working(plan.settings.max_memory
                                                                                   + plan.memory_budget)}

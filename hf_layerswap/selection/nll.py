@@ -85,7 +85,7 @@ def _masked_nll(hidden: torch.Tensor, head: Head, input_ids: torch.Tensor, atten
     input); the head runs on ``rows_per_slice`` target positions at a time (fp32 logits,
     :class:`~hf_layerswap.scoring.head.Head`), each slice's log-softmax on its own rows, the
     sums in float64 (a row's NLL does not depend on the slice it is in). Returns ``(B,)``
-    float64; counts the head calls in ``stats["head_slices"]``."""
+    float64; counts the head calls in ``stats["head_slices"]`` and their rows in ``stats["head_rows"]``."""
     bsz, seqlen, width = hidden.shape
     attention_mask, input_ids = attention_mask.to(hidden.device), input_ids.to(hidden.device)
     target_mask = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
@@ -101,6 +101,7 @@ def _masked_nll(hidden: torch.Tensor, head: Head, input_ids: torch.Tensor, atten
         del logits
         sums.index_add_(0, prompt_of_row[start : start + rows_per_slice].cpu(), nll.double().cpu())
         stats["head_slices"] += 1
+        stats["head_rows"] += int(idx.numel())
     return sums
 
 
@@ -161,7 +162,8 @@ def plan_nll(
         ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
         ``block_passes`` (block forward calls per calibration sweep), ``head_passes``,
         ``reference_passes`` (identity sweeps run: 1, or 0 when the cache held every batch),
-        ``head_slices`` (output-head calls on row slices), ``rows_per_slice`` and ``seconds``. Calibration NLL per token of a plan is
+        ``head_slices`` (output-head calls on row slices), ``head_rows`` (positions they
+        ran on: the predicted ones), ``rows_per_slice`` and ``seconds``. Calibration NLL per token of a plan is
         ``values[name].sum() / counts.sum()``.
 
     The model is left exactly as it was.
@@ -176,7 +178,7 @@ def plan_nll(
         raise ValueError(f"plan_nll needs the model's output head (get_output_embeddings()); "
                          f"{type(model).__name__} has none")
     rows_per_slice = nll_slice_rows(budget, activations, fixed, head.vocab)
-    counters = {"head_slices": 0}
+    counters = {"head_slices": 0, "head_rows": 0}
     total_blocks = num_blocks(model)
     _, _, blocks = decoder_blocks(model)
     key_of, probes, _ = make_probes(plans, total_blocks)
@@ -228,6 +230,7 @@ def plan_nll(
         "head_passes": sweeps + len(probes),
         "reference_passes": sweeps,
         "head_slices": counters["head_slices"],
+        "head_rows": counters["head_rows"],
         "rows_per_slice": rows_per_slice,
         "seconds": time.perf_counter() - t0,
     }

@@ -135,7 +135,7 @@ def _sleb_cost(plan) -> dict:
     later_sets = sum(len(allowed) - k + 1 for k in range(2, n + 1))
     later_blocks = sum((len(allowed) - k + 1) * plan.probe_blocks(k) for k in range(2, n + 1))
     per_batch = sweeps * total + schedule_blocks(list(probes.values()), "shared") + later_blocks
-    return plan.counts(plan.forwards(per_batch, sweeps + len(probes) + later_sets), exact=n == 1,
+    return plan.counts(plan.forwards(per_batch, sweeps + len(probes) + later_sets, predicted_rows=True), exact=n == 1,
                        note="exact for one block; for more an upper bound: each later step's candidates from the "
                             "first removable block, a reference sweep per step unless the kept reference fits",
                        sweeps=sweeps + len(probes) + later_sets, working_bytes=plan.nll_working())
