@@ -243,6 +243,8 @@ def test_plan_nll_runs_the_head_on_row_slices_of_the_budget_and_equals_one_slice
         torch.testing.assert_close(many[name], one[name], rtol=1e-6, atol=0)
     torch.testing.assert_close(stats_many["base"], stats_one["base"], rtol=1e-6, atol=0)
     assert float(one["skip1"].sum()) / targets == pytest.approx(hf_nll(pruned_copy(model, [1]), calib), rel=1e-5)
+    with pytest.raises(ValueError, match="max_memory='lots': give bytes"):
+        plan_nll(model, calib, plans, max_memory="lots")
 
 
 def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():

@@ -69,11 +69,10 @@ def nll_working_bytes(budget: int, activation_bytes: int, head_fixed_bytes: int,
     return activation_bytes + head_fixed_bytes + NLL_ENTRY_BYTES * width * vocab
 
 
-def _nll_budget(model: nn.Module, batch_size: int, seq_len: int, max_memory) -> tuple[int, int, int]:
-    """``(budget, activation bytes, head fixed bytes)`` of :func:`plan_nll` on ``model``."""
+def _nll_budget(model: nn.Module, head: Head, batch_size: int, seq_len: int, max_memory) -> tuple[int, int, int]:
+    """``(budget, activation bytes, head fixed bytes)`` of :func:`plan_nll` on ``model`` and its ``head``."""
     budget = resolve_memory(max_memory, model).bytes
     es = torch.finfo(param_dtype(model)).bits // 8
-    head = Head(model)
     fixed = head.working_bytes(head.vocab) if head.linear else 0
     return budget, batch_activation_bytes(text_config(model), num_blocks(model), batch_size, seq_len, es), fixed
 
@@ -172,8 +171,8 @@ def plan_nll(
         ValueError: a ``max_memory`` that is no size (before any forward pass).
     """
     model = uncompiled(model)
-    budget, activations, fixed = _nll_budget(model, batch_size, calibration.seq_len, max_memory)
     head = Head(model)
+    budget, activations, fixed = _nll_budget(model, head, batch_size, calibration.seq_len, max_memory)
     if head.module is None:
         raise ValueError(f"plan_nll needs the model's output head (get_output_embeddings()); "
                          f"{type(model).__name__} has none")
