@@ -12,7 +12,9 @@ Parts, each in a fresh child process (its peak RSS is the ``ru_maxrss`` of that 
 3. ``estimate_cost`` of a Llama-3-70B-shaped config on the meta device with weights streamed
    from CPU memory to one GPU (a prediction at stated rates);
 4. per real model with a quarter of its weights in memory and the rest on disk: predicted
-   against counted block loads, and the search with its reference recomputed and kept.
+   against counted block loads, and the search with its reference recomputed and kept;
+5. ``compute`` (``estimate_cost`` only, no model run): the predicted block and head work of
+   the default prune against SLEB's at n = 2, 4, 6, at the default calibration.
 """
 
 from __future__ import annotations
@@ -64,6 +66,32 @@ def _default_part(name, queue):
     estimate = hl.estimate_cost(str(path), config, calibration=calib)
     queue.put({"block_passes": estimate.block_passes, "phases": estimate.phases,
                "peak_memory_bytes": estimate.peak_memory_bytes["cpu"], "seconds": estimate.seconds})
+
+
+#: Budgets of the ``compute`` part.
+COMPUTE_BUDGETS = (2, 4, 6)
+
+
+def _compute_part(name, queue):
+    """``estimate_cost`` (no weight read) of the default prune and of ``strategy="sleb"`` at each
+    of :data:`COMPUTE_BUDGETS`, the default calibration, one throughput probe (one thread) for all."""
+    import torch
+    import hf_layerswap as hl
+
+    torch.set_num_threads(1)
+    path, calib = _calibration(name, 64, 128)
+    out = {"real_positions": int(calib.attention_mask.sum()), "rows": {}}
+    throughput = None
+    for n in COMPUTE_BUDGETS:
+        for method, extra in (("default", {}), ("sleb", {"strategy": "sleb"})):
+            config = hl.LayerSwapConfig(num_to_remove=n, progress=False, **extra)
+            estimate = hl.estimate_cost(str(path), config, calibration=calib, throughput=throughput)
+            throughput = estimate.throughput
+            fields = ("block_passes", "block_tokens", "block_flops", "head_rows", "head_flops", "seconds")
+            out["rows"][f"{method} {n}"] = {k: {f: p[f] for f in fields} for k, p in estimate.phases.items()}
+    out["throughput"] = {"block_flops_per_second": throughput.block_flops_per_second,
+                         "head_flops_per_second": throughput.head_flops_per_second, "source": throughput.source}
+    queue.put(out)
 
 
 def _prune_part(name, num_prompts, seq_len, report_path, queue):
@@ -471,6 +499,72 @@ def _prune_verdict(out) -> str:
     return "Targets: " + "; ".join(parts) + "."
 
 
+def _compute_lines(out: dict) -> list[str]:
+    """The ``compute`` part: predicted block and head work of the default prune and of SLEB."""
+    if not out.get("compute"):
+        return []
+    lines = []
+    for name, d in out["compute"].items():
+        t = d["throughput"]
+        lines += [f"{name}, default calibration (64 x 128, {d['real_positions']:,} real positions); TFLOP: 1e12 "
+                  "floating-point operations (a multiply-add counts 2); seconds at the throughput probe's one-thread rates "
+                  f"({t['block_flops_per_second'] / 1e9:.1f} GFLOP/s in a block, "
+                  f"{t['head_flops_per_second'] / 1e9:.1f} GFLOP/s in the head); *SLEB alone* is its selection "
+                  "(`select_layers(strategy=\"sleb\")`), *SLEB, prune* adds the scoring `prune` runs for the card.",
+                  "",
+                  "| n | method | block passes | block TFLOP | head TFLOP | head share | seconds | "
+                  "vs SLEB alone: all FLOPs | block FLOPs only (a free head) |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for n in COMPUTE_BUDGETS:
+            rows = {m: d["rows"][f"{m} {n}"] for m in ("default", "sleb")}
+            alone = rows["sleb"]["selection"]
+            cells = [("default prune (both protocols + search)", list(rows["default"].values())),
+                     ("SLEB, prune", list(rows["sleb"].values())), ("SLEB alone", [alone])]
+            for label, phases in cells:
+                blocks = sum(p["block_passes"] for p in phases)
+                bf, hf = sum(p["block_flops"] for p in phases), sum(p["head_flops"] for p in phases)
+                sec = sum(p["seconds"] for p in phases)
+                lines.append(f"| {n} | {label} | {blocks:,} | {bf / 1e12:.1f} | {hf / 1e12:.1f} | {hf / (bf + hf):.0%} | "
+                             f"{sec / 60:.1f} min | {(bf + hf) / (alone['block_flops'] + alone['head_flops']):.2f}x | "
+                             f"{bf / alone['block_flops']:.2f}x |")
+        lines += ["", *_compute_reading(d)]
+    return lines
+
+
+def _compute_reading(d: dict) -> list[str]:
+    """What the ``compute`` rows say about the target (the default prune's CPU-seconds at most
+    SLEB's at the same n): its ratio, the head's part, and the bound with a free head."""
+    def total(phases, key):
+        return sum(p[key] for p in phases)
+
+    seconds, blocks_only, shares, sleb_shares = [], [], [], []
+    for n in COMPUTE_BUDGETS:
+        default, alone = list(d["rows"][f"default {n}"].values()), [d["rows"][f"sleb {n}"]["selection"]]
+        seconds.append(total(default, "seconds") / total(alone, "seconds"))
+        blocks_only.append(total(default, "block_flops") / total(alone, "block_flops"))
+        shares.append(total(default, "head_flops") / (total(default, "head_flops") + total(default, "block_flops")))
+        sleb_shares.append(total(alone, "head_flops") / (total(alone, "head_flops") + total(alone, "block_flops")))
+    scoring = d["rows"][f"default {COMPUTE_BUDGETS[0]}"]["scoring"]
+    first = d["rows"][f"sleb {COMPUTE_BUDGETS[0]}"]["selection"]
+    ratio = (scoring["head_flops"] / scoring["head_rows"]) / (scoring["block_flops"] / scoring["block_tokens"])
+    listed = ", ".join(f"{x:.2f}x" for x in seconds)
+    free = ", ".join(f"{x:.2f}x" for x in blocks_only)
+    return [
+        f"Reading, against the target that the default prune take at most SLEB's CPU-seconds at the same n: missed "
+        f"at n = {', '.join(map(str, COMPUTE_BUDGETS))} ({listed} of SLEB alone's predicted seconds; the ratio falls "
+        "with n, since the scoring is paid once and SLEB's steps grow with n). The output head is the larger part "
+        f"of the default prune's compute ({min(shares):.0%} to {max(shares):.0%} of its FLOPs): one head pass over "
+        f"a position costs {ratio:.1f} block passes (a 262,144-entry vocabulary); SLEB's own compute is "
+        f"{min(sleb_shares):.0%} to {max(sleb_shares):.0%} head. Even with a free head the target stays out of reach: the default prune's block FLOPs "
+        f"alone are {free} SLEB alone's, and the scoring of both protocols by itself runs "
+        f"{scoring['block_passes']:,} block passes ({scoring['block_flops'] / 1e12:.1f} block TFLOP) against "
+        f"SLEB's whole selection at n = {COMPUTE_BUDGETS[0]}: {first['block_passes']:,} "
+        f"({first['block_flops'] / 1e12:.1f} block TFLOP). Meeting it needs fewer block passes in the scoring and "
+        "the search (fewer probes or sets), not only a cheaper head.",
+        "",
+    ]
+
+
 def _streamed_lines(out: dict) -> list[str]:
     """The measured streamed rows: predicted vs counted block loads, the search with its
     reference recomputed per call and kept."""
@@ -678,6 +772,18 @@ def render(out) -> str:
         "",
         *_seventy_b_lines(b),
         "",
+        "## The default prune against SLEB: predicted compute",
+        "",
+        f"Command: `{out.get('commands', {}).get('compute', out['command'])}` (the `compute` part: `estimate_cost` "
+        "only, the model on the meta device, no weight read; a throughput probe of one block and the head).",
+        "",
+        "The default prune (both protocols scored, adjacent pairs, then the search over sets) and SLEB at the same "
+        "n, as `estimate_cost` plans them: block passes (one decoder block over one batch, the scoring engine's "
+        "own plan; the search's an upper bound by its allowances, SLEB's exact for its first step and bounded "
+        "after), the FLOPs of the blocks and of the output head (2 x positions x hidden x vocabulary per head "
+        "pass: 262,144 entries) and the seconds they take at the probe's rates.",
+        "",
+        *_compute_lines(out),
         "## Streaming offloaded blocks",
         "",
         *_streamed_lines(out),
@@ -693,7 +799,7 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--models", nargs="+", default=list(MODELS))
-    p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b", "streamed"],
+    p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b", "streamed", "compute"],
                    help="parts to run; the others keep their results stored in scale.json")
     p.add_argument("--render-only", action="store_true", help="write scale.md from scale.json")
     p.add_argument("--json", type=Path, default=RESULTS / "scale.json", help="stored results read by --render-only")
@@ -711,6 +817,9 @@ def main(argv=None):
         report_path = str(RESULTS / f".scale-report-{name}.json")
         if "default" in args.parts:
             out.setdefault("default", {})[name] = _child(_default_part, name)
+        if "compute" in args.parts:
+            out["compute"][name] = _child(_compute_part, name)
+            print(name, out["compute"][name]["throughput"], flush=True)
         if "prune" in args.parts:
             out["prune"][name] = {"predicted": _child(_estimate_part, name, args.num_prompts, args.seq_len),
                                   "measured": _child(_prune_part, name, args.num_prompts, args.seq_len, report_path)}

@@ -18,7 +18,7 @@ import torch
 from conftest import tiny_batch, tiny_model
 
 from hf_layerswap import comparison as B
-from hf_layerswap.calibration import build_calibration, embedded_text
+from hf_layerswap.calibration import CalibrationSet, build_calibration, embedded_text
 from hf_layerswap.layerplan import decoder_blocks, removal_plan
 from hf_layerswap.recovery import RECOVERY_METHODS
 from hf_layerswap.scoring.report import PairResult, SwapReport
@@ -28,7 +28,7 @@ from hf_layerswap.selection.beam import interchange_beam
 from hf_layerswap.selection.criterion import CriterionResult
 from hf_layerswap.selection.geometry import angular_distance, block_influence
 from hf_layerswap.selection.greedy import swap_guided
-from hf_layerswap.selection.objectives import plan_nll
+from hf_layerswap.selection.nll import plan_nll
 from hf_layerswap.selection.single_removal import single_removal_kl
 from hf_layerswap.selection.sleb import sleb
 from hf_layerswap.surgery import remove_layers
@@ -216,6 +216,36 @@ def test_plan_nll_shares_the_prefix_tree_bit_identically_and_hooks_count_its_blo
     for b, plan in plans.items():
         alone, _, _ = plan_nll(model, calib, {b: plan}, batch_size=2)
         assert torch.equal(values[b], alone[b])
+
+
+def test_plan_nll_runs_the_head_on_row_slices_of_the_budget_and_equals_one_slice():
+    """A 32,000-entry vocabulary: under a 1 MiB budget the head/KL share of the slice budget
+    holds one position's fp32 logits and log-softmax (8 x 32,000 bytes x 1 row), so every
+    predicted position is a head call of its own; under 1 GiB a batch's positions are one
+    slice. The NLL sums are the same to fp32 rounding (each row's log-softmax is its own)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    ids = torch.randint(0, 32000, (4, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[3, 7:] = 0
+    calib = CalibrationSet(ids, mask, "random tokens")
+    plans = {"skip1": [0, 2], "skip2": [0, 1]}
+    many, counts, stats_many = plan_nll(model, calib, plans, batch_size=2, max_memory=1 << 20)
+    one, _, stats_one = plan_nll(model, calib, plans, batch_size=2, max_memory=1 << 30)
+    targets = int(counts.sum())
+    assert targets == 4 * 11 - 5
+    assert stats_many["rows_per_slice"] == 1 and stats_one["rows_per_slice"] >= 22
+    assert stats_many["head_slices"] == 3 * targets  # the reference and two plans, one head call per position
+    assert stats_one["head_slices"] == 3 * 2  # one per batch and sweep
+    for name in plans:
+        torch.testing.assert_close(many[name], one[name], rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats_many["base"], stats_one["base"], rtol=1e-6, atol=0)
+    assert float(one["skip1"].sum()) / targets == pytest.approx(hf_nll(pruned_copy(model, [1]), calib), rel=1e-5)
+    with pytest.raises(ValueError, match="max_memory='lots': give bytes"):
+        plan_nll(model, calib, plans, max_memory="lots")
 
 
 def test_sleb_first_pick_is_argmin_of_single_removal_nll_and_rescoring():

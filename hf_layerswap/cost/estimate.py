@@ -63,12 +63,14 @@ from ..models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from ..layerplan import decoder_blocks, num_blocks, removal_plan
 from ..scoring.rule import resolve_protect
 from ..scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
-from ..scoring.head import linear32
+from ..scoring.head import UPCAST_PIECE_BYTES, linear32, mixed_gemm, param_dtype, text_config
 from ..scoring.kl import OnlineKL
-from ..scoring.settings import EngineSettings, MemoryBudget, device_memory_budget, kl_block_bytes, resolve_memory
+from ..scoring.settings import (EngineSettings, MemoryBudget, batch_activation_bytes, device_memory_budget,
+                                kl_block_bytes, resolve_memory)
 from ..scoring.slotmajor import blocks_offloaded
 from ..scoring.layerscores import swap_plans
 from ..selection import STRATEGIES
+from ..selection.nll import nll_working_bytes
 from ..selection.registry import strategy_entry
 from ..steps import recipe_steps
 from ..utils.registry import Options
@@ -254,7 +256,7 @@ def _calibration(model, cfg: LayerSwapConfig, calibration, tokenizer) -> tuple[C
 def _engine_counts(model, calib, plans, settings, *, streamed: bool | None = None, reference_cache=None) -> dict:
     """Block passes, block loads, head calls and row-weighted head work of one engine run
     of ``plans``: its :class:`~hf_layerswap.scoring.engineplan.EnginePlan` (``plan``)."""
-    plan = plan_engine(model, calib, plans, settings, reference_cache).plan(streamed=streamed)
+    plan = plan_engine(model, calib, plans, settings, reference_cache, streamed=streamed).plan(streamed=streamed)
     return {"block_passes": plan.block_evaluations, "head_passes": plan.head_calls, "head_rows": plan.head_rows,
             "block_tokens": plan.block_tokens, "block_loads": plan.block_loads, "plan": plan}
 
@@ -279,6 +281,7 @@ class SelectionPlan:
         streamed: the blocks stream to the compute device (``True``: every block, as for a
             model on the meta device; ``None``: the model's own offloaded blocks; ``False``:
             none), for the block loads of :meth:`engine`.
+        device: where the prune computes (the head's fixed working piece of :meth:`nll_working`).
     """
 
     model: nn.Module
@@ -287,6 +290,7 @@ class SelectionPlan:
     settings: EngineSettings
     memory_budget: int
     streamed: bool | None = None
+    device: torch.device = torch.device("cpu")
 
     @property
     def num_blocks(self) -> int:
@@ -359,12 +363,36 @@ class SelectionPlan:
         gives the batches)."""
         return _reference_batches(planned, self.memory_budget)
 
-    def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0) -> dict:
+    def nll_working(self, budget: int | None = None) -> int:
+        """Bytes the calibration NLL (:func:`~hf_layerswap.selection.nll.plan_nll`) holds
+        at its peak under ``budget`` bytes (default the engine calls' share,
+        ``settings.max_memory``): a batch's activations, the head's fixed working piece on
+        :attr:`device` and one row slice of fp32 logits and log-softmax
+        (:func:`~hf_layerswap.selection.nll.nll_working_bytes`), for the batch with the
+        most real positions."""
+        budget = resolve_memory(self.settings.max_memory, self.device).bytes if budget is None else int(budget)
+        es = torch.finfo(param_dtype(self.model)).bits // 8
+        activations = batch_activation_bytes(text_config(self.model), self.num_blocks, self.config.batch_size,
+                                             self.calibration.seq_len, es)
+        head = self.model.get_output_embeddings()
+        vocab, hidden = (int(d) for d in head.weight.shape)
+        half = head.weight.dtype != torch.float32 and not (self.device.type == "cuda"
+                                                            or mixed_gemm(self.device, head.weight.dtype))
+        fixed = min(4 * vocab * hidden, UPCAST_PIECE_BYTES) if half else 0
+        rows = max((real for _, real in self.batches), default=1)
+        return nll_working_bytes(budget, activations, fixed, vocab, rows)
+
+    def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0, *, predicted_rows: bool = False) -> dict:
         """Model forwards over every batch of ``config.batch_size`` prompts: ``blocks_per_batch``
-        block calls and ``heads_per_batch`` output-head calls (over every position) each."""
+        block calls and ``heads_per_batch`` output-head calls each, over every position, or
+        (``predicted_rows``: the calibration NLL's row slices,
+        :func:`~hf_layerswap.selection.nll.plan_nll`) over the real positions followed by a
+        real one."""
         batches = self.batches
+        rows = (sum(int((mask[:, 1:] * mask[:, :-1]).sum()) for _, mask in self.calibration.batches(self.config.batch_size))
+                if predicted_rows else sum(n for n, _ in batches))
         return {"block_passes": blocks_per_batch * len(batches), "head_passes": heads_per_batch * len(batches),
-                "head_rows": heads_per_batch * sum(n for n, _ in batches),
+                "head_rows": heads_per_batch * rows,
                 "block_tokens": blocks_per_batch * sum(n for n, _ in batches)}
 
     @staticmethod
@@ -703,7 +731,7 @@ class StepPlan:
         cfg, total = self.cfg, self.shape.num_blocks
         plan = SelectionPlan(self.model, self.calib, cfg, EngineSettings(batch_size=cfg.batch_size,
                                                                          max_memory=self.working, progress=False),
-                             self.kept, self.streamed)
+                             self.kept, self.streamed, self.device)
         selection = dict(self.entry.cost(plan))
         selection.pop("plan", None)
         selection["memory_plan"] = _on_device(plan.engine({0: removal_plan(total, [plan.allowed[0]])})["plan"],
@@ -771,6 +799,8 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         search_ref = _reference_bytes(plan or selection_plan, budget)  # ``budget``: the share the search keeps
     scoring_working = _working_bytes(plan, 0) if plan is not None else 0
     selection_working = _working_bytes(selection_plan, 0) if selection_plan is not None else 0
+    if "working_bytes" in phases.get("selection", {}):  # a strategy that plans its own (the NLL's row slices)
+        selection_working = int(phases["selection"]["working_bytes"])
     # the selection's engine calls beside its kept reference, each within its share of the one budget
     working = max(scoring_working, selection_working + search_ref if selection_plan is not None else 0)
     kl_temps = 0
@@ -811,7 +841,8 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         memory_parts={"weights": int(weights), "working": int(working), "reference_kept": int(search_ref),
                       "scoring": int(scoring_working), "selection": int(selection_working),
                       "kl_temporaries": int(kl_temps),
-                      "steps_working": {k: int(p["working_bytes"]) for k, p in phases.items() if "working_bytes" in p},
+                      "steps_working": {k: int(p["working_bytes"]) for k, p in phases.items()
+                                        if "working_bytes" in p and k not in ENGINE_PHASES},
                       "steps_host": int(host),
                       "process": int(resident), "steps": int(steps_peak)},
     )

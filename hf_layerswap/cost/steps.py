@@ -64,7 +64,7 @@ from ..scoring.rule import check_budget, resolve_protect
 from ..scoring.settings import block_activation_bytes
 from ..selection.registry import strategy_entry
 from ..sparsity.registry import get_allocator, get_pruner
-from ..sparsity.stats import HessianAccumulator
+from ..sparsity.options import SparsifyOptions
 from ..evaluation.tasks import check_task_names, request_forwards, task_requests
 
 __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
@@ -75,6 +75,13 @@ __all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_me
 SPARSIFY_BATCH = 8
 #: Prompts of the healing text for training, at most (:func:`~hf_layerswap.healing.heal`).
 HEAL_MAX_TRAIN_PROMPTS = 256
+#: fp32 copies of a training batch's ``(B, T, V)`` logits that healing's loss holds at once
+#: (:func:`~hf_layerswap.healing.loss.distillation_loss`: the student's and the teacher's
+#: logits, their real positions, their log-softmaxes, the teacher's probabilities and the
+#: KL's difference); with a top-k cache of the teacher
+#: (:func:`~hf_layerswap.healing.loss.top_k_distillation_loss`) the student's alone.
+HEAL_LOGIT_COPIES = 8
+HEAL_TOP_K_LOGIT_COPIES = 5
 
 
 def block_flops(block_params: int, positions: int, seq_len: int, hidden: int) -> float:
@@ -209,7 +216,7 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     kept = shape.num_blocks - removed
     allocator, pruner = get_allocator(sp.allocation), get_pruner(sp.pruner)
     phase = _phase(True, f"{sp.pruner} with {sp.allocation} on {kept} blocks, batches of {SPARSIFY_BATCH} prompts")
-    cached = 0
+    inputs = 0
     gradients, replays = allocator.estimate()["gradient_forwards"], pruner.estimate()["statistics_replays"]
     for ids, _ in calib.batches(SPARSIFY_BATCH):
         b, w = ids.shape
@@ -219,17 +226,36 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
         for _ in range(replays):  # block by block: the statistics replay
             _add_forward(phase, shape, kept, b, w, head=False)
         _add_forward(phase, shape, kept - 1, b, w, head=False)  # the propagation to the next block
-        cached += 2 * ids.numel() * shape.hidden * shape.es  # inputs of the block and its outputs
-    linears = [m for m in shape.blocks[0].modules() if isinstance(m, nn.Linear)]
-    if pruner.statistics is HessianAccumulator:
-        stats = sum(4 * lin.in_features**2 for lin in linears)
-    else:
-        stats = sum(4 * lin.in_features for lin in linears)
+        inputs += ids.numel() * shape.hidden * shape.es  # each batch's stream entering a block
+    linears = [(m.out_features, m.in_features) for m in shape.blocks[0].modules() if isinstance(m, nn.Linear)]
+    rows = [int(mask.sum()) for _, mask in calib.batches(SPARSIFY_BATCH)]  # the real positions statistics read
+    opts = SparsifyOptions(batch_size=SPARSIFY_BATCH)
+    activations = shape.activation_bytes(SPARSIFY_BATCH, calib.seq_len)
+    # the allocator's statistics of every block (kept through the pruning pass) and the pruner's of one block
+    kept_stats, update = allocator.memory_bytes(opts, [linears] * kept, shape.hidden, rows)
+    dense = inputs + kept_stats + update + activations  # block 0's inputs cached, the statistics updated
+    pruning = 2 * inputs + kept_stats + pruner.memory_bytes(opts, linears, rows) + activations  # inputs and outputs
+    working = max(dense, pruning, _gradient_bytes(shape, calib, kept, linears) if gradients else 0)
     pruned_weights = shape.weight_bytes - removed * shape.block_bytes
-    working = cached + stats + shape.activation_bytes(SPARSIFY_BATCH, calib.seq_len)
     phase["memory_bytes"] = pruned_weights + working
     phase["working_bytes"] = working  # every batch's block inputs and outputs, not sliced
     return phase
+
+
+#: Bytes per position and vocabulary entry of the gradient pass's loss
+#: (:func:`~hf_layerswap.sparsity.engine.gradient_statistics`): the fp32 logits, the loss's
+#: shifted copy and log-softmax, and the logits' gradient.
+GRADIENT_LOGIT_BYTES = 16
+
+
+def _gradient_bytes(shape: ModelShape, calib: CalibrationSet, kept: int, linears: list[tuple[int, int]]) -> int:
+    """The gradient pass of an allocator that reads gradients: the prunable weights'
+    gradients of every kept block (the weights' dtype), and for the largest batch the
+    activations each block's backward keeps (one block forward's working memory per block)
+    and the loss's logits (:data:`GRADIENT_LOGIT_BYTES` per position and vocabulary entry)."""
+    grads = kept * sum(o * i for o, i in linears) * shape.es
+    positions = max((ids.numel() for ids, _ in calib.batches(SPARSIFY_BATCH)), default=0)
+    return grads + kept * shape.activation_bytes(SPARSIFY_BATCH, calib.seq_len) + GRADIENT_LOGIT_BYTES * positions * shape.vocab
 
 
 # ----------------------------------------------------------------------------- healing
@@ -377,7 +403,8 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
     b = heal.batch_size
     saved = kept * (b * width * (16 * shape.hidden + 2 * shape.intermediate) * shape.es
                     + 2 * b * shape.heads * width**2 * 4)  # what the backward keeps per block
-    logits = 5 * b * width * shape.vocab * 4  # student, teacher, their log-softmaxes, the gradient (fp32)
+    # fp32 copies of a batch's logits at the loss (with a top-k cache of the teacher, fewer)
+    logits = (HEAL_LOGIT_COPIES if heal.teacher_top_k is None else HEAL_TOP_K_LOGIT_COPIES) * b * width * shape.vocab * 4
     phase.update(trainable_params=params, trainable_tensors=tensors, optimizer_bytes=optimizer,
                  removal_known=removal_known)
     if budget is not None:

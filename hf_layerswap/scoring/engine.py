@@ -46,9 +46,9 @@ from .probes import make_probes, position_hooks, Probe, schedule, schedule_block
 from .processes import check_model_replica, Processes, sum_movement
 from .engineplan import BatchPlan, EnginePlan
 from .reference import ReferenceCache
-from .settings import block_activation_bytes, dtype_name, EngineSettings, kl_block_bytes, slice_budget
+from .settings import batch_activation_bytes, dtype_name, EngineSettings, kl_block_bytes, slice_budget
 from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, movable_blocks, PassPlan, plan_pass,
-                        probe_groups, run_pass)
+                        probe_groups, run_pass, state_capacity)
 from .streamed import StreamedKL
 
 __all__ = ["Engine", "FLUSH_BUDGET_FRACTION", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
@@ -121,11 +121,10 @@ class Engine:
             self.fallback_reason = "no separate decoder module and output head to stop between"
         cfg = text_config(model)
         self.hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-        self.batch_size = self._batch_size(settings.batch_size_for(self.input_device), cfg)
-        self.slice_budget = slice_budget(self.budget, self._activation_bytes(self.batch_size, cfg), self._head_fixed_bytes())
-        self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
-        self.kl_block_bytes = kl_block_bytes(self.input_device, self.slice_budget)
         self.my_probes = self.processes.share(shard, list(self.probes.values()))
+        self._init_movement(settings.slot_major)  # the held streams or states depend on it
+        self.stats = {"block_evaluations": 0, "model_calls": 0, "head_rows": 0, "reference_passes": 0}
+        self._size(settings)
         self.progress = settings.progress and self.rank == 0
         self.desc = settings.desc
         self.done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -138,13 +137,21 @@ class Engine:
             self.done = self.checkpoint.load()
             self.resumed = len(self.done)
         self.computed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        self.stats = {"block_evaluations": 0, "model_calls": 0, "head_rows": 0, "reference_passes": 0}
+        self.seconds = 0.0
+        self.verified_head = False
+
+    def _size(self, settings: EngineSettings) -> None:
+        """The batch size, the slice budget (what the budget leaves after a batch's
+        activations, :meth:`_activation_bytes`, and the head's fixed piece), the head/KL
+        blocks and the KL's row blocks under it, and the batches."""
+        cfg = text_config(self.model)
+        self.batch_size = self._batch_size(settings.batch_size_for(self.input_device), cfg)
+        self.slice_budget = slice_budget(self.budget, self._activation_bytes(self.batch_size, cfg), self._head_fixed_bytes())
+        self.kl_chunk, self.vocab_chunk = self._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
+        self.kl_block_bytes = kl_block_bytes(self.input_device, self.slice_budget)
         self.kl = StreamedKL(self.head, self.kl_chunk, self.vocab_chunk, self.autocast, self.input_device.type,
                               self.stats, self.kl_block_bytes)
-        self.seconds = 0.0
-        self.batches = list(range(math.ceil(calibration.num_prompts / self.batch_size)))
-        self.verified_head = False
-        self._init_movement(settings.slot_major)
+        self.batches = list(range(math.ceil(self.calib.num_prompts / self.batch_size)))
 
     def _init_movement(self, slot_major: bool | None) -> None:
         """Slot-major streaming (:mod:`.slotmajor`) or depth-first, and the counters of
@@ -167,14 +174,29 @@ class Engine:
 
     # -- sizing -----------------------------------------------------------------------
     def _activation_bytes(self, bsz: int, cfg) -> int:
+        """What a batch of ``bsz`` prompts holds besides the sliced head/KL work: the streams
+        entering every block and one block's forward (:func:`~.settings.batch_activation_bytes`);
+        slot-major (:mod:`.slotmajor`) the states a pass holds instead of those streams (its
+        :data:`~.slotmajor.STATE_BUDGET_FRACTION` of the budget, at most what one pass over
+        every probe holds: :meth:`_pass_states`) and the stream entering slot 0; the whole
+        logits where they are not streamed."""
         seq = self.calib.seq_len
         es = torch.finfo(self.compute_dtype).bits // 8
-        inter = int(getattr(cfg, "intermediate_size", 4 * self.hidden) or 4 * self.hidden)
-        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-        streams = (self.num_blocks + 1) * bsz * seq * self.hidden * es
-        forward = block_activation_bytes(bsz * seq, seq, self.hidden, inter, heads, es)
+        held = batch_activation_bytes(cfg, self.num_blocks, bsz, seq, es)
+        if self.slot_major:
+            held += (1 + self._pass_states(bsz) - (self.num_blocks + 1)) * bsz * seq * self.hidden * es
         logits = 0 if self.stream_logits else 3 * bsz * seq * self.head.vocab * 4
-        return streams + forward + logits
+        return held + logits
+
+    def _pass_states(self, bsz: int) -> int:
+        """States of ``(bsz, T, H)`` a slot-major pass holds at most: the capacity of
+        :func:`~.slotmajor.state_capacity` under the budget, or fewer where one pass over
+        every probe and the reference holds fewer (:attr:`~.slotmajor.PassPlan.peak_states`)."""
+        if "_all_probe_states" not in self.__dict__:
+            self._all_probe_states = plan_pass([p.key for p in self.my_probes], self.num_blocks,
+                                               reference=True).peak_states
+        shape = (bsz, self.calib.seq_len, self.hidden)
+        return min(state_capacity(shape, self.compute_dtype, self.budget), self._all_probe_states)
 
     def _head_fixed_bytes(self) -> int:
         """The most the head's GEMM holds beside its logits (:meth:`.head.Head.working_bytes`
@@ -937,15 +959,23 @@ def run_plans(
 
 
 def plan_engine(model: nn.Module, calibration: CalibrationSet, plans: Mapping[Hashable, Sequence[int]],
-                settings: EngineSettings, reference_cache: ReferenceCache | None = None) -> Engine:
+                settings: EngineSettings, reference_cache: ReferenceCache | None = None,
+                streamed: bool | None = None) -> Engine:
     """The engine as :func:`run_plans` would build it, without running anything: its
     :meth:`Engine.plan` is what :func:`hf_layerswap.cost.estimate_cost` reads. ``model``
     may live on the meta device: a plain ``nn.Linear`` head there is planned as it will be
     once loaded (sliceable, its head/KL chunks chosen accordingly). ``reference_cache``: the
-    kept reference the run will use (its entries and budget shape the plan)."""
+    kept reference the run will use (its entries and budget shape the plan). ``streamed=True``:
+    sized as the run on a model whose blocks stream from the offload will be (slot-major,
+    where the engine can stream: the states a pass holds in the budget), for
+    :meth:`Engine.plan` ``(streamed=True)``."""
     engine = Engine(model, calibration, plans, settings, reference_cache)
     head = engine.head
+    resize = False
     if head.linear and not head.sliceable and head.module.weight.device.type == "meta" and not hasattr(head.module, "_hf_hook"):
-        head.sliceable = True
-        engine.kl_chunk, engine.vocab_chunk = engine._kl_chunks(settings.kl_chunk, settings.vocab_chunk)
+        head.sliceable = resize = True
+    if streamed and not engine.slot_major and engine.slot_major_setting is None and engine.slot_major_note is None:
+        engine.slot_major = resize = True  # the blocks will stream: slot-major, its states in the budget
+    if resize:
+        engine._size(settings)
     return engine

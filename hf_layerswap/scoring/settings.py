@@ -23,7 +23,8 @@ from .kl import KL_SUB_BYTES
 
 __all__ = [
     "CPU_BATCH_SIZE", "DEFAULT_MAX_MEMORY", "MEMORY_CAP", "MEMORY_SHARE", "PREFIX_REUSE_MODES", "EngineSettings",
-    "MemoryBudget", "MemoryBudgetWarning", "REFERENCE_SHARE", "SLICE_SLACK", "block_activation_bytes",
+    "MemoryBudget", "MemoryBudgetWarning", "REFERENCE_SHARE", "SLICE_SLACK", "batch_activation_bytes",
+    "block_activation_bytes",
     "device_batch_size", "device_memory_budget", "dtype_name",
     "kl_block_bytes", "load_limit", "model_memory_budget", "parse_memory", "resolve_memory", "slice_budget",
 ]
@@ -206,6 +207,20 @@ def block_activation_bytes(positions: int, seq_len: int, hidden: int, intermedia
     (``heads x seq_len^2`` fp32 per prompt)."""
     prompts = positions // max(1, seq_len)
     return positions * (8 * hidden + 3 * intermediate) * element_bytes + prompts * heads * seq_len**2 * 4
+
+
+def batch_activation_bytes(cfg, num_blocks: int, batch_size: int, seq_len: int, element_bytes: int) -> int:
+    """Working memory of one batch of ``batch_size`` prompts of ``seq_len`` tokens through a
+    model of ``num_blocks`` blocks (text config ``cfg``) in a ``element_bytes``-byte compute
+    dtype, in bytes: the streams entering every block and leaving the last (``(L + 1) x B x
+    T x H``) and one block's forward (:func:`block_activation_bytes`). What the scoring
+    engine and the selection's NLL (:func:`~hf_layerswap.selection.nll.plan_nll`)
+    hold of a batch beside their sliced head work (:func:`slice_budget`)."""
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    inter = int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    streams = (num_blocks + 1) * batch_size * seq_len * hidden * element_bytes
+    return streams + block_activation_bytes(batch_size * seq_len, seq_len, hidden, inter, heads, element_bytes)
 
 
 def slice_budget(budget: int, activation_bytes: int, fixed_bytes: int = 0) -> int:

@@ -20,7 +20,7 @@ of the config and CLI)    optionally with the Ghosted Layers repair in the loop
 The rule itself (:func:`greedy_select`, :func:`check_budget`, :func:`resolve_protect`)
 lives in :mod:`hf_layerswap.scoring.rule`; the check every strategy passes through (no removal
 on non-finite values, :class:`NonFiniteScoresError`) in :mod:`.finite`; the set objectives and their engine in
-:mod:`.objectives`; the result type every criterion returns in :mod:`.criterion`. A new
+:mod:`.objectives` (the calibration NLL of plans in :mod:`.nll`); the result type every criterion returns in :mod:`.criterion`. A new
 strategy is one module with one ``@register_strategy("name")``: every module of the package is
 imported with it (:func:`~hf_layerswap.utils.registry.import_package_modules`), so dropping
 the module here registers the strategy.
@@ -33,7 +33,8 @@ from .criterion import CriterionResult, as_strategy
 from .dispatch import SELECTION_PROTOCOLS, candidates_set, check_report_matches, select_layers
 from .geometry import angular_distance, block_influence
 from .greedy import swap_guided
-from .objectives import OBJECTIVES, SetObjective, plan_nll
+from .nll import plan_nll
+from .objectives import OBJECTIVES, SetObjective
 from .registry import MODEL_STRATEGIES, STRATEGIES, STRATEGY_OPTIONS, get_strategy, register_strategy
 from .search import search_criterion, search_select
 from .single_removal import single_removal_kl

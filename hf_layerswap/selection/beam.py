@@ -74,7 +74,7 @@ def interchange_beam(
             here when ``None``.
         n: budget or list of budgets; the search runs to the largest and reports each
             level's best set with the cost spent up to it.
-        max_memory: the ``"removal_kl"`` evaluator's working-memory budget (``select_layers``').
+        max_memory: the evaluator's working-memory budget (``select_layers``'; the NLL's head slices: ``plan_nll``).
         resume: a beam result for a smaller budget with the same settings: the search
             continues from its last level's beams (level k+1 only scores sets of size
             k+1, so the sets and costs equal those of one run).
@@ -106,7 +106,7 @@ def interchange_beam(
     passes, blocks, seconds, estimated = report_cost(report, ("interchange",))
     scores = sub.layer_scores("interchange")
     seeds = sorted(allowed, key=lambda i: (score_key(scores[i]), i))[:seed_size]
-    score_fn = partial(removal_kl_values, max_memory=max_memory) if evaluator == "removal_kl" else removal_nll_values
+    score_fn = partial(removal_kl_values if evaluator == "removal_kl" else removal_nll_values, max_memory=max_memory)
     cache: dict[str, float] = {}
     beams: list[list[int]] = []
     levels, results = [], {}
@@ -162,7 +162,8 @@ def _beam_cost(plan) -> dict:
     """An upper bound of the beam's evaluator calls (the interchange scores come from the
     pipeline's scoring): level 1 the seeds and the greedy set, level k the ``width`` beams
     grown by every remaining unprotected block and the greedy set (at most every set of k
-    unprotected blocks), each set from the first removable block, no prefix shared."""
+    unprotected blocks), each set from the first removable block, no prefix shared; with the
+    NLL evaluator its working memory (the head on row slices under the whole budget)."""
     options = plan.options  # the beam's typed options as the prune passes them (BeamOptions)
     width, seed_size, greedy = options.width, options.seed_size, int(options.include_greedy)
     evaluator = plan.config.objective or inspect.signature(interchange_beam).parameters["evaluator"].default
@@ -176,8 +177,11 @@ def _beam_cost(plan) -> dict:
         if evaluator == "removal_kl":
             parts.append(plan.evaluator(pool, level, planned))
         else:  # calibration NLL: a reference forward and one forward per set, each with the model's head
-            parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool))
-    return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total,
+            parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool, predicted_rows=True))
+    # the NLL keeps no reference: its row slices of the head have the whole budget
+    nll = {} if evaluator == "removal_kl" else {"working_bytes": plan.nll_working(plan.settings.max_memory
+                                                                                  + plan.memory_budget)}
+    return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total, **nll,
                        note=f"an upper bound: per level at most {width} beams grown by each unprotected block and "
                             "the greedy set, each set from the first removable block")
 

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..calibration import CalibrationSet
@@ -53,14 +52,12 @@ from ..utils.registry_names import RegistryNames
 from ..scoring.report import set_key
 from ..scoring.rule import resolve_protect
 from ..scoring import masked_kl, plan_kl
-from ..scoring.head import hooks_removed
-from ..scoring.probes import make_probes, position_hooks, schedule, schedule_blocks, walk_schedule
 from ..scoring.reference import ReferenceCache
 from ..scoring.settings import MemoryBudget, parse_memory, resolve_memory
 from .finite import record_set_values
+from .nll import calibration_sweeps, plan_nll, reference_slots, stream_bytes
 
-__all__ = ["OBJECTIVES", "SET_OBJECTIVES", "Objective", "SetObjective", "engine_cost", "objective_entry", "plan_nll",
-           "plans_cost", "register_objective", "removal_kl_values", "removal_nll_values", "repair_objective_cost"]
+__all__ = ["OBJECTIVES", "SET_OBJECTIVES", "Objective", "SetObjective", "engine_cost", "objective_entry", "plans_cost", "register_objective", "removal_kl_values", "removal_nll_values", "repair_objective_cost"]
 
 
 def _no_extra_cost(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
@@ -178,12 +175,6 @@ def plans_cost(plans: Mapping[Any, Sequence[int]], total_blocks: int, reference_
     return reference_sweeps + len(plans), blocks
 
 
-def _sweeps(batch_passes: int, num_prompts: int, batch_size: int) -> int:
-    """Calibration-set sweeps that ``batch_passes`` identity passes over batches amount to
-    (a sweep covers every batch once; a partial one counts whole)."""
-    return math.ceil(batch_passes / max(1, math.ceil(num_prompts / batch_size)))
-
-
 def engine_cost(stats: Mapping, calibration: CalibrationSet, total_blocks: int, num_plans: int) -> tuple[int, int, int]:
     """(reference sweeps, block passes, head passes) of a :func:`~hf_layerswap.scoring.plan_kl`
     call over ``num_plans`` plans, from the engine's counters.
@@ -197,134 +188,11 @@ def engine_cost(stats: Mapping, calibration: CalibrationSet, total_blocks: int, 
     """
     num_prompts = calibration.num_prompts
     batches = max(1, math.ceil(num_prompts / stats["batch_size"]))
-    sweeps = _sweeps(stats["reference_passes"], num_prompts, stats["batch_size"])
+    sweeps = calibration_sweeps(stats["reference_passes"], num_prompts, stats["batch_size"])
     probe_blocks = stats["block_evaluations"] - total_blocks * stats["reference_passes"]
     rows = int(calibration.attention_mask.sum())
     heads = round(stats["head_rows"] / rows) if stats.get("head_rows") else sweeps + num_plans
     return sweeps, total_blocks * sweeps + probe_blocks // batches, heads
-
-
-def _all_slots(total_blocks: int) -> list[int]:
-    """The streams a later candidate may start from: entering blocks 1..L-1."""
-    return list(range(1, total_blocks)) or [0]
-
-
-def _stream_bytes(model: nn.Module, ids: torch.Tensor) -> int:
-    """Bytes of one ``(B, T, H)`` residual stream of ``model`` on batch ``ids``."""
-    weight = model.get_input_embeddings().weight
-    return ids.numel() * weight.shape[-1] * weight.element_size()
-
-
-def _masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-prompt summed next-token NLL (nats) over real targets: position t predicts t+1
-    where both are real. Returns ``(B,)`` float64; fp32 log-softmax, chunked."""
-    bsz, seqlen, vocab = logits.shape
-    attention_mask, input_ids = attention_mask.to(logits.device), input_ids.to(logits.device)
-    target_mask = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
-    rows = target_mask.reshape(-1).nonzero().squeeze(1)
-    flat_logits = logits[:, :-1].reshape(-1, vocab)
-    flat_targets = input_ids[:, 1:].reshape(-1)
-    prompt_of_row = rows // (seqlen - 1)
-    sums = torch.zeros(bsz, dtype=torch.float64)
-    for start in range(0, rows.numel(), 256):
-        idx = rows[start : start + 256]
-        nll = F.cross_entropy(flat_logits.index_select(0, idx).float(), flat_targets.index_select(0, idx), reduction="none")
-        sums.index_add_(0, prompt_of_row[start : start + 256].cpu(), nll.double().cpu())
-    return sums
-
-
-@torch.no_grad()
-def plan_nll(
-    model: nn.Module,
-    calibration: CalibrationSet,
-    plans: Mapping[Any, Sequence[int]],
-    *,
-    batch_size: int = 8,
-    reference_cache: ReferenceCache | None = None,
-) -> tuple[dict[Hashable, torch.Tensor], torch.Tensor, dict]:
-    """Calibration next-token NLL of the model under every plan, with prefix reuse.
-
-    The identity plan runs once per batch (it gives the reference NLL and the residual
-    stream entering every slot); a plan that first differs from identity at slot s starts
-    from the cached stream entering s, and plans that then run the same blocks share them
-    as a prefix tree (:func:`~hf_layerswap.scoring.probes.schedule`, as the scoring engine
-    does): the stream at each branch point is captured by the first plan through it. Equal
-    plans run once.
-
-    Args:
-        model: a causal LM with L decoder blocks.
-        calibration: ``N`` right-padded prompts.
-        plans: name -> block plan (see :mod:`hf_layerswap.layerplan`).
-        batch_size: prompts per forward pass.
-        reference_cache: shared by calls on the same model and prompts: each batch's
-            identity pass (streams entering every block, reference NLL) runs once
-            (:class:`~hf_layerswap.scoring.reference.ReferenceCache`); ``None``: once per call.
-
-    Returns:
-        ``(values, counts, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of
-        per-prompt summed NLL in nats (targets: every real token after the first);
-        ``counts`` the ``(N,)`` number of predicted tokens per prompt; ``stats`` has
-        ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
-        ``block_passes`` (block forward calls per calibration sweep), ``head_passes``,
-        ``reference_passes`` (identity sweeps run: 1, or 0 when the cache held every batch)
-        and ``seconds``. Calibration NLL per token of a plan is
-        ``values[name].sum() / counts.sum()``.
-
-    The model is left exactly as it was.
-    """
-    model = uncompiled(model)
-    total_blocks = num_blocks(model)
-    _, _, blocks = decoder_blocks(model)
-    key_of, probes, _ = make_probes(plans, total_blocks)
-    order = schedule(list(probes.values()), "shared")
-    needed = sorted({p.start for p in probes.values() if p.start > 0})
-    values: dict[Hashable, list[torch.Tensor]] = {name: [] for name in plans}
-    base, counts = [], []
-    was_training = model.training
-    model.eval()
-    device = input_device(model)
-    cache = ReferenceCache(0) if reference_cache is None else reference_cache
-    misses = cache.misses
-    t0 = time.perf_counter()
-    try:
-        for b, (ids, mask) in enumerate(calibration.batches(batch_size)):
-            ids, mask = ids.to(device), mask.to(device)
-
-            def sweep(slots, ids=ids, mask=mask):
-                streams, logits = capture_residual_stream(model, ids, mask, slots=slots, compute_logits=True)
-                return streams, _masked_nll(logits, ids, mask)
-
-            key = ("nll", b, batch_size, calibration.content_hash)
-            streams, ref = cache.get(key, sweep, needed or [0], _all_slots(total_blocks), _stream_bytes(model, ids))
-            base.append(ref)
-            counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
-
-            def run(probe, depth0, start_hidden, captures, ids=ids, mask=mask):
-                slot = probe.start + depth0
-                kwargs = {"start": slot, "start_hidden": start_hidden} if slot > 0 else {}
-                with apply_plan(model, probe.key, **kwargs):
-                    captured, handles = position_hooks(blocks, probe.run, depth0, captures)
-                    with hooks_removed(handles):
-                        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                return _masked_nll(out, ids, mask), captured
-
-            nll = {p.key: v for p, v in walk_schedule(order, lambda slot, s=streams: s[slot] if slot > 0 else None, run)}  # type: ignore[misc]  # mypy infers no lambda with a default argument
-            for name in plans:
-                key = key_of[name]
-                values[name].append(nll[key].clone() if key in nll else ref.clone())
-            del streams, nll
-    finally:
-        model.train(was_training)
-    sweeps = _sweeps(cache.misses - misses, calibration.num_prompts, batch_size)
-    stats = {
-        "base": torch.cat(base),
-        "forward_passes": sweeps + len(plans),
-        "block_passes": total_blocks * sweeps + schedule_blocks(list(probes.values()), "shared"),
-        "head_passes": sweeps + len(probes),
-        "reference_passes": sweeps,
-        "seconds": time.perf_counter() - t0,
-    }
-    return {name: torch.cat(v) for name, v in values.items()}, torch.cat(counts).long(), stats
 
 
 def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int,
@@ -346,12 +214,14 @@ def removal_kl_values(model, calibration, sets: Sequence[Sequence[int]], batch_s
 
 
 def removal_nll_values(model, calibration, sets: Sequence[Sequence[int]], batch_size: int,
-                       reference_cache: ReferenceCache | None = None) -> tuple[list[float], dict]:
+                       reference_cache: ReferenceCache | None = None, max_memory=None) -> tuple[list[float], dict]:
     """Calibration NLL per token (nats) with each set removed, one shared reference sweep
-    (none when ``reference_cache`` holds it from an earlier call, :func:`plan_nll`)."""
+    (none when ``reference_cache`` holds it from an earlier call), under the working-memory
+    budget ``max_memory`` (:func:`plan_nll`)."""
     total_blocks = num_blocks(model)
     plans = {k: removal_plan(total_blocks, s) for k, s in enumerate(sets)}
-    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size, reference_cache=reference_cache)
+    values, counts, stats = plan_nll(model, calibration, plans, batch_size=batch_size, reference_cache=reference_cache,
+                                     max_memory=max_memory)
     total = float(counts.sum())
     out = [float(values[k].sum()) / total for k in range(len(sets))]
     record_set_values({set_key(s): v for s, v in zip(sets, out)})
@@ -469,7 +339,7 @@ class SetObjective:
 
     def _nll(self, sets):
         values, counts, stats = plan_nll(self.model, self.calibration, self._plans(sets), batch_size=self.batch_size,
-                                         reference_cache=self.reference)
+                                         reference_cache=self.reference, max_memory=self.engine_memory)
         self.reference_passes += stats["reference_passes"]
         total = float(counts.sum())
         return [float(values[k].sum()) / total for k in range(len(sets))], stats["forward_passes"], stats["block_passes"]
@@ -532,8 +402,8 @@ class SetObjective:
                     return streams, torch.log_softmax(logits.float(), dim=-1)
 
                 key = ("logprobs", b, self.batch_size, self.calibration.content_hash)
-                streams, ref = self.reference.get(key, sweep, slots, _all_slots(self.num_blocks),
-                                                  _stream_bytes(self.model, ids))
+                streams, ref = self.reference.get(key, sweep, slots, reference_slots(self.num_blocks),
+                                                  stream_bytes(self.model, ids))
                 for k, s in enumerate(sets):
                     cuts = self._cut_operators(s)
                     handles, kwargs = [], {}
@@ -556,7 +426,7 @@ class SetObjective:
                 del streams, ref
         finally:
             self.model.train(was_training)
-        sweeps = _sweeps(self.reference.misses - misses, self.calibration.num_prompts, self.batch_size)
+        sweeps = calibration_sweeps(self.reference.misses - misses, self.calibration.num_prompts, self.batch_size)
         self.reference_passes += sweeps
         passes, block_count = sweeps, self.num_blocks * sweeps
         for k in range(len(sets)):
@@ -568,5 +438,11 @@ class SetObjective:
 
 register_objective("removal_kl", help="the joint removal KL d_skip(S) of the set, in nats, through the scoring engine")(
     SetObjective._engine_kl)
+def _nll_working(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
+    """The NLL objective runs no pass beyond the removal KL's count; its working memory beside
+    the kept reference is the NLL's (:meth:`~hf_layerswap.cost.SelectionPlan.nll_working`)."""
+    counts["working_bytes"] = plan.nll_working()
+
+
 register_objective("nll", help="the calibration next-token NLL per token after removing the set, in nats",
-                   model_head=True)(SetObjective._nll)
+                   model_head=True, extra_cost=_nll_working)(SetObjective._nll)

@@ -58,7 +58,8 @@ def sleb(
             ``"auto"``: :func:`~hf_layerswap.scoring.settings.resolve_memory` on the model's
             devices); the kept dense reference takes its
             :data:`~hf_layerswap.scoring.settings.REFERENCE_SHARE`, as the search's does
-            and as the cost estimate plans it.
+            and as the cost estimate plans it; each step's NLL (:func:`plan_nll`) the rest,
+            its output head on row slices sized from it.
 
     Returns:
         :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
@@ -85,11 +86,13 @@ def sleb(
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
         heads = resume.details.get("head_passes", 0)
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
-    reference = ReferenceCache(resolve_memory(max_memory, model).split()[0].bytes)
+    kept, working = resolve_memory(max_memory, model).split()
+    reference = ReferenceCache(kept.bytes)
     for k in range(first_step, budgets[-1] + 1):
         candidates = [b for b in allowed if b not in removed]
         sets = [sorted(removed + [b]) for b in candidates]
-        nll, stats = removal_nll_values(model, calib, sets, batch_size, reference_cache=reference)
+        nll, stats = removal_nll_values(model, calib, sets, batch_size, reference_cache=reference,
+                                         max_memory=working)
         if base_nll is None:
             base_nll = float(stats["base"].sum()) / float(_num_targets(calib))
         passes += stats["forward_passes"]
@@ -120,7 +123,9 @@ def _num_targets(calib: CalibrationSet) -> int:
 def _sleb_cost(plan) -> dict:
     """Step 1 exactly (every single removal, the shared prefix tree, one reference sweep);
     step k > 1 bounded: its U - k + 1 candidate sets each from the first removable block,
-    and a reference sweep per step unless every batch's reference fits the kept budget."""
+    and a reference sweep per step unless every batch's reference fits the kept budget. Its
+    working memory beside the kept reference: the NLL's (row slices of the head under the
+    engine calls' share of the budget, :meth:`~hf_layerswap.cost.SelectionPlan.nll_working`)."""
     total, n, allowed = plan.num_blocks, plan.num_to_remove, plan.allowed
     _, probes, _ = make_probes({b: removal_plan(total, [b]) for b in allowed}, total)
     weight = plan.model.get_input_embeddings().weight
@@ -130,10 +135,10 @@ def _sleb_cost(plan) -> dict:
     later_sets = sum(len(allowed) - k + 1 for k in range(2, n + 1))
     later_blocks = sum((len(allowed) - k + 1) * plan.probe_blocks(k) for k in range(2, n + 1))
     per_batch = sweeps * total + schedule_blocks(list(probes.values()), "shared") + later_blocks
-    return plan.counts(plan.forwards(per_batch, sweeps + len(probes) + later_sets), exact=n == 1,
+    return plan.counts(plan.forwards(per_batch, sweeps + len(probes) + later_sets, predicted_rows=True), exact=n == 1,
                        note="exact for one block; for more an upper bound: each later step's candidates from the "
                             "first removable block, a reference sweep per step unless the kept reference fits",
-                       sweeps=sweeps + len(probes) + later_sets)
+                       sweeps=sweeps + len(probes) + later_sets, working_bytes=plan.nll_working())
 
 
 register_strategy("sleb", needs_model=True, help="SLEB: one block at a time, the removal of lowest calibration NLL", cost=_sleb_cost, guided_by=NO_PROTOCOL, keeps_reference=True, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))

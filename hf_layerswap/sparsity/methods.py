@@ -11,7 +11,7 @@ from .allocators import gradient_allocation, outlier_ratio, owl_allocation, pals
 from .engine import real_rows
 from .pruners import magnitude_prune, sparsegpt_prune, wanda_prune, wanda_scores
 from .registry import AllocationInputs, register_allocator, register_pruner
-from .stats import HessianAccumulator, RowNormSq, make_estimator
+from .stats import HessianAccumulator, LogHistogramQuantile, RowNormSq, make_estimator
 
 __all__: list[str] = []
 
@@ -74,6 +74,27 @@ def _observe_activations(opts, block_linears):
     return reset_seen, linear_hooks, collectors
 
 
+#: Bytes per value that one update of a percentile estimator holds at once (fp32): the
+#: linear's real input rows, their magnitudes, the estimator's own copy and its non-zero
+#: values, two temporaries of the bin index and the int64 index (:meth:`LogHistogramQuantile.update`).
+PALS_UPDATE_BYTES = 32
+
+
+def _pals_memory(opts, linears, hidden, rows) -> tuple[int, int]:
+    """PALS's estimators, one per block, kept until the pruning pass ends (a histogram's int64
+    counts; ``estimator="exact"``: every value, 4 bytes each), and the largest update's
+    temporaries (:data:`PALS_UPDATE_BYTES` per value of the widest input of the largest batch
+    and one ``bincount`` of the grid)."""
+    inputs = [[hidden]] * len(linears) if opts.source == "block_input" else [sorted({i for _, i in lins})
+                                                                             for lins in linears]
+    per_row = (lambda width: width) if opts.pool == "all" else (lambda width: 1)
+    update = PALS_UPDATE_BYTES * max(rows, default=0) * per_row(max(max(w) for w in inputs))
+    if opts.estimator == "histogram":
+        bins = 8 * LogHistogramQuantile.bins(opts.bins_per_octave)
+        return len(linears) * bins, bins + update
+    return 4 * sum(rows) * sum(per_row(w) for ws in inputs for w in ws), update
+
+
 def _pals_phrases(info) -> list[str]:
     out = _mapping_phrases(info)
     if "percentile" in info:
@@ -87,6 +108,7 @@ def _pals_phrases(info) -> list[str]:
     observe=_observe_activations,
     options=("percentile", *_MAPPING_OPTIONS, "source", "pool", "estimator", "bins_per_octave"),
     card_options=_pals_phrases,
+    memory=_pals_memory,
 )
 def _pals(inputs: AllocationInputs):
     opts = inputs.options
@@ -118,6 +140,18 @@ def _observe_row_norms(opts, block_linears):
     return None, linear_hooks, {"norms": norms}
 
 
+def _row_norm_memory(linears, rows) -> tuple[int, int]:
+    """``(kept, update)``: Wanda's statistic of every linear in ``linears`` (one fp32 sum of
+    squares per input feature), and one update's temporaries on the widest input of the
+    largest batch: its real rows and their squares (fp32)."""
+    return 4 * sum(i for _, i in linears), 8 * max(rows, default=0) * max((i for _, i in linears), default=0)
+
+
+def _owl_memory(opts, linears, hidden, rows) -> tuple[int, int]:
+    """OWL's row norms of every linear of every block, kept until the pruning pass ends."""
+    return _row_norm_memory([lin for lins in linears for lin in lins], rows)
+
+
 def _owl_phrases(info) -> list[str]:
     return [f"M = {info['owl_m']:g}, lambda = {info['owl_lambda']:g}"] if "owl_m" in info else []
 
@@ -128,6 +162,7 @@ def _owl_phrases(info) -> list[str]:
     observe=_observe_row_norms,
     options=("owl_m", "owl_lambda"),
     card_options=_owl_phrases,
+    memory=_owl_memory,
 )
 def _owl(inputs: AllocationInputs):
     opts = inputs.options
@@ -180,7 +215,35 @@ def _gradient(inputs: AllocationInputs):
 
 
 # ----------------------------------------------------------------------------- pruners
-@register_pruner("wanda", label="Wanda (Sun et al., 2023): lowest |W| x ||X||_2 per output row", statistics=RowNormSq)
+def _mask_memory(linears) -> int:
+    """The per-row mask of the largest linear (:func:`~.pruners.lowest_k_mask`): its fp32
+    scores and their magnitudes, the boolean comparisons and the int64 running count of
+    ties, and the pruned fp32 weight."""
+    return 24 * max((o * i for o, i in linears), default=0)
+
+
+def _wanda_memory(opts, linears, rows) -> int:
+    """The block's row norms and one update (:func:`_row_norm_memory`), and the mask of its
+    largest linear (:func:`_mask_memory`)."""
+    return sum(_row_norm_memory(linears, rows)) + _mask_memory(linears)
+
+
+def _sparsegpt_memory(opts, linears, rows) -> int:
+    """The block's fp32 Hessians (``in_features^2`` each), one update's real rows, and for its
+    largest linear SparseGPT's fp32 work: the weight's copy, the lazy update's product and
+    the pruned weight, the boolean mask, the damped Hessian's copy, identity and the
+    factors of its inverse (four ``in_features^2`` at once) and one column block's arrays
+    and mask scores (:func:`~.pruners.sparsegpt_prune`)."""
+    largest_out, largest_in = max(linears, key=lambda lin: lin[0] * lin[1], default=(0, 0))
+    widest = max((i for _, i in linears), default=0)
+    hessians = 4 * sum(i * i for _, i in linears) + 4 * max(rows, default=0) * widest
+    cols = min(opts.blocksize, largest_in)
+    work = 13 * largest_out * largest_in + 16 * largest_in**2 + 40 * largest_out * cols
+    return hessians + work
+
+
+@register_pruner("wanda", label="Wanda (Sun et al., 2023): lowest |W| x ||X||_2 per output row", statistics=RowNormSq,
+                 memory=_wanda_memory)
 def _wanda(weight, norms, target, pattern, opts):
     return wanda_prune(weight, norms.sum_sq, target, pattern)[0]
 
@@ -190,11 +253,12 @@ def _wanda(weight, norms, target, pattern, opts):
     label="SparseGPT (Frantar and Alistarh, 2023): OBS mask and weight update, column blocks",
     statistics=HessianAccumulator,
     options=("blocksize", "percdamp"),
+    memory=_sparsegpt_memory,
 )
 def _sparsegpt(weight, hessian, target, pattern, opts):
     return sparsegpt_prune(weight, hessian.hessian, target, pattern, blocksize=opts.blocksize, percdamp=opts.percdamp)[0]
 
 
-@register_pruner("magnitude", label="magnitude: lowest |W| per output row")
+@register_pruner("magnitude", label="magnitude: lowest |W| per output row", memory=lambda opts, linears, rows: _mask_memory(linears))
 def _magnitude(weight, statistics, target, pattern, opts):
     return magnitude_prune(weight, target, pattern)[0]

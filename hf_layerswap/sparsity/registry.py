@@ -93,6 +93,13 @@ class Allocator(_SparsityEntry):
             for statistics of the dense model (see
             :func:`~hf_layerswap.sparsity.engine.capture_block_calls`), or ``None``.
         needs_gradients: run a gradient pass first (``AllocationInputs.gradients``).
+        memory: ``(options, linears, hidden, rows) -> (kept, update)`` bytes of its
+            ``observe`` statistics: ``kept`` the collectors, held until the pruning pass
+            ends, ``update`` the largest temporaries of one update in the dense pass; for
+            ``linears`` the ``(out_features, in_features)`` of each block's prunable
+            linears, ``hidden`` the stream's width and ``rows`` the real positions of each
+            batch (:meth:`memory_bytes`); ``None``: nothing counted. (A gradient pass,
+            :attr:`needs_gradients`, is counted by the cost model itself.)
         options: the :class:`~hf_layerswap.sparsity.SparsifyOptions` fields it reads
             (others given with it are warned about); ``"delta"`` among them makes it a
             bounded allocation (``sparsity + delta < 1`` is checked up front).
@@ -110,6 +117,16 @@ class Allocator(_SparsityEntry):
     options: tuple[str, ...] = ()
     card_options: Callable[[Mapping], list[str]] | None = None
     record_keys: tuple[str, ...] = ()
+    memory: Callable | None = None
+
+    def memory_bytes(self, options, linears: list[list[tuple[int, int]]], hidden: int,
+                     rows: list[int]) -> tuple[int, int]:
+        """``(kept, update)`` bytes of :attr:`memory` (``(0, 0)`` without one), for
+        :func:`~hf_layerswap.cost.estimate_cost`."""
+        if self.memory is None:
+            return 0, 0
+        kept, update = self.memory(options, linears, hidden, rows)
+        return int(kept), int(update)
 
     def estimate(self) -> dict[str, int]:
         """Its own passes per calibration batch on the pruned model (what
@@ -133,6 +150,12 @@ class Pruner(_SparsityEntry):
             ``update(rows)`` method, fed the real input rows of each linear during the
             pruning pass (e.g. row norms, a Hessian), or ``None`` for data-free methods.
         options: the :class:`~hf_layerswap.sparsity.SparsifyOptions` fields it reads.
+        memory: ``(options, linears, rows) -> bytes``: what it holds while one block is
+            pruned, for ``linears`` the ``(out_features, in_features)`` of that block's
+            prunable linears and ``rows`` the real positions of each batch: the statistics
+            of every linear of the block and the temporaries of pruning its largest one
+            (:meth:`memory_bytes`); ``None``: one fp32 value per input feature of each
+            linear.
     """
 
     name: str
@@ -140,6 +163,13 @@ class Pruner(_SparsityEntry):
     prune: Callable
     statistics: type | None = None
     options: tuple[str, ...] = ()
+    memory: Callable | None = None
+
+    def memory_bytes(self, options, linears: list[tuple[int, int]], rows: list[int]) -> int:
+        """Bytes of :attr:`memory` for one block's ``linears`` (its default without one)."""
+        if self.memory is None:
+            return 4 * sum(i for _, i in linears) if self.statistics is not None else 0
+        return int(self.memory(options, linears, rows))
 
     def estimate(self) -> dict[str, int]:
         """Its own passes per calibration batch on the pruned model: ``statistics_replays``,
@@ -165,6 +195,7 @@ def register_allocator(
     options: tuple[str, ...] = (),
     card_options: Callable[[Mapping], list[str]] | None = None,
     record_keys: tuple[str, ...] = (),
+    memory: Callable | None = None,
 ):
     """Decorator registering ``allocate`` as the allocator ``name`` (see :class:`Allocator`).
 
@@ -175,14 +206,16 @@ def register_allocator(
 
     def decorate(allocate):
         ALLOCATORS.add(name, Allocator(
-            name, label, allocate, observe, needs_gradients, tuple(options), card_options, tuple(record_keys)
+            name, label, allocate, observe, needs_gradients, tuple(options), card_options, tuple(record_keys),
+            memory,
         ))
         return allocate
 
     return decorate
 
 
-def register_pruner(name: str, *, label: str, statistics: type | None = None, options: tuple[str, ...] = ()):
+def register_pruner(name: str, *, label: str, statistics: type | None = None, options: tuple[str, ...] = (),
+                    memory: Callable | None = None):
     """Decorator registering ``prune`` as the pruning method ``name`` (see :class:`Pruner`).
 
     Raises:
@@ -191,7 +224,7 @@ def register_pruner(name: str, *, label: str, statistics: type | None = None, op
     PRUNERS.check_new(name)
 
     def decorate(prune):
-        PRUNERS.add(name, Pruner(name, label, prune, statistics, tuple(options)))
+        PRUNERS.add(name, Pruner(name, label, prune, statistics, tuple(options), memory))
         return prune
 
     return decorate

@@ -56,10 +56,15 @@ class LogHistogramQuantile:
         self.bins_per_octave = bins_per_octave
         self.min_exp = min_exp
         self.max_exp = max_exp
-        self.num_bins = (max_exp - min_exp) * bins_per_octave
+        self.num_bins = self.bins(bins_per_octave, min_exp, max_exp)
         self.counts = torch.zeros(self.num_bins, dtype=torch.int64)
         self.zeros = 0
         self.count = 0
+
+    @staticmethod
+    def bins(bins_per_octave: int = 256, min_exp: int = -126, max_exp: int = 128) -> int:
+        """Bins of the grid (each an int64 count: 8 bytes held per bin)."""
+        return (max_exp - min_exp) * bins_per_octave
 
     @property
     def relative_error_bound(self) -> float:
