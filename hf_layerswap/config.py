@@ -399,7 +399,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
     """Configuration for removing decoder blocks at load time.
 
     Args:
-        num_to_remove: remove this many blocks, chosen by swap-KL scoring. ``None`` with
+        num_to_remove: remove this many blocks, chosen by ``strategy`` (swap-KL by default). ``None`` with
             ``layers=None`` scores only (the report is attached; nothing is removed, a
             requested ``sparsity`` is still applied).
         layers: explicit 0-based block indices to remove (no scoring). They index the
@@ -503,7 +503,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         "transformers' quantization method key: always 'layerswap'"))
     version: int = field(default=CONFIG_VERSION, kw_only=True, metadata=_help(
         "format version of the serialized config"))
-    num_to_remove: int | None = field(default=None, metadata=_cli("remove this many layers chosen by swap-KL",
+    num_to_remove: int | None = field(default=None, metadata=_cli("remove this many layers, chosen by the strategy",
                                                                   minimum=1))
     layers: list[int] | None = field(default=None, metadata=_cli("remove exactly these 0-based layers"))
     protocol: ProtocolName = field(default="interchange", metadata=_cli(

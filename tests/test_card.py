@@ -413,6 +413,9 @@ def test_a_strategy_of_no_model_pass_is_described_by_its_registry_entry_not_as_m
     assert f"selected with `hf_layerswap`{summary}" in text
     assert f"**Why this set:** {reason}" in text
     assert "No swap-KL tables were measured for this removal: strategy `test_last_blocks` reads no swap-KL score" in text
+    assert "`--score-protocols` on the command line" in text  # what a command-line user types, too
+    # the reproduce line repeats what chose the blocks: no protocol guided them, so it names none
+    assert "LayerSwapConfig(num_to_remove=2, strategy='test_last_blocks')" in text and "protocol=" not in text
     for claim in ("## Swap-KL diagnostics", "## Calibration", "## Cost of scoring", "calibration prompts",
                   "Joint removal KL", "swap-KL protocol."):
         assert claim not in text, claim

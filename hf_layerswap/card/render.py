@@ -166,7 +166,7 @@ def _body(f: SimpleNamespace, config, report, eval_section, sparsity_report, plo
     selection_note = None
     if report is None and f.removed and unscored:  # a card states what did not happen, and why
         selection_note = (f"No swap-KL tables were measured for this removal: {unscored}, so the prune scored no "
-                          "pair of blocks (`LayerSwapConfig(score_protocols=[...])` measures them as well). "
+                          "pair of blocks (`LayerSwapConfig(score_protocols=[...])`, `--score-protocols` on the command line, measures them as well). "
                           f"**Why this set:** {unscored_why(f.steps, f.removed)}")
     reproduce, reproduce_note = reproduce_section(f.base, f.removed, f.steps, report, f.ident) if f.removed else (
         "# nothing was removed: see the diagnostics above", None

@@ -18,6 +18,7 @@ from ..scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS, protocol_label
 from ..scoring.report import set_key, SwapReport
 from ..scoring.rule import NonFiniteScoresError, greedy_select, resolve_protect
 
+from ..selection.registry import NO_PROTOCOL
 from .checks import last_decision, step_config, step_provenance, step_strategy
 from .evaluation import measured_contract, perplexity_eval_results
 from .format import DASH, HUB_ID, MAX_PAIR_ROWS, REPORT_FILE, format_cell, format_indices, format_kl, format_pct, format_ratio
@@ -331,8 +332,10 @@ def reproduce_section(base_model, removed, steps, report, ident) -> tuple[str, s
         keep = ("num_to_remove", "layers", "protocol")
         args = {k: v for k, v in cfg.items() if k != "quant_method" and (k in keep or v != defaults.get(k)) and v is not None}
         args.pop("progress", None)
-        if args.get("layers") is not None:  # named blocks: no protocol guided them (the card says so)
-            args.pop("protocol", None)
+        entry = step_strategy(steps[-1])[0]
+        unguided = entry is not None and entry.guided_by is NO_PROTOCOL
+        if args.get("layers") is not None or (unguided and args.get("protocol") == defaults.get("protocol")):
+            args.pop("protocol", None)  # no protocol guided these blocks (the card says so): none to repeat
     else:
         args = {"layers": list(removed)}
     call = ", ".join(f"{k}={v!r}" for k, v in args.items())

@@ -192,7 +192,8 @@ def _warn_few_tokens(entry, calibration: CalibrationSet, used: int, num_tokens: 
     if hidden is not None and used < hidden and entry.fits:
         warnings.warn(
             f"recovery fitted on {used} calibration tokens, fewer than the hidden size {hidden}: XᵀX is rank "
-            "deficient and the ridge (epsilon) decides the map; use more calibration tokens",
+            "deficient and the ridge (epsilon) decides the map; use more calibration tokens (more or longer "
+            "prompts: num_prompts / --num-prompts, seq_len / --seq-len, or a longer calibration text)",
             stacklevel=3,
         )
 
