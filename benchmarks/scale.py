@@ -510,7 +510,7 @@ def _compute_lines(out: dict) -> list[str]:
                   "floating-point operations (a multiply-add counts 2); seconds at the throughput probe's one-thread rates "
                   f"({t['block_flops_per_second'] / 1e9:.1f} GFLOP/s in a block, "
                   f"{t['head_flops_per_second'] / 1e9:.1f} GFLOP/s in the head); *SLEB alone* is its selection "
-                  "(`select_layers(strategy=\"sleb\")`), *SLEB, prune* adds the scoring `prune` runs for the card.",
+                  "(`select_layers(strategy=\"sleb\")`), *SLEB, prune* is `prune(strategy=\"sleb\")`, which scores no swap-KL table for a strategy that reads none (`score_protocols=[...]` adds that scoring), so it equals SLEB alone.",
                   "",
                   "| n | method | block passes | block TFLOP | head TFLOP | head share | seconds | "
                   "vs SLEB alone: all FLOPs | block FLOPs only (a free head) |",
