@@ -714,7 +714,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
             raise ValueError(f"{what}: must be a list of protocols from {list(SWAP_PROTOCOLS)} or None")
         value = list(value)
-        unknown = [p for p in value if p not in SWAP_PROTOCOLS]
+        unknown = [p for p in value if not isinstance(p, str) or p not in SWAP_PROTOCOLS]  # a list is no key
         if unknown or len(set(value)) != len(value):
             raise ValueError(f"{what}: allowed a list without repeats of {list(SWAP_PROTOCOLS)}")
         if self.layers is not None:

@@ -886,6 +886,9 @@ BAD_SCORE_PROTOCOLS = [
     (dict(num_to_remove=2, score_protocols=["interchange", "interchange"]),
      "LayerSwapConfig(score_protocols=['interchange', 'interchange']): allowed a list without repeats of "
      "['replacement', 'interchange']"),
+    (dict(num_to_remove=2, strategy="sleb", score_protocols=[["interchange"]]),  # e.g. a hand-edited config.json
+     "LayerSwapConfig(score_protocols=[['interchange']]): allowed a list without repeats of "
+     "['replacement', 'interchange']"),
     (dict(num_to_remove=2, score_protocols="interchange"),
      "LayerSwapConfig(score_protocols='interchange'): must be a list of protocols from ['replacement', 'interchange'] "
      "or None"),
