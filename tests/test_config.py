@@ -583,6 +583,8 @@ def test_unknown_names_list_what_is_registered_now(extensions):
     repairs = [name for name, method in RECOVERY_METHODS.items() if method.fits]
     cases = [
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
+        # a value that is no name (a hand-edited config.json's list) is refused by name too, not a TypeError
+        (dict(strategy=["sleb"]), f"LayerSwapConfig(strategy=['sleb']): allowed {sorted(STRATEGIES)}"),
         (dict(num_to_remove=1, recovery="nope"), f"LayerSwapConfig(recovery='nope'): allowed {[None, *repairs]}"),
         (dict(sparsity=0.5, allocation="nope"), f"LayerSwapConfig: allocation='nope': allowed {list(ALLOCATORS)}"),
         (dict(sparsity=0.5, pruner="nope"), f"LayerSwapConfig(pruner='nope'): allowed {list(PRUNERS)}"),
