@@ -585,6 +585,10 @@ def test_unknown_names_list_what_is_registered_now(extensions):
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
         # a value that is no name (a hand-edited config.json's list) is refused by name too, not a TypeError
         (dict(strategy=["sleb"]), f"LayerSwapConfig(strategy=['sleb']): allowed {sorted(STRATEGIES)}"),
+        # a name one typo away is named (as every registry's lookup names the closest)
+        (dict(strategy="slebb"), f"LayerSwapConfig(strategy='slebb'): allowed {sorted(STRATEGIES)} (did you mean 'sleb'?)"),
+        (dict(sparsity=0.5, pruner="wandaa"), f"LayerSwapConfig(pruner='wandaa'): allowed {list(PRUNERS)} "
+                                              "(did you mean 'wanda'?)"),
         (dict(num_to_remove=1, recovery="nope"), f"LayerSwapConfig(recovery='nope'): allowed {[None, *repairs]}"),
         (dict(sparsity=0.5, allocation="nope"), f"LayerSwapConfig: allocation='nope': allowed {list(ALLOCATORS)}"),
         (dict(sparsity=0.5, pruner="nope"), f"LayerSwapConfig(pruner='nope'): allowed {list(PRUNERS)}"),
