@@ -87,9 +87,7 @@ def recover(
             method without a ridge), operators already attached (recover from the dense model instead), a
             family ``"fused"`` cannot fold into (the message names it), a singular system, or a model
             :func:`remove_layers` refuses. The model is unchanged when it raises.
-        TypeError: a text calibration source without a tokenizer; a value a method's ``solve``
-            put in ``fit.extra`` that is not a float (a tensor, a string), naming the method, the
-            cut and the key. The model is unchanged when it raises.
+        TypeError: a text calibration source without a tokenizer; a ``fit.extra`` value that is no float.
     """
     entry = get_recovery_method(method)
     method = entry.name

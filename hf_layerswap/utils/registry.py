@@ -208,7 +208,8 @@ class Options:
                 does not read as its field's type or is out of bounds (naming the key, the value
                 and what is allowed).
         """
-        by_name, hints, out = {f.name: f for f in fields(cls)}, _hints(cls), {}
+        by_name, hints = {f.name: f for f in fields(cls)}, _hints(cls)
+        out: dict[str, Any] = {}
         for item in items:
             key, sep, text = str(item).partition("=")
             if not sep or not key:
