@@ -134,11 +134,15 @@ def _check_int(name: str, value, minimum: int, allow_none: bool = False):
 
 
 def _check_choice(name: str, value, allowed, allow_none: bool = False):
+    """Refuse ``value`` outside ``allowed`` (a registry's names now), naming them and the closest."""
     allowed = list(allowed)
     if value is None and allow_none:
         return
     if value not in allowed:
-        raise ValueError(f"LayerSwapConfig({name}={value!r}): allowed {allowed + ([None] if allow_none else [])}")
+        names = [a for a in allowed if isinstance(a, str)]
+        close = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
+        raise ValueError(f"LayerSwapConfig({name}={value!r}): allowed {allowed + ([None] if allow_none else [])}"
+                         + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def _int_list(name: str, value) -> list[int]:
@@ -714,7 +718,7 @@ class LayerSwapConfig(QuantizationConfigMixin):
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
             raise ValueError(f"{what}: must be a list of protocols from {list(SWAP_PROTOCOLS)} or None")
         value = list(value)
-        unknown = [p for p in value if p not in SWAP_PROTOCOLS]
+        unknown = [p for p in value if not isinstance(p, str) or p not in SWAP_PROTOCOLS]  # a list is no key
         if unknown or len(set(value)) != len(value):
             raise ValueError(f"{what}: allowed a list without repeats of {list(SWAP_PROTOCOLS)}")
         if self.layers is not None:

@@ -183,6 +183,10 @@ class ScoreStep(_StepBase):
             raise ValueError(f"the report scored {list(report.protocols)} but strategy={strategy!r} with "
                              f"protocol={cfg.protocol!r} reads {missing}: score those protocols or choose another "
                              "strategy")
+        asked = [p for p in cfg.score_protocols or () if p not in report.protocols]
+        if asked:  # a given report is used as scored: the tables asked for would silently be missing
+            raise ValueError(f"the report scored {list(report.protocols)} but score_protocols={cfg.score_protocols!r} "
+                             f"asks for {asked}: give a report that scored them, or drop score_protocols")
 
     def needs_calibration(self, run: Run | None) -> bool:
         return (run is None or run.report is None) and bool(self.protocols())

@@ -380,6 +380,28 @@ def test_a_strategy_that_reads_no_protocol_is_not_credited_to_one(strategy):
         "layerswap", "layer-pruning"]
 
 
+def test_a_re_prune_by_a_strategy_that_reads_no_protocol_is_not_credited_to_the_earlier_step_s_protocol():
+    # greedy on interchange removes one block, then angular_distance (guided by no protocol) one
+    # more: the last removal was guided by no protocol; the card does not name the first step's
+    model = tiny_model("llama", 6)
+    hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=tiny_batch(), progress=False))
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, strategy="angular_distance", calibration=tiny_batch(),
+                                                progress=False))
+    assert result.report is None and len(model.config.layerswap["steps"]) == 2
+    text = render_card(model.config, report=result.report, base_model=BASE_MODEL).text
+    assert "| Protocol guiding the removal | none: strategy `angular_distance` reads no swap-KL score |" in text
+    assert "swap-KL protocol." not in text.split("## What was removed")[0]
+    # the other way round, the last step (greedy on interchange) is credited to its protocol
+    model = tiny_model("llama", 6)
+    hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, strategy="angular_distance", calibration=tiny_batch(),
+                                       progress=False))
+    result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", calibration=tiny_batch(),
+                                                progress=False))
+    text = render_card(model.config, report=result.report, base_model=BASE_MODEL).text
+    assert "| Protocol guiding the removal | interchange |" in text
+    assert "using the **interchange** swap-KL protocol." in text
+
+
 def test_score_protocols_measure_the_tables_for_a_strategy_that_reads_none():
     model = tiny_model("llama", 6)
     result = hl.prune(model, hl.LayerSwapConfig(num_to_remove=2, strategy="block_influence", calibration=tiny_batch(),

@@ -583,6 +583,12 @@ def test_unknown_names_list_what_is_registered_now(extensions):
     repairs = [name for name, method in RECOVERY_METHODS.items() if method.fits]
     cases = [
         (dict(strategy="nope"), f"LayerSwapConfig(strategy='nope'): allowed {sorted(STRATEGIES)}"),
+        # a value that is no name (a hand-edited config.json's list) is refused by name too, not a TypeError
+        (dict(strategy=["sleb"]), f"LayerSwapConfig(strategy=['sleb']): allowed {sorted(STRATEGIES)}"),
+        # a name one typo away is named (as every registry's lookup names the closest)
+        (dict(strategy="slebb"), f"LayerSwapConfig(strategy='slebb'): allowed {sorted(STRATEGIES)} (did you mean 'sleb'?)"),
+        (dict(sparsity=0.5, pruner="wandaa"), f"LayerSwapConfig(pruner='wandaa'): allowed {list(PRUNERS)} "
+                                              "(did you mean 'wanda'?)"),
         (dict(num_to_remove=1, recovery="nope"), f"LayerSwapConfig(recovery='nope'): allowed {[None, *repairs]}"),
         (dict(sparsity=0.5, allocation="nope"), f"LayerSwapConfig: allocation='nope': allowed {list(ALLOCATORS)}"),
         (dict(sparsity=0.5, pruner="nope"), f"LayerSwapConfig(pruner='nope'): allowed {list(PRUNERS)}"),
@@ -885,6 +891,9 @@ BAD_SCORE_PROTOCOLS = [
      "['interchange']; add them, or leave score_protocols=None (the protocols the strategy reads)"),
     (dict(num_to_remove=2, score_protocols=["interchange", "interchange"]),
      "LayerSwapConfig(score_protocols=['interchange', 'interchange']): allowed a list without repeats of "
+     "['replacement', 'interchange']"),
+    (dict(num_to_remove=2, strategy="sleb", score_protocols=[["interchange"]]),  # e.g. a hand-edited config.json
+     "LayerSwapConfig(score_protocols=[['interchange']]): allowed a list without repeats of "
      "['replacement', 'interchange']"),
     (dict(num_to_remove=2, score_protocols="interchange"),
      "LayerSwapConfig(score_protocols='interchange'): must be a list of protocols from ['replacement', 'interchange'] "

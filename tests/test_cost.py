@@ -774,7 +774,9 @@ def test_prune_dry_run_prices_the_strategy_options(tmp_path, capsys):
     assert passes["narrow"] < passes["default"]
     for bad, message in ((["--strategy-option", "width"], "error: --strategy-option: 'width': give KEY=VALUE"),
                          (["--strategy-option", "width=wide"], "error: --strategy-option: width='wide': must be an int >= 1"),
-                         (["--strategy-option", "depth=2"], "error: --strategy-option: --strategy beam has no option 'depth'")):
+                         (["--strategy-option", "depth=2"], "error: --strategy-option: --strategy beam has no option 'depth'"),
+                         (["--strategy-option", "width=2", "--strategy-option", "width=3"],
+                          "error: --strategy-option: width is given twice (width=2 and width=3): give it once")):
         assert main(args + bad) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -204,6 +204,24 @@ def test_prune_refuses_a_report_without_the_protocol_it_reads(setup):
     assert getattr(model.config, "layerswap", None) is None
 
 
+def test_prune_refuses_a_report_without_the_protocols_score_protocols_asks_for(setup):
+    # sleb reads no swap-KL score, but score_protocols asks for the replacement tables: a given
+    # report without them would publish a card without the tables the config asked for
+    _, base, _, _ = setup
+    model = AutoModelForCausalLM.from_pretrained(base)
+    batch = {"input_ids": torch.arange(1, 17).reshape(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    report = hl.score_layers(model, batch, protocols=["interchange"], progress=False)
+    cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="sleb", score_protocols=["replacement", "interchange"],
+                             calibration=batch)
+    with pytest.raises(ValueError) as err:
+        prune(model, cfg, report=report)
+    assert str(err.value) == ("the report scored ['interchange'] but score_protocols=['replacement', 'interchange'] "
+                              "asks for ['replacement']: give a report that scored them, or drop score_protocols")
+    assert getattr(model.config, "layerswap", None) is None
+    asked = hl.LayerSwapConfig(num_to_remove=1, strategy="sleb", score_protocols=["interchange"], calibration=batch)
+    assert prune(model, asked, report=report).report is report  # the report holds what is asked for
+
+
 def test_repair_and_sparsity_cut_is_the_same_through_the_cli(setup):
     """``prune --recovery fused --sparsity 0.5``: the CLI used to have neither."""
     root, base, calib, _ = setup

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 from arch_matrix import build
-from conftest import PARAGRAPHS, tiny_batch, tiny_checkpoint, tiny_model
+from conftest import PARAGRAPHS, assert_model_unchanged, snapshot_model, tiny_batch, tiny_checkpoint, tiny_model
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -26,7 +26,7 @@ import hf_layerswap as hl  # (the import registers the layerswap plugin, as a us
 from hf_layerswap.calibration import build_calibration
 from hf_layerswap.cli import main as hl_cli_main
 from hf_layerswap.models import load_model
-from hf_layerswap.layerplan import decoder_blocks
+from hf_layerswap.layerplan import decoder_blocks, num_blocks
 from hf_layerswap.recovery import (
     MAX_EPSILON,
     RecoveryReport,
@@ -596,6 +596,30 @@ def test_a_methods_own_values_per_cut_are_typed_serialised_and_recorded(calib):
             encoded_extra({"scale": "big"})
     finally:
         del RECOVERY_METHODS["toy_scaled"]
+
+
+def test_a_method_s_own_value_that_is_no_float_is_refused_before_the_model_changes(calib):
+    """A repair's ``solve`` that leaves a 0-d tensor in ``fit.extra`` (not a float): refused
+    naming the method, the cut and the key, before a block is removed (the record of the
+    values is written after the cut, so a late refusal would leave a cut model without it)."""
+    from hf_layerswap.recovery import RECOVERY_METHODS, RecoveryMethod, register_recovery_method
+
+    @register_recovery_method("toy_tensor_extra")
+    class ToyTensorExtra(RecoveryMethod):
+        def solve(self, moments, cut, fit, epsilon):
+            fit.extra["scale"] = torch.tensor(2.5)
+            return moments.sq[("delta", cut["start"])], None
+
+    try:
+        model = tiny_model("llama")
+        snap = snapshot_model(model)
+        with pytest.raises(TypeError, match=re.escape("recovery method 'toy_tensor_extra', cut at boundary 2: "
+                                                     "BoundaryFit.extra['scale']=tensor(2.5") + r"0*\): must be a float"):
+            recover(model, [2, 4], calib, method="toy_tensor_extra")
+        assert_model_unchanged(model, snap)
+        assert num_blocks(model) == 6 and getattr(model.config, "layerswap", None) is None
+    finally:
+        del RECOVERY_METHODS["toy_tensor_extra"]
 
 
 # ------------------------------------------------------ calibration shortfall

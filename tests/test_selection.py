@@ -281,3 +281,22 @@ def test_greedy_rule_names_the_layers_when_only_non_finite_scores_could_fill_the
     with pytest.raises(ValueError, match=r"the rule found only 2 \(\[2, 4\]\)") as plain:
         greedy_select([0.0, 0.5, 0.0, 0.5, 0.0, math.nan, 0.0], 3, spacing=1, protect=(0, -1))
     assert not isinstance(plain.value, hl.NonFiniteScoresError)
+
+
+@pytest.mark.parametrize("strategy", ["sleb", "block_influence"])
+def test_select_layers_takes_the_none_report_of_a_prune_that_scored_nothing(strategy):
+    # PruneResult.report is None for a strategy that reads no swap-KL score: passed on to
+    # select_layers for the same strategy it selects as prune did, not an AttributeError
+    calibration = tiny_batch(4, 12)
+    pruned = tiny_model("llama", 6)
+    result = hl.prune(pruned, hl.LayerSwapConfig(num_to_remove=2, strategy=strategy, calibration=calibration,
+                                                 progress=False))
+    assert result.report is None
+    assert hl.select_layers(result.report, 2, strategy=strategy, model=tiny_model("llama", 6),
+                            calibration=calibration) == result.removed
+    with pytest.raises(ValueError) as err:
+        hl.select_layers(None, 2, strategy="greedy", model=tiny_model("llama", 6), calibration=calibration)
+    assert str(err.value) == ("report=None: strategy='greedy' reads swap-KL scores; pass the SwapReport of "
+                              "score_layers (or a strategy that reads none, e.g. 'sleb')")
+    with pytest.raises(ValueError, match=rf"report=None with strategy='{strategy}': pass model="):
+        hl.select_layers(None, 2, strategy=strategy)

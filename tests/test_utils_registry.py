@@ -271,6 +271,8 @@ def test_options_read_key_value_text_as_each_fields_type():
     (["flag=yes"], "flag='yes': must be True or False"),
     (["mode=c"], "mode='c': must be one of ['a', 'b']"),
     (["rnak=2"], "method='toy' has no option 'rnak': its options are rank, scale, mode, flag (did you mean 'rank'?)"),
+    (["rank=2", "rank=3"], "rank is given twice (rank=2 and rank=3): give it once"),
+    (["flag=true", "flag=true"], "flag is given twice (flag=True and flag=True): give it once"),
 ])
 def test_options_refuse_key_value_text_naming_the_key_the_value_and_what_is_allowed(items, message):
     with pytest.raises(ValueError) as err:

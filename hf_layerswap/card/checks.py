@@ -19,7 +19,7 @@ from ..surgery.operators import RECOVERY_FILE
 from ..utils.jsonio import decode_float, encode_float
 from ..scoring.protocols import SWAP_PROTOCOLS
 from ..scoring.report import PruneProvenance, SwapReport, set_key
-from ..selection.registry import Strategy, strategy_entry
+from ..selection.registry import NO_PROTOCOL, Strategy, strategy_entry
 from ..sparsity import ALLOCATORS, PRUNERS, config_record, sparsity_in_model, SparsityReport
 from ..sparsity.engine import prunable_linears
 from ..surgery.removal import original_indices
@@ -475,10 +475,13 @@ def selection_rule(steps, report) -> tuple[int, list[int], str]:
 
 def protocol_of(steps) -> str | None:
     """The swap protocol that guided the last removal (``None`` when a strategy with its own card
-    summary, e.g. a search over sets, chose it or no step names one)."""
+    summary, e.g. a search over sets, or one guided by no protocol (``NO_PROTOCOL``, e.g.
+    ``sleb``) chose it, or no step names one)."""
     entry, last = step_strategy(steps[-1]) if steps else (None, None)
     if entry is not None and last.decision is not None and entry.card_summary is not None:
         return None  # no single protocol guided the last step (e.g. a search over sets)
+    if entry is not None and entry.guided_by is NO_PROTOCOL:
+        return None  # its own criterion chose the last step: an earlier step's protocol did not
     for step in reversed(steps):
         entry, record = step_strategy(step)
         guided = record.protocol if entry is None else entry.guided_by(record.decision or {}, record.protocol)

@@ -87,7 +87,7 @@ def recover(
             method without a ridge), operators already attached (recover from the dense model instead), a
             family ``"fused"`` cannot fold into (the message names it), a singular system, or a model
             :func:`remove_layers` refuses. The model is unchanged when it raises.
-        TypeError: a text calibration source without a tokenizer.
+        TypeError: a text calibration source without a tokenizer; a ``fit.extra`` value that is no float.
     """
     entry = get_recovery_method(method)
     method = entry.name
@@ -236,5 +236,9 @@ def _fit(moments: Moments, cuts, method, epsilon: float) -> tuple[list[BoundaryF
         if solved is not None:
             after, maps[b] = solved
             fit.residual_after = math.sqrt(after) / y_norm
+        try:  # the method's own values are recorded once the model changed: checked before it does
+            encoded_extra(fit.extra)
+        except TypeError as err:
+            raise TypeError(f"recovery method {method.name!r}, cut at boundary {b}: {err}") from None
         fits.append(fit)
     return fits, maps

@@ -10,7 +10,7 @@ from ..scoring.protocols import PROTOCOLS, SWAP_PROTOCOLS
 from ..scoring.report import SwapReport
 from ..scoring.layerscores import calibration_from_args
 from .finite import finite_selection
-from .registry import MODEL_STRATEGIES, check_options, get_strategy, strategy_entry
+from .registry import MODEL_STRATEGIES, NO_PROTOCOL, check_options, get_strategy, strategy_entry
 
 __all__ = ["SELECTION_PROTOCOLS", "candidates_set", "check_report_matches", "select_layers", "selection_protocols"]
 
@@ -25,7 +25,7 @@ def selection_protocols() -> tuple[str, ...]:
 
 
 def select_layers(
-    report: SwapReport,
+    report: SwapReport | None,
     num_to_remove: int,
     *,
     protocol: str = "interchange",
@@ -43,7 +43,9 @@ def select_layers(
     """Select ``num_to_remove`` blocks to remove (0-based, ascending).
 
     Args:
-        report: swap-KL scores of the model.
+        report: swap-KL scores of the model; ``None`` for a strategy that reads none
+            (``guided_by=NO_PROTOCOL``: ``sleb``, ``single_removal_kl``, ``block_influence``,
+            ``angular_distance``), which then needs ``model=``.
         num_to_remove: the budget n.
         strategy: a name in :data:`STRATEGIES`. ``None``: ``"auto"`` when
             ``protocol="auto"``, else ``"greedy"`` (the paper's rule on ``protocol``).
@@ -103,7 +105,8 @@ def select_layers(
             ``ValueError``) no finite basis for the budget; the message names the
             non-finite pairs or sets, the first calibration batch where they broke when
             the report records it, and what to try.
-        ValueError: an unknown protocol, a protocol the report did not score, a model
+        ValueError: ``report=None`` for a strategy that reads swap-KL scores or without
+            ``model=``, an unknown protocol, a protocol the report did not score, a model
             whose block count or fingerprint differs from the report's, or an unmeetable
             budget.
         TypeError: an option the chosen strategy does not accept (the message names it
@@ -116,6 +119,8 @@ def select_layers(
     fn = get_strategy(strategy)
     check_options(strategy, options)
     strategy_entry(strategy).check_option_values(options)
+    if report is None:
+        report = _unscored_report(strategy, model)
     if model is not None:
         model = uncompiled(model)
         check_report_matches(report, model)
@@ -135,6 +140,19 @@ def select_layers(
                    options=options, max_memory=max_memory),
         protocol=protocol, spacing=spacing, protect=protect,
     )
+
+
+def _unscored_report(strategy: str, model) -> SwapReport:
+    """``report=None`` (e.g. a ``PruneResult.report`` of a strategy that reads no swap-KL score):
+    for such a strategy (registered with ``guided_by=NO_PROTOCOL``) and a ``model``, a report
+    of no pair of its blocks, where the decision record lands; refused otherwise."""
+    entry = strategy_entry(strategy)
+    if entry.guided_by is not NO_PROTOCOL:
+        raise ValueError(f"report=None: strategy={strategy!r} reads swap-KL scores; pass the SwapReport of "
+                         "score_layers (or a strategy that reads none, e.g. 'sleb')")
+    if model is None:
+        raise ValueError(f"report=None with strategy={strategy!r}: pass model= (and calibration=), which it reads")
+    return SwapReport(num_blocks(uncompiled(model)), [], protocols=())
 
 
 def check_report_matches(report: SwapReport, model) -> None:

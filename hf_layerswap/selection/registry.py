@@ -296,9 +296,11 @@ def get_strategy(name: str) -> Callable:
 def strategy_entry(name) -> Strategy:
     """The :class:`Strategy` entry of ``name``; for a name registered without one (or no
     longer registered, as in a record read back from a checkpoint) an entry with the
-    defaults, so that a record of any strategy reads in the card."""
-    entry = STRATEGY_ENTRIES.get(name)
-    fn = STRATEGIES.get(name)
+    defaults, so that a record of any strategy reads in the card (also a value that is no
+    name, e.g. a list in a hand-edited record: the config refuses it by name afterwards)."""
+    key = name if isinstance(name, str) else str(name)  # a list is no registry key (nor does its text name one)
+    entry = STRATEGY_ENTRIES.get(key)
+    fn = STRATEGIES.get(key)
     if entry is not None and (fn is None or entry.fn is fn):
         return entry
-    return Strategy(str(name), fn, needs_model=name in MODEL_STRATEGIES, options=STRATEGY_OPTIONS.get(name))
+    return Strategy(key, fn, needs_model=key in MODEL_STRATEGIES, options=STRATEGY_OPTIONS.get(key))

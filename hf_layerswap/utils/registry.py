@@ -204,17 +204,22 @@ class Options:
         an option that allows ``None``, a string; then checked as :meth:`from_mapping` checks it.
 
         Raises:
-            ValueError: an item without ``=``, an unknown key, a value that does not read as
-                its field's type or is out of bounds (naming the key, the value and what is allowed).
+            ValueError: an item without ``=``, an unknown key, a key given twice, a value that
+                does not read as its field's type or is out of bounds (naming the key, the value
+                and what is allowed).
         """
-        by_name, hints, out = {f.name: f for f in fields(cls)}, _hints(cls), {}
+        by_name, hints = {f.name: f for f in fields(cls)}, _hints(cls)
+        out: dict[str, Any] = {}
         for item in items:
             key, sep, text = str(item).partition("=")
             if not sep or not key:
                 raise ValueError(f"{item!r}: give KEY=VALUE, e.g. {next(iter(by_name), 'key')}=...")
             if key not in by_name:
                 cls.from_mapping({key: text}, owner=owner)  # names the allowed keys and the closest
-            out[key] = _read_text(text, by_name[key], hints[key])
+            value = _read_text(text, by_name[key], hints[key])
+            if key in out:  # a later item would silently replace the first
+                raise ValueError(f"{key} is given twice ({key}={out[key]!r} and {key}={value!r}): give it once")
+            out[key] = value
         cls.from_mapping(out, owner=owner)
         return out
 
