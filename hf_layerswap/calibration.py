@@ -174,6 +174,17 @@ class CalibrationSet:
     def num_prompts(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def prefix(self, n: int, why: str) -> CalibrationSet:
+        """The first ``n`` prompts (this set itself when it has no more), their description
+        saying so and ``why`` (e.g. ``"adaptive budget"``); ``shortfall`` is kept."""
+        if n >= self.num_prompts:
+            return self
+        return CalibrationSet(
+            self.input_ids[:n].clone(), self.attention_mask[:n].clone(),
+            f"{self.description}; first {n} of {self.num_prompts} prompts ({why})", self.add_special_tokens,
+            self.texts[:n] if self.texts is not None else None, shortfall=self.shortfall,
+        )
+
     @property
     def num_tokens(self) -> int:
         """Real (non-pad) tokens."""

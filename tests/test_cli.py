@@ -140,6 +140,93 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
     assert json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]["removed_layers"] == final["selected"]
 
 
+def _demo_fixture(tmp_path, num_blocks=10, paragraphs=40):
+    _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_blocks=num_blocks, max_position_embeddings=512))
+    calib = _calibration_file(tmp_path / "calib.txt", n=paragraphs)
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join(f"w{(k * 13) % 120}" for k in range(1500)))
+    return ["demo", "--model", str(tmp_path / "base"), "--calibration", str(calib), "--eval-text", str(text),
+            "--budgets", "1", "2", "--output", str(tmp_path / "out")]
+
+
+def _planned_seconds(out: str) -> dict[str, float]:
+    """The parts of the demo's printed estimate, in seconds (its plan line)."""
+    line = next(x for x in out.splitlines() if x.startswith("estimated time: about "))
+    parts = {}
+    for name in ("scoring", "search", "perplexity"):
+        text = line.split(f"{name} ", 1)[1].split(",", 1)[0].split(")", 1)[0]
+        parts[name] = float(text.split()[0]) * (60 if text.endswith("min") else 1)
+    return parts
+
+
+def test_the_demos_estimate_prices_every_part_at_the_measured_rates(tmp_path, capsys, monkeypatch):
+    """The demo's printed estimate is the library's cost model at the rates measured on this
+    machine: its scoring is estimate_cost's scoring of the same prompts, its perplexity the
+    evaluations' forwards (window_batches of the matched contract, two windows per forward)
+    priced by the same rates; the per-block rates come from measure_throughput at the run's
+    threads (one probe, used for every part)."""
+    rates = hl.cost.Throughput(block_flops_per_second=4e8, head_flops_per_second=2e8, source="given")
+    probes = []
+    monkeypatch.setattr(demo_verb, "measure_throughput", lambda *a, **k: probes.append(a) or rates)
+    rc = main(_demo_fixture(tmp_path) + ["--num-prompts", "16"])
+    assert rc == 0 and len(probes) == 1
+    out = capsys.readouterr().out
+    parts = _planned_seconds(out)
+    model, tok = load_model(str(tmp_path / "base"))
+    calib = hl.calibration.build_calibration(str(tmp_path / "calib.txt"), tok, num_prompts=16, seq_len=128)
+    cfg = demo_verb.demo_config(_demo_args(tmp_path), 10, 16, 8 + 2)
+    scoring = hl.estimate_cost(model, cfg, calibration=calib, throughput=rates).phases["scoring"]["seconds"]
+    assert 1 < scoring < 59 and parts["scoring"] == pytest.approx(scoring, abs=0.5)  # printed in whole seconds
+    forwards, _ = demo_verb._eval_forwards(model, str(tmp_path / "eval.txt"), tok, demo_verb.DEMO_EVAL_WORDS)
+    counted = []
+    from hf_layerswap.layerplan import decoder_blocks
+    hooks = [b.register_forward_hook(lambda *_: counted.append(1)) for b in decoder_blocks(model)[2]]
+    hl.evaluate_perplexity(model, str(tmp_path / "eval.txt"), tokenizer=tok, max_words=demo_verb.DEMO_EVAL_WORDS,
+                           batch_size=demo_verb.DEMO_EVAL_BATCH)
+    for h in hooks:
+        h.remove()
+    phase = hl.cost.steps.forwards_phase(hl.cost.steps.ModelShape(model), forwards, 10)
+    assert phase["block_passes"] == len(counted)  # the forwards the evaluation runs, exactly
+    assert 1 < 7 * rates.seconds(phase) < 59
+    assert parts["perplexity"] == pytest.approx(7 * rates.seconds(phase), abs=0.5)  # 1 + 3 x 2 budgets
+
+
+def _demo_args(tmp_path):
+    return demo_verb.add_parser(__import__("argparse").ArgumentParser().add_subparsers()).parse_args(
+        ["--model", str(tmp_path / "base"), "--calibration", str(tmp_path / "calib.txt"), "--budgets", "1", "2"])
+
+
+def test_num_prompts_auto_takes_the_most_whole_batches_whose_planned_work_fits_the_time_budget(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """--num-prompts auto chooses the most prompts (whole batches of --batch-size, 8 to 64) whose
+    estimated demo (scoring, searches, perplexities) fits --time-budget: with the budget set
+    between the estimates of 16 and 24 prompts it takes 16; below the 8-prompt estimate, 8."""
+    rates = hl.cost.Throughput(block_flops_per_second=2e7, head_flops_per_second=1e7, source="given")
+    monkeypatch.setattr(demo_verb, "measure_throughput", lambda *a, **k: rates)
+    seen = {}
+    real_plan = demo_verb._plan
+
+    def plan(model, args, calib, prompts, *rest):
+        if "total" not in seen:  # before anything runs (the final cut prunes the model in place)
+            seen["total"] = {n: sum(real_plan(model, args, calib, n, *rest)[0].values()) for n in (8, 16, 24)}
+        return real_plan(model, args, calib, prompts, *rest)
+
+    monkeypatch.setattr(demo_verb, "_plan", plan)
+    assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", "1e9", "--output",
+                                           str(tmp_path / "probe")]) == 0
+    assert "calibration budget: 40 prompts x up to 128 tokens" in capsys.readouterr().out  # all the source has
+    total = seen["total"]
+    assert total[8] < total[16] < total[24]
+    budget = (total[16] + total[24]) / 2
+    assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", str(budget)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("calibration budget: 16 prompts x up to 128 tokens") == 1
+    assert f"chosen to fit about {demo_verb._minutes(budget)} of planned work on this machine" in out
+    assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", str(total[8] / 2),
+                                           "--output", str(tmp_path / "few")]) == 0
+    assert "calibration budget: 8 prompts x up to 128 tokens" in capsys.readouterr().out
+
+
 def test_demo_runs_on_a_model_whose_embedding_is_offloaded_to_disk(tmp_path, capsys, monkeypatch):
     """The demo's timing pass sends the prompts to the input embedding's execution device
     (hl.utils.devices.input_device), not to the device of the model's first parameter: an
@@ -237,7 +324,7 @@ BAD_ARGUMENTS = [
     (["demo", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--budgets", "0"], "--budgets: '0': expected an int >= 1"),
     (["demo", "--final-num-to-remove", "0"], "--final-num-to-remove: '0': expected an int >= 1"),
-    (["demo", "--scoring-seconds", "0"], "--scoring-seconds: '0': expected seconds > 0"),
+    (["demo", "--time-budget", "0"], "--time-budget: '0': expected seconds > 0"),
 ]
 
 

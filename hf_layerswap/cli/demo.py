@@ -18,13 +18,15 @@ from tqdm.auto import tqdm
 
 from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
-from ..cost import estimate_cost
+from ..cost import estimate_cost, measure_throughput
+from ..cost.steps import ModelShape, forwards_phase
 from ..utils.devices import input_device
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
 from ..evaluation.contract import PerplexityResult, read_source, tokenize_text
+from ..evaluation.perplexity import window_batches
 from ..pipeline import prune
-from ..layerplan import decoder_blocks, first_difference, num_blocks
-from ..scoring import score_layers, swap_plans
+from ..layerplan import num_blocks
+from ..scoring import score_layers
 from ..selection import search_select
 from ..selection import select_layers
 from ..selection.registry import strategies_taking, strategy_entry
@@ -45,12 +47,19 @@ from .options import (
 )
 from .score import format_scores_table
 
-__all__ = ["DEFAULT_MODEL", "DEMO_EVAL_WORDS", "add_parser", "demo_config", "run_demo"]
+__all__ = ["DEFAULT_MODEL", "DEMO_EVAL_BATCH", "DEMO_EVAL_WORDS", "DEMO_PROMPTS", "DEMO_TIME_BUDGET", "add_parser", "demo_config", "run_demo"]
 
 DEFAULT_MODEL = "smollm2-135m"
 #: Words of held-out text the demo's perplexities read (the matched contract's window and
 #: stride on the first 1,000 words instead of 5,000: each evaluation costs a fifth).
 DEMO_EVAL_WORDS = 1000
+#: Windows per forward pass of the demo's perplexities (``evaluate_perplexity``'s ``batch_size``).
+DEMO_EVAL_BATCH = 2
+#: Wall seconds of planned work that ``--num-prompts auto`` fits by default (the scoring,
+#: the searches and the perplexities, at this machine's measured rates).
+DEMO_TIME_BUDGET = 300.0
+#: The calibration prompts ``--num-prompts auto`` chooses between (whole batches).
+DEMO_PROMPTS = (8, 64)
 
 
 def add_parser(subparsers):
@@ -73,7 +82,9 @@ def add_parser(subparsers):
                       help="most candidate sets the search scores in all (default: the single-removal sweep, then "
                            "a third of the removable blocks per further budget, to keep the demo short)")
     demo.add_argument("--output", default="layerswap-demo", help="where the pruned checkpoint and report go")
-    demo.add_argument("--scoring-seconds", type=positive_seconds, default=240.0, help="time budget that --num-prompts auto fits")
+    demo.add_argument("--time-budget", type=positive_seconds, default=DEMO_TIME_BUDGET, metavar="SECONDS",
+                      help="wall seconds of planned work (scoring, searches, perplexities, at this machine's measured "
+                           "rates and thread count) that --num-prompts auto fits")
     demo.set_defaults(func=run_demo)
     return demo
 
@@ -93,51 +104,48 @@ def _contract_summary(contract: dict) -> str:
     )
 
 
-class _WorkPlan:
-    """The demo's work in forward-pass tokens (one token through every block and the head),
-    and a time estimate from one measured forward pass (:meth:`seconds`)."""
-
-    def __init__(self, model, probe_batch):
-        _, _, blocks = decoder_blocks(model)
-        self.num_blocks = len(blocks)
-        block_params = sum(p.numel() for b in blocks for p in b.parameters())
-        head = model.get_output_embeddings()
-        head_params = head.weight.numel() if head is not None else 0
-        self.head_share = head_params / max(block_params + head_params, 1)
-        self.seconds_per_token = _seconds_per_token(model, probe_batch)
-
-    def probe_cost(self, first_changed_slot: int) -> float:
-        """Forward-pass tokens of one probe per calibration token: the blocks from the first
-        changed slot on (the prefix before it is reused) and the head."""
-        rest = (self.num_blocks - first_changed_slot) / self.num_blocks
-        return rest * (1 - self.head_share) + self.head_share
-
-    def scoring(self, tokens: int) -> float:
-        plans = swap_plans(self.num_blocks, 1).values()
-        return tokens * (1 + sum(self.probe_cost(first_difference(p, self.num_blocks)) for p in plans))
-
-    def search(self, tokens: int, sets: int) -> float:
-        return tokens * sets * self.probe_cost(self.num_blocks // 2)  # a set starts mid-stack on average
-
-    def perplexity(self, window_tokens: int, scored_tokens: int) -> float:
-        return window_tokens * (1 - self.head_share) + scored_tokens * self.head_share
-
-    def seconds(self, tokens: float) -> float:
-        return tokens * self.seconds_per_token
-
-
-def _seconds_per_token(model, batch) -> float:
-    """Seconds of one forward pass per real token on ``batch`` (the second of two runs). The
-    prompts go to the input embedding's execution device (a split or offloaded model's first
-    parameter may sit on another device, or on "meta")."""
+def _plan(model, args, calib, num_prompts: int, throughput, search_budgets: list[int], per_budget: int,
+          final_sets: int, forwards, evaluations: int):
+    """The demo's estimate on ``calib``'s first ``num_prompts`` prompts (``args`` gives the
+    rest): ``({"scoring", "search", "perplexity"}: seconds, the final cut's
+    :class:`~hf_layerswap.cost.CostEstimate`)``, every part priced at ``throughput`` (the
+    rates :func:`~hf_layerswap.cost.measure_throughput` measured on this machine, at the
+    threads this run uses). The scoring is the final cut's own (the same prompts and
+    probes, :func:`~hf_layerswap.estimate_cost`); the search is the comparison's (budgets up
+    to the largest, ``per_budget`` sets each) plus the final cut's (at most ``final_sets``);
+    the perplexity is ``evaluations`` evaluations of the dense model's ``forwards``."""
+    total = num_blocks(model)
     device = input_device(model)
-    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    with torch.no_grad():
-        for _ in range(2):
-            t0 = time.perf_counter()
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-            elapsed = time.perf_counter() - t0
-    return elapsed / max(int(ids.numel()), 1)
+    calib = calib.prefix(num_prompts, "the demo's estimate")
+    cut = estimate_cost(model, demo_config(args, total, num_prompts, final_sets or None), calibration=calib,
+                        device=device, throughput=throughput)
+    search = cut.phases["selection"]["seconds"] if final_sets else 0.0
+    compare = LayerSwapConfig(num_to_remove=search_budgets[-1], strategy="search", num_prompts=num_prompts,
+                              seq_len=args.seq_len, batch_size=args.batch_size, max_evaluations=args.max_evaluations,
+                              strategy_options={"evaluations_per_budget": per_budget})
+    search += estimate_cost(model, compare, calibration=calib, device=device,
+                            throughput=throughput).phases["selection"]["seconds"]
+    ppl = throughput.seconds(forwards_phase(ModelShape(model), forwards, total))
+    return {"scoring": cut.phases["scoring"]["seconds"], "search": search, "perplexity": evaluations * ppl}, cut
+
+
+def _fit_prompts(most, batch_size: int, seconds: float, plan) -> int:
+    """The most calibration prompts, in whole batches of ``batch_size`` within
+    :data:`DEMO_PROMPTS` (at most ``most.num_prompts``), whose planned work ``plan(most,
+    prompts)`` (the first ``prompts`` of ``most``) estimates at ``seconds`` or less; the fewest
+    when none fits."""
+    low, high = DEMO_PROMPTS[0], min(DEMO_PROMPTS[1], most.num_prompts)
+    options = [n for n in range(batch_size, high + 1, batch_size) if n >= low] or [min(low, most.num_prompts)]
+    def fits(prompts: int) -> bool:
+        return sum(plan(most, prompts)[0].values()) <= seconds
+
+    lo, hi = 0, len(options) - 1  # the work grows with the prompts: the last option that fits
+    if not fits(options[0]):
+        return options[0]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(options[mid]) else (lo, mid - 1)
+    return options[lo]
 
 
 def _search_allowance(num_blocks: int, protect: int = 2) -> int:
@@ -153,15 +161,18 @@ def _search_sets(num_blocks: int, top: int, allowance: int | None, max_evaluatio
     return sets if max_evaluations is None else min(sets, max_evaluations)
 
 
-def _eval_tokens(model, eval_text, tokenizer, max_words) -> tuple[int, int]:
-    """(tokens through the model, scored tokens) of one perplexity under the matched contract;
-    a window the model has no positions for is refused here, before any work."""
+def _eval_forwards(model, eval_text, tokenizer, max_words) -> tuple[list[tuple[int, int, int]], int]:
+    """The forwards of one perplexity under the matched contract, as
+    :func:`~hf_layerswap.evaluate_perplexity` batches its windows (``(windows, length,
+    kept logits)`` each), and the scored tokens; a window the model has no positions for is
+    refused here, before any work."""
     spec = CONTRACTS["matched"]
     check_positions(model, spec["window"], f"the matched contract's window={spec['window']}", "use another model or lower window")
     raw, _ = read_source(eval_text)
     ids, _ = tokenize_text(tokenizer, prepare_text(raw, max_words)[0], None)
     spans = sliding_windows(len(ids), spec["window"], spec["stride"])
-    return sum(end - begin for begin, end, _ in spans), sum(end - score_from for _, end, score_from in spans)
+    forwards = [(len(members), length, keep) for length, keep, members in window_batches(spans, DEMO_EVAL_BATCH)]
+    return forwards, sum(end - score_from for _, end, score_from in spans)
 
 
 def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | None = None):
@@ -191,28 +202,17 @@ def _minutes(seconds: float) -> str:
 
 def run_demo(args) -> int:
     """The ``demo`` verb (its transcript is in docs/cli.md)."""
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     check_before_loading(args, outputs=[("--output", args.output, "new folder")])
     model, tokenizer = load(args)
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
     total = num_blocks(model)
     num_probes = 3 * (total - 1)
-    probe = build_calibration(args.calibration, tokenizer, num_prompts=args.batch_size, seq_len=args.seq_len,
-                              seed=args.seed)
-    work = _WorkPlan(model, probe)
-    tokens_per_prompt = probe.num_tokens / max(probe.num_prompts, 1)
-    if args.num_prompts == "auto":
-        per_batch = work.seconds(work.scoring(tokens_per_prompt * args.batch_size))
-        n_prompts = max(8, min(64, int(args.scoring_seconds / max(per_batch, 1e-9)) * args.batch_size))
-        how = f"chosen to fit about {args.scoring_seconds:.0f} s of scoring on this machine"
-    else:
-        n_prompts = prompt_count(args.num_prompts)
-        how = "as requested"
-    calib = build_calibration(args.calibration, tokenizer, num_prompts=n_prompts, seq_len=args.seq_len, seed=args.seed)
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     search_budgets = sorted(set(args.budgets))
     per_budget = _search_allowance(total)
-    window_tokens, scored_tokens = _eval_tokens(model, eval_text, tokenizer, args.eval_max_words)
+    forwards, scored_tokens = _eval_forwards(model, eval_text, tokenizer, args.eval_max_words)
+    window_tokens = sum(w * length for w, length, _ in forwards)
     evaluations = 1 + 3 * len(search_budgets)  # at most: the base model and every distinct set
     search_sets = _search_sets(total, search_budgets[-1], per_budget, args.max_evaluations)
     if not _searches(args):
@@ -221,11 +221,22 @@ def run_demo(args) -> int:
         final_sets = _search_sets(total, args.final_num_to_remove, per_budget, args.max_evaluations)
     else:
         final_sets = _search_sets(total, args.final_num_to_remove, None, args.max_evaluations or 3 * total)
-    estimate = {
-        "scoring": work.seconds(work.scoring(calib.num_tokens)),
-        "search": work.seconds(work.search(calib.num_tokens, search_sets + final_sets)),
-        "perplexity": work.seconds(evaluations * work.perplexity(window_tokens, scored_tokens)),
-    }
+    throughput = measure_throughput(model, args.batch_size, args.seq_len, device=input_device(model))
+
+    def plan(calibration, prompts: int):
+        return _plan(model, args, calibration, prompts, throughput, search_budgets, per_budget, final_sets,
+                     forwards, evaluations)
+
+    if args.num_prompts == "auto":
+        most = build_calibration(args.calibration, tokenizer, num_prompts=DEMO_PROMPTS[1], seq_len=args.seq_len,
+                                 seed=args.seed)
+        n_prompts = _fit_prompts(most, args.batch_size, args.time_budget, plan)
+        how = f"chosen to fit about {_minutes(args.time_budget)} of planned work on this machine"
+    else:
+        n_prompts = prompt_count(args.num_prompts)
+        how = "as requested"
+    calib = build_calibration(args.calibration, tokenizer, num_prompts=n_prompts, seq_len=args.seq_len, seed=args.seed)
+    estimate, cut = plan(calib, calib.num_prompts)
     print(
         f"calibration budget: {calib.num_prompts} prompts x up to {args.seq_len} tokens "
         f"({calib.num_tokens} real tokens), {num_probes} probes + 1 reference pass per batch ({how})\n"
@@ -234,13 +245,12 @@ def run_demo(args) -> int:
         + (f" and the final cut's search at most {final_sets} more" if final_sets else "")
         + f"; at most {evaluations} perplexity evaluations of {scored_tokens} tokens ({window_tokens} through the model)\n"
         f"estimated time: about {_minutes(sum(estimate.values()))} (scoring {_minutes(estimate['scoring'])}, search "
-        f"{_minutes(estimate['search'])}, perplexity {_minutes(estimate['perplexity'])}), from one measured forward pass "
-        f"of {1 / work.seconds_per_token:.0f} tokens/s on this machine",
+        f"{_minutes(estimate['search'])}, perplexity {_minutes(estimate['perplexity'])}), at this machine's rates "
+        f"({throughput.source})",
         flush=True,
     )
-    cut = estimate_cost(model, demo_config(args, total, n_prompts, None), calibration=calib,
-                        device=input_device(model))
     print("the final cut as a prune from scratch (hl.estimate_cost):\n" + "\n".join(cut.lines()), flush=True)
+    t_work = time.perf_counter()
     report = score_layers(model, calib, batch_size=args.batch_size, progress=True, seed=args.seed)
     print(f"\nper-layer swap-KL scores, s(i) = min over adjacent partners (nats; low = removable), "
           f"{model.config.num_hidden_layers} blocks, 0-based:\n")
@@ -284,7 +294,8 @@ def run_demo(args) -> int:
     reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
               if _searches(args) else decision.get("reason", "as selected"))
     key = tuple(final)
-    after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
+    after = cache.get(key) or evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words,
+                                                        batch_size=DEMO_EVAL_BATCH)
     evaluation = {"base": base, "pruned": after}
     out = save_pruned(pruned, tokenizer, report, Path(args.output), evaluation=evaluation)
     print(
@@ -292,7 +303,9 @@ def run_demo(args) -> int:
         f"PPL {base.ppl:.3f} -> {after.ppl:.3f} ({delta_ppl_percent(base.ppl, after.ppl):+.1f}%)\n"
         f"pruned checkpoint, model card (README.md), layerswap_report.json and plots written to {out}/ "
         f"(loads in plain transformers: AutoModelForCausalLM.from_pretrained('{out}'))\n"
-        f"total time {time.perf_counter() - t_start:.0f} s (estimated {sum(estimate.values()):.0f} s before it started)"
+        f"total time {time.perf_counter() - t_start:.0f} s wall, {time.process_time() - cpu_start:.0f} CPU-seconds at "
+        f"{torch.get_num_threads()} thread(s); the planned work {time.perf_counter() - t_work:.0f} s "
+        f"(estimated {sum(estimate.values()):.0f} s before it started)"
     )
     return 0
 
@@ -306,7 +319,8 @@ def _perplexity_table(model, selected, args, eval_text, tokenizer) -> dict[tuple
     cache: dict[tuple, PerplexityResult] = {}
     for key in tqdm(to_evaluate, desc="perplexity evaluations", unit="model"):
         pruned = remove_layers(copy.deepcopy(model), list(key)) if key else model
-        cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words)
+        cache[key] = evaluate_perplexity(pruned, eval_text, tokenizer=tokenizer, max_words=args.eval_max_words,
+                                         batch_size=DEMO_EVAL_BATCH)
         del pruned
     base = cache[()]
     rows = [(n, protocol, layers, None if layers is None else cache[tuple(layers)], err)

@@ -278,7 +278,7 @@ def add_calibration_args(p: argparse.ArgumentParser, *, num_prompts_default="64"
     auto = num_prompts_default == "auto"
     num_prompts = {"default": num_prompts_default}
     if auto:
-        num_prompts.update(type=count_or_auto, help=config_help("num_prompts") + ", or 'auto' to fit --scoring-seconds")
+        num_prompts.update(type=count_or_auto, help=config_help("num_prompts") + ", or 'auto' to fit --time-budget")
     add_config_options(p, ["num_prompts", "seq_len", "batch_size", "seed"], options={"num_prompts": num_prompts})
 
 

@@ -96,6 +96,13 @@ class Throughput:
     host_bytes_per_second: float = 25e9
     source: str = "given"
 
+    def seconds(self, phase: Mapping) -> float:
+        """Predicted wall seconds of a ``phase`` (a mapping with ``block_flops``,
+        ``head_flops`` and, optionally, ``bytes_moved``): each part over its rate."""
+        return (phase["block_flops"] / self.block_flops_per_second
+                + phase["head_flops"] / self.head_flops_per_second
+                + phase.get("bytes_moved", 0) / self.host_bytes_per_second)
+
     def __post_init__(self):
         for name in ("block_flops_per_second", "head_flops_per_second", "host_bytes_per_second"):
             value = getattr(self, name)
@@ -825,9 +832,7 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
     if throughput is None:
         throughput = measure_throughput(model, cfg.batch_size, seq, device=device)
     for p in phases.values():
-        p["seconds"] = (p["block_flops"] / throughput.block_flops_per_second
-                        + p["head_flops"] / throughput.head_flops_per_second
-                        + p["bytes_moved"] / throughput.host_bytes_per_second)
+        p["seconds"] = throughput.seconds(p)
     exact = all(p["exact"] for p in phases.values())
     return CostEstimate(
         block_passes=int(sum(p["block_passes"] for p in phases.values())),

@@ -67,7 +67,7 @@ from ..sparsity.registry import get_allocator, get_pruner
 from ..sparsity.options import SparsifyOptions
 from ..evaluation.tasks import check_task_names, request_forwards, task_requests
 
-__all__ = ["ModelShape", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
+__all__ = ["ModelShape", "block_flops", "check_removal", "forwards_phase", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
            "text_tokenizer"]
 
@@ -137,6 +137,19 @@ def _add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width:
     phase["head_passes"] += int(head) * times
     phase["block_flops"] += times * factor * fb
     phase["head_flops"] += times * factor * (fh if head_rows is None or not head else fh * head_rows / width)
+
+
+def forwards_phase(shape: ModelShape, forwards, blocks: int) -> dict:
+    """The passes and FLOPs of model forwards through ``blocks`` blocks: ``forwards`` is one
+    ``(windows, length, keep)`` per forward (windows in the batch, their length in tokens,
+    the positions whose logits the head computes), as
+    :func:`~hf_layerswap.evaluation.perplexity.window_batches` groups a perplexity
+    evaluation's windows. Returns ``{"block_passes", "head_passes", "block_flops",
+    "head_flops"}`` (price it with :meth:`~hf_layerswap.cost.Throughput.seconds`)."""
+    phase = {"block_passes": 0, "head_passes": 0, "block_flops": 0.0, "head_flops": 0.0}
+    for windows, length, keep in forwards:
+        _add_forward(phase, shape, blocks, windows, length, head_rows=keep)
+    return phase
 
 
 def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:

@@ -211,19 +211,6 @@ def _build_report(pairs, protocols, values) -> list[PairResult]:
     return [PairResult.from_probes(i, j, {k: _mean_se(values[(k, i, j)]) for k in kinds}) for i, j in pairs]
 
 
-def _prefix_calibration(calib: CalibrationSet, n: int) -> CalibrationSet:
-    if n >= calib.num_prompts:
-        return calib
-    return CalibrationSet(
-        calib.input_ids[:n].clone(),
-        calib.attention_mask[:n].clone(),
-        f"{calib.description}; first {n} of {calib.num_prompts} prompts (adaptive budget)",
-        calib.add_special_tokens,
-        calib.texts[:n] if calib.texts is not None else None,
-        shortfall=calib.shortfall,
-    )
-
-
 def score_layers(
     model: nn.Module,
     calibration=None,
@@ -330,7 +317,7 @@ def score_layers(
         values = engine.values(used)
     else:
         used, values, adaptive_record = _run_adaptive(engine, adaptive, calib, total, pairs, protocols, max_gap)
-    used_calib = _prefix_calibration(calib, int(values[next(iter(values))].numel()))
+    used_calib = calib.prefix(int(values[next(iter(values))].numel()), "adaptive budget")
     results = _build_report(pairs, protocols, values)
     metadata = _score_metadata(model, engine, used_calib, engine.summary(used), seed)
     if adaptive_record is not None:
