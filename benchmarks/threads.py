@@ -57,14 +57,15 @@ def measure(part: str, threads: int, args, model, tok, calib, report) -> dict:
 
     import hf_layerswap as hl
     from hf_layerswap.cli import demo
-    from hf_layerswap.cost.steps import ModelShape, forwards_phase
+    from hf_layerswap.cost.estimate import forwards_phase
+    from hf_layerswap.cost.steps import ModelShape
     from hf_layerswap.layerplan import num_blocks
     from hf_layerswap.selection import search_select
 
     torch.set_num_threads(threads)
     total = num_blocks(model)
     rates = hl.cost.measure_throughput(model, args.num_prompts, args.seq_len)
-    per_budget = demo._search_allowance(total)
+    per_budget = demo.search_allowance(total)
     if part == "scoring":
         cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", num_prompts=args.num_prompts,
                                  seq_len=args.seq_len, batch_size=args.num_prompts)
@@ -79,7 +80,7 @@ def measure(part: str, threads: int, args, model, tok, calib, report) -> dict:
                                                     calibration=calib, batch_size=args.num_prompts,
                                                     evaluations_per_budget=per_budget))
     else:
-        forwards, _ = demo._eval_forwards(model, None, tok, demo.DEMO_EVAL_WORDS)
+        forwards, _ = demo.eval_forwards(model, None, tok, demo.DEMO_EVAL_WORDS)
         predicted = rates.seconds(forwards_phase(ModelShape(model), forwards, total))
         _, wall, cpu = _timed(lambda: hl.evaluate_perplexity(model, None, tokenizer=tok, max_words=demo.DEMO_EVAL_WORDS,
                                                              batch_size=demo.DEMO_EVAL_BATCH))

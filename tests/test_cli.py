@@ -113,7 +113,7 @@ def test_prompts_longer_than_the_position_table_exit_2_before_scoring(tmp_path, 
 def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compared_one(tmp_path, capsys):
     """The demo prints its planned work and estimated time before any scoring; its final cut
     (through hl.prune) gets the evaluations the compared search spent up to that budget, so it
-    scores the same candidates and keeps the same set."""
+    values the same candidates (taken from the report, no pass) and keeps the same set."""
     _tiny_checkpoint(tmp_path / "base", tiny_model("qwen3", num_blocks=10, max_position_embeddings=512))
     calib = _calibration_file(tmp_path / "calib.txt", n=12)
     text = tmp_path / "eval.txt"
@@ -136,6 +136,10 @@ def test_demo_states_its_estimate_first_and_its_final_search_repeats_the_compare
     assert final["strategy"] == "search" and searched.startswith(f"  n = 2: search {final['selected']} ")
     # the single-removal sweep (8 sets) and the allowance of 8 // 3 = 2 (the protocols' greedy pairs inside)
     assert final["max_evaluations"] == final["total_cost"]["evaluator_calls"] <= 8 + 2
+    # ... whose values the final search takes from the report, measured on the same prompts: no pass
+    assert final["total_cost"]["reused"] == final["total_cost"]["evaluator_calls"]
+    assert final["total_cost"]["forward_passes"] == final["total_cost"]["block_passes"] == 0
+    assert "the final cut's search takes the values of its 10 from it (no pass)" in lines[plan]
     assert f"budgets [1, 2] in one call): {final['total_cost']['evaluator_calls']} candidate sets," in out
     assert json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]["removed_layers"] == final["selected"]
 
@@ -177,7 +181,7 @@ def test_the_demos_estimate_prices_every_part_at_the_measured_rates(tmp_path, ca
     cfg = demo_verb.demo_config(_demo_args(tmp_path), 10, 16, 8 + 2)
     scoring = hl.estimate_cost(model, cfg, calibration=calib, throughput=rates).phases["scoring"]["seconds"]
     assert 1 < scoring < 59 and parts["scoring"] == pytest.approx(scoring, abs=0.5)  # printed in whole seconds
-    forwards, _ = demo_verb._eval_forwards(model, str(tmp_path / "eval.txt"), tok, demo_verb.DEMO_EVAL_WORDS)
+    forwards, _ = demo_verb.eval_forwards(model, str(tmp_path / "eval.txt"), tok, demo_verb.DEMO_EVAL_WORDS)
     counted = []
     from hf_layerswap.layerplan import decoder_blocks
     hooks = [b.register_forward_hook(lambda *_: counted.append(1)) for b in decoder_blocks(model)[2]]
@@ -185,7 +189,7 @@ def test_the_demos_estimate_prices_every_part_at_the_measured_rates(tmp_path, ca
                            batch_size=demo_verb.DEMO_EVAL_BATCH)
     for h in hooks:
         h.remove()
-    phase = hl.cost.steps.forwards_phase(hl.cost.steps.ModelShape(model), forwards, 10)
+    phase = hl.cost.estimate.forwards_phase(hl.cost.steps.ModelShape(model), forwards, 10)
     assert phase["block_passes"] == len(counted)  # the forwards the evaluation runs, exactly
     assert 1 < 7 * rates.seconds(phase) < 59
     assert parts["perplexity"] == pytest.approx(7 * rates.seconds(phase), abs=0.5)  # 1 + 3 x 2 budgets
@@ -204,14 +208,14 @@ def test_num_prompts_auto_takes_the_most_whole_batches_whose_planned_work_fits_t
     rates = hl.cost.Throughput(block_flops_per_second=2e7, head_flops_per_second=1e7, source="given")
     monkeypatch.setattr(demo_verb, "measure_throughput", lambda *a, **k: rates)
     seen = {}
-    real_plan = demo_verb._plan
+    real_plan = demo_verb.plan_demo
 
     def plan(model, args, calib, prompts, *rest):
         if "total" not in seen:  # before anything runs (the final cut prunes the model in place)
             seen["total"] = {n: sum(real_plan(model, args, calib, n, *rest)[0].values()) for n in (8, 16, 24)}
         return real_plan(model, args, calib, prompts, *rest)
 
-    monkeypatch.setattr(demo_verb, "_plan", plan)
+    monkeypatch.setattr(demo_verb, "plan_demo", plan)
     assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", "1e9", "--output",
                                            str(tmp_path / "probe")]) == 0
     assert "calibration budget: 40 prompts x up to 128 tokens" in capsys.readouterr().out  # all the source has
@@ -221,7 +225,7 @@ def test_num_prompts_auto_takes_the_most_whole_batches_whose_planned_work_fits_t
     assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", str(budget)]) == 0
     out = capsys.readouterr().out
     assert out.count("calibration budget: 16 prompts x up to 128 tokens") == 1
-    assert f"chosen to fit about {demo_verb._minutes(budget)} of planned work on this machine" in out
+    assert f"chosen to fit about {budget / 60:.1f} min of planned work on this machine" in out
     assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", str(total[8] / 2),
                                            "--output", str(tmp_path / "few")]) == 0
     assert "calibration budget: 8 prompts x up to 128 tokens" in capsys.readouterr().out

@@ -271,6 +271,8 @@ def test_the_default_allowance_is_slebs_schedule_and_never_costs_more_than_sleb(
     most SLEB for n, in candidate sets and in forward passes (one reference sweep each).
     Here every budget spends its whole allowance: the counts are equal."""
     model, calib, report = setup
+    report = copy.deepcopy(report)
+    report.removal_kl.clear()  # no set value of an earlier test's search: every set is scored here
     found = search_select(report, [1, 2, 3, 4, 5], model=model, calibration=calib)
     assert found[5]["allowances"] == search_allowances(6, 5) == [6, 5, 4, 3, 2]
     assert found[5]["evaluations_per_budget"] is None
@@ -442,3 +444,45 @@ def test_search_reaches_the_exhaustive_optimum_of_the_eight_block_setup_at_slebs
         assert found[n]["selected"] == best and found[n]["value"] == value, n
         assert found[n]["cost"]["evaluator_calls"] <= sum(6 - k for k in range(n))
     assert found[3]["selected"] == [2, 3, 5]
+
+
+def test_a_search_takes_the_set_values_its_report_holds_from_the_same_prompts(setup):
+    """Values an earlier search measured on the report's own prompts (report.removal_kl) are
+    taken, not scored again: a search given them decides exactly as one that scored them (the
+    same set, value, trace and evaluator calls) with no pass for them; on other prompts (or
+    another objective) nothing is taken."""
+    model, calib, report = setup
+    report = copy.deepcopy(report)
+    fresh = search_select(report, [1, 2, 3], model=model, calibration=calib, evaluations_per_budget=4)
+    first = SetObjective(model, calib)
+    search_select(report, [1, 2, 3], model=model, calibration=calib, evaluations_per_budget=4, evaluator=first)
+    report.removal_kl.update(first.cache)
+    again = search_select(report, [1, 2, 3], model=model, calibration=calib, evaluations_per_budget=4)
+    for n in (1, 2, 3):
+        assert again[n]["selected"] == fresh[n]["selected"] and again[n]["value"] == fresh[n]["value"]
+        assert again[n]["trace"] == fresh[n]["trace"]
+    cost = again[3]["total_cost"]
+    assert cost["evaluator_calls"] == fresh[3]["total_cost"]["evaluator_calls"] == cost["reused"] == len(first.cache)
+    assert cost["forward_passes"] == cost["block_passes"] == cost["head_passes"] == 0
+    # a value only the report holds is what the search reads: proof it was taken, not measured
+    report.removal_kl[again[1]["selected"][0].__str__()] = -1.0
+    assert search_select(report, 1, model=model, calibration=calib)[1]["value"] == -1.0
+    other = CalibrationSet(calib.input_ids[:5].clone(), calib.attention_mask[:5].clone(), "five of the prompts")
+    elsewhere = search_select(report, 1, model=model, calibration=other)[1]
+    assert elsewhere["total_cost"]["reused"] == 0 and elsewhere["value"] >= 0
+    assert search_select(report, 1, model=model, calibration=calib, objective="nll")[1]["total_cost"]["reused"] == 0
+
+
+def test_a_prune_on_other_prompts_than_its_reports_records_no_set_value_in_it(setup):
+    """The search's set values go into report.removal_kl only when they were measured on the
+    report's own prompts (its calibration content hash), so a later search never takes a value
+    of other prompts."""
+    model, calib, report = setup
+    other = CalibrationSet(calib.input_ids[:5].clone(), calib.attention_mask[:5].clone(), "five of the prompts")
+    for prompts, recorded in ((other, False), (calib, True)):
+        given = copy.deepcopy(report)
+        given.removal_kl.clear()  # what earlier tests' prunes recorded in the shared report
+        hl.prune(copy.deepcopy(model), hl.LayerSwapConfig(num_to_remove=2, strategy="search"), report=given,
+                 calibration=prompts)
+        assert bool(given.removal_kl) is recorded
+        assert given.selections[-1]["strategy"] == "search"

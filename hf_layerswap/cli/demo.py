@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from ..calibration import build_calibration, check_positions
 from ..config import LayerSwapConfig
 from ..cost import estimate_cost, measure_throughput
-from ..cost.steps import ModelShape, forwards_phase
+from ..cost.estimate import forwards_phase
+from ..cost.steps import ModelShape
 from ..utils.devices import input_device
 from ..evaluation import CONTRACTS, delta_ppl_percent, evaluate_perplexity, prepare_text, sliding_windows
 from ..evaluation.contract import PerplexityResult, read_source, tokenize_text
@@ -28,6 +29,7 @@ from ..pipeline import prune
 from ..layerplan import num_blocks
 from ..scoring import score_layers
 from ..selection import search_select
+from ..selection.objectives import SetObjective
 from ..selection import select_layers
 from ..selection.registry import strategies_taking, strategy_entry
 from ..selection.search import search_allowances
@@ -47,7 +49,8 @@ from .options import (
 )
 from .score import format_scores_table
 
-__all__ = ["DEFAULT_MODEL", "DEMO_EVAL_BATCH", "DEMO_EVAL_WORDS", "DEMO_PROMPTS", "DEMO_TIME_BUDGET", "add_parser", "demo_config", "run_demo"]
+__all__ = ["DEFAULT_MODEL", "DEMO_EVAL_BATCH", "DEMO_EVAL_WORDS", "DEMO_PROMPTS", "DEMO_TIME_BUDGET", "eval_forwards",
+           "plan_demo", "search_allowance", "add_parser", "demo_config", "run_demo"]
 
 DEFAULT_MODEL = "smollm2-135m"
 #: Words of held-out text the demo's perplexities read (the matched contract's window and
@@ -104,7 +107,7 @@ def _contract_summary(contract: dict) -> str:
     )
 
 
-def _plan(model, args, calib, num_prompts: int, throughput, search_budgets: list[int], per_budget: int,
+def plan_demo(model, args, calib, num_prompts: int, throughput, search_budgets: list[int], per_budget: int,
           final_sets: int, forwards, evaluations: int):
     """The demo's estimate on ``calib``'s first ``num_prompts`` prompts (``args`` gives the
     rest): ``({"scoring", "search", "perplexity"}: seconds, the final cut's
@@ -112,7 +115,8 @@ def _plan(model, args, calib, num_prompts: int, throughput, search_budgets: list
     rates :func:`~hf_layerswap.cost.measure_throughput` measured on this machine, at the
     threads this run uses). The scoring is the final cut's own (the same prompts and
     probes, :func:`~hf_layerswap.estimate_cost`); the search is the comparison's (budgets up
-    to the largest, ``per_budget`` sets each) plus the final cut's (at most ``final_sets``);
+    to the largest, ``per_budget`` sets each) plus the final cut's (at most ``final_sets``; 0
+    when it takes the comparison's values);
     the perplexity is ``evaluations`` evaluations of the dense model's ``forwards``."""
     total = num_blocks(model)
     device = input_device(model)
@@ -148,7 +152,7 @@ def _fit_prompts(most, batch_size: int, seconds: float, plan) -> int:
     return options[lo]
 
 
-def _search_allowance(num_blocks: int, protect: int = 2) -> int:
+def search_allowance(num_blocks: int, protect: int = 2) -> int:
     """The demo's search allowance per budget n >= 2: a third of the removable blocks."""
     return max(1, (num_blocks - protect) // 3)
 
@@ -161,7 +165,7 @@ def _search_sets(num_blocks: int, top: int, allowance: int | None, max_evaluatio
     return sets if max_evaluations is None else min(sets, max_evaluations)
 
 
-def _eval_forwards(model, eval_text, tokenizer, max_words) -> tuple[list[tuple[int, int, int]], int]:
+def eval_forwards(model, eval_text, tokenizer, max_words) -> tuple[list[tuple[int, int, int]], int]:
     """The forwards of one perplexity under the matched contract, as
     :func:`~hf_layerswap.evaluate_perplexity` batches its windows (``(windows, length,
     kept logits)`` each), and the scored tokens; a window the model has no positions for is
@@ -210,22 +214,23 @@ def run_demo(args) -> int:
     num_probes = 3 * (total - 1)
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     search_budgets = sorted(set(args.budgets))
-    per_budget = _search_allowance(total)
-    forwards, scored_tokens = _eval_forwards(model, eval_text, tokenizer, args.eval_max_words)
+    per_budget = search_allowance(total)
+    forwards, scored_tokens = eval_forwards(model, eval_text, tokenizer, args.eval_max_words)
     window_tokens = sum(w * length for w, length, _ in forwards)
     evaluations = 1 + 3 * len(search_budgets)  # at most: the base model and every distinct set
     search_sets = _search_sets(total, search_budgets[-1], per_budget, args.max_evaluations)
+    reused = _searches(args) and args.final_num_to_remove in search_budgets
     if not _searches(args):
         final_sets = 0
-    elif args.final_num_to_remove in search_budgets:  # the same candidates as the search above, up to that budget
+    elif reused:  # the same candidates as the search above, up to that budget: their values are reused
         final_sets = _search_sets(total, args.final_num_to_remove, per_budget, args.max_evaluations)
     else:
         final_sets = _search_sets(total, args.final_num_to_remove, None, args.max_evaluations or 3 * total)
     throughput = measure_throughput(model, args.batch_size, args.seq_len, device=input_device(model))
 
     def plan(calibration, prompts: int):
-        return _plan(model, args, calibration, prompts, throughput, search_budgets, per_budget, final_sets,
-                     forwards, evaluations)
+        return plan_demo(model, args, calibration, prompts, throughput, search_budgets, per_budget,
+                     0 if reused else final_sets, forwards, evaluations)
 
     if args.num_prompts == "auto":
         most = build_calibration(args.calibration, tokenizer, num_prompts=DEMO_PROMPTS[1], seq_len=args.seq_len,
@@ -242,7 +247,8 @@ def run_demo(args) -> int:
         f"({calib.num_tokens} real tokens), {num_probes} probes + 1 reference pass per batch ({how})\n"
         f"calibration source: {calib.description}\n"
         f"planned work: scoring {num_probes} probes; the search at most {search_sets} candidate sets"
-        + (f" and the final cut's search at most {final_sets} more" if final_sets else "")
+        + (f"; the final cut's search takes the values of its {final_sets} from it (no pass)" if reused
+           else f" and the final cut's search at most {final_sets} more" if final_sets else "")
         + f"; at most {evaluations} perplexity evaluations of {scored_tokens} tokens ({window_tokens} through the model)\n"
         f"estimated time: about {_minutes(sum(estimate.values()))} (scoring {_minutes(estimate['scoring'])}, search "
         f"{_minutes(estimate['search'])}, perplexity {_minutes(estimate['perplexity'])}), at this machine's rates "
@@ -268,8 +274,14 @@ def run_demo(args) -> int:
                 selected.append((n, protocol, select_layers(report, n, protocol=protocol), None))
             except ValueError as err:
                 selected.append((n, protocol, None, str(err)))
+    bar = tqdm(total=search_sets, desc="removal-set search (removal_kl)", unit="set", dynamic_ncols=True)
+    values = SetObjective(model, calib, batch_size=args.batch_size, progress=bar)
     searched = search_select(report, search_budgets, model=model, calibration=calib, batch_size=args.batch_size,
-                             max_evaluations=args.max_evaluations, evaluations_per_budget=per_budget, progress=True)
+                             max_evaluations=args.max_evaluations, evaluations_per_budget=per_budget,
+                             evaluator=values)
+    bar.close()
+    if reused:  # measured on these prompts: the final cut's search takes them from the report
+        report.removal_kl.update(values.cache)
     for n in args.budgets:
         selected.append((n, "search", searched[n]["selected"], None))
     cost = searched[search_budgets[-1]]["total_cost"]

@@ -57,7 +57,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..calibration import CalibrationSet, build_calibration
 from ..config import LayerSwapConfig
-from .steps import (ModelShape, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
+from .steps import (ModelShape, add_forward, block_flops, check_removal, healing_phase, measure_lines, measure_tokenizer,
                     recovery_phase, sparsity_phase, text_tokenizer)
 from ..models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from ..layerplan import decoder_blocks, num_blocks, removal_plan
@@ -75,7 +75,7 @@ from ..selection.registry import strategy_entry
 from ..steps import recipe_steps
 from ..utils.registry import Options
 
-__all__ = ["CostEstimate", "SelectionPlan", "StepPlan", "Throughput", "estimate_cost", "measure_throughput"]
+__all__ = ["CostEstimate", "SelectionPlan", "StepPlan", "Throughput", "estimate_cost", "forwards_phase", "measure_throughput"]
 
 
 @dataclass
@@ -186,6 +186,19 @@ class CostEstimate:
               for name, p in self.phases.items()),
             *(line for name, p in self.phases.items() if name.split()[0] == "healing" for line in measure_lines(p)),
         ]
+
+
+def forwards_phase(shape: ModelShape, forwards, blocks: int) -> dict:
+    """The passes and FLOPs of model forwards through ``blocks`` blocks: ``forwards`` is one
+    ``(windows, length, keep)`` per forward (windows in the batch, their length in tokens,
+    the positions whose logits the head computes), as
+    :func:`~hf_layerswap.evaluation.perplexity.window_batches` groups a perplexity
+    evaluation's windows. Returns ``{"block_passes", "head_passes", "block_flops",
+    "head_flops"}`` (price it with :meth:`~hf_layerswap.cost.Throughput.seconds`)."""
+    phase = {"block_passes": 0, "head_passes": 0, "block_flops": 0.0, "head_flops": 0.0}
+    for windows, length, keep in forwards:
+        add_forward(phase, shape, blocks, windows, length, head_rows=keep)
+    return phase
 
 
 def _duration(seconds: float) -> str:

@@ -67,7 +67,7 @@ from ..sparsity.registry import get_allocator, get_pruner
 from ..sparsity.options import SparsifyOptions
 from ..evaluation.tasks import check_task_names, request_forwards, task_requests
 
-__all__ = ["ModelShape", "block_flops", "check_removal", "forwards_phase", "heal_budget", "heal_measures", "healing_phase",
+__all__ = ["ModelShape", "add_forward", "block_flops", "check_removal", "heal_budget", "heal_measures", "healing_phase",
            "lm_eval_passes", "measure_lines", "measure_tokenizer", "recovery_phase", "sparsity_phase",
            "text_tokenizer"]
 
@@ -128,7 +128,7 @@ def _phase(exact: bool, note: str) -> dict:
             "memory_bytes": 0, "note": note}
 
 
-def _add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width: int, head: bool = True,
+def add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width: int, head: bool = True,
                  factor: float = 1.0, head_rows: int | None = None, times: int = 1) -> None:
     """``times`` model forwards of ``batch`` x ``width`` positions through ``blocks`` blocks and
     (``head``) the head over every position, or over its last ``head_rows`` per prompt."""
@@ -137,19 +137,6 @@ def _add_forward(phase: dict, shape: ModelShape, blocks: int, batch: int, width:
     phase["head_passes"] += int(head) * times
     phase["block_flops"] += times * factor * fb
     phase["head_flops"] += times * factor * (fh if head_rows is None or not head else fh * head_rows / width)
-
-
-def forwards_phase(shape: ModelShape, forwards, blocks: int) -> dict:
-    """The passes and FLOPs of model forwards through ``blocks`` blocks: ``forwards`` is one
-    ``(windows, length, keep)`` per forward (windows in the batch, their length in tokens,
-    the positions whose logits the head computes), as
-    :func:`~hf_layerswap.evaluation.perplexity.window_batches` groups a perplexity
-    evaluation's windows. Returns ``{"block_passes", "head_passes", "block_flops",
-    "head_flops"}`` (price it with :meth:`~hf_layerswap.cost.Throughput.seconds`)."""
-    phase = {"block_passes": 0, "head_passes": 0, "block_flops": 0.0, "head_flops": 0.0}
-    for windows, length, keep in forwards:
-        _add_forward(phase, shape, blocks, windows, length, head_rows=keep)
-    return phase
 
 
 def _removal(shape: ModelShape, cfg: LayerSwapConfig) -> tuple[list[int], bool]:
@@ -209,13 +196,13 @@ def recovery_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     if depths:
         ids, _, _ = next(select_rows(calib, min(cfg.batch_size, PROBE_PROMPTS), num_tokens))
         for depth in depths:
-            _add_forward(phase, shape, depth, ids.shape[0], ids.shape[1], head=False)
+            add_forward(phase, shape, depth, ids.shape[0], ids.shape[1], head=False)
     # the method's float64 moments (blocks not yet chosen: up to one cut per removed block)
     memory = fit_memory(calib, cfg.batch_size, num_tokens, slots=len(slots), hidden=shape.hidden,
                         element_bytes=shape.es, moment_bytes=entry.estimate(cuts, shape.hidden, exact)["moment_bytes"],
                         activation=shape.activation_bytes, budget=budget, accelerator=accelerator)
     for ids, _, _ in select_rows(calib, memory["batch_size"], num_tokens):
-        _add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
+        add_forward(phase, shape, blocks, ids.shape[0], ids.shape[1], head=False)
     phase["memory_bytes"] = shape.weight_bytes + teacher_bytes + memory["device_bytes"]
     phase.update(working_bytes=memory["device_bytes"], host_bytes=memory["host_bytes"],
                  batch_size=memory["batch_size"], within_budget=memory["within_budget"])
@@ -234,11 +221,11 @@ def sparsity_phase(shape: ModelShape, calib: CalibrationSet, cfg: LayerSwapConfi
     for ids, _ in calib.batches(SPARSIFY_BATCH):
         b, w = ids.shape
         for _ in range(gradients):  # forward with the head, then a backward (2 forward FLOPs)
-            _add_forward(phase, shape, kept, b, w, head=True, factor=3.0)
-        _add_forward(phase, shape, kept, b, w, head=False)  # the dense pass
+            add_forward(phase, shape, kept, b, w, head=True, factor=3.0)
+        add_forward(phase, shape, kept, b, w, head=False)  # the dense pass
         for _ in range(replays):  # block by block: the statistics replay
-            _add_forward(phase, shape, kept, b, w, head=False)
-        _add_forward(phase, shape, kept - 1, b, w, head=False)  # the propagation to the next block
+            add_forward(phase, shape, kept, b, w, head=False)
+        add_forward(phase, shape, kept - 1, b, w, head=False)  # the propagation to the next block
         inputs += ids.numel() * shape.hidden * shape.es  # each batch's stream entering a block
     linears = [(m.out_features, m.in_features) for m in shape.blocks[0].modules() if isinstance(m, nn.Linear)]
     rows = [int(mask.sum()) for _, mask in calib.batches(SPARSIFY_BATCH)]  # the real positions statistics read
@@ -386,14 +373,14 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
                    f"held-out evaluations" + ("" if no_early_stop else " (no early stop: an upper bound)"))
     if budget is not None:  # the forwards heal times for the budget (one untimed first), each model
         for blocks in (kept, shape.num_blocks):
-            _add_forward(phase, shape, blocks, heal.batch_size, width, times=budget["timed_forwards"])
+            add_forward(phase, shape, blocks, heal.batch_size, width, times=budget["timed_forwards"])
     if heal.teacher_top_k is not None:  # the teacher once over the training prompts
         for b, n in _trainer_batches(train, heal.batch_size, math.ceil(train / heal.batch_size)).items():
-            _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
+            add_forward(phase, shape, shape.num_blocks, b, width, times=n)
     for b, n in _trainer_batches(train, heal.batch_size, steps).items():
         if heal.teacher_top_k is None:
-            _add_forward(phase, shape, shape.num_blocks, b, width, times=n)
-        _add_forward(phase, shape, kept, b, width, factor=3.0, times=n)  # forward + backward (2 forward FLOPs)
+            add_forward(phase, shape, shape.num_blocks, b, width, times=n)
+        add_forward(phase, shape, kept, b, width, factor=3.0, times=n)  # forward + backward (2 forward FLOPs)
     probe: dict[str, Any] | None = None
     if heal.learning_rate is None:  # the probe: per candidate its steps, and a held-out evaluation (one more first)
         candidates = get_heal_method(heal.method).learning_rates
@@ -401,14 +388,14 @@ def healing_phase(shape: ModelShape, cfg: LayerSwapConfig, calibration, removed:
         probe = {"candidates": list(candidates), "steps": per, "prompts": min(train, per * heal.batch_size)}
         for b, n in _trainer_batches(probe["prompts"], heal.batch_size, per).items():
             if heal.teacher_top_k is None:
-                _add_forward(phase, shape, shape.num_blocks, b, width, times=n * len(candidates))
-            _add_forward(phase, shape, kept, b, width, factor=3.0, times=n * len(candidates))
+                add_forward(phase, shape, shape.num_blocks, b, width, times=n * len(candidates))
+            add_forward(phase, shape, kept, b, width, factor=3.0, times=n * len(candidates))
     for b, n in _trainer_batches(held, heal.batch_size, math.ceil(held / heal.batch_size)).items():
         # the evaluations, and one more before anything: the finite-start check (healing.teacher.check_finite_start);
         # the probe's: one per candidate and its start
         times = n * (evaluations + 1 + (len(probe["candidates"]) + 1 if probe else 0))
-        _add_forward(phase, shape, shape.num_blocks, b, width, times=times)
-        _add_forward(phase, shape, kept, b, width, times=times)
+        add_forward(phase, shape, shape.num_blocks, b, width, times=times)
+        add_forward(phase, shape, kept, b, width, times=times)
     params, tensors, es = trainable_parameters(shape, cfg, removed_set, removal_known)
     # gradients, AdamW's exp_avg and exp_avg_sq (parameter dtype), a 4-byte step per tensor, the best copy
     optimizer = 4 * params * es + 4 * tensors
@@ -475,7 +462,7 @@ def heal_measures(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: in
         for stage in stages:
             depth = shape.num_blocks if stage == "dense" else kept
             for windows, length, keep in forwards:
-                _add_forward(phase, shape, depth, windows, length, head_rows=keep)
+                add_forward(phase, shape, depth, windows, length, head_rows=keep)
         phase["perplexity"] = {"stages": stages, "forwards_per_stage": len(forwards),
                                "block_passes": phase["block_passes"] - before[0],
                                "head_passes": phase["head_passes"] - before[1]}
@@ -605,7 +592,7 @@ def lm_eval_passes(phase: dict, shape: ModelShape, cfg: LayerSwapConfig, kept: i
         counted[name] = len(widths)
         for width in widths:
             for _ in range(2):  # before and after healing
-                _add_forward(phase, shape, kept, 1, width)
+                add_forward(phase, shape, kept, 1, width)
     phase["tasks"] = {"forwards": counted, "runs": 2, "block_passes": phase["block_passes"] - before[0],
                       "head_passes": phase["head_passes"] - before[1]}
     if counted:

@@ -250,9 +250,14 @@ class SetObjective:
             :func:`~hf_layerswap.scoring.settings.device_memory_budget`): the kept reference
             takes ``reference_memory`` of it and each engine call
             (:func:`~hf_layerswap.scoring.plan_kl`) the rest, so together they stay within it.
+        known: values of this objective already measured on this model and these prompts
+            (``{set_key: value}``, e.g. an earlier search's, kept in
+            :attr:`~hf_layerswap.SwapReport.removal_kl`): a set found there is taken from it
+            and not scored again. It still counts in ``calls`` (so a search given them
+            decides exactly as one that scored them) and in ``reused``, with no pass.
 
     Attributes:
-        calls: distinct sets scored; ``forward_passes`` (calibration sweeps, a candidate
+        calls: distinct sets valued (scored, or taken from ``known``: ``reused``); ``forward_passes`` (calibration sweeps, a candidate
         starting mid-stack counts as one, plus the reference sweeps actually run: one for
         the whole search when the reference fits ``reference_memory``),
         ``reference_passes`` (those reference sweeps), ``block_passes`` (block forward
@@ -270,7 +275,7 @@ class SetObjective:
 
     def __init__(self, model: nn.Module, calibration: CalibrationSet, objective: str = "removal_kl", *,
                  batch_size: int = 8, prefix_reuse: bool = True, progress=None, reference_memory=None,
-                 max_memory=None):
+                 max_memory=None, known: Mapping[str, float] | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}: allowed {list(OBJECTIVES)}")
         budget = resolve_memory(max_memory, model)
@@ -288,12 +293,14 @@ class SetObjective:
         self.batch_size, self.prefix_reuse, self.progress = batch_size, prefix_reuse, progress
         self.num_blocks = num_blocks(model)
         self.cache: dict[str, float] = {}
+        self.known = {k: float(v) for k, v in (known or {}).items() if v is not None and math.isfinite(v)}
+        self.reused = 0
         self.calls = self.forward_passes = self.block_passes = self.head_passes = self.block_loads = 0
         self.seconds = 0.0
         self._operators: dict[int, torch.Tensor] | None = None
 
     def cost(self) -> dict:
-        return {"evaluator_calls": self.calls, "forward_passes": self.forward_passes,
+        return {"evaluator_calls": self.calls, "reused": self.reused, "forward_passes": self.forward_passes,
                 "block_passes": self.block_passes, "head_passes": self.head_passes,
                 "reference_passes": self.reference_passes, "block_loads": self.block_loads,
                 "seconds": round(self.seconds, 3)}
@@ -305,6 +312,14 @@ class SetObjective:
         """Values of ``sets`` (each a list of 0-based blocks); uncached ones are scored in one batch."""
         sets = [sorted(int(i) for i in s) for s in sets]
         todo = list({set_key(s): s for s in sets if set_key(s) not in self.cache}.values())
+        taken = [s for s in todo if set_key(s) in self.known]
+        if taken:  # measured before on these prompts: valued without a pass
+            self.cache.update({set_key(s): self.known[set_key(s)] for s in taken})
+            self.calls += len(taken)
+            self.reused += len(taken)
+            todo = [s for s in todo if set_key(s) not in self.known]
+            if self.progress is not None:
+                self.progress.update(len(taken))
         if todo:
             t0 = time.perf_counter()
             entry = objective_entry(self.objective)

@@ -72,7 +72,8 @@ from .objectives import OBJECTIVES, SetObjective, objective_entry
 from .registry import Criterion, keyword_options, register_strategy
 from ..utils.registry import Options, option
 
-__all__ = ["SearchOptions", "check_max_evaluations", "criterion_name", "search_allowances", "search_criterion", "search_select"]
+__all__ = ["SearchOptions", "check_max_evaluations", "criterion_name", "known_values", "search_allowances", "search_criterion",
+           "search_select"]
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ def search_select(
 
     Args:
         report: swap-KL scores of ``model`` on these prompts (candidates from each protocol
-            it scored); ``None`` uses single-removal values only.
+            it scored; with the removal KL, the set values it holds from these prompts,
+            :func:`known_values`, are taken, not scored); ``None``: single removals only.
         budgets: n or a list of n; the search runs every budget up to the largest (each
             seeds the next) and returns the requested ones.
         model: the dense model (left unchanged).
@@ -163,8 +165,7 @@ def search_select(
             earlier one; by default budgets 1..N together score at most SLEB's count for N,
             sum_{k<N} (U - k) sets (with the option: U + (N - 1) * evaluations_per_budget).
         extend_best: how many best sets of n - 1 are grown and of n moved (ranked sets).
-        moves_per_round, max_rounds: up to ``1 + max_rounds`` rounds a budget, each of at
-            least ``moves_per_round`` sets.
+        moves_per_round, max_rounds: up to ``1 + max_rounds`` rounds a budget, each of at least ``moves_per_round`` sets.
         exhaustive_below: score every set of a budget when there are at most this many
             (default ``moves_per_round * max_rounds``) and
             they fit in what budgets 1..n may spend together (their allowances less what
@@ -180,8 +181,8 @@ def search_select(
         (per protocol in the report: the paper's greedy set with spacing 1 and its
         value, ``None`` if not scored; the entry ``None`` where the rule cannot fill the
         budget), ``trace`` (sets of n scored, the first round's best, each round),
-        ``cost`` (cumulative evaluator calls, forward passes, block passes, seconds up to
-        this budget), ``total_cost`` (the whole call), ``evaluations_per_budget`` (as
+        ``cost`` (cumulative evaluator calls, ``reused`` ones, forward passes, block
+        passes, seconds up to this budget), ``total_cost`` (the whole call), ``evaluations_per_budget`` (as
         given) and ``allowances`` (the most new sets of each budget 1..max(budgets), an
         exhaustive budget's raised one included).
 
@@ -202,7 +203,7 @@ def search_select(
     bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
                 dynamic_ncols=True) if progress and evaluator is None else None)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
-                                  progress=bar, max_memory=max_memory)
+                                  progress=bar, max_memory=max_memory, known=known_values(report, calibration, objective))
     search = _SetSearch(f, allowed, spacing, budget_total, total)
     first_call = f.calls
     search.score_singles()
@@ -253,6 +254,17 @@ def _record_of(n: int, selected, value, protocol_sets: dict, trace: dict, cost: 
         "evaluations_per_budget": common["evaluations_per_budget"], "allowances": list(common["allowances"]),
         "unit": common["unit"],
     }
+
+
+def known_values(report: SwapReport | None, calibration: CalibrationSet, objective: str) -> dict[str, float]:
+    """The removal-KL values ``report`` already holds (:attr:`~hf_layerswap.SwapReport.removal_kl`,
+    e.g. an earlier search's on the same model) when they were measured on these prompts:
+    the report's calibration content hash is ``calibration``'s; ``{}`` for another objective,
+    no report or other prompts."""
+    if report is None or objective != "removal_kl" or not report.removal_kl:
+        return {}
+    same = (report.metadata.get("calibration") or {}).get("content_hash") == calibration.content_hash
+    return dict(report.removal_kl) if same else {}
 
 
 def _check_budgets(report: SwapReport | None, budgets, total: int, spacing: int, protect) -> tuple[list[int], int]:
@@ -667,12 +679,16 @@ def _search(report, num_to_remove, *, spacing, protect, model, calibration, batc
     record = search_select(report, num_to_remove, model=model, calibration=calibration, objective=objective,
                            protect=protect, spacing=spacing, batch_size=batch_size, max_memory=max_memory,
                            **options)[num_to_remove]
-    _record(report, record)
+    _record(report, record, calibration)
     return list(record["selected"])
 
 
-def _record(report: SwapReport, record: dict) -> None:
-    if record["objective"] == "removal_kl":
+def _record(report: SwapReport, record: dict, calibration: CalibrationSet) -> None:
+    """Append the search's ``record`` to the report's selections and, for the removal KL on
+    the report's own prompts (or a report that records none), its sets' values to
+    ``report.removal_kl``."""
+    measured = (report.metadata.get("calibration") or {}).get("content_hash")
+    if record["objective"] == "removal_kl" and measured in (None, calibration.content_hash):
         report.removal_kl[set_key(record["selected"])] = record["value"]
         for entry in record["protocol_sets"].values():
             if entry is not None and entry["value"] is not None:
