@@ -256,7 +256,7 @@ def test_plan_nll_fills_the_kept_reference_of_an_offloaded_head_with_the_batch_s
     second call reads them and sweeps nothing), and a call interrupted before that phase
     leaves no entry (no zeros served later)."""
     from hf_layerswap.scoring.reference import ReferenceCache
-    import hf_layerswap.selection.nll as nll_module
+    from hf_layerswap.selection.nll import OnlineNLL
 
     _, offloaded, calib = head_offloaded_llama(tmp_path, num_prompts=4, seq_len=24)
     cache = ReferenceCache(1 << 30)
@@ -267,7 +267,7 @@ def test_plan_nll_fills_the_kept_reference_of_an_offloaded_head_with_the_batch_s
     assert torch.equal(stats_again["base"], stats["base"]) and bool((stats["base"] > 0).all())
     broken = ReferenceCache(1 << 30)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(nll_module, "_streamed_nll", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        patch.setattr(OnlineNLL, "add", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
         with pytest.raises(KeyboardInterrupt):
             plan_nll(offloaded, calib, {"skip1": [0, 2, 3]}, batch_size=4, reference_cache=broken)
     assert not broken.entries and broken.bytes == 0

@@ -932,7 +932,7 @@ def test_the_nll_s_reads_of_an_offloaded_head_are_predicted_exactly_and_its_peak
     those reads (``head_loads``) exactly; accelerate's own hook never loads the head in
     SLEB's run, which scores nothing. SLEB's peak of CPU tensor storages stays inside the
     budget and within 0.8x to 1.5x of the predicted working memory."""
-    import hf_layerswap.selection.nll as nll_module
+    import hf_layerswap.selection.objectives as objectives
 
     _, model, calib = head_offloaded_llama(tmp_path, num_prompts=8, seq_len=64)
     cfg = hl.LayerSwapConfig(num_to_remove=1, strategy=strategy, objective=objective, num_prompts=8, seq_len=64,
@@ -941,16 +941,16 @@ def test_the_nll_s_reads_of_an_offloaded_head_are_predicted_exactly_and_its_peak
                                 throughput=Throughput(1e10, 1e10, 1e10, source="assumed"))
     phase = estimate.phases["selection"]
     phases, rows = [0], [0]
-    phase_of = nll_module._streamed_nll
+    nll_of = objectives.plan_nll
     with HeadReads(model.lm_head) as reads, pytest.MonkeyPatch.context() as patch:
-        def counted(*args, **kwargs):
+        def counted(*args, **kwargs):  # the selection's NLL calls: the head's reads inside them
             before = reads.rows
-            out = phase_of(*args, **kwargs)
-            phases[0] += 1
+            out = nll_of(*args, **kwargs)
+            phases[0] += out[2]["head_loads"]
             rows[0] += reads.rows - before
             return out
 
-        patch.setattr(nll_module, "_streamed_nll", counted)
+        patch.setattr(objectives, "plan_nll", counted)
         if strategy == "sleb":
             with LiveTensorBytes() as live:
                 result = sleb(model, calib, 1, batch_size=4, max_memory=budget)

@@ -138,11 +138,6 @@ class NLLSizing:
         """Positions per whole-vocabulary row slice of a head in memory (:func:`nll_slice_rows`)."""
         return nll_slice_rows(self.budget, self.activation_bytes, self.fixed_bytes, self.vocab)
 
-    @property
-    def vocab_slices(self) -> int:
-        """Vocabulary slices per head phase (1 for a head in memory)."""
-        return len(chunk_bounds(self.vocab, self.vocab_chunk))
-
     def group(self, rows: int) -> int:
         """Plans whose final rows (``rows`` predicted positions x ``hidden`` each) a streamed
         head's phase holds: :data:`~hf_layerswap.scoring.engine.FLUSH_BUDGET_FRACTION` of the
@@ -155,16 +150,6 @@ class NLLSizing:
         positions and ``items`` head passes (the reference's and the plans'): one per phase
         of :meth:`group` passes; 0 for a head in memory (never read from an offload)."""
         return math.ceil(items / self.group(rows)) if self.streamed and items > 0 else 0
-
-    def head_calls(self, rows: int, items: int) -> int:
-        """Output-head GEMM calls for one batch: ``items`` passes over ``rows`` positions in
-        row slices of the whole vocabulary, or for a streamed head in blocks of
-        :attr:`block_rows` x :attr:`vocab_chunk` (each pass over every vocabulary slice)."""
-        if rows <= 0 or items <= 0:
-            return 0
-        if not self.streamed:
-            return items * math.ceil(rows / self.rows_per_slice)
-        return items * self.vocab_slices * len(chunk_bounds(rows, self.block_rows))
 
     def working_bytes(self, rows: int, passes: int | None = None) -> int:
         """Bytes held at the peak for a batch with ``rows`` predicted positions: the
@@ -183,8 +168,12 @@ class NLLSizing:
 
 
 def _nll_sizing(model: nn.Module, head: Head, batch_size: int, seq_len: int, max_memory) -> NLLSizing:
-    """The :class:`NLLSizing` of :func:`plan_nll` on ``model`` and its ``head``."""
+    """The :class:`NLLSizing` of :func:`plan_nll` on ``model`` and its ``head``; a model without
+    an output head or a ``max_memory`` that is no size refused (``ValueError``)."""
     budget = resolve_memory(max_memory, model).bytes
+    if head.module is None:
+        raise ValueError(f"plan_nll needs the model's output head (get_output_embeddings()); "
+                         f"{type(model).__name__} has none")
     es = torch.finfo(param_dtype(model)).bits // 8
     fixed = head_fixed_bytes(head) if head.linear else 0
     cfg = text_config(model)
@@ -316,14 +305,62 @@ def _head_input(head: Head):
         yield taken
 
 
-def _run_probes(order, streams: dict, run, pending: list, head_phase) -> dict:
-    """Every probe of a :func:`~hf_layerswap.scoring.probes.schedule` order through ``run``
-    from the identity's ``streams`` (prefix tree shared), then the last head phase of the
-    final rows still ``pending`` (a streamed head); ``{probe key: run's value}``."""
-    nll = {p.key: v for p, v in walk_schedule(order, lambda slot: streams[slot] if slot > 0 else None, run)}
-    if pending:
-        head_phase()
-    return nll
+class _HeadPhases:
+    """One batch's output-head work in :func:`plan_nll`: a head in memory runs on each pass's
+    final hidden state at once (row slices, :func:`_masked_nll`); a streamed head's final rows
+    are held and run in head phases of ``sizing.group`` passes (:func:`_streamed_nll`). The
+    reference's NLL of a streamed head is the ``(B,)`` tensor the identity sweep returns
+    (the one a :class:`~hf_layerswap.scoring.reference.ReferenceCache` keeps), filled in place
+    by the batch's first phase."""
+
+    def __init__(self, head: Head, sizing: NLLSizing, ids: torch.Tensor, mask: torch.Tensor, counters: dict):
+        self.head, self.sizing, self.ids, self.mask = head, sizing, ids, mask
+        self.rows_per_slice, self.counters = sizing.rows_per_slice, counters
+        self.rows, self.prompt_of_row = _predicted_rows(mask)
+        self.targets = ids[:, 1:].reshape(-1).index_select(0, self.rows)
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.done: dict[Any, torch.Tensor] = {}
+
+    def nll_of(self, final: torch.Tensor, key) -> torch.Tensor | None:
+        """``(B,)`` NLL sums of the final hidden state ``(B, T, H)`` of one pass (a head in
+        memory), or ``None`` with its rows held under ``key`` (a probe's key, or the
+        reference's tensor to fill) until a phase runs them."""
+        if not self.sizing.streamed:
+            return _masked_nll(final, self.head, self.ids, self.mask, self.rows_per_slice, self.counters)
+        self.pending.append((key, _final_rows(final, self.rows)))
+        if len(self.pending) >= self.sizing.group(self.rows.numel()):
+            self.flush()
+        return None
+
+    def reference(self, final: torch.Tensor) -> torch.Tensor | None:
+        """The reference's ``(B,)`` NLL sums (for a streamed head: the tensor a phase fills)."""
+        if not self.sizing.streamed:
+            return self.nll_of(final, None)
+        ref = torch.zeros(self.ids.shape[0], dtype=torch.float64)
+        self.nll_of(final, ref)
+        return ref
+
+    @property
+    def holds_reference(self) -> bool:
+        """Whether the reference's rows wait for a phase (its tensor not filled yet)."""
+        return any(isinstance(k, torch.Tensor) for k, _ in self.pending)
+
+    def flush(self) -> None:
+        """One head phase over the held rows."""
+        sums = _streamed_nll(self.head, [f for _, f in self.pending], self.targets, self.prompt_of_row,
+                             self.ids.shape[0], self.sizing, self.counters)
+        for (key, _), v in zip(self.pending, sums):
+            if isinstance(key, torch.Tensor):
+                key.copy_(v)
+            else:
+                self.done[key] = v
+        self.pending.clear()
+
+    def results(self, nll: dict) -> dict:
+        """Each probe's NLL sums, the last phase run first (``nll``: what :meth:`nll_of` returned per probe key)."""
+        if self.pending:
+            self.flush()
+        return {k: self.done.get(k, v) for k, v in nll.items()}
 
 
 @torch.no_grad()
@@ -360,13 +397,8 @@ def plan_nll(
             (:func:`nll_slice_rows`: the head/KL share of the same slice budget as the KL
             path's), never on the whole ``(B, T, V)`` logits; the values are those of the
             unsliced NLL (each row's log-softmax is its own; float64 sums). An offloaded
-            head (accelerate CPU or disk offload of a plain ``nn.Linear``) is read once per
-            head phase, not once per row slice: the final rows of up to
-            :meth:`NLLSizing.group` passes of a batch are held and the head runs on them in
-            vocabulary slices (the scoring engine's,
-            :func:`~hf_layerswap.scoring.engine.head_blocks`), each read once, with a
-            float64 running log-sum-exp per row (:class:`OnlineNLL`); the values are the
-            unsliced NLL's to float64 rounding.
+            head is read once per head phase of :meth:`NLLSizing.group` passes, in the
+            engine's vocabulary slices (:class:`NLLSizing`, :class:`OnlineNLL`).
 
     Returns:
         ``(values, counts, stats)``: ``values[name]`` is a ``(N,)`` float64 tensor of
@@ -375,12 +407,9 @@ def plan_nll(
         ``base`` (``(N,)`` NLL sums of the unmodified model), ``forward_passes``,
         ``block_passes`` (block forward calls per calibration sweep), ``head_passes``,
         ``reference_passes`` (identity sweeps run: 1, or 0 when the cache held every batch),
-        ``head_slices`` (output-head GEMM calls: row slices, or blocks of rows x
-        vocabulary of an offloaded head), ``head_rows`` (positions the head ran on: the
-        predicted ones, once per pass), ``head_loads`` (whole reads of an offloaded head's
-        weight: one per head phase; 0 in memory), ``head_bytes_read`` (bytes of it read),
-        ``rows_per_slice``, ``vocab_chunk`` (vocabulary entries per slice of an offloaded
-        head; the vocabulary in memory) and ``seconds``. Calibration NLL per token of a plan is
+        ``head_slices`` (head GEMM calls), ``head_rows`` (positions the head ran on: the
+        predicted ones), ``head_loads`` (whole reads of an offloaded head: one per head
+        phase; 0 in memory), ``head_bytes_read``, ``rows_per_slice``, ``vocab_chunk`` and ``seconds``. Calibration NLL per token of a plan is
         ``values[name].sum() / counts.sum()``.
 
     The model is left exactly as it was.
@@ -390,11 +419,7 @@ def plan_nll(
     """
     model = uncompiled(model)
     head = Head(model)
-    if head.module is None:
-        raise ValueError(f"plan_nll needs the model's output head (get_output_embeddings()); "
-                         f"{type(model).__name__} has none")
     sizing = _nll_sizing(model, head, batch_size, calibration.seq_len, max_memory)
-    rows_per_slice = sizing.rows_per_slice
     counters = {"head_slices": 0, "head_rows": 0, "head_loads": 0}
     read0 = head.bytes_read
     total_blocks = num_blocks(model)
@@ -406,64 +431,37 @@ def plan_nll(
     base, counts = [], []
     was_training = model.training
     model.eval()
-    device = input_device(model)
     cache = ReferenceCache(0) if reference_cache is None else reference_cache
     misses = cache.misses
     t0 = time.perf_counter()
     try:
         for b, (ids, mask) in enumerate(calibration.batches(batch_size)):
-            ids, mask = ids.to(device), mask.to(device)
-            rows, prompt_of_row = _predicted_rows(mask)
-            targets = ids[:, 1:].reshape(-1).index_select(0, rows)
-            # a streamed head: the final rows wait for the batch's head phases (the reference's
-            # sums are filled in place, in the tensor the cache keeps, by the first phase)
-            pending: list[tuple[Any, torch.Tensor]] = []
-            out: dict[Any, torch.Tensor] = {}
+            ids, mask = ids.to(input_device(model)), mask.to(input_device(model))
+            phases = _HeadPhases(head, sizing, ids, mask, counters)
 
-            def head_phase(bsz=ids.shape[0], targets=targets, prompt_of_row=prompt_of_row, pending=pending, out=out):
-                sums = _streamed_nll(head, [f for _, f in pending], targets, prompt_of_row, bsz, sizing, counters)
-                for (key, _), v in zip(pending, sums):
-                    if isinstance(key, torch.Tensor):
-                        key.copy_(v)
-                    else:
-                        out[key] = v
-                pending.clear()
-
-            def nll_of(final, key, ids=ids, mask=mask, rows=rows, pending=pending, head_phase=head_phase):
-                if not sizing.streamed:
-                    return _masked_nll(final, head, ids, mask, rows_per_slice, counters)
-                pending.append((key, _final_rows(final, rows)))
-                if len(pending) >= sizing.group(rows.numel()):
-                    head_phase()
-                return None
-
-            def run_probe(probe, depth0, start_hidden, captures, ids=ids, mask=mask, nll_of=nll_of):
+            def run_probe(probe, depth0, start_hidden, captures, ids=ids, mask=mask, phases=phases):
                 slot = probe.start + depth0
                 kwargs = {"start": slot, "start_hidden": start_hidden} if slot > 0 else {}
                 with apply_plan(model, probe.key, **kwargs), _head_input(head) as final:
                     captured, handles = position_hooks(blocks, probe.run, depth0, captures)
                     with hooks_removed(handles), contextlib.suppress(StopForward):
                         model(input_ids=ids, attention_mask=mask, use_cache=False)
-                return nll_of(final.pop(), probe.key), captured
+                return phases.nll_of(final.pop(), probe.key), captured
 
-            def sweep(slots, ids=ids, mask=mask, nll_of=nll_of):
+            def sweep(slots, ids=ids, mask=mask, phases=phases):
                 with _head_input(head) as final:
                     streams, _ = capture_residual_stream(model, ids, mask, slots=slots, compute_logits=True)
-                if not sizing.streamed:
-                    return streams, nll_of(final.pop(), None)
-                ref = torch.zeros(ids.shape[0], dtype=torch.float64)  # filled by the batch's first head phase
-                nll_of(final.pop(), ref)
-                return streams, ref
+                return streams, phases.reference(final.pop())
 
             key = ("nll", b, batch_size, calibration.content_hash)
             streams, ref = cache.get(key, sweep, needed or [0], reference_slots(total_blocks), stream_bytes(model, ids))
+            walk = walk_schedule(order, lambda slot, s=streams: s[slot] if slot > 0 else None, run_probe)  # type: ignore[misc]  # mypy infers no lambda with a default argument
             try:
-                nll = _run_probes(order, streams, run_probe, pending, head_phase)
+                nll = phases.results({p.key: v for p, v in walk})
             except BaseException:
-                if any(isinstance(k, torch.Tensor) for k, _ in pending):  # never keep a reference left unfilled
+                if phases.holds_reference:  # never keep a reference left unfilled
                     cache.discard(key)
                 raise
-            nll = {k: out.get(k, v) for k, v in nll.items()}
             base.append(ref)
             counts.append((mask[:, 1:] * mask[:, :-1]).sum(dim=1).cpu())
             for name in plans:
@@ -479,11 +477,9 @@ def plan_nll(
         "block_passes": total_blocks * sweeps + schedule_blocks(list(probes.values()), "shared"),
         "head_passes": sweeps + len(probes),
         "reference_passes": sweeps,
-        "head_slices": counters["head_slices"],
-        "head_rows": counters["head_rows"],
-        "head_loads": counters["head_loads"],
+        **counters,
         "head_bytes_read": head.bytes_read - read0,
-        "rows_per_slice": rows_per_slice,
+        "rows_per_slice": sizing.rows_per_slice,
         "vocab_chunk": sizing.vocab_chunk,
         "seconds": time.perf_counter() - t0,
     }
