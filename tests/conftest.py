@@ -266,6 +266,66 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def head_offloaded_llama(folder: Path, num_prompts: int = 8, seq_len: int = 160):
+    """``(dense, offloaded, calibration)``: a tiny Llama (4 blocks, hidden 64, a 4,096-entry
+    vocabulary, untied head; seed 0) in memory and the same weights reloaded with its output
+    head and blocks 2-3 on disk, 0-1 in CPU memory (accelerate ``device_map``,
+    ``offload_folder``), and ``num_prompts`` random prompts of ``seq_len`` tokens, the last
+    padded from position 100."""
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(config).eval()
+    dense.save_pretrained(folder / "ckpt")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "disk",
+                  **{f"model.layers.{i}": "cpu" if i < 2 else "disk" for i in range(4)}}
+    from transformers import AutoModelForCausalLM
+
+    offloaded = AutoModelForCausalLM.from_pretrained(folder / "ckpt", device_map=device_map,
+                                                     offload_folder=str(folder / "offload")).eval()
+    ids = torch.randint(0, 4096, (num_prompts, seq_len), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[-1, 100:] = 0
+    return dense, offloaded, CalibrationSet(ids, mask, "random tokens")
+
+
+class HeadReads:
+    """Context manager counting the reads of an offloaded module's weight: the rows
+    :class:`~hf_layerswap.utils.devices.OffloadedTensor` returns for the tensor named ``key``
+    (``rows``), and the calls of accelerate's own hook that would load it whole
+    (``hook_loads``, its ``pre_forward``)."""
+
+    def __init__(self, module: torch.nn.Module, key: str = "lm_head.weight"):
+        self.module, self.key = module, key
+        self.rows = self.hook_loads = 0
+
+    def __enter__(self):
+        from hf_layerswap.utils.devices import OffloadedTensor
+
+        self._patch = pytest.MonkeyPatch()
+        rows = OffloadedTensor.rows
+
+        def counted(reader, ranges):
+            if reader.key == self.key:
+                self.rows += sum(b - a for a, b in ranges)
+            return rows(reader, ranges)
+
+        hook = self.module._hf_hook
+        pre = hook.pre_forward
+
+        def pre_forward(module, *args, **kwargs):
+            self.hook_loads += 1
+            return pre(module, *args, **kwargs)
+
+        self._patch.setattr(OffloadedTensor, "rows", counted)
+        self._patch.setattr(hook, "pre_forward", pre_forward)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+        return False
+
+
 # --------------------------------------------------------------------------- shared by component tests
 
 #: Three one-line prompts of different lengths (the character tokenizer pads the shorter two).

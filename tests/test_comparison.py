@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_batch, tiny_model
+from conftest import HeadReads, head_offloaded_llama, tiny_batch, tiny_model
 
 from hf_layerswap import comparison as B
 from hf_layerswap.calibration import CalibrationSet, build_calibration, embedded_text
@@ -216,6 +216,61 @@ def test_plan_nll_shares_the_prefix_tree_bit_identically_and_hooks_count_its_blo
     for b, plan in plans.items():
         alone, _, _ = plan_nll(model, calib, {b: plan}, batch_size=2)
         assert torch.equal(values[b], alone[b])
+
+
+@pytest.mark.parametrize("max_memory, phases, vocab_chunk", [(1 << 30, 1, 256), (1 << 20, 4, 4)])
+def test_plan_nll_reads_an_offloaded_head_once_per_head_phase_and_equals_the_unsliced_nll(tmp_path, max_memory, phases,
+                                                                                         vocab_chunk):
+    """A tiny Llama whose head (4,096 x 64) and blocks 2-3 are on disk, one batch of 8
+    prompts x 160 tokens (1,272 predicted positions: two blocks of rows) and three plans:
+    the head runs in vocabulary slices (the scoring engine's: at most 1/16 of it, 256
+    entries, under 1 GiB; 4 under 1 MiB, whose slice budget is an eighth of it), each read
+    once per head phase from the offload (it read the whole head once per row slice).
+    Under 1 GiB the final rows of the reference and the three plans are one phase: one read
+    of the head for the batch; under 1 MiB one pass's rows fill the held share, so four
+    phases. Accelerate's hook never loads the head whole. The NLL equals the in-memory
+    model's unsliced one."""
+    dense, offloaded, calib = head_offloaded_llama(tmp_path)
+    plans = {"skip1": [0, 2, 3], "skip2": [0, 1, 3], "skip12": [0, 3]}
+    whole, counts, stats_whole = plan_nll(dense, calib, plans, batch_size=8)
+    assert stats_whole["head_loads"] == stats_whole["head_bytes_read"] == 0 and stats_whole["vocab_chunk"] == 4096
+    with HeadReads(offloaded.lm_head) as reads:
+        sliced, _, stats = plan_nll(offloaded, calib, plans, batch_size=8, max_memory=max_memory)
+    targets = int(counts.sum())
+    assert targets == 8 * 159 - 60
+    assert stats["vocab_chunk"] == vocab_chunk
+    assert stats["head_loads"] == phases
+    assert reads.rows == phases * 4096 and reads.hook_loads == 0
+    assert stats["head_bytes_read"] == phases * 4096 * 64 * 4
+    assert stats["head_slices"] == 4 * (4096 // vocab_chunk) * 2  # 4 passes x the vocabulary slices x 2 row blocks
+    assert stats["head_rows"] == stats_whole["head_rows"] == 4 * targets
+    assert stats["head_passes"] == stats_whole["head_passes"] == 4
+    for name in plans:
+        torch.testing.assert_close(sliced[name], whole[name], rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats["base"], stats_whole["base"], rtol=1e-6, atol=0)
+
+
+def test_plan_nll_fills_the_kept_reference_of_an_offloaded_head_with_the_batch_s_first_head_phase(tmp_path):
+    """With a kept reference (SLEB's, the search's), the reference NLL of an offloaded head is
+    computed in the batch's head phase, after the sweep: the kept entry holds its values (a
+    second call reads them and sweeps nothing), and a call interrupted before that phase
+    leaves no entry (no zeros served later)."""
+    from hf_layerswap.scoring.reference import ReferenceCache
+    from hf_layerswap.selection.nll import OnlineNLL
+
+    _, offloaded, calib = head_offloaded_llama(tmp_path, num_prompts=4, seq_len=24)
+    cache = ReferenceCache(1 << 30)
+    first, _, stats = plan_nll(offloaded, calib, {"skip1": [0, 2, 3]}, batch_size=4, reference_cache=cache)
+    assert stats["reference_passes"] == 1 and cache.entries
+    again, _, stats_again = plan_nll(offloaded, calib, {"skip2": [0, 1, 3]}, batch_size=4, reference_cache=cache)
+    assert stats_again["reference_passes"] == 0 and stats_again["head_loads"] == 1
+    assert torch.equal(stats_again["base"], stats["base"]) and bool((stats["base"] > 0).all())
+    broken = ReferenceCache(1 << 30)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OnlineNLL, "add", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            plan_nll(offloaded, calib, {"skip1": [0, 2, 3]}, batch_size=4, reference_cache=broken)
+    assert not broken.entries and broken.bytes == 0
 
 
 def test_plan_nll_runs_the_head_on_row_slices_of_the_budget_and_equals_one_slice():

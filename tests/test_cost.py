@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_layerswap as hl
-from conftest import LiveTensorBytes, counted_prune, eight_block_search_setup, tiny_checkpoint
+from conftest import (HeadReads, LiveTensorBytes, counted_prune, eight_block_search_setup, head_offloaded_llama,
+                      tiny_checkpoint)
 from hf_layerswap.calibration import CalibrationSet, build_calibration
 from hf_layerswap.cli import main
 from hf_layerswap.cost import Throughput
@@ -917,6 +918,55 @@ def test_a_slot_major_pass_keeps_its_states_inside_the_one_budget():
         hl.score_layers(model, calib, batch_size=8, max_memory=budget, max_gap=4, slot_major=True, progress=False)
     assert live.peak <= 1.05 * budget, live.peak
     assert 0.8 <= live.peak / predicted <= 1.5, (live.peak, predicted)
+
+
+@pytest.mark.parametrize("budget", [16 << 20, 1 << 20])
+@pytest.mark.parametrize("strategy, objective", [("sleb", None), ("beam", "nll"), ("search", "nll")])
+def test_the_nll_s_reads_of_an_offloaded_head_are_predicted_exactly_and_its_peak_stays_in_the_budget(
+        tmp_path, strategy, objective, budget):
+    """SLEB, the beam and the search (objective nll) removing one block of a tiny Llama whose
+    head and blocks 2-3 are on disk, 8 prompts x 64 tokens in batches of 4: the NLL reads the
+    head once per head phase (the final rows of the batch's reference and candidates under
+    16 MiB: one per batch; under 1 MiB a few passes per phase, several phases per batch),
+    and ``estimate_cost`` predicts
+    those reads (``head_loads``) exactly; accelerate's own hook never loads the head in
+    SLEB's run, which scores nothing. SLEB's peak of CPU tensor storages stays inside the
+    budget and within 0.8x to 1.5x of the predicted working memory."""
+    import hf_layerswap.selection.objectives as objectives
+
+    _, model, calib = head_offloaded_llama(tmp_path, num_prompts=8, seq_len=64)
+    cfg = hl.LayerSwapConfig(num_to_remove=1, strategy=strategy, objective=objective, num_prompts=8, seq_len=64,
+                             batch_size=4, progress=False)
+    estimate = hl.estimate_cost(model, cfg, calibration=calib, max_memory=budget,
+                                throughput=Throughput(1e10, 1e10, 1e10, source="assumed"))
+    phase = estimate.phases["selection"]
+    phases, rows = [0], [0]
+    nll_of = objectives.plan_nll
+    with HeadReads(model.lm_head) as reads, pytest.MonkeyPatch.context() as patch:
+        def counted(*args, **kwargs):  # the selection's NLL calls: the head's reads inside them
+            before = reads.rows
+            out = nll_of(*args, **kwargs)
+            phases[0] += out[2]["head_loads"]
+            rows[0] += reads.rows - before
+            return out
+
+        patch.setattr(objectives, "plan_nll", counted)
+        if strategy == "sleb":
+            with LiveTensorBytes() as live:
+                result = sleb(model, calib, 1, batch_size=4, max_memory=budget)
+            assert reads.hook_loads == 0 and result.details["head_loads"] == phases[0]
+        else:
+            hl.prune(model, cfg, calibration=calib, max_memory=budget)
+    assert rows[0] == phases[0] * 4096  # each phase reads the whole head once, slice by slice
+    assert phase["head_loads"] == phases[0]
+    assert phase["exact"] == (strategy == "sleb")
+    if strategy == "sleb" and budget == 16 << 20:
+        assert phases[0] == 2  # one phase per batch
+        predicted = estimate.memory_parts["selection"] + estimate.memory_parts["reference_kept"]
+        assert live.peak <= budget and predicted <= budget
+        assert 0.8 <= live.peak / predicted <= 1.5, (live.peak, predicted)
+    if budget == 1 << 20:
+        assert phases[0] > 2  # several phases per batch
 
 
 def test_sleb_s_head_work_is_counted_on_the_predicted_positions_its_nll_runs_the_head_on():

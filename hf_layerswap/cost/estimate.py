@@ -62,15 +62,15 @@ from .steps import (ModelShape, add_forward, block_flops, check_removal, healing
 from ..models import BUNDLED, DTYPES, bundled_checkpoint_dir, resolve_dtype
 from ..layerplan import decoder_blocks, num_blocks, removal_plan
 from ..scoring.rule import resolve_protect
-from ..scoring.engine import KL_BLOCK_ENTRY_BYTES, plan_engine
-from ..scoring.head import UPCAST_PIECE_BYTES, linear32, mixed_gemm, param_dtype, text_config
+from ..scoring.engine import head_fixed_bytes, KL_BLOCK_ENTRY_BYTES, plan_engine
+from ..scoring.head import Head, UPCAST_PIECE_BYTES, linear32, mixed_gemm, param_dtype, text_config
 from ..scoring.kl import OnlineKL
 from ..scoring.settings import (EngineSettings, MemoryBudget, batch_activation_bytes, device_memory_budget,
                                 kl_block_bytes, resolve_memory)
 from ..scoring.slotmajor import blocks_offloaded
 from ..scoring.layerscores import swap_plans
 from ..selection import STRATEGIES
-from ..selection.nll import nll_working_bytes
+from ..selection.nll import NLLSizing
 from ..selection.registry import strategy_entry
 from ..steps import recipe_steps
 from ..utils.registry import Options
@@ -383,24 +383,52 @@ class SelectionPlan:
         gives the batches)."""
         return _reference_batches(planned, self.memory_budget)
 
-    def nll_working(self, budget: int | None = None) -> int:
-        """Bytes the calibration NLL (:func:`~hf_layerswap.selection.nll.plan_nll`) holds
-        at its peak under ``budget`` bytes (default the engine calls' share,
+    def nll_sizing(self, budget: int | None = None) -> NLLSizing:
+        """How the calibration NLL (:func:`~hf_layerswap.selection.nll.plan_nll`) runs the
+        output head under ``budget`` bytes (default the engine calls' share,
         ``settings.max_memory``): a batch's activations, the head's fixed working piece on
-        :attr:`device` and one row slice of fp32 logits and log-softmax
-        (:func:`~hf_layerswap.selection.nll.nll_working_bytes`), for the batch with the
-        most real positions."""
+        :attr:`device` (for an offloaded head, one vocabulary slice read beside it:
+        :func:`~hf_layerswap.scoring.engine.head_fixed_bytes`), its row slices or, for an
+        offloaded head, its blocks of rows x vocabulary (:class:`~hf_layerswap.selection.nll.NLLSizing`)."""
         budget = resolve_memory(self.settings.max_memory, self.device).bytes if budget is None else int(budget)
         es = torch.finfo(param_dtype(self.model)).bits // 8
-        activations = batch_activation_bytes(text_config(self.model), self.num_blocks, self.config.batch_size,
-                                             self.calibration.seq_len, es)
-        head = self.model.get_output_embeddings()
-        vocab, hidden = (int(d) for d in head.weight.shape)
-        half = head.weight.dtype != torch.float32 and not (self.device.type == "cuda"
-                                                            or mixed_gemm(self.device, head.weight.dtype))
-        fixed = min(4 * vocab * hidden, UPCAST_PIECE_BYTES) if half else 0
-        rows = max((real for _, real in self.batches), default=1)
-        return nll_working_bytes(budget, activations, fixed, vocab, rows)
+        cfg = text_config(self.model)
+        activations = batch_activation_bytes(cfg, self.num_blocks, self.config.batch_size, self.calibration.seq_len, es)
+        head = Head(self.model)
+        vocab, hidden = (int(d) for d in head.module.weight.shape)
+        if head.streamed:
+            fixed = head_fixed_bytes(head)
+        else:
+            half = head.module.weight.dtype != torch.float32 and not (
+                self.device.type == "cuda" or mixed_gemm(self.device, head.module.weight.dtype))
+            fixed = min(4 * vocab * hidden, UPCAST_PIECE_BYTES) if half else 0
+        return NLLSizing.of(head, budget, activations, fixed, hidden, es, self.config.batch_size,
+                            self.calibration.seq_len)
+
+    def nll_working(self, budget: int | None = None, passes: int | None = None) -> int:
+        """Bytes the calibration NLL (:func:`~hf_layerswap.selection.nll.plan_nll`) holds
+        at its peak under ``budget`` bytes (:meth:`nll_sizing`): a batch's activations, the
+        head's fixed working piece and one row slice of fp32 logits and log-softmax
+        (:func:`~hf_layerswap.selection.nll.nll_working_bytes`), or for an offloaded head the
+        final rows of one head phase and one block of rows x vocabulary
+        (:meth:`~hf_layerswap.selection.nll.NLLSizing.working_bytes`; of at most ``passes``
+        head passes per batch, when given), for the batch with the most real positions."""
+        return self.nll_sizing(budget).working_bytes(max((real for _, real in self.batches), default=1), passes)
+
+    @property
+    def predicted_rows(self) -> list[int]:
+        """Positions of each batch that predict a real token from a real one (the rows the
+        calibration NLL runs the head on)."""
+        return [int((mask[:, 1:] * mask[:, :-1]).sum()) for _, mask in self.calibration.batches(self.config.batch_size)]
+
+    def nll_head_loads(self, passes_per_call, budget: int | None = None) -> int:
+        """Whole reads of an offloaded output head's weight by calibration-NLL calls
+        (:func:`~hf_layerswap.selection.nll.plan_nll`) with ``passes_per_call[c]`` head
+        passes per batch each (the reference's, where the call sweeps it, and one per
+        distinct plan): one per head phase of :meth:`~hf_layerswap.selection.nll.NLLSizing.group`
+        passes, per batch (:meth:`nll_sizing` under ``budget``); 0 for a head in memory."""
+        sizing = self.nll_sizing(budget)
+        return sum(sizing.head_loads(rows, int(items)) for rows in self.predicted_rows for items in passes_per_call)
 
     def forwards(self, blocks_per_batch: int, heads_per_batch: int = 0, *, predicted_rows: bool = False) -> dict:
         """Model forwards over every batch of ``config.batch_size`` prompts: ``blocks_per_batch``
@@ -409,8 +437,7 @@ class SelectionPlan:
         :func:`~hf_layerswap.selection.nll.plan_nll`) over the real positions followed by a
         real one."""
         batches = self.batches
-        rows = (sum(int((mask[:, 1:] * mask[:, :-1]).sum()) for _, mask in self.calibration.batches(self.config.batch_size))
-                if predicted_rows else sum(n for n, _ in batches))
+        rows = sum(self.predicted_rows) if predicted_rows else sum(n for n, _ in batches)
         return {"block_passes": blocks_per_batch * len(batches), "head_passes": heads_per_batch * len(batches),
                 "head_rows": heads_per_batch * rows,
                 "block_tokens": blocks_per_batch * sum(n for n, _ in batches)}

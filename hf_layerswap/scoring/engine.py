@@ -51,7 +51,7 @@ from .slotmajor import (blocks_offloaded, capture_block_inputs, final_norm, mova
                         probe_groups, run_pass, state_capacity)
 from .streamed import StreamedKL
 
-__all__ = ["Engine", "FLUSH_BUDGET_FRACTION", "HEAD_BUDGET_FRACTION", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
+__all__ = ["Engine", "FLUSH_BUDGET_FRACTION", "HEAD_BUDGET_FRACTION", "head_blocks", "head_fixed_bytes", "KL_BLOCK_ENTRY_BYTES", "MAX_KL_CHUNK", "MIN_WHOLE_VOCAB_CHUNK", "plan_engine",
            "plan_kl", "run_plans"]
 
 #: Share of the slice budget (:func:`~.settings.slice_budget`: what ``max_memory`` leaves after
@@ -80,6 +80,58 @@ KL_BLOCK_ENTRY_BYTES = 12
 #: Fewest vocabulary slices of a streamed (offloaded) head: at most ``1 / STREAMED_HEAD_SLICES``
 #: of its weight is read and resident at a time.
 STREAMED_HEAD_SLICES = 16
+
+
+def head_fixed_bytes(head: Head) -> int:
+    """The most the output head's GEMM holds beside its logits (:meth:`.head.Head.working_bytes`
+    at the widest slice a head/KL block may take: the whole vocabulary, or an offloaded head's
+    ``1 / STREAMED_HEAD_SLICES``); 0 for a head without a weight."""
+    if getattr(head.module, "weight", None) is None:
+        return 0
+    vocab = head.vocab
+    return head.working_bytes(math.ceil(vocab / STREAMED_HEAD_SLICES) if head.streamed else vocab)
+
+
+def head_blocks(head: Head, head_budget: int, rows: int, *, kl_chunk: int | None = None,
+                vocab_chunk: int | None = None, entry_bytes: int = KL_BLOCK_ENTRY_BYTES) -> tuple[int, int]:
+    """(positions, vocabulary entries) per block of output-head work, kept under ``head_budget``
+    bytes at ``entry_bytes`` (default :data:`KL_BLOCK_ENTRY_BYTES`, 12) per position and
+    entry, the whole vocabulary or a slice of it: the one slicing of the head that the
+    scoring engine's KL and the selection's NLL (:func:`~hf_layerswap.selection.nll.plan_nll`)
+    share. ``rows``: the positions wanted per block (``kl_chunk`` when given, which is then
+    kept). A streamed (offloaded) head is always sliced, in at least
+    :data:`STREAMED_HEAD_SLICES` slices (its weight read once per slice per head phase); a
+    head in memory keeps the whole vocabulary while ``rows`` fit, else takes fewer positions
+    (at least :data:`MIN_WHOLE_VOCAB_CHUNK`) or slices the vocabulary. A head that is no
+    plain ``nn.Linear`` in memory runs whole (fewer positions per block instead).
+
+    Raises:
+        ValueError: a ``vocab_chunk`` below the vocabulary for a head that runs whole.
+    """
+    vocab = head.vocab
+    if head.sliceable:
+        if vocab_chunk is None:
+            fit = head_budget // (entry_bytes * vocab)  # positions whose whole-vocabulary block fits
+            if head.streamed:  # never the whole head at once: slices under the budget and 1/16
+                width = min(max(1, head_budget // (entry_bytes * rows)), math.ceil(vocab / STREAMED_HEAD_SLICES))
+                vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
+            elif entry_bytes * rows * vocab <= head_budget:
+                vocab_chunk = vocab
+            elif kl_chunk is None and fit >= MIN_WHOLE_VOCAB_CHUNK:
+                # fewer positions, whole vocabulary: one head GEMM per block instead of one per slice
+                rows, vocab_chunk = fit, vocab
+            else:
+                width = max(1, head_budget // (entry_bytes * rows))
+                vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
+        return rows, min(vocab, vocab_chunk)
+    if vocab_chunk is not None and vocab_chunk < vocab:
+        raise ValueError(
+            f"vocab_chunk={vocab_chunk} needs a plain nn.Linear output head with its weight in memory; "
+            f"this model's head ({type(head.module).__name__}) runs whole"
+        )
+    if kl_chunk is None:  # the whole vocabulary at once: fewer positions per block
+        rows = max(1, min(rows, head_budget // (entry_bytes * vocab)))
+    return rows, vocab
 
 
 class Engine:
@@ -199,13 +251,8 @@ class Engine:
         return min(state_capacity(shape, self.compute_dtype, self.budget), self._all_probe_states)
 
     def _head_fixed_bytes(self) -> int:
-        """The most the head's GEMM holds beside its logits (:meth:`.head.Head.working_bytes`
-        at the widest slice the engine may take: the whole vocabulary, or an offloaded head's
-        ``1 / STREAMED_HEAD_SLICES``); 0 for a head without a weight."""
-        if not self.stream_logits or getattr(self.head.module, "weight", None) is None:
-            return 0
-        vocab = self.head.vocab
-        return self.head.working_bytes(math.ceil(vocab / STREAMED_HEAD_SLICES) if self.head.streamed else vocab)
+        """The head's fixed working piece (:func:`head_fixed_bytes`); 0 where the logits are not streamed."""
+        return head_fixed_bytes(self.head) if self.stream_logits else 0
 
     def _batch_size(self, batch_size, cfg) -> int:
         if batch_size != "auto":
@@ -218,40 +265,12 @@ class Engine:
         return best
 
     def _kl_chunks(self, kl_chunk, vocab_chunk) -> tuple[int, int]:
-        """(positions, vocabulary entries) per head/KL block, kept under
-        :data:`HEAD_BUDGET_FRACTION` of the slice budget (:func:`~.settings.slice_budget`:
-        what the budget leaves after a batch's activations) at :data:`KL_BLOCK_ENTRY_BYTES` (12)
-        bytes per position and entry, the whole vocabulary or a slice of it (float64
-        reference weights and fp32 logits). A streamed (offloaded) head is always sliced,
-        in at least :data:`STREAMED_HEAD_SLICES` slices. The KL does not depend on the
-        blocks (:class:`.kl.OnlineKL`); they only bound memory and set the GEMMs' shapes."""
-        vocab = self.head.vocab
-        head_budget = int(HEAD_BUDGET_FRACTION * self.slice_budget)
+        """(positions, vocabulary entries) per head/KL block (:func:`head_blocks` under
+        :data:`HEAD_BUDGET_FRACTION` of the slice budget, from ``kl_chunk`` positions or a
+        batch's, at most :data:`MAX_KL_CHUNK`)."""
         rows = kl_chunk or min(MAX_KL_CHUNK, self.batch_size * self.calib.seq_len)
-        if self.head.sliceable:
-            if vocab_chunk is None:
-                entry = KL_BLOCK_ENTRY_BYTES
-                fit = head_budget // (entry * vocab)  # positions whose whole-vocabulary block fits
-                if self.head.streamed:  # never the whole head at once: slices under the budget and 1/16
-                    width = min(max(1, head_budget // (entry * rows)), math.ceil(vocab / STREAMED_HEAD_SLICES))
-                    vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
-                elif entry * rows * vocab <= head_budget:
-                    vocab_chunk = vocab
-                elif kl_chunk is None and fit >= MIN_WHOLE_VOCAB_CHUNK:
-                    # fewer positions, whole vocabulary: one head GEMM per block instead of one per slice
-                    rows, vocab_chunk = fit, vocab
-                else:
-                    width = max(1, head_budget // (entry * rows))
-                    vocab_chunk = math.ceil(vocab / math.ceil(vocab / width))
-            return rows, min(vocab, vocab_chunk)
-        if vocab_chunk is not None and vocab_chunk < vocab:
-            raise ValueError(
-                f"vocab_chunk={vocab_chunk} needs a plain nn.Linear output head with its weight in memory; "
-                f"this model's head ({type(self.head.module).__name__}) runs whole"
-            )
-        if kl_chunk is None:  # the whole vocabulary at once: fewer positions per block
-            rows = max(1, min(rows, head_budget // (KL_BLOCK_ENTRY_BYTES * vocab)))
-        return rows, vocab
+        return head_blocks(self.head, int(HEAD_BUDGET_FRACTION * self.slice_budget), rows, kl_chunk=kl_chunk,
+                           vocab_chunk=vocab_chunk)
 
     def flush_size(self, real_rows: int) -> int:
         """Probes whose final rows (``real_rows`` x H each, compute dtype) are held before

@@ -169,7 +169,7 @@ def _beam_cost(plan) -> dict:
     evaluator = plan.config.objective or inspect.signature(interchange_beam).parameters["evaluator"].default
     total, unprotected = plan.num_blocks, len(plan.allowed)
     planned = plan.engine({0: removal_plan(total, [plan.allowed[0]])})["plan"] if evaluator == "removal_kl" else None
-    parts, beams, sets_total = [], 0, 0
+    parts, beams, sets_total, passes = [], 0, 0, []
     for level in range(1, plan.num_to_remove + 1):
         grown = min(seed_size, unprotected) if level == 1 else beams * (unprotected - level + 1)
         pool = min(grown + greedy, math.comb(unprotected, level))
@@ -178,9 +178,11 @@ def _beam_cost(plan) -> dict:
             parts.append(plan.evaluator(pool, level, planned))
         else:  # calibration NLL: a reference forward and one forward per set, each with the model's head
             parts.append(plan.forwards(total + pool * plan.probe_blocks(level), 1 + pool, predicted_rows=True))
-    # the NLL keeps no reference: its row slices of the head have the whole budget
-    nll = {} if evaluator == "removal_kl" else {"working_bytes": plan.nll_working(plan.settings.max_memory
-                                                                                  + plan.memory_budget)}
+            passes.append(1 + pool)  # the level's call: its reference and its sets, per batch
+    # the NLL keeps no reference: its row slices of the head (an offloaded head's phases) have the whole budget
+    whole = plan.settings.max_memory + plan.memory_budget
+    nll = {} if evaluator == "removal_kl" else {"working_bytes": plan.nll_working(whole, max(passes)),
+                                                "head_loads": plan.nll_head_loads(passes, whole)}
     return plan.counts(*parts, exact=False, sweeps=plan.num_to_remove + sets_total, **nll,
                        note=f"an upper bound: per level at most {width} beams grown by each unprotected block and "
                             "the greedy set, each set from the first removable block")

@@ -455,8 +455,16 @@ register_objective("removal_kl", help="the joint removal KL d_skip(S) of the set
     SetObjective._engine_kl)
 def _nll_working(counts: dict, plan, exact_sets: list, n_batches: int) -> None:
     """The NLL objective runs no pass beyond the removal KL's count; its working memory beside
-    the kept reference is the NLL's (:meth:`~hf_layerswap.cost.SelectionPlan.nll_working`)."""
-    counts["working_bytes"] = plan.nll_working()
+    the kept reference is the NLL's (:meth:`~hf_layerswap.cost.SelectionPlan.nll_working`).
+    An offloaded head is read once per head phase (:meth:`~hf_layerswap.cost.SelectionPlan.nll_head_loads`):
+    the first call's (the reference and ``exact_sets``) exactly; of the further calls only
+    those that score a set read it (at most one per further set), each bounded by one phase
+    per batch plus its share of the further sets and references."""
+    rest = counts["sets"] - len(exact_sets)
+    runs = min(counts["calls"] - 1, rest)  # further calls that score a set: the others run nothing
+    counts["working_bytes"] = plan.nll_working(passes=max(1 + len(exact_sets), 1 + rest))
+    counts["head_loads"] = (plan.nll_head_loads([1 + len(exact_sets)]) + plan.nll_head_loads([1] * runs)
+                            + plan.nll_head_loads([rest + runs] if runs else []))
 
 
 register_objective("nll", help="the calibration next-token NLL per token after removing the set, in nats",

@@ -621,7 +621,7 @@ def _search_cost(plan) -> dict:
     objective_entry(_default_objective(cfg.objective)).estimate(counts, plan, sets, n_batches)
     return plan.counts(counts, exact=False, note="an upper bound: the single-removal sweep, then each budget's "
                        "allowance of sets from the first removable block (search_allowances)",
-                       **{k: counts[k] for k in ("calls", "sweeps", "sets", "working_bytes") if k in counts},
+                       **{k: counts[k] for k in ("calls", "sweeps", "sets", "working_bytes", "head_loads") if k in counts},
                        exact_sets=sets)
 
 

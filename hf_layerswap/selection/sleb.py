@@ -64,7 +64,9 @@ def sleb(
     Returns:
         :class:`CriterionResult`: ``scores`` = the first step's NLL per block (``None``
         for protected blocks); ``details["steps"]`` = per step the chosen block and every
-        candidate's NLL; ``details["head_passes"]`` = output-head passes over the prompts. ``evaluator_calls`` = candidate sets scored.
+        candidate's NLL; ``details["head_passes"]`` = output-head passes over the prompts,
+        ``details["head_loads"]`` = whole reads of an offloaded head's weight (0 in memory;
+        :func:`plan_nll`). ``evaluator_calls`` = candidate sets scored.
 
     Raises:
         ValueError: a budget outside ``1..L-1`` or more than the unprotected blocks.
@@ -75,7 +77,7 @@ def sleb(
         raise ValueError(f"n={budgets[-1]} exceeds the {len(allowed)} unprotected blocks (protect={list(protect)})")
     removed: list[int] = []
     steps, results = [], {}
-    passes = blocks = calls = heads = 0
+    passes = blocks = calls = heads = loads = 0
     seconds = 0.0
     first_scores: list[float | None] = [None] * num_blocks
     base_nll = None
@@ -85,6 +87,7 @@ def sleb(
         removed, steps = list(resume.removed), copy.deepcopy(resume.details["steps"])
         passes, blocks, calls, seconds = resume.forward_passes, resume.block_passes, resume.evaluator_calls, resume.seconds
         heads = resume.details.get("head_passes", 0)
+        loads = resume.details.get("head_loads", 0)
         first_scores, base_nll, first_step = list(resume.scores), resume.details["base_nll"], resume.n + 1
     kept, working = resolve_memory(max_memory, model).split()
     reference = ReferenceCache(kept.bytes)
@@ -98,6 +101,7 @@ def sleb(
         passes += stats["forward_passes"]
         blocks += stats["block_passes"]
         heads += stats["head_passes"]
+        loads += stats["head_loads"]
         seconds += stats["seconds"]
         calls += len(sets)
         best = min(range(len(candidates)), key=lambda c: (score_key(nll[c]), candidates[c]))
@@ -110,7 +114,7 @@ def sleb(
             results[k] = CriterionResult(
                 "sleb", k, list(removed), first_scores, passes, blocks, seconds, evaluator_calls=calls,
                 details={"protect": sorted(resolve_protect(protect, num_blocks)), "base_nll": base_nll,
-                         "unit": "nats per token", "head_passes": heads, "steps": copy.deepcopy(steps)},
+                         "unit": "nats per token", "head_passes": heads, "head_loads": loads, "steps": copy.deepcopy(steps)},
             )
     return criterion_output(results, single)
 
@@ -125,7 +129,9 @@ def _sleb_cost(plan) -> dict:
     step k > 1 bounded: its U - k + 1 candidate sets each from the first removable block,
     and a reference sweep per step unless every batch's reference fits the kept budget. Its
     working memory beside the kept reference: the NLL's (row slices of the head under the
-    engine calls' share of the budget, :meth:`~hf_layerswap.cost.SelectionPlan.nll_working`)."""
+    engine calls' share of the budget, :meth:`~hf_layerswap.cost.SelectionPlan.nll_working`);
+    ``head_loads``: the whole reads of an offloaded head (one per head phase,
+    :meth:`~hf_layerswap.cost.SelectionPlan.nll_head_loads`; 0 in memory)."""
     total, n, allowed = plan.num_blocks, plan.num_to_remove, plan.allowed
     _, probes, _ = make_probes({b: removal_plan(total, [b]) for b in allowed}, total)
     weight = plan.model.get_input_embeddings().weight
@@ -135,10 +141,13 @@ def _sleb_cost(plan) -> dict:
     later_sets = sum(len(allowed) - k + 1 for k in range(2, n + 1))
     later_blocks = sum((len(allowed) - k + 1) * plan.probe_blocks(k) for k in range(2, n + 1))
     per_batch = sweeps * total + schedule_blocks(list(probes.values()), "shared") + later_blocks
+    # head passes per batch of each step's call: the reference's where it sweeps it, one per candidate
+    calls = [1 + len(probes)] + [int(sweeps > 1) + len(allowed) - k + 1 for k in range(2, n + 1)]
     return plan.counts(plan.forwards(per_batch, sweeps + len(probes) + later_sets, predicted_rows=True), exact=n == 1,
                        note="exact for one block; for more an upper bound: each later step's candidates from the "
                             "first removable block, a reference sweep per step unless the kept reference fits",
-                       sweeps=sweeps + len(probes) + later_sets, working_bytes=plan.nll_working())
+                       sweeps=sweeps + len(probes) + later_sets, working_bytes=plan.nll_working(passes=max(calls)),
+                       head_loads=plan.nll_head_loads(calls))
 
 
 register_strategy("sleb", needs_model=True, help="SLEB: one block at a time, the removal of lowest calibration NLL", cost=_sleb_cost, guided_by=NO_PROTOCOL, keeps_reference=True, criteria={"sleb": Criterion(sleb, resumes=True)})(as_strategy("sleb", sleb))
