@@ -35,8 +35,13 @@ WIKITEXT_TEST_RAW = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 # Tiny-model forwards are dominated by threading overhead (and on a busy CPU, spin-waits
 # make them far slower), so unit tests run on one thread; real-model tests (``slow``)
-# use up to two cores.
-REAL_MODEL_THREADS = max(1, min(2, os.cpu_count() or 1))
+# use up to two cores, shared out between the workers when pytest-xdist runs the suite
+# (README command 2: ``-n 2``, one thread a worker on two cores). The processes the tests
+# start get the same share unless the environment or the test names one.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+REAL_MODEL_THREADS = max(1, min(2, (os.cpu_count() or 1) // XDIST_WORKERS))
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(REAL_MODEL_THREADS))
 torch.set_num_threads(1)
 
 

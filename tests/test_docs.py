@@ -141,9 +141,12 @@ def test_readme_first_screen_is_the_quickstart():
 def test_readme_shows_the_test_command_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     command = [line for line in ci if "pytest" in line]
-    assert command == ["bash scripts/install.sh --test && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider"]
+    assert command == ["bash scripts/install.sh --test && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2"]
     readme = [line.strip() for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()]
     assert command[0] in readme
+    tomllib = pytest.importorskip("tomllib")  # `-n 2` is pytest-xdist's option: the test extra installs it
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]["test"]
+    assert any(requirement.startswith("pytest-xdist") for requirement in extra)
 
 
 def test_ci_lints_and_type_checks_with_the_tools_the_test_extra_installs():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from arch_matrix import FAMILY_BY_NAME, build, tiny_tokenizer
+from conftest import REAL_MODEL_THREADS
 
 import hf_layerswap as hl
 from hf_layerswap.cli import main
@@ -290,7 +291,7 @@ def _llama_import():
 
 def _llama_cpp_run(llama_cpp, path: Path, prompt: list[int], steps: int):
     """llama.cpp's logits over ``prompt`` ``(len(prompt), vocab)`` and ``steps`` greedy tokens."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=REAL_MODEL_THREADS, logits_all=True, verbose=False,
                           type_k=0, type_v=0, flash_attn=False)  # f32 KV cache (GGML_TYPE_F32 = 0)
     llm.eval(prompt)
     logits = torch.tensor(llm.scores[: len(prompt)].copy())

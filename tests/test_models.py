@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -102,6 +106,72 @@ def test_cache_build_is_atomic_and_reused(monkeypatch, tmp_path):
     assert ident["name"] == "org/fake"
     assert ident["revision"] == "torch==9 GGUF Q4_0 sha256:" + "ab" * 6
     assert ident["path"] == str(first)
+
+
+_BUILDER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_layerswap import models
+
+    log = Path(sys.argv[1])
+    me = str(os.getpid())
+
+    def mark(event):
+        with open(log, "a") as f:
+            f.write(f"{me} {event}\\n")
+
+    class MarkedLock(models.FileLock):
+        def acquire(self, *args, **kwargs):
+            mark("lock")
+            return super().acquire(*args, **kwargs)
+
+    def build(entry, scratch, out_dir):
+        mark("build")
+        deadline = time.monotonic() + 300
+        while not any(line.split()[0] != me for line in log.read_text().splitlines()):
+            assert time.monotonic() < deadline, "the other process never reached the cache"
+            time.sleep(0.05)
+        LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1)).save_pretrained(out_dir)
+        return {"upstream": entry.upstream, "package": entry.package, "package_version": "9",
+                "quantization": entry.quant, "gguf_sha256": "ab" * 32}
+
+    models.FileLock = MarkedLock
+    models._build_checkpoint = build
+    models.BUNDLED["fake-model"] = models.BundledModel(
+        name="fake-model", description="", upstream="org/fake", quant="Q4_0",
+        package="torch", module="torch", locate=lambda d: d)
+    print(models.bundled_checkpoint_dir("fake-model"))
+    """
+)
+
+
+def test_two_processes_building_one_cache_entry_build_it_once(tmp_path):
+    """Two processes (two test workers, two users' jobs) that ask for the same bundled
+    checkpoint on a fresh cache: the one that builds it waits inside its build until the other
+    has reached the cache, so without the lock both would build into the same target; with it
+    the second waits, finds the finished checkpoint and builds nothing."""
+    script, log, cache = tmp_path / "build.py", tmp_path / "events.log", tmp_path / "cache"
+    script.write_text(_BUILDER_SCRIPT)
+    log.write_text("")
+    env = {**os.environ, "HF_LAYERSWAP_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(models.__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(log)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in results]
+    target = cache / f"fake-model-torch-{torch.__version__}"
+    assert [out.strip() for out, _ in results] == [str(target), str(target)]
+    events = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(event for _, event in events) == ["build", "lock", "lock"]  # one build, both locked
+    assert json.loads((target / SOURCE_FILE).read_text())["upstream"] == "org/fake"
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == [target.name]
+
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(str(target)).config.num_hidden_layers == 2
 
 
 def test_identity_of_a_plain_model_falls_back_to_name_or_path():
