@@ -60,6 +60,7 @@ def measure(part: str, threads: int, args, model, tok, calib, report) -> dict:
     from hf_layerswap.cost.estimate import forwards_phase
     from hf_layerswap.cost.steps import ModelShape
     from hf_layerswap.layerplan import num_blocks
+    from hf_layerswap.scoring.protocols import PROTOCOLS
     from hf_layerswap.selection import search_select
 
     torch.set_num_threads(threads)
@@ -67,8 +68,8 @@ def measure(part: str, threads: int, args, model, tok, calib, report) -> dict:
     rates = hl.cost.measure_throughput(model, args.num_prompts, args.seq_len)
     per_budget = demo.search_allowance(total)
     if part == "scoring":
-        cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", num_prompts=args.num_prompts,
-                                 seq_len=args.seq_len, batch_size=args.num_prompts)
+        cfg = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", num_prompts=args.num_prompts,  # both, as scored
+                                 seq_len=args.seq_len, batch_size=args.num_prompts, score_protocols=list(PROTOCOLS))
         predicted = hl.estimate_cost(model, cfg, calibration=calib, throughput=rates).phases["scoring"]["seconds"]
         _, wall, cpu = _timed(lambda: hl.score_layers(model, calib, batch_size=args.num_prompts, progress=False))
     elif part == "search":

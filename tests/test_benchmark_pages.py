@@ -1,6 +1,6 @@
 """The benchmark pages re-render byte for byte from their stored runs with today's code:
 the quality pages and their index, speed, recovery, precision, streaming, heal, the two sparsity
-pages, scale, gpu, KL arithmetic, the unscored selection and peeling (its training-trajectory section too, from the training run's
+pages, scale, gpu, KL arithmetic, the unscored selection, threads and peeling (its training-trajectory section too, from the training run's
 record) are rewritten from the JSON beside them with each script's ``--render-only`` (no model is
 loaded), so a refactoring that changes a stored number or its rendering fails here. The pages
 of the benchmarks on the runner (all but scale, gpu and peeling) are rendered from their state split in two
@@ -155,6 +155,13 @@ def test_unscored_selection_page_rerenders_unchanged(tmp_path):
     shutil.copy(RESULTS / "unscored_selection.json", tmp_path / "unscored_selection.json")
     _run([str(ROOT / "benchmarks" / "unscored_selection.py"), "--render-only", "--out", str(out)], ROOT)
     assert out.read_bytes() == (RESULTS / "unscored_selection.md").read_bytes()
+
+
+def test_threads_page_rerenders_unchanged(tmp_path):
+    out = tmp_path / "threads.md"
+    shutil.copy(RESULTS / "threads.json", tmp_path / "threads.json")
+    _run([str(ROOT / "benchmarks" / "threads.py"), "--render-only", "--out", str(out)], ROOT)
+    assert out.read_bytes() == (RESULTS / "threads.md").read_bytes()
 
 
 def test_scale_page_rerenders_unchanged(tmp_path):
