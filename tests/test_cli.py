@@ -328,7 +328,10 @@ BAD_ARGUMENTS = [
     (["demo", "--num-prompts", "0"], "--num-prompts: '0': expected an int >= 1"),
     (["demo", "--budgets", "0"], "--budgets: '0': expected an int >= 1"),
     (["demo", "--final-num-to-remove", "0"], "--final-num-to-remove: '0': expected an int >= 1"),
-    (["demo", "--time-budget", "0"], "--time-budget: '0': expected seconds > 0"),
+    (["demo", "--time-budget", "0"], "--time-budget: '0': expected finite seconds > 0"),
+    (["demo", "--time-budget", "-5"], "--time-budget: '-5': expected finite seconds > 0"),
+    (["demo", "--time-budget", "nan"], "--time-budget: 'nan': expected finite seconds > 0"),
+    (["demo", "--time-budget", "inf"], "--time-budget: 'inf': expected finite seconds > 0"),
 ]
 
 

@@ -5,6 +5,7 @@ before a model is touched."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -200,13 +201,13 @@ def fraction(text):
 
 
 def positive_seconds(text):
-    """argparse ``type=``: a positive number of seconds."""
+    """argparse ``type=``: a positive, finite number of seconds."""
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds > 0") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected finite seconds > 0") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected finite seconds > 0")
     return value
 
 
