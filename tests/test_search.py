@@ -486,3 +486,95 @@ def test_a_prune_on_other_prompts_than_its_reports_records_no_set_value_in_it(se
                  calibration=prompts)
         assert bool(given.removal_kl) is recorded
         assert given.selections[-1]["strategy"] == "search"
+
+
+def test_a_search_takes_no_set_value_of_a_report_of_another_model_on_the_same_prompts(setup):
+    """A report's set values are taken only when it was scored on this model: a report of
+    another model of the same depth (its fingerprint differs) on the same prompts gives its
+    layer scores as candidates, but every set is scored on this model."""
+    model, calib, report = setup
+    given = copy.deepcopy(report)
+    given.removal_kl.clear()
+    mine = SetObjective(model, calib)
+    search_select(given, [1, 2], model=model, calibration=calib, evaluations_per_budget=3, evaluator=mine)
+    given.removal_kl.update(mine.cache)  # the values of `model`, on `calib`
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    blank = copy.deepcopy(given)
+    blank.removal_kl.clear()
+    fresh = search_select(blank, [1, 2], model=other, calibration=calib, evaluations_per_budget=3)
+    found = search_select(given, [1, 2], model=other, calibration=calib, evaluations_per_budget=3)
+    assert found[2]["total_cost"]["reused"] == 0
+    assert found[2]["total_cost"]["forward_passes"] == fresh[2]["total_cost"]["forward_passes"] > 0
+    for n in (1, 2):
+        assert found[n]["selected"] == fresh[n]["selected"] and found[n]["value"] == fresh[n]["value"]
+    assert found[1]["value"] != given.removal_kl[str(found[1]["selected"][0])]  # not model's value
+
+
+def test_set_values_taken_from_a_report_survive_its_json_round_trip(setup, tmp_path):
+    """A report written and read back (SwapReport.to_json / from_json) keeps its calibration
+    content hash and its model's fingerprint, so a search on it takes the same values and
+    decides as on the report in memory."""
+    model, calib, report = setup
+    given = copy.deepcopy(report)
+    given.removal_kl.clear()
+    first = SetObjective(model, calib)
+    search_select(given, [1, 2], model=model, calibration=calib, evaluations_per_budget=3, evaluator=first)
+    given.removal_kl.update(first.cache)
+    loaded = hl.SwapReport.from_json(given.to_json(tmp_path / "report.json"))
+    in_memory = search_select(given, [1, 2], model=model, calibration=calib, evaluations_per_budget=3)
+    again = search_select(loaded, [1, 2], model=model, calibration=calib, evaluations_per_budget=3)
+    assert again[2]["total_cost"]["reused"] == in_memory[2]["total_cost"]["reused"] == len(first.cache)
+    assert again[2]["total_cost"]["forward_passes"] == 0
+    for n in (1, 2):
+        assert again[n]["selected"] == in_memory[n]["selected"] and again[n]["value"] == in_memory[n]["value"]
+
+
+def test_auto_on_other_prompts_than_its_reports_neither_takes_nor_records_their_set_values(setup):
+    """protocol='auto' compares its two greedy sets (here {4, 6} and {3, 6} at n = 2) on the
+    calibration it is given: on other prompts than the report's it neither reads the report's
+    values (measured on the report's prompts) nor writes its own into the report, where a
+    later search on the report's prompts would take them as theirs."""
+    model, calib, report = setup
+    other = CalibrationSet(calib.input_ids[:5].clone(), calib.attention_mask[:5].clone(), "five of the prompts")
+    sets = [[3, 6], [4, 6]]
+    on_calib = dict(zip(("3,6", "4,6"), SetObjective(model, calib)(sets)))
+    on_other = dict(zip(("3,6", "4,6"), SetObjective(model, other)(sets)))
+    assert on_calib != on_other
+    given = copy.deepcopy(report)
+    given.removal_kl.clear()
+    hl.select_layers(given, 2, protocol="auto", model=model, calibration=other)
+    record = given.selections[-1]
+    assert record["removal_kl"] == pytest.approx({"interchange": on_other["4,6"], "replacement": on_other["3,6"]})
+    assert given.removal_kl == {}
+    found = search_select(given, 2, model=model, calibration=calib)[2]
+    assert found["protocol_sets"]["interchange"]["value"] == pytest.approx(on_calib["4,6"])
+    # the report's own values (of its prompts) are not compared on other prompts
+    given.removal_kl.update(on_calib)
+    hl.select_layers(given, 2, protocol="auto", model=model, calibration=other)
+    assert given.selections[-1]["removal_kl"] == pytest.approx({"interchange": on_other["4,6"],
+                                                                "replacement": on_other["3,6"]})
+    assert given.removal_kl == on_calib
+    # on the report's own prompts the values are recorded, and taken the next time
+    given.removal_kl.clear()
+    hl.select_layers(given, 2, protocol="auto", model=model, calibration=calib)
+    assert given.removal_kl == pytest.approx(on_calib)
+
+
+def test_swap_guided_auto_with_a_report_of_other_prompts_leaves_its_set_values_alone(setup):
+    """The comparison harness's auto criterion (swap_guided) given a report scored on other
+    prompts values both greedy sets on its own prompts and writes none into that report."""
+    from hf_layerswap.selection.greedy import swap_guided
+
+    model, calib, report = setup
+    other = CalibrationSet(calib.input_ids[:5].clone(), calib.attention_mask[:5].clone(), "five of the prompts")
+    on_calib = dict(zip(("3,6", "4,6"), SetObjective(model, calib)([[3, 6], [4, 6]])))
+    on_other = SetObjective(model, other)([[3, 6], [4, 6]])
+    given = copy.deepcopy(report)
+    given.removal_kl.clear()
+    given.removal_kl.update(on_calib)
+    result = swap_guided(model, other, 2, protocol="auto", report=given)
+    assert result.details["removal_kl"] == pytest.approx({"replacement": on_other[0], "interchange": on_other[1]})
+    assert given.removal_kl == on_calib

@@ -27,7 +27,7 @@ from .registry import keyword_options
 
 __all__ = [
     "CriterionResult", "as_strategy", "allowed_blocks", "parse_budgets", "as_calibration", "check_resume",
-    "adjacent_report", "criterion_output", "report_cost", "score_adjacent", "setup_criterion",
+    "adjacent_report", "criterion_output", "report_cost", "same_prompts", "score_adjacent", "setup_criterion",
 ]
 
 
@@ -121,6 +121,16 @@ def check_resume(resume: CriterionResult, name: str, budgets: Sequence[int], **e
     for key, value in expected.items():
         if resume.details.get(key) != value:
             raise ValueError(f"resume was run with {key}={resume.details.get(key)!r}, not {value!r}")
+
+
+def same_prompts(report: SwapReport, calibration) -> bool | None:
+    """Whether ``report`` was scored on ``calibration``'s prompts (a
+    :class:`~hf_layerswap.CalibrationSet`): its calibration content hash is
+    ``calibration.content_hash``; ``None`` when the report records none. A value of
+    ``report.removal_kl`` is written only where this is not ``False`` and taken as this
+    model's only where it is ``True``."""
+    recorded = (report.metadata.get("calibration") or {}).get("content_hash")
+    return None if recorded is None else recorded == calibration.content_hash
 
 
 def adjacent_report(report: SwapReport) -> SwapReport:

@@ -81,8 +81,10 @@ def select_layers(
         protocol: ``"interchange"``, ``"replacement"`` or ``"auto"``. ``"auto"`` takes
             the candidate set of each protocol, evaluates both by their joint removal KL
             d_skip(S) on the calibration prompts and keeps the lower (ties go to
-            interchange); both values are recorded in ``report.removal_kl`` and the
-            decision in ``report.selections``.
+            interchange); both values are recorded in ``report.removal_kl`` when they
+            were measured on the report's own prompts (its calibration content hash; of
+            other prompts they are neither read from nor written there, only into the
+            decision) and the decision in ``report.selections``.
         spacing, protect: see :func:`greedy_select`.
         model, calibration, tokenizer, batch_size: needed by ``"auto"`` when the two
             candidate sets differ and ``report.removal_kl`` lacks them. Pass the same

@@ -9,6 +9,7 @@ joint removal KL d_skip(S) on the calibration prompts and keeps the lower.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from torch import nn
@@ -19,7 +20,9 @@ from ..scoring.report import SwapReport, score_key, set_key
 from ..scoring.rule import greedy_select, resolve_protect
 from ..layerplan import as_index
 from ..scoring import removal_kl
-from .criterion import CriterionResult, adjacent_report, criterion_output, report_cost, score_adjacent, setup_criterion
+from ..scoring.layerscores import calibration_from_args
+from .criterion import (CriterionResult, adjacent_report, criterion_output, report_cost, same_prompts, score_adjacent,
+                        setup_criterion)
 from .dispatch import candidates_set, select_layers
 from .objectives import plans_cost, removal_kl_values
 from .registry import Criterion, check_options, register_strategy
@@ -96,24 +99,30 @@ def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokeni
         p: greedy_select(report.layer_scores(p), num_to_remove, spacing=spacing, protect=protect) for p in PROTOCOLS
     }
     keys = {p: set_key(s) for p, s in candidates.items()}
-    missing = [k for k in dict.fromkeys(keys.values()) if k not in report.removal_kl]
-    if len(set(keys.values())) > 1 and missing:
-        if model is None:
-            raise ValueError(
-                "protocol='auto' needs the joint removal KL of both candidate sets "
-                f"{candidates}: pass model= and calibration= (the same prompts used for scoring)"
-            )
-        values = removal_kl(
-            model, calibration, [candidates_set(k) for k in missing], tokenizer=tokenizer, batch_size=batch_size,
-            num_prompts=report.metadata.get("num_prompts", 64), seq_len=report.metadata.get("seq_len", 128),
-            seed=report.metadata.get("seed", 0), max_memory=max_memory,
+    distinct = list(dict.fromkeys(keys.values()))
+    values = {k: report.removal_kl[k] for k in distinct if k in report.removal_kl}
+    if len(distinct) > 1 and model is not None and (calibration is not None or len(values) < len(distinct)):
+        calib = calibration_from_args(model, calibration, tokenizer, report.metadata.get("num_prompts", 64),
+                                      report.metadata.get("seq_len", 128), report.metadata.get("seed", 0))
+        here = same_prompts(report, calib) is not False  # the report's values are of these prompts
+        values = values if here else {}
+        missing = [k for k in distinct if k not in values]
+        if missing:
+            measured = dict(zip(missing, removal_kl(model, calib, [candidates_set(k) for k in missing],
+                                                    batch_size=batch_size, max_memory=max_memory)))
+            values.update(measured)
+            if here:  # of other prompts they stay in this decision's record only
+                report.removal_kl.update(measured)
+    if len(distinct) > 1 and len(values) < len(distinct):
+        raise ValueError(
+            "protocol='auto' needs the joint removal KL of both candidate sets "
+            f"{candidates}: pass model= and calibration= (the same prompts used for scoring)"
         )
-        report.removal_kl.update(dict(zip(missing, values)))
-    if len(set(keys.values())) == 1:
+    if len(distinct) == 1:
         chosen_protocol = "interchange"
         reason = "both protocols select the same set"
     else:
-        ki, kr = report.removal_kl[keys["interchange"]], report.removal_kl[keys["replacement"]]
+        ki, kr = values[keys["interchange"]], values[keys["replacement"]]
         chosen_protocol = "replacement" if score_key(kr) < score_key(ki) else "interchange"
         reason = "lower joint removal KL on the calibration prompts"
     record = {
@@ -121,7 +130,7 @@ def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokeni
         "spacing": as_index(spacing),
         "protect": sorted(resolve_protect(protect, report.num_blocks)),
         "candidates": {p: candidates[p] for p in PROTOCOLS},
-        "removal_kl": {p: report.removal_kl.get(keys[p]) for p in PROTOCOLS},
+        "removal_kl": {p: values.get(keys[p]) for p in PROTOCOLS},
         "chosen_protocol": chosen_protocol,
         "selected": candidates[chosen_protocol],
         "reason": reason,
@@ -179,6 +188,9 @@ def swap_guided(
     if report.num_blocks != num_blocks:
         raise ValueError(f"the report has {report.num_blocks} blocks but the model has {num_blocks}")
     sub = adjacent_report(report)
+    if same_prompts(report, calib) is False:  # its set values are of other prompts: neither read nor written
+        sub = copy.copy(sub)
+        sub.removal_kl = {}
     passes, blocks, seconds, estimated = report_cost(report, needed)
     results = {}
     for b in budgets:

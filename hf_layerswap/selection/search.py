@@ -62,12 +62,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..calibration import CalibrationSet
-from ..layerplan import num_blocks, removal_plan
+from ..layerplan import num_blocks, removal_plan, uncompiled
 from ..scoring.protocols import PROTOCOLS
 from ..scoring.report import SwapReport, score_key, set_key
 from ..scoring.rule import check_budget, greedy_select, resolve_protect
 from ..scoring.reference import ReferenceCache
-from .criterion import CriterionResult, as_calibration, adjacent_report, report_cost
+from .criterion import CriterionResult, as_calibration, adjacent_report, report_cost, same_prompts
+from .dispatch import check_report_matches
 from .objectives import OBJECTIVES, SetObjective, objective_entry
 from .registry import Criterion, keyword_options, register_strategy
 from ..utils.registry import Options, option
@@ -146,8 +147,9 @@ def search_select(
 
     Args:
         report: swap-KL scores of ``model`` on these prompts (candidates from each protocol
-            it scored; with the removal KL, the set values it holds from these prompts,
-            :func:`known_values`, are taken, not scored); ``None``: single removals only.
+            it scored; with the removal KL, the set values it holds from these prompts
+            and this model, :func:`known_values`, are taken, not scored); ``None``: single
+            removals only.
         budgets: n or a list of n; the search runs every budget up to the largest (each
             seeds the next) and returns the requested ones.
         model: the dense model (left unchanged).
@@ -203,7 +205,8 @@ def search_select(
     bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
                 dynamic_ncols=True) if progress and evaluator is None else None)
     f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
-                                  progress=bar, max_memory=max_memory, known=known_values(report, calibration, objective))
+                                  progress=bar, max_memory=max_memory,
+                                  known=known_values(report, calibration, objective, model))
     search = _SetSearch(f, allowed, spacing, budget_total, total)
     first_call = f.calls
     search.score_singles()
@@ -256,15 +259,24 @@ def _record_of(n: int, selected, value, protocol_sets: dict, trace: dict, cost: 
     }
 
 
-def known_values(report: SwapReport | None, calibration: CalibrationSet, objective: str) -> dict[str, float]:
+def known_values(report: SwapReport | None, calibration: CalibrationSet, objective: str,
+                 model: nn.Module | None = None) -> dict[str, float]:
     """The removal-KL values ``report`` already holds (:attr:`~hf_layerswap.SwapReport.removal_kl`,
-    e.g. an earlier search's on the same model) when they were measured on these prompts:
-    the report's calibration content hash is ``calibration``'s; ``{}`` for another objective,
-    no report or other prompts."""
+    e.g. an earlier search's on the same model) when they were measured on these prompts and
+    this model: the report's calibration content hash is ``calibration``'s and, when the
+    report records its model's weight fingerprint and ``model`` is given, it is ``model``'s
+    (:func:`~hf_layerswap.selection.dispatch.check_report_matches`). ``{}`` for another
+    objective, no report, other prompts or another model."""
     if report is None or objective != "removal_kl" or not report.removal_kl:
         return {}
-    same = (report.metadata.get("calibration") or {}).get("content_hash") == calibration.content_hash
-    return dict(report.removal_kl) if same else {}
+    if same_prompts(report, calibration) is not True:
+        return {}
+    if model is not None:
+        try:
+            check_report_matches(report, uncompiled(model))
+        except ValueError:  # scored on another model: its layer scores still seed the candidates
+            return {}
+    return dict(report.removal_kl)
 
 
 def _check_budgets(report: SwapReport | None, budgets, total: int, spacing: int, protect) -> tuple[list[int], int]:
@@ -687,8 +699,7 @@ def _record(report: SwapReport, record: dict, calibration: CalibrationSet) -> No
     """Append the search's ``record`` to the report's selections and, for the removal KL on
     the report's own prompts (or a report that records none), its sets' values to
     ``report.removal_kl``."""
-    measured = (report.metadata.get("calibration") or {}).get("content_hash")
-    if record["objective"] == "removal_kl" and measured in (None, calibration.content_hash):
+    if record["objective"] == "removal_kl" and same_prompts(report, calibration) is not False:
         report.removal_kl[set_key(record["selected"])] = record["value"]
         for entry in record["protocol_sets"].values():
             if entry is not None and entry["value"] is not None:
