@@ -27,7 +27,8 @@ from hf_layerswap.scoring.report import PruneProvenance
 # values its comparison search measured (``reused``) rather than scoring them again
 TIMING_KEYS = ("seconds", "reused", "forward_passes", "block_passes", "head_passes", "reference_passes")
 CARD_TIMINGS = (re.compile(r"(\| Wall time \| )[0-9.]+ s( \|)"),
-                re.compile(r"(candidate sets, )[0-9]+( forward passes)"))
+                re.compile(r"(candidate sets)(?:, [0-9]+ of them valued by an earlier search[^,]*, with no pass)?, "
+                           r"[0-9]+( forward passes)"))
 
 NUM_PROMPTS, SEQ_LEN, BATCH = 4, 24, 2
 

@@ -578,3 +578,27 @@ def test_swap_guided_auto_with_a_report_of_other_prompts_leaves_its_set_values_a
     result = swap_guided(model, other, 2, protocol="auto", report=given)
     assert result.details["removal_kl"] == pytest.approx({"replacement": on_other[0], "interchange": on_other[1]})
     assert given.removal_kl == on_calib
+
+
+def test_the_cards_count_of_candidate_sets_says_how_many_were_valued_by_an_earlier_search(setup):
+    """The card's reason counts the candidate sets and forward passes of the search; sets whose
+    values were taken from the report (no pass) are said to be, so "N candidate sets, 0 forward
+    passes" does not read as N sets scored without a pass."""
+    from hf_layerswap.selection.registry import strategy_entry
+
+    model, calib, report = setup
+    given = copy.deepcopy(report)
+    given.removal_kl.clear()
+    first = SetObjective(model, calib)
+    search_select(given, 2, model=model, calibration=calib, evaluations_per_budget=3, evaluator=first)
+    card = strategy_entry("search").card_candidates
+    fresh = search_select(given, 2, model=model, calibration=calib, evaluations_per_budget=3)[2]
+    _, reason = card(fresh, given, fresh["selected"], str, str)
+    calls, passes = fresh["cost"]["evaluator_calls"], fresh["cost"]["forward_passes"]
+    assert f"({calls} candidate sets, {passes} forward passes)" in reason and passes > 0
+    given.removal_kl.update(first.cache)
+    again = search_select(given, 2, model=model, calibration=calib, evaluations_per_budget=3)[2]
+    _, reason = card(again, given, again["selected"], str, str)
+    assert again["cost"]["reused"] == calls == len(first.cache)
+    assert (f"({calls} candidate sets, {calls} of them valued by an earlier search on the same prompts and model, "
+            "with no pass, 0 forward passes)") in reason

@@ -579,7 +579,9 @@ def _card_candidates(search, report, removed, kl, indices):
         reason += " against " + ", ".join(
             f"{p} {kl(v)}" if v is not None else f"{p} (not scored: predicted above the sets scored)"
             for p, v in values.items())
-    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets, {cost.get('forward_passes', '?')} forward "
+    reused = (f", {cost['reused']} of them valued by an earlier search on the same prompts and model, with no pass"
+              if cost.get("reused") else "")
+    reason += (f" ({cost.get('evaluator_calls', '?')} candidate sets{reused}, {cost.get('forward_passes', '?')} forward "
                "passes). It has the lowest value of every set scored.")
     matching = [p for p, s in sets.items() if s == list(removed)]
     if matching:
