@@ -269,6 +269,21 @@ def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--budgets", "1", "9"], "--budgets 9: at most 8 for this model (its 10 blocks less the first and last"),
+    (["--final-num-to-remove", "9"], "--final-num-to-remove 9: at most 8 for this model (its 10 blocks"),
+])
+def test_demo_refuses_a_budget_above_the_removable_blocks_naming_the_option(tmp_path, capsys, extra, message):
+    """A budget above the blocks a cut may remove fails before any calibration or measurement,
+    with an error naming the option, the value and the limit; nothing is written."""
+    code = main(_demo_fixture(tmp_path) + extra)
+    assert code == 2
+    captured = capsys.readouterr()
+    assert f"error: {message}" in captured.err
+    assert "calibration budget" not in captured.out
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ consistency of the verbs
 
 

@@ -194,6 +194,17 @@ def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | 
     )
 
 
+def _check_budgets(args, total: int) -> None:
+    """Refuse a ``--budgets`` or ``--final-num-to-remove`` above the ``total - 2`` blocks a
+    cut may remove (the first and last are protected), naming the option and the limit."""
+    removable = total - 2
+    for option, values in (("--budgets", args.budgets), ("--final-num-to-remove", [args.final_num_to_remove])):
+        above = [n for n in values if n > removable]
+        if above:
+            raise ValueError(f"{option} {above[0]}: at most {removable} for this model (its {total} blocks less "
+                             "the first and last, which are never removed)")
+
+
 def _searches(args) -> bool:
     """Whether ``--final-strategy`` scores candidate sets (it takes ``max_evaluations``, which
     the demo caps and counts in its time estimate)."""
@@ -211,6 +222,7 @@ def run_demo(args) -> int:
     model, tokenizer = load(args)
     needs_tokenizer(tokenizer, args.model, f"--calibration {args.calibration}")
     total = num_blocks(model)
+    _check_budgets(args, total)
     num_probes = 3 * (total - 1)
     eval_text = None if args.eval_text == "embedded" else args.eval_text
     search_budgets = sorted(set(args.budgets))
