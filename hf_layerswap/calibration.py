@@ -176,7 +176,13 @@ class CalibrationSet:
 
     def prefix(self, n: int, why: str) -> CalibrationSet:
         """The first ``n`` prompts (this set itself when it has no more), their description
-        saying so and ``why`` (e.g. ``"adaptive budget"``); ``shortfall`` is kept."""
+        saying so and ``why`` (e.g. ``"adaptive budget"``); ``shortfall`` is kept.
+
+        Raises:
+            ValueError: ``n < 1`` (a slice from the end would keep all but the last prompts).
+        """
+        if n < 1:
+            raise ValueError(f"prefix n={n}: at least 1 prompt")
         if n >= self.num_prompts:
             return self
         return CalibrationSet(

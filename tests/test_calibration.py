@@ -16,7 +16,8 @@ import hf_layerswap as hl
 from hf_layerswap import score_layers
 from hf_layerswap.card import render_card
 
-from hf_layerswap.calibration import CalibrationShortfallWarning, build_calibration, embedded_text, split_paragraphs
+from hf_layerswap.calibration import (CalibrationSet, CalibrationShortfallWarning, build_calibration, embedded_text,
+                                      split_paragraphs)
 from hf_layerswap.layerplan import num_blocks
 from hf_layerswap.scoring import masked_kl, removal_kl
 
@@ -388,3 +389,17 @@ def test_a_calibration_shortfall_is_recorded_in_the_report_and_the_card(matrix_t
         warnings.simplefilter("error", hl.CalibrationShortfallWarning)
         full = hl.build_calibration(PARAGRAPHS, matrix_tokenizer, num_prompts=6, seq_len=24)
     assert "shortfall" not in full.spec() and full.shortfall is None
+
+
+def test_a_prefix_of_the_calibration_takes_the_first_n_prompts_and_refuses_fewer_than_one():
+    """CalibrationSet.prefix(n): the first n prompts (the set itself for n >= its size); n < 1
+    is refused, where a slice from the end kept all but the last prompts."""
+    ids = torch.arange(24).reshape(6, 4)
+    calib = CalibrationSet(ids, torch.ones_like(ids), "six prompts", texts=[f"p{k}" for k in range(6)])
+    first = calib.prefix(2, "a test")
+    assert first.input_ids.tolist() == ids[:2].tolist() and first.texts == ["p0", "p1"]
+    assert first.description == "six prompts; first 2 of 6 prompts (a test)"
+    assert calib.prefix(6, "a test") is calib and calib.prefix(7, "a test") is calib
+    for n in (0, -1):
+        with pytest.raises(ValueError, match=f"prefix n={n}: at least 1 prompt"):
+            calib.prefix(n, "a test")
