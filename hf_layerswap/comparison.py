@@ -155,8 +155,8 @@ def merge_reports(*reports: SwapReport) -> SwapReport:
     ``merged_from`` recording each part.
 
     Raises:
-        ValueError: reports of different block counts or calibration content, or
-            conflicting values for the same pair.
+        ValueError: reports of different block counts, calibration content or models
+            (weight fingerprints, where recorded), or conflicting values for the same pair.
     """
     if not reports:
         raise ValueError("merge_reports needs at least one report")
@@ -164,6 +164,10 @@ def merge_reports(*reports: SwapReport) -> SwapReport:
     hashes = {r.metadata.get("calibration", {}).get("content_hash") for r in reports}
     if len({r.num_blocks for r in reports}) != 1 or len(hashes) != 1:
         raise ValueError("merge_reports: the reports differ in block count or calibration content hash")
+    prints = {f for r in reports if (f := (r.metadata.get("model") or {}).get("fingerprint"))}
+    if len(prints) > 1:  # the merged report (its values, removal_kl included) would be of one model
+        raise ValueError(f"merge_reports: the reports are of {len(prints)} different models (weight fingerprints "
+                         f"{', '.join(sorted(f[:16] + '...' for f in prints))}); merge reports of one model")
     pairs: dict[tuple[int, int], dict] = {}
     value_fields = ("replacement_ij", "replacement_ji", "interchange")
     for r in reports:

@@ -393,6 +393,18 @@ def test_merge_reports_equals_joint_scoring_and_protocol_gap_quartiles():
     assert q["non_finite_pairs"] == 1 and 2 not in q["by_gap"]
 
 
+def test_merge_reports_refuses_reports_of_two_models_on_the_same_prompts():
+    """Two models of one depth scored on the same prompts (one protocol each, so no pair value
+    conflicts): their merge would hold one model's scores and set values under the other's
+    fingerprint (a later search takes such values as that model's); it is refused."""
+    model, calib = tiny_model("llama", 6), calib_set()
+    other = tiny_model("llama", 6, seed=1)
+    first = score_layers(model, calib, protocols=("replacement",), progress=False)
+    second = score_layers(other, calib, protocols=("interchange",), progress=False)
+    with pytest.raises(ValueError, match="merge_reports: the reports are of 2 different models"):
+        B.merge_reports(first, second)
+
+
 def test_beam_never_worse_than_greedy_and_counts_calls():
     model = tiny_model("llama", 8, seed=5)
     calib = calib_set()
