@@ -269,6 +269,25 @@ def test_demo_refuses_a_missing_eval_text_before_loading(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_demo_final_cut_at_a_searched_budget_is_that_searchs_set_with_every_value_taken(tmp_path, capsys):
+    """Where --final-num-to-remove is one of --budgets, the final cut's search runs with the
+    comparison search's schedule (a third of the removable blocks per further budget) and the
+    evaluations it spent up to that budget: it chooses the set printed for that budget and
+    takes every value from the report (no forward pass). With the search's default schedule
+    it chose {6, 7, 8} here where the comparison printed {4, 6, 8}, scoring 2 sets again."""
+    argv = _demo_fixture(tmp_path)
+    argv = argv[:argv.index("--budgets")] + argv[argv.index("--budgets") + 3:]
+    assert main(argv + ["--budgets", "1", "2", "3", "--final-num-to-remove", "3"]) == 0
+    out = capsys.readouterr().out
+    printed = json.loads(next(line for line in out.splitlines() if line.startswith("  n = 3: search "))
+                         .split("search ", 1)[1].split("]", 1)[0] + "]")
+    layerswap = json.loads((tmp_path / "out" / "config.json").read_text())["layerswap"]
+    cost = layerswap["steps"][-1]["decision"]["total_cost"]
+    assert layerswap["removed_layers"] == printed
+    assert cost["reused"] == cost["evaluator_calls"] > 0 and cost["forward_passes"] == cost["block_passes"] == 0
+    assert layerswap["steps"][-1]["config"]["strategy_options"] == {"evaluations_per_budget": 2}  # (10 - 2) // 3
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--budgets", "1", "9"], "--budgets 9: at most 8 for this model (its 10 blocks less the first and last"),
     (["--final-num-to-remove", "9"], "--final-num-to-remove 9: at most 8 for this model (its 10 blocks"),

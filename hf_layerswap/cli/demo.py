@@ -179,16 +179,22 @@ def eval_forwards(model, eval_text, tokenizer, max_words) -> tuple[list[tuple[in
     return forwards, sum(end - score_from for _, end, score_from in spans)
 
 
-def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | None = None):
+def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | None = None,
+                evaluations_per_budget: int | None = None):
     """The :class:`~hf_layerswap.LayerSwapConfig` of the demo's final cut: ``--final-num-to-remove``
     blocks by ``--final-strategy`` (greedy: ``--final-protocol``'s set, ``auto`` = the better
     of the two), on the demo's calibration budget. ``num_blocks`` is the model's block count;
-    ``max_evaluations`` caps the search (default ``--max-evaluations``, else 3 per block)."""
+    ``max_evaluations`` caps the search (default ``--max-evaluations``, else 3 per block) and
+    ``evaluations_per_budget`` (the comparison search's, where the final budget is one of its
+    budgets) gives it that search's schedule, so that it scores the same sets."""
     entry = strategy_entry(args.final_strategy)
     protocol = {"protocol": args.final_protocol} if entry.reads(args.final_protocol) else {}  # a rule on its scores
+    searches = _searches(args)
+    schedule = ({"strategy_options": {"evaluations_per_budget": evaluations_per_budget}}
+                if searches and evaluations_per_budget is not None else {})
     return LayerSwapConfig(
-        num_to_remove=args.final_num_to_remove, strategy=entry.strategy_for(args.final_protocol), **protocol,
-        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_blocks) if _searches(args) else None,
+        num_to_remove=args.final_num_to_remove, strategy=entry.strategy_for(args.final_protocol), **protocol, **schedule,
+        max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_blocks) if searches else None,
         calibration=calibration_source(args.calibration), num_prompts=num_prompts, seq_len=args.seq_len,
         batch_size=args.batch_size, seed=args.seed, progress=True,
     )
@@ -308,11 +314,11 @@ def run_demo(args) -> int:
     base = cache[()]
 
     # the final cut: the one pipeline, on the report and prompts above (nothing is scored twice). Where the
-    # final budget was searched above, its search gets the evaluations that search spent up to that budget:
-    # the same candidates in the same order, so the same set.
+    # final budget was searched above, its search gets that search's schedule and the evaluations it spent up
+    # to that budget: the same candidates in the same order, so the same set, every value taken from the report.
     spent = searched[args.final_num_to_remove]["cost"]["evaluator_calls"] if args.final_num_to_remove in searched else None
-    result = prune(model, demo_config(args, total, n_prompts, spent), tokenizer=tokenizer, report=report,
-                   calibration=calib)
+    result = prune(model, demo_config(args, total, n_prompts, spent, per_budget if reused else None), tokenizer=tokenizer,
+                   report=report, calibration=calib)
     pruned, final = result.model, result.removed
     decision = (result.provenance.decision or {}) if result.provenance else {}
     reason = ("lowest joint removal KL on the calibration prompts of the candidate sets searched"
