@@ -190,10 +190,11 @@ def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | 
     entry = strategy_entry(args.final_strategy)
     protocol = {"protocol": args.final_protocol} if entry.reads(args.final_protocol) else {}  # a rule on its scores
     searches = _searches(args)
-    schedule = ({"strategy_options": {"evaluations_per_budget": evaluations_per_budget}}
-                if searches and evaluations_per_budget is not None else {})
+    schedule = ({"evaluations_per_budget": evaluations_per_budget}
+                if searches and evaluations_per_budget is not None else None)
     return LayerSwapConfig(
-        num_to_remove=args.final_num_to_remove, strategy=entry.strategy_for(args.final_protocol), **protocol, **schedule,
+        num_to_remove=args.final_num_to_remove, strategy=entry.strategy_for(args.final_protocol), **protocol,
+        strategy_options=schedule,
         max_evaluations=(max_evaluations or args.max_evaluations or 3 * num_blocks) if searches else None,
         calibration=calibration_source(args.calibration), num_prompts=num_prompts, seq_len=args.seq_len,
         batch_size=args.batch_size, seed=args.seed, progress=True,
