@@ -160,7 +160,9 @@ class SwapReport(JsonResult):
         metadata: model name/revision, calibration (description, content hash, prompts,
             tokens, seq_len), dtype, forward passes, seconds, library versions.
         removal_kl: joint removal KL d_skip(S) in nats keyed by ``"i,j,..."`` (0-based,
-            ascending), for sets evaluated on the calibration prompts.
+            ascending), for sets evaluated on this model and the report's own calibration
+            prompts (a selection on other prompts records none here; a search on these
+            prompts takes them rather than scoring the sets again).
         selections: records of :func:`~hf_layerswap.select_layers` calls that evaluated
             candidates (``protocol="auto"``).
     """
