@@ -602,3 +602,24 @@ def test_the_cards_count_of_candidate_sets_says_how_many_were_valued_by_an_earli
     assert again["cost"]["reused"] == calls == len(first.cache)
     assert (f"({calls} candidate sets, {calls} of them valued by an earlier search on the same prompts and model, "
             "with no pass, 0 forward passes)") in reason
+
+
+def test_the_search_criterion_scores_every_set_whatever_values_its_report_holds(setup):
+    """The comparison harness's search criterion measures its own cost: set values another
+    criterion recorded in the shared report (same prompts, same model) are not taken, so its
+    forward passes and calls are those of a search on a report that holds none."""
+    from hf_layerswap.selection.search import search_criterion
+
+    model, calib, report = setup
+    clean = copy.deepcopy(report)
+    clean.removal_kl.clear()
+    alone = search_criterion(model, calib, 2, report=clean)
+    held = copy.deepcopy(clean)
+    earlier = SetObjective(model, calib)
+    search_select(held, [1, 2], model=model, calibration=calib, evaluator=earlier)
+    held.removal_kl.update(earlier.cache)
+    shared = search_criterion(model, calib, 2, report=held)
+    assert shared.details["search_cost"]["reused"] == 0
+    assert shared.forward_passes == alone.forward_passes > 0
+    assert shared.details["search_cost"]["forward_passes"] == alone.details["search_cost"]["forward_passes"]
+    assert shared.removed == alone.removed and held.removal_kl == earlier.cache

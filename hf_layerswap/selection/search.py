@@ -715,11 +715,15 @@ def search_criterion(model: nn.Module, calibration, n, *, report: SwapReport, ob
 
     Returns ``{n: CriterionResult}`` (or one result for an int ``n``); the cost includes
     the scoring of both protocols (adjacent pairs) plus the search, and
-    ``details["search_cost"]`` gives the search alone (cumulative up to that budget).
+    ``details["search_cost"]`` gives the search alone (cumulative up to that budget). The
+    search scores every set it values: set values ``report`` holds (e.g. another
+    criterion's, :func:`known_values`) are not taken, so its cost does not depend on which
+    criteria ran before it.
     """
     calib = as_calibration(model, calibration, None)
     budgets = [n] if isinstance(n, int) else sorted(set(n))
-    sub = adjacent_report(report)
+    sub = copy.copy(adjacent_report(report))
+    sub.removal_kl = {}
     passes, blocks, seconds, estimated = report_cost(report, tuple(report.protocols))
     found = search_select(sub, budgets, model=model, calibration=calib, objective=objective, protect=protect,
                           batch_size=batch_size, **options)
