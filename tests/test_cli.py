@@ -291,8 +291,9 @@ def test_demo_final_cut_at_a_searched_budget_is_that_searchs_set_with_every_valu
 @pytest.mark.parametrize(("extra", "message"), [
     (["--budgets", "1", "9"], "--budgets 9: at most 8 for this model (its 10 blocks less the first and last"),
     (["--final-num-to-remove", "9"], "--final-num-to-remove 9: at most 8 for this model (its 10 blocks"),
+    (["--max-evaluations", "7"], "--max-evaluations 7: at least 8, one set per removable block for this model"),
 ])
-def test_demo_refuses_a_budget_above_the_removable_blocks_naming_the_option(tmp_path, capsys, extra, message):
+def test_demo_refuses_a_budget_or_evaluation_count_the_model_cannot_take_naming_the_option(tmp_path, capsys, extra, message):
     """A budget above the blocks a cut may remove fails before any calibration or measurement,
     with an error naming the option, the value and the limit; nothing is written."""
     code = main(_demo_fixture(tmp_path) + extra)

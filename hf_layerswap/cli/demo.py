@@ -203,13 +203,17 @@ def demo_config(args, num_blocks: int, num_prompts: int, max_evaluations: int | 
 
 def _check_budgets(args, total: int) -> None:
     """Refuse a ``--budgets`` or ``--final-num-to-remove`` above the ``total - 2`` blocks a
-    cut may remove (the first and last are protected), naming the option and the limit."""
+    cut may remove (the first and last are protected), and a ``--max-evaluations`` below
+    them (the search's single-removal sweep), naming the option and the limit."""
     removable = total - 2
+    blocks = f"for this model (its {total} blocks less the first and last, which are never removed)"
     for option, values in (("--budgets", args.budgets), ("--final-num-to-remove", [args.final_num_to_remove])):
         above = [n for n in values if n > removable]
         if above:
-            raise ValueError(f"{option} {above[0]}: at most {removable} for this model (its {total} blocks less "
-                             "the first and last, which are never removed)")
+            raise ValueError(f"{option} {above[0]}: at most {removable} {blocks}")
+    if args.max_evaluations is not None and args.max_evaluations < removable:
+        raise ValueError(f"--max-evaluations {args.max_evaluations}: at least {removable}, one set per removable "
+                         f"block {blocks}")
 
 
 def _searches(args) -> bool:
