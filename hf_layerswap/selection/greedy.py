@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ..calibration import CalibrationSet
 from ..layerplan import removal_plan
 from ..scoring.protocols import PROTOCOLS
 from ..scoring.report import SwapReport, score_key, set_key
@@ -101,9 +102,12 @@ def _auto(report, num_to_remove, *, spacing, protect, model, calibration, tokeni
     keys = {p: set_key(s) for p, s in candidates.items()}
     distinct = list(dict.fromkeys(keys.values()))
     values = {k: report.removal_kl[k] for k in distinct if k in report.removal_kl}
-    if len(distinct) > 1 and model is not None and (calibration is not None or len(values) < len(distinct)):
+    # the prompts the values are of: a CalibrationSet as given, a source built only when a value is missing
+    calib = calibration if isinstance(calibration, CalibrationSet) else None
+    if calib is None and len(distinct) > 1 and model is not None and len(values) < len(distinct):
         calib = calibration_from_args(model, calibration, tokenizer, report.metadata.get("num_prompts", 64),
                                       report.metadata.get("seq_len", 128), report.metadata.get("seed", 0))
+    if len(distinct) > 1 and model is not None and calib is not None:
         here = same_prompts(report, calib) is not False  # the report's values are of these prompts
         values = values if here else {}
         missing = [k for k in distinct if k not in values]
