@@ -146,10 +146,8 @@ def search_select(
     """Search the removal set of every budget 1..max(budgets) on the calibration prompts.
 
     Args:
-        report: swap-KL scores of ``model`` on these prompts (candidates from each protocol
-            it scored; with the removal KL, the set values it holds from these prompts
-            and this model, :func:`known_values`, are taken, not scored); ``None``: single
-            removals only.
+        report: swap-KL scores of ``model`` on these prompts (candidates from each protocol it scored;
+            its set values of this model and prompts, :func:`known_values`, are taken); ``None``: single removals only.
         budgets: n or a list of n; the search runs every budget up to the largest (each
             seeds the next) and returns the requested ones.
         model: the dense model (left unchanged).
@@ -204,9 +202,8 @@ def search_select(
     budget_total = math.inf if max_evaluations is None else int(max_evaluations)
     bar = (tqdm(total=min(sum(allowances), budget_total), desc=f"removal-set search ({objective})", unit="set",
                 dynamic_ncols=True) if progress and evaluator is None else None)
-    f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse,
-                                  progress=bar, max_memory=max_memory,
-                                  known=known_values(report, calibration, objective, model))
+    f = evaluator or SetObjective(model, calibration, objective, batch_size=batch_size, prefix_reuse=prefix_reuse, progress=bar,
+                                  max_memory=max_memory, known=known_values(report, calibration, objective, model))
     search = _SetSearch(f, allowed, spacing, budget_total, total)
     first_call = f.calls
     search.score_singles()
