@@ -24,7 +24,7 @@ from hf_layerswap.cli.options import max_memory_map
 from hf_layerswap.utils.devices import execution_device, input_device, process_share
 from hf_layerswap.evaluation.perplexity import perplexity_from_ids
 from hf_layerswap.models import load_model, resolve_dtype, resolve_placement
-from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, replacement_plan
+from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, model_fingerprint, replacement_plan
 from hf_layerswap.surgery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
 from hf_layerswap.scoring import head as head_module
@@ -394,6 +394,32 @@ def test_disk_offloaded_model_gives_the_in_memory_numbers(tmp_path):
         assert torch.allclose(fits[0][b], fits[1][b], rtol=1e-5, atol=1e-6)
 
 
+def test_an_offloaded_models_fingerprint_reads_its_offloaded_weights(tmp_path):
+    """The weight fingerprint of a model with its head, embedding and blocks 3-5 on disk is
+    the in-memory model's (it reads the offloaded tensors' first values from the offload),
+    and a model that differs only in an offloaded block gets another one, so a report of
+    the one is refused for the other."""
+    dense = tiny_model("llama")
+    other = copy.deepcopy(dense)
+    with torch.no_grad():
+        other.model.layers[4].mlp.down_proj.weight.view(-1)[:16] += 1.0
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk",
+                  **{f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)}}
+    split = []
+    for name, model in (("dense", dense), ("other", other)):
+        model.save_pretrained(tmp_path / name)
+        split.append(AutoModelForCausalLM.from_pretrained(tmp_path / name, device_map=device_map,
+                                                          offload_folder=str(tmp_path / f"{name}-offload")).eval())
+    assert split[0].lm_head.weight.device.type == split[0].model.layers[4].mlp.down_proj.weight.device.type == "meta"
+    assert split[0].model.embed_tokens.weight.device.type == "meta"
+    assert model_fingerprint(split[0]) == model_fingerprint(dense)
+    assert model_fingerprint(split[1]) == model_fingerprint(other) != model_fingerprint(dense)
+    calib = build_calibration(tiny_batch())
+    report = hl.score_layers(split[0], calib, progress=False, max_gap=1)
+    with pytest.raises(ValueError, match="the report belongs to a different model"):
+        select_layers(report, 1, model=split[1], calibration=calib, strategy="search")
+
+
 def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp_path):
     """--max-memory below the weights and --offload-folder: accelerate's map puts the blocks
     that do not fit on disk, and the prune scores, cuts and saves as in memory."""
@@ -425,6 +451,13 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
     cuts = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["removed_layers"]
             for n in ("memory", "offloaded")]
     assert cuts[0] == cuts[1] and len(cuts[0]) == 2
+    # the recorded weights are the in-memory run's, so the offloaded run's folder publishes as verified
+    steps = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["steps"][-1]
+             for n in ("memory", "offloaded")]
+    assert [s["fingerprint_after"] for s in steps[1:]] == [steps[0]["fingerprint_after"]]
+    assert steps[1]["fingerprint_before"] == steps[0]["fingerprint_before"]
+    assert main(["push", str(tmp_path / "offloaded"), "me/tiny", "--output-dir", str(tmp_path / "published")]) == 0
+    assert (tmp_path / "published" / "model.safetensors").is_file()
     reloaded = [AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("memory", "offloaded")]
     ids = tiny_batch()["input_ids"]
     with torch.no_grad():

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from torch import nn
 
 __all__ = [
-    "BlockPrefetcher", "execution_device", "held_bytes", "input_device", "model_devices", "OffloadedTensor",
+    "BlockPrefetcher", "execution_device", "held_bytes", "input_device", "leading_values", "model_devices", "OffloadedTensor",
     "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device", "sliced_calls",
 ]
 
@@ -370,6 +370,28 @@ class OffloadedTensor:
         starts = [k for k in range(len(idx)) if k == 0 or idx[k] != idx[k - 1] + 1]
         ends = [*starts[1:], len(idx)]
         return torch.cat(self.rows([(idx[a], idx[b - 1] + 1) for a, b in zip(starts, ends)]))
+
+
+def leading_values(model: nn.Module, name: str, count: int = 16) -> torch.Tensor | None:
+    """The first ``count`` values of ``model``'s parameter ``name``, flattened (``(min(count,
+    numel),)`` on the CPU, the parameter's dtype): read from the tensor itself, or, for a
+    tensor accelerate offloads ("meta" between calls), from the offload's own storage
+    (:class:`OffloadedTensor`: only the rows holding them), so a model gives the same values
+    in memory, split or offloaded. None for a "meta" tensor with no offload behind it.
+
+    Raises:
+        AttributeError: ``model`` has no parameter ``name``.
+    """
+    tensor = model.get_parameter(name)
+    if tensor.device.type != "meta":
+        return tensor.detach().reshape(-1)[:count].cpu()
+    owner, _, leaf = name.rpartition(".")
+    reader = OffloadedTensor.of(model.get_submodule(owner), leaf)
+    if reader is None:
+        return None
+    per_row = max(1, int(np.prod(tensor.shape[1:], dtype=np.int64)))
+    (rows,) = reader.rows([(0, min(tensor.shape[0], -(-count // per_row)))])
+    return rows.reshape(-1)[:count]
 
 
 @contextlib.contextmanager
