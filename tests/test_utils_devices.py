@@ -23,7 +23,7 @@ from hf_layerswap.cli import main
 from hf_layerswap.cli.options import max_memory_map
 from hf_layerswap.utils.devices import execution_device, input_device, process_share
 from hf_layerswap.evaluation.perplexity import perplexity_from_ids
-from hf_layerswap.models import load_model, resolve_dtype, resolve_placement
+from hf_layerswap.models import host_share, load_model, resolve_dtype, resolve_placement
 from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, model_fingerprint, replacement_plan
 from hf_layerswap.surgery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
@@ -94,16 +94,16 @@ def test_device_map_auto_under_a_launcher_is_each_processs_own_share(monkeypatch
     assert resolve_placement("auto") == ({"": "cuda:1"}, None, None)  # one whole replica on its own GPU
     assert resolve_placement("balanced") == ({"": "cuda:1"}, None, None)
     limits = {0: "20GiB", 1: "20GiB", "cpu": "60GiB"}
-    # accelerate's map within the limits of its own GPU (and the CPU): GPU 0 is process 0's
-    assert resolve_placement("auto", max_memory=limits) == ("auto", {1: "20GiB", "cpu": "60GiB"}, None)
+    # accelerate's map within the limits of its own GPU (and its half of the CPU): GPU 0 is process 0's
+    assert resolve_placement("auto", max_memory=limits) == ("auto", {1: "20GiB", "cpu": 30 << 30}, None)
     assert resolve_placement("auto", max_memory=limits, offload_folder=tmp_path) == (
-        "auto", {1: "20GiB", "cpu": "60GiB"}, str(tmp_path / "process1"))
+        "auto", {1: "20GiB", "cpu": 30 << 30}, str(tmp_path / "process1"))
     assert resolve_placement({"": "cuda:0"}, max_memory=limits) == ({"": "cuda:0"}, limits, None)  # a map as given
     # four GPUs, two processes: two each, the second process GPUs 2 and 3
     _launched(monkeypatch, gpus=4, world=2, local_rank=1)
     assert resolve_placement("auto", max_memory={i: "10GiB" for i in range(4)}) == ("auto", {2: "10GiB", 3: "10GiB"}, None)
     monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {0: 7, 1: 7, 2: 7, 3: 7, "cpu": 9})
-    assert resolve_placement("auto", offload_folder="off") == ("auto", {2: 7, 3: 7, "cpu": 9}, "off/process1")
+    assert resolve_placement("auto", offload_folder="off") == ("auto", {2: 7, 3: 7, "cpu": 4}, "off/process1")
     # one process: the whole machine, as before
     _launched(monkeypatch, gpus=4, world=1, local_rank=0)
     assert resolve_placement("auto", max_memory=limits, offload_folder="off") == ("auto", limits, "off")
@@ -111,7 +111,26 @@ def test_device_map_auto_under_a_launcher_is_each_processs_own_share(monkeypatch
     _launched(monkeypatch, gpus=0, world=2, local_rank=0, rank=0)
     monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: False)
     assert resolve_placement("auto") == (None, None, None)
-    assert resolve_placement("auto", offload_folder="off") == ("auto", None, "off/process0")
+    monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {"cpu": 9})
+    assert resolve_placement("auto", offload_folder="off") == ("auto", {"cpu": 4}, "off/process0")
+
+
+def test_launched_processes_share_the_host_memory_limit(monkeypatch, tmp_path):
+    """Eight GPUs, two launched processes, a model larger than a process's four GPUs: the
+    host memory is one device shared by the processes, so each map may fill only its half of
+    the ``cpu`` limit (given, or the free memory when none is given) and the two replicas
+    together stay within it; the GPU limits are per device and each process keeps its own."""
+    limits = {**{i: "80GiB" for i in range(8)}, "cpu": "1000GiB"}
+    half = 500 << 30
+    for rank in (0, 1):
+        _launched(monkeypatch, gpus=8, world=2, local_rank=rank)
+        mine = {i: "80GiB" for i in range(4 * rank, 4 * rank + 4)}
+        assert resolve_placement("auto", max_memory=limits, offload_folder=tmp_path) == (
+            "auto", {**mine, "cpu": half}, str(tmp_path / f"process{rank}"))
+        monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {i: 80 << 30 for i in range(8)} | {"cpu": 999})
+        assert resolve_placement("auto", offload_folder=tmp_path)[1] == {i: 80 << 30 for i in mine} | {"cpu": 499}
+    assert host_share({0: "80GiB", "cpu": "1000GiB"}, 1) == {0: "80GiB", "cpu": "1000GiB"}  # one process: as given
+    assert host_share({"cpu": 10, "disk": 5}, 3) == {"cpu": 3, "disk": 5}
 
 
 def test_a_launch_without_a_share_for_each_process_is_refused_before_loading(monkeypatch, tmp_path):

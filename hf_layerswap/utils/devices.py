@@ -38,14 +38,15 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
-from accelerate.utils import (align_module_device, has_offloaded_params, named_module_tensors, OffloadedWeightsLoader,
-                              PrefixedDataset, set_module_tensor_to_device)
+from accelerate.utils import (align_module_device, convert_file_size_to_int, has_offloaded_params, named_module_tensors,
+                              OffloadedWeightsLoader, PrefixedDataset, set_module_tensor_to_device)
 from safetensors import safe_open
 from torch import nn
 
 __all__ = [
-    "BlockPrefetcher", "execution_device", "held_bytes", "input_device", "leading_values", "model_devices", "OffloadedTensor",
-    "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device", "sliced_calls",
+    "BlockPrefetcher", "execution_device", "held_bytes", "host_share", "input_device", "leading_values", "model_devices",
+    "OffloadedTensor", "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device",
+    "sliced_calls",
 ]
 
 
@@ -105,6 +106,22 @@ def process_share(accelerators: int, processes: int, rank: int) -> list[int]:
             f"(`accelerate launch --num_processes {max(accelerators, 1)}`), or one process with device_map='auto' "
             "to spread one replica over every accelerator")
     return list(range(rank * per, (rank + 1) * per))
+
+
+def host_share(limits: Mapping, processes: int) -> dict:
+    """``limits`` (accelerate's ``max_memory``: a device -> bytes or a size such as ``"60GiB"``)
+    with the host's entry (``"cpu"``) split evenly between the ``processes`` launched on this
+    machine, in bytes: the processes share one host memory, so each one's map may fill only
+    its share of it (the accelerators' entries are per device, and each process takes its own
+    devices). The other entries are kept as given.
+
+    Raises:
+        ValueError: a ``"cpu"`` entry that is not a size (accelerate's parser names it).
+    """
+    out = dict(limits)
+    if "cpu" in out and processes > 1:
+        out["cpu"] = convert_file_size_to_int(out["cpu"]) // processes
+    return out
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
