@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .utils.devices import leading_values
+
 __all__ = [
     "BLOCK_LIST_NAMES",
     "PER_LAYER_LIST_FIELDS",
@@ -305,18 +307,21 @@ def model_fingerprint(model: nn.Module) -> str:
     """A cheap identity of a model's current weights and shape (sha256 hex).
 
     Hashes the decoder config's ``model_type``, hidden size, vocabulary size and block
-    count, and the first 16 values of every parameter tensor. Two different checkpoints
-    of the same architecture and depth get different fingerprints; the same weights get
-    the same one on any device or dtype-preserving reload. Removing blocks changes it.
+    count, and the first 16 values of every parameter tensor (an offloaded one's read from
+    the offload's storage: :func:`~hf_layerswap.utils.devices.leading_values`). Two different
+    checkpoints of the same architecture and depth get different fingerprints; the same
+    weights get the same one on any device, in memory or offloaded to CPU memory or disk,
+    and on any dtype-preserving reload. Removing blocks changes it.
     """
     cfg = decoder_config(model)
     h = hashlib.sha256()
     shape = (getattr(cfg, "model_type", None), getattr(cfg, "hidden_size", None), getattr(cfg, "vocab_size", None))
     h.update(repr((shape, num_blocks(model))).encode())
     for name, param in model.named_parameters():
-        if param.device.type == "meta":
+        values = leading_values(model, name)
+        if values is None:  # on "meta" with nothing behind it
             continue
-        head = param.detach().reshape(-1)[:16].to("cpu", torch.float64)
+        head = values.to(torch.float64)
         h.update(name.encode())
         h.update(repr(tuple(param.shape)).encode())
         h.update(head.numpy().tobytes())

@@ -54,7 +54,7 @@ from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils.sha import sha_fileobj
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from .utils.devices import process_share
+from .utils.devices import host_share, process_share
 from .utils.extras import require
 from .utils.provenance import SOURCE_FILE, model_identity
 from .utils.provenance import identity_from_source as _identity_from_source
@@ -494,8 +494,9 @@ def resolve_placement(device_map, *, max_memory=None, offload_folder=None) -> tu
     (:func:`~hf_layerswap.utils.devices.process_share` of ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), not on
     every accelerator: a strategy (:data:`DEVICE_MAP_STRATEGIES`) is its one device (``{"":
     "cuda:<i>"}``), or with a limit or offload folder accelerate's map within ``max_memory``
-    (default: the free memory) kept to its accelerators, the CPU and disk; an offload folder is
-    one per process (``<folder>/process<RANK>``).
+    (default: the free memory) kept to its accelerators, its share of the host memory (the ``"cpu"``
+    limit split evenly between the machine's processes, also CPU ones:
+    :func:`~hf_layerswap.utils.devices.host_share`) and disk; an offload folder is one per process.
 
     Raises:
         ValueError: fewer accelerators on this machine than processes launched on it, or a
@@ -506,13 +507,13 @@ def resolve_placement(device_map, *, max_memory=None, offload_folder=None) -> tu
         offload_folder = os.path.join(os.fspath(offload_folder), f"process{os.environ.get('RANK', '0')}")
     if device_map == "auto" and not accelerator_available() and max_memory is None and offload_folder is None:
         return None, None, None
-    if device_map not in DEVICE_MAP_STRATEGIES or processes <= 1 or not accelerator_available():
+    if device_map not in DEVICE_MAP_STRATEGIES or processes <= 1:
         return device_map, max_memory, offload_folder
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    share = process_share(torch.accelerator.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", processes)), rank)
+    local, rank = int(os.environ.get("LOCAL_WORLD_SIZE", processes)), int(os.environ.get("LOCAL_RANK", "0"))
+    share = process_share(torch.accelerator.device_count(), local, rank) if accelerator_available() else []
     if max_memory is None and offload_folder is None and len(share) == 1:
         return {"": f"{torch.accelerator.current_accelerator().type}:{share[0]}"}, None, None
-    limits = get_max_memory() if max_memory is None else dict(max_memory)
+    limits = host_share(get_max_memory() if max_memory is None else max_memory, local)  # the host: one share each
     mine = {k: v for k, v in limits.items() if not isinstance(k, int) or k in share}
     if any(isinstance(k, int) for k in limits) and not any(isinstance(k, int) for k in mine):
         raise ValueError(f"max_memory={max_memory!r} names no accelerator of launched process {rank} (its share: "

@@ -92,6 +92,29 @@ def test_streamed_weights_move_each_block_once_per_batch_and_sweep():
     assert estimate.seconds == pytest.approx(estimate.flops / 1e9 + estimate.bytes_moved / 1e9)
 
 
+@pytest.mark.parametrize("offloaded", [(4, 5, 6, 7, 8, 9), (9,)])
+def test_a_partly_offloaded_models_peak_holds_its_blocks_on_the_device(offloaded, tmp_path):
+    """A 10-block model whose device map keeps some blocks on the compute device and
+    offloads the others: the device's predicted peak holds every block kept there and, of
+    the offloaded ones, the window the slot-major pass keeps resident (2 max_gap + 1, and on
+    CUDA the block read ahead: 4 with max_gap 1), never more than there are (1 of 1)."""
+    cfg, calib = _tiny(10), _calibration()
+    torch.manual_seed(1)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "disk" if i in offloaded else "cpu" for i in range(10)}}
+    split = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=device_map,
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    config = hl.LayerSwapConfig(num_to_remove=1, strategy="greedy", max_gap=1, batch_size=4, progress=False)
+    estimate = hl.estimate_cost(split, config, calibration=calib, device="cuda", throughput=FIXED,
+                                max_memory=64 << 20)
+    shape = ModelShape(split)
+    resident = 10 - len(offloaded) + min(len(offloaded), 4)
+    assert estimate.peak_memory_bytes["cuda"] == (shape.weight_bytes - 10 * shape.block_bytes
+                                                  + resident * shape.block_bytes + estimate.memory_parts["working"])
+    assert estimate.phases["scoring"]["block_loads"] > 0
+
+
 def test_an_offloaded_head_is_planned_in_vocabulary_slices_as_the_engine_streams_it(tmp_path, monkeypatch):
     """A loaded model with its head on disk: the estimate plans the head in the vocabulary slices the
     engine reads it in (one pass per slice), so its head passes and head rows are the scoring run's,

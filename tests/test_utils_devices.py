@@ -23,8 +23,8 @@ from hf_layerswap.cli import main
 from hf_layerswap.cli.options import max_memory_map
 from hf_layerswap.utils.devices import execution_device, input_device, process_share
 from hf_layerswap.evaluation.perplexity import perplexity_from_ids
-from hf_layerswap.models import load_model, resolve_dtype, resolve_placement
-from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, replacement_plan
+from hf_layerswap.models import host_share, load_model, resolve_dtype, resolve_placement
+from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, model_fingerprint, replacement_plan
 from hf_layerswap.surgery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
 from hf_layerswap.scoring import head as head_module
@@ -94,16 +94,16 @@ def test_device_map_auto_under_a_launcher_is_each_processs_own_share(monkeypatch
     assert resolve_placement("auto") == ({"": "cuda:1"}, None, None)  # one whole replica on its own GPU
     assert resolve_placement("balanced") == ({"": "cuda:1"}, None, None)
     limits = {0: "20GiB", 1: "20GiB", "cpu": "60GiB"}
-    # accelerate's map within the limits of its own GPU (and the CPU): GPU 0 is process 0's
-    assert resolve_placement("auto", max_memory=limits) == ("auto", {1: "20GiB", "cpu": "60GiB"}, None)
+    # accelerate's map within the limits of its own GPU (and its half of the CPU): GPU 0 is process 0's
+    assert resolve_placement("auto", max_memory=limits) == ("auto", {1: "20GiB", "cpu": 30 << 30}, None)
     assert resolve_placement("auto", max_memory=limits, offload_folder=tmp_path) == (
-        "auto", {1: "20GiB", "cpu": "60GiB"}, str(tmp_path / "process1"))
+        "auto", {1: "20GiB", "cpu": 30 << 30}, str(tmp_path / "process1"))
     assert resolve_placement({"": "cuda:0"}, max_memory=limits) == ({"": "cuda:0"}, limits, None)  # a map as given
     # four GPUs, two processes: two each, the second process GPUs 2 and 3
     _launched(monkeypatch, gpus=4, world=2, local_rank=1)
     assert resolve_placement("auto", max_memory={i: "10GiB" for i in range(4)}) == ("auto", {2: "10GiB", 3: "10GiB"}, None)
     monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {0: 7, 1: 7, 2: 7, 3: 7, "cpu": 9})
-    assert resolve_placement("auto", offload_folder="off") == ("auto", {2: 7, 3: 7, "cpu": 9}, "off/process1")
+    assert resolve_placement("auto", offload_folder="off") == ("auto", {2: 7, 3: 7, "cpu": 4}, "off/process1")
     # one process: the whole machine, as before
     _launched(monkeypatch, gpus=4, world=1, local_rank=0)
     assert resolve_placement("auto", max_memory=limits, offload_folder="off") == ("auto", limits, "off")
@@ -111,7 +111,26 @@ def test_device_map_auto_under_a_launcher_is_each_processs_own_share(monkeypatch
     _launched(monkeypatch, gpus=0, world=2, local_rank=0, rank=0)
     monkeypatch.setattr("hf_layerswap.models.accelerator_available", lambda: False)
     assert resolve_placement("auto") == (None, None, None)
-    assert resolve_placement("auto", offload_folder="off") == ("auto", None, "off/process0")
+    monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {"cpu": 9})
+    assert resolve_placement("auto", offload_folder="off") == ("auto", {"cpu": 4}, "off/process0")
+
+
+def test_launched_processes_share_the_host_memory_limit(monkeypatch, tmp_path):
+    """Eight GPUs, two launched processes, a model larger than a process's four GPUs: the
+    host memory is one device shared by the processes, so each map may fill only its half of
+    the ``cpu`` limit (given, or the free memory when none is given) and the two replicas
+    together stay within it; the GPU limits are per device and each process keeps its own."""
+    limits = {**{i: "80GiB" for i in range(8)}, "cpu": "1000GiB"}
+    half = 500 << 30
+    for rank in (0, 1):
+        _launched(monkeypatch, gpus=8, world=2, local_rank=rank)
+        mine = {i: "80GiB" for i in range(4 * rank, 4 * rank + 4)}
+        assert resolve_placement("auto", max_memory=limits, offload_folder=tmp_path) == (
+            "auto", {**mine, "cpu": half}, str(tmp_path / f"process{rank}"))
+        monkeypatch.setattr("hf_layerswap.models.get_max_memory", lambda: {i: 80 << 30 for i in range(8)} | {"cpu": 999})
+        assert resolve_placement("auto", offload_folder=tmp_path)[1] == {i: 80 << 30 for i in mine} | {"cpu": 499}
+    assert host_share({0: "80GiB", "cpu": "1000GiB"}, 1) == {0: "80GiB", "cpu": "1000GiB"}  # one process: as given
+    assert host_share({"cpu": 10, "disk": 5}, 3) == {"cpu": 3, "disk": 5}
 
 
 def test_a_launch_without_a_share_for_each_process_is_refused_before_loading(monkeypatch, tmp_path):
@@ -394,6 +413,32 @@ def test_disk_offloaded_model_gives_the_in_memory_numbers(tmp_path):
         assert torch.allclose(fits[0][b], fits[1][b], rtol=1e-5, atol=1e-6)
 
 
+def test_an_offloaded_models_fingerprint_reads_its_offloaded_weights(tmp_path):
+    """The weight fingerprint of a model with its head, embedding and blocks 3-5 on disk is
+    the in-memory model's (it reads the offloaded tensors' first values from the offload),
+    and a model that differs only in an offloaded block gets another one, so a report of
+    the one is refused for the other."""
+    dense = tiny_model("llama")
+    other = copy.deepcopy(dense)
+    with torch.no_grad():
+        other.model.layers[4].mlp.down_proj.weight.view(-1)[:16] += 1.0
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk",
+                  **{f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)}}
+    split = []
+    for name, model in (("dense", dense), ("other", other)):
+        model.save_pretrained(tmp_path / name)
+        split.append(AutoModelForCausalLM.from_pretrained(tmp_path / name, device_map=device_map,
+                                                          offload_folder=str(tmp_path / f"{name}-offload")).eval())
+    assert split[0].lm_head.weight.device.type == split[0].model.layers[4].mlp.down_proj.weight.device.type == "meta"
+    assert split[0].model.embed_tokens.weight.device.type == "meta"
+    assert model_fingerprint(split[0]) == model_fingerprint(dense)
+    assert model_fingerprint(split[1]) == model_fingerprint(other) != model_fingerprint(dense)
+    calib = build_calibration(tiny_batch())
+    report = hl.score_layers(split[0], calib, progress=False, max_gap=1)
+    with pytest.raises(ValueError, match="the report belongs to a different model"):
+        select_layers(report, 1, model=split[1], calibration=calib, strategy="search")
+
+
 def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp_path):
     """--max-memory below the weights and --offload-folder: accelerate's map puts the blocks
     that do not fit on disk, and the prune scores, cuts and saves as in memory."""
@@ -425,6 +470,13 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
     cuts = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["removed_layers"]
             for n in ("memory", "offloaded")]
     assert cuts[0] == cuts[1] and len(cuts[0]) == 2
+    # the recorded weights are the in-memory run's, so the offloaded run's folder publishes as verified
+    steps = [json.loads((tmp_path / n / "config.json").read_text())["layerswap"]["steps"][-1]
+             for n in ("memory", "offloaded")]
+    assert [s["fingerprint_after"] for s in steps[1:]] == [steps[0]["fingerprint_after"]]
+    assert steps[1]["fingerprint_before"] == steps[0]["fingerprint_before"]
+    assert main(["push", str(tmp_path / "offloaded"), "me/tiny", "--output-dir", str(tmp_path / "published")]) == 0
+    assert (tmp_path / "published" / "model.safetensors").is_file()
     reloaded = [AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("memory", "offloaded")]
     ids = tiny_batch()["input_ids"]
     with torch.no_grad():

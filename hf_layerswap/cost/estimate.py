@@ -28,9 +28,10 @@ batches, head/KL chunks, probe groups, the prefix-reuse schedule of
 - **bytes_moved**: 0 for a model in memory; with weights streamed from CPU memory (or
   disk) to the compute device, each block once per batch and per sweep (slot-major
   streaming) -- the search sweeps once per evaluator call;
-- **peak_memory_bytes** per device: weights (those on the device; a streamed model keeps
-  a window of ``2 max_gap + 1`` blocks there, one more on CUDA where the next block is read
-  ahead) + the engine's working memory (activations,
+- **peak_memory_bytes** per device: weights (those on the device: a streamed model keeps
+  its blocks the device map leaves on it and a window of ``2 max_gap + 1`` of its offloaded
+  blocks, one more on CUDA where the next block is read ahead, at most the offloaded ones)
+  + the engine's working memory (activations,
   head/KL block, fp32 head copy, held probe states, the search's kept reference) + on a
   CPU the process's resident memory when estimating (libraries);
 - **seconds**: flops over the throughput measured on this machine by a short probe of one
@@ -67,7 +68,7 @@ from ..scoring.head import Head, UPCAST_PIECE_BYTES, linear32, mixed_gemm, param
 from ..scoring.kl import OnlineKL
 from ..scoring.settings import (EngineSettings, MemoryBudget, batch_activation_bytes, device_memory_budget,
                                 kl_block_bytes, resolve_memory)
-from ..scoring.slotmajor import blocks_offloaded
+from ..scoring.slotmajor import blocks_offloaded, movable_blocks
 from ..scoring.layerscores import swap_plans
 from ..selection import STRATEGIES
 from ..selection.nll import NLLSizing
@@ -554,6 +555,14 @@ def _offloaded(model) -> bool:
     return "disk" in places or ("cpu" in places and len(places) > 1)
 
 
+def _streamed_blocks(model, stream_weights) -> int:
+    """How many decoder blocks the run moves to the compute device: every block with
+    ``stream_weights=True``, else the blocks the device map offloads (their hooks,
+    :func:`~.scoring.slotmajor.movable_blocks`); the others stay on the device."""
+    _, _, blocks = decoder_blocks(model)
+    return len(blocks) if stream_weights else len(movable_blocks(blocks))
+
+
 def _working_bytes(plan, search_reference: int) -> int:
     """The engine's working memory at its peak, from its
     :class:`~hf_layerswap.scoring.engineplan.EnginePlan`: activations of a batch, the
@@ -856,9 +865,11 @@ def _assemble(model, calib, cfg, phases, plan, exact, device, budget, throughput
         kl_temps = _kl_temporaries(plan, real, min(plan.flush_size(real), plan.probes))
     key = str(device)
     if streamed:
-        # a window of 2g + 1 resident blocks; on CUDA one more, the next block read ahead (BlockPrefetcher)
-        window = (2 * cfg.max_gap + 1 + (device.type == "cuda")) * block_bytes
-        peak = {key: weights - total_blocks * block_bytes + window + working, "cpu": weights}
+        # the blocks the map leaves on the device, and of the moved ones a window of 2g + 1 resident blocks;
+        # on CUDA one more, the next block read ahead (BlockPrefetcher)
+        moved = _streamed_blocks(model, stream_weights)
+        window = min(moved, 2 * cfg.max_gap + 1 + (device.type == "cuda")) * block_bytes
+        peak = {key: weights - moved * block_bytes + window + working, "cpu": weights}
     else:
         peak = {key: weights + working}
     steps_peak = max((p["memory_bytes"] for k, p in phases.items() if k not in ENGINE_PHASES), default=0)

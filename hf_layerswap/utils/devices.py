@@ -38,14 +38,15 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
-from accelerate.utils import (align_module_device, has_offloaded_params, named_module_tensors, OffloadedWeightsLoader,
-                              PrefixedDataset, set_module_tensor_to_device)
+from accelerate.utils import (align_module_device, convert_file_size_to_int, has_offloaded_params, named_module_tensors,
+                              OffloadedWeightsLoader, PrefixedDataset, set_module_tensor_to_device)
 from safetensors import safe_open
 from torch import nn
 
 __all__ = [
-    "BlockPrefetcher", "execution_device", "held_bytes", "input_device", "model_devices", "OffloadedTensor",
-    "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device", "sliced_calls",
+    "BlockPrefetcher", "execution_device", "held_bytes", "host_share", "input_device", "leading_values", "model_devices",
+    "OffloadedTensor", "offloaded_bytes", "offloaded_modules", "onloaded", "peak_memory", "process_share", "same_device",
+    "sliced_calls",
 ]
 
 
@@ -105,6 +106,22 @@ def process_share(accelerators: int, processes: int, rank: int) -> list[int]:
             f"(`accelerate launch --num_processes {max(accelerators, 1)}`), or one process with device_map='auto' "
             "to spread one replica over every accelerator")
     return list(range(rank * per, (rank + 1) * per))
+
+
+def host_share(limits: Mapping, processes: int) -> dict:
+    """``limits`` (accelerate's ``max_memory``: a device -> bytes or a size such as ``"60GiB"``)
+    with the host's entry (``"cpu"``) split evenly between the ``processes`` launched on this
+    machine, in bytes: the processes share one host memory, so each one's map may fill only
+    its share of it (the accelerators' entries are per device, and each process takes its own
+    devices). The other entries are kept as given.
+
+    Raises:
+        ValueError: a ``"cpu"`` entry that is not a size (accelerate's parser names it).
+    """
+    out = dict(limits)
+    if "cpu" in out and processes > 1:
+        out["cpu"] = convert_file_size_to_int(out["cpu"]) // processes
+    return out
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
@@ -370,6 +387,28 @@ class OffloadedTensor:
         starts = [k for k in range(len(idx)) if k == 0 or idx[k] != idx[k - 1] + 1]
         ends = [*starts[1:], len(idx)]
         return torch.cat(self.rows([(idx[a], idx[b - 1] + 1) for a, b in zip(starts, ends)]))
+
+
+def leading_values(model: nn.Module, name: str, count: int = 16) -> torch.Tensor | None:
+    """The first ``count`` values of ``model``'s parameter ``name``, flattened (``(min(count,
+    numel),)`` on the CPU, the parameter's dtype): read from the tensor itself, or, for a
+    tensor accelerate offloads ("meta" between calls), from the offload's own storage
+    (:class:`OffloadedTensor`: only the rows holding them), so a model gives the same values
+    in memory, split or offloaded. None for a "meta" tensor with no offload behind it.
+
+    Raises:
+        AttributeError: ``model`` has no parameter ``name``.
+    """
+    tensor = model.get_parameter(name)
+    if tensor.device.type != "meta":
+        return tensor.detach().reshape(-1)[:count].cpu()
+    owner, _, leaf = name.rpartition(".")
+    reader = OffloadedTensor.of(model.get_submodule(owner), leaf)
+    if reader is None:
+        return None
+    per_row = max(1, int(np.prod(tensor.shape[1:], dtype=np.int64)))
+    (rows,) = reader.rows([(0, min(tensor.shape[0], -(-count // per_row)))])
+    return rows.reshape(-1)[:count]
 
 
 @contextlib.contextmanager
