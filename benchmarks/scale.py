@@ -764,7 +764,8 @@ def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: l
     removed = f"the same set at n = {', '.join(map(str, equal))}" if equal else "a different set at every n"
     if equal and len(equal) < len(same):
         removed += f", a different one at n = {', '.join(str(n) for n, s in zip(COMPUTE_BUDGETS, same) if not s)}"
-    counted = all(d[m][str(n)]["block_passes"] == d[m][str(n)]["counted_block_passes"]
+    batches = -(-d["num_prompts"] // d["batch_size"])  # the hooks count per batch, the methods per sweep of the prompts
+    counted = all(d[m][str(n)]["block_passes"] == batches * d[m][str(n)]["counted_block_passes"]
                   for m in ("search", "sleb") for n in COMPUTE_BUDGETS)
     return [
         f"Reading: the target (the default prune's CPU seconds at most SLEB's at the same n, ratio <= 1) is "
@@ -773,8 +774,8 @@ def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: l
         "the default prune's. The rest is the search, whose allowance is SLEB's schedule "
         "(`hf_layerswap.selection.search.search_allowances`: budgets 1..n score at most the sets SLEB's steps 1..n "
         f"score); candidate sets scored, search vs SLEB: {scored}. Removed: {removed} (the search minimises the "
-        "removal KL, SLEB the calibration NLL). The block passes the hooks counted equal those the search and SLEB "
-        f"report themselves: {counted}.",
+        "removal KL, SLEB the calibration NLL). The block passes the hooks counted (per batch) equal those the search "
+        f"and SLEB report themselves (per sweep of the prompts) times the {batches} batches: {counted}.",
         "",
     ]
 
