@@ -738,6 +738,8 @@ def _measured_lines(out: dict) -> list[str]:
                 f"{sum(p['block_passes'] for p in ps.values()):,} | {search['evaluator_calls']} | "
                 f"{sleb['evaluator_calls']} | {_set(search['removed'])} | "
                 f"{_set(sleb['removed'])} |")
+        if not done:  # no row: no table
+            lines = lines[:-3]
         if len(done) < len(COMPUTE_BUDGETS):  # a run stopped before its end: what finished
             lines += ["", f"Stopped before its end: n = {', '.join(str(n) for n in COMPUTE_BUDGETS if n not in done)} not "
                       f"measured (finished: SLEB to n = {len(d.get('sleb', {}))}, scoring: {'scoring' in d}, search to "
