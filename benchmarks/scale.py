@@ -721,13 +721,14 @@ def _measured_lines(out: dict) -> list[str]:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
         ]
         done = [n for n in COMPUTE_BUDGETS if "scoring" in d and str(n) in d.get("search", {}) and str(n) in d.get("sleb", {})]
-        scoring, ratios, shares, same = d.get("scoring"), [], [], []
+        scoring, ratios, shares, same, predictions = d.get("scoring"), [], [], [], []
         for n in done:
             search, sleb = d["search"][str(n)], d["sleb"][str(n)]
             default = scoring["cpu_seconds"] + search["cpu_seconds"]
             pd, ps = d["predicted"][f"default {n}"], d["predicted"][f"sleb {n}"]
             predicted = sum(p["seconds"] for p in pd.values()) / sum(p["seconds"] for p in ps.values())
             ratios.append(default / sleb["cpu_seconds"])
+            predictions.append(predicted)
             shares.append(scoring["cpu_seconds"] / default)
             same.append(search["removed"] == sleb["removed"])
             lines.append(
@@ -745,7 +746,7 @@ def _measured_lines(out: dict) -> list[str]:
                       f"measured (finished: SLEB to n = {len(d.get('sleb', {}))}, scoring: {'scoring' in d}, search to "
                       f"n = {len(d.get('search', {}))}).", ""]
         else:
-            lines += ["", *_measured_reading(d, ratios, shares, same)]
+            lines += ["", *_measured_reading(d, ratios, shares, same, predictions)]
     return lines
 
 
@@ -753,8 +754,13 @@ def _set(blocks) -> str:
     return "{" + ", ".join(map(str, blocks)) + "}"
 
 
-def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: list[bool]) -> list[str]:
-    """Whether the target (ratio <= 1 at every n) is met, the scoring's share, the sets scored and removed."""
+def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: list[bool],
+                      predicted: list[float]) -> list[str]:
+    """Whether the target (ratio <= 1 at every n) is met, the scoring's share, the search alone
+    against SLEB, the predicted ratios against the measured ones, the sets scored and removed."""
+    over = [p / r for p, r in zip(predicted, ratios)]
+    excess = ", ".join(f"{d['scoring']['cpu_seconds'] + d['search'][str(n)]['cpu_seconds'] - d['sleb'][str(n)]['cpu_seconds']:.0f}"
+                       for n in COMPUTE_BUDGETS)
     budgets = ", ".join(map(str, COMPUTE_BUDGETS))
     met = [n for n, r in zip(COMPUTE_BUDGETS, ratios) if r <= 1]
     verdict = ("met at every n" if len(met) == len(ratios) else
@@ -767,6 +773,7 @@ def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: l
     if equal and len(equal) < len(same):
         removed += f", a different one at n = {', '.join(str(n) for n, s in zip(COMPUTE_BUDGETS, same) if not s)}"
     batches = -(-d["num_prompts"] // d["batch_size"])  # the hooks count per batch, the methods per sweep of the prompts
+    alone = ", ".join(f"{d['search'][str(n)]['cpu_seconds'] / d['sleb'][str(n)]['cpu_seconds']:.2f}x" for n in COMPUTE_BUDGETS)
     counted = all(d[m][str(n)]["block_passes"] == batches * d[m][str(n)]["counted_block_passes"]
                   for m in ("search", "sleb") for n in COMPUTE_BUDGETS)
     return [
@@ -775,7 +782,11 @@ def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: l
         f"protocols is paid once: {d['scoring']['cpu_seconds']:.0f} CPU s, {min(shares):.0%} to {max(shares):.0%} of "
         "the default prune's. The rest is the search, whose allowance is SLEB's schedule "
         "(`hf_layerswap.selection.search.search_allowances`: budgets 1..n score at most the sets SLEB's steps 1..n "
-        f"score); candidate sets scored, search vs SLEB: {scored}. Removed: {removed} (the search minimises the "
+        f"score); candidate sets scored, search vs SLEB: {scored}; the search's CPU seconds alone are {alone} SLEB's, "
+        f"and what the default prune spends above SLEB, {excess} CPU s, is about its scoring's "
+        f"{d['scoring']['cpu_seconds']:.0f}. The predicted ratios are {min(over):.2f}x to {max(over):.2f}x the measured "
+        "ones. "
+        f"Removed: {removed} (the search minimises the "
         "removal KL, SLEB the calibration NLL). The block passes the hooks counted (per batch) equal those the search "
         f"and SLEB report themselves (per sweep of the prompts) times the {batches} batches: {counted}.",
         "",
