@@ -14,7 +14,10 @@ Parts, each in a fresh child process (its peak RSS is the ``ru_maxrss`` of that 
 4. per real model with a quarter of its weights in memory and the rest on disk: predicted
    against counted block loads, and the search with its reference recomputed and kept;
 5. ``compute`` (``estimate_cost`` only, no model run): the predicted block and head work of
-   the default prune against SLEB's at n = 2, 4, 6, at the default calibration.
+   the default prune against SLEB's at n = 2, 4, 6, at the default calibration;
+6. ``measured`` (only when named: ``--parts measured --models gemma3-270m --num-prompts 16
+   --seq-len 128``): the same comparison measured in CPU seconds (``time.process_time``) in
+   one process, the model in bf16, beside ``estimate_cost``'s prediction at that calibration.
 """
 
 from __future__ import annotations
@@ -92,6 +95,100 @@ def _compute_part(name, queue):
     out["throughput"] = {"block_flops_per_second": throughput.block_flops_per_second,
                          "head_flops_per_second": throughput.head_flops_per_second, "source": throughput.source}
     queue.put(out)
+
+
+def _measured_part(name, num_prompts, seq_len, queue):
+    """The default prune against SLEB measured in CPU seconds (``time.process_time``) in this
+    process, the model in bf16: SLEB to the largest of :data:`COMPUTE_BUDGETS` first (its
+    steps stamped), then the default prune's scoring once and its search for budgets 1..6 in
+    one call (each budget stamped by ``on_budget``); beside them ``estimate_cost``'s
+    prediction of both at this calibration and dtype."""
+    import copy
+    import os
+
+    import torch
+    import hf_layerswap as hl
+    from transformers import AutoModelForCausalLM
+    from hf_layerswap.layerplan import decoder_blocks, num_blocks
+    from hf_layerswap.scoring.settings import resolve_memory
+    from hf_layerswap.selection import sleb as sleb_module
+
+    torch.set_num_threads(1)
+    path, calib = _calibration(name, num_prompts, seq_len)
+    top = max(COMPUTE_BUDGETS)
+    configs = {(method, n): hl.LayerSwapConfig(num_to_remove=n, num_prompts=num_prompts, seq_len=seq_len,
+                                               progress=False, **extra)
+               for n in COMPUTE_BUDGETS for method, extra in (("default", {}), ("sleb", {"strategy": "sleb"}))}
+    predicted, throughput = {}, None
+    for (method, n), config in configs.items():
+        estimate = hl.estimate_cost(str(path), config, calibration=calib, dtype=torch.bfloat16, throughput=throughput)
+        throughput = estimate.throughput
+        predicted[f"{method} {n}"] = {k: {f: p[f] for f in ("block_passes", "head_passes", "seconds")}
+                                      for k, p in estimate.phases.items()}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    cfg = configs[("default", top)]
+    budget = resolve_memory(None, model)  # prune's default working-memory budget, one for every step
+    with torch.no_grad():  # one dense forward before any clock starts: neither method pays the first call's set-up
+        model(input_ids=calib.input_ids[:cfg.batch_size], attention_mask=calib.attention_mask[:cfg.batch_size])
+    count = [0]
+    for block in decoder_blocks(model)[2]:
+        block.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    clock = {}
+
+    def start():
+        clock.update(cpu=time.process_time(), wall=time.perf_counter(), blocks=count[0])
+        return os.getloadavg()[0]
+
+    def stamp():
+        return {"cpu_seconds": time.process_time() - clock["cpu"], "wall_seconds": time.perf_counter() - clock["wall"],
+                "block_passes": count[0] - clock["blocks"]}
+
+    out = {"num_prompts": num_prompts, "seq_len": seq_len, "batch_size": cfg.batch_size, "dtype": "bfloat16",
+           "real_positions": int(calib.attention_mask.sum()), "num_blocks": num_blocks(model), "predicted": predicted,
+           "throughput": {"block_flops_per_second": throughput.block_flops_per_second,
+                          "head_flops_per_second": throughput.head_flops_per_second, "source": throughput.source},
+           "order": ["sleb", "scoring", "search"], "load": {}}
+    queue.put((False, copy.deepcopy(out)))  # each phase (each search budget) is sent as it ends: a stopped run keeps what finished
+    # SLEB first (what prune(strategy="sleb") runs: sleb() with the config's protect, batch and memory budget),
+    # each step's evaluator call stamped
+    steps, evaluate = [], sleb_module.removal_nll_values
+
+    def stamped(*args, **kwargs):
+        values = evaluate(*args, **kwargs)
+        steps.append(stamp())
+        return values
+
+    out["load"]["sleb"] = [start()]
+    sleb_module.removal_nll_values = stamped
+    try:
+        found = sleb_module.sleb(model, calib, list(range(1, top + 1)), protect=cfg.protect, batch_size=cfg.batch_size,
+                                 max_memory=budget)
+    finally:
+        sleb_module.removal_nll_values = evaluate
+    out["load"]["sleb"].append(os.getloadavg()[0])
+    out["sleb"] = {str(k): {**steps[k - 1], "removed": r.removed, "counted_block_passes": r.block_passes,
+                            "evaluator_calls": r.evaluator_calls} for k, r in found.items()}
+    queue.put((False, copy.deepcopy(out)))
+    # the default prune: its scoring (ScoreStep's call), then its search (SelectStep's) for budgets 1..top at once
+    out["load"]["scoring"] = [start()]
+    report = hl.score_layers(model, calib, protocols=cfg.scored_protocols(), max_gap=min(cfg.max_gap, out["num_blocks"] - 1),
+                             batch_size=cfg.batch_size, progress=False, seed=cfg.seed, max_memory=budget)
+    out["scoring"] = {**stamp(), "protocols": list(report.protocols), "pairs": len(report.pairs)}
+    out["load"]["scoring"].append(os.getloadavg()[0])
+    queue.put((False, copy.deepcopy(out)))
+    out["load"]["search"], out["search"] = [start()], {}
+
+    def budget_done(n, record):
+        out["search"][str(n)] = {**stamp(), "removed": record["selected"],
+                                 "counted_block_passes": record["cost"]["block_passes"],
+                                 "evaluator_calls": record["cost"]["evaluator_calls"]}
+        out["load"]["search"][1:] = [os.getloadavg()[0]]
+        queue.put((n == top, copy.deepcopy(out)))
+
+    options = {k: v for k, v in cfg.selection_options().items() if k not in ("objective", "progress")}
+    hl.search_select(report, list(range(1, top + 1)), model=model, calibration=calib,
+                     objective=cfg.selection_options()["objective"], protect=cfg.protect, spacing=cfg.spacing,
+                     batch_size=cfg.batch_size, max_memory=budget, on_budget=budget_done, **options)
 
 
 def _prune_part(name, num_prompts, seq_len, report_path, queue):
@@ -241,6 +338,27 @@ def _child(target, *args):
     result = queue.get()
     proc.join()
     return result
+
+
+def _child_stream(target, *args):
+    """Run ``target(*args, queue)`` in a fresh process; yield each ``(last, result)`` it sends
+    until ``last`` (a child that dies before raises ``RuntimeError``)."""
+    import queue as queues
+
+    channel = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=target, args=(*args, channel))
+    proc.start()
+    while True:
+        try:
+            last, result = channel.get(timeout=30)
+        except queues.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} ended (exit code {proc.exitcode}) before its last result")
+            continue
+        yield result
+        if last:
+            break
+    proc.join()
 
 
 #: Share of the weights held in CPU memory in the streamed part (the rest offloaded to disk).
@@ -565,6 +683,116 @@ def _compute_reading(d: dict) -> list[str]:
     ]
 
 
+def _measured_section(out: dict) -> list[str]:
+    """The section "The default prune against SLEB: measured" (nothing before the part ran)."""
+    lines = _measured_lines(out)
+    return ["## The default prune against SLEB: measured", "", *lines] if lines else []
+
+
+def _measured_lines(out: dict) -> list[str]:
+    """The ``measured`` part: per n, the default prune's CPU seconds (scoring + search to n)
+    against SLEB's, the predicted ratio, block passes counted and predicted, the sets removed."""
+    if not out.get("measured"):
+        return []
+    lines = []
+    for name, d in out["measured"].items():
+        t = d["throughput"]
+        lines += [
+            f"Command: `{d['command']}` (the `measured` part: one process, one torch thread). {name} loaded in bf16 "
+            f"(`from_pretrained(..., dtype=torch.bfloat16)`), calibration {d['num_prompts']} prompts x {d['seq_len']} "
+            f"tokens ({d['real_positions']:,} real positions), batch {d['batch_size']}: smaller than the default "
+            "64 x 128 so the run fits this shared machine; the ratio, not the absolute time, is what is compared. "
+            "*CPU s* = `time.process_time()` of the process over the phase. Run order: SLEB to n = 6 in one call "
+            "(`sleb`, what `prune(strategy=\"sleb\")` runs, each step's evaluator call stamped), then the default "
+            "prune's scoring once (`score_layers`: both protocols, adjacent pairs, as its score step calls it), then "
+            "its search for budgets 1..6 in one call (`search_select`, as its select step calls it, each budget "
+            "stamped by `on_budget`; budget n depends only on budgets 1..n, so the stamp at n is what "
+            "`prune(LayerSwapConfig(num_to_remove=n))` spends). Block passes (one decoder block over one batch) "
+            "counted by forward hooks on the blocks; predicted by `estimate_cost(path, config, calibration=..., "
+            f"dtype=torch.bfloat16)` of the same configs in the same process (throughput probe: "
+            f"{t['block_flops_per_second'] / 1e9:.1f} GFLOP/s in a block, {t['head_flops_per_second'] / 1e9:.1f} "
+            "GFLOP/s in the head); *predicted ratio* = its seconds of the default prune over SLEB's. Load average "
+            "(1 min) at the start and end of each phase: "
+            + ", ".join(f"{phase} " + " -> ".join(f"{x:.2f}" for x in load) for phase, load in d["load"].items()) + ".",
+            "",
+            "| n | default prune CPU s (scoring + search) | SLEB CPU s | ratio | predicted ratio | block passes: "
+            "default, counted | predicted | SLEB, counted | predicted | sets scored: search | SLEB | removed: default "
+            "prune | SLEB |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        ]
+        done = [n for n in COMPUTE_BUDGETS if "scoring" in d and str(n) in d.get("search", {}) and str(n) in d.get("sleb", {})]
+        scoring, ratios, shares, same, predictions = d.get("scoring"), [], [], [], []
+        for n in done:
+            search, sleb = d["search"][str(n)], d["sleb"][str(n)]
+            default = scoring["cpu_seconds"] + search["cpu_seconds"]
+            pd, ps = d["predicted"][f"default {n}"], d["predicted"][f"sleb {n}"]
+            predicted = sum(p["seconds"] for p in pd.values()) / sum(p["seconds"] for p in ps.values())
+            ratios.append(default / sleb["cpu_seconds"])
+            predictions.append(predicted)
+            shares.append(scoring["cpu_seconds"] / default)
+            same.append(search["removed"] == sleb["removed"])
+            lines.append(
+                f"| {n} | {scoring['cpu_seconds']:.0f} + {search['cpu_seconds']:.0f} = {default:.0f} | "
+                f"{sleb['cpu_seconds']:.0f} | {ratios[-1]:.2f}x | {predicted:.2f}x | "
+                f"{scoring['block_passes'] + search['block_passes']:,} | "
+                f"{sum(p['block_passes'] for p in pd.values()):,} | {sleb['block_passes']:,} | "
+                f"{sum(p['block_passes'] for p in ps.values()):,} | {search['evaluator_calls']} | "
+                f"{sleb['evaluator_calls']} | {_set(search['removed'])} | "
+                f"{_set(sleb['removed'])} |")
+        if not done:  # no row: no table
+            lines = lines[:-3]
+        if len(done) < len(COMPUTE_BUDGETS):  # a run stopped before its end: what finished
+            lines += ["", f"Stopped before its end: n = {', '.join(str(n) for n in COMPUTE_BUDGETS if n not in done)} not "
+                      f"measured (finished: SLEB to n = {len(d.get('sleb', {}))}, scoring: {'scoring' in d}, search to "
+                      f"n = {len(d.get('search', {}))}).", ""]
+        else:
+            lines += ["", *_measured_reading(d, ratios, shares, same, predictions)]
+    return lines
+
+
+def _set(blocks) -> str:
+    return "{" + ", ".join(map(str, blocks)) + "}"
+
+
+def _measured_reading(d: dict, ratios: list[float], shares: list[float], same: list[bool],
+                      predicted: list[float]) -> list[str]:
+    """Whether the target (ratio <= 1 at every n) is met, the scoring's share, the search alone
+    against SLEB, the predicted ratios against the measured ones, the sets scored and removed."""
+    over = [p / r for p, r in zip(predicted, ratios)]
+    excess = ", ".join(f"{d['scoring']['cpu_seconds'] + d['search'][str(n)]['cpu_seconds'] - d['sleb'][str(n)]['cpu_seconds']:.0f}"
+                       for n in COMPUTE_BUDGETS)
+    budgets = ", ".join(map(str, COMPUTE_BUDGETS))
+    met = [n for n, r in zip(COMPUTE_BUDGETS, ratios) if r <= 1]
+    verdict = ("met at every n" if len(met) == len(ratios) else
+               f"missed at n = {', '.join(str(n) for n, r in zip(COMPUTE_BUDGETS, ratios) if r > 1)}"
+               + (f", met at n = {', '.join(map(str, met))}" if met else ""))
+    scored = ", ".join(f"{d['search'][str(n)]['evaluator_calls']} vs {d['sleb'][str(n)]['evaluator_calls']} at n = {n}"
+                       for n in COMPUTE_BUDGETS)
+    equal = [n for n, s in zip(COMPUTE_BUDGETS, same) if s]
+    removed = f"the same set at n = {', '.join(map(str, equal))}" if equal else "a different set at every n"
+    if equal and len(equal) < len(same):
+        removed += f", a different one at n = {', '.join(str(n) for n, s in zip(COMPUTE_BUDGETS, same) if not s)}"
+    batches = -(-d["num_prompts"] // d["batch_size"])  # the hooks count per batch, the methods per sweep of the prompts
+    alone = ", ".join(f"{d['search'][str(n)]['cpu_seconds'] / d['sleb'][str(n)]['cpu_seconds']:.2f}x" for n in COMPUTE_BUDGETS)
+    counted = all(d[m][str(n)]["block_passes"] == batches * d[m][str(n)]["counted_block_passes"]
+                  for m in ("search", "sleb") for n in COMPUTE_BUDGETS)
+    return [
+        f"Reading: the target (the default prune's CPU seconds at most SLEB's at the same n, ratio <= 1) is "
+        f"{verdict} (measured {', '.join(f'{r:.2f}x' for r in ratios)} at n = {budgets}). The scoring of both "
+        f"protocols is paid once: {d['scoring']['cpu_seconds']:.0f} CPU s, {min(shares):.0%} to {max(shares):.0%} of "
+        "the default prune's. The rest is the search, whose allowance is SLEB's schedule "
+        "(`hf_layerswap.selection.search.search_allowances`: budgets 1..n score at most the sets SLEB's steps 1..n "
+        f"score); candidate sets scored, search vs SLEB: {scored}; the search's CPU seconds alone are {alone} SLEB's, "
+        f"and what the default prune spends above SLEB, {excess} CPU s, is about its scoring's "
+        f"{d['scoring']['cpu_seconds']:.0f}. The predicted ratios are {min(over):.2f}x to {max(over):.2f}x the measured "
+        "ones. "
+        f"Removed: {removed} (the search minimises the "
+        "removal KL, SLEB the calibration NLL). The block passes the hooks counted (per batch) equal those the search "
+        f"and SLEB report themselves (per sweep of the prompts) times the {batches} batches: {counted}.",
+        "",
+    ]
+
+
 def _streamed_lines(out: dict) -> list[str]:
     """The measured streamed rows: predicted vs counted block loads, the search with its
     reference recomputed per call and kept."""
@@ -784,6 +1012,7 @@ def render(out) -> str:
         "pass: 262,144 entries) and the seconds they take at the probe's rates.",
         "",
         *_compute_lines(out),
+        *_measured_section(out),
         "## Streaming offloaded blocks",
         "",
         *_streamed_lines(out),
@@ -800,7 +1029,9 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--parts", nargs="+", default=["prune", "search", "passes", "default", "70b", "streamed", "compute"],
-                   help="parts to run; the others keep their results stored in scale.json")
+                   help="parts to run; the others keep their results stored in scale.json (also `measured`, not run "
+                        "by default: the default prune against SLEB in CPU seconds, about 30-50 min for gemma3-270m "
+                        "at --num-prompts 16 --seq-len 128)")
     p.add_argument("--render-only", action="store_true", help="write scale.md from scale.json")
     p.add_argument("--json", type=Path, default=RESULTS / "scale.json", help="stored results read by --render-only")
     p.add_argument("--out", type=Path, default=RESULTS / "scale.md", help="page written by --render-only")
@@ -817,6 +1048,11 @@ def main(argv=None):
         report_path = str(RESULTS / f".scale-report-{name}.json")
         if "default" in args.parts:
             out.setdefault("default", {})[name] = _child(_default_part, name)
+        if "measured" in args.parts:
+            for partial in _child_stream(_measured_part, name, args.num_prompts, args.seq_len):
+                out["measured"][name] = {**partial, "command": out["commands"]["measured"]}
+                (RESULTS / "scale.md").write_text(render(_store(out, args.parts)))  # what finished, on the page
+                print(name, {k: partial[k] for k in ("scoring", "search", "sleb") if k in partial}, flush=True)
         if "compute" in args.parts:
             out["compute"][name] = _child(_compute_part, name)
             print(name, out["compute"][name]["throughput"], flush=True)
@@ -839,12 +1075,18 @@ def main(argv=None):
     (RESULTS / "scale.md").write_text(render(_store(out, args.parts)))
 
 
+#: Parts that record their own calibration (or read none): running only these keeps the stored
+#: page-wide ``num_prompts`` / ``seq_len`` of the other parts.
+OWN_CALIBRATION = ("measured", "compute", "default", "70b")
+
+
 def _store(out: dict, parts) -> dict:
     """Merge what this run measured into scale.json (read again now: parts and models not
     run keep their stored results, also those a concurrent run of other models wrote)."""
     path = RESULTS / "scale.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
-    stored.update({k: out[k] for k in ("threads", "num_prompts", "seq_len")})
+    if set(parts) - set(OWN_CALIBRATION) or not stored:  # the page-wide calibration is that of the parts that read it
+        stored.update({k: out[k] for k in ("threads", "num_prompts", "seq_len")})
     stored.setdefault("command", out["commands"][parts[0]])
     stored.setdefault("commands", {}).update(out["commands"])
     for part in parts:

@@ -208,3 +208,43 @@ def test_memory_budget_page_rerenders_unchanged(tmp_path):
     shutil.copy(RESULTS / "memory_budget.json", tmp_path / "memory_budget.json")
     _run([str(ROOT / "benchmarks" / "memory_budget.py"), "--render-only", "--out", str(out)], ROOT)
     assert out.read_bytes() == (RESULTS / "memory_budget.md").read_bytes()
+
+
+def _measured_section(page: str) -> str:
+    """The section "The default prune against SLEB: measured" of a scale page (up to the next one)."""
+    return page.split("\n## The default prune against SLEB: measured\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_scale_measured_section_rerenders_from_json(tmp_path):
+    """scale.md's measured comparison of the default prune and SLEB, re-rendered from scale.json:
+    right after the predicted section; each n's row holds the stored CPU seconds (scoring + the
+    search to n, SLEB to n) and their ratio; a scale.json without the part gives the page less
+    that section; one stopped after the search's budget 3 gives the row of n = 2 only and says
+    which budgets are missing."""
+    stored = json.loads((RESULTS / "scale.json").read_text(encoding="utf-8"))
+    page = (RESULTS / "scale.md").read_text(encoding="utf-8")
+
+    def render(data, name):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data), encoding="utf-8")
+        _run([str(ROOT / "benchmarks" / "scale.py"), "--render-only", "--json", str(tmp_path / f"{name}.json"),
+              "--out", str(tmp_path / f"{name}.md")], ROOT)
+        return (tmp_path / f"{name}.md").read_text(encoding="utf-8")
+
+    assert render(stored, "all") == page
+    assert (page.index("## The default prune against SLEB: predicted compute")
+            < page.index("## The default prune against SLEB: measured") < page.index("## Streaming offloaded blocks"))
+    section = _measured_section(page)
+    d = stored["measured"]["gemma3-270m"]
+    scoring = d["scoring"]["cpu_seconds"]
+    for n in (2, 4, 6):
+        search, sleb = d["search"][str(n)]["cpu_seconds"], d["sleb"][str(n)]["cpu_seconds"]
+        assert (f"| {n} | {scoring:.0f} + {search:.0f} = {scoring + search:.0f} | {sleb:.0f} | "
+                f"{(scoring + search) / sleb:.2f}x |") in section
+    assert "Stopped before its end" not in section and "Reading: the target" in section
+    without = render({k: v for k, v in stored.items() if k != "measured"}, "without")
+    assert without == page.replace("## The default prune against SLEB: measured\n" + section + "\n", "")
+    stopped = json.loads(json.dumps(stored))
+    stopped["measured"]["gemma3-270m"]["search"] = {k: v for k, v in d["search"].items() if int(k) <= 3}
+    partial = _measured_section(render(stopped, "stopped"))
+    assert [line.split(" |")[0] for line in partial.splitlines() if line.startswith("| ") and line[2].isdigit()] == ["| 2"]
+    assert "n = 4, 6 not measured" in partial and "search to n = 3" in partial and "Reading: the target" not in partial
