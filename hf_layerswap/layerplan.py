@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .utils.devices import OffloadedTensor
+
 __all__ = [
     "BLOCK_LIST_NAMES",
     "PER_LAYER_LIST_FIELDS",
@@ -307,7 +309,11 @@ def model_fingerprint(model: nn.Module) -> str:
     Hashes the decoder config's ``model_type``, hidden size, vocabulary size and block
     count, and the first 16 values of every parameter tensor. Two different checkpoints
     of the same architecture and depth get different fingerprints; the same weights get
-    the same one on any device or dtype-preserving reload. Removing blocks changes it.
+    the same one on any device or dtype-preserving reload, also offloaded by accelerate (a
+    parameter on "meta" between calls is read from the offload's storage, its first rows
+    only: :meth:`~hf_layerswap.utils.devices.OffloadedTensor.named`). A parameter on
+    "meta" that no offload holds (a model built on the meta device) is left out. Removing
+    blocks changes it.
     """
     cfg = decoder_config(model)
     h = hashlib.sha256()
@@ -315,8 +321,13 @@ def model_fingerprint(model: nn.Module) -> str:
     h.update(repr((shape, num_blocks(model))).encode())
     for name, param in model.named_parameters():
         if param.device.type == "meta":
-            continue
-        head = param.detach().reshape(-1)[:16].to("cpu", torch.float64)
+            stored = OffloadedTensor.named(model, name)
+            if stored is None:
+                continue
+            values = stored.first(16)
+        else:
+            values = param.detach().reshape(-1)[:16]
+        head = values.to("cpu", torch.float64)
         h.update(name.encode())
         h.update(repr(tuple(param.shape)).encode())
         h.update(head.numpy().tobytes())
