@@ -228,7 +228,13 @@ def test_num_prompts_auto_takes_the_most_whole_batches_whose_planned_work_fits_t
     assert f"chosen to fit about {budget / 60:.1f} min of planned work on this machine" in out
     assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", str(total[8] / 2),
                                            "--output", str(tmp_path / "few")]) == 0
-    assert "calibration budget: 8 prompts x up to 128 tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # the fewest, and said so: the line used to claim they were "chosen to fit" a budget the estimate exceeds
+    assert "calibration budget: 8 prompts x up to 128 tokens" in out and "chosen to fit" not in out
+    planned = sum(_planned_seconds(out).values())
+    assert planned > total[8] / 2
+    assert (f"(the fewest --num-prompts auto takes: their planned work, about {demo_verb._minutes(total[8])}, is "
+            f"above the --time-budget of {demo_verb._minutes(total[8] / 2)} on this machine)") in out
 
 
 def test_demo_runs_on_a_model_whose_embedding_is_offloaded_to_disk(tmp_path, capsys, monkeypatch):
