@@ -192,7 +192,7 @@ def _targets(models: list[dict], max_n: int) -> list[str]:
         rows.append(f"| bf16 scoring CPU time <= {CPU_RATIO_TARGET}x fp32, one run | {m['model']} | {ratio:.2f}x | "
                     f"{verdict(ratio <= CPU_RATIO_TARGET)} |")
     rows += ["| offloaded (CPU + disk) swap-KLs equal in-memory (relative difference <= 1e-5) | tiny Llama, blocks "
-             "3-5 on disk | asserted by tests/test_devices.py, with the same search set, perplexity and ghosted fit | "
+             "3-5 on disk | asserted by tests/test_utils_devices.py, with the same search set, perplexity and ghosted fit | "
              "**met** |",
              "| GPU: default prune of an 8B-shaped model under 3 minutes, within 3x of its compute bound | | no GPU "
              "for this run | not measured |", "",

@@ -4,7 +4,7 @@
 # versions pyproject.toml declares (no datasets, gguf, evaluate, lm_eval, matplotlib, optimum,
 # mergekit), this package installed --no-deps from a clean export of HEAD, `pip check` (the
 # declared requirements hold for that set), then the tests of import, prune, save and card
-# without the extras (tests/test_extras.py), LoRA healing (peft) and the device placement and
+# without the extras (tests/test_utils_extras.py), LoRA healing (peft) and the device placement and
 # memory budget tests (accelerate's helpers). Not run by CI: it downloads and installs a few
 # hundred MB and takes minutes.
 #   bash scripts/check_lowest.sh                 # venv in $LOWEST_VENV (default: /tmp/hf-layerswap-lowest)
@@ -39,5 +39,5 @@ done
 print('versions:', ', '.join(f'{m.__name__} {m.__version__}' for m in (torch, transformers, accelerate, huggingface_hub, peft, safetensors, numpy)))"
 # test_the_card_draws_its_plots... needs matplotlib, absent here by design
 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_extras.py tests/test_healing.py tests/test_devices.py tests/test_scoring_settings.py \
+  tests/test_utils_extras.py tests/test_healing.py tests/test_utils_devices.py tests/test_scoring_settings.py \
   -k "extras and not matplotlib_is_there or ghosted_repair_are_refused or teacher_goes or launch or tied_head or budget"

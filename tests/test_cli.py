@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -228,7 +229,15 @@ def test_num_prompts_auto_takes_the_most_whole_batches_whose_planned_work_fits_t
     assert f"chosen to fit about {budget / 60:.1f} min of planned work on this machine" in out
     assert main(_demo_fixture(tmp_path) + ["--num-prompts", "auto", "--time-budget", str(total[8] / 2),
                                            "--output", str(tmp_path / "few")]) == 0
-    assert "calibration budget: 8 prompts x up to 128 tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # the fewest, and said so: the line used to claim they were "chosen to fit" a budget the estimate exceeds
+    assert "calibration budget: 8 prompts x up to 128 tokens" in out and "chosen to fit" not in out
+    note = re.search(r"\(the fewest --num-prompts auto takes: their planned work, about (.+?), is above the "
+                     r"--time-budget of ([\d.]+) (s|min) on this machine\)", out)
+    estimated = next(x for x in out.splitlines() if x.startswith("estimated time: about ")).split()[3:5]
+    assert note and note.group(1) == " ".join(estimated)  # the estimate printed below it
+    budget = float(note.group(2)) * (60 if note.group(3) == "min" else 1)  # printed to 0.1 min or 1 s
+    assert abs(budget - total[8] / 2) <= 3 and sum(_planned_seconds(out).values()) > total[8] / 2
 
 
 def test_demo_runs_on_a_model_whose_embedding_is_offloaded_to_disk(tmp_path, capsys, monkeypatch):

@@ -251,3 +251,32 @@ def test_the_extension_examples_run_as_shown(tmp_path):
     finally:
         _unregister(registered() - before)
     assert registered() == before
+
+
+# ----------------------------------------------------------------------------- test files named
+#: Where the project names its own test files: the pages, the benchmark pages and scripts
+#: that cite a test as evidence, and the scripts that run tests by path.
+_NAMING_TESTS = [*PAGES, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "benchmarks").glob("*.py")),
+                 *sorted((ROOT / "benchmarks" / "results").glob("*.md")), *sorted((ROOT / "scripts").iterdir())]
+_TEST_FILE = re.compile(r"\btests/[\w/]*test_\w+\.py\b")
+#: The header line of an example test file a page shows for the reader to create.
+_EXAMPLE_FILE = re.compile(r"^# (tests/[\w/]*test_\w+\.py)$", re.M)
+
+
+def test_every_test_file_the_docs_and_scripts_name_exists():
+    """A test cited as evidence, or run by path (scripts/check_lowest.sh), is a file of
+    tests/: after test_devices.py and test_extras.py became test_utils_devices.py and
+    test_utils_extras.py, three pages still cited the old names and check_lowest.sh ran
+    pytest on two files that no longer existed. The extension examples' files
+    (docs/architecture.md: "# tests/test_skip_pair.py") are for the reader to create."""
+    assert _TEST_FILE.findall("see tests/test_utils_devices.py and `tests/test_docs.py`.") == [
+        "tests/test_utils_devices.py", "tests/test_docs.py"]
+    missing = []
+    for path in _NAMING_TESTS:
+        if not path.is_file() or path.suffix not in {".md", ".py", ".sh"}:
+            continue
+        text = path.read_text(encoding="utf-8")
+        examples = set(_EXAMPLE_FILE.findall(text))
+        missing += [f"{path.relative_to(ROOT)}: {name}" for name in dict.fromkeys(_TEST_FILE.findall(text))
+                    if name not in examples and not (ROOT / name).is_file()]
+    assert missing == []

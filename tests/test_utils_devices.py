@@ -25,6 +25,7 @@ from hf_layerswap.utils.devices import execution_device, input_device, process_s
 from hf_layerswap.evaluation.perplexity import perplexity_from_ids
 from hf_layerswap.models import host_share, load_model, resolve_dtype, resolve_placement
 from hf_layerswap.layerplan import apply_plan, identity_plan, interchange_plan, model_fingerprint, replacement_plan
+from hf_layerswap.surgery.history import history_problems
 from hf_layerswap.surgery.operators import attached_operators
 from hf_layerswap.scoring import Head, plan_kl
 from hf_layerswap.scoring import head as head_module
@@ -439,6 +440,34 @@ def test_an_offloaded_models_fingerprint_reads_its_offloaded_weights(tmp_path):
         select_layers(report, 1, model=split[1], calibration=calib, strategy="search")
 
 
+def test_an_offloaded_models_fingerprint_is_the_in_memory_ones_for_each_storage(tmp_path):
+    """model_fingerprint reads an offloaded parameter (on "meta" between calls) from where
+    accelerate keeps it: the checkpoint's safetensors file (from_pretrained's disk offload),
+    accelerate's .dat files (disk_offload) and tensors in CPU memory (cpu_offload). It used
+    to leave such parameters out, so an offloaded model's fingerprint was not its weights':
+    the removal record it saved failed the history check of every later load and push."""
+    from accelerate import cpu_offload, disk_offload
+
+    dense = tiny_model("llama")
+    ours = model_fingerprint(dense)
+    split = _offloaded(dense, tmp_path)
+    on_disk = [n for n, p in split.named_parameters() if p.device.type == "meta"]
+    assert "model.layers.4.self_attn.q_proj.weight" in on_disk and "lm_head.weight" not in on_disk
+    assert model_fingerprint(split) == ours
+    for offload in (lambda m: disk_offload(m, str(tmp_path / "dat"), execution_device=torch.device("cpu")),
+                    lambda m: cpu_offload(m, execution_device=torch.device("cpu"))):
+        model = offload(copy.deepcopy(dense))
+        assert all(p.device.type == "meta" for p in model.parameters())
+        assert model_fingerprint(model) == ours
+    assert any((tmp_path / "dat").glob("*.dat"))
+    other = tiny_model("llama", seed=1)
+    assert model_fingerprint(cpu_offload(copy.deepcopy(other), execution_device=torch.device("cpu"))) == \
+        model_fingerprint(other) != ours
+    with torch.device("meta"):  # built on "meta", held by no offload: its weights are left out, as before
+        empty = type(dense)(dense.config)
+    assert model_fingerprint(empty) != ours
+
+
 def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp_path):
     """--max-memory below the weights and --offload-folder: accelerate's map puts the blocks
     that do not fit on disk, and the prune scores, cuts and saves as in memory."""
@@ -481,6 +510,9 @@ def test_prune_on_the_command_line_with_disk_offload_gives_the_in_memory_cut(tmp
     ids = tiny_batch()["input_ids"]
     with torch.no_grad():
         assert torch.allclose(reloaded[0](ids).logits, reloaded[1](ids).logits, rtol=1e-5, atol=1e-5)
+    # the removal record the offloaded run saved describes the saved weights: publishing it is not refused
+    assert history_problems(reloaded[1]) == []
+    assert main(["push", str(tmp_path / "offloaded"), "user/tiny-offloaded", "--output-dir", str(tmp_path / "pub")]) == 0
 
 
 def test_from_pretrained_with_disk_offload_prunes_repairs_and_saves_the_in_memory_model(tmp_path):

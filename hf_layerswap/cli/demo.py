@@ -222,6 +222,18 @@ def _searches(args) -> bool:
     return args.final_strategy in strategies_taking("max_evaluations")
 
 
+def _prompts_note(args, planned: float) -> str:
+    """Why the demo takes its calibration prompts: as ``--num-prompts`` asks, chosen to fit
+    ``--time-budget``, or the fewest ``auto`` takes when even their ``planned`` seconds of
+    work are above it (so the budget line never contradicts the estimate below it)."""
+    if args.num_prompts != "auto":
+        return "as requested"
+    if planned <= args.time_budget:
+        return f"chosen to fit about {_minutes(args.time_budget)} of planned work on this machine"
+    return (f"the fewest --num-prompts auto takes: their planned work, about {_minutes(planned)}, is above the "
+            f"--time-budget of {_minutes(args.time_budget)} on this machine")
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
@@ -259,12 +271,11 @@ def run_demo(args) -> int:
         most = build_calibration(args.calibration, tokenizer, num_prompts=DEMO_PROMPTS[1], seq_len=args.seq_len,
                                  seed=args.seed)
         n_prompts = _fit_prompts(most, args.batch_size, args.time_budget, plan)
-        how = f"chosen to fit about {_minutes(args.time_budget)} of planned work on this machine"
     else:
         n_prompts = prompt_count(args.num_prompts)
-        how = "as requested"
     calib = build_calibration(args.calibration, tokenizer, num_prompts=n_prompts, seq_len=args.seq_len, seed=args.seed)
     estimate, cut = plan(calib, calib.num_prompts)
+    how = _prompts_note(args, sum(estimate.values()))
     print(
         f"calibration budget: {calib.num_prompts} prompts x up to {args.seq_len} tokens "
         f"({calib.num_tokens} real tokens), {num_probes} probes + 1 reference pass per batch ({how})\n"

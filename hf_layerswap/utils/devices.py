@@ -339,16 +339,36 @@ class OffloadedTensor:
         """The reader of ``module``'s own tensor ``name`` when accelerate offloads it (an
         ``AlignDevicesHook`` with offload on and a weights map); None otherwise (held in
         memory, or no such tensor)."""
-        tensor = getattr(module, name, None)
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or not has_offloaded_params(module):
-            return None
-        weights = getattr(module._hf_hook, "weights_map", None)
-        if weights is None:
-            return None
-        loader, key = weights, name
-        if isinstance(weights, PrefixedDataset):
-            loader, key = weights.dataset, weights.prefix + name
-        return cls(loader, key, tensor.shape, tensor.dtype)
+        return cls.named(module, name) if "." not in name else None
+
+    @classmethod
+    def named(cls, model: nn.Module, name: str) -> OffloadedTensor | None:
+        """The reader of ``model``'s parameter or buffer ``name`` (dotted, as
+        ``named_parameters`` gives it) when accelerate offloads it: the hook of the module
+        that owns it, or of the nearest parent whose hook places its submodules; None when
+        no such hook offloads it."""
+        path = name.split(".")
+        for k in range(len(path) - 1, -1, -1):
+            module = model.get_submodule(".".join(path[:k]))
+            hook = getattr(module, "_hf_hook", None)
+            if not has_offloaded_params(module) or (k < len(path) - 1 and not hook.place_submodules):
+                continue
+            key = ".".join(path[k:])
+            tensor = dict(named_module_tensors(module, include_buffers=True, recurse=True)).get(key)
+            weights = getattr(hook, "weights_map", None)
+            if weights is None or tensor is None or tensor.dim() == 0:
+                return None
+            loader = weights
+            if isinstance(weights, PrefixedDataset):
+                loader, key = weights.dataset, weights.prefix + key
+            return cls(loader, key, tensor.shape, tensor.dtype)
+        return None
+
+    def first(self, count: int) -> torch.Tensor:
+        """The first ``count`` values of the flattened tensor (fewer when it holds fewer),
+        ``(count,)`` on the CPU at the tensor's dtype, read as the fewest leading rows."""
+        row = max(1, int(np.prod(self.shape[1:], dtype=np.int64)))
+        return self.rows([(0, min(int(self.shape[0]), -(-count // row)))])[0].reshape(-1)[:count]
 
     def rows(self, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Rows ``a:b`` for each ``(a, b)`` of ``ranges``, on the CPU at the tensor's dtype
@@ -402,13 +422,8 @@ def leading_values(model: nn.Module, name: str, count: int = 16) -> torch.Tensor
     tensor = model.get_parameter(name)
     if tensor.device.type != "meta":
         return tensor.detach().reshape(-1)[:count].cpu()
-    owner, _, leaf = name.rpartition(".")
-    reader = OffloadedTensor.of(model.get_submodule(owner), leaf)
-    if reader is None:
-        return None
-    per_row = max(1, int(np.prod(tensor.shape[1:], dtype=np.int64)))
-    (rows,) = reader.rows([(0, min(tensor.shape[0], -(-count // per_row)))])
-    return rows.reshape(-1)[:count]
+    reader = OffloadedTensor.named(model, name)
+    return None if reader is None else reader.first(count)
 
 
 @contextlib.contextmanager
