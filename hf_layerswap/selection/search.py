@@ -158,8 +158,8 @@ def search_select(
         max_evaluations: most distinct sets to score in all (default ``None``: no cap
             beyond the per-budget allowances); the single-removal sweep counts. At least
             one set per removable block.
-        evaluations_per_budget: most new sets each budget n >= 2 scores, each protocol's
-            greedy set included (default ``None``: SLEB's schedule, U - (n - 1) for
+        evaluations_per_budget: most new sets each budget n >= 2 scores (at n = 2 the
+            protocols' own pairs included; default ``None``: SLEB's schedule, U - (n - 1) for
             U = L - |protect| removable blocks, what step n of SLEB scores); budget 1
             scores the single-removal sweep (U sets). A later budget is never starved by an
             earlier one; by default budgets 1..N together score at most SLEB's count for N,
