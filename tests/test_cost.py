@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import hf_layerswap as hl
 from conftest import (HeadReads, LiveTensorBytes, counted_prune, eight_block_search_setup, head_offloaded_llama,
-                      tiny_checkpoint)
+                      tiny_checkpoint, tiny_model)
 from hf_layerswap.calibration import CalibrationSet, build_calibration
 from hf_layerswap.cli import main
+from hf_layerswap.cli import prune as prune_verb
 from hf_layerswap.cost import Throughput
 from hf_layerswap.cost.steps import ModelShape, healing_phase, recovery_phase, sparsity_phase
 from hf_layerswap.healing import heal
@@ -192,6 +193,33 @@ def test_bad_input_gets_a_clear_error(tmp_path):
 def test_a_removal_the_model_cannot_take_is_refused_as_prune_refuses_it(config, message):
     with pytest.raises(ValueError, match=message):
         hl.estimate_cost(_tiny(4), config, throughput=FIXED)
+
+
+@pytest.mark.parametrize("limit", ["cpu=1", "cpu=100KB", "cpu=1GB"])
+def test_prune_dry_run_with_max_memory_plans_the_blocks_the_load_offloads(limit, tmp_path, monkeypatch, capsys):
+    """``prune --dry-run --max-memory cpu=... --offload-folder DIR``: a limit that holds no
+    block puts every block on disk (accelerate's map), and the dry run predicts the block
+    loads and weights moved that the real run counts (it predicted none); one that holds
+    block 0 only (5 of the 6 blocks moved) is planned as every block streamed, an upper
+    bound; a limit that holds them all moves nothing."""
+    tiny_checkpoint(tmp_path / "base", tiny_model("llama"))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n\n".join(" ".join(f"w{(7 * p + 3 * k) % 120}" for k in range(30)) for p in range(6)) + "\n")
+    flags = ["--calibration", str(calib), "--num-prompts", "6", "--seq-len", "16", "--batch-size", "3",
+             "--max-memory", limit, "--offload-folder", str(tmp_path / "offload")]
+    estimates = []
+    real = prune_verb.estimate_cost
+    monkeypatch.setattr(prune_verb, "estimate_cost", lambda *a, **k: estimates.append(real(*a, **k)) or estimates[-1])
+    assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1", "--strategy",
+                 "greedy", *flags, "--dry-run"]) == 0
+    assert main(["score", str(tmp_path / "base"), "-o", str(tmp_path / "report.json"), *flags]) == 0
+    moved = json.loads((tmp_path / "report.json").read_text())["metadata"]["movement"]
+    scoring = estimates[0].phases["scoring"]
+    assert moved["block_onloads"] == {"cpu=1": 6 * 2, "cpu=100KB": 5 * 2, "cpu=1GB": 0}[limit]  # 2 batches
+    assert scoring["block_loads"] == (0 if limit == "cpu=1GB" else 6 * 2)
+    block = moved["bytes_moved"] // max(1, moved["block_onloads"])
+    assert scoring["bytes_moved"] == block * scoring["block_loads"]
+    capsys.readouterr()
 
 
 def test_prune_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):

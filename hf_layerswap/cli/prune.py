@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import infer_auto_device_map, init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config import RECIPE_STEPS, HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..cost import estimate_cost
 from ..utils.devices import input_device
+from ..layerplan import decoder_blocks
+from ..models import BUNDLED, DEVICE_MAP_STRATEGIES, bundled_checkpoint_dir, resolve_dtype, resolve_placement
 from ..pipeline import prune
 from ..scoring.report import SwapReport
 from ..scoring.processes import is_main_process
@@ -266,11 +270,35 @@ def _dry_run(args, config) -> int:
     check_devices(args)
     check_paths(model=args.model, revision=args.revision, tokenizer=args.tokenizer)
     check_output(args.output)
-    estimate = estimate_cost(args.model, config, device=_compute_device(args.device_map),
-                             dtype=None if args.dtype == "auto" else args.dtype, tokenizer=args.tokenizer,
-                             max_memory=args.scoring_memory)
+    dtype = None if args.dtype == "auto" else args.dtype
+    estimate = estimate_cost(args.model, config, device=_compute_device(args.device_map), dtype=dtype,
+                             tokenizer=args.tokenizer, max_memory=args.scoring_memory,
+                             stream_weights=_offloads_blocks(args, dtype))
     print("\n".join(estimate.lines()))
     return 0
+
+
+def _offloads_blocks(args, dtype) -> bool | None:
+    """Whether the real run's load will offload decoder blocks (so scoring streams them):
+    accelerate's own map (``infer_auto_device_map``) of the model built on the meta device,
+    within the ``--max-memory`` limits the load takes (:func:`~hf_layerswap.models.resolve_placement`),
+    a block on "disk", or on "cpu" beside an accelerator; None (the model as it loads)
+    without a limit or an offload folder."""
+    device_map, limits, _ = resolve_placement(args.device_map, max_memory=args.max_memory,
+                                              offload_folder=args.offload_folder)
+    if device_map not in DEVICE_MAP_STRATEGIES or (limits is None and args.offload_folder is None):
+        return None
+    cfg = AutoConfig.from_pretrained(bundled_checkpoint_dir(args.model) if args.model in BUNDLED else args.model,
+                                     revision=args.revision)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=resolve_dtype(dtype) if dtype else cfg.dtype)
+    placed = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
+    _, _, blocks = decoder_blocks(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    devices = {str(d) for name, d in placed.items() for b in blocks  # an entry of the block or of a module holding it
+               if not name or f"{names[id(b)]}.".startswith(f"{name}.")}
+    accelerators = {str(d) for d in placed.values()} - {"cpu", "disk"}
+    return "disk" in devices or ("cpu" in devices and bool(accelerators))
 
 
 def _compute_device(device_map: str) -> torch.device:
