@@ -341,6 +341,20 @@ def test_scoring_memory_option_of_score_and_prune(tmp_path, capsys):
     assert "--scoring-memory: 'lots': expected 'auto' or a size of at least 1MiB such as 800MiB or 2GB" in capsys.readouterr().err
 
 
+def test_prune_warns_a_calibration_shortfall_once(tmp_path):
+    """The estimate printed before the run builds the same calibration as the run: a source
+    with fewer prompts than asked warns once (from the run), not once per build."""
+    _tiny_checkpoint(tmp_path / "base")
+    calib = _calibration_file(tmp_path / "calib.txt", n=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--num-to-remove", "1",
+                     "--calibration", str(calib), "--num-prompts", "8", "--strategy", "greedy"]) == 0
+    shortfalls = [w for w in caught if issubclass(w.category, hl.CalibrationShortfallWarning)]
+    assert len(shortfalls) == 1
+    assert "8 prompt(s) requested, the source gave 3" in str(shortfalls[0].message)
+
+
 def test_prune_prints_the_resolved_0_based_indices(tmp_path, capsys):
     _tiny_checkpoint(tmp_path / "base")
     assert main(["prune", str(tmp_path / "base"), str(tmp_path / "out"), "--layers", "-1", "1"]) == 0

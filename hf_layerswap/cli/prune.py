@@ -7,12 +7,14 @@ import argparse
 import shlex
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from accelerate import infer_auto_device_map, init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..calibration import CalibrationShortfallWarning
 from ..config import RECIPE_STEPS, HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..cost import estimate_cost
 from ..utils.devices import input_device
@@ -208,8 +210,10 @@ def run_prune(args) -> int:
     model, tokenizer = load(args)
     steps_after = bool(config.after_removal())
     if report is None and (args.layers is None or steps_after) and is_main_process():
-        estimate = estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer,
-                                 max_memory=args.scoring_memory)
+        with warnings.catch_warnings():  # the run builds the same calibration and warns of a shortfall itself
+            warnings.simplefilter("ignore", CalibrationShortfallWarning)
+            estimate = estimate_cost(model, config, device=input_device(model), tokenizer=tokenizer,
+                                     max_memory=args.scoring_memory)
         print("\n".join(estimate.lines()), flush=True)
     try:
         result = prune(
