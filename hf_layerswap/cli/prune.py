@@ -11,15 +11,15 @@ import warnings
 from pathlib import Path
 
 import torch
-from accelerate import infer_auto_device_map, init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM
+from accelerate import infer_auto_device_map
 
 from ..calibration import CalibrationShortfallWarning
 from ..config import RECIPE_STEPS, HealConfig, LayerSwapConfig, RecoveryConfig, SparsityConfig
 from ..cost import estimate_cost
+from ..cost.estimate import meta_model
 from ..utils.devices import input_device
 from ..layerplan import decoder_blocks
-from ..models import BUNDLED, DEVICE_MAP_STRATEGIES, bundled_checkpoint_dir, resolve_dtype, resolve_placement
+from ..models import DEVICE_MAP_STRATEGIES, resolve_placement
 from ..pipeline import prune
 from ..scoring.report import SwapReport
 from ..scoring.processes import is_main_process
@@ -292,10 +292,7 @@ def _offloads_blocks(args, dtype) -> bool | None:
                                               offload_folder=args.offload_folder)
     if device_map not in DEVICE_MAP_STRATEGIES or (limits is None and args.offload_folder is None):
         return None
-    cfg = AutoConfig.from_pretrained(bundled_checkpoint_dir(args.model) if args.model in BUNDLED else args.model,
-                                     revision=args.revision)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=resolve_dtype(dtype) if dtype else cfg.dtype)
+    model = meta_model(args.model, dtype)
     placed = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
     _, _, blocks = decoder_blocks(model)
     names = {id(m): n for n, m in model.named_modules()}

@@ -211,8 +211,15 @@ def _duration(seconds: float) -> str:
 
 
 # ------------------------------------------------------------------------- the model
-def _meta_model(model_or_path, dtype):
-    """A model whose weights are on the meta device (or the given model itself)."""
+def meta_model(model_or_path, dtype=None) -> nn.Module:
+    """A model whose weights are on the meta device (or the given model itself): built from
+    ``model_or_path``'s config (a model, a config, a checkpoint folder, a bundled name or a Hub
+    id) at ``dtype`` (None or ``"auto"``: the config's), its tied weights tied.
+
+    Raises:
+        ValueError: a GGUF file, a folder without config.json, or a name no config is read from.
+        TypeError: ``model_or_path`` of another type.
+    """
     if isinstance(model_or_path, nn.Module):
         return model_or_path
     if isinstance(model_or_path, PretrainedConfig):
@@ -674,7 +681,7 @@ def estimate_cost(model_or_path, config: LayerSwapConfig | dict, *, calibration=
         resolve_dtype(dtype)  # a name or dtype load_model takes, before anything is read
     device = torch.device(device or "cpu")
     _check_device(device, max_memory, throughput)
-    model = _meta_model(model_or_path, dtype)
+    model = meta_model(model_or_path, dtype)
     check_removal(cfg, num_blocks(model))
     for step in recipe_steps(cfg):  # as prune refuses them before scoring
         step.check(model)
